@@ -1,0 +1,160 @@
+"""The ledger: which chunks are registered, and what rollback or teardown must undo.
+
+A pure state machine (no threads, no I/O). Drivers call it under their own lock; every
+decision a driver makes (hand out the next chunk, stop, what to unregister and in which
+order, what leaked) is a transition here, so every path is unit-testable.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from ._errors import ChunkFailure, RuntimeCallError
+from ._plan import Chunk
+
+
+class ChunkState(enum.Enum):
+    PENDING = "pending"
+    IN_FLIGHT = "in_flight"
+    REGISTERED = "registered"
+    FAILED = "failed"  # its register (or populate) call failed: nothing to undo
+    UNREGISTERED = "unregistered"
+    LEAKED = "leaked"  # unregistering it failed: it may still be pinned
+
+
+class Phase(enum.Enum):
+    PINNING = "pinning"
+    PINNED = "pinned"
+    ROLLED_BACK = "rolled_back"  # pinning failed or was cancelled; teardown pending or done
+    CLOSED = "closed"
+
+
+class StopCause(enum.Enum):
+    FAILURE = "failure"
+    CANCELLED = "cancelled"
+
+
+class LedgerError(RuntimeError):
+    """A driver asked the ledger for a transition its state does not allow (a pinpool bug)."""
+
+
+class Ledger:
+    """Bookkeeping for one buffer's chunks through pin, rollback and teardown."""
+
+    def __init__(self, chunks: Sequence[Chunk]) -> None:
+        self.chunks: tuple[Chunk, ...] = tuple(chunks)
+        self.states: list[ChunkState] = [ChunkState.PENDING] * len(self.chunks)
+        self.phase = Phase.PINNING
+        self.stop_cause: StopCause | None = None
+        self.failures: list[ChunkFailure] = []
+        self._next = 0
+        self._in_flight = 0
+        self._registered_bytes = 0
+
+    # -- pinning ---------------------------------------------------------------------------
+
+    def claim(self) -> int | None:
+        """Hand out the next pending chunk's index, or ``None`` when there is nothing to do."""
+        if self.phase is not Phase.PINNING or self.stop_cause is not None or self._next >= len(self.chunks):
+            return None
+        index = self._next
+        self._next += 1
+        self.states[index] = ChunkState.IN_FLIGHT
+        self._in_flight += 1
+        return index
+
+    def registered(self, index: int) -> None:
+        self._land(index, ChunkState.REGISTERED)
+        self._registered_bytes += self.chunks[index].nbytes
+
+    def failed(self, index: int, phase: str, error: RuntimeCallError) -> None:
+        """A chunk's populate or register call failed: record it and stop handing out chunks."""
+        self._land(index, ChunkState.FAILED)
+        self.failures.append(ChunkFailure(self.chunks[index], phase, error))
+        if self.stop_cause is None:
+            self.stop_cause = StopCause.FAILURE
+
+    def cancel(self) -> None:
+        """Stop handing out chunks because the caller was cancelled (first cause wins)."""
+        if self.stop_cause is None and self.phase is Phase.PINNING:
+            self.stop_cause = StopCause.CANCELLED
+
+    def _land(self, index: int, state: ChunkState) -> None:
+        if self.states[index] is not ChunkState.IN_FLIGHT:
+            raise LedgerError(f"chunk {index} landed as {state.value} but was {self.states[index].value}")
+        self.states[index] = state
+        self._in_flight -= 1
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes currently registered (pinned) according to the ledger."""
+        return self._registered_bytes
+
+    @property
+    def chunks_done(self) -> int:
+        return sum(state is ChunkState.REGISTERED for state in self.states)
+
+    def finish_pinning(self) -> Phase:
+        """Close the pinning phase once no call is in flight; PINNED only if every chunk registered."""
+        if self.phase is not Phase.PINNING:
+            raise LedgerError(f"finish_pinning in phase {self.phase.value}")
+        if self._in_flight:
+            raise LedgerError(f"finish_pinning with {self._in_flight} chunks still in flight")
+        complete = all(state is ChunkState.REGISTERED for state in self.states)
+        # A cancellation that arrived after the last chunk landed still wins: the caller
+        # must not enter its body just because the workers were quick.
+        self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK
+        return self.phase
+
+    # -- rollback and teardown --------------------------------------------------------------
+
+    def teardown_order(self) -> list[int]:
+        """Indices to unregister, in reverse offset order; empty once closed (teardown is idempotent)."""
+        if self.phase is Phase.PINNING:
+            raise LedgerError("teardown while still pinning: finish_pinning first")
+        if self.phase is Phase.CLOSED:
+            return []
+        return [i for i in range(len(self.chunks) - 1, -1, -1) if self.states[i] is ChunkState.REGISTERED]
+
+    def unregistered(self, index: int) -> None:
+        self._unland(index, ChunkState.UNREGISTERED)
+
+    def unregister_failed(self, index: int, error: RuntimeCallError) -> None:
+        self._unland(index, ChunkState.LEAKED)
+        self.failures.append(ChunkFailure(self.chunks[index], "unregister", error))
+
+    def _unland(self, index: int, state: ChunkState) -> None:
+        if self.phase not in (Phase.PINNED, Phase.ROLLED_BACK):
+            raise LedgerError(f"unregister in phase {self.phase.value}")
+        if self.states[index] is not ChunkState.REGISTERED:
+            raise LedgerError(f"chunk {index} unregistered but was {self.states[index].value}")
+        self.states[index] = state
+        self._registered_bytes -= self.chunks[index].nbytes
+
+    def close(self) -> None:
+        """Mark teardown done; every chunk still REGISTERED at this point is a driver bug."""
+        if self.phase is Phase.PINNING:
+            raise LedgerError("close while still pinning")
+        left = [i for i, state in enumerate(self.states) if state is ChunkState.REGISTERED]
+        if left:
+            raise LedgerError(f"close with chunks {left} still registered")
+        self.phase = Phase.CLOSED
+
+    def disown(self) -> tuple[Chunk, ...]:
+        """Close without unregistering (a forked child: the registrations are its parent's)."""
+        if self.phase is Phase.PINNING:
+            raise LedgerError("disown while still pinning")
+        kept = tuple(self.chunks[i] for i, state in enumerate(self.states) if state is ChunkState.REGISTERED)
+        self.phase = Phase.CLOSED
+        return kept
+
+    def leaked(self) -> tuple[Chunk, ...]:
+        return tuple(self.chunks[i] for i, state in enumerate(self.states) if state is ChunkState.LEAKED)
+
+    def failures_in(self, *phases: str) -> tuple[ChunkFailure, ...]:
+        return tuple(f for f in self.failures if f.phase in phases)

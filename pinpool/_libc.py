@@ -1,0 +1,139 @@
+"""The few libc calls pinpool needs, through ctypes (which releases the GIL around each call)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import resource
+import threading
+
+PAGE_SIZE = mmap.PAGESIZE
+HUGE_PAGE_SIZE = 2 << 20
+
+PROT_READ = 0x1
+PROT_WRITE = 0x2
+MAP_PRIVATE = 0x02
+MAP_ANONYMOUS = 0x20
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+CAP_IPC_LOCK = 14
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_mmap = _libc.mmap
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_mmap.restype = ctypes.c_void_p
+
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_munmap.restype = ctypes.c_int
+
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+
+_mlock = _libc.mlock
+_mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_mlock.restype = ctypes.c_int
+
+_munlock = _libc.munlock
+_munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_munlock.restype = ctypes.c_int
+
+
+def _check(rc: int) -> int:
+    """0 on success, else the errno of the call that just returned ``rc``."""
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def mmap_anonymous(length: int) -> tuple[int, int]:
+    """Map ``length`` bytes of private anonymous memory; returns ``(address, errno)``."""
+    ctypes.set_errno(0)
+    address = _mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if address is None or address == MAP_FAILED:
+        return 0, ctypes.get_errno()
+    return int(address), 0
+
+
+def munmap(address: int, length: int) -> int:
+    return _check(_munmap(address, length))
+
+
+def madvise(address: int, length: int, advice: int) -> int:
+    return _check(_madvise(address, length, advice))
+
+
+def mlock(address: int, length: int) -> int:
+    return _check(_mlock(address, length))
+
+
+def munlock(address: int, length: int) -> int:
+    return _check(_munlock(address, length))
+
+
+def errno_name(code: int) -> str:
+    return errno.errorcode.get(code, f"E{code}")
+
+
+def has_cap_ipc_lock() -> bool:
+    """Whether this process's effective capabilities include CAP_IPC_LOCK (mlock past the limit)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
+def memlock_limits() -> tuple[int, int]:
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+
+def format_rlimit(value: int) -> str:
+    return "unlimited" if value == resource.RLIM_INFINITY else f"{value} bytes"
+
+
+def vm_locked_bytes() -> int:
+    """This process's locked memory (``VmLck`` in /proc/self/status), in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("VmLck not found in /proc/self/status")
+
+
+_populate_supported: bool | None = None
+_populate_probe_lock = threading.Lock()
+
+
+def populate_write_supported() -> bool:
+    """Whether the kernel knows MADV_POPULATE_WRITE, probed once on a one-page mapping."""
+    global _populate_supported
+    with _populate_probe_lock:
+        if _populate_supported is None:
+            address, err = mmap_anonymous(PAGE_SIZE)
+            if err:
+                return False
+            try:
+                _populate_supported = madvise(address, PAGE_SIZE, MADV_POPULATE_WRITE) == 0
+            finally:
+                munmap(address, PAGE_SIZE)
+        return _populate_supported
+
+
+def transparent_huge_pages_mode() -> str | None:
+    """The bracketed mode of /sys/kernel/mm/transparent_hugepage/enabled, or None without THP."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            text = setting.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None

@@ -1,0 +1,104 @@
+"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying.
+
+Lifetime rule: the mapping is unmapped only when nothing refers to it any more: not the
+pool (which lets go after every chunk is unregistered) and not any tensor view (each view
+holds it through the buffer object torch.frombuffer keeps alive). A tensor kept past the
+pool's exit therefore stays valid, merely unpinned. A mapping whose chunks could not all
+be unregistered is never unmapped: freeing still-registered memory is undefined.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+
+import torch
+
+from . import _libc
+from ._errors import ConfigError, PinpoolError, RuntimeCallError
+from ._units import format_bytes
+
+
+class AllocationError(PinpoolError, MemoryError):
+    """The operating system refused to map the pool's memory."""
+
+
+# Mappings that must outlive everything because a chunk of them may still be registered.
+_KEPT_FOREVER: list[HostMapping] = []
+_kept_lock = threading.Lock()
+
+
+def _unmap(address: int, length: int) -> None:
+    _libc.munmap(address, length)
+
+
+class HostMapping:
+    """``nbytes`` of private anonymous memory, page-aligned (2 MiB-aligned with huge pages)."""
+
+    def __init__(self, nbytes: int, *, huge_pages: bool = False) -> None:
+        if huge_pages:
+            mode = _libc.transparent_huge_pages_mode()
+            if mode not in ("always", "madvise"):
+                raise ConfigError(
+                    f"huge_pages=True needs transparent huge pages, but "
+                    f"/sys/kernel/mm/transparent_hugepage/enabled is {mode or 'missing'}; "
+                    "set it to 'madvise' (echo madvise > /sys/kernel/mm/transparent_hugepage/enabled) "
+                    "or use huge_pages=False"
+                )
+        align = _libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE
+        length = -(-nbytes // align) * align
+        slack = align - _libc.PAGE_SIZE
+        raw, err = _libc.mmap_anonymous(length + slack)
+        if err:
+            raise AllocationError(
+                f"mmap of {format_bytes(length + slack)} failed: {_libc.errno_name(err)} ({os.strerror(err)}); "
+                "the host cannot provide that much address space or memory (check vm.overcommit_memory and ulimit -v)"
+            )
+        address = -(-raw // align) * align
+        if address > raw:
+            _libc.munmap(raw, address - raw)
+        if raw + length + slack > address + length:
+            _libc.munmap(address + length, raw + length + slack - (address + length))
+        self.address = address
+        self.length = length
+        self.nbytes = nbytes
+        self.huge_pages = huge_pages
+        self._finalizer = weakref.finalize(self, _unmap, address, length)
+        if huge_pages:
+            err = _libc.madvise(address, length, _libc.MADV_HUGEPAGE)
+            if err:
+                self._finalizer()
+                raise ConfigError(f"madvise(MADV_HUGEPAGE) failed: {_libc.errno_name(err)}; use huge_pages=False")
+
+    def populate(self, offset: int, nbytes: int) -> None:
+        """Fault in ``[offset, offset+nbytes)`` writable (MADV_POPULATE_WRITE), on the calling thread."""
+        ptr = self.address + offset
+        err = _libc.madvise(ptr, nbytes, _libc.MADV_POPULATE_WRITE)
+        if err:
+            raise RuntimeCallError(
+                op="madvise(MADV_POPULATE_WRITE)", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
+                message=f"{os.strerror(err)}: the kernel could not fault in {format_bytes(nbytes)}; "
+                "the host is probably short of memory",
+            )  # fmt: skip
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor over ``[offset, offset+nbytes)`` that keeps this mapping alive."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
+            raise ValueError(f"view [{offset}, +{nbytes}) outside the mapping of {self.length} bytes")
+        buffer_type = type("_PoolBytes", (ctypes.c_uint8 * nbytes,), {})
+        buffer = buffer_type.from_address(self.address + offset)
+        buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def keep_forever(self) -> None:
+        """Never unmap: part of this memory may still be registered with the runtime."""
+        with _kept_lock:
+            _KEPT_FOREVER.append(self)
+
+    @property
+    def unmapped(self) -> bool:
+        return not self._finalizer.alive

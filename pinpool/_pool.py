@@ -1,0 +1,467 @@
+"""PinnedPool: the async and sync drivers around the pure plan and ledger.
+
+The drivers decide nothing themselves: the plan says what to register, the ledger says
+what has been registered and what to undo, and the engine's worker bodies do the calls.
+What the drivers add is waiting: on worker threads, in a way that notices cancellation
+(anyio cancel scopes, asyncio task cancellation, trio, KeyboardInterrupt) while the
+threads run, stops them after their current chunk, and rolls back shielded.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from types import MappingProxyType, TracebackType
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import torch
+
+from . import _libc
+from ._engine import PinSession
+from ._errors import ConfigError, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
+from ._ledger import Phase, StopCause
+from ._memory import HostMapping
+from ._plan import Chunk, ChunkPlan, plan_chunks, resolve_chunk_limit
+from ._units import format_bytes, parse_size
+from .layouts import BufferSpec, Layout, Raw
+from .runtimes import Runtime, resolve_runtime
+
+T = TypeVar("T")
+
+MAX_DEFAULT_WORKERS = 8
+# With several workers, chunks are split further so each worker gets a few of them, but
+# never below this: smaller chunks only add calls, and the reference plans stay as they are.
+MIN_PARALLEL_CHUNK_BYTES = 1 << 30
+CHUNKS_PER_WORKER = 4
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def default_workers(runtime: Runtime, *, populate: bool) -> int:
+    """CUDA serialises registration in the driver, so one worker unless there is faulting to
+    spread; mlock (and the fake) scale with cores, up to a bound."""
+    cpus = available_cpus()
+    if runtime.name == "cuda" and not populate:
+        return 1
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus))
+
+
+def _parallel_limit(limit: int, nbytes: int, workers: int) -> int:
+    if workers <= 1:
+        return limit
+    share = -(-nbytes // (workers * CHUNKS_PER_WORKER))
+    return min(limit, max(MIN_PARALLEL_CHUNK_BYTES, share))
+
+
+class _Buffer:
+    """Where one layout buffer sits in the pool's mapping, and how it is chunked."""
+
+    def __init__(self, spec: BufferSpec, offset: int, plan: ChunkPlan | None) -> None:
+        self.spec = spec
+        self.offset = offset
+        self.plan = plan  # None for a zero-byte buffer: nothing to register
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        if self.plan is None:
+            return ()
+        return tuple(Chunk(self.offset + c.offset, c.nbytes) for c in self.plan.chunks)
+
+
+class PinnedPool:
+    """A page-locked host-memory pool, pinned in granularity-aligned chunks on worker threads.
+
+    Use it once, as ``async with PinnedPool(...) as pool:`` or ``with PinnedPool(...) as pool:``.
+    Everything is validated in the constructor (:class:`ConfigError`), before any memory is
+    mapped or pinned. Inside the block ``pool.tensor`` is a zero-copy torch view of the pinned
+    memory; on exit every chunk is unregistered, whatever the block did.
+
+    Options:
+      layout: what the memory holds (default :class:`pinpool.layouts.Raw`).
+      size: byte budget, int or string (``"64GiB"``); the pool holds the largest whole number of
+        layout pages that fits.
+      runtime: ``"auto"`` (CUDA if available, else mlock), ``"cuda"``, ``"mlock"`` or a runtime object.
+      chunk_bytes: upper bound of one registration call (default: ``PINPOOL_REGISTER_CHUNK_GB``
+        GiB, else 256 GiB). With several workers chunks are split further (not below 1 GiB) so
+        every worker has a few.
+      max_workers: worker threads (default: 1 for CUDA without populate, else CPUs up to 8).
+      populate: pre-fault each chunk (MADV_POPULATE_WRITE) on its worker right before registering.
+      huge_pages: 2 MiB-aligned memory with MADV_HUGEPAGE (transparent huge pages).
+      name: the pool's name in logs, metrics and errors.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: Layout | None = None,
+        size: int | str,
+        runtime: str | Runtime = "auto",
+        chunk_bytes: int | str | None = None,
+        max_workers: int | None = None,
+        populate: bool = False,
+        huge_pages: bool = False,
+        name: str = "default",
+    ) -> None:
+        self.layout: Layout = Raw() if layout is None else layout
+        if not isinstance(self.layout, Layout):
+            raise ConfigError(f"layout={layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"name={name!r} must be a non-empty str (it labels the pool's logs and metrics)")
+        for option, value in (("populate", populate), ("huge_pages", huge_pages)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{option}={value!r} must be True or False")
+        if populate and not _libc.populate_write_supported():
+            raise ConfigError(
+                "populate=True needs MADV_POPULATE_WRITE (Linux 5.14 or newer), which this kernel rejects; "
+                "use populate=False (registration then faults the pages itself)"
+            )
+        if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1):
+            raise ConfigError(f"max_workers={max_workers!r} must be a positive int (or None for the default)")
+        self.name = name
+        self.populate = populate
+        self.huge_pages = huge_pages
+        budget = parse_size(size, what="size")
+        limit = resolve_chunk_limit(chunk_bytes)
+        page_bytes = self.layout.page_bytes
+        if budget < page_bytes:
+            raise ConfigError(
+                f"size={size!r} ({budget} B) is smaller than one page of layout {self.layout.name!r} "
+                f"({page_bytes} B = {format_bytes(page_bytes)}); give a size of at least {page_bytes} bytes"
+            )
+        self.num_pages = budget // page_bytes
+        self.page_bytes = page_bytes
+        self.runtime: Runtime = resolve_runtime(runtime)
+        workers = max_workers if max_workers is not None else default_workers(self.runtime, populate=populate)
+
+        align = _libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE
+        specs = self.layout.buffers(self.num_pages)
+        total = sum(spec.nbytes for spec in specs)
+        split_limit = _parallel_limit(limit, total, workers)
+        buffers: list[_Buffer] = []
+        offset = 0
+        for spec in specs:
+            plan = None
+            if spec.nbytes:
+                plan = plan_chunks(spec.nbytes, granularity=spec.granularity, limit=limit, page_size=_libc.PAGE_SIZE)
+                if split_limit < limit and split_limit >= plan.unit:
+                    plan = plan_chunks(spec.nbytes, granularity=spec.granularity, limit=split_limit, page_size=_libc.PAGE_SIZE)
+            buffers.append(_Buffer(spec, offset, plan))
+            offset += -(-spec.nbytes // align) * align
+        self._buffers = tuple(buffers)
+        self._mapping_bytes = max(offset, _libc.PAGE_SIZE)
+        self.chunks: tuple[Chunk, ...] = tuple(c for b in buffers for c in b.chunks)
+        self.nbytes = total
+        self.chunk_bytes = max((b.plan.chunk_bytes for b in buffers if b.plan), default=0)
+        granularities = {b.spec.granularity for b in buffers if b.plan}
+        self.granularity: int | None = granularities.pop() if len(granularities) == 1 else None
+        self.workers = max(1, min(workers, len(self.chunks)))
+        self._state = "new"
+        self._session: PinSession | None = None
+        self._mapping: HostMapping | None = None
+        self._tensors: Mapping[str, torch.Tensor] | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._exit_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"<PinnedPool {self.name!r} {self._state} {format_bytes(self.nbytes)} layout={self.layout.name} "
+            f"runtime={self.runtime.name} chunks={len(self.chunks)}x<={format_bytes(self.chunk_bytes)} workers={self.workers}>"
+        )
+
+    # -- what users read ---------------------------------------------------------------------
+
+    def _require_open(self, what: str) -> None:
+        if self._state != "open":
+            hint = "enter it first (async with / with)" if self._state == "new" else "it was exited and unpinned; create a new pool"
+            raise PoolStateError(f"pool {self.name!r}.{what} is only available while the pool is open: {hint}")
+
+    @property
+    def tensors(self) -> Mapping[str, torch.Tensor]:
+        """Buffer name → zero-copy tensor over the pinned memory, shaped by the layout."""
+        self._require_open("tensors")
+        assert self._tensors is not None
+        return self._tensors
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The pool's tensor, for single-buffer layouts."""
+        tensors = self.tensors
+        if len(tensors) != 1:
+            raise PoolStateError(f"layout {self.layout.name!r} has buffers {list(tensors)}: use pool.tensors[name]")
+        return next(iter(tensors.values()))
+
+    @property
+    def data_ptr(self) -> int:
+        """Base address of the pool's memory."""
+        self._require_open("data_ptr")
+        assert self._mapping is not None
+        return self._mapping.address
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes registered right now (0 before entering and after exit)."""
+        session = self._session
+        return 0 if session is None else session.ledger.registered_bytes
+
+    @property
+    def pin_seconds(self) -> float:
+        """Wall time the last pinning took."""
+        return 0.0 if self._session is None else self._session.pin_seconds
+
+    @property
+    def unpin_seconds(self) -> float:
+        return 0.0 if self._session is None else self._session.unpin_seconds
+
+    # -- shared by both drivers ----------------------------------------------------------------
+
+    def _open(self) -> PinSession:
+        if self._state != "new":
+            raise PoolStateError(
+                f"pool {self.name!r} is {self._state}: a PinnedPool is entered once; create a new PinnedPool to pin again"
+            )
+        self._state = "pinning"
+        try:
+            mapping = HostMapping(self._mapping_bytes, huge_pages=self.huge_pages)
+        except BaseException:
+            self._state = "closed"
+            raise
+        session = PinSession(
+            chunks=self.chunks,
+            runtime=self.runtime,
+            base_ptr=mapping.address,
+            populate=mapping.populate if self.populate else None,
+        )
+        session.pin_seconds = -time.perf_counter()
+        self._mapping = mapping
+        self._session = session
+        self._finalizer = weakref.finalize(self, _finalize_unclosed, self.name, session, mapping)
+        return session
+
+    def _after_pinning(self, session: PinSession) -> None:
+        """Workers are done: either the pool is pinned, or roll back happened and this raises."""
+        session.pin_seconds += time.perf_counter()
+        phase = session.finish_pinning()
+        if phase is Phase.PINNED:
+            assert self._mapping is not None
+            self._tensors = MappingProxyType(
+                {b.spec.name: self._mapping.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape) for b in self._buffers}
+            )
+            self._state = "open"
+            return
+        # Only a failure ends pinning without an exception already in flight.
+        assert session.ledger.stop_cause is StopCause.FAILURE
+
+    def _raise_pin_error(self, session: PinSession) -> None:
+        failures = session.ledger.failures_in("populate", "register")
+        leaked = session.ledger.leaked()
+        first = min(failures, key=lambda f: f.chunk.offset)
+        done = sum(1 for f in session.ledger.failures if f.phase == "unregister")
+        message = (
+            f"pinning pool {self.name!r} ({format_bytes(self.nbytes)}, {len(self.chunks)} chunks of <= "
+            f"{format_bytes(self.chunk_bytes)}, runtime {self.runtime.name}) failed at offset={first.chunk.offset} "
+            f"nbytes={first.chunk.nbytes} total={self.nbytes} chunk_limit={self.chunk_bytes}: {first.phase} "
+            f"rc={first.error.code} ({first.error.reason}): {first.error.message}"
+        )
+        if len(failures) > 1:
+            message += f" [{len(failures)} chunks failed]"
+        message += (
+            f"; rolled back, {len(leaked)} chunk(s) could not be unregistered and may still be pinned: {leaked}"
+            if leaked or done
+            else "; every registered chunk was rolled back"
+        )
+        raise PinError(message, failures=failures, leaked=leaked) from first.error
+
+    def _finish_close(self, session: PinSession, failures: tuple[Any, ...], body_error: BaseException | None) -> None:
+        mapping = self._mapping
+        self._state = "closed"
+        self._tensors = None
+        self._mapping = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        leaked = session.ledger.leaked()
+        if leaked and mapping is not None:
+            mapping.keep_forever()
+        if not failures:
+            return
+        error = UnpinError(
+            f"unpinning pool {self.name!r}: {len(failures)} chunk(s) failed to unregister "
+            f"({', '.join(f'offset={f.chunk.offset} rc={f.error.code} ({f.error.reason})' for f in failures)}); "
+            f"{format_bytes(sum(c.nbytes for c in leaked))} may still be pinned; the memory is kept mapped",
+            failures=failures,
+            leaked=leaked,
+        )
+        if body_error is not None:
+            body_error.add_note(f"pinpool: {error}")
+            return
+        raise error
+
+    def _exiting(self) -> PinSession:
+        with self._exit_lock:
+            if self._state != "open" or self._session is None:
+                raise PoolStateError(f"pool {self.name!r} is {self._state}: it can be exited once, after it was entered")
+            self._state = "closing"
+            return self._session
+
+    # -- async driver ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> PinnedPool:
+        session = self._open()
+        try:
+            await self._pin_async(session)
+        except BaseException as exc:
+            await _shielded_in_thread(session.teardown)
+            self._finish_close(session, (), None)
+            if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+                raise exc.exceptions[0] from None  # users see the one error, not a task group's wrapper
+            raise
+        if self._state != "open":  # a chunk failed; the workers are done
+            await _shielded_in_thread(session.teardown)
+            self._finish_close(session, (), None)
+            self._raise_pin_error(session)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        session = self._exiting()
+        failures = await _shielded_in_thread(session.teardown)
+        self._finish_close(session, failures, exc)
+
+    async def _pin_async(self, session: PinSession) -> None:
+        limiter = anyio.CapacityLimiter(self.workers)
+        remaining = self.workers
+        all_done = anyio.Event()
+
+        async def worker() -> None:
+            nonlocal remaining
+            try:
+                # abandon_on_cancel=False: the call has side effects, so wait for it.
+                await anyio.to_thread.run_sync(session.work, limiter=limiter, abandon_on_cancel=False)
+            finally:
+                remaining -= 1
+                if remaining == 0:
+                    all_done.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(self.workers):
+                    tg.start_soon(worker)
+                try:
+                    # The workers' waits are shielded; this one is not, so a cancellation lands
+                    # here while threads run, and the workers stop after their current chunk.
+                    await all_done.wait()
+                except BaseException:
+                    session.cancel()
+                    raise
+            # Quick workers must not let a pending cancellation into the body.
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException:
+            session.cancel()
+            raise
+        self._after_pinning(session)
+
+    # -- sync driver -----------------------------------------------------------------------------
+
+    def __enter__(self) -> PinnedPool:
+        session = self._open()
+        threads = [
+            threading.Thread(target=session.work, name=f"pinpool-{self.name}-{i}", daemon=False)
+            for i in range(self.workers)
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        except BaseException:
+            session.cancel()
+            _join_uninterruptibly(threads)
+            _call_uninterruptibly(session.teardown)
+            self._finish_close(session, (), None)
+            raise
+        self._after_pinning(session)
+        if self._state != "open":
+            _call_uninterruptibly(session.teardown)
+            self._finish_close(session, (), None)
+            self._raise_pin_error(session)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        session = self._exiting()
+        failures = _call_uninterruptibly(session.teardown)
+        self._finish_close(session, failures, exc)
+
+
+async def _shielded_in_thread(fn: Callable[[], T]) -> T:
+    with anyio.CancelScope(shield=True):
+        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False)
+
+
+def _join_uninterruptibly(threads: list[threading.Thread]) -> None:
+    """Wait for every started thread, even through further KeyboardInterrupts (re-raised after)."""
+    interrupted: BaseException | None = None
+    for thread in threads:
+        while thread.ident is not None and thread.is_alive():
+            try:
+                thread.join()
+            except BaseException as exc:  # a second Ctrl-C must not skip the rollback
+                interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
+
+
+def _call_uninterruptibly(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a helper thread so Ctrl-C cannot stop it half-way; re-raise the interrupt after."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="pinpool-teardown", daemon=False)
+    thread.start()
+    interrupted: BaseException | None = None
+    while thread.is_alive():
+        try:
+            thread.join()
+        except BaseException as exc:
+            interrupted = interrupted or exc
+    if error:
+        raise error[0]
+    if interrupted is not None:
+        raise interrupted
+    return result[0]
+
+
+def _finalize_unclosed(name: str, session: PinSession, mapping: HostMapping) -> None:
+    """A pool that was never exited (garbage-collected, or alive at interpreter exit)."""
+    if session.ledger.phase is Phase.CLOSED or os.getpid() != session.pid:
+        return
+    warnings.warn(
+        f"PinnedPool {name!r} was never exited; unpinning its {format_bytes(session.ledger.registered_bytes)} now. "
+        "Use `async with` / `with` so teardown happens where you expect it",
+        UnclosedPoolWarning,
+        stacklevel=2,
+    )
+    session.cancel()
+    if session.ledger.in_flight:
+        return  # a worker is still mid-call; its own driver will roll back
+    session.teardown()
+    if session.ledger.leaked():
+        mapping.keep_forever()
