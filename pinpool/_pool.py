@@ -39,6 +39,7 @@ MAX_DEFAULT_WORKERS = 8
 # never below this: smaller chunks only add calls, and the reference plans stay as they are.
 MIN_PARALLEL_CHUNK_BYTES = 1 << 30
 CHUNKS_PER_WORKER = 4
+_JOIN_POLL_SECONDS = 0.05
 
 
 def available_cpus() -> int:
@@ -134,10 +135,12 @@ class PinnedPool:
         budget = parse_size(size, what="size")
         limit = resolve_chunk_limit(chunk_bytes)
         page_bytes = self.layout.page_bytes
-        if budget < page_bytes:
+        # A pool must hold at least one page, and one copy page of every buffer.
+        smallest = max([page_bytes, *(s.granularity or 0 for s in self.layout.buffers(1))])
+        if budget < smallest:
             raise ConfigError(
                 f"size={size!r} ({budget} B) is smaller than one page of layout {self.layout.name!r} "
-                f"({page_bytes} B = {format_bytes(page_bytes)}); give a size of at least {page_bytes} bytes"
+                f"({smallest} B = {format_bytes(smallest)}); give a size of at least {smallest} bytes"
             )
         self.num_pages = budget // page_bytes
         self.page_bytes = page_bytes
@@ -375,18 +378,14 @@ class PinnedPool:
 
     def __enter__(self) -> PinnedPool:
         session = self._open()
-        threads = [
-            threading.Thread(target=session.work, name=f"pinpool-{self.name}-{i}", daemon=False)
-            for i in range(self.workers)
-        ]
+        workers = _Threads()
         try:
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            for i in range(self.workers):
+                workers.start(session.work, name=f"pinpool-{self.name}-{i}")
+            workers.wait()
         except BaseException:
             session.cancel()
-            _join_uninterruptibly(threads)
+            workers.wait_uninterruptibly()
             _call_uninterruptibly(session.teardown)
             self._finish_close(session, (), None)
             raise
@@ -410,17 +409,43 @@ async def _shielded_in_thread(fn: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False)
 
 
-def _join_uninterruptibly(threads: list[threading.Thread]) -> None:
-    """Wait for every started thread, even through further KeyboardInterrupts (re-raised after)."""
-    interrupted: BaseException | None = None
-    for thread in threads:
-        while thread.ident is not None and thread.is_alive():
+class _Threads:
+    """Plain worker threads whose completion is an Event, not Thread.join: on Python 3.11 a
+    join interrupted by Ctrl-C can mark a still-running thread as stopped (bpo-45274's fix),
+    and rollback must never start while a worker is mid-call."""
+
+    def __init__(self) -> None:
+        self._done: list[threading.Event] = []
+
+    def start(self, fn: Callable[[], object], *, name: str) -> None:
+        done = threading.Event()
+
+        def run() -> None:
             try:
-                thread.join()
+                fn()
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=name, daemon=False).start()
+        self._done.append(done)  # only once started: an unstarted thread has nothing to wait for
+
+    def wait(self) -> None:
+        """Wait for every thread; Ctrl-C interrupts the wait (timed, so it is seen promptly)."""
+        for done in self._done:
+            while not done.wait(_JOIN_POLL_SECONDS):
+                pass
+
+    def wait_uninterruptibly(self) -> None:
+        """Wait for every thread, even through further interrupts, then re-raise the first."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self.wait()
+                break
             except BaseException as exc:  # a second Ctrl-C must not skip the rollback
                 interrupted = interrupted or exc
-    if interrupted is not None:
-        raise interrupted
+        if interrupted is not None:
+            raise interrupted
 
 
 def _call_uninterruptibly(fn: Callable[[], T]) -> T:
@@ -434,18 +459,11 @@ def _call_uninterruptibly(fn: Callable[[], T]) -> T:
         except BaseException as exc:
             error.append(exc)
 
-    thread = threading.Thread(target=run, name="pinpool-teardown", daemon=False)
-    thread.start()
-    interrupted: BaseException | None = None
-    while thread.is_alive():
-        try:
-            thread.join()
-        except BaseException as exc:
-            interrupted = interrupted or exc
+    thread = _Threads()
+    thread.start(run, name="pinpool-teardown")
+    thread.wait_uninterruptibly()
     if error:
         raise error[0]
-    if interrupted is not None:
-        raise interrupted
     return result[0]
 
 

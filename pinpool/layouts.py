@@ -59,7 +59,8 @@ class Raw:
     ``granularity_bytes``: chunk boundaries fall on multiples of it (the copy-page size of
     whatever you will lay out in it); ``None``, the default, means one registration of the
     whole buffer as long as it fits the chunk limit, page-aligned chunks beyond it.
-    With a granularity, the pool holds a whole number of granules (``size`` rounded down).
+    The pool holds exactly ``size`` bytes (a byte pool's page is one byte); with a
+    granularity the last chunk may end mid-granule, as in the reference plan 900+900+700 MiB.
     """
 
     granularity_bytes: int | None = None
@@ -78,7 +79,7 @@ class Raw:
 
     @property
     def page_bytes(self) -> int:
-        return self.granularity_bytes or 1
+        return 1
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         return (BufferSpec("data", (num_pages * self.page_bytes,), torch.uint8, self.granularity_bytes),)
