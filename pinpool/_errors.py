@@ -42,7 +42,9 @@ class RuntimeCallError(PinpoolError):
         return (_rebuild_runtime_call_error, (self.op, self.code, self.reason, self.message, self.ptr, self.nbytes))
 
 
-def _rebuild_runtime_call_error(op: str, code: int, reason: str, message: str, ptr: int, nbytes: int) -> RuntimeCallError:
+def _rebuild_runtime_call_error(
+    op: str, code: int, reason: str, message: str, ptr: int, nbytes: int
+) -> RuntimeCallError:
     return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
 
 

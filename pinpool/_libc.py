@@ -22,6 +22,7 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 CAP_IPC_LOCK = 14
+RLIM_INFINITY = resource.RLIM_INFINITY
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -97,7 +98,7 @@ def memlock_limits() -> tuple[int, int]:
 
 
 def format_rlimit(value: int) -> str:
-    return "unlimited" if value == resource.RLIM_INFINITY else f"{value} bytes"
+    return "unlimited" if value == RLIM_INFINITY else f"{value} bytes"
 
 
 def vm_locked_bytes() -> int:

@@ -13,6 +13,7 @@ import ctypes
 import os
 import threading
 import weakref
+from typing import Any
 
 import torch
 
@@ -87,7 +88,7 @@ class HostMapping:
         """A flat uint8 tensor over ``[offset, offset+nbytes)`` that keeps this mapping alive."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
             raise ValueError(f"view [{offset}, +{nbytes}) outside the mapping of {self.length} bytes")
-        buffer_type = type("_PoolBytes", (ctypes.c_uint8 * nbytes,), {})
+        buffer_type: Any = type("_PoolBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
         buffer = buffer_type.from_address(self.address + offset)
         buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
         if nbytes == 0:

@@ -54,7 +54,9 @@ def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = Non
     raw = env.get(CHUNK_ENV)
     if raw is None:
         return DEFAULT_CHUNK_GIB << 30
-    fix = f"set {CHUNK_ENV} to a positive number of GiB (e.g. 64 or 0.5), or unset it for the default {DEFAULT_CHUNK_GIB}"
+    fix = (
+        f"set {CHUNK_ENV} to a positive number of GiB (e.g. 64 or 0.5), or unset it for the default {DEFAULT_CHUNK_GIB}"
+    )
     try:
         gib = Decimal(raw.strip())
     except InvalidOperation:

@@ -16,7 +16,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -127,7 +127,9 @@ class PinnedPool:
                 "populate=True needs MADV_POPULATE_WRITE (Linux 5.14 or newer), which this kernel rejects; "
                 "use populate=False (registration then faults the pages itself)"
             )
-        if max_workers is not None and (isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1):
+        if max_workers is not None and (
+            isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
+        ):
             raise ConfigError(f"max_workers={max_workers!r} must be a positive int (or None for the default)")
         self.name = name
         self.populate = populate
@@ -158,7 +160,9 @@ class PinnedPool:
             if spec.nbytes:
                 plan = plan_chunks(spec.nbytes, granularity=spec.granularity, limit=limit, page_size=_libc.PAGE_SIZE)
                 if split_limit < limit and split_limit >= plan.unit:
-                    plan = plan_chunks(spec.nbytes, granularity=spec.granularity, limit=split_limit, page_size=_libc.PAGE_SIZE)
+                    plan = plan_chunks(
+                        spec.nbytes, granularity=spec.granularity, limit=split_limit, page_size=_libc.PAGE_SIZE
+                    )
             buffers.append(_Buffer(spec, offset, plan))
             offset += -(-spec.nbytes // align) * align
         self._buffers = tuple(buffers)
@@ -179,14 +183,19 @@ class PinnedPool:
     def __repr__(self) -> str:
         return (
             f"<PinnedPool {self.name!r} {self._state} {format_bytes(self.nbytes)} layout={self.layout.name} "
-            f"runtime={self.runtime.name} chunks={len(self.chunks)}x<={format_bytes(self.chunk_bytes)} workers={self.workers}>"
+            f"runtime={self.runtime.name} chunks={len(self.chunks)}x<={format_bytes(self.chunk_bytes)} "
+            f"workers={self.workers}>"
         )
 
     # -- what users read ---------------------------------------------------------------------
 
     def _require_open(self, what: str) -> None:
         if self._state != "open":
-            hint = "enter it first (async with / with)" if self._state == "new" else "it was exited and unpinned; create a new pool"
+            hint = (
+                "enter it first (async with / with)"
+                if self._state == "new"
+                else "it was exited and unpinned; create a new pool"
+            )
             raise PoolStateError(f"pool {self.name!r}.{what} is only available while the pool is open: {hint}")
 
     @property
@@ -231,7 +240,8 @@ class PinnedPool:
     def _open(self) -> PinSession:
         if self._state != "new":
             raise PoolStateError(
-                f"pool {self.name!r} is {self._state}: a PinnedPool is entered once; create a new PinnedPool to pin again"
+                f"pool {self.name!r} is {self._state}: a PinnedPool is entered once; "
+                "create a new PinnedPool to pin again"
             )
         self._state = "pinning"
         try:
@@ -258,14 +268,17 @@ class PinnedPool:
         if phase is Phase.PINNED:
             assert self._mapping is not None
             self._tensors = MappingProxyType(
-                {b.spec.name: self._mapping.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape) for b in self._buffers}
+                {
+                    b.spec.name: self._mapping.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape)
+                    for b in self._buffers
+                }
             )
             self._state = "open"
             return
         # Only a failure ends pinning without an exception already in flight.
         assert session.ledger.stop_cause is StopCause.FAILURE
 
-    def _raise_pin_error(self, session: PinSession) -> None:
+    def _raise_pin_error(self, session: PinSession) -> NoReturn:
         failures = session.ledger.failures_in("populate", "register")
         leaked = session.ledger.leaked()
         first = min(failures, key=lambda f: f.chunk.offset)
@@ -312,7 +325,9 @@ class PinnedPool:
     def _exiting(self) -> PinSession:
         with self._exit_lock:
             if self._state != "open" or self._session is None:
-                raise PoolStateError(f"pool {self.name!r} is {self._state}: it can be exited once, after it was entered")
+                raise PoolStateError(
+                    f"pool {self.name!r} is {self._state}: it can be exited once, after it was entered"
+                )
             self._state = "closing"
             return self._session
 
@@ -406,7 +421,8 @@ class PinnedPool:
 
 async def _shielded_in_thread(fn: Callable[[], T]) -> T:
     with anyio.CancelScope(shield=True):
-        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=False)
+        result = await anyio.to_thread.run_sync(fn, abandon_on_cancel=False)
+    return result
 
 
 class _Threads:

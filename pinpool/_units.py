@@ -19,7 +19,10 @@ _UNITS = {
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
-_HINT = 'an integer byte count or a string such as "64GiB", "512MB" or "1.5TiB" (KiB/MiB/GiB/TiB are binary, kB/MB/GB/TB decimal)'
+_HINT = (
+    'an integer byte count or a string such as "64GiB", "512MB" or "1.5TiB" '
+    "(KiB/MiB/GiB/TiB are binary, kB/MB/GB/TB decimal)"
+)
 
 
 def parse_size(value: object, *, what: str = "size") -> int:

@@ -11,7 +11,7 @@ import ctypes
 import errno
 import os
 import threading
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from . import _libc
 from ._errors import ConfigError, RuntimeCallError
@@ -123,7 +123,7 @@ def mlock_error_message(err: int, nbytes: int) -> str:
         "or grant the process CAP_IPC_LOCK"
     )
     if err == errno.ENOMEM:
-        if cap or soft == _libc.resource.RLIM_INFINITY:
+        if cap or soft == _libc.RLIM_INFINITY:
             return (
                 f"{os.strerror(err)}: the kernel could not lock {format_bytes(nbytes)} although the limit allows it "
                 f"({limits}); the host is short of memory: make the pool smaller or free memory"
@@ -175,6 +175,13 @@ def _find_loaded_cudart() -> ctypes.CDLL | None:
     return None
 
 
+def _cuda_index(torch: Any, device: int | str) -> int | None:
+    parsed = torch.device(device) if isinstance(device, str) else torch.device("cuda", device)
+    if parsed.type != "cuda":
+        raise ConfigError(f"device={device!r} is not a CUDA device; give an index or 'cuda:N'")
+    return int(parsed.index) if parsed.index is not None else int(torch.cuda.current_device())
+
+
 class CudaRuntime:
     """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()``.
 
@@ -197,12 +204,12 @@ class CudaRuntime:
             )
         if isinstance(flags, bool) or not isinstance(flags, int) or flags < 0:
             raise ConfigError(f"flags={flags!r} must be a non-negative int of cudaHostRegister flags")
-        self.device = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+        self.device = torch.cuda.current_device() if device is None else _cuda_index(torch, device)
         if self.device is None or not 0 <= self.device < torch.cuda.device_count():
             raise ConfigError(f"device={device!r} is not one of the {torch.cuda.device_count()} visible CUDA devices")
         self.flags = flags
         self._torch = torch
-        self._cudart = torch.cuda.cudart()
+        self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         self._libcudart = _find_loaded_cudart()
 
     def _error(self, op: str, rc: int, ptr: int, nbytes: int) -> RuntimeCallError:

@@ -16,7 +16,7 @@ def _mlock_budget() -> int:
     if _libc.has_cap_ipc_lock():
         return 1 << 62
     soft, _hard = _libc.memlock_limits()
-    return 1 << 62 if soft == _libc.resource.RLIM_INFINITY else soft
+    return 1 << 62 if soft == _libc.RLIM_INFINITY else soft
 
 
 needs_mlock = pytest.mark.skipif(

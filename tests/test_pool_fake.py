@@ -27,7 +27,9 @@ GiB = 1 << 30
 pytestmark = pytest.mark.anyio
 
 
-async def pin_and_run(pool: pinpool.PinnedPool, mode: str, body: Callable[[pinpool.PinnedPool], None] = lambda p: None) -> None:
+async def pin_and_run(
+    pool: pinpool.PinnedPool, mode: str, body: Callable[[pinpool.PinnedPool], None] = lambda p: None
+) -> None:
     if mode == "async":
         async with pool as entered:
             body(entered)

@@ -1,0 +1,108 @@
+"""The command line, and bad input rejected before anything is mapped or pinned."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import pinpool
+from pinpool import _cli, layouts
+from pinpool.testing import FakeRuntime
+
+from .conftest import needs_mlock
+
+MiB = 1 << 20
+
+
+@needs_mlock
+def test_cli_pins_for_real_and_reports_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["pin", "--size", "64MiB", "--runtime", "mlock", "--chunk-bytes", "16MiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["runtime"] == "mlock" and report["bytes"] == 64 * MiB and report["chunks"] == 4
+    locked = report["vm_locked_bytes"]
+    assert locked["pinned"] - locked["before"] == 64 * MiB and locked["after"] == locked["before"]
+    assert report["pin_gb_per_s"] > 0
+
+
+@needs_mlock
+def test_cli_text_report_as_a_module() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pinpool", "pin", "--size", "32MiB", "--runtime", "mlock"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "pinned 32 MiB with runtime 'mlock'" in result.stdout
+    assert "GB/s" in result.stdout and "VmLck 0 B before, 32 MiB while pinned, 0 B after" in result.stdout
+
+
+def test_cli_reports_config_errors_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["pin", "--size", "lots"]) == 2
+    assert "ConfigError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"size": "lots"}, "size='lots'"),
+        ({"size": 0}, "size=0"),
+        ({"size": -5}, "size=-5"),
+        ({"size": 1.5}, "size=1.5"),
+        ({"size": True}, "size=True"),
+        ({"size": "1GiB", "chunk_bytes": "tiny"}, "chunk_bytes='tiny'"),
+        ({"size": "1GiB", "chunk_bytes": 0}, "chunk_bytes=0"),
+        ({"size": "1GiB", "max_workers": 0}, "max_workers=0"),
+        ({"size": "1GiB", "max_workers": 2.5}, "max_workers=2.5"),
+        ({"size": "1GiB", "runtime": "rocm"}, "runtime='rocm'.*'mlock'"),
+        ({"size": "1GiB", "runtime": object()}, "runtime=<object"),
+        ({"size": "1GiB", "layout": "raw"}, "layout='raw'"),
+        ({"size": "1GiB", "name": ""}, "name=''"),
+        ({"size": "1GiB", "populate": "yes"}, "populate='yes'"),
+        ({"size": "1GiB", "huge_pages": 1}, "huge_pages=1"),
+        ({"size": 1000, "layout": layouts.Raw(granularity_bytes=MiB)}, "smaller than one page"),
+        (
+            {"size": "8GiB", "layout": layouts.Raw(granularity_bytes=3 << 30), "chunk_bytes": "1GiB"},
+            "raise chunk_bytes",
+        ),
+        ({"size": "8GiB", "chunk_bytes": 100}, "OS page"),
+    ],
+)
+def test_bad_input_is_a_config_error_before_anything_is_pinned(kwargs: dict[str, object], match: str) -> None:
+    fake = FakeRuntime()
+    kwargs.setdefault("runtime", fake)
+    with pytest.raises(pinpool.ConfigError, match=match):
+        pinpool.PinnedPool(**kwargs)  # type: ignore[arg-type]
+    assert fake.register_calls == []
+
+
+@pytest.mark.parametrize("value", ["", "abc", "0", "-2", "nan", "inf"])
+def test_bad_chunk_env_var_is_a_config_error(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("PINPOOL_REGISTER_CHUNK_GB", value)
+    with pytest.raises(pinpool.ConfigError, match="PINPOOL_REGISTER_CHUNK_GB"):
+        pinpool.PinnedPool(size="1GiB", runtime=FakeRuntime())
+
+
+def test_chunk_env_var_sets_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PINPOOL_REGISTER_CHUNK_GB", "0.25")
+    pool = pinpool.PinnedPool(size="1GiB", runtime=FakeRuntime(), max_workers=1)
+    assert pool.chunk_bytes == 256 * MiB and len(pool.chunks) == 4
+    explicit = pinpool.PinnedPool(size="1GiB", runtime=FakeRuntime(), max_workers=1, chunk_bytes="512MiB")
+    assert explicit.chunk_bytes == 512 * MiB  # chunk_bytes= wins over the environment
+
+
+def test_default_workers_split_chunks_but_never_below_one_gib() -> None:
+    pool = pinpool.PinnedPool(size="16GiB", runtime=FakeRuntime(), max_workers=2)
+    assert pool.chunk_bytes == 2 << 30 and len(pool.chunks) == 8  # 4 per worker
+    small = pinpool.PinnedPool(size="3GiB", runtime=FakeRuntime(), max_workers=4)
+    assert small.chunk_bytes == 1 << 30 and small.workers == 3
+    single = pinpool.PinnedPool(size="16GiB", runtime=FakeRuntime(), max_workers=1)
+    assert len(single.chunks) == 1  # one worker: the reference's single registration
+
+
+def test_auto_runtime_is_mlock_without_cuda() -> None:
+    import torch
+
+    pool = pinpool.PinnedPool(size="1MiB")
+    assert pool.runtime.name == ("cuda" if torch.cuda.is_available() else "mlock")

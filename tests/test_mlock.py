@@ -1,0 +1,175 @@
+"""The real kernel: MlockRuntime locks pages, and VmLck proves what is locked when."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import pytest
+
+import pinpool
+from pinpool import _libc
+from pinpool.runtimes import MlockRuntime
+
+from .conftest import needs_mlock
+
+MiB = 1 << 20
+
+pytestmark = [pytest.mark.anyio, needs_mlock]
+
+
+class FailingMlock(MlockRuntime):
+    """Real mlock, with one register call turned into a failure after it really locked."""
+
+    def __init__(self, fail_on: int) -> None:
+        super().__init__()
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise pinpool.RuntimeCallError(
+                op="mlock", code=12, reason="ENOMEM", message="injected", ptr=ptr, nbytes=nbytes
+            )
+        super().register(ptr, nbytes)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_vmlck_grows_by_pool_size_and_returns(mode: str, vmlck_baseline: int) -> None:
+    pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", max_workers=2)
+    if mode == "async":
+        async with pool:
+            during = _libc.vm_locked_bytes()
+            pool.tensor.fill_(1)
+    else:
+        with pool:
+            during = _libc.vm_locked_bytes()
+            pool.tensor.fill_(1)
+    assert during - vmlck_baseline == 96 * MiB
+    assert len(pool.chunks) == 6
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+@pytest.mark.parametrize("granularity", [60, 300 * 1024, 6000])
+def test_unaligned_granularity_locks_exactly_the_pool(granularity: int, vmlck_baseline: int) -> None:
+    """Chunks on lcm(granularity, page) boundaries: unlocking one never unlocks a neighbour's page."""
+    layout = pinpool.layouts.Raw(granularity_bytes=granularity)
+    with pinpool.PinnedPool(layout=layout, size=64 * MiB, chunk_bytes=8 * MiB, runtime="mlock", max_workers=2) as pool:
+        assert _libc.vm_locked_bytes() - vmlck_baseline == -(-pool.nbytes // 4096) * 4096
+        assert all(c.offset % granularity == 0 and c.offset % 4096 == 0 for c in pool.chunks)
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_failure_rolls_back_real_locks(mode: str, vmlck_baseline: int) -> None:
+    runtime = FailingMlock(fail_on=4)
+    pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=8 * MiB, runtime=runtime, max_workers=1)
+    with pytest.raises(pinpool.PinError) as info:
+        if mode == "async":
+            async with pool:
+                pytest.fail("body must not run")
+        else:
+            with pool:
+                pytest.fail("body must not run")
+    assert info.value.offset == 24 * MiB and info.value.reason == "ENOMEM"
+    assert runtime.registered == {}
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+async def test_cancellation_rolls_back_real_locks(vmlck_baseline: int) -> None:
+    class SlowMlock(MlockRuntime):
+        def register(self, ptr: int, nbytes: int) -> None:
+            super().register(ptr, nbytes)
+            import time
+
+            time.sleep(0.02)
+
+    runtime = SlowMlock()
+    pool = pinpool.PinnedPool(size=128 * MiB, chunk_bytes=4 * MiB, runtime=runtime, max_workers=2)
+    with anyio.move_on_after(0.1) as scope:
+        async with pool:
+            pytest.fail("body must not run")
+    assert scope.cancelled_caught
+    assert runtime.registered == {}
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+def test_populate_and_huge_pages_lock_for_real(vmlck_baseline: int) -> None:
+    pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=16 * MiB, runtime="mlock", populate=True, huge_pages=True)
+    with pool:
+        assert _libc.vm_locked_bytes() - vmlck_baseline == 64 * MiB
+        assert pool.data_ptr % (2 * MiB) == 0
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+def test_mlock_runtime_refuses_overlap_and_unknown_base() -> None:
+    runtime = MlockRuntime()
+    with pinpool.PinnedPool(size=8 * MiB, runtime=runtime) as pool:
+        with pytest.raises(pinpool.RuntimeCallError) as overlap:
+            runtime.register(pool.data_ptr + 4096, 4096)
+        assert overlap.value.reason == "EEXIST"
+        with pytest.raises(pinpool.RuntimeCallError) as unknown:
+            runtime.unregister(pool.data_ptr + 4096)
+        assert unknown.value.reason == "EINVAL"
+        assert runtime.registered == {pool.data_ptr: 8 * MiB}
+
+
+_LIMITED_CHILD = textwrap.dedent(
+    """
+    import json, resource
+    import pinpool
+    from pinpool import _libc
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    out = {"cap": _libc.has_cap_ipc_lock(), "soft": soft, "before": _libc.vm_locked_bytes()}
+    try:
+        with pinpool.PinnedPool(size="64MiB", chunk_bytes="1MiB", runtime="mlock", max_workers=1):
+            out["entered"] = True
+    except pinpool.PinError as exc:
+        out.update(error=str(exc), reason=exc.reason, offset=exc.offset, code=exc.code, leaked=len(exc.leaked))
+    out["after"] = _libc.vm_locked_bytes()
+    print(json.dumps(out))
+    """
+)
+
+
+def _lowered_memlock_limit() -> int:
+    """A limit this process may set (lowering is always allowed; raising the hard one may not be)."""
+    _soft, hard = _libc.memlock_limits()
+    limit = 8 * MiB if hard == _libc.RLIM_INFINITY else min(8 * MiB, hard)
+    return limit // MiB * MiB
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv")
+@pytest.mark.skipif(_lowered_memlock_limit() < 2 * MiB, reason="RLIMIT_MEMLOCK hard limit below 2 MiB")
+def test_real_mlock_failure_without_cap_ipc_lock_names_the_limit() -> None:
+    """Drop CAP_IPC_LOCK and set RLIMIT_MEMLOCK to a few MiB: the chunk past the limit must fail for real."""
+    limit = _lowered_memlock_limit()
+
+    def lower_limit() -> None:
+        _libc.resource.setrlimit(_libc.resource.RLIMIT_MEMLOCK, (limit, limit))
+
+    command = [
+        "setpriv",
+        "--inh-caps=-ipc_lock",
+        "--bounding-set=-ipc_lock",
+        "--",
+        sys.executable,
+        "-c",
+        _LIMITED_CHILD,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, preexec_fn=lower_limit)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["cap"] is False and out["soft"] == limit
+    assert "entered" not in out
+    assert out["reason"] in ("ENOMEM", "EAGAIN", "EPERM")
+    assert out["offset"] == limit  # every 1 MiB chunk below the limit fits, the next one does not
+    assert "RLIMIT_MEMLOCK" in out["error"] and "CAP_IPC_LOCK absent" in out["error"]
+    assert f"soft {limit} bytes" in out["error"] and "ulimit -l" in out["error"]
+    assert out["leaked"] == 0
+    assert out["after"] == out["before"] == 0
