@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from ._errors import ConfigError
-from ._units import format_bytes, parse_size
+from ._units import decimal_to_int, format_bytes, parse_size
 
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
 DEFAULT_CHUNK_GIB = 256
@@ -63,7 +63,9 @@ def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = Non
         raise ConfigError(f"{CHUNK_ENV}={raw!r} is not a number; {fix}") from None
     if not gib.is_finite() or gib <= 0:
         raise ConfigError(f"{CHUNK_ENV}={raw!r} must be a positive, finite number of GiB; {fix}")
-    nbytes = int(gib * (1 << 30))
+    nbytes = decimal_to_int(gib, 1 << 30)
+    if nbytes is None:
+        raise ConfigError(f"{CHUNK_ENV}={raw!r} is too large to be a memory size; {fix}")
     if nbytes <= 0:
         raise ConfigError(f"{CHUNK_ENV}={raw!r} is less than one byte; {fix}")
     return nbytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, localcontext
 
 from ._errors import ConfigError
 
@@ -43,15 +43,28 @@ def parse_size(value: object, *, what: str = "size") -> int:
         multiplier = _UNITS.get(unit.lower())
         if multiplier is None:
             raise ConfigError(f"{what}={value!r} has unknown unit {unit!r}; give {_HINT}")
-        try:
-            nbytes = int(Decimal(number) * multiplier)
-        except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
-            raise ConfigError(f"{what}={value!r} is not a size; give {_HINT}") from None
+        exact = decimal_to_int(Decimal(number), multiplier)
+        if exact is None:
+            raise ConfigError(f"{what}={value!r} is too large to be a memory size; give {_HINT}")
+        nbytes = exact
     else:
         raise ConfigError(f"{what}={value!r} has type {type(value).__name__}; give {_HINT}")
     if nbytes <= 0:
         raise ConfigError(f"{what}={value!r} is not positive; give {_HINT}")
     return nbytes
+
+
+# Far beyond any memory (2**100 bytes), small enough that exact arithmetic stays cheap.
+_MAX_DIGITS = 31
+
+
+def decimal_to_int(number: Decimal, multiplier: int) -> int | None:
+    """``floor(number * multiplier)`` computed exactly, or None when it is absurdly large."""
+    if not number.is_finite() or number.adjusted() + len(str(multiplier)) > _MAX_DIGITS:
+        return None
+    with localcontext() as ctx:
+        ctx.prec = 2 * _MAX_DIGITS + len(number.as_tuple().digits)
+        return int(number * multiplier)
 
 
 def format_bytes(nbytes: int) -> str:

@@ -7,6 +7,7 @@ and ``unregister(ptr)`` (the base of an earlier registration), that raise
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import os
@@ -31,33 +32,47 @@ class Runtime(Protocol):
     def unregister(self, ptr: int) -> None: ...
 
 
-class _RangeBook:
-    """Registered bases → sizes, with CUDA's rules: no overlaps, unregister by base only."""
+class RangeBook:
+    """Registered bases → sizes, with CUDA's rules: no overlaps, unregister by base only.
+
+    Bases are kept sorted, so an overlap check is a bisection, not a scan: a pool of 100k
+    chunks must not cost O(n²) in bookkeeping. Thread-safe.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ranges: dict[int, int] = {}
+        self._bases: list[int] = []
+        self._sizes: dict[int, int] = {}
+
+    def _overlap(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
+        i = bisect.bisect_right(self._bases, ptr)
+        if i and self._bases[i - 1] + self._sizes[self._bases[i - 1]] > ptr:
+            base = self._bases[i - 1]
+            return base, self._sizes[base]
+        if i < len(self._bases) and self._bases[i] < ptr + max(nbytes, 1):
+            base = self._bases[i]
+            return base, self._sizes[base]
+        return None
 
     def add(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
         """Record ``[ptr, ptr+nbytes)``; returns the overlapping range instead if there is one."""
         with self._lock:
-            for base, size in self._ranges.items():
-                if base < ptr + nbytes and ptr < base + size:
-                    return base, size
-            self._ranges[ptr] = nbytes
-            return None
+            overlap = self._overlap(ptr, nbytes)
+            if overlap is None:
+                bisect.insort(self._bases, ptr)
+                self._sizes[ptr] = nbytes
+            return overlap
 
     def pop(self, ptr: int) -> int | None:
         with self._lock:
-            return self._ranges.pop(ptr, None)
-
-    def restore(self, ptr: int, nbytes: int) -> None:
-        with self._lock:
-            self._ranges[ptr] = nbytes
+            nbytes = self._sizes.pop(ptr, None)
+            if nbytes is not None:
+                del self._bases[bisect.bisect_left(self._bases, ptr)]
+            return nbytes
 
     def snapshot(self) -> dict[int, int]:
         with self._lock:
-            return dict(self._ranges)
+            return dict(self._sizes)
 
 
 class MlockRuntime:
@@ -71,7 +86,7 @@ class MlockRuntime:
     name = "mlock"
 
     def __init__(self) -> None:
-        self._book = _RangeBook()
+        self._book = RangeBook()
 
     @property
     def registered(self) -> dict[int, int]:
@@ -102,7 +117,7 @@ class MlockRuntime:
             )  # fmt: skip
         err = _libc.munlock(ptr, nbytes)
         if err:
-            self._book.restore(ptr, nbytes)
+            self._book.add(ptr, nbytes)  # still locked: keep it on the books
             raise RuntimeCallError(
                 op="munlock", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
                 message=os.strerror(err),

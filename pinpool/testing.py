@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 
 from ._errors import ConfigError, RuntimeCallError
+from .runtimes import RangeBook
 
 __all__ = ["FakeRuntime"]
 
@@ -71,12 +72,17 @@ class FakeRuntime:
                 raise ConfigError(f"{what}={delay!r} must be a non-negative number of seconds")
         self.register_delay = float(register_delay)
         self.unregister_delay = float(unregister_delay)
-        self.registered: dict[int, int] = {}
+        self._book = RangeBook()
         self.register_calls: list[tuple[int, int]] = []
         self.unregister_calls: list[int] = []
         self.max_concurrent_registers = 0
         self._in_flight = 0
         self._lock = threading.Lock()
+
+    @property
+    def registered(self) -> dict[int, int]:
+        """Base → nbytes of every range registered now."""
+        return self._book.snapshot()
 
     def register(self, ptr: int, nbytes: int) -> None:
         with self._lock:
@@ -87,15 +93,13 @@ class FakeRuntime:
         try:
             if self.register_delay:
                 time.sleep(self.register_delay)
-            with self._lock:
-                if call in self.fail_register_on:
-                    raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
-                                      f"injected failure (FakeRuntime register call #{call})")  # fmt: skip
-                for base, size in self.registered.items():
-                    if base < ptr + nbytes and ptr < base + size:
-                        raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
-                                          f"overlaps registered [{base:#x}, +{size})")  # fmt: skip
-                self.registered[ptr] = nbytes
+            if call in self.fail_register_on:
+                raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
+                                  f"injected failure (FakeRuntime register call #{call})")  # fmt: skip
+            overlap = self._book.add(ptr, nbytes)
+            if overlap is not None:
+                raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
+                                  f"overlaps registered [{overlap[0]:#x}, +{overlap[1]})")  # fmt: skip
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -106,14 +110,12 @@ class FakeRuntime:
             call = len(self.unregister_calls)
         if self.unregister_delay:
             time.sleep(self.unregister_delay)
-        with self._lock:
-            if call in self.fail_unregister_on:
-                raise self._error("cudaHostUnregister", _ALLOCATION_FAILED, ptr, 0,
-                                  f"injected failure (FakeRuntime unregister call #{call})")  # fmt: skip
-            if ptr not in self.registered:
-                raise self._error("cudaHostUnregister", _NOT_REGISTERED, ptr, 0,
-                                  "not the base of a registered range")  # fmt: skip
-            del self.registered[ptr]
+        if call in self.fail_unregister_on:
+            raise self._error("cudaHostUnregister", _ALLOCATION_FAILED, ptr, 0,
+                              f"injected failure (FakeRuntime unregister call #{call})")  # fmt: skip
+        if self._book.pop(ptr) is None:
+            raise self._error("cudaHostUnregister", _NOT_REGISTERED, ptr, 0,
+                              "not the base of a registered range")  # fmt: skip
 
     @staticmethod
     def _error(op: str, code_name: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
