@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 
 from ._errors import ChunkFailure, RuntimeCallError
 from ._ledger import Ledger, Phase
+from ._memory import populate_range
 from ._plan import Chunk
 from .runtimes import Runtime
 
@@ -38,7 +38,7 @@ class PinSession:
         chunks: tuple[Chunk, ...],
         runtime: Runtime,
         base_ptr: int,
-        populate: Callable[[int, int], None] | None,
+        populate: bool,
     ) -> None:
         self.ledger = Ledger(chunks)
         self.lock = threading.Lock()
@@ -46,6 +46,7 @@ class PinSession:
         self.base_ptr = base_ptr
         self._populate = populate
         self.pid = os.getpid()
+        self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
         self.unpin_seconds = 0.0
 
@@ -63,8 +64,8 @@ class PinSession:
             ptr = self.base_ptr + chunk.offset
             phase = "populate"
             try:
-                if self._populate is not None:
-                    self._populate(chunk.offset, chunk.nbytes)
+                if self._populate:
+                    populate_range(ptr, chunk.nbytes)
                 phase = "register"
                 self.runtime.register(ptr, chunk.nbytes)
             except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
@@ -83,7 +84,11 @@ class PinSession:
 
     def finish_pinning(self) -> Phase:
         with self.lock:
-            return self.ledger.finish_pinning()
+            return self._finish_pinning_locked()
+
+    def _finish_pinning_locked(self) -> Phase:
+        self.pin_seconds = time.perf_counter() - self._pin_started
+        return self.ledger.finish_pinning()
 
     def teardown(self) -> tuple[ChunkFailure, ...]:
         """Unregister every registered chunk base in reverse offset order; idempotent.
@@ -94,7 +99,7 @@ class PinSession:
         ledger, lock = self.ledger, self.lock
         with lock:
             if ledger.phase is Phase.PINNING:
-                ledger.finish_pinning()
+                self._finish_pinning_locked()
             if os.getpid() != self.pid:
                 ledger.disown()
                 return ()

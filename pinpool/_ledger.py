@@ -92,7 +92,7 @@ class Ledger:
 
     @property
     def registered_bytes(self) -> int:
-        """Bytes currently registered (pinned) according to the ledger."""
+        """Bytes registered now, counting leaked chunks (their unregister failed: maybe still pinned)."""
         return self._registered_bytes
 
     @property
@@ -134,7 +134,8 @@ class Ledger:
         if self.states[index] is not ChunkState.REGISTERED:
             raise LedgerError(f"chunk {index} unregistered but was {self.states[index].value}")
         self.states[index] = state
-        self._registered_bytes -= self.chunks[index].nbytes
+        if state is ChunkState.UNREGISTERED:  # a leaked chunk may well still be pinned
+            self._registered_bytes -= self.chunks[index].nbytes
 
     def close(self) -> None:
         """Mark teardown done; every chunk still REGISTERED at this point is a driver bug."""

@@ -35,19 +35,35 @@ def _unmap(address: int, length: int) -> None:
     _libc.munmap(address, length)
 
 
+def populate_range(ptr: int, nbytes: int) -> None:
+    """Fault in ``[ptr, ptr+nbytes)`` writable (MADV_POPULATE_WRITE), on the calling thread."""
+    err = _libc.madvise(ptr, nbytes, _libc.MADV_POPULATE_WRITE)
+    if err:
+        raise RuntimeCallError(
+            op="madvise(MADV_POPULATE_WRITE)", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
+            message=f"{os.strerror(err)}: the kernel could not fault in {format_bytes(nbytes)}; "
+            "the host is probably short of memory",
+        )  # fmt: skip
+
+
+def check_huge_pages_available() -> None:
+    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode."""
+    mode = _libc.transparent_huge_pages_mode()
+    if mode not in ("always", "madvise"):
+        raise ConfigError(
+            f"huge_pages=True needs transparent huge pages, but "
+            f"/sys/kernel/mm/transparent_hugepage/enabled is {mode or 'missing'}; "
+            "set it to 'madvise' (echo madvise > /sys/kernel/mm/transparent_hugepage/enabled) "
+            "or use huge_pages=False"
+        )
+
+
 class HostMapping:
     """``nbytes`` of private anonymous memory, page-aligned (2 MiB-aligned with huge pages)."""
 
     def __init__(self, nbytes: int, *, huge_pages: bool = False) -> None:
         if huge_pages:
-            mode = _libc.transparent_huge_pages_mode()
-            if mode not in ("always", "madvise"):
-                raise ConfigError(
-                    f"huge_pages=True needs transparent huge pages, but "
-                    f"/sys/kernel/mm/transparent_hugepage/enabled is {mode or 'missing'}; "
-                    "set it to 'madvise' (echo madvise > /sys/kernel/mm/transparent_hugepage/enabled) "
-                    "or use huge_pages=False"
-                )
+            check_huge_pages_available()
         align = _libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE
         length = -(-nbytes // align) * align
         slack = align - _libc.PAGE_SIZE
@@ -72,17 +88,6 @@ class HostMapping:
             if err:
                 self._finalizer()
                 raise ConfigError(f"madvise(MADV_HUGEPAGE) failed: {_libc.errno_name(err)}; use huge_pages=False")
-
-    def populate(self, offset: int, nbytes: int) -> None:
-        """Fault in ``[offset, offset+nbytes)`` writable (MADV_POPULATE_WRITE), on the calling thread."""
-        ptr = self.address + offset
-        err = _libc.madvise(ptr, nbytes, _libc.MADV_POPULATE_WRITE)
-        if err:
-            raise RuntimeCallError(
-                op="madvise(MADV_POPULATE_WRITE)", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
-                message=f"{os.strerror(err)}: the kernel could not fault in {format_bytes(nbytes)}; "
-                "the host is probably short of memory",
-            )  # fmt: skip
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A flat uint8 tensor over ``[offset, offset+nbytes)`` that keeps this mapping alive."""

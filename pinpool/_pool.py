@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -26,7 +25,7 @@ from . import _libc
 from ._engine import PinSession
 from ._errors import ConfigError, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
 from ._ledger import Phase, StopCause
-from ._memory import HostMapping
+from ._memory import HostMapping, check_huge_pages_available
 from ._plan import Chunk, ChunkPlan, plan_chunks, resolve_chunk_limit
 from ._units import format_bytes, parse_size
 from .layouts import BufferSpec, Layout, Raw
@@ -127,6 +126,8 @@ class PinnedPool:
                 "populate=True needs MADV_POPULATE_WRITE (Linux 5.14 or newer), which this kernel rejects; "
                 "use populate=False (registration then faults the pages itself)"
             )
+        if huge_pages:
+            check_huge_pages_available()
         if max_workers is not None and (
             isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1
         ):
@@ -136,6 +137,7 @@ class PinnedPool:
         self.huge_pages = huge_pages
         budget = parse_size(size, what="size")
         limit = resolve_chunk_limit(chunk_bytes)
+        self.chunk_limit = limit
         page_bytes = self.layout.page_bytes
         # A pool must hold at least one page, and one copy page of every buffer.
         smallest = max([page_bytes, *(s.granularity or 0 for s in self.layout.buffers(1))])
@@ -253,17 +255,15 @@ class PinnedPool:
             chunks=self.chunks,
             runtime=self.runtime,
             base_ptr=mapping.address,
-            populate=mapping.populate if self.populate else None,
+            populate=self.populate,
         )
-        session.pin_seconds = -time.perf_counter()
         self._mapping = mapping
         self._session = session
         self._finalizer = weakref.finalize(self, _finalize_unclosed, self.name, session, mapping)
         return session
 
     def _after_pinning(self, session: PinSession) -> None:
-        """Workers are done: either the pool is pinned, or roll back happened and this raises."""
-        session.pin_seconds += time.perf_counter()
+        """Workers are done: either the pool is pinned, or a chunk failed and the caller rolls back."""
         phase = session.finish_pinning()
         if phase is Phase.PINNED:
             assert self._mapping is not None
@@ -286,7 +286,7 @@ class PinnedPool:
         message = (
             f"pinning pool {self.name!r} ({format_bytes(self.nbytes)}, {len(self.chunks)} chunks of <= "
             f"{format_bytes(self.chunk_bytes)}, runtime {self.runtime.name}) failed at offset={first.chunk.offset} "
-            f"nbytes={first.chunk.nbytes} total={self.nbytes} chunk_limit={self.chunk_bytes}: {first.phase} "
+            f"nbytes={first.chunk.nbytes} total={self.nbytes} chunk_limit={self.chunk_limit}: {first.phase} "
             f"rc={first.error.code} ({first.error.reason}): {first.error.message}"
         )
         if len(failures) > 1:
@@ -400,14 +400,16 @@ class PinnedPool:
             workers.wait()
         except BaseException:
             session.cancel()
-            workers.wait_uninterruptibly()
-            _call_uninterruptibly(session.teardown)
+            workers.wait_uninterruptibly()  # a further Ctrl-C is dropped: this one already propagates
+            _failures, _again = _call_uninterruptibly(session.teardown)
             self._finish_close(session, (), None)
             raise
         self._after_pinning(session)
         if self._state != "open":
-            _call_uninterruptibly(session.teardown)
+            _failures, interrupt = _call_uninterruptibly(session.teardown)
             self._finish_close(session, (), None)
+            if interrupt is not None:
+                raise interrupt
             self._raise_pin_error(session)
         return self
 
@@ -415,8 +417,10 @@ class PinnedPool:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         session = self._exiting()
-        failures = _call_uninterruptibly(session.teardown)
-        self._finish_close(session, failures, exc)
+        failures, interrupt = _call_uninterruptibly(session.teardown)
+        self._finish_close(session, failures, exc or interrupt)
+        if interrupt is not None and exc is None:
+            raise interrupt
 
 
 async def _shielded_in_thread(fn: Callable[[], T]) -> T:
@@ -451,21 +455,23 @@ class _Threads:
             while not done.wait(_JOIN_POLL_SECONDS):
                 pass
 
-    def wait_uninterruptibly(self) -> None:
-        """Wait for every thread, even through further interrupts, then re-raise the first."""
+    def wait_uninterruptibly(self) -> BaseException | None:
+        """Wait for every thread, even through interrupts; returns the first interrupt, if any."""
         interrupted: BaseException | None = None
         while True:
             try:
                 self.wait()
-                break
-            except BaseException as exc:  # a second Ctrl-C must not skip the rollback
+                return interrupted
+            except BaseException as exc:  # a Ctrl-C must not cut rollback or teardown short
                 interrupted = interrupted or exc
-        if interrupted is not None:
-            raise interrupted
 
 
-def _call_uninterruptibly(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on a helper thread so Ctrl-C cannot stop it half-way; re-raise the interrupt after."""
+def _call_uninterruptibly(fn: Callable[[], T]) -> tuple[T, BaseException | None]:
+    """Run ``fn`` on a helper thread so Ctrl-C cannot stop it half-way.
+
+    Returns its result and the interrupt that arrived meanwhile (the caller re-raises it once
+    its own bookkeeping is done).
+    """
     result: list[T] = []
     error: list[BaseException] = []
 
@@ -477,25 +483,26 @@ def _call_uninterruptibly(fn: Callable[[], T]) -> T:
 
     thread = _Threads()
     thread.start(run, name="pinpool-teardown")
-    thread.wait_uninterruptibly()
+    interrupt = thread.wait_uninterruptibly()
     if error:
         raise error[0]
-    return result[0]
+    return result[0], interrupt
 
 
 def _finalize_unclosed(name: str, session: PinSession, mapping: HostMapping) -> None:
     """A pool that was never exited (garbage-collected, or alive at interpreter exit)."""
     if session.ledger.phase is Phase.CLOSED or os.getpid() != session.pid:
         return
+    pinned = session.ledger.registered_bytes
+    session.cancel()
+    if session.ledger.in_flight:
+        return  # a worker is still mid-call; its own driver will roll back
+    session.teardown()  # first: a warning turned into an error must not keep memory pinned
+    if session.ledger.leaked():
+        mapping.keep_forever()
     warnings.warn(
-        f"PinnedPool {name!r} was never exited; unpinning its {format_bytes(session.ledger.registered_bytes)} now. "
+        f"PinnedPool {name!r} was never exited; unpinned its {format_bytes(pinned)} in a finalizer. "
         "Use `async with` / `with` so teardown happens where you expect it",
         UnclosedPoolWarning,
         stacklevel=2,
     )
-    session.cancel()
-    if session.ledger.in_flight:
-        return  # a worker is still mid-call; its own driver will roll back
-    session.teardown()
-    if session.ledger.leaked():
-        mapping.keep_forever()

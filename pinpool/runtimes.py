@@ -187,7 +187,9 @@ def _find_loaded_cudart() -> ctypes.CDLL | None:
             return ctypes.CDLL(path)
         except OSError:
             continue
-    return None
+    # A torch build with cudart linked in statically may still export it globally.
+    process = ctypes.CDLL(None)
+    return process if hasattr(process, "cudaGetLastError") else None
 
 
 def _cuda_index(torch: Any, device: int | str) -> int | None:
@@ -204,7 +206,8 @@ class CudaRuntime:
     set in each worker thread for the duration of each call. ``flags``: cudaHostRegister flags
     (0 = default, 1 = portable, 2 = mapped, 8 = read-only).
     A failed registration leaves a sticky "last error"; it is cleared (cudaGetLastError) so the
-    next, unrelated CUDA call does not misreport it.
+    next, unrelated CUDA call does not misreport it. That needs libcudart's own symbol, found in
+    the libcudart torch loaded or in the process; ``clears_sticky_errors`` says whether it was.
     """
 
     name = "cuda"
@@ -226,6 +229,7 @@ class CudaRuntime:
         self._torch = torch
         self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         self._libcudart = _find_loaded_cudart()
+        self.clears_sticky_errors = self._libcudart is not None
 
     def _error(self, op: str, rc: int, ptr: int, nbytes: int) -> RuntimeCallError:
         self._clear_last_error()

@@ -442,3 +442,90 @@ def test_forked_child_never_unregisters_parents_chunks() -> None:
         assert child_unregistered == "0"
         assert len(fake.registered) == 4  # the parent's registrations are untouched
     assert_rolled_back(fake)
+
+
+async def test_pin_seconds_is_measured_even_when_cancelled() -> None:
+    fake = FakeRuntime(register_delay=0.01)
+    pool = pinpool.PinnedPool(size=50 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    assert pool.pin_seconds == 0.0
+    with anyio.move_on_after(0.05):
+        async with pool:
+            pytest.fail("body must not run")
+    assert 0.04 < pool.pin_seconds < 5
+
+
+def test_finalizer_unpins_even_when_warnings_are_errors() -> None:
+    fake = FakeRuntime()
+    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake)
+    pool.__enter__()
+    finalizer = pool._finalizer
+    assert finalizer is not None
+    with pytest.raises(pinpool.UnclosedPoolWarning):  # filterwarnings=error turns it into an exception
+        finalizer()
+    assert_rolled_back(fake)
+
+
+def test_second_interrupt_during_rollback_does_not_skip_it() -> None:
+    fake = FakeRuntime(register_delay=0.01, unregister_delay=0.01)
+    pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=2)
+    main = threading.main_thread().ident
+    assert main is not None
+    timers = [threading.Timer(t, signal.pthread_kill, (main, signal.SIGINT)) for t in (0.05, 0.08, 0.11)]
+    for timer in timers:
+        timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt), pool:
+            pytest.fail("body must not run")
+    finally:
+        for timer in timers:
+            timer.join()
+    assert_rolled_back(fake)
+    assert pool.pinned_bytes == 0
+
+
+def test_interrupt_during_teardown_finishes_teardown_then_propagates() -> None:
+    fake = FakeRuntime(unregister_delay=0.02)
+    main = threading.main_thread().ident
+    assert main is not None
+    pool = pinpool.PinnedPool(size=10 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    with pytest.raises(KeyboardInterrupt):
+        with pool:
+            threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT)).start()
+    assert_rolled_back(fake)
+    with pytest.raises(pinpool.PoolStateError, match="closed"):
+        pool.__exit__(None, None, None)
+
+
+def test_pinned_bytes_counts_leaked_chunks() -> None:
+    fake = FakeRuntime(fail_unregister_on=1)
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    with pytest.raises(pinpool.UnpinError), pool:
+        assert pool.pinned_bytes == 4 * MiB
+    assert pool.pinned_bytes == MiB  # the chunk whose unregister failed may still be pinned
+
+
+@pytest.mark.parametrize("populate", [False, True])
+def test_memory_is_unmapped_at_exit_when_no_view_is_kept(populate: bool) -> None:
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), populate=populate)
+    with pool:
+        assert pool._mapping is not None
+        unmap = pool._mapping._finalizer
+    gc.collect()
+    assert not unmap.alive  # the pool object is alive, but nothing of it holds the memory
+
+
+def test_leaked_chunk_keeps_its_memory_mapped() -> None:
+    fake = FakeRuntime(fail_unregister_on=1)
+    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    with pytest.raises(pinpool.UnpinError), pool:
+        assert pool._mapping is not None
+        unmap = pool._mapping._finalizer
+    del pool
+    gc.collect()
+    assert unmap.alive  # freeing memory that may still be registered would be undefined
+
+
+def test_huge_pages_without_thp_is_a_config_error_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pinpool._libc, "transparent_huge_pages_mode", lambda: "never")
+    with pytest.raises(pinpool.ConfigError, match=r"transparent huge pages.*never"):
+        pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), huge_pages=True)
