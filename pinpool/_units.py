@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from decimal import Decimal, localcontext
+from decimal import Decimal, InvalidOperation, localcontext
 
 from ._errors import ConfigError
 
@@ -43,7 +43,11 @@ def parse_size(value: object, *, what: str = "size") -> int:
         multiplier = _UNITS.get(unit.lower())
         if multiplier is None:
             raise ConfigError(f"{what}={value!r} has unknown unit {unit!r}; give {_HINT}")
-        exact = decimal_to_int(Decimal(number), multiplier)
+        try:
+            parsed = Decimal(number)
+        except InvalidOperation:  # an exponent beyond what Decimal can hold
+            raise ConfigError(f"{what}={value!r} is out of range for a size; give {_HINT}") from None
+        exact = decimal_to_int(parsed, multiplier)
         if exact is None:
             raise ConfigError(f"{what}={value!r} is too large to be a memory size; give {_HINT}")
         nbytes = exact
@@ -60,6 +64,8 @@ _MAX_DIGITS = 31
 
 def decimal_to_int(number: Decimal, multiplier: int) -> int | None:
     """``floor(number * multiplier)`` computed exactly, or None when it is absurdly large."""
+    if number.is_zero():
+        return 0
     if not number.is_finite() or number.adjusted() + len(str(multiplier)) > _MAX_DIGITS:
         return None
     with localcontext() as ctx:

@@ -144,7 +144,8 @@ def mlock_error_message(err: int, nbytes: int) -> str:
                 f"({limits}); the host is short of memory: make the pool smaller or free memory"
             )
         return (
-            f"{os.strerror(err)}: locking {format_bytes(nbytes)} more would exceed RLIMIT_MEMLOCK ({limits}); "
+            f"{os.strerror(err)}: locking {format_bytes(nbytes)} more would exceed the locked-memory limit "
+            f"({limits}); "
             f"{raise_limit}"
         )
     if err == errno.EPERM:
