@@ -9,6 +9,7 @@ threads run, stops them after their current chunk, and rolls back shielded.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -160,11 +161,12 @@ class PinnedPool:
         for spec in specs:
             plan = None
             if spec.nbytes:
-                plan = plan_chunks(spec.nbytes, granularity=spec.granularity, limit=limit, page_size=_libc.PAGE_SIZE)
-                if split_limit < limit and split_limit >= plan.unit:
-                    plan = plan_chunks(
-                        spec.nbytes, granularity=spec.granularity, limit=split_limit, page_size=_libc.PAGE_SIZE
-                    )
+                # The split for workers applies only where an aligned unit fits in it.
+                unit = math.lcm(spec.granularity or 1, _libc.PAGE_SIZE)
+                plan_limit = split_limit if split_limit >= unit else limit
+                plan = plan_chunks(
+                    spec.nbytes, granularity=spec.granularity, limit=plan_limit, page_size=_libc.PAGE_SIZE
+                )
             buffers.append(_Buffer(spec, offset, plan))
             offset += -(-spec.nbytes // align) * align
         self._buffers = tuple(buffers)
