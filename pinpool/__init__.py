@@ -9,6 +9,7 @@ The docs/ folder of the repository covers concepts, metrics and operations.
 from __future__ import annotations
 
 from . import layouts, runtimes, testing
+from ._errors import AlreadyPinnedError as AlreadyPinnedError
 from ._errors import ChunkFailure as ChunkFailure
 from ._errors import ConfigError as ConfigError
 from ._errors import PinError as PinError
@@ -20,12 +21,14 @@ from ._errors import UnpinError as UnpinError
 from ._memory import AllocationError as AllocationError
 from ._plan import Chunk as Chunk
 from ._pool import PinnedPool as PinnedPool
+from ._pool import pin as pin
 from ._units import parse_size as parse_size
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllocationError",
+    "AlreadyPinnedError",
     "Chunk",
     "ChunkFailure",
     "ConfigError",
@@ -39,6 +42,7 @@ __all__ = [
     "__version__",
     "layouts",
     "parse_size",
+    "pin",
     "runtimes",
     "testing",
 ]

@@ -21,6 +21,10 @@ class PoolStateError(PinpoolError, RuntimeError):
     """A pool was used in a state that does not allow it (re-entered, used after exit, ...)."""
 
 
+class AlreadyPinnedError(PinpoolError):
+    """The memory to pin overlaps memory that is already pinned; nothing was changed."""
+
+
 class RuntimeCallError(PinpoolError):
     """One runtime call (populate, register or unregister of one range) failed.
 

@@ -37,7 +37,8 @@ def _unmap(address: int, length: int) -> None:
 
 def populate_range(ptr: int, nbytes: int) -> None:
     """Fault in ``[ptr, ptr+nbytes)`` writable (MADV_POPULATE_WRITE), on the calling thread."""
-    err = _libc.madvise(ptr, nbytes, _libc.MADV_POPULATE_WRITE)
+    aligned = ptr - ptr % _libc.PAGE_SIZE  # madvise wants a page-aligned start (a caller's tensor may not be)
+    err = _libc.madvise(aligned, nbytes + (ptr - aligned), _libc.MADV_POPULATE_WRITE)
     if err:
         raise RuntimeCallError(
             op="madvise(MADV_POPULATE_WRITE)", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
@@ -108,3 +109,30 @@ class HostMapping:
     @property
     def unmapped(self) -> bool:
         return not self._finalizer.alive
+
+
+class TensorMemory:
+    """A caller's contiguous CPU tensor as pool memory: same interface as HostMapping, never freed.
+
+    The tensor is referenced until the pool is closed (and forever if a chunk leaked), so its
+    memory cannot be released while pinned.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.address = int(tensor.data_ptr())
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.length = self.nbytes
+        self.huge_pages = False
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        flat = self.tensor.reshape(-1).view(torch.uint8)
+        return flat[offset : offset + nbytes]
+
+    def keep_forever(self) -> None:
+        with _kept_lock:
+            _KEPT_FOREVER.append(self)  # type: ignore[arg-type]
+
+    @property
+    def unmapped(self) -> bool:
+        return False

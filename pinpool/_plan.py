@@ -78,7 +78,7 @@ def resolve_chunk_limit(chunk_bytes: int | str | None) -> int:
     return parse_size(chunk_bytes, what="chunk_bytes")
 
 
-def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: int) -> ChunkPlan:
+def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: int, start: int = 0) -> ChunkPlan:
     """Split ``nbytes`` into registration chunks.
 
     Rules: boundaries are multiples of ``granularity`` (so no copy page straddles two
@@ -86,6 +86,10 @@ def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: 
     unlocking one chunk unlock its neighbour's page); no chunk exceeds ``limit``; chunks are
     contiguous and cover ``[0, nbytes)`` exactly. Without a granularity, the whole buffer is
     one registration unless it exceeds ``limit``, then it is split at page boundaries.
+
+    ``start`` is the buffer's address modulo ``page_size`` (non-zero only for memory pinpool
+    did not allocate): boundaries are then page-aligned in absolute terms, so the first chunk
+    ends at the first multiple of the granularity that falls on a page boundary.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise ConfigError(f"buffer size {nbytes!r} must be a positive integer number of bytes")
@@ -115,5 +119,33 @@ def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: 
             f"one aligned unit; raise chunk_bytes= or {CHUNK_ENV} to at least {unit} bytes ({format_bytes(unit)})"
         )
     chunk_bytes = (limit // unit) * unit
-    chunks = tuple(Chunk(offset, min(chunk_bytes, nbytes - offset)) for offset in range(0, nbytes, chunk_bytes))
+    # A buffer that fits one call needs no boundary at all, aligned or not.
+    first = 0 if nbytes <= limit else _first_boundary(granularity or 1, page_size, start % page_size, unit)
+    if first:  # an unaligned start: the first chunk is cut short to reach an aligned boundary
+        if first > limit:
+            raise ConfigError(
+                f"a buffer starting {start % page_size} B into an OS page reaches its first page-aligned multiple "
+                f"of the granularity only after {first} B, more than the chunk limit {limit} B; raise chunk_bytes= "
+                f"or {CHUNK_ENV} to at least {first} bytes, or allocate the buffer page-aligned"
+            )
+        head = first + (limit - first) // unit * unit
+        offsets = [0, *range(head, nbytes, chunk_bytes)]
+    else:
+        offsets = list(range(0, nbytes, chunk_bytes))
+    ends = [*offsets[1:], nbytes]
+    chunks = tuple(Chunk(o, e - o) for o, e in zip(offsets, ends, strict=True))
     return ChunkPlan(nbytes, granularity, page_size, limit, unit, min(chunk_bytes, nbytes), chunks)
+
+
+def _first_boundary(granularity: int, page_size: int, misalignment: int, unit: int) -> int:
+    """The smallest B > 0 with B % granularity == 0 and (misalignment + B) % page_size == 0; 0 if aligned."""
+    if misalignment == 0:
+        return 0
+    for boundary in range(granularity, unit + 1, granularity):
+        if (misalignment + boundary) % page_size == 0:
+            return boundary
+    raise ConfigError(
+        f"a buffer starting {misalignment} B into an OS page can never be split at a multiple of its "
+        f"granularity ({granularity} B) that is also a page boundary; allocate it page-aligned, or give "
+        "chunk_bytes >= its size for a single registration"
+    )

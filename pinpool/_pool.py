@@ -24,10 +24,11 @@ import torch
 
 from . import _libc
 from ._engine import PinSession
-from ._errors import ConfigError, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
+from ._errors import AlreadyPinnedError, ConfigError, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
 from ._ledger import Phase, StopCause
-from ._memory import HostMapping, check_huge_pages_available
+from ._memory import HostMapping, TensorMemory, check_huge_pages_available
 from ._plan import Chunk, ChunkPlan, plan_chunks, resolve_chunk_limit
+from ._ranges import PINNED_RANGES
 from ._units import format_bytes, parse_size
 from .layouts import BufferSpec, Layout, Raw
 from .runtimes import Runtime, resolve_runtime
@@ -114,6 +115,25 @@ class PinnedPool:
         huge_pages: bool = False,
         name: str = "default",
     ) -> None:
+        self._configure(
+            layout=layout, size=size, runtime=runtime, chunk_bytes=chunk_bytes, max_workers=max_workers,
+            populate=populate, huge_pages=huge_pages, name=name, source=None,
+        )  # fmt: skip
+
+    def _configure(
+        self,
+        *,
+        layout: Layout | None,
+        size: int | str,
+        runtime: str | Runtime,
+        chunk_bytes: int | str | None,
+        max_workers: int | None,
+        populate: bool,
+        huge_pages: bool,
+        name: str,
+        source: torch.Tensor | None,
+    ) -> None:
+        """Validate and plan; ``source`` is a caller's tensor to pin instead of own memory (pin())."""
         self.layout: Layout = Raw() if layout is None else layout
         if not isinstance(self.layout, Layout):
             raise ConfigError(f"layout={layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
@@ -158,6 +178,7 @@ class PinnedPool:
         split_limit = _parallel_limit(limit, total, workers)
         buffers: list[_Buffer] = []
         offset = 0
+        start = 0 if source is None else source.data_ptr() % _libc.PAGE_SIZE  # own memory is page-aligned
         for spec in specs:
             plan = None
             if spec.nbytes:
@@ -165,7 +186,7 @@ class PinnedPool:
                 unit = math.lcm(spec.granularity or 1, _libc.PAGE_SIZE)
                 plan_limit = split_limit if split_limit >= unit else limit
                 plan = plan_chunks(
-                    spec.nbytes, granularity=spec.granularity, limit=plan_limit, page_size=_libc.PAGE_SIZE
+                    spec.nbytes, granularity=spec.granularity, limit=plan_limit, page_size=_libc.PAGE_SIZE, start=start
                 )
             buffers.append(_Buffer(spec, offset, plan))
             offset += -(-spec.nbytes // align) * align
@@ -179,7 +200,8 @@ class PinnedPool:
         self.workers = max(1, min(workers, len(self.chunks)))
         self._state = "new"
         self._session: PinSession | None = None
-        self._mapping: HostMapping | None = None
+        self._mapping: HostMapping | TensorMemory | None = None
+        self._source = source
         self._tensors: Mapping[str, torch.Tensor] | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._exit_lock = threading.Lock()
@@ -249,7 +271,7 @@ class PinnedPool:
             )
         self._state = "pinning"
         try:
-            mapping = HostMapping(self._mapping_bytes, huge_pages=self.huge_pages)
+            mapping = self._acquire_memory()
         except BaseException:
             self._state = "closed"
             raise
@@ -263,6 +285,29 @@ class PinnedPool:
         self._session = session
         self._finalizer = weakref.finalize(self, _finalize_unclosed, self.name, session, mapping)
         return session
+
+    def _acquire_memory(self) -> HostMapping | TensorMemory:
+        """Map the pool's memory (or take the caller's tensor) and claim its range in this process."""
+        if self._source is None:
+            mapping: HostMapping | TensorMemory = HostMapping(self._mapping_bytes, huge_pages=self.huge_pages)
+        else:
+            mapping = TensorMemory(self._source)
+        overlap = PINNED_RANGES.add(mapping.address, max(self.nbytes, 1))
+        if overlap is not None:
+            raise AlreadyPinnedError(
+                f"pool {self.name!r}: [{mapping.address:#x}, +{self.nbytes}) overlaps "
+                f"[{overlap[0]:#x}, +{overlap[1]}), which pinpool already pins in this process; "
+                "nothing was pinned. Exit the other pool first, or pin a different tensor"
+            )
+        find_pinned = getattr(self.runtime, "find_pinned", None)
+        elsewhere = find_pinned(mapping.address, self.nbytes) if callable(find_pinned) else None
+        if elsewhere is not None:
+            PINNED_RANGES.pop(mapping.address)
+            raise AlreadyPinnedError(
+                f"pool {self.name!r}: the memory is already pinned outside pinpool ({elsewhere}); "
+                "nothing was pinned. Unpin it first, or pin a different tensor"
+            )
+        return mapping
 
     def _after_pinning(self, session: PinSession) -> None:
         """Workers are done: either the pool is pinned, or a chunk failed and the caller rolls back."""
@@ -309,7 +354,9 @@ class PinnedPool:
             self._finalizer.detach()
         leaked = session.ledger.leaked()
         if leaked and mapping is not None:
-            mapping.keep_forever()
+            mapping.keep_forever()  # and its range stays claimed: part of it may still be pinned
+        elif mapping is not None:
+            PINNED_RANGES.pop(mapping.address)
         if not failures:
             return
         error = UnpinError(
@@ -491,7 +538,7 @@ def _call_uninterruptibly(fn: Callable[[], T]) -> tuple[T, BaseException | None]
     return result[0], interrupt
 
 
-def _finalize_unclosed(name: str, session: PinSession, mapping: HostMapping) -> None:
+def _finalize_unclosed(name: str, session: PinSession, mapping: HostMapping | TensorMemory) -> None:
     """A pool that was never exited (garbage-collected, or alive at interpreter exit)."""
     if session.ledger.phase is Phase.CLOSED or os.getpid() != session.pid:
         return
@@ -502,9 +549,67 @@ def _finalize_unclosed(name: str, session: PinSession, mapping: HostMapping) -> 
     session.teardown()  # first: a warning turned into an error must not keep memory pinned
     if session.ledger.leaked():
         mapping.keep_forever()
+    else:
+        PINNED_RANGES.pop(mapping.address)
     warnings.warn(
         f"PinnedPool {name!r} was never exited; unpinned its {format_bytes(pinned)} in a finalizer. "
         "Use `async with` / `with` so teardown happens where you expect it",
         UnclosedPoolWarning,
         stacklevel=2,
     )
+
+
+def pin(
+    tensor: torch.Tensor,
+    *,
+    granularity_bytes: int | None = None,
+    runtime: str | Runtime = "auto",
+    chunk_bytes: int | str | None = None,
+    max_workers: int | None = None,
+    populate: bool = False,
+    name: str = "tensor",
+) -> PinnedPool:
+    """Pin a contiguous CPU tensor you allocated, with PinnedPool's chunking and guarantees.
+
+    Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
+    is ``t`` (as flat bytes: ``pinned.tensors["data"]``). Chunk boundaries are multiples of
+    ``granularity_bytes`` from the tensor's start. The caller's memory is never freed by
+    pinpool. A tensor that overlaps memory already pinned (by pinpool, or locked by anyone
+    under mlock) raises :class:`AlreadyPinnedError` on entry, with nothing changed.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
+    if tensor.device.type != "cpu":
+        raise ConfigError(f"pin(tensor on {tensor.device}): only CPU tensors live in host memory")
+    if not tensor.is_contiguous():
+        raise ConfigError("pin(tensor): the tensor is not contiguous; pin its storage's contiguous owner instead")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        raise ConfigError("pin(tensor): the tensor has no elements, so there is nothing to pin")
+    pool = PinnedPool.__new__(PinnedPool)
+    pool._configure(
+        layout=_TensorLayout(tensor, granularity_bytes), size=nbytes, runtime=runtime, chunk_bytes=chunk_bytes,
+        max_workers=max_workers, populate=populate, huge_pages=False, name=name, source=tensor,
+    )  # fmt: skip
+    return pool
+
+
+class _TensorLayout:
+    """The layout of a caller's tensor: one buffer of exactly its bytes."""
+
+    def __init__(self, tensor: torch.Tensor, granularity_bytes: int | None) -> None:
+        self._raw = Raw(granularity_bytes=granularity_bytes)
+        self._shape = tuple(tensor.shape)
+        self._dtype = tensor.dtype
+        self._nbytes = tensor.numel() * tensor.element_size()
+
+    @property
+    def name(self) -> str:
+        return "tensor"
+
+    @property
+    def page_bytes(self) -> int:
+        return self._nbytes  # the whole tensor is the only page
+
+    def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
+        return (BufferSpec("data", self._shape, self._dtype, self._raw.granularity_bytes),)

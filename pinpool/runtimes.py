@@ -7,15 +7,14 @@ and ``unregister(ptr)`` (the base of an earlier registration), that raise
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import os
-import threading
 from typing import Any, Protocol, runtime_checkable
 
 from . import _libc
 from ._errors import ConfigError, RuntimeCallError
+from ._ranges import RangeBook
 from ._units import format_bytes
 
 __all__ = ["CudaRuntime", "MlockRuntime", "Runtime", "resolve_runtime"]
@@ -30,49 +29,6 @@ class Runtime(Protocol):
     def register(self, ptr: int, nbytes: int) -> None: ...
 
     def unregister(self, ptr: int) -> None: ...
-
-
-class RangeBook:
-    """Registered bases → sizes, with CUDA's rules: no overlaps, unregister by base only.
-
-    Bases are kept sorted, so an overlap check is a bisection, not a scan: a pool of 100k
-    chunks must not cost O(n²) in bookkeeping. Thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._bases: list[int] = []
-        self._sizes: dict[int, int] = {}
-
-    def _overlap(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
-        i = bisect.bisect_right(self._bases, ptr)
-        if i and self._bases[i - 1] + self._sizes[self._bases[i - 1]] > ptr:
-            base = self._bases[i - 1]
-            return base, self._sizes[base]
-        if i < len(self._bases) and self._bases[i] < ptr + max(nbytes, 1):
-            base = self._bases[i]
-            return base, self._sizes[base]
-        return None
-
-    def add(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
-        """Record ``[ptr, ptr+nbytes)``; returns the overlapping range instead if there is one."""
-        with self._lock:
-            overlap = self._overlap(ptr, nbytes)
-            if overlap is None:
-                bisect.insort(self._bases, ptr)
-                self._sizes[ptr] = nbytes
-            return overlap
-
-    def pop(self, ptr: int) -> int | None:
-        with self._lock:
-            nbytes = self._sizes.pop(ptr, None)
-            if nbytes is not None:
-                del self._bases[bisect.bisect_left(self._bases, ptr)]
-            return nbytes
-
-    def snapshot(self) -> dict[int, int]:
-        with self._lock:
-            return dict(self._sizes)
 
 
 class MlockRuntime:
@@ -108,6 +64,10 @@ class MlockRuntime:
                 message=mlock_error_message(err, nbytes),
             )  # fmt: skip
 
+    def find_pinned(self, ptr: int, nbytes: int) -> str | None:
+        """Describe memory in ``[ptr, ptr+nbytes)`` that is already locked (by anyone), or None."""
+        return _locked_in_smaps(ptr, nbytes)
+
     def unregister(self, ptr: int) -> None:
         nbytes = self._book.pop(ptr)
         if nbytes is None:
@@ -122,6 +82,24 @@ class MlockRuntime:
                 op="munlock", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
                 message=os.strerror(err),
             )  # fmt: skip
+
+
+def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
+    """The first mapping of this process overlapping the range with locked pages, per /proc/self/smaps."""
+    end = ptr + nbytes
+    current: tuple[int, int] | None = None
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    current = (lo, hi) if lo < end and ptr < hi else None
+                elif current is not None and head == "Locked:" and int(line.split()[1]) > 0:
+                    return f"[{current[0]:#x}, {current[1]:#x}) has {line.split()[1]} kB locked already"
+    except OSError:
+        return None
+    return None
 
 
 def mlock_error_message(err: int, nbytes: int) -> str:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable
 
 from ._errors import ConfigError, RuntimeCallError
-from .runtimes import RangeBook
+from ._ranges import RangeBook
 
 __all__ = ["FakeRuntime"]
 
