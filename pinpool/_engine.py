@@ -16,6 +16,7 @@ import time
 from ._errors import ChunkFailure, RuntimeCallError
 from ._ledger import Ledger, Phase
 from ._memory import populate_range
+from ._observe import Observer
 from ._plan import Chunk
 from .runtimes import Runtime
 
@@ -39,12 +40,14 @@ class PinSession:
         runtime: Runtime,
         base_ptr: int,
         populate: bool,
+        observer: Observer,
     ) -> None:
         self.ledger = Ledger(chunks)
         self.lock = threading.Lock()
         self.runtime = runtime
         self.base_ptr = base_ptr
         self._populate = populate
+        self.observer = observer
         self.pid = os.getpid()
         self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
@@ -62,20 +65,32 @@ class PinSession:
                 return
             chunk = ledger.chunks[index]
             ptr = self.base_ptr + chunk.offset
+            observer = self.observer
             phase = "populate"
+            observer.call_started()
+            started = time.perf_counter()
             try:
                 if self._populate:
                     populate_range(ptr, chunk.nbytes)
+                    populated = time.perf_counter()
+                    observer.chunk_populated(chunk, populated - started)
+                    started = populated
                 phase = "register"
                 self.runtime.register(ptr, chunk.nbytes)
             except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
+                error = as_runtime_error(exc, phase, ptr, chunk.nbytes)
                 with lock:
-                    ledger.failed(index, phase, as_runtime_error(exc, phase, ptr, chunk.nbytes))
+                    ledger.failed(index, phase, error)
+                observer.chunk_failed(chunk, phase, error, time.perf_counter() - started)
                 if not isinstance(exc, Exception):
                     raise
             else:
+                seconds = time.perf_counter() - started
                 with lock:
                     ledger.registered(index)
+                observer.chunk_registered(chunk, seconds)
+            finally:
+                observer.call_ended()
 
     def cancel(self) -> None:
         """Tell workers to stop after their current chunk."""
@@ -109,14 +124,18 @@ class PinSession:
         for index in order:
             chunk = ledger.chunks[index]
             ptr = self.base_ptr + chunk.offset
+            call_started = time.perf_counter()
             try:
                 self.runtime.unregister(ptr)
             except Exception as exc:
+                error = as_runtime_error(exc, "unregister", ptr, chunk.nbytes)
                 with lock:
-                    ledger.unregister_failed(index, as_runtime_error(exc, "unregister", ptr, chunk.nbytes))
+                    ledger.unregister_failed(index, error)
+                self.observer.chunk_failed(chunk, "unregister", error, time.perf_counter() - call_started)
             else:
                 with lock:
                     ledger.unregistered(index)
+                self.observer.chunk_unregistered(chunk, time.perf_counter() - call_started)
         with lock:
             ledger.close()
             self.unpin_seconds += time.perf_counter() - started

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -21,12 +22,14 @@ from typing import Any, NoReturn, TypeVar
 import anyio
 import anyio.lowlevel
 import torch
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from . import _libc
 from ._engine import PinSession
 from ._errors import AlreadyPinnedError, ConfigError, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
 from ._ledger import Phase, StopCause
 from ._memory import HostMapping, TensorMemory, check_huge_pages_available
+from ._observe import Observer
 from ._plan import Chunk, ChunkPlan, plan_chunks, resolve_chunk_limit
 from ._ranges import PINNED_RANGES
 from ._units import format_bytes, parse_size
@@ -41,6 +44,9 @@ MAX_DEFAULT_WORKERS = 8
 MIN_PARALLEL_CHUNK_BYTES = 1 << 30
 CHUNKS_PER_WORKER = 4
 _JOIN_POLL_SECONDS = 0.05
+PROGRESS_INTERVAL_SECONDS = 0.1
+
+ProgressCallback = Callable[[int, int, int, int], object]
 
 
 def available_cpus() -> int:
@@ -114,10 +120,14 @@ class PinnedPool:
         populate: bool = False,
         huge_pages: bool = False,
         name: str = "default",
+        registry: CollectorRegistry | None = REGISTRY,
+        logger: Any | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> None:
         self._configure(
             layout=layout, size=size, runtime=runtime, chunk_bytes=chunk_bytes, max_workers=max_workers,
-            populate=populate, huge_pages=huge_pages, name=name, source=None,
+            populate=populate, huge_pages=huge_pages, name=name, source=None, registry=registry, logger=logger,
+            on_progress=on_progress,
         )  # fmt: skip
 
     def _configure(
@@ -132,6 +142,9 @@ class PinnedPool:
         huge_pages: bool,
         name: str,
         source: torch.Tensor | None,
+        registry: CollectorRegistry | None,
+        logger: Any | None,
+        on_progress: ProgressCallback | None,
     ) -> None:
         """Validate and plan; ``source`` is a caller's tensor to pin instead of own memory (pin())."""
         self.layout: Layout = Raw() if layout is None else layout
@@ -202,6 +215,14 @@ class PinnedPool:
         self._session: PinSession | None = None
         self._mapping: HostMapping | TensorMemory | None = None
         self._source = source
+        if registry is not None and not isinstance(registry, CollectorRegistry):
+            raise ConfigError(f"registry={registry!r} must be a prometheus_client CollectorRegistry, or None")
+        if on_progress is not None and not callable(on_progress):
+            raise ConfigError(f"on_progress={on_progress!r} must be callable(pinned, total, done, chunks)")
+        self.on_progress = on_progress
+        self._observer = Observer(
+            pool=name, runtime=self.runtime.name, layout=self.layout.name, registry=registry, logger=logger
+        )
         self._tensors: Mapping[str, torch.Tensor] | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._exit_lock = threading.Lock()
@@ -263,6 +284,16 @@ class PinnedPool:
 
     # -- shared by both drivers ----------------------------------------------------------------
 
+    def _note_rollback(self, session: PinSession) -> None:
+        ledger = session.ledger
+        cause = StopCause.CANCELLED if ledger.stop_cause is StopCause.CANCELLED else StopCause.FAILURE
+        self._observer.rollback(cause=cause.value, registered_chunks=ledger.chunks_done)
+
+    def _report_progress(self, session: PinSession) -> None:
+        if self.on_progress is not None:
+            ledger = session.ledger
+            self.on_progress(ledger.registered_bytes, self.nbytes, ledger.chunks_done, len(self.chunks))
+
     def _open(self) -> PinSession:
         if self._state != "new":
             raise PoolStateError(
@@ -280,7 +311,12 @@ class PinnedPool:
             runtime=self.runtime,
             base_ptr=mapping.address,
             populate=self.populate,
+            observer=self._observer,
         )
+        self._observer.pin_started(
+            nbytes=self.nbytes, chunks=len(self.chunks), chunk_bytes=self.chunk_bytes,
+            granularity=self.granularity, workers=self.workers,
+        )  # fmt: skip
         self._mapping = mapping
         self._session = session
         self._finalizer = weakref.finalize(self, _finalize_unclosed, self.name, session, mapping)
@@ -312,7 +348,9 @@ class PinnedPool:
     def _after_pinning(self, session: PinSession) -> None:
         """Workers are done: either the pool is pinned, or a chunk failed and the caller rolls back."""
         phase = session.finish_pinning()
+        self._report_progress(session)
         if phase is Phase.PINNED:
+            self._observer.pinned(nbytes=self.nbytes, chunks=len(self.chunks), seconds=session.pin_seconds)
             assert self._mapping is not None
             self._tensors = MappingProxyType(
                 {
@@ -347,12 +385,17 @@ class PinnedPool:
 
     def _finish_close(self, session: PinSession, failures: tuple[Any, ...], body_error: BaseException | None) -> None:
         mapping = self._mapping
+        was_open = self._state == "closing"
         self._state = "closed"
         self._tensors = None
         self._mapping = None
         if self._finalizer is not None:
             self._finalizer.detach()
         leaked = session.ledger.leaked()
+        self._observer.unpinned(
+            nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
+            leaked_bytes=sum(c.nbytes for c in leaked), pinned=was_open,
+        )  # fmt: skip
         if leaked and mapping is not None:
             mapping.keep_forever()  # and its range stays claimed: part of it may still be pinned
         elif mapping is not None:
@@ -387,12 +430,14 @@ class PinnedPool:
         try:
             await self._pin_async(session)
         except BaseException as exc:
+            self._note_rollback(session)
             await _shielded_in_thread(session.teardown)
             self._finish_close(session, (), None)
             if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                 raise exc.exceptions[0] from None  # users see the one error, not a task group's wrapper
             raise
         if self._state != "open":  # a chunk failed; the workers are done
+            self._note_rollback(session)
             await _shielded_in_thread(session.teardown)
             self._finish_close(session, (), None)
             self._raise_pin_error(session)
@@ -427,7 +472,11 @@ class PinnedPool:
                 try:
                     # The workers' waits are shielded; this one is not, so a cancellation lands
                     # here while threads run, and the workers stop after their current chunk.
-                    await all_done.wait()
+                    while not all_done.is_set():
+                        with anyio.move_on_after(PROGRESS_INTERVAL_SECONDS if self.on_progress else math.inf):
+                            await all_done.wait()
+                        if not all_done.is_set():
+                            self._report_progress(session)
                 except BaseException:
                     session.cancel()
                     raise
@@ -446,15 +495,17 @@ class PinnedPool:
         try:
             for i in range(self.workers):
                 workers.start(session.work, name=f"pinpool-{self.name}-{i}")
-            workers.wait()
+            workers.wait(on_tick=lambda: self._report_progress(session) if self.on_progress else None)
         except BaseException:
             session.cancel()
             workers.wait_uninterruptibly()  # a further Ctrl-C is dropped: this one already propagates
+            self._note_rollback(session)
             _failures, _again = _call_uninterruptibly(session.teardown)
             self._finish_close(session, (), None)
             raise
         self._after_pinning(session)
         if self._state != "open":
+            self._note_rollback(session)
             _failures, interrupt = _call_uninterruptibly(session.teardown)
             self._finish_close(session, (), None)
             if interrupt is not None:
@@ -498,11 +549,17 @@ class _Threads:
         threading.Thread(target=run, name=name, daemon=False).start()
         self._done.append(done)  # only once started: an unstarted thread has nothing to wait for
 
-    def wait(self) -> None:
-        """Wait for every thread; Ctrl-C interrupts the wait (timed, so it is seen promptly)."""
+    def wait(self, on_tick: Callable[[], object] | None = None) -> None:
+        """Wait for every thread; Ctrl-C interrupts the wait (timed, so it is seen promptly).
+
+        ``on_tick`` runs on the waiting thread about every PROGRESS_INTERVAL_SECONDS.
+        """
+        last_tick = time.monotonic()
         for done in self._done:
             while not done.wait(_JOIN_POLL_SECONDS):
-                pass
+                if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
+                    last_tick = time.monotonic()
+                    on_tick()
 
     def wait_uninterruptibly(self) -> BaseException | None:
         """Wait for every thread, even through interrupts; returns the first interrupt, if any."""
@@ -568,6 +625,9 @@ def pin(
     max_workers: int | None = None,
     populate: bool = False,
     name: str = "tensor",
+    registry: CollectorRegistry | None = REGISTRY,
+    logger: Any | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> PinnedPool:
     """Pin a contiguous CPU tensor you allocated, with PinnedPool's chunking and guarantees.
 
@@ -590,6 +650,7 @@ def pin(
     pool._configure(
         layout=_TensorLayout(tensor, granularity_bytes), size=nbytes, runtime=runtime, chunk_bytes=chunk_bytes,
         max_workers=max_workers, populate=populate, huge_pages=False, name=name, source=tensor,
+        registry=registry, logger=logger, on_progress=on_progress,
     )  # fmt: skip
     return pool
 

@@ -160,7 +160,7 @@ class MHA:
             raise ConfigError(f"MHA(k_only={self.k_only!r}): must be True or False")
         if self.v_head_dim is not None:
             _dim("MHA", "v_head_dim", self.v_head_dim)
-        if self.k_only and self.asymmetric:
+        if self.k_only and self.v_head_dim is not None:
             raise ConfigError("MHA(k_only=True, v_head_dim=...): a K-only pool has no V; drop one of them")
         if self.k_only:
             _choice("MHA", self.layout, (LAYER_FIRST, PAGE_FIRST, PAGE_FIRST_DIRECT), "K-only pools")

@@ -1,0 +1,98 @@
+"""Prometheus metrics for pinpool, and helpers to expose them.
+
+Metric names and labels are a contract (docs/metrics.md): dashboards and alerts are built on
+them. They are created once per :class:`prometheus_client.CollectorRegistry` and shared by
+every pool using that registry. Labels are bounded: ``pool`` (the pool's ``name=``),
+``runtime``, and ``phase``/``reason``/``cause`` where stated; never a chunk index.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, start_http_server
+
+__all__ = ["REGISTER_BUCKETS", "PoolMetrics", "make_asgi_app", "metrics_for", "serve"]
+
+# Exponential from 1 ms to 60 s: a registration holds the driver lock, so this range is the
+# serving stall, from "unnoticeable" to "a request timed out".
+REGISTER_BUCKETS = (*(0.001 * 2**k for k in range(16)), 60.0)
+POOL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+_BASE = ("pool", "runtime")
+
+
+class PoolMetrics:
+    """The metric families of one registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        kw: dict[str, Any] = {"registry": registry}
+        self.chunk_register_seconds = Histogram(
+            "pinpool_chunk_register_seconds", "Duration of one chunk's registration call (the driver-lock hold).",
+            _BASE, buckets=REGISTER_BUCKETS, **kw,
+        )  # fmt: skip
+        self.chunk_unregister_seconds = Histogram(
+            "pinpool_chunk_unregister_seconds", "Duration of one chunk's unregistration call.",
+            _BASE, buckets=REGISTER_BUCKETS, **kw,
+        )  # fmt: skip
+        self.chunk_populate_seconds = Histogram(
+            "pinpool_chunk_populate_seconds", "Duration of pre-faulting one chunk (MADV_POPULATE_WRITE).",
+            _BASE, buckets=REGISTER_BUCKETS, **kw,
+        )  # fmt: skip
+        self.chunks_registered = Counter(
+            "pinpool_chunks_registered_total", "Chunks registered successfully.", _BASE, **kw
+        )
+        self.registered_bytes = Counter("pinpool_registered_bytes_total", "Bytes registered successfully.", _BASE, **kw)
+        self.chunk_failures = Counter(
+            "pinpool_chunk_failures_total",
+            "Failed runtime calls, by phase (populate, register, unregister) and reason.",
+            (*_BASE, "phase", "reason"), **kw,
+        )  # fmt: skip
+        self.rollbacks = Counter(
+            "pinpool_rollbacks_total", "Pinnings rolled back, by cause (failure, cancelled).", (*_BASE, "cause"), **kw
+        )
+        self.retries = Counter("pinpool_retries_total", "Chunk registrations retried.", _BASE, **kw)
+        self.pinned_bytes = Gauge("pinpool_pinned_bytes", "Bytes pinned now.", _BASE, multiprocess_mode="livesum", **kw)
+        self.pool_bytes = Gauge(
+            "pinpool_pool_bytes", "Target size of open pools, in bytes.", _BASE, multiprocess_mode="livesum", **kw
+        )
+        self.chunks_in_flight = Gauge(
+            "pinpool_chunks_in_flight", "Runtime calls in progress.", _BASE, multiprocess_mode="livesum", **kw
+        )
+        self.pools_open = Gauge(
+            "pinpool_pools_open", "Pools pinning or pinned now.", _BASE, multiprocess_mode="livesum", **kw
+        )
+        self.pool_pin_seconds = Histogram(
+            "pinpool_pool_pin_seconds", "Duration of pinning a whole pool.", _BASE, buckets=POOL_BUCKETS, **kw
+        )
+        self.pool_unpin_seconds = Histogram(
+            "pinpool_pool_unpin_seconds", "Duration of unpinning a whole pool.", _BASE, buckets=POOL_BUCKETS, **kw
+        )
+        self.pool_info = Gauge(
+            "pinpool_pool_info", "Configuration of open pools (value 1).",
+            (*_BASE, "layout", "granularity_bytes", "chunk_bytes"), multiprocess_mode="liveall", **kw,
+        )  # fmt: skip
+
+
+_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, PoolMetrics] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def metrics_for(registry: CollectorRegistry) -> PoolMetrics:
+    """The metric families registered in ``registry``, created on first use (so pools share them)."""
+    with _lock:
+        metrics = _by_registry.get(registry)
+        if metrics is None:
+            metrics = _by_registry[registry] = PoolMetrics(registry)
+        return metrics
+
+
+def serve(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> Any:
+    """Serve ``registry`` at ``http://addr:port/metrics`` from a daemon thread (loopback by default).
+
+    Returns what prometheus_client's ``start_http_server`` returns (server and thread). For an
+    ASGI application, mount ``make_asgi_app(registry=...)`` instead (see docs/observability.md).
+    """
+    return start_http_server(port, addr=addr, registry=registry)
