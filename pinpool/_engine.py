@@ -124,6 +124,7 @@ class PinSession:
         for index in order:
             chunk = ledger.chunks[index]
             ptr = self.base_ptr + chunk.offset
+            self.observer.call_started()
             call_started = time.perf_counter()
             try:
                 self.runtime.unregister(ptr)
@@ -136,6 +137,8 @@ class PinSession:
                 with lock:
                     ledger.unregistered(index)
                 self.observer.chunk_unregistered(chunk, time.perf_counter() - call_started)
+            finally:
+                self.observer.call_ended()
         with lock:
             ledger.close()
             self.unpin_seconds += time.perf_counter() - started

@@ -117,5 +117,5 @@ class Observer:
                 m.pool_info.labels(*self._info_labels).dec()
         if failures:
             self.log.error("pool.unpin.failed", failures=failures, leaked_bytes=leaked_bytes, seconds=round(seconds, 6))
-        else:
+        elif pinned:  # after a rollback, pool.rollback already told the story
             self.log.info("pool.unpinned", bytes=nbytes, seconds=round(seconds, 6))

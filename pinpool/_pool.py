@@ -217,6 +217,11 @@ class PinnedPool:
         self._source = source
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise ConfigError(f"registry={registry!r} must be a prometheus_client CollectorRegistry, or None")
+        if logger is not None and not callable(getattr(logger, "bind", None)):
+            raise ConfigError(
+                f"logger={logger!r} must be a structlog (bound) logger with .bind(); "
+                "wrap a stdlib logger with structlog.wrap_logger or structlog.stdlib.get_logger"
+            )
         if on_progress is not None and not callable(on_progress):
             raise ConfigError(f"on_progress={on_progress!r} must be callable(pinned, total, done, chunks)")
         self.on_progress = on_progress
@@ -319,7 +324,7 @@ class PinnedPool:
         )  # fmt: skip
         self._mapping = mapping
         self._session = session
-        self._finalizer = weakref.finalize(self, _finalize_unclosed, self.name, session, mapping)
+        self._finalizer = weakref.finalize(self, _finalize_unclosed, self.name, self.nbytes, session, mapping)
         return session
 
     def _acquire_memory(self) -> HostMapping | TensorMemory:
@@ -383,7 +388,16 @@ class PinnedPool:
         )
         raise PinError(message, failures=failures, leaked=leaked) from first.error
 
-    def _finish_close(self, session: PinSession, failures: tuple[Any, ...], body_error: BaseException | None) -> None:
+    def _finish_close(
+        self,
+        session: PinSession,
+        failures: tuple[Any, ...],
+        body_error: BaseException | None,
+        *,
+        rolled_back: bool = False,
+    ) -> None:
+        """Close the books after teardown. After a rollback, unpin failures are reported by the
+        PinError (its ``leaked``) that follows, so they are logged and counted but not raised here."""
         mapping = self._mapping
         was_open = self._state == "closing"
         self._state = "closed"
@@ -400,7 +414,7 @@ class PinnedPool:
             mapping.keep_forever()  # and its range stays claimed: part of it may still be pinned
         elif mapping is not None:
             PINNED_RANGES.pop(mapping.address)
-        if not failures:
+        if not failures or rolled_back:
             return
         error = UnpinError(
             f"unpinning pool {self.name!r}: {len(failures)} chunk(s) failed to unregister "
@@ -431,15 +445,15 @@ class PinnedPool:
             await self._pin_async(session)
         except BaseException as exc:
             self._note_rollback(session)
-            await _shielded_in_thread(session.teardown)
-            self._finish_close(session, (), None)
+            failures = await _shielded_in_thread(session.teardown)
+            self._finish_close(session, failures, None, rolled_back=True)
             if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                 raise exc.exceptions[0] from None  # users see the one error, not a task group's wrapper
             raise
         if self._state != "open":  # a chunk failed; the workers are done
             self._note_rollback(session)
-            await _shielded_in_thread(session.teardown)
-            self._finish_close(session, (), None)
+            failures = await _shielded_in_thread(session.teardown)
+            self._finish_close(session, failures, None, rolled_back=True)
             self._raise_pin_error(session)
         return self
 
@@ -496,18 +510,18 @@ class PinnedPool:
             for i in range(self.workers):
                 workers.start(session.work, name=f"pinpool-{self.name}-{i}")
             workers.wait(on_tick=lambda: self._report_progress(session) if self.on_progress else None)
+            self._after_pinning(session)
         except BaseException:
             session.cancel()
             workers.wait_uninterruptibly()  # a further Ctrl-C is dropped: this one already propagates
             self._note_rollback(session)
-            _failures, _again = _call_uninterruptibly(session.teardown)
-            self._finish_close(session, (), None)
+            failures, _again = _call_uninterruptibly(session.teardown)
+            self._finish_close(session, failures, None, rolled_back=True)
             raise
-        self._after_pinning(session)
         if self._state != "open":
             self._note_rollback(session)
-            _failures, interrupt = _call_uninterruptibly(session.teardown)
-            self._finish_close(session, (), None)
+            failures, interrupt = _call_uninterruptibly(session.teardown)
+            self._finish_close(session, failures, None, rolled_back=True)
             if interrupt is not None:
                 raise interrupt
             self._raise_pin_error(session)
@@ -595,7 +609,7 @@ def _call_uninterruptibly(fn: Callable[[], T]) -> tuple[T, BaseException | None]
     return result[0], interrupt
 
 
-def _finalize_unclosed(name: str, session: PinSession, mapping: HostMapping | TensorMemory) -> None:
+def _finalize_unclosed(name: str, nbytes: int, session: PinSession, mapping: HostMapping | TensorMemory) -> None:
     """A pool that was never exited (garbage-collected, or alive at interpreter exit)."""
     if session.ledger.phase is Phase.CLOSED or os.getpid() != session.pid:
         return
@@ -603,11 +617,16 @@ def _finalize_unclosed(name: str, session: PinSession, mapping: HostMapping | Te
     session.cancel()
     if session.ledger.in_flight:
         return  # a worker is still mid-call; its own driver will roll back
-    session.teardown()  # first: a warning turned into an error must not keep memory pinned
-    if session.ledger.leaked():
+    failures = session.teardown()  # first: a warning turned into an error must not keep memory pinned
+    leaked = session.ledger.leaked()
+    if leaked:
         mapping.keep_forever()
     else:
         PINNED_RANGES.pop(mapping.address)
+    session.observer.unpinned(
+        nbytes=nbytes, seconds=session.unpin_seconds, failures=len(failures),
+        leaked_bytes=sum(c.nbytes for c in leaked), pinned=True,
+    )  # fmt: skip
     warnings.warn(
         f"PinnedPool {name!r} was never exited; unpinned its {format_bytes(pinned)} in a finalizer. "
         "Use `async with` / `with` so teardown happens where you expect it",

@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, start_http_server
 
-__all__ = ["REGISTER_BUCKETS", "PoolMetrics", "make_asgi_app", "metrics_for", "serve"]
+__all__ = ["POOL_BUCKETS", "REGISTER_BUCKETS", "PoolMetrics", "make_asgi_app", "metrics_for", "serve"]
 
 # Exponential from 1 ms to 60 s: a registration holds the driver lock, so this range is the
 # serving stall, from "unnoticeable" to "a request timed out".

@@ -253,3 +253,56 @@ def test_multiprocess_mode_sums_live_pools(tmp_path: Any) -> None:
             child.communicate("\n", timeout=60)
     for child in children:
         assert child.returncode == 0
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_progress_error_on_the_final_call_rolls_back(mode: str) -> None:
+    fake = FakeRuntime()
+
+    def broken(*_: Any) -> None:
+        raise LookupError("dashboard down")
+
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, on_progress=broken)
+    with pytest.raises(LookupError):
+        if mode == "async":
+            async with pool:
+                pytest.fail("must not enter")
+        else:
+            with pool:
+                pytest.fail("must not enter")
+    assert fake.registered == {} and len(fake.register_calls) == 4
+
+
+def test_finalizer_closes_the_pool_metrics() -> None:
+    registry = CollectorRegistry()
+    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), name="obs", registry=registry)
+    pool.__enter__()
+    assert sample(registry, "pinpool_pools_open", **base()) == 1
+    with pytest.warns(pinpool.UnclosedPoolWarning):
+        del pool
+        import gc
+
+        gc.collect()
+    assert sample(registry, "pinpool_pools_open", **base()) == 0
+    assert sample(registry, "pinpool_pool_bytes", **base()) == 0
+    assert sample(registry, "pinpool_pinned_bytes", **base()) == 0
+
+
+def test_rollback_that_leaks_logs_unpin_failed() -> None:
+    fake = FakeRuntime(fail_register_on=3, fail_unregister_on=1)
+    with structlog.testing.capture_logs() as logs:
+        with (
+            pytest.raises(pinpool.PinError) as info,
+            pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, max_workers=1),
+        ):
+            pass
+    events = [e["event"] for e in logs]
+    assert "pool.rollback" in events and "pool.unpin.failed" in events and "pool.unpinned" not in events
+    assert len(info.value.leaked) == 1
+
+
+def test_logger_must_be_a_structlog_logger() -> None:
+    import logging
+
+    with pytest.raises(pinpool.ConfigError, match="logger="):
+        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), logger=logging.getLogger("x"))
