@@ -306,3 +306,24 @@ def test_logger_must_be_a_structlog_logger() -> None:
 
     with pytest.raises(pinpool.ConfigError, match="logger="):
         pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), logger=logging.getLogger("x"))
+
+
+async def test_asgi_app_serves_the_pool_metrics() -> None:
+    from pinpool.metrics import make_asgi_app
+
+    registry = CollectorRegistry()
+    with pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), name="asgi", registry=registry):
+        app = make_asgi_app(registry=registry)
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "GET", "path": "/", "query_string": b"", "headers": []}
+        await app(scope, receive, send)
+    assert sent[0]["status"] == 200
+    body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    assert 'pinpool_pinned_bytes{pool="asgi",runtime="fake"} 1.048576e+06' in body

@@ -1,0 +1,378 @@
+#!/usr/bin/env python3
+"""Generate dashboards/pinpool.json, the pinpool Grafana dashboard, from plain dicts.
+
+    python dashboards/generate.py           rewrite dashboards/pinpool.json
+    python dashboards/generate.py --check   exit 1 if the committed file differs from what this writes
+
+The JSON is generated, never edited by hand: CI runs ``--check`` so the two cannot drift.
+Metric names and labels are pinpool's contract (docs/metrics.md). No dependencies beyond the
+standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+OUTPUT = Path(__file__).resolve().parent / "pinpool.json"
+
+Json = dict[str, Any]
+
+# Every panel and every target uses the templated data source, never a fixed one.
+DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}
+# Every query filters on the dashboard's variables.
+SELECTOR = 'job=~"$job", instance=~"$instance", pool=~"$pool"'
+RATE = "$__rate_interval"
+
+
+def sel(metric: str, extra: str = "") -> str:
+    """``metric{job=~"$job", instance=~"$instance", pool=~"$pool"[, extra]}``."""
+    matchers = f"{SELECTOR}, {extra}" if extra else SELECTOR
+    return f"{metric}{{{matchers}}}"
+
+
+def rate(metric: str, extra: str = "") -> str:
+    return f"rate({sel(metric, extra)}[{RATE}])"
+
+
+def increase(metric: str, extra: str = "") -> str:
+    return f"increase({sel(metric, extra)}[{RATE}])"
+
+
+def target(expr: str, legend: str, ref: str, **extra: Any) -> Json:
+    return {"datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": True, "refId": ref, **extra}
+
+
+def grid(x: int, y: int, w: int, h: int) -> Json:
+    return {"h": h, "w": w, "x": x, "y": y}
+
+
+def timeseries(title: str, description: str, unit: str, targets: list[Json], pos: Json, **custom: Any) -> Json:
+    return {
+        "datasource": DATASOURCE,
+        "description": description,
+        "fieldConfig": {
+            "defaults": {
+                "color": {"mode": "palette-classic"},
+                "custom": {
+                    "drawStyle": "line",
+                    "fillOpacity": 10,
+                    "lineWidth": 1,
+                    "showPoints": "auto",
+                    "spanNulls": False,
+                    **custom,
+                },
+                "min": 0,
+                "unit": unit,
+            },
+            "overrides": [],
+        },
+        "gridPos": pos,
+        "options": {
+            "legend": {
+                "calcs": ["lastNotNull", "max"],
+                "displayMode": "table",
+                "placement": "bottom",
+                "showLegend": True,
+            },
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "targets": targets,
+        "title": title,
+        "type": "timeseries",
+    }
+
+
+def stat(title: str, description: str, unit: str, targets: list[Json], pos: Json) -> Json:
+    return {
+        "datasource": DATASOURCE,
+        "description": description,
+        "fieldConfig": {
+            "defaults": {
+                "color": {"mode": "thresholds"},
+                "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
+                "unit": unit,
+            },
+            "overrides": [],
+        },
+        "gridPos": pos,
+        "options": {
+            "colorMode": "value",
+            "graphMode": "area",
+            "justifyMode": "auto",
+            "orientation": "auto",
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "textMode": "auto",
+        },
+        "targets": targets,
+        "title": title,
+        "type": "stat",
+    }
+
+
+def heatmap(title: str, description: str, targets: list[Json], pos: Json) -> Json:
+    return {
+        "datasource": DATASOURCE,
+        "description": description,
+        # Cell values are counts of registrations; the bucket axis is in seconds (yAxis.unit).
+        "fieldConfig": {"defaults": {"unit": "short"}, "overrides": []},
+        "gridPos": pos,
+        "options": {
+            "calculate": False,
+            "cellGap": 1,
+            "cellValues": {"unit": "short"},
+            "color": {
+                "exponent": 0.5,
+                "fill": "dark-orange",
+                "mode": "scheme",
+                "scale": "exponential",
+                "scheme": "Oranges",
+                "steps": 64,
+            },
+            "filterValues": {"le": 1e-9},
+            "legend": {"show": True},
+            "rowsFrame": {"layout": "auto"},
+            "showValue": "never",
+            "tooltip": {"mode": "single", "showColorScale": False, "yHistogram": True},
+            "yAxis": {"axisPlacement": "left", "reverse": False, "unit": "s"},
+        },
+        "targets": targets,
+        "title": title,
+        "type": "heatmap",
+    }
+
+
+def query_variable(name: str, label: str, query: str) -> Json:
+    return {
+        "allValue": ".+",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "datasource": DATASOURCE,
+        "definition": query,
+        "hide": 0,
+        "includeAll": True,
+        "label": label,
+        "multi": True,
+        "name": name,
+        "options": [],
+        "query": query,
+        "refresh": 2,  # on time range change
+        "regex": "",
+        "skipUrlSync": False,
+        "sort": 1,
+        "type": "query",
+    }
+
+
+def variables() -> list[Json]:
+    return [
+        {
+            "current": {},
+            "hide": 0,
+            "includeAll": False,
+            "label": "Data source",
+            "multi": False,
+            "name": "datasource",
+            "options": [],
+            "query": "prometheus",
+            "refresh": 1,
+            "regex": "",
+            "skipUrlSync": False,
+            "type": "datasource",
+        },
+        query_variable("job", "Job", "label_values(pinpool_pool_bytes, job)"),
+        query_variable("instance", "Instance", 'label_values(pinpool_pool_bytes{job=~"$job"}, instance)'),
+        query_variable("pool", "Pool", 'label_values(pinpool_pool_bytes{job=~"$job", instance=~"$instance"}, pool)'),
+    ]
+
+
+def quantile(q: float, metric: str) -> str:
+    return f"histogram_quantile({q}, sum by (pool, le) ({rate(metric)}))"
+
+
+def mean(histogram: str) -> str:
+    return f"sum by (pool) ({rate(histogram + '_sum')}) / sum by (pool) ({rate(histogram + '_count')})"
+
+
+def panels() -> list[Json]:
+    items = [
+        stat(
+            "Pools open",
+            "Pools pinning or pinned now (pinpool_pools_open), per pool name.",
+            "short",
+            [target(f"sum by (pool) ({sel('pinpool_pools_open')})", "{{pool}}", "A")],
+            grid(0, 0, 8, 4),
+        ),
+        stat(
+            "Pinned now",
+            "Bytes pinned now (pinpool_pinned_bytes), per pool name. Non-zero with no pool open means leaked "
+            "pinned memory (an unregister failed).",
+            "bytes",
+            [target(f"sum by (pool) ({sel('pinpool_pinned_bytes')})", "{{pool}}", "A")],
+            grid(8, 0, 8, 4),
+        ),
+        stat(
+            "Target size of open pools",
+            "Target size of the open pools (pinpool_pool_bytes), per pool name.",
+            "bytes",
+            [target(f"sum by (pool) ({sel('pinpool_pool_bytes')})", "{{pool}}", "A")],
+            grid(16, 0, 8, 4),
+        ),
+        timeseries(
+            "Pinned vs target bytes",
+            "pinpool_pinned_bytes climbs towards pinpool_pool_bytes while a pool pins and equals it while the pool "
+            "is open. Pinned below target for long: pinning is stuck (alert PinpoolPoolBelowTarget).",
+            "bytes",
+            [
+                target(f"sum by (pool) ({sel('pinpool_pinned_bytes')})", "{{pool}} pinned", "A"),
+                target(f"sum by (pool) ({sel('pinpool_pool_bytes')})", "{{pool}} target", "B"),
+            ],
+            grid(0, 4, 12, 8),
+        ),
+        timeseries(
+            "Pin throughput",
+            "Bytes registered per second (rate of pinpool_registered_bytes_total).",
+            "Bps",
+            [target(f"sum by (pool) ({rate('pinpool_registered_bytes_total')})", "{{pool}}", "A")],
+            grid(12, 4, 12, 8),
+        ),
+        timeseries(
+            "Chunk registration latency (p50, p99)",
+            "Duration of one chunk's registration call (pinpool_chunk_register_seconds). Under CUDA it holds the "
+            "driver lock: this is the serving stall. p99 above 5 s fires PinpoolSlowChunkRegistration; lower "
+            "chunk_bytes= (docs/operations.md#sizing-chunks).",
+            "s",
+            [
+                target(quantile(0.5, "pinpool_chunk_register_seconds_bucket"), "{{pool}} p50", "A"),
+                target(quantile(0.99, "pinpool_chunk_register_seconds_bucket"), "{{pool}} p99", "B"),
+            ],
+            grid(0, 12, 12, 8),
+        ),
+        heatmap(
+            "Chunk registration latency distribution",
+            "Registrations per bucket of pinpool_chunk_register_seconds (all selected pools).",
+            [
+                target(
+                    f"sum by (le) ({increase('pinpool_chunk_register_seconds_bucket')})",
+                    "{{le}}",
+                    "A",
+                    format="heatmap",
+                )
+            ],
+            grid(12, 12, 12, 8),
+        ),
+        timeseries(
+            "Chunk failures by phase and reason",
+            "Failed runtime calls per interval (pinpool_chunk_failures_total). phase=register/populate: the pinning "
+            "rolled back; phase=unregister: memory may stay pinned until the process exits. See the reason in "
+            "docs/operations.md#cuda-error-codes.",
+            "short",
+            [
+                target(
+                    f"sum by (pool, phase, reason) ({increase('pinpool_chunk_failures_total')})",
+                    "{{pool}} {{phase}} {{reason}}",
+                    "A",
+                )
+            ],
+            grid(0, 20, 12, 8),
+            drawStyle="bars",
+        ),
+        timeseries(
+            "Rollbacks by cause",
+            "Pinnings rolled back per interval (pinpool_rollbacks_total): cause=failure after a failed chunk, "
+            "cause=cancelled after a cancel or timeout.",
+            "short",
+            [target(f"sum by (pool, cause) ({increase('pinpool_rollbacks_total')})", "{{pool}} {{cause}}", "A")],
+            grid(12, 20, 12, 8),
+            drawStyle="bars",
+        ),
+        timeseries(
+            "In-flight runtime calls",
+            "Register/unregister calls in progress (pinpool_chunks_in_flight); at most the worker count, 0 when "
+            "idle. Stuck above 0 with no throughput: a call hangs in the driver.",
+            "short",
+            [target(f"sum by (pool) ({sel('pinpool_chunks_in_flight')})", "{{pool}}", "A")],
+            grid(0, 28, 12, 8),
+        ),
+        timeseries(
+            "Pool pin / unpin duration (mean)",
+            "Mean wall time of pinning (pinpool_pool_pin_seconds) and of unpinning (pinpool_pool_unpin_seconds) a "
+            "whole pool, over the interval. Pools pin rarely: points appear only where one pinned or unpinned.",
+            "s",
+            [
+                target(mean("pinpool_pool_pin_seconds"), "{{pool}} pin", "A"),
+                target(mean("pinpool_pool_unpin_seconds"), "{{pool}} unpin", "B"),
+            ],
+            grid(12, 28, 12, 8),
+            showPoints="always",
+        ),
+    ]
+    for number, panel in enumerate(items, start=1):
+        panel["id"] = number
+    return items
+
+
+def dashboard() -> Json:
+    return {
+        "annotations": {"list": []},
+        "description": "pinpool: pinned host-memory pools (sizes, pin throughput, registration stall, failures, "
+        "rollbacks). Generated by dashboards/generate.py; do not edit by hand.",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": panels(),
+        "refresh": "30s",
+        "schemaVersion": 39,
+        "tags": ["pinpool"],
+        "templating": {"list": variables()},
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "",
+        "title": "pinpool",
+        "uid": "pinpool",
+        "version": 1,
+        "weekStart": "",
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if the committed JSON is not what this writes")
+    parser.add_argument("--output", type=Path, default=OUTPUT, help=f"file to write or check (default {OUTPUT})")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        try:
+            current = args.output.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            print(f"{args.output} does not exist: run python dashboards/generate.py", file=sys.stderr)
+            return 1
+        if current != text:
+            diff = difflib.unified_diff(
+                current.splitlines(keepends=True), text.splitlines(keepends=True), str(args.output), "generated"
+            )
+            sys.stderr.writelines(list(diff)[:60])
+            print(
+                f"\n{args.output} is out of date with dashboards/generate.py: run python dashboards/generate.py "
+                "and commit the result (edit generate.py, never the JSON).",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{args.output} is up to date")
+        return 0
+    args.output.write_text(text, encoding="utf-8")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
