@@ -26,7 +26,15 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from . import _libc
 from ._engine import PinSession
-from ._errors import AlreadyPinnedError, ConfigError, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
+from ._errors import (
+    AlreadyPinnedError,
+    ChunkFailure,
+    ConfigError,
+    PinError,
+    PoolStateError,
+    UnclosedPoolWarning,
+    UnpinError,
+)
 from ._ledger import Phase, StopCause
 from ._memory import HostMapping, TensorMemory, check_huge_pages_available
 from ._observe import Observer
@@ -372,7 +380,6 @@ class PinnedPool:
         failures = session.ledger.failures_in("populate", "register")
         leaked = session.ledger.leaked()
         first = min(failures, key=lambda f: f.chunk.offset)
-        done = sum(1 for f in session.ledger.failures if f.phase == "unregister")
         message = (
             f"pinning pool {self.name!r} ({format_bytes(self.nbytes)}, {len(self.chunks)} chunks of <= "
             f"{format_bytes(self.chunk_bytes)}, runtime {self.runtime.name}) failed at offset={first.chunk.offset} "
@@ -383,7 +390,7 @@ class PinnedPool:
             message += f" [{len(failures)} chunks failed]"
         message += (
             f"; rolled back, {len(leaked)} chunk(s) could not be unregistered and may still be pinned: {leaked}"
-            if leaked or done
+            if leaked
             else "; every registered chunk was rolled back"
         )
         raise PinError(message, failures=failures, leaked=leaked) from first.error
@@ -391,7 +398,7 @@ class PinnedPool:
     def _finish_close(
         self,
         session: PinSession,
-        failures: tuple[Any, ...],
+        failures: tuple[ChunkFailure, ...],
         body_error: BaseException | None,
         *,
         rolled_back: bool = False,
@@ -405,15 +412,8 @@ class PinnedPool:
         self._mapping = None
         if self._finalizer is not None:
             self._finalizer.detach()
-        leaked = session.ledger.leaked()
-        self._observer.unpinned(
-            nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
-            leaked_bytes=sum(c.nbytes for c in leaked), pinned=was_open,
-        )  # fmt: skip
-        if leaked and mapping is not None:
-            mapping.keep_forever()  # and its range stays claimed: part of it may still be pinned
-        elif mapping is not None:
-            PINNED_RANGES.pop(mapping.address)
+        assert mapping is not None  # _open maps before any teardown can happen
+        leaked = _release(session, mapping, nbytes=self.nbytes, failures=failures, pinned=was_open)
         if not failures or rolled_back:
             return
         error = UnpinError(
@@ -444,18 +444,19 @@ class PinnedPool:
         try:
             await self._pin_async(session)
         except BaseException as exc:
-            self._note_rollback(session)
-            failures = await _shielded_in_thread(session.teardown)
-            self._finish_close(session, failures, None, rolled_back=True)
+            await self._roll_back_async(session)
             if isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
                 raise exc.exceptions[0] from None  # users see the one error, not a task group's wrapper
             raise
         if self._state != "open":  # a chunk failed; the workers are done
-            self._note_rollback(session)
-            failures = await _shielded_in_thread(session.teardown)
-            self._finish_close(session, failures, None, rolled_back=True)
+            await self._roll_back_async(session)
             self._raise_pin_error(session)
         return self
+
+    async def _roll_back_async(self, session: PinSession) -> None:
+        self._note_rollback(session)
+        failures = await _shielded_in_thread(session.teardown)
+        self._finish_close(session, failures, None, rolled_back=True)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -609,6 +610,28 @@ def _call_uninterruptibly(fn: Callable[[], T]) -> tuple[T, BaseException | None]
     return result[0], interrupt
 
 
+def _release(
+    session: PinSession,
+    mapping: HostMapping | TensorMemory,
+    *,
+    nbytes: int,
+    failures: tuple[ChunkFailure, ...],
+    pinned: bool,
+) -> tuple[Chunk, ...]:
+    """After teardown: report the unpin, and let the memory go unless a chunk leaked (then it is
+    kept mapped and its range stays claimed: part of it may still be pinned). Returns the leaked chunks."""
+    leaked = session.ledger.leaked()
+    session.observer.unpinned(
+        nbytes=nbytes, seconds=session.unpin_seconds, failures=len(failures),
+        leaked_bytes=sum(c.nbytes for c in leaked), pinned=pinned,
+    )  # fmt: skip
+    if leaked:
+        mapping.keep_forever()
+    else:
+        PINNED_RANGES.pop(mapping.address)
+    return leaked
+
+
 def _finalize_unclosed(name: str, nbytes: int, session: PinSession, mapping: HostMapping | TensorMemory) -> None:
     """A pool that was never exited (garbage-collected, or alive at interpreter exit)."""
     if session.ledger.phase is Phase.CLOSED or os.getpid() != session.pid:
@@ -618,15 +641,7 @@ def _finalize_unclosed(name: str, nbytes: int, session: PinSession, mapping: Hos
     if session.ledger.in_flight:
         return  # a worker is still mid-call; its own driver will roll back
     failures = session.teardown()  # first: a warning turned into an error must not keep memory pinned
-    leaked = session.ledger.leaked()
-    if leaked:
-        mapping.keep_forever()
-    else:
-        PINNED_RANGES.pop(mapping.address)
-    session.observer.unpinned(
-        nbytes=nbytes, seconds=session.unpin_seconds, failures=len(failures),
-        leaked_bytes=sum(c.nbytes for c in leaked), pinned=True,
-    )  # fmt: skip
+    _release(session, mapping, nbytes=nbytes, failures=failures, pinned=True)
     warnings.warn(
         f"PinnedPool {name!r} was never exited; unpinned its {format_bytes(pinned)} in a finalizer. "
         "Use `async with` / `with` so teardown happens where you expect it",
