@@ -13,6 +13,8 @@ from ._pool import PinnedPool
 from ._units import format_bytes, parse_size
 from .layouts import Raw
 
+HUGE_PAGES: dict[str, bool | str] = {"off": False, "thp": True, "hugetlb": "hugetlb"}
+
 
 def _pin(args: argparse.Namespace) -> int:
     layout = Raw(granularity_bytes=parse_size(args.granularity, what="--granularity") if args.granularity else None)
@@ -21,9 +23,12 @@ def _pin(args: argparse.Namespace) -> int:
         size=args.size,
         runtime=args.runtime,
         chunk_bytes=args.chunk_bytes,
-        max_workers=args.workers,
         populate=args.populate,
-        huge_pages=args.huge_pages,
+        populate_workers=args.populate_workers,
+        register_workers=args.register_workers,
+        unpin_workers=args.unpin_workers,
+        huge_pages=HUGE_PAGES[args.huge_pages],
+        numa_node=args.numa_node,
         name=args.name,
     )
     locked_before = _libc.vm_locked_bytes()
@@ -39,7 +44,10 @@ def _pin(args: argparse.Namespace) -> int:
         "chunks": len(pool.chunks),
         "chunk_bytes": pool.chunk_bytes,
         "granularity_bytes": pool.granularity,
-        "workers": pool.workers,
+        "order": pool.order.value,
+        "populate_workers": pool.populate_workers,
+        "register_workers": pool.register_workers,
+        "unpin_workers": pool.unpin_workers,
         "populate": pool.populate,
         "huge_pages": pool.huge_pages,
         "pin_seconds": round(pool.pin_seconds, 4),
@@ -53,8 +61,9 @@ def _pin(args: argparse.Namespace) -> int:
     print(f"pinned {format_bytes(pool.nbytes)} with runtime {pool.runtime.name!r} ({pool.name!r})")
     print(
         f"  how:  {len(pool.chunks)} chunk(s) of <= {format_bytes(pool.chunk_bytes)}, granularity "
-        f"{format_bytes(pool.granularity) if pool.granularity else 'none'}, {pool.workers} worker thread(s), "
-        f"populate={pool.populate}, huge_pages={pool.huge_pages}"
+        f"{format_bytes(pool.granularity) if pool.granularity else 'none'}, {pool.populate_workers} populate + "
+        f"{pool.register_workers} register thread(s) ({pool.order.value}), populate={pool.populate}, "
+        f"huge_pages={pool.huge_pages}"
     )
     print(f"  fast: {pool.pin_seconds:.3f} s to pin = {gbps:.2f} GB/s; unpinned in {pool.unpin_seconds:.3f} s")
     print(
@@ -73,9 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--runtime", default="auto", choices=["auto", "cuda", "mlock"], help="default: auto")
     pin.add_argument("--chunk-bytes", default=None, help="upper bound of one registration (default: env or 256GiB)")
     pin.add_argument("--granularity", default=None, help="copy-page size chunk boundaries align to")
-    pin.add_argument("--workers", type=int, default=None, help="worker threads (default: by runtime and CPUs)")
-    pin.add_argument("--populate", action="store_true", help="pre-fault each chunk before registering it")
-    pin.add_argument("--huge-pages", action="store_true", help="transparent huge pages (2 MiB)")
+    pin.add_argument("--populate-workers", type=int, default=None, help="pre-fault threads (default: CPUs)")
+    pin.add_argument("--register-workers", type=int, default=None, help="registration threads (default: by runtime)")
+    pin.add_argument("--unpin-workers", type=int, default=None, help="unregistration threads (default: CPUs)")
+    pin.add_argument(
+        "--populate", action=argparse.BooleanOptionalAction, default=None,
+        help="pre-fault on threads, pipelined with registration (default: on where the kernel supports it)",
+    )  # fmt: skip
+    pin.add_argument(
+        "--huge-pages", nargs="?", const="thp", default="off", choices=["off", "thp", "hugetlb"],
+        help="2 MiB pages: thp (transparent, the value when none is given) or hugetlb (reserved pool)",
+    )  # fmt: skip
+    pin.add_argument("--numa-node", type=int, default=None, help="bind the pool's memory to this NUMA node")
     pin.add_argument("--name", default="cli", help="pool name in logs and metrics")
     pin.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     pin.set_defaults(run=_pin)

@@ -12,13 +12,18 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from ._errors import ChunkFailure, RuntimeCallError
-from ._ledger import Ledger, Phase
+from ._ledger import Phase
 from ._memory import populate_range
 from ._observe import Observer
+from ._pipeline import WAIT, Order, Pipeline, _Wait
 from ._plan import Chunk
 from .runtimes import Runtime
+
+T = TypeVar("T")
 
 
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
@@ -31,7 +36,7 @@ def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> Runt
 
 
 class PinSession:
-    """The state of one pinning: ledger, lock, runtime, and the memory it pins."""
+    """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
 
     def __init__(
         self,
@@ -39,15 +44,24 @@ class PinSession:
         chunks: tuple[Chunk, ...],
         runtime: Runtime,
         base_ptr: int,
-        populate: bool,
+        order: Order,
+        span_bytes: int,
+        lookahead_bytes: int,
+        unpin_workers: int,
         observer: Observer,
     ) -> None:
-        self.ledger = Ledger(chunks)
+        self.pipeline = Pipeline(chunks, order=order, span_bytes=span_bytes, lookahead_bytes=lookahead_bytes)
+        self.ledger = self.pipeline.ledger
         self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)
         self.runtime = runtime
         self.base_ptr = base_ptr
-        self._populate = populate
         self.observer = observer
+        self.unpin_workers = unpin_workers
+        self._populate: Callable[[int, int], None] = getattr(runtime, "populate", None) or populate_range
+        self._register: Callable[[int, int], None] = (
+            runtime.lock_on_fault if order is Order.REGISTER_FIRST else runtime.register  # type: ignore[attr-defined]
+        )
         self.pid = os.getpid()
         self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
@@ -55,47 +69,74 @@ class PinSession:
 
     # -- worker bodies ---------------------------------------------------------------------
 
-    def work(self) -> None:
-        """One worker: claim, (populate,) register, record; until the ledger hands out nothing."""
-        ledger, lock = self.ledger, self.lock
-        while True:
-            with lock:
-                index = ledger.claim()
-            if index is None:
-                return
-            chunk = ledger.chunks[index]
-            ptr = self.base_ptr + chunk.offset
-            observer = self.observer
-            phase = "populate"
+    def _next(self, take: Callable[[], T | _Wait | None]) -> T | None:
+        """The next item of a role, sleeping while the pipeline says WAIT."""
+        with self._changed:
+            while True:
+                try:
+                    item = take()
+                except BaseException:
+                    # A scheduling bug must not leave the other workers asleep forever.
+                    self.ledger.cancel()
+                    self._changed.notify_all()
+                    raise
+                if item is not WAIT:
+                    return item
+                self._changed.wait()
+
+    def _landed(self, record: Callable[..., None], *args: object) -> None:
+        with self._changed:
+            record(*args)
+            self._changed.notify_all()
+
+    def populate_work(self) -> None:
+        """One populate worker: fault spans until the pipeline hands out nothing."""
+        pipeline, observer = self.pipeline, self.observer
+        while (span := self._next(pipeline.next_populate)) is not None:
+            ptr = self.base_ptr + span.offset
             observer.call_started()
             started = time.perf_counter()
             try:
-                if self._populate:
-                    populate_range(ptr, chunk.nbytes)
-                    populated = time.perf_counter()
-                    observer.chunk_populated(chunk, populated - started)
-                    started = populated
-                phase = "register"
-                self.runtime.register(ptr, chunk.nbytes)
+                self._populate(ptr, span.nbytes)
             except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
-                error = as_runtime_error(exc, phase, ptr, chunk.nbytes)
-                with lock:
-                    ledger.failed(index, phase, error)
-                observer.chunk_failed(chunk, phase, error, time.perf_counter() - started)
+                error = as_runtime_error(exc, "populate", ptr, span.nbytes)
+                self._landed(pipeline.populate_failed, span, error)
+                observer.chunk_failed(self.ledger.chunks[span.chunk], "populate", error, time.perf_counter() - started)
                 if not isinstance(exc, Exception):
                     raise
             else:
-                seconds = time.perf_counter() - started
-                with lock:
-                    ledger.registered(index)
-                observer.chunk_registered(chunk, seconds)
+                self._landed(pipeline.populated, span)
+                observer.span_populated(span.nbytes, time.perf_counter() - started)
+            finally:
+                observer.call_ended()
+
+    def register_work(self) -> None:
+        """One register worker: register chunks until the pipeline hands out nothing."""
+        pipeline, observer = self.pipeline, self.observer
+        while (index := self._next(pipeline.next_register)) is not None:
+            chunk = self.ledger.chunks[index]
+            ptr = self.base_ptr + chunk.offset
+            observer.call_started()
+            started = time.perf_counter()
+            try:
+                self._register(ptr, chunk.nbytes)
+            except BaseException as exc:
+                error = as_runtime_error(exc, "register", ptr, chunk.nbytes)
+                self._landed(pipeline.register_failed, index, error)
+                observer.chunk_failed(chunk, "register", error, time.perf_counter() - started)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                self._landed(pipeline.registered, index)
+                observer.chunk_registered(chunk, time.perf_counter() - started)
             finally:
                 observer.call_ended()
 
     def cancel(self) -> None:
-        """Tell workers to stop after their current chunk."""
-        with self.lock:
-            self.ledger.cancel()
+        """Tell workers to stop after their current call."""
+        with self._changed:
+            self.pipeline.cancel()
+            self._changed.notify_all()
 
     def finish_pinning(self) -> Phase:
         with self.lock:
@@ -103,7 +144,7 @@ class PinSession:
 
     def _finish_pinning_locked(self) -> Phase:
         self.pin_seconds = time.perf_counter() - self._pin_started
-        return self.ledger.finish_pinning()
+        return self.pipeline.finish()
 
     def teardown(self) -> tuple[ChunkFailure, ...]:
         """Unregister every registered chunk base in reverse offset order; idempotent.
@@ -121,25 +162,50 @@ class PinSession:
             order = ledger.teardown_order()
             failed_before = len(ledger.failures)
         started = time.perf_counter()
-        for index in order:
-            chunk = ledger.chunks[index]
-            ptr = self.base_ptr + chunk.offset
-            self.observer.call_started()
-            call_started = time.perf_counter()
+        pending = iter(order)  # claimed in reverse offset order, by however many workers run
+        extra = min(self.unpin_workers, len(order)) - 1
+        helpers = [threading.Event() for _ in range(max(0, extra))]
+        started_helpers = []
+        for done in helpers:
             try:
-                self.runtime.unregister(ptr)
-            except Exception as exc:
-                error = as_runtime_error(exc, "unregister", ptr, chunk.nbytes)
-                with lock:
-                    ledger.unregister_failed(index, error)
-                self.observer.chunk_failed(chunk, "unregister", error, time.perf_counter() - call_started)
-            else:
-                with lock:
-                    ledger.unregistered(index)
-                self.observer.chunk_unregistered(chunk, time.perf_counter() - call_started)
-            finally:
-                self.observer.call_ended()
+                threading.Thread(target=self._unregister_work, args=(pending, done), name="pinpool-unpin").start()
+            except RuntimeError:  # no new threads at interpreter shutdown: fewer workers, same result
+                break
+            started_helpers.append(done)
+        self._unregister_work(pending, None)
+        for done in started_helpers:
+            done.wait()
         with lock:
             ledger.close()
             self.unpin_seconds += time.perf_counter() - started
             return tuple(ledger.failures[failed_before:])
+
+    def _unregister_work(self, pending: Iterator[int], done: threading.Event | None) -> None:
+        """One unpin worker: unregister chunk bases from the shared reverse-order queue."""
+        ledger, lock, observer = self.ledger, self.lock, self.observer
+        try:
+            while True:
+                with lock:
+                    index = next(pending, None)
+                if index is None:
+                    return
+                chunk = ledger.chunks[index]
+                ptr = self.base_ptr + chunk.offset
+                observer.call_started()
+                call_started = time.perf_counter()
+                try:
+                    self.runtime.unregister(ptr)
+                except Exception as exc:
+                    error = as_runtime_error(exc, "unregister", ptr, chunk.nbytes)
+                    with lock:
+                        ledger.unregister_failed(index, error)
+                    observer.chunk_failed(chunk, "unregister", error, time.perf_counter() - call_started)
+                else:
+                    with lock:
+                        ledger.unregistered(index)
+                    observer.chunk_unregistered(chunk, time.perf_counter() - call_started)
+                finally:
+                    observer.call_ended()
+        finally:
+            if done is not None:
+                done.set()

@@ -51,18 +51,34 @@ class Ledger:
         self._next = 0
         self._in_flight = 0
         self._registered_bytes = 0
+        self._pending = len(self.chunks)
 
     # -- pinning ---------------------------------------------------------------------------
 
     def claim(self) -> int | None:
         """Hand out the next pending chunk's index, or ``None`` when there is nothing to do."""
-        if self.phase is not Phase.PINNING or self.stop_cause is not None or self._next >= len(self.chunks):
+        if self.phase is not Phase.PINNING or self.stop_cause is not None:
+            return None
+        while self._next < len(self.chunks) and self.states[self._next] is not ChunkState.PENDING:
+            self._next += 1
+        if self._next >= len(self.chunks):
             return None
         index = self._next
         self._next += 1
         self.states[index] = ChunkState.IN_FLIGHT
         self._in_flight += 1
+        self._pending -= 1
         return index
+
+    def claim_index(self, index: int) -> None:
+        """Claim one particular pending chunk (a pipeline registers whichever chunk is ready)."""
+        if self.phase is not Phase.PINNING or self.stop_cause is not None:
+            raise LedgerError(f"claim of chunk {index} after pinning stopped")
+        if self.states[index] is not ChunkState.PENDING:
+            raise LedgerError(f"claim of chunk {index}, which is {self.states[index].value}")
+        self.states[index] = ChunkState.IN_FLIGHT
+        self._in_flight += 1
+        self._pending -= 1
 
     def registered(self, index: int) -> None:
         self._land(index, ChunkState.REGISTERED)
@@ -72,6 +88,19 @@ class Ledger:
         """A chunk's populate or register call failed: record it and stop handing out chunks."""
         self._land(index, ChunkState.FAILED)
         self.failures.append(ChunkFailure(self.chunks[index], phase, error))
+        if self.stop_cause is None:
+            self.stop_cause = StopCause.FAILURE
+
+    def populate_failed(self, index: int, error: RuntimeCallError) -> None:
+        """Pre-faulting part of a chunk failed, before its registration (the chunk is then never
+        registered) or after it (lock-on-fault: the chunk stays registered, so rollback undoes it)."""
+        state = self.states[index]
+        if state is ChunkState.PENDING:
+            self.states[index] = ChunkState.FAILED
+            self._pending -= 1
+        elif state is not ChunkState.REGISTERED:
+            raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
+        self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
         if self.stop_cause is None:
             self.stop_cause = StopCause.FAILURE
 
@@ -89,6 +118,11 @@ class Ledger:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def pending(self) -> int:
+        """Chunks not yet handed out (nor failed before their registration)."""
+        return self._pending
 
     @property
     def registered_bytes(self) -> int:

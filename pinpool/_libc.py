@@ -18,8 +18,20 @@ MAP_PRIVATE = 0x02
 MAP_ANONYMOUS = 0x20
 MAP_FAILED = ctypes.c_void_p(-1).value
 
+MAP_HUGETLB = 0x40000
+MAP_HUGE_SHIFT = 26
+MAP_HUGE_2MB = 21 << MAP_HUGE_SHIFT
+
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+MLOCK_ONFAULT = 1
+MPOL_BIND = 2
+MPOL_MF_STRICT = 1
+
+# Syscall numbers glibc may not wrap (mbind never; mlock2 only since 2.27).
+_SYSCALLS = {"x86_64": {"mlock2": 325, "mbind": 237}, "aarch64": {"mlock2": 284, "mbind": 235}}
+_MACHINE = os.uname().machine
 
 CAP_IPC_LOCK = 14
 RLIM_INFINITY = resource.RLIM_INFINITY
@@ -47,6 +59,14 @@ _munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _munlock.restype = ctypes.c_int
 
 
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+def _syscall_number(name: str) -> int | None:
+    return _SYSCALLS.get(_MACHINE, {}).get(name)
+
+
 def _check(rc: int) -> int:
     """0 on success, else the errno of the call that just returned ``rc``."""
     return 0 if rc == 0 else ctypes.get_errno()
@@ -59,6 +79,69 @@ def mmap_anonymous(length: int) -> tuple[int, int]:
     if address is None or address == MAP_FAILED:
         return 0, ctypes.get_errno()
     return int(address), 0
+
+
+def mmap_hugetlb(length: int) -> tuple[int, int]:
+    """Map ``length`` bytes (a multiple of 2 MiB) from the 2 MiB hugetlb pool; ``(address, errno)``."""
+    ctypes.set_errno(0)
+    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_HUGE_2MB
+    address = _mmap(None, length, PROT_READ | PROT_WRITE, flags, -1, 0)
+    if address is None or address == MAP_FAILED:
+        return 0, ctypes.get_errno()
+    return int(address), 0
+
+
+def mlock_on_fault(address: int, length: int) -> int:
+    """mlock2(MLOCK_ONFAULT): lock resident pages now and every other page as it is faulted in."""
+    number = _syscall_number("mlock2")
+    if number is None:
+        return errno.ENOSYS
+    ctypes.set_errno(0)
+    rc = _syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(MLOCK_ONFAULT))
+    return _check(int(rc))
+
+
+def mbind(address: int, length: int, node: int) -> int:
+    """Bind ``[address, +length)`` to NUMA ``node`` (MPOL_BIND) before it is faulted in."""
+    number = _syscall_number("mbind")
+    if number is None:
+        return errno.ENOSYS
+    bits = ctypes.sizeof(ctypes.c_ulong) * 8
+    mask = (ctypes.c_ulong * (node // bits + 1))()
+    mask[node // bits] = 1 << (node % bits)
+    ctypes.set_errno(0)
+    rc = _syscall(
+        ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_ulong(length), ctypes.c_int(MPOL_BIND),
+        mask, ctypes.c_ulong(len(mask) * bits + 1), ctypes.c_uint(MPOL_MF_STRICT),
+    )  # fmt: skip
+    return _check(int(rc))
+
+
+def numa_nodes() -> tuple[int, ...]:
+    """The NUMA nodes with memory, per /sys (``(0,)`` on a kernel without NUMA)."""
+    try:
+        with open("/sys/devices/system/node/has_memory") as online:
+            text = online.read().strip()
+    except OSError:
+        return (0,)
+    nodes: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        nodes.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(nodes)
+
+
+def hugetlb_free_pages() -> tuple[int, int]:
+    """``(free, total)`` 2 MiB hugetlb pages (HugePages_Free/_Total of /proc/meminfo)."""
+    free = total = 0
+    try:
+        with open("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages") as f:
+            free = int(f.read())
+        with open("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages") as f:
+            total = int(f.read())
+    except OSError:
+        pass
+    return free, total
 
 
 def munmap(address: int, length: int) -> int:

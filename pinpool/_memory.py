@@ -59,14 +59,75 @@ def check_huge_pages_available() -> None:
         )
 
 
-class HostMapping:
-    """``nbytes`` of private anonymous memory, page-aligned (2 MiB-aligned with huge pages)."""
+def check_hugetlb_available(nbytes: int) -> None:
+    """huge_pages='hugetlb' needs enough free 2 MiB pages reserved in the hugetlb pool."""
+    needed = -(-nbytes // _libc.HUGE_PAGE_SIZE)
+    free, total = _libc.hugetlb_free_pages()
+    if free < needed:
+        raise ConfigError(
+            f"huge_pages='hugetlb' needs {needed} free 2 MiB hugetlb pages "
+            f"({format_bytes(needed * _libc.HUGE_PAGE_SIZE)}), "
+            f"but the host has {free} free of {total} reserved; reserve them first "
+            f"(echo {total - free + needed} > /proc/sys/vm/nr_hugepages, or hugepages= on the kernel command line), "
+            "or use huge_pages=True (transparent huge pages, nothing to reserve)"
+        )
 
-    def __init__(self, nbytes: int, *, huge_pages: bool = False) -> None:
-        if huge_pages:
+
+def check_numa_node(node: int | None) -> None:
+    if node is None:
+        return
+    nodes = _libc.numa_nodes()
+    if isinstance(node, bool) or not isinstance(node, int) or node not in nodes:
+        raise ConfigError(
+            f"numa_node={node!r} is not a NUMA node with memory on this host (nodes: {', '.join(map(str, nodes))}); "
+            "give one of those, or None to let the kernel place the memory"
+        )
+
+
+class HostMapping:
+    """``nbytes`` of private anonymous memory, page-aligned (2 MiB-aligned with huge pages).
+
+    ``huge_pages``: ``True`` asks for transparent huge pages (MADV_HUGEPAGE), ``"hugetlb"``
+    maps reserved 2 MiB hugetlb pages. ``numa_node`` binds the memory (mbind) before any of it
+    is faulted.
+    """
+
+    def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
+        if huge_pages is True:
             check_huge_pages_available()
         align = _libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE
         length = -(-nbytes // align) * align
+        if huge_pages == "hugetlb":
+            check_hugetlb_available(length)
+            address, err = _libc.mmap_hugetlb(length)  # hugetlb mappings come 2 MiB-aligned
+            if err:
+                raise AllocationError(
+                    f"mmap of {format_bytes(length)} of hugetlb pages failed: {_libc.errno_name(err)} "
+                    f"({os.strerror(err)}); reserve more 2 MiB pages (vm.nr_hugepages) or use huge_pages=True"
+                )
+        else:
+            address, err = self._map_aligned(length, align)
+        self.address = address
+        self.length = length
+        self.nbytes = nbytes
+        self.huge_pages = huge_pages
+        self._finalizer = weakref.finalize(self, _unmap, address, length)
+        if huge_pages is True:
+            err = _libc.madvise(address, length, _libc.MADV_HUGEPAGE)
+            if err:
+                self._finalizer()
+                raise ConfigError(f"madvise(MADV_HUGEPAGE) failed: {_libc.errno_name(err)}; use huge_pages=False")
+        if numa_node is not None:
+            err = _libc.mbind(address, length, numa_node)
+            if err:
+                self._finalizer()
+                raise ConfigError(
+                    f"mbind of the pool's memory to numa_node={numa_node} failed: {_libc.errno_name(err)} "
+                    f"({os.strerror(err)}); check the node has memory (numactl -H) or use numa_node=None"
+                )
+
+    @staticmethod
+    def _map_aligned(length: int, align: int) -> tuple[int, int]:
         slack = align - _libc.PAGE_SIZE
         raw, err = _libc.mmap_anonymous(length + slack)
         if err:
@@ -79,16 +140,7 @@ class HostMapping:
             _libc.munmap(raw, address - raw)
         if raw + length + slack > address + length:
             _libc.munmap(address + length, raw + length + slack - (address + length))
-        self.address = address
-        self.length = length
-        self.nbytes = nbytes
-        self.huge_pages = huge_pages
-        self._finalizer = weakref.finalize(self, _unmap, address, length)
-        if huge_pages:
-            err = _libc.madvise(address, length, _libc.MADV_HUGEPAGE)
-            if err:
-                self._finalizer()
-                raise ConfigError(f"madvise(MADV_HUGEPAGE) failed: {_libc.errno_name(err)}; use huge_pages=False")
+        return address, 0
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A flat uint8 tensor over ``[offset, offset+nbytes)`` that keeps this mapping alive."""
@@ -123,7 +175,7 @@ class TensorMemory:
         self.address = int(tensor.data_ptr())
         self.nbytes = tensor.numel() * tensor.element_size()
         self.length = self.nbytes
-        self.huge_pages = False
+        self.huge_pages: bool | str = False
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         flat = self.tensor.reshape(-1).view(torch.uint8)

@@ -53,9 +53,10 @@ class Observer:
         if self.metrics:
             self.metrics.chunks_in_flight.labels(*self._labels).dec()
 
-    def chunk_populated(self, chunk: Chunk, seconds: float) -> None:
+    def span_populated(self, nbytes: int, seconds: float) -> None:
         if self.metrics:
             self.metrics.chunk_populate_seconds.labels(*self._labels).observe(seconds)
+            self.metrics.populated_bytes.labels(*self._labels).inc(nbytes)
 
     def chunk_registered(self, chunk: Chunk, seconds: float, attempt: int = 1) -> None:
         if self.metrics:
@@ -83,7 +84,10 @@ class Observer:
 
     # -- the pool (event loop / calling thread) ----------------------------------------------------
 
-    def pin_started(self, *, nbytes: int, chunks: int, chunk_bytes: int, granularity: int | None, workers: int) -> None:
+    def pin_started(
+        self, *, nbytes: int, chunks: int, chunk_bytes: int, granularity: int | None, order: str,
+        register_workers: int, populate_workers: int,
+    ) -> None:  # fmt: skip
         if self.metrics:
             m, labels = self.metrics, self._labels
             m.pools_open.labels(*labels).inc()
@@ -92,7 +96,7 @@ class Observer:
             m.pool_info.labels(*self._info_labels).inc()
         self.log.info(
             "pool.pin.start", bytes=nbytes, chunks=chunks, chunk_bytes=chunk_bytes, granularity_bytes=granularity,
-            workers=workers,
+            order=order, register_workers=register_workers, populate_workers=populate_workers,
         )  # fmt: skip
 
     def pinned(self, *, nbytes: int, chunks: int, seconds: float) -> None:

@@ -38,9 +38,13 @@ class PoolMetrics:
             _BASE, buckets=REGISTER_BUCKETS, **kw,
         )  # fmt: skip
         self.chunk_populate_seconds = Histogram(
-            "pinpool_chunk_populate_seconds", "Duration of pre-faulting one chunk (MADV_POPULATE_WRITE).",
+            "pinpool_chunk_populate_seconds",
+            "Duration of one populate call: pre-faulting one span (<= 512 MiB) of a chunk with MADV_POPULATE_WRITE.",
             _BASE, buckets=REGISTER_BUCKETS, **kw,
         )  # fmt: skip
+        self.populated_bytes = Counter(
+            "pinpool_populated_bytes_total", "Bytes pre-faulted by populate calls that succeeded.", _BASE, **kw
+        )
         self.chunks_registered = Counter(
             "pinpool_chunks_registered_total", "Chunks registered successfully.", _BASE, **kw
         )

@@ -3,6 +3,13 @@
 A runtime is anything with a ``name`` and two thread-safe calls, ``register(ptr, nbytes)``
 and ``unregister(ptr)`` (the base of an earlier registration), that raise
 :class:`pinpool.RuntimeCallError` carrying the runtime's code and message.
+
+Two optional calls change how PinnedPool pre-faults (``populate=True``):
+``populate(ptr, nbytes)`` replaces MADV_POPULATE_WRITE (FakeRuntime uses it to fault-inject
+without touching memory), and ``lock_on_fault(ptr, nbytes)``, where present, registers a
+chunk *before* it is faulted, so that faulting it on many threads also locks it
+(MlockRuntime: mlock2 with MLOCK_ONFAULT). Without it, chunks are faulted first and
+registered once faulted (CUDA).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from . import _libc
@@ -50,17 +58,30 @@ class MlockRuntime:
         return self._book.snapshot()
 
     def register(self, ptr: int, nbytes: int) -> None:
+        """mlock: fault in and lock every page of the range."""
+        self._lock(ptr, nbytes, _libc.mlock, "mlock")
+
+    def lock_on_fault(self, ptr: int, nbytes: int) -> None:
+        """mlock2(MLOCK_ONFAULT): lock the range's resident pages now and the rest as they are faulted in.
+
+        Charged against RLIMIT_MEMLOCK in full at once, like mlock. PinnedPool uses it when it
+        pre-faults: it registers each chunk this way first and then faults the chunk on several
+        threads, so each page is faulted and locked in one pass.
+        """
+        self._lock(ptr, nbytes, _libc.mlock_on_fault, "mlock2(MLOCK_ONFAULT)")
+
+    def _lock(self, ptr: int, nbytes: int, call: Callable[[int, int], int], op: str) -> None:
         overlap = self._book.add(ptr, nbytes)
         if overlap is not None:
             raise RuntimeCallError(
-                op="mlock", code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
+                op=op, code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
-        err = _libc.mlock(ptr, nbytes)
+        err = call(ptr, nbytes)
         if err:
             self._book.pop(ptr)
             raise RuntimeCallError(
-                op="mlock", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
+                op=op, code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
                 message=mlock_error_message(err, nbytes),
             )  # fmt: skip
 

@@ -53,6 +53,14 @@ class FakeRuntime:
     Attributes: ``registered`` (base → nbytes now registered), ``register_calls`` (every
     ``(ptr, nbytes)`` asked, failed ones included), ``unregister_calls`` (every ptr asked),
     ``max_concurrent_registers`` (most register calls seen in flight at once).
+
+    Pre-faulting (``populate=``, on by default) goes through :meth:`populate`, which touches no
+    memory: ``fail_populate_on`` / ``populate_delay`` inject failures (reported as ENOMEM, as
+    MADV_POPULATE_WRITE does) and latency; ``populate_calls`` records every ``(ptr, nbytes)``.
+    ``lock_on_fault=True`` makes the fake behave like mlock: chunks are registered (through
+    :meth:`lock_on_fault`) before they are faulted, instead of after (CUDA).
+    ``events`` is every call in the order it started: ``("populate" | "register" |
+    "unregister", ptr)``.
     """
 
     name = "fake"
@@ -62,19 +70,32 @@ class FakeRuntime:
         *,
         fail_register_on: int | Iterable[int] | None = None,
         fail_unregister_on: int | Iterable[int] | None = None,
+        fail_populate_on: int | Iterable[int] | None = None,
         register_delay: float = 0.0,
         unregister_delay: float = 0.0,
+        populate_delay: float = 0.0,
+        lock_on_fault: bool = False,
     ) -> None:
         self.fail_register_on = _call_indices(fail_register_on, "fail_register_on")
         self.fail_unregister_on = _call_indices(fail_unregister_on, "fail_unregister_on")
-        for what, delay in (("register_delay", register_delay), ("unregister_delay", unregister_delay)):
+        self.fail_populate_on = _call_indices(fail_populate_on, "fail_populate_on")
+        delays = (("register_delay", register_delay), ("unregister_delay", unregister_delay),
+                  ("populate_delay", populate_delay))  # fmt: skip
+        for what, delay in delays:
             if not isinstance(delay, int | float) or isinstance(delay, bool) or delay < 0:
                 raise ConfigError(f"{what}={delay!r} must be a non-negative number of seconds")
         self.register_delay = float(register_delay)
         self.unregister_delay = float(unregister_delay)
+        self.populate_delay = float(populate_delay)
+        if not isinstance(lock_on_fault, bool):
+            raise ConfigError(f"lock_on_fault={lock_on_fault!r} must be True or False")
+        if lock_on_fault:
+            self.lock_on_fault = self._lock_on_fault
         self._book = RangeBook()
         self.register_calls: list[tuple[int, int]] = []
         self.unregister_calls: list[int] = []
+        self.populate_calls: list[tuple[int, int]] = []
+        self.events: list[tuple[str, int]] = []
         self.max_concurrent_registers = 0
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -87,6 +108,7 @@ class FakeRuntime:
     def register(self, ptr: int, nbytes: int) -> None:
         with self._lock:
             self.register_calls.append((ptr, nbytes))
+            self.events.append(("register", ptr))
             call = len(self.register_calls)
             self._in_flight += 1
             self.max_concurrent_registers = max(self.max_concurrent_registers, self._in_flight)
@@ -104,9 +126,27 @@ class FakeRuntime:
             with self._lock:
                 self._in_flight -= 1
 
+    def _lock_on_fault(self, ptr: int, nbytes: int) -> None:
+        self.register(ptr, nbytes)
+
+    def populate(self, ptr: int, nbytes: int) -> None:
+        """Stand-in for pre-faulting ``[ptr, +nbytes)``; touches nothing."""
+        with self._lock:
+            self.populate_calls.append((ptr, nbytes))
+            self.events.append(("populate", ptr))
+            call = len(self.populate_calls)
+        if self.populate_delay:
+            time.sleep(self.populate_delay)
+        if call in self.fail_populate_on:
+            raise RuntimeCallError(
+                op="madvise(MADV_POPULATE_WRITE)", code=12, reason="ENOMEM", ptr=ptr, nbytes=nbytes,
+                message=f"injected failure (FakeRuntime populate call #{call})",
+            )  # fmt: skip
+
     def unregister(self, ptr: int) -> None:
         with self._lock:
             self.unregister_calls.append(ptr)
+            self.events.append(("unregister", ptr))
             call = len(self.unregister_calls)
         if self.unregister_delay:
             time.sleep(self.unregister_delay)

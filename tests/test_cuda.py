@@ -20,7 +20,7 @@ pytestmark = [
 
 def test_pool_is_cuda_pinned_and_copies_round_trip() -> None:
     runtime = CudaRuntime()
-    with pinpool.PinnedPool(size=256 * MiB, chunk_bytes=64 * MiB, runtime=runtime, max_workers=2) as pool:
+    with pinpool.PinnedPool(size=256 * MiB, chunk_bytes=64 * MiB, runtime=runtime, register_workers=2) as pool:
         assert pool.runtime.name == "cuda" and len(pool.chunks) == 4
         assert pool.tensor.is_pinned()
         pool.tensor[: 16 * MiB].fill_(7)

@@ -301,7 +301,9 @@ def exposition() -> str:
     registry = CollectorRegistry()
 
     def pool(**kw: Any) -> pinpool.PinnedPool:
-        return pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, name="expo", registry=registry, max_workers=1, **kw)
+        return pinpool.PinnedPool(
+            size=4 * MiB, chunk_bytes=MiB, name="expo", registry=registry, register_workers=1, **kw
+        )
 
     with pool(runtime=FakeRuntime()):
         pass
@@ -314,7 +316,7 @@ def exposition() -> str:
         with anyio.move_on_after(0.05):
             async with pinpool.PinnedPool(
                 size=64 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(register_delay=0.01), name="expo",
-                registry=registry, max_workers=1,
+                registry=registry, register_workers=1,
             ):  # fmt: skip
                 pytest.fail("the body must not run")
 
@@ -484,20 +486,20 @@ _CHILD = textwrap.dedent(
     async def cancelled():
         with anyio.move_on_after(0.05):
             async with pinpool.PinnedPool(
-                size=64 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(register_delay=0.01), name="it", max_workers=1
+                size=64 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(register_delay=0.01), name="it", register_workers=1
             ):
                 raise AssertionError("the body must not run")
 
 
     server, _thread = serve(0, addr="127.0.0.1")
     try:
-        with pool(runtime=FakeRuntime(fail_register_on=2), max_workers=1):
+        with pool(runtime=FakeRuntime(fail_register_on=2), register_workers=1):
             raise AssertionError("the body must not run")
     except pinpool.PinError:
         pass
     anyio.run(cancelled)
     try:
-        with pool(runtime=FakeRuntime(fail_unregister_on=1), max_workers=1):
+        with pool(runtime=FakeRuntime(fail_unregister_on=1), register_workers=1):
             pass
     except pinpool.UnpinError:
         pass
@@ -507,7 +509,7 @@ _CHILD = textwrap.dedent(
         for _ in range(1000):
             if time.monotonic() > deadline:
                 break
-            with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), max_workers=2):
+            with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), register_workers=2):
                 time.sleep(0.05)
             time.sleep(0.2)
     """

@@ -332,7 +332,7 @@ def check_layout_in_pool(build: Build, data: st.DataObject) -> None:
     budget = num_pages * page_bytes + data.draw(st.integers(0, page_bytes - 1), label="budget_extra")
 
     fake = FakeRuntime()
-    pool = pinpool.PinnedPool(layout=layout, size=budget, chunk_bytes=chunk_bytes, runtime=fake, max_workers=2)
+    pool = pinpool.PinnedPool(layout=layout, size=budget, chunk_bytes=chunk_bytes, runtime=fake, register_workers=2)
     assert pool.num_pages == num_pages == budget // page_bytes
     assert pool.nbytes == num_pages * page_bytes
     expected = expect(num_pages)
@@ -560,11 +560,11 @@ def test_sglang_vector_paged_and_state() -> None:
         assert grans == ({ring * slot} if layout == "layer_first" else {L * ring * slot})
 
 
-@pytest.mark.parametrize("max_workers", [1, None])
-def test_sglang_vector_raw_900_900_700(max_workers: int | None) -> None:
+@pytest.mark.parametrize("register_workers", [1, None])
+def test_sglang_vector_raw_900_900_700(register_workers: int | None) -> None:
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(
-        layout=layouts.Raw(300 * MiB), size=2500 * MiB, chunk_bytes=GiB, runtime=fake, max_workers=max_workers
+        layout=layouts.Raw(300 * MiB), size=2500 * MiB, chunk_bytes=GiB, runtime=fake, register_workers=register_workers
     )
     assert [c.nbytes for c in pool.chunks] == [900 * MiB, 900 * MiB, 700 * MiB]
     assert [c.offset for c in pool.chunks] == [0, 900 * MiB, 1800 * MiB]
@@ -579,7 +579,9 @@ def test_sglang_vector_raw_900_900_700(max_workers: int | None) -> None:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_sglang_vector_teardown_order_and_second_exit(mode: str) -> None:
     fake = FakeRuntime()
-    pool = pinpool.PinnedPool(layout=layouts.Raw(), size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(
+        layout=layouts.Raw(), size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, register_workers=1
+    )
     if mode == "async":
         async with pool as p:
             base = p.data_ptr
@@ -598,7 +600,7 @@ async def test_sglang_vector_teardown_order_and_second_exit(mode: str) -> None:
 
 def test_sglang_vector_second_registration_fails() -> None:
     fake = FakeRuntime(fail_register_on=2)
-    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.PinError) as info, pool:
         pytest.fail("the body must not run")
     assert "offset=1073741824" in str(info.value)

@@ -30,18 +30,25 @@ class FailingMlock(MlockRuntime):
         self.fail_on = fail_on
         self.calls = 0
 
-    def register(self, ptr: int, nbytes: int) -> None:
+    def _maybe_fail(self, ptr: int, nbytes: int) -> None:
         self.calls += 1
         if self.calls == self.fail_on:
             raise pinpool.RuntimeCallError(
                 op="mlock", code=12, reason="ENOMEM", message="injected", ptr=ptr, nbytes=nbytes
             )
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._maybe_fail(ptr, nbytes)
         super().register(ptr, nbytes)
+
+    def lock_on_fault(self, ptr: int, nbytes: int) -> None:
+        self._maybe_fail(ptr, nbytes)
+        super().lock_on_fault(ptr, nbytes)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_vmlck_grows_by_pool_size_and_returns(mode: str, vmlck_baseline: int) -> None:
-    pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", max_workers=2)
+    pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", register_workers=2)
     if mode == "async":
         async with pool:
             during = _libc.vm_locked_bytes()
@@ -59,7 +66,9 @@ async def test_vmlck_grows_by_pool_size_and_returns(mode: str, vmlck_baseline: i
 def test_unaligned_granularity_locks_exactly_the_pool(granularity: int, vmlck_baseline: int) -> None:
     """Chunks on lcm(granularity, page) boundaries: unlocking one never unlocks a neighbour's page."""
     layout = pinpool.layouts.Raw(granularity_bytes=granularity)
-    with pinpool.PinnedPool(layout=layout, size=64 * MiB, chunk_bytes=8 * MiB, runtime="mlock", max_workers=2) as pool:
+    with pinpool.PinnedPool(
+        layout=layout, size=64 * MiB, chunk_bytes=8 * MiB, runtime="mlock", register_workers=2
+    ) as pool:
         assert _libc.vm_locked_bytes() - vmlck_baseline == -(-pool.nbytes // 4096) * 4096
         assert all(c.offset % granularity == 0 and c.offset % 4096 == 0 for c in pool.chunks)
     assert _libc.vm_locked_bytes() == vmlck_baseline
@@ -68,7 +77,7 @@ def test_unaligned_granularity_locks_exactly_the_pool(granularity: int, vmlck_ba
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_failure_rolls_back_real_locks(mode: str, vmlck_baseline: int) -> None:
     runtime = FailingMlock(fail_on=4)
-    pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=8 * MiB, runtime=runtime, max_workers=1)
+    pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=8 * MiB, runtime=runtime, register_workers=1)
     with pytest.raises(pinpool.PinError) as info:
         if mode == "async":
             async with pool:
@@ -81,16 +90,23 @@ async def test_failure_rolls_back_real_locks(mode: str, vmlck_baseline: int) -> 
     assert _libc.vm_locked_bytes() == vmlck_baseline
 
 
-async def test_cancellation_rolls_back_real_locks(vmlck_baseline: int) -> None:
+@pytest.mark.parametrize("populate", [False, True])
+async def test_cancellation_rolls_back_real_locks(vmlck_baseline: int, populate: bool) -> None:
+    import time
+
     class SlowMlock(MlockRuntime):
         def register(self, ptr: int, nbytes: int) -> None:
             super().register(ptr, nbytes)
-            import time
+            time.sleep(0.02)
 
+        def lock_on_fault(self, ptr: int, nbytes: int) -> None:
+            super().lock_on_fault(ptr, nbytes)
             time.sleep(0.02)
 
     runtime = SlowMlock()
-    pool = pinpool.PinnedPool(size=128 * MiB, chunk_bytes=4 * MiB, runtime=runtime, max_workers=2)
+    pool = pinpool.PinnedPool(
+        size=128 * MiB, chunk_bytes=4 * MiB, runtime=runtime, register_workers=2, populate=populate
+    )
     with anyio.move_on_after(0.1) as scope:
         async with pool:
             pytest.fail("body must not run")
@@ -127,7 +143,7 @@ _LIMITED_CHILD = textwrap.dedent(
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     out = {"cap": _libc.has_cap_ipc_lock(), "soft": soft, "before": _libc.vm_locked_bytes()}
     try:
-        with pinpool.PinnedPool(size="64MiB", chunk_bytes="1MiB", runtime="mlock", max_workers=1):
+        with pinpool.PinnedPool(size="64MiB", chunk_bytes="1MiB", runtime="mlock", register_workers=1):
             out["entered"] = True
     except pinpool.PinError as exc:
         out.update(error=str(exc), reason=exc.reason, offset=exc.offset, code=exc.code, leaked=len(exc.leaked))

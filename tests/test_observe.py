@@ -71,7 +71,7 @@ async def test_failure_and_cancellation_are_counted() -> None:
     with pytest.raises(pinpool.PinError):
         async with pinpool.PinnedPool(
             size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(fail_register_on=2), name="obs", registry=registry,
-            max_workers=1,
+            register_workers=1,
         ):  # fmt: skip
             pass
     labels = {**base(), "phase": "register", "reason": "cudaErrorMemoryAllocation"}
@@ -95,7 +95,9 @@ def test_unregister_failures_are_counted_and_leaked_bytes_stay_pinned() -> None:
     fake = FakeRuntime(fail_unregister_on=1)
     with (
         pytest.raises(pinpool.UnpinError),
-        pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, name="obs", registry=registry, max_workers=1),
+        pinpool.PinnedPool(
+            size=2 * MiB, chunk_bytes=MiB, runtime=fake, name="obs", registry=registry, register_workers=1
+        ),
     ):
         pass
     labels = {**base(), "phase": "unregister", "reason": "cudaErrorMemoryAllocation"}
@@ -133,7 +135,11 @@ def test_failure_log_events() -> None:
         with (
             pytest.raises(pinpool.PinError),
             pinpool.PinnedPool(
-                size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(fail_register_on=3), registry=None, max_workers=1
+                size=4 * MiB,
+                chunk_bytes=MiB,
+                runtime=FakeRuntime(fail_register_on=3),
+                registry=None,
+                register_workers=1,
             ),
         ):
             pass
@@ -186,7 +192,7 @@ async def test_progress_from_the_callers_thread_bounded_and_final(mode: str) -> 
         threads.add(threading.get_ident())
 
     pool = pinpool.PinnedPool(
-        size=40 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(register_delay=0.01), max_workers=1,
+        size=40 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(register_delay=0.01), register_workers=1,
         registry=None, on_progress=on_progress,
     )  # fmt: skip
     if mode == "async":
@@ -293,7 +299,7 @@ def test_rollback_that_leaks_logs_unpin_failed() -> None:
     with structlog.testing.capture_logs() as logs:
         with (
             pytest.raises(pinpool.PinError) as info,
-            pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, max_workers=1),
+            pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, register_workers=1),
         ):
             pass
     events = [e["event"] for e in logs]

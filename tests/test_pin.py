@@ -32,7 +32,7 @@ def unaligned_tensor(nbytes: int, misalignment: int = 64) -> torch.Tensor:
 async def test_pin_locks_the_callers_tensor_and_never_frees_it(mode: str, vmlck_baseline: int) -> None:
     t = unaligned_tensor(32 * MiB)
     t.fill_(5)
-    pinned = pinpool.pin(t, runtime="mlock", chunk_bytes=8 * MiB, max_workers=2)
+    pinned = pinpool.pin(t, runtime="mlock", chunk_bytes=8 * MiB, register_workers=2)
     if mode == "async":
         async with pinned as p:
             locked = _libc.vm_locked_bytes() - vmlck_baseline
@@ -91,7 +91,7 @@ def test_pinning_memory_locked_outside_pinpool_changes_nothing(vmlck_baseline: i
 def test_pin_rolls_back_on_failure(fail_at: int) -> None:
     t = unaligned_tensor(16 * MiB)
     fake = FakeRuntime(fail_register_on=fail_at)
-    with pytest.raises(pinpool.PinError), pinpool.pin(t, runtime=fake, chunk_bytes=4 * MiB, max_workers=1):
+    with pytest.raises(pinpool.PinError), pinpool.pin(t, runtime=fake, chunk_bytes=4 * MiB, register_workers=1):
         pytest.fail("must not enter")
     assert fake.registered == {}
     assert len(fake.unregister_calls) == fail_at - 1
@@ -103,7 +103,7 @@ async def test_pin_cancellation_rolls_back() -> None:
     t = unaligned_tensor(64 * MiB, misalignment=0)
     fake = FakeRuntime(register_delay=0.01)
     with anyio.move_on_after(0.05) as scope:
-        async with pinpool.pin(t, runtime=fake, chunk_bytes=MiB, max_workers=2):
+        async with pinpool.pin(t, runtime=fake, chunk_bytes=MiB, register_workers=2):
             pytest.fail("must not enter")
     assert scope.cancelled_caught and fake.registered == {}
     assert 0 < len(fake.register_calls) < 64

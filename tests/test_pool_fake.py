@@ -38,19 +38,26 @@ async def pin_and_run(
             body(entered)
 
 
-def assert_rolled_back(fake: FakeRuntime, failed_calls: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-    """Nothing registered; every successful register base unregistered exactly once, in reverse order."""
+def assert_rolled_back(fake: FakeRuntime, failed_calls: set[int] = frozenset(), *, in_order: bool = False) -> None:  # type: ignore[assignment]
+    """Nothing registered; every successful register base unregistered exactly once.
+
+    ``in_order``: and in reverse offset order (true with one unpin worker; several claim in
+    that order but their calls overlap).
+    """
     assert fake.registered == {}
     succeeded = [ptr for i, (ptr, _n) in enumerate(fake.register_calls, 1) if i not in failed_calls]
     assert sorted(fake.unregister_calls) == sorted(succeeded)
     assert len(set(fake.unregister_calls)) == len(fake.unregister_calls)
-    assert fake.unregister_calls == sorted(fake.unregister_calls, reverse=True)
+    if in_order:
+        assert fake.unregister_calls == sorted(fake.unregister_calls, reverse=True)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_pins_every_chunk_and_unpins_on_exit(mode: str) -> None:
     fake = FakeRuntime()
-    pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=8 * MiB, runtime=fake, max_workers=3, name="t")
+    pool = pinpool.PinnedPool(
+        size=64 * MiB, chunk_bytes=8 * MiB, runtime=fake, register_workers=3, unpin_workers=1, name="t"
+    )
     seen: dict[str, object] = {}
 
     def body(p: pinpool.PinnedPool) -> None:
@@ -65,8 +72,8 @@ async def test_pins_every_chunk_and_unpins_on_exit(mode: str) -> None:
     assert isinstance(base, int)
     assert seen["registered"] == {base + c.offset: c.nbytes for c in pool.chunks}
     assert seen["pinned"] == 64 * MiB
-    assert len(pool.chunks) == 8 and pool.chunk_bytes == 8 * MiB and pool.workers == 3
-    assert_rolled_back(fake)
+    assert len(pool.chunks) == 8 and pool.chunk_bytes == 8 * MiB and pool.register_workers == 3
+    assert_rolled_back(fake, in_order=True)
     assert pool.pinned_bytes == 0
 
 
@@ -85,7 +92,7 @@ async def test_reference_plan_900_900_700_mib() -> None:
 
 def test_teardown_order_and_second_exit_is_an_error() -> None:
     fake = FakeRuntime()
-    pool = pinpool.PinnedPool(size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, register_workers=1)
     with pool as p:
         base = p.data_ptr
     assert fake.unregister_calls == [base + 2 * GiB, base + GiB, base]
@@ -96,7 +103,7 @@ def test_teardown_order_and_second_exit_is_an_error() -> None:
 
 def test_second_registration_fails_reference_vector() -> None:
     fake = FakeRuntime(fail_register_on=2)
-    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.PinError) as info, pool:
         pytest.fail("body must not run")
     error = info.value
@@ -115,7 +122,7 @@ def test_second_registration_fails_reference_vector() -> None:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_rollback_at_every_chunk_index(mode: str, fail_at: int, workers: int) -> None:
     fake = FakeRuntime(fail_register_on=fail_at, register_delay=0.001)
-    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=workers)
+    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=workers)
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
     base = min(ptr for ptr, _ in fake.register_calls)  # chunk 0 is always claimed first
@@ -131,7 +138,7 @@ async def test_rollback_at_every_chunk_index(mode: str, fail_at: int, workers: i
 
 async def test_several_failures_are_all_reported() -> None:
     fake = FakeRuntime(fail_register_on={1, 2}, register_delay=0.05)
-    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=2)
+    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
     with pytest.raises(pinpool.PinError) as info:
         async with pool:
             pytest.fail("body must not run")
@@ -143,7 +150,7 @@ async def test_several_failures_are_all_reported() -> None:
 
 async def test_rollback_that_cannot_unregister_reports_leaked() -> None:
     fake = FakeRuntime(fail_register_on=3, fail_unregister_on=1)
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.PinError) as info:
         async with pool:
             pytest.fail("body must not run")
@@ -156,7 +163,7 @@ async def test_rollback_that_cannot_unregister_reports_leaked() -> None:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_unregister_failure_at_exit_raises_unpin_error(mode: str) -> None:
     fake = FakeRuntime(fail_unregister_on=2)
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.UnpinError) as info:
         await pin_and_run(pool, mode)
     assert info.value.leaked == (pinpool.Chunk(2 * MiB, MiB),)
@@ -168,7 +175,7 @@ async def test_unregister_failure_at_exit_raises_unpin_error(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_body_exception_propagates_unchanged_with_unpin_failure_as_note(mode: str) -> None:
     fake = FakeRuntime(fail_unregister_on=1)
-    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     boom = LookupError("body failed")
 
     def body(p: pinpool.PinnedPool) -> None:
@@ -197,7 +204,7 @@ async def test_body_exception_unpins_everything(mode: str) -> None:
 
 async def test_cancelled_before_entry_pins_nothing_and_never_enters() -> None:
     fake = FakeRuntime()
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=2)
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
     with anyio.CancelScope() as scope:
         scope.cancel()
         async with pool:
@@ -208,7 +215,7 @@ async def test_cancelled_before_entry_pins_nothing_and_never_enters() -> None:
 
 async def test_cancellation_while_workers_run_stops_early_and_rolls_back() -> None:
     fake = FakeRuntime(register_delay=0.01)
-    pool = pinpool.PinnedPool(size=200 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=2)
+    pool = pinpool.PinnedPool(size=200 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
     with anyio.move_on_after(0.1) as scope:
         async with pool:
             pytest.fail("body must not run")
@@ -230,7 +237,7 @@ async def test_cancellation_landing_as_the_last_chunk_finishes_never_enters_body
                 anyio.from_thread.run_sync(scope.cancel)
 
     fake = CancelOnLast()
-    pool = pinpool.PinnedPool(size=chunks * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=chunks * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with scope:
         async with pool:
             pytest.fail("every chunk registered, but the caller was cancelled: body must not run")
@@ -243,7 +250,7 @@ async def test_cancellation_at_random_moments_leaves_nothing_registered() -> Non
     rng = random.Random(1234)
     for _ in range(25):
         fake = FakeRuntime(register_delay=rng.choice([0.0, 0.0005, 0.002]))
-        pool = pinpool.PinnedPool(size=24 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=rng.choice([1, 2, 4]))
+        pool = pinpool.PinnedPool(size=24 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=rng.choice([1, 2, 4]))
         entered_while_cancelled = []
         async with anyio.create_task_group() as tg:
             scope = anyio.CancelScope()
@@ -266,7 +273,7 @@ async def test_native_asyncio_task_cancel() -> None:
     import asyncio
 
     fake = FakeRuntime(register_delay=0.01)
-    pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=2)
+    pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
 
     async def use() -> None:
         async with pool:
@@ -294,7 +301,7 @@ async def test_cancellation_inside_body_unpins_and_propagates() -> None:
 @pytest.mark.parametrize("how", ["SIGINT", "interrupt_main"])
 def test_keyboard_interrupt_in_sync_twin_rolls_back(how: str) -> None:
     fake = FakeRuntime(register_delay=0.01)
-    pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=2)
+    pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
     main = threading.main_thread().ident
     assert main is not None
     interrupt = (lambda: signal.pthread_kill(main, signal.SIGINT)) if how == "SIGINT" else _thread.interrupt_main
@@ -318,7 +325,7 @@ async def test_workers_are_bounded_and_long_lived() -> None:
             super().register(ptr, nbytes)
 
     fake = Recording(register_delay=0.02)
-    pool = pinpool.PinnedPool(size=16 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=4)
+    pool = pinpool.PinnedPool(size=16 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=4)
     async with pool:
         pass
     assert 2 <= fake.max_concurrent_registers <= 4
@@ -327,7 +334,7 @@ async def test_workers_are_bounded_and_long_lived() -> None:
 
 async def test_many_chunks_one_thread_hop_per_worker() -> None:
     fake = FakeRuntime()
-    pool = pinpool.PinnedPool(size=2000 * 4096, chunk_bytes=4096, runtime=fake, max_workers=2)
+    pool = pinpool.PinnedPool(size=2000 * 4096, chunk_bytes=4096, runtime=fake, register_workers=2)
     started = time.perf_counter()
     async with pool:
         assert len(fake.registered) == 2000
@@ -413,7 +420,7 @@ class Loud(FakeRuntime):
         super().unregister(ptr)
         print("unregistered", len(self.registered), flush=True)
 
-pool = pinpool.PinnedPool(size=2 << 20, chunk_bytes=1 << 20, runtime=Loud(), max_workers=1)
+pool = pinpool.PinnedPool(size=2 << 20, chunk_bytes=1 << 20, runtime=Loud(), register_workers=1, unpin_workers=1)
 pool.__enter__()
 print("entered", flush=True)
 """
@@ -425,7 +432,7 @@ print("entered", flush=True)
 
 def test_forked_child_never_unregisters_parents_chunks() -> None:
     fake = FakeRuntime()
-    with pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1) as pool:
+    with pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1) as pool:
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:  # child: exit the pool as the parent would, report what it unregistered
@@ -446,7 +453,7 @@ def test_forked_child_never_unregisters_parents_chunks() -> None:
 
 async def test_pin_seconds_is_measured_even_when_cancelled() -> None:
     fake = FakeRuntime(register_delay=0.01)
-    pool = pinpool.PinnedPool(size=50 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=50 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     assert pool.pin_seconds == 0.0
     with anyio.move_on_after(0.05):
         async with pool:
@@ -467,7 +474,8 @@ def test_finalizer_unpins_even_when_warnings_are_errors() -> None:
 
 def test_second_interrupt_during_rollback_does_not_skip_it() -> None:
     fake = FakeRuntime(register_delay=0.01, unregister_delay=0.01)
-    pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=2)
+    # One unpin worker keeps the rollback long enough (~0.1 s) for all three interrupts to land in it.
+    pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2, unpin_workers=1)
     main = threading.main_thread().ident
     assert main is not None
     timers = [threading.Timer(t, signal.pthread_kill, (main, signal.SIGINT)) for t in (0.05, 0.08, 0.11)]
@@ -487,7 +495,7 @@ def test_interrupt_during_teardown_finishes_teardown_then_propagates() -> None:
     fake = FakeRuntime(unregister_delay=0.02)
     main = threading.main_thread().ident
     assert main is not None
-    pool = pinpool.PinnedPool(size=10 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=10 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with pytest.raises(KeyboardInterrupt):
         with pool:
             threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT)).start()
@@ -498,7 +506,7 @@ def test_interrupt_during_teardown_finishes_teardown_then_propagates() -> None:
 
 def test_pinned_bytes_counts_leaked_chunks() -> None:
     fake = FakeRuntime(fail_unregister_on=1)
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.UnpinError), pool:
         assert pool.pinned_bytes == 4 * MiB
     assert pool.pinned_bytes == MiB  # the chunk whose unregister failed may still be pinned
@@ -516,7 +524,7 @@ def test_memory_is_unmapped_at_exit_when_no_view_is_kept(populate: bool) -> None
 
 def test_leaked_chunk_keeps_its_memory_mapped() -> None:
     fake = FakeRuntime(fail_unregister_on=1)
-    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, max_workers=1)
+    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.UnpinError), pool:
         assert pool._mapping is not None
         unmap = pool._mapping._finalizer

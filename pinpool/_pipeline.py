@@ -1,0 +1,195 @@
+"""The pinning pipeline: which populate span or which chunk registration a worker does next.
+
+Pure and synchronous like the ledger it drives: the engine calls it under one lock and
+sleeps on a condition when it says ``WAIT``. Three orders:
+
+* ``POPULATE_FIRST`` (CUDA): populate workers pre-fault spans of the next chunks while
+  register workers register chunks that are fully faulted, so the driver's serial
+  registration overlaps parallel faulting. Faulting runs at most ``lookahead_bytes`` of
+  whole chunks ahead of registration (the chunk at the front is always allowed, so a
+  chunk larger than the lookahead still progresses).
+* ``REGISTER_FIRST`` (mlock): each chunk is registered lock-on-fault (cheap: no page is
+  touched), then populate workers fault its spans in parallel and the kernel locks each
+  page as it is faulted in: one pass over the memory instead of fault, then lock.
+* ``REGISTER_ONLY`` (no pre-faulting): register workers take chunks in order and the
+  registration call faults the pages itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from ._errors import RuntimeCallError
+from ._ledger import ChunkState, Ledger, LedgerError, Phase
+from ._plan import Chunk
+
+
+class Order(enum.Enum):
+    POPULATE_FIRST = "populate_first"
+    REGISTER_FIRST = "register_first"
+    REGISTER_ONLY = "register_only"
+
+
+class _Wait(enum.Enum):
+    WAIT = "wait"
+
+
+WAIT: Final = _Wait.WAIT
+"""Nothing for this role right now, but there will be: sleep until the pipeline changes."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One populate call: part of chunk ``chunk`` (an index), offsets relative to the pool."""
+
+    chunk: int
+    offset: int
+    nbytes: int
+
+
+def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> tuple[Span, ...]:
+    """Every chunk cut into spans of at most ``span_bytes`` (the last of each chunk may be shorter).
+
+    Span boundaries are the chunk's start plus multiples of ``span_bytes``, so with an aligned
+    ``span_bytes`` every span but a chunk's first starts aligned; a span never crosses chunks.
+    """
+    if span_bytes <= 0:
+        raise ValueError(f"span_bytes={span_bytes} must be positive")
+    return tuple(
+        Span(index, offset, min(span_bytes, chunk.end - offset))
+        for index, chunk in enumerate(chunks)
+        for offset in range(chunk.offset, chunk.end, span_bytes)
+    )
+
+
+class Pipeline:
+    """Hands out populate spans and chunk registrations, and records how each ended."""
+
+    def __init__(self, chunks: Sequence[Chunk], *, order: Order, span_bytes: int = 1, lookahead_bytes: int = 0) -> None:
+        self.ledger = Ledger(chunks)
+        self.order = order
+        self.spans: tuple[Span, ...] = () if order is Order.REGISTER_ONLY else split_spans(chunks, span_bytes)
+        self.lookahead_bytes = lookahead_bytes
+        self._next_span = 0
+        self._spans_left = [0] * len(self.ledger.chunks)  # spans not yet populated, per chunk
+        for span in self.spans:
+            self._spans_left[span.chunk] += 1
+        self._populating = 0
+        self._ready: list[int] = []  # POPULATE_FIRST: fully faulted, not yet claimed for registration
+        self._window: set[int] = set()  # POPULATE_FIRST: chunks faulting or faulted, registration not landed
+        self._window_bytes = 0
+        self.populated_bytes = 0
+
+    # -- what workers ask for ------------------------------------------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        ledger = self.ledger
+        return ledger.stop_cause is not None or ledger.phase is not Phase.PINNING
+
+    @property
+    def in_flight(self) -> int:
+        """Populate and register calls in progress."""
+        return self._populating + self.ledger.in_flight
+
+    def next_populate(self) -> Span | _Wait | None:
+        """The next span to fault, ``None`` when this role is done, or ``WAIT``."""
+        if self.stopped or self._next_span >= len(self.spans):
+            return None
+        span = self.spans[self._next_span]
+        if self.order is Order.REGISTER_FIRST:
+            state = self.ledger.states[span.chunk]
+            if state is not ChunkState.REGISTERED:
+                return self._wait(f"populate of chunk {span.chunk} ({state.value})")
+        elif span.chunk not in self._window:
+            nbytes = self.ledger.chunks[span.chunk].nbytes
+            if self._window and self._window_bytes + nbytes > self.lookahead_bytes:
+                return self._wait(f"populate of chunk {span.chunk} beyond the lookahead")
+            self._window.add(span.chunk)
+            self._window_bytes += nbytes
+        self._next_span += 1
+        self._populating += 1
+        return span
+
+    def next_register(self) -> int | _Wait | None:
+        """The next chunk index to register, ``None`` when this role is done, or ``WAIT``."""
+        if self.stopped:
+            return None
+        ledger = self.ledger
+        if self.order is not Order.POPULATE_FIRST:
+            return ledger.claim()
+        if self._ready:
+            index = heapq.heappop(self._ready)
+            ledger.claim_index(index)
+            return index
+        if ledger.pending == 0:
+            return None
+        return self._wait("registration (no chunk is fully faulted yet)")
+
+    def _wait(self, what: str) -> _Wait:
+        # Someone must be able to wake the waiter: a call in flight, or work the other role can take.
+        if self.in_flight == 0 and not self._ready and not self._span_available() and not self._claimable():
+            raise LedgerError(f"{what} would wait forever: nothing is in flight or ready")
+        return WAIT
+
+    def _span_available(self) -> bool:
+        if self.stopped or self._next_span >= len(self.spans):
+            return False
+        span = self.spans[self._next_span]
+        if self.order is Order.REGISTER_FIRST:
+            return self.ledger.states[span.chunk] is ChunkState.REGISTERED
+        nbytes = self.ledger.chunks[span.chunk].nbytes
+        return span.chunk in self._window or not self._window or self._window_bytes + nbytes <= self.lookahead_bytes
+
+    def _claimable(self) -> bool:
+        if self.stopped or self.order is Order.POPULATE_FIRST:
+            return False
+        return self.ledger.pending > 0
+
+    # -- how calls ended -------------------------------------------------------------------------
+
+    def populated(self, span: Span) -> None:
+        self._land_span(span)
+        self.populated_bytes += span.nbytes
+        self._spans_left[span.chunk] -= 1
+        if self.order is Order.POPULATE_FIRST and self._spans_left[span.chunk] == 0:
+            if self.ledger.states[span.chunk] is ChunkState.PENDING and not self.stopped:
+                heapq.heappush(self._ready, span.chunk)
+
+    def populate_failed(self, span: Span, error: RuntimeCallError) -> None:
+        self._land_span(span)
+        self.ledger.populate_failed(span.chunk, error)
+
+    def _land_span(self, span: Span) -> None:
+        if self._populating <= 0:
+            raise LedgerError(f"span {span} landed with no populate in flight")
+        self._populating -= 1
+
+    def registered(self, index: int) -> None:
+        self.ledger.registered(index)
+        self._leave_window(index)
+
+    def register_failed(self, index: int, error: RuntimeCallError) -> None:
+        self.ledger.failed(index, "register", error)
+        self._leave_window(index)
+
+    def _leave_window(self, index: int) -> None:
+        if index in self._window:
+            self._window.remove(index)
+            self._window_bytes -= self.ledger.chunks[index].nbytes
+
+    def cancel(self) -> None:
+        self.ledger.cancel()
+
+    def finish(self) -> Phase:
+        """Close pinning once nothing is in flight; PINNED only if every chunk is registered and faulted."""
+        if self._populating:
+            raise LedgerError(f"finish with {self._populating} populate calls in flight")
+        if self.ledger.stop_cause is None and self.populated_bytes < sum(s.nbytes for s in self.spans):
+            if self.ledger.chunks_done == len(self.ledger.chunks):
+                raise LedgerError("finish with every chunk registered but spans left unfaulted")
+        return self.ledger.finish_pinning()
