@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--name", default="cli", help="pool name in logs and metrics")
     pin.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     pin.set_defaults(run=_pin)
+    bench = commands.add_parser("bench", help="pin throughput against the field's baselines, in one run")
+    from . import _bench  # only the bench command needs it
+
+    _bench.build_parser(bench)
+    bench.set_defaults(run=_bench.run)
     return parser
 
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from ._errors import ChunkFailure, RuntimeCallError
 from ._ledger import Phase
 from ._memory import populate_range
 from ._observe import Observer
-from ._pipeline import WAIT, Order, Pipeline, _Wait
+from ._pipeline import WAIT, Order, Pipeline, Span, _Wait
 from ._plan import Chunk
 from .runtimes import Runtime
 
@@ -47,10 +47,15 @@ class PinSession:
         order: Order,
         span_bytes: int,
         lookahead_bytes: int,
+        register_workers: int,
+        populate_workers: int,
         unpin_workers: int,
         observer: Observer,
     ) -> None:
-        self.pipeline = Pipeline(chunks, order=order, span_bytes=span_bytes, lookahead_bytes=lookahead_bytes)
+        self.pipeline = Pipeline(
+            chunks, order=order, span_bytes=span_bytes, lookahead_bytes=lookahead_bytes,
+            register_workers=register_workers, populate_workers=populate_workers,
+        )  # fmt: skip
         self.ledger = self.pipeline.ledger
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
@@ -87,50 +92,68 @@ class PinSession:
     def _landed(self, record: Callable[..., None], *args: object) -> None:
         with self._changed:
             record(*args)
-            self._changed.notify_all()
 
-    def populate_work(self) -> None:
-        """One populate worker: fault spans until the pipeline hands out nothing."""
-        pipeline, observer = self.pipeline, self.observer
-        while (span := self._next(pipeline.next_populate)) is not None:
-            ptr = self.base_ptr + span.offset
-            observer.call_started()
-            started = time.perf_counter()
-            try:
-                self._populate(ptr, span.nbytes)
-            except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
-                error = as_runtime_error(exc, "populate", ptr, span.nbytes)
-                self._landed(pipeline.populate_failed, span, error)
-                observer.chunk_failed(self.ledger.chunks[span.chunk], "populate", error, time.perf_counter() - started)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                self._landed(pipeline.populated, span)
-                observer.span_populated(span.nbytes, time.perf_counter() - started)
-            finally:
-                observer.call_ended()
+    def _batch_done(self, role: str, unstarted: Sequence[int | Span]) -> None:
+        with self._changed:
+            self.pipeline.batch_done(role, unstarted)
+            self._changed.notify_all()  # the batch's landings may have made work for waiting workers
 
-    def register_work(self) -> None:
-        """One register worker: register chunks until the pipeline hands out nothing."""
-        pipeline, observer = self.pipeline, self.observer
-        while (index := self._next(pipeline.next_register)) is not None:
-            chunk = self.ledger.chunks[index]
-            ptr = self.base_ptr + chunk.offset
-            observer.call_started()
-            started = time.perf_counter()
+    def work(self) -> None:
+        """One worker: populate spans and register chunks, as the pipeline hands them out."""
+        pipeline = self.pipeline
+        while (batch := self._next(pipeline.next_work)) is not None:
+            items = batch.items
+            done = 0
             try:
-                self._register(ptr, chunk.nbytes)
-            except BaseException as exc:
-                error = as_runtime_error(exc, "register", ptr, chunk.nbytes)
-                self._landed(pipeline.register_failed, index, error)
-                observer.chunk_failed(chunk, "register", error, time.perf_counter() - started)
-                if not isinstance(exc, Exception):
-                    raise
-            else:
-                self._landed(pipeline.registered, index)
-                observer.chunk_registered(chunk, time.perf_counter() - started)
+                for item in items:
+                    if done and pipeline.stopped:  # another worker failed, or the caller cancelled
+                        break
+                    if isinstance(item, Span):
+                        self._populate_span(item)
+                    else:
+                        self._register_chunk(item)
+                    done += 1
             finally:
-                observer.call_ended()
+                self._batch_done(batch.role, items[done:])
+
+    def _populate_span(self, span: Span) -> None:
+        pipeline, observer = self.pipeline, self.observer
+        ptr = self.base_ptr + span.offset
+        observer.call_started()
+        started = time.perf_counter()
+        try:
+            self._populate(ptr, span.nbytes)
+        except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
+            error = as_runtime_error(exc, "populate", ptr, span.nbytes)
+            self._landed(pipeline.populate_failed, span, error)
+            observer.chunk_failed(self.ledger.chunks[span.chunk], "populate", error, time.perf_counter() - started)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self._landed(pipeline.populated, span)
+            observer.span_populated(span.nbytes, time.perf_counter() - started)
+        finally:
+            observer.call_ended()
+
+    def _register_chunk(self, index: int) -> None:
+        pipeline, observer = self.pipeline, self.observer
+        chunk = self.ledger.chunks[index]
+        ptr = self.base_ptr + chunk.offset
+        observer.call_started()
+        started = time.perf_counter()
+        try:
+            self._register(ptr, chunk.nbytes)
+        except BaseException as exc:
+            error = as_runtime_error(exc, "register", ptr, chunk.nbytes)
+            self._landed(pipeline.register_failed, index, error)
+            observer.chunk_failed(chunk, "register", error, time.perf_counter() - started)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self._landed(pipeline.registered, index)
+            observer.chunk_registered(chunk, time.perf_counter() - started)
+        finally:
+            observer.call_ended()
 
     def cancel(self) -> None:
         """Tell workers to stop after their current call."""

@@ -80,6 +80,15 @@ class Ledger:
         self._in_flight += 1
         self._pending -= 1
 
+    def unclaim(self, index: int) -> None:
+        """A claimed chunk whose call was never made (its worker's batch stopped): pending again."""
+        if self.states[index] is not ChunkState.IN_FLIGHT:
+            raise LedgerError(f"unclaim of chunk {index}, which is {self.states[index].value}")
+        self.states[index] = ChunkState.PENDING
+        self._in_flight -= 1
+        self._pending += 1
+        self._next = min(self._next, index)
+
     def registered(self, index: int) -> None:
         self._land(index, ChunkState.REGISTERED)
         self._registered_bytes += self.chunks[index].nbytes

@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from ._errors import RuntimeCallError
 from ._ledger import ChunkState, Ledger, LedgerError, Phase
 from ._plan import Chunk
+
+T = TypeVar("T")
+
+# A worker's batch of consecutive items stops growing at this many bytes or items.
+BATCH_BYTES = 8 << 20
+BATCH_ITEMS = 64
 
 
 class Order(enum.Enum):
@@ -40,6 +46,14 @@ class _Wait(enum.Enum):
 
 WAIT: Final = _Wait.WAIT
 """Nothing for this role right now, but there will be: sleep until the pipeline changes."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one worker does next: ``role`` "register" (chunk indices) or "populate" (spans)."""
+
+    role: str
+    items: tuple[int | Span, ...]
 
 
 @dataclass(frozen=True)
@@ -69,9 +83,22 @@ def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> tuple[Span, ...]:
 class Pipeline:
     """Hands out populate spans and chunk registrations, and records how each ended."""
 
-    def __init__(self, chunks: Sequence[Chunk], *, order: Order, span_bytes: int = 1, lookahead_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        *,
+        order: Order,
+        span_bytes: int = 1,
+        lookahead_bytes: int = 0,
+        register_workers: int = 1,
+        populate_workers: int = 1,
+    ) -> None:
         self.ledger = Ledger(chunks)
         self.order = order
+        self.register_workers = register_workers
+        self.populate_workers = populate_workers
+        self._register_batches = 0
+        self._populate_batches = 0
         self.spans: tuple[Span, ...] = () if order is Order.REGISTER_ONLY else split_spans(chunks, span_bytes)
         self.lookahead_bytes = lookahead_bytes
         self._next_span = 0
@@ -95,6 +122,59 @@ class Pipeline:
     def in_flight(self) -> int:
         """Populate and register calls in progress."""
         return self._populating + self.ledger.in_flight
+
+    def next_work(self) -> Batch | _Wait | None:
+        """For a worker that can do either: a batch ``("register", [index, ...])`` or
+        ``("populate", [span, ...])`` within each role's concurrency, ``WAIT``, or ``None``
+        once nothing is left to hand out. The worker calls :meth:`batch_done` after it.
+
+        Registration comes first: it is the serial bottleneck under CUDA, and under
+        lock-on-fault it is what lets faulting start. A batch holds consecutive items until
+        they add up to ``BATCH_BYTES`` (a big chunk or span is a batch of one) and at most its
+        share of the waiting items, so tiny chunks cost one hand-off per batch, not per chunk.
+        """
+        if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
+            return None
+        if self._register_batches < self.register_workers:
+            waiting = len(self._ready) if self.order is Order.POPULATE_FIRST else self.ledger.pending
+            share = -(-waiting // self.register_workers)
+            indices = self._batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
+            if indices:
+                self._register_batches += 1
+                return Batch("register", tuple(indices))
+        if self._populate_batches < self.populate_workers:
+            share = -(-(len(self.spans) - self._next_span) // self.populate_workers)
+            spans = self._batch(self.next_populate, lambda span: span.nbytes, share)
+            if spans:
+                self._populate_batches += 1
+                return Batch("populate", tuple(spans))
+        return self._wait("a worker")
+
+    def _batch(self, take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
+        """Consecutive items up to BATCH_BYTES / BATCH_ITEMS, and no more than this worker's
+        ``share`` of what is waiting, so a batch never takes work another worker could overlap."""
+        items: list[T] = []
+        nbytes = 0
+        most = min(BATCH_ITEMS, max(1, share))
+        while nbytes < BATCH_BYTES and len(items) < most:
+            item = take()
+            if item is None or item is WAIT:
+                break
+            items.append(item)
+            nbytes += size(item)
+        return items
+
+    def batch_done(self, role: str, unstarted: Sequence[int | Span] = ()) -> None:
+        """A worker finished a batch; ``unstarted`` are its items it did not call (pinning stopped)."""
+        if role == "register":
+            self._register_batches -= 1
+        else:
+            self._populate_batches -= 1
+        for item in unstarted:
+            if isinstance(item, Span):
+                self._land_span(item)
+            else:
+                self.ledger.unclaim(item)
 
     def next_populate(self) -> Span | _Wait | None:
         """The next span to fault, ``None`` when this role is done, or ``WAIT``."""
