@@ -127,7 +127,9 @@ def _first_touch(ptr: int, nbytes: int) -> None:
 
 
 class Bench:
-    def __init__(self, size: int, runtime: str, reps: int, huge_pages: bool) -> None:
+    def __init__(
+        self, size: int, runtime: str, reps: int, huge_pages: bool, only: Sequence[str] = ()
+    ) -> None:
         self.size = size
         self.runtime_name = runtime
         self.reps = reps
@@ -141,6 +143,12 @@ class Bench:
             f"{probe.unpin_workers} unpin threads"
         )
         self.configs = self._configs(huge_pages)
+        if only:
+            unknown = set(only) - {c.name for c in self.configs}
+            if unknown:
+                raise SystemExit(f"--configs: unknown {sorted(unknown)}; known: {[c.name for c in self.configs]}")
+            # pinpool default stays first: every ratio is against it
+            self.configs = [c for c in self.configs if c.name == "pinpool default" or c.name in only]
 
     def _runtime(self) -> TimedRuntime:
         return TimedRuntime(resolve_runtime(self.runtime_name))
@@ -475,6 +483,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--reps", type=int, default=5, help="measured repetitions (+1 warm-up, discarded)")
     parser.add_argument("--no-huge-pages", action="store_true", help="skip the huge-page configuration")
     parser.add_argument(
+        "--configs", default="", help="only these configurations (comma-separated names; pinpool default always runs)"
+    )
+    parser.add_argument(
         "--stall-chunk-sizes", default="256MiB,1GiB,4GiB", help="chunk sizes for the longest-call table ('' skips it)"
     )
     parser.add_argument(
@@ -492,7 +503,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> int:
     size = parse_size(args.size, what="--size")
     started = time.perf_counter()
-    bench = Bench(size, args.runtime, max(1, args.reps), huge_pages=not args.no_huge_pages)
+    only = [name.strip() for name in args.configs.split(",") if name.strip()]
+    bench = Bench(size, args.runtime, max(1, args.reps), huge_pages=not args.no_huge_pages, only=only)
 
     def progress(line: str) -> None:
         if not args.quiet:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ._errors import ChunkFailure, RuntimeCallError
 from ._ledger import Phase
@@ -24,6 +24,8 @@ from ._plan import Chunk
 from .runtimes import Runtime
 
 T = TypeVar("T")
+# How one call ended: (its error or None, the pipeline method that records it, the item).
+Outcome = tuple[RuntimeCallError | None, Callable[..., None], Any]
 
 
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
@@ -89,34 +91,39 @@ class PinSession:
                     return item
                 self._changed.wait()
 
-    def _landed(self, record: Callable[..., None], *args: object) -> None:
-        with self._changed:
-            record(*args)
-
-    def _batch_done(self, role: str, unstarted: Sequence[int | Span]) -> None:
-        with self._changed:
-            self.pipeline.batch_done(role, unstarted)
-            self._changed.notify_all()  # the batch's landings may have made work for waiting workers
-
     def work(self) -> None:
-        """One worker: populate spans and register chunks, as the pipeline hands them out."""
+        """One worker: populate spans and register chunks, as the pipeline hands them out.
+
+        A batch's outcomes are recorded together, under one lock hold, when the batch ends (its
+        items stay in flight until then, so a rollback waits for them); a failure ends the
+        batch at once, so the other workers hear of it after one call, not one batch.
+        """
         pipeline = self.pipeline
         while (batch := self._next(pipeline.next_work)) is not None:
             items = batch.items
-            done = 0
+            outcomes: list[Outcome] = []
             try:
                 for item in items:
-                    if done and pipeline.stopped:  # another worker failed, or the caller cancelled
+                    if outcomes and pipeline.stopped:  # another worker failed, or the caller cancelled
                         break
-                    if isinstance(item, Span):
-                        self._populate_span(item)
-                    else:
-                        self._register_chunk(item)
-                    done += 1
+                    outcome = self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
+                    outcomes.append(outcome)
+                    if outcome[0] is not None:
+                        break
             finally:
-                self._batch_done(batch.role, items[done:])
+                with self._changed:
+                    for error, record, item in outcomes:
+                        if error is None:
+                            record(item)
+                        else:
+                            record(item, error)
+                    pipeline.batch_done(batch.role, items[len(outcomes) :])
+                    self._changed.notify_all()  # the landings may have made work for waiting workers
+            failure = outcomes[-1][0] if outcomes else None
+            if failure is not None and not isinstance(failure.__cause__ or failure, Exception):
+                raise failure.__cause__ or failure
 
-    def _populate_span(self, span: Span) -> None:
+    def _populate_span(self, span: Span) -> Outcome:
         pipeline, observer = self.pipeline, self.observer
         ptr = self.base_ptr + span.offset
         observer.call_started()
@@ -125,17 +132,15 @@ class PinSession:
             self._populate(ptr, span.nbytes)
         except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
             error = as_runtime_error(exc, "populate", ptr, span.nbytes)
-            self._landed(pipeline.populate_failed, span, error)
             observer.chunk_failed(self.ledger.chunks[span.chunk], "populate", error, time.perf_counter() - started)
-            if not isinstance(exc, Exception):
-                raise
+            return (error, pipeline.populate_failed, span)
         else:
-            self._landed(pipeline.populated, span)
             observer.span_populated(span.nbytes, time.perf_counter() - started)
+            return (None, pipeline.populated, span)
         finally:
             observer.call_ended()
 
-    def _register_chunk(self, index: int) -> None:
+    def _register_chunk(self, index: int) -> Outcome:
         pipeline, observer = self.pipeline, self.observer
         chunk = self.ledger.chunks[index]
         ptr = self.base_ptr + chunk.offset
@@ -145,13 +150,11 @@ class PinSession:
             self._register(ptr, chunk.nbytes)
         except BaseException as exc:
             error = as_runtime_error(exc, "register", ptr, chunk.nbytes)
-            self._landed(pipeline.register_failed, index, error)
             observer.chunk_failed(chunk, "register", error, time.perf_counter() - started)
-            if not isinstance(exc, Exception):
-                raise
+            return (error, pipeline.register_failed, index)
         else:
-            self._landed(pipeline.registered, index)
             observer.chunk_registered(chunk, time.perf_counter() - started)
+            return (None, pipeline.registered, index)
         finally:
             observer.call_ended()
 

@@ -107,7 +107,7 @@ class Ledger:
         if state is ChunkState.PENDING:
             self.states[index] = ChunkState.FAILED
             self._pending -= 1
-        elif state is not ChunkState.REGISTERED:
+        elif state not in (ChunkState.REGISTERED, ChunkState.FAILED):  # FAILED: another of its spans failed too
             raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
         self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
         if self.stop_cause is None:

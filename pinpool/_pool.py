@@ -142,9 +142,9 @@ class PinnedPool:
       size: byte budget, int or string (``"64GiB"``); the pool holds the largest whole number of
         layout pages that fits.
       runtime: ``"auto"`` (CUDA if available, else mlock), ``"cuda"``, ``"mlock"`` or a runtime object.
-      chunk_bytes: upper bound of one registration call (default: ``PINPOOL_REGISTER_CHUNK_GB``
-        GiB, else 256 GiB). With several workers chunks are split further (not below 1 GiB) so
-        every worker has a few.
+      chunk_bytes: the size of one registration call (rounded down to the layout's granularity).
+        Without it, the limit is ``PINPOOL_REGISTER_CHUNK_GB`` GiB (else 256 GiB), and with
+        several workers chunks are split further (not below 1 GiB) so every worker has a few.
       populate: pre-fault the memory on ``populate_workers`` threads (MADV_POPULATE_WRITE, in
         spans of <= 512 MiB), pipelined with registration. Default: on where the kernel has
         MADV_POPULATE_WRITE (Linux 5.14+). CUDA: spans are faulted ahead of the serial
@@ -269,7 +269,10 @@ class PinnedPool:
         wanted_populate = (populate_workers or min(by_size, default_populate_workers())) if populate else 0
 
         align = _libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE
-        split_limit = _parallel_limit(limit, total, max(wanted_register, wanted_populate))
+        # An explicit chunk_bytes= is the chunk size; the default (or the environment's) is an
+        # upper bound that is split further so the workers have chunks to share and overlap.
+        workers = max(wanted_register, wanted_populate)
+        split_limit = limit if chunk_bytes is not None else _parallel_limit(limit, total, workers)
         buffers: list[_Buffer] = []
         offset = 0
         start = 0 if source is None else source.data_ptr() % _libc.PAGE_SIZE  # own memory is page-aligned

@@ -189,3 +189,107 @@ def test_real_mlock_failure_without_cap_ipc_lock_names_the_limit() -> None:
     assert f"soft {limit} bytes" in out["error"] and "ulimit -l" in out["error"]
     assert out["leaked"] == 0
     assert out["after"] == out["before"] == 0
+
+
+def _smaps_locked_kb(address: int) -> int:
+    """Locked kB of the mapping that starts at ``address``, per /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "Locked:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_default_pipeline_locks_every_page_on_fault(mode: str, vmlck_baseline: int) -> None:
+    """mlock's default order: lock-on-fault first, then parallel faulting locks each page."""
+    pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", populate_workers=2)
+    assert pool.order.value == "register_first" and pool.populate
+    if mode == "async":
+        async with pool:
+            during, locked_kb = _libc.vm_locked_bytes(), _smaps_locked_kb(pool.data_ptr)
+    else:
+        with pool:
+            during, locked_kb = _libc.vm_locked_bytes(), _smaps_locked_kb(pool.data_ptr)
+    assert during - vmlck_baseline == 96 * MiB
+    assert locked_kb * 1024 == 96 * MiB  # every page resident and locked, not just marked
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+def test_huge_pages_fault_first_then_lock(vmlck_baseline: int) -> None:
+    pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=16 * MiB, runtime="mlock", huge_pages=True)
+    assert pool.order.value == "populate_first"
+    with pool:
+        assert _smaps_locked_kb(pool.data_ptr) * 1024 == 64 * MiB
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+def test_numa_node_binds_the_pool(vmlck_baseline: int) -> None:
+    node = _libc.numa_nodes()[0]
+    with pinpool.PinnedPool(size=8 * MiB, runtime="mlock", numa_node=node) as pool:
+        with open("/proc/self/numa_maps") as numa_maps:
+            line = next(x for x in numa_maps if int(x.split()[0], 16) == pool.data_ptr)
+        assert f"bind:{node}" in line
+        assert _smaps_locked_kb(pool.data_ptr) * 1024 == 8 * MiB
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
+
+
+def _reserve_hugetlb(pages: int) -> int:
+    """Reserve ``pages`` more 2 MiB hugetlb pages; returns the old setting (skips when not allowed)."""
+    try:
+        with open(NR_HUGEPAGES) as f:
+            old = int(f.read())
+        with open(NR_HUGEPAGES, "w") as f:
+            f.write(str(old + pages))
+    except OSError as exc:
+        pytest.skip(f"cannot reserve hugetlb pages here ({exc})")
+    if _libc.hugetlb_free_pages()[0] < pages:
+        _set_hugetlb(old)
+        pytest.skip("the kernel could not reserve the hugetlb pages (memory fragmented)")
+    return old
+
+
+def _set_hugetlb(value: int) -> None:
+    with open(NR_HUGEPAGES, "w") as f:
+        f.write(str(value))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_hugetlb_pool_uses_reserved_pages_and_returns_them(mode: str, vmlck_baseline: int) -> None:
+    old = _reserve_hugetlb(16)
+    try:
+        free_before = _libc.hugetlb_free_pages()[0]
+        pool = pinpool.PinnedPool(size=32 * MiB, chunk_bytes=8 * MiB, runtime="mlock", huge_pages="hugetlb")
+        if mode == "async":
+            async with pool:
+                free_during = _libc.hugetlb_free_pages()[0]
+                pool.tensor.fill_(3)
+                assert int(pool.tensor[-1]) == 3
+        else:
+            with pool:
+                free_during = _libc.hugetlb_free_pages()[0]
+                pool.tensor.fill_(3)
+        assert free_before - free_during == 16  # the whole pool came from the reserved pages
+        del pool
+        import gc
+
+        gc.collect()
+        assert _libc.hugetlb_free_pages()[0] == free_before  # unmapped: the pages went back
+        assert _libc.vm_locked_bytes() == vmlck_baseline
+    finally:
+        _set_hugetlb(old)
+
+
+def test_hugetlb_without_enough_reserved_pages_is_a_config_error() -> None:
+    free, _total = _libc.hugetlb_free_pages()
+    size = (free + 1) * 2 * MiB
+    with pytest.raises(pinpool.ConfigError, match=r"nr_hugepages") as info:
+        pinpool.PinnedPool(size=size, runtime="mlock", huge_pages="hugetlb")
+    assert f"needs {free + 1} free 2 MiB hugetlb pages" in str(info.value)
