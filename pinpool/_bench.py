@@ -127,9 +127,7 @@ def _first_touch(ptr: int, nbytes: int) -> None:
 
 
 class Bench:
-    def __init__(
-        self, size: int, runtime: str, reps: int, huge_pages: bool, only: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, size: int, runtime: str, reps: int, huge_pages: bool, only: Sequence[str] = ()) -> None:
         self.size = size
         self.runtime_name = runtime
         self.reps = reps
