@@ -234,9 +234,15 @@ def panels() -> list[Json]:
         ),
         timeseries(
             "Pin throughput",
-            "Bytes registered per second (rate of pinpool_registered_bytes_total).",
+            "Bytes registered per second (rate of pinpool_registered_bytes_total) and bytes pre-faulted per second "
+            "(rate of pinpool_populated_bytes_total). Faulting runs ahead of registration under CUDA and behind it "
+            "under mlock's lock-on-fault; a gap that persists means one stage is the bottleneck "
+            "(docs/operations.md#sizing-workers).",
             "Bps",
-            [target(f"sum by (pool) ({rate('pinpool_registered_bytes_total')})", "{{pool}}", "A")],
+            [
+                target(f"sum by (pool) ({rate('pinpool_registered_bytes_total')})", "{{pool}} registered", "A"),
+                target(f"sum by (pool) ({rate('pinpool_populated_bytes_total')})", "{{pool}} pre-faulted", "B"),
+            ],
             grid(12, 4, 12, 8),
         ),
         timeseries(
@@ -291,8 +297,8 @@ def panels() -> list[Json]:
         ),
         timeseries(
             "In-flight runtime calls",
-            "Register/unregister calls in progress (pinpool_chunks_in_flight); at most the worker count, 0 when "
-            "idle. Stuck above 0 with no throughput: a call hangs in the driver.",
+            "Populate, register and unregister calls in progress (pinpool_chunks_in_flight); at most the worker "
+            "threads, 0 when idle. Stuck above 0 with no throughput: a call hangs in the driver or the kernel.",
             "short",
             [target(f"sum by (pool) ({sel('pinpool_chunks_in_flight')})", "{{pool}}", "A")],
             grid(0, 28, 12, 8),
