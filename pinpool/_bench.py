@@ -219,6 +219,15 @@ class Bench:
         ]
         if huge_pages and _libc.transparent_huge_pages_mode() in ("always", "madvise"):
             configs.append(Config("pinpool huge pages", "huge_pages=True (THP)", self._pool(huge_pages=True)))
+            # Right after another THP pin: on VMs whose host reclaims freed guest memory, the
+            # first touch after 4 KiB runs pays the host's faults; this shows the difference.
+            configs.append(
+                Config(
+                    "pinpool huge pages, again",
+                    "the same, right after the previous row (memory its pin just freed)",
+                    self._pool(huge_pages=True),
+                )
+            )
         configs.append(
             Config(
                 "limit",
