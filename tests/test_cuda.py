@@ -46,3 +46,28 @@ def test_double_registration_is_named_and_not_sticky() -> None:
 def test_auto_picks_cuda_here() -> None:
     with pinpool.PinnedPool(size=4 * MiB) as pool:
         assert pool.runtime.name == "cuda"
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_default_pipeline_faults_ahead_and_registers_every_chunk(huge_pages: bool) -> None:
+    """CUDA's order: populate workers fault spans ahead, one register worker registers whole chunks."""
+    pool = pinpool.PinnedPool(size=512 * MiB, chunk_bytes=64 * MiB, runtime=CudaRuntime(), huge_pages=huge_pages)
+    assert pool.order.value == "populate_first" and pool.register_workers == 1 and pool.populate
+    with pool:
+        for chunk in pool.chunks:
+            assert pool.tensor[chunk.offset : chunk.offset + chunk.nbytes].is_pinned()
+        pool.tensor[-MiB:].fill_(3)
+        device = pool.tensor[-MiB:].to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert int(device.sum().item()) == 3 * MiB
+    assert pool.pinned_bytes == 0
+
+
+def test_parallel_teardown_unregisters_every_chunk() -> None:
+    pool = pinpool.PinnedPool(size=256 * MiB, chunk_bytes=16 * MiB, runtime=CudaRuntime(), unpin_workers=4)
+    with pool:
+        kept = pool.tensor  # a view outlives the pool (it keeps the memory mapped), merely unpinned
+        assert kept.is_pinned()
+    assert pool.unpin_workers == 4 and pool.pinned_bytes == 0
+    for chunk in pool.chunks:  # every chunk was unregistered by one of the unpin workers
+        assert not kept[chunk.offset : chunk.offset + chunk.nbytes].is_pinned()
