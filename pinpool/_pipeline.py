@@ -93,6 +93,11 @@ class Pipeline:
         register_workers: int = 1,
         populate_workers: int = 1,
     ) -> None:
+        if register_workers < 1 or (order is not Order.REGISTER_ONLY and populate_workers < 1):
+            raise ValueError(
+                f"register_workers={register_workers}, populate_workers={populate_workers}: each role in use "
+                "needs at least one worker, or nothing would ever take its work"
+            )
         self.ledger = Ledger(chunks)
         self.order = order
         self.register_workers = register_workers

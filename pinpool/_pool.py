@@ -485,8 +485,9 @@ class PinnedPool:
             f"nbytes={first.chunk.nbytes} total={self.nbytes} chunk_limit={self.chunk_limit}: {first.phase} "
             f"rc={first.error.code} ({first.error.reason}): {first.error.message}"
         )
+        failed_chunks = len({f.chunk for f in failures})
         if len(failures) > 1:
-            message += f" [{len(failures)} chunks failed]"
+            message += f" [{len(failures)} calls failed, in {failed_chunks} chunk(s)]"
         message += (
             f"; rolled back, {len(leaked)} chunk(s) could not be unregistered and may still be pinned: {leaked}"
             if leaked
@@ -740,10 +741,10 @@ def _finalize_unclosed(name: str, nbytes: int, session: PinSession, mapping: Hos
     """A pool that was never exited (garbage-collected, or alive at interpreter exit)."""
     if session.ledger.phase is Phase.CLOSED or os.getpid() != session.pid:
         return
+    if session.pipeline.in_flight:
+        return  # a worker is still mid-call: its driver is running and will finish or roll back
     pinned = session.ledger.registered_bytes
     session.cancel()
-    if session.ledger.in_flight:
-        return  # a worker is still mid-call; its own driver will roll back
     failures = session.teardown()  # first: a warning turned into an error must not keep memory pinned
     _release(session, mapping, nbytes=nbytes, failures=failures, pinned=True)
     warnings.warn(

@@ -144,7 +144,7 @@ async def test_several_failures_are_all_reported() -> None:
             pytest.fail("body must not run")
     assert len(info.value.failures) == 2
     assert info.value.offset == 0  # the lowest failed offset
-    assert "2 chunks failed" in str(info.value)
+    assert "2 calls failed, in 2 chunk(s)" in str(info.value)
     assert_rolled_back(fake, {1, 2})
 
 
