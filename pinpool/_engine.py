@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ._errors import ChunkFailure, RuntimeCallError
-from ._ledger import Phase
+from ._ledger import ChunkState, Phase
 from ._memory import populate_range
 from ._observe import Observer
 from ._pipeline import WAIT, Order, Pipeline, Span, _Wait
@@ -25,7 +25,7 @@ from .runtimes import Runtime
 
 T = TypeVar("T")
 # How one call ended: (its error or None, the pipeline method that records it, the item).
-Outcome = tuple[RuntimeCallError | None, Callable[..., None], Any]
+Outcome = tuple[RuntimeCallError | None, Callable[..., int | None], Any]
 
 
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
@@ -111,14 +111,18 @@ class PinSession:
                     if outcome[0] is not None:
                         break
             finally:
+                pinned: list[int] = []
                 with self._changed:
                     for error, record, item in outcomes:
                         if error is None:
-                            record(item)
+                            if (index := record(item)) is not None:
+                                pinned.append(index)
                         else:
                             record(item, error)
                     pipeline.batch_done(batch.role, items[len(outcomes) :])
                     self._changed.notify_all()  # the landings may have made work for waiting workers
+                for index in pinned:
+                    self.observer.chunk_pinned(self.ledger.chunks[index])
             failure = outcomes[-1][0] if outcomes else None
             if failure is not None and not isinstance(failure.__cause__ or failure, Exception):
                 raise failure.__cause__ or failure
@@ -213,6 +217,7 @@ class PinSession:
             while True:
                 with lock:
                     index = next(pending, None)
+                    was_pinned = index is not None and ledger.states[index] is ChunkState.REGISTERED
                 if index is None:
                     return
                 chunk = ledger.chunks[index]
@@ -229,7 +234,7 @@ class PinSession:
                 else:
                     with lock:
                         ledger.unregistered(index)
-                    observer.chunk_unregistered(chunk, time.perf_counter() - call_started)
+                    observer.chunk_unregistered(chunk, time.perf_counter() - call_started, was_pinned=was_pinned)
                 finally:
                     observer.call_ended()
         finally:

@@ -17,10 +17,15 @@ from ._plan import Chunk
 class ChunkState(enum.Enum):
     PENDING = "pending"
     IN_FLIGHT = "in_flight"
+    FAULTING = "faulting"  # registered lock-on-fault, pages still being faulted: undo it, but not pinned yet
     REGISTERED = "registered"
     FAILED = "failed"  # its register (or populate) call failed: nothing to undo
     UNREGISTERED = "unregistered"
     LEAKED = "leaked"  # unregistering it failed: it may still be pinned
+
+
+# States whose registration teardown must undo.
+_UNDO = frozenset({ChunkState.REGISTERED, ChunkState.FAULTING})
 
 
 class Phase(enum.Enum):
@@ -89,8 +94,20 @@ class Ledger:
         self._pending += 1
         self._next = min(self._next, index)
 
-    def registered(self, index: int) -> None:
+    def registered(self, index: int, *, faulting: bool = False) -> None:
+        """A chunk's registration returned. ``faulting``: it was registered lock-on-fault and
+        counts as pinned only once :meth:`faulted` says its pages are all in."""
+        if faulting:
+            self._land(index, ChunkState.FAULTING)
+            return
         self._land(index, ChunkState.REGISTERED)
+        self._registered_bytes += self.chunks[index].nbytes
+
+    def faulted(self, index: int) -> None:
+        """Every page of a lock-on-fault chunk is faulted in, so locked: it is pinned now."""
+        if self.states[index] is not ChunkState.FAULTING:
+            raise LedgerError(f"chunk {index} faulted but was {self.states[index].value}")
+        self.states[index] = ChunkState.REGISTERED
         self._registered_bytes += self.chunks[index].nbytes
 
     def failed(self, index: int, phase: str, error: RuntimeCallError) -> None:
@@ -107,7 +124,7 @@ class Ledger:
         if state is ChunkState.PENDING:
             self.states[index] = ChunkState.FAILED
             self._pending -= 1
-        elif state not in (ChunkState.REGISTERED, ChunkState.FAILED):  # FAILED: another of its spans failed too
+        elif state not in (ChunkState.FAULTING, ChunkState.FAILED):  # FAILED: another of its spans failed too
             raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
         self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
         if self.stop_cause is None:
@@ -162,7 +179,7 @@ class Ledger:
             raise LedgerError("teardown while still pinning: finish_pinning first")
         if self.phase is Phase.CLOSED:
             return []
-        return [i for i in range(len(self.chunks) - 1, -1, -1) if self.states[i] is ChunkState.REGISTERED]
+        return [i for i in range(len(self.chunks) - 1, -1, -1) if self.states[i] in _UNDO]
 
     def unregistered(self, index: int) -> None:
         self._unland(index, ChunkState.UNREGISTERED)
@@ -174,17 +191,21 @@ class Ledger:
     def _unland(self, index: int, state: ChunkState) -> None:
         if self.phase not in (Phase.PINNED, Phase.ROLLED_BACK):
             raise LedgerError(f"unregister in phase {self.phase.value}")
-        if self.states[index] is not ChunkState.REGISTERED:
-            raise LedgerError(f"chunk {index} unregistered but was {self.states[index].value}")
+        was = self.states[index]
+        if was not in _UNDO:
+            raise LedgerError(f"chunk {index} unregistered but was {was.value}")
         self.states[index] = state
-        if state is ChunkState.UNREGISTERED:  # a leaked chunk may well still be pinned
-            self._registered_bytes -= self.chunks[index].nbytes
+        nbytes = self.chunks[index].nbytes
+        if state is ChunkState.UNREGISTERED and was is ChunkState.REGISTERED:
+            self._registered_bytes -= nbytes
+        elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:
+            self._registered_bytes += nbytes  # a leaked chunk may well still be pinned: count it
 
     def close(self) -> None:
         """Mark teardown done; every chunk still REGISTERED at this point is a driver bug."""
         if self.phase is Phase.PINNING:
             raise LedgerError("close while still pinning")
-        left = [i for i, state in enumerate(self.states) if state is ChunkState.REGISTERED]
+        left = [i for i, state in enumerate(self.states) if state in _UNDO]
         if left:
             raise LedgerError(f"close with chunks {left} still registered")
         self.phase = Phase.CLOSED
@@ -193,7 +214,7 @@ class Ledger:
         """Close without unregistering (a forked child: the registrations are its parent's)."""
         if self.phase is Phase.PINNING:
             raise LedgerError("disown while still pinning")
-        kept = tuple(self.chunks[i] for i, state in enumerate(self.states) if state is ChunkState.REGISTERED)
+        kept = tuple(self.chunks[i] for i, state in enumerate(self.states) if state in _UNDO)
         self.phase = Phase.CLOSED
         return kept
 

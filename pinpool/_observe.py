@@ -63,12 +63,9 @@ class Observer:
             self.metrics.populated_bytes.labels(*self._labels).inc(nbytes)
 
     def chunk_registered(self, chunk: Chunk, seconds: float, attempt: int = 1) -> None:
+        """A registration call returned (lock-on-fault: the chunk is pinned once faulted, see chunk_pinned)."""
         if self.metrics:
-            m, labels = self.metrics, self._labels
-            m.chunk_register_seconds.labels(*labels).observe(seconds)
-            m.chunks_registered.labels(*labels).inc()
-            m.registered_bytes.labels(*labels).inc(chunk.nbytes)
-            m.pinned_bytes.labels(*labels).inc(chunk.nbytes)
+            self.metrics.chunk_register_seconds.labels(*self._labels).observe(seconds)
         if self._chunk_debug:
             self.log.debug(
                 "chunk.registered", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6), attempt=attempt
@@ -82,10 +79,19 @@ class Observer:
             phase=phase, code=error.code, reason=error.reason, error=error.message,
         )  # fmt: skip
 
-    def chunk_unregistered(self, chunk: Chunk, seconds: float) -> None:
+    def chunk_pinned(self, chunk: Chunk) -> None:
+        """A chunk is registered and all its pages are in: it counts as pinned."""
+        if self.metrics:
+            m, labels = self.metrics, self._labels
+            m.chunks_registered.labels(*labels).inc()
+            m.registered_bytes.labels(*labels).inc(chunk.nbytes)
+            m.pinned_bytes.labels(*labels).inc(chunk.nbytes)
+
+    def chunk_unregistered(self, chunk: Chunk, seconds: float, *, was_pinned: bool) -> None:
         if self.metrics:
             self.metrics.chunk_unregister_seconds.labels(*self._labels).observe(seconds)
-            self.metrics.pinned_bytes.labels(*self._labels).dec(chunk.nbytes)
+            if was_pinned:
+                self.metrics.pinned_bytes.labels(*self._labels).dec(chunk.nbytes)
 
     # -- the pool (event loop / calling thread) ----------------------------------------------------
 

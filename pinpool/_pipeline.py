@@ -188,7 +188,7 @@ class Pipeline:
         span = self.spans[self._next_span]
         if self.order is Order.REGISTER_FIRST:
             state = self.ledger.states[span.chunk]
-            if state is not ChunkState.REGISTERED:
+            if state is not ChunkState.FAULTING:
                 return self._wait(f"populate of chunk {span.chunk} ({state.value})")
         elif span.chunk not in self._window:
             nbytes = self.ledger.chunks[span.chunk].nbytes
@@ -226,7 +226,7 @@ class Pipeline:
             return False
         span = self.spans[self._next_span]
         if self.order is Order.REGISTER_FIRST:
-            return self.ledger.states[span.chunk] is ChunkState.REGISTERED
+            return self.ledger.states[span.chunk] is ChunkState.FAULTING
         nbytes = self.ledger.chunks[span.chunk].nbytes
         return span.chunk in self._window or not self._window or self._window_bytes + nbytes <= self.lookahead_bytes
 
@@ -237,13 +237,19 @@ class Pipeline:
 
     # -- how calls ended -------------------------------------------------------------------------
 
-    def populated(self, span: Span) -> None:
+    def populated(self, span: Span) -> int | None:
+        """Record a faulted span; returns its chunk's index if that made the chunk pinned (lock-on-fault)."""
         self._land_span(span)
         self.populated_bytes += span.nbytes
         self._spans_left[span.chunk] -= 1
-        if self.order is Order.POPULATE_FIRST and self._spans_left[span.chunk] == 0:
-            if self.ledger.states[span.chunk] is ChunkState.PENDING and not self.stopped:
-                heapq.heappush(self._ready, span.chunk)
+        if self._spans_left[span.chunk]:
+            return None
+        if self.order is Order.REGISTER_FIRST:
+            self.ledger.faulted(span.chunk)  # locked on fault, now every page is in: pinned
+            return span.chunk
+        if self.ledger.states[span.chunk] is ChunkState.PENDING and not self.stopped:
+            heapq.heappush(self._ready, span.chunk)
+        return None
 
     def populate_failed(self, span: Span, error: RuntimeCallError) -> None:
         self._land_span(span)
@@ -254,9 +260,12 @@ class Pipeline:
             raise LedgerError(f"span {span} landed with no populate in flight")
         self._populating -= 1
 
-    def registered(self, index: int) -> None:
-        self.ledger.registered(index)
+    def registered(self, index: int) -> int | None:
+        """Record a registration; returns the index if the chunk is pinned now (not lock-on-fault)."""
+        faulting = self.order is Order.REGISTER_FIRST
+        self.ledger.registered(index, faulting=faulting)
         self._leave_window(index)
+        return None if faulting else index
 
     def register_failed(self, index: int, error: RuntimeCallError) -> None:
         self.ledger.failed(index, "register", error)

@@ -166,7 +166,9 @@ def test_populate_failure_in_register_first_leaves_the_chunk_registered() -> Non
     assert pipeline.stopped
     assert pipeline.next_populate() is None and pipeline.next_register() is None
     pipeline.populated(first)  # the call still out lands normally
-    assert pipeline.ledger.states == [ChunkState.REGISTERED, ChunkState.PENDING]
+    # Registered lock-on-fault but never fully faulted: to undo, yet not counted as pinned.
+    assert pipeline.ledger.states == [ChunkState.FAULTING, ChunkState.PENDING]
+    assert pipeline.ledger.registered_bytes == 0
     assert [(f.chunk, f.phase, f.error) for f in pipeline.ledger.failures] == [(Chunk(0, 8), "populate", failure)]
     assert pipeline.finish() is Phase.ROLLED_BACK
     assert pipeline.ledger.teardown_order() == [0]  # registered lock-on-fault: rollback must undo it
@@ -475,8 +477,14 @@ class Simulation:
         assert pipeline.next_populate() is None and pipeline.next_register() is None
         phase = pipeline.finish()
         states = ledger.states
-        assert {i for i, s in enumerate(states) if s is ChunkState.REGISTERED} == self.registered
+        undo = {ChunkState.REGISTERED, ChunkState.FAULTING}
+        assert {i for i, s in enumerate(states) if s in undo} == self.registered
         assert ledger.teardown_order() == sorted(self.registered, reverse=True)
+        # Pinned means registered with every page in: lock-on-fault chunks only once all their spans landed.
+        faulted = {i for i in self.registered if all(s in self.populated for s in self.expected_spans if s.chunk == i)}
+        pinned = faulted if self.config.order is Order.REGISTER_FIRST else self.registered
+        assert {i for i, s in enumerate(states) if s is ChunkState.REGISTERED} == pinned
+        assert ledger.registered_bytes == sum(self.chunks[i].nbytes for i in pinned)
         assert [(ledger.chunks.index(f.chunk), f.phase) for f in ledger.failures] == self.failures
         assert pipeline.populated_bytes == sum(s.nbytes for s in self.populated)
         if self.stopped:
@@ -485,7 +493,7 @@ class Simulation:
             for index, phase_name in self.failures:
                 expected = ChunkState.FAILED
                 if phase_name == "populate" and self.config.order is Order.REGISTER_FIRST:
-                    expected = ChunkState.REGISTERED  # registered lock-on-fault before it was faulted
+                    expected = ChunkState.FAULTING  # registered lock-on-fault, never fully faulted
                 assert states[index] is expected
         else:
             assert phase is Phase.PINNED
@@ -983,3 +991,52 @@ def test_a_role_in_use_needs_a_worker() -> None:
     with pytest.raises(ValueError, match="register_workers=0"):
         Pipeline([Chunk(0, 4)], order=Order.REGISTER_ONLY, register_workers=0)
     Pipeline([Chunk(0, 4)], order=Order.REGISTER_ONLY, populate_workers=0)  # no spans: no populate worker needed
+
+
+def _gauge(registry: object, name: str) -> float:
+    from prometheus_client import CollectorRegistry
+
+    assert isinstance(registry, CollectorRegistry)
+    value = registry.get_sample_value(name, {"pool": "lof", "runtime": "fake"})
+    return 0.0 if value is None else value
+
+
+def test_lock_on_fault_chunks_count_as_pinned_only_once_faulted() -> None:
+    """Progress, pool.pinned_bytes and the pinned gauge must not jump to 100% at the cheap lock-on-fault calls."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    fake = FakeRuntime(lock_on_fault=True, populate_delay=0.1)
+    seen: list[tuple[int, int]] = []
+    pool = pinpool.PinnedPool(
+        size=64 * MiB, chunk_bytes=16 * MiB, runtime=fake, populate_workers=1, register_workers=4, name="lof",
+        registry=registry, on_progress=lambda pinned, total, done, chunks: seen.append((pinned, done)),
+    )  # fmt: skip
+    assert pool.order is Order.REGISTER_FIRST and pool.span_bytes == 16 * MiB
+    with pool:
+        assert pool.pinned_bytes == 64 * MiB
+        assert _gauge(registry, "pinpool_pinned_bytes") == 64 * MiB
+    # All four chunks were lock-on-fault registered at once, but progress climbed chunk by chunk.
+    assert seen[-1] == (64 * MiB, 4)
+    assert any(0 < pinned < 64 * MiB for pinned, _ in seen), seen
+    assert [pinned for pinned, _ in seen] == sorted(pinned for pinned, _ in seen)
+    assert _gauge(registry, "pinpool_pinned_bytes") == 0
+    assert _gauge(registry, "pinpool_registered_bytes_total") == 64 * MiB
+
+
+def test_rollback_of_a_half_faulted_lock_on_fault_chunk_keeps_the_gauge_at_zero() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    fake = FakeRuntime(lock_on_fault=True, fail_populate_on=2)  # chunk 0 faults fully, chunk 1 fails
+    pool = pinpool.PinnedPool(
+        size=32 * MiB, chunk_bytes=16 * MiB, runtime=fake, populate_workers=1, register_workers=1, name="lof",
+        registry=registry,
+    )  # fmt: skip
+    with pytest.raises(pinpool.PinError) as info:
+        with pool:
+            pytest.fail("body must not run")
+    assert info.value.phase == "populate"
+    assert fake.registered == {} and sorted(fake.unregister_calls) == sorted(p for p, _ in fake.register_calls)
+    assert _gauge(registry, "pinpool_pinned_bytes") == 0  # never below zero, never left above it
+    assert pool.pinned_bytes == 0
