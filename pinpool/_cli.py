@@ -80,11 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     pin = commands.add_parser("pin", help="pin a pool, report how and how fast, unpin it")
     pin.add_argument("--size", default="4GiB", help="pool size, e.g. 4GiB, 512MB (default 4GiB)")
     pin.add_argument("--runtime", default="auto", choices=["auto", "cuda", "mlock"], help="default: auto")
-    pin.add_argument("--chunk-bytes", default=None, help="upper bound of one registration (default: env or 256GiB)")
+    pin.add_argument(
+        "--chunk-bytes",
+        default=None,
+        help="size of one registration (default: PINPOOL_REGISTER_CHUNK_GB or 256GiB, split for the workers)",
+    )
     pin.add_argument("--granularity", default=None, help="copy-page size chunk boundaries align to")
-    pin.add_argument("--populate-workers", type=int, default=None, help="pre-fault threads (default: CPUs)")
-    pin.add_argument("--register-workers", type=int, default=None, help="registration threads (default: by runtime)")
-    pin.add_argument("--unpin-workers", type=int, default=None, help="unregistration threads (default: CPUs)")
+    pin.add_argument("--populate-workers", type=int, default=None, help="pre-fault threads (default: CPUs, up to 16)")
+    pin.add_argument(
+        "--register-workers",
+        type=int,
+        default=None,
+        help="registration threads (default: 1 for CUDA, else CPUs up to 8)",
+    )
+    pin.add_argument("--unpin-workers", type=int, default=None, help="unregistration threads (default: CPUs, up to 8)")
     pin.add_argument(
         "--populate", action=argparse.BooleanOptionalAction, default=None,
         help="pre-fault on threads, pipelined with registration (default: on where the kernel supports it)",
