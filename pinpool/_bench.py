@@ -414,51 +414,43 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
+    return [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}"] + [f"| {' | '.join(row)} |" for row in rows]
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Machine: {result['machine']}. Runtime `{result['runtime']}`, pool {format_bytes(result['size'])}, "
         f"{result['reps']} interleaved repetitions (+1 warm-up discarded), medians. "
         f"Run {result['date']}, {result['seconds']:.0f} s.",
         "",
-        "| configuration | what | pin GB/s median | min–max | pinpool default is × faster | teardown s | "
-        "teardown GB/s | longest call s |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    lines.extend(
-        f"| {r['config']} | {r['what']} | {r['pin_gbps_median']:.2f} | {r['pin_gbps_min']:.2f}–{r['pin_gbps_max']:.2f} "
-        f"| {r['pinpool_speedup']:.2f}× | {_fmt(r['unpin_s_median'], '.3f')} | {_fmt(r['unpin_gbps_median'], '.1f')} "
-        f"| {_fmt(r['longest_call_s_median'], '.3f')} |"
-        for r in result["throughput"]
-    )
+    lines += _table(
+        ["configuration", "what", "pin GB/s median", "min–max", "pinpool default is × faster", "teardown s",
+         "teardown GB/s", "longest call s"],
+        [[r["config"], r["what"], f"{r['pin_gbps_median']:.2f}", f"{r['pin_gbps_min']:.2f}–{r['pin_gbps_max']:.2f}",
+          f"{r['pinpool_speedup']:.2f}×", _fmt(r["unpin_s_median"], ".3f"), _fmt(r["unpin_gbps_median"], ".1f"),
+          _fmt(r["longest_call_s_median"], ".3f")] for r in result["throughput"]],
+    )  # fmt: skip
     if result.get("stalls"):
-        lines += [
-            "",
-            "Longest single registration call (the stall a serving process sees), pinpool defaults per chunk size:",
-            "",
-            "| chunk size | chunks | longest call s | median call s | pin GB/s |",
-            "|---|---|---|---|---|",
-        ]
-        lines.extend(
-            f"| {format_bytes(s['chunk_bytes'])} | {s['chunks']} | {s['longest_register_s']:.3f} | "
-            f"{s['median_register_s']:.4f} | {s['pin_gbps']:.2f} |"
-            for s in result["stalls"]
-        )
+        lines += ["", "Longest single registration call (the stall a serving process sees), pinpool defaults per "
+                  "chunk size:", ""]  # fmt: skip
+        lines += _table(
+            ["chunk size", "chunks", "longest call s", "median call s", "pin GB/s"],
+            [[format_bytes(s["chunk_bytes"]), str(s["chunks"]), f"{s['longest_register_s']:.3f}",
+              f"{s['median_register_s']:.4f}", f"{s['pin_gbps']:.2f}"] for s in result["stalls"]],
+        )  # fmt: skip
     if result.get("overhead"):
-        lines += [
-            "",
-            "Orchestration overhead, zero-delay FakeRuntime, default workers, one 4 KiB chunk per call, against a "
-            "bare Python loop making the same populate/register/unregister calls:",
-            "",
-            "| chunks | bare loop µs/chunk | `with` µs/chunk | `async with` µs/chunk | overhead `with` | "
-            "overhead `async with` |",
-            "|---|---|---|---|---|---|",
-        ]
-        lines.extend(
-            f"| {o['chunks']:,} | {o['bare_us_per_chunk']:.2f} | {o['sync_us_per_chunk']:.2f} | "
-            f"{o['async_us_per_chunk']:.2f} | {o['sync_overhead_us_per_chunk']:+.2f} µs | "
-            f"{o['async_overhead_us_per_chunk']:+.2f} µs |"
-            for o in result["overhead"]
-        )
+        lines += ["", "Orchestration overhead, zero-delay FakeRuntime, default workers, one 4 KiB chunk per call, "
+                  "against a bare Python loop making the same populate/register/unregister calls:", ""]  # fmt: skip
+        lines += _table(
+            ["chunks", "bare loop µs/chunk", "`with` µs/chunk", "`async with` µs/chunk", "overhead `with`",
+             "overhead `async with`"],
+            [[f"{o['chunks']:,}", f"{o['bare_us_per_chunk']:.2f}", f"{o['sync_us_per_chunk']:.2f}",
+              f"{o['async_us_per_chunk']:.2f}", f"{o['sync_overhead_us_per_chunk']:+.2f} µs",
+              f"{o['async_overhead_us_per_chunk']:+.2f} µs"] for o in result["overhead"]],
+        )  # fmt: skip
     if result.get("rss"):
         rss = result["rss"]
         lines += [

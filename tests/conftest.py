@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 
+import pinpool
 from pinpool import _libc
 
 
@@ -30,3 +32,15 @@ def vmlck_baseline() -> int:
     """VmLck before the test; the test asserts it comes back to this."""
     gc.collect()
     return _libc.vm_locked_bytes()
+
+
+async def pin_and_run(
+    pool: pinpool.PinnedPool, mode: str, body: Callable[[pinpool.PinnedPool], None] = lambda p: None
+) -> None:
+    """Enter ``pool`` with ``async with`` (mode "async") or ``with`` (mode "sync") and run ``body`` inside."""
+    if mode == "async":
+        async with pool as entered:
+            body(entered)
+    else:
+        with pool as entered:
+            body(entered)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -20,6 +20,8 @@ from pinpool import Chunk, RuntimeCallError, _libc
 from pinpool._ledger import ChunkState, LedgerError, Phase, StopCause
 from pinpool._pipeline import WAIT, Batch, Order, Pipeline, Span, split_spans
 from pinpool.testing import FakeRuntime
+
+from .conftest import pin_and_run
 
 MiB = 1 << 20
 
@@ -536,17 +538,6 @@ def test_clean_runs_pin_everything_in_every_order(mode: str, order: Order, data:
 
 
 # -- the pool, against FakeRuntime ---------------------------------------------------------------------------
-
-
-async def pin_and_run(
-    pool: pinpool.PinnedPool, mode: str, body: Callable[[pinpool.PinnedPool], None] = lambda p: None
-) -> None:
-    if mode == "async":
-        async with pool as entered:
-            body(entered)
-    else:
-        with pool as entered:
-            body(entered)
 
 
 def assert_rolled_back(fake: FakeRuntime, failed_register_calls: frozenset[int] = frozenset()) -> None:

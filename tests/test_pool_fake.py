@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 import anyio
 import pytest
@@ -21,21 +20,12 @@ import pinpool
 from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
+from .conftest import pin_and_run
+
 MiB = 1 << 20
 GiB = 1 << 30
 
 pytestmark = pytest.mark.anyio
-
-
-async def pin_and_run(
-    pool: pinpool.PinnedPool, mode: str, body: Callable[[pinpool.PinnedPool], None] = lambda p: None
-) -> None:
-    if mode == "async":
-        async with pool as entered:
-            body(entered)
-    else:
-        with pool as entered:
-            body(entered)
 
 
 def assert_rolled_back(fake: FakeRuntime, failed_calls: set[int] = frozenset(), *, in_order: bool = False) -> None:  # type: ignore[assignment]
