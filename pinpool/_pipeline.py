@@ -186,16 +186,12 @@ class Pipeline:
         if self.stopped or self._next_span >= len(self.spans):
             return None
         span = self.spans[self._next_span]
-        if self.order is Order.REGISTER_FIRST:
-            state = self.ledger.states[span.chunk]
-            if state is not ChunkState.FAULTING:
-                return self._wait(f"populate of chunk {span.chunk} ({state.value})")
-        elif span.chunk not in self._window:
-            nbytes = self.ledger.chunks[span.chunk].nbytes
-            if self._window and self._window_bytes + nbytes > self.lookahead_bytes:
-                return self._wait(f"populate of chunk {span.chunk} beyond the lookahead")
+        blocked = self._blocked(span)
+        if blocked is not None:
+            return self._wait(f"populate of chunk {span.chunk} ({blocked})")
+        if self.order is Order.POPULATE_FIRST and span.chunk not in self._window:
             self._window.add(span.chunk)
-            self._window_bytes += nbytes
+            self._window_bytes += self.ledger.chunks[span.chunk].nbytes
         self._next_span += 1
         self._populating += 1
         return span
@@ -221,14 +217,21 @@ class Pipeline:
             raise LedgerError(f"{what} would wait forever: nothing is in flight or ready")
         return WAIT
 
+    def _blocked(self, span: Span) -> str | None:
+        """Why ``span`` may not be faulted yet, or None: under REGISTER_FIRST its chunk must be
+        registered lock-on-fault first; under POPULATE_FIRST a new chunk must fit the lookahead."""
+        if self.order is Order.REGISTER_FIRST:
+            state = self.ledger.states[span.chunk]
+            return None if state is ChunkState.FAULTING else state.value
+        nbytes = self.ledger.chunks[span.chunk].nbytes
+        if span.chunk in self._window or not self._window or self._window_bytes + nbytes <= self.lookahead_bytes:
+            return None
+        return "beyond the lookahead"
+
     def _span_available(self) -> bool:
         if self.stopped or self._next_span >= len(self.spans):
             return False
-        span = self.spans[self._next_span]
-        if self.order is Order.REGISTER_FIRST:
-            return self.ledger.states[span.chunk] is ChunkState.FAULTING
-        nbytes = self.ledger.chunks[span.chunk].nbytes
-        return span.chunk in self._window or not self._window or self._window_bytes + nbytes <= self.lookahead_bytes
+        return self._blocked(self.spans[self._next_span]) is None
 
     def _claimable(self) -> bool:
         if self.stopped or self.order is Order.POPULATE_FIRST:
