@@ -21,6 +21,7 @@ from ._memory import populate_range
 from ._observe import Observer
 from ._pipeline import WAIT, Order, Pipeline, Span, _Wait
 from ._plan import Chunk
+from ._threads import Threads
 from .runtimes import Runtime
 
 T = TypeVar("T")
@@ -193,50 +194,45 @@ class PinSession:
             failed_before = len(ledger.failures)
         started = time.perf_counter()
         pending = iter(order)  # claimed in reverse offset order, by however many workers run
-        extra = min(self.unpin_workers, len(order)) - 1
-        helpers = [threading.Event() for _ in range(max(0, extra))]
-        started_helpers = []
-        for done in helpers:
+        helpers = Threads()
+        for _ in range(min(self.unpin_workers, len(order)) - 1):
             try:
-                threading.Thread(target=self._unregister_work, args=(pending, done), name="pinpool-unpin").start()
+                helpers.start(lambda: self._unregister_work(pending), name="pinpool-unpin")
             except RuntimeError:  # no new threads at interpreter shutdown: fewer workers, same result
                 break
-            started_helpers.append(done)
-        self._unregister_work(pending, None)
-        for done in started_helpers:
-            done.wait()
+        self._unregister_work(pending)
+        interrupt = helpers.wait_uninterruptibly()  # the books close only once every helper is done
         with lock:
             ledger.close()
             self.unpin_seconds += time.perf_counter() - started
-            return tuple(ledger.failures[failed_before:])
+            failures = tuple(ledger.failures[failed_before:])
+        if interrupt is not None:
+            raise interrupt
+        return failures
 
-    def _unregister_work(self, pending: Iterator[int], done: threading.Event | None) -> None:
+    def _unregister_work(self, pending: Iterator[int]) -> None:
         """One unpin worker: unregister chunk bases from the shared reverse-order queue."""
         ledger, lock, observer = self.ledger, self.lock, self.observer
-        try:
-            while True:
+        while True:
+            with lock:
+                index = next(pending, None)
+                was_pinned = index is not None and ledger.states[index] is ChunkState.REGISTERED
+            if index is None:
+                return
+            chunk = ledger.chunks[index]
+            ptr = self.base_ptr + chunk.offset
+            observer.call_started()
+            call_started = time.perf_counter()
+            try:
+                self.runtime.unregister(ptr)
+            except Exception as exc:
+                error = as_runtime_error(exc, "unregister", ptr, chunk.nbytes)
                 with lock:
-                    index = next(pending, None)
-                    was_pinned = index is not None and ledger.states[index] is ChunkState.REGISTERED
-                if index is None:
-                    return
-                chunk = ledger.chunks[index]
-                ptr = self.base_ptr + chunk.offset
-                observer.call_started()
-                call_started = time.perf_counter()
-                try:
-                    self.runtime.unregister(ptr)
-                except Exception as exc:
-                    error = as_runtime_error(exc, "unregister", ptr, chunk.nbytes)
-                    with lock:
-                        ledger.unregister_failed(index, error)
-                    observer.chunk_failed(chunk, "unregister", error, time.perf_counter() - call_started)
-                else:
-                    with lock:
-                        ledger.unregistered(index)
-                    observer.chunk_unregistered(chunk, time.perf_counter() - call_started, was_pinned=was_pinned)
-                finally:
-                    observer.call_ended()
-        finally:
-            if done is not None:
-                done.set()
+                    ledger.unregister_failed(index, error)
+                observer.chunk_failed(chunk, "unregister", error, time.perf_counter() - call_started)
+            else:
+                with lock:
+                    ledger.unregistered(index)
+                observer.chunk_unregistered(chunk, time.perf_counter() - call_started, was_pinned=was_pinned)
+            finally:
+                observer.call_ended()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -47,6 +46,7 @@ from ._observe import Observer
 from ._pipeline import Order
 from ._plan import Chunk, ChunkPlan, plan_chunks, resolve_chunk_limit
 from ._ranges import PINNED_RANGES
+from ._threads import PROGRESS_INTERVAL_SECONDS, Threads
 from ._units import format_bytes, parse_size
 from .layouts import BufferSpec, Layout, Raw
 from .runtimes import Runtime, resolve_runtime
@@ -65,8 +65,6 @@ CHUNKS_PER_WORKER = 4
 MAX_SPAN_BYTES = 512 << 20
 MIN_SPAN_BYTES = 16 << 20
 MIN_BYTES_PER_DEFAULT_WORKER = 256 << 20
-_JOIN_POLL_SECONDS = 0.05
-PROGRESS_INTERVAL_SECONDS = 0.1
 
 ProgressCallback = Callable[[int, int, int, int], object]
 
@@ -611,7 +609,7 @@ class PinnedPool:
 
     def __enter__(self) -> PinnedPool:
         session = self._open()
-        workers = _Threads()
+        workers = Threads()
         try:
             for i, body in enumerate(self._worker_bodies(session)):
                 workers.start(body, name=f"pinpool-{self.name}-{i}")
@@ -649,49 +647,6 @@ async def _shielded_in_thread(fn: Callable[[], T]) -> T:
     return result
 
 
-class _Threads:
-    """Plain worker threads whose completion is an Event, not Thread.join: on Python 3.11 a
-    join interrupted by Ctrl-C can mark a still-running thread as stopped (bpo-45274's fix),
-    and rollback must never start while a worker is mid-call."""
-
-    def __init__(self) -> None:
-        self._done: list[threading.Event] = []
-
-    def start(self, fn: Callable[[], object], *, name: str) -> None:
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                fn()
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=name, daemon=False).start()
-        self._done.append(done)  # only once started: an unstarted thread has nothing to wait for
-
-    def wait(self, on_tick: Callable[[], object] | None = None) -> None:
-        """Wait for every thread; Ctrl-C interrupts the wait (timed, so it is seen promptly).
-
-        ``on_tick`` runs on the waiting thread about every PROGRESS_INTERVAL_SECONDS.
-        """
-        last_tick = time.monotonic()
-        for done in self._done:
-            while not done.wait(_JOIN_POLL_SECONDS):
-                if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
-                    last_tick = time.monotonic()
-                    on_tick()
-
-    def wait_uninterruptibly(self) -> BaseException | None:
-        """Wait for every thread, even through interrupts; returns the first interrupt, if any."""
-        interrupted: BaseException | None = None
-        while True:
-            try:
-                self.wait()
-                return interrupted
-            except BaseException as exc:  # a Ctrl-C must not cut rollback or teardown short
-                interrupted = interrupted or exc
-
-
 def _call_uninterruptibly(fn: Callable[[], T]) -> tuple[T, BaseException | None]:
     """Run ``fn`` on a helper thread so Ctrl-C cannot stop it half-way.
 
@@ -707,7 +662,7 @@ def _call_uninterruptibly(fn: Callable[[], T]) -> tuple[T, BaseException | None]
         except BaseException as exc:
             error.append(exc)
 
-    thread = _Threads()
+    thread = Threads()
     thread.start(run, name="pinpool-teardown")
     interrupt = thread.wait_uninterruptibly()
     if error:
