@@ -15,7 +15,7 @@ import pinpool
 from pinpool import _libc
 from pinpool.runtimes import MlockRuntime
 
-from .conftest import needs_mlock
+from .conftest import needs_mlock, pin_and_run
 
 MiB = 1 << 20
 
@@ -209,12 +209,9 @@ async def test_default_pipeline_locks_every_page_on_fault(mode: str, vmlck_basel
     """mlock's default order: lock-on-fault first, then parallel faulting locks each page."""
     pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", populate_workers=2)
     assert pool.order.value == "register_first" and pool.populate
-    if mode == "async":
-        async with pool:
-            during, locked_kb = _libc.vm_locked_bytes(), _smaps_locked_kb(pool.data_ptr)
-    else:
-        with pool:
-            during, locked_kb = _libc.vm_locked_bytes(), _smaps_locked_kb(pool.data_ptr)
+    seen: list[int] = []
+    await pin_and_run(pool, mode, lambda p: seen.extend((_libc.vm_locked_bytes(), _smaps_locked_kb(p.data_ptr))))
+    during, locked_kb = seen
     assert during - vmlck_baseline == 96 * MiB
     assert locked_kb * 1024 == 96 * MiB  # every page resident and locked, not just marked
     assert _libc.vm_locked_bytes() == vmlck_baseline
@@ -267,16 +264,15 @@ async def test_hugetlb_pool_uses_reserved_pages_and_returns_them(mode: str, vmlc
     try:
         free_before = _libc.hugetlb_free_pages()[0]
         pool = pinpool.PinnedPool(size=32 * MiB, chunk_bytes=8 * MiB, runtime="mlock", huge_pages="hugetlb")
-        if mode == "async":
-            async with pool:
-                free_during = _libc.hugetlb_free_pages()[0]
-                pool.tensor.fill_(3)
-                assert int(pool.tensor[-1]) == 3
-        else:
-            with pool:
-                free_during = _libc.hugetlb_free_pages()[0]
-                pool.tensor.fill_(3)
-        assert free_before - free_during == 16  # the whole pool came from the reserved pages
+        free_during: list[int] = []
+
+        def body(p: pinpool.PinnedPool) -> None:
+            free_during.append(_libc.hugetlb_free_pages()[0])
+            p.tensor.fill_(3)
+            assert int(p.tensor[-1]) == 3
+
+        await pin_and_run(pool, mode, body)
+        assert free_before - free_during[0] == 16  # the whole pool came from the reserved pages
         del pool
         import gc
 
