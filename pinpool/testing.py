@@ -15,17 +15,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ._errors import ConfigError, RuntimeCallError
 from ._ranges import RangeBook
+from ._types import Capabilities
+from ._units import parse_size
 
-__all__ = ["FakeRuntime"]
+__all__ = ["CallHook", "FakeRuntime"]
 
 # CUDA's codes, so code written against the fake sees what it would see on a GPU host.
 _ALLOCATION_FAILED = (2, "cudaErrorMemoryAllocation")
 _ALREADY_REGISTERED = (712, "cudaErrorHostMemoryAlreadyRegistered")
 _NOT_REGISTERED = (713, "cudaErrorHostMemoryNotRegistered")
+_ENOMEM = 12
+_POPULATE_OP = "madvise(MADV_POPULATE_WRITE)"
+
+_OPS = ("register", "unregister", "populate")
+
+CallHook = Callable[[str, int, int], None]
+"""``hook(op, ptr, nbytes)``: op is ``"populate"``, ``"register"`` or ``"unregister"`` (nbytes 0)."""
 
 
 def _call_indices(value: int | Iterable[int] | None, what: str) -> frozenset[int]:
@@ -37,18 +46,28 @@ def _call_indices(value: int | Iterable[int] | None, what: str) -> frozenset[int
     return indices
 
 
+def _check_hook(hook: object, what: str) -> None:
+    if hook is not None and not callable(hook):
+        raise ConfigError(f"{what}={hook!r} must be None or a callable hook(op, ptr, nbytes)")
+
+
 class FakeRuntime:
     """A thread-safe stand-in for a pinning runtime, with fault injection.
 
     ``fail_register_on`` / ``fail_unregister_on``: 1-based indices (an int or a set) of the
     register / unregister calls that fail, counted over this runtime's lifetime.
+    ``fail_register_larger_than``: a size (bytes or a string like ``"64GiB"``); register calls
+    for more bytes than that fail, as a driver's per-call cap does.
+    :meth:`fail_next` ``(k, op)``: the next ``k`` calls of one op fail, whenever they come.
     ``register_delay`` / ``unregister_delay``: seconds each call sleeps (outside the lock, so
     concurrent calls really overlap).
 
     Like CUDA, registering a range that overlaps a registered one fails with
     ``cudaErrorHostMemoryAlreadyRegistered`` (712), and unregistering anything but a
-    registered base fails with ``cudaErrorHostMemoryNotRegistered`` (713). Injected failures
-    report ``cudaErrorMemoryAllocation`` (2).
+    registered base fails with ``cudaErrorHostMemoryNotRegistered`` (713). Injected register
+    and unregister failures report ``cudaErrorMemoryAllocation`` (2), which the fake declares
+    retryable, as CUDA does; a failed register leaves nothing registered, a failed unregister
+    leaves the range registered.
 
     Attributes: ``registered`` (base → nbytes now registered), ``register_calls`` (every
     ``(ptr, nbytes)`` asked, failed ones included), ``unregister_calls`` (every ptr asked),
@@ -57,10 +76,22 @@ class FakeRuntime:
     Pre-faulting (``populate=``, on by default) goes through :meth:`populate`, which touches no
     memory: ``fail_populate_on`` / ``populate_delay`` inject failures (reported as ENOMEM, as
     MADV_POPULATE_WRITE does) and latency; ``populate_calls`` records every ``(ptr, nbytes)``.
-    ``lock_on_fault=True`` makes the fake behave like mlock: chunks are registered (through
-    :meth:`lock_on_fault`) before they are faulted, instead of after (CUDA).
+    ``lock_on_fault=True`` makes the fake behave like mlock: it declares ``locks_on_fault``, so
+    chunks are registered (through :meth:`lock_on_fault`, which counts as a register call)
+    before they are faulted, instead of after (CUDA). ``capabilities`` is the declaration:
+    populates, exact byte ranges, retryable code 2, and locks_on_fault as asked.
     ``events`` is every call in the order it started: ``("populate" | "register" |
     "unregister", ptr)``.
+
+    Hooks, to act at exact moments (an interrupt mid-pinning, a check of the books):
+    ``before_call`` and ``after_call``, each None or ``hook(op, ptr, nbytes)``, run in the
+    calling thread, outside the fake's lock, around every populate / register / unregister
+    call (nbytes is 0 for unregister, which takes only a base). ``before_call`` runs before
+    the call is recorded; if it raises, the call never happens. ``after_call`` runs once the
+    books are updated, whether the call failed or not. An exception a hook raises propagates
+    out of the runtime call: raised by ``after_call`` of a successful register, it leaves the
+    range registered, as an interrupt just after the driver returned would. Both are plain
+    attributes, so a test may set them after construction.
     """
 
     name = "fake"
@@ -71,14 +102,22 @@ class FakeRuntime:
         fail_register_on: int | Iterable[int] | None = None,
         fail_unregister_on: int | Iterable[int] | None = None,
         fail_populate_on: int | Iterable[int] | None = None,
+        fail_register_larger_than: int | str | None = None,
         register_delay: float = 0.0,
         unregister_delay: float = 0.0,
         populate_delay: float = 0.0,
         lock_on_fault: bool = False,
+        before_call: CallHook | None = None,
+        after_call: CallHook | None = None,
     ) -> None:
         self.fail_register_on = _call_indices(fail_register_on, "fail_register_on")
         self.fail_unregister_on = _call_indices(fail_unregister_on, "fail_unregister_on")
         self.fail_populate_on = _call_indices(fail_populate_on, "fail_populate_on")
+        self.fail_register_larger_than = (
+            None
+            if fail_register_larger_than is None
+            else parse_size(fail_register_larger_than, what="fail_register_larger_than")
+        )
         delays = (("register_delay", register_delay), ("unregister_delay", unregister_delay),
                   ("populate_delay", populate_delay))  # fmt: skip
         for what, delay in delays:
@@ -89,8 +128,13 @@ class FakeRuntime:
         self.populate_delay = float(populate_delay)
         if not isinstance(lock_on_fault, bool):
             raise ConfigError(f"lock_on_fault={lock_on_fault!r} must be True or False")
-        if lock_on_fault:
-            self.lock_on_fault = self._lock_on_fault
+        self.capabilities = Capabilities(
+            populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2})
+        )
+        _check_hook(before_call, "before_call")
+        _check_hook(after_call, "after_call")
+        self.before_call = before_call
+        self.after_call = after_call
         self._book = RangeBook()
         self.register_calls: list[tuple[int, int]] = []
         self.unregister_calls: list[int] = []
@@ -98,6 +142,7 @@ class FakeRuntime:
         self.events: list[tuple[str, int]] = []
         self.max_concurrent_registers = 0
         self._in_flight = 0
+        self._fail_next = dict.fromkeys(_OPS, 0)
         self._lock = threading.Lock()
 
     @property
@@ -105,11 +150,59 @@ class FakeRuntime:
         """Base → nbytes of every range registered now."""
         return self._book.snapshot()
 
+    def fail_next(self, k: int, op: str = "register") -> None:
+        """Make the next ``k`` calls of ``op`` fail, counted from now, whichever thread makes them.
+
+        ``op``: ``"register"`` (lock-on-fault calls included) or ``"unregister"``, failing with
+        ``cudaErrorMemoryAllocation`` (2), or ``"populate"``, failing with ENOMEM (12). Replaces
+        what is still pending for that op; ``k=0`` disarms it.
+        """
+        if op not in _OPS:
+            raise ConfigError(f"op={op!r} is not a FakeRuntime call; choose one of {', '.join(map(repr, _OPS))}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"k={k!r} must be a non-negative int (the number of {op} calls to fail)")
+        with self._lock:
+            self._fail_next[op] = k
+
+    def _take_fail_next(self, op: str) -> bool:
+        """Under the lock: whether this call is one of the armed ones."""
+        if self._fail_next[op]:
+            self._fail_next[op] -= 1
+            return True
+        return False
+
+    def _around(self, op: str, ptr: int, nbytes: int, call: Callable[[], None]) -> None:
+        """Run ``call`` between the hooks, in the order the class docstring promises."""
+        before = self.before_call
+        if before is not None:
+            before(op, ptr, nbytes)
+        try:
+            call()
+        finally:
+            after = self.after_call
+            if after is not None:
+                after(op, ptr, nbytes)
+
     def register(self, ptr: int, nbytes: int) -> None:
+        self._around("register", ptr, nbytes, lambda: self._register(ptr, nbytes))
+
+    def lock_on_fault(self, ptr: int, nbytes: int) -> None:
+        """Register the range before it is faulted; used when ``lock_on_fault=True`` declares it."""
+        self.register(ptr, nbytes)
+
+    def populate(self, ptr: int, nbytes: int) -> None:
+        """Stand-in for pre-faulting ``[ptr, +nbytes)``; touches nothing."""
+        self._around("populate", ptr, nbytes, lambda: self._populate(ptr, nbytes))
+
+    def unregister(self, ptr: int) -> None:
+        self._around("unregister", ptr, 0, lambda: self._unregister(ptr))
+
+    def _register(self, ptr: int, nbytes: int) -> None:
         with self._lock:
             self.register_calls.append((ptr, nbytes))
             self.events.append(("register", ptr))
             call = len(self.register_calls)
+            armed = self._take_fail_next("register")
             self._in_flight += 1
             self.max_concurrent_registers = max(self.max_concurrent_registers, self._in_flight)
         try:
@@ -118,6 +211,14 @@ class FakeRuntime:
             if call in self.fail_register_on:
                 raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
                                   f"injected failure (FakeRuntime register call #{call})")  # fmt: skip
+            if armed:
+                raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
+                                  f"injected failure (FakeRuntime.fail_next, register call #{call})")  # fmt: skip
+            cap = self.fail_register_larger_than
+            if cap is not None and nbytes > cap:
+                raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
+                                  f"injected failure: {nbytes} bytes is over the fake driver's per-call cap of "
+                                  f"{cap} (FakeRuntime fail_register_larger_than)")  # fmt: skip
             overlap = self._book.add(ptr, nbytes)
             if overlap is not None:
                 raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
@@ -126,33 +227,33 @@ class FakeRuntime:
             with self._lock:
                 self._in_flight -= 1
 
-    def _lock_on_fault(self, ptr: int, nbytes: int) -> None:
-        self.register(ptr, nbytes)
-
-    def populate(self, ptr: int, nbytes: int) -> None:
-        """Stand-in for pre-faulting ``[ptr, +nbytes)``; touches nothing."""
+    def _populate(self, ptr: int, nbytes: int) -> None:
         with self._lock:
             self.populate_calls.append((ptr, nbytes))
             self.events.append(("populate", ptr))
             call = len(self.populate_calls)
+            armed = self._take_fail_next("populate")
         if self.populate_delay:
             time.sleep(self.populate_delay)
-        if call in self.fail_populate_on:
+        if call in self.fail_populate_on or armed:
+            how = "FakeRuntime.fail_next, " if call not in self.fail_populate_on else "FakeRuntime "
             raise RuntimeCallError(
-                op="madvise(MADV_POPULATE_WRITE)", code=12, reason="ENOMEM", ptr=ptr, nbytes=nbytes,
-                message=f"injected failure (FakeRuntime populate call #{call})",
+                op=_POPULATE_OP, code=_ENOMEM, reason="ENOMEM", ptr=ptr, nbytes=nbytes,
+                message=f"injected failure ({how}populate call #{call})",
             )  # fmt: skip
 
-    def unregister(self, ptr: int) -> None:
+    def _unregister(self, ptr: int) -> None:
         with self._lock:
             self.unregister_calls.append(ptr)
             self.events.append(("unregister", ptr))
             call = len(self.unregister_calls)
+            armed = self._take_fail_next("unregister")
         if self.unregister_delay:
             time.sleep(self.unregister_delay)
-        if call in self.fail_unregister_on:
+        if call in self.fail_unregister_on or armed:
+            how = "FakeRuntime.fail_next, " if call not in self.fail_unregister_on else "FakeRuntime "
             raise self._error("cudaHostUnregister", _ALLOCATION_FAILED, ptr, 0,
-                              f"injected failure (FakeRuntime unregister call #{call})")  # fmt: skip
+                              f"injected failure ({how}unregister call #{call})")  # fmt: skip
         if self._book.pop(ptr) is None:
             raise self._error("cudaHostUnregister", _NOT_REGISTERED, ptr, 0,
                               "not the base of a registered range")  # fmt: skip

@@ -1,0 +1,31 @@
+"""Small value types shared by the plan, the pipeline, the lifecycle and the runtimes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a runtime can do beyond ``register(ptr, nbytes)`` / ``unregister(ptr)``, declared, not probed.
+
+    populates: it has ``populate(ptr, nbytes)``, used instead of MADV_POPULATE_WRITE to pre-fault
+        (FakeRuntime: touches nothing, so fault injection needs no real memory).
+    locks_on_fault: it has ``lock_on_fault(ptr, nbytes)``, registering a range before it is
+        faulted so that faulting it also locks it (mlock2 MLOCK_ONFAULT).
+    finds_pinned: it has ``find_pinned(ptr, nbytes) -> str | None``, describing memory in the
+        range that is already pinned outside pinpool.
+    serial_registration: the runtime serialises registration itself (the CUDA driver's lock), so
+        more than one register worker buys nothing.
+    exact_ranges: registrations are tracked by exact byte range (CUDA), so adjacent registrations
+        may share an OS page; False where locking is per page (mlock).
+    retryable_codes: register failure codes worth retrying with a smaller chunk
+        (CUDA: 2, cudaErrorMemoryAllocation).
+    """
+
+    populates: bool = False
+    locks_on_fault: bool = False
+    finds_pinned: bool = False
+    serial_registration: bool = False
+    exact_ranges: bool = False
+    retryable_codes: frozenset[int] = field(default_factory=frozenset)
