@@ -3,6 +3,8 @@
 # pinpool against the field's baselines with the CUDA runtime, plus PyTorch's own pinned
 # allocation (torch.empty(pin_memory=True)) and its threaded host-register mode, and the
 # longest single cudaHostRegister call per chunk size. One script, about 6-7 minutes.
+# It runs the harness ./dev bench runs (benchmarks/pin_throughput.py) from this checkout,
+# with the Python in $PYTHON (default python3), which must import pinpool.
 #
 #   pip install -e .            # with the host's CUDA build of torch already installed
 #   OUT=results bash benchmarks/gpu_h200.sh
@@ -17,12 +19,12 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$out/gpu.txt" || true
 
 # 16 GiB: every configuration, 3 repetitions (+1 warm-up). ~3 min.
-timeout 240 "$py" -m pinpool bench --runtime cuda --size 16GiB --reps 3 \
+timeout 240 "$py" benchmarks/pin_throughput.py --runtime cuda --size 16GiB --reps 3 \
     --stall-chunk-sizes 256MiB,1GiB,4GiB,16GiB --overhead-chunks 10000 --overhead-reps 1 \
     --json "$out/cuda-16GiB.json" --markdown "$out/cuda-16GiB.md"
 
 # 64 GiB: the main baselines, 1 repetition (+1 warm-up). ~3 min.
-timeout 240 "$py" -m pinpool bench --runtime cuda --size 64GiB --reps 1 --no-huge-pages \
+timeout 240 "$py" benchmarks/pin_throughput.py --runtime cuda --size 64GiB --reps 1 --no-huge-pages \
     --configs "sequential,fault-then-register,torch host_register x8" \
     --stall-chunk-sizes 4GiB,64GiB --overhead-chunks "" --no-rss \
     --json "$out/cuda-64GiB.json" --markdown "$out/cuda-64GiB.md"

@@ -12,6 +12,7 @@ from ._errors import PinpoolError
 from ._pool import PinnedPool
 from ._units import format_bytes, parse_size
 from .layouts import Raw
+from .runtimes import runtime_choices
 
 HUGE_PAGES: dict[str, bool | str] = {"off": False, "thp": True, "hugetlb": "hugetlb"}
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     pin = commands.add_parser("pin", help="pin a pool, report how and how fast, unpin it")
     pin.add_argument("--size", default="4GiB", help="pool size, e.g. 4GiB, 512MB (default 4GiB)")
-    pin.add_argument("--runtime", default="auto", choices=["auto", "cuda", "mlock"], help="default: auto")
+    pin.add_argument("--runtime", default="auto", choices=runtime_choices(), help="default: auto")
     pin.add_argument(
         "--chunk-bytes",
         default=None,
@@ -106,15 +107,28 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--name", default="cli", help="pool name in logs and metrics")
     pin.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     pin.set_defaults(run=_pin)
-    bench = commands.add_parser("bench", help="pin throughput against the field's baselines, in one run")
-    from . import _bench  # only the bench command needs it
-
-    _bench.build_parser(bench)
-    bench.set_defaults(run=_bench.run)
+    bench = commands.add_parser("bench", help="moved: run `./dev bench` from a checkout (docs/performance.md)")
+    bench.set_defaults(run=_bench_moved)
     return parser
 
 
+BENCH_MOVED = (
+    "`pinpool bench` is no longer part of the installed package: the benchmark is benchmark code and lives "
+    "in the repository's benchmarks/ folder. From a checkout run `./dev bench [options]` "
+    "(or `python benchmarks/pin_throughput.py --help` with any Python that has pinpool); "
+    "the method and results are in docs/performance.md"
+)
+
+
+def _bench_moved(args: argparse.Namespace) -> int:
+    print(f"pinpool: {BENCH_MOVED}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # before parsing: whatever bench options follow, say where it went
+        return _bench_moved(argparse.Namespace())
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))

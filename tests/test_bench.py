@@ -1,4 +1,8 @@
-"""`pinpool bench` runs end to end (tiny sizes: this checks the harness, not the speed)."""
+"""The benchmark harness (benchmarks/pin_throughput.py, run by ``./dev bench``) runs end to end.
+
+Tiny sizes: this checks the harness, not the speed. It runs as ``./dev bench`` does, as a
+script in a fresh process, since it is benchmark code outside the package.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,28 @@ from pathlib import Path
 
 import pytest
 
-from pinpool import _bench
+from pinpool import _cli
 
 from .conftest import needs_mlock
 
 MiB = 1 << 20
+HARNESS = Path(__file__).resolve().parents[1] / "benchmarks" / "pin_throughput.py"
+DOCS_START, DOCS_END = "<!-- bench:start -->", "<!-- bench:end -->"  # the block docs/performance.md keeps
+
+
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(HARNESS), *args], capture_output=True, text=True, timeout=300)
 
 
 @needs_mlock
 def test_bench_reports_every_configuration_and_writes_json_markdown_and_docs(tmp_path: Path) -> None:
     doc = tmp_path / "performance.md"
-    doc.write_text(f"# Perf\n\nintro\n\n{_bench.DOCS_START}\nold results\n{_bench.DOCS_END}\n\noutro\n")
+    doc.write_text(f"# Perf\n\nintro\n\n{DOCS_START}\nold results\n{DOCS_END}\n\noutro\n")
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    result = subprocess.run(
-        [sys.executable, "-m", "pinpool", "bench", "--size", "64MiB", "--runtime", "mlock", "--reps", "1",
-         "--stall-chunk-sizes", "16MiB,64MiB", "--overhead-chunks", "100", "--overhead-reps", "1",
-         "--json", str(out_json), "--markdown", str(out_md), "--write-docs", str(doc), "--quiet"],
-        capture_output=True, text=True, timeout=300,
+    result = bench(
+        "--size", "64MiB", "--runtime", "mlock", "--reps", "1", "--stall-chunk-sizes", "16MiB,64MiB",
+        "--overhead-chunks", "100", "--overhead-reps", "1", "--json", str(out_json), "--markdown", str(out_md),
+        "--write-docs", str(doc), "--quiet",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(out_json.read_text())
@@ -43,11 +52,41 @@ def test_bench_reports_every_configuration_and_writes_json_markdown_and_docs(tmp
     assert data["rss"]["pool"] == 64 * MiB and data["rss"]["hwm"] >= data["rss"]["pool"]
     markdown = out_md.read_text()
     assert "| pinpool default |" in markdown and "beyond the pool" in markdown
+    assert result.stdout.strip() == markdown.strip()  # the tables also go to stdout
     text = doc.read_text()
     assert "old results" not in text and "| fault-then-register |" in text
     assert text.startswith("# Perf\n\nintro\n") and text.endswith("\n\noutro\n")
 
 
 def test_bench_rejects_unknown_configurations() -> None:
-    with pytest.raises(SystemExit, match="unknown"):
-        _bench.Bench(64 * MiB, "mlock", 1, huge_pages=False, only=["nope"])
+    result = bench("--size", "64MiB", "--runtime", "mlock", "--configs", "nope", "--quiet")
+    assert result.returncode != 0
+    assert "--configs: unknown ['nope']" in result.stderr and "'sequential'" in result.stderr
+
+
+def test_bench_reports_bad_options_in_one_line() -> None:
+    result = bench("--size", "lots", "--quiet")
+    assert result.returncode == 2
+    assert result.stderr.startswith("bench: ConfigError:") and "Traceback" not in result.stderr
+
+
+def test_bench_help_runs_outside_the_package() -> None:
+    result = bench("--help")
+    assert result.returncode == 0, result.stderr
+    assert "./dev bench" in result.stdout and "--write-docs" in result.stdout
+
+
+def test_the_package_no_longer_carries_the_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    import pinpool
+
+    assert not (Path(pinpool.__file__).parent / "_bench.py").exists()
+    for argv in (["bench"], ["bench", "--size", "1GiB", "--runtime", "cuda"], ["bench", "--help"]):
+        assert _cli.main(argv) == 2
+        assert "./dev bench" in capsys.readouterr().err
+
+
+def test_benchmark_code_uses_only_pinpools_public_api() -> None:
+    """No ``pinpool._private`` import in benchmarks/: it must run against any installed pinpool."""
+    for script in HARNESS.parent.glob("*.py"):
+        source = script.read_text()
+        assert "pinpool._" not in source and "from pinpool import _" not in source, script.name
