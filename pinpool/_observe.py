@@ -3,11 +3,21 @@
 The engine and drivers call one method per transition; this module decides what each means
 for metrics and logs. Worker threads call the chunk methods (prometheus_client and structlog's
 sync methods are thread-safe); never the async logging methods, which break under trio.
+
+No method of :class:`Observer` raises an ``Exception``, whatever the user's logger, its
+processors or the metrics do: the engine calls them between recording outcomes, and a raising
+logger must never cost a chunk or a range claim. Like ``logging.Handler.handleError``, a failed
+log call is swallowed, counted (``Observer.log_errors``, ``pinpool_log_errors_total``) and
+reported once per pool, as one line on ``sys.stderr``; a failed metrics call likewise
+(``Observer.metric_errors``). A ``BaseException`` that is not an ``Exception``
+(``KeyboardInterrupt``, ``SystemExit``) propagates, on whichever thread it was raised.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from typing import Any
 
 import structlog
@@ -32,12 +42,17 @@ def default_logger() -> Any:
 
 
 class Observer:
-    """Metrics and logs of one pool. ``registry=None`` disables metrics."""
+    """Metrics and logs of one pool. ``registry=None`` disables metrics.
+
+    The constructor may raise (``ConfigError`` for a registry that clashes, or whatever the
+    logger's ``bind`` raises); no other method raises an ``Exception`` (see the module doc).
+    """
 
     def __init__(
         self, *, pool: str, runtime: str, layout: str, registry: CollectorRegistry | None, logger: Any | None
     ) -> None:
         self.metrics: PoolMetrics | None = None if registry is None else metrics_for(registry)
+        self._pool = pool
         self._labels = (pool, runtime)
         self._layout = layout
         self.log = (default_logger() if logger is None else logger).bind(pool=pool, runtime=runtime, layout=layout)
@@ -46,52 +61,129 @@ class Observer:
         # (structlog's processing of a filtered event is a third of a tiny chunk's cost).
         is_enabled_for = getattr(self.log, "isEnabledFor", None)
         self._chunk_debug = not callable(is_enabled_for) or bool(is_enabled_for(logging.DEBUG))
+        # Failures of the user's logger and of metrics calls: counted, reported once each.
+        # The lock is taken only on a failure, never on the hot path.
+        self.log_errors = 0
+        self.metric_errors = 0
+        self._errors_lock = threading.Lock()
+        self._reported: set[str] = set()
+
+    # -- failure containment -------------------------------------------------------------------
+
+    def _emit(self, level: str, event: str, **fields: Any) -> None:
+        """``self.log.<level>(event, **fields)``; an ``Exception`` from it is counted and reported, never raised."""
+        try:
+            getattr(self.log, level)(event, **fields)
+        except Exception as exc:
+            self._log_failed(event, exc)
+
+    def _log_failed(self, event: str, exc: Exception) -> None:
+        with self._errors_lock:
+            self.log_errors += 1
+        if self.metrics:
+            try:
+                self.metrics.log_errors.labels(*self._labels).inc()
+            except Exception as metric_exc:
+                self._metric_failed("log_errors", metric_exc)
+        self._report_once("log", f"logging event {event!r} raised", exc)
+
+    def _metric_failed(self, what: str, exc: Exception) -> None:
+        with self._errors_lock:
+            self.metric_errors += 1
+        self._report_once("metrics", f"updating metrics ({what}) raised", exc)
+
+    def _report_once(self, kind: str, what: str, exc: Exception) -> None:
+        """One line on ``sys.stderr`` for the first failure of this kind in this pool, as
+        ``logging.Handler.handleError`` reports (not ``warnings``: a filter may turn it into an error)."""
+        with self._errors_lock:
+            if kind in self._reported:
+                return
+            self._reported.add(kind)
+        try:
+            try:
+                message = f"{type(exc).__name__}: {exc}"
+            except Exception:
+                message = f"{type(exc).__name__}: <unprintable>"
+            stream = sys.stderr
+            if stream is not None:  # None under pythonw, or at interpreter shutdown
+                counted = (
+                    "Observer.log_errors and pinpool_log_errors_total" if kind == "log" else "Observer.metric_errors"
+                )
+                stream.write(
+                    f"pinpool: pool {self._pool!r}: {what}: {message} "
+                    f"(ignored; reported once per pool, every failure is counted in {counted})\n"
+                )
+                stream.flush()
+        except Exception:
+            pass  # a closed or broken stderr: nothing more can be done, and raising is not allowed
 
     # -- chunks (worker threads) -------------------------------------------------------------
 
     def call_started(self) -> None:
         if self.metrics:
-            self.metrics.chunks_in_flight.labels(*self._labels).inc()
+            try:
+                self.metrics.chunks_in_flight.labels(*self._labels).inc()
+            except Exception as exc:
+                self._metric_failed("call_started", exc)
 
     def call_ended(self) -> None:
         if self.metrics:
-            self.metrics.chunks_in_flight.labels(*self._labels).dec()
+            try:
+                self.metrics.chunks_in_flight.labels(*self._labels).dec()
+            except Exception as exc:
+                self._metric_failed("call_ended", exc)
 
     def span_populated(self, nbytes: int, seconds: float) -> None:
         if self.metrics:
-            self.metrics.chunk_populate_seconds.labels(*self._labels).observe(seconds)
-            self.metrics.populated_bytes.labels(*self._labels).inc(nbytes)
+            try:
+                self.metrics.chunk_populate_seconds.labels(*self._labels).observe(seconds)
+                self.metrics.populated_bytes.labels(*self._labels).inc(nbytes)
+            except Exception as exc:
+                self._metric_failed("span_populated", exc)
 
     def chunk_registered(self, chunk: Chunk, seconds: float, attempt: int = 1) -> None:
         """A registration call returned (lock-on-fault: the chunk is pinned once faulted, see chunk_pinned)."""
         if self.metrics:
-            self.metrics.chunk_register_seconds.labels(*self._labels).observe(seconds)
+            try:
+                self.metrics.chunk_register_seconds.labels(*self._labels).observe(seconds)
+            except Exception as exc:
+                self._metric_failed("chunk_registered", exc)
         if self._chunk_debug:
-            self.log.debug(
-                "chunk.registered", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6), attempt=attempt
-            )
+            self._emit(
+                "debug", "chunk.registered", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6),
+                attempt=attempt,
+            )  # fmt: skip
 
     def chunk_failed(self, chunk: Chunk, phase: str, error: RuntimeCallError, seconds: float, attempt: int = 1) -> None:
         if self.metrics:
-            self.metrics.chunk_failures.labels(*self._labels, phase, error.reason).inc()
-        self.log.debug(
-            "chunk.failed", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6), attempt=attempt,
-            phase=phase, code=error.code, reason=error.reason, error=error.message,
+            try:
+                self.metrics.chunk_failures.labels(*self._labels, phase, error.reason).inc()
+            except Exception as exc:
+                self._metric_failed("chunk_failed", exc)
+        self._emit(
+            "debug", "chunk.failed", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6),
+            attempt=attempt, phase=phase, code=error.code, reason=error.reason, error=error.message,
         )  # fmt: skip
 
     def chunk_pinned(self, chunk: Chunk) -> None:
         """A chunk is registered and all its pages are in: it counts as pinned."""
         if self.metrics:
             m, labels = self.metrics, self._labels
-            m.chunks_registered.labels(*labels).inc()
-            m.registered_bytes.labels(*labels).inc(chunk.nbytes)
-            m.pinned_bytes.labels(*labels).inc(chunk.nbytes)
+            try:
+                m.chunks_registered.labels(*labels).inc()
+                m.registered_bytes.labels(*labels).inc(chunk.nbytes)
+                m.pinned_bytes.labels(*labels).inc(chunk.nbytes)
+            except Exception as exc:
+                self._metric_failed("chunk_pinned", exc)
 
     def chunk_unregistered(self, chunk: Chunk, seconds: float, *, was_pinned: bool) -> None:
         if self.metrics:
-            self.metrics.chunk_unregister_seconds.labels(*self._labels).observe(seconds)
-            if was_pinned:
-                self.metrics.pinned_bytes.labels(*self._labels).dec(chunk.nbytes)
+            try:
+                self.metrics.chunk_unregister_seconds.labels(*self._labels).observe(seconds)
+                if was_pinned:
+                    self.metrics.pinned_bytes.labels(*self._labels).dec(chunk.nbytes)
+            except Exception as exc:
+                self._metric_failed("chunk_unregistered", exc)
 
     # -- the pool (event loop / calling thread) ----------------------------------------------------
 
@@ -101,36 +193,54 @@ class Observer:
     ) -> None:  # fmt: skip
         if self.metrics:
             m, labels = self.metrics, self._labels
-            m.pools_open.labels(*labels).inc()
-            m.pool_bytes.labels(*labels).inc(nbytes)
-            self._info_labels = (*labels, self._layout, str(granularity or 0), str(chunk_bytes))
-            m.pool_info.labels(*self._info_labels).inc()
-        self.log.info(
-            "pool.pin.start", bytes=nbytes, chunks=chunks, chunk_bytes=chunk_bytes, granularity_bytes=granularity,
-            order=order, register_workers=register_workers, populate_workers=populate_workers,
+            try:
+                m.pools_open.labels(*labels).inc()
+                m.pool_bytes.labels(*labels).inc(nbytes)
+                self._info_labels = (*labels, self._layout, str(granularity or 0), str(chunk_bytes))
+                m.pool_info.labels(*self._info_labels).inc()
+                m.log_errors.labels(*labels)  # the series exists at 0, so increase() sees the first error
+            except Exception as exc:
+                self._metric_failed("pin_started", exc)
+        self._emit(
+            "info", "pool.pin.start", bytes=nbytes, chunks=chunks, chunk_bytes=chunk_bytes,
+            granularity_bytes=granularity, order=order, register_workers=register_workers,
+            populate_workers=populate_workers,
         )  # fmt: skip
 
     def pinned(self, *, nbytes: int, chunks: int, seconds: float) -> None:
         if self.metrics:
-            self.metrics.pool_pin_seconds.labels(*self._labels).observe(seconds)
+            try:
+                self.metrics.pool_pin_seconds.labels(*self._labels).observe(seconds)
+            except Exception as exc:
+                self._metric_failed("pinned", exc)
         gbps = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-        self.log.info("pool.pinned", bytes=nbytes, chunks=chunks, seconds=round(seconds, 6), gb_per_s=round(gbps, 3))
+        self._emit(
+            "info", "pool.pinned", bytes=nbytes, chunks=chunks, seconds=round(seconds, 6), gb_per_s=round(gbps, 3)
+        )
 
     def rollback(self, *, cause: str, registered_chunks: int) -> None:
         if self.metrics:
-            self.metrics.rollbacks.labels(*self._labels, cause).inc()
-        self.log.warning("pool.rollback", cause=cause, registered_chunks=registered_chunks)
+            try:
+                self.metrics.rollbacks.labels(*self._labels, cause).inc()
+            except Exception as exc:
+                self._metric_failed("rollback", exc)
+        self._emit("warning", "pool.rollback", cause=cause, registered_chunks=registered_chunks)
 
     def unpinned(self, *, nbytes: int, seconds: float, failures: int, leaked_bytes: int, pinned: bool) -> None:
         if self.metrics:
             m, labels = self.metrics, self._labels
-            if pinned:
-                m.pool_unpin_seconds.labels(*labels).observe(seconds)
-            m.pools_open.labels(*labels).dec()
-            m.pool_bytes.labels(*labels).dec(nbytes)
-            if self._info_labels is not None:
-                m.pool_info.labels(*self._info_labels).dec()
+            try:
+                if pinned:
+                    m.pool_unpin_seconds.labels(*labels).observe(seconds)
+                m.pools_open.labels(*labels).dec()
+                m.pool_bytes.labels(*labels).dec(nbytes)
+                if self._info_labels is not None:
+                    m.pool_info.labels(*self._info_labels).dec()
+            except Exception as exc:
+                self._metric_failed("unpinned", exc)
         if failures:
-            self.log.error("pool.unpin.failed", failures=failures, leaked_bytes=leaked_bytes, seconds=round(seconds, 6))
+            self._emit(
+                "error", "pool.unpin.failed", failures=failures, leaked_bytes=leaked_bytes, seconds=round(seconds, 6)
+            )
         elif pinned:  # after a rollback, pool.rollback already told the story
-            self.log.info("pool.unpinned", bytes=nbytes, seconds=round(seconds, 6))
+            self._emit("info", "pool.unpinned", bytes=nbytes, seconds=round(seconds, 6))

@@ -14,6 +14,8 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, start_http_server
 
+from ._errors import ConfigError
+
 __all__ = ["POOL_BUCKETS", "REGISTER_BUCKETS", "PoolMetrics", "make_asgi_app", "metrics_for", "serve"]
 
 # Exponential from 1 ms to 60 s: a registration holds the driver lock, so this range is the
@@ -28,6 +30,18 @@ class PoolMetrics:
     """The metric families of one registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        try:
+            self._create(registry)
+        except ValueError as exc:  # prometheus_client: "Duplicated timeseries in CollectorRegistry"
+            # Leave the registry as it was, so fixing the clash and constructing again works.
+            for collector in vars(self).values():
+                registry.unregister(collector)
+            raise ConfigError(
+                f"registry={registry!r} already holds a collector with one of pinpool's metric names ({exc}); "
+                "pass another registry, or registry=None"
+            ) from exc
+
+    def _create(self, registry: CollectorRegistry) -> None:
         kw: dict[str, Any] = {"registry": registry}
         self.chunk_register_seconds = Histogram(
             "pinpool_chunk_register_seconds", "Duration of one chunk's registration call (the driver-lock hold).",
@@ -58,6 +72,11 @@ class PoolMetrics:
             "pinpool_rollbacks_total", "Pinnings rolled back, by cause (failure, cancelled).", (*_BASE, "cause"), **kw
         )
         self.retries = Counter("pinpool_retries_total", "Chunk registrations retried.", _BASE, **kw)
+        self.log_errors = Counter(
+            "pinpool_log_errors_total",
+            "Log calls that raised (in a logger or structlog processor); swallowed, reported once per pool on stderr.",
+            _BASE, **kw,
+        )  # fmt: skip
         self.pinned_bytes = Gauge("pinpool_pinned_bytes", "Bytes pinned now.", _BASE, multiprocess_mode="livesum", **kw)
         self.pool_bytes = Gauge(
             "pinpool_pool_bytes", "Target size of open pools, in bytes.", _BASE, multiprocess_mode="livesum", **kw
