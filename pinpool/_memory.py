@@ -19,6 +19,7 @@ import torch
 
 from . import _libc
 from ._errors import ConfigError, PinpoolError, RuntimeCallError
+from ._plan import check_hugetlb_pages, check_thp_mode
 from ._units import format_bytes
 
 
@@ -48,40 +49,14 @@ def populate_range(ptr: int, nbytes: int) -> None:
 
 
 def check_huge_pages_available() -> None:
-    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode."""
-    mode = _libc.transparent_huge_pages_mode()
-    if mode not in ("always", "madvise"):
-        raise ConfigError(
-            f"huge_pages=True needs transparent huge pages, but "
-            f"/sys/kernel/mm/transparent_hugepage/enabled is {mode or 'missing'}; "
-            "set it to 'madvise' (echo madvise > /sys/kernel/mm/transparent_hugepage/enabled) "
-            "or use huge_pages=False"
-        )
+    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode (read now)."""
+    check_thp_mode(_libc.transparent_huge_pages_mode())
 
 
 def check_hugetlb_available(nbytes: int) -> None:
-    """huge_pages='hugetlb' needs enough free 2 MiB pages reserved in the hugetlb pool."""
-    needed = -(-nbytes // _libc.HUGE_PAGE_SIZE)
+    """huge_pages='hugetlb' needs enough free 2 MiB pages reserved in the hugetlb pool (read now)."""
     free, total = _libc.hugetlb_free_pages()
-    if free < needed:
-        raise ConfigError(
-            f"huge_pages='hugetlb' needs {needed} free 2 MiB hugetlb pages "
-            f"({format_bytes(needed * _libc.HUGE_PAGE_SIZE)}), "
-            f"but the host has {free} free of {total} reserved; reserve them first "
-            f"(echo {total - free + needed} > /proc/sys/vm/nr_hugepages, or hugepages= on the kernel command line), "
-            "or use huge_pages=True (transparent huge pages, nothing to reserve)"
-        )
-
-
-def check_numa_node(node: int | None) -> None:
-    if node is None:
-        return
-    nodes = _libc.numa_nodes()
-    if isinstance(node, bool) or not isinstance(node, int) or node not in nodes:
-        raise ConfigError(
-            f"numa_node={node!r} is not a NUMA node with memory on this host (nodes: {', '.join(map(str, nodes))}); "
-            "give one of those, or None to let the kernel place the memory"
-        )
+    check_hugetlb_pages(nbytes, free=free, total=total, huge_page_size=_libc.HUGE_PAGE_SIZE)
 
 
 class HostMapping:

@@ -25,19 +25,15 @@ from typing import Final, TypeVar
 
 from ._errors import RuntimeCallError
 from ._ledger import ChunkState, Ledger, LedgerError, Phase
-from ._plan import Chunk
+from ._plan import Chunk, Order, Span, SpanTable
+
+__all__ = ["WAIT", "Batch", "Order", "Pipeline", "Span", "SpanTable", "split_spans"]
 
 T = TypeVar("T")
 
 # A worker's batch of consecutive items stops growing at this many bytes or items.
 BATCH_BYTES = 8 << 20
 BATCH_ITEMS = 64
-
-
-class Order(enum.Enum):
-    POPULATE_FIRST = "populate_first"
-    REGISTER_FIRST = "register_first"
-    REGISTER_ONLY = "register_only"
 
 
 class _Wait(enum.Enum):
@@ -56,28 +52,14 @@ class Batch:
     items: tuple[int | Span, ...]
 
 
-@dataclass(frozen=True)
-class Span:
-    """One populate call: part of chunk ``chunk`` (an index), offsets relative to the pool."""
-
-    chunk: int
-    offset: int
-    nbytes: int
-
-
-def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> tuple[Span, ...]:
+def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> SpanTable:
     """Every chunk cut into spans of at most ``span_bytes`` (the last of each chunk may be shorter).
 
     Span boundaries are the chunk's start plus multiples of ``span_bytes``, so with an aligned
     ``span_bytes`` every span but a chunk's first starts aligned; a span never crosses chunks.
+    The result is lazy (a :class:`SpanTable`, equal to the tuple of its spans).
     """
-    if span_bytes <= 0:
-        raise ValueError(f"span_bytes={span_bytes} must be positive")
-    return tuple(
-        Span(index, offset, min(span_bytes, chunk.end - offset))
-        for index, chunk in enumerate(chunks)
-        for offset in range(chunk.offset, chunk.end, span_bytes)
-    )
+    return SpanTable(chunks, span_bytes)
 
 
 class Pipeline:
@@ -104,12 +86,13 @@ class Pipeline:
         self.populate_workers = populate_workers
         self._register_batches = 0
         self._populate_batches = 0
-        self.spans: tuple[Span, ...] = () if order is Order.REGISTER_ONLY else split_spans(chunks, span_bytes)
+        # Lazy: computed from the ledger's chunk table, O(runs) memory however many spans.
+        self.spans: Sequence[Span] = () if order is Order.REGISTER_ONLY else split_spans(self.ledger.chunks, span_bytes)
+        self._span_bytes = span_bytes
+        self._span_total = self.spans.nbytes if isinstance(self.spans, SpanTable) else 0
         self.lookahead_bytes = lookahead_bytes
         self._next_span = 0
-        self._spans_left = [0] * len(self.ledger.chunks)  # spans not yet populated, per chunk
-        for span in self.spans:
-            self._spans_left[span.chunk] += 1
+        self._spans_landed: dict[int, int] = {}  # spans populated so far, for chunks part-way through
         self._populating = 0
         self._ready: list[int] = []  # POPULATE_FIRST: fully faulted, not yet claimed for registration
         self._window: set[int] = set()  # POPULATE_FIRST: chunks faulting or faulted, registration not landed
@@ -244,9 +227,11 @@ class Pipeline:
         """Record a faulted span; returns its chunk's index if that made the chunk pinned (lock-on-fault)."""
         self._land_span(span)
         self.populated_bytes += span.nbytes
-        self._spans_left[span.chunk] -= 1
-        if self._spans_left[span.chunk]:
+        landed = self._spans_landed.get(span.chunk, 0) + 1
+        if landed < -(-self.ledger.chunks[span.chunk].nbytes // self._span_bytes):
+            self._spans_landed[span.chunk] = landed
             return None
+        self._spans_landed.pop(span.chunk, None)
         if self.order is Order.REGISTER_FIRST:
             self.ledger.faulted(span.chunk)  # locked on fault, now every page is in: pinned
             return span.chunk
@@ -286,7 +271,7 @@ class Pipeline:
         """Close pinning once nothing is in flight; PINNED only if every chunk is registered and faulted."""
         if self._populating:
             raise LedgerError(f"finish with {self._populating} populate calls in flight")
-        if self.ledger.stop_cause is None and self.populated_bytes < sum(s.nbytes for s in self.spans):
+        if self.ledger.stop_cause is None and self.populated_bytes < self._span_total:
             if self.ledger.chunks_done == len(self.ledger.chunks):
                 raise LedgerError("finish with every chunk registered but spans left unfaulted")
         return self.ledger.finish_pinning()

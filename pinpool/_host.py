@@ -1,0 +1,197 @@
+"""What pinpool knows about the host, probed in one place into one frozen value.
+
+:class:`HostFacts` is everything planning a pool may depend on: CPUs, page sizes, the
+transparent-huge-page mode, whether the kernel has MADV_POPULATE_WRITE, locked-memory limits,
+memory limits and availability, hugetlb pages, NUMA nodes, the user address space, and which
+GPU stack is installed. :func:`pinpool._plan.plan_pool` takes it as an argument, so planning
+is a pure function and tests build HostFacts by hand for any host they like.
+
+:meth:`HostFacts.probe` reads the host. Facts that cannot change while the process runs (the
+page size, the kernel's madvise support, the address-space size, the torch build) are read
+once per process; everything that can (CPU affinity, limits, sysfs settings, memory figures,
+hugetlb counters, NUMA nodes, GPU driver presence) is read again on every probe. A probe never
+initialises CUDA: it reads ``torch.version`` (a build fact) and checks for driver files.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+from . import _libc
+
+__all__ = ["HostFacts", "address_space_bytes", "available_cpus"]
+
+# Largest user address space a process gets without asking for more (an mmap hint above it):
+# x86-64 4-level paging gives user space [0, 2**47); 5-level paging (LA57) widens it to 2**56
+# only for mmap calls with a hint address above 2**47, which pinpool never passes. arm64 likewise
+# hands out addresses below 2**48 unless asked (52-bit VA). These are upper bounds: the binary,
+# its libraries, the heap and the stack live in the same space, so a little less is mappable.
+_USER_ADDRESS_BITS = {"x86_64": 47, "amd64": 47, "aarch64": 48, "arm64": 48}
+# Any other 64-bit Linux architecture: no user address space reaches 2**57 (riscv sv57 and
+# x86-64 LA57 top out at 2**56, ppc64 and s390x below that). 32-bit: the pointer width.
+_OTHER_64_BIT_ADDRESS_BITS = 57
+
+
+@functools.cache
+def address_space_bytes(machine: str | None = None) -> int:
+    """An upper bound on the bytes one process can map (see ``_USER_ADDRESS_BITS``)."""
+    pointer_bits = ctypes.sizeof(ctypes.c_void_p) * 8
+    if pointer_bits < 64:
+        return 1 << pointer_bits
+    bits = _USER_ADDRESS_BITS.get(machine or os.uname().machine, _OTHER_64_BIT_ADDRESS_BITS)
+    return 1 << bits
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
+
+    cpus: CPUs in this process's affinity mask.
+    page_size: the OS page.
+    huge_page_size: the huge page pinpool maps with (``huge_pages=True`` alignment, hugetlb pages): 2 MiB.
+    thp_mode: transparent huge pages mode ("always", "madvise", "never"), None without THP.
+    populate_write: the kernel accepts MADV_POPULATE_WRITE (Linux 5.14+).
+    memlock_soft, memlock_hard: RLIMIT_MEMLOCK (None: unlimited).
+    cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK.
+    cgroup_memory_limit: the memory cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``;
+        the lowest on the path to the root), None when unlimited or not found. Best effort.
+    mem_available: ``MemAvailable`` of /proc/meminfo, None when unreadable.
+    hugetlb_free, hugetlb_total: 2 MiB hugetlb pages free and reserved (vm.nr_hugepages).
+    numa_nodes: NUMA nodes with memory (``(0,)`` without NUMA).
+    address_space_bytes: an upper bound on what one process can map (see :func:`address_space_bytes`).
+    torch_cuda, torch_hip: ``torch.version.cuda`` / ``torch.version.hip`` (build facts, no GPU touched).
+    nvidia_driver: the NVIDIA kernel driver is loaded (/proc/driver/nvidia/version).
+    amd_kfd: the ROCm kernel driver's device exists (/dev/kfd).
+    """
+
+    cpus: int
+    page_size: int
+    huge_page_size: int
+    thp_mode: str | None
+    populate_write: bool
+    memlock_soft: int | None
+    memlock_hard: int | None
+    cap_ipc_lock: bool
+    cgroup_memory_limit: int | None
+    mem_available: int | None
+    hugetlb_free: int
+    hugetlb_total: int
+    numa_nodes: tuple[int, ...]
+    address_space_bytes: int
+    torch_cuda: str | None
+    torch_hip: str | None
+    nvidia_driver: bool
+    amd_kfd: bool
+
+    @classmethod
+    def probe(cls) -> HostFacts:
+        """Read this host's facts now (static ones are read once per process)."""
+        soft, hard = _libc.memlock_limits()
+        free, total = _libc.hugetlb_free_pages()
+        torch_cuda, torch_hip = _torch_build()
+        return cls(
+            cpus=available_cpus(),
+            page_size=_libc.PAGE_SIZE,
+            huge_page_size=_libc.HUGE_PAGE_SIZE,
+            thp_mode=_libc.transparent_huge_pages_mode(),
+            populate_write=_libc.populate_write_supported(),
+            memlock_soft=None if soft == _libc.RLIM_INFINITY else soft,
+            memlock_hard=None if hard == _libc.RLIM_INFINITY else hard,
+            cap_ipc_lock=_libc.has_cap_ipc_lock(),
+            cgroup_memory_limit=cgroup_memory_limit(),
+            mem_available=mem_available(),
+            hugetlb_free=free,
+            hugetlb_total=total,
+            numa_nodes=_libc.numa_nodes(),
+            address_space_bytes=address_space_bytes(),
+            torch_cuda=torch_cuda,
+            torch_hip=torch_hip,
+            nvidia_driver=os.path.exists("/proc/driver/nvidia/version"),
+            amd_kfd=os.path.exists("/dev/kfd"),
+        )
+
+
+@functools.cache
+def _torch_build() -> tuple[str | None, str | None]:
+    """``torch.version.cuda`` and ``.hip``: attributes of the installed build; nothing is initialised."""
+    try:
+        import torch  # already imported by pinpool (its layouts); importing it initialises no GPU
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None, None
+    version = getattr(torch, "version", None)
+    cuda, hip = getattr(version, "cuda", None), getattr(version, "hip", None)
+    return (str(cuda) if cuda else None), (str(hip) if hip else None)
+
+
+# A cgroup "limit" at or above this is the kernel's way of saying none (PAGE_COUNTER_MAX).
+_NO_LIMIT = 1 << 62
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _limit(text: str | None) -> int | None:
+    if text is None or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if 0 <= value < _NO_LIMIT else None
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The lowest memory limit on this process's cgroup path (v2, else v1), or None. Best effort:
+    a cgroup filesystem mounted elsewhere, or a path hidden by a namespace, reads as no limit."""
+    text = _read(proc_cgroup)
+    if text is None:
+        return None
+    limits: list[int] = []
+    bases: tuple[str, ...]
+    for line in text.splitlines():
+        _id, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "":  # v2: "0::/path" (mounted at the root, or at unified/ on hybrid hosts)
+            bases, name = (root, f"{root}/unified"), "memory.max"
+        elif "memory" in controllers.split(","):  # v1: "N:memory:/path"
+            bases, name = (f"{root}/memory",), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        # The process's own cgroup and each ancestor (a parent's limit binds its children too);
+        # in a cgroup namespace the path is "/" and the root file is the container's own.
+        for base in bases:
+            for depth in range(len(parts), -1, -1):
+                limit = _limit(_read("/".join([base, *parts[:depth], name])))
+                if limit is not None:
+                    limits.append(limit)
+    return min(limits, default=None)
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` in bytes, or None."""
+    text = _read(meminfo)
+    for line in (text or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            fields = line.split()
+            try:
+                return int(fields[1]) * 1024
+            except (IndexError, ValueError):
+                return None
+    return None

@@ -1,0 +1,146 @@
+"""A pool's options, validated once: the one spelling PinnedPool and pin() share.
+
+:class:`PoolOptions` holds what a user chose about a pool (not the host's facts, nor the
+runtime object): :meth:`PoolOptions.create` takes the user's spellings (``size="64GiB"``,
+``chunk_bytes=None`` meaning the environment's limit, ``layout=None``) and normalises them;
+the constructor itself checks every field, so no invalid options value exists. Both raise
+:class:`ConfigError` naming the value and the fix. :func:`pinpool._plan.plan_pool` turns
+options plus host facts into a plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ._errors import ConfigError
+from ._plan import DEFAULT_CHUNK_GIB, resolve_chunk_limit
+from ._units import format_bytes, parse_size
+from .layouts import Layout, Raw
+
+__all__ = ["PoolOptions"]
+
+HUGE_PAGES = (False, True, "hugetlb")
+
+
+def _check_workers(option: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{option}={value!r} must be a positive int (or None for the default)")
+
+
+def _check_fits_a_page(layout: Layout, budget: int, given: object) -> None:
+    """A pool must hold at least one page, and one copy page of every buffer."""
+    page_bytes = layout.page_bytes
+    smallest = max([page_bytes, *(s.granularity or 0 for s in layout.buffers(1))])
+    if budget < smallest:
+        raise ConfigError(
+            f"size={given!r} ({budget} B) is smaller than one page of layout {layout.name!r} "
+            f"({smallest} B = {format_bytes(smallest)}); give a size of at least {smallest} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """What a pool is asked to be. Sizes are bytes.
+
+    layout: what the memory holds. size: the byte budget (the pool holds the largest whole
+    number of layout pages that fits). chunk_bytes: an explicit chunk size (None: the limit is
+    ``chunk_limit`` and chunks may be split further for the workers). chunk_limit: the per-call
+    limit: ``chunk_bytes`` when given, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create`
+    read it (default 256 GiB). populate: pre-fault (None: where supported). *_workers: threads
+    per role (None: the default). huge_pages: False, True (THP) or "hugetlb". numa_node: bind
+    the memory to this node. name: the pool's name in logs, metrics and errors.
+    """
+
+    size: int
+    layout: Layout = field(default_factory=Raw)
+    chunk_bytes: int | None = None
+    chunk_limit: int = DEFAULT_CHUNK_GIB << 30
+    populate: bool | None = None
+    populate_workers: int | None = None
+    register_workers: int | None = None
+    unpin_workers: int | None = None
+    huge_pages: bool | str = False
+    numa_node: int | None = None
+    name: str = "default"
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        layout: Layout | None = None,
+        size: int | str,
+        chunk_bytes: int | str | None = None,
+        populate: bool | None = None,
+        populate_workers: int | None = None,
+        register_workers: int | None = None,
+        unpin_workers: int | None = None,
+        huge_pages: bool | str = False,
+        numa_node: int | None = None,
+        name: str = "default",
+    ) -> PoolOptions:
+        """Options from a user's spellings: sizes as ints or strings (``"64GiB"``), ``layout=None``
+        for :class:`Raw`, ``chunk_bytes=None`` for the ``PINPOOL_REGISTER_CHUNK_GB`` limit (read now)."""
+        resolved = Raw() if layout is None else layout
+        _check_plain(resolved, layout, populate, populate_workers, register_workers, unpin_workers, huge_pages,
+                     numa_node, name)  # fmt: skip
+        budget = parse_size(size, what="size")
+        limit = resolve_chunk_limit(chunk_bytes)
+        _check_fits_a_page(resolved, budget, size)
+        return cls(
+            size=budget, layout=resolved, chunk_bytes=None if chunk_bytes is None else limit, chunk_limit=limit,
+            populate=populate, populate_workers=populate_workers, register_workers=register_workers,
+            unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
+        )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        _check_plain(self.layout, self.layout, self.populate, self.populate_workers, self.register_workers,
+                     self.unpin_workers, self.huge_pages, self.numa_node, self.name)  # fmt: skip
+        if isinstance(self.size, str):
+            raise ConfigError(f"size={self.size!r}: PoolOptions takes bytes; use PoolOptions.create for size strings")
+        parse_size(self.size, what="size")
+        if self.chunk_bytes is not None:
+            if isinstance(self.chunk_bytes, str):
+                raise ConfigError(
+                    f"chunk_bytes={self.chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
+                )
+            parse_size(self.chunk_bytes, what="chunk_bytes")
+            object.__setattr__(self, "chunk_limit", self.chunk_bytes)  # an explicit chunk size is the limit
+        limit = self.chunk_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
+        _check_fits_a_page(self.layout, self.size, self.size)
+
+
+def _check_plain(
+    layout: object,
+    given_layout: object,
+    populate: object,
+    populate_workers: int | None,
+    register_workers: int | None,
+    unpin_workers: int | None,
+    huge_pages: object,
+    numa_node: object,
+    name: object,
+) -> None:
+    """The checks that need neither parsing nor the host, in the order users have always seen them."""
+    if not isinstance(layout, Layout):
+        raise ConfigError(f"layout={given_layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"name={name!r} must be a non-empty str (it labels the pool's logs and metrics)")
+    if populate is not None and not isinstance(populate, bool):
+        raise ConfigError(f"populate={populate!r} must be True, False or None (the default: on where supported)")
+    if not isinstance(huge_pages, bool | str) or huge_pages not in HUGE_PAGES:
+        raise ConfigError(
+            f"huge_pages={huge_pages!r} must be False, True (transparent huge pages) or 'hugetlb' "
+            "(pages reserved in vm.nr_hugepages)"
+        )
+    for option, value in (
+        ("populate_workers", populate_workers), ("register_workers", register_workers),
+        ("unpin_workers", unpin_workers),
+    ):  # fmt: skip
+        _check_workers(option, value)
+    if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):
+        raise ConfigError(
+            f"numa_node={numa_node!r} is not a NUMA node number; give a node's int id (numactl -H lists them), "
+            "or None to let the kernel place the memory"
+        )
