@@ -12,21 +12,21 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
 from ._errors import ChunkFailure, RuntimeCallError
-from ._ledger import ChunkState, Phase
+from ._ledger import ChunkState, LedgerError, Phase, StopCause
 from ._memory import populate_range
 from ._observe import Observer
 from ._pipeline import WAIT, Order, Pipeline, Span, _Wait
 from ._plan import Chunk
-from ._threads import Threads
-from .runtimes import Runtime
+from ._types import Capabilities
+from .runtimes import LocksOnFault, Populates, Runtime
 
 T = TypeVar("T")
-# How one call ended: (its error or None, the pipeline method that records it, the item).
-Outcome = tuple[RuntimeCallError | None, Callable[..., int | None], Any]
+# How one call ended: (its error or None, the pipeline method that records it, the item, seconds).
+Outcome = tuple[RuntimeCallError | None, Callable[..., int | None], Any, float]
 
 
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
@@ -44,8 +44,9 @@ class PinSession:
     def __init__(
         self,
         *,
-        chunks: tuple[Chunk, ...],
+        chunks: Sequence[Chunk],
         runtime: Runtime,
+        caps: Capabilities,
         base_ptr: int,
         order: Order,
         span_bytes: int,
@@ -66,14 +67,19 @@ class PinSession:
         self.base_ptr = base_ptr
         self.observer = observer
         self.unpin_workers = unpin_workers
-        self._populate: Callable[[int, int], None] = getattr(runtime, "populate", None) or populate_range
+        # Which calls to make is declared by the runtime (capabilities), never probed.
+        self._populate: Callable[[int, int], None] = (
+            cast(Populates, runtime).populate if caps.populates else populate_range
+        )
         self._register: Callable[[int, int], None] = (
-            runtime.lock_on_fault if order is Order.REGISTER_FIRST else runtime.register  # type: ignore[attr-defined]
+            cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
         )
         self.pid = os.getpid()
         self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
         self.unpin_seconds = 0.0
+        self._failed_before = 0
+        self._teardown_started = 0.0
 
     # -- worker bodies ---------------------------------------------------------------------
 
@@ -108,13 +114,14 @@ class PinSession:
                     if outcomes and pipeline.stopped:  # another worker failed, or the caller cancelled
                         break
                     outcome = self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
-                    outcomes.append(outcome)
+                    outcomes.append(outcome)  # on the books before anything else can go wrong
+                    self._observe(outcome)
                     if outcome[0] is not None:
                         break
             finally:
                 pinned: list[int] = []
                 with self._changed:
-                    for error, record, item in outcomes:
+                    for error, record, item, _seconds in outcomes:
                         if error is None:
                             if (index := record(item)) is not None:
                                 pinned.append(index)
@@ -124,91 +131,114 @@ class PinSession:
                     self._changed.notify_all()  # the landings may have made work for waiting workers
                 for index in pinned:
                     self.observer.chunk_pinned(self.ledger.chunks[index])
-            failure = outcomes[-1][0] if outcomes else None
-            if failure is not None and not isinstance(failure.__cause__ or failure, Exception):
-                raise failure.__cause__ or failure
+
+    def _call(
+        self, call: Callable[[int, int], None], op: str, offset: int, nbytes: int
+    ) -> tuple[RuntimeCallError | None, float]:
+        """One runtime call; anything it raises, BaseException included, is that call's failure."""
+        ptr = self.base_ptr + offset
+        self.observer.call_started()
+        started = time.perf_counter()
+        try:
+            call(ptr, nbytes)
+        except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
+            return as_runtime_error(exc, op, ptr, nbytes), time.perf_counter() - started
+        finally:
+            self.observer.call_ended()
+        return None, time.perf_counter() - started
 
     def _populate_span(self, span: Span) -> Outcome:
-        pipeline, observer = self.pipeline, self.observer
-        ptr = self.base_ptr + span.offset
-        observer.call_started()
-        started = time.perf_counter()
-        try:
-            self._populate(ptr, span.nbytes)
-        except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
-            error = as_runtime_error(exc, "populate", ptr, span.nbytes)
-            observer.chunk_failed(self.ledger.chunks[span.chunk], "populate", error, time.perf_counter() - started)
-            return (error, pipeline.populate_failed, span)
-        else:
-            observer.span_populated(span.nbytes, time.perf_counter() - started)
-            return (None, pipeline.populated, span)
-        finally:
-            observer.call_ended()
+        error, seconds = self._call(self._populate, "populate", span.offset, span.nbytes)
+        return (error, self.pipeline.populated if error is None else self.pipeline.populate_failed, span, seconds)
 
     def _register_chunk(self, index: int) -> Outcome:
-        pipeline, observer = self.pipeline, self.observer
         chunk = self.ledger.chunks[index]
-        ptr = self.base_ptr + chunk.offset
-        observer.call_started()
-        started = time.perf_counter()
-        try:
-            self._register(ptr, chunk.nbytes)
-        except BaseException as exc:
-            error = as_runtime_error(exc, "register", ptr, chunk.nbytes)
-            observer.chunk_failed(chunk, "register", error, time.perf_counter() - started)
-            return (error, pipeline.register_failed, index)
+        error, seconds = self._call(self._register, "register", chunk.offset, chunk.nbytes)
+        return (error, self.pipeline.registered if error is None else self.pipeline.register_failed, index, seconds)
+
+    def _observe(self, outcome: Outcome) -> None:
+        error, _record, item, seconds = outcome
+        observer = self.observer
+        if isinstance(item, Span):
+            if error is None:
+                observer.span_populated(item.nbytes, seconds)
+            else:
+                observer.chunk_failed(self.ledger.chunks[item.chunk], "populate", error, seconds)
+        elif error is None:
+            observer.chunk_registered(self.ledger.chunks[item], seconds)
         else:
-            observer.chunk_registered(chunk, time.perf_counter() - started)
-            return (None, pipeline.registered, index)
-        finally:
-            observer.call_ended()
+            observer.chunk_failed(self.ledger.chunks[item], "register", error, seconds)
 
     def cancel(self) -> None:
         """Tell workers to stop after their current call."""
+        self.stop(StopCause.CANCELLED)
+
+    def stop(self, cause: StopCause) -> None:
+        """Tell workers to stop after their current call, for ``cause`` (the first cause wins)."""
         with self._changed:
-            self.pipeline.cancel()
+            self.ledger.stop(cause)
             self._changed.notify_all()
 
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until no populate or register call is in flight (workers stop at the next one
+        once stopped); False if some still is after ``timeout`` seconds."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.pipeline.in_flight == 0, timeout=timeout)
+
     def finish_pinning(self) -> Phase:
+        """Every pinning thread is done: close the pinning phase (PINNED, or ROLLED_BACK to undo)."""
         with self.lock:
             return self._finish_pinning_locked()
 
     def _finish_pinning_locked(self) -> Phase:
         self.pin_seconds = time.perf_counter() - self._pin_started
-        return self.pipeline.finish()
+        try:
+            return self.pipeline.finish()
+        except LedgerError:
+            # The books disagree with "every thread is done" (a worker crashed mid-batch: a
+            # pinpool bug). Roll back what is known to be registered; the lifecycle reports it.
+            return self.ledger.abort()
 
-    def teardown(self) -> tuple[ChunkFailure, ...]:
-        """Unregister every registered chunk base in reverse offset order; idempotent.
-
-        In a forked child nothing is unregistered: the registrations belong to the parent.
-        Returns the unregister failures of this teardown.
-        """
-        ledger, lock = self.ledger, self.lock
-        with lock:
+    def begin_teardown(self) -> tuple[Callable[[], None], ...]:
+        """What the unpin threads run: unregister every registered chunk base, claimed from one
+        queue in reverse offset order. Empty when there is nothing to undo, once closed
+        (teardown is idempotent), and in a forked child (the registrations are the parent's)."""
+        ledger = self.ledger
+        with self._changed:
             if ledger.phase is Phase.PINNING:
                 self._finish_pinning_locked()
+            if ledger.phase is Phase.CLOSED:
+                return ()
             if os.getpid() != self.pid:
                 ledger.disown()
                 return ()
             order = ledger.teardown_order()
-            failed_before = len(ledger.failures)
-        started = time.perf_counter()
-        pending = iter(order)  # claimed in reverse offset order, by however many workers run
-        helpers = Threads()
-        for _ in range(min(self.unpin_workers, len(order)) - 1):
-            try:
-                helpers.start(lambda: self._unregister_work(pending), name="pinpool-unpin")
-            except RuntimeError:  # no new threads at interpreter shutdown: fewer workers, same result
-                break
-        self._unregister_work(pending)
-        interrupt = helpers.wait_uninterruptibly()  # the books close only once every helper is done
-        with lock:
+            self._failed_before = len(ledger.failures)
+        self._teardown_started = time.perf_counter()
+        pending = iter(order)
+        return tuple(lambda: self._unregister_work(pending) for _ in range(min(self.unpin_workers, len(order))))
+
+    def end_teardown(self, crashed: Sequence[BaseException] = ()) -> tuple[ChunkFailure, ...]:
+        """Close the books once every unpin thread is done; returns this teardown's unregister failures.
+
+        A chunk still registered here means an unpin worker crashed before reaching it (a pinpool
+        bug): it is reported as leaked, never left silently registered."""
+        ledger = self.ledger
+        with self._changed:
+            if ledger.phase is Phase.CLOSED:
+                return ()
+            for index in ledger.teardown_order():
+                chunk = ledger.chunks[index]
+                ledger.unregister_failed(
+                    index,
+                    RuntimeCallError(
+                        op="unregister", code=-1, reason="InternalError", ptr=self.base_ptr + chunk.offset,
+                        nbytes=chunk.nbytes, message=f"never unregistered: an unpin worker crashed ({crashed!r})",
+                    ),
+                )  # fmt: skip
             ledger.close()
-            self.unpin_seconds += time.perf_counter() - started
-            failures = tuple(ledger.failures[failed_before:])
-        if interrupt is not None:
-            raise interrupt
-        return failures
+            self.unpin_seconds += time.perf_counter() - self._teardown_started
+            return tuple(ledger.failures[self._failed_before :])
 
     def _unregister_work(self, pending: Iterator[int]) -> None:
         """One unpin worker: unregister chunk bases from the shared reverse-order queue."""
@@ -225,7 +255,7 @@ class PinSession:
             call_started = time.perf_counter()
             try:
                 self.runtime.unregister(ptr)
-            except Exception as exc:
+            except BaseException as exc:  # anything, SystemExit included, fails this chunk only
                 error = as_runtime_error(exc, "unregister", ptr, chunk.nbytes)
                 with lock:
                     ledger.unregister_failed(index, error)

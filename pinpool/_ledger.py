@@ -11,7 +11,7 @@ import enum
 from collections.abc import Sequence
 
 from ._errors import ChunkFailure, RuntimeCallError
-from ._plan import Chunk
+from ._plan import Chunk, ChunkTable
 
 
 class ChunkState(enum.Enum):
@@ -48,7 +48,8 @@ class Ledger:
     """Bookkeeping for one buffer's chunks through pin, rollback and teardown."""
 
     def __init__(self, chunks: Sequence[Chunk]) -> None:
-        self.chunks: tuple[Chunk, ...] = tuple(chunks)
+        # A plan's ChunkTable stays lazy (O(runs) memory); any other sequence is copied.
+        self.chunks: Sequence[Chunk] = chunks if isinstance(chunks, ChunkTable) else tuple(chunks)
         self.states: list[ChunkState] = [ChunkState.PENDING] * len(self.chunks)
         self.phase = Phase.PINNING
         self.stop_cause: StopCause | None = None
@@ -132,8 +133,12 @@ class Ledger:
 
     def cancel(self) -> None:
         """Stop handing out chunks because the caller was cancelled (first cause wins)."""
+        self.stop(StopCause.CANCELLED)
+
+    def stop(self, cause: StopCause) -> None:
+        """Stop handing out chunks, for ``cause`` (first cause wins; no effect once pinning ended)."""
         if self.stop_cause is None and self.phase is Phase.PINNING:
-            self.stop_cause = StopCause.CANCELLED
+            self.stop_cause = cause
 
     def _land(self, index: int, state: ChunkState) -> None:
         if self.states[index] is not ChunkState.IN_FLIGHT:
@@ -169,6 +174,21 @@ class Ledger:
         # A cancellation that arrived after the last chunk landed still wins: the caller
         # must not enter its body just because the workers were quick.
         self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK
+        return self.phase
+
+    def abort(self) -> Phase:
+        """End pinning although the books say calls are in flight: every thread is known to be done,
+        so a worker crashed between a call and its record (a pinpool bug). A chunk left in flight
+        was never seen to register: it is recorded as failed, and rollback undoes the rest."""
+        if self.phase is not Phase.PINNING:
+            raise LedgerError(f"abort in phase {self.phase.value}")
+        for index, state in enumerate(self.states):
+            if state is ChunkState.IN_FLIGHT:
+                self.states[index] = ChunkState.FAILED
+        self._in_flight = 0
+        if self.stop_cause is None:
+            self.stop_cause = StopCause.FAILURE
+        self.phase = Phase.ROLLED_BACK
         return self.phase
 
     # -- rollback and teardown --------------------------------------------------------------

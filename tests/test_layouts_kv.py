@@ -942,4 +942,4 @@ def test_buffers_sit_at_page_aligned_offsets_in_one_mapping() -> None:
         for b in p._buffers:
             if b.spec.nbytes:
                 assert ptrs[b.spec.name] == p.data_ptr + b.offset
-                assert b.offset + b.spec.nbytes <= p._mapping.length
+                assert b.offset + b.spec.nbytes <= p._lifecycle.memory.length  # type: ignore[attr-defined]

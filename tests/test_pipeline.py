@@ -11,6 +11,7 @@ from pathlib import Path
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -702,14 +703,15 @@ async def test_cancellation_while_faulting_rolls_back(lock_on_fault: bool) -> No
 @pytest.mark.parametrize("lock_on_fault", [False, True])
 async def test_cancellation_from_inside_a_populate_call_rolls_back(lock_on_fault: bool) -> None:
     scope = anyio.CancelScope()
+    token = anyio.lowlevel.current_token()  # pinpool's workers are plain threads
 
     class CancelOnFifth(FakeRuntime):
         def populate(self, ptr: int, nbytes: int) -> None:
             super().populate(ptr, nbytes)
             if len(self.populate_calls) == 5:
-                anyio.from_thread.run_sync(scope.cancel)
+                anyio.from_thread.run_sync(scope.cancel, token=token)
                 # Return only once the driver has told the workers to stop (it notifies the condition).
-                session = pool._session
+                session = pool._lifecycle.session
                 assert session is not None
                 with session._changed:
                     assert session._changed.wait_for(lambda: session.pipeline.stopped, timeout=10)
@@ -747,13 +749,14 @@ async def test_a_failure_ends_a_batch_at_once(mode: str) -> None:
 
 async def test_a_cancel_ends_a_batch_after_the_current_call() -> None:
     scope = anyio.CancelScope()
+    token = anyio.lowlevel.current_token()  # pinpool's workers are plain threads
 
     class CancelOnFifth(FakeRuntime):
         def register(self, ptr: int, nbytes: int) -> None:
             super().register(ptr, nbytes)
             if len(self.register_calls) == 5:
-                anyio.from_thread.run_sync(scope.cancel)
-                session = pool._session
+                anyio.from_thread.run_sync(scope.cancel, token=token)
+                session = pool._lifecycle.session
                 assert session is not None
                 with session._changed:
                     assert session._changed.wait_for(lambda: session.pipeline.stopped, timeout=10)

@@ -14,10 +14,12 @@ import threading
 import time
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import pinpool
 from pinpool import layouts
+from pinpool._memory import HostMapping
 from pinpool.testing import FakeRuntime
 
 from .conftest import pin_and_run
@@ -218,13 +220,14 @@ async def test_cancellation_while_workers_run_stops_early_and_rolls_back() -> No
 
 async def test_cancellation_landing_as_the_last_chunk_finishes_never_enters_body() -> None:
     scope = anyio.CancelScope()
+    token = anyio.lowlevel.current_token()  # pinpool's workers are plain threads
     chunks = 4
 
     class CancelOnLast(FakeRuntime):
         def register(self, ptr: int, nbytes: int) -> None:
             super().register(ptr, nbytes)
             if len(self.register_calls) == chunks:
-                anyio.from_thread.run_sync(scope.cancel)
+                anyio.from_thread.run_sync(scope.cancel, token=token)
 
     fake = CancelOnLast()
     pool = pinpool.PinnedPool(size=chunks * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
@@ -369,8 +372,10 @@ def test_tensor_kept_past_exit_stays_valid_memory() -> None:
     with pinpool.PinnedPool(size=8 * MiB, runtime=fake) as pool:
         kept = pool.tensor[MiB : 2 * MiB]
         kept.fill_(3)
-        assert pool._mapping is not None
-        unmap = pool._mapping._finalizer  # alive until the mapping is unmapped
+        memory = pool._lifecycle.memory
+        assert isinstance(memory, HostMapping)
+        unmap = memory._finalizer  # alive until the mapping is unmapped
+        del memory
     del pool
     gc.collect()
     assert unmap.alive
@@ -506,8 +511,8 @@ def test_pinned_bytes_counts_leaked_chunks() -> None:
 def test_memory_is_unmapped_at_exit_when_no_view_is_kept(populate: bool) -> None:
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), populate=populate)
     with pool:
-        assert pool._mapping is not None
-        unmap = pool._mapping._finalizer
+        assert pool._lifecycle.memory is not None
+        unmap = pool._lifecycle.memory._finalizer  # type: ignore[attr-defined]
     gc.collect()
     assert not unmap.alive  # the pool object is alive, but nothing of it holds the memory
 
@@ -516,8 +521,8 @@ def test_leaked_chunk_keeps_its_memory_mapped() -> None:
     fake = FakeRuntime(fail_unregister_on=1)
     pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.UnpinError), pool:
-        assert pool._mapping is not None
-        unmap = pool._mapping._finalizer
+        assert pool._lifecycle.memory is not None
+        unmap = pool._lifecycle.memory._finalizer  # type: ignore[attr-defined]
     del pool
     gc.collect()
     assert unmap.alive  # freeing memory that may still be registered would be undefined
