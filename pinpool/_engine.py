@@ -9,6 +9,7 @@ still knows exactly what to roll back.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -20,7 +21,7 @@ from ._ledger import ChunkState, LedgerError, Phase, StopCause
 from ._memory import populate_range
 from ._observe import Observer
 from ._pipeline import WAIT, Order, Pipeline, Span, _Wait
-from ._plan import Chunk
+from ._plan import Chunk, RetrySplitter
 from ._types import Capabilities
 from .runtimes import LocksOnFault, Populates, Runtime
 
@@ -55,6 +56,8 @@ class PinSession:
         populate_workers: int,
         unpin_workers: int,
         observer: Observer,
+        retry: RetrySplitter | None = None,
+        max_retries: int = 0,
     ) -> None:
         self.pipeline = Pipeline(
             chunks, order=order, span_bytes=span_bytes, lookahead_bytes=lookahead_bytes,
@@ -75,6 +78,11 @@ class PinSession:
             cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
         )
         self.pid = os.getpid()
+        # Retry with halving: only codes the runtime declares retryable, within one budget per pool.
+        self._retry = retry if caps.retryable_codes else None
+        self._retryable = caps.retryable_codes
+        self._retries_left = max_retries
+        self.retries = 0
         self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
         self.unpin_seconds = 0.0
@@ -154,10 +162,58 @@ class PinSession:
     def _register_chunk(self, index: int) -> Outcome:
         chunk = self.ledger.chunks[index]
         error, seconds = self._call(self._register, "register", chunk.offset, chunk.nbytes)
-        return (error, self.pipeline.registered if error is None else self.pipeline.register_failed, index, seconds)
+        if error is None:
+            return (None, self.pipeline.registered, index, seconds)
+        halves = self._halves(chunk, error, attempt=1)
+        if halves is None:
+            return (error, self.pipeline.register_failed, index, seconds)
+        return self._register_halving(index, chunk, error, halves, seconds)
+
+    def _halves(self, piece: Chunk, error: RuntimeCallError, attempt: int) -> tuple[Chunk, Chunk] | None:
+        """Aligned halves to retry ``piece`` with, if its error is retryable and the budget allows."""
+        if self._retry is None or error.code not in self._retryable:
+            return None
+        halves = self._retry.split(piece)
+        if halves is None:
+            return None
+        with self.lock:
+            if self._retries_left <= 0:
+                return None
+            self._retries_left -= 1
+            self.retries += 1
+        self.observer.chunk_retried(piece, error, halves, attempt)
+        return halves
+
+    def _register_halving(
+        self, index: int, chunk: Chunk, error: RuntimeCallError, halves: tuple[Chunk, Chunk], seconds: float
+    ) -> Outcome:
+        """Register ``chunk`` as pieces, halving again any piece that fails retryably. Every failed
+        attempt is kept, so a final failure lists them all (a real out-of-memory is never hidden)."""
+        attempts = [ChunkFailure(chunk, "register", error)]
+        self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
+        todo, done = list(halves), []
+        while todo:
+            piece = todo.pop(0)
+            failure, took = self._call(self._register, "register", piece.offset, piece.nbytes)
+            seconds += took
+            if failure is None:
+                self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
+                done.append(piece)
+                continue
+            attempts.append(ChunkFailure(piece, "register", failure))
+            self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
+            again = self._halves(piece, failure, attempt=len(attempts))
+            if again is None:
+                if done:  # the registered pieces are undone by the rollback, from the books
+                    return (failure, _partly(self.pipeline, done, attempts), index, math.nan)
+                return (failure, _failed_after(self.pipeline, attempts), index, math.nan)
+            todo[:0] = again
+        return (None, _in_pieces(self.pipeline, done), index, math.nan)  # nan: observed call by call
 
     def _observe(self, outcome: Outcome) -> None:
         error, _record, item, seconds = outcome
+        if math.isnan(seconds):  # a retried chunk: each of its calls was observed as it ended
+            return
         observer = self.observer
         if isinstance(item, Span):
             if error is None:
@@ -250,13 +306,19 @@ class PinSession:
             if index is None:
                 return
             chunk = ledger.chunks[index]
-            ptr = self.base_ptr + chunk.offset
-            observer.call_started()
+            error: RuntimeCallError | None = None
             call_started = time.perf_counter()
-            try:
-                self.runtime.unregister(ptr)
-            except BaseException as exc:  # anything, SystemExit included, fails this chunk only
-                error = as_runtime_error(exc, "unregister", ptr, chunk.nbytes)
+            # A chunk registered in pieces (retries) is unregistered piece by piece, each by its base.
+            for piece in reversed(ledger.pieces.get(index, (chunk,))):
+                ptr = self.base_ptr + piece.offset
+                observer.call_started()
+                try:
+                    self.runtime.unregister(ptr)
+                except BaseException as exc:  # anything, SystemExit included, fails this chunk only
+                    error = error or as_runtime_error(exc, "unregister", ptr, piece.nbytes)
+                finally:
+                    observer.call_ended()
+            if error is not None:
                 with lock:
                     ledger.unregister_failed(index, error)
                 observer.chunk_failed(chunk, "unregister", error, time.perf_counter() - call_started)
@@ -264,5 +326,15 @@ class PinSession:
                 with lock:
                     ledger.unregistered(index)
                 observer.chunk_unregistered(chunk, time.perf_counter() - call_started, was_pinned=was_pinned)
-            finally:
-                observer.call_ended()
+
+
+def _in_pieces(pipeline: Pipeline, pieces: list[Chunk]) -> Callable[[int], int | None]:
+    return lambda index: pipeline.registered_in_pieces(index, pieces)
+
+
+def _partly(pipeline: Pipeline, pieces: list[Chunk], attempts: list[ChunkFailure]) -> Callable[..., None]:
+    return lambda index, _error: pipeline.register_partly_failed(index, pieces, attempts)
+
+
+def _failed_after(pipeline: Pipeline, attempts: list[ChunkFailure]) -> Callable[..., None]:
+    return lambda index, error: pipeline.register_failed(index, error, attempts)

@@ -54,6 +54,7 @@ class Ledger:
         self.phase = Phase.PINNING
         self.stop_cause: StopCause | None = None
         self.failures: list[ChunkFailure] = []
+        self.pieces: dict[int, tuple[Chunk, ...]] = {}  # chunks registered as several calls (retries)
         self._next = 0
         self._in_flight = 0
         self._registered_bytes = 0
@@ -111,10 +112,24 @@ class Ledger:
         self.states[index] = ChunkState.REGISTERED
         self._registered_bytes += self.chunks[index].nbytes
 
-    def failed(self, index: int, phase: str, error: RuntimeCallError) -> None:
+    def registered_in_pieces(self, index: int, pieces: Sequence[Chunk], *, faulting: bool = False) -> None:
+        """A chunk registered as several calls after retries: teardown unregisters each piece's base."""
+        self.registered(index, faulting=faulting)
+        self.pieces[index] = tuple(pieces)
+
+    def partly_registered(self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure]) -> None:
+        """Retries ran out with ``pieces`` of the chunk registered: they must be undone (the chunk
+        counts as not pinned), every failed attempt is recorded, and pinning stops."""
+        self._land(index, ChunkState.FAULTING)  # undone by teardown, never counted as pinned
+        self.pieces[index] = tuple(pieces)
+        self.failures.extend(attempts)
+        if self.stop_cause is None:
+            self.stop_cause = StopCause.FAILURE
+
+    def failed(self, index: int, phase: str, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
         """A chunk's populate or register call failed: record it and stop handing out chunks."""
         self._land(index, ChunkState.FAILED)
-        self.failures.append(ChunkFailure(self.chunks[index], phase, error))
+        self.failures.extend(attempts or [ChunkFailure(self.chunks[index], phase, error)])
         if self.stop_cause is None:
             self.stop_cause = StopCause.FAILURE
 

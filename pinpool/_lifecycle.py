@@ -269,6 +269,11 @@ class Lifecycle:
         )
         if len(failures) > 1:
             message += f" [{len(failures)} calls failed, in {len({f.chunk for f in failures})} chunk(s)]"
+        if session.retries:
+            message += (
+                f" [after {session.retries} retries with aligned halves, down to min_chunk_bytes or the max_retries "
+                "budget; every attempt is in .failures]"
+            )
         error = PinError(message + rolled, failures=failures, leaked=leaked)
         error.__cause__ = first.error
         return error

@@ -165,6 +165,18 @@ class Observer:
             attempt=attempt, phase=phase, code=error.code, reason=error.reason, error=error.message,
         )  # fmt: skip
 
+    def chunk_retried(self, chunk: Chunk, error: RuntimeCallError, halves: tuple[Chunk, Chunk], attempt: int) -> None:
+        """A registration failed with a retryable code: ``chunk`` is retried as two aligned halves."""
+        if self.metrics:
+            try:
+                self.metrics.retries.labels(*self._labels).inc()
+            except Exception as exc:
+                self._metric_failed("chunk_retried", exc)
+        self._emit(
+            "info", "chunk.retry", offset=chunk.offset, nbytes=chunk.nbytes, code=error.code, reason=error.reason,
+            halves=[halves[0].nbytes, halves[1].nbytes], attempt=attempt,
+        )  # fmt: skip
+
     def chunk_pinned(self, chunk: Chunk) -> None:
         """A chunk is registered and all its pages are in: it counts as pinned."""
         if self.metrics:

@@ -38,6 +38,10 @@ def _check_fits_a_page(layout: Layout, budget: int, given: object) -> None:
         )
 
 
+DEFAULT_MIN_CHUNK_BYTES = 64 << 20
+DEFAULT_MAX_RETRIES = 8
+
+
 @dataclass(frozen=True)
 class PoolOptions:
     """What a pool is asked to be. Sizes are bytes.
@@ -49,6 +53,9 @@ class PoolOptions:
     read it (default 256 GiB). populate: pre-fault (None: where supported). *_workers: threads
     per role (None: the default). huge_pages: False, True (THP) or "hugetlb". numa_node: bind
     the memory to this node. name: the pool's name in logs, metrics and errors.
+    min_chunk_bytes / max_retries: a registration failing with a code its runtime declares
+    retryable is split in aligned halves and retried, down to ``min_chunk_bytes`` (never below
+    one alignment unit), at most ``max_retries`` times per pool (0: never retry).
     """
 
     size: int
@@ -62,6 +69,8 @@ class PoolOptions:
     huge_pages: bool | str = False
     numa_node: int | None = None
     name: str = "default"
+    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
+    max_retries: int = DEFAULT_MAX_RETRIES
 
     @classmethod
     def create(
@@ -77,6 +86,8 @@ class PoolOptions:
         huge_pages: bool | str = False,
         numa_node: int | None = None,
         name: str = "default",
+        min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
+        max_retries: int = DEFAULT_MAX_RETRIES,
     ) -> PoolOptions:
         """Options from a user's spellings: sizes as ints or strings (``"64GiB"``), ``layout=None``
         for :class:`Raw`, ``chunk_bytes=None`` for the ``PINPOOL_REGISTER_CHUNK_GB`` limit (read now)."""
@@ -90,6 +101,7 @@ class PoolOptions:
             size=budget, layout=resolved, chunk_bytes=None if chunk_bytes is None else limit, chunk_limit=limit,
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
             unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
+            min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -109,6 +121,17 @@ class PoolOptions:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
         _check_fits_a_page(self.layout, self.size, self.size)
+        if isinstance(self.min_chunk_bytes, str):
+            raise ConfigError(
+                f"min_chunk_bytes={self.min_chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
+            )
+        parse_size(self.min_chunk_bytes, what="min_chunk_bytes")
+        retries = self.max_retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(
+                f"max_retries={retries!r} must be an int >= 0 (how many times per pool a failed registration "
+                f"is halved and retried; 0 never retries, the default is {DEFAULT_MAX_RETRIES})"
+            )
 
 
 def _check_plain(

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
-from ._errors import RuntimeCallError
+from ._errors import ChunkFailure, RuntimeCallError
 from ._ledger import ChunkState, Ledger, LedgerError, Phase
 from ._plan import Chunk, Order, Span, SpanTable
 
@@ -255,8 +255,19 @@ class Pipeline:
         self._leave_window(index)
         return None if faulting else index
 
-    def register_failed(self, index: int, error: RuntimeCallError) -> None:
-        self.ledger.failed(index, "register", error)
+    def register_failed(self, index: int, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
+        self.ledger.failed(index, "register", error, attempts)
+        self._leave_window(index)
+
+    def registered_in_pieces(self, index: int, pieces: Sequence[Chunk]) -> int | None:
+        """A chunk registered as several calls after retries; as :meth:`registered` otherwise."""
+        faulting = self.order is Order.REGISTER_FIRST
+        self.ledger.registered_in_pieces(index, pieces, faulting=faulting)
+        self._leave_window(index)
+        return None if faulting else index
+
+    def register_partly_failed(self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure]) -> None:
+        self.ledger.partly_registered(index, pieces, attempts)
         self._leave_window(index)
 
     def _leave_window(self, index: int) -> None:

@@ -743,3 +743,54 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
         register_workers=register_workers, populate_workers=populate_workers, unpin_workers=unpin_workers,
         threads=threads, span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RetryGrid:
+    """Where chunks of one buffer may be cut: ``origin + k * unit``, within ``[start, end)``."""
+
+    start: int
+    end: int
+    unit: int
+    origin: int
+
+
+@dataclass(frozen=True)
+class RetrySplitter:
+    """Halves of a failed chunk for a retry that keep every planning invariant: the cut is on its
+    buffer's grid (a multiple of lcm(granularity, OS page) from the buffer's first boundary), and
+    neither half is below ``floor_bytes`` (min_chunk_bytes) or one unit. Pure."""
+
+    grids: tuple[RetryGrid, ...]
+    floor_bytes: int
+
+    def split(self, chunk: Chunk) -> tuple[Chunk, Chunk] | None:
+        grid = next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
+        if grid is None:
+            return None
+        floor = max(self.floor_bytes, grid.unit)
+        if chunk.nbytes < 2 * floor:
+            return None
+        mid = chunk.offset + chunk.nbytes // 2
+        cut = grid.origin + (mid - grid.origin) // grid.unit * grid.unit
+        if cut - chunk.offset < floor:
+            cut += grid.unit
+        if cut - chunk.offset < floor or chunk.end - cut < floor:
+            return None
+        return Chunk(chunk.offset, cut - chunk.offset), Chunk(cut, chunk.end - cut)
+
+
+def retry_splitter(plan: PoolPlan, min_chunk_bytes: int) -> RetrySplitter:
+    """The retry cuts allowed in ``plan``'s buffers (a caller's unaligned tensor keeps its grid)."""
+    grids = []
+    for buffer in plan.buffers:
+        if buffer.plan is None:
+            continue
+        unit = buffer.plan.unit
+        first = (
+            _first_boundary(buffer.plan.granularity or 1, plan.page_size, plan.source_start % plan.page_size, unit)
+            if plan.source_start % plan.page_size
+            else 0
+        )
+        grids.append(RetryGrid(buffer.offset, buffer.offset + buffer.spec.nbytes, unit, buffer.offset + first))
+    return RetrySplitter(tuple(grids), min_chunk_bytes)

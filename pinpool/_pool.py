@@ -1,10 +1,9 @@
-"""PinnedPool: the async and sync drivers around the pure plan and ledger.
+"""PinnedPool: a façade of read-only properties over the pure plan and the lifecycle.
 
-The drivers decide nothing themselves: the plan says what to register, the ledger says
-what has been registered and what to undo, and the engine's worker bodies do the calls.
-What the drivers add is waiting: on worker threads, in a way that notices cancellation
-(anyio cancel scopes, asyncio task cancellation, trio, KeyboardInterrupt) while the
-threads run, stops them after their current chunk, and rolls back shielded.
+The constructor validates the options and asks ``plan_pool`` for every decision; entering
+and exiting only run the pool's :class:`~pinpool._lifecycle.Lifecycle` with the async or the
+sync driver (``_drivers.py``). Nothing here decides what to register, what to undo, or what
+an interruption means.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ from ._host import HostFacts, available_cpus
 from ._lifecycle import Lifecycle, Memory, PoolState
 from ._memory import HostMapping, TensorMemory
 from ._observe import Observer
-from ._options import PoolOptions
+from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
 from ._pipeline import Order
-from ._plan import BufferPlan, ChunkTable, PoolPlan, check_host, plan_pool
+from ._plan import BufferPlan, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
 from ._ranges import PINNED_RANGES
 from ._units import format_bytes
 from .layouts import BufferSpec, Layout, Raw
@@ -91,6 +90,10 @@ class PinnedPool:
         ``"hugetlb"``: 2 MiB pages from the hugetlb pool (vm.nr_hugepages must have enough free).
       numa_node: bind the memory to this NUMA node (mbind) before any of it is faulted.
       name: the pool's name in logs, metrics and errors.
+      min_chunk_bytes, max_retries: a registration that fails with a code the runtime declares
+        retryable (CUDA: cudaErrorMemoryAllocation) is split into aligned halves and retried,
+        down to ``min_chunk_bytes`` (default 64 MiB, never below one alignment unit), at most
+        ``max_retries`` times per pool (default 8; 0 never retries). Other codes fail at once.
     """
 
     def __init__(
@@ -107,6 +110,8 @@ class PinnedPool:
         huge_pages: bool | str = False,
         numa_node: int | None = None,
         name: str = "default",
+        min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
+        max_retries: int = DEFAULT_MAX_RETRIES,
         registry: CollectorRegistry | None = REGISTRY,
         logger: Any | None = None,
         on_progress: ProgressCallback | None = None,
@@ -114,7 +119,7 @@ class PinnedPool:
         options = PoolOptions.create(
             layout=layout, size=size, chunk_bytes=chunk_bytes, populate=populate, populate_workers=populate_workers,
             register_workers=register_workers, unpin_workers=unpin_workers, huge_pages=huge_pages,
-            numa_node=numa_node, name=name,
+            numa_node=numa_node, name=name, min_chunk_bytes=min_chunk_bytes, max_retries=max_retries,
         )  # fmt: skip
         self._configure(
             options, runtime=runtime, source=None, registry=registry, logger=logger, on_progress=on_progress
@@ -274,10 +279,13 @@ class PinnedPool:
             return _claim(name, memory, nbytes, runtime)
 
         caps = capabilities_of(runtime)
+        retry = retry_splitter(self._plan, self._options.min_chunk_bytes)
+        max_retries = self._options.max_retries
 
         def start(memory: Memory) -> PinSession:
             session = PinSession(
-                chunks=chunks, runtime=runtime, caps=caps, base_ptr=memory.address, order=order, span_bytes=span_bytes,
+                chunks=chunks, runtime=runtime, caps=caps, retry=retry, max_retries=max_retries,
+                base_ptr=memory.address, order=order, span_bytes=span_bytes,
                 lookahead_bytes=lookahead, register_workers=register_workers, populate_workers=populate_workers,
                 unpin_workers=unpin_workers, observer=observer,
             )  # fmt: skip
@@ -357,6 +365,12 @@ class PinnedPool:
         return 0.0 if session is None else session.pin_seconds
 
     @property
+    def retries(self) -> int:
+        """Registrations this pool retried as aligned halves (see ``max_retries``)."""
+        session = self._lifecycle.session
+        return 0 if session is None else session.retries
+
+    @property
     def unpin_seconds(self) -> float:
         session = self._lifecycle.session
         return 0.0 if session is None else session.unpin_seconds
@@ -413,6 +427,8 @@ def pin(
     register_workers: int | None = None,
     unpin_workers: int | None = None,
     name: str = "tensor",
+    min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
+    max_retries: int = DEFAULT_MAX_RETRIES,
     registry: CollectorRegistry | None = REGISTRY,
     logger: Any | None = None,
     on_progress: ProgressCallback | None = None,
@@ -437,6 +453,7 @@ def pin(
     options = PoolOptions.create(
         layout=_TensorLayout(tensor, granularity_bytes), size=nbytes, chunk_bytes=chunk_bytes, populate=populate,
         populate_workers=populate_workers, register_workers=register_workers, unpin_workers=unpin_workers, name=name,
+        min_chunk_bytes=min_chunk_bytes, max_retries=max_retries,
     )  # fmt: skip
     pool = PinnedPool.__new__(PinnedPool)
     pool._configure(options, runtime=runtime, source=tensor, registry=registry, logger=logger, on_progress=on_progress)

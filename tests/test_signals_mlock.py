@@ -50,6 +50,10 @@ CHILD = textwrap.dedent(
                 await body_async(asyncio.sleep)
             asyncio.run(main())
 
+    def report(caught):
+        print("caught", ",".join(caught) or "-", "vmlck", _libc.vm_locked_bytes(), "state",
+              pool._lifecycle.state.value, flush=True)
+
     print("ready", flush=True)
     caught = []
     try:
@@ -57,13 +61,13 @@ CHILD = textwrap.dedent(
             run()
         except BaseException as exc:
             caught.append(type(exc).__name__)
-            time.sleep(0.05)  # a second signal may still arrive
+        report(caught)  # at once: once asyncio.run has closed its loop, SIGTERM is deadly again
+        time.sleep(0.05)  # a second signal may still arrive
     except BaseException as exc:
         caught.append(type(exc).__name__)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("caught", ",".join(caught) or "-", "vmlck", _libc.vm_locked_bytes(), "state", pool._lifecycle.state.value,
-          flush=True)
+    report(caught)
     """
 )
 
@@ -86,8 +90,14 @@ def test_real_signals_never_leave_memory_locked(mode: str) -> None:
             if child.poll() is None:
                 child.send_signal(signum)
         out, err = child.communicate(timeout=60)
-        report = out.strip().splitlines()[-1] if out.strip() else ""
-        assert child.returncode == 0, (mode, run, child.returncode, out, err)
+        reports = [line for line in out.splitlines() if line.startswith("caught ")]
+        assert reports, (mode, run, child.returncode, out, err)
+        report = reports[0]
+        # A second signal can land after the event loop has put back the default handlers (the
+        # recipe's SIGTERM handler is removed when asyncio.run returns): it may then end the
+        # child, as it would a server, but only after the report of its locked memory.
+        late_kill = bool(run % 2) and child.returncode != 0
+        assert child.returncode == 0 or late_kill, (mode, run, child.returncode, out, err)
         fields = report.split()
         assert fields[0] == "caught" and fields[2] == "vmlck", (report, err)
         assert int(fields[3]) == 0, f"{mode} run {run}: {report}\n{err}"
