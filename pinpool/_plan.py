@@ -787,10 +787,13 @@ def retry_splitter(plan: PoolPlan, min_chunk_bytes: int) -> RetrySplitter:
         if buffer.plan is None:
             continue
         unit = buffer.plan.unit
-        first = (
-            _first_boundary(buffer.plan.granularity or 1, plan.page_size, plan.source_start % plan.page_size, unit)
-            if plan.source_start % plan.page_size
-            else 0
-        )
+        try:
+            first = (
+                _first_boundary(buffer.plan.granularity or 1, plan.page_size, plan.source_start % plan.page_size, unit)
+                if plan.source_start % plan.page_size
+                else 0
+            )
+        except ConfigError:  # no aligned cut exists in this buffer: its chunks are never split
+            continue
         grids.append(RetryGrid(buffer.offset, buffer.offset + buffer.spec.nbytes, unit, buffer.offset + first))
     return RetrySplitter(tuple(grids), min_chunk_bytes)

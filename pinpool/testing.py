@@ -6,9 +6,13 @@ paths of your own server without a GPU or locked memory::
 
     fake = FakeRuntime(fail_register_on=3)
     with pytest.raises(pinpool.PinError):
-        with pinpool.PinnedPool(size="1GiB", chunk_bytes="128MiB", runtime=fake):
+        with pinpool.PinnedPool(size="1GiB", chunk_bytes="128MiB", runtime=fake, max_retries=0):
             ...
     assert fake.registered == {}
+
+Injected register failures report code 2, which the fake declares retryable as CUDA does, so
+a pool would retry a failed chunk of at least twice ``min_chunk_bytes`` as two halves; pass
+``max_retries=0`` to test the plain failure path, or keep retries on to test them.
 """
 
 from __future__ import annotations

@@ -600,7 +600,8 @@ async def test_sglang_vector_teardown_order_and_second_exit(mode: str) -> None:
 
 def test_sglang_vector_second_registration_fails() -> None:
     fake = FakeRuntime(fail_register_on=2)
-    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, register_workers=1)
+    # The reference does not retry; pinpool would retry a code-2 failure as halves (test_retry.py).
+    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, register_workers=1, max_retries=0)
     with pytest.raises(pinpool.PinError) as info, pool:
         pytest.fail("the body must not run")
     assert "offset=1073741824" in str(info.value)

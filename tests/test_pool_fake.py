@@ -95,7 +95,8 @@ def test_teardown_order_and_second_exit_is_an_error() -> None:
 
 def test_second_registration_fails_reference_vector() -> None:
     fake = FakeRuntime(fail_register_on=2)
-    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, register_workers=1)
+    # The reference does not retry; pinpool would retry a code-2 failure as halves (test_retry.py).
+    pool = pinpool.PinnedPool(size=2 * GiB, chunk_bytes=GiB, runtime=fake, register_workers=1, max_retries=0)
     with pytest.raises(pinpool.PinError) as info, pool:
         pytest.fail("body must not run")
     error = info.value
