@@ -60,16 +60,29 @@ class Ran:
 Lifecycle = Generator[RunThreads, Ran, T]
 
 
-def _start(step: RunThreads, threads: Threads, ran: Ran, interrupted: Callable[[BaseException], None]) -> None:
-    for i, body in enumerate(step.bodies):
-        try:
-            threads.start(body, name=f"{step.name}-{i}")
-        except Exception as exc:  # e.g. "can't start new thread": fewer workers; none at all is reported
-            ran.start_errors.append(exc)
-            break
-        except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
-            interrupted(exc)
-            break
+def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
+    """Start the step's threads; returns them, the report, and what to call on an interruption
+    (the first one also calls the step's ``on_interrupt``). Both drivers begin a step this way."""
+    threads, ran = Threads(), Ran()
+
+    def interrupted(exc: BaseException) -> None:
+        ran.interrupts.append(exc)
+        if len(ran.interrupts) == 1:
+            step.on_interrupt()
+
+    try:
+        for i, body in enumerate(step.bodies):
+            try:
+                threads.start(body, name=f"{step.name}-{i}")
+            except Exception as exc:  # e.g. "can't start new thread": fewer workers; none at all is reported
+                ran.start_errors.append(exc)
+                break
+            except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
+                interrupted(exc)
+                break
+    except BaseException as exc:  # an interrupt between two starts
+        interrupted(exc)
+    return threads, ran, interrupted
 
 
 def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
@@ -95,17 +108,7 @@ def _run_inline_bodies(step: RunThreads, ran: Ran) -> None:
 
 
 def run_sync(step: RunThreads) -> Ran:
-    threads, ran = Threads(), Ran()
-
-    def interrupted(exc: BaseException) -> None:
-        ran.interrupts.append(exc)
-        if len(ran.interrupts) == 1:
-            step.on_interrupt()
-
-    try:
-        _start(step, threads, ran, interrupted)
-    except BaseException as exc:  # an interrupt between two starts
-        interrupted(exc)
+    threads, ran, interrupted = _launch(step)
     while True:
         try:
             threads.wait(on_tick=step.on_tick if step.interruptible and not ran.interrupts else None)
@@ -145,17 +148,7 @@ def _drive(lifecycle: Lifecycle[T], run: Callable[[RunThreads], Ran]) -> T:
 
 
 async def run_async(step: RunThreads) -> Ran:
-    threads, ran = Threads(), Ran()
-
-    def interrupted(exc: BaseException) -> None:
-        ran.interrupts.append(exc)
-        if len(ran.interrupts) == 1:
-            step.on_interrupt()
-
-    try:
-        _start(step, threads, ran, interrupted)
-    except BaseException as exc:
-        interrupted(exc)
+    threads, ran, interrupted = _launch(step)
     # Until the first interruption, the wait is not shielded, so a cancellation of the caller
     # lands here while the threads run. Waiting on a threading.Event has no side effect, so
     # that wait may be abandoned; the threads are not.

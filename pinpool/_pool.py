@@ -17,7 +17,6 @@ from typing import Any, TypeVar, cast
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from . import _plan
 from ._drivers import drive_async, drive_sync
 from ._engine import PinSession
 from ._errors import (
@@ -25,7 +24,7 @@ from ._errors import (
     ConfigError,
     PoolStateError,
 )
-from ._host import HostFacts, available_cpus
+from ._host import HostFacts
 from ._lifecycle import Lifecycle, Memory, PoolState
 from ._memory import HostMapping, TensorMemory
 from ._observe import Observer
@@ -33,6 +32,7 @@ from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
 from ._pipeline import Order
 from ._plan import BufferPlan, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
 from ._ranges import PINNED_RANGES
+from ._types import Capabilities
 from ._units import format_bytes
 from .layouts import BufferSpec, Layout, Raw
 from .runtimes import FindsPinned, Runtime, capabilities_of, resolve_runtime
@@ -40,25 +40,6 @@ from .runtimes import FindsPinned, Runtime, capabilities_of, resolve_runtime
 T = TypeVar("T")
 
 ProgressCallback = Callable[[int, int, int, int], object]
-
-# Where one layout buffer sits in the mapping and how it is chunked (spec, offset, plan, chunks).
-_Buffer = BufferPlan
-
-
-def default_register_workers(runtime: Runtime) -> int:
-    """CUDA serialises registration in the driver, so one; mlock (and the fake) scale with
-    cores, up to a bound. (The rule is :func:`pinpool._plan.default_register_workers`.)"""
-    return _plan.default_register_workers(capabilities_of(runtime), available_cpus())
-
-
-def default_populate_workers() -> int:
-    """Page faulting scales across cores."""
-    return _plan.default_populate_workers(available_cpus())
-
-
-def default_unpin_workers() -> int:
-    """Unregistering scales across threads for CUDA too (Mooncake: 500 GB in 1.5 s on threads, 11.8 s in one)."""
-    return _plan.default_unpin_workers(available_cpus())
 
 
 class PinnedPool:
@@ -231,8 +212,9 @@ class PinnedPool:
         self._options = options
         self._host = host
         self._runtime: Runtime = resolved
-        self._plan: PoolPlan = plan_pool(options, host, capabilities_of(resolved), source_start=start)
-        self._buffers: tuple[_Buffer, ...] = self._plan.buffers
+        self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
+        self._plan: PoolPlan = plan_pool(options, host, self._caps, source_start=start)
+        self._buffers: tuple[BufferPlan, ...] = self._plan.buffers
         self._mapping_bytes = self._plan.mapping_bytes
         self._source = source
         name = options.name
@@ -270,15 +252,16 @@ class PinnedPool:
             populate_workers=populate_workers,
         )  # fmt: skip
 
+        caps = self._caps
+
         def acquire() -> HostMapping | TensorMemory:
             memory = (
                 TensorMemory(source)
                 if source is not None
                 else HostMapping(mapping_bytes, huge_pages=huge_pages, numa_node=numa_node)
             )
-            return _claim(name, memory, nbytes, runtime)
+            return _claim(name, memory, nbytes, runtime, caps)
 
-        caps = capabilities_of(runtime)
         retry = retry_splitter(self._plan, self._options.min_chunk_bytes)
         max_retries = self._options.max_retries
 
@@ -396,7 +379,9 @@ class PinnedPool:
         drive_sync(self._lifecycle.exit(exc))
 
 
-def _claim(name: str, memory: HostMapping | TensorMemory, nbytes: int, runtime: Runtime) -> HostMapping | TensorMemory:
+def _claim(
+    name: str, memory: HostMapping | TensorMemory, nbytes: int, runtime: Runtime, caps: Capabilities
+) -> HostMapping | TensorMemory:
     """Claim the memory's address range in this process, refusing memory that is already pinned."""
     overlap = PINNED_RANGES.add(memory.address, max(nbytes, 1))
     if overlap is not None:
@@ -405,8 +390,7 @@ def _claim(name: str, memory: HostMapping | TensorMemory, nbytes: int, runtime: 
             f"[{overlap[0]:#x}, +{overlap[1]}), which pinpool already pins in this process; "
             "nothing was pinned. Exit the other pool first, or pin a different tensor"
         )
-    finds_pinned = capabilities_of(runtime).finds_pinned
-    elsewhere = cast(FindsPinned, runtime).find_pinned(memory.address, nbytes) if finds_pinned else None
+    elsewhere = cast(FindsPinned, runtime).find_pinned(memory.address, nbytes) if caps.finds_pinned else None
     if elsewhere is not None:
         PINNED_RANGES.pop(memory.address)
         raise AlreadyPinnedError(

@@ -120,6 +120,14 @@ def signal_main(signum: int = signal.SIGINT) -> None:
     signal.pthread_kill(main, signum)
 
 
+def ctrl_c(twice: bool) -> None:
+    """One Ctrl-C, or two a millisecond apart."""
+    signal_main()
+    if twice:
+        time.sleep(0.001)
+        signal_main()
+
+
 def drain(caught: list[BaseException], seconds: float = 0.1) -> None:
     """Let interrupts still on their way land here, recorded, instead of in pytest."""
     deadline = time.monotonic() + seconds
@@ -171,10 +179,7 @@ def test_sync_driver(moment: Moment, shape: dict[str, object], kind: str, sigter
         if kind == "system_exit":
             signal_main(signal.SIGTERM)
             return
-        signal_main()
-        if kind == "ki2":
-            time.sleep(0.001)
-            signal_main()
+        ctrl_c(twice=kind == "ki2")
 
     pool, fake = make_pool(shape, moment, fire)
     expected = SystemExit if kind == "system_exit" else KeyboardInterrupt
@@ -274,10 +279,7 @@ def test_trio_driver(moment: Moment, shape: dict[str, object], kind: str) -> Non
             if kind == "cancel":
                 token.run_sync_soon(scope.cancel)
                 return
-            signal_main()
-            if kind == "ki2":
-                time.sleep(0.001)
-                signal_main()
+            ctrl_c(twice=kind == "ki2")
 
         pool, fake = make_pool(shape, moment, fire)
         try:
