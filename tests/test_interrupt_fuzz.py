@@ -99,10 +99,21 @@ pool_shapes = st.fixed_dictionaries(
 )
 
 
+# The pool's memory, held from the moment an interrupt is fired until drain() is done: otherwise
+# its unmap finalizer can run inside the interrupt window, and a late Ctrl-C landing in that
+# finalizer is swallowed by Python as an "exception ignored" (a harness artefact, not a leak).
+KEPT: list[object] = []
+
+
 def make_pool(shape: dict[str, object], moment: Moment, fire: Callable[[], None]) -> tuple[pinpool.PinnedPool, Trap]:
     delay = shape["delay"]
+
+    def keep_then_fire() -> None:
+        KEPT.append(pool._lifecycle.memory)
+        fire()
+
     fake = Trap(
-        moment, fire, register_delay=delay, unregister_delay=delay, populate_delay=delay,
+        moment, keep_then_fire, register_delay=delay, unregister_delay=delay, populate_delay=delay,
         lock_on_fault=shape["lock_on_fault"],
     )  # fmt: skip
     pool = pinpool.PinnedPool(
@@ -129,13 +140,15 @@ def ctrl_c(twice: bool) -> None:
 
 
 def drain(caught: list[BaseException], seconds: float = 0.1) -> None:
-    """Let interrupts still on their way land here, recorded, instead of in pytest."""
+    """Let interrupts still on their way land here, recorded, instead of in pytest; then let the
+    memory kept since the interrupt go."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             time.sleep(0.002)
         except BaseException as exc:
             caught.append(exc)
+    KEPT.clear()
 
 
 def pinpool_threads() -> list[threading.Thread]:
