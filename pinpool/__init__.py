@@ -18,7 +18,9 @@ from ._errors import PoolStateError as PoolStateError
 from ._errors import RuntimeCallError as RuntimeCallError
 from ._errors import UnclosedPoolWarning as UnclosedPoolWarning
 from ._errors import UnpinError as UnpinError
+from ._lifecycle import PoolState as PoolState
 from ._memory import AllocationError as AllocationError
+from ._node import NodeBusyError as NodeBusyError
 from ._plan import Chunk as Chunk
 from ._pool import PinnedPool as PinnedPool
 from ._pool import pin as pin
@@ -32,9 +34,11 @@ __all__ = [
     "Chunk",
     "ChunkFailure",
     "ConfigError",
+    "NodeBusyError",
     "PinError",
     "PinnedPool",
     "PinpoolError",
+    "PoolState",
     "PoolStateError",
     "RuntimeCallError",
     "UnclosedPoolWarning",

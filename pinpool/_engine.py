@@ -22,10 +22,14 @@ from ._memory import populate_range
 from ._observe import Observer
 from ._pipeline import WAIT, Order, Pipeline, Span, _Wait
 from ._plan import Chunk, RetrySplitter
+from ._prefix import PrefixTracker
+from ._stall import CallSizer
 from ._types import Capabilities
 from .runtimes import LocksOnFault, Populates, Runtime
 
 T = TypeVar("T")
+# Within a long batch of small calls, outcomes are put on the books at least this often.
+RECORD_INTERVAL_SECONDS = 0.01
 # How one call ended: (its error or None, the pipeline method that records it, the item, seconds).
 Outcome = tuple[RuntimeCallError | None, Callable[..., int | None], Any, float]
 
@@ -58,11 +62,15 @@ class PinSession:
         observer: Observer,
         retry: RetrySplitter | None = None,
         max_retries: int = 0,
+        prefix: PrefixTracker | None = None,
+        max_call_seconds: float | None = None,
+        populate_unit: int = 4096,
     ) -> None:
         self.pipeline = Pipeline(
             chunks, order=order, span_bytes=span_bytes, lookahead_bytes=lookahead_bytes,
-            register_workers=register_workers, populate_workers=populate_workers,
+            register_workers=register_workers, populate_workers=populate_workers, prefix=prefix,
         )  # fmt: skip
+        self.prefix = prefix
         self.ledger = self.pipeline.ledger
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
@@ -79,6 +87,7 @@ class PinSession:
         )
         self.pid = os.getpid()
         # Retry with halving: only codes the runtime declares retryable, within one budget per pool.
+        self._cutter = retry
         self._retry = retry if caps.retryable_codes else None
         self._retryable = caps.retryable_codes
         self._retries_left = max_retries
@@ -88,6 +97,10 @@ class PinSession:
         self.unpin_seconds = 0.0
         self._failed_before = 0
         self._teardown_started = 0.0
+        # The stall budget: every register and populate call sized to fit max_call_seconds.
+        self._register_sizer = CallSizer(max_call_seconds) if max_call_seconds and retry is not None else None
+        self._populate_sizer = CallSizer(max_call_seconds) if max_call_seconds else None
+        self._populate_unit = populate_unit
 
     # -- worker bodies ---------------------------------------------------------------------
 
@@ -109,36 +122,50 @@ class PinSession:
     def work(self) -> None:
         """One worker: populate spans and register chunks, as the pipeline hands them out.
 
-        A batch's outcomes are recorded together, under one lock hold, when the batch ends (its
-        items stay in flight until then, so a rollback waits for them); a failure ends the
-        batch at once, so the other workers hear of it after one call, not one batch.
+        A batch's outcomes are recorded together, under one lock hold (its items stay in flight
+        until then, so a rollback waits for them): when the batch ends, and every
+        RECORD_INTERVAL_SECONDS within a long one, so the pinned prefix and progress move while a
+        batch of many small chunks runs. A failure ends the batch at once, so the other workers
+        hear of it after one call, not one batch.
         """
         pipeline = self.pipeline
         while (batch := self._next(pipeline.next_work)) is not None:
             items = batch.items
             outcomes: list[Outcome] = []
+            started = 0  # items whose call was made
             try:
+                recorded_at = time.perf_counter()
                 for item in items:
-                    if outcomes and pipeline.stopped:  # another worker failed, or the caller cancelled
+                    if started and pipeline.stopped:  # another worker failed, or the caller cancelled
                         break
                     outcome = self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
                     outcomes.append(outcome)  # on the books before anything else can go wrong
+                    started += 1
                     self._observe(outcome)
                     if outcome[0] is not None:
                         break
+                    if time.perf_counter() - recorded_at >= RECORD_INTERVAL_SECONDS:
+                        landed, outcomes = outcomes, []  # never recorded twice, whatever _record raises
+                        self._record(landed)
+                        recorded_at = time.perf_counter()
             finally:
-                pinned: list[int] = []
-                with self._changed:
-                    for error, record, item, _seconds in outcomes:
-                        if error is None:
-                            if (index := record(item)) is not None:
-                                pinned.append(index)
-                        else:
-                            record(item, error)
-                    pipeline.batch_done(batch.role, items[len(outcomes) :])
-                    self._changed.notify_all()  # the landings may have made work for waiting workers
-                for index in pinned:
-                    self.observer.chunk_pinned(self.ledger.chunks[index])
+                self._record(outcomes, batch.role, items[started:])
+
+    def _record(self, outcomes: list[Outcome], role: str | None = None, unstarted: Sequence[int | Span] = ()) -> None:
+        """Put ``outcomes`` on the books; with ``role``, the batch has ended too."""
+        pinned: list[int] = []
+        with self._changed:
+            for error, record, item, _seconds in outcomes:
+                if error is None:
+                    if (index := record(item)) is not None:
+                        pinned.append(index)
+                else:
+                    record(item, error)
+            if role is not None:
+                self.pipeline.batch_done(role, unstarted)
+            self._changed.notify_all()  # the landings may have made work for waiting workers
+        for index in pinned:
+            self.observer.chunk_pinned(self.ledger.chunks[index])
 
     def _call(
         self, call: Callable[[int, int], None], op: str, offset: int, nbytes: int
@@ -156,18 +183,37 @@ class PinSession:
         return None, time.perf_counter() - started
 
     def _populate_span(self, span: Span) -> Outcome:
-        error, seconds = self._call(self._populate, "populate", span.offset, span.nbytes)
-        return (error, self.pipeline.populated if error is None else self.pipeline.populate_failed, span, seconds)
+        sizer = self._populate_sizer
+        if sizer is None:
+            error, seconds = self._call(self._populate, "populate", span.offset, span.nbytes)
+            return (error, self.pipeline.populated if error is None else self.pipeline.populate_failed, span, seconds)
+        # Under a stall budget the span is faulted in calls sized to fit it (page multiples).
+        offset, end = span.offset, span.offset + span.nbytes
+        while offset < end:
+            nbytes = sizer.next_bytes(self._populate_unit, end - offset)
+            error, seconds = self._call(self._populate, "populate", offset, nbytes)
+            sizer.record(nbytes, seconds)
+            if error is not None:
+                return (error, self.pipeline.populate_failed, span, seconds)
+            self.observer.span_populated(nbytes, seconds)
+            if offset + nbytes < end:  # progress within the span (its landing records the rest)
+                with self.lock:
+                    self.pipeline.part_faulted(span, offset, nbytes)
+            offset += nbytes
+        return (None, self.pipeline.populated, span, math.nan)  # nan: observed call by call
 
     def _register_chunk(self, index: int) -> Outcome:
         chunk = self.ledger.chunks[index]
+        if self._register_sizer is not None:
+            return self._register_pieces(index, chunk, [], [], paced=True)
         error, seconds = self._call(self._register, "register", chunk.offset, chunk.nbytes)
         if error is None:
             return (None, self.pipeline.registered, index, seconds)
         halves = self._halves(chunk, error, attempt=1)
         if halves is None:
             return (error, self.pipeline.register_failed, index, seconds)
-        return self._register_halving(index, chunk, error, halves, seconds)
+        self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
+        return self._register_pieces(index, chunk, list(halves), [ChunkFailure(chunk, "register", error)])
 
     def _halves(self, piece: Chunk, error: RuntimeCallError, attempt: int) -> tuple[Chunk, Chunk] | None:
         """Aligned halves to retry ``piece`` with, if its error is retryable and the budget allows."""
@@ -184,18 +230,27 @@ class PinSession:
         self.observer.chunk_retried(piece, error, halves, attempt)
         return halves
 
-    def _register_halving(
-        self, index: int, chunk: Chunk, error: RuntimeCallError, halves: tuple[Chunk, Chunk], seconds: float
+    def _register_pieces(
+        self, index: int, chunk: Chunk, todo: list[Chunk], attempts: list[ChunkFailure], *, paced: bool = False
     ) -> Outcome:
-        """Register ``chunk`` as pieces, halving again any piece that fails retryably. Every failed
-        attempt is kept, so a final failure lists them all (a real out-of-memory is never hidden)."""
-        attempts = [ChunkFailure(chunk, "register", error)]
-        self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
-        todo, done = list(halves), []
-        while todo:
-            piece = todo.pop(0)
+        """Register ``chunk`` as several calls: the halves of a failed call (``todo``), or, under
+        the stall budget (``paced``), pieces sized to fit it as the calls go. A piece that fails
+        retryably is halved again. Every failed attempt is kept, so a final failure lists them
+        all (a real out-of-memory is never hidden). Each call is observed as it ends."""
+        done: list[Chunk] = []
+        sizer, cutter = self._register_sizer, self._cutter
+        offset = chunk.offset if paced else chunk.end  # where the pieces not yet cut begin
+        while todo or offset < chunk.end:
+            if todo:
+                piece = todo.pop(0)
+            else:
+                assert sizer is not None and cutter is not None
+                rest = Chunk(offset, chunk.end - offset)
+                piece = cutter.first_piece(rest, sizer.next_bytes(cutter.unit_of(rest), rest.nbytes))
+                offset = piece.end
             failure, took = self._call(self._register, "register", piece.offset, piece.nbytes)
-            seconds += took
+            if sizer is not None:
+                sizer.record(piece.nbytes, took)
             if failure is None:
                 self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
                 done.append(piece)
@@ -208,6 +263,8 @@ class PinSession:
                     return (failure, _partly(self.pipeline, done, attempts), index, math.nan)
                 return (failure, _failed_after(self.pipeline, attempts), index, math.nan)
             todo[:0] = again
+        if done == [chunk]:  # one call did it all: an ordinary registration
+            return (None, self.pipeline.registered, index, math.nan)
         return (None, _in_pieces(self.pipeline, done), index, math.nan)  # nan: observed call by call
 
     def _observe(self, outcome: Outcome) -> None:

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 from . import _libc
+from ._memlimits import _binding_level, _read, cgroup_room, effective_available, read_mem_available, read_memory_limits
 
 __all__ = ["HostFacts", "address_space_bytes", "available_cpus"]
 
@@ -64,9 +65,16 @@ class HostFacts:
     populate_write: the kernel accepts MADV_POPULATE_WRITE (Linux 5.14+).
     memlock_soft, memlock_hard: RLIMIT_MEMLOCK (None: unlimited).
     cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK.
-    cgroup_memory_limit: the memory cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``;
-        the lowest on the path to the root), None when unlimited or not found. Best effort.
+    cgroup_memory_limit: the memory cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)
+        that binds: of the process's cgroup and its ancestors, the one with the least room left.
+        None when unlimited or not found. Best effort (see :mod:`pinpool._memlimits`).
     mem_available: ``MemAvailable`` of /proc/meminfo, None when unreadable.
+    cgroup_memory_usage: that cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``).
+    cgroup_memory_reclaimable: that cgroup's file page cache, which its usage counts but the
+        kernel reclaims before it OOM-kills.
+    cgroup_version: 1 or 2 (the hierarchy with the memory controller), None without one.
+    cgroup_path: the binding cgroup's path, for messages.
+    locked_bytes: memory this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
     hugetlb_free, hugetlb_total: 2 MiB hugetlb pages free and reserved (vm.nr_hugepages).
     numa_nodes: NUMA nodes with memory (``(0,)`` without NUMA).
     address_space_bytes: an upper bound on what one process can map (see :func:`address_space_bytes`).
@@ -93,6 +101,25 @@ class HostFacts:
     torch_hip: str | None
     nvidia_driver: bool
     amd_kfd: bool
+    # Added later, with defaults, so hand-made hosts in tests and user code keep working.
+    cgroup_memory_usage: int | None = None
+    cgroup_memory_reclaimable: int | None = None
+    cgroup_version: int | None = None
+    cgroup_path: str | None = None
+    locked_bytes: int = 0
+
+    @property
+    def cgroup_room(self) -> int | None:
+        """Bytes the memory cgroup can still charge (limit - usage + page cache); None without a limit."""
+        return cgroup_room(self.cgroup_memory_limit, self.cgroup_memory_usage, self.cgroup_memory_reclaimable)
+
+    @property
+    def memory_available(self) -> int | None:
+        """Bytes that may still become resident: the cgroup's room (limit - usage + page cache) or
+        MemAvailable, whichever is smaller; None when neither is known."""
+        return effective_available(
+            self.cgroup_memory_limit, self.cgroup_memory_usage, self.cgroup_memory_reclaimable, self.mem_available
+        )
 
     @classmethod
     def probe(cls) -> HostFacts:
@@ -100,6 +127,7 @@ class HostFacts:
         soft, hard = _libc.memlock_limits()
         free, total = _libc.hugetlb_free_pages()
         torch_cuda, torch_hip = _torch_build()
+        memory = read_memory_limits()
         return cls(
             cpus=available_cpus(),
             page_size=_libc.PAGE_SIZE,
@@ -109,8 +137,8 @@ class HostFacts:
             memlock_soft=None if soft == _libc.RLIM_INFINITY else soft,
             memlock_hard=None if hard == _libc.RLIM_INFINITY else hard,
             cap_ipc_lock=_libc.has_cap_ipc_lock(),
-            cgroup_memory_limit=cgroup_memory_limit(),
-            mem_available=mem_available(),
+            cgroup_memory_limit=memory.cgroup_limit_bytes,
+            mem_available=memory.mem_available_bytes,
             hugetlb_free=free,
             hugetlb_total=total,
             numa_nodes=_libc.numa_nodes(),
@@ -119,6 +147,11 @@ class HostFacts:
             torch_hip=torch_hip,
             nvidia_driver=os.path.exists("/proc/driver/nvidia/version"),
             amd_kfd=os.path.exists("/dev/kfd"),
+            cgroup_memory_usage=memory.cgroup_usage_bytes,
+            cgroup_memory_reclaimable=memory.cgroup_reclaimable_bytes,
+            cgroup_version=memory.cgroup_version,
+            cgroup_path=memory.cgroup_path,
+            locked_bytes=_locked_bytes(),
         )
 
 
@@ -134,64 +167,24 @@ def _torch_build() -> tuple[str | None, str | None]:
     return (str(cuda) if cuda else None), (str(hip) if hip else None)
 
 
-# A cgroup "limit" at or above this is the kernel's way of saying none (PAGE_COUNTER_MAX).
-_NO_LIMIT = 1 << 62
-
-
-def _read(path: str) -> str | None:
+def _locked_bytes() -> int:
     try:
-        with open(path) as f:
-            return f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
+        return _libc.vm_locked_bytes()
+    except (OSError, ValueError, IndexError):  # no /proc: nothing known to be locked
+        return 0
 
 
-def _limit(text: str | None) -> int | None:
-    if text is None or text == "max":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        return None
-    return value if 0 <= value < _NO_LIMIT else None
+# The two readers below predate pinpool._memlimits and keep their signatures for callers and
+# tests that point them at fixture files; both delegate to it.
 
 
 def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """The lowest memory limit on this process's cgroup path (v2, else v1), or None. Best effort:
+    """The binding memory limit on this process's cgroup path (v2 or v1), or None. Best effort:
     a cgroup filesystem mounted elsewhere, or a path hidden by a namespace, reads as no limit."""
-    text = _read(proc_cgroup)
-    if text is None:
-        return None
-    limits: list[int] = []
-    bases: tuple[str, ...]
-    for line in text.splitlines():
-        _id, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if controllers == "":  # v2: "0::/path" (mounted at the root, or at unified/ on hybrid hosts)
-            bases, name = (root, f"{root}/unified"), "memory.max"
-        elif "memory" in controllers.split(","):  # v1: "N:memory:/path"
-            bases, name = (f"{root}/memory",), "memory.limit_in_bytes"
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        # The process's own cgroup and each ancestor (a parent's limit binds its children too);
-        # in a cgroup namespace the path is "/" and the root file is the container's own.
-        for base in bases:
-            for depth in range(len(parts), -1, -1):
-                limit = _limit(_read("/".join([base, *parts[:depth], name])))
-                if limit is not None:
-                    limits.append(limit)
-    return min(limits, default=None)
+    level = _binding_level(_read(proc_cgroup), root)
+    return None if level is None else level.limit
 
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     """``MemAvailable`` in bytes, or None."""
-    text = _read(meminfo)
-    for line in (text or "").splitlines():
-        if line.startswith("MemAvailable:"):
-            fields = line.split()
-            try:
-                return int(fields[1]) * 1024
-            except (IndexError, ValueError):
-                return None
-    return None
+    return read_mem_available(meminfo)

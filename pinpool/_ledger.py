@@ -58,6 +58,7 @@ class Ledger:
         self._next = 0
         self._in_flight = 0
         self._registered_bytes = 0
+        self._registered_chunks = 0  # counted, not summed: progress is read every tick
         self._pending = len(self.chunks)
 
     # -- pinning ---------------------------------------------------------------------------
@@ -104,6 +105,7 @@ class Ledger:
             return
         self._land(index, ChunkState.REGISTERED)
         self._registered_bytes += self.chunks[index].nbytes
+        self._registered_chunks += 1
 
     def faulted(self, index: int) -> None:
         """Every page of a lock-on-fault chunk is faulted in, so locked: it is pinned now."""
@@ -111,6 +113,7 @@ class Ledger:
             raise LedgerError(f"chunk {index} faulted but was {self.states[index].value}")
         self.states[index] = ChunkState.REGISTERED
         self._registered_bytes += self.chunks[index].nbytes
+        self._registered_chunks += 1
 
     def registered_in_pieces(self, index: int, pieces: Sequence[Chunk], *, faulting: bool = False) -> None:
         """A chunk registered as several calls after retries: teardown unregisters each piece's base."""
@@ -177,7 +180,7 @@ class Ledger:
 
     @property
     def chunks_done(self) -> int:
-        return sum(state is ChunkState.REGISTERED for state in self.states)
+        return self._registered_chunks
 
     def finish_pinning(self) -> Phase:
         """Close the pinning phase once no call is in flight; PINNED only if every chunk registered."""
@@ -185,7 +188,7 @@ class Ledger:
             raise LedgerError(f"finish_pinning in phase {self.phase.value}")
         if self._in_flight:
             raise LedgerError(f"finish_pinning with {self._in_flight} chunks still in flight")
-        complete = all(state is ChunkState.REGISTERED for state in self.states)
+        complete = self._registered_chunks == len(self.chunks)
         # A cancellation that arrived after the last chunk landed still wins: the caller
         # must not enter its body just because the workers were quick.
         self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK
@@ -231,6 +234,8 @@ class Ledger:
             raise LedgerError(f"chunk {index} unregistered but was {was.value}")
         self.states[index] = state
         nbytes = self.chunks[index].nbytes
+        if was is ChunkState.REGISTERED:
+            self._registered_chunks -= 1
         if state is ChunkState.UNREGISTERED and was is ChunkState.REGISTERED:
             self._registered_bytes -= nbytes
         elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:

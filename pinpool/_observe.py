@@ -67,6 +67,10 @@ class Observer:
         self.metric_errors = 0
         self._errors_lock = threading.Lock()
         self._reported: set[str] = set()
+        # Longest call per op; updated without a lock (a lost race only delays a larger value
+        # to the next call, and the gauge is set from the local value each time it grows).
+        self.longest: dict[str, float] = {"register": 0.0, "populate": 0.0, "unregister": 0.0}
+        self._was_ready = False
 
     # -- failure containment -------------------------------------------------------------------
 
@@ -133,7 +137,18 @@ class Observer:
             except Exception as exc:
                 self._metric_failed("call_ended", exc)
 
+    def _call_took(self, op: str, seconds: float) -> None:
+        if seconds <= self.longest[op]:
+            return
+        self.longest[op] = seconds
+        if self.metrics:
+            try:
+                self.metrics.call_seconds_max.labels(*self._labels, op).set(seconds)
+            except Exception as exc:
+                self._metric_failed("call_seconds_max", exc)
+
     def span_populated(self, nbytes: int, seconds: float) -> None:
+        self._call_took("populate", seconds)
         if self.metrics:
             try:
                 self.metrics.chunk_populate_seconds.labels(*self._labels).observe(seconds)
@@ -143,6 +158,7 @@ class Observer:
 
     def chunk_registered(self, chunk: Chunk, seconds: float, attempt: int = 1) -> None:
         """A registration call returned (lock-on-fault: the chunk is pinned once faulted, see chunk_pinned)."""
+        self._call_took("register", seconds)
         if self.metrics:
             try:
                 self.metrics.chunk_register_seconds.labels(*self._labels).observe(seconds)
@@ -189,6 +205,7 @@ class Observer:
                 self._metric_failed("chunk_pinned", exc)
 
     def chunk_unregistered(self, chunk: Chunk, seconds: float, *, was_pinned: bool) -> None:
+        self._call_took("unregister", seconds)
         if self.metrics:
             try:
                 self.metrics.chunk_unregister_seconds.labels(*self._labels).observe(seconds)
@@ -223,6 +240,8 @@ class Observer:
         if self.metrics:
             try:
                 self.metrics.pool_pin_seconds.labels(*self._labels).observe(seconds)
+                self.metrics.pools_ready.labels(*self._labels).inc()
+                self._was_ready = True
             except Exception as exc:
                 self._metric_failed("pinned", exc)
         gbps = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
@@ -238,6 +257,28 @@ class Observer:
                 self._metric_failed("rollback", exc)
         self._emit("warning", "pool.rollback", cause=cause, registered_chunks=registered_chunks)
 
+    def node_admitted(self, *, kind: str, seconds: float) -> None:
+        """Node pacing admitted the pool after ``seconds`` of waiting (kind: slot or budget)."""
+        if self.metrics:
+            try:
+                self.metrics.node_wait_seconds.labels(*self._labels, kind).observe(seconds)
+            except Exception as exc:
+                self._metric_failed("node_admitted", exc)
+        self._emit("info" if seconds >= 1 else "debug", "node.admitted", kind=kind, seconds=round(seconds, 6))
+
+    def node_busy(self, *, kind: str) -> None:
+        """Node pacing refused the pool at once (node_wait=False)."""
+        if self.metrics:
+            try:
+                self.metrics.node_busy.labels(*self._labels, kind).inc()
+            except Exception as exc:
+                self._metric_failed("node_busy", exc)
+        self._emit("warning", "node.busy", kind=kind)
+
+    def failed_in_background(self, error: BaseException) -> None:
+        """Pinning in the background failed and was rolled back; waiters will raise ``error``."""
+        self._emit("error", "pool.failed", error=str(error), error_type=type(error).__name__)
+
     def unpinned(self, *, nbytes: int, seconds: float, failures: int, leaked_bytes: int, pinned: bool) -> None:
         if self.metrics:
             m, labels = self.metrics, self._labels
@@ -245,6 +286,9 @@ class Observer:
                 if pinned:
                     m.pool_unpin_seconds.labels(*labels).observe(seconds)
                 m.pools_open.labels(*labels).dec()
+                if self._was_ready:
+                    m.pools_ready.labels(*labels).dec()
+                    self._was_ready = False
                 m.pool_bytes.labels(*labels).dec(nbytes)
                 if self._info_labels is not None:
                     m.pool_info.labels(*self._info_labels).dec()

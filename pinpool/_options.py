@@ -10,12 +10,18 @@ options plus host facts into a plan.
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeGuard
+
+import torch
 
 from ._errors import ConfigError
 from ._plan import DEFAULT_CHUNK_GIB, resolve_chunk_limit
 from ._units import format_bytes, parse_size
-from .layouts import Layout, Raw
+from .layouts import BufferSpec, Layout, Raw
 
 __all__ = ["PoolOptions"]
 
@@ -28,13 +34,118 @@ def _check_workers(option: str, value: int | None) -> None:
 
 
 def _check_fits_a_page(layout: Layout, budget: int, given: object) -> None:
-    """A pool must hold at least one page, and one copy page of every buffer."""
-    page_bytes = layout.page_bytes
+    """A pool must hold at least one page, and one copy page of every buffer.
+
+    The layout is checked on the way (:func:`_check_layout`): a custom layout's mistakes are
+    ConfigErrors here, before anything is mapped, not a ZeroDivisionError in the plan."""
+    page_bytes = _check_layout(layout, 1)
     smallest = max([page_bytes, *(s.granularity or 0 for s in layout.buffers(1))])
     if budget < smallest:
         raise ConfigError(
             f"size={given!r} ({budget} B) is smaller than one page of layout {layout.name!r} "
             f"({smallest} B = {format_bytes(smallest)}); give a size of at least {smallest} bytes"
+        )
+    _check_layout(layout, budget // page_bytes)  # the buffers this pool will have
+
+
+# -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --
+
+_PAGE_BYTES_FIX = "a layout's page_bytes must be a positive int: the bytes one page occupies across all its buffers"
+_BUFFERS_FIX = "a layout's buffers(num_pages) must return a tuple of pinpool.layouts.BufferSpec"
+
+
+def _describe_layout(layout: object) -> str:
+    """How messages name a layout: its name where it has a usable one, and always its class."""
+    try:
+        name = getattr(layout, "name", None)
+    except Exception:  # a property that raises: the class is all there is to go by
+        name = None
+    kind = type(layout).__qualname__
+    return f"layout {name!r} ({kind})" if isinstance(name, str) and name else f"layout {kind}"
+
+
+def _is_layout(layout: object) -> bool:
+    """``isinstance(layout, Layout)``, which reads the protocol's properties and so raises what they raise."""
+    try:
+        return isinstance(layout, Layout)
+    except Exception as exc:
+        what = _describe_layout(layout)
+        fixes = {"name": "fix its name", "page_bytes": _PAGE_BYTES_FIX, "buffers": _BUFFERS_FIX}
+        for attribute, fix in fixes.items():  # which one raised, to name it
+            _layout_value(what, attribute, functools.partial(getattr, layout, attribute), fix)
+        raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
+
+
+def _check_layout(layout: Layout, num_pages: int) -> int:
+    """Check what PinnedPool reads of a layout (name, page_bytes, buffers(num_pages)); return page_bytes."""
+    what = _describe_layout(layout)
+    name = _layout_value(what, "name", lambda: layout.name, "fix its name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"{what}: name={name!r} must be a non-empty str (it labels the pool's logs and metrics); fix its name"
+        )
+    page_bytes = _layout_value(what, "page_bytes", lambda: layout.page_bytes, _PAGE_BYTES_FIX)
+    if not _positive_int(page_bytes):
+        raise ConfigError(f"{what}: page_bytes={page_bytes!r}; {_PAGE_BYTES_FIX} (size= buys whole pages of it)")
+    # An absurd size (10**5000) is refused later as beyond the address space; its page count must
+    # still print (str() of an int that long raises).
+    call = f"buffers({num_pages if num_pages.bit_length() <= 128 else f'~2**{num_pages.bit_length() - 1}'})"
+    specs = _layout_value(what, call, lambda: layout.buffers(num_pages), _BUFFERS_FIX)
+    if isinstance(specs, str | bytes) or not isinstance(specs, tuple | list):
+        raise ConfigError(f"{what}: {call} returned {specs!r}; {_BUFFERS_FIX}")
+    if not specs:
+        raise ConfigError(f"{what}: {call} returned no buffers; {_BUFFERS_FIX}, at least one")
+    seen: set[str] = set()
+    for spec in specs:
+        _check_buffer_spec(f"{what}: {call}", spec, seen)
+    if not sum(spec.nbytes for spec in specs):
+        raise ConfigError(
+            f"{what}: {call} hold no bytes at all (every shape has a zero dimension); "
+            "give at least one buffer a non-empty shape"
+        )
+    return page_bytes
+
+
+def _positive_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: str) -> object:
+    """``read()``; anything but a ConfigError it raises becomes one naming the layout and the fix."""
+    try:
+        return read()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{what}: {attribute} raised {type(exc).__name__} ({exc}); {fix}") from exc
+
+
+def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:
+    """One BufferSpec of a layout: the fields the plan and the tensor views use, of the right types."""
+    if not isinstance(spec, BufferSpec):
+        raise ConfigError(f"{where} holds {spec!r}, not a BufferSpec; {_BUFFERS_FIX}")
+    if not isinstance(spec.name, str) or not spec.name or spec.name in seen:
+        problem = "repeats the name" if spec.name in seen else "has name"
+        raise ConfigError(
+            f"{where} {problem} {spec.name!r}; every buffer needs a distinct non-empty str name (pool.tensors[name])"
+        )
+    seen.add(spec.name)
+    shape = spec.shape
+    if not isinstance(shape, tuple) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ConfigError(f"{where}: buffer {spec.name!r} has shape={shape!r}; give a tuple of non-negative ints")
+    if not isinstance(spec.dtype, torch.dtype):
+        raise ConfigError(f"{where}: buffer {spec.name!r} has dtype={spec.dtype!r}; give a torch.dtype")
+    granularity = spec.granularity
+    if granularity is not None and not _positive_int(granularity):
+        raise ConfigError(
+            f"{where}: buffer {spec.name!r} has granularity={granularity!r}; give a positive int number of bytes "
+            "(one copy page: chunk boundaries fall on its multiples), or None for no alignment constraint"
+        )
+    runs = getattr(spec, "page_runs", None)
+    if runs is not None and not _positive_int(runs):
+        raise ConfigError(
+            f"{where}: buffer {spec.name!r} has page_runs={runs!r}; give a positive int, or None when the "
+            "buffer's pages are usable only once all of it is pinned"
         )
 
 
@@ -56,6 +167,8 @@ class PoolOptions:
     min_chunk_bytes / max_retries: a registration failing with a code its runtime declares
     retryable is split in aligned halves and retried, down to ``min_chunk_bytes`` (never below
     one alignment unit), at most ``max_retries`` times per pool (0: never retry).
+    max_call_seconds: the stall budget: every registration and populate call is sized from
+    the rate of the previous ones so it should not take longer (None: no budget).
     """
 
     size: int
@@ -71,6 +184,7 @@ class PoolOptions:
     name: str = "default"
     min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
     max_retries: int = DEFAULT_MAX_RETRIES
+    max_call_seconds: float | None = None
 
     @classmethod
     def create(
@@ -88,6 +202,7 @@ class PoolOptions:
         name: str = "default",
         min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        max_call_seconds: float | None = None,
     ) -> PoolOptions:
         """Options from a user's spellings: sizes as ints or strings (``"64GiB"``), ``layout=None``
         for :class:`Raw`, ``chunk_bytes=None`` for the ``PINPOOL_REGISTER_CHUNK_GB`` limit (read now)."""
@@ -102,6 +217,7 @@ class PoolOptions:
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
             unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
             min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
+            max_call_seconds=max_call_seconds,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -132,6 +248,14 @@ class PoolOptions:
                 f"max_retries={retries!r} must be an int >= 0 (how many times per pool a failed registration "
                 f"is halved and retried; 0 never retries, the default is {DEFAULT_MAX_RETRIES})"
             )
+        budget = self.max_call_seconds
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf
+        ):
+            raise ConfigError(
+                f"max_call_seconds={budget!r} must be a positive number of seconds (e.g. 0.02: no registration or "
+                "populate call may hold the driver or mmap lock longer than 20 ms), or None for no budget"
+            )
 
 
 def _check_plain(
@@ -146,7 +270,7 @@ def _check_plain(
     name: object,
 ) -> None:
     """The checks that need neither parsing nor the host, in the order users have always seen them."""
-    if not isinstance(layout, Layout):
+    if not _is_layout(layout):
         raise ConfigError(f"layout={given_layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"name={name!r} must be a non-empty str (it labels the pool's logs and metrics)")

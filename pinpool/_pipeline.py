@@ -26,6 +26,7 @@ from typing import Final, TypeVar
 from ._errors import ChunkFailure, RuntimeCallError
 from ._ledger import ChunkState, Ledger, LedgerError, Phase
 from ._plan import Chunk, Order, Span, SpanTable
+from ._prefix import PrefixTracker
 
 __all__ = ["WAIT", "Batch", "Order", "Pipeline", "Span", "SpanTable", "split_spans"]
 
@@ -74,6 +75,7 @@ class Pipeline:
         lookahead_bytes: int = 0,
         register_workers: int = 1,
         populate_workers: int = 1,
+        prefix: PrefixTracker | None = None,
     ) -> None:
         if register_workers < 1 or (order is not Order.REGISTER_ONLY and populate_workers < 1):
             raise ValueError(
@@ -98,6 +100,11 @@ class Pipeline:
         self._window: set[int] = set()  # POPULATE_FIRST: chunks faulting or faulted, registration not landed
         self._window_bytes = 0
         self.populated_bytes = 0
+        # Pinned-page bookkeeping for pools used while they pin: each range is reported as it
+        # becomes pinned (a registered chunk; a faulted span of a lock-on-fault chunk).
+        self.prefix = prefix
+        self._locked_partial_bytes = 0  # REGISTER_FIRST: faulted spans of chunks not yet all faulted
+        self._span_parts: dict[tuple[int, int], int] = {}  # REGISTER_FIRST: bytes of spans faulted in parts
 
     # -- what workers ask for ------------------------------------------------------------------
 
@@ -227,17 +234,37 @@ class Pipeline:
         """Record a faulted span; returns its chunk's index if that made the chunk pinned (lock-on-fault)."""
         self._land_span(span)
         self.populated_bytes += span.nbytes
+        parts = 0
+        if self.order is Order.REGISTER_FIRST:
+            parts = self._span_parts.pop((span.chunk, span.offset), 0)
+            if self.prefix is not None:
+                self.prefix.cover(span.offset, span.offset + span.nbytes)  # locked as it faulted
         landed = self._spans_landed.get(span.chunk, 0) + 1
         if landed < -(-self.ledger.chunks[span.chunk].nbytes // self._span_bytes):
             self._spans_landed[span.chunk] = landed
+            if self.order is Order.REGISTER_FIRST:
+                self._locked_partial_bytes += span.nbytes - parts
             return None
         self._spans_landed.pop(span.chunk, None)
         if self.order is Order.REGISTER_FIRST:
+            # The chunk now counts whole in the ledger: drop its earlier spans and this one's parts.
+            self._locked_partial_bytes -= self.ledger.chunks[span.chunk].nbytes - span.nbytes + parts
             self.ledger.faulted(span.chunk)  # locked on fault, now every page is in: pinned
             return span.chunk
         if self.ledger.states[span.chunk] is ChunkState.PENDING and not self.stopped:
             heapq.heappush(self._ready, span.chunk)
         return None
+
+    def part_faulted(self, span: Span, offset: int, nbytes: int) -> None:
+        """Part of ``span`` was faulted by one of several calls (the stall budget): under
+        lock-on-fault that part is locked now, so it counts before the span lands."""
+        if self.order is not Order.REGISTER_FIRST:
+            return
+        key = (span.chunk, span.offset)
+        self._span_parts[key] = self._span_parts.get(key, 0) + nbytes
+        self._locked_partial_bytes += nbytes
+        if self.prefix is not None:
+            self.prefix.cover(offset, offset + nbytes)
 
     def populate_failed(self, span: Span, error: RuntimeCallError) -> None:
         self._land_span(span)
@@ -253,7 +280,10 @@ class Pipeline:
         faulting = self.order is Order.REGISTER_FIRST
         self.ledger.registered(index, faulting=faulting)
         self._leave_window(index)
-        return None if faulting else index
+        if faulting:
+            return None
+        self._cover(index)
+        return index
 
     def register_failed(self, index: int, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
         self.ledger.failed(index, "register", error, attempts)
@@ -264,7 +294,22 @@ class Pipeline:
         faulting = self.order is Order.REGISTER_FIRST
         self.ledger.registered_in_pieces(index, pieces, faulting=faulting)
         self._leave_window(index)
-        return None if faulting else index
+        if faulting:
+            return None
+        self._cover(index)
+        return index
+
+    def _cover(self, index: int) -> None:
+        if self.prefix is not None:
+            chunk = self.ledger.chunks[index]
+            self.prefix.cover(chunk.offset, chunk.end)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes pinned now: registered chunks, and while pinning under lock-on-fault, the
+        faulted (so locked) spans of chunks still faulting."""
+        partial = self._locked_partial_bytes if self.ledger.phase is Phase.PINNING else 0
+        return self.ledger.registered_bytes + partial
 
     def register_partly_failed(self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure]) -> None:
         self.ledger.partly_registered(index, pieces, attempts)

@@ -33,6 +33,7 @@ from .layouts import BufferSpec
 if TYPE_CHECKING:
     from ._host import HostFacts
     from ._options import PoolOptions
+    from ._prefix import PageRun
 
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
 DEFAULT_CHUNK_GIB = 256
@@ -585,6 +586,126 @@ def check_address_space(mapping_bytes: int, *, size: int, address_space: int) ->
         )
 
 
+# -- the memory pre-flight: what pinning makes resident and locked, against what the host allows -----
+
+# Every 4 KiB page mapped needs an 8-byte page-table entry, resident and charged to the memory
+# cgroup like the page itself: 0.2% of a pool, 2 GiB per TiB. THP keeps a deposited page table per
+# huge page as well (to split it later), so the estimate holds with huge_pages=True too.
+_PTE_BYTES = 8
+
+_RAISE_MEMLOCK = (
+    "raise the limit (`ulimit -l unlimited`; systemd `LimitMEMLOCK=infinity`; docker `--ulimit memlock=-1:-1`; "
+    "/etc/security/limits.conf `memlock unlimited`), grant the process CAP_IPC_LOCK"
+)
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """What pinning with a runtime costs the host. resident: every pinned page is faulted in and
+    can be neither swapped out nor reclaimed (charged to the memory cgroup). memlock: the pages
+    are charged to RLIMIT_MEMLOCK too (mlock; CUDA's driver may or may not, so it is not assumed)."""
+
+    resident: bool
+    memlock: bool
+
+
+def runtime_pinning(runtime: object, host: HostFacts) -> Pinning | None:
+    """What pinning with ``runtime`` costs: a name as the user gave it (``"auto"``, ``"mlock"``,
+    ``"cuda"``, ``"rocm"``) or a runtime object. None when nothing is known to be pinned for
+    real: None (not said), an unknown name (resolving it raises the ConfigError), FakeRuntime
+    (it touches no memory, so tests may plan pools far beyond this host).
+
+    ``"auto"`` is judged from the host facts, without starting a GPU driver: mlock (and its
+    memlock budget) unless torch was built for CUDA with the NVIDIA driver loaded, or for ROCm
+    with /dev/kfd. A GPU stack with no visible device resolves to mlock after all; its memlock
+    shortfall then surfaces as mlock's own ENOMEM, in a PinError after a full rollback.
+    """
+    if runtime is None:
+        return None
+    if isinstance(runtime, str):
+        if runtime == "auto":
+            gpu = bool(host.torch_cuda and host.nvidia_driver) or bool(host.torch_hip and host.amd_kfd)
+            return Pinning(resident=True, memlock=not gpu)
+        if runtime in ("cuda", "rocm", "mlock"):
+            return Pinning(resident=True, memlock=runtime == "mlock")
+        return None
+    if _is_a(runtime, "FakeRuntime"):
+        return None
+    # Any other object pins for real: that is what a runtime is for.
+    return Pinning(resident=True, memlock=_is_a(runtime, "MlockRuntime"))
+
+
+def _is_a(runtime: object, name: str) -> bool:
+    """Whether ``runtime`` is (a subclass of) pinpool's class ``name``. By name, not ``isinstance``:
+    tests replace ``pinpool.testing.FakeRuntime`` with factories, and the runtimes import the
+    modules this one is imported by."""
+    return any(c.__name__ == name and c.__module__.startswith("pinpool.") for c in type(runtime).__mro__)
+
+
+def check_memory_available(nbytes: int, host: HostFacts, *, subject: str) -> None:
+    """Refuse to pin ``nbytes`` of new memory where the process may not make that much resident:
+    the memory cgroup's room (limit - usage + reclaimable page cache) and MemAvailable, the smaller.
+
+    Pinned pages stay resident, so past the cgroup's limit the kernel cannot reclaim them and
+    OOM-kills the process (exit 137) instead of failing a call that could be rolled back. Unknown
+    figures are not guessed at: with neither known, nothing is checked.
+    """
+    available = host.memory_available
+    tables = -(-nbytes // host.page_size) * _PTE_BYTES
+    needed = nbytes + tables
+    if available is None or needed <= available:
+        return
+    limit, usage, cache = host.cgroup_memory_limit, host.cgroup_memory_usage, host.cgroup_memory_reclaimable
+    room, mem = host.cgroup_room, host.mem_available
+    mem_text = "MemAvailable is unknown" if mem is None else f"MemAvailable is {_human(mem)}"
+    if room is None or limit is None:
+        sources = f"{mem_text} and no memory cgroup limit applies"
+        fixes = "or free memory on the host (other processes, other pools)"
+    else:
+        used = "usage unknown" if usage is None else f"{_human(usage)} in use"
+        if usage is not None and cache:
+            used += f", {_human(cache)} of it reclaimable page cache"
+        cgroup = f"memory cgroup {host.cgroup_path or '/'} (cgroup v{host.cgroup_version or '?'})"
+        cgroup_text = f"the {cgroup} has a limit of {_human(limit)} ({used}), leaving {_human(room)}"
+        if mem is None or room <= mem:  # the cgroup binds
+            limit_file = "memory.max" if host.cgroup_version == 2 else "memory.limit_in_bytes"
+            sources = f"{cgroup_text}; {mem_text}"
+            fixes = (
+                f"raise the container's memory limit ({limit_file} of that cgroup: docker run --memory, "
+                "Kubernetes resources.limits.memory) or free memory in it"
+            )
+        else:
+            sources = f"{mem_text} ({cgroup_text})"
+            fixes = "or free memory on the host (other processes, other pools)"
+    fit = available * host.page_size // (host.page_size + _PTE_BYTES) // host.page_size * host.page_size
+    raise ConfigError(
+        f"{subject} cannot be pinned here: it needs {_human(needed)} of memory ({_human(nbytes)} of pages plus "
+        f"{_human(tables)} of page tables), but only {_human(available)} is available: {sources}. Pinned pages can be "
+        "neither swapped out nor reclaimed, so pinning this pool would get the process OOM-killed (exit 137) "
+        f"rather than fail. Give a smaller size (at most {_human(fit)} fits now), {fixes}; "
+        "nothing has been mapped or pinned"
+    )
+
+
+def check_memlock(nbytes: int, host: HostFacts, *, subject: str) -> None:
+    """Refuse to mlock ``nbytes`` past RLIMIT_MEMLOCK: without CAP_IPC_LOCK, the soft limit must
+    cover what this process has locked already (VmLck) plus the pool, or mlock fails part-way."""
+    soft = host.memlock_soft
+    if host.cap_ipc_lock or soft is None:
+        return
+    left = max(0, soft - host.locked_bytes)
+    if nbytes <= left:
+        return
+    hard = "unlimited" if host.memlock_hard is None else _human(host.memlock_hard)
+    raise ConfigError(
+        f"{subject} needs {_human(nbytes)} locked with mlock, but RLIMIT_MEMLOCK leaves only {_human(left)}: "
+        f"soft limit {_human(soft)} (hard {hard}), {_human(host.locked_bytes)} already locked by this process "
+        "(VmLck), and no CAP_IPC_LOCK, so mlock would fail with ENOMEM part-way. "
+        f"{_RAISE_MEMLOCK[0].upper()}{_RAISE_MEMLOCK[1:]}, or give a smaller size (at most {_human(left)} fits now); "
+        "nothing has been mapped or pinned"
+    )
+
+
 @dataclass(frozen=True)
 class BufferPlan:
     """Where one layout buffer sits in the pool's mapping, and how it is chunked."""
@@ -625,6 +746,10 @@ class PoolPlan:
     span_bytes: int  # 0 without pre-faulting
     spans: Sequence[Span]  # a SpanTable, or () without pre-faulting
     lookahead_bytes: int
+    # The chunks in the order they are pinned: offset order, interleaved across page runs so
+    # the pinned page prefix grows from the start (see _prefix.py); and those runs.
+    pin_chunks: ChunkTable
+    page_runs: tuple[PageRun, ...]
 
 
 @dataclass(frozen=True)
@@ -661,11 +786,31 @@ def _place(options: PoolOptions, host: HostFacts) -> _Placement:
     return _Placement(num_pages, specs, tuple(offsets), nbytes, align, mapping_bytes)
 
 
-def check_host(options: PoolOptions, host: HostFacts) -> None:
-    """The checks :func:`plan_pool` makes against the host that need no runtime (NUMA node,
-    THP, address space, hugetlb pages): callable before a runtime is resolved, since resolving
-    one (CUDA) may initialise a GPU driver, which a doomed configuration should not wait for."""
-    _place(options, host)
+def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, *, new_memory: bool = True) -> None:
+    """The pre-flight: every check against the host that needs no resolved runtime, before
+    anything is mapped. Callable before a runtime is resolved, since resolving one (CUDA) may
+    initialise a GPU driver, which a doomed configuration should not wait for.
+
+    Always: the checks :func:`plan_pool` makes too (NUMA node, THP, address space, hugetlb
+    pages). With ``runtime`` (the user's name for it, or a runtime object; see
+    :func:`runtime_pinning`): the memory the pool would pin against what the process may still
+    make resident (memory cgroup, MemAvailable; not for hugetlb pages, which are reserved, nor
+    for a caller's tensor, ``new_memory=False``, which may be resident already) and, under
+    mlock, against RLIMIT_MEMLOCK.
+    """
+    place = _place(options, host)
+    pinning = runtime_pinning(runtime, host)
+    if pinning is None:
+        return
+    page = host.page_size
+    subject = f"size={_bytes_text(options.size)}" if new_memory else f"pin(tensor) of {_bytes_text(options.size)}"
+    if pinning.resident and new_memory and options.huge_pages != "hugetlb":
+        check_memory_available(place.mapping_bytes, host, subject=subject)
+    if pinning.memlock:
+        # mlock charges the pages each chunk covers: every buffer rounded out to pages (a caller's
+        # tensor may start mid-page: one page more).
+        locked = sum(-(-spec.nbytes // page) * page for spec in place.specs) + (0 if new_memory else page)
+        check_memlock(locked, host, subject=subject)
 
 
 def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, source_start: int = 0) -> PoolPlan:
@@ -735,6 +880,9 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
         threads = max(populate_workers, register_workers)
     # Faulting may run this far ahead of registration (whole chunks; the front chunk always may).
     lookahead_bytes = max(2 * chunk_bytes, populate_workers * span_bytes)
+    from ._prefix import page_runs, pin_order  # it builds on this module's tables
+
+    runs = page_runs([(b.offset, b.spec.nbytes, b.spec.page_runs) for b in buffers], place.num_pages)
     return PoolPlan(
         nbytes=total, num_pages=place.num_pages, page_bytes=options.layout.page_bytes, chunk_limit=limit,
         chunk_bytes=chunk_bytes, granularity=granularity, populate=populate, huge_pages=huge_pages,
@@ -742,6 +890,7 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
         buffers=tuple(buffers), mapping_bytes=place.mapping_bytes, chunks=chunks, order=order,
         register_workers=register_workers, populate_workers=populate_workers, unpin_workers=unpin_workers,
         threads=threads, span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes,
+        pin_chunks=pin_order(chunks, runs), page_runs=runs,
     )  # fmt: skip
 
 
@@ -778,6 +927,22 @@ class RetrySplitter:
         if cut - chunk.offset < floor or chunk.end - cut < floor:
             return None
         return Chunk(chunk.offset, cut - chunk.offset), Chunk(cut, chunk.end - cut)
+
+    def first_piece(self, chunk: Chunk, at_most: int) -> Chunk:
+        """The first piece of ``chunk`` of at most ``at_most`` bytes cut on its buffer's grid (one
+        unit when ``at_most`` is less), or the whole chunk where no cut fits (the stall budget)."""
+        grid = next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
+        if grid is None or chunk.nbytes <= at_most:
+            return chunk
+        cut = grid.origin + (chunk.offset + at_most - grid.origin) // grid.unit * grid.unit
+        if cut <= chunk.offset:
+            cut = grid.origin + ((chunk.offset - grid.origin) // grid.unit + 1) * grid.unit
+        return chunk if cut >= chunk.end else Chunk(chunk.offset, cut - chunk.offset)
+
+    def unit_of(self, chunk: Chunk) -> int:
+        """The cut unit of ``chunk``'s buffer (lcm(granularity, OS page)); its size where it has none."""
+        grid = next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
+        return chunk.nbytes if grid is None else grid.unit
 
 
 def retry_splitter(plan: PoolPlan, min_chunk_bytes: int) -> RetrySplitter:

@@ -9,11 +9,14 @@ an interruption means.
 from __future__ import annotations
 
 import functools
+import math
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar, cast
 
+import anyio
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -27,19 +30,23 @@ from ._errors import (
 from ._host import HostFacts
 from ._lifecycle import Lifecycle, Memory, PoolState
 from ._memory import HostMapping, TensorMemory
+from ._node import NodeAdmission, NodePacing
 from ._observe import Observer
 from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
 from ._pipeline import Order
 from ._plan import BufferPlan, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
+from ._prefix import PrefixTracker
 from ._ranges import PINNED_RANGES
 from ._types import Capabilities
-from ._units import format_bytes
+from ._units import format_bytes, parse_size
 from .layouts import BufferSpec, Layout, Raw
 from .runtimes import FindsPinned, Runtime, capabilities_of, resolve_runtime
 
 T = TypeVar("T")
 
 ProgressCallback = Callable[[int, int, int, int], object]
+
+_WAIT_POLL_SECONDS = 0.02
 
 
 class PinnedPool:
@@ -75,6 +82,24 @@ class PinnedPool:
         retryable (CUDA: cudaErrorMemoryAllocation) is split into aligned halves and retried,
         down to ``min_chunk_bytes`` (default 64 MiB, never below one alignment unit), at most
         ``max_retries`` times per pool (default 8; 0 never retries). Other codes fail at once.
+      max_call_seconds: the stall budget. A registration call holds the CUDA driver lock (every
+        other CUDA call of the process waits) or, under mlock, the process's mmap lock; a
+        server already serving feels the longest one. With a budget (e.g. ``0.02``) every
+        registration and populate call is sized, from the rate the previous calls reached,
+        to take no longer (in whole alignment units, never above the chunk), and the
+        longest call is exported as ``pinpool_call_seconds_max``. Default: no budget.
+      background: ``async with`` / ``with`` returns as soon as pinning has started, and the
+        body runs while the pool pins (lowest pages first): ``pool.state``,
+        ``pool.pinned_pages`` and ``await pool.wait_ready(...)`` tell what is usable. A failure
+        is kept (``pool.error``), raised by every waiter and on exit; pinned chunks are rolled
+        back at once. See docs/serving.md.
+      node_slots, node_budget, node_dir, node_wait: node pacing across the processes of one
+        host (tensor-parallel ranks), with no server: at most ``node_slots`` processes pin at
+        once (env ``PINPOOL_NODE_SLOTS``), and all cooperating pools together hold at most
+        ``node_budget`` pinned (bytes, ``"512GiB"``, or a fraction of MemTotal such as 0.8; env
+        ``PINPOOL_NODE_BUDGET``). Kept in flock-ed files in ``node_dir`` (env
+        ``PINPOOL_NODE_DIR``, default ``/dev/shm/pinpool-<uid>``), released by the kernel when a
+        holder dies. ``node_wait=False`` raises :class:`NodeBusyError` instead of waiting.
     """
 
     def __init__(
@@ -93,6 +118,12 @@ class PinnedPool:
         name: str = "default",
         min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        max_call_seconds: float | None = None,
+        background: bool = False,
+        node_slots: int | None = None,
+        node_budget: int | float | str | None = None,
+        node_dir: str | None = None,
+        node_wait: bool = True,
         registry: CollectorRegistry | None = REGISTRY,
         logger: Any | None = None,
         on_progress: ProgressCallback | None = None,
@@ -101,10 +132,16 @@ class PinnedPool:
             layout=layout, size=size, chunk_bytes=chunk_bytes, populate=populate, populate_workers=populate_workers,
             register_workers=register_workers, unpin_workers=unpin_workers, huge_pages=huge_pages,
             numa_node=numa_node, name=name, min_chunk_bytes=min_chunk_bytes, max_retries=max_retries,
+            max_call_seconds=max_call_seconds,
         )  # fmt: skip
+        if not isinstance(background, bool):
+            raise ConfigError(f"background={background!r} must be True or False")
+        pacing = NodePacing.from_options(node_slots=node_slots, node_budget=node_budget, node_dir=node_dir,
+                                         node_wait=node_wait)  # fmt: skip
         self._configure(
-            options, runtime=runtime, source=None, registry=registry, logger=logger, on_progress=on_progress
-        )
+            options, runtime=runtime, source=None, registry=registry, logger=logger, on_progress=on_progress,
+            background=background, pacing=pacing,
+        )  # fmt: skip
 
     # -- the plan, read-only: every value below comes from plan_pool ---------------------------
 
@@ -198,6 +235,8 @@ class PinnedPool:
         registry: CollectorRegistry | None,
         logger: Any | None,
         on_progress: ProgressCallback | None,
+        background: bool = False,
+        pacing: NodePacing | None = None,
     ) -> None:
         """Plan; ``source`` is a caller's tensor to pin instead of own memory (pin()).
 
@@ -231,11 +270,15 @@ class PinnedPool:
         self._observer = Observer(
             pool=name, runtime=self.runtime.name, layout=self.layout.name, registry=registry, logger=logger
         )
-        self._lifecycle = self._make_lifecycle()
+        admission = None
+        if pacing is not None:
+            admission = NodeAdmission(pacing, label=name)  # the directory is checked (and made) now
+            admission.check_request(self.nbytes)
+        self._lifecycle = self._make_lifecycle(background, admission)
         # The finalizer holds the lifecycle, never the façade, so an unexited pool can be collected.
         self._finalizer = weakref.finalize(self, self._lifecycle.finalize)
 
-    def _make_lifecycle(self) -> Lifecycle:
+    def _make_lifecycle(self, background: bool, admission: NodeAdmission | None) -> Lifecycle:
         """The pool's lifecycle, over values (not ``self``): the finalizer runs it after the façade is gone."""
         name, nbytes, runtime, observer = self.name, self.nbytes, self.runtime, self._observer
         chunks, buffers, source = self.chunks, self._buffers, self._source
@@ -263,14 +306,16 @@ class PinnedPool:
             return _claim(name, memory, nbytes, runtime, caps)
 
         retry = retry_splitter(self._plan, self._options.min_chunk_bytes)
-        max_retries = self._options.max_retries
+        max_retries, max_call_seconds = self._options.max_retries, self._options.max_call_seconds
+        plan = self._plan
 
         def start(memory: Memory) -> PinSession:
             session = PinSession(
-                chunks=chunks, runtime=runtime, caps=caps, retry=retry, max_retries=max_retries,
+                chunks=plan.pin_chunks, runtime=runtime, caps=caps, retry=retry, max_retries=max_retries,
                 base_ptr=memory.address, order=order, span_bytes=span_bytes,
                 lookahead_bytes=lookahead, register_workers=register_workers, populate_workers=populate_workers,
-                unpin_workers=unpin_workers, observer=observer,
+                unpin_workers=unpin_workers, observer=observer, prefix=PrefixTracker(plan.page_runs, plan.num_pages),
+                max_call_seconds=max_call_seconds, populate_unit=plan.align,
             )  # fmt: skip
             announce()
             return session
@@ -285,7 +330,8 @@ class PinnedPool:
             )
 
         return Lifecycle(
-            name=name, nbytes=nbytes, chunk_limit=self.chunk_limit, workers=self.threads,
+            name=name, nbytes=nbytes, num_pages=plan.num_pages, chunk_limit=self.chunk_limit, workers=self.threads,
+            background=background, admission=admission,
             describe=(
                 f"pool {name!r} ({format_bytes(nbytes)}, {len(chunks)} chunks of <= {format_bytes(self.chunk_bytes)}, "
                 f"runtime {runtime.name})"
@@ -304,15 +350,99 @@ class PinnedPool:
     # -- what users read ---------------------------------------------------------------------
 
     def _require_open(self, what: str) -> Mapping[str, torch.Tensor]:
-        tensors = self._lifecycle.tensors
+        lifecycle = self._lifecycle
+        tensors = lifecycle.tensors
         if tensors is None:
+            state = lifecycle.state
+            if state is PoolState.FAILED:
+                lifecycle.error_delivered = True
+                raise PoolStateError(
+                    f"pool {self.name!r}.{what}: pinning in the background failed and was rolled back: "
+                    f"{lifecycle.error}"
+                ) from lifecycle.error
             hint = (
                 "enter it first (async with / with)"
-                if self._lifecycle.state in (PoolState.NEW, PoolState.PINNING)
+                if state in (PoolState.NEW, PoolState.PINNING)
                 else "it was exited and unpinned; create a new pool"
             )
             raise PoolStateError(f"pool {self.name!r}.{what} is only available while the pool is open: {hint}")
         return tensors
+
+    # -- state and readiness -------------------------------------------------------------------
+
+    @property
+    def state(self) -> PoolState:
+        """Where the pool is: new, pinning, ready, failed (background pinning), closing, closed."""
+        return self._lifecycle.state
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why background pinning failed (state ``failed``), else None. Reading it counts as
+        having seen it: leaving the block then does not raise it again."""
+        lifecycle = self._lifecycle
+        if lifecycle.error is not None:
+            lifecycle.error_delivered = True
+        return lifecycle.error
+
+    @property
+    def pinned_pages(self) -> int:
+        """Layout pages ``[0, k)`` pinned now in every buffer: what a server may use while the
+        pool pins in the background (``num_pages`` once ready, 0 before entering and after exit)."""
+        return self._lifecycle.pinned_pages
+
+    def _pages_for(self, min_bytes: int | str | None, fraction: float | None) -> int | None:
+        """The page count a wait needs: None for the whole pool (ready)."""
+        if min_bytes is not None and fraction is not None:
+            raise ConfigError(
+                "wait_ready(min_bytes=..., fraction=...): give one of them, or neither for the whole pool"
+            )
+        num_pages, page_bytes = self.num_pages, self.page_bytes
+        if min_bytes is not None:
+            nbytes = parse_size(min_bytes, what="min_bytes")
+            if nbytes > self.nbytes:
+                raise ConfigError(
+                    f"wait_ready(min_bytes={min_bytes!r}): the pool holds {format_bytes(self.nbytes)}; "
+                    "ask for at most that (or nothing, for the whole pool)"
+                )
+            return min(num_pages, -(-nbytes // page_bytes))
+        if fraction is not None:
+            if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+                raise ConfigError(f"wait_ready(fraction={fraction!r}) must be a number in (0, 1]")
+            return max(1, math.ceil(fraction * num_pages))
+        return None
+
+    async def wait_ready(self, *, min_bytes: int | str | None = None, fraction: float | None = None) -> int:
+        """Wait until the pool is ready, or until its first ``min_bytes`` (bytes or ``"1GiB"``)
+        or ``fraction`` of its pages are pinned; returns ``pinned_pages``.
+
+        Raises the :class:`PinError` of a failed background pinning (every waiter gets it), or
+        :class:`PoolStateError` if the pool is not entered or was exited first. Cancellable:
+        waiting has no effect on the pinning. It polls (at most every 20 ms): no thread is
+        held per waiter, under asyncio or trio.
+        """
+        pages = self._pages_for(min_bytes, fraction)
+        delay = 0.001
+        while not self._lifecycle.reached(pages):
+            await anyio.sleep(delay)
+            delay = min(delay * 2, _WAIT_POLL_SECONDS)
+        return self.pinned_pages
+
+    def wait_ready_sync(
+        self, *, min_bytes: int | str | None = None, fraction: float | None = None, timeout: float | None = None
+    ) -> int:
+        """:meth:`wait_ready` for synchronous code; raises ``TimeoutError`` after ``timeout`` seconds."""
+        pages = self._pages_for(min_bytes, fraction)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.001
+        while not self._lifecycle.reached(pages):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"pool {self.name!r} not ready after {timeout} s: {format_bytes(self.pinned_bytes)} of "
+                    f"{format_bytes(self.nbytes)} pinned, pages [0, {self.pinned_pages}) usable"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _WAIT_POLL_SECONDS)
+        return self.pinned_pages
 
     @property
     def tensors(self) -> Mapping[str, torch.Tensor]:
@@ -337,9 +467,10 @@ class PinnedPool:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes registered right now (0 before entering and after exit)."""
+        """Bytes pinned right now, moving within a chunk where the runtime locks as pages fault
+        in (mlock); 0 before entering and after exit."""
         session = self._lifecycle.session
-        return 0 if session is None else session.ledger.registered_bytes
+        return 0 if session is None else session.pipeline.pinned_bytes
 
     @property
     def pin_seconds(self) -> float:
@@ -413,6 +544,7 @@ def pin(
     name: str = "tensor",
     min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
     max_retries: int = DEFAULT_MAX_RETRIES,
+    max_call_seconds: float | None = None,
     registry: CollectorRegistry | None = REGISTRY,
     logger: Any | None = None,
     on_progress: ProgressCallback | None = None,
@@ -437,7 +569,7 @@ def pin(
     options = PoolOptions.create(
         layout=_TensorLayout(tensor, granularity_bytes), size=nbytes, chunk_bytes=chunk_bytes, populate=populate,
         populate_workers=populate_workers, register_workers=register_workers, unpin_workers=unpin_workers, name=name,
-        min_chunk_bytes=min_chunk_bytes, max_retries=max_retries,
+        min_chunk_bytes=min_chunk_bytes, max_retries=max_retries, max_call_seconds=max_call_seconds,
     )  # fmt: skip
     pool = PinnedPool.__new__(PinnedPool)
     pool._configure(options, runtime=runtime, source=tensor, registry=registry, logger=logger, on_progress=on_progress)
@@ -462,4 +594,4 @@ class _TensorLayout:
         return self._nbytes  # the whole tensor is the only page
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
-        return (BufferSpec("data", self._shape, self._dtype, self._raw.granularity_bytes),)
+        return (BufferSpec("data", self._shape, self._dtype, self._raw.granularity_bytes, 1),)

@@ -78,6 +78,10 @@ class Threads:
             if self._running == 0:
                 self.all_done.set()
 
+    def join(self) -> None:
+        """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
+        self.all_done.wait()
+
     @property
     def done(self) -> bool:
         return self.all_done.is_set()

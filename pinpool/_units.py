@@ -1,4 +1,12 @@
-"""Byte sizes as users write them: ``4096``, ``"64GiB"``, ``"512MB"``, ``"1.5TiB"``."""
+"""Byte sizes as users write them: ``4096``, ``"64GiB"``, ``"512MB"``, ``"1.5TiB"``; numbers from
+environment variables.
+
+Only ASCII spellings are accepted. Python's own parsers are generous: ``int()`` and ``Decimal()``
+take ``"1_0"``, Arabic-Indic ``"١٠"`` and fullwidth ``"１０"`` digits, and ``str.strip()`` and a
+regular expression's whitespace class match non-breaking and other Unicode spaces. A size is
+something an operator types into a config file or a shell; anything but ASCII digits there is a
+typo or a paste accident to report, not to guess at.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +25,10 @@ _UNITS = {
     "p": 1000**5, "pb": 1000**5, "pib": 1 << 50,
 }  # fmt: skip
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+# re.ASCII: \s is ASCII whitespace only (never U+00A0 and friends); [0-9] and [A-Za-z] are ASCII anyway.
+_SIZE_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", re.ASCII)
+# A plain number as environment variables hold it: digits, one point, an optional exponent.
+_NUMBER_RE = re.compile(r"\s*(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
 
 _HINT = (
     'an integer byte count or a string such as "64GiB", "512MB" or "1.5TiB" '
@@ -36,9 +47,9 @@ def parse_size(value: object, *, what: str = "size") -> int:
     if isinstance(value, int):
         nbytes = value
     elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
+        match = _SIZE_RE.fullmatch(value)
         if match is None:
-            raise ConfigError(f"{what}={value!r} is not a size; give {_HINT}")
+            raise ConfigError(f"{what}={value!r} is not a size{_oddity(value)}; give {_HINT}")
         number, unit = match.groups()
         multiplier = _UNITS.get(unit.lower())
         if multiplier is None:
@@ -55,6 +66,53 @@ def parse_size(value: object, *, what: str = "size") -> int:
         raise ConfigError(f"{what}={value!r} has type {type(value).__name__}; give {_HINT}")
     if nbytes <= 0:
         raise ConfigError(f"{what}={value!r} is not positive; give {_HINT}")
+    return nbytes
+
+
+def _oddity(text: str) -> str:
+    """Why a rejected string may have looked right to its author: a non-ASCII character, a digit
+    separator, a sign. Empty when there is nothing unusual to point at."""
+    odd = next((c for c in text if not c.isascii() or (not c.isprintable() and c not in " \t\n")), None)
+    if odd is not None:
+        return f" ({odd!r}, U+{ord(odd):04X}, is not an ASCII digit, letter or space)"
+    if "_" in text:
+        return " (digit separators '_' are not accepted)"
+    return ""
+
+
+def ascii_decimal(raw: str, *, what: str, fix: str) -> Decimal:
+    """``raw`` (an environment variable's value) as a non-negative Decimal, or :class:`ConfigError`.
+
+    Accepted: ASCII digits with at most one point and an optional exponent (``64``, ``0.5``,
+    ``2.5E1``), ASCII whitespace around them. Rejected, each with ``what=value``, the reason and
+    ``fix``: signs, ``nan``/``inf``, digit separators, non-ASCII digits and spaces.
+    """
+    if not _NUMBER_RE.fullmatch(raw):
+        word = raw.strip(" \t\n\r\f\v").lower()
+        if word[:1] in ("-", "+") or word in ("nan", "inf", "infinity", "snan"):
+            raise ConfigError(f"{what}={raw!r} must be a positive, finite number{_oddity(raw)}; {fix}")
+        raise ConfigError(f"{what}={raw!r} is not a number{_oddity(raw)}; {fix}")
+    try:
+        return Decimal(raw.strip())  # only ASCII whitespace is left to strip: the pattern matched
+    except InvalidOperation:  # an exponent beyond what Decimal can hold
+        raise ConfigError(f"{what}={raw!r} is not a number (its exponent is out of range); {fix}") from None
+
+
+def parse_env_gib(name: str, raw: str, *, default_gib: int) -> int:
+    """An environment variable holding GiB (fractions allowed) as whole bytes, rounded down.
+
+    Raises :class:`ConfigError` naming the variable, its value, why, and the fix (a positive
+    number of GiB, or unset it for ``default_gib``).
+    """
+    fix = f"set {name} to a positive number of GiB (e.g. 64 or 0.5), or unset it for the default {default_gib}"
+    gib = ascii_decimal(raw, what=name, fix=fix)
+    if gib <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a positive, finite number of GiB; {fix}")
+    nbytes = decimal_to_int(gib, 1 << 30)
+    if nbytes is None:
+        raise ConfigError(f"{name}={raw!r} is too large to be a memory size; {fix}")
+    if nbytes <= 0:
+        raise ConfigError(f"{name}={raw!r} is less than one byte; {fix}")
     return nbytes
 
 

@@ -22,12 +22,21 @@ __all__ = ["MHA", "MLA", "BufferSpec", "Indexer", "Layout", "Mamba", "PagedBytes
 @dataclass(frozen=True)
 class BufferSpec:
     """One buffer of a pool: its tensor ``shape`` and ``dtype``, and its ``granularity`` in bytes
-    (``None``: any page-aligned split is safe)."""
+    (``None``: any page-aligned split is safe).
+
+    ``page_runs`` says where page *i* lives, so a pool pinning in the background can say which
+    leading pages ``[0, k)`` are usable: the buffer is ``page_runs`` equal runs back to back,
+    and in each run page *i* is the *i*-th equal slice (1 for page-major shapes such as
+    ``(pages, ...)``, ``layer_num`` for layer_first shapes, 2 more-fold for a combined K/V
+    buffer). ``None`` (a custom layout that does not say): the buffer's pages are usable only
+    once all of it is pinned.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     granularity: int | None
+    page_runs: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +92,7 @@ class Raw:
         return 1
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
-        return (BufferSpec("data", (num_pages * self.page_bytes,), torch.uint8, self.granularity_bytes),)
+        return (BufferSpec("data", (num_pages * self.page_bytes,), torch.uint8, self.granularity_bytes, 1),)
 
 
 LAYER_FIRST = "layer_first"
@@ -198,15 +207,16 @@ class MHA:
         size = num_pages * P
         token_stride = self._token_stride(D)
         shape: tuple[int, ...]
+        runs = math.prod(lead)  # a combined K/V buffer is K's pages, then V's
         if self.layout == LAYER_FIRST:
-            shape, granularity = (L, size, H, D), P * token_stride
+            shape, granularity, runs = (L, size, H, D), P * token_stride, runs * L
         elif self.layout == PAGE_FIRST:
             shape, granularity = (size, L, H, D), P * L * token_stride
         elif self.layout == PAGE_FIRST_DIRECT:
             shape, granularity = (num_pages, L, P, H, D), P * L * token_stride
         else:  # page_head
             shape, granularity = (num_pages, H, P, L, D), P * L * token_stride
-        return BufferSpec(name, lead + shape, self.dtype, granularity)
+        return BufferSpec(name, lead + shape, self.dtype, granularity, runs)
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         if self.k_only:
@@ -250,10 +260,10 @@ class MLA:
         L, P, C = self.layer_num, self.page_size, self.kv_cache_dim
         token = C * self.dtype.itemsize
         if self.layout == LAYER_FIRST:
-            return (BufferSpec("kv", (L, num_pages * P, 1, C), self.dtype, P * token),)
+            return (BufferSpec("kv", (L, num_pages * P, 1, C), self.dtype, P * token, L),)
         if self.layout == PAGE_FIRST:
-            return (BufferSpec("kv", (num_pages * P, L, 1, C), self.dtype, P * token * L),)
-        return (BufferSpec("kv", (num_pages, L, P, 1, C), self.dtype, P * token * L),)
+            return (BufferSpec("kv", (num_pages * P, L, 1, C), self.dtype, P * token * L, 1),)
+        return (BufferSpec("kv", (num_pages, L, P, 1, C), self.dtype, P * token * L, 1),)
 
 
 @dataclass(frozen=True)
@@ -300,7 +310,7 @@ class Mamba:
         for name, state in self._states():
             shape = (num_pages, self.num_mamba_layers, 1, *state)
             slot = math.prod(shape[1:]) * self.dtype.itemsize
-            specs.append(BufferSpec(name, shape, self.dtype, slot or None))
+            specs.append(BufferSpec(name, shape, self.dtype, slot or None, 1))
         return tuple(specs)
 
 
@@ -343,8 +353,9 @@ class Indexer:
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         if self.layout == LAYER_FIRST:
-            return (BufferSpec("index", (self.layer_num, num_pages, self.stride), torch.uint8, self.stride),)
-        return (BufferSpec("index", (num_pages, self.layer_num, 1, self.stride), torch.uint8, self.page_bytes),)
+            L = self.layer_num
+            return (BufferSpec("index", (L, num_pages, self.stride), torch.uint8, self.stride, L),)
+        return (BufferSpec("index", (num_pages, self.layer_num, 1, self.stride), torch.uint8, self.page_bytes, 1),)
 
 
 @dataclass(frozen=True)
@@ -384,7 +395,7 @@ class PagedBytes:
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         L, item = self.layer_num, self.item_bytes
         if self.layout == LAYER_FIRST:
-            return tuple(BufferSpec(f"layer{i}", (num_pages, item), torch.uint8, item) for i in range(L))
+            return tuple(BufferSpec(f"layer{i}", (num_pages, item), torch.uint8, item, 1) for i in range(L))
         if self.layout == PAGE_FIRST:
-            return (BufferSpec("data", (num_pages, L, item), torch.uint8, L * item),)
-        return (BufferSpec("data", (num_pages, L, 1, item), torch.uint8, L * item),)
+            return (BufferSpec("data", (num_pages, L, item), torch.uint8, L * item, 1),)
+        return (BufferSpec("data", (num_pages, L, 1, item), torch.uint8, L * item, 1),)

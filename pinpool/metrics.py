@@ -84,6 +84,27 @@ class PoolMetrics:
         self.chunks_in_flight = Gauge(
             "pinpool_chunks_in_flight", "Runtime calls in progress.", _BASE, multiprocess_mode="livesum", **kw
         )
+        self.call_seconds_max = Gauge(
+            "pinpool_call_seconds_max",
+            "Longest single runtime call of the pool's pinning or unpinning so far, by op (register, populate, "
+            "unregister): the stall a serving process felt (see max_call_seconds).",
+            (*_BASE, "op"), multiprocess_mode="livemax", **kw,
+        )  # fmt: skip
+        self.node_wait_seconds = Histogram(
+            "pinpool_node_wait_seconds",
+            "Time a pool waited for node pacing before pinning, by kind (slot: a pinning slot; budget: a share "
+            "of the host's byte budget).",
+            (*_BASE, "kind"), buckets=POOL_BUCKETS, **kw,
+        )  # fmt: skip
+        self.node_busy = Counter(
+            "pinpool_node_busy_total",
+            "Pools refused at once by node pacing (node_wait=False), by kind (slots, budget).",
+            (*_BASE, "kind"), **kw,
+        )  # fmt: skip
+        self.pools_ready = Gauge(
+            "pinpool_pools_ready", "Pools fully pinned now (a pool pinning in the background is open, not ready).",
+            _BASE, multiprocess_mode="livesum", **kw,
+        )  # fmt: skip
         self.pools_open = Gauge(
             "pinpool_pools_open", "Pools pinning or pinned now.", _BASE, multiprocess_mode="livesum", **kw
         )

@@ -1,46 +1,14 @@
-"""The command line, and bad input rejected before anything is mapped or pinned."""
+"""Bad input rejected before anything is mapped or pinned (the command line: tests/test_cli.py)."""
 
 from __future__ import annotations
-
-import json
-import subprocess
-import sys
 
 import pytest
 
 import pinpool
-from pinpool import _cli, layouts
+from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
-from .conftest import needs_mlock
-
 MiB = 1 << 20
-
-
-@needs_mlock
-def test_cli_pins_for_real_and_reports_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _cli.main(["pin", "--size", "64MiB", "--runtime", "mlock", "--chunk-bytes", "16MiB", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["runtime"] == "mlock" and report["bytes"] == 64 * MiB and report["chunks"] == 4
-    locked = report["vm_locked_bytes"]
-    assert locked["pinned"] - locked["before"] == 64 * MiB and locked["after"] == locked["before"]
-    assert report["pin_gb_per_s"] > 0
-
-
-@needs_mlock
-def test_cli_text_report_as_a_module() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "pinpool", "pin", "--size", "32MiB", "--runtime", "mlock"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert "pinned 32 MiB with runtime 'mlock'" in result.stdout
-    assert "GB/s" in result.stdout and "VmLck 0 B before, 32 MiB while pinned, 0 B after" in result.stdout
-
-
-def test_cli_reports_config_errors_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _cli.main(["pin", "--size", "lots"]) == 2
-    assert "ConfigError" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

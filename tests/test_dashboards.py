@@ -447,11 +447,130 @@ def test_example_prometheus_config() -> None:
 
 def test_grafana_provisioning_files() -> None:
     datasource = (DASHBOARDS / "provisioning" / "datasources" / "prometheus.yml").read_text(encoding="utf-8")
-    assert "type: prometheus" in datasource and "url: http://localhost:9090" in datasource
+    assert "type: prometheus" in datasource and "url: http://prometheus:9090" in datasource
     provider = (DASHBOARDS / "provisioning" / "dashboards" / "pinpool.yml").read_text(encoding="utf-8")
     assert "type: file" in provider and re.search(r"^\s+path: /\S+", provider, flags=re.MULTILINE)
     for text in (datasource, provider):
         assert text.startswith("#") and "\napiVersion: 1\n" in text and "\t" not in text
+
+
+# -- (e2) the compose stack: checked by its configuration here, not started (no Docker engine in CI) ---------
+
+COMPOSE = DASHBOARDS / "compose.yaml"
+METRICS_PORT = 9464  # the one metrics port: docs, CLI examples, scrape configs
+
+
+def load_yaml(path: Path) -> Any:
+    yaml = pytest.importorskip("yaml", reason="needs PyYAML (a dependency of the dev tools: mkdocs)")
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def compose_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """A service's bind mounts as {path in the container: path on the host}, relative to compose.yaml."""
+    mounts: dict[str, Path] = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith((".", "/")):  # a bind mount; anything else is a named volume
+            mounts[target] = (COMPOSE.parent / source).resolve()
+    return mounts
+
+
+def test_compose_stack_is_wired() -> None:
+    compose = load_yaml(COMPOSE)
+    services = compose["services"]
+    assert set(services) == {"prometheus", "grafana"}
+    named = set(compose.get("volumes") or {})
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if not source.startswith((".", "/")):
+                assert source in named, f"{name}: named volume {source} is not declared"
+        for target, source in compose_mounts(service).items():
+            assert source.exists(), f"{name}: mounts {source} (at {target}), which does not exist"
+            assert source.is_relative_to(DASHBOARDS), f"{name}: mounts {source} from outside dashboards/"
+
+    # Grafana's data source is the prometheus service by its name on the compose network, on the
+    # port Prometheus listens on in its container: never localhost (inside Grafana's container
+    # that is Grafana itself).
+    grafana = compose_mounts(services["grafana"])
+    datasources = load_yaml(grafana["/etc/grafana/provisioning/datasources"] / "prometheus.yml")["datasources"]
+    urls = [urllib.parse.urlsplit(d["url"]) for d in datasources if d["type"] == "prometheus"]
+    assert [(u.scheme, u.hostname, u.port) for u in urls] == [("http", "prometheus", 9090)], urls
+    assert all(u.hostname not in {"localhost", "127.0.0.1", "::1"} for u in urls)
+    assert any(port.endswith(":9090") for port in services["prometheus"]["ports"])
+
+    # The dashboard provider's folder holds pinpool.json in the container.
+    providers = load_yaml(grafana["/etc/grafana/provisioning/dashboards"] / "pinpool.yml")["providers"]
+    folder = providers[0]["options"]["path"]
+    assert grafana[f"{folder}/pinpool.json"] == DASHBOARD_JSON
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{folder}/pinpool.json"
+
+    # Prometheus reads the compose config and, beside it (rule_files are relative), alerts.yml.
+    prometheus = compose_mounts(services["prometheus"])
+    config_path = prometheus["/etc/prometheus/prometheus.yml"]
+    config = load_yaml(config_path)
+    assert config["rule_files"] == ["alerts.yml"]
+    assert prometheus["/etc/prometheus/alerts.yml"] == ALERTS == config_path.parent / "alerts.yml"
+    # The scraped processes run on the host: host.docker.internal, which Linux needs declared.
+    assert "host.docker.internal:host-gateway" in services["prometheus"]["extra_hosts"]
+    targets = {
+        job["job_name"]: t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]
+    }
+    assert targets["pinpool"] == f"host.docker.internal:{METRICS_PORT}"
+    assert all(t.startswith("host.docker.internal:") for t in targets.values()), targets
+    # Grafana's $__rate_interval needs the scrape interval: the data source says the same.
+    assert datasources[0]["jsonData"]["timeInterval"] == config["global"]["scrape_interval"]
+
+
+def test_one_metrics_port_everywhere() -> None:
+    """9464 in every doc, config and command that names pinpool's metrics port; no other."""
+    texts = {p: p.read_text(encoding="utf-8") for p in [*ROOT.glob("docs/*.md"), *DASHBOARDS.glob("*.y*ml")]}
+    texts[DASHBOARDS / "README.md"] = (DASHBOARDS / "README.md").read_text(encoding="utf-8")
+    texts[ROOT / "README.md"] = (ROOT / "README.md").read_text(encoding="utf-8")
+    # serve(9464, ...), --metrics-port 9464, http://127.0.0.1:9464/metrics
+    ports = re.compile(r"(?:serve\(|--metrics-port[ =])(\d+)|:(\d+)/metrics\b")
+    found = {
+        (path.relative_to(ROOT).as_posix(), int(a or b)) for path, text in texts.items() for a, b in ports.findall(text)
+    }
+    # 8000: examples/kv_offload_server.py serves /metrics on its own HTTP port.
+    wrong = sorted((path, port) for path, port in found if port not in {METRICS_PORT, 8000})
+    assert not wrong, f"metrics port other than {METRICS_PORT}: {wrong}"
+    assert ("dashboards/README.md", METRICS_PORT) in found and ("docs/observability.md", METRICS_PORT) in found
+    readme = texts[DASHBOARDS / "README.md"]
+    assert f"--metrics-port {METRICS_PORT}" in readme and "docker compose -f dashboards/compose.yaml up" in readme
+
+
+@needs_promtool
+def test_compose_prometheus_config() -> None:
+    result = subprocess.run(
+        [PROMTOOL or "promtool", "check", "config", str(DASHBOARDS / "prometheus-compose.yml")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def compose_client() -> list[str] | None:
+    """`docker compose` (v2) or Debian's `docker-compose` (v1): both parse a file without an engine."""
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True, timeout=60).returncode == 0:
+        return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy else None
+
+
+def test_compose_config_parses(tmp_path: Path) -> None:
+    client = compose_client()
+    if client is None:
+        pytest.skip("needs docker compose or docker-compose (Debian: apt-get install docker-compose)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
+    result = subprocess.run(
+        [*client, "-f", str(COMPOSE), "config"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    # v1 prints the short syntax back, v2 the long one (host_ip: 127.0.0.1, host.docker.internal=host-gateway).
+    assert "host.docker.internal" in result.stdout and "host-gateway" in result.stdout, result.stdout
+    assert "127.0.0.1" in result.stdout and "prometheus:" in result.stdout, result.stdout
 
 
 def test_readme_names_every_panel_and_alert() -> None:

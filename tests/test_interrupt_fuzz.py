@@ -1,5 +1,6 @@
 """Interrupt fuzz: hypothesis picks the moment (before or after any runtime call) and the kind of
-interruption, for all three drivers; afterwards nothing may be registered, no range claimed,
+interruption, for all three drivers, with pools pinned before the body or in the background;
+afterwards nothing may be registered, no range claimed,
 the pool closed, no pinpool thread alive, and the right exception must come out.
 
 ``PINPOOL_FUZZ_EXAMPLES`` raises the example count (CI runs the default).
@@ -95,6 +96,7 @@ pool_shapes = st.fixed_dictionaries(
         "lock_on_fault": st.booleans(),
         "populate": st.booleans(),
         "delay": st.sampled_from([0.0, 0.0005, 0.002]),
+        "background": st.booleans(),  # the body runs while a conductor thread pins
     }
 )
 
@@ -119,7 +121,7 @@ def make_pool(shape: dict[str, object], moment: Moment, fire: Callable[[], None]
     pool = pinpool.PinnedPool(
         size=CHUNKS * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=shape["populate"],
         register_workers=shape["register_workers"], populate_workers=shape["populate_workers"],
-        unpin_workers=shape["unpin_workers"],
+        unpin_workers=shape["unpin_workers"], background=shape["background"],
     )  # fmt: skip
     return pool, fake
 

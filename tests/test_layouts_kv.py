@@ -479,13 +479,13 @@ def test_sglang_vector_mha_page_first_direct(dtype: torch.dtype) -> None:
 
 def test_sglang_vector_k_only() -> None:
     P, L, H, D = 16, 2, 4, 64
-    for layout, shape, granularity in [
-        ("layer_first", (L, 5 * P, H, D), P * H * D * 2),
-        ("page_first", (5 * P, L, H, D), P * L * H * D * 2),
-        ("page_first_direct", (5, L, P, H, D), P * L * H * D * 2),
+    for layout, shape, granularity, runs in [
+        ("layer_first", (L, 5 * P, H, D), P * H * D * 2, L),  # page i lives in every layer's run
+        ("page_first", (5 * P, L, H, D), P * L * H * D * 2, 1),
+        ("page_first_direct", (5, L, P, H, D), P * L * H * D * 2, 1),
     ]:
         mha = layouts.MHA(layout, L, P, H, D, torch.bfloat16, k_only=True)
-        assert mha.buffers(5) == (layouts.BufferSpec("k", shape, torch.bfloat16, granularity),)
+        assert mha.buffers(5) == (layouts.BufferSpec("k", shape, torch.bfloat16, granularity, runs),)
         assert mha.page_bytes == P * L * H * D * 2
 
 
@@ -513,6 +513,7 @@ def test_symmetric_v_head_dim_is_one_kv_buffer() -> None:
     assert not mha.asymmetric
     (spec,) = mha.buffers(3)
     assert spec.name == "kv" and spec.shape == (2, 3, 2, 4, 2, 16)
+    assert spec.page_runs == 2  # K's pages, then V's
 
 
 def test_sglang_vector_mamba_per_buffer_slot() -> None:
@@ -532,11 +533,11 @@ def test_sglang_vector_indexer_stride() -> None:
     stride = P * (ihd + ihd // qbs * 4)
     assert stride == 8448
     (lf,) = layouts.Indexer("layer_first", L, P, ihd, qbs).buffers(5)
-    assert lf == layouts.BufferSpec("index", (L, 5, stride), torch.uint8, stride)
+    assert lf == layouts.BufferSpec("index", (L, 5, stride), torch.uint8, stride, L)
     for layout in ("page_first", "page_first_direct"):
         idx = layouts.Indexer(layout, L, P, ihd, qbs)
         assert idx.stride == stride and idx.page_bytes == stride * L
-        assert idx.buffers(5) == (layouts.BufferSpec("index", (5, L, 1, stride), torch.uint8, stride * L),)
+        assert idx.buffers(5) == (layouts.BufferSpec("index", (5, L, 1, stride), torch.uint8, stride * L, 1),)
     # Several scale blocks per head: 4 bytes of fp32 scale per block.
     assert layouts.Indexer("page_first", 1, 2, 64, 16).stride == 2 * (64 + 4 * 4)
 
@@ -544,12 +545,12 @@ def test_sglang_vector_indexer_stride() -> None:
 def test_sglang_vector_paged_and_state() -> None:
     L, item = 3, 584
     lf = layouts.PagedBytes("layer_first", L, item).buffers(4)
-    assert lf == tuple(layouts.BufferSpec(f"layer{i}", (4, item), torch.uint8, item) for i in range(L))
+    assert lf == tuple(layouts.BufferSpec(f"layer{i}", (4, item), torch.uint8, item, 1) for i in range(L))
     assert layouts.PagedBytes("page_first", L, item).buffers(4) == (
-        layouts.BufferSpec("data", (4, L, item), torch.uint8, L * item),
+        layouts.BufferSpec("data", (4, L, item), torch.uint8, L * item, 1),
     )
     assert layouts.PagedBytes("page_first_direct", L, item).buffers(4) == (
-        layouts.BufferSpec("data", (4, L, 1, item), torch.uint8, L * item),
+        layouts.BufferSpec("data", (4, L, 1, item), torch.uint8, L * item, 1),
     )
     ring, slot = 4, 100
     for layout in ("layer_first", "page_first", "page_first_direct"):

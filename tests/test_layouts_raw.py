@@ -18,7 +18,7 @@ def test_default_raw_is_one_unaligned_uint8_buffer() -> None:
     assert raw.name == "raw"
     assert raw.page_bytes == 1
     (spec,) = raw.buffers(4096)
-    assert spec == BufferSpec("data", (4096,), torch.uint8, None)
+    assert spec == BufferSpec("data", (4096,), torch.uint8, None, 1)
     assert spec.nbytes == 4096
 
 

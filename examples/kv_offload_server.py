@@ -1,0 +1,347 @@
+"""A KV-cache offload server that serves while its host pool pins in the background.
+
+    python examples/kv_offload_server.py --size 2GiB --port 8000 --runtime mlock
+    python examples/kv_offload_server.py --size 2GiB --port 8000 --trio     # hypercorn's trio worker
+
+The pool is entered in a Starlette lifespan with ``background=True``: ``async with`` returns as
+soon as pinning has started, so the server answers requests at once while the pool pins, lowest
+pages first, on pinpool's threads. Endpoints (JSON bodies unless said otherwise):
+
+* ``GET /healthz``: 200 at once, whatever the pool is doing (a liveness probe must not fail
+  because a large pool is still pinning).
+* ``GET /readyz``: 503 while pinning (state, pinned_bytes, pinned_pages, num_pages), 200 when
+  the whole pool is pinned, 500 with the error text if pinning failed (rolled back by pinpool).
+* ``GET /metrics``: the pool's Prometheus registry (text format).
+* ``PUT /pages/{i}`` (body: exactly one KV page, ``page_bytes`` bytes) and ``GET /pages/{i}``
+  (answers those bytes): copy page ``i`` between a device tensor (CUDA when torch sees one, else
+  CPU) and the pool. 404 out of range, 409 while page ``i`` is not pinned yet (the body says
+  ``pinned_pages``), 400 for a body of the wrong size, 503 once the pool has failed or closed.
+
+A page's bytes are the page's slice of every buffer, in the layout's buffer order, and within a
+buffer in run order: for the default ``MHA page_first`` layout (one ``kv`` buffer shaped
+``(2, pages * page_size, layers, heads, head_dim)``) that is K's ``page_size`` tokens of every
+layer, then V's.
+
+Pages become usable as the pool pins: ``/readyz`` says ``pinned_pages``. With a combined K/V
+buffer (every MHA layout here) page ``i`` needs its K slice and its V slice: pinpool interleaves
+K's and V's chunks, so page 0 is usable once the first chunk of each half is pinned. The 2 GiB
+default has two 1 GiB chunks, one per half, so its pages appear only in the second half of the
+pin; larger pools have more chunks per half and start sooner.
+
+The stall budget (``--max-call-seconds``, 50 ms by default) matters as much as
+``background=True``: a pinning call holds the process's ``mmap_lock`` (and, under CUDA,
+registration holds the driver lock), and every ``mmap`` the serving thread makes (a Python
+arena, a large allocation, an import) waits for it. Without a budget, one call faults up to
+512 MiB, and on a busy host this server's event loop could not even finish starting until a
+2 GiB pool was fully pinned; with it, the port opens ~0.1 s into pinning.
+
+SIGTERM or SIGINT at any moment (while pinning too) shuts down gracefully: the lifespan leaves
+the pool, which stops pinning and unpins everything, then the process logs
+``kv_offload_server: shutdown VmLck=<bytes>`` on stderr and exits 0.
+
+Needs ``pip install starlette uvicorn`` (``hypercorn trio`` for ``--trio``). Under mlock the
+pool is charged to RLIMIT_MEMLOCK: run as root, or raise ``ulimit -l``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import anyio
+import torch
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import pinpool
+from pinpool import PoolState, layouts
+from pinpool._libc import vm_locked_bytes
+
+
+def log(message: str) -> None:
+    print(f"kv_offload_server: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class PageSlice:
+    """Where page ``i`` lives in one buffer: the buffer as ``(runs, num_pages, slice_bytes)`` bytes."""
+
+    name: str
+    runs: int
+    slice_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.runs * self.slice_bytes
+
+
+def page_slices(layout: pinpool.layouts.Layout, num_pages: int) -> tuple[PageSlice, ...]:
+    """Each buffer's share of one page, from the layout's BufferSpecs: a buffer is ``page_runs``
+    equal runs back to back, and page ``i`` is the ``i``-th equal slice of each run."""
+    slices = []
+    for spec in layout.buffers(num_pages):
+        if spec.nbytes == 0:
+            continue
+        if spec.page_runs is None:
+            raise SystemExit(f"layout {layout.name}: buffer {spec.name!r} does not say where its pages are")
+        slices.append(PageSlice(spec.name, spec.page_runs, spec.nbytes // (spec.page_runs * num_pages)))
+    total = sum(s.nbytes for s in slices)
+    assert total == layout.page_bytes, (total, layout.page_bytes)
+    return tuple(slices)
+
+
+class KVOffload:
+    """The pool, the device-side staging page, and the page copies between them."""
+
+    def __init__(self, pool: pinpool.PinnedPool, device: torch.device) -> None:
+        self.pool = pool
+        self.device = device
+        self.slices = page_slices(pool.layout, pool.num_pages)
+        # One page on the device: a request's bytes land here before they go to the pool, and a
+        # page read from the pool passes through here (as a GPU KV cache page would).
+        self.staging = torch.empty(pool.page_bytes, dtype=torch.uint8, device=device)
+
+    def _host_page(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(pool slice, staging slice) pairs of page ``i`` as contiguous bytes, one per run of
+        each buffer (copies from and to contiguous pinned memory take the fast DMA path)."""
+        pairs = []
+        offset = 0
+        tensors = self.pool.tensors  # raises once the pool failed or closed; callers check first
+        for s in self.slices:
+            runs = tensors[s.name].view(-1).view(torch.uint8).view(s.runs, self.pool.num_pages, s.slice_bytes)
+            for run in range(s.runs):
+                pairs.append((runs[run, i], self.staging[offset : offset + s.slice_bytes]))
+                offset += s.slice_bytes
+        return pairs
+
+    # The copies are synchronous and run on the event loop with no await between the
+    # pinned-pages check and the copy, so the lifespan cannot leave the pool in the middle of
+    # one, and two requests never share the staging page at once.
+    def put(self, i: int, body: bytearray) -> None:
+        self.staging.copy_(torch.frombuffer(body, dtype=torch.uint8))  # host -> device
+        for host, device in self._host_page(i):
+            host.copy_(device)  # device -> pinned host page
+
+    def get(self, i: int) -> bytes:
+        for host, device in self._host_page(i):
+            device.copy_(host)  # pinned host page -> device
+        return self.staging.cpu().numpy().tobytes()
+
+
+def pool_status(pool: pinpool.PinnedPool) -> dict[str, Any]:
+    return {
+        "state": pool.state.value,
+        "pinned_bytes": pool.pinned_bytes,
+        "pinned_pages": pool.pinned_pages,
+        "num_pages": pool.num_pages,
+        "nbytes": pool.nbytes,
+        "page_bytes": pool.page_bytes,
+    }
+
+
+async def report_readiness(pool: pinpool.PinnedPool, started: float) -> None:
+    """Log when the pool is ready, or why its pinning failed (taking the error as seen)."""
+    try:
+        await pool.wait_ready()
+    except pinpool.PinError as error:
+        log(f"pinning failed after {time.monotonic() - started:.3f} s, rolled back: {error}")
+        return
+    log(f"pool ready: {pool.nbytes} bytes, {pool.num_pages} pages in {time.monotonic() - started:.3f} s")
+
+
+def create_app(pool: pinpool.PinnedPool, registry: CollectorRegistry, device: torch.device) -> Starlette:
+    kv = KVOffload(pool, device)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        started = time.monotonic()
+        async with pool:  # returns at once: background=True
+            log(
+                f"pinning {pool.nbytes} bytes ({pool.num_pages} pages of {pool.page_bytes} bytes, "
+                f"layout {pool.layout.name}, runtime {pool.runtime.name}, device {device}) in the background"
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(report_readiness, pool, started)
+                yield  # serving
+                tg.cancel_scope.cancel()
+            log(f"shutting down: leaving the pool in state {pool.state.value} ({pool.pinned_bytes} bytes pinned)")
+        log(f"pool {pool.state.value}; unpinned in {pool.unpin_seconds:.3f} s")
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "state": pool.state.value})
+
+    async def readyz(request: Request) -> Response:
+        body = pool_status(pool)
+        if pool.state is PoolState.READY:
+            return JSONResponse(body, status_code=200)
+        if pool.state is PoolState.FAILED:
+            body["error"] = str(pool.error)
+            return JSONResponse(body, status_code=500)
+        return JSONResponse(body, status_code=503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    def refuse(i: int) -> Response | None:
+        """Why page ``i`` cannot be copied now, or None."""
+        if i >= pool.num_pages:
+            return JSONResponse({"error": f"page {i} out of range", "num_pages": pool.num_pages}, status_code=404)
+        state = pool.state
+        if state not in (PoolState.PINNING, PoolState.READY):
+            body = pool_status(pool)
+            body["error"] = (
+                f"pinning failed: {pool.error}" if state is PoolState.FAILED else f"the pool is {state.value}"
+            )
+            return JSONResponse(body, status_code=503)
+        pinned = pool.pinned_pages
+        if i >= pinned:
+            body = pool_status(pool) | {"pinned_pages": pinned, "error": f"page {i} is not pinned yet"}
+            return JSONResponse(body, status_code=409)
+        return None
+
+    async def put_page(request: Request) -> Response:
+        i = request.path_params["i"]
+        if (refusal := refuse(i)) is not None:
+            return refusal
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > pool.page_bytes:
+                break
+        if len(body) != pool.page_bytes:
+            return JSONResponse(
+                {"error": f"the body must be exactly one page: {pool.page_bytes} bytes", "got": len(body)},
+                status_code=400,
+            )
+        if (refusal := refuse(i)) is not None:  # the pool may have failed or closed while the body came in
+            return refusal
+        kv.put(i, body)
+        return JSONResponse({"page": i, "bytes": len(body)})
+
+    async def get_page(request: Request) -> Response:
+        i = request.path_params["i"]
+        if (refusal := refuse(i)) is not None:
+            return refusal
+        return Response(kv.get(i), media_type="application/octet-stream")
+
+    routes = [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", metrics),
+        Route("/pages/{i:int}", put_page, methods=["PUT"]),
+        Route("/pages/{i:int}", get_page, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.PinnedPool:
+    layout = layouts.MHA(
+        args.kv_layout, layer_num=args.layer_num, page_size=args.page_size, head_num=args.head_num,
+        head_dim=args.head_dim, dtype=torch.bfloat16,
+    )  # fmt: skip
+    runtime: str | pinpool.runtimes.Runtime = args.runtime
+    extra: dict[str, Any] = {}
+    if args.runtime == "fake-fail":
+        # TESTING AID, not for production: a fake runtime (it pins nothing) whose third
+        # registration fails, so the pool fails in the background after a visible moment of
+        # pinning and is rolled back. Its calls take a fixed 0.2 s, so no stall budget.
+        runtime = pinpool.testing.FakeRuntime(fail_register_on=3, register_delay=0.2)
+        extra = {"chunk_bytes": "256MiB", "max_retries": 0, "max_call_seconds": None}
+    options: dict[str, Any] = {"max_call_seconds": args.max_call_seconds or None} | extra
+    return pinpool.PinnedPool(
+        layout=layout, size=args.size, runtime=runtime, background=True, name="kv-offload", registry=registry,
+        **options,
+    )  # fmt: skip
+
+
+def serve_uvicorn(app: Starlette, host: str, port: int) -> None:
+    import uvicorn
+
+    # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown, lifespan exit), restores the
+    # handlers it found and then re-raises the signal. These handlers are the ones it finds,
+    # so the re-raised signal is only noted and the process exits 0 after a clean shutdown.
+    def noted(signum: int, frame: FrameType | None) -> None:
+        log(f"{signal.Signals(signum).name} handled: graceful shutdown done")
+
+    signal.signal(signal.SIGINT, noted)
+    signal.signal(signal.SIGTERM, noted)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5, lifespan="on"
+    )
+    uvicorn.Server(config).run()
+
+
+def serve_trio(app: Starlette, host: str, port: int) -> None:
+    import trio
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.graceful_timeout = 5.0
+
+    async def main() -> None:
+        # Opened before the lifespan starts, so a signal during start-up is kept, not lost.
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+
+            async def shutdown_trigger() -> None:
+                async for signum in signals:
+                    log(f"{signal.Signals(signum).name} received: graceful shutdown")
+                    return
+
+            await serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+
+    trio.run(main)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="A KV-cache offload server whose pool pins in the background.")
+    parser.add_argument("--size", default="2GiB", help="pool size, e.g. 2GiB or 512GiB (default: 2GiB)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--runtime", default="auto", choices=["auto", "cuda", "rocm", "mlock", "fake-fail"],
+        help="pinning runtime (default: auto); fake-fail is a testing aid whose pinning fails",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-call-seconds", type=float, default=0.05,
+        help="stall budget: the longest one pinning call may hold the process's mmap lock or the CUDA driver "
+        "lock (default: 0.05; 0 for none, which lets one call stall the serving thread for seconds)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-layout", default="page_first", choices=["page_first", "page_first_direct", "page_head", "layer_first"]
+    )
+    parser.add_argument("--layer-num", type=int, default=8)
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    parser.add_argument("--head-num", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--trio", action="store_true", help="serve with hypercorn under trio instead of uvicorn")
+    args = parser.parse_args(argv)
+
+    registry = CollectorRegistry()
+    try:
+        pool = make_pool(args, registry)
+    except pinpool.PinpoolError as error:
+        log(f"cannot create the pool: {error}")
+        return 2
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    app = create_app(pool, registry, device)
+    (serve_trio if args.trio else serve_uvicorn)(app, args.host, args.port)
+    # The lifespan has left the pool (unpinned, or rolled back); what the kernel still counts as
+    # locked in this process should be nothing (under CUDA, pinned memory does not show in VmLck).
+    log(f"shutdown VmLck={vm_locked_bytes()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""pytest plugin for code built on pinpool: leak-checked fixtures and the ``gpu`` marker.
+
+Installing pinpool registers it with pytest (entry point ``pinpool`` in the ``pytest11``
+group), so a project that depends on pinpool gets, with no configuration:
+
+- ``fake_runtime``: a fresh :class:`pinpool.testing.FakeRuntime` per test. At teardown the
+  test errors if the fake still has a range registered, naming every range.
+- ``pinned_pool_factory``: ``pinned_pool_factory(size=..., **options)`` builds a
+  :class:`pinpool.PinnedPool` on the test's ``fake_runtime`` and a fresh per-test
+  ``CollectorRegistry`` (``pinned_pool_factory.registry``) unless the call says otherwise;
+  ``pinned_pool_factory.pin(tensor, **options)`` does the same for :func:`pinpool.pin`. At
+  teardown the test errors if a pool it built is still open (it is exited first, so nothing
+  stays pinned), or if a fake runtime it used still has a range registered.
+- the ``gpu`` marker: ``@pytest.mark.gpu`` tests are skipped, with the reason, where
+  ``torch.cuda.is_available()`` is false. Registering the marker again is harmless: a
+  project's own ``markers = ["gpu: ..."]`` line is kept and no second one is added.
+
+The plugin imports pinpool and torch only when a fixture or a ``gpu``-marked test needs
+them. Without the entry point (a checkout that is not installed), load it with
+``-p pinpool.pytest_plugin`` or ``pytest_plugins = ["pinpool.pytest_plugin"]``; with it,
+those are no-ops (see :data:`entry_point`). docs/testing.md is the guide.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from pinpool import PinnedPool
+    from pinpool.runtimes import Runtime
+    from pinpool.testing import FakeRuntime
+
+__all__ = ["GPU_MARKER", "PinnedPoolFactory", "entry_point", "fake_runtime", "pinned_pool_factory"]
+
+GPU_MARKER = "gpu: needs a CUDA device; skipped cleanly without one"
+
+# The pytest11 entry point names this stub, not this module: pytest registers what an entry
+# point loads under the entry point's name ("pinpool"), and a module registered under two
+# names is an error. The stub only asks pytest for this module by its import name, the name
+# ``-p pinpool.pytest_plugin`` and ``pytest_plugins = ["pinpool.pytest_plugin"]`` use too,
+# so pytest loads it once whichever ways it is requested.
+entry_point = types.ModuleType(f"{__name__}.entry_point", "Loads pinpool.pytest_plugin once (the pytest11 entry).")
+entry_point.__dict__["pytest_plugins"] = [__name__]
+
+_CUDA_REASON = pytest.StashKey[str | None]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    declared = config.getini("markers")
+    if not any(str(line).split(":", 1)[0].strip() == "gpu" for line in declared):
+        config.addinivalue_line("markers", GPU_MARKER)
+
+
+def _cuda_missing() -> str | None:
+    """Why CUDA tests cannot run here, or None when torch sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return "needs a CUDA device: torch is not installed"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked:
+        return  # torch is imported only when some test asks for a GPU
+    if _CUDA_REASON not in config.stash:
+        config.stash[_CUDA_REASON] = _cuda_missing()
+    reason = config.stash[_CUDA_REASON]
+    if reason is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _describe_ranges(registered: dict[int, int]) -> str:
+    return ", ".join(f"[{base:#x}, +{nbytes} B)" for base, nbytes in sorted(registered.items()))
+
+
+def _leak_message(fake: FakeRuntime, owner: str) -> str | None:
+    registered = fake.registered
+    if not registered:
+        return None
+    return (
+        f"{owner}: {len(registered)} range(s) still registered after the test, "
+        f"{sum(registered.values())} bytes: {_describe_ranges(registered)}. A pool or pin() was "
+        "entered and never exited, or its teardown failed (UnpinError.leaked). A test that makes "
+        "unregister fail on purpose unregisters the leftovers itself: "
+        "for base in list(fake.registered): fake.unregister(base)"
+    )
+
+
+@pytest.fixture
+def fake_runtime() -> Iterator[FakeRuntime]:
+    """A fresh :class:`pinpool.testing.FakeRuntime`; the test errors at teardown if it still holds a registration."""
+    from pinpool.testing import FakeRuntime
+
+    fake = FakeRuntime()
+    yield fake
+    message = _leak_message(fake, "fake_runtime")
+    if message is not None:
+        pytest.fail(message, pytrace=False)
+
+
+class PinnedPoolFactory:
+    """Builds pools for one test and checks them at its end; the ``pinned_pool_factory`` fixture.
+
+    ``factory(size=..., **options)`` is :class:`pinpool.PinnedPool` with two defaults changed:
+    ``runtime`` is the test's ``fake_runtime`` and ``registry`` is :attr:`registry`, a
+    ``CollectorRegistry`` of this test alone. Pass either explicitly to override it
+    (``runtime="mlock"``, ``registry=None``). :meth:`pin` is :func:`pinpool.pin` with the same
+    defaults. :attr:`pools` lists what was built, in order.
+    """
+
+    def __init__(self, fake: FakeRuntime, registry: CollectorRegistry) -> None:
+        self.fake_runtime = fake
+        self.registry = registry
+        self.pools: list[PinnedPool] = []
+
+    def __call__(self, *, size: int | str, **options: Any) -> PinnedPool:
+        import pinpool
+
+        pool = pinpool.PinnedPool(size=size, **self._defaults(options))
+        self.pools.append(pool)
+        return pool
+
+    def pin(self, tensor: torch.Tensor, **options: Any) -> PinnedPool:
+        import pinpool
+
+        pool = pinpool.pin(tensor, **self._defaults(options))
+        self.pools.append(pool)
+        return pool
+
+    def _defaults(self, options: dict[str, Any]) -> dict[str, Any]:
+        runtime: str | Runtime = options.pop("runtime", self.fake_runtime)
+        registry: CollectorRegistry | None = options.pop("registry", self.registry)
+        return {"runtime": runtime, "registry": registry, **options}
+
+    def check(self) -> list[str]:
+        """Exit every pool still open, and say what was wrong; called at the test's teardown."""
+        import pinpool
+        from pinpool.testing import FakeRuntime
+
+        problems: list[str] = []
+        for pool in self.pools:
+            if not _entered_and_not_exited(pool, pinpool.PoolStateError):
+                continue
+            problems.append(f"pool {pool.name!r} was entered and never exited; the fixture exited it: {pool!r}")
+            try:
+                pool.__exit__(None, None, None)
+            except pinpool.PinpoolError as exc:  # UnpinError, or what a failed background pinning kept
+                problems.append(f"exiting pool {pool.name!r} at teardown raised {type(exc).__name__}: {exc}")
+        fakes = {id(pool.runtime): pool.runtime for pool in self.pools if isinstance(pool.runtime, FakeRuntime)}
+        for fake in fakes.values():
+            if fake is not self.fake_runtime:  # the fake_runtime fixture checks its own books
+                message = _leak_message(fake, f"the FakeRuntime of pool(s) {self._names_on(fake)}")
+                if message is not None:
+                    problems.append(message)
+        problems.extend(
+            f"pool {pool.name!r} still has {pool.pinned_bytes} bytes pinned after exit (its unpinning failed)"
+            for pool in self.pools
+            if not isinstance(pool.runtime, FakeRuntime) and pool.pinned_bytes
+        )
+        return problems
+
+    def _names_on(self, runtime: object) -> str:
+        return ", ".join(repr(pool.name) for pool in self.pools if pool.runtime is runtime)
+
+
+def _entered_and_not_exited(pool: PinnedPool, not_open: type[Exception]) -> bool:
+    state = getattr(pool, "state", None)  # pinpool.PoolState: new, pinning, ready, failed, closing, closed
+    if state is not None:
+        return str(state.value) not in ("new", "closed")
+    try:
+        _ = pool.tensors  # without pool.state: only an open pool has tensors
+    except not_open:
+        return False
+    return True
+
+
+@pytest.fixture
+def pinned_pool_factory(fake_runtime: FakeRuntime) -> Iterator[PinnedPoolFactory]:
+    """Leak-checked pools: ``pinned_pool_factory(size=..., **options)``; see :class:`PinnedPoolFactory`."""
+    from prometheus_client import CollectorRegistry
+
+    factory = PinnedPoolFactory(fake_runtime, CollectorRegistry())
+    yield factory
+    problems = factory.check()
+    if problems:
+        pytest.fail("pinned_pool_factory:\n- " + "\n- ".join(problems), pytrace=False)

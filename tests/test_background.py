@@ -1,0 +1,294 @@
+"""Background pinning: a pool the body uses while it pins, its state, readiness waits and failures."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import warnings
+
+import anyio
+import pytest
+import torch
+
+import pinpool
+from pinpool import PinError, PinnedPool, PoolState, PoolStateError, layouts
+from pinpool._ranges import PINNED_RANGES
+from pinpool.testing import FakeRuntime
+
+from .conftest import needs_mlock
+
+MiB = 1 << 20
+
+
+def slow_pool(fake: FakeRuntime, **kw: object) -> PinnedPool:
+    """16 chunks of 1 MiB, registered one at a time, 20 ms each: 0.3 s of pinning to observe."""
+    options: dict[str, object] = {
+        "size": 16 * MiB, "chunk_bytes": MiB, "runtime": fake, "registry": None, "register_workers": 1,
+        "populate": False, "background": True,
+    }  # fmt: skip
+    options.update(kw)
+    return PinnedPool(**options)  # type: ignore[arg-type]
+
+
+async def until_pinning_ends(pool: PinnedPool) -> None:
+    """Wait for background pinning to end without waiting on the pool (which would deliver its error)."""
+    for _ in range(2000):
+        if pool.state is not PoolState.PINNING:
+            return
+        await anyio.sleep(0.005)
+    raise AssertionError("pinning did not end within 10 s")
+
+
+def assert_books_clean(fake: FakeRuntime, pool: PinnedPool) -> None:
+    assert fake.registered == {}
+    assert pool.state is PoolState.CLOSED
+    assert not [t for t in threading.enumerate() if t.name.startswith(f"pinpool-{pool.name}")]
+
+
+@pytest.mark.anyio
+async def test_enter_returns_while_pinning_and_pages_grow_from_the_start() -> None:
+    fake = FakeRuntime(register_delay=0.02)
+    pool = slow_pool(fake, name="bg-grow")
+    seen: list[int] = []
+    async with pool:
+        assert pool.state is PoolState.PINNING
+        assert pool.tensor.numel() == 16 * MiB  # usable at once: pages [0, pinned_pages) are pinned
+        assert await pool.wait_ready(min_bytes="4MiB") >= 4 * MiB
+        assert pool.state is PoolState.PINNING  # not all of it yet
+        seen.append(pool.pinned_pages)
+        # Registered chunks are exactly the prefix: lowest offsets first.
+        bases = sorted(fake.registered)
+        assert bases == [pool.data_ptr + i * MiB for i in range(len(bases))]
+        assert await pool.wait_ready() == pool.num_pages
+        assert pool.state is PoolState.READY
+        assert pool.pinned_bytes == pool.nbytes
+    assert_books_clean(fake, pool)
+    assert 4 * MiB <= seen[0] < 16 * MiB
+
+
+@pytest.mark.anyio
+async def test_fraction_and_bad_thresholds() -> None:
+    fake = FakeRuntime(register_delay=0.01)
+    async with slow_pool(fake, name="bg-fraction") as pool:
+        assert await pool.wait_ready(fraction=0.25) >= 4 * MiB
+        for kwargs, match in [
+            ({"fraction": 0}, "fraction"), ({"fraction": 1.5}, "fraction"), ({"fraction": True}, "fraction"),
+            ({"min_bytes": "1TiB"}, "holds"), ({"min_bytes": -1}, "min_bytes"),
+            ({"min_bytes": 1, "fraction": 0.5}, "one of them"),
+        ]:  # fmt: skip
+            with pytest.raises(pinpool.ConfigError, match=match):
+                await pool.wait_ready(**kwargs)  # type: ignore[arg-type]
+    assert fake.registered == {}
+
+
+@pytest.mark.anyio
+async def test_leaving_while_pinning_stops_and_rolls_back() -> None:
+    fake = FakeRuntime(register_delay=0.02)
+    pool = slow_pool(fake, name="bg-leave")
+    async with pool:
+        await pool.wait_ready(min_bytes=2 * MiB)
+    assert_books_clean(fake, pool)
+    assert len(fake.register_calls) < 16  # stopped after the calls in flight
+    assert pool.pinned_bytes == 0 and pool.pinned_pages == 0
+    assert PINNED_RANGES.snapshot() == {}
+
+
+@pytest.mark.anyio
+async def test_a_background_failure_is_kept_raised_by_every_waiter_and_rolled_back() -> None:
+    fake = FakeRuntime(register_delay=0.005, fail_register_on=6)
+    pool = slow_pool(fake, name="bg-fail")
+    with pytest.raises(PinError, match="register") as raised:
+        async with pool:
+            with pytest.raises(PinError) as first:
+                await pool.wait_ready()
+            assert pool.state is PoolState.FAILED
+            assert fake.registered == {}  # rolled back at once, before anyone exits
+            with pytest.raises(PinError) as second:
+                await pool.wait_ready(min_bytes=1)
+            assert first.value is second.value is pool.error
+            with pytest.raises(PoolStateError, match="failed") as state_error:
+                pool.tensor  # noqa: B018
+            assert state_error.value.__cause__ is pool.error
+            raise first.value  # the body lets it propagate: exit does not raise it twice
+    assert not raised.value.__notes__ if hasattr(raised.value, "__notes__") else True
+    assert_books_clean(fake, pool)
+
+
+@pytest.mark.anyio
+async def test_an_unseen_background_failure_is_raised_on_exit() -> None:
+    fake = FakeRuntime(register_delay=0.002, fail_register_on=3)
+    pool = slow_pool(fake, name="bg-unseen")
+    with pytest.raises(PinError, match="register"):
+        async with pool:
+            await until_pinning_ends(pool)
+    assert_books_clean(fake, pool)
+
+
+@pytest.mark.anyio
+async def test_a_seen_failure_is_not_raised_again_and_a_body_error_gets_a_note() -> None:
+    fake = FakeRuntime(fail_register_on=2)
+    pool = slow_pool(fake, name="bg-seen")
+    async with pool:
+        await until_pinning_ends(pool)
+        assert isinstance(pool.error, PinError)  # read: delivered
+    assert_books_clean(fake, pool)
+
+    fake = FakeRuntime(fail_register_on=2)
+    pool = slow_pool(fake, name="bg-note")
+    with pytest.raises(KeyError) as raised:
+        async with pool:
+            await until_pinning_ends(pool)
+            raise KeyError("the body's own error")
+    assert any("pinning in the background had failed" in note for note in raised.value.__notes__)
+    assert_books_clean(fake, pool)
+
+
+def test_the_sync_twin() -> None:
+    fake = FakeRuntime(register_delay=0.01)
+    pool = slow_pool(fake, name="bg-sync")
+    with pool:
+        with pytest.raises(TimeoutError, match="not ready after"):
+            pool.wait_ready_sync(timeout=0.02)
+        assert pool.wait_ready_sync(min_bytes=MiB) >= MiB
+        assert pool.wait_ready_sync(timeout=30) == pool.num_pages
+        assert pool.state is PoolState.READY
+    assert_books_clean(fake, pool)
+    with pytest.raises(PoolStateError, match="exited before it was ready"):
+        pool.wait_ready_sync()
+    with pytest.raises(PoolStateError, match="enter it"):
+        PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None).wait_ready_sync()
+
+
+@pytest.mark.anyio
+async def test_a_foreground_pool_can_be_waited_for_from_another_task() -> None:
+    """Readiness is not only for background pools: another task may wait while `async with` pins."""
+    fake = FakeRuntime(register_delay=0.01)
+    pool = slow_pool(fake, name="fg-wait", background=False)
+    async with anyio.create_task_group() as tg:
+
+        async def waiter() -> None:
+            for _ in range(5000):
+                if pool.state is not PoolState.NEW:
+                    break
+                await anyio.sleep(0.001)
+            await pool.wait_ready(min_bytes=MiB)
+            assert pool.state in (PoolState.PINNING, PoolState.READY)
+
+        tg.start_soon(waiter)
+        async with pool:
+            assert pool.state is PoolState.READY
+    assert_books_clean(fake, pool)
+
+
+def test_native_task_cancel_while_leaving_a_pinning_pool_still_rolls_back() -> None:
+    """asyncio's own Task.cancel() (which anyio's shield does not stop) lands while exit waits."""
+    fake = FakeRuntime(register_delay=0.05)
+    pool = slow_pool(fake, name="bg-cancel")
+    started = threading.Event()
+
+    def before(op: str, _ptr: int, _nbytes: int) -> None:
+        if op == "register" and len(fake.register_calls) >= 2:
+            started.set()
+
+    fake.before_call = before
+
+    async def main() -> None:
+        async def body() -> None:
+            async with pool:
+                await anyio.sleep(10)
+
+        task = asyncio.ensure_future(body())
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        task.cancel()  # leaves the block: exit begins, waits for the conductor
+        await asyncio.sleep(0.01)
+        task.cancel()  # a second cancel lands inside that wait
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert_books_clean(fake, pool)
+
+
+def test_a_collected_pinning_pool_is_unpinned_by_its_conductor() -> None:
+    fake = FakeRuntime(register_delay=0.02)
+    pool = slow_pool(fake, name="bg-orphan")
+    pool.__enter__()
+    lifecycle = pool._lifecycle
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del pool  # the last reference: the finalizer runs now
+        gc.collect()
+    assert any("background" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    deadline = time.monotonic() + 10
+    while lifecycle.state is not PoolState.CLOSED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lifecycle.state is PoolState.CLOSED
+    assert fake.registered == {}
+
+
+def test_state_is_public_and_in_the_repr() -> None:
+    pool = PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None)
+    assert pool.state is PoolState.NEW and "new" in repr(pool)
+    with pool:
+        assert pool.state is PoolState.READY and pool.pinned_pages == pool.num_pages
+    assert pool.state is PoolState.CLOSED
+    assert pinpool.PoolState is PoolState
+    with pytest.raises(pinpool.ConfigError, match="background"):
+        PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, background="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_kv_pages_grow_in_k_and_v_together() -> None:
+    """A page is usable once its K and its V slices are pinned: the chunks interleave the halves."""
+    mha = layouts.MHA("page_first", 2, 16, 4, 64, torch.bfloat16)  # one "kv" buffer: K's pages, then V's
+    fake = FakeRuntime(register_delay=0.01)
+    pool = PinnedPool(
+        layout=mha, size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, registry=None, register_workers=1,
+        populate=False, background=True,
+    )  # fmt: skip
+    async with pool:
+        pages = await pool.wait_ready(fraction=0.25)
+        assert pool.state is PoolState.PINNING
+        half = pool.nbytes // 2
+        registered = {base - pool.data_ptr for base in fake.registered}
+        # Both halves have their first quarter registered, long before either half is done.
+        assert {0, half} <= registered
+        assert pages * pool.page_bytes < pool.nbytes
+    assert fake.registered == {}
+
+
+@needs_mlock
+@pytest.mark.anyio
+async def test_mlock_background_pool_locks_while_the_body_runs(vmlck_baseline: int) -> None:
+    from pinpool import _libc
+
+    pool = PinnedPool(size=512 * MiB, runtime="mlock", registry=None, background=True, name="bg-mlock")
+    async with pool:
+        page_counts = []
+        while pool.state is PoolState.PINNING:
+            page_counts.append(pool.pinned_pages)
+            await anyio.sleep(0.002)
+        await pool.wait_ready()
+        assert _libc.vm_locked_bytes() - vmlck_baseline >= 512 * MiB
+        assert page_counts == sorted(page_counts)  # the prefix only grows
+        pool.tensor[: 4 * MiB] = 7
+    assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+@needs_mlock
+def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
+    """Lock-on-fault locks each span as it faults: progress moves inside a single-chunk pool."""
+    from pinpool import _libc
+
+    values: list[int] = []
+    pool = PinnedPool(
+        size=512 * MiB, chunk_bytes=512 * MiB, runtime="mlock", registry=None, populate_workers=1,
+        max_call_seconds=0.005, on_progress=lambda pinned, total, done, chunks: values.append(pinned),
+    )  # fmt: skip
+    with pool:
+        assert len(pool.chunks) == 1
+    assert any(0 < v < 512 * MiB for v in values), values
+    assert values == sorted(values) and values[-1] == 512 * MiB
+    assert _libc.vm_locked_bytes() == vmlck_baseline

@@ -1,0 +1,819 @@
+"""The ``pinpool`` command line: exit codes for real, signals, pipes, help, plan, doctor, pin and its progress."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pinpool
+from pinpool import _cli, _doctor, _progress
+from pinpool._doctor import FAIL, OK, SKIP, WARN, CudaDevice, CudaFacts, DoctorFacts
+
+from .conftest import needs_mlock
+
+MiB = 1 << 20
+GiB = 1 << 30
+ROOT = Path(__file__).resolve().parent.parent
+MHA = ["--layout", "mha", "--kv-layout", "page_first", "--layer-num", "32", "--head-num", "8", "--head-dim", "128",
+       "--page-size", "64", "--dtype", "bfloat16"]  # fmt: skip
+
+
+def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pinpool", *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        env=None if env is None else {**os.environ, **env},
+    )  # fmt: skip
+
+
+def fake_cli(argv: list[str], **fake: Any) -> list[str]:
+    """A command running the CLI with ``--runtime fake`` built as ``FakeRuntime(**fake)``: slow calls,
+    injected failures. The CLI builds the fake from pinpool.testing when it runs, so patching there works."""
+    code = (
+        "import sys, pinpool.testing as testing\n"
+        "real = testing.FakeRuntime\n"
+        f"testing.FakeRuntime = lambda: real(**{fake!r})\n"
+        "from pinpool._cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    return [sys.executable, "-c", code]
+
+
+class Child:
+    """A CLI child process whose stderr is read on a thread, so a test can wait for a line."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.err: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, needle: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if needle in line:
+                return line
+        self.proc.kill()
+        raise AssertionError(f"no {needle!r} on stderr within {timeout} s: {''.join(self.err)!r}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str, str]:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        out = self.proc.stdout.read()
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return code, out, "".join(self.err)
+
+
+# -- sizes ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [("64GiB", 64 * GiB), ("4096", 4096), ("1.0", 1), ("1e3", 1000), ("1.5GiB", 3 * GiB // 2), ("512 B", 512)],
+)
+def test_cli_sizes(text: str, nbytes: int) -> None:
+    assert _cli.cli_size("--size", text) == nbytes
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("1.5", r"--size 1\.5 is not a whole number of bytes.*--size 1\.5GiB"),
+        ("1.5B", r"not a whole number of bytes"),
+        ("-5GiB", r"--size -5GiB: a size must be positive"),
+        ("-1", r"must be positive"),
+        ("0", r"not positive"),
+        ("lots", r"not a size"),
+        ("5 parsecs", r"unknown unit"),
+    ],
+)
+def test_cli_rejects_bad_sizes(text: str, match: str) -> None:
+    with pytest.raises(pinpool.ConfigError, match=match):
+        _cli.cli_size("--size", text)
+
+
+@pytest.mark.parametrize(("size", "message"), [("1.5", "add a unit"), ("-5GiB", "a size must be positive")])
+def test_bad_size_exits_2_with_pinpools_message(size: str, message: str) -> None:
+    """Not an argparse oddity ("expected one argument"), and nothing is pinned."""
+    result = run_cli("pin", "--runtime", "mlock", "--size", size)
+    assert result.returncode == 2
+    assert result.stderr.startswith("pinpool: ConfigError: --size") and message in result.stderr
+    assert "usage:" not in result.stderr and "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_negative_values_reach_pinpools_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["plan", "--chunk-bytes", "-1GiB"]) == 2
+    assert "--chunk-bytes -1GiB: a size must be positive" in capsys.readouterr().err
+    assert _cli.main(["plan", "--size", "1GiB", "--numa-node", "-1"]) == 2
+    assert "numa_node=-1" in capsys.readouterr().err
+
+
+# -- exit codes, version, help ------------------------------------------------------------------
+
+
+def test_version() -> None:
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout == f"pinpool {pinpool.__version__}\n"
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main(["pin", "--no-such-option"])
+    assert exit_.value.code == 2 and "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        _cli.main([])
+    assert exit_.value.code == 2
+
+
+def test_config_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["pin", "--size", "lots"]) == 2
+    assert capsys.readouterr().err.startswith("pinpool: ConfigError: --size='lots' is not a size")
+    assert _cli.main(["pin", "--size", "1GiB", "--hold", "soon"]) == 2
+    assert "--hold soon" in capsys.readouterr().err
+
+
+def test_help_is_plain_and_lists_the_exit_codes() -> None:
+    for argv in ([], ["plan"], ["pin"], ["doctor"]):
+        result = run_cli(*argv, "--help")
+        assert result.returncode == 0, result.stderr
+        text = result.stdout
+        assert "``" not in text and ":class:" not in text and ":func:" not in text
+        for code in ("0 ", "2 ", "3 ", "130 "):
+            assert f"\n  {code}" in text, (argv, code)
+    assert "--hold SECONDS|forever" in run_cli("pin", "--help").stdout
+
+
+CLI_ALONE = """
+import os, sys, types
+# Import pinpool._cli without running pinpool/__init__.py (which imports the pool, so torch).
+package = types.ModuleType("pinpool")
+package.__path__ = [os.path.join({root!r}, "pinpool")]
+sys.modules["pinpool"] = package
+import pinpool._cli as cli
+for argv in (["--help"], ["pin", "--help"], ["plan", "--help"], ["doctor", "--help"]):
+    try:
+        cli.main(argv)
+    except SystemExit as exit_:
+        assert exit_.code == 0, exit_.code
+print("torch" in sys.modules)
+"""
+
+
+def test_the_cli_module_does_not_import_torch_for_help() -> None:
+    """torch costs ~2 s to import: the parser and --help must not need it."""
+    result = subprocess.run(
+        [sys.executable, "-c", CLI_ALONE.format(root=str(ROOT))], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def _package_imports_torch() -> bool:
+    code = "import sys, pinpool; print('torch' in sys.modules)"
+    return (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT).stdout.strip() == "True"
+    )
+
+
+@pytest.mark.skipif(_package_imports_torch(), reason="pinpool/__init__.py imports torch eagerly (needs lazy loading)")
+def test_pinpool_help_does_not_import_torch() -> None:
+    code = (
+        "import sys\nfrom pinpool._cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_closed_stdout_ends_quietly() -> None:
+    """``pinpool plan ... | head -1``: the reader is gone before the output is written."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pinpool", "plan", "--size", "1.5TiB", "--chunk-bytes", "1GiB"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert err == ""
+
+
+def test_a_closed_stdout_through_a_shell_pipe() -> None:
+    result = subprocess.run(
+        f"{sys.executable} -m pinpool plan --size 1.5TiB --chunk-bytes 64MiB --rows 1000 | head -1",
+        shell=True, capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert result.stdout.startswith("plan for pool 'cli'") and result.stdout.count("\n") == 1
+    assert result.stderr == ""
+
+
+def test_a_failed_pin_exits_3_after_rolling_back() -> None:
+    command = fake_cli(["pin", "--runtime", "fake", "--size", "64MiB", "--chunk-bytes", "16MiB", "--progress", "none"],
+                       fail_register_on=3)  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.startswith("pinpool: PinError: pinning pool 'cli'")
+    assert "rolled back" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_a_failing_doctor_check_exits_1() -> None:
+    result = run_cli("doctor", "--no-cuda", env={"PINPOOL_REGISTER_CHUNK_GB": "lots"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"fail\s+env PINPOOL_REGISTER_CHUNK_GB\s+PINPOOL_REGISTER_CHUNK_GB='lots' is not a number",
+                     result.stdout)  # fmt: skip
+
+
+def test_bench_still_says_where_it_went(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["bench", "--size", "1GiB"]) == 2
+    assert "./dev bench" in capsys.readouterr().err
+
+
+# -- signals ---------------------------------------------------------------------------------------
+
+SLOW = {"register_delay": 0.2}
+SLOW_PIN = ["pin", "--runtime", "fake", "--size", "512MiB", "--chunk-bytes", "8MiB", "--register-workers", "1",
+            "--no-populate", "--progress", "lines"]  # fmt: skip
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_while_pinning_rolls_back_and_exits_130(signum: signal.Signals) -> None:
+    child = Child(fake_cli(SLOW_PIN, **SLOW))
+    child.wait_for("pinpool: pinning 512 MiB")
+    time.sleep(0.5)  # a few of the 64 slow registrations are done
+    child.proc.send_signal(signum)
+    code, out, err = child.finish()
+    assert code == 130, err
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert f"pinpool: interrupted ({name})" in err
+    assert "pinpool: pinning stopped and was rolled back: nothing is pinned" in err
+    assert "Traceback" not in err and out == ""
+
+
+@needs_mlock
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_ends_a_hold_unpins_and_exits_0(signum: signal.Signals) -> None:
+    child = Child([sys.executable, "-m", "pinpool", "pin", "--runtime", "mlock", "--size", "256MiB",
+                   "--hold", "forever"])  # fmt: skip
+    child.wait_for("pinpool: holding 256 MiB pinned until Ctrl-C or SIGTERM")
+    with open(f"/proc/{child.proc.pid}/status") as status:
+        locked = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmLck:"))
+    assert locked >= 256 * MiB  # really pinned while held
+    child.proc.send_signal(signum)
+    code, out, err = child.finish()
+    assert code == 0, err
+    assert "Traceback" not in err and "interrupted" not in err
+    assert "pinned 256 MiB with runtime 'mlock'" in out
+    assert "VmLck 0 B before, 256 MiB while pinned, 0 B after" in out
+    assert re.search(r"held: +\d+\.\d s pinned, ended by Ctrl-C or SIGTERM", out)
+
+
+def test_a_timed_hold_ends_by_itself() -> None:
+    result = subprocess.run(
+        fake_cli(["pin", "--runtime", "fake", "--size", "16MiB", "--hold", "0.2", "--json"]),
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["hold_ended_by"] == "time" and report["held_seconds"] >= 0.2
+    assert "pinpool: holding 16 MiB pinned for 0.2 s" in result.stderr
+
+
+def test_sigterm_is_restored_after_main() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with _cli.sigterm_as_interrupt():
+        assert signal.getsignal(signal.SIGTERM) is not before
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@needs_mlock
+def test_hold_serves_the_pools_metrics() -> None:
+    child = Child([sys.executable, "-m", "pinpool", "pin", "--runtime", "mlock", "--size", "64MiB", "--hold", "60",
+                   "--metrics-port", "0", "--name", "scraped"])  # fmt: skip
+    line = child.wait_for("pinpool: holding")
+    match = re.search(r"metrics at (http://127\.0\.0\.1:\d+/metrics)", line)
+    assert match, line
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(match.group(1), timeout=10) as response:
+        body = response.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(body) for s in family.samples}  # fmt: skip
+    assert samples[("pinpool_pinned_bytes", (("pool", "scraped"), ("runtime", "mlock")))] == 64 * MiB
+    child.proc.send_signal(signal.SIGTERM)
+    code, _out, err = child.finish()
+    assert code == 0, err
+
+
+def test_a_metrics_port_in_use_is_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = _cli.main(["pin", "--runtime", "fake", "--size", "1MiB", "--metrics-port", str(port)])
+    assert code == 2
+    assert f"--metrics-port {port}: cannot serve metrics there" in capsys.readouterr().err
+
+
+# -- pin -------------------------------------------------------------------------------------------
+
+
+@needs_mlock
+def test_cli_pins_for_real_and_reports_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["pin", "--size", "64MiB", "--runtime", "mlock", "--chunk-bytes", "16MiB", "--json", "--progress", "none"]
+    assert _cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["runtime"] == "mlock" and report["bytes"] == 64 * MiB and report["chunks"] == 4
+    locked = report["vm_locked_bytes"]
+    assert locked["pinned"] - locked["before"] == 64 * MiB and locked["after"] == locked["before"]
+    assert report["pin_gb_per_s"] > 0
+    latency = report["register_latency"]
+    assert latency["calls"] == 4 and 0 <= latency["p50_s"] <= latency["p99_s"] <= latency["max_s"]
+    assert report["first_touch"] is True and "page-fault cost" in report["notes"][0]
+
+
+@needs_mlock
+def test_pin_on_a_pipe_prints_progress_lines_and_a_summary() -> None:
+    """stderr is not a terminal here: plain progress lines, then the report with p50/p99/max on stdout."""
+    result = run_cli("pin", "--size", "256MiB", "--runtime", "mlock", "--chunk-bytes", "32MiB")
+    assert result.returncode == 0, result.stderr
+    err = result.stderr
+    assert err.startswith("pinpool: pinning 256 MiB in 8 chunk(s) of <= 32 MiB with runtime 'mlock'")
+    assert re.search(r"pinpool: pinning 100% \(256 MiB of 256 MiB\), [\d.]+ GB/s, ETA 0:00, 8/8 chunks", err)
+    assert "\r" not in err and "Traceback" not in err
+    out = result.stdout
+    assert "pinned 256 MiB with runtime 'mlock'" in out
+    assert re.search(
+        r"latency: +per registration call \(8 calls\): p50 [\d.]+ m?s, p99 [\d.]+ m?s, max [\d.]+ m?s", out
+    )
+    assert "first touch of fresh memory: includes page-fault cost" in out
+    assert "VmLck 0 B before, 256 MiB while pinned, 0 B after" in out
+
+
+def test_pin_with_a_layout_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["pin", "--runtime", "fake", "--size", "64MiB", *MHA, "--json", "--progress", "none"]
+    assert _cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"] == "mha/page_first" and report["bytes"] == 64 * MiB
+    assert report["granularity_bytes"] == 4 * MiB and report["first_touch"] is False
+
+
+def test_pin_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["pin", "--runtime", "fake", "--size", "16MiB", "--progress", "bar"]) == 0
+    err = capsys.readouterr().err
+    assert "\rpinning [" in err and "100%" in err
+
+
+# -- plan ------------------------------------------------------------------------------------------
+
+
+def test_plan_text_shows_buffers_and_the_chunk_tables_head_and_tail(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["plan", "--size", "1.5TiB", "--chunk-bytes", "1GiB", *MHA]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("plan for pool 'cli': 1.5 TiB of layout mha/page_first")
+    assert "nothing is allocated or pinned" in out
+    assert re.search(r"kv +\(2, 12582912, 32, 8, 128\) +bfloat16 +1\.5 TiB \(1649267441664 B\) +4 MiB", out)
+    assert "pages:     196608 of 8 MiB (8388608 B)" in out
+    assert "chunks:    1536 of <= 1 GiB" in out and "granularity 4 MiB" in out
+    assert "chunk table (1536 chunks, first 5 and last 5):" in out
+    rows = out.split("chunk table")[1].splitlines()[2:]
+    assert len(rows) == 11 and rows[5].strip() == "..."
+    assert rows[0].split()[:3] == ["0", "kv", "0"] and rows[-1].split()[0] == "1535"
+
+
+def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["plan", "--size", "1GiB", "--runtime", "cuda", "--chunk-bytes", "256MiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["runtime"] == "cuda" and report["order"] == "populate_first"  # CUDA's plan, on any host
+    assert report["workers"]["register"] == 1  # the CUDA driver serialises registration
+    assert report["buffers"] == [
+        {"name": "data", "shape": [GiB], "dtype": "uint8", "nbytes": GiB, "granularity_bytes": None, "offset": 0,
+         "chunks": 4}
+    ]  # fmt: skip
+    chunks = report["chunks"]
+    assert chunks["count"] == 4 and chunks["runs"] == [{"offset": 0, "nbytes": 256 * MiB, "count": 4}]
+    assert [c["offset"] for c in chunks["head"]] == [0, 256 * MiB, 512 * MiB, 768 * MiB] and chunks["tail"] == []
+    assert report["chunk_bytes"] == 256 * MiB and report["page_bytes"] == 1 and report["num_pages"] == GiB
+    assert "preflight_error" in report
+
+
+def test_plan_says_when_this_host_could_not_pin_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["plan", "--size", "100TiB", "--runtime", "mlock"]) == 0
+    assert "here:      pinning it on this host would fail: " in capsys.readouterr().out
+    assert _cli.main(["plan", "--size", "100TiB", "--runtime", "fake", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["preflight_error"] is None  # the fake pins nothing
+
+
+def test_a_huge_plan_stays_lazy() -> None:
+    """1.5 TiB in 4 KiB chunks is 402,653,184 of them: the plan must never list them."""
+    code = (
+        "import resource, sys, time\n"
+        "from pinpool._cli import main\n"
+        "start = time.perf_counter()\n"
+        "code = main(['plan', '--size', '1.5TiB', '--chunk-bytes', '4KiB', '--json'])\n"
+        "took = time.perf_counter() - start\n"
+        "print(code, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, took, file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    status, peak, took = result.stderr.split()
+    assert status == "0", result.stderr
+    assert json.loads(result.stdout)["chunks"]["count"] == 1.5 * (1 << 40) // 4096
+    assert int(peak) < GiB  # the interpreter and torch: ~0.25 GiB
+    assert float(took) < 20  # mostly torch's import
+
+
+@pytest.mark.parametrize(
+    ("argv", "layout", "page_bytes"),
+    [
+        (["--layout", "raw", "--granularity", "3MiB"], "raw", 1),
+        ([*MHA[:-2], "--dtype", "bf16"], "mha/page_first", 8 * MiB),
+        (["--layout", "mha", "--kv-layout", "page_first", "--layer-num", "2", "--head-num", "1", "--head-dim", "64",
+          "--v-head-dim", "32", "--page-size", "16", "--dtype", "float16"], "mha-kv/page_first", 2 * 16 * 96 * 2),
+        (["--layout", "mha", "--kv-layout", "layer_first", "--k-only", "--layer-num", "2", "--head-num", "1",
+          "--head-dim", "64", "--page-size", "16", "--dtype", "float16"], "mha-k/layer_first", 2 * 16 * 64 * 2),
+        (["--layout", "mla", "--kv-layout", "page_first", "--layer-num", "61", "--page-size", "64",
+          "--kv-cache-dim", "576", "--dtype", "fp8_e4m3"], "mla/page_first", 61 * 64 * 576),
+        (["--layout", "mamba", "--num-mamba-layers", "4", "--temporal-shape", "8,64,16", "--conv-shapes", "3,128;3,64",
+          "--dtype", "float32"], "mamba/page_first", 4 * (8 * 64 * 16 + 3 * 128 + 3 * 64) * 4),
+        (["--layout", "indexer", "--kv-layout", "page_first", "--layer-num", "4", "--page-size", "64",
+          "--index-head-dim", "128", "--quant-block-size", "128"], "indexer/page_first", 4 * 64 * (128 + 4)),
+        (["--layout", "paged", "--kv-layout", "layer_first", "--layer-num", "3", "--item-bytes", "4KiB"],
+         "paged/layer_first", 3 * 4096),
+    ],
+)  # fmt: skip
+def test_layouts_from_the_command_line(argv: list[str], layout: str, page_bytes: int,
+                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    assert _cli.main(["plan", "--size", "64MiB", "--runtime", "fake", "--json", *argv]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"] == layout and report["page_bytes"] == page_bytes
+
+
+def test_a_layout_from_a_file_matches_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = {"family": "mha", "layout": "page_first", "layer_num": 32, "page_size": 64, "head_num": 8,
+            "head_dim": 128, "dtype": "bfloat16"}  # fmt: skip
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(spec))
+    assert _cli.main(["plan", "--size", "1GiB", "--json", "--layout-file", str(path)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert _cli.main(["plan", "--size", "1GiB", "--json", *MHA]) == 0
+    assert json.loads(capsys.readouterr().out) == from_file
+    mamba = {"family": "mamba", "num_mamba_layers": 2, "temporal_shape": [4, 8], "conv_shapes": [[3, 16]],
+             "dtype": "torch.float32"}  # fmt: skip
+    path.write_text(json.dumps(mamba))
+    assert _cli.main(["plan", "--size", "1MiB", "--json", "--layout-file", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["page_bytes"] == 2 * (4 * 8 + 3 * 16) * 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--layout", "mha", "--head-num", "8"], "--layout mha also needs --kv-layout, --layer-num, --page-size, "
+         "--head-dim, --dtype"),
+        (["--layout", "mla", "--head-num", "8"], "--layout mla has no --head-num; its fields are --kv-layout"),
+        (["--granularity", "1.5"], "--granularity 1.5 is not a whole number of bytes"),
+        ([*MHA[:-2], "--dtype", "bfloat17"], "--dtype 'bfloat17' is not a torch dtype"),
+        ([*MHA[:2], "--kv-layout", "sideways", *MHA[4:]], "MHA(layout='sideways'): choose one of"),
+        ([*MHA[:4], "--layer-num", "many", *MHA[6:]], "--layer-num 'many' is not an integer"),
+        ([*MHA[:4], "--layer-num", "0", *MHA[6:]], "MHA(layer_num=0): must be a positive int"),
+        (["--layout-file", "/nonexistent/layout.json"], "cannot read it"),
+        (["--layout-file", "/dev/null", "--layout", "mha"], "takes no --layout"),
+    ],
+)  # fmt: skip
+def test_invalid_layouts_exit_2_with_the_config_error(argv: list[str], message: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    assert _cli.main(["plan", "--size", "64MiB", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pinpool: ConfigError: ") and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "not JSON"),
+        ('["mha"]', 'give a JSON object with a "family"'),
+        ('{"family": "gqa"}', "unknown layout family 'gqa'"),
+        ('{"family": "mla", "layout": "page_first", "layer_num": 1, "page_size": 1, "kv_cache_dim": 1, '
+         '"dtype": "bfloat16", "heads": 2}', "has no heads"),
+    ],
+)  # fmt: skip
+def test_invalid_layout_files(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "layout.json"
+    path.write_text(content)
+    with pytest.raises(pinpool.ConfigError, match=re.escape(message)):
+        _cli.layout_from_file(str(path))
+
+
+# -- progress rendering (pure) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(None, "--:--"), (float("inf"), "--:--"), (0, "0:00"), (7.4, "0:07"), (754, "12:34"),
+                          (3723, "1:02:03")],
+)  # fmt: skip
+def test_format_eta(seconds: float | None, text: str) -> None:
+    assert _progress.format_eta(seconds) == text
+
+
+def test_render_bar() -> None:
+    bar = _progress.render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=100)
+    cells = bar[bar.index("[") + 1 : bar.index("]")]
+    assert 10 <= len(cells) <= 40 and cells.count("#") == len(cells) // 4 and bar.startswith("pinning [#")
+    assert len(bar) <= 99 and " 25%  " in bar
+    assert "1 GiB / 4 GiB  2.15 GB/s  ETA 0:02  4/16 chunks" in bar
+    assert len(_progress.render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=60)) <= 80  # the bar shrinks, to 10 cells
+    assert "ETA --:--" in _progress.render_bar(0, GiB, 0.1, 0, 4) and "[" + "." * 10 in _progress.render_bar(
+        0, GiB, 0.1, 0, 4, width=40
+    )
+    assert "100%" in _progress.render_bar(GiB, GiB, 1.0, 4, 4) and "#" * 10 in _progress.render_bar(GiB, GiB, 1, 4, 4)
+
+
+def test_render_shows_faulting_ahead_of_pinning() -> None:
+    """Chunks count as pinned whole; pre-faulted spans move the display within one."""
+    bar = _progress.render_bar(GiB, 4 * GiB, 1.0, 1, 4, width=80, faulted=2 * GiB)
+    cells = bar[bar.index("[") + 1 : bar.index("]")]
+    assert re.fullmatch(r"#+\++\.+", cells)
+    assert cells.count("#") == len(cells) // 4 and cells.count("#") + cells.count("+") == len(cells) // 2
+    assert " 25%  1 GiB / 4 GiB (2 GiB faulted)  1.07 GB/s" in bar
+    assert "faulted" not in _progress.render_bar(GiB, 4 * GiB, 1.0, 1, 4, faulted=GiB)  # not ahead: not shown
+    line = _progress.render_line(GiB, 4 * GiB, 1.0, 1, 4, faulted=3 * GiB)
+    assert line.startswith("pinpool: pinning 25% (1 GiB of 4 GiB, 3 GiB faulted), 1.07 GB/s")
+
+
+def test_render_line() -> None:
+    assert _progress.render_line(3 * GiB, 4 * GiB, 3.0, 12, 16) == (
+        "pinpool: pinning 75% (3 GiB of 4 GiB), 1.07 GB/s, ETA 0:01, 12/16 chunks, 3.0 s elapsed"
+    )
+    assert "99%" in _progress.render_line(4 * GiB - 1, 4 * GiB, 1.0, 15, 16)  # 100% only when all is pinned
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert _progress.percentile(values, 50) == 50 and _progress.percentile(values, 99) == 99
+    assert _progress.percentile([3.0, 1.0, 2.0], 99) == 3.0 and _progress.percentile([5.0], 50) == 5.0
+    with pytest.raises(ValueError):
+        _progress.percentile([], 50)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reporter_lines_every_interval_and_once_at_the_end() -> None:
+    stream, clock = io.StringIO(), Clock()
+    reporter = _progress.ProgressReporter(stream, "lines", interval=2.0, clock=clock)
+    for step in range(1, 13):  # 3 s of ticks every 0.25 s
+        clock.now += 0.25
+        reporter(step * MiB, 12 * MiB, step, 12)
+    reporter(12 * MiB, 12 * MiB, 12, 12)  # the lifecycle reports 100% once more
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and "pinning 66% (8 MiB of 12 MiB)" in lines[0] and "100%" in lines[1]
+
+
+def test_reporter_bar_redraws_one_line_and_clears_it() -> None:
+    stream, clock = io.StringIO(), Clock()
+    reporter = _progress.ProgressReporter(stream, "bar", clock=clock, width=80)
+    clock.now += 1
+    reporter(MiB, 4 * MiB, 1, 4)
+    clock.now += 1
+    reporter(4 * MiB, 4 * MiB, 4, 4)
+    reporter.finish()
+    text = stream.getvalue()
+    assert "\n" not in text and text.count("\rpinning [") == 2 and text.endswith("\r")
+
+
+def test_reporter_reads_faulted_bytes_at_each_update() -> None:
+    stream, clock = io.StringIO(), Clock()
+    faulted = iter([None, 3.0 * MiB])
+    reporter = _progress.ProgressReporter(stream, "lines", interval=0.0, clock=clock, faulted=lambda: next(faulted))
+    clock.now += 1
+    reporter(MiB, 4 * MiB, 1, 4)
+    reporter(MiB, 4 * MiB, 1, 4)
+    first, second = stream.getvalue().splitlines()
+    assert "faulted" not in first and "(1 MiB of 4 MiB, 3 MiB faulted)" in second
+
+
+def test_reporter_never_raises_into_the_pin() -> None:
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError
+
+    reporter = _progress.ProgressReporter(Broken(), "bar")
+    reporter(1, 2, 0, 1)
+    reporter(2, 2, 1, 1)  # gave up quietly
+    reporter.finish()
+
+
+def test_event_log_keeps_registration_latency_and_prints_warnings() -> None:
+    stream = io.StringIO()
+    log = _progress.EventLog(stream).bind(pool="p", runtime="mlock")
+    log.debug("chunk.registered", offset=0, nbytes=1, seconds=0.25, attempt=1)
+    log.debug("chunk.failed", seconds=9.0)
+    log.info("chunk.retry", offset=0)
+    log.warning("pool.rollback", cause="failure")  # the CLI reports this outcome itself
+    log.error("pool.unpin.failed", failures=1)
+    assert log.register_seconds == [0.25] and log.retries == 1
+    assert stream.getvalue() == "pinpool: pool 'p': error: pool.unpin.failed (failures=1)\n"
+
+
+# -- doctor ------------------------------------------------------------------------------------------
+
+
+def facts(**changes: Any) -> DoctorFacts:
+    base = DoctorFacts(
+        memlock_soft=8 * MiB, memlock_hard=8 * MiB, cap_ipc_lock=True, mem_available=100 * GiB, cgroup_version=2,
+        cgroup_limit=None, cgroup_usage=GiB, cgroup_reclaimable=None, cgroup_path="/", thp_enabled="madvise",
+        thp_defrag="madvise", hugetlb_free=0, hugetlb_total=0, huge_page_size=2 * MiB, kernel_release="6.8.0-45",
+        populate_write=True, numa_nodes=(0,), cuda=CudaFacts(skip_reason="no GPU"), env={},
+    )  # fmt: skip
+    return DoctorFacts(**{**base.__dict__, **changes})
+
+
+def statuses(checks: list[_doctor.Check]) -> dict[str, str]:
+    return {c.name: c.status for c in checks}
+
+
+def test_a_good_host_passes() -> None:
+    checks = _doctor.run_checks(facts(), 64 * GiB)
+    assert set(statuses(checks).values()) == {OK, SKIP} and _doctor.exit_code(checks) == 0
+    assert [c.name for c in checks] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "kernel", "numa", "cuda",
+                                        "env"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "cap", "size", "status", "fix"),
+    [
+        (8 * MiB, 8 * MiB, True, 64 * GiB, OK, ""),
+        (None, None, False, 64 * GiB, OK, ""),
+        (8 * MiB, None, False, 64 * GiB, FAIL, "ulimit -l unlimited"),
+        (8 * MiB, 8 * MiB, False, 64 * GiB, FAIL, "LimitMEMLOCK=infinity"),
+        (128 * GiB, 128 * GiB, False, 64 * GiB, OK, ""),
+        (8 * MiB, 8 * MiB, False, None, WARN, "LimitMEMLOCK=infinity"),
+    ],
+)
+def test_check_memlock(soft: int | None, hard: int | None, cap: bool, size: int | None, status: str,
+                       fix: str) -> None:  # fmt: skip
+    check = _doctor.check_memlock(soft, hard, cap, size)
+    assert check.status == status and fix in check.fix
+
+
+def test_check_memory_available() -> None:
+    assert _doctor.check_mem_available(None, 10 * GiB).status == OK
+    assert _doctor.check_mem_available(8 * GiB, 10 * GiB).status == OK
+    assert _doctor.check_mem_available(int(9.5 * GiB), 10 * GiB).status == WARN
+    failed = _doctor.check_mem_available(11 * GiB, 10 * GiB)
+    assert failed.status == FAIL and "more than MemAvailable 10 GiB" in failed.detail
+    assert _doctor.check_mem_available(GiB, None).status == WARN
+
+
+def test_check_cgroup() -> None:
+    assert _doctor.check_cgroup(GiB, None, None, None).status == OK
+    assert _doctor.check_cgroup(GiB, 2, None, GiB).status == OK
+    ok = _doctor.check_cgroup(GiB, 2, 16 * GiB, 4 * GiB, 2 * GiB, "/kubepods/x")
+    assert ok.status == OK and "room 14 GiB" in ok.detail and "/kubepods/x (v2)" in ok.detail
+    failed = _doctor.check_cgroup(15 * GiB, 1, 16 * GiB, 4 * GiB, 2 * GiB)
+    assert failed.status == FAIL and "OOM-killed" in failed.detail and "--memory" in failed.fix
+    assert _doctor.check_cgroup(13 * GiB, 2, 16 * GiB, 4 * GiB, 2 * GiB).status == WARN
+
+
+@pytest.mark.parametrize(
+    ("enabled", "defrag", "status"),
+    [("madvise", "madvise", OK), ("always", "defer+madvise", OK), ("never", "madvise", WARN), (None, None, WARN),
+     ("always", "always", WARN)],
+)  # fmt: skip
+def test_check_thp(enabled: str | None, defrag: str | None, status: str) -> None:
+    assert _doctor.check_thp(enabled, defrag).status == status
+
+
+def test_check_hugetlb() -> None:
+    assert _doctor.check_hugetlb(0, 0, 2 * MiB, 64 * GiB).status == OK
+    short = _doctor.check_hugetlb(100, 200, 2 * MiB, GiB)
+    assert short.status == WARN and "echo 612 > /proc/sys/vm/nr_hugepages" in short.fix
+    assert _doctor.check_hugetlb(512, 512, 2 * MiB, GiB).status == OK
+
+
+@pytest.mark.parametrize(
+    ("release", "populate_write", "limit", "status", "text"),
+    [
+        ("6.8.0-45-generic", True, 256 * GiB, OK, "Linux 6.8.0-45-generic"),
+        ("6.11.2", True, 256 * GiB, WARN, "cap one pin call (cudaHostRegister) at 2 GB"),
+        ("6.13.0", True, None, WARN, "chunk limit here is unknown"),
+        ("6.12.1", True, GiB, OK, "keeps chunks at 1 GiB"),
+        ("6.14.0", True, 256 * GiB, OK, "Linux 6.14.0"),
+        ("5.10.0", False, 256 * GiB, WARN, "no MADV_POPULATE_WRITE"),
+        ("weird", True, 256 * GiB, WARN, "cannot parse"),
+    ],
+)
+def test_check_kernel(release: str, populate_write: bool, limit: int | None, status: str, text: str) -> None:
+    check = _doctor.check_kernel(release, populate_write, limit)
+    assert check.status == status and text in check.detail
+
+
+def test_check_numa() -> None:
+    assert _doctor.check_numa((0,)).status == OK
+    assert "--numa-node" in _doctor.check_numa((0, 1)).detail
+
+
+def test_check_cuda() -> None:
+    assert _doctor.check_cuda(CudaFacts(skip_reason="torch sees no GPU")).status == SKIP
+    assert _doctor.check_cuda(CudaFacts(error="RuntimeError: boom")).status == FAIL
+    good = CudaFacts(torch_version="2.5", torch_cuda="12.4", driver_version="550.54.15", driver_cuda="12.4",
+                     devices=(CudaDevice(0, "NVIDIA H200", 1),))  # fmt: skip
+    check = _doctor.check_cuda(good)
+    assert check.status == OK and "0: NVIDIA H200" in check.detail and "driver 550.54.15 (CUDA 12.4)" in check.detail
+    cannot = CudaFacts(torch_cuda="12.4", devices=(CudaDevice(0, "A", 1), CudaDevice(1, "B", 0)))
+    assert _doctor.check_cuda(cannot).status == WARN and "[1]" in _doctor.check_cuda(cannot).detail
+    assert _doctor.check_cuda(CudaFacts(torch_cuda="12.4", devices=(CudaDevice(0, "A", None),))).status == WARN
+    assert _doctor.check_cuda(CudaFacts(build="rocm", torch_cuda="6.2", devices=(CudaDevice(0, "MI300X", None),))
+                              ).status == OK  # fmt: skip
+
+
+def test_check_env() -> None:
+    unset = _doctor.check_env({})
+    assert statuses(unset) == {"env": OK} and "PINPOOL_REGISTER_CHUNK_GB" in unset[0].detail
+    chunk = _doctor.check_env({"PINPOOL_REGISTER_CHUNK_GB": "64"})[-1]
+    assert chunk.status == OK and "PINPOOL_REGISTER_CHUNK_GB='64': 64 GiB" in chunk.detail
+    env = {"PINPOOL_REGISTER_CHUNK_GB": "-1", "PINPOOL_REGISTER_CHUNK": "4", "PINPOOL_NODE_SLOTS": "x",
+           "PINPOOL_NODE_DIR": "relative", "PINPOOL_NODE_BUDGET": "64GiB"}  # fmt: skip
+    bad = _doctor.check_env(env)
+    assert statuses(bad) == {
+        "env PINPOOL_REGISTER_CHUNK_GB": FAIL, "env PINPOOL_NODE_SLOTS": FAIL, "env PINPOOL_NODE_DIR": FAIL,
+        "env PINPOOL_NODE_BUDGET": OK, "env PINPOOL_REGISTER_CHUNK": WARN,
+    }  # fmt: skip
+    assert (
+        "PINPOOL_NODE_DIR='relative' must be an absolute path"
+        in {c.name: c for c in bad}["env PINPOOL_NODE_DIR"].detail
+    )
+    assert "PINPOOL_NODE_SLOTS='4': 4 at once" in _doctor.check_env({"PINPOOL_NODE_SLOTS": "4"})[-1].detail
+    assert _doctor.env_chunk_limit({"PINPOOL_REGISTER_CHUNK_GB": "0.5"}) == GiB // 2
+    assert _doctor.env_chunk_limit({"PINPOOL_REGISTER_CHUNK_GB": "x"}) is None
+
+
+def test_doctor_knows_every_environment_variable_pinpool_reads() -> None:
+    from pinpool import _plan
+
+    read = set()
+    for path in (ROOT / "pinpool").rglob("*.py"):
+        read |= set(re.findall(r"\bPINPOOL_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    assert read == set(_doctor.KNOWN_ENV) and _doctor.CHUNK_ENV == _plan.CHUNK_ENV
+
+
+def test_doctor_text_and_exit_code_for_failures() -> None:
+    checks = _doctor.run_checks(facts(cap_ipc_lock=False, kernel_release="6.12.0"), 200 * GiB)
+    assert statuses(checks)["memlock"] == FAIL and statuses(checks)["memory"] == FAIL
+    assert statuses(checks)["kernel"] == WARN and _doctor.exit_code(checks) == 1
+    text = _doctor.render_text(checks, 200 * GiB)
+    assert text.startswith("pinpool doctor for --size 200 GiB:")
+    assert re.search(r"\n  fail  memlock +RLIMIT_MEMLOCK soft 8 MiB.*\n +fix: ", text)
+    assert text.endswith("result: 5 ok, 1 warn, 2 fail, 1 skip")
+
+
+def test_doctor_on_this_host() -> None:
+    result = run_cli("doctor", "--json", "--size", "64MiB")
+    report = json.loads(result.stdout)
+    assert result.returncode == (0 if report["ok"] else 1), result.stderr
+    assert report["pinpool"] == pinpool.__version__ and report["size_bytes"] == 64 * MiB
+    names = [c["name"] for c in report["checks"]]
+    assert names[:8] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "kernel", "numa", "cuda"]
+    for check in report["checks"]:
+        assert set(check) == {"name", "status", "detail", "fix"} and check["status"] in _doctor.STATUSES
+        assert check["detail"] and (check["status"] in (OK, SKIP) or check["fix"])
+    assert sum(report["counts"].values()) == len(names)
+    text = run_cli("doctor", "--no-cuda")
+    assert text.stdout.startswith("pinpool doctor:") and re.search(
+        r"\n  skip  cuda +not probed \(--no-cuda\)", text.stdout
+    )
