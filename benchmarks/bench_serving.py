@@ -7,11 +7,13 @@
 
 Part 1, **first GiB usable vs full pin**: an 8 GiB ``PinnedPool(..., background=True)`` (Raw
 layout) is entered with ``async with``; timed from just before entering until
-``await pool.wait_ready(min_bytes="1GiB")`` returns, and until ``await pool.wait_ready()``
-returns (the whole pool), in the same pool; with pinpool's defaults and with a stall budget
-(``max_call_seconds``). A foreground pool (``async with`` returns once pinned) of the same size
-gives the reference full pin time. ``--extra-chunk-bytes`` adds background pools with a smaller
-``chunk_bytes``, to show what the chunk plan does to the first GiB.
+``await pool.wait_ready(min_bytes=...)`` returns for half of ``--first-bytes`` and for all of it
+(default 512 MiB and 1 GiB: the first shows whether the first two populate spans land together),
+and until ``await pool.wait_ready()`` returns (the whole pool), in the same pool; with pinpool's
+defaults and with a stall budget (``max_call_seconds``). A foreground pool (``async with``
+returns once pinned) of the same size gives the reference full pin time.
+``--extra-chunk-bytes`` adds background pools with a smaller ``chunk_bytes``, to show what the
+chunk plan does to the first GiB.
 
 Part 2, **the stall budget**: a "serving" thread maps a small anonymous region
 (``mmap.mmap(-1, 64 KiB)``), writes one byte per 4 KiB page and unmaps it, once per millisecond,
