@@ -9,18 +9,19 @@ still knows exactly what to roll back.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from ._errors import ChunkFailure, RuntimeCallError
 from ._ledger import ChunkState, LedgerError, Phase, StopCause
 from ._memory import populate_range
 from ._observe import Observer
-from ._pipeline import WAIT, Order, Pipeline, Span, _Wait
+from ._pipeline import BATCH_BYTES, BATCH_ITEMS, WAIT, Order, Pipeline, Span, _Wait
 from ._plan import Chunk, RetrySplitter
 from ._prefix import PrefixTracker
 from ._stall import CallSizer
@@ -328,7 +329,7 @@ class PinSession:
             order = ledger.teardown_order()
             self._failed_before = len(ledger.failures)
         self._teardown_started = time.perf_counter()
-        pending = iter(order)
+        pending = collections.deque(order)
         return tuple(lambda: self._unregister_work(pending) for _ in range(min(self.unpin_workers, len(order))))
 
     def end_teardown(self, crashed: Sequence[BaseException] = ()) -> tuple[ChunkFailure, ...]:
@@ -353,36 +354,83 @@ class PinSession:
             self.unpin_seconds += time.perf_counter() - self._teardown_started
             return tuple(ledger.failures[self._failed_before :])
 
-    def _unregister_work(self, pending: Iterator[int]) -> None:
-        """One unpin worker: unregister chunk bases from the shared reverse-order queue."""
-        ledger, lock, observer = self.ledger, self.lock, self.observer
+    def _unregister_work(self, pending: collections.deque[int]) -> None:
+        """One unpin worker: unregister chunk bases from the shared reverse-order queue.
+
+        It claims a batch of consecutive chunks at a time (as pinning does: up to BATCH_BYTES or
+        BATCH_ITEMS, and no more than its share), so tiny chunks cost one lock hand-off per batch,
+        not two per chunk; outcomes go on the books at the end of the batch and at least every
+        RECORD_INTERVAL_SECONDS. Claimed chunks not yet unregistered when something interrupts
+        the worker go back to the queue (the inline runner resumes the queue after an interrupt).
+        """
+        lock = self.lock
         while True:
             with lock:
-                index = next(pending, None)
-                was_pinned = index is not None and ledger.states[index] is ChunkState.REGISTERED
-            if index is None:
+                batch = self._claim_unpin_batch(pending)
+            if not batch:
                 return
-            chunk = ledger.chunks[index]
-            error: RuntimeCallError | None = None
-            call_started = time.perf_counter()
-            # A chunk registered in pieces (retries) is unregistered piece by piece, each by its base.
-            for piece in reversed(ledger.pieces.get(index, (chunk,))):
-                ptr = self.base_ptr + piece.offset
-                observer.call_started()
-                try:
-                    self.runtime.unregister(ptr)
-                except BaseException as exc:  # anything, SystemExit included, fails this chunk only
-                    error = error or as_runtime_error(exc, "unregister", ptr, piece.nbytes)
-                finally:
-                    observer.call_ended()
-            if error is not None:
+            done: list[tuple[int, RuntimeCallError | None, float, bool]] = []
+            recorded = 0
+            try:
+                recorded_at = time.perf_counter()
+                for index, was_pinned in batch:
+                    error, seconds = self._unregister_chunk(index)
+                    done.append((index, error, seconds, was_pinned))
+                    if time.perf_counter() - recorded_at >= RECORD_INTERVAL_SECONDS:
+                        self._record_unpinned(done[recorded:])
+                        recorded = len(done)
+                        recorded_at = time.perf_counter()
+            finally:
                 with lock:
-                    ledger.unregister_failed(index, error)
-                observer.chunk_failed(chunk, "unregister", error, time.perf_counter() - call_started)
-            else:
-                with lock:
+                    pending.extendleft(index for index, _ in reversed(batch[len(done) :]))
+                self._record_unpinned(done[recorded:])
+
+    def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[tuple[int, bool]]:
+        """Under the lock: the next chunks to unregister, each with whether it counts as pinned."""
+        ledger = self.ledger
+        share = -(-len(pending) // max(1, self.unpin_workers))
+        batch: list[tuple[int, bool]] = []
+        nbytes = 0
+        while pending and nbytes < BATCH_BYTES and len(batch) < min(BATCH_ITEMS, max(1, share)):
+            index = pending.popleft()
+            batch.append((index, ledger.states[index] is ChunkState.REGISTERED))
+            nbytes += ledger.chunks[index].nbytes
+        return batch
+
+    def _unregister_chunk(self, index: int) -> tuple[RuntimeCallError | None, float]:
+        """Unregister one chunk; a chunk registered in pieces (retries, the stall budget) is
+        unregistered piece by piece, each by its own base."""
+        ledger, observer = self.ledger, self.observer
+        chunk = ledger.chunks[index]
+        error: RuntimeCallError | None = None
+        started = time.perf_counter()
+        for piece in reversed(ledger.pieces.get(index, (chunk,))):
+            ptr = self.base_ptr + piece.offset
+            observer.call_started()
+            try:
+                self.runtime.unregister(ptr)
+            except BaseException as exc:  # anything, SystemExit included, fails this chunk only
+                error = error or as_runtime_error(exc, "unregister", ptr, piece.nbytes)
+            finally:
+                observer.call_ended()
+        return error, time.perf_counter() - started
+
+    def _record_unpinned(self, done: Sequence[tuple[int, RuntimeCallError | None, float, bool]]) -> None:
+        if not done:
+            return
+        ledger, observer = self.ledger, self.observer
+        with self.lock:
+            for index, error, _seconds, _was_pinned in done:
+                if error is None:
                     ledger.unregistered(index)
-                observer.chunk_unregistered(chunk, time.perf_counter() - call_started, was_pinned=was_pinned)
+                else:
+                    ledger.unregister_failed(index, error)
+        for index, error, seconds, was_pinned in done:
+            chunk = ledger.chunks[index]
+            if error is None:
+                observer.chunk_unregistered(chunk, seconds, was_pinned=was_pinned)
+            else:
+                observer.chunk_failed(chunk, "unregister", error, seconds)
 
 
 def _in_pieces(pipeline: Pipeline, pieces: list[Chunk]) -> Callable[[int], int | None]:

@@ -481,6 +481,7 @@ CHUNKS_PER_WORKER = 4
 # One populate call faults at most this much, so mmap_lock is never held long (a registration
 # or munmap elsewhere in the process waits for it), and every populate worker has spans to take.
 MAX_SPAN_BYTES = 512 << 20
+LOOKAHEAD_CHUNKS = 64  # per populate worker, when chunks are smaller than a span
 MIN_SPAN_BYTES = 16 << 20
 # Default worker counts shrink for small pools: below ~256 MiB a worker saves little time and
 # costs a thread start and contention for the GIL.
@@ -879,7 +880,10 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
     else:
         threads = max(populate_workers, register_workers)
     # Faulting may run this far ahead of registration (whole chunks; the front chunk always may).
-    lookahead_bytes = max(2 * chunk_bytes, populate_workers * span_bytes)
+    # A span never crosses a chunk, so with tiny chunks a worker's real span is a chunk: the
+    # lookahead is then a few batches of chunks, not span_bytes each (thousands of chunks ahead
+    # of registration cost every chunk more as the pool grew: measured at 100k chunks).
+    lookahead_bytes = max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS))
     from ._prefix import page_runs, pin_order  # it builds on this module's tables
 
     runs = page_runs([(b.offset, b.spec.nbytes, b.spec.page_runs) for b in buffers], place.num_pages)

@@ -25,6 +25,7 @@ from pinpool._options import PoolOptions
 from pinpool._pipeline import split_spans
 from pinpool._plan import (
     CHUNK_ENV,
+    LOOKAHEAD_CHUNKS,
     Chunk,
     ChunkTable,
     Order,
@@ -258,7 +259,7 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
         "chunk_bytes": chunk_bytes, "granularity": grans.pop() if len(grans) == 1 else None, "populate": populate,
         "order": order, "register_workers": register, "populate_workers": populate_workers, "unpin_workers": unpin,
         "threads": threads, "span_bytes": span_bytes,
-        "lookahead_bytes": max(2 * chunk_bytes, populate_workers * span_bytes),
+        "lookahead_bytes": max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS)),
         "mapping_bytes": max(offset, page), "offsets": offsets, "chunks": tuple(chunks), "spans": spans,
     }  # fmt: skip
 
@@ -328,7 +329,10 @@ def check_invariants(plan: PoolPlan, options: PoolOptions, host: HostFacts, caps
         assert plan.threads == plan.populate_workers + plan.register_workers
     else:
         assert plan.threads == max(plan.populate_workers, plan.register_workers)
-    assert plan.lookahead_bytes == max(2 * plan.chunk_bytes, plan.populate_workers * plan.span_bytes)
+    # Faulting runs ahead by two chunks, or by a span per worker (a span never crosses a chunk,
+    # so with tiny chunks that is LOOKAHEAD_CHUNKS chunks per worker).
+    per_worker = min(plan.span_bytes, plan.chunk_bytes * LOOKAHEAD_CHUNKS)
+    assert plan.lookahead_bytes == max(2 * plan.chunk_bytes, plan.populate_workers * per_worker)
     # order rules
     expected_populate = options.populate if options.populate is not None else (caps.populates or host.populate_write)
     assert plan.populate is expected_populate
