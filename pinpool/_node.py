@@ -63,7 +63,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from types import TracebackType
 from typing import Literal, TypeVar
 
@@ -71,7 +71,7 @@ import anyio
 import anyio.lowlevel
 
 from ._errors import ConfigError, PinpoolError
-from ._units import decimal_to_int, format_bytes, parse_size
+from ._units import ascii_decimal, decimal_to_int, format_bytes, parse_size
 
 __all__ = [
     "BUDGET_ENV",
@@ -240,20 +240,20 @@ def _parse_budget(value: object, *, what: str, mem_total: int | None) -> int:
     if isinstance(value, float):
         return _fraction_bytes(Decimal(repr(value)), value, what, mem_total)
     if isinstance(value, str):
-        text = value.strip()
-        try:
-            if text.endswith("%"):
-                return _fraction_bytes(Decimal(text[:-1].strip()) / 100, value, what, mem_total)
-            if text and "." in text and not any(c.isalpha() for c in text):  # a unitless decimal: a fraction
-                number = Decimal(text)
-                if number > 1:
-                    raise ConfigError(
-                        f"{what}={value!r}: a unitless decimal is a fraction of MemTotal and must be in (0, 1]; "
-                        f"for bytes give an integer or a size with a unit; give {_BUDGET_HINT}"
-                    )
-                return _fraction_bytes(number, value, what, mem_total)
-        except InvalidOperation:
-            raise ConfigError(f"{what}={value!r} is not a number; give {_BUDGET_HINT}") from None
+        # ASCII only, like every pinpool number: "١٠%", "８０%" or a non-breaking space are errors.
+        text = value.strip(" \t\n")
+        fix = f"give {_BUDGET_HINT}"
+        if text.endswith("%"):
+            percent = ascii_decimal(text[:-1], what=what, fix=fix, given=value)
+            return _fraction_bytes(percent / 100, value, what, mem_total)
+        if text and "." in text and not any(c.isalpha() for c in text):  # a unitless decimal: a fraction
+            number = ascii_decimal(text, what=what, fix=fix, given=value)
+            if number > 1:
+                raise ConfigError(
+                    f"{what}={value!r}: a unitless decimal is a fraction of MemTotal and must be in (0, 1]; "
+                    f"for bytes give an integer or a size with a unit; give {_BUDGET_HINT}"
+                )
+            return _fraction_bytes(number, value, what, mem_total)
     if isinstance(value, int | str):
         try:
             return parse_size(value, what=what)

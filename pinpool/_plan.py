@@ -22,12 +22,11 @@ import os
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from ._errors import ConfigError
 from ._types import Capabilities
-from ._units import decimal_to_int, format_bytes, parse_size
+from ._units import format_bytes, parse_env_gib, parse_size
 from .layouts import BufferSpec
 
 if TYPE_CHECKING:
@@ -369,21 +368,7 @@ def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = Non
     raw = env.get(CHUNK_ENV)
     if raw is None:
         return DEFAULT_CHUNK_GIB << 30
-    fix = (
-        f"set {CHUNK_ENV} to a positive number of GiB (e.g. 64 or 0.5), or unset it for the default {DEFAULT_CHUNK_GIB}"
-    )
-    try:
-        gib = Decimal(raw.strip())
-    except InvalidOperation:
-        raise ConfigError(f"{CHUNK_ENV}={raw!r} is not a number; {fix}") from None
-    if not gib.is_finite() or gib <= 0:
-        raise ConfigError(f"{CHUNK_ENV}={raw!r} must be a positive, finite number of GiB; {fix}")
-    nbytes = decimal_to_int(gib, 1 << 30)
-    if nbytes is None:
-        raise ConfigError(f"{CHUNK_ENV}={raw!r} is too large to be a memory size; {fix}")
-    if nbytes <= 0:
-        raise ConfigError(f"{CHUNK_ENV}={raw!r} is less than one byte; {fix}")
-    return nbytes
+    return parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
 
 
 def resolve_chunk_limit(chunk_bytes: int | str | None) -> int:

@@ -296,8 +296,12 @@ class PinnedPool:
         )  # fmt: skip
 
         caps = self._caps
+        options = self._options
 
         def acquire() -> HostMapping | TensorMemory:
+            # The memory pre-flight (memory cgroup, MemAvailable, RLIMIT_MEMLOCK) against figures read
+            # now, right before mapping: they change between construction and entry.
+            check_host(options, HostFacts.probe(), runtime, new_memory=source is None)
             memory = (
                 TensorMemory(source)
                 if source is not None

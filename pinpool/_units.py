@@ -80,22 +80,24 @@ def _oddity(text: str) -> str:
     return ""
 
 
-def ascii_decimal(raw: str, *, what: str, fix: str) -> Decimal:
+def ascii_decimal(raw: str, *, what: str, fix: str, given: object = None) -> Decimal:
     """``raw`` (an environment variable's value) as a non-negative Decimal, or :class:`ConfigError`.
 
     Accepted: ASCII digits with at most one point and an optional exponent (``64``, ``0.5``,
     ``2.5E1``), ASCII whitespace around them. Rejected, each with ``what=value``, the reason and
-    ``fix``: signs, ``nan``/``inf``, digit separators, non-ASCII digits and spaces.
+    ``fix``: signs, ``nan``/``inf``, digit separators, non-ASCII digits and spaces. ``given``: the
+    value to name in messages when ``raw`` is a part of it (``"80"`` of ``"80%"``).
     """
+    shown = raw if given is None else given
     if not _NUMBER_RE.fullmatch(raw):
         word = raw.strip(" \t\n\r\f\v").lower()
         if word[:1] in ("-", "+") or word in ("nan", "inf", "infinity", "snan"):
-            raise ConfigError(f"{what}={raw!r} must be a positive, finite number{_oddity(raw)}; {fix}")
-        raise ConfigError(f"{what}={raw!r} is not a number{_oddity(raw)}; {fix}")
+            raise ConfigError(f"{what}={shown!r} must be a positive, finite number{_oddity(raw)}; {fix}")
+        raise ConfigError(f"{what}={shown!r} is not a number{_oddity(raw)}; {fix}")
     try:
         return Decimal(raw.strip())  # only ASCII whitespace is left to strip: the pattern matched
     except InvalidOperation:  # an exponent beyond what Decimal can hold
-        raise ConfigError(f"{what}={raw!r} is not a number (its exponent is out of range); {fix}") from None
+        raise ConfigError(f"{what}={shown!r} is not a number (its exponent is out of range); {fix}") from None
 
 
 def parse_env_gib(name: str, raw: str, *, default_gib: int) -> int:

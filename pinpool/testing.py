@@ -243,7 +243,8 @@ class FakeRuntime:
             how = "FakeRuntime.fail_next, " if call not in self.fail_populate_on else "FakeRuntime "
             raise RuntimeCallError(
                 op=_POPULATE_OP, code=_ENOMEM, reason="ENOMEM", ptr=ptr, nbytes=nbytes,
-                message=f"injected failure ({how}populate call #{call})",
+                message=f"Cannot allocate memory: injected failure ({how}populate call #{call}); "
+                "the host is probably short of memory",
             )  # fmt: skip
 
     def _unregister(self, ptr: int) -> None:

@@ -137,11 +137,21 @@ def test_mlock_runtime_refuses_overlap_and_unknown_base() -> None:
 
 _LIMITED_CHILD = textwrap.dedent(
     """
-    import json, resource
+    import dataclasses, json, resource
     import pinpool
     from pinpool import _libc
+    from pinpool._host import HostFacts
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     out = {"cap": _libc.has_cap_ipc_lock(), "soft": soft, "before": _libc.vm_locked_bytes()}
+    # The pre-flight refuses the pool before anything is mapped...
+    try:
+        with pinpool.PinnedPool(size="64MiB", chunk_bytes="1MiB", runtime="mlock", register_workers=1):
+            out["entered_despite_preflight"] = True
+    except pinpool.ConfigError as exc:
+        out["preflight"] = str(exc)
+    # ...and when the limit cannot be known in advance, the real mlock failure is a PinError.
+    probe = HostFacts.probe
+    HostFacts.probe = classmethod(lambda cls: dataclasses.replace(probe(), memlock_soft=None))
     try:
         with pinpool.PinnedPool(size="64MiB", chunk_bytes="1MiB", runtime="mlock", register_workers=1):
             out["entered"] = True
@@ -182,7 +192,8 @@ def test_real_mlock_failure_without_cap_ipc_lock_names_the_limit() -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["cap"] is False and out["soft"] == limit
-    assert "entered" not in out
+    assert "entered" not in out and "entered_despite_preflight" not in out
+    assert "RLIMIT_MEMLOCK leaves only" in out["preflight"] and "nothing has been mapped" in out["preflight"]
     assert out["reason"] in ("ENOMEM", "EAGAIN", "EPERM")
     assert out["offset"] == limit  # every 1 MiB chunk below the limit fits, the next one does not
     assert "RLIMIT_MEMLOCK" in out["error"] and "CAP_IPC_LOCK absent" in out["error"]

