@@ -44,6 +44,7 @@ class RunThreads:
     interruptible: bool = False
     on_interrupt: Callable[[], None] = lambda: None
     on_tick: Callable[[], None] | None = None
+    on_started: Callable[[], None] = lambda: None  # every thread is started (or no more will be)
 
 
 @dataclass
@@ -82,6 +83,8 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
                 break
     except BaseException as exc:  # an interrupt between two starts
         interrupted(exc)
+    finally:
+        step.on_started()
     return threads, ran, interrupted
 
 

@@ -67,6 +67,10 @@ class PinSession:
         max_call_seconds: float | None = None,
         populate_unit: int = 4096,
     ) -> None:
+        # Workers start calling only once all of them are started: a populate call holds mmap_lock,
+        # and starting the next thread (its stack is an mmap) would wait behind it (measured: the
+        # second worker began one 512 MiB span late, so the first spans ran one after the other).
+        self._go = threading.Event()
         self.pipeline = Pipeline(
             chunks, order=order, span_bytes=span_bytes, lookahead_bytes=lookahead_bytes,
             register_workers=register_workers, populate_workers=populate_workers, prefix=prefix,
@@ -130,6 +134,7 @@ class PinSession:
         hear of it after one call, not one batch.
         """
         pipeline = self.pipeline
+        self._go.wait()
         while (batch := self._next(pipeline.next_work)) is not None:
             items = batch.items
             outcomes: list[Outcome] = []
@@ -191,6 +196,8 @@ class PinSession:
         # Under a stall budget the span is faulted in calls sized to fit it (page multiples).
         offset, end = span.offset, span.offset + span.nbytes
         while offset < end:
+            if self.pipeline.stopped:  # stop between calls, not after the whole span
+                return (None, _abandoned(self.pipeline), span, math.nan)
             nbytes = sizer.next_bytes(self._populate_unit, end - offset)
             error, seconds = self._call(self._populate, "populate", offset, nbytes)
             sizer.record(nbytes, seconds)
@@ -246,6 +253,8 @@ class PinSession:
                 piece = todo.pop(0)
             else:
                 assert sizer is not None and cutter is not None
+                if self.pipeline.stopped:  # stop between calls: the rollback undoes the pieces
+                    return (None, _stopped(self.pipeline, done), index, math.nan)
                 rest = Chunk(offset, chunk.end - offset)
                 piece = cutter.first_piece(rest, sizer.next_bytes(cutter.unit_of(rest), rest.nbytes))
                 offset = piece.end
@@ -255,6 +264,9 @@ class PinSession:
             if failure is None:
                 self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
                 done.append(piece)
+                if paced and (todo or offset < chunk.end):  # progress within the chunk
+                    with self.lock:
+                        self.pipeline.part_registered(index, piece)
                 continue
             attempts.append(ChunkFailure(piece, "register", failure))
             self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
@@ -283,6 +295,10 @@ class PinSession:
         else:
             observer.chunk_failed(self.ledger.chunks[item], "register", error, seconds)
 
+    def go(self) -> None:
+        """Every pinning thread is started (or no more will be): workers may begin."""
+        self._go.set()
+
     def cancel(self) -> None:
         """Tell workers to stop after their current call."""
         self.stop(StopCause.CANCELLED)
@@ -292,6 +308,7 @@ class PinSession:
         with self._changed:
             self.ledger.stop(cause)
             self._changed.notify_all()
+        self._go.set()  # a worker still waiting to begin must see the stop, not wait forever
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Wait until no populate or register call is in flight (workers stop at the next one
@@ -431,6 +448,14 @@ class PinSession:
                 observer.chunk_unregistered(chunk, seconds, was_pinned=was_pinned)
             else:
                 observer.chunk_failed(chunk, "unregister", error, seconds)
+
+
+def _abandoned(pipeline: Pipeline) -> Callable[[Span], None]:
+    return lambda span: pipeline.span_abandoned(span)
+
+
+def _stopped(pipeline: Pipeline, pieces: list[Chunk]) -> Callable[[int], None]:
+    return lambda index: pipeline.register_stopped(index, pieces)
 
 
 def _in_pieces(pipeline: Pipeline, pieces: list[Chunk]) -> Callable[[int], int | None]:

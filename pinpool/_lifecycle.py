@@ -173,6 +173,7 @@ class Lifecycle:
             interruptible=True,
             on_interrupt=session.cancel,
             on_tick=self._report_progress if self.on_progress else None,
+            on_started=session.go,
         )
         if self.background:
             yield from self._enter_background(session, pinning)

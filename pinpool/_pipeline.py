@@ -103,7 +103,10 @@ class Pipeline:
         # Pinned-page bookkeeping for pools used while they pin: each range is reported as it
         # becomes pinned (a registered chunk; a faulted span of a lock-on-fault chunk).
         self.prefix = prefix
-        self._locked_partial_bytes = 0  # REGISTER_FIRST: faulted spans of chunks not yet all faulted
+        # Pinned bytes of chunks not yet whole: faulted spans of lock-on-fault chunks, and pieces
+        # registered so far of chunks registered in several calls (the stall budget).
+        self._partial_bytes = 0
+        self._piece_bytes: dict[int, int] = {}  # chunk index -> bytes of its pieces counted above
         self._span_parts: dict[tuple[int, int], int] = {}  # REGISTER_FIRST: bytes of spans faulted in parts
 
     # -- what workers ask for ------------------------------------------------------------------
@@ -243,12 +246,12 @@ class Pipeline:
         if landed < -(-self.ledger.chunks[span.chunk].nbytes // self._span_bytes):
             self._spans_landed[span.chunk] = landed
             if self.order is Order.REGISTER_FIRST:
-                self._locked_partial_bytes += span.nbytes - parts
+                self._partial_bytes += span.nbytes - parts
             return None
         self._spans_landed.pop(span.chunk, None)
         if self.order is Order.REGISTER_FIRST:
             # The chunk now counts whole in the ledger: drop its earlier spans and this one's parts.
-            self._locked_partial_bytes -= self.ledger.chunks[span.chunk].nbytes - span.nbytes + parts
+            self._partial_bytes -= self.ledger.chunks[span.chunk].nbytes - span.nbytes + parts
             self.ledger.faulted(span.chunk)  # locked on fault, now every page is in: pinned
             return span.chunk
         if self.ledger.states[span.chunk] is ChunkState.PENDING and not self.stopped:
@@ -262,13 +265,41 @@ class Pipeline:
             return
         key = (span.chunk, span.offset)
         self._span_parts[key] = self._span_parts.get(key, 0) + nbytes
-        self._locked_partial_bytes += nbytes
+        self._partial_bytes += nbytes
         if self.prefix is not None:
             self.prefix.cover(offset, offset + nbytes)
 
     def populate_failed(self, span: Span, error: RuntimeCallError) -> None:
         self._land_span(span)
         self.ledger.populate_failed(span.chunk, error)
+
+    def part_registered(self, index: int, piece: Chunk) -> None:
+        """One piece of a chunk registered in several calls is pinned now (not under lock-on-fault,
+        where a registered piece is pinned only once faulted): it counts before the chunk lands."""
+        if self.order is Order.REGISTER_FIRST:
+            return
+        self._piece_bytes[index] = self._piece_bytes.get(index, 0) + piece.nbytes
+        self._partial_bytes += piece.nbytes
+        if self.prefix is not None:
+            self.prefix.cover(piece.offset, piece.end)
+
+    def _drop_pieces(self, index: int) -> None:
+        self._partial_bytes -= self._piece_bytes.pop(index, 0)
+
+    def span_abandoned(self, span: Span) -> None:
+        """Pinning stopped part-way through ``span`` (its calls were sized by the stall budget):
+        it is no longer in flight, and its chunk never counts as faulted."""
+        self._land_span(span)
+
+    def register_stopped(self, index: int, pieces: Sequence[Chunk]) -> None:
+        """Pinning stopped part-way through a chunk registered in pieces: the pieces registered
+        are undone by the rollback (none: the chunk is simply not registered)."""
+        self._drop_pieces(index)
+        if pieces:
+            self.ledger.partly_registered(index, pieces, ())
+        else:
+            self.ledger.unclaim(index)
+        self._leave_window(index)
 
     def _land_span(self, span: Span) -> None:
         if self._populating <= 0:
@@ -286,12 +317,14 @@ class Pipeline:
         return index
 
     def register_failed(self, index: int, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
+        self._drop_pieces(index)
         self.ledger.failed(index, "register", error, attempts)
         self._leave_window(index)
 
     def registered_in_pieces(self, index: int, pieces: Sequence[Chunk]) -> int | None:
         """A chunk registered as several calls after retries; as :meth:`registered` otherwise."""
         faulting = self.order is Order.REGISTER_FIRST
+        self._drop_pieces(index)  # the chunk counts whole from now on
         self.ledger.registered_in_pieces(index, pieces, faulting=faulting)
         self._leave_window(index)
         if faulting:
@@ -308,10 +341,11 @@ class Pipeline:
     def pinned_bytes(self) -> int:
         """Bytes pinned now: registered chunks, and while pinning under lock-on-fault, the
         faulted (so locked) spans of chunks still faulting."""
-        partial = self._locked_partial_bytes if self.ledger.phase is Phase.PINNING else 0
+        partial = self._partial_bytes if self.ledger.phase is Phase.PINNING else 0
         return self.ledger.registered_bytes + partial
 
     def register_partly_failed(self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure]) -> None:
+        self._drop_pieces(index)
         self.ledger.partly_registered(index, pieces, attempts)
         self._leave_window(index)
 

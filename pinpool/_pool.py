@@ -47,6 +47,7 @@ T = TypeVar("T")
 ProgressCallback = Callable[[int, int, int, int], object]
 
 _WAIT_POLL_SECONDS = 0.02
+BACKGROUND_MAX_CALL_SECONDS = 0.05
 
 
 class PinnedPool:
@@ -87,7 +88,9 @@ class PinnedPool:
         server already serving feels the longest one. With a budget (e.g. ``0.02``) every
         registration and populate call is sized, from the rate the previous calls reached,
         to take no longer (in whole alignment units, never above the chunk), and the
-        longest call is exported as ``pinpool_call_seconds_max``. Default: no budget.
+        longest call is exported as ``pinpool_call_seconds_max``. Default (``"auto"``): 50 ms
+        for a background pool, whose body is already serving; none for a pool entered before
+        its body runs. ``None``: no budget.
       background: ``async with`` / ``with`` returns as soon as pinning has started, and the
         body runs while the pool pins (lowest pages first): ``pool.state``,
         ``pool.pinned_pages`` and ``await pool.wait_ready(...)`` tell what is usable. A failure
@@ -118,7 +121,7 @@ class PinnedPool:
         name: str = "default",
         min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
         max_retries: int = DEFAULT_MAX_RETRIES,
-        max_call_seconds: float | None = None,
+        max_call_seconds: float | str | None = "auto",
         background: bool = False,
         node_slots: int | None = None,
         node_budget: int | float | str | None = None,
@@ -128,14 +131,24 @@ class PinnedPool:
         logger: Any | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
+        if not isinstance(background, bool):
+            raise ConfigError(f"background={background!r} must be True or False")
+        if isinstance(max_call_seconds, str):
+            if max_call_seconds != "auto":
+                raise ConfigError(
+                    f"max_call_seconds={max_call_seconds!r} must be a number of seconds, None (no budget) or "
+                    '"auto" (the default: 50 ms for a background pool, none otherwise)'
+                )
+            # A background pool's body is serving while it pins: under mlock each populate call
+            # holds mmap_lock, which the event loop's own allocations wait behind (measured: the
+            # loop stalled for the whole pin without a budget).
+            max_call_seconds = BACKGROUND_MAX_CALL_SECONDS if background else None
         options = PoolOptions.create(
             layout=layout, size=size, chunk_bytes=chunk_bytes, populate=populate, populate_workers=populate_workers,
             register_workers=register_workers, unpin_workers=unpin_workers, huge_pages=huge_pages,
             numa_node=numa_node, name=name, min_chunk_bytes=min_chunk_bytes, max_retries=max_retries,
             max_call_seconds=max_call_seconds,
         )  # fmt: skip
-        if not isinstance(background, bool):
-            raise ConfigError(f"background={background!r} must be True or False")
         pacing = NodePacing.from_options(node_slots=node_slots, node_budget=node_budget, node_dir=node_dir,
                                          node_wait=node_wait)  # fmt: skip
         self._configure(

@@ -56,6 +56,9 @@ class CallSizer:
                     want = min(want, self._last * MAX_GROWTH)
             else:
                 want = PROBE_BYTES
+        # Never below what is sampled: calls that small would never teach a better rate, and a
+        # fixed per-call cost would shrink them for good.
+        want = max(want, MIN_SAMPLE_BYTES)
         size = max(unit, min(want, at_most) // unit * unit)
         with self._lock:
             self._last = size

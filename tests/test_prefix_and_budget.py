@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+import pinpool
 from pinpool import PinnedPool, layouts
 from pinpool._plan import Chunk, ChunkTable
 from pinpool._prefix import PageRun, PrefixTracker, page_runs, pin_order
@@ -208,3 +209,80 @@ def test_mlock_populate_calls_fit_the_budget(vmlck_baseline: int) -> None:
     # machine can stall any call, so the bound is loose: far below one 256 MiB span's time.
     assert populate is not None and populate < 0.25
     assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+def test_leaving_stops_between_the_pieces_of_one_chunk() -> None:
+    """Under a budget a 512 MiB chunk is many calls; leaving stops after the call in flight, not
+    after the whole chunk, and the pieces registered so far are undone by their own bases."""
+    fake = rate_limited_fake(1e9)  # ~1 ms per MiB: the chunk takes ~0.5 s in pieces
+    pool = PinnedPool(
+        size=512 * MiB, chunk_bytes=512 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False,
+        background=True,
+    )  # fmt: skip
+    with pool:
+        pool.wait_ready_sync(min_bytes=16 * MiB, timeout=30)  # some pieces are in
+    registered = sum(n for _p, n in fake.register_calls)
+    assert 16 * MiB <= registered < pool.nbytes  # stopped part-way through the only chunk
+    assert fake.registered == {}
+    assert len(fake.unregister_calls) == len(fake.register_calls)
+
+
+def test_progress_moves_within_a_chunk_registered_in_pieces() -> None:
+    """Registration order as under CUDA (fault first, then register): each registered piece of a
+    chunk counts as pinned, and extends the usable page prefix, before the chunk is whole."""
+    fake = rate_limited_fake(2e9)
+    seen: list[int] = []
+    pool = PinnedPool(
+        size=256 * MiB, chunk_bytes=256 * MiB, runtime=fake, registry=None, max_call_seconds=0.01,
+        populate=False, background=True,
+    )  # fmt: skip
+    with pool:
+        for _ in range(10_000):
+            seen.append(pool.pinned_pages)
+            if pool.state is not pinpool.PoolState.PINNING:
+                break
+            time.sleep(0.001)
+        pool.wait_ready_sync(timeout=30)
+    assert len(pool.chunks) == 1
+    assert any(0 < pages < pool.num_pages for pages in seen), seen[:20]
+    assert seen == sorted(seen)
+
+
+def test_calls_never_shrink_below_what_is_sampled() -> None:
+    """A fixed cost per call above the budget must not shrink calls forever: they stay >= 1 MiB."""
+    fake = FakeRuntime(register_delay=0.02)  # 20 ms per call whatever its size, budget 10 ms
+    with PinnedPool(
+        size=64 * MiB, chunk_bytes=64 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False
+    ):
+        pass
+    sizes = [n for _p, n in fake.register_calls]
+    assert min(sizes[:-1]) >= MiB  # every call but the tail of the chunk
+    assert len(sizes) <= 64
+
+
+def test_workers_begin_only_once_all_are_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A populate call holds mmap_lock and starting a thread maps its stack: no runtime call may
+    begin while pinning threads are still being started."""
+    import threading
+
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        real_start(self)
+        if self.name.startswith("pinpool-barrier-") and self.name[-1].isdigit():
+            started.append(self.name)
+            time.sleep(0.01)  # a slow start: a worker that did not wait would call meanwhile
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    fake = FakeRuntime()
+    at_first_call: list[int] = []
+    fake.before_call = lambda op, ptr, n: at_first_call.append(len(started)) if not at_first_call else None
+    pool = PinnedPool(
+        size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, registry=None, name="barrier", populate_workers=3,
+        register_workers=2,
+    )  # fmt: skip
+    with pool:
+        pass
+    assert pool.threads >= 4
+    assert at_first_call == [pool.threads]
