@@ -8,7 +8,10 @@ The docs/ folder of the repository covers concepts, metrics and operations.
 
 from __future__ import annotations
 
-from . import layouts, runtimes, testing
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import runtimes, testing
 from ._errors import AlreadyPinnedError as AlreadyPinnedError
 from ._errors import ChunkFailure as ChunkFailure
 from ._errors import ConfigError as ConfigError
@@ -18,13 +21,16 @@ from ._errors import PoolStateError as PoolStateError
 from ._errors import RuntimeCallError as RuntimeCallError
 from ._errors import UnclosedPoolWarning as UnclosedPoolWarning
 from ._errors import UnpinError as UnpinError
-from ._lifecycle import PoolState as PoolState
-from ._memory import AllocationError as AllocationError
-from ._node import NodeBusyError as NodeBusyError
-from ._plan import Chunk as Chunk
-from ._pool import PinnedPool as PinnedPool
-from ._pool import pin as pin
 from ._units import parse_size as parse_size
+
+if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and IDEs
+    from . import layouts as layouts
+    from ._lifecycle import PoolState as PoolState
+    from ._memory import AllocationError as AllocationError
+    from ._node import NodeBusyError as NodeBusyError
+    from ._plan import Chunk as Chunk
+    from ._pool import PinnedPool as PinnedPool
+    from ._pool import pin as pin
 
 __version__ = "0.1.0"
 
@@ -51,9 +57,41 @@ __all__ = [
     "testing",
 ]
 
-# Public names report the public module, as anyio does, so reprs and docs say pinpool.X.
+# Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
+# `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
+_LAZY = {
+    "AllocationError": "._memory",
+    "Chunk": "._plan",
+    "NodeBusyError": "._node",
+    "PinnedPool": "._pool",
+    "PoolState": "._lifecycle",
+    "layouts": ".layouts",
+    "pin": "._pool",
+}
+
+
+def _public(obj: Any) -> Any:
+    """Public names report the public module, as anyio does, so reprs and docs say pinpool.X."""
+    if isinstance(obj, type) and obj.__module__.startswith("pinpool._"):
+        obj.__module__ = __name__
+    return obj
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    loaded = importlib.import_module(module, __name__)
+    value = loaded if name == "layouts" else _public(getattr(loaded, name))
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
 for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type) and _obj.__module__.startswith("pinpool._"):
-        _obj.__module__ = __name__
-del _name, _obj
+    if _name not in _LAZY:
+        _public(globals()[_name])
+del _name

@@ -31,14 +31,27 @@ from .metrics import PoolMetrics, metrics_for
 def default_logger() -> Any:
     """structlog's logger where the application configured structlog; otherwise one that goes
     through the stdlib ``pinpool`` logger, so an unconfigured application sees no per-chunk
-    lines (structlog's own unconfigured default prints every level to stdout)."""
+    lines (structlog's own unconfigured default prints every level to stdout), and what it does
+    see (WARNING and above, through logging's last-resort handler) is one readable line with the
+    pool, the cause and every field, never a bare event name. The fields also go to ``extra``
+    for handlers that format records themselves."""
     if structlog.is_configured():
         return structlog.get_logger("pinpool")
     return structlog.wrap_logger(
         logging.getLogger("pinpool"),
         wrapper_class=structlog.stdlib.BoundLogger,
-        processors=[structlog.stdlib.filter_by_level, structlog.stdlib.render_to_log_kwargs],
+        processors=[structlog.stdlib.filter_by_level, _render_line_for_stdlib],
     )
+
+
+def _render_line_for_stdlib(_logger: Any, _method: str, event_dict: Any) -> dict[str, Any]:
+    """``pinpool: pool.rollback pool='kv' runtime='mlock' cause='failure' registered_chunks=3``
+    as the record's message, the fields as its ``extra`` (structlog's render_to_log_kwargs shape)."""
+    kwargs = dict(structlog.stdlib.render_to_log_kwargs(_logger, _method, event_dict))
+    fields = kwargs.get("extra", {})
+    shown = " ".join(f"{key}={value!r}" for key, value in fields.items())
+    kwargs["msg"] = f"pinpool: {kwargs.get('msg', '')} {shown}".rstrip()
+    return kwargs
 
 
 class Observer:

@@ -333,3 +333,30 @@ async def test_asgi_app_serves_the_pool_metrics() -> None:
     assert sent[0]["status"] == 200
     body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
     assert 'pinpool_pinned_bytes{pool="asgi",runtime="fake"} 1.048576e+06' in body
+
+
+def test_an_unconfigured_application_sees_one_readable_line_per_warning() -> None:
+    """No logging or structlog configuration at all (a plain script): a rollback is one line on
+    stderr naming the pool and the cause, never a bare event name; INFO and DEBUG stay silent."""
+    import subprocess
+    import sys
+
+    code = (
+        "import pinpool\n"
+        "from pinpool.testing import FakeRuntime\n"
+        "try:\n"
+        "    with pinpool.PinnedPool(size='8MiB', chunk_bytes='1MiB', runtime=FakeRuntime(fail_register_on=3),\n"
+        "                            registry=None, name='kv-host'):\n"
+        "        pass\n"
+        "except pinpool.PinError:\n"
+        "    pass\n"
+        "with pinpool.PinnedPool(size='8MiB', runtime=FakeRuntime(), registry=None, name='quiet'):\n"
+        "    pass\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        "pinpool: pool.rollback pool='kv-host' runtime='fake' layout='raw' cause='failure' registered_chunks=2"
+    ], lines
+    assert result.stdout == ""
