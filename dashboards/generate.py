@@ -315,6 +315,32 @@ def panels() -> list[Json]:
             grid(12, 28, 12, 8),
             showPoints="always",
         ),
+        timeseries(
+            "Longest runtime call (the serving stall)",
+            "Longest single register, populate and unregister call of each pool's pinning or unpinning so far "
+            "(pinpool_call_seconds_max). Under CUDA a registration holds the driver lock and under mlock populate "
+            "holds mmap_lock: a serving process stalls this long. Bound it with max_call_seconds= "
+            "(docs/serving.md#choosing-a-stall-budget).",
+            "s",
+            [target(f"max by (pool, op) ({sel('pinpool_call_seconds_max')})", "{{pool}} {{op}}", "A")],
+            grid(0, 36, 12, 8),
+        ),
+        timeseries(
+            "Ready pools and node-pacing waits",
+            "Pools fully pinned (pinpool_pools_ready; a pool pinning in the background is open, not ready), and the "
+            "mean time pools waited for node pacing, by kind (pinpool_node_wait_seconds: slot, budget).",
+            "short",
+            [
+                target(f"sum by (pool) ({sel('pinpool_pools_ready')})", "{{pool}} ready", "A"),
+                target(
+                    f"sum by (pool, kind) ({rate('pinpool_node_wait_seconds_sum')}) / "
+                    f"sum by (pool, kind) ({rate('pinpool_node_wait_seconds_count')})",
+                    "{{pool}} waited ({{kind}}), s",
+                    "B",
+                ),
+            ],
+            grid(12, 36, 12, 8),
+        ),
     ]
     for number, panel in enumerate(items, start=1):
         panel["id"] = number

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -321,6 +322,8 @@ def exposition() -> str:
                 pytest.fail("the body must not run")
 
     anyio.run(cancelled)
+    with pool(runtime=FakeRuntime(), node_slots=2, node_dir=tempfile.mkdtemp(prefix="pinpool-node-")):
+        pass  # node pacing: pinpool_node_wait_seconds{kind="slot"}
     with pool(runtime=FakeRuntime()):
         return generate_latest(registry).decode()
 
@@ -586,6 +589,7 @@ def test_readme_names_every_panel_and_alert() -> None:
 _CHILD = textwrap.dedent(
     """
     import sys
+    import tempfile
     import time
 
     import anyio
@@ -610,6 +614,7 @@ _CHILD = textwrap.dedent(
                 raise AssertionError("the body must not run")
 
 
+    node_dir = tempfile.mkdtemp(prefix="pinpool-node-")
     server, _thread = serve(0, addr="127.0.0.1")
     try:
         with pool(runtime=FakeRuntime(fail_register_on=2), register_workers=1):
@@ -628,7 +633,8 @@ _CHILD = textwrap.dedent(
         for _ in range(1000):
             if time.monotonic() > deadline:
                 break
-            with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), register_workers=2):
+            with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), register_workers=2,
+                      node_slots=2, node_dir=node_dir):
                 time.sleep(0.05)
             time.sleep(0.2)
     """
