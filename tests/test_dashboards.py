@@ -16,8 +16,8 @@ import shutil
 import socket
 import subprocess
 import sys
-import textwrap
 import tempfile
+import textwrap
 import time
 import urllib.parse
 import urllib.request
