@@ -105,6 +105,9 @@ class PinSession:
         # The stall budget: every register and populate call sized to fit max_call_seconds.
         self._register_sizer = CallSizer(max_call_seconds) if max_call_seconds and retry is not None else None
         self._populate_sizer = CallSizer(max_call_seconds) if max_call_seconds else None
+        self._pieces_follow_faulting = (
+            self._register_sizer is not None and self._populate_sizer is not None and order is Order.REGISTER_FIRST
+        )
         self._populate_unit = populate_unit
 
     # -- worker bodies ---------------------------------------------------------------------
@@ -256,7 +259,14 @@ class PinSession:
                 if self.pipeline.stopped:  # stop between calls: the rollback undoes the pieces
                     return (None, _stopped(self.pipeline, done), index, math.nan)
                 rest = Chunk(offset, chunk.end - offset)
-                piece = cutter.first_piece(rest, sizer.next_bytes(cutter.unit_of(rest), rest.nbytes))
+                unit = cutter.unit_of(rest)
+                at_most = sizer.next_bytes(unit, rest.nbytes)
+                if self._pieces_follow_faulting:
+                    # A lock-on-fault registration is quick, but its piece is later unlocked in one
+                    # call (munlock), which holds mmap_lock for writing as long as the faulting took:
+                    # pieces are sized by the faulting rate, so unpinning stays within the budget too.
+                    at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
+                piece = cutter.first_piece(rest, at_most)
                 offset = piece.end
             failure, took = self._call(self._register, "register", piece.offset, piece.nbytes)
             if sizer is not None:

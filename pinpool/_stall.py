@@ -47,6 +47,14 @@ class CallSizer:
     def next_bytes(self, unit: int, at_most: int) -> int:
         """The next call's size: a multiple of ``unit`` (at least one), at most ``at_most``
         (whole units of it; ``at_most`` itself when it is below one unit)."""
+        size = self.hint(unit, at_most)
+        with self._lock:
+            self._last = size
+        return size
+
+    def hint(self, unit: int, at_most: int) -> int:
+        """What :meth:`next_bytes` would answer now, without counting as a call (another kind of
+        call may borrow this kind's rate: see the engine's lock-on-fault pieces)."""
         if at_most <= unit:
             return at_most
         with self._lock:
@@ -59,10 +67,7 @@ class CallSizer:
         # Never below what is sampled: calls that small would never teach a better rate, and a
         # fixed per-call cost would shrink them for good.
         want = max(want, MIN_SAMPLE_BYTES)
-        size = max(unit, min(want, at_most) // unit * unit)
-        with self._lock:
-            self._last = size
-        return size
+        return max(unit, min(want, at_most) // unit * unit)
 
     def record(self, nbytes: int, seconds: float) -> None:
         """A call of ``nbytes`` took ``seconds``."""
