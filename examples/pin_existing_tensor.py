@@ -11,13 +11,13 @@ Two cases, because where the memory starts matters:
    start. Without a granularity that is fine: the first chunk ends at the first page boundary
    and the rest follow, so no two chunks share a page.
 2. A KV cache copied in whole pages of ``page_bytes``: with ``granularity_bytes=`` every chunk
-   boundary must be a multiple of the granularity *and* an OS page boundary. From a start 64
-   bytes into a page, a granularity that is a multiple of the OS page (64 KiB, 4 MiB, ...)
-   never lands on a page boundary, so ``pin`` refuses such a tensor with ``ConfigError``
-   unless it fits in one registration call (``chunk_bytes`` >= its size). Allocate it
-   page-aligned instead: an anonymous ``mmap`` is, and ``torch.frombuffer`` makes a tensor
-   over it without copying. (Granularities that are not page multiples, like 60 bytes, work
-   on ``torch.empty`` memory too.)
+   boundary is a multiple of the granularity from the tensor's start. From a start 64 bytes
+   into a page, such a boundary never lands on an OS page boundary, so neighbouring chunks
+   share their boundary page: fine where the runtime tracks exact byte ranges (CUDA; mlock,
+   which counts the holders of a shared page), refused with ``ConfigError`` elsewhere (ROCm).
+   Allocating it page-aligned avoids the question: ``pinpool.empty(...)`` does that (an
+   anonymous ``mmap`` viewed as a tensor, as this example does by hand), and then no two
+   chunks share a page on any runtime.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from ._units import parse_size as parse_size
 
 if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and IDEs
     from . import layouts as layouts
+    from ._alloc import empty as empty
     from ._lifecycle import PoolState as PoolState
     from ._memory import AllocationError as AllocationError
     from ._node import NodeBusyError as NodeBusyError
@@ -50,6 +51,7 @@ __all__ = [
     "UnclosedPoolWarning",
     "UnpinError",
     "__version__",
+    "empty",
     "layouts",
     "parse_size",
     "pin",
@@ -60,6 +62,7 @@ __all__ = [
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
 _LAZY = {
+    "empty": "._alloc",
     "AllocationError": "._memory",
     "Chunk": "._plan",
     "NodeBusyError": "._node",

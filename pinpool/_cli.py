@@ -131,6 +131,8 @@ _FIELDS: dict[str, _Field] = {
     "k_only": _Field("--k-only", "flag", "K without V (mha)"),
     "kv_cache_dim": _Field("--kv-cache-dim", "int", "latent dimension per token and layer (mla)"),
     "dtype": _Field("--dtype", "dtype", "element type, e.g. bfloat16, float16, float8_e4m3fn"),
+    "temporal_dtype": _Field("--temporal-dtype", "dtype", "temporal state dtype, default --dtype (mamba)"),
+    "conv_dtype": _Field("--conv-dtype", "dtype", "conv state dtype, default --dtype (mamba)"),
     "num_mamba_layers": _Field("--num-mamba-layers", "int", "Mamba layers (mamba)"),
     "temporal_shape": _Field("--temporal-shape", "shape", "temporal state shape, e.g. 8,64,128 (mamba)"),
     "conv_shapes": _Field("--conv-shapes", "shapes", "conv state shapes, e.g. '4,8192;4,512' (mamba)"),
@@ -145,7 +147,10 @@ FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "raw": ("Raw", ("granularity_bytes",)),
     "mha": ("MHA", ("layout", "layer_num", "page_size", "head_num", "head_dim", "dtype", "k_only", "v_head_dim")),
     "mla": ("MLA", ("layout", "layer_num", "page_size", "kv_cache_dim", "dtype")),
-    "mamba": ("Mamba", ("num_mamba_layers", "temporal_shape", "conv_shapes", "dtype", "layout")),
+    "mamba": (
+        "Mamba",
+        ("num_mamba_layers", "temporal_shape", "conv_shapes", "dtype", "layout", "temporal_dtype", "conv_dtype"),
+    ),
     "indexer": ("Indexer", ("layout", "layer_num", "page_size", "index_head_dim", "quant_block_size")),
     "paged": ("PagedBytes", ("layout", "layer_num", "item_bytes")),
 }

@@ -5,6 +5,12 @@ pool (which lets go after every chunk is unregistered) and not any tensor view (
 holds it through the buffer object torch.frombuffer keeps alive). A tensor kept past the
 pool's exit therefore stays valid, merely unpinned. A mapping whose chunks could not all
 be unregistered is never unmapped: freeing still-registered memory is undefined.
+
+A caller's tensor (:func:`pinpool.pin`) is reached through an *alias*: a tensor over the
+same bytes whose storage cannot be resized and keeps the caller's storage alive. While the
+memory is pinned the caller's tensor is pointed at that alias, so ``t.resize_()`` to a
+larger size (which would reallocate, freeing the pinned memory under its registrations)
+raises instead, and ``t.set_()`` or dropping ``t`` cannot free it either.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import ctypes
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -32,8 +38,15 @@ _KEPT_FOREVER: list[HostMapping] = []
 _kept_lock = threading.Lock()
 
 
+# munmap frees every page of the range while holding the process's mmap_lock for writing: 4 GiB
+# took ~0.3 s here, a stall for every thread that maps or faults memory. In pieces, the lock is
+# let go between them (any range of a mapping may be unmapped on its own).
+UNMAP_PIECE_BYTES = 128 << 20
+
+
 def _unmap(address: int, length: int) -> None:
-    _libc.munmap(address, length)
+    for offset in range(0, length, UNMAP_PIECE_BYTES):
+        _libc.munmap(address + offset, min(UNMAP_PIECE_BYTES, length - offset))
 
 
 def populate_range(ptr: int, nbytes: int) -> None:
@@ -138,25 +151,154 @@ class HostMapping:
         return not self._finalizer.alive
 
 
+class _Alias:
+    """What pinning a caller's tensor needs beyond the alias tensor itself (see :func:`alias_of`)."""
+
+    __slots__ = ("address", "geometry", "nbytes", "original", "owner", "storage", "storage_offset")
+
+    def __init__(
+        self,
+        owner: weakref.ref[torch.Tensor],
+        original: torch.UntypedStorage,
+        storage: torch.UntypedStorage,
+        storage_offset: int,
+        geometry: _Geometry,
+    ) -> None:
+        self.owner = owner  # the caller's tensor, weakly: pinning must not keep the object alive
+        self.original = original  # the caller's storage (the alias's buffer holds it too)
+        self.storage = storage  # the alias's storage: non-resizable, over the same bytes
+        self.address = original.data_ptr()  # where the original storage's bytes were when aliased
+        self.nbytes = original.nbytes()
+        self.storage_offset = storage_offset  # bytes from the storage's start to the tensor's
+        self.geometry = geometry  # the caller's tensor's (offset, sizes, strides) when pinned
+
+
+_ALIAS_ATTRIBUTE = "_pinpool_alias"
+# A tensor's place in its storage: (storage_offset in elements, sizes, strides).
+_Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def _geometry(tensor: torch.Tensor) -> _Geometry:
+    return int(tensor.storage_offset()), tuple(tensor.size()), tuple(tensor.stride())
+
+
+def alias_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over exactly ``tensor``'s bytes (same dtype, shape, strides) whose storage
+    cannot be resized and keeps ``tensor``'s storage alive, as :func:`pinpool.pin` pins it.
+
+    Its address and size never change whatever is done to ``tensor`` afterwards (``resize_``,
+    ``set_``, ``del``), so the plan made from it still describes the memory at entry; an alias
+    of an alias aliases the same original storage.
+    """
+    info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
+    original = info.original if isinstance(info, _Alias) else tensor.untyped_storage()
+    nbytes = original.nbytes()
+    buffer_type: Any = type("_TensorBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
+    buffer = buffer_type.from_address(original.data_ptr())
+    buffer._owner = original  # the alias's storage holds `buffer`, `buffer` holds the caller's storage
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    alias = torch.empty(0, dtype=tensor.dtype).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+    owner = info.owner if isinstance(info, _Alias) else weakref.ref(tensor)
+    geometry = info.geometry if isinstance(info, _Alias) else _geometry(tensor)
+    offset = int(tensor.storage_offset()) * tensor.element_size()
+    setattr(alias, _ALIAS_ATTRIBUTE, _Alias(owner, original, storage, offset, geometry))
+    return alias
+
+
+def _point(tensor: torch.Tensor, storage: torch.UntypedStorage, geometry: _Geometry | None = None) -> bool:
+    """Point ``tensor`` at ``storage`` with ``geometry`` (default: its own offset, sizes and
+    strides); False where torch refuses (sizes beyond the storage, a tensor that cannot change)."""
+    offset, size, stride = _geometry(tensor) if geometry is None else geometry
+    context = torch.inference_mode() if tensor.is_inference() else torch.no_grad()
+    try:
+        with context:
+            tensor.set_(storage, offset, size, stride)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _give_back(owner: weakref.ref[torch.Tensor], alias: torch.UntypedStorage, original: torch.UntypedStorage,
+               geometry: _Geometry, thread: int) -> None:  # fmt: skip
+    """Point the caller's tensor back at its own storage, if it still views the alias: as it is
+    now, or, where that is out of the storage's bounds, as it was when pinned (a ``resize_`` that
+    the alias refused leaves the tensor's sizes grown over its unchanged storage: torch sets the
+    sizes before it tries the storage).
+
+    Only in the thread that pointed it at the alias (the one that entered the pool, which
+    exits it too): a pool closed elsewhere (a background pinning that failed, a finalizer)
+    must not change a tensor another thread may be using. The tensor then keeps the alias:
+    the same bytes, which cannot be resized."""
+    if threading.get_ident() != thread:
+        return
+    tensor = owner()
+    if tensor is not None and tensor.untyped_storage()._cdata == alias._cdata:
+        if not _point(tensor, original):
+            _point(tensor, original, geometry)  # where torch refuses this too, it keeps the alias: same bytes
+
+
+_GiveBack: TypeAlias = "weakref.finalize[..., TensorMemory]"  # gives the caller's tensor its storage back
+
+
 class TensorMemory:
     """A caller's contiguous CPU tensor as pool memory: same interface as HostMapping, never freed.
 
-    The tensor is referenced until the pool is closed (and forever if a chunk leaked), so its
-    memory cannot be released while pinned.
+    ``tensor`` is the alias :func:`alias_of` made when ``pin()`` was called (a plain tensor is
+    aliased here). Its storage holds the caller's storage, so the memory cannot be released
+    while pinned: this object is referenced until the pool is closed (and forever if a chunk
+    leaked). On entry the caller's tensor is pointed at the alias's non-resizable storage, so
+    growing it (``resize_``) raises instead of reallocating under the registrations; once
+    pinpool lets go of this object it gets its own storage back, if it still views the alias
+    and this happens in the thread that entered (see :func:`_give_back`).
+    Unpinning never reads the caller's tensor: it unregisters the addresses recorded here.
+
+    Raises :class:`ConfigError` when the caller's storage was reallocated (grown with
+    ``resize_``) between ``pin()`` and entry: the bytes the plan was made for are gone.
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
+        info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
+        if not isinstance(info, _Alias):
+            tensor = alias_of(tensor)
+            info = getattr(tensor, _ALIAS_ATTRIBUTE)
+        assert isinstance(info, _Alias)
+        original = info.original
+        if original.data_ptr() != info.address or original.nbytes() < info.nbytes:
+            raise ConfigError(
+                f"pin(tensor): the tensor's storage was reallocated after pin() was called (its bytes moved from "
+                f"{info.address:#x}, +{info.nbytes} to {original.data_ptr():#x}, +{original.nbytes()}: a resize_ "
+                "that grew it, or a resize of its storage), so the memory this pin was planned for is gone; "
+                "nothing was pinned. Call pin() again on the tensor as it is now"
+            )
         self.tensor = tensor
         self.address = int(tensor.data_ptr())
         self.nbytes = tensor.numel() * tensor.element_size()
         self.length = self.nbytes
         self.huge_pages: bool | str = False
+        self._storage = info.storage
+        self._offset = info.storage_offset
+        self._finalizer: _GiveBack | None = None
+        owner = info.owner()
+        if owner is not None and original.resizable() and owner.untyped_storage()._cdata == original._cdata:
+            if owner.data_ptr() == self.address and _point(owner, info.storage):
+                self._finalizer = weakref.finalize(
+                    self, _give_back, info.owner, info.storage, original, info.geometry, threading.get_ident()
+                )
+                self._finalizer.atexit = False
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        flat = self.tensor.reshape(-1).view(torch.uint8)
-        return flat[offset : offset + nbytes]
+        """A flat uint8 tensor over ``[offset, offset+nbytes)`` of the pinned bytes (the alias's
+        storage, whatever the caller's tensor views now)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"view [{offset}, +{nbytes}) outside the tensor's {self.nbytes} bytes")
+        flat = torch.empty(0, dtype=torch.uint8)
+        return flat.set_(self._storage, self._offset + offset, (nbytes,), (1,))
 
     def keep_forever(self) -> None:
+        """Never free: part of this memory may still be registered. The caller's tensor keeps
+        viewing the alias (same bytes, cannot be grown away from under the registration)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
         with _kept_lock:
             _KEPT_FOREVER.append(self)  # type: ignore[arg-type]
 

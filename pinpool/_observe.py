@@ -236,10 +236,12 @@ class Observer:
         if self.metrics:
             m, labels = self.metrics, self._labels
             try:
+                info_labels = (*labels, self._layout, str(granularity or 0), str(chunk_bytes))
+                m.pool_opened(labels, info_labels)  # before the first gauge update: the series are held
+                self._info_labels = info_labels
                 m.pools_open.labels(*labels).inc()
                 m.pool_bytes.labels(*labels).inc(nbytes)
-                self._info_labels = (*labels, self._layout, str(granularity or 0), str(chunk_bytes))
-                m.pool_info.labels(*self._info_labels).inc()
+                m.pool_info.labels(*info_labels).inc()
                 m.log_errors.labels(*labels)  # the series exists at 0, so increase() sees the first error
             except Exception as exc:
                 self._metric_failed("pin_started", exc)
@@ -292,19 +294,28 @@ class Observer:
         """Pinning in the background failed and was rolled back; waiters will raise ``error``."""
         self._emit("error", "pool.failed", error=str(error), error_type=type(error).__name__)
 
+    def _release_series(self, metrics: PoolMetrics, leaked_bytes: int) -> None:
+        """After the pool's last gauge update: its gauge series go with the last open pool of its labels."""
+        info_labels, self._info_labels = self._info_labels, None
+        if info_labels is not None:  # pin_started took them
+            metrics.pool_closed(self._labels, info_labels, leaked_bytes=leaked_bytes)
+
     def unpinned(self, *, nbytes: int, seconds: float, failures: int, leaked_bytes: int, pinned: bool) -> None:
         if self.metrics:
             m, labels = self.metrics, self._labels
             try:
-                if pinned:
-                    m.pool_unpin_seconds.labels(*labels).observe(seconds)
-                m.pools_open.labels(*labels).dec()
-                if self._was_ready:
-                    m.pools_ready.labels(*labels).dec()
-                    self._was_ready = False
-                m.pool_bytes.labels(*labels).dec(nbytes)
-                if self._info_labels is not None:
-                    m.pool_info.labels(*self._info_labels).dec()
+                try:
+                    if pinned:
+                        m.pool_unpin_seconds.labels(*labels).observe(seconds)
+                    m.pools_open.labels(*labels).dec()
+                    if self._was_ready:
+                        m.pools_ready.labels(*labels).dec()
+                        self._was_ready = False
+                    m.pool_bytes.labels(*labels).dec(nbytes)
+                    if self._info_labels is not None:
+                        m.pool_info.labels(*self._info_labels).dec()
+                finally:  # whatever failed above, the pool no longer holds its series
+                    self._release_series(m, leaked_bytes)
             except Exception as exc:
                 self._metric_failed("unpinned", exc)
         if failures:

@@ -33,13 +33,21 @@ def _check_workers(option: str, value: int | None) -> None:
         raise ConfigError(f"{option}={value!r} must be a positive int (or None for the default)")
 
 
-def _check_fits_a_page(layout: Layout, budget: int, given: object) -> None:
+def _check_fits_a_page(layout: Layout, budget: int, given: object, *, num_pages: int | None = None) -> None:
     """A pool must hold at least one page, and one copy page of every buffer.
 
-    The layout is checked on the way (:func:`_check_layout`): a custom layout's mistakes are
-    ConfigErrors here, before anything is mapped, not a ZeroDivisionError in the plan."""
+    ``num_pages``: the pool was asked for by page count (``budget`` is that many pages), so the
+    message names it. The layout is checked on the way (:func:`_check_layout`): a custom
+    layout's mistakes are ConfigErrors here, before anything is mapped, not a ZeroDivisionError
+    in the plan."""
     page_bytes = _check_layout(layout, 1)
     smallest = max([page_bytes, *(s.granularity or 0 for s in layout.buffers(1))])
+    if budget < smallest and num_pages is not None:
+        pages = -(-smallest // page_bytes)
+        raise ConfigError(
+            f"num_pages={num_pages!r} ({budget} B) is smaller than one copy page of a buffer of layout "
+            f"{layout.name!r} ({smallest} B = {format_bytes(smallest)}); give num_pages={pages} or more"
+        )
     if budget < smallest:
         raise ConfigError(
             f"size={given!r} ({budget} B) is smaller than one page of layout {layout.name!r} "
@@ -152,18 +160,48 @@ def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:
 DEFAULT_MIN_CHUNK_BYTES = 64 << 20
 DEFAULT_MAX_RETRIES = 8
 
+_SIZE_OR_PAGES_FIX = (
+    'give exactly one of size= (a byte budget such as "64GiB": the pool holds the whole pages that fit) or '
+    "num_pages= (a page count: the pool holds exactly that many pages, e.g. to pair an MLA pool with its "
+    "Indexer pool)"
+)
+
+
+def _check_num_pages(num_pages: object) -> int:
+    """``num_pages=``: a positive int (never a bool, a float or a string)."""
+    if not _positive_int(num_pages):
+        raise ConfigError(
+            f"num_pages={num_pages!r} must be a positive int number of layout pages (pool.num_pages of a pool "
+            "to pair with), or None to size the pool by size= instead"
+        )
+    return num_pages
+
+
+def _budget_of(layout: Layout, size: int | str | None, num_pages: object) -> tuple[int, int | None]:
+    """The byte budget and page count that ``size=`` or ``num_pages=`` asks for: exactly one of them."""
+    if (size is None) == (num_pages is None):
+        given = "neither was given" if size is None else f"both were given (size={size!r}, num_pages={num_pages!r})"
+        raise ConfigError(f"size= or num_pages=: {given}; {_SIZE_OR_PAGES_FIX}")
+    if size is not None:
+        return parse_size(size, what="size"), None
+    pages = _check_num_pages(num_pages)
+    return pages * _check_layout(layout, 1), pages
+
 
 @dataclass(frozen=True)
 class PoolOptions:
     """What a pool is asked to be. Sizes are bytes.
 
     layout: what the memory holds. size: the byte budget (the pool holds the largest whole
-    number of layout pages that fits). chunk_bytes: an explicit chunk size (None: the limit is
-    ``chunk_limit`` and chunks may be split further for the workers). chunk_limit: the per-call
-    limit: ``chunk_bytes`` when given, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create`
-    read it (default 256 GiB). populate: pre-fault (None: where supported). *_workers: threads
-    per role (None: the default). huge_pages: False, True (THP) or "hugetlb". numa_node: bind
-    the memory to this node. name: the pool's name in logs, metrics and errors.
+    number of layout pages that fits). num_pages: set when the pool was asked for by page count
+    (:meth:`create` with ``num_pages=``): then ``size`` is exactly ``num_pages *
+    layout.page_bytes``, so the pool holds exactly that many pages. chunk_bytes: an explicit
+    chunk size (None: the limit is ``chunk_limit`` and chunks may be split further for the
+    workers). chunk_limit: the per-call limit: ``chunk_bytes`` when given, else
+    ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it (default 256 GiB). populate:
+    pre-fault (None: where supported). *_workers: threads per role (None: the default).
+    huge_pages: False, True (THP) or "hugetlb". numa_node: bind the memory to this node.
+    name: the pool's name in logs, metrics and errors.
     min_chunk_bytes / max_retries: a registration failing with a code its runtime declares
     retryable is split in aligned halves and retried, down to ``min_chunk_bytes`` (never below
     one alignment unit), at most ``max_retries`` times per pool (0: never retry).
@@ -185,13 +223,15 @@ class PoolOptions:
     min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
     max_retries: int = DEFAULT_MAX_RETRIES
     max_call_seconds: float | None = None
+    num_pages: int | None = None
 
     @classmethod
     def create(
         cls,
         *,
         layout: Layout | None = None,
-        size: int | str,
+        size: int | str | None = None,
+        num_pages: int | None = None,
         chunk_bytes: int | str | None = None,
         populate: bool | None = None,
         populate_workers: int | None = None,
@@ -205,19 +245,21 @@ class PoolOptions:
         max_call_seconds: float | None = None,
     ) -> PoolOptions:
         """Options from a user's spellings: sizes as ints or strings (``"64GiB"``), ``layout=None``
-        for :class:`Raw`, ``chunk_bytes=None`` for the ``PINPOOL_REGISTER_CHUNK_GB`` limit (read now)."""
+        for :class:`Raw`, ``chunk_bytes=None`` for the ``PINPOOL_REGISTER_CHUNK_GB`` limit (read now).
+        Exactly one of ``size`` (a byte budget) and ``num_pages`` (a page count: ``size`` becomes
+        ``num_pages * layout.page_bytes``)."""
         resolved = Raw() if layout is None else layout
         _check_plain(resolved, layout, populate, populate_workers, register_workers, unpin_workers, huge_pages,
                      numa_node, name)  # fmt: skip
-        budget = parse_size(size, what="size")
+        budget, pages = _budget_of(resolved, size, num_pages)
         limit = resolve_chunk_limit(chunk_bytes)
-        _check_fits_a_page(resolved, budget, size)
+        _check_fits_a_page(resolved, budget, size, num_pages=pages)
         return cls(
             size=budget, layout=resolved, chunk_bytes=None if chunk_bytes is None else limit, chunk_limit=limit,
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
             unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
             min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
-            max_call_seconds=max_call_seconds,
+            max_call_seconds=max_call_seconds, num_pages=pages,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -236,7 +278,14 @@ class PoolOptions:
         limit = self.chunk_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
-        _check_fits_a_page(self.layout, self.size, self.size)
+        if self.num_pages is not None:
+            pages, page_bytes = _check_num_pages(self.num_pages), _check_layout(self.layout, 1)
+            if self.size != pages * page_bytes:
+                raise ConfigError(
+                    f"PoolOptions(size={self.size!r}, num_pages={pages}): size must be num_pages * layout.page_bytes "
+                    f"({pages} * {page_bytes}); give one of them (PoolOptions.create computes the size)"
+                )
+        _check_fits_a_page(self.layout, self.size, self.size, num_pages=self.num_pages)
         if isinstance(self.min_chunk_bytes, str):
             raise ConfigError(
                 f"min_chunk_bytes={self.min_chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"

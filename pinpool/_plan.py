@@ -351,6 +351,15 @@ class ChunkPlan:
     ``granularity`` is the layout's copy-page size (``None``: no constraint), ``unit`` the
     step every chunk boundary is a multiple of (lcm of granularity and OS page), and
     ``chunk_bytes`` the size of every chunk but possibly the last.
+
+    ``origin`` is where the grid of allowed boundaries starts: every boundary (planned, or
+    cut later by a retry or the stall budget) is ``origin + k * unit`` bytes from the
+    buffer's start. 0 for page-aligned memory; for memory starting mid-page, the first
+    multiple of the granularity on an OS page, or 0 again where there is none and
+    neighbours may share their boundary page (``shared_pages``); ``None`` where there is
+    none and they may not, so the buffer is never cut (it must fit one call).
+    ``shared_pages``: the boundaries fall inside OS pages, each page shared by the two
+    chunks around it (only planned for runtimes that track exact byte ranges).
     """
 
     nbytes: int
@@ -360,6 +369,8 @@ class ChunkPlan:
     unit: int
     chunk_bytes: int
     chunks: ChunkTable
+    origin: int | None = 0
+    shared_pages: bool = False
 
 
 def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = None) -> int:
@@ -378,7 +389,15 @@ def resolve_chunk_limit(chunk_bytes: int | str | None) -> int:
     return parse_size(chunk_bytes, what="chunk_bytes")
 
 
-def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: int, start: int = 0) -> ChunkPlan:
+def plan_chunks(
+    nbytes: int,
+    *,
+    granularity: int | None,
+    limit: int,
+    page_size: int,
+    start: int = 0,
+    shared_boundary_pages: bool = False,
+) -> ChunkPlan:
     """Split ``nbytes`` into registration chunks.
 
     Rules: boundaries are multiples of ``granularity`` (so no copy page straddles two
@@ -390,6 +409,15 @@ def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: 
     ``start`` is the buffer's address modulo ``page_size`` (non-zero only for memory pinpool
     did not allocate): boundaries are then page-aligned in absolute terms, so the first chunk
     ends at the first multiple of the granularity that falls on a page boundary.
+
+    Where no multiple of the granularity falls on a page boundary (torch's allocator returns
+    memory 64 B into a page, and a KV granularity is usually a multiple of the page), there
+    is no such plan: ``ConfigError``, unless ``shared_boundary_pages`` says the runtime
+    tracks registrations by exact byte range (CUDA; mlock through its shared-page counts).
+    Then the buffer is planned as if it were page-aligned, boundaries on multiples of
+    lcm(granularity, page) from its start, and each boundary's OS page is shared by the
+    two chunks around it (no byte is in two chunks; the copy-page rule, the one batched
+    copies need, still holds). Page-aligned memory never gets such a plan.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise ConfigError(f"buffer size {nbytes!r} must be a positive integer number of bytes")
@@ -406,8 +434,14 @@ def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: 
         unit = math.lcm(granularity, page_size)
     else:
         unit = page_size
+    misalignment = start % page_size
+    # The grid later cuts (a retry's halves, the stall budget's pieces) sit on: the first
+    # page-aligned multiple of the granularity, else the buffer's start where neighbours may
+    # share a page, else none (see ChunkPlan.origin).
+    aligned = _aligned_boundary(granularity or 1, page_size, misalignment, unit)
+    origin = aligned if aligned is not None else (0 if shared_boundary_pages else None)
     if granularity is None and nbytes <= limit:
-        return ChunkPlan(nbytes, None, page_size, limit, unit, nbytes, ChunkTable([(0, nbytes, 1)]))
+        return ChunkPlan(nbytes, None, page_size, limit, unit, nbytes, ChunkTable([(0, nbytes, 1)]), origin)
     if unit > limit:
         what = (
             f"lcm(granularity {granularity} B, OS page {page_size} B) = {format_bytes(unit)}"
@@ -419,16 +453,20 @@ def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: 
             f"one aligned unit; raise chunk_bytes= or {CHUNK_ENV} to at least {unit} bytes ({format_bytes(unit)})"
         )
     chunk_bytes = (limit // unit) * unit
-    # A buffer that fits one call needs no boundary at all, aligned or not.
-    first = 0 if nbytes <= limit else _first_boundary(granularity or 1, page_size, start % page_size, unit)
+    if nbytes <= limit:
+        # A buffer that fits one call needs no boundary at all, aligned or not. Page-aligned
+        # memory (or where pages may be shared) is still cut into chunk_bytes steps from its
+        # start, as the reference does; unaligned memory whose pages may not be shared is not
+        # cut, since those steps would fall inside OS pages.
+        if misalignment and not shared_boundary_pages:
+            return ChunkPlan(nbytes, granularity, page_size, limit, unit, nbytes, ChunkTable([(0, nbytes, 1)]), origin)
+        first = 0
+    elif origin is None:
+        raise _no_aligned_boundary(granularity or 1, misalignment)
+    else:
+        first = origin
     if first:  # an unaligned start: the first chunk is cut short to reach an aligned boundary
-        if first > limit:
-            raise ConfigError(
-                f"a buffer starting {start % page_size} B into an OS page reaches its first page-aligned multiple "
-                f"of the granularity only after {first} B, more than the chunk limit {limit} B; raise chunk_bytes= "
-                f"or {CHUNK_ENV} to at least {first} bytes, or allocate the buffer page-aligned"
-            )
-        head = first + (limit - first) // unit * unit
+        head = first + (limit - first) // unit * unit  # first <= unit <= limit
     else:
         head = 0
     # Chunks start at 0, then at head + k * chunk_bytes (head = 0: no short head chunk); the
@@ -437,21 +475,43 @@ def plan_chunks(nbytes: int, *, granularity: int | None, limit: int, page_size: 
     chunks = ChunkTable(
         [(0, head, 1 if head else 0), (head, chunk_bytes, full), (head + full * chunk_bytes, tail, 1 if tail else 0)]
     )
-    return ChunkPlan(nbytes, granularity, page_size, limit, unit, min(chunk_bytes, nbytes), chunks)
+    shared = bool(misalignment) and not first and len(chunks) > 1  # boundaries inside OS pages
+    return ChunkPlan(nbytes, granularity, page_size, limit, unit, min(chunk_bytes, nbytes), chunks, origin, shared)
+
+
+def _aligned_boundary(granularity: int, page_size: int, misalignment: int, unit: int) -> int | None:
+    """The smallest B > 0 with B % granularity == 0 and (misalignment + B) % page_size == 0; 0 if
+    aligned; None if there is none."""
+    if misalignment == 0:
+        return 0
+    # B = k * granularity with k * granularity = -misalignment (mod page): solvable iff
+    # gcd(granularity, page) divides the misalignment; k is then unique modulo page / gcd.
+    step = math.gcd(granularity, page_size)
+    if misalignment % step:
+        return None
+    period = page_size // step  # > 1 here: step divides the misalignment, which the page does not
+    k = (-(misalignment // step) * pow(granularity // step, -1, period)) % period  # in [1, period)
+    boundary = k * granularity
+    assert 0 < boundary <= unit and (misalignment + boundary) % page_size == 0
+    return boundary
+
+
+def _no_aligned_boundary(granularity: int, misalignment: int) -> ConfigError:
+    return ConfigError(
+        f"a buffer starting {misalignment} B into an OS page can never be split at a multiple of its "
+        f"granularity ({granularity} B) that is also a page boundary, and this runtime does not track "
+        "registrations by exact byte range (Capabilities.exact_ranges), so two chunks may not share a page; "
+        "allocate it page-aligned (pinpool.empty(...), or let PinnedPool allocate), "
+        "or give chunk_bytes >= its size for a single registration"
+    )
 
 
 def _first_boundary(granularity: int, page_size: int, misalignment: int, unit: int) -> int:
     """The smallest B > 0 with B % granularity == 0 and (misalignment + B) % page_size == 0; 0 if aligned."""
-    if misalignment == 0:
-        return 0
-    for boundary in range(granularity, unit + 1, granularity):
-        if (misalignment + boundary) % page_size == 0:
-            return boundary
-    raise ConfigError(
-        f"a buffer starting {misalignment} B into an OS page can never be split at a multiple of its "
-        f"granularity ({granularity} B) that is also a page boundary; allocate it page-aligned, or give "
-        "chunk_bytes >= its size for a single registration"
-    )
+    boundary = _aligned_boundary(granularity, page_size, misalignment, unit)
+    if boundary is None:
+        raise _no_aligned_boundary(granularity, misalignment)
+    return boundary
 
 
 # -- the pool plan ------------------------------------------------------------------------------
@@ -845,8 +905,9 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
         unit = math.lcm(spec.granularity or 1, page_size)
         plan_limit = split_limit if split_limit >= unit else limit
         plan = plan_chunks(
-            spec.nbytes, granularity=spec.granularity, limit=plan_limit, page_size=page_size, start=source_start
-        )
+            spec.nbytes, granularity=spec.granularity, limit=plan_limit, page_size=page_size, start=source_start,
+            shared_boundary_pages=caps.exact_ranges,  # only changes plans no page-aligned boundary fits
+        )  # fmt: skip
         buffers.append(BufferPlan(spec, offset, plan, plan.chunks.shifted(offset)))
     chunks = ChunkTable.concat(b.chunks for b in buffers)
     chunk_bytes = max((b.plan.chunk_bytes for b in buffers if b.plan), default=0)
@@ -935,19 +996,15 @@ class RetrySplitter:
 
 
 def retry_splitter(plan: PoolPlan, min_chunk_bytes: int) -> RetrySplitter:
-    """The retry cuts allowed in ``plan``'s buffers (a caller's unaligned tensor keeps its grid)."""
+    """The retry cuts allowed in ``plan``'s buffers: each buffer's own grid (``ChunkPlan.origin``),
+    so a caller's unaligned tensor keeps its page-aligned boundaries, or its shared-page grid."""
     grids = []
     for buffer in plan.buffers:
-        if buffer.plan is None:
+        if buffer.plan is None or buffer.plan.origin is None:  # no aligned cut exists: never split
             continue
-        unit = buffer.plan.unit
-        try:
-            first = (
-                _first_boundary(buffer.plan.granularity or 1, plan.page_size, plan.source_start % plan.page_size, unit)
-                if plan.source_start % plan.page_size
-                else 0
+        grids.append(
+            RetryGrid(
+                buffer.offset, buffer.offset + buffer.spec.nbytes, buffer.plan.unit, buffer.offset + buffer.plan.origin
             )
-        except ConfigError:  # no aligned cut exists in this buffer: its chunks are never split
-            continue
-        grids.append(RetryGrid(buffer.offset, buffer.offset + buffer.spec.nbytes, unit, buffer.offset + first))
+        )
     return RetrySplitter(tuple(grids), min_chunk_bytes)

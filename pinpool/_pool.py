@@ -29,7 +29,7 @@ from ._errors import (
 )
 from ._host import HostFacts
 from ._lifecycle import Lifecycle, Memory, PoolState
-from ._memory import HostMapping, TensorMemory
+from ._memory import HostMapping, TensorMemory, alias_of
 from ._node import NodeAdmission, NodePacing
 from ._observe import Observer
 from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
@@ -62,6 +62,10 @@ class PinnedPool:
       layout: what the memory holds (default :class:`pinpool.layouts.Raw`).
       size: byte budget, int or string (``"64GiB"``); the pool holds the largest whole number of
         layout pages that fits.
+      num_pages: instead of ``size``, a page count: the pool holds exactly that many layout pages
+        (``pool.num_pages == num_pages``, ``size = num_pages * layout.page_bytes``), so paired pools
+        (an MLA KV pool and its Indexer pool, MHA and Mamba) get the same count. Give exactly one
+        of ``size`` and ``num_pages``.
       runtime: ``"auto"`` (CUDA if available, else mlock), ``"cuda"``, ``"mlock"`` or a runtime object.
       chunk_bytes: the size of one registration call (rounded down to the layout's granularity).
         Without it, the limit is ``PINPOOL_REGISTER_CHUNK_GB`` GiB (else 256 GiB), and with
@@ -109,7 +113,8 @@ class PinnedPool:
         self,
         *,
         layout: Layout | None = None,
-        size: int | str,
+        size: int | str | None = None,
+        num_pages: int | None = None,
         runtime: str | Runtime = "auto",
         chunk_bytes: int | str | None = None,
         populate: bool | None = None,
@@ -144,10 +149,10 @@ class PinnedPool:
             # loop stalled for the whole pin without a budget).
             max_call_seconds = BACKGROUND_MAX_CALL_SECONDS if background else None
         options = PoolOptions.create(
-            layout=layout, size=size, chunk_bytes=chunk_bytes, populate=populate, populate_workers=populate_workers,
-            register_workers=register_workers, unpin_workers=unpin_workers, huge_pages=huge_pages,
-            numa_node=numa_node, name=name, min_chunk_bytes=min_chunk_bytes, max_retries=max_retries,
-            max_call_seconds=max_call_seconds,
+            layout=layout, size=size, num_pages=num_pages, chunk_bytes=chunk_bytes, populate=populate,
+            populate_workers=populate_workers, register_workers=register_workers, unpin_workers=unpin_workers,
+            huge_pages=huge_pages, numa_node=numa_node, name=name, min_chunk_bytes=min_chunk_bytes,
+            max_retries=max_retries, max_call_seconds=max_call_seconds,
         )  # fmt: skip
         pacing = NodePacing.from_options(node_slots=node_slots, node_budget=node_budget, node_dir=node_dir,
                                          node_wait=node_wait)  # fmt: skip
@@ -502,6 +507,13 @@ class PinnedPool:
         return 0 if session is None else session.retries
 
     @property
+    def longest_call_seconds(self) -> Mapping[str, float]:
+        """The longest single runtime call so far, by op (``register``, ``populate``,
+        ``unregister``; 0.0 for none): the stall a serving process felt. The same figure as the
+        ``pinpool_call_seconds_max`` gauge, which is removed when the pool closes; this stays."""
+        return MappingProxyType(dict(self._observer.longest))
+
+    @property
     def unpin_seconds(self) -> float:
         session = self._lifecycle.session
         return 0.0 if session is None else session.unpin_seconds
@@ -569,10 +581,20 @@ def pin(
     """Pin a contiguous CPU tensor you allocated, with PinnedPool's chunking and guarantees.
 
     Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
-    is ``t`` (as flat bytes: ``pinned.tensors["data"]``). Chunk boundaries are multiples of
-    ``granularity_bytes`` from the tensor's start. The caller's memory is never freed by
-    pinpool. A tensor that overlaps memory already pinned (by pinpool, or locked by anyone
-    under mlock) raises :class:`AlreadyPinnedError` on entry, with nothing changed.
+    views ``t``'s memory, with its shape and dtype (``pinned.tensors["data"]``). Chunk
+    boundaries are multiples of ``granularity_bytes`` from the tensor's start, and on OS page
+    boundaries where one of those multiples falls on a page; where none does (torch.empty's
+    memory starts 64 B into a page), they are counted from the start and neighbouring chunks
+    share the page around each boundary, on runtimes that track exact byte ranges (CUDA,
+    mlock, FakeRuntime); elsewhere that is a :class:`ConfigError` (allocate with
+    :func:`pinpool.empty`, which is page-aligned).
+
+    The caller's memory is never freed by pinpool, nor under it: pinpool holds ``t``'s storage
+    while pinned, and points ``t`` at a non-resizable alias of it, so growing ``t`` with
+    ``resize_`` raises instead of reallocating pinned memory; ``t`` gets its own storage back
+    when the pool lets go of the memory. A tensor that overlaps memory already pinned (by
+    pinpool, or locked by anyone under mlock) raises :class:`AlreadyPinnedError` on entry,
+    with nothing changed.
     """
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
@@ -589,7 +611,10 @@ def pin(
         min_chunk_bytes=min_chunk_bytes, max_retries=max_retries, max_call_seconds=max_call_seconds,
     )  # fmt: skip
     pool = PinnedPool.__new__(PinnedPool)
-    pool._configure(options, runtime=runtime, source=tensor, registry=registry, logger=logger, on_progress=on_progress)
+    # The pool plans and pins an alias of the tensor: the same bytes, whose address and size
+    # nothing done to `tensor` from now on can change, and which keeps its storage alive.
+    source = alias_of(tensor)
+    pool._configure(options, runtime=runtime, source=source, registry=registry, logger=logger, on_progress=on_progress)
     return pool
 
 

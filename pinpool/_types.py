@@ -17,8 +17,10 @@ class Capabilities:
         range that is already pinned outside pinpool.
     serial_registration: the runtime serialises registration itself (the CUDA driver's lock), so
         more than one register worker buys nothing.
-    exact_ranges: registrations are tracked by exact byte range (CUDA), so adjacent registrations
-        may share an OS page; False where locking is per page (mlock).
+    exact_ranges: registrations are tracked by exact byte range, so adjacent registrations may
+        share an OS page: CUDA, and mlock (which counts the holders of the pages a registration
+        covers only in part); False where a page may belong to one registration only (ROCm,
+        unverified).
     retryable_codes: register failure codes worth retrying with a smaller chunk
         (CUDA: 2, cudaErrorMemoryAllocation).
     """

@@ -115,10 +115,10 @@ def _dim(family: str, name: str, value: object) -> int:
     return value
 
 
-def _dtype(family: str, value: object) -> torch.dtype:
+def _dtype(family: str, value: object, name: str = "dtype") -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise ConfigError(
-            f"{family}(dtype={value!r}): must be a torch.dtype such as torch.bfloat16 or torch.float8_e4m3fn"
+            f"{family}({name}={value!r}): must be a torch.dtype such as torch.bfloat16 or torch.float8_e4m3fn"
         )
     return value
 
@@ -271,15 +271,25 @@ class Mamba:
     """Mamba state pool: one slot (page size 1) holds a temporal state and conv states per layer.
 
     Buffers ``"temporal"`` and ``"conv0"``, ``"conv1"``, ..., each (size, num_mamba_layers, 1,
-    *state_shape); granularity per buffer is one slot, prod(shape[1:])*itemsize. Zero-element
-    buffers (a zero in a state shape) are allowed and not registered.
+    *state_shape); granularity per buffer is one slot, prod(shape[1:])*itemsize of that buffer's
+    dtype. Zero-element buffers (a zero in a state shape) are allowed and not registered.
+
+    Dtypes, named as in SGLang's ``Mamba2StateDType(conv=..., temporal=...)`` and its host pool's
+    ``temporal_dtype`` / ``conv_dtype``: ``temporal_dtype`` is the temporal (SSM) state's,
+    ``conv_dtype`` every conv state's; ``dtype`` is the default for whichever is not given
+    (``Mamba(L, t, c, torch.bfloat16)`` keeps every state in bf16;
+    ``Mamba(L, t, c, temporal_dtype=torch.float32, conv_dtype=torch.bfloat16)`` mixes them).
+    After construction ``temporal_dtype`` and ``conv_dtype`` hold the dtypes in use
+    (``conv_dtype`` stays ``None`` only for a pool with no conv states and no dtype for them).
     """
 
     num_mamba_layers: int
     temporal_shape: tuple[int, ...]
     conv_shapes: tuple[tuple[int, ...], ...]
-    dtype: torch.dtype
+    dtype: torch.dtype | None = None
     layout: str = field(default=PAGE_FIRST, kw_only=True)
+    temporal_dtype: torch.dtype | None = field(default=None, kw_only=True)
+    conv_dtype: torch.dtype | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         _choice("Mamba", self.layout, (PAGE_FIRST, PAGE_FIRST_DIRECT))
@@ -289,28 +299,55 @@ class Mamba:
             raise ConfigError(f"Mamba(conv_shapes={self.conv_shapes!r}): must be a sequence of shapes")
         convs = tuple(_shape("Mamba", f"conv_shapes[{i}]", c) for i, c in enumerate(self.conv_shapes))
         object.__setattr__(self, "conv_shapes", convs)
-        _dtype("Mamba", self.dtype)
+        temporal, conv = self._resolve_dtypes()
+        object.__setattr__(self, "temporal_dtype", temporal)
+        object.__setattr__(self, "conv_dtype", conv)
         if self.page_bytes == 0:
             raise ConfigError("Mamba: every state shape has a zero dimension, so a slot holds no bytes")
+
+    def _resolve_dtypes(self) -> tuple[torch.dtype, torch.dtype | None]:
+        """The temporal and conv dtypes in use: each one given, else ``dtype``; every one checked."""
+        default = None if self.dtype is None else _dtype("Mamba", self.dtype)
+        temporal = default if self.temporal_dtype is None else _dtype("Mamba", self.temporal_dtype, "temporal_dtype")
+        conv = default if self.conv_dtype is None else _dtype("Mamba", self.conv_dtype, "conv_dtype")
+        if temporal is None and conv is None:
+            raise ConfigError(
+                "Mamba(dtype=None): give the states' element type, a torch.dtype: dtype= for every state "
+                "(e.g. torch.bfloat16), or temporal_dtype= and conv_dtype= for each (e.g. torch.float32 and "
+                "torch.bfloat16, as SGLang's Mamba2StateDType(temporal=..., conv=...))"
+            )
+        if temporal is None:
+            raise ConfigError(
+                "Mamba(temporal_dtype=None): the temporal state has no dtype; give temporal_dtype= beside conv_dtype= "
+                "(a torch.dtype such as torch.float32), or dtype= as the default for every state"
+            )
+        if conv is None and self.conv_shapes:
+            raise ConfigError(
+                "Mamba(conv_dtype=None): the conv states have no dtype; give conv_dtype= beside temporal_dtype= "
+                "(a torch.dtype such as torch.bfloat16), or dtype= as the default for every state"
+            )
+        return temporal, conv
 
     @property
     def name(self) -> str:
         return f"mamba/{self.layout}"
 
-    def _states(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        return (("temporal", self.temporal_shape), *((f"conv{i}", c) for i, c in enumerate(self.conv_shapes)))
+    def _states(self) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        temporal, conv = self.temporal_dtype, self.conv_dtype  # resolved by __post_init__
+        assert temporal is not None and (conv is not None or not self.conv_shapes)
+        convs = () if conv is None else tuple((f"conv{i}", c, conv) for i, c in enumerate(self.conv_shapes))
+        return (("temporal", self.temporal_shape, temporal), *convs)
 
     @property
     def page_bytes(self) -> int:
-        it = self.dtype.itemsize
-        return sum(self.num_mamba_layers * math.prod(shape) * it for _, shape in self._states())
+        return sum(self.num_mamba_layers * math.prod(shape) * dtype.itemsize for _, shape, dtype in self._states())
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         specs = []
-        for name, state in self._states():
+        for name, state, dtype in self._states():
             shape = (num_pages, self.num_mamba_layers, 1, *state)
-            slot = math.prod(shape[1:]) * self.dtype.itemsize
-            specs.append(BufferSpec(name, shape, self.dtype, slot or None, 1))
+            slot = math.prod(shape[1:]) * dtype.itemsize
+            specs.append(BufferSpec(name, shape, dtype, slot or None, 1))
         return tuple(specs)
 
 

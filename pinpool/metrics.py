@@ -4,10 +4,16 @@ Metric names and labels are a contract (docs/metrics.md): dashboards and alerts 
 them. They are created once per :class:`prometheus_client.CollectorRegistry` and shared by
 every pool using that registry. Labels are bounded: ``pool`` (the pool's ``name=``),
 ``runtime``, and ``phase``/``reason``/``cause`` where stated; never a chunk index.
+
+A pool's gauge series (``pinpool_pinned_bytes``, ``_pool_bytes``, ``_chunks_in_flight``,
+``_pools_open``, ``_pools_ready``, ``_call_seconds_max``, ``_pool_info``) are removed when the
+last open pool with its labels closes, so pool names that come and go do not pile up series;
+counters and histograms are cumulative and stay.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Any
@@ -25,9 +31,25 @@ POOL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 
 _BASE = ("pool", "runtime")
 
+_CALL_OPS = ("register", "populate", "unregister")  # the ``op`` label of call_seconds_max
+
+
+def _multiprocess() -> bool:
+    """prometheus_client's multiprocess mode, where a series cannot be removed (it only warns)."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
+
 
 class PoolMetrics:
-    """The metric families of one registry."""
+    """The metric families of one registry, and which pools hold its gauge series.
+
+    :meth:`pool_opened` and :meth:`pool_closed` count the open pools per label tuple (two open
+    pools with the same ``name=`` and runtime share their series); when the last one closes, its
+    gauge series are removed. Thread-safe.
+    """
+
+    # The instance dict holds the metric families and nothing else (the clean-up below
+    # unregisters all of it); the open-pool bookkeeping lives in a slot beside it.
+    __slots__ = ("__dict__", "_series")
 
     def __init__(self, registry: CollectorRegistry) -> None:
         try:
@@ -40,6 +62,35 @@ class PoolMetrics:
                 f"registry={registry!r} already holds a collector with one of pinpool's metric names ({exc}); "
                 "pass another registry, or registry=None"
             ) from exc
+        self._series = _OpenPools()
+
+    def pool_opened(self, labels: tuple[str, ...], info_labels: tuple[str, ...]) -> None:
+        """A pool with these ``(pool, runtime)`` labels and ``pool_info`` labels starts pinning:
+        call before its first gauge update (so a closing namesake cannot remove a series under it)."""
+        book = self._series
+        with book.lock:
+            book.open[labels] = book.open.get(labels, 0) + 1
+            book.open_info[info_labels] = book.open_info.get(info_labels, 0) + 1
+
+    def pool_closed(self, labels: tuple[str, ...], info_labels: tuple[str, ...], *, leaked_bytes: int = 0) -> None:
+        """A pool opened with :meth:`pool_opened` closed: call after its last gauge update. The last
+        open pool of its labels takes their gauge series with it, except ``pinned_bytes`` while
+        bytes of a pool with those labels may still be pinned (a failed unregistration)."""
+        keep = _multiprocess()  # prometheus_client cannot remove a series there; livesum drops dead processes
+        book = self._series
+        with book.lock:
+            if leaked_bytes:
+                book.leaked[labels] = book.leaked.get(labels, 0) + leaked_bytes
+            if book.release(book.open_info, info_labels) and not keep:
+                self.pool_info.remove(*info_labels)
+            if not book.release(book.open, labels) or keep:
+                return
+            for gauge in (self.pool_bytes, self.chunks_in_flight, self.pools_open, self.pools_ready):
+                gauge.remove(*labels)
+            if labels not in book.leaked:
+                self.pinned_bytes.remove(*labels)
+            for op in _CALL_OPS:
+                self.call_seconds_max.remove(*labels, op)
 
     def _create(self, registry: CollectorRegistry) -> None:
         kw: dict[str, Any] = {"registry": registry}
@@ -118,6 +169,25 @@ class PoolMetrics:
             "pinpool_pool_info", "Configuration of open pools (value 1).",
             (*_BASE, "layout", "granularity_bytes", "chunk_bytes"), multiprocess_mode="liveall", **kw,
         )  # fmt: skip
+
+
+class _OpenPools:
+    """How many open pools hold each label tuple's gauge series, under one lock."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[tuple[str, ...], int] = {}  # (pool, runtime) -> open pools
+        self.open_info: dict[tuple[str, ...], int] = {}  # pool_info's labels -> open pools
+        self.leaked: dict[tuple[str, ...], int] = {}  # (pool, runtime) -> bytes that may still be pinned
+
+    @staticmethod
+    def release(open_pools: dict[tuple[str, ...], int], key: tuple[str, ...]) -> bool:
+        """One fewer open pool for ``key``; whether it was the last."""
+        left = open_pools.pop(key, 0) - 1
+        if left > 0:
+            open_pools[key] = left
+            return False
+        return True
 
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, PoolMetrics] = weakref.WeakKeyDictionary()

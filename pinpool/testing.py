@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from . import _libc
 from ._errors import ConfigError, RuntimeCallError
 from ._ranges import RangeBook
 from ._types import Capabilities
@@ -83,7 +84,7 @@ class FakeRuntime:
     ``lock_on_fault=True`` makes the fake behave like mlock: it declares ``locks_on_fault``, so
     chunks are registered (through :meth:`lock_on_fault`, which counts as a register call)
     before they are faulted, instead of after (CUDA). ``capabilities`` is the declaration:
-    populates, exact byte ranges, retryable code 2, and locks_on_fault as asked.
+    populates, retryable code 2, and locks_on_fault and exact_ranges as asked.
     ``events`` is every call in the order it started: ``("populate" | "register" |
     "unregister", ptr)``.
 
@@ -96,6 +97,13 @@ class FakeRuntime:
     out of the runtime call: raised by ``after_call`` of a successful register, it leaves the
     range registered, as an interrupt just after the driver returned would. Both are plain
     attributes, so a test may set them after construction.
+
+    ``exact_ranges`` (default True, as CUDA): registrations are kept by exact byte range, so
+    two may share an OS page as long as no byte is in both. ``exact_ranges=False`` makes the
+    fake a runtime that pins whole pages and does not count them (as ROCm is treated, or a
+    runtime of your own that declares nothing): it declares ``exact_ranges=False``, so a
+    caller's tensor is planned without shared pages, and a register whose range shares an
+    OS page with a registered one fails with 712, as overlapping bytes do.
     """
 
     name = "fake"
@@ -111,6 +119,7 @@ class FakeRuntime:
         unregister_delay: float = 0.0,
         populate_delay: float = 0.0,
         lock_on_fault: bool = False,
+        exact_ranges: bool = True,
         before_call: CallHook | None = None,
         after_call: CallHook | None = None,
     ) -> None:
@@ -132,14 +141,17 @@ class FakeRuntime:
         self.populate_delay = float(populate_delay)
         if not isinstance(lock_on_fault, bool):
             raise ConfigError(f"lock_on_fault={lock_on_fault!r} must be True or False")
+        if not isinstance(exact_ranges, bool):
+            raise ConfigError(f"exact_ranges={exact_ranges!r} must be True or False")
         self.capabilities = Capabilities(
-            populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2})
+            populates=True, locks_on_fault=lock_on_fault, exact_ranges=exact_ranges, retryable_codes=frozenset({2})
         )
         _check_hook(before_call, "before_call")
         _check_hook(after_call, "after_call")
         self.before_call = before_call
         self.after_call = after_call
         self._book = RangeBook()
+        self._pages = None if exact_ranges else RangeBook()  # page-rounded ranges, for exact_ranges=False
         self.register_calls: list[tuple[int, int]] = []
         self.unregister_calls: list[int] = []
         self.populate_calls: list[tuple[int, int]] = []
@@ -227,6 +239,14 @@ class FakeRuntime:
             if overlap is not None:
                 raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
                                   f"overlaps registered [{overlap[0]:#x}, +{overlap[1]})")  # fmt: skip
+            if self._pages is not None:
+                lo, hi = _page_extent(ptr, nbytes)
+                shared = self._pages.add(lo, hi - lo)
+                if shared is not None:
+                    self._book.pop(ptr)
+                    raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
+                                      f"shares an OS page with registered pages [{shared[0]:#x}, +{shared[1]}) "
+                                      "(FakeRuntime(exact_ranges=False) pins whole pages)")  # fmt: skip
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -262,8 +282,16 @@ class FakeRuntime:
         if self._book.pop(ptr) is None:
             raise self._error("cudaHostUnregister", _NOT_REGISTERED, ptr, 0,
                               "not the base of a registered range")  # fmt: skip
+        if self._pages is not None:
+            self._pages.pop(_page_extent(ptr, 1)[0])
 
     @staticmethod
     def _error(op: str, code_name: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
         code, reason = code_name
         return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
+
+
+def _page_extent(ptr: int, nbytes: int) -> tuple[int, int]:
+    """``[ptr, +nbytes)`` rounded out to whole OS pages."""
+    page = _libc.PAGE_SIZE
+    return ptr - ptr % page, -(-(ptr + max(nbytes, 1)) // page) * page

@@ -266,9 +266,13 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'min_chunk_bytes="0"': lambda: pool(min_chunk_bytes="0"),
         "max_retries=-1": lambda: pool(max_retries=-1),
         "max_call_seconds=0": lambda: pool(max_call_seconds=0),
+        'max_call_seconds="fast"': lambda: pool(max_call_seconds="fast"),
+        "num_pages=0, size=None": lambda: pool(num_pages=0, size=None),
+        'num_pages=4, size="1MiB"': lambda: pool(num_pages=4, size="1MiB"),
         'background="yes"': lambda: pool(background="yes"),
         "node_slots=0": lambda: pool(node_slots=0, node_dir=str(tmp)),
         'node_budget="1.5"': lambda: pool(node_budget="1.5", node_dir=str(tmp)),
+        'node_budget="١٠%"': lambda: pool(node_budget="١٠%", node_dir=str(tmp)),
         'node_dir="relative/dir"': lambda: pool(node_slots=1, node_dir="relative/dir"),
         'node_wait="no"': lambda: pool(node_slots=1, node_dir=str(tmp), node_wait="no"),
         'runtime="gpu"': lambda: pool(runtime="gpu"),
@@ -299,6 +303,12 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'Mamba(2, "x", (), torch.float32)': lambda: layouts.Mamba(2, "x", (), torch.float32),  # type: ignore[arg-type]
         "Mamba(2, (3,), 5, torch.float32)": lambda: layouts.Mamba(2, (3,), 5, torch.float32),  # type: ignore[arg-type]
         "Mamba(2, (0,), ((0, 2),), torch.float32)": lambda: layouts.Mamba(2, (0,), ((0, 2),), torch.float32),
+        'Mamba(2, (3,), ((2, 2),), torch.float32, conv_dtype="bf16")': lambda: layouts.Mamba(
+            2, (3,), ((2, 2),), torch.float32, conv_dtype="bf16"  # type: ignore[arg-type]
+        ),
+        "Mamba(2, (3,), ((2, 2),), temporal_dtype=torch.float32)": lambda: layouts.Mamba(
+            2, (3,), ((2, 2),), temporal_dtype=torch.float32
+        ),
         'Indexer("page_first", 2, 4, 100, 64)': lambda: layouts.Indexer("page_first", 2, 4, 100, 64),
         'PagedBytes("page_first", 2, 0)': lambda: layouts.PagedBytes("page_first", 2, 0),
         'PagedBytes.state("page_first", 2, 0, 64)': lambda: layouts.PagedBytes.state("page_first", 2, 0, 64),

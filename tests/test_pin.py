@@ -130,12 +130,16 @@ def test_pin_rejects_bad_tensors(tensor: object, match: str) -> None:
         pinpool.pin(tensor, runtime=FakeRuntime())  # type: ignore[arg-type]
 
 
-def test_unaligned_tensor_with_impossible_granularity_is_a_config_error() -> None:
+def test_unaligned_tensor_with_impossible_granularity_is_a_config_error_without_exact_ranges() -> None:
+    """A runtime that pins whole pages uncounted (exact_ranges=False) cannot let chunks share one."""
     t = unaligned_tensor(16 * MiB, misalignment=64)
-    with pytest.raises(pinpool.ConfigError, match="allocate it page-aligned"):
-        pinpool.pin(t, runtime=FakeRuntime(), granularity_bytes=PAGE, chunk_bytes=4 * MiB)
-    single = pinpool.pin(t, runtime=FakeRuntime(), granularity_bytes=PAGE)  # one call needs no boundary
+    with pytest.raises(pinpool.ConfigError, match=r"allocate it page-aligned \(pinpool.empty"):
+        pinpool.pin(t, runtime=FakeRuntime(exact_ranges=False), granularity_bytes=PAGE, chunk_bytes=4 * MiB)
+    single = pinpool.pin(t, runtime=FakeRuntime(exact_ranges=False), granularity_bytes=PAGE)  # one call: no boundary
     assert len(single.chunks) == 1
+    # exact byte ranges (CUDA, mlock, the default fake): the same tensor is cut from its start
+    shared = pinpool.pin(t, runtime=FakeRuntime(), granularity_bytes=PAGE, chunk_bytes=4 * MiB)
+    assert [c.nbytes for c in shared.chunks] == [4 * MiB] * 4
 
 
 @settings(max_examples=300, deadline=None)

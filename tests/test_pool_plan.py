@@ -136,15 +136,29 @@ def options_st(draw: st.DrawFn) -> PoolOptions:
 # -- a materialising model: the constructor's rules as they were, step by step ---------------------------
 
 
-def reference_chunks(nbytes: int, granularity: int | None, limit: int, page: int, start: int) -> tuple[list[int], int]:
-    """Chunk offsets and chunk_bytes, listed; raises ConfigError like plan_chunks."""
+def reference_chunks(
+    nbytes: int, granularity: int | None, limit: int, page: int, start: int, shared: bool = False
+) -> tuple[list[int], int]:
+    """Chunk offsets and chunk_bytes, listed; raises ConfigError like plan_chunks. ``shared``: the
+    runtime tracks exact byte ranges, so where no page-aligned boundary exists the buffer is cut
+    from its start (neighbours share the boundary page)."""
     unit = math.lcm(granularity, page) if granularity is not None else page
     if granularity is None and nbytes <= limit:
         return [0], nbytes
     if unit > limit:
         raise ConfigError(f"raise chunk_bytes= or {CHUNK_ENV} to at least {unit} bytes")
     chunk_bytes = limit // unit * unit
-    first = 0 if nbytes <= limit else _first_boundary(granularity or 1, page, start % page, unit)
+    if nbytes <= limit:
+        if start % page and not shared:  # cuts from an unaligned start would fall inside pages
+            return [0], nbytes
+        first = 0
+    else:
+        try:
+            first = _first_boundary(granularity or 1, page, start % page, unit)
+        except ConfigError:
+            if not shared:
+                raise
+            first = 0
     if first:
         if first > limit:
             raise ConfigError(f"raise chunk_bytes= or {CHUNK_ENV} to at least {first} bytes")
@@ -237,7 +251,7 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
         if spec.nbytes:
             unit = math.lcm(spec.granularity or 1, page)
             starts, chunk_bytes = reference_chunks(
-                spec.nbytes, spec.granularity, split if split >= unit else limit, page, start
+                spec.nbytes, spec.granularity, split if split >= unit else limit, page, start, caps.exact_ranges
             )
             ends = [*starts[1:], spec.nbytes]
             chunks += [Chunk(offset + a, b - a) for a, b in zip(starts, ends, strict=True)]
@@ -296,7 +310,9 @@ def check_invariants(plan: PoolPlan, options: PoolOptions, host: HostFacts, caps
             assert nbytes <= plan.chunk_bytes or (start and run_offset == b.offset and count == 1)
             if count > 1 or run_offset != b.offset:  # a boundary inside the buffer starts this run
                 boundary = run_offset - b.offset
-                if b.spec.nbytes > b.plan.limit:  # (a buffer within one call's limit is split from its start)
+                if b.plan.shared_pages:  # no page-aligned boundary: cut from the start, pages shared
+                    assert caps.exact_ranges and start % page and boundary % b.plan.unit == 0
+                else:
                     assert (start + boundary) % page == 0
                 if b.spec.granularity is not None:
                     assert boundary % b.spec.granularity == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from collections.abc import Callable
 
 from .. import _libc
@@ -15,6 +16,89 @@ from .._units import format_bytes
 __all__ = ["MlockRuntime", "mlock_error_message"]
 
 
+class _SharedPages:
+    """Holders of every OS page that some registration covers only in part, process-wide.
+
+    mlock and munlock work on whole pages and count nothing: ``munlock`` of one range unlocks
+    every page it touches, whoever else still needs it. Chunks of a caller's tensor that
+    starts mid-page share the page around each boundary (see ``Capabilities.exact_ranges``),
+    and the tensor's first and last pages are shared with whatever lies around it. So a page a
+    registration covers only in part is locked (by itself, one page) when its first holder
+    registers and unlocked when its last holder unregisters; the whole pages in between belong
+    to one registration alone (the runtime's books refuse overlapping bytes) and are locked
+    and unlocked with it in one call. One table for the process, because locks are the
+    process's: two runtimes must not unlock each other's shared pages.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held across the page's own mlock/munlock: count and lock agree
+        self._holders: dict[int, int] = {}
+
+    def hold(self, pages: tuple[int, ...], call: Callable[[int, int], int]) -> tuple[int, int] | None:
+        """Count one more holder of each page, locking those that had none with ``call``; on a
+        failure, undo this call's holds and return ``(page, errno)``."""
+        page_size = _libc.PAGE_SIZE
+        with self._lock:
+            held: list[int] = []
+            for page in pages:
+                if not self._holders.get(page):
+                    err = call(page, page_size)
+                    if err:
+                        self._drop(held)
+                        return page, err
+                self._holders[page] = self._holders.get(page, 0) + 1
+                held.append(page)
+        return None
+
+    def release(self, pages: tuple[int, ...]) -> tuple[int, int] | None:
+        """Count one holder less of each page, unlocking those it was the last holder of; on a
+        munlock failure nothing is counted down (a retry redoes it all) and ``(page, errno)`` is
+        returned."""
+        with self._lock:
+            for page in pages:
+                if self._holders.get(page, 0) <= 1:
+                    err = _libc.munlock(page, _libc.PAGE_SIZE)
+                    if err:
+                        return page, err
+            self._drop(pages, unlock=False)
+        return None
+
+    def _drop(self, pages: list[int] | tuple[int, ...], *, unlock: bool = True) -> None:
+        """Under the lock: one holder less of each page; unlock (best effort) those left with none."""
+        for page in pages:
+            count = self._holders.get(page, 0) - 1
+            if count > 0:
+                self._holders[page] = count
+                continue
+            self._holders.pop(page, None)
+            if unlock:
+                _libc.munlock(page, _libc.PAGE_SIZE)
+
+    def holders(self, page: int) -> int:
+        """How many registrations hold the page starting at ``page`` (for tests)."""
+        with self._lock:
+            return self._holders.get(page, 0)
+
+
+SHARED_PAGES = _SharedPages()
+
+
+def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
+    """``[ptr, +nbytes)`` as the pages it covers in part (their bases) and its whole pages ``[lo, hi)``."""
+    if nbytes <= 0:
+        return (), ptr, ptr
+    page = _libc.PAGE_SIZE
+    end = ptr + nbytes
+    partial: list[int] = []
+    if ptr % page:
+        partial.append(ptr - ptr % page)
+    if end % page and end - end % page not in partial:
+        partial.append(end - end % page)
+    lo = -(-ptr // page) * page
+    hi = end - end % page
+    return tuple(partial), lo, max(lo, hi)
+
+
 class MlockRuntime:
     """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts.
 
@@ -23,13 +107,15 @@ class MlockRuntime:
     benchmarks on CPU hosts exercise the real kernel path.
 
     Capabilities: ``lock_on_fault`` (mlock2 MLOCK_ONFAULT, so pre-faulting also locks) and
-    ``find_pinned`` (/proc/self/smaps). Locking is per page, not per byte range
-    (``exact_ranges=False``), and no errno is worth retrying with a smaller chunk: the limit
-    counts the whole pool, however it is split.
+    ``find_pinned`` (/proc/self/smaps). Locking is per page, but registrations are kept by
+    exact byte range and a page that registrations cover only in part is counted: it is
+    locked while any of them is registered and unlocked with the last (``exact_ranges``), so
+    neighbouring chunks may share a page as under CUDA. No errno is worth retrying with a
+    smaller chunk: the limit counts the whole pool, however it is split.
     """
 
     name = "mlock"
-    capabilities = Capabilities(locks_on_fault=True, finds_pinned=True)
+    capabilities = Capabilities(locks_on_fault=True, finds_pinned=True, exact_ranges=True)
 
     def __init__(self) -> None:
         self._book = RangeBook()
@@ -59,7 +145,14 @@ class MlockRuntime:
                 op=op, code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
-        err = call(ptr, nbytes)
+        partial, lo, hi = _pages_of(ptr, nbytes)
+        err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
+        if not err:
+            failed = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
+            if failed is not None:
+                err = failed[1]
+                if hi > lo:
+                    _libc.munlock(lo, hi - lo)
         if err:
             self._book.pop(ptr)
             raise RuntimeCallError(
@@ -72,15 +165,21 @@ class MlockRuntime:
         return _locked_in_smaps(ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
+        """munlock the range's whole pages, and each page it covers in part once no other
+        registration holds it."""
         nbytes = self._book.pop(ptr)
         if nbytes is None:
             raise RuntimeCallError(
                 op="munlock", code=errno.EINVAL, reason="EINVAL", ptr=ptr, nbytes=0,
                 message="no range registered at this base (unregister takes the base of an earlier register)",
             )  # fmt: skip
-        err = _libc.munlock(ptr, nbytes)
+        partial, lo, hi = _pages_of(ptr, nbytes)
+        err = _libc.munlock(lo, hi - lo) if hi > lo else 0
+        if not err:
+            failed = SHARED_PAGES.release(partial)
+            err = 0 if failed is None else failed[1]
         if err:
-            self._book.add(ptr, nbytes)  # still locked: keep it on the books
+            self._book.add(ptr, nbytes)  # still (partly) locked: keep it on the books
             raise RuntimeCallError(
                 op="munlock", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
                 message=os.strerror(err),
