@@ -23,8 +23,9 @@ p50/p99/max, with pinpool's defaults and with the budget, against the same threa
 running at all (the floor). mmap and munmap take the process's ``mmap_lock`` for writing, which
 every populate call (MADV_POPULATE_WRITE, reading) and lock call (mlock2, writing) holds, so the
 thread waits behind the pool's longest call. The pool's longest call per op comes from
-``pinpool_call_seconds_max`` in a fresh ``CollectorRegistry`` per pool. Teardown (munlock) is
-outside the budget's reach and reported apart.
+``pinpool_call_seconds_max`` in a fresh ``CollectorRegistry`` per pool (unregister: from
+``pool.longest_call_seconds``, since a closed pool's gauges are removed). Teardown (munlock of
+each piece, then munmap of the pool) is reported apart.
 
 Configurations run interleaved (A B C A B C ...) so machine noise hits all alike; the first
 repetition warms fresh memory and is discarded. One pool exists at a time. Benchmark code,
@@ -478,7 +479,7 @@ def markdown(result: dict[str, Any]) -> str:
         if teardown:
             lines += [
                 "",
-                "Teardown (munlock on the unpin workers, outside the budget): "
+                "Teardown (munlock on the unpin workers, then munmap): "
                 + "; ".join(
                     f"{r['config']}: {_fmt(r['teardown_s_median'], '.3f')} s, serving max "
                     f"{_fmt(r['teardown_max_s_median'], '.1f', 1e3)} ms"

@@ -434,12 +434,14 @@ class PinSession:
         for piece in reversed(ledger.pieces.get(index, (chunk,))):
             ptr = self.base_ptr + piece.offset
             observer.call_started()
+            call_started = time.perf_counter()
             try:
                 self.runtime.unregister(ptr)
             except BaseException as exc:  # anything, SystemExit included, fails this chunk only
                 error = error or as_runtime_error(exc, "unregister", ptr, piece.nbytes)
             finally:
                 observer.call_ended()
+                observer.unregister_call_took(time.perf_counter() - call_started)
         return error, time.perf_counter() - started
 
     def _record_unpinned(self, done: Sequence[tuple[int, RuntimeCallError | None, float, bool]]) -> None:

@@ -150,6 +150,11 @@ class Observer:
             except Exception as exc:
                 self._metric_failed("call_ended", exc)
 
+    def unregister_call_took(self, seconds: float) -> None:
+        """One unregister call ended: a chunk registered in pieces is unregistered one call per
+        piece, and the longest-call gauge is about single calls (the stall), not chunks."""
+        self._call_took("unregister", seconds)
+
     def _call_took(self, op: str, seconds: float) -> None:
         if seconds <= self.longest[op]:
             return
@@ -218,7 +223,7 @@ class Observer:
                 self._metric_failed("chunk_pinned", exc)
 
     def chunk_unregistered(self, chunk: Chunk, seconds: float, *, was_pinned: bool) -> None:
-        self._call_took("unregister", seconds)
+        """A chunk is unregistered (``seconds``: all its calls; see :meth:`unregister_call_took`)."""
         if self.metrics:
             try:
                 self.metrics.chunk_unregister_seconds.labels(*self._labels).observe(seconds)
