@@ -507,6 +507,15 @@ class PinnedPool:
         return 0 if session is None else session.retries
 
     @property
+    def populated_bytes(self) -> int:
+        """Bytes pre-faulted so far (populate calls that succeeded). Under CUDA a chunk counts as
+        pinned only when its registration returns, so within a chunk this is what moves: the
+        faulting runs ahead of registration (with ``max_call_seconds`` the registration itself
+        is in pieces, and ``pinned_bytes`` moves piece by piece too)."""
+        session = self._lifecycle.session
+        return 0 if session is None else session.pipeline.populated_bytes
+
+    @property
     def longest_call_seconds(self) -> Mapping[str, float]:
         """The longest single runtime call so far, by op (``register``, ``populate``,
         ``unregister``; 0.0 for none): the stall a serving process felt. The same figure as the

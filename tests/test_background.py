@@ -292,3 +292,23 @@ def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
     assert any(0 < v < 512 * MiB for v in values), values
     assert values == sorted(values) and values[-1] == 512 * MiB
     assert _libc.vm_locked_bytes() == vmlck_baseline
+
+
+def test_populated_bytes_move_ahead_of_registration_in_cuda_order() -> None:
+    """Fault first, then register (CUDA's order): within a chunk the faulting is what moves."""
+    fake = FakeRuntime(register_delay=0.05, populate_delay=0.001)
+    pool = PinnedPool(
+        size=64 * MiB, chunk_bytes=32 * MiB, runtime=fake, registry=None, register_workers=1, populate_workers=1,
+        background=True, max_call_seconds=None,
+    )  # fmt: skip
+    seen: list[tuple[int, int]] = []
+    with pool:
+        for _ in range(5000):
+            seen.append((pool.pinned_bytes, pool.populated_bytes))
+            if pool.state is not PoolState.PINNING:
+                break
+            time.sleep(0.001)
+        pool.wait_ready_sync(timeout=30)
+        assert pool.populated_bytes == pool.nbytes
+    assert any(populated > pinned for pinned, populated in seen)
+    assert fake.registered == {}
