@@ -233,9 +233,7 @@ class Lifecycle:
         try:
             self.tensors = self._views(self.memory)  # pages [0, pinned_pages) are usable at once
         except BaseException as exc:
-            session.stop(StopCause.CANCELLED)
-            failures, _ = yield from self._teardown(session)  # nothing was registered: closes the books
-            self._close(session, failures, rolled_back=True)
+            yield from self._close_unpinned(session)
             raise exc
         conductor = self._conductor = Threads()
         try:
@@ -244,15 +242,11 @@ class Lifecycle:
         except BaseException as exc:
             first = exc
         # The conductor could not be started, or an interrupt landed in Thread.start: it either
-        # never runs or runs and is waited for; then whatever it pinned is undone.
-        session.cancel()
-        ran = yield RunThreads(bodies=(conductor.join,), name=f"pinpool-{self.name}-join")
-        interrupts = ran.interrupts
+        # never runs or runs (maybe waiting for node pacing) and is stopped and waited for; then
+        # whatever it pinned is undone.
+        interrupts = yield from self._wait_conductor(session)
         if self.state is PoolState.PINNING:  # it never ran: nothing was pinned
-            session.stop(StopCause.CANCELLED)
-            failures, more = yield from self._teardown(session)
-            interrupts += more
-            self._close(session, failures, rolled_back=True)
+            interrupts += yield from self._close_unpinned(session)
         else:
             interrupts += yield from self._close_after_conductor(session)
         if isinstance(first, Exception):
@@ -272,13 +266,11 @@ class Lifecycle:
         try:
             yield from self._admit()
         except BaseException as exc:  # cancelled by exit, or fail-fast pacing: nothing was pinned
-            session.stop(StopCause.CANCELLED)
-            failures, _ = yield from self._teardown(session)
             if isinstance(exc, NodeWaitCancelled):
-                self._close(session, failures, rolled_back=True)
+                yield from self._close_unpinned(session)
                 return
-            self.error = exc
-            self._close(session, failures, rolled_back=True, final=PoolState.FAILED)
+            self.error = exc  # before the state says FAILED: a waiter reads the state, then the error
+            yield from self._close_unpinned(session, final=PoolState.FAILED)
             self.observer.failed_in_background(exc)
             return
         ran = yield pinning
@@ -308,6 +300,15 @@ class Lifecycle:
         self.error = error
         self._close(session, failures, rolled_back=True, final=PoolState.FAILED)
         self.observer.failed_in_background(error)
+
+    def _close_unpinned(
+        self, session: PinSession, final: PoolState = PoolState.CLOSED
+    ) -> Generator[RunThreads, Ran, list[BaseException]]:
+        """Close a pool whose pinning never started: the books close with nothing to undo."""
+        session.stop(StopCause.CANCELLED)
+        failures, interrupts = yield from self._teardown(session)
+        self._close(session, failures, rolled_back=True, final=final)
+        return interrupts
 
     def _wait_conductor(self, session: PinSession) -> Generator[RunThreads, Ran, list[BaseException]]:
         """Stop background pinning after its current calls and wait until the conductor is done."""

@@ -312,3 +312,33 @@ def test_populated_bytes_move_ahead_of_registration_in_cuda_order() -> None:
         assert pool.populated_bytes == pool.nbytes
     assert any(populated > pinned for pinned, populated in seen)
     assert fake.registered == {}
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_ctrl_c_inside_the_conductors_thread_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, paced: bool
+) -> None:
+    """KeyboardInterrupt lands inside Thread.start of the background conductor (it may already
+    run, and, paced, be waiting for a node slot another pool holds): entering raises it, after
+    the conductor was stopped and waited for, with nothing registered and no claim left."""
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        real_start(self)
+        if self.name == "pinpool-bg-start-pin":
+            raise KeyboardInterrupt
+
+    node = {"node_slots": 1, "node_dir": str(tmp_path)} if paced else {}
+    holder = slow_pool(FakeRuntime(register_delay=0.2), name="bg-holder", **node)
+    fake = FakeRuntime(register_delay=0.01)
+    pool = slow_pool(fake, name="bg-start", **node)
+    with holder:
+        holder.wait_ready_sync(min_bytes=1, timeout=10)  # it holds the only slot while it pins
+        monkeypatch.setattr(threading.Thread, "start", start)
+        with pytest.raises(KeyboardInterrupt):
+            pool.__enter__()
+        monkeypatch.undo()
+        if paced:  # its wait for the slot was cancelled, not sat out until the holder was done
+            assert holder.state is PoolState.PINNING and fake.register_calls == []
+    assert_books_clean(fake, pool)
+    assert PINNED_RANGES.snapshot() == {}
