@@ -78,14 +78,8 @@ def pin_order(chunks: ChunkTable, runs: Sequence[PageRun]) -> ChunkTable:
 
 def _chunks_in(chunks: ChunkTable, run: PageRun) -> Iterator[Chunk]:
     """The chunks overlapping ``run``, in offset order (the table is sorted by offset)."""
-    lo, hi = 0, len(chunks)
-    while lo < hi:  # the first chunk ending after the run's start
-        mid = (lo + hi) // 2
-        if chunks[mid].end <= run.start:
-            lo = mid + 1
-        else:
-            hi = mid
-    for index in range(lo, len(chunks)):
+    first = bisect.bisect_right(chunks, run.start, key=lambda chunk: chunk.end)  # the first ending after it
+    for index in range(first, len(chunks)):
         chunk = chunks[index]
         if chunk.offset >= run.end:
             return
