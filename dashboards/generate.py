@@ -288,8 +288,10 @@ def panels() -> list[Json]:
         ),
         timeseries(
             "Rollbacks by cause",
-            "Pinnings rolled back per interval (pinpool_rollbacks_total): cause=failure after a failed chunk, "
-            "cause=cancelled after a cancel or timeout.",
+            "Pinnings that ended before the pool was ready, per interval (pinpool_rollbacks_total): "
+            "cause=failure after a failed chunk (the only one the alert pages on), cancelled after a cancel or "
+            "timeout, exit when the body left or the process exited while a background pool pinned (a normal "
+            "shutdown), collected when a pinning pool was dropped without being exited.",
             "short",
             [target(f"sum by (pool, cause) ({increase('pinpool_rollbacks_total')})", "{{pool}} {{cause}}", "A")],
             grid(12, 20, 12, 8),

@@ -10,12 +10,17 @@ pages first, on pinpool's threads. Endpoints (JSON bodies unless said otherwise)
 * ``GET /healthz``: 200 at once, whatever the pool is doing (a liveness probe must not fail
   because a large pool is still pinning).
 * ``GET /readyz``: 503 while pinning (state, pinned_bytes, pinned_pages, num_pages), 200 when
-  the whole pool is pinned, 500 with the error text if pinning failed (rolled back by pinpool).
+  the whole pool is pinned, 500 with the error text if pinning failed. pinpool keeps the pages
+  already pinned (pages ``[0, pinned_pages)``) until the pool is exited: the server stops taking
+  new data, still serves reads of those pages (draining), and an orchestrator restarts it.
 * ``GET /metrics``: the pool's Prometheus registry (text format).
 * ``PUT /pages/{i}`` (body: exactly one KV page, ``page_bytes`` bytes) and ``GET /pages/{i}``
   (answers those bytes): copy page ``i`` between a device tensor (CUDA when torch sees one, else
   CPU) and the pool. 404 out of range, 409 while page ``i`` is not pinned yet (the body says
   ``pinned_pages``), 400 for a body of the wrong size, 503 once the pool has failed or closed.
+  An upload that has not arrived whole when the server begins to shut down is answered 503 at
+  once (a stalled client does not hold up the shutdown), and one that takes longer than
+  ``BODY_SECONDS`` is answered 408; both close the connection.
 
 A page's bytes are the page's slice of every buffer, in the layout's buffer order, and within a
 buffer in run order: for the default ``MHA page_first`` layout (one ``kv`` buffer shaped
@@ -35,8 +40,9 @@ arena, a large allocation, an import) waits for it. Without a budget, one call f
 512 MiB, and on a busy host this server's event loop could not even finish starting until a
 2 GiB pool was fully pinned; with it, the port opens ~0.1 s into pinning.
 
-SIGTERM or SIGINT at any moment (while pinning too) shuts down gracefully: the lifespan leaves
-the pool, which stops pinning and unpins everything, then the process logs
+SIGTERM or SIGINT at any moment (while pinning too, or with a client stalled in the middle of an
+upload) shuts down gracefully: uploads still coming in are answered 503, the lifespan leaves the
+pool, which stops pinning and unpins everything, then the process logs
 ``kv_offload_server: shutdown VmLck=<bytes>`` on stderr and exits 0.
 
 Needs ``pip install starlette uvicorn`` (``hypercorn trio`` for ``--trio``). Under mlock the
@@ -70,6 +76,26 @@ from pinpool._libc import vm_locked_bytes
 
 def log(message: str) -> None:
     print(f"kv_offload_server: {message}", file=sys.stderr, flush=True)
+
+
+# A page's body must arrive whole within this; a client that stalls gets 408 instead of holding a
+# request (and, at shutdown, the server's graceful exit) for ever.
+BODY_SECONDS = 10.0
+# How often a request waiting for its body looks whether the server is shutting down.
+SHUTDOWN_POLL_SECONDS = 0.1
+
+
+class Stopping:
+    """Set when the server begins its graceful shutdown (SIGTERM or SIGINT arrived).
+
+    Both servers wait (up to their graceful timeout) for requests in progress before the
+    lifespan exits; an upload from a stalled client would wait for its body until then and be
+    cancelled, and uvicorn prints that cancellation as "Exception in ASGI application" with a
+    traceback. A request waiting for its body ends with 503 as soon as this is set instead.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
 
 
 @dataclass(frozen=True)
@@ -116,7 +142,7 @@ class KVOffload:
         each buffer (copies from and to contiguous pinned memory take the fast DMA path)."""
         pairs = []
         offset = 0
-        tensors = self.pool.tensors  # raises once the pool failed or closed; callers check first
+        tensors = self.pool.tensors  # raises once the pool is closed; callers check first
         for s in self.slices:
             runs = tensors[s.name].view(-1).view(torch.uint8).view(s.runs, self.pool.num_pages, s.slice_bytes)
             for run in range(s.runs):
@@ -154,13 +180,43 @@ async def report_readiness(pool: pinpool.PinnedPool, started: float) -> None:
     try:
         await pool.wait_ready()
     except pinpool.PinError as error:
-        log(f"pinning failed after {time.monotonic() - started:.3f} s, rolled back: {error}")
+        log(
+            f"pinning failed after {time.monotonic() - started:.3f} s; pages [0, {pool.pinned_pages}) stay "
+            f"pinned for reads until shutdown, no new data is taken: {error}"
+        )
         return
     log(f"pool ready: {pool.nbytes} bytes, {pool.num_pages} pages in {time.monotonic() - started:.3f} s")
 
 
-def create_app(pool: pinpool.PinnedPool, registry: CollectorRegistry, device: torch.device) -> Starlette:
+async def read_body(request: Request, limit: int, stopping: Stopping) -> bytearray | Response:
+    """The request's body (reading stops past ``limit`` bytes), or the answer to give instead:
+    503 when the server began to shut down first, 408 when it took longer than BODY_SECONDS, and
+    no answer at all (the client is gone) when the client disconnected. The raw ASGI ``receive``
+    is awaited under a timeout, which loses nothing (Starlette's ``request.stream()`` would end
+    for good on the first one)."""
+    body = bytearray()
+    deadline = time.monotonic() + BODY_SECONDS
+    while True:
+        if stopping.requested:
+            return JSONResponse({"error": "the server is shutting down", "got": len(body)}, status_code=503,
+                                headers={"Connection": "close"})  # fmt: skip
+        if time.monotonic() >= deadline:
+            return JSONResponse({"error": f"the body did not arrive within {BODY_SECONDS:g} s", "got": len(body)},
+                                status_code=408, headers={"Connection": "close"})  # fmt: skip
+        with anyio.move_on_after(SHUTDOWN_POLL_SECONDS):
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return Response(status_code=499)  # nginx's "client closed request": it is never sent
+            body += message.get("body", b"")
+            if not message.get("more_body", False) or len(body) > limit:
+                return body
+
+
+def create_app(
+    pool: pinpool.PinnedPool, registry: CollectorRegistry, device: torch.device, stopping: Stopping | None = None
+) -> Starlette:
     kv = KVOffload(pool, device)
+    stopping = Stopping() if stopping is None else stopping
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -192,12 +248,15 @@ def create_app(pool: pinpool.PinnedPool, registry: CollectorRegistry, device: to
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    def refuse(i: int) -> Response | None:
-        """Why page ``i`` cannot be copied now, or None."""
+    def refuse(i: int, *, writing: bool) -> Response | None:
+        """Why page ``i`` cannot be copied now, or None. Once pinning failed the server drains:
+        pages already pinned can still be read (pinpool keeps them pinned until exit), nothing new
+        is written."""
         if i >= pool.num_pages:
             return JSONResponse({"error": f"page {i} out of range", "num_pages": pool.num_pages}, status_code=404)
         state = pool.state
-        if state not in (PoolState.PINNING, PoolState.READY):
+        draining = state is PoolState.FAILED and not writing and i < pool.pinned_pages
+        if state not in (PoolState.PINNING, PoolState.READY) and not draining:
             body = pool_status(pool)
             body["error"] = (
                 f"pinning failed: {pool.error}" if state is PoolState.FAILED else f"the pool is {state.value}"
@@ -211,26 +270,24 @@ def create_app(pool: pinpool.PinnedPool, registry: CollectorRegistry, device: to
 
     async def put_page(request: Request) -> Response:
         i = request.path_params["i"]
-        if (refusal := refuse(i)) is not None:
+        if (refusal := refuse(i, writing=True)) is not None:
             return refusal
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > pool.page_bytes:
-                break
+        body = await read_body(request, pool.page_bytes, stopping)
+        if isinstance(body, Response):
+            return body
         if len(body) != pool.page_bytes:
             return JSONResponse(
                 {"error": f"the body must be exactly one page: {pool.page_bytes} bytes", "got": len(body)},
                 status_code=400,
             )
-        if (refusal := refuse(i)) is not None:  # the pool may have failed or closed while the body came in
+        if (refusal := refuse(i, writing=True)) is not None:  # the pool may have failed or closed meanwhile
             return refusal
         kv.put(i, body)
         return JSONResponse({"page": i, "bytes": len(body)})
 
     async def get_page(request: Request) -> Response:
         i = request.path_params["i"]
-        if (refusal := refuse(i)) is not None:
+        if (refusal := refuse(i, writing=False)) is not None:
             return refusal
         return Response(kv.get(i), media_type="application/octet-stream")
 
@@ -257,15 +314,20 @@ def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.
         # pinning and is rolled back. Its calls take a fixed 0.2 s, so no stall budget.
         runtime = pinpool.testing.FakeRuntime(fail_register_on=3, register_delay=0.2)
         extra = {"chunk_bytes": "256MiB", "max_retries": 0, "max_call_seconds": None}
-    options: dict[str, Any] = {"max_call_seconds": args.max_call_seconds or None} | extra
+    options: dict[str, Any] = {"max_call_seconds": args.max_call_seconds or None, "pin_nice": args.pin_nice} | extra
     return pinpool.PinnedPool(
         layout=layout, size=args.size, runtime=runtime, background=True, name="kv-offload", registry=registry,
         **options,
     )  # fmt: skip
 
 
-def serve_uvicorn(app: Starlette, host: str, port: int) -> None:
+def serve_uvicorn(app: Starlette, host: str, port: int, stopping: Stopping) -> None:
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            stopping.requested = True  # uploads still coming in end now (uvicorn's handler, on the main thread)
+            super().handle_exit(sig, frame)
 
     # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown, lifespan exit), restores the
     # handlers it found and then re-raises the signal. These handlers are the ones it finds,
@@ -278,10 +340,10 @@ def serve_uvicorn(app: Starlette, host: str, port: int) -> None:
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5, lifespan="on"
     )
-    uvicorn.Server(config).run()
+    Server(config).run()
 
 
-def serve_trio(app: Starlette, host: str, port: int) -> None:
+def serve_trio(app: Starlette, host: str, port: int, stopping: Stopping) -> None:
     import trio
     from hypercorn.config import Config
     from hypercorn.trio import serve
@@ -297,6 +359,7 @@ def serve_trio(app: Starlette, host: str, port: int) -> None:
             async def shutdown_trigger() -> None:
                 async for signum in signals:
                     log(f"{signal.Signals(signum).name} received: graceful shutdown")
+                    stopping.requested = True
                     return
 
             await serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
@@ -319,6 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         "lock (default: 0.05; 0 for none, which lets one call stall the serving thread for seconds)",
     )  # fmt: skip
     parser.add_argument(
+        "--pin-nice", type=lambda v: v if v == "auto" else int(v), default="auto",
+        help="how much nicer than the server the pin worker threads run: auto (the default: pinpool's level for a "
+        "background pool), or 0-19 (0: the server's own priority, pinpool before pin_nice)",
+    )  # fmt: skip
+    parser.add_argument(
         "--kv-layout", default="page_first", choices=["page_first", "page_first_direct", "page_head", "layer_first"]
     )
     parser.add_argument("--layer-num", type=int, default=8)
@@ -335,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"cannot create the pool: {error}")
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    app = create_app(pool, registry, device)
-    (serve_trio if args.trio else serve_uvicorn)(app, args.host, args.port)
+    stopping = Stopping()
+    app = create_app(pool, registry, device, stopping)
+    (serve_trio if args.trio else serve_uvicorn)(app, args.host, args.port, stopping)
     # The lifespan has left the pool (unpinned, or rolled back); what the kernel still counts as
     # locked in this process should be nothing (under CUDA, pinned memory does not show in VmLck).
     log(f"shutdown VmLck={vm_locked_bytes()}")

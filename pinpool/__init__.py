@@ -26,9 +26,9 @@ from ._units import parse_size as parse_size
 if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and IDEs
     from . import layouts as layouts
     from ._alloc import empty as empty
-    from ._lifecycle import PoolState as PoolState
     from ._memory import AllocationError as AllocationError
     from ._node import NodeBusyError as NodeBusyError
+    from ._outcome import PoolState as PoolState
     from ._plan import Chunk as Chunk
     from ._pool import PinnedPool as PinnedPool
     from ._pool import pin as pin
@@ -67,7 +67,7 @@ _LAZY = {
     "Chunk": "._plan",
     "NodeBusyError": "._node",
     "PinnedPool": "._pool",
-    "PoolState": "._lifecycle",
+    "PoolState": "._outcome",
     "layouts": ".layouts",
     "pin": "._pool",
 }

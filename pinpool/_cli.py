@@ -11,7 +11,8 @@ Exit status (also in ``pinpool --help``):
     2    bad input: a usage error, a ConfigError (size, layout, option, environment variable),
          or a metrics address that cannot be served
     3    pinning failed and was rolled back (PinError), or the memory could not be mapped or is already pinned
-    130  interrupted (Ctrl-C or SIGTERM) and rolled back: nothing stays pinned
+    130  interrupted (Ctrl-C or SIGTERM) and rolled back, or interrupted while the pool was unpinned at the
+         end (it finishes unpinning first): nothing stays pinned
     141  stdout was closed early (e.g. piped into ``head``): output stops quietly, as for other tools
 
 Only the standard library and pinpool's torch-free modules are imported at the top: torch
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import re
 import signal
+import stat
 import sys
 import textwrap
 import threading
@@ -65,7 +68,8 @@ exit status:
   2    bad input: usage error, ConfigError (size, layout, option, environment variable),
        or a metrics address that cannot be served
   3    pinning failed and was rolled back (PinError), or the memory could not be mapped or is already pinned
-  130  interrupted (Ctrl-C or SIGTERM) and rolled back: nothing stays pinned
+  130  interrupted (Ctrl-C or SIGTERM) and rolled back, or interrupted while the pool was unpinned
+       at the end (it finishes unpinning first): nothing stays pinned
   141  stdout was closed early (e.g. piped into head)"""
 
 DESCRIPTION = "Plan, check and pin page-locked host-memory pools (KV-cache offload) for LLM inference servers."
@@ -251,13 +255,47 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
     return build_layout(family, given, source=f"--layout {family}", from_text=True)
 
 
-def layout_from_file(path: str) -> Layout:
-    """A layout from a JSON object ``{"family": "mha", "layout": "page_first", "layer_num": 32, ...}``."""
+LAYOUT_FILE_MAX_BYTES = 1 << 20  # a layout is a few hundred bytes; more is the wrong file
+
+
+def _read_layout_file(path: str) -> bytes:
+    """The file's bytes, refusing what is not a regular file (a FIFO would block for ever,
+    /dev/zero would be read until the OOM killer stops it) and anything over the size limit."""
     try:
-        with open(path) as f:
-            spec = json.load(f)
+        # O_NONBLOCK: opening a FIFO would wait for a writer (a regular file's reads ignore the flag).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ConfigError(
+                    f"--layout-file {path} is {_file_kind(mode)}, not a regular file: give a regular JSON file"
+                )
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(LAYOUT_FILE_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise ConfigError(f"--layout-file {path}: cannot read it ({exc.strerror})") from None
+    if len(data) > LAYOUT_FILE_MAX_BYTES:
+        raise ConfigError(
+            f"--layout-file {path} is larger than {format_bytes(LAYOUT_FILE_MAX_BYTES)}, the limit for a layout "
+            "file: give the JSON file that describes the layout"
+        )
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]  # fmt: skip
+    return next((kind for test, kind in kinds if test(mode)), "a special file")
+
+
+def layout_from_file(path: str) -> Layout:
+    """A layout from a JSON object ``{"family": "mha", "layout": "page_first", "layer_num": 32, ...}``
+    in a regular file of at most LAYOUT_FILE_MAX_BYTES."""
+    data = _read_layout_file(path)
+    try:
+        spec = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--layout-file {path}: not JSON ({exc})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("family"), str):
@@ -553,6 +591,8 @@ def _hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, 3600.0))
     except KeyboardInterrupt:  # the usual way to end a hold: unpin and exit 0
+        if _interrupts is not None:
+            _interrupts.stopping = True  # a second signal while unpinning asks the same: still exit 0
         return "interrupt"
     return "time"
 
@@ -692,13 +732,18 @@ def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: Progre
     progress.restart()
     try:
         with pool:
-            entered = True
-            progress.finish()
-            during = _libc.vm_locked_bytes()
-            if hold is not None:
-                started = time.monotonic()
-                ended_by = _hold(hold, pool, url)
-                held = (time.monotonic() - started, ended_by)
+            try:
+                entered = True
+                progress.finish()
+                during = _libc.vm_locked_bytes()
+                if hold is not None:
+                    started = time.monotonic()
+                    ended_by = _hold(hold, pool, url)
+                    held = (time.monotonic() - started, ended_by)
+            finally:
+                _defer_interrupts()  # the pool unpins and unmaps uninterrupted; a signal now is recorded
+        if _interrupts is not None and _interrupts.pending is not None:
+            raise KeyboardInterrupt(_interrupts.pending)  # it arrived while the pool was unpinned
     except KeyboardInterrupt as exc:
         exc.add_note(UNPINNED_NOTE if entered else ROLLED_BACK_NOTE)
         raise
@@ -797,7 +842,8 @@ def _add_pool_options(parser: argparse.ArgumentParser) -> None:
     layout.add_argument(
         "--layout-file",
         metavar="PATH",
-        help='JSON object: {"family": "mha", "layout": "page_first", "layer_num": 32, ...}',
+        help='a regular file (at most 1 MiB) holding a JSON object: {"family": "mha", "layout": "page_first", '
+        '"layer_num": 32, ...}',
     )
     for field in _FIELDS.values():
         if field.kind == "flag":
@@ -892,22 +938,61 @@ def _exit_code_of(error: PinpoolError) -> int:
     return EXIT_PIN_FAILED if isinstance(error, PinError | MemoryError | RuntimeError) else EXIT_FAILED
 
 
+class Interrupts:
+    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it).
+
+    The first signal raises KeyboardInterrupt in the main thread, so pinning stops and rolls back
+    as for Ctrl-C (a container's stop, systemd, kill). After that, and from the moment the pool
+    starts to exit (:meth:`defer`), a signal only is recorded: an exception raised inside the
+    pool's teardown would land in whatever runs there, and one raised in the finalizer that
+    unmaps the memory is printed as "Exception ignored" and lost (the command then exited 0).
+    :func:`main` turns a recorded signal into the interrupted status once the pool is gone.
+    """
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.pending: str | None = None  # the signal that arrived while deferred ("SIGTERM", "Ctrl-C")
+        self.stopping = False  # a signal ended a hold: later ones repeat that request
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        what = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        if self.armed:
+            self.armed = False  # before raising: whatever the exception unwinds through is not interrupted again
+            raise KeyboardInterrupt(what)
+        if self.pending is None and not self.stopping:
+            self.pending = what
+
+    def defer(self) -> None:
+        self.armed = False
+
+
+_interrupts: Interrupts | None = None  # the running command's, while main() runs on the main thread
+
+
+def _defer_interrupts() -> None:
+    if _interrupts is not None:
+        _interrupts.defer()
+
+
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the main thread, so it stops and rolls back as Ctrl-C does
-    (a container's stop, systemd, kill); the previous handler is restored after."""
+def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
+    """Install :class:`Interrupts` for SIGTERM, and for SIGINT unless someone else handles it; the
+    previous handlers are restored after. Off the main thread, signals are left alone."""
+    global _interrupts
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield None
         return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    interrupts = Interrupts()
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupts.handle)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupts.handle)
+    outer, _interrupts = _interrupts, interrupts
     try:
-        yield
+        yield interrupts
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _interrupts = outer
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _stdout_gone() -> int:
@@ -974,17 +1059,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["bench"]:  # before parsing: whatever bench options follow, say where it went
         return _bench_moved()
-    try:
-        with sigterm_as_interrupt():
+    with sigterm_as_interrupt() as interrupts:
+        try:
             try:
                 code = _dispatch(args)
             finally:
                 sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
-    except BrokenPipeError:
-        return _stdout_gone()
-    except KeyboardInterrupt as exc:
-        _report_interrupt(exc)
-        return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            return _stdout_gone()
+        except KeyboardInterrupt as exc:
+            _report_interrupt(exc)
+            return EXIT_INTERRUPTED
+        finally:
+            if interrupts is not None:
+                interrupts.defer()
+                if args[:1] == ["pin"]:
+                    gc.collect()  # whatever of the pool a cycle kept is freed (and unmapped) while signals wait
+        if interrupts is not None and interrupts.pending is not None and code == EXIT_OK:
+            _report_interrupt(KeyboardInterrupt(interrupts.pending))  # it arrived as the command ended
+            return EXIT_INTERRUPTED
     return code
 
 

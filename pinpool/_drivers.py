@@ -15,14 +15,15 @@ those bodies on tracked threads and wait for *every one* of them, whatever arriv
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
 import anyio.lowlevel
 
+from ._steps import Detach, Ran, RunThreads, Step
 from ._threads import PROGRESS_INTERVAL_SECONDS, Threads
 
 # The longest sleep between two looks at the threads while an async driver waits.
@@ -30,37 +31,7 @@ ASYNC_POLL_SECONDS = 0.02
 
 T = TypeVar("T")
 
-
-@dataclass(frozen=True)
-class RunThreads:
-    """Run each body on its own thread and wait for all of them.
-
-    ``interruptible``: an interruption is expected to stop the work early (``on_interrupt``)
-    and, under anyio, cancellation of the caller is noticed while the threads run; otherwise
-    (teardown) the wait is shielded from the start. ``on_tick`` runs on the waiting thread
-    about every PROGRESS_INTERVAL_SECONDS while the threads run.
-    """
-
-    bodies: tuple[Callable[[], None], ...]
-    name: str
-    interruptible: bool = False
-    on_interrupt: Callable[[], None] = lambda: None
-    on_tick: Callable[[], None] | None = None
-    on_started: Callable[[], None] = lambda: None  # every thread is started (or no more will be)
-
-
-@dataclass
-class Ran:
-    """What happened while a step ran: interruptions that arrived (first first), bodies that raised,
-    and errors from starting threads (e.g. the host is out of threads)."""
-
-    interrupts: list[BaseException] = field(default_factory=list)
-    crashed: list[BaseException] = field(default_factory=list)
-    start_errors: list[BaseException] = field(default_factory=list)
-    started: int = 0
-
-
-Lifecycle = Generator[RunThreads, Ran, T]
+Lifecycle = Generator[Step, Ran, T]
 
 
 def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
@@ -117,7 +88,9 @@ def _run_inline_bodies(step: RunThreads, ran: Ran) -> None:
 # -- sync ----------------------------------------------------------------------------------------
 
 
-def run_sync(step: RunThreads) -> Ran:
+def run_sync(step: Step) -> Ran:
+    if isinstance(step, Detach):
+        return _detach(step)
     threads, ran, interrupted = _launch(step)
     while True:
         try:
@@ -136,15 +109,20 @@ def drive_sync(lifecycle: Lifecycle[T]) -> T:
 def drive_inline(lifecycle: Lifecycle[T]) -> T:
     """Run a lifecycle with no threads at all (the finalizer: at interpreter exit none can be started)."""
 
-    def run(step: RunThreads) -> Ran:
+    def run(step: Step) -> Ran:
         ran = Ran()
+        if isinstance(step, Detach):  # nothing can run beside it: the sequence runs here, to its end
+            done = Threads()
+            ran.detached = done
+            _drive(step.steps, run)
+            return ran
         _run_inline_bodies(step, ran)
         return ran
 
     return _drive(lifecycle, run)
 
 
-def _drive(lifecycle: Lifecycle[T], run: Callable[[RunThreads], Ran]) -> T:
+def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
     try:
         step = next(lifecycle)
         while True:
@@ -157,7 +135,9 @@ def _drive(lifecycle: Lifecycle[T], run: Callable[[RunThreads], Ran]) -> T:
 # -- async (anyio: asyncio and trio) --------------------------------------------------------------
 
 
-async def run_async(step: RunThreads) -> Ran:
+async def run_async(step: Step) -> Ran:
+    if isinstance(step, Detach):
+        return _detach(step)  # starting a thread does not wait
     threads, ran, interrupted = _launch(step)
     # The wait polls (sleeps of 1 ms growing to ASYNC_POLL_SECONDS) instead of waiting on a
     # worker thread: a thread-pool wait abandoned by a cancellation outlives the event loop when
@@ -195,3 +175,71 @@ async def drive_async(lifecycle: Lifecycle[T]) -> T:
     except StopIteration as stop:
         result: T = stop.value
         return result
+
+
+# -- detached sequences (a background pool's conductor) --------------------------------------------
+
+# What to call to stop each detached sequence still running when the interpreter starts to exit.
+_RUNNING: dict[int, Callable[[], None]] = {}
+_running_lock = threading.Lock()
+_hooked = False
+
+
+def _detach(step: Detach) -> Ran:
+    """Start ``step.steps`` with the sync driver on a tracked thread. If this is interrupted, or no
+    thread can be made, the thread is accounted for all the same (see Threads.start)."""
+    global _hooked
+    threads, ran = Threads(), Ran()
+    ran.detached = threads
+    key = id(threads)
+
+    def body() -> None:
+        try:
+            drive_sync(step.steps)
+        finally:
+            with _running_lock:
+                _RUNNING.pop(key, None)
+
+    with _running_lock:
+        _RUNNING[key] = step.stop
+        if not _hooked:
+            _hooked = _hook_interpreter_exit()
+    try:
+        threads.start(body, name=step.name)
+        ran.started = 1
+    except Exception as exc:  # e.g. "can't start new thread"
+        ran.start_errors.append(exc)
+    except BaseException as exc:  # an interrupt inside Thread.start: the thread may run or not
+        ran.interrupts.append(exc)
+    if threads.done:  # it never ran (or already ended): nothing to stop at exit
+        with _running_lock:
+            _RUNNING.pop(key, None)
+    return ran
+
+
+def _hook_interpreter_exit() -> bool:
+    """Before Python waits for non-daemon threads at exit, stop every detached sequence (pinning
+    stops after the current calls; what is pinned stays until the pool's finalizer unpins it)."""
+    register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
+    if register is None:
+        return True  # without it, exit waits for background pinning to finish, then unpins
+    try:
+        register(_stop_running)
+    except RuntimeError:  # the interpreter is already shutting down
+        pass
+    return True
+
+
+def _stop_running() -> None:
+    with _running_lock:
+        stops = list(_RUNNING.values())
+    for stop in stops:
+        try:
+            stop()
+        except Exception:  # one pool's stop must not keep the others pinning
+            pass
+
+
+def finalize_lifecycle(lifecycle: object) -> None:
+    """A pool's finalizer: run its lifecycle's ``finalize`` sequence inline (no threads)."""
+    drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from ._observe import Observer
 from ._pipeline import BATCH_BYTES, BATCH_ITEMS, WAIT, Order, Pipeline, Span, _Wait
 from ._plan import Chunk, RetrySplitter
 from ._prefix import PrefixTracker
+from ._priority import lower_this_thread
 from ._stall import CallSizer
 from ._types import Capabilities
 from .runtimes import LocksOnFault, Populates, Runtime
@@ -40,6 +41,17 @@ def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> Runt
     if isinstance(exc, RuntimeCallError):
         return exc
     error = RuntimeCallError(op=op, code=-1, reason=type(exc).__name__, message=str(exc), ptr=ptr, nbytes=nbytes)
+    error.__cause__ = exc
+    return error
+
+
+def _between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
+    """Something pinpool itself raised between a chunk's runtime calls, as that chunk's failure."""
+    error = RuntimeCallError(
+        op=op, code=-1, reason=type(exc).__name__, ptr=ptr, nbytes=nbytes,
+        message=f"{exc} (raised by pinpool between runtime calls, not by the runtime; this is a pinpool bug, "
+        "please report it)",
+    )  # fmt: skip
     error.__cause__ = exc
     return error
 
@@ -66,6 +78,7 @@ class PinSession:
         prefix: PrefixTracker | None = None,
         max_call_seconds: float | None = None,
         populate_unit: int = 4096,
+        pin_nice: int = 0,
     ) -> None:
         # Workers start calling only once all of them are started: a populate call holds mmap_lock,
         # and starting the next thread (its stack is an mmap) would wait behind it (measured: the
@@ -109,6 +122,10 @@ class PinSession:
             self._register_sizer is not None and self._populate_sizer is not None and order is Order.REGISTER_FIRST
         )
         self._populate_unit = populate_unit
+        # Pin workers run this much nicer than the process (pin_nice=, see _priority.py); never
+        # the thread that made the session (it entered the pool, and may go on serving).
+        self._pin_nice = pin_nice
+        self._owner_thread = threading.get_ident()
 
     # -- worker bodies ---------------------------------------------------------------------
 
@@ -137,6 +154,8 @@ class PinSession:
         hear of it after one call, not one batch.
         """
         pipeline = self.pipeline
+        if self._pin_nice > 0 and threading.get_ident() != self._owner_thread:
+            lower_this_thread(self._pin_nice)  # a fresh thread that only pins: nothing to restore
         self._go.wait()
         while (batch := self._next(pipeline.next_work)) is not None:
             items = batch.items
@@ -196,7 +215,17 @@ class PinSession:
         if sizer is None:
             error, seconds = self._call(self._populate, "populate", span.offset, span.nbytes)
             return (error, self.pipeline.populated if error is None else self.pipeline.populate_failed, span, seconds)
-        # Under a stall budget the span is faulted in calls sized to fit it (page multiples).
+        # Under a stall budget the span is faulted in calls sized to fit it (page multiples). As
+        # for a chunk's pieces, anything raised between the calls (a pinpool bug) is the span's
+        # failure, landed on the books with its progress, never an exception that escapes the
+        # worker with the span still in flight.
+        try:
+            return self._paced_populate(span, sizer)
+        except BaseException as exc:  # a worker thread has no caller to raise to
+            error = _between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
+            return (error, self.pipeline.populate_failed, span, 0.0)  # 0.0, not nan: the worker observes it
+
+    def _paced_populate(self, span: Span, sizer: CallSizer) -> Outcome:
         offset, end = span.offset, span.offset + span.nbytes
         while offset < end:
             if self.pipeline.stopped:  # stop between calls, not after the whole span
@@ -247,8 +276,33 @@ class PinSession:
         """Register ``chunk`` as several calls: the halves of a failed call (``todo``), or, under
         the stall budget (``paced``), pieces sized to fit it as the calls go. A piece that fails
         retryably is halved again. Every failed attempt is kept, so a final failure lists them
-        all (a real out-of-memory is never hidden). Each call is observed as it ends."""
+        all (a real out-of-memory is never hidden). Each call is observed as it ends.
+
+        The pieces registered so far exist only in ``done`` until the chunk lands, so nothing may
+        take them away: a piece joins ``done`` as soon as its call returns, before anything else
+        runs, and anything raised between calls (the sizer, the cutter, the observer, the books:
+        a pinpool bug, never the runtime's) becomes this chunk's failure, landed with the pieces
+        registered so the rollback undoes them, instead of escaping the worker with them."""
         done: list[Chunk] = []
+        try:
+            return self._pieces_loop(index, chunk, todo, attempts, done, paced=paced)
+        except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
+            error = _between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
+            attempts.append(ChunkFailure(chunk, "register", error))
+            landing = _partly(self.pipeline, done, attempts) if done else _failed_after(self.pipeline, attempts)
+            return (error, landing, index, 0.0)  # 0.0, not nan: the worker observes this failure
+
+    def _pieces_loop(
+        self,
+        index: int,
+        chunk: Chunk,
+        todo: list[Chunk],
+        attempts: list[ChunkFailure],
+        done: list[Chunk],
+        *,
+        paced: bool,
+    ) -> Outcome:
+        """The calls of :meth:`_register_pieces`; every registered piece is in ``done`` at once."""
         sizer, cutter = self._register_sizer, self._cutter
         offset = chunk.offset if paced else chunk.end  # where the pieces not yet cut begin
         while todo or offset < chunk.end:
@@ -269,11 +323,12 @@ class PinSession:
                 piece = cutter.first_piece(rest, at_most)
                 offset = piece.end
             failure, took = self._call(self._register, "register", piece.offset, piece.nbytes)
+            if failure is None:
+                done.append(piece)  # first: from here on the piece is on the books, whatever raises
             if sizer is not None:
                 sizer.record(piece.nbytes, took)
             if failure is None:
                 self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
-                done.append(piece)
                 if paced and (todo or offset < chunk.end):  # progress within the chunk
                     with self.lock:
                         self.pipeline.part_registered(index, piece)

@@ -36,8 +36,12 @@ class Phase(enum.Enum):
 
 
 class StopCause(enum.Enum):
-    FAILURE = "failure"
-    CANCELLED = "cancelled"
+    """Why the books stopped handing out chunks (the first cause wins)."""
+
+    FAILURE = "failure"  # a populate or register call failed
+    CANCELLED = "cancelled"  # the caller was interrupted (cancellation, Ctrl-C, on_progress raised)
+    EXIT = "exit"  # a background pool's body left, or the interpreter exits, while it pinned
+    COLLECTED = "collected"  # a background pool's façade was garbage-collected while it pinned
 
 
 class LedgerError(RuntimeError):

@@ -1,60 +1,58 @@
 """A pool's life, written once: pin → (body) → teardown, or pin → rollback.
 
-:class:`Lifecycle` is synchronous and has no threads or awaits of its own: its :meth:`enter`
-and :meth:`exit` are generators that do the quick, synchronous steps themselves (map the
-memory, open and close the books, report) and yield only the steps that need waiting, as
-:class:`~pinpool._drivers.RunThreads`. The drivers (``_drivers.py``: ``async with``, ``with``
-and the finalizer's inline one) run those and send back what happened. So every rule below
-holds for every driver, because there is only one copy of it:
+:class:`Lifecycle` is synchronous and has no threads or awaits of its own, and imports no
+driver: its :meth:`enter`, :meth:`exit` and :meth:`finalize` are generators that do the quick,
+synchronous steps themselves (map the memory, open and close the books, report) and yield only
+the steps that need waiting or a thread (``_steps.py``: :class:`RunThreads`, :class:`Detach`).
+The drivers (``_drivers.py``: ``async with``, ``with``, and the finalizer's inline one) run
+those and send back what happened. So every rule below holds for every driver, because there
+is only one copy of it:
 
+* the pinning step ends in one :class:`~pinpool._outcome.Outcome`, decided in one place
+  (:meth:`Lifecycle._end_pinning`); the foreground delivers it by rolling back and raising,
+  the background by keeping what is pinned and telling the waiters;
+* once a page was reported pinned (the pool is ready, or the page is below ``pinned_pages``),
+  only the caller's exit or close, or the finalizer of a pool nobody can exit any more,
+  unpins it: a background failure never rolls back under a running body;
 * once a teardown or rollback starts, it finishes before control returns, whatever arrives
   meanwhile; the interruption is re-raised after the books are closed;
 * the finalizer never starts a teardown while a driver is running one (or is pinning);
+* every state change goes through :func:`~pinpool._outcome.check_move` (one table);
 * a worker that crashed, or threads that could not be started, end in a typed
-  :class:`PinError` / :class:`UnpinError` after a full rollback; internal invariant errors
-  never reach users as themselves.
+  :class:`PinError` / :class:`UnpinError`; internal invariant errors never reach users.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import threading
 import warnings
 from collections.abc import Callable, Generator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
-import torch
-
-from ._drivers import Ran, RunThreads, drive_inline, drive_sync
 from ._engine import PinSession
-from ._errors import ChunkFailure, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
+from ._errors import ChunkFailure, PoolStateError, UnclosedPoolWarning, UnpinError
 from ._ledger import Phase, StopCause
 from ._node import BudgetHold, NodeAdmission, NodeBusyError, NodeWaitCancelled, SlotHold
 from ._observe import Observer
+from ._outcome import (
+    Outcome,
+    PoolState,
+    admission_thread_error,
+    check_move,
+    decide,
+    kept_text,
+    pin_error,
+    thread_start_error,
+    unpin_error,
+)
 from ._ranges import PINNED_RANGES
-from ._threads import Threads
+from ._steps import Detach, Joinable, Ran, RunThreads, Steps
 from ._units import format_bytes
 
+__all__ = ["Lifecycle", "Memory", "PoolState"]
+
 ProgressCallback = Callable[[int, int, int, int], object]
-
-
-class PoolState(enum.Enum):
-    """Where a pool is in its life (``pool.state``).
-
-    NEW: constructed, not entered. PINNING: entered, chunks being pinned (with
-    ``background=True`` the body already runs; pages ``[0, pool.pinned_pages)`` are usable).
-    READY: every chunk pinned. FAILED: pinning in the background failed and was rolled back;
-    the :class:`PinError` is ``pool.error`` and every waiter raises it. CLOSING: unpinning on
-    exit. CLOSED: exited, nothing pinned.
-    """
-
-    NEW = "new"
-    PINNING = "pinning"
-    READY = "ready"
-    FAILED = "failed"
-    CLOSING = "closing"
-    CLOSED = "closed"
 
 
 class Memory(Protocol):
@@ -64,8 +62,6 @@ class Memory(Protocol):
 
     def keep_forever(self) -> None: ...
 
-
-Steps = Generator[RunThreads, Ran, None]
 
 # Budget shares of pools whose chunks leaked: never released while this process lives.
 _KEPT_HOLDS: list[BudgetHold | None] = []
@@ -81,8 +77,9 @@ class Lifecycle:
     start: opens a :class:`PinSession` over the memory's address and announces the pin.
     views: the layout's tensors over the memory, once it is pinned (or at once, in the background).
     describe: ``"pool 'x' (4 GiB, 16 chunks of <= 256 MiB, runtime mlock)"`` for messages.
-    background: entering returns once pinning has started; a conductor thread runs the rest
-    of the pinning step (wait, open or roll back) with the sync driver, and exit stops it.
+    background: entering returns once pinning has started; a conductor (a detached sequence on
+    its own thread) runs the rest of the pinning step, and exit stops it.
+    release: lets go of whatever the pool was given to pin (a caller's tensor), once closed.
     """
 
     def __init__(
@@ -98,9 +95,10 @@ class Lifecycle:
         on_progress: ProgressCallback | None,
         acquire: Callable[[], Memory],
         start: Callable[[Memory], PinSession],
-        views: Callable[[Memory], Mapping[str, torch.Tensor]],
+        views: Callable[[Memory], Mapping[str, Any]],
         background: bool = False,
         admission: NodeAdmission | None = None,
+        release: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
         self.nbytes = nbytes
@@ -114,15 +112,20 @@ class Lifecycle:
         self._acquire = acquire
         self._start = start
         self._views = views
+        self._release = release
         self.state = PoolState.NEW
         self.session: PinSession | None = None
         self.memory: Memory | None = None
-        self.tensors: Mapping[str, torch.Tensor] | None = None
-        self.error: BaseException | None = None  # why background pinning failed (state FAILED)
+        self.tensors: Mapping[str, Any] | None = None
+        self.error: BaseException | None = None  # why background pinning ended early (state FAILED)
         self.error_delivered = False  # a waiter (or pool.error) has handed it to the user
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._closed = threading.Event()  # set once CLOSED: a second close waits for the first
+        self._pid: int | None = None  # the process that entered (a forked child lets go instead)
         self._driven = False  # a driver is running enter() or exit(): the finalizer keeps off
-        self._conductor: Threads | None = None  # background: the thread finishing the pinning step
+        self._handed_out = False  # the body was given the pool (ready, or background entered)
+        self._conductor: Joinable | None = None  # background: the thread finishing the pinning step
+        self._conducting = False  # background: the conductor has not yet decided how pinning ended
         self._orphaned = False  # background: the façade was collected while pinning; the conductor cleans up
         # Node pacing: a slot while pinning, a share of the host's budget while anything is pinned.
         self.admission = admission
@@ -130,41 +133,48 @@ class Lifecycle:
         self._slot: SlotHold | None = None
         self._budget: BudgetHold | None = None
 
-    # -- the sequence ----------------------------------------------------------------------------
+    def _move(self, to: PoolState) -> None:
+        """The only place ``state`` changes (the table is ``_outcome.TRANSITIONS``)."""
+        with self._lock:
+            check_move(self.state, to)
+            self.state = to
+            if to is PoolState.CLOSED:
+                self._closed.set()
 
-    def enter(self) -> Steps:
+    # -- enter ---------------------------------------------------------------------------------
+
+    def enter(self) -> Steps[None]:
         with self._lock:
             if self.state is not PoolState.NEW:
                 raise PoolStateError(
                     f"pool {self.name!r} is {self.state.value}: a PinnedPool is entered once; "
                     "create a new PinnedPool to pin again"
                 )
-            self.state = PoolState.PINNING
+            self._move(PoolState.PINNING)
             self._driven = True
+            self._pid = os.getpid()
         try:
             yield from self._enter()
         finally:
             self._driven = False
 
-    def _enter(self) -> Steps:
+    def _enter(self) -> Steps[None]:
         if not self.background:
             try:
                 yield from self._admit()
             except BaseException:
-                self.state = PoolState.CLOSED
+                self._close_empty()
                 raise
         try:
             memory = self._acquire()
         except BaseException:
-            self._release_budget()
-            self.state = PoolState.CLOSED
+            self._close_empty()
             raise
         try:
             session = self._start(memory)
         except BaseException:
             PINNED_RANGES.pop(memory.address)
-            self._release_budget()
-            self.state = PoolState.CLOSED
+            self._close_empty()
             raise
         self.memory, self.session = memory, session
         pinning = RunThreads(
@@ -180,211 +190,250 @@ class Lifecycle:
             return
         ran = yield pinning
         self._release_slot()  # pinning is over: another rank may start while this one opens or rolls back
-        error = self._after_pinning(session, ran)
-        if error is None:
+        outcome, error = self._end_pinning(session, ran)
+        if outcome is Outcome.READY:
+            self._handed_out = True
             return
-        assert not isinstance(error, _Orphaned)  # only a background pool outlives its façade while pinning
-        failures, interrupts = yield from self._roll_back(session, error)
-        self._close(session, failures, rolled_back=True)
-        if isinstance(error, _Failed):
-            error = self._pin_error(session, error)
+        # Foreground delivery: the body never ran, so everything is rolled back, then raised.
+        self._move(PoolState.CLOSING)
+        failures, interrupts = yield from self._teardown(session)
+        self._close(session, failures)
+        if outcome is Outcome.FAILED:
+            failed = self._failure(session, ran, kept=None)
             if interrupts:  # an interruption during the rollback still propagates: it was asked for
-                interrupts[0].add_note(f"pinpool: {error}")
+                interrupts[0].add_note(f"pinpool: {failed}")
                 raise interrupts[0]
+            raise failed
+        assert error is not None  # INTERRUPTED (EXITED and ORPHANED are background outcomes)
         raise error
 
-    def _roll_back(
-        self, session: PinSession, error: BaseException | _Failed
-    ) -> Generator[RunThreads, Ran, tuple[tuple[ChunkFailure, ...], list[BaseException]]]:
-        ledger = session.ledger
-        failed = isinstance(error, _Failed) or ledger.stop_cause is StopCause.FAILURE
-        cause = StopCause.FAILURE if failed else StopCause.CANCELLED
-        self.observer.rollback(cause=cause.value, registered_chunks=ledger.chunks_done)
-        return (yield from self._teardown(session))
+    def _close_empty(self) -> None:
+        """Entry failed before anything was pinned (admission, mapping, or the session)."""
+        self._release_slot()
+        self._release_budget()
+        self.memory = None
+        self._release()
+        self._move(PoolState.CLOSED)
 
-    def _after_pinning(self, session: PinSession, ran: Ran) -> BaseException | _Failed | _Orphaned | None:
-        """Every pinning thread is done: open the pool, or say what to raise after the rollback."""
-        if ran.crashed or ran.started == 0:
+    # -- how pinning ends: one outcome ----------------------------------------------------------
+
+    def _end_pinning(self, session: PinSession, ran: Ran) -> tuple[Outcome, BaseException | None]:
+        """Every pinning thread is done: decide the outcome, open the pool if it is ready, and
+        report an early end. Returns the outcome and the interruption to raise, if any."""
+        crashed = bool(ran.crashed) or ran.started == 0
+        if crashed:
             session.stop(StopCause.FAILURE)
         phase = session.finish_pinning()
-        if ran.interrupts:
-            return ran.interrupts[0]
-        if phase is Phase.PINNED:
+        interruption = ran.interrupts[0] if ran.interrupts else None
+        pinned = phase is Phase.PINNED and interruption is None
+        if pinned:
             try:
-                self._report_progress()  # the final 100%; raising from it rolls back
+                self._report_progress()  # the final 100%; raising from it stops like an interruption
                 self.observer.pinned(nbytes=self.nbytes, chunks=len(session.ledger.chunks), seconds=session.pin_seconds)
                 assert self.memory is not None
                 if self.tensors is None:
                     self.tensors = self._views(self.memory)
             except BaseException as exc:
-                return exc
-            with self._lock:
-                if self._orphaned:  # background, and the façade is gone: nobody will exit it
-                    return _Orphaned()
-                self.state = PoolState.READY
-            return None
-        return _Failed(ran)
+                interruption = exc
+        with self._lock:
+            outcome = decide(
+                interrupted=interruption is not None,
+                pinned=pinned,
+                stop_cause=None if crashed else session.ledger.stop_cause,
+                orphaned=self._orphaned,
+            )
+            if outcome is Outcome.READY:
+                self._move(PoolState.READY)
+                return outcome, None
+        kept = session.pipeline.pinned_bytes if self.background and outcome is not Outcome.ORPHANED else 0
+        self.observer.rollback(cause=outcome.cause, registered_chunks=session.ledger.chunks_done, kept_bytes=kept)
+        return outcome, interruption
 
-    # -- background pinning --------------------------------------------------------------------------
+    def _failure(self, session: PinSession, ran: Ran, kept: str | None) -> BaseException:
+        ledger = session.ledger
+        causes = ran.crashed or ran.start_errors
+        return pin_error(
+            describe=self.describe, nbytes=self.nbytes, chunk_limit=self.chunk_limit,
+            failures=ledger.failures_in("populate", "register"), leaked=ledger.leaked(), retries=session.retries,
+            cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept,
+        )  # fmt: skip
 
-    def _enter_background(self, session: PinSession, pinning: RunThreads) -> Steps:
-        """Hand the pinning step to a conductor thread and return: the body runs while it pins."""
+    # -- background pinning ----------------------------------------------------------------------
+
+    def _enter_background(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
+        """Hand the pinning step to a conductor and return: the body runs while it pins."""
         assert self.memory is not None
         try:
             self.tensors = self._views(self.memory)  # pages [0, pinned_pages) are usable at once
-        except BaseException as exc:
-            yield from self._close_unpinned(session)
-            raise exc
-        conductor = self._conductor = Threads()
-        try:
-            conductor.start(lambda: drive_sync(self._conduct(session, pinning)), name=f"pinpool-{self.name}-pin")
+        except BaseException:
+            session.stop(StopCause.CANCELLED)
+            self._move(PoolState.CLOSING)
+            failures, _ = yield from self._teardown(session)
+            self._close(session, failures)
+            raise
+        self._conducting = True
+        ran = yield Detach(
+            steps=self._conduct(session, pinning), name=f"pinpool-{self.name}-pin", stop=self._stop_for_shutdown
+        )
+        self._conductor = ran.detached
+        problems = ran.interrupts or ran.start_errors
+        if not problems:
+            self._handed_out = True
             return
-        except BaseException as exc:
-            first = exc
         # The conductor could not be started, or an interrupt landed in Thread.start: it either
         # never runs or runs (maybe waiting for node pacing) and is stopped and waited for; then
-        # whatever it pinned is undone.
-        interrupts = yield from self._wait_conductor(session)
-        if self.state is PoolState.PINNING:  # it never ran: nothing was pinned
-            interrupts += yield from self._close_unpinned(session)
-        else:
-            interrupts += yield from self._close_after_conductor(session)
+        # whatever it pinned is undone (the body never ran).
+        first = problems[0]
+        interrupts = yield from self._stop_conductor(session, StopCause.CANCELLED)
+        with self._lock:
+            self._conducting = False
+        if self.state is not PoolState.CLOSED:
+            self._move(PoolState.CLOSING)
+            failures, more = yield from self._teardown(session)
+            interrupts += more
+            self._close(session, failures)
         if isinstance(first, Exception):
-            error = PinError(
-                f"pinning {self.describe} in the background failed: its thread could not be started "
-                f"({type(first).__name__}: {first}); nothing is pinned. Lower the worker counts or raise the "
-                "thread limit",
-                failures=(),
-                leaked=(),
-            )
-            raise error from first
+            raise thread_start_error(self.describe, first)
         raise first
 
-    def _conduct(self, session: PinSession, pinning: RunThreads) -> Steps:
-        """The conductor's sequence: admission (node pacing); pin; then open, or roll back and keep
-        the error for waiters."""
+    def _conduct(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
+        """The conductor's sequence: admission (node pacing); pin; then deliver the outcome."""
         try:
             yield from self._admit()
-        except BaseException as exc:  # cancelled by exit, or fail-fast pacing: nothing was pinned
-            if isinstance(exc, NodeWaitCancelled):
-                yield from self._close_unpinned(session)
+        except NodeWaitCancelled:  # stopped by exit, collection or interpreter exit: nothing was pinned
+            outcome, error, ran = self._stopped_outcome(session), None, Ran()
+            self.observer.rollback(cause=outcome.cause, registered_chunks=0)
+        except BaseException as exc:  # fail-fast pacing (NodeBusyError), or no thread for the wait
+            outcome, error, ran = Outcome.FAILED, exc, Ran()
+            self.observer.rollback(cause=outcome.cause, registered_chunks=0)
+        else:
+            ran = yield pinning
+            self._release_slot()
+            outcome, error = self._end_pinning(session, ran)
+        yield from self._deliver_in_background(session, outcome, error, ran)
+
+    def _stopped_outcome(self, session: PinSession) -> Outcome:
+        return decide(interrupted=False, pinned=False, stop_cause=session.ledger.stop_cause, orphaned=self._orphaned)
+
+    def _deliver_in_background(
+        self, session: PinSession, outcome: Outcome, error: BaseException | None, ran: Ran
+    ) -> Steps[None]:
+        """Background delivery: nothing is unpinned under the body. A failure keeps every registered
+        chunk (the pages below ``pinned_pages`` are in use) until exit; an exit or the entering
+        thread that stopped pinning tears down itself; only a pool nobody can exit (orphaned) is
+        torn down here."""
+        if outcome is Outcome.FAILED and error is None:
+            prefix = session.prefix
+            pages = self.num_pages if prefix is None else prefix.pages
+            error = self._failure(session, ran, kept=kept_text(pages, self.num_pages, session.pipeline.pinned_bytes))
+        with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
+            self._conducting = False
+            if outcome is Outcome.READY:
                 return
-            self.error = exc  # before the state says FAILED: a waiter reads the state, then the error
-            yield from self._close_unpinned(session, final=PoolState.FAILED)
-            self.observer.failed_in_background(exc)
-            return
-        ran = yield pinning
-        self._release_slot()
-        outcome = self._after_pinning(session, ran)
-        if outcome is None:
-            return
-        if isinstance(outcome, _Orphaned):
-            self.state = PoolState.CLOSING
+            if self._orphaned:
+                action = "teardown"
+            elif error is None:  # EXITED, or stopped by the thread that entered: the stopper tears down
+                action = "leave"
+            else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
+                self.error = error  # before the state says FAILED: a waiter reads the state, then the error
+                self._move(PoolState.FAILED)
+                action = "failed"
+        if action == "failed":
+            assert error is not None
+            self.observer.failed_in_background(error)
+        elif action == "teardown":
+            self._move(PoolState.CLOSING)
             failures, _ = yield from self._teardown(session)
-            self._close(session, failures, rolled_back=True)
-            return
-        failures, _ = yield from self._roll_back(session, outcome)
-        if isinstance(outcome, _Failed) and session.ledger.stop_cause is StopCause.CANCELLED:
-            self._close(session, failures, rolled_back=True)  # stopped by exit: not a failure
-            return
-        if isinstance(outcome, _Failed):
-            error: BaseException = self._pin_error(session, outcome)
-        else:  # on_progress raised, or opening the pool did (a conductor thread sees no signals)
-            error = PinError(
-                f"pinning {self.describe} stopped: {type(outcome).__name__}: {outcome} (raised by on_progress "
-                "or while opening the pool); every registered chunk was rolled back",
-                failures=(),
-                leaked=session.ledger.leaked(),
-            )
-            error.__cause__ = outcome
-        self.error = error
-        self._close(session, failures, rolled_back=True, final=PoolState.FAILED)
-        self.observer.failed_in_background(error)
+            self._close(session, failures)
 
-    def _close_unpinned(
-        self, session: PinSession, final: PoolState = PoolState.CLOSED
-    ) -> Generator[RunThreads, Ran, list[BaseException]]:
-        """Close a pool whose pinning never started: the books close with nothing to undo."""
-        session.stop(StopCause.CANCELLED)
-        failures, interrupts = yield from self._teardown(session)
-        self._close(session, failures, rolled_back=True, final=final)
-        return interrupts
+    def _stop_for_shutdown(self) -> None:
+        """The interpreter is exiting: stop pinning after the current calls. What is pinned stays
+        pinned for threads still running; the pool's finalizer unpins it once they are done."""
+        session = self.session
+        self._admit_cancel.set()
+        if session is not None:
+            session.stop(StopCause.EXIT)
 
-    def _wait_conductor(self, session: PinSession) -> Generator[RunThreads, Ran, list[BaseException]]:
+    def _stop_conductor(self, session: PinSession, cause: StopCause) -> Generator[RunThreads, Ran, list[BaseException]]:
         """Stop background pinning after its current calls and wait until the conductor is done."""
         conductor = self._conductor
         if conductor is None or conductor.done:
             return []
         self._admit_cancel.set()
-        session.cancel()
+        session.stop(cause)
         ran = yield RunThreads(bodies=(conductor.join,), name=f"pinpool-{self.name}-join")
         return ran.interrupts
 
-    def _close_after_conductor(self, session: PinSession) -> Generator[RunThreads, Ran, list[BaseException]]:
-        """The conductor is done: unpin a pool it opened; a failed one is closed (its error stays)."""
-        if self.state is PoolState.READY:
-            self.state = PoolState.CLOSING
-            failures, interrupts = yield from self._teardown(session)
-            self._close(session, failures, rolled_back=True)
-            return interrupts
-        if self.state is PoolState.FAILED:
-            self.state = PoolState.CLOSED
-        return []
+    # -- exit and close ----------------------------------------------------------------------------
 
-    # -- exit --------------------------------------------------------------------------------------
+    def exit(
+        self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
+    ) -> Steps[BaseException | None]:
+        """Leave the pool: stop background pinning, unpin everything, close the books.
 
-    def exit(self, body_error: BaseException | None) -> Steps:
+        Idempotent: a pool already closed is left alone, and one being closed elsewhere is
+        waited for. ``closing`` (``pool.close()``): a pool never entered is closed too.
+        ``raise_errors=False`` (the destructor form): a pinning or unpinning error the user has
+        not seen is returned instead of raised (it is logged and counted all the same);
+        interruptions are always re-raised."""
+        if self._pid is not None and os.getpid() != self._pid:
+            self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
+            return None
         with self._lock:
-            exitable = (PoolState.READY, PoolState.PINNING, PoolState.FAILED) if self.background else (PoolState.READY,)
-            if self.state not in exitable or self.session is None:
-                raise PoolStateError(
-                    f"pool {self.name!r} is {self.state.value}: it can be exited once, after it was entered"
-                )
-            if self.state is PoolState.READY and not self.background:
-                self.state = PoolState.CLOSING
-            self._driven = True
+            state = self.state
+            if state is PoolState.CLOSED:
+                return None
+            if state is PoolState.NEW:
+                if not closing:
+                    raise PoolStateError(f"pool {self.name!r} is new: it can be exited only after it was entered")
+                self._release()
+                self._move(PoolState.CLOSED)
+                return None
+            if state is PoolState.PINNING and self._driven:
+                raise PoolStateError(f"pool {self.name!r} is being entered on another thread: close it once entered")
+            wait = state is PoolState.CLOSING or self._driven
+            if not wait:
+                self._driven = True
+        if wait:  # another thread (or the finalizer) is closing it: done when that is
+            ran = yield RunThreads(bodies=(self._wait_closed,), name=f"pinpool-{self.name}-close")
+            if ran.interrupts:
+                raise ran.interrupts[0]
+            return None
         try:
             session = self.session
+            assert session is not None
             interrupts: list[BaseException] = []
             if self.background:
-                interrupts += yield from self._wait_conductor(session)
-                if self.state is PoolState.FAILED:
-                    self.state = PoolState.CLOSED
-                    self._deliver_on_exit(body_error, interrupts)
-                    return
-                if self.state is not PoolState.READY:  # stopped by this exit and rolled back
-                    if interrupts:
-                        raise interrupts[0]
-                    return
-                self.state = PoolState.CLOSING
+                interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
+            failed = self.error if self.state is PoolState.FAILED and not self.error_delivered else None
+            if failed is not None:
+                self.error_delivered = True
+            self._move(PoolState.CLOSING)
             failures, more = yield from self._teardown(session)
             interrupts += more
-            try:
-                self._close(session, failures, body_error=body_error)
-            except UnpinError as error:
-                if not interrupts:
-                    raise
-                interrupts[0].add_note(f"pinpool: {error}")
-            if interrupts:
-                raise interrupts[0]
+            unpinned = self._close(session, failures)
+            return _deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
             self._driven = False
 
-    def _deliver_on_exit(self, body_error: BaseException | None, interrupts: list[BaseException]) -> None:
-        """Leaving a pool whose background pinning failed: its error is raised unless the user
-        already has it (a waiter raised it, or ``pool.error`` was read), never silently dropped."""
-        error = self.error
-        if interrupts:
-            if error is not None and not self.error_delivered:
-                interrupts[0].add_note(f"pinpool: {error}")
-            raise interrupts[0]
-        if error is None or self.error_delivered:
-            return
-        self.error_delivered = True
-        if body_error is not None:
-            body_error.add_note(f"pinpool: pinning in the background had failed: {error}")
-            return
-        raise error
+    def _wait_closed(self) -> None:
+        self._closed.wait()
+
+    def _let_go_in_child(self) -> None:
+        """A forked child exits or closes its copy of the parent's pool: the registrations, the
+        conductor and the worker threads are the parent's (none exists here), so nothing is
+        unregistered or waited for; the child only drops its references."""
+        session = self.session
+        if session is not None:
+            session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
+        memory, self.memory, self.tensors = self.memory, None, None
+        if memory is not None:
+            PINNED_RANGES.pop(memory.address)
+        self._release()
+        if self.state is not PoolState.CLOSED:
+            check_move(self.state, PoolState.CLOSED)  # as _move does, without its lock
+            self.state = PoolState.CLOSED
+            self._closed.set()
 
     # -- node pacing -------------------------------------------------------------------------------
 
@@ -418,11 +467,7 @@ class Lifecycle:
             if isinstance(error, NodeBusyError):
                 self.observer.node_busy(kind=error.kind)
             raise error
-        raise PinError(
-            f"pinning {self.describe}: the node-pacing wait could not start a thread ({ran.start_errors[0]})",
-            failures=(),
-            leaked=(),
-        ) from ran.start_errors[0]
+        raise admission_thread_error(self.describe, ran.start_errors[0])
 
     def _release_slot(self) -> None:
         slot, self._slot = self._slot, None
@@ -438,11 +483,13 @@ class Lifecycle:
 
     @property
     def pinned_pages(self) -> int:
-        """Pages ``[0, k)`` pinned now in every buffer."""
-        if self.state is PoolState.READY:
+        """Pages ``[0, k)`` pinned now in every buffer (kept as they were when background pinning
+        failed, until exit)."""
+        state = self.state
+        if state is PoolState.READY:
             return self.num_pages
         session = self.session
-        if self.state is not PoolState.PINNING or session is None or session.prefix is None:
+        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None or session.prefix is None:
             return 0
         return session.prefix.pages
 
@@ -461,6 +508,8 @@ class Lifecycle:
             raise PoolStateError(f"pool {self.name!r} is new: enter it (async with / with) before waiting for it")
         raise PoolStateError(f"pool {self.name!r} is {state.value}: it was exited before it was ready")
 
+    # -- teardown ----------------------------------------------------------------------------------
+
     def _teardown(
         self, session: PinSession
     ) -> Generator[RunThreads, Ran, tuple[tuple[ChunkFailure, ...], list[BaseException]]]:
@@ -468,28 +517,20 @@ class Lifecycle:
         ran = yield RunThreads(bodies=bodies, name=f"pinpool-{self.name}-unpin")
         return session.end_teardown(ran.crashed), ran.interrupts
 
-    def _close(
-        self,
-        session: PinSession,
-        failures: tuple[ChunkFailure, ...],
-        *,
-        body_error: BaseException | None = None,
-        rolled_back: bool = False,
-        final: PoolState = PoolState.CLOSED,
-    ) -> None:
+    def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books after teardown, and let the memory go unless a chunk leaked (then it is
-        kept mapped and its range stays claimed: part of it may still be pinned). After a rollback,
-        unpin failures are reported by the PinError that follows (its ``leaked``), not raised here."""
+        kept mapped and its range stays claimed: part of it may still be pinned). Returns the
+        UnpinError of a pool that had been handed out (after a rollback, unpin failures are
+        reported by the PinError that follows, in its ``leaked``)."""
         memory = self.memory
-        was_open = self.state is PoolState.CLOSING
-        self.state = final
+        handed_out = self._handed_out
         self.tensors = None
         self.memory = None
         assert memory is not None
         leaked = session.ledger.leaked()
         self.observer.unpinned(
             nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
-            leaked_bytes=sum(c.nbytes for c in leaked), pinned=was_open,
+            leaked_bytes=sum(c.nbytes for c in leaked), pinned=handed_out,
         )  # fmt: skip
         if leaked:
             memory.keep_forever()
@@ -497,58 +538,12 @@ class Lifecycle:
         else:
             PINNED_RANGES.pop(memory.address)
             self._release_budget()
-        if not failures or rolled_back:
-            return
-        error = UnpinError(
-            f"unpinning pool {self.name!r}: {len(failures)} chunk(s) failed to unregister "
-            f"({', '.join(f'offset={f.chunk.offset} rc={f.error.code} ({f.error.reason})' for f in failures)}); "
-            f"{format_bytes(sum(c.nbytes for c in leaked))} may still be pinned; the memory is kept mapped",
-            failures=failures,
-            leaked=leaked,
-        )
-        if body_error is not None:
-            body_error.add_note(f"pinpool: {error}")
-            return
-        raise error
-
-    def _pin_error(self, session: PinSession, failed: _Failed) -> PinError:
-        ledger = session.ledger
-        failures = ledger.failures_in("populate", "register")
-        leaked = ledger.leaked()
-        rolled = (
-            f"; rolled back, {len(leaked)} chunk(s) could not be unregistered and may still be pinned: {leaked}"
-            if leaked
-            else "; every registered chunk was rolled back"
-        )
-        if not failures:  # no runtime call failed: the threads did
-            ran = failed.ran
-            causes = ran.crashed or ran.start_errors
-            cause = causes[0] if causes else None
-            what = (
-                f"a pinning thread failed ({type(cause).__name__}: {cause}; this is a pinpool bug, please report it)"
-                if ran.crashed
-                else f"no pinning thread could be started ({type(cause).__name__}: {cause}); "
-                "the process is out of threads: lower the worker counts or raise the thread limit"
-            )
-            error = PinError(f"pinning {self.describe} failed: {what}{rolled}", failures=(), leaked=leaked)
-            error.__cause__ = cause
-            return error
-        first = min(failures, key=lambda f: f.chunk.offset)
-        message = (
-            f"pinning {self.describe} failed at offset={first.chunk.offset} nbytes={first.chunk.nbytes} "
-            f"total={self.nbytes} chunk_limit={self.chunk_limit}: {first.phase} "
-            f"rc={first.error.code} ({first.error.reason}): {first.error.message}"
-        )
-        if len(failures) > 1:
-            message += f" [{len(failures)} calls failed, in {len({f.chunk for f in failures})} chunk(s)]"
-        if session.retries:
-            message += (
-                f" [after {session.retries} retries with aligned halves, down to min_chunk_bytes or the max_retries "
-                "budget; every attempt is in .failures]"
-            )
-        error = PinError(message + rolled, failures=failures, leaked=leaked)
-        error.__cause__ = first.error
-        return error
+        del memory
+        self._release()  # after this the pool holds nothing of the caller's
+        self._move(PoolState.CLOSED)
+        if not failures or not handed_out:
+            return None
+        return unpin_error(self.name, failures, leaked)
 
     def _report_progress(self) -> None:
         session = self.session
@@ -558,66 +553,79 @@ class Lifecycle:
 
     # -- the finalizer -------------------------------------------------------------------------------
 
-    def finalize(self) -> None:
-        """The façade was garbage-collected (or is alive at interpreter exit) without being exited."""
+    def finalize(self) -> Steps[None]:
+        """The façade was garbage-collected (or is alive at interpreter exit) without being exited.
+        Run inline (no threads): at interpreter exit none can be started."""
+        if self._pid is None:
+            return  # never entered: nothing to undo
+        if os.getpid() != self._pid:
+            self._let_go_in_child()  # a forked child: the registrations are its parent's
+            return
         with self._lock:
             session = self.session
             state = self.state
             if self._driven or session is None or state not in (PoolState.READY, PoolState.PINNING, PoolState.FAILED):
                 return  # a driver owns it (and will finish or roll back), or there is nothing to undo
-            if os.getpid() != session.pid:
-                return  # a forked child: the registrations are its parent's
-            conductor = self._conductor
-            orphaned = state is PoolState.PINNING and conductor is not None and not conductor.done
+            orphaned = state is PoolState.PINNING and self._conducting
             if orphaned:
                 # Background pinning goes on: its conductor undoes it when done. Waiting for it
                 # here could deadlock (a collection may run on the conductor's own thread).
                 self._orphaned = True
-            elif state is PoolState.FAILED:
-                self.state = PoolState.CLOSED
             else:
-                self.state = PoolState.CLOSING
+                self._move(PoolState.CLOSING)
                 self._driven = True
         if orphaned:
-            session.cancel()
+            self._admit_cancel.set()
+            session.stop(StopCause.COLLECTED)
             self._warn_unclosed("is unpinning what it pinned in the background")
             return
-        if state is PoolState.FAILED:
-            if not self.error_delivered:
-                self._warn_unclosed(f"had failed to pin in the background, and nobody saw why: {self.error}")
-            return
+        unseen = self.error if state is PoolState.FAILED and not self.error_delivered else None
         try:
-            session.cancel()
+            session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.registered_bytes
             # Unpin first: a warning turned into an error must not keep memory pinned.
-            drive_inline(self._finalize_steps(session))
+            failures, _interrupts = yield from self._teardown(session)
+            self._close(session, failures)  # nobody to raise to: logged and counted
         finally:
             self._driven = False
+        if unseen is not None:
+            self._warn_unclosed(f"had failed to pin in the background, and nobody saw why: {unseen}")
         self._warn_unclosed(f"unpinned its {format_bytes(pinned)} in a finalizer")
 
     def _warn_unclosed(self, what: str) -> None:
         warnings.warn(
             f"PinnedPool {self.name!r} was never exited; {what}. "
-            "Use `async with` / `with` so teardown happens where you expect it",
+            "Use `async with` / `with`, or pool.close(), so teardown happens where you expect it",
             UnclosedPoolWarning,
             stacklevel=3,
         )
 
-    def _finalize_steps(self, session: PinSession) -> Steps:
-        failures, _interrupts = yield from self._teardown(session)
-        self._close(session, failures, rolled_back=True)  # nobody to raise to: logged and counted
 
-
-class _Failed:
-    """Pinning ended without an interruption and without opening: a runtime call failed, a worker
-    crashed, or no worker could be started. The PinError is built after the rollback, when what
-    leaked is known."""
-
-    def __init__(self, ran: Ran) -> None:
-        self.ran = ran
-
-
-class _Orphaned:
-    """Background pinning finished after the façade was collected: nobody will exit the pool, so
-    the conductor unpins it."""
+def _deliver_exit(
+    body_error: BaseException | None,
+    failed: BaseException | None,
+    unpinned: UnpinError | None,
+    interrupts: list[BaseException],
+    raise_errors: bool,
+) -> BaseException | None:
+    """What leaving a pool raises: an interruption first (the errors as notes), else the unseen
+    background failure (the unpin error as a note), else the unpin error; a body's own error
+    gets them as notes instead. ``raise_errors=False`` returns the error instead of raising it."""
+    notes = [f"pinpool: pinning in the background had failed: {failed}"] if failed is not None else []
+    notes += [f"pinpool: {unpinned}"] if unpinned is not None else []
+    target = interrupts[0] if interrupts else body_error
+    if target is not None:
+        for note in notes:
+            target.add_note(note)
+        if interrupts:
+            raise interrupts[0]
+        return None
+    error = failed if failed is not None else unpinned
+    if error is None:
+        return None
+    if failed is not None and unpinned is not None:
+        failed.add_note(f"pinpool: {unpinned}")
+    if raise_errors:
+        raise error
+    return error

@@ -4,7 +4,10 @@ Lifetime rule: the mapping is unmapped only when nothing refers to it any more: 
 pool (which lets go after every chunk is unregistered) and not any tensor view (each view
 holds it through the buffer object torch.frombuffer keeps alive). A tensor kept past the
 pool's exit therefore stays valid, merely unpinned. A mapping whose chunks could not all
-be unregistered is never unmapped: freeing still-registered memory is undefined.
+be unregistered is never unmapped: freeing still-registered memory is undefined. The unmap
+never runs at interpreter exit (where finalizers run in reverse creation order, so a mapping
+made at entry would go before its pool unpinned it): the pool's finalizer unpins, and the
+kernel takes the memory back with the process.
 
 A caller's tensor (:func:`pinpool.pin`) is reached through an *alias*: a tensor over the
 same bytes whose storage cannot be resized and keeps the caller's storage alive. While the
@@ -100,6 +103,10 @@ class HostMapping:
         self.nbytes = nbytes
         self.huge_pages = huge_pages
         self._finalizer = weakref.finalize(self, _unmap, address, length)
+        # Never at interpreter exit: finalizers left then run newest first, so this one (made at
+        # entry) would unmap before the pool's (made at construction) unpins. The pool's lifecycle
+        # holds the mapping until it has unpinned; at exit the kernel takes the memory back.
+        self._finalizer.atexit = False
         if huge_pages is True:
             err = _libc.madvise(address, length, _libc.MADV_HUGEPAGE)
             if err:

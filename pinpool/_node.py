@@ -20,13 +20,17 @@ hold file, written and locked, before ``budget.lock`` is released. Slot files an
 ``budget.lock`` are never removed (removing a lock file others may hold open would split the lock
 in two); hold files are removed by their holder or, once stale, by the next admission.
 
-Waiting polls (``LOCK_NB`` plus a sleep): the async methods sleep with ``anyio.sleep``, so anyio,
-trio and asyncio cancellation land only between attempts, when nothing is held. The interval
-starts at 5 ms and grows with the time already waited (5 % of it, jittered, at most ``poll``,
-default 0.25 s), so a slot freed after a short pin is taken within milliseconds while a rank
-that waits minutes polls a few times a second: the hand-over costs at most ~5 % of the wait.
-Waiting is not FIFO. Every ``acquire`` closes what it opened on any ``BaseException`` before a hold object
-exists; a hold releases once (``release()`` is idempotent) and is a context manager.
+Waiting polls (``LOCK_NB`` plus a sleep) on the calling thread: the pool runs it on a thread of
+its own and stops it with the ``cancelled()`` callback, checked between attempts, when nothing
+is held. The interval starts at 5 ms and grows with the time already waited (5 % of it,
+jittered, at most ``poll``, default 0.25 s), so a slot freed after a short pin is taken within
+milliseconds while a rank that waits minutes polls a few times a second: the hand-over costs at
+most ~5 % of the wait. Waiting is not FIFO. A rank that has waited 10 s, and then every 60 s,
+calls ``on_waiting(kind, holders, waited_seconds)`` (the pool logs ``node.waiting``), naming
+whom it waits for and whether each holder runs, is stopped (``SIGSTOP``, state ``T`` in
+``/proc/<pid>/stat``) or is not found here. Every ``acquire`` closes what it opened on any
+``BaseException`` before a hold object exists; a hold releases once (``release()`` is
+idempotent) and is a context manager.
 
 **Fork**: descriptors are opened ``O_CLOEXEC``, so an ``exec``'d child gets none. A child forked
 without ``exec`` inherits them, and with them the parent's open file descriptions, which would
@@ -38,12 +42,20 @@ released; ``release()`` of a hold in any process but the one that acquired it do
 never removes the parent's hold file.
 
 **Trust**: the directory is created with mode 0700 when missing; an existing one must be a real
-directory (not a symlink), owned by this process's effective uid, and not group- or
-world-writable, else :class:`ConfigError` says what is wrong and how to fix it. It is opened
-``O_DIRECTORY | O_NOFOLLOW`` and every file is opened relative to that descriptor with
-``O_NOFOLLOW | O_CLOEXEC`` (mode 0600) and checked with ``fstat`` (a regular file, ours, not
-group- or world-writable). pinpool never changes the mode of a directory it did not create.
-Every rank must therefore run as the same user, and agree on the slot count and the budget.
+directory (not a symlink), owned by this process's effective uid, not group- or
+world-writable, and writable and searchable by this process, else :class:`ConfigError` says
+what is wrong and how to fix it. It is opened ``O_DIRECTORY | O_NOFOLLOW`` and every file is
+opened relative to that descriptor with ``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`` (mode 0600,
+never ``O_TRUNC``): a FIFO, socket or device planted under a lock file's name is seen by
+``lstat`` before the open and by ``fstat`` after it, and the open never waits for a writer.
+Before a byte is read, written or truncated, or a lock taken, ``fstat`` must show a regular
+file with one link (a hard link in place of a slot file would make pinpool overwrite the file
+it names), owned by us and not group- or world-writable; anything else is a
+:class:`ConfigError` naming the file and telling to remove it. ``O_NONBLOCK`` stays set: it
+changes nothing for a regular file, the only kind used. The constructor checks the files
+already there the same way (``lstat``), so a planted file is refused before anything is
+mapped. pinpool never changes the mode of a directory it did not create. Every rank must
+therefore run as the same user, and agree on the slot count and the budget.
 
 Containers: ``/dev/shm`` is private to a container by default; ranks in separate containers
 cooperate only through a directory they all mount (a hostPath in Kubernetes) named by
@@ -62,16 +74,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from types import TracebackType
 from typing import Literal, TypeVar
 
-import anyio
-import anyio.lowlevel
-
 from ._errors import ConfigError, PinpoolError
-from ._units import ascii_decimal, decimal_to_int, format_bytes, parse_size
+from ._units import ascii_decimal, decimal_to_int, format_bytes, parse_size, shown
 
 __all__ = [
     "BUDGET_ENV",
@@ -86,6 +95,7 @@ __all__ = [
     "NodeWaitCancelled",
     "SlotHold",
     "default_directory",
+    "holder_state",
     "mem_total_bytes",
 ]
 
@@ -101,11 +111,15 @@ _POLL_FRACTION = 0.05  # of the time waited so far
 # fail-fast admission gives up only after this long (a holder stopped with SIGSTOP, say).
 _LOCK_RETRY_SECONDS = 0.002
 _LOCK_GIVE_UP_SECONDS = 5.0
+# A waiting rank says whom it waits for after this long, then again every _WAITING_EVERY_SECONDS.
+_WAITING_FIRST_SECONDS = 10.0
+_WAITING_EVERY_SECONDS = 60.0
 
 _SLOT_PREFIX = "slot-"
 _HOLD_PREFIX = "hold-"
 _BUDGET_LOCK = "budget.lock"
-_FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: opening a FIFO never waits for its other end (regular files ignore the flag).
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _RECORD_LIMIT = 512  # bytes read back from a slot or hold file
 
 Kind = Literal["slots", "budget"]
@@ -115,20 +129,51 @@ H = TypeVar("H", bound="_Hold")
 # -- errors ----------------------------------------------------------------------------------------
 
 
+HolderState = Literal["running", "stopped", "zombie", "not found", "unknown"]
+
+
 @dataclass(frozen=True)
 class NodeHolder:
     """Who holds a slot or part of the budget, as its file says: pid (None if unreadable), bytes
-    (budget only) and the holder's label (its pool's name)."""
+    (budget only) and the holder's label (its pool's name). ``state`` is None unless looked up
+    (what a waiting rank reports, see :func:`holder_state`)."""
 
     pid: int | None
     nbytes: int | None = None
     label: str = ""
+    state: HolderState | None = None
 
     def describe(self) -> str:
         who = "pid ?" if self.pid is None else f"pid {self.pid}"
         if self.label:
             who += f" (pool {self.label!r})"
+        if self.state is not None:
+            who += f" [{self.state}]"
         return who if self.nbytes is None else f"{who}: {format_bytes(self.nbytes)}"
+
+
+def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
+    """Whether ``pid`` runs (or sleeps), is stopped (``T``/``t``: SIGSTOP, a debugger), is a zombie,
+    is not found here (gone, or in another pid namespace), or cannot be told: one read of
+    ``/proc/<pid>/stat``."""
+    if pid is None or pid <= 0:
+        return "unknown"
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+    except FileNotFoundError:
+        return "not found"
+    except OSError:
+        return "unknown"
+    fields = data.rpartition(b")")[2].split()  # the command name, in parentheses, may hold anything
+    if not fields:
+        return "unknown"
+    code = fields[0]
+    if code in (b"T", b"t"):
+        return "stopped"
+    if code in (b"Z", b"X", b"x"):
+        return "zombie"
+    return "running"
 
 
 class NodeBusyError(PinpoolError, RuntimeError):
@@ -212,14 +257,14 @@ _BUDGET_HINT = (
 def _parse_slots(value: object, *, what: str, from_env: bool = False) -> int:
     if from_env and isinstance(value, str):  # strict ASCII digits
         if not (value.isascii() and value.isdigit()):
-            raise ConfigError(f"{what}={value!r} is not a positive integer; {_SLOTS_FIX}, or unset {SLOTS_ENV}")
+            raise ConfigError(f"{what}={shown(value)} is not a positive integer; {_SLOTS_FIX}, or unset {SLOTS_ENV}")
         number = int(value)
     elif isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
-        raise ConfigError(f"{what}={value!r} has type {type(value).__name__}; {_SLOTS_FIX}")
+        raise ConfigError(f"{what}={shown(value)} has type {type(value).__name__}; {_SLOTS_FIX}")
     if not 1 <= number <= MAX_SLOTS:
-        raise ConfigError(f"{what}={value!r} is out of range; {_SLOTS_FIX}")
+        raise ConfigError(f"{what}={shown(value)} is out of range; {_SLOTS_FIX}")
     return number
 
 
@@ -364,6 +409,66 @@ def _problem(st: os.stat_result) -> str | None:
     return None
 
 
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISDIR, "a directory"),
+)
+
+
+def _file_problem(st: os.stat_result) -> str | None:
+    """What makes a lock file (``lstat`` or ``fstat``) unusable, or None: pinpool reads, writes,
+    truncates and locks only a regular file of ours with one link."""
+    mode = st.st_mode
+    if stat.S_ISLNK(mode):
+        return "is a symbolic link (pinpool never follows links to its lock files)"
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), f"file type {stat.S_IFMT(mode):#o}")
+        return f"is not a regular file ({kind})"
+    if st.st_nlink > 1:
+        return (
+            f"has {st.st_nlink} hard links (another name refers to the same file, and pinpool writes "
+            "into its lock files)"
+        )
+    return _problem(st)
+
+
+def _file_error(directory: str, name: str, problem: str) -> ConfigError:
+    return ConfigError(
+        f"node pacing file {os.path.join(directory, name)!r} {problem}; remove it (pinpool recreates it "
+        "with mode 0600), and make sure only this user can write the directory"
+    )
+
+
+def _unwritable(directory: str, code: int, doing: str = "") -> ConfigError:
+    """The directory refused a file (EACCES, EPERM, EROFS): the errno, and what to do."""
+    reason = f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
+    if code == errno.EROFS:
+        fix = f"set node_dir= / {DIR_ENV} to a directory on a writable file system (such as {default_directory()!r})"
+    else:
+        fix = (
+            f"give this user write and search permission on it (`chmod u+rwx {directory}`), or set node_dir= / "
+            f"{DIR_ENV} to a directory this user owns and can write"
+        )
+    return ConfigError(
+        f"node pacing directory {directory!r} is not writable by this process ({reason}){doing}: every rank "
+        f"creates and writes its lock files there; {fix}"
+    )
+
+
+def _check_writable(fd: int, path: str) -> None:
+    """:class:`ConfigError` unless this process may create files in the directory ``fd``."""
+    if os.access(".", os.W_OK | os.X_OK, dir_fd=fd, effective_ids=True):
+        return
+    try:
+        read_only = bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    raise _unwritable(path, errno.EROFS if read_only else errno.EACCES)
+
+
 def open_directory(path: str) -> int:
     """Create ``path`` (mode 0700) if missing, check it, and return an ``O_DIRECTORY | O_NOFOLLOW``
     descriptor to it; :class:`ConfigError` naming the path, the problem and the fix otherwise."""
@@ -397,7 +502,7 @@ def open_directory(path: str) -> int:
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"node pacing directory {path!r} exists but is not a directory; remove it, {fix_env}")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(
             f"node pacing directory {path!r} cannot be opened: {exc.strerror or exc}; {fix_env}"
@@ -418,39 +523,92 @@ def open_directory(path: str) -> int:
                 "rank as that user"
             )
             raise ConfigError(f"node pacing directory {path!r} {problem}; {fix}, {fix_env}")
+        _check_writable(fd, path)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _open_error(directory: str, name: str, exc: OSError, *, existed: bool) -> ConfigError | None:
+    """The :class:`ConfigError` for an ``open`` of a lock file that failed, or None (raise ``exc``)."""
+    code = exc.errno
+    if code == errno.ELOOP:
+        return _file_error(directory, name, "is a symbolic link (pinpool never follows links to its lock files)")
+    if code in (errno.EISDIR, errno.ENXIO):  # a directory; a socket, or a device with nothing behind it
+        return _file_error(directory, name, "is not a regular file")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if code == errno.EROFS or not existed:
+            return _unwritable(directory, code, f" (creating {name!r})")
+        reason = f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
+        return _file_error(directory, name, f"cannot be opened ({reason})")
+    return None
 
 
 def _open_file(dir_fd: int, directory: str, name: str, flags: int) -> int:
-    """Open ``name`` in the directory with O_NOFOLLOW | O_CLOEXEC (mode 0600 if created) and check it."""
-    try:
-        fd = os.open(name, flags | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError(
-                f"node pacing file {os.path.join(directory, name)!r} is a symbolic link; "
-                "pinpool never follows links to its lock files: remove it"
-            ) from None
-        if exc.errno == errno.EISDIR:
-            raise ConfigError(
-                f"node pacing file {os.path.join(directory, name)!r} is not a regular file (a directory); remove it"
-            ) from None
-        raise
-    try:
-        st = os.fstat(fd)
-        problem = "is not a regular file" if not stat.S_ISREG(st.st_mode) else _problem(st)
+    """Open ``name`` in the directory (O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode 0600 if created)
+    and check it: a regular file of ours with one link, else :class:`ConfigError`. ``lstat``
+    first, so a FIFO or a device is refused without being opened; ``fstat`` after, for a file
+    swapped in between. :class:`FileNotFoundError` when the file is missing or was removed
+    meanwhile, unless ``flags`` has O_CREAT."""
+    for _attempt in range(8):
+        try:
+            problem = _file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+            existed = True
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+            problem, existed = None, False
         if problem is not None:
-            raise ConfigError(
-                f"node pacing file {os.path.join(directory, name)!r} {problem}; remove it (pinpool recreates it "
-                "with mode 0600), and make sure only this user can write the directory"
-            )
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+            raise _file_error(directory, name, problem)
+        try:
+            fd = os.open(name, flags | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            error = _open_error(directory, name, exc, existed=existed)
+            if error is None:
+                raise
+            raise error from None
+        try:
+            st = os.fstat(fd)
+            gone = st.st_nlink == 0
+            problem = None if gone else _file_problem(st)
+            if problem is not None:
+                raise _file_error(directory, name, problem)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not gone:
+            return fd
+        os.close(fd)  # removed between the open and the fstat
+        if not flags & os.O_CREAT:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
+    raise ConfigError(
+        f"node pacing file {os.path.join(directory, name)!r} was removed each time it was opened; something "
+        "is deleting pinpool's lock files: stop it"
+    )
+
+
+def _flock_holders(st: os.stat_result, locks: str = "/proc/locks") -> tuple[int, ...]:
+    """The pids holding a flock on the file ``st`` describes, as ``/proc/locks`` says (pids of
+    this pid namespace; empty when unreadable). Read only when a wait is reported."""
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    pids: list[int] = []
+    try:
+        with open(locks) as f:
+            for line in f:
+                # "7: FLOCK  ADVISORY  WRITE 4242 00:1b:1234 0 EOF" (a waiter's line has "->" after the number)
+                parts = line.split()
+                if len(parts) < 6 or parts[1] != "FLOCK":
+                    continue
+                try:
+                    major, minor, inode = parts[5].split(":")
+                    if (int(major, 16), int(minor, 16), int(inode)) == want and int(parts[4]) > 0:
+                        pids.append(int(parts[4]))
+                except ValueError:
+                    continue
+    except OSError:
+        return ()
+    return tuple(dict.fromkeys(pids))
 
 
 def _record(pid: int, first: str, label: str) -> bytes:
@@ -616,20 +774,56 @@ class _Contended:
 _CONTENDED = _Contended()
 
 
+OnWaiting = Callable[[Kind, tuple[NodeHolder, ...], float], object]
+
+
 class NodeAdmission:
     """Admission to a node's pin slots and byte budget, for one pool (``label``: its name).
 
-    The constructor creates and checks the directory (:class:`ConfigError` at once, before
-    anything is pinned); every acquisition checks it again. Holds from a NodeAdmission of no
-    slots (or no budget) are free and released already: callers need no special case.
+    The constructor creates and checks the directory, and the lock files already in it
+    (:class:`ConfigError` at once, before anything is mapped); every acquisition checks them
+    again. Holds from a NodeAdmission of no slots (or no budget) are free and released already:
+    callers need no special case.
+
+    ``on_waiting(kind, holders, waited_seconds)``, if given, is called from the waiting thread
+    when a wait has lasted 10 s, then every 60 s: ``kind`` is ``"slots"`` or ``"budget"``,
+    ``holders`` whom it waits for, each with its :attr:`NodeHolder.state` looked up
+    (``"stopped"``: a holder stopped with SIGSTOP holds its share until continued or killed).
+    A pool passes its observer's ``node_waiting``, which logs ``node.waiting``. An
+    ``Exception`` it raises is ignored: a report never changes the wait.
     """
 
-    def __init__(self, pacing: NodePacing, *, label: str = "") -> None:
+    def __init__(self, pacing: NodePacing, *, label: str = "", on_waiting: OnWaiting | None = None) -> None:
         if not isinstance(pacing, NodePacing):
             raise ConfigError(f"pacing={pacing!r} must be a NodePacing")
+        if on_waiting is not None and not callable(on_waiting):
+            raise ConfigError(f"on_waiting={on_waiting!r} must be callable(kind, holders, waited_seconds)")
         self.pacing = pacing
         self.label = label
-        os.close(open_directory(pacing.directory))
+        self.on_waiting = on_waiting
+        dir_fd = open_directory(pacing.directory)
+        try:
+            self._check_present(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _check_present(self, dir_fd: int) -> None:
+        """:class:`ConfigError` for a lock file of this pacing that is there and unusable (``lstat``:
+        nothing is opened). Acquisition checks each file it opens again, with ``fstat``."""
+        p = self.pacing
+        for name in os.listdir(dir_fd):
+            if name.startswith(_SLOT_PREFIX):
+                index = name[len(_SLOT_PREFIX) :]
+                if p.slots is None or not (index.isascii() and index.isdigit() and int(index) < p.slots):
+                    continue
+            elif not (p.budget_bytes is not None and (name == _BUDGET_LOCK or name.startswith(_HOLD_PREFIX))):
+                continue
+            try:
+                problem = _file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+            except FileNotFoundError:  # a hold file released meanwhile
+                continue
+            if problem is not None:
+                raise _file_error(p.directory, name, problem)
 
     def __repr__(self) -> str:
         p = self.pacing
@@ -765,7 +959,13 @@ class NodeAdmission:
         hold = BudgetHold(directory=p.directory, name=name, nbytes=nbytes, waited_seconds=waited)
         try:
             hold._dir_fd = os.dup(dir_fd)  # non-inheritable, like every descriptor Python makes
-            hold._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+            try:  # O_EXCL: a new file, ours alone (one link, not a FIFO): nothing to check
+                hold._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+            except OSError as exc:
+                error = _open_error(p.directory, name, exc, existed=False)
+                if error is None:
+                    raise
+                raise error from None
             _LIVE.add(hold)
             fcntl.flock(hold._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else can hold it
             data = _record(os.getpid(), str(nbytes), self.label)
@@ -790,7 +990,7 @@ class NodeAdmission:
         ``cancelled()`` returns True (checked before every sleep). ``on_wait(busy)`` is called once,
         when the first attempt finds every slot taken and the call is going to wait.
         """
-        return self._wait_sync(lambda waited: self._attempt_slot(waited), cancelled, poll, on_wait)
+        return self._wait("slots", lambda waited: self._attempt_slot(waited), cancelled, poll, on_wait)
 
     def reserve_budget_sync(
         self,
@@ -802,21 +1002,7 @@ class NodeAdmission:
         """``nbytes`` of the node budget, as :meth:`acquire_slot_sync` waits for a slot.
         :class:`ConfigError` at once when ``nbytes`` exceeds the whole budget."""
         self.check_request(nbytes)
-        return self._wait_sync(lambda waited: self._attempt_budget(nbytes, waited), cancelled, poll, on_wait)
-
-    async def acquire_slot(
-        self, poll: float = DEFAULT_POLL_SECONDS, on_wait: Callable[[NodeBusyError], object] | None = None
-    ) -> SlotHold:
-        """A pin slot, waiting with ``anyio.sleep`` between attempts: cancellation (anyio, trio,
-        asyncio) lands only while nothing is held."""
-        return await self._wait_async(lambda waited: self._attempt_slot(waited), poll, on_wait)
-
-    async def reserve_budget(
-        self, nbytes: int, poll: float = DEFAULT_POLL_SECONDS, on_wait: Callable[[NodeBusyError], object] | None = None
-    ) -> BudgetHold:
-        """``nbytes`` of the node budget, waiting as :meth:`acquire_slot` does."""
-        self.check_request(nbytes)
-        return await self._wait_async(lambda waited: self._attempt_budget(nbytes, waited), poll, on_wait)
+        return self._wait("budget", lambda waited: self._attempt_budget(nbytes, waited), cancelled, poll, on_wait)
 
     def _next_delay(self, result: object, poll: float, started: float) -> float:
         """After a failed attempt: how long to sleep (see the module doc), or raise when not waiting."""
@@ -835,8 +1021,9 @@ class NodeAdmission:
         waited = time.monotonic() - started
         return min(poll, max(MIN_POLL_SECONDS, waited * _POLL_FRACTION)) * random.uniform(0.8, 1.2)
 
-    def _wait_sync(
+    def _wait(
         self,
+        kind: Kind,
         attempt: Callable[[float], H | NodeBusyError | _Contended],
         cancelled: Callable[[], bool] | None,
         poll: float,
@@ -844,6 +1031,7 @@ class NodeAdmission:
     ) -> H:
         _check_poll(poll)
         started = time.monotonic()
+        report_at = started + _WAITING_FIRST_SECONDS
         told = False
         while True:
             result = attempt(time.monotonic() - started)
@@ -854,6 +1042,10 @@ class NodeAdmission:
                 told = True
                 if on_wait is not None:
                     on_wait(result)
+            now = time.monotonic()
+            if now >= report_at:
+                report_at = now + _WAITING_EVERY_SECONDS
+                self._report_waiting(kind, result, now - started)
             if cancelled is not None and cancelled():
                 raise NodeWaitCancelled(
                     f"waiting for node pacing in {self.pacing.directory!r} was cancelled after "
@@ -861,31 +1053,32 @@ class NodeAdmission:
                 )
             time.sleep(delay)
 
-    async def _wait_async(
-        self,
-        attempt: Callable[[float], H | NodeBusyError | _Contended],
-        poll: float,
-        on_wait: Callable[[NodeBusyError], object] | None,
-    ) -> H:
-        _check_poll(poll)
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        started = time.monotonic()
-        told = False
-        while True:
-            result = attempt(time.monotonic() - started)
-            if isinstance(result, _Hold):
-                try:  # a schedule point, as anyio's convention asks; a native cancel here gives the hold back
-                    await anyio.lowlevel.cancel_shielded_checkpoint()
-                except BaseException:
-                    result.release()
-                    raise
-                return result
-            delay = self._next_delay(result, poll, started)
-            if isinstance(result, NodeBusyError) and not told:
-                told = True
-                if on_wait is not None:
-                    on_wait(result)
-            await anyio.sleep(delay)
+    def _report_waiting(self, kind: Kind, result: NodeBusyError | _Contended, waited: float) -> None:
+        """``on_waiting`` with whom this rank waits for and their states (a few reads of /proc)."""
+        on_waiting = self.on_waiting
+        if on_waiting is None:
+            return
+        if isinstance(result, NodeBusyError):
+            holders = result.holders
+        else:  # budget.lock itself stayed locked: a rank stopped while admitting
+            holders = tuple(NodeHolder(pid=pid, label="") for pid in self._budget_lock_pids())
+        holders = tuple(replace(h, state=holder_state(h.pid)) for h in holders)
+        try:
+            on_waiting(kind, holders, waited)
+        except Exception:  # a report never changes the wait
+            pass
+
+    def _budget_lock_pids(self) -> tuple[int, ...]:
+        try:
+            dir_fd = os.open(self.pacing.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return ()
+        try:
+            return _flock_holders(os.stat(_BUDGET_LOCK, dir_fd=dir_fd, follow_symlinks=False))
+        except OSError:
+            return ()
+        finally:
+            os.close(dir_fd)
 
 
 def _check_poll(poll: float) -> None:

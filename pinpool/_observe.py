@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -26,6 +27,9 @@ from prometheus_client import CollectorRegistry
 from ._errors import RuntimeCallError
 from ._plan import Chunk
 from .metrics import PoolMetrics, metrics_for
+
+if TYPE_CHECKING:
+    from ._node import NodeHolder
 
 
 def default_logger() -> Any:
@@ -269,13 +273,21 @@ class Observer:
             "info", "pool.pinned", bytes=nbytes, chunks=chunks, seconds=round(seconds, 6), gb_per_s=round(gbps, 3)
         )
 
-    def rollback(self, *, cause: str, registered_chunks: int) -> None:
+    def rollback(self, *, cause: str, registered_chunks: int, kept_bytes: int = 0) -> None:
+        """Pinning ended before the pool was ready, for ``cause`` (failure, cancelled, exit,
+        collected: see ``_outcome.Outcome``). ``kept_bytes``: what a background pool keeps pinned
+        until it is exited (its body may be using it); the rest is rolled back now. Only a
+        failure is a warning: an exit during a background pin is a normal shutdown."""
         if self.metrics:
             try:
                 self.metrics.rollbacks.labels(*self._labels, cause).inc()
             except Exception as exc:
                 self._metric_failed("rollback", exc)
-        self._emit("warning", "pool.rollback", cause=cause, registered_chunks=registered_chunks)
+        level = "info" if cause == "exit" else "warning"
+        fields: dict[str, Any] = {"cause": cause, "registered_chunks": registered_chunks}
+        if kept_bytes:
+            fields["kept_bytes"] = kept_bytes
+        self._emit(level, "pool.rollback", **fields)
 
     def node_admitted(self, *, kind: str, seconds: float) -> None:
         """Node pacing admitted the pool after ``seconds`` of waiting (kind: slot or budget)."""
@@ -295,8 +307,15 @@ class Observer:
                 self._metric_failed("node_busy", exc)
         self._emit("warning", "node.busy", kind=kind)
 
+    def node_waiting(self, kind: str, holders: Sequence[NodeHolder], waited_seconds: float) -> None:
+        """Node pacing has kept the pool waiting ``waited_seconds`` (after 10 s, then every 60 s):
+        whom for, each ``NodeHolder.describe()``d with its state (``[stopped]``: SIGSTOPped)."""
+        described = [h.describe() for h in holders]
+        self._emit("warning", "node.waiting", kind=kind, seconds=round(waited_seconds, 3), holders=described)
+
     def failed_in_background(self, error: BaseException) -> None:
-        """Pinning in the background failed and was rolled back; waiters will raise ``error``."""
+        """Pinning in the background ended early; waiters will raise ``error``. What was pinned
+        stays pinned until the pool is exited."""
         self._emit("error", "pool.failed", error=str(error), error_type=type(error).__name__)
 
     def _release_series(self, metrics: PoolMetrics, leaked_bytes: int) -> None:

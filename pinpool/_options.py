@@ -20,17 +20,34 @@ import torch
 
 from ._errors import ConfigError
 from ._plan import DEFAULT_CHUNK_GIB, resolve_chunk_limit
-from ._units import format_bytes, parse_size
+from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
+from ._units import format_bytes, parse_size, shown
 from .layouts import BufferSpec, Layout, Raw
 
-__all__ = ["PoolOptions"]
+__all__ = ["PoolOptions", "resolve_pin_nice"]
 
 HUGE_PAGES = (False, True, "hugetlb")
 
 
+# The most threads of one role a pool may start: far more than any host has cores for (the
+# defaults are CPUs, up to 16 or 8), few enough that a typo (10**6) fails here, not in thread starts.
+MAX_WORKERS = 1024
+# The longest stall budget: one call may hold the driver or mmap lock at most an hour. A budget
+# is meant to be tens of milliseconds; beyond this it bounds nothing, and the sizer's arithmetic
+# (bytes = seconds / seconds-per-byte) would leave the numbers a call size can be.
+MAX_CALL_SECONDS = 3600.0
+# Linux numbers NUMA nodes below MAX_NUMNODES, at most 1 << 10 (CONFIG_NODES_SHIFT <= 10).
+MAX_NUMA_NODES = 1024
+
+
 def _check_workers(option: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{option}={value!r} must be a positive int (or None for the default)")
+        raise ConfigError(f"{option}={shown(value)} must be a positive int (or None for the default)")
+    if value is not None and value > MAX_WORKERS:
+        raise ConfigError(
+            f"{option}={shown(value)} is more than {MAX_WORKERS} threads; give at most {MAX_WORKERS} "
+            "(a few per core is plenty), or None for the default (sized from the CPUs)"
+        )
 
 
 def _check_fits_a_page(layout: Layout, budget: int, given: object, *, num_pages: int | None = None) -> None:
@@ -45,13 +62,13 @@ def _check_fits_a_page(layout: Layout, budget: int, given: object, *, num_pages:
     if budget < smallest and num_pages is not None:
         pages = -(-smallest // page_bytes)
         raise ConfigError(
-            f"num_pages={num_pages!r} ({budget} B) is smaller than one copy page of a buffer of layout "
-            f"{layout.name!r} ({smallest} B = {format_bytes(smallest)}); give num_pages={pages} or more"
+            f"num_pages={shown(num_pages)} ({shown(budget)} B) is smaller than one copy page of a buffer of layout "
+            f"{layout.name!r} ({shown(smallest)} B = {format_bytes(smallest)}); give num_pages={shown(pages)} or more"
         )
     if budget < smallest:
         raise ConfigError(
-            f"size={given!r} ({budget} B) is smaller than one page of layout {layout.name!r} "
-            f"({smallest} B = {format_bytes(smallest)}); give a size of at least {smallest} bytes"
+            f"size={shown(given)} ({shown(budget)} B) is smaller than one page of layout {layout.name!r} "
+            f"({shown(smallest)} B = {format_bytes(smallest)}); give a size of at least {shown(smallest)} bytes"
         )
     _check_layout(layout, budget // page_bytes)  # the buffers this pool will have
 
@@ -171,7 +188,7 @@ def _check_num_pages(num_pages: object) -> int:
     """``num_pages=``: a positive int (never a bool, a float or a string)."""
     if not _positive_int(num_pages):
         raise ConfigError(
-            f"num_pages={num_pages!r} must be a positive int number of layout pages (pool.num_pages of a pool "
+            f"num_pages={shown(num_pages)} must be a positive int number of layout pages (pool.num_pages of a pool "
             "to pair with), or None to size the pool by size= instead"
         )
     return num_pages
@@ -180,7 +197,8 @@ def _check_num_pages(num_pages: object) -> int:
 def _budget_of(layout: Layout, size: int | str | None, num_pages: object) -> tuple[int, int | None]:
     """The byte budget and page count that ``size=`` or ``num_pages=`` asks for: exactly one of them."""
     if (size is None) == (num_pages is None):
-        given = "neither was given" if size is None else f"both were given (size={size!r}, num_pages={num_pages!r})"
+        both = f"both were given (size={shown(size)}, num_pages={shown(num_pages)})"
+        given = "neither was given" if size is None else both
         raise ConfigError(f"size= or num_pages=: {given}; {_SIZE_OR_PAGES_FIX}")
     if size is not None:
         return parse_size(size, what="size"), None
@@ -207,6 +225,8 @@ class PoolOptions:
     one alignment unit), at most ``max_retries`` times per pool (0: never retry).
     max_call_seconds: the stall budget: every registration and populate call is sized from
     the rate of the previous ones so it should not take longer (None: no budget).
+    pin_nice: how much nicer than the process the pin worker threads run (0: as nice as it;
+    :func:`resolve_pin_nice` turns the user's ``"auto"`` / None into this number).
     """
 
     size: int
@@ -224,6 +244,7 @@ class PoolOptions:
     max_retries: int = DEFAULT_MAX_RETRIES
     max_call_seconds: float | None = None
     num_pages: int | None = None
+    pin_nice: int = 0
 
     @classmethod
     def create(
@@ -243,6 +264,7 @@ class PoolOptions:
         min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
         max_retries: int = DEFAULT_MAX_RETRIES,
         max_call_seconds: float | None = None,
+        pin_nice: int = 0,
     ) -> PoolOptions:
         """Options from a user's spellings: sizes as ints or strings (``"64GiB"``), ``layout=None``
         for :class:`Raw`, ``chunk_bytes=None`` for the ``PINPOOL_REGISTER_CHUNK_GB`` limit (read now).
@@ -259,7 +281,7 @@ class PoolOptions:
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
             unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
             min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
-            max_call_seconds=max_call_seconds, num_pages=pages,
+            max_call_seconds=max_call_seconds, num_pages=pages, pin_nice=pin_nice,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -294,17 +316,55 @@ class PoolOptions:
         retries = self.max_retries
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ConfigError(
-                f"max_retries={retries!r} must be an int >= 0 (how many times per pool a failed registration "
+                f"max_retries={shown(retries)} must be an int >= 0 (how many times per pool a failed registration "
                 f"is halved and retried; 0 never retries, the default is {DEFAULT_MAX_RETRIES})"
             )
-        budget = self.max_call_seconds
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf
-        ):
-            raise ConfigError(
-                f"max_call_seconds={budget!r} must be a positive number of seconds (e.g. 0.02: no registration or "
-                "populate call may hold the driver or mmap lock longer than 20 ms), or None for no budget"
-            )
+        _check_max_call_seconds(self.max_call_seconds)
+        _check_pin_nice(self.pin_nice)
+
+
+_PIN_NICE_FIX = (
+    f"give an int from 0 to {MAX_NICE} (how much nicer than the process the pin worker threads run; "
+    f'0 keeps the process\'s priority), None (the same as 0), or "auto" (the default: {BACKGROUND_PIN_NICE} '
+    "for a background pool, 0 otherwise)"
+)
+
+
+def _check_pin_nice(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NICE:
+        raise ConfigError(f"pin_nice={value!r}: {_PIN_NICE_FIX}")
+    return value
+
+
+def resolve_pin_nice(value: object, *, background: bool) -> int:
+    """``pin_nice=`` as the user spells it (``"auto"``, None or an int) → the nice increment of
+    the pin worker threads: ``"auto"`` lowers a background pool's pin workers (its body serves
+    while it pins), and leaves a foreground pool's alone (nothing else runs while it pins)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(f"pin_nice={value!r}: {_PIN_NICE_FIX}")
+        return BACKGROUND_PIN_NICE if background else 0
+    return _check_pin_nice(value)
+
+
+def _check_max_call_seconds(budget: object) -> None:
+    """The stall budget: None, or a finite number of seconds in (0, MAX_CALL_SECONDS] (never a bool)."""
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf:
+        raise ConfigError(
+            f"max_call_seconds={shown(budget)} must be a positive number of seconds, at most {MAX_CALL_SECONDS:g} "
+            "(e.g. 0.02: no registration or populate call may hold the driver or mmap lock longer than 20 ms), "
+            "or None for no budget"
+        )
+    if budget > MAX_CALL_SECONDS:
+        raise ConfigError(
+            f"max_call_seconds={shown(budget)} is more than {MAX_CALL_SECONDS:g} seconds: a stall budget bounds how "
+            "long one call may hold the driver or mmap lock (e.g. 0.02 for 20 ms); give at most "
+            f"{MAX_CALL_SECONDS:g}, or None for no budget"
+        )
 
 
 def _check_plain(
@@ -335,8 +395,10 @@ def _check_plain(
         ("unpin_workers", unpin_workers),
     ):  # fmt: skip
         _check_workers(option, value)
-    if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):
+    if numa_node is not None and (
+        isinstance(numa_node, bool) or not isinstance(numa_node, int) or not 0 <= numa_node < MAX_NUMA_NODES
+    ):
         raise ConfigError(
-            f"numa_node={numa_node!r} is not a NUMA node number; give a node's int id (numactl -H lists them), "
-            "or None to let the kernel place the memory"
+            f"numa_node={shown(numa_node)} is not a NUMA node number; give a node's int id, from 0 to "
+            f"{MAX_NUMA_NODES - 1} (numactl -H lists them), or None to let the kernel place the memory"
         )

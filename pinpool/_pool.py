@@ -20,7 +20,7 @@ import anyio
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from ._drivers import drive_async, drive_sync
+from ._drivers import drive_async, drive_sync, finalize_lifecycle
 from ._engine import PinSession
 from ._errors import (
     AlreadyPinnedError,
@@ -28,11 +28,12 @@ from ._errors import (
     PoolStateError,
 )
 from ._host import HostFacts
-from ._lifecycle import Lifecycle, Memory, PoolState
+from ._lifecycle import Lifecycle, Memory
 from ._memory import HostMapping, TensorMemory, alias_of
 from ._node import NodeAdmission, NodePacing
 from ._observe import Observer
-from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
+from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions, resolve_pin_nice
+from ._outcome import PoolState
 from ._pipeline import Order
 from ._plan import BufferPlan, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
 from ._prefix import PrefixTracker
@@ -53,7 +54,8 @@ BACKGROUND_MAX_CALL_SECONDS = 0.05
 class PinnedPool:
     """A page-locked host-memory pool, pinned in granularity-aligned chunks on worker threads.
 
-    Use it once, as ``async with PinnedPool(...) as pool:`` or ``with PinnedPool(...) as pool:``.
+    Use it once, as ``async with PinnedPool(...) as pool:`` or ``with PinnedPool(...) as pool:``
+    (or ``pool = PinnedPool(...).open()`` ... ``pool.close()`` for an owner without a block).
     Everything is validated in the constructor (:class:`ConfigError`), before any memory is
     mapped or pinned. Inside the block ``pool.tensor`` is a zero-copy torch view of the pinned
     memory; on exit every chunk is unregistered, whatever the block did.
@@ -98,8 +100,9 @@ class PinnedPool:
       background: ``async with`` / ``with`` returns as soon as pinning has started, and the
         body runs while the pool pins (lowest pages first): ``pool.state``,
         ``pool.pinned_pages`` and ``await pool.wait_ready(...)`` tell what is usable. A failure
-        is kept (``pool.error``), raised by every waiter and on exit; pinned chunks are rolled
-        back at once. See docs/serving.md.
+        is kept (``pool.error``), raised by every waiter and on exit; nothing is unpinned under
+        the body: pages ``[0, pinned_pages)`` stay pinned until the pool is exited or closed.
+        See docs/serving.md.
       node_slots, node_budget, node_dir, node_wait: node pacing across the processes of one
         host (tensor-parallel ranks), with no server: at most ``node_slots`` processes pin at
         once (env ``PINPOOL_NODE_SLOTS``), and all cooperating pools together hold at most
@@ -128,6 +131,7 @@ class PinnedPool:
         max_retries: int = DEFAULT_MAX_RETRIES,
         max_call_seconds: float | str | None = "auto",
         background: bool = False,
+        pin_nice: int | str | None = "auto",
         node_slots: int | None = None,
         node_budget: int | float | str | None = None,
         node_dir: str | None = None,
@@ -153,6 +157,7 @@ class PinnedPool:
             populate_workers=populate_workers, register_workers=register_workers, unpin_workers=unpin_workers,
             huge_pages=huge_pages, numa_node=numa_node, name=name, min_chunk_bytes=min_chunk_bytes,
             max_retries=max_retries, max_call_seconds=max_call_seconds,
+            pin_nice=resolve_pin_nice(pin_nice, background=background),
         )  # fmt: skip
         pacing = NodePacing.from_options(node_slots=node_slots, node_budget=node_budget, node_dir=node_dir,
                                          node_wait=node_wait)  # fmt: skip
@@ -273,7 +278,6 @@ class PinnedPool:
         self._plan: PoolPlan = plan_pool(options, host, self._caps, source_start=start)
         self._buffers: tuple[BufferPlan, ...] = self._plan.buffers
         self._mapping_bytes = self._plan.mapping_bytes
-        self._source = source
         name = options.name
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise ConfigError(f"registry={registry!r} must be a prometheus_client CollectorRegistry, or None")
@@ -290,16 +294,24 @@ class PinnedPool:
         )
         admission = None
         if pacing is not None:
-            admission = NodeAdmission(pacing, label=name)  # the directory is checked (and made) now
+            # The directory is checked (and made) now; a long wait is logged as node.waiting.
+            admission = NodeAdmission(pacing, label=name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
-        self._lifecycle = self._make_lifecycle(background, admission)
+        self._lifecycle = self._make_lifecycle(background, admission, source)
         # The finalizer holds the lifecycle, never the façade, so an unexited pool can be collected.
-        self._finalizer = weakref.finalize(self, self._lifecycle.finalize)
+        self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
 
-    def _make_lifecycle(self, background: bool, admission: NodeAdmission | None) -> Lifecycle:
-        """The pool's lifecycle, over values (not ``self``): the finalizer runs it after the façade is gone."""
+    def _make_lifecycle(
+        self, background: bool, admission: NodeAdmission | None, source: torch.Tensor | None
+    ) -> Lifecycle:
+        """The pool's lifecycle, over values (not ``self``): the finalizer runs it after the façade is gone.
+
+        A caller's tensor (``source``) is held in one place, which the lifecycle empties once the
+        pool is closed: after ``close()`` nothing of the caller's is referenced (their mmap can close)."""
         name, nbytes, runtime, observer = self.name, self.nbytes, self.runtime, self._observer
-        chunks, buffers, source = self.chunks, self._buffers, self._source
+        chunks, buffers = self.chunks, self._buffers
+        held: list[torch.Tensor | None] = [source]
+        own_memory = source is None
         mapping_bytes, huge_pages, numa_node = self._mapping_bytes, self.huge_pages, self.numa_node
         order, span_bytes, lookahead = self.order, self.span_bytes or 1, self.lookahead_bytes
         register_workers, populate_workers, unpin_workers = (
@@ -319,13 +331,19 @@ class PinnedPool:
         def acquire() -> HostMapping | TensorMemory:
             # The memory pre-flight (memory cgroup, MemAvailable, RLIMIT_MEMLOCK) against figures read
             # now, right before mapping: they change between construction and entry.
-            check_host(options, HostFacts.probe(), runtime, new_memory=source is None)
+            check_host(options, HostFacts.probe(), runtime, new_memory=own_memory)
+            tensor = held[0]
+            if not own_memory and tensor is None:
+                raise PoolStateError(f"pool {name!r} was closed: its tensor was let go; call pin() again")
             memory = (
-                TensorMemory(source)
-                if source is not None
-                else HostMapping(mapping_bytes, huge_pages=huge_pages, numa_node=numa_node)
+                HostMapping(mapping_bytes, huge_pages=huge_pages, numa_node=numa_node)
+                if tensor is None
+                else TensorMemory(tensor)
             )
             return _claim(name, memory, nbytes, runtime, caps)
+
+        def release() -> None:
+            held[0] = None
 
         retry = retry_splitter(self._plan, self._options.min_chunk_bytes)
         max_retries, max_call_seconds = self._options.max_retries, self._options.max_call_seconds
@@ -337,7 +355,7 @@ class PinnedPool:
                 base_ptr=memory.address, order=order, span_bytes=span_bytes,
                 lookahead_bytes=lookahead, register_workers=register_workers, populate_workers=populate_workers,
                 unpin_workers=unpin_workers, observer=observer, prefix=PrefixTracker(plan.page_runs, plan.num_pages),
-                max_call_seconds=max_call_seconds, populate_unit=plan.align,
+                max_call_seconds=max_call_seconds, populate_unit=plan.align, pin_nice=options.pin_nice,
             )  # fmt: skip
             announce()
             return session
@@ -359,6 +377,7 @@ class PinnedPool:
                 f"runtime {runtime.name})"
             ),
             observer=observer, on_progress=self.on_progress, acquire=acquire, start=start, views=views,
+            release=release,
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -376,12 +395,6 @@ class PinnedPool:
         tensors = lifecycle.tensors
         if tensors is None:
             state = lifecycle.state
-            if state is PoolState.FAILED:
-                lifecycle.error_delivered = True
-                raise PoolStateError(
-                    f"pool {self.name!r}.{what}: pinning in the background failed and was rolled back: "
-                    f"{lifecycle.error}"
-                ) from lifecycle.error
             hint = (
                 "enter it first (async with / with)"
                 if state in (PoolState.NEW, PoolState.PINNING)
@@ -454,7 +467,13 @@ class PinnedPool:
     ) -> int:
         """:meth:`wait_ready` for synchronous code; raises ``TimeoutError`` after ``timeout`` seconds."""
         pages = self._pages_for(min_bytes, fraction)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or math.isnan(timeout) or timeout < 0
+        ):
+            raise ConfigError(
+                f"wait_ready_sync(timeout={timeout!r}) must be a number of seconds >= 0 (math.inf or None: no timeout)"
+            )
+        deadline = None if timeout is None or math.isinf(timeout) else time.monotonic() + timeout
         delay = 0.001
         while not self._lifecycle.reached(pages):
             if deadline is not None and time.monotonic() >= deadline:
@@ -536,6 +555,11 @@ class PinnedPool:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if isinstance(exc, GeneratorExit):
+            # The task's coroutine is being closed (collected, or its loop is gone): it cannot
+            # await any more, so the pool is left on this thread, synchronously.
+            drive_sync(self._lifecycle.exit(exc))
+            return
         await drive_async(self._lifecycle.exit(exc))
 
     def __enter__(self) -> PinnedPool:
@@ -546,6 +570,30 @@ class PinnedPool:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         drive_sync(self._lifecycle.exit(exc))
+
+    def open(self) -> PinnedPool:
+        """Enter the pool and return it: for owners that hold a pool from a constructor to a
+        destructor (a server's host KV pool) instead of a ``with`` block. Pair it with
+        :meth:`close`; ``with`` / ``async with`` stay the recommended form. Same as ``__enter__``
+        (with ``background=True`` it returns once pinning has started)."""
+        drive_sync(self._lifecycle.enter())
+        return self
+
+    def close(self, *, raise_errors: bool = True) -> BaseException | None:
+        """Exit the pool: stop background pinning, unpin every chunk, let go of the memory.
+
+        May be called from any thread, and more than once: a closed pool is left alone, and a
+        close while another thread closes waits for that one. A pool never entered is closed
+        too. Afterwards the pool refers to none of the memory (a caller's tensor, its storage,
+        the views), so the caller may free it or close its mmap at once.
+
+        Raises :class:`UnpinError` when a chunk could not be unregistered (it stays pinned and
+        mapped), or the unseen :class:`PinError` of a failed background pinning. A destructor
+        passes ``raise_errors=False``: that error is then returned instead of raised (it is
+        logged as ``pool.unpin.failed`` / ``pool.failed`` and counted all the same).
+        ``KeyboardInterrupt`` and other interruptions are always re-raised, after the teardown.
+        """
+        return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 
 
 def _claim(
@@ -559,7 +607,11 @@ def _claim(
             f"[{overlap[0]:#x}, +{overlap[1]}), which pinpool already pins in this process; "
             "nothing was pinned. Exit the other pool first, or pin a different tensor"
         )
-    elsewhere = cast(FindsPinned, runtime).find_pinned(memory.address, nbytes) if caps.finds_pinned else None
+    try:
+        elsewhere = cast(FindsPinned, runtime).find_pinned(memory.address, nbytes) if caps.finds_pinned else None
+    except BaseException:  # an interrupt during the scan (it reads /proc/self/smaps) must not keep the claim
+        PINNED_RANGES.pop(memory.address)
+        raise
     if elsewhere is not None:
         PINNED_RANGES.pop(memory.address)
         raise AlreadyPinnedError(
@@ -583,6 +635,7 @@ def pin(
     min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
     max_retries: int = DEFAULT_MAX_RETRIES,
     max_call_seconds: float | None = None,
+    pin_nice: int | str | None = "auto",
     registry: CollectorRegistry | None = REGISTRY,
     logger: Any | None = None,
     on_progress: ProgressCallback | None = None,
@@ -618,6 +671,7 @@ def pin(
         layout=_TensorLayout(tensor, granularity_bytes), size=nbytes, chunk_bytes=chunk_bytes, populate=populate,
         populate_workers=populate_workers, register_workers=register_workers, unpin_workers=unpin_workers, name=name,
         min_chunk_bytes=min_chunk_bytes, max_retries=max_retries, max_call_seconds=max_call_seconds,
+        pin_nice=resolve_pin_nice(pin_nice, background=False),
     )  # fmt: skip
     pool = PinnedPool.__new__(PinnedPool)
     # The pool plans and pins an alias of the tensor: the same bytes, whose address and size

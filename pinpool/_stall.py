@@ -59,7 +59,9 @@ class CallSizer:
             return at_most
         with self._lock:
             if self._recent:
-                want = int(self.seconds * TARGET_SHARE / max(self._recent))
+                # Compared as a float first: a huge budget over a fast rate is past any int (inf).
+                estimate = self.seconds * TARGET_SHARE / max(self._recent)
+                want = int(estimate) if estimate < at_most else at_most
                 if self._last:
                     want = min(want, self._last * MAX_GROWTH)
             else:

@@ -65,8 +65,16 @@ def parse_size(value: object, *, what: str = "size") -> int:
     else:
         raise ConfigError(f"{what}={value!r} has type {type(value).__name__}; give {_HINT}")
     if nbytes <= 0:
-        raise ConfigError(f"{what}={value!r} is not positive; give {_HINT}")
+        raise ConfigError(f"{what}={shown(value)} is not positive; give {_HINT}")
     return nbytes
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for messages, also for ints too long for ``str()`` (``repr(10**5000)`` raises
+    ValueError under Python's int-to-str digit limit): those are shown as ``~2**N``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"{'-' if value < 0 else ''}~2**{value.bit_length() - 1}"
+    return repr(value)
 
 
 def _oddity(text: str) -> str:
@@ -134,7 +142,10 @@ def decimal_to_int(number: Decimal, multiplier: int) -> int | None:
 
 
 def format_bytes(nbytes: int) -> str:
-    """Human-readable binary size for messages: ``2.5 GiB``, ``300 MiB``, ``17 B``."""
+    """Human-readable binary size for messages: ``2.5 GiB``, ``300 MiB``, ``17 B``; ``~2**N B``
+    for absurd sizes a float cannot hold."""
+    if nbytes.bit_length() > 1000:
+        return f"~2**{nbytes.bit_length() - 1} B"
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if nbytes >= scale:
             text = f"{nbytes / scale:.2f}".rstrip("0").rstrip(".")

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ._errors import ConfigError
+from ._units import shown
 
 __all__ = ["MHA", "MLA", "BufferSpec", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw"]
 
@@ -79,7 +80,7 @@ class Raw:
         g = self.granularity_bytes
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
             raise ConfigError(
-                f"Raw(granularity_bytes={g!r}): the granularity must be a positive int number of bytes "
+                f"Raw(granularity_bytes={shown(g)}): the granularity must be a positive int number of bytes "
                 "(the size of one copy page), or None for no alignment constraint"
             )
 

@@ -312,6 +312,93 @@ def test_a_timed_hold_ends_by_itself() -> None:
     assert "pinpool: holding 16 MiB pinned for 0.2 s" in result.stderr
 
 
+SIGTERM_IN_UNMAP = """
+import os, signal, sys
+from pinpool import _libc
+real = _libc.munmap
+
+def munmap(address, length):  # a SIGTERM arriving while the pool's memory is unmapped
+    rc = real(address, length)
+    if length >= 1 << 20:  # the pool's mapping, not the one-page probe
+        os.kill(os.getpid(), signal.SIGTERM)
+    return rc
+
+_libc.munmap = munmap
+from pinpool._cli import main
+code = main(["pin", "--runtime", "mlock", "--size", "64MiB", "--progress", "none"])
+print(f"VmLck {_libc.vm_locked_bytes()}", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+@needs_mlock
+def test_a_sigterm_in_the_final_unmap_exits_130_and_prints_no_ignored_exception() -> None:
+    # The unmap runs in the mapping's weakref finalizer: a KeyboardInterrupt raised there was printed as
+    # "Exception ignored in: <finalize object ...>" and lost, and pinpool exited 0.
+    result = subprocess.run([sys.executable, "-c", SIGTERM_IN_UNMAP], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT)  # fmt: skip
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == ("pinpool: interrupted (SIGTERM)\npinpool: the pool was unpinned before exit\nVmLck 0\n")
+    assert result.stdout == ""
+
+
+# A child imports torch once, then forks one `pinpool pin` per moment, so each moment costs a pin, not an import.
+SIGTERM_SWEEP = """
+import contextlib, json, os, signal, sys, tempfile, time
+import torch  # noqa: F401
+from pinpool import _cli, _libc
+
+ARGV = ["pin", "--runtime", "mlock", "--size", "64MiB", "--progress", "none"]
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the runs' own before and after main(): ignored
+with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+    _cli.main(ARGV)  # once here, so every module the command imports is imported before the forks
+
+def run(delay):
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        code = _cli.main(ARGV)
+        print(f"VmLck {_libc.vm_locked_bytes()}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
+    if delay is not None:
+        time.sleep(max(0.0, started + delay - time.monotonic()))
+        os.kill(pid, signal.SIGTERM)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    took = time.monotonic() - started
+    out.seek(0), err.seek(0)
+    return {"delay": delay, "code": status, "out": out.read(), "err": err.read(), "took": took}
+
+plain = run(None)
+runs = [plain] + [run(plain["took"] * i / int(sys.argv[1])) for i in range(int(sys.argv[1]) + 1)]
+print(json.dumps(runs))
+"""
+
+
+@needs_mlock
+def test_sigterm_at_any_moment_of_pin_exits_130_or_completes() -> None:
+    moments = 16
+    result = subprocess.run([sys.executable, "-c", SIGTERM_SWEEP, str(moments)], capture_output=True, text=True,
+                            timeout=180, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    runs = json.loads(result.stdout)
+    assert runs[0]["code"] == 0 and runs[0]["err"] == "VmLck 0\n", runs[0]
+    for run in runs[1:]:
+        where = f"SIGTERM {run['delay']:.3f} s after the fork: {run}"
+        assert "Exception ignored" not in run["err"] and "Traceback" not in run["err"], where
+        if run["code"] == 130:
+            assert run["err"].startswith("pinpool: interrupted (SIGTERM)\n"), where
+            assert run["err"].endswith("VmLck 0\n"), where
+        else:
+            # The signal came before main() took SIGTERM, or after it ended: the report is whole, nothing is locked.
+            assert run["code"] == 0, where
+            assert "VmLck 0 B before, 64 MiB while pinned, 0 B after" in run["out"], where
+    assert sum(run["code"] == 130 for run in runs[1:]) >= moments // 2  # most moments land while pinpool runs
+
+
 def test_sigterm_is_restored_after_main() -> None:
     before = signal.getsignal(signal.SIGTERM)
     with _cli.sigterm_as_interrupt():
@@ -538,6 +625,47 @@ def test_invalid_layout_files(tmp_path: Path, content: str, message: str) -> Non
     path = tmp_path / "layout.json"
     path.write_text(content)
     with pytest.raises(pinpool.ConfigError, match=re.escape(message)):
+        _cli.layout_from_file(str(path))
+
+
+def _limit_memory() -> None:  # pragma: no cover (runs in the child)
+    import resource
+
+    # Were the file read whole again, /dev/zero would fill the host's memory: MemoryError at 2 GiB instead.
+    resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, 2 << 30))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory"])
+def test_a_layout_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    # A FIFO nobody writes blocked open() for ever; /dev/zero was read until the OOM killer ended it.
+    path = {"fifo": tmp_path / "layout.json", "/dev/zero": Path("/dev/zero"), "directory": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    what = {"fifo": "a FIFO", "/dev/zero": "a character device", "directory": "a directory"}[kind]
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "pinpool", "plan", "--size", "1GiB", "--layout-file", str(path)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, preexec_fn=_limit_memory,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"pinpool: ConfigError: --layout-file {path} is {what}, not a regular file: give a regular JSON file\n"
+    )
+    assert time.monotonic() - started < 30
+
+
+def test_a_layout_file_over_the_size_limit_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "layout.json"
+    with path.open("wb") as f:
+        f.truncate(_cli.LAYOUT_FILE_MAX_BYTES + 1)  # sparse: one byte too many
+    assert _cli.main(["plan", "--size", "64MiB", "--layout-file", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"pinpool: ConfigError: --layout-file {path} is larger than 1 MiB, the limit for a layout file: give the "
+        "JSON file that describes the layout\n"
+    )
+    with path.open("r+b") as f:  # at the limit it is read (and then found not to be JSON)
+        f.truncate(_cli.LAYOUT_FILE_MAX_BYTES)
+    with pytest.raises(pinpool.ConfigError, match="not JSON"):
         _cli.layout_from_file(str(path))
 
 

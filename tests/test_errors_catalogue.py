@@ -5,9 +5,11 @@ text. A row without a case, or a case without a row, fails: the page and the cod
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import errno
 import importlib
+import os
 import pkgutil
 import re
 import threading
@@ -109,6 +111,16 @@ def enter(p: pinpool.PinnedPool) -> None:
         pass
 
 
+def background_failure() -> None:
+    with pool(runtime=FakeRuntime(fail_register_on=2), background=True, **FOUR_CHUNKS) as p:
+        p.wait_ready_sync(timeout=30)
+
+
+def nan_timeout() -> None:
+    with pool(background=True) as p:
+        p.wait_ready_sync(timeout=float("nan"))
+
+
 class Custom:
     """A custom layout that answers what it is given (raising exceptions it is given)."""
 
@@ -201,6 +213,36 @@ def node_busy(tmp: Path) -> None:
         enter(pool(size=MiB, node_budget=4 * MiB, node_dir=str(tmp), node_wait=False, name="second"))
 
 
+def unwritable_node_dir(tmp: Path) -> None:
+    """A node_dir of mode 0500. Root passes every permission check, so for root the kernel's
+    answer to a non-root owner (``access(W_OK)`` refused) stands in."""
+    directory = tmp / "read-only"
+    directory.mkdir(mode=0o500)
+    as_root = mock.patch.object(os, "access", return_value=False) if os.geteuid() == 0 else contextlib.nullcontext()
+    try:
+        with as_root:
+            pool(node_slots=1, node_dir=str(directory))
+    finally:
+        directory.chmod(0o700)
+
+
+def planted_slot_file(tmp: Path, plant: Callable[[Path], None]) -> None:
+    """The pool is built, then ``plant`` puts something in place of ``slot-0``, then it is entered."""
+    directory = tmp / "node"
+    p = pool(node_slots=1, node_dir=str(directory))
+    plant(directory / "slot-0")
+    enter(p)
+
+
+def hard_link_to(target: Path) -> Callable[[Path], None]:
+    def plant(path: Path) -> None:
+        target.write_bytes(b"not pinpool's\n")
+        target.chmod(0o600)
+        os.link(target, path)
+
+    return plant
+
+
 def entered_twice() -> None:
     p = pool()
     enter(p)
@@ -231,6 +273,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'size="1e40"': lambda: pool(size="1e40"),
         'size="1KiB", layout=Raw(granularity_bytes=1 MiB)': lambda: pool(size="1KiB", layout=bad_layout),
         "size=2**200": lambda: pool(size=2**200),
+        "size=-10**5000": lambda: pool(size=-(10**5000)),
         "layout=object()": lambda: pool(layout=object()),
         "a custom layout with page_bytes = 0": lambda: pool(layout=Custom(page_bytes=0)),
         "a custom layout whose page_bytes raises ZeroDivisionError": lambda: pool(
@@ -253,6 +296,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "populate_workers=0": lambda: pool(populate_workers=0),
         "register_workers=True": lambda: pool(register_workers=True),
         "unpin_workers=-1": lambda: pool(unpin_workers=-1),
+        "populate_workers=10**6": lambda: pool(populate_workers=10**6),
         'huge_pages="thp"': lambda: pool(huge_pages="thp"),
         "huge_pages=True with THP never": lambda: check_host(
             PoolOptions(size=MiB, huge_pages=True), dataclasses.replace(HOST, thp_mode="never")
@@ -261,11 +305,14 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
             PoolOptions(size=8 * MiB, huge_pages="hugetlb"), dataclasses.replace(HOST, hugetlb_free=1, hugetlb_total=1)
         ),
         'numa_node="0"': lambda: pool(numa_node="0"),
+        "numa_node=-1": lambda: pool(numa_node=-1),
         "numa_node=7 on a host with nodes 0, 1": lambda: check_host(PoolOptions(size=MiB, numa_node=7), HOST),
         'name=""': lambda: pool(name=""),
         'min_chunk_bytes="0"': lambda: pool(min_chunk_bytes="0"),
         "max_retries=-1": lambda: pool(max_retries=-1),
         "max_call_seconds=0": lambda: pool(max_call_seconds=0),
+        'max_call_seconds=float("nan")': lambda: pool(max_call_seconds=float("nan")),
+        "max_call_seconds=1e300": lambda: pool(max_call_seconds=1e300),
         'max_call_seconds="fast"': lambda: pool(max_call_seconds="fast"),
         "num_pages=0, size=None": lambda: pool(num_pages=0, size=None),
         'num_pages=4, size="1MiB"': lambda: pool(num_pages=4, size="1MiB"),
@@ -275,6 +322,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'node_budget="١٠%"': lambda: pool(node_budget="١٠%", node_dir=str(tmp)),
         'node_dir="relative/dir"': lambda: pool(node_slots=1, node_dir="relative/dir"),
         'node_wait="no"': lambda: pool(node_slots=1, node_dir=str(tmp), node_wait="no"),
+        "node_dir= a directory of mode 0500 (not as root)": lambda: unwritable_node_dir(tmp),
         'runtime="gpu"': lambda: pool(runtime="gpu"),
         "runtime=object()": lambda: pool(runtime=object()),
         'runtime="cuda" on a host without CUDA': no_gpu(lambda: pool(runtime="cuda")),
@@ -334,11 +382,20 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "pool.tensor after exit": tensor_of_closed_pool,
         "pin() of a tensor pinpool already pins": twice_pinned,
         "a registration fails": lambda: enter(pool(runtime=FakeRuntime(fail_register_on=2), **FOUR_CHUNKS)),
+        "a registration fails while a background pool pins": background_failure,
+        "exiting a pool that was never entered": lambda: pool().__exit__(None, None, None),
+        'wait_ready_sync(timeout=float("nan"))': nan_timeout,
         "pre-faulting fails with ENOMEM": lambda: enter(pool(runtime=FakeRuntime(fail_populate_on=1), **FOUR_CHUNKS)),
         "no worker thread can be started": no_threads,
         "an unregistration fails at exit": lambda: enter(pool(runtime=FakeRuntime(fail_unregister_on=1), **ONE_CHUNK)),
         "mmap of the pool fails": mmap_fails,
         "node_wait=False and the node's byte budget is held": lambda: node_busy(tmp),
+        "a FIFO in place of the file slot-0 in node_dir": lambda: planted_slot_file(
+            tmp, lambda path: os.mkfifo(path, 0o600)
+        ),
+        "a hard link in place of the file slot-0 in node_dir": lambda: planted_slot_file(
+            tmp, hard_link_to(tmp / "precious")
+        ),
         "MlockRuntime().unregister(base it never registered)": lambda: MlockRuntime().unregister(4096),
         # pinpool.testing.FakeRuntime
         "FakeRuntime(fail_register_on=0)": lambda: FakeRuntime(fail_register_on=0),
@@ -389,7 +446,8 @@ def test_every_exception_class_has_a_row() -> None:
     table = {_code(cells[1]): _code(cells[2]) for cells in table_rows("Exceptions")}
     classes = {cls.__name__: cls for cls in every_error_class()}
     assert sorted(set(classes) - set(table)) == [], "exception classes missing from docs/errors.md"
-    assert sorted(set(table) - set(classes) - {"LedgerError"}) == [], "rows for classes pinpool does not define"
+    internal = {"LedgerError", "TransitionError"}  # invariant breaches, not PinpoolErrors (see below)
+    assert sorted(set(table) - set(classes) - internal) == [], "rows for classes pinpool does not define"
     for name, also in table.items():
         if name in classes and also not in ("", "-"):
             for builtin in also.split(", "):
@@ -400,5 +458,8 @@ def test_ledger_error_is_said_to_never_reach_users() -> None:
     text = DOC.read_text()
     assert "LedgerError" in text and "never reach" in text
     from pinpool._ledger import LedgerError
+    from pinpool._outcome import TransitionError
 
     assert not issubclass(LedgerError, pinpool.PinpoolError)  # an invariant breach, not an error to handle
+    assert not issubclass(TransitionError, pinpool.PinpoolError)
+    assert "TransitionError" in text

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -29,7 +30,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -254,26 +257,29 @@ def test_signal_while_pinning_exits_promptly_with_nothing_locked(sig: int) -> No
         print(f"{signal.Signals(sig).name} while pinning: exit 0 after {took:.2f} s")
 
 
-def test_background_failure_answers_500_with_the_error() -> None:
+def test_background_failure_answers_500_keeps_the_pinned_pages_for_reads_and_takes_no_new_data() -> None:
     with server("--size", "2GiB", "--runtime", "fake-fail") as srv:
         first = first_readyz(srv)
         assert first.status_code in (503, 500), first.text  # the third registration fails ~0.4 s in
         failed, _ = poll_until_not_503(srv)
         assert failed.status_code == 500, failed.text
         body = failed.json()
-        assert body["state"] == "failed" and body["pinned_bytes"] == 0 and body["pinned_pages"] == 0
+        assert body["state"] == "failed" and body["pinned_bytes"] > 0 and body["pinned_pages"] >= 0
         assert "injected failure (FakeRuntime register call #3)" in body["error"]
-        assert "rolled back" in body["error"]
+        assert "stay pinned" in body["error"] and "rolled back" not in body["error"]
         assert srv.client.get("/healthz").status_code == 200  # alive, not ready
         refused = srv.client.put("/pages/0", content=random_page(0))
         assert refused.status_code == 503 and "pinning failed" in refused.json()["error"]
+        last = body["num_pages"] - 1
+        assert srv.client.get(f"/pages/{last}").status_code == 503  # never pinned: not served
+        if body["pinned_pages"]:
+            assert srv.client.get("/pages/0").status_code == 200  # draining: pinned pages are still read
         text = srv.client.get("/metrics").text
         labels = {"pool": "kv-offload", "runtime": "fake"}
         assert metric(text, "pinpool_rollbacks_total", cause="failure", **labels) == 1
         assert metric(text, "pinpool_chunk_failures_total", phase="register", **labels) == 1
-        # The failed pool is closed: its gauge series are removed (counters stay).
-        assert 'pinpool_pools_open{pool="kv-offload"' not in text
-        assert 'pinpool_pinned_bytes{pool="kv-offload"' not in text
+        # The failed pool is open until shutdown: what it pinned is still pinned, and counted.
+        assert metric(text, "pinpool_pinned_bytes", **labels) == body["pinned_bytes"]
         rc, _ = srv.stop(signal.SIGTERM)
         assert rc == 0, srv.output
         assert any("pinning failed after" in line for line in srv.lines), srv.output
@@ -296,6 +302,33 @@ def test_trio_hypercorn_pin_round_trip_sigterm() -> None:
         rc, _ = srv.stop(signal.SIGTERM)
         assert rc == 0, srv.output
         assert srv.logged_vmlck() == 0, srv.output
+
+
+@needs_mlock
+@pytest.mark.parametrize("serve", ["uvicorn", "trio"])
+def test_sigterm_with_a_client_stalled_mid_upload_shuts_down_cleanly(serve: str) -> None:
+    # The stalled upload's handler waited for the rest of its body until the graceful timeout (5 s), then
+    # uvicorn cancelled it and printed "Exception in ASGI application" with a traceback (hypercorn dropped
+    # the connection without an answer); now it answers 503 as soon as the shutdown begins.
+    if serve == "trio":
+        pytest.importorskip("hypercorn")
+        pytest.importorskip("trio")
+    with server("--size", "256MiB", "--runtime", "mlock", *(["--trio"] if serve == "trio" else [])) as srv:
+        srv.wait_port()
+        ready, _ = poll_until_not_503(srv)
+        assert ready.status_code == 200, ready.text
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as stalled:
+            stalled.sendall(f"PUT /pages/0 HTTP/1.1\r\nHost: x\r\nContent-Length: {PAGE_BYTES}\r\n\r\n".encode()
+                            + random_page(0)[:1000])  # fmt: skip
+            time.sleep(0.3)  # the handler waits for the rest of the body
+            rc, took = srv.stop(signal.SIGTERM)
+            answer = stalled.recv(65536).decode(errors="replace")
+        assert rc == 0, srv.output
+        assert "Traceback" not in srv.output and "Exception in ASGI" not in srv.output, srv.output
+        assert "timeout graceful shutdown exceeded" not in srv.output, srv.output
+        assert srv.logged_vmlck() == 0, srv.output
+        assert answer.startswith("HTTP/1.1 503") and "the server is shutting down" in answer, answer
+        assert took < 4, f"exit took {took:.1f} s"  # the graceful timeout (5 s) was not waited out
 
 
 @pytest.fixture(scope="module")
@@ -335,3 +368,61 @@ def test_page_bytes_are_the_layouts_page(example: ModuleType, kv_layout: str) ->
                 page = t[:, i]
             assert page.contiguous().view(torch.uint8).numpy().tobytes() == data[i]
             assert kv.get(i) == data[i]
+
+
+def _request(receive: Any) -> Any:
+    from starlette.requests import Request
+
+    return Request({"type": "http", "method": "PUT", "path": "/pages/0", "headers": []}, receive)
+
+
+def test_read_body_answers_a_stalled_upload(example: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that stops coming: 503 once the server is stopping, 408 past BODY_SECONDS; a client that
+    goes away gets no answer (499); a body that arrives whole, in parts, is returned."""
+
+    def client(*messages: dict[str, Any]) -> Any:
+        sent = list(messages)
+
+        async def receive() -> dict[str, Any]:
+            if sent:
+                return sent.pop(0)
+            await anyio.sleep_forever()  # stalled
+            raise AssertionError
+
+        return receive
+
+    part = {"type": "http.request", "body": b"ab", "more_body": True}
+    stopping = example.Stopping()
+
+    async def read(receive: Any, limit: int = 4) -> Any:
+        return await example.read_body(_request(receive), limit, stopping)
+
+    last = {"type": "http.request", "body": b"cd", "more_body": False}
+    assert anyio.run(read, client(part, last)) == bytearray(b"abcd")
+    assert anyio.run(read, client(part, part, part), 3) == bytearray(b"abab")  # stops past the limit
+    assert anyio.run(read, client(part, {"type": "http.disconnect"})).status_code == 499
+    monkeypatch.setattr(example, "BODY_SECONDS", 0.25)
+    started = time.monotonic()
+    late = anyio.run(read, client(part))
+    assert late.status_code == 408 and late.headers["connection"] == "close"
+    assert json.loads(late.body) == {"error": "the body did not arrive within 0.25 s", "got": 2}
+    assert 0.25 <= time.monotonic() - started < 2
+    monkeypatch.setattr(example, "BODY_SECONDS", 60.0)
+
+    async def stop_soon() -> Any:
+        results = []
+
+        async def reader() -> None:
+            results.append(await read(client(part)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await anyio.sleep(0.15)
+            stopping.requested = True  # as the server's signal handler does
+        return results[0]
+
+    started = time.monotonic()
+    stopped = anyio.run(stop_soon)
+    assert stopped.status_code == 503 and stopped.headers["connection"] == "close"
+    assert json.loads(stopped.body) == {"error": "the server is shutting down", "got": 2}
+    assert time.monotonic() - started < 1

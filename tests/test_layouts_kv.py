@@ -591,12 +591,11 @@ async def test_sglang_vector_teardown_order_and_second_exit(mode: str) -> None:
             base = p.data_ptr
     order = [base + 2 * GiB, base + GiB, base]
     assert fake.unregister_calls == order
-    with pytest.raises(pinpool.PoolStateError):
-        if mode == "async":
-            await pool.__aexit__(None, None, None)
-        else:
-            pool.__exit__(None, None, None)
-    assert fake.unregister_calls == order  # the second exit unregistered nothing
+    if mode == "async":
+        await pool.__aexit__(None, None, None)
+    else:
+        pool.__exit__(None, None, None)
+    assert fake.unregister_calls == order  # the second exit is a no-op: it unregistered nothing
 
 
 def test_sglang_vector_second_registration_fails() -> None:

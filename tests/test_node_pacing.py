@@ -15,12 +15,12 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 import pinpool
@@ -369,8 +369,6 @@ def test_the_polling_interval_starts_short_and_grows_with_the_wait_up_to_poll(no
 
 
 def test_sync_wait_measures_the_time_it_waited(node_dir: Path) -> None:
-    import threading
-
     ours = admission(node_dir, budget=GiB, wait=True)
     first = ours.reserve_budget_sync(GiB)
     timer = threading.Timer(0.2, first.release)
@@ -508,82 +506,89 @@ def test_node_busy_error_pickles_with_its_attributes() -> None:
     assert not isinstance(copy, pinpool.ConfigError)
 
 
-# -- async: cancellation leaves nothing held ---------------------------------------------------------
+# -- a waiting thread: cancellation leaves nothing held ----------------------------------------------
 
 
-@pytest.mark.anyio
-async def test_cancelling_a_waiting_async_slot_acquire_holds_nothing(node_dir: Path) -> None:
+def in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``target`` on a daemon thread; its result or exception lands in the list."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(target())
+        except BaseException as exc:  # handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_cancelling_a_waiting_slot_acquire_holds_nothing(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1, wait=True)
     blocker = ours.acquire_slot_sync()
     before = open_fds()
-    with anyio.move_on_after(0.2) as scope:
-        await ours.acquire_slot(poll=0.01)
-    assert scope.cancelled_caught
+    stop = threading.Event()
+    thread, out = in_thread(lambda: ours.acquire_slot_sync(cancelled=stop.is_set, poll=0.01))
+    time.sleep(0.2)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    (error,) = out
+    assert isinstance(error, NodeWaitCancelled)
     assert open_fds() == before
     blocker.release()
-    with anyio.fail_after(5):
-        hold = await ours.acquire_slot(poll=0.01)
+    hold = ours.acquire_slot_sync(poll=0.01)
     assert hold.index == 0
     hold.release()
 
 
-@pytest.mark.anyio
-async def test_cancelling_a_waiting_async_budget_reservation_holds_nothing(node_dir: Path) -> None:
+def test_cancelling_a_waiting_budget_reservation_holds_nothing(node_dir: Path) -> None:
     ours = admission(node_dir, budget=GiB, wait=True)
     blocker = ours.reserve_budget_sync(GiB)
     before = open_fds()
-    with anyio.move_on_after(0.2) as scope:
-        await ours.reserve_budget(GiB, poll=0.01)
-    assert scope.cancelled_caught
+    stop = threading.Event()
+    thread, out = in_thread(lambda: ours.reserve_budget_sync(GiB, cancelled=stop.is_set, poll=0.01))
+    time.sleep(0.2)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    (error,) = out
+    assert isinstance(error, NodeWaitCancelled)
     assert open_fds() == before
     assert hold_files(node_dir) == [blocker.name]
     blocker.release()
-    with anyio.fail_after(5):
-        hold = await ours.reserve_budget(GiB, poll=0.01)
+    hold = ours.reserve_budget_sync(GiB, poll=0.01)
     assert hold_files(node_dir) == [hold.name]
     hold.release()
     assert hold_files(node_dir) == []
 
 
-@pytest.mark.anyio
-async def test_an_async_waiter_gets_the_slot_when_it_is_released(node_dir: Path) -> None:
+def test_a_waiter_gets_the_slot_when_it_is_released(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1, wait=True)
     blocker = ours.acquire_slot_sync()
     told: list[NodeBusyError] = []
-    got: list[SlotHold] = []
-
-    async def waiter() -> None:
-        got.append(await ours.acquire_slot(poll=0.01, on_wait=told.append))
-
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter)
-            await anyio.sleep(0.15)
-            assert not got and len(told) == 1
-            blocker.release()
+    thread, got = in_thread(lambda: ours.acquire_slot_sync(poll=0.01, on_wait=told.append))
+    time.sleep(0.15)
+    assert not got and len(told) == 1
+    blocker.release()
+    thread.join(5)
     (hold,) = got
+    assert isinstance(hold, SlotHold)
     assert hold.waited_seconds >= 0.1
     hold.release()
 
 
-@pytest.mark.anyio
-async def test_an_already_cancelled_async_acquire_takes_nothing(node_dir: Path) -> None:
-    ours = admission(node_dir, slots=1)
-    with anyio.CancelScope() as scope:
-        scope.cancel()
-        await ours.acquire_slot()
-    assert scope.cancelled_caught
+def test_a_wait_cancelled_before_its_first_sleep_takes_nothing(node_dir: Path) -> None:
+    ours = admission(node_dir, slots=1, wait=True)
+    with ours.acquire_slot_sync():
+        before = open_fds()
+        started = time.monotonic()
+        with pytest.raises(NodeWaitCancelled):
+            ours.acquire_slot_sync(cancelled=lambda: True)
+        assert time.monotonic() - started < 1.0 and open_fds() == before
     with ours.acquire_slot_sync():  # the slot is free
         pass
-
-
-@pytest.mark.anyio
-async def test_async_fail_fast_raises_node_busy(node_dir: Path) -> None:
-    ours = admission(node_dir, slots=1, budget=GiB)
-    with ours.acquire_slot_sync(), pytest.raises(NodeBusyError):
-        await ours.acquire_slot()
-    with ours.reserve_budget_sync(GiB), pytest.raises(NodeBusyError):
-        await ours.reserve_budget(GiB)
 
 
 # -- the directory is never trusted blindly ---------------------------------------------------------

@@ -82,14 +82,14 @@ async def test_reference_plan_900_900_700_mib() -> None:
     assert fake.registered == {}
 
 
-def test_teardown_order_and_second_exit_is_an_error() -> None:
+def test_teardown_order_and_second_exit_is_a_no_op() -> None:
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, register_workers=1)
     with pool as p:
         base = p.data_ptr
     assert fake.unregister_calls == [base + 2 * GiB, base + GiB, base]
-    with pytest.raises(pinpool.PoolStateError, match="exited once"):
-        pool.__exit__(None, None, None)
+    pool.__exit__(None, None, None)  # a closed pool is left alone (as close() twice is)
+    pool.close()
     assert fake.unregister_calls == [base + 2 * GiB, base + GiB, base]
 
 
@@ -350,7 +350,7 @@ async def test_state_errors() -> None:
     pool = pinpool.PinnedPool(size=MiB, runtime=fake)
     with pytest.raises(pinpool.PoolStateError, match="enter it first"):
         _ = pool.tensor
-    with pytest.raises(pinpool.PoolStateError):
+    with pytest.raises(pinpool.PoolStateError, match="only after it was entered"):
         await pool.__aexit__(None, None, None)
     async with pool:
         with pytest.raises(pinpool.PoolStateError, match="entered once"):
@@ -363,8 +363,7 @@ async def test_state_errors() -> None:
     with pytest.raises(pinpool.PoolStateError, match="entered once"):
         async with pool:
             pass
-    with pytest.raises(pinpool.PoolStateError, match="exited once"):
-        await pool.__aexit__(None, None, None)
+    await pool.__aexit__(None, None, None)  # exiting a closed pool again is a no-op
     assert fake.registered == {} and len(fake.register_calls) == 1
 
 
@@ -496,8 +495,8 @@ def test_interrupt_during_teardown_finishes_teardown_then_propagates() -> None:
         with pool:
             threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT)).start()
     assert_rolled_back(fake)
-    with pytest.raises(pinpool.PoolStateError, match="closed"):
-        pool.__exit__(None, None, None)
+    assert pool.state is pinpool.PoolState.CLOSED
+    pool.__exit__(None, None, None)  # closed: a second exit is a no-op
 
 
 def test_pinned_bytes_counts_leaked_chunks() -> None:

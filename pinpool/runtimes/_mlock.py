@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import dataclasses
 import errno
+import itertools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .. import _libc
 from .._errors import RuntimeCallError
@@ -83,6 +87,95 @@ class _SharedPages:
 SHARED_PAGES = _SharedPages()
 
 
+class _OwnLocks:
+    """The pages every MlockRuntime of this process holds locked, for telling pinpool's own locks
+    from foreign ones in /proc/self/smaps (which only says how much of a mapping is locked).
+
+    A registration's pages (its whole pages and those it shares) are recorded *before* they are
+    locked and forgotten only *after* they are unlocked, so the record always covers what
+    pinpool has locked. A :meth:`scan` (reading smaps while pools on other threads lock and
+    unlock) also keeps every range forgotten while it runs: what it gets at its end covers every
+    page pinpool held locked at any moment of the read.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: dict[tuple[int, int], int] = {}  # page-rounded [lo, hi) -> how many registrations
+        self._scans: dict[int, list[tuple[int, int]]] = {}  # a running scan -> ranges forgotten since it began
+        self._scan_ids = itertools.count()
+
+    def add(self, lo: int, hi: int) -> None:
+        with self._lock:
+            self._ranges[lo, hi] = self._ranges.get((lo, hi), 0) + 1
+
+    def remove(self, lo: int, hi: int) -> None:
+        with self._lock:
+            count = self._ranges.get((lo, hi), 0) - 1
+            if count > 0:
+                self._ranges[lo, hi] = count
+            else:
+                self._ranges.pop((lo, hi), None)
+            for forgotten in self._scans.values():
+                forgotten.append((lo, hi))
+
+    @contextlib.contextmanager
+    def scan(self) -> Iterator[Callable[[], _Pages]]:
+        """While reading smaps: yields ``owned()``, which, called at the end of the read, answers the
+        pages pinpool held locked at any moment since the scan began."""
+        forgotten: list[tuple[int, int]] = []
+        with self._lock:
+            key = next(self._scan_ids)
+            self._scans[key] = forgotten
+        try:
+
+            def owned() -> _Pages:
+                with self._lock:  # copied under the lock, merged outside it: a pool may hold 100k ranges
+                    ranges = [*self._ranges, *forgotten]
+                return _Pages(ranges)
+
+            yield owned
+        finally:
+            with self._lock:
+                del self._scans[key]
+
+
+class _Pages:
+    """A union of address ranges, merged and sorted, to ask how much of a mapping it covers."""
+
+    def __init__(self, ranges: list[tuple[int, int]]) -> None:
+        merged: list[list[int]] = []
+        for lo, hi in sorted(r for r in ranges if r[0] < r[1]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self._los = [lo for lo, _ in merged]
+        self._his = [hi for _, hi in merged]
+
+    def bytes_in(self, lo: int, hi: int) -> int:
+        """How many bytes of ``[lo, hi)`` the union covers (each byte once)."""
+        total = 0
+        i = max(0, bisect.bisect_right(self._los, lo) - 1)
+        while i < len(self._los) and self._los[i] < hi:
+            total += max(0, min(hi, self._his[i]) - max(lo, self._los[i]))
+            i += 1
+        return total
+
+    def covers(self, lo: int, hi: int) -> bool:
+        """Whether the union covers all of ``[lo, hi)``."""
+        i = bisect.bisect_right(self._los, lo) - 1
+        return i >= 0 and self._his[i] >= hi
+
+
+OWN_LOCKS = _OwnLocks()
+
+
+def _page_span(ptr: int, nbytes: int) -> tuple[int, int]:
+    """``[ptr, +nbytes)`` rounded out to whole pages: every page a registration of it locks or shares."""
+    page = _libc.PAGE_SIZE
+    return ptr - ptr % page, -(-(ptr + max(nbytes, 1)) // page) * page
+
+
 def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
     """``[ptr, +nbytes)`` as the pages it covers in part (their bases) and its whole pages ``[lo, hi)``."""
     if nbytes <= 0:
@@ -146,6 +239,7 @@ class MlockRuntime:
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
         partial, lo, hi = _pages_of(ptr, nbytes)
+        OWN_LOCKS.add(*_page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
         err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
         if not err:
             failed = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
@@ -154,6 +248,7 @@ class MlockRuntime:
                 if hi > lo:
                     _libc.munlock(lo, hi - lo)
         if err:
+            OWN_LOCKS.remove(*_page_span(ptr, nbytes))
             self._book.pop(ptr)
             raise RuntimeCallError(
                 op=op, code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
@@ -161,7 +256,10 @@ class MlockRuntime:
             )  # fmt: skip
 
     def find_pinned(self, ptr: int, nbytes: int) -> str | None:
-        """Describe memory in ``[ptr, ptr+nbytes)`` that is already locked (by anyone), or None."""
+        """Describe memory in ``[ptr, ptr+nbytes)`` that is locked by someone else than pinpool, or None.
+
+        pinpool's own locks there are no obstacle: a neighbour pinned before (``a, b = buf[:cut],
+        buf[cut:]``) shares the page around the cut, which its registration locked."""
         return _locked_in_smaps(ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
@@ -178,6 +276,8 @@ class MlockRuntime:
         if not err:
             failed = SHARED_PAGES.release(partial)
             err = 0 if failed is None else failed[1]
+        if not err:
+            OWN_LOCKS.remove(*_page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
         if err:
             self._book.add(ptr, nbytes)  # still (partly) locked: keep it on the books
             raise RuntimeCallError(
@@ -187,21 +287,58 @@ class MlockRuntime:
 
 
 def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
-    """The first mapping of this process overlapping the range with locked pages, per /proc/self/smaps."""
+    """The first mapping of this process overlapping the range that is locked by someone else
+    than pinpool, per /proc/self/smaps, or None.
+
+    smaps tells per mapping (VMA) how much is locked (``Locked:``, resident pages) and whether
+    the mapping is locked at all (``lo`` in ``VmFlags``; mlock splits mappings at what it locks,
+    so a locked mapping is exactly a run of locked pages). pinpool's own locks (:data:`OWN_LOCKS`,
+    each page counted once, however many registrations share it) are subtracted: a mapping is
+    locked by someone else if it has more ``Locked:`` than pinpool's pages in it, or if it is
+    locked and reaches pages pinpool does not hold. A foreign lock of a page pinpool holds too
+    cannot be told from pinpool's own (the kernel keeps no count).
+    """
     end = ptr + nbytes
-    current: tuple[int, int] | None = None
-    try:
-        with open("/proc/self/smaps") as smaps:
-            for line in smaps:
-                head = line.split(maxsplit=1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    current = (lo, hi) if lo < end and ptr < hi else None
-                elif current is not None and head == "Locked:" and int(line.split()[1]) > 0:
-                    return f"[{current[0]:#x}, {current[1]:#x}) has {line.split()[1]} kB locked already"
-    except OSError:
-        return None
+    mappings: list[_Mapping] = []
+    current: _Mapping | None = None
+    with OWN_LOCKS.scan() as owned:
+        try:
+            with open("/proc/self/smaps") as smaps:
+                for line in smaps:
+                    head, _, rest = line.partition(" ")
+                    if "-" in head and not head.endswith(":"):
+                        lo, hi = (int(x, 16) for x in head.split("-"))
+                        current = _Mapping(lo, hi) if lo < end and ptr < hi else None
+                        if current is not None:
+                            mappings.append(current)
+                    elif current is None:
+                        continue
+                    elif head == "Locked:":
+                        current.locked_kb = int(rest.split()[0])
+                    elif head == "VmFlags:":
+                        current.locked_flag = "lo" in rest.split()
+        except OSError:
+            return None
+        ours = owned()  # at the end of the read: covers every page pinpool held locked during it
+    for mapping in mappings:
+        lo, hi = mapping.lo, mapping.hi
+        own_kb = ours.bytes_in(lo, hi) // 1024
+        if mapping.locked_kb > own_kb:
+            by_us = f", {own_kb} kB of it by pinpool" if own_kb else ""
+            return f"[{lo:#x}, {hi:#x}) has {mapping.locked_kb} kB locked already{by_us}"
+        if mapping.locked_flag and not ours.covers(lo, hi):
+            return f"[{lo:#x}, {hi:#x}) is locked already (VmFlags lo), not all of it by pinpool"
     return None
+
+
+@dataclasses.dataclass
+class _Mapping:
+    """One mapping of /proc/self/smaps: its range, its ``Locked:`` kB, whether ``VmFlags`` has ``lo``."""
+
+    lo: int
+    hi: int
+    locked_kb: int = 0
+    locked_flag: bool = False
 
 
 def mlock_error_message(err: int, nbytes: int) -> str:

@@ -1,0 +1,200 @@
+"""How a pool's pinning ends, and where a pool may go from where it is: pure rules, no threads.
+
+* :class:`PoolState` and :data:`TRANSITIONS`: every state change of a pool goes through
+  :func:`check_move`, so the table below is the whole truth (docs/concepts.md shows it).
+* :class:`Outcome` and :func:`decide`: the pinning step ends in exactly one outcome, decided
+  here from what the step reported. The foreground and background modes only *deliver* it
+  differently (``_lifecycle.py``): the foreground rolls back and raises; the background keeps
+  what is pinned and tells the waiters.
+* The texts of the errors a pool raises when pinning or unpinning fails, built in one place.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from ._errors import ChunkFailure, PinError, UnpinError
+from ._ledger import StopCause
+from ._plan import Chunk
+from ._units import format_bytes
+
+
+class PoolState(enum.Enum):
+    """Where a pool is in its life (``pool.state``).
+
+    NEW: constructed, not entered. PINNING: entered, chunks being pinned (with
+    ``background=True`` the body already runs; pages ``[0, pool.pinned_pages)`` are usable).
+    READY: every chunk pinned. FAILED: pinning in the background ended early (a runtime call
+    failed, or ``on_progress`` raised); ``pool.error`` says why and every waiter raises it.
+    Nothing is unpinned then: pages ``[0, pool.pinned_pages)`` stay pinned and usable until the
+    pool is exited or closed. CLOSING: unpinning (on exit, close, or a foreground rollback).
+    CLOSED: nothing pinned.
+    """
+
+    NEW = "new"
+    PINNING = "pinning"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+_S = PoolState
+# Every state change a pool may make; anything else is a pinpool bug (check_move raises).
+TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
+    _S.NEW: frozenset({_S.PINNING, _S.CLOSED}),  # entered; or closed without ever being entered
+    _S.PINNING: frozenset(
+        {
+            _S.READY,  # every chunk pinned
+            _S.FAILED,  # background: pinning ended early; what is pinned stays pinned until exit
+            _S.CLOSING,  # foreground rollback; background exit or collection while pinning
+            _S.CLOSED,  # nothing was mapped or pinned (admission or mapping failed, or a forked child)
+        }
+    ),
+    _S.READY: frozenset({_S.CLOSING, _S.CLOSED}),  # CLOSED: a forked child lets go of its parent's pool
+    _S.FAILED: frozenset({_S.CLOSING, _S.CLOSED}),
+    _S.CLOSING: frozenset({_S.CLOSED}),
+    _S.CLOSED: frozenset(),
+}
+
+
+class TransitionError(AssertionError):
+    """A pool was asked to move where the table says it cannot: a pinpool bug."""
+
+
+def check_move(current: PoolState, to: PoolState) -> None:
+    if to not in TRANSITIONS[current]:
+        raise TransitionError(f"pool state {current.value} -> {to.value} is not a transition pinpool makes")
+
+
+class Outcome(enum.Enum):
+    """How one pinning step ended. ``cause`` is the label of ``pinpool_rollbacks_total`` and the
+    ``cause`` field of the ``pool.rollback`` event; only ``failure`` is a failure."""
+
+    READY = "ready"  # every chunk pinned: the pool opens
+    FAILED = "failed"  # a runtime call failed, a worker crashed, or no thread could be started
+    INTERRUPTED = "interrupted"  # cancellation, Ctrl-C, SystemExit, an exception from on_progress
+    EXITED = "exited"  # background: the body left (or the interpreter exits) while the pool pinned
+    ORPHANED = "orphaned"  # background: the pool was garbage-collected while it pinned
+
+    @property
+    def cause(self) -> str:
+        return _CAUSES[self]
+
+
+_CAUSES = {
+    Outcome.READY: "",
+    Outcome.FAILED: "failure",
+    Outcome.INTERRUPTED: "cancelled",
+    Outcome.EXITED: "exit",
+    Outcome.ORPHANED: "collected",
+}
+STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)
+
+
+def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orphaned: bool) -> Outcome:
+    """The one outcome of a pinning step.
+
+    ``interrupted``: the driver saw an interruption (or ``on_progress`` raised) while the
+    threads ran, or opening the pool raised; ``pinned``: the books say every chunk registered
+    and nothing asked to stop; ``stop_cause``: why the books stopped handing out chunks (the
+    first cause wins); ``orphaned``: a background pool's façade was collected meanwhile.
+    """
+    if interrupted:
+        return Outcome.INTERRUPTED
+    if pinned:
+        return Outcome.ORPHANED if orphaned else Outcome.READY
+    if stop_cause is StopCause.EXIT:
+        return Outcome.EXITED
+    if stop_cause is StopCause.COLLECTED:
+        return Outcome.ORPHANED
+    return Outcome.FAILED  # a call failed, a worker crashed or never started (CANCELLED without an interrupt too)
+
+
+# -- error texts ----------------------------------------------------------------------------------
+
+
+def pin_error(
+    *,
+    describe: str,
+    nbytes: int,
+    chunk_limit: int,
+    failures: Sequence[ChunkFailure],
+    leaked: tuple[Chunk, ...],
+    retries: int,
+    cause: BaseException | None,
+    crashed: bool,
+    kept: str | None,
+) -> PinError:
+    """The PinError of a failed pinning. ``kept``: background pinning keeps what it pinned (the
+    text says which pages); None: the foreground rolled everything back (``leaked``: what could
+    not be unregistered)."""
+    if kept is not None:
+        ending = f"; {kept}"
+    elif leaked:
+        ending = f"; rolled back, {len(leaked)} chunk(s) could not be unregistered and may still be pinned: {leaked}"
+    else:
+        ending = "; every registered chunk was rolled back"
+    if not failures:  # no runtime call failed: the threads did
+        what = (
+            f"a pinning thread failed ({type(cause).__name__}: {cause}; this is a pinpool bug, please report it)"
+            if crashed
+            else f"no pinning thread could be started ({type(cause).__name__}: {cause}); "
+            "the process is out of threads: lower the worker counts or raise the thread limit"
+        )
+        error = PinError(f"pinning {describe} failed: {what}{ending}", failures=(), leaked=leaked)
+        error.__cause__ = cause
+        return error
+    first = min(failures, key=lambda f: f.chunk.offset)
+    message = (
+        f"pinning {describe} failed at offset={first.chunk.offset} nbytes={first.chunk.nbytes} "
+        f"total={nbytes} chunk_limit={chunk_limit}: {first.phase} "
+        f"rc={first.error.code} ({first.error.reason}): {first.error.message}"
+    )
+    if len(failures) > 1:
+        message += f" [{len(failures)} calls failed, in {len({f.chunk for f in failures})} chunk(s)]"
+    if retries:
+        message += (
+            f" [after {retries} retries with aligned halves, down to min_chunk_bytes or the max_retries "
+            "budget; every attempt is in .failures]"
+        )
+    error = PinError(message + ending, failures=tuple(failures), leaked=leaked)
+    error.__cause__ = first.error
+    return error
+
+
+def kept_text(pages: int, num_pages: int, pinned_bytes: int) -> str:
+    return (
+        f"nothing was unpinned: pages [0, {pages}) of {num_pages} ({format_bytes(pinned_bytes)} pinned) stay pinned "
+        "and usable until the pool is exited or closed; stop using new pages, drain, and exit the pool"
+    )
+
+
+def thread_start_error(describe: str, exc: BaseException) -> PinError:
+    error = PinError(
+        f"pinning {describe} in the background failed: its thread could not be started "
+        f"({type(exc).__name__}: {exc}); nothing is pinned. Lower the worker counts or raise the thread limit",
+        failures=(),
+        leaked=(),
+    )
+    error.__cause__ = exc
+    return error
+
+
+def admission_thread_error(describe: str, exc: BaseException) -> PinError:
+    error = PinError(
+        f"pinning {describe}: the node-pacing wait could not start a thread ({exc})", failures=(), leaked=()
+    )
+    error.__cause__ = exc
+    return error
+
+
+def unpin_error(name: str, failures: Sequence[ChunkFailure], leaked: tuple[Chunk, ...]) -> UnpinError:
+    return UnpinError(
+        f"unpinning pool {name!r}: {len(failures)} chunk(s) failed to unregister "
+        f"({', '.join(f'offset={f.chunk.offset} rc={f.error.code} ({f.error.reason})' for f in failures)}); "
+        f"{format_bytes(sum(c.nbytes for c in leaked))} may still be pinned; the memory is kept mapped",
+        failures=tuple(failures),
+        leaked=leaked,
+    )

@@ -1,0 +1,433 @@
+"""The lifecycle's rules with scripted step results: no driver, no thread, microseconds each.
+
+The lifecycle's generators yield steps (``RunThreads``, ``Detach``); here the test is the
+driver. It runs a step's bodies inline on this thread, or reports what it likes instead
+(interruptions, crashed workers, no threads), and steps a background pool's conductor by hand,
+so every ordering (exit before or after a failure, collection during pinning) is exact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+import structlog
+import structlog.testing
+
+import pinpool
+from pinpool import PinError, PoolState, PoolStateError, UnclosedPoolWarning, UnpinError
+from pinpool._ledger import StopCause
+from pinpool._outcome import TRANSITIONS, Outcome, TransitionError, check_move, decide
+from pinpool._ranges import PINNED_RANGES
+from pinpool._steps import Detach, Ran, RunThreads, Step
+from pinpool.testing import FakeRuntime
+
+MiB = 1 << 20
+Gen = Generator[Step, Ran, Any]
+
+
+# -- the pure rules -------------------------------------------------------------------------------
+
+
+def test_every_state_change_is_in_the_table_and_nothing_else_is_allowed() -> None:
+    allowed = {(a, b) for a, tos in TRANSITIONS.items() for b in tos}
+    for a in PoolState:
+        for b in PoolState:
+            if (a, b) in allowed:
+                check_move(a, b)
+            else:
+                with pytest.raises(TransitionError):
+                    check_move(a, b)
+    assert TRANSITIONS[PoolState.CLOSED] == frozenset()  # closed is final
+    assert PoolState.READY not in TRANSITIONS[PoolState.FAILED]  # a failed pool never becomes ready
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("cause", [None, *StopCause])
+@pytest.mark.parametrize("orphaned", [False, True])
+def test_decide_is_total_and_an_interruption_always_wins(
+    interrupted: bool, pinned: bool, cause: StopCause | None, orphaned: bool
+) -> None:
+    outcome = decide(interrupted=interrupted, pinned=pinned, stop_cause=cause, orphaned=orphaned)
+    if interrupted:
+        assert outcome is Outcome.INTERRUPTED
+    elif pinned:
+        assert outcome is (Outcome.ORPHANED if orphaned else Outcome.READY)
+    else:
+        expected = {
+            StopCause.EXIT: Outcome.EXITED,
+            StopCause.COLLECTED: Outcome.ORPHANED,
+        }.get(cause, Outcome.FAILED)  # type: ignore[arg-type]
+        assert outcome is expected
+    assert (outcome.cause == "failure") == (outcome is Outcome.FAILED)  # only a failure is one
+
+
+# -- a driver written by the test ------------------------------------------------------------------
+
+
+def inline(step: Step) -> Ran:
+    """Run a RunThreads step's bodies one after the other on this thread."""
+    assert isinstance(step, RunThreads)
+    ran = Ran(started=len(step.bodies))
+    step.on_started()
+    for body in step.bodies:
+        try:
+            body()
+        except BaseException as exc:
+            ran.crashed.append(exc)
+    return ran
+
+
+def drive(gen: Gen, *script: Callable[[Step], Ran]) -> Any:
+    """Drive ``gen``: the n-th step gets ``script[n]`` (then ``inline`` for the rest)."""
+    steps = iter(script)
+    try:
+        step = next(gen)
+        while True:
+            step = gen.send(next(steps, inline)(step))
+    except StopIteration as stop:
+        return stop.value
+
+
+class Conductor:
+    """A Detach step's handle whose join runs the detached sequence inline, when the test says."""
+
+    def __init__(self, step: Detach) -> None:
+        self.gen = step.steps
+        self.done = False
+        self.script: list[Callable[[Step], Ran]] = []
+
+    def join(self) -> None:
+        if not self.done:
+            self.done = True
+            drive(self.gen, *self.script)
+
+
+def detach_into(box: list[Conductor]) -> Callable[[Step], Ran]:
+    def run(step: Step) -> Ran:
+        assert isinstance(step, Detach)
+        box.append(Conductor(step))
+        return Ran(started=1, detached=box[-1])
+
+    return run
+
+
+class Events(list[dict[str, Any]]):
+    """Every event a pool logs, as dicts with ``event`` and ``log_level``."""
+
+    def logger(self) -> Any:
+        def keep(_logger: Any, method: str, event: dict[str, Any]) -> Any:
+            self.append({**event, "log_level": method})
+            raise structlog.DropEvent
+
+        return structlog.wrap_logger(structlog.testing.CapturingLogger(), processors=[keep])
+
+    def of(self, name: str, field: str = "cause") -> list[Any]:
+        return [e[field] for e in self if e["event"] == name]
+
+
+def pool_of(fake: FakeRuntime, logs: Events | None = None, **kw: Any) -> pinpool.PinnedPool:
+    options: dict[str, Any] = {
+        "size": 8 * MiB, "chunk_bytes": MiB, "runtime": fake, "registry": None, "register_workers": 1,
+        "populate": False, "populate_workers": 1, "unpin_workers": 1, "name": "scripted",
+        "logger": (logs if logs is not None else Events()).logger(),
+    }  # fmt: skip
+    options.update(kw)
+    pool = pinpool.PinnedPool(**options)
+    assert pool._lifecycle.workers == 1
+    return pool
+
+
+def report(ran: Ran) -> Callable[[Step], Ran]:
+    return lambda _step: ran
+
+
+@pytest.fixture(autouse=True)
+def _no_claims_left() -> Any:
+    before = PINNED_RANGES.snapshot()  # earlier tests' leaked chunks stay claimed for the process's life
+    yield
+    assert PINNED_RANGES.snapshot() == before
+
+
+# -- foreground ------------------------------------------------------------------------------------
+
+
+def test_foreground_ready_then_exit_then_exit_again_is_a_no_op() -> None:
+    fake = FakeRuntime()
+    pool = pool_of(fake)
+    life = pool._lifecycle
+    drive(life.enter())
+    assert life.state is PoolState.READY and len(fake.registered) == 8 and life.pinned_pages == pool.num_pages
+    assert drive(life.exit(None)) is None
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+    assert drive(life.exit(None)) is None and len(fake.unregister_calls) == 8
+
+
+def test_foreground_failure_rolls_back_then_raises_a_pin_error() -> None:
+    fake = FakeRuntime(fail_register_on=4)
+    logs = Events()
+    life = pool_of(fake, logs)._lifecycle
+    with pytest.raises(PinError, match="rolled back") as raised:
+        drive(life.enter())
+    assert raised.value.failures[0].error.code == 2
+    assert life.state is PoolState.CLOSED and fake.registered == {} and life.memory is None
+    assert logs.of("pool.rollback") == ["failure"]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit, ValueError])
+def test_foreground_interruption_rolls_back_and_is_raised_as_itself(interrupt: type[BaseException]) -> None:
+    fake = FakeRuntime()
+    logs = Events()
+    life = pool_of(fake, logs)._lifecycle
+    first = interrupt("stop")
+
+    def half_then_interrupted(step: Step) -> Ran:
+        assert isinstance(step, RunThreads)
+        step.on_interrupt()  # what a driver does with the first interruption
+        ran = inline(step)
+        ran.interrupts.append(first)
+        return ran
+
+    with pytest.raises(interrupt) as raised:
+        drive(life.enter(), half_then_interrupted)
+    assert raised.value is first
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+    assert logs.of("pool.rollback") == ["cancelled"]
+
+
+def test_an_interrupt_during_the_rollback_of_a_failure_propagates_with_the_failure_as_a_note() -> None:
+    fake = FakeRuntime(fail_register_on=3)
+    life = pool_of(fake)._lifecycle
+
+    def teardown_interrupted(step: Step) -> Ran:
+        ran = inline(step)  # the teardown completes...
+        ran.interrupts.append(KeyboardInterrupt())  # ...and a Ctrl-C arrived meanwhile
+        return ran
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        drive(life.enter(), inline, teardown_interrupted)
+    assert any("injected failure" in note for note in raised.value.__notes__)
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_a_crashed_worker_and_no_threads_are_pin_errors_after_a_full_rollback() -> None:
+    fake = FakeRuntime()
+    life = pool_of(fake)._lifecycle
+
+    def crashed(step: Step) -> Ran:
+        ran = inline(step)
+        ran.crashed.append(RuntimeError("worker bug"))
+        return ran
+
+    with pytest.raises(PinError, match="pinpool bug") as raised:
+        drive(life.enter(), crashed)
+    assert isinstance(raised.value.__cause__, RuntimeError) and fake.registered == {}
+
+    life = pool_of(fake)._lifecycle
+    with pytest.raises(PinError, match="out of threads"):
+        drive(life.enter(), report(Ran(started=0, start_errors=[RuntimeError("can't start new thread")])))
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_on_progress_raising_at_the_final_report_is_raised_as_itself() -> None:
+    fake = FakeRuntime()
+    calls: list[int] = []
+
+    def on_progress(pinned: int, total: int, done: int, chunks: int) -> None:
+        calls.append(done)
+        raise LookupError("the callback's own error")
+
+    life = pool_of(fake, on_progress=on_progress)._lifecycle
+    with pytest.raises(LookupError, match="own error"):
+        drive(life.enter())
+    assert calls == [8] and life.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_an_entry_step_that_raises_leaves_nothing_claimed() -> None:
+    fake = FakeRuntime()
+    pool = pool_of(fake)
+    life = pool._lifecycle
+    life._start = lambda _memory: (_ for _ in ()).throw(KeyboardInterrupt())  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        drive(life.enter())
+    assert life.state is PoolState.CLOSED and life.memory is None and fake.register_calls == []
+
+
+def test_exit_of_a_pool_never_entered_is_an_error_and_close_is_not() -> None:
+    life = pool_of(FakeRuntime())._lifecycle
+    with pytest.raises(PoolStateError, match="only after it was entered"):
+        drive(life.exit(None))
+    assert drive(life.exit(None, closing=True)) is None
+    assert life.state is PoolState.CLOSED
+    with pytest.raises(PoolStateError, match="entered once"):
+        drive(life.enter())
+
+
+def test_an_unpin_failure_is_raised_on_exit_noted_on_a_body_error_or_returned() -> None:
+    for mode in ("raise", "note", "return"):
+        fake = FakeRuntime(fail_unregister_on=1)
+        life = pool_of(fake, name=f"unpin-{mode}")._lifecycle
+        drive(life.enter())
+        if mode == "raise":
+            with pytest.raises(UnpinError, match="failed to unregister"):
+                drive(life.exit(None))
+        elif mode == "note":
+            body = KeyError("body")
+            assert drive(life.exit(body)) is None
+            assert any("failed to unregister" in n for n in body.__notes__)
+        else:
+            assert isinstance(drive(life.exit(None, closing=True, raise_errors=False)), UnpinError)
+        assert life.state is PoolState.CLOSED and len(fake.registered) == 1  # the leaked chunk
+        PINNED_RANGES.pop(next(iter(fake.registered)) - 7 * MiB)  # kept claimed: part may be pinned
+
+
+# -- background --------------------------------------------------------------------------------------
+
+
+def enter_background(fake: FakeRuntime, logs: Events | None = None, **kw: Any) -> tuple[pinpool.PinnedPool, Conductor]:
+    pool = pool_of(fake, logs, background=True, **kw)
+    box: list[Conductor] = []
+    drive(pool._lifecycle.enter(), detach_into(box))
+    assert pool.state is PoolState.PINNING and pool._lifecycle.tensors is not None
+    return pool, box[0]
+
+
+def test_background_failure_keeps_every_registered_chunk_until_exit() -> None:
+    fake = FakeRuntime(fail_register_on=4)
+    logs = Events()
+    pool, conductor = enter_background(fake, logs)
+    life = pool._lifecycle
+    conductor.join()  # pins chunks 0-2, the 4th call fails
+    assert life.state is PoolState.FAILED and len(fake.registered) == 3 and fake.unregister_calls == []
+    assert life.pinned_pages == 3 * MiB // pool.page_bytes  # frozen, not 0: the body may use them
+    assert isinstance(life.error, PinError) and "stay pinned" in str(life.error)
+    assert logs.of("pool.rollback") == ["failure"] and logs.of("pool.rollback", "kept_bytes") == [3 * MiB]
+    assert logs.of("pool.failed", "log_level") == ["error"]
+    with pytest.raises(PinError):
+        life.reached(None)  # a waiter gets it (and it counts as seen)
+    assert pool.tensor.numel() == pool.nbytes  # the views stay usable
+    assert drive(life.exit(None)) is None  # seen: not raised again
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_background_unseen_failure_is_raised_on_exit_after_unpinning() -> None:
+    fake = FakeRuntime(fail_register_on=2)
+    pool, conductor = enter_background(fake)
+    conductor.join()
+    with pytest.raises(PinError, match="stay pinned"):
+        drive(pool._lifecycle.exit(None))
+    assert fake.registered == {} and pool.state is PoolState.CLOSED
+
+
+def test_background_exit_while_pinning_is_a_normal_shutdown_not_a_failure() -> None:
+    fake = FakeRuntime()
+    logs = Events()
+    pool, conductor = enter_background(fake, logs)
+    assert drive(pool._lifecycle.exit(None)) is None  # its join step runs the conductor: stopped at once
+    assert conductor.done and fake.registered == {} and pool.state is PoolState.CLOSED
+    assert logs.of("pool.rollback") == ["exit"] and logs.of("pool.rollback", "log_level") == ["info"]
+    assert logs.of("pool.failed") == []
+
+
+def test_background_on_progress_error_is_kept_as_itself_and_counted_as_cancelled() -> None:
+    fake = FakeRuntime()
+    logs = Events()
+    pool, conductor = enter_background(fake, logs, on_progress=lambda *_: None)
+    error = OverflowError("callback")
+
+    def interrupted(step: Step) -> Ran:
+        ran = inline(step)
+        ran.interrupts.append(error)
+        return ran
+
+    conductor.script = [interrupted]
+    conductor.join()
+    assert pool.state is PoolState.FAILED and pool._lifecycle.error is error and len(fake.registered) == 8
+    assert logs.of("pool.rollback") == ["cancelled"]
+    with pytest.raises(OverflowError):
+        drive(pool._lifecycle.exit(None))
+    assert fake.registered == {}
+
+
+def test_collected_while_pinning_the_conductor_unpins_and_says_collected() -> None:
+    fake = FakeRuntime()
+    logs = Events()
+    pool, conductor = enter_background(fake, logs)
+    life = pool._lifecycle
+    with pytest.warns(UnclosedPoolWarning, match="unpinning what it pinned"):
+        drive(life.finalize())  # the façade is gone; the conductor still runs
+    assert life._orphaned and life.state is PoolState.PINNING
+    conductor.join()
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+    assert logs.of("pool.rollback") == ["collected"]
+
+
+def test_collected_after_a_background_failure_unpins_in_the_finalizer_and_warns_of_the_unseen_error() -> None:
+    fake = FakeRuntime(fail_register_on=3)
+    pool, conductor = enter_background(fake)
+    conductor.join()
+    with pytest.warns(UnclosedPoolWarning) as warned:
+        drive(pool._lifecycle.finalize())
+    assert any("nobody saw why" in str(w.message) for w in warned)
+    assert pool.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_the_interpreter_exit_hook_stops_pinning_and_keeps_the_prefix_for_the_finalizer() -> None:
+    fake = FakeRuntime()
+    logs = Events()
+    pool, conductor = enter_background(fake, logs)
+    life = pool._lifecycle
+    life._stop_for_shutdown()
+    conductor.join()
+    assert life.state is PoolState.PINNING and not life._conducting  # nothing unpinned under live threads
+    assert logs.of("pool.rollback") == ["exit"] and logs.of("pool.rollback", "log_level") == ["info"]
+    with pytest.warns(UnclosedPoolWarning):
+        drive(life.finalize())  # atexit, once every thread is done
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_exit_after_a_failure_raced_by_exit_keeps_the_first_cause() -> None:
+    fake = FakeRuntime(fail_register_on=2)
+    pool, conductor = enter_background(fake)
+    life = pool._lifecycle
+    assert life.session is not None
+    conductor.join()  # the failure lands first...
+    life.session.stop(StopCause.EXIT)  # ...an exit afterwards changes nothing
+    assert life.session.ledger.stop_cause is StopCause.FAILURE
+    with pytest.raises(PinError):
+        drive(life.exit(None))
+
+
+def test_a_conductor_that_cannot_start_rolls_back_at_entry() -> None:
+    fake = FakeRuntime()
+    pool = pool_of(fake, background=True)
+    life = pool._lifecycle
+
+    class NeverRan:
+        done = True
+
+        def join(self) -> None:
+            pass
+
+    with pytest.raises(PinError, match="could not be started"):
+        drive(life.enter(), report(Ran(start_errors=[RuntimeError("can't start new thread")], detached=NeverRan())))
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_a_forked_child_lets_go_without_touching_the_parents_registrations(monkeypatch: pytest.MonkeyPatch) -> None:
+    for background in (False, True):
+        fake = FakeRuntime()
+        pool = pool_of(fake, background=background, name=f"fork-{background}")
+        life = pool._lifecycle
+        drive(life.enter(), *([detach_into([])] if background else []))
+        parent = os.getpid()
+        monkeypatch.setattr(os, "getpid", lambda parent=parent: parent + 1)
+        assert drive(life.exit(None)) is None  # no wait for a conductor that does not exist here
+        drive(life.finalize())
+        monkeypatch.setattr(os, "getpid", lambda parent=parent: parent)
+        assert life.state is PoolState.CLOSED and len(fake.registered) == (0 if background else 8)
+        assert fake.unregister_calls == []
+        fake.registered.clear()  # the parent's books, for this test's sake
