@@ -99,6 +99,7 @@ class Lifecycle:
         background: bool = False,
         admission: NodeAdmission | None = None,
         release: Callable[[], None] = lambda: None,
+        created_at: tuple[str, int] = ("<unknown>", 0),
     ) -> None:
         self.name = name
         self.nbytes = nbytes
@@ -113,6 +114,7 @@ class Lifecycle:
         self._start = start
         self._views = views
         self._release = release
+        self.created_at = created_at  # (file, line) of the code that made the pool: where warnings point
         self.state = PoolState.NEW
         self.session: PinSession | None = None
         self.memory: Memory | None = None
@@ -583,7 +585,7 @@ class Lifecycle:
         try:
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
-            pinned = session.ledger.registered_bytes
+            pinned = session.pipeline.pinned_bytes
             # Unpin first: a warning turned into an error must not keep memory pinned.
             failures, _interrupts = yield from self._teardown(session)
             self._close(session, failures)  # nobody to raise to: logged and counted
@@ -594,12 +596,16 @@ class Lifecycle:
         self._warn_unclosed(f"unpinned its {format_bytes(pinned)} in a finalizer")
 
     def _warn_unclosed(self, what: str) -> None:
-        warnings.warn(
+        """Warn where the pool was created: a finalizer has no caller of its own to point at."""
+        filename, lineno = self.created_at
+        message = (
             f"PinnedPool {self.name!r} was never exited; {what}. "
-            "Use `async with` / `with`, or pool.close(), so teardown happens where you expect it",
-            UnclosedPoolWarning,
-            stacklevel=3,
+            "Use `async with` / `with`, or pool.close(), so teardown happens where you expect it"
         )
+        if filename.startswith("<"):  # python -c, a REPL: no file to point at (warn_explicit drops those)
+            warnings.warn(message, UnclosedPoolWarning, stacklevel=2)
+            return
+        warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)
 
 
 def _deliver_exit(

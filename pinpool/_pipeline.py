@@ -340,8 +340,9 @@ class Pipeline:
     @property
     def pinned_bytes(self) -> int:
         """Bytes pinned now: registered chunks, and while pinning under lock-on-fault, the
-        faulted (so locked) spans of chunks still faulting."""
-        partial = self._partial_bytes if self.ledger.phase is Phase.PINNING else 0
+        faulted (so locked) spans of chunks still faulting (also once pinning stopped early: a
+        background pool keeps them locked until it is exited)."""
+        partial = self._partial_bytes if self.ledger.phase in (Phase.PINNING, Phase.ROLLED_BACK) else 0
         return self.ledger.registered_bytes + partial
 
     def register_partly_failed(self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure]) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -35,7 +37,7 @@ from ._observe import Observer
 from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions, resolve_pin_nice
 from ._outcome import PoolState
 from ._pipeline import Order
-from ._plan import BufferPlan, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
+from ._plan import BufferPlan, Chunk, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
 from ._prefix import PrefixTracker
 from ._ranges import PINNED_RANGES
 from ._types import Capabilities
@@ -59,6 +61,12 @@ class PinnedPool:
     Everything is validated in the constructor (:class:`ConfigError`), before any memory is
     mapped or pinned. Inside the block ``pool.tensor`` is a zero-copy torch view of the pinned
     memory; on exit every chunk is unregistered, whatever the block did.
+
+    ``pool.chunks`` is the plan: one range per planned registration call. ``pool.registrations``
+    is what the runtime holds right now, one :class:`pinpool.Chunk` per live registration
+    (offsets from ``pool.data_ptr``, sorted): with a stall budget or after a retry one chunk is
+    several registrations. Code that needs one address per registration (device pointers on
+    ROCm, whose adjacent registrations get no adjacent device aliases) takes it from there.
 
     Options:
       layout: what the memory holds (default :class:`pinpool.layouts.Raw`).
@@ -377,7 +385,7 @@ class PinnedPool:
                 f"runtime {runtime.name})"
             ),
             observer=observer, on_progress=self.on_progress, acquire=acquire, start=start, views=views,
-            release=release,
+            release=release, created_at=_caller_outside_pinpool(),
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -514,6 +522,23 @@ class PinnedPool:
         return 0 if session is None else session.pipeline.pinned_bytes
 
     @property
+    def registrations(self) -> tuple[Chunk, ...]:
+        """What the runtime has registered right now: one :class:`pinpool.Chunk` per live
+        registration call, offsets from the pool's start (``pool.data_ptr``), sorted by offset.
+
+        A planned chunk (``pool.chunks``) may be several registrations: pieces sized by the
+        stall budget, or aligned halves after a retry. Lock-on-fault chunks (mlock) are listed
+        from their registration, before their pages are faulted. Each range appears as its
+        register call returns and goes as its unregister call succeeds (teardown, rollback); one
+        whose unregister failed stays listed (it may still be registered). Empty before entry
+        and after a clean exit, and in a forked child. Safe to read from any thread at any time;
+        a call in flight while you read may or may not be listed. Reading costs O(registrations)
+        (plus a C scan of one byte per chunk); pinning pays one store per call for it.
+        """
+        session = self._lifecycle.session
+        return () if session is None else session.registrations()
+
+    @property
     def pin_seconds(self) -> float:
         """Wall time the last pinning took."""
         session = self._lifecycle.session
@@ -594,6 +619,15 @@ class PinnedPool:
         ``KeyboardInterrupt`` and other interruptions are always re-raised, after the teardown.
         """
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
+
+
+def _caller_outside_pinpool() -> tuple[str, int]:
+    """(file, line) of the first frame outside pinpool: where the user made the pool."""
+    frame = sys._getframe(1)
+    package = os.path.dirname(__file__)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+    return ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
 def _claim(
