@@ -2,12 +2,16 @@
 
     python benchmarks/bench_pin_priority.py                        # 4 GiB mlock pool, 3 reps (+1 warm-up)
     python benchmarks/bench_pin_priority.py --reps 5 --json out.json --markdown out.md
+    python benchmarks/bench_pin_priority.py --rate 100 --requests 1000 --unloaded   # open loop, 100 req/s
     python benchmarks/bench_pin_priority.py --config "nice 19=--pin-nice 19" --config "one worker=..."
     python benchmarks/bench_pin_priority.py --help
 
 Each run starts ``examples/kv_offload_server.py`` (uvicorn, a ``PinnedPool(..., background=True)``
 entered in its lifespan) as a child process on loopback, with a ``--size`` mlock pool, and drives
-``GET /healthz`` from this process with ``--concurrency`` clients (httpx, asyncio, keep-alive):
+``GET /healthz`` from this process (httpx, asyncio, keep-alive): closed loop by default
+(``--concurrency`` clients, each sending its next request when the last is answered, as fast as
+the two processes can go), or open loop with ``--rate`` (requests due on a fixed schedule, at
+most ``--concurrency`` connections, each latency counted from when the request was due):
 
 (a) **while the pool pins**: from the moment the port opens until a response says the pool is no
     longer pinning, so the whole pin runs under the same load in every configuration; a request
@@ -27,9 +31,13 @@ Configurations: ``today`` (``--pin-nice 0``: the pin workers at the server's pri
 before ``pin_nice`` existed) and ``default`` (no option: ``pin_nice="auto"``); ``--config NAME=ARGS``
 adds others (ARGS: extra server arguments). They run interleaved, in alternating order (A B, B A,
 ...), so machine noise hits them alike; the first repetition warms fresh memory and is discarded.
-The load is closed-loop: the server's event loop and this client keep both CPUs of a small host
-busy, which is what a pinning pool competes with. Benchmark code, not part of the package:
-pinpool's public API only.
+The closed loop saturates a small host: the client (one Python process, the bottleneck) and the
+server keep both CPUs busy, so whatever CPU pinning gets is taken from them, and the priority of
+the pin workers decides the split. The open loop at a rate the server can sustain leaves CPU
+idle, which pinning may use without taking any from serving. The server runs in this process's
+session, so with Linux autogroups (``kernel.sched_autogroup_enabled``) server and client share one
+CPU scheduling group, as the serving threads of one process do (``--session new`` separates
+them). Benchmark code, not part of the package: pinpool's public API only.
 """
 
 from __future__ import annotations
@@ -110,13 +118,14 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 class Server:
     """The example server as a child process; its merged output is collected by a thread."""
 
-    def __init__(self, script: Path, args: Sequence[str]) -> None:
+    def __init__(self, script: Path, args: Sequence[str], *, new_session: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         self.proc = subprocess.Popen(
             [sys.executable, str(script), "--port", str(self.port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+            start_new_session=new_session,
         )  # fmt: skip
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -169,69 +178,96 @@ class Config:
     unloaded: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def drive(server: Server, requests: int, concurrency: int) -> dict[str, Any]:
+async def drive(server: Server, requests: int, concurrency: int, rate: float) -> dict[str, Any]:
     """Phase (a) from the port opening, then phase (b) after ready; latencies in seconds."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    pinning: list[float] = []
-    late: list[float] = []  # answered "ready" while phase (a) still ran: in neither phase
     nices: set[int] = set()
     async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=60.0) as client:
-        clock = time.perf_counter
-        state = {"issued": 0, "done": False}
-        a_started = clock()
-
-        async def client_a() -> None:
-            first = True
-            while not state["done"] and clock() - a_started < PINNING_TIMEOUT:
-                state["issued"] += 1
-                t0 = clock()
-                response = await client.get("/healthz")
-                seconds = clock() - t0
-                answered = response.json()["state"]
-                if answered == "pinning":
-                    if not first:
-                        pinning.append(seconds)
-                else:
-                    state["done"] = True
-                    late.append(seconds)
-                first = False
+        load = Load(client, concurrency, rate)
+        a_started = time.perf_counter()
 
         async def watch_nice() -> None:
-            while not state["done"] and clock() - a_started < PINNING_TIMEOUT:
+            while not load.ready_seen and time.perf_counter() - a_started < PINNING_TIMEOUT:
                 nices.update(server.thread_nices())
                 await asyncio.sleep(0.05)
 
-        await asyncio.gather(watch_nice(), *(client_a() for _ in range(concurrency)))
-        a_seconds = clock() - a_started
-        a_issued = state["issued"]
+        pinning, _ = await asyncio.gather(load.run(until_ready=True), watch_nice())
+        a_seconds = time.perf_counter() - a_started
         deadline = time.monotonic() + READY_TIMEOUT
         while (await client.get("/readyz")).status_code != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not ready after {READY_TIMEOUT} s")
             await asyncio.sleep(0.02)
         await asyncio.sleep(0.5)  # settle: the pin workers are gone
-        ready: list[float] = []
-        counter = {"issued": 0}
-
-        async def client_b() -> None:
-            while counter["issued"] < requests:
-                counter["issued"] += 1
-                t0 = clock()
-                response = await client.get("/healthz")
-                ready.append(clock() - t0)
-                response.raise_for_status()
-
-        b_started = clock()
-        await asyncio.gather(*(client_b() for _ in range(concurrency)))
-        b_seconds = clock() - b_started
+        b_started = time.perf_counter()
+        ready = await load.run(count=requests)
+        b_seconds = time.perf_counter() - b_started
         text = (await client.get("/metrics")).text
     return {
         "pinning": summary(pinning, a_seconds),
-        "pinning_issued": a_issued,
         "ready": summary(ready, b_seconds),
         **pin_figures(text),
         "nices_while_pinning": sorted(nices),
     }
+
+
+class Load:
+    """GET /healthz, closed-loop (``rate`` 0: ``concurrency`` clients, each sending its next request
+    when the last is answered) or open-loop (``rate`` requests per second on a fixed schedule, at
+    most ``concurrency`` connections; a request's latency counts from when it was due, so waiting
+    for a connection or for this process to run is included)."""
+
+    def __init__(self, client: httpx.AsyncClient, concurrency: int, rate: float) -> None:
+        self.client, self.concurrency, self.rate = client, concurrency, rate
+        self.ready_seen = False
+
+    async def _get(self, due: float, until_ready: bool) -> tuple[float, bool]:
+        """Latency from ``due``, and whether the server answered it while pinning."""
+        response = await self.client.get("/healthz")
+        seconds = time.perf_counter() - due
+        response.raise_for_status()
+        pinning = response.json()["state"] == "pinning"
+        if until_ready and not pinning:
+            self.ready_seen = True
+        return seconds, pinning
+
+    async def run(self, *, until_ready: bool = False, count: int = 0) -> list[float]:
+        """With ``until_ready``, until an answer says the pool no longer pins (latencies of the
+        answers given while pinning); else ``count`` requests (every latency)."""
+        self.ready_seen = False
+        started = time.perf_counter()
+
+        def more(sent: int) -> bool:
+            if until_ready:
+                return not self.ready_seen and time.perf_counter() - started < PINNING_TIMEOUT
+            return sent < count
+
+        kept: list[float] = []
+        if self.rate <= 0:
+            sent = [0]
+
+            async def client_loop() -> None:
+                first = True  # its connection's set-up: left out while pinning (the port just opened)
+                while more(sent[0]):
+                    sent[0] += 1
+                    seconds, pinning = await self._get(time.perf_counter(), until_ready)
+                    if (pinning or not until_ready) and not (first and until_ready):
+                        kept.append(seconds)
+                    first = False
+
+            await asyncio.gather(*(client_loop() for _ in range(self.concurrency)))
+            return kept
+        tasks: list[asyncio.Task[tuple[float, bool]]] = []
+        while more(len(tasks)):
+            due = started + len(tasks) / self.rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self._get(due, until_ready)))
+        for seconds, pinning in await asyncio.gather(*tasks):
+            if pinning or not until_ready:
+                kept.append(seconds)
+        return kept
 
 
 LABELS = {"pool": "kv-offload", "runtime": "mlock"}
@@ -270,12 +306,20 @@ def summary(latencies: Sequence[float], seconds: float) -> dict[str, Any]:
 
 
 def run_one(
-    config: Config, script: Path, size: int, requests: int, concurrency: int, *, loaded: bool = True
+    config: Config,
+    script: Path,
+    size: int,
+    requests: int,
+    concurrency: int,
+    rate: float,
+    *,
+    loaded: bool = True,
+    new_session: bool = False,
 ) -> dict[str, Any]:
-    server = Server(script, ["--size", str(size), "--runtime", "mlock", *config.args])
+    server = Server(script, ["--size", str(size), "--runtime", "mlock", *config.args], new_session=new_session)
     try:
         server.wait_port()
-        result = asyncio.run(drive(server, requests, concurrency) if loaded else unloaded(server))
+        result = asyncio.run(drive(server, requests, concurrency, rate) if loaded else unloaded(server))
     except BaseException:
         server.stop()
         print("\n".join(server.lines[-30:]), file=sys.stderr)
@@ -312,10 +356,21 @@ def rows(configs: Sequence[Config], baseline: str) -> list[dict[str, Any]]:
                 "pooled_p99_s": percentile([x for s in samples for x in s[phase]["latencies"]], 0.99),
             }
         row["p99_ratio_median"] = med([s["p99_ratio"] for s in samples])
+        # Every repetition's requests together: a p99 of a few hundred requests is their 3rd largest,
+        # so the per-repetition ratio swings with single outliers; pooled, the tail is better resolved.
+        pooled_ready = row["ready"]["pooled_p99_s"]
+        row["pooled_p99_ratio"] = row["pinning"]["pooled_p99_s"] / pooled_ready if pooled_ready > 0 else None
         row["p99_ratio"] = [s["p99_ratio"] for s in samples]
         row["gbps_median"] = med(gbps)
         row["gbps"] = gbps
         row["gbps_vs_baseline"] = med(gbps) / base_gbps if med(gbps) is not None and base_gbps else None  # type: ignore[operator]
+        # Paired: each repetition against the baseline's run of the same repetition (next to it in time).
+        paired = [
+            s["gbps"] / b["gbps"] if s["gbps"] and b["gbps"] else None
+            for s, b in zip(samples, base.samples if base else [], strict=False)
+        ]
+        row["gbps_vs_baseline_paired"] = paired
+        row["gbps_vs_baseline_paired_median"] = med(paired)
         row["pin_s_median"] = med([s["pin_s"] for s in samples])
         idle = [s["gbps"] for s in config.unloaded]
         row["unloaded_gbps_median"] = med(idle)
@@ -331,17 +386,25 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
     return [f"| {' | '.join(header)} |", f"|{'---|' * len(header)}"] + [f"| {' | '.join(r)} |" for r in body]
 
 
+def load_words(result: dict[str, Any]) -> str:
+    if result["rate"] > 0:
+        return f"open loop at {result['rate']:g} requests/s (≤ {result['concurrency']} connections)"
+    return f"closed loop at concurrency {result['concurrency']}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Machine: {result['machine']}. Example server (uvicorn), {format_bytes(result['size'])} background mlock "
-        f"pool; `GET /healthz` at concurrency {result['concurrency']} from one httpx client process on loopback. "
+        f"pool; `GET /healthz` {load_words(result)} from one httpx client process on loopback"
+        f"{' (the server in a session of its own)' if result['session'] == 'new' else ''}. "
         f"{result['reps']} interleaved repetitions (+1 warm-up discarded), medians with (min–max). "
         f"Run {result['date']}, {result['seconds']:.0f} s, pinpool {result['pinpool_version']}.",
         "",
     ]
     lines += _table(
         ["configuration", "/healthz while pinning: n, p50 / p99 ms", "after ready: p50 / p99 ms",
-         "p99 pinning / ready (same server)", "req/s pinning / ready", "pin GB/s", f"GB/s vs {result['baseline']}",
+         "p99 pinning / ready (same server)", "pooled p99 ms: pinning / ready", "req/s pinning / ready", "pin GB/s",
+         f"GB/s vs {result['baseline']} (paired per rep)",
          "longest call ms: populate / register", "thread nices"],
         [[r["config"],
           f"{_fmt(r['pinning']['n_median'], '.0f')}, {_fmt(r['pinning']['p50_s_median'], '.0f', 1e3)} / "
@@ -349,9 +412,12 @@ def markdown(result: dict[str, Any]) -> str:
           f"{_fmt(r['ready']['p50_s_median'], '.0f', 1e3)} / {_fmt(r['ready']['p99_s_median'], '.0f', 1e3)} "
           f"({_range(r['ready']['p99_s'], '.0f', 1e3)})",
           f"{_fmt(r['p99_ratio_median'], '.2f')}× ({_range(r['p99_ratio'], '.2f')})",
+          f"{_fmt(r['pinning']['pooled_p99_s'], '.0f', 1e3)} / {_fmt(r['ready']['pooled_p99_s'], '.0f', 1e3)} = "
+          f"{_fmt(r['pooled_p99_ratio'], '.2f')}×",
           f"{_fmt(r['pinning']['rps_median'], '.0f')} / {_fmt(r['ready']['rps_median'], '.0f')}",
           f"{_fmt(r['gbps_median'], '.2f')} ({_range(r['gbps'], '.2f')})",
-          _fmt(r["gbps_vs_baseline"], ".2f") + ("×" if r["gbps_vs_baseline"] is not None else ""),
+          _fmt(r["gbps_vs_baseline_paired_median"], ".2f")
+          + (f"× ({_range(r['gbps_vs_baseline_paired'], '.2f')})" if r["gbps_vs_baseline_paired_median"] else ""),
           " / ".join(_fmt(r["call_max_s_median"][op], ".0f", 1e3) for op in ("populate", "register")),
           ", ".join(map(str, r["nices_while_pinning"]))]
          for r in result["rows"]],
@@ -378,7 +444,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--size", default="4GiB", help="pool size (default 4GiB)")
     parser.add_argument("--requests", type=int, default=2000, help="requests per phase (default 2000)")
-    parser.add_argument("--concurrency", type=int, default=32, help="clients in flight (default 32)")
+    parser.add_argument(
+        "--concurrency", type=int, default=32, help="clients in flight (closed loop) or connections (open loop); 32"
+    )
+    parser.add_argument(
+        "--rate", type=float, default=0.0,
+        help="0 (default): closed loop, each client sends its next request when answered; R > 0: open loop, R "
+        "requests per second on a fixed schedule, latency counted from when each was due",
+    )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions (+1 warm-up, discarded)")
     parser.add_argument("--configs", default="today,default", help=f"built-in configurations: {', '.join(BUILTIN)}")
     parser.add_argument(
@@ -388,15 +461,50 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--unloaded", action="store_true", help="also pin once per configuration and repetition with no load"
     )
+    parser.add_argument(
+        "--session", choices=["same", "new"], default="same",
+        help="same: the server in this process's session, so with Linux autogroups it shares one CPU scheduling "
+        "group with the load generator (default); new: the server in a session of its own (setsid), as a service "
+        "runs, and the load generator stands for remote clients",
+    )  # fmt: skip
     parser.add_argument("--baseline", default="today", help="the configuration GB/s ratios refer to (today)")
     parser.add_argument("--server", default=str(SERVER), help="the server script (default: the example)")
     parser.add_argument("--json", default=None, help="write every sample and the summaries as JSON here")
     parser.add_argument("--markdown", default=None, help="write the markdown table here")
     parser.add_argument("--quiet", action="store_true", help="no per-run progress on stderr")
+    parser.add_argument(
+        "--report", default=None, metavar="JSON", help="print the tables of a run saved with --json; run nothing"
+    )
     return parser
 
 
+def report(path: str, args: argparse.Namespace) -> int:
+    """Render the tables of a run saved with --json again (with this version's columns); nothing runs."""
+    with open(path) as saved:
+        result = json.load(saved)
+    configs = []
+    for name, samples in result["samples"].items():
+        args_text, what = BUILTIN.get(name, ("", ""))
+        configs.append(Config(name, shlex.split(args_text), what or name, samples,
+                              result.get("unloaded_samples", {}).get(name, [])))  # fmt: skip
+    for row in result["rows"]:  # the args of --config configurations are kept in the rows
+        for config in configs:
+            if config.name == row["config"]:
+                config.args, config.what = shlex.split(row["args"]), row["what"]
+    result.setdefault("rate", 0.0)
+    result.setdefault("session", "same")
+    result["rows"] = rows(configs, result["baseline"])
+    text = markdown(result)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as out:
+            out.write(text + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        return report(args.report, args)
     size = pinpool.parse_size(args.size, what="--size")
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in BUILTIN]
@@ -417,14 +525,18 @@ def run(args: argparse.Namespace) -> int:
 
     result: dict[str, Any] = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "reps": reps, "size": size,
-        "requests": args.requests, "concurrency": args.concurrency, "baseline": args.baseline,
+        "requests": args.requests, "concurrency": args.concurrency, "rate": args.rate, "baseline": args.baseline,
+        "session": args.session,
         "pinpool_version": getattr(pinpool, "__version__", "?"), "failures": [],
     }  # fmt: skip
     progress(result["machine"])
     for rep in range(reps + 1):
         order = configs if rep % 2 == 0 else configs[::-1]
         for config in order:
-            sample = run_one(config, Path(args.server), size, args.requests, args.concurrency)
+            sample = run_one(
+                config, Path(args.server), size, args.requests, args.concurrency, args.rate,
+                new_session=args.session == "new",
+            )  # fmt: skip
             if sample["exit_status"] != 0 or sample["vm_locked_after_exit"]:
                 result["failures"].append((config.name, rep, sample["exit_status"], sample["vm_locked_after_exit"]))
             a, b = sample["pinning"], sample["ready"]
@@ -438,7 +550,10 @@ def run(args: argparse.Namespace) -> int:
             if rep:
                 config.samples.append(sample)
             if args.unloaded:
-                idle = run_one(config, Path(args.server), size, args.requests, args.concurrency, loaded=False)
+                idle = run_one(
+                    config, Path(args.server), size, args.requests, args.concurrency, args.rate, loaded=False,
+                    new_session=args.session == "new",
+                )  # fmt: skip
                 if idle["exit_status"] != 0 or idle["vm_locked_after_exit"]:
                     result["failures"].append((config.name, rep, idle["exit_status"], idle["vm_locked_after_exit"]))
                 progress(f"rep {rep} {config.name} unloaded: pin {_fmt(idle['gbps'], '.2f')} GB/s")

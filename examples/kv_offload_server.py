@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pin-nice", type=lambda v: v if v == "auto" else int(v), default="auto",
         help="how much nicer than the server the pin worker threads run: auto (the default: pinpool's level for a "
-        "background pool), or 0-19 (0: the server's own priority, pinpool before pin_nice)",
+        "background pool), or 0-19 (0: the server's own priority, as before pin_nice existed)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-layout", default="page_first", choices=["page_first", "page_first_direct", "page_head", "layer_first"]

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
     from ._plan import Chunk as Chunk
     from ._pool import PinnedPool as PinnedPool
     from ._pool import pin as pin
+    from ._shared import SharedMemory as SharedMemory
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "PoolState",
     "PoolStateError",
     "RuntimeCallError",
+    "SharedMemory",
     "UnclosedPoolWarning",
     "UnpinError",
     "__version__",
@@ -70,6 +72,7 @@ _LAZY = {
     "PoolState": "._outcome",
     "layouts": ".layouts",
     "pin": "._pool",
+    "SharedMemory": "._shared",
 }
 
 

@@ -41,6 +41,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from . import _libc
+from ._declared import OPTIONS, PER_BUFFER, Flag, Option, option
 from ._errors import ConfigError, PinError, PinpoolError, UnpinError
 from ._progress import EventLog, ProgressReporter, format_rate, format_seconds, percentile
 from ._units import format_bytes, parse_size
@@ -308,26 +309,69 @@ def layout_from_file(path: str) -> Layout:
     return build_layout(family, spec, source=f"--layout-file {path} ({family})", from_text=False)
 
 
-# -- pool options shared by plan and pin ----------------------------------------------------------
+# -- pool options shared by plan and pin: pinpool._declared's, flag by flag ---------------------------
 
 
-def pool_options(args: argparse.Namespace) -> dict[str, Any]:
-    """PoolOptions.create / PinnedPool keyword arguments from the command line, validated.
-    Sizes first: they need no torch, so a typo fails before the layout imports it."""
-    size = cli_size("--size", args.size)
-    chunk_bytes = None if args.chunk_bytes is None else cli_size("--chunk-bytes", args.chunk_bytes)
-    return {
-        "layout": layout_from_args(args),
-        "size": size,
-        "chunk_bytes": chunk_bytes,
-        "populate": args.populate,
-        "populate_workers": args.populate_workers,
-        "register_workers": args.register_workers,
-        "unpin_workers": args.unpin_workers,
-        "huge_pages": HUGE_PAGES[args.huge_pages],
-        "numa_node": args.numa_node,
-        "name": args.name,
-    }
+def _flags(command: str) -> list[tuple[Option, Flag]]:
+    """The declared options ``command`` takes as flags, in the declaration's order."""
+    return [(o, o.flag) for o in OPTIONS if o.flag is not None and command in o.flag.commands]
+
+
+def _seconds_text(flag: str, text: str) -> float | str | None:
+    """``--max-call-seconds``: a number (checked by the pool), ``auto`` or ``none``."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return "auto" if word == "auto" else None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: give a number of seconds (e.g. 0.02), auto or none") from None
+
+
+def _nice_text(flag: str, text: str) -> int | str:
+    """``--pin-nice``: an integer (checked by the pool) or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: give an integer from 0 to 19, or auto") from None
+
+
+def _flag_value(flag: Flag, value: Any) -> Any:
+    """The Python value of a flag's argparse value, by its declared kind (pinpool._declared.KINDS)."""
+    if flag.kind == "size":
+        return cli_size(flag.flag, value)
+    if flag.kind == "chunk":
+        return PER_BUFFER if value.strip() == PER_BUFFER else cli_size(flag.flag, value)
+    if flag.kind == "seconds":
+        return _seconds_text(flag.flag, value)
+    if flag.kind == "nice":
+        return _nice_text(flag.flag, value)
+    if flag.kind == "huge_pages":
+        return HUGE_PAGES[value]
+    return value  # int (argparse's type=int), text, runtime (a name), bool, switch
+
+
+def pool_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
+    """PinnedPool keyword arguments from the command line, validated as far as text goes: every
+    declared option given as a flag, and the command line's own defaults (``--size 4GiB`` unless
+    ``--num-pages``, ``--name cli``); what is not given is left to the Python default. The
+    layout last: it imports torch, so a typo elsewhere fails before that."""
+    given: dict[str, Any] = {}
+    for opt, flag in _flags(command):
+        if flag.kind == "layout":
+            continue
+        value = getattr(args, flag.dest)
+        if value is None and command != "doctor" and flag.default is not None:
+            if opt.name == "size" and getattr(args, "num_pages", None) is not None:
+                continue  # --num-pages instead of a size
+            value = flag.default
+        if value is not None:
+            given[opt.name] = _flag_value(flag, value)
+    if any(flag.kind == "layout" for _opt, flag in _flags(command)):
+        given["layout"] = layout_from_args(args)
+    return given
 
 
 def _runtime_arg(name: str) -> Any:
@@ -488,6 +532,9 @@ def plan_text(report: dict[str, Any]) -> list[str]:
         if r["populate"]
         else "spans:     none (no pre-faulting: registration faults the pages)",
     ]
+    pinning = r.get("pinning")
+    if pinning is not None:
+        lines.append(f"pinning:   {_pinning_text(pinning)}")
     error = r.get("preflight_error")
     lines.append(f"here:      pinning it on this host would fail: {error}" if error else
                  "here:      this host passes the pool's pre-flight (memory, memlock)")  # fmt: skip
@@ -507,20 +554,51 @@ def plan_text(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pinning_text(p: dict[str, Any]) -> str:
+    budget = p["max_call_seconds"]
+    pacing = p["node_pacing"]
+    paced = "none" if pacing is None else ", ".join(
+        [*([f"{pacing['slots']} slot(s)"] if pacing["slots"] is not None else []),
+         *([f"budget {format_bytes(pacing['budget_bytes'])}"] if pacing["budget_bytes"] is not None else []),
+         f"in {pacing['dir']}"]
+    )  # fmt: skip
+    return (
+        f"{'in the background' if p['background'] else 'before the body runs'}, "
+        + ("one registration per buffer (never cut), " if p["per_buffer"] else "")
+        + f"stall budget {'none' if budget is None else format_seconds(budget)}, pin threads nice +{p['pin_nice']}, "
+        f"node pacing {paced}"
+    )
+
+
 def run_plan(args: argparse.Namespace) -> int:
-    kwargs = pool_options(args)
+    kwargs = pool_options(args, "plan")
     if args.rows < 0:
         raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
     from ._host import HostFacts
+    from ._node import NodePacing
     from ._options import PoolOptions
     from ._plan import check_host, plan_pool
 
-    options = PoolOptions.create(**kwargs)
+    # The same options as pin, checked the same way; pacing is validated, not joined.
+    options = PoolOptions.create(**{name: value for name, value in kwargs.items() if option(name).create})
+    pacing = NodePacing.from_options(**{name: value for name, value in kwargs.items() if name.startswith("node_")})
     runtime, caps, available = _plan_runtime(args.runtime)
     host = HostFacts.probe()
     plan = plan_pool(options, host, caps)
     report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,
                          available=available, rows=args.rows)  # fmt: skip
+    report["pinning"] = {
+        "background": options.background,
+        "max_call_seconds": options.max_call_seconds,
+        "pin_nice": options.pin_nice,
+        "per_buffer": options.per_buffer,
+        "min_chunk_bytes": options.min_chunk_bytes,
+        "max_retries": options.max_retries,
+        "node_pacing": None
+        if pacing is None
+        else {"slots": pacing.slots, "budget_bytes": pacing.budget_bytes, "dir": pacing.directory,
+              "wait": pacing.wait},
+    }  # fmt: skip
     # The plan holds for any host; whether pinning it here would pass the pool's memory and
     # memlock pre-flight is a separate answer, reported rather than raised.
     try:
@@ -690,11 +768,27 @@ def pin_text(r: dict[str, Any]) -> list[str]:
 
 
 ROLLED_BACK_NOTE = "pinning stopped and was rolled back: nothing is pinned"
+PROGRESS_SECONDS = 0.1  # how often a background pool's progress is drawn while pin waits for it
+
+
+def _wait_ready(pool: PinnedPool, progress: ProgressReporter) -> None:
+    """Wait for a background pool, drawing progress: its worker threads report to nobody,
+    so the command reads the pool, as a server would. A failure raises its PinError."""
+    while True:
+        try:
+            pool.wait_ready_sync(timeout=PROGRESS_SECONDS)
+        except TimeoutError:
+            progress(pool.pinned_bytes, pool.nbytes, 0, len(pool.chunks))
+            continue
+        progress(pool.nbytes, pool.nbytes, len(pool.chunks), len(pool.chunks))
+        return
+
+
 UNPINNED_NOTE = "the pool was unpinned before exit"
 
 
 def run_pin(args: argparse.Namespace) -> int:
-    kwargs = pool_options(args)
+    kwargs = pool_options(args, "pin")
     hold = hold_seconds(args.hold)
     from prometheus_client import CollectorRegistry
 
@@ -703,8 +797,8 @@ def run_pin(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()  # the pool's own: the summary reads it, --metrics-port serves it
     events = EventLog(sys.stderr)
     progress = ProgressReporter(sys.stderr, progress_mode(args.progress, sys.stderr))
-    pool = PinnedPool(**kwargs, runtime=_runtime_arg(args.runtime), registry=registry, logger=events,
-                      on_progress=progress)  # fmt: skip
+    kwargs["runtime"] = _runtime_arg(kwargs.get("runtime", "auto"))
+    pool = PinnedPool(**kwargs, registry=registry, logger=events, on_progress=progress)
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
     # Chunks count as pinned whole; pre-faulted spans (<= 512 MiB) move the display within one.
     progress.faulted = lambda: registry.get_sample_value("pinpool_populated_bytes_total", labels)
@@ -734,6 +828,8 @@ def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: Progre
         with pool:
             try:
                 entered = True
+                if args.background:  # the pool pins while this waits
+                    _wait_ready(pool, progress)
                 progress.finish()
                 during = _libc.vm_locked_bytes()
                 if hold is not None:
@@ -757,7 +853,7 @@ def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: Progre
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    size = None if args.size is None else cli_size("--size", args.size)
+    size = pool_options(args, "doctor").get("size")
     from . import _doctor
 
     checks = _doctor.run_checks(_doctor.read_facts(cuda=args.cuda), size)
@@ -801,40 +897,38 @@ def _wrap(text: str) -> str:
 _METAVARS = {"int": "N", "bytes": "SIZE", "dtype": "DTYPE", "shape": "SHAPE", "shapes": "SHAPES", "choice": "KIND"}
 
 
-def _add_pool_options(parser: argparse.ArgumentParser) -> None:
-    pool = parser.add_argument_group("pool")
-    pool.add_argument("--size", default="4GiB", help="pool size, e.g. 64GiB, 1.5TiB, 512MB (default 4GiB)")
-    pool.add_argument("--runtime", default="auto", choices=CLI_RUNTIMES,
-                      help="auto (default: cuda or rocm with a GPU, else mlock), cuda, rocm, mlock, or fake "
-                      "(pinpool.testing.FakeRuntime: pins nothing)")  # fmt: skip
-    pool.add_argument("--chunk-bytes", metavar="SIZE",
-                      help="exact size of one registration call (default: PINPOOL_REGISTER_CHUNK_GB or 256GiB, "
-                      "split for the workers)")  # fmt: skip
-    pool.add_argument(
-        "--populate",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="pre-fault on threads, pipelined with registration (default: where the kernel can)",
-    )
-    pool.add_argument("--populate-workers", type=int, metavar="N", help="pre-fault threads (default: CPUs, up to 16)")
-    pool.add_argument(
-        "--register-workers",
-        type=int,
-        metavar="N",
-        help="registration threads (default: 1 for CUDA, else CPUs up to 8)",
-    )
-    pool.add_argument("--unpin-workers", type=int, metavar="N", help="unregistration threads (default: CPUs, up to 8)")
-    pool.add_argument(
-        "--huge-pages",
-        nargs="?",
-        const="thp",
-        default="off",
-        choices=list(HUGE_PAGES),
-        help="2 MiB pages: thp (transparent; the value when none is given) or hugetlb (reserved pool)",
-    )
-    pool.add_argument("--numa-node", type=int, metavar="N", help="bind the pool's memory to this NUMA node")
-    pool.add_argument("--name", default="cli", help="pool name in logs and metrics (default cli)")
-    pool.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+def _flag_help(opt: Option, flag: Flag) -> str:
+    """The declared one-line help, with what the command line adds (argparse formats ``%``)."""
+    return f"{opt.help} {flag.note}".strip().replace("%", "%%")
+
+
+def _add_pool_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """Every declared option ``command`` takes (pinpool._declared), as a flag of its kind. Each
+    defaults to None, "not given": :func:`pool_options` then leaves it to the Python default,
+    or to the command line's own (``Flag.default``)."""
+    pool = parser.add_argument_group("pool", "the options of PinnedPool(...) of the same names (docs/options.md)")
+    layout_flag = False
+    for opt, flag in _flags(command):
+        help_text = _flag_help(opt, flag)
+        if flag.kind == "layout":
+            layout_flag = True  # its own group, after this one
+        elif flag.kind == "bool":
+            pool.add_argument(flag.flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif flag.kind == "switch":
+            pool.add_argument(flag.flag, action="store_true", default=None, help=help_text)
+        elif flag.kind == "runtime":
+            pool.add_argument(flag.flag, default="auto", choices=CLI_RUNTIMES, help=help_text)
+        elif flag.kind == "huge_pages":
+            pool.add_argument(flag.flag, nargs="?", const="thp", default=None, choices=list(HUGE_PAGES),
+                              help=help_text)  # fmt: skip
+        else:
+            pool.add_argument(flag.flag, type=int if flag.kind == "int" else str, metavar=flag.metavar,
+                              help=help_text)  # fmt: skip
+    if layout_flag:
+        _add_layout_group(parser)
+
+
+def _add_layout_group(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group(
         "layout", "what the pool holds: --layout FAMILY with its dimensions, or --layout-file (default: raw bytes)"
     )
@@ -869,7 +963,8 @@ def build_parser() -> argparse.ArgumentParser:
         "too; the plan says whether this host could pin it."),
         epilog=EXIT_CODES, formatter_class=_formatter,
     )  # fmt: skip
-    _add_pool_options(plan)
+    _add_pool_options(plan, "plan")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     plan.add_argument("--rows", type=int, default=5, metavar="N",
                       help="chunk table rows shown at each end (default 5)")  # fmt: skip
     plan.set_defaults(run=run_plan)
@@ -880,7 +975,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fix. Exits 1 when a check fails (warnings do not)."),
         epilog=EXIT_CODES, formatter_class=_formatter,
     )  # fmt: skip
-    doctor.add_argument("--size", metavar="SIZE", help="the pool size to check memory and limits against")
+    _add_pool_options(doctor, "doctor")
     doctor.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     doctor.add_argument(
         "--cuda",
@@ -897,7 +992,8 @@ def build_parser() -> argparse.ArgumentParser:
         "call, and unpin it. --hold keeps it pinned meanwhile (with --metrics-port for Prometheus)."),
         epilog=EXIT_CODES, formatter_class=_formatter,
     )  # fmt: skip
-    _add_pool_options(pin)
+    _add_pool_options(pin, "pin")
+    pin.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     pin.add_argument("--hold", metavar="SECONDS|forever",
                      help="keep the pool pinned this long after pinning; Ctrl-C or SIGTERM ends the hold, the pool "
                      "is unpinned and pinpool exits 0")  # fmt: skip

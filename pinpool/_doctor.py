@@ -18,6 +18,7 @@ from typing import Any
 from . import _libc
 from ._errors import ConfigError
 from ._memlimits import cgroup_room, read_memory_limits
+from ._shared import RegionInfo, find_regions
 from ._units import format_bytes
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "CudaDevice",
     "CudaFacts",
     "DoctorFacts",
+    "check_region",
     "exit_code",
     "read_facts",
     "render_text",
@@ -109,6 +111,8 @@ class DoctorFacts:
     numa_nodes: tuple[int, ...]
     cuda: CudaFacts
     env: Mapping[str, str]
+    # pinpool's shared memory regions in /dev/shm and hugetlbfs mounts (pinpool.SharedMemory)
+    regions: tuple[RegionInfo, ...] = ()
 
 
 # -- the checks: pure functions of facts ---------------------------------------------------------
@@ -392,6 +396,40 @@ def check_env(env: Mapping[str, str]) -> list[Check]:
     return checks
 
 
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "at an unknown time"
+    for unit, length in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= length:
+            return f"{seconds / length:.1f} {unit} ago"
+    return f"{seconds:.0f} s ago"
+
+
+def check_region(region: RegionInfo) -> Check:
+    """One pinpool shared memory region: what it holds and who made it. Listing it is the point: a
+    region kept for a warm restart, or left behind by a process that died, holds its memory until
+    an operator removes it. Left behind (its creator is gone and did not mean to keep it): warn."""
+    record = region.record
+    layout = f", layout {record['layout']}" if "layout" in record else ""
+    pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
+    if region.created_pid is None:
+        creator = "by an unknown process"
+    else:
+        state = {True: "running", False: "gone", None: f"on host {region.created_host!r}"}[region.creator_alive]
+        creator = f"by pid {region.created_pid} ({state})"
+    detail = (
+        f"{region.path}: {format_bytes(region.nbytes)} region{layout}{pages}, {format_bytes(region.held_bytes)} held "
+        f"in memory ({format_bytes(region.page_size)} pages), owner uid {region.owner_uid}, created {creator} "
+        f"{_age(region.age_seconds)}, generation {region.generation}, {'kept' if region.keep else 'not kept'}"
+    )
+    remove = f"rm {region.path} once no process maps it (its memory returns when the last process mapping it exits)"
+    if region.creator_alive is False and not region.keep:
+        return Check(
+            "region", WARN, f"{detail}: left behind by a process that ended without removing it", f"remove it: {remove}"
+        )  # fmt: skip
+    return Check("region", OK, detail, f"when no longer needed: {remove}")
+
+
 def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
     """Every check, in the order they are printed."""
     return [
@@ -411,6 +449,7 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
         check_numa(facts.numa_nodes),
         check_cuda(facts.cuda),
         *check_env(facts.env),
+        *(check_region(region) for region in facts.regions),
     ]
 
 
@@ -545,4 +584,5 @@ def read_facts(*, cuda: bool = True) -> DoctorFacts:
         numa_nodes=_libc.numa_nodes(),
         cuda=read_cuda_facts() if cuda else CudaFacts(skip_reason="not probed (--no-cuda)"),
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
+        regions=tuple(find_regions()),
     )

@@ -10,6 +10,7 @@ still knows exactly what to roll back.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
 import threading
@@ -18,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from ._errors import ChunkFailure, RuntimeCallError
-from ._ledger import ChunkState, LedgerError, Phase, StopCause
+from ._ledger import ChunkState, LedgerError, Phase, RegistrationBook, StopCause
+from ._libc import MADV_POPULATE_WRITE
 from ._memory import populate_range
 from ._observe import Observer
 from ._pipeline import BATCH_BYTES, BATCH_ITEMS, WAIT, Order, Pipeline, Span, _Wait
@@ -79,6 +81,7 @@ class PinSession:
         max_call_seconds: float | None = None,
         populate_unit: int = 4096,
         pin_nice: int = 0,
+        populate_advice: int = MADV_POPULATE_WRITE,
     ) -> None:
         # Workers start calling only once all of them are started: a populate call holds mmap_lock,
         # and starting the next thread (its stack is an mmap) would wait behind it (measured: the
@@ -90,6 +93,8 @@ class PinSession:
         )  # fmt: skip
         self.prefix = prefix
         self.ledger = self.pipeline.ledger
+        # Every registration call live now (pool.registrations), written as each call returns.
+        self.book = RegistrationBook(self.ledger.chunks)
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
         self.runtime = runtime
@@ -98,7 +103,9 @@ class PinSession:
         self.unpin_workers = unpin_workers
         # Which calls to make is declared by the runtime (capabilities), never probed.
         self._populate: Callable[[int, int], None] = (
-            cast(Populates, runtime).populate if caps.populates else populate_range
+            cast(Populates, runtime).populate
+            if caps.populates
+            else functools.partial(populate_range, advice=populate_advice)
         )
         self._register: Callable[[int, int], None] = (
             cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
@@ -248,6 +255,7 @@ class PinSession:
             return self._register_pieces(index, chunk, [], [], paced=True)
         error, seconds = self._call(self._register, "register", chunk.offset, chunk.nbytes)
         if error is None:
+            self.book.chunk_registered(index)
             return (None, self.pipeline.registered, index, seconds)
         halves = self._halves(chunk, error, attempt=1)
         if halves is None:
@@ -325,6 +333,7 @@ class PinSession:
             failure, took = self._call(self._register, "register", piece.offset, piece.nbytes)
             if failure is None:
                 done.append(piece)  # first: from here on the piece is on the books, whatever raises
+                self.book.registered(index, chunk, piece)
             if sizer is not None:
                 sizer.record(piece.nbytes, took)
             if failure is None:
@@ -344,6 +353,11 @@ class PinSession:
         if done == [chunk]:  # one call did it all: an ordinary registration
             return (None, self.pipeline.registered, index, math.nan)
         return (None, _in_pieces(self.pipeline, done), index, math.nan)  # nan: observed call by call
+
+    def registrations(self) -> tuple[Chunk, ...]:
+        """Every registration call live now, sorted by offset (see :class:`RegistrationBook`);
+        none in a forked child, whose parent holds them."""
+        return self.book.snapshot() if os.getpid() == self.pid else ()
 
     def _observe(self, outcome: Outcome) -> None:
         error, _record, item, seconds = outcome
@@ -494,6 +508,8 @@ class PinSession:
                 self.runtime.unregister(ptr)
             except BaseException as exc:  # anything, SystemExit included, fails this chunk only
                 error = error or as_runtime_error(exc, "unregister", ptr, piece.nbytes)
+            else:
+                self.book.unregistered(index, chunk, piece)  # a piece whose unregister failed stays listed
             finally:
                 observer.call_ended()
                 observer.unregister_call_took(time.perf_counter() - call_started)

@@ -8,6 +8,7 @@ order, what leaked) is a transition here, so every path is unit-testable.
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 
 from ._errors import ChunkFailure, RuntimeCallError
@@ -267,3 +268,73 @@ class Ledger:
 
     def failures_in(self, *phases: str) -> tuple[ChunkFailure, ...]:
         return tuple(f for f in self.failures if f.phase in phases)
+
+
+_BY_OFFSET = operator.attrgetter("offset")
+
+
+class RegistrationBook:
+    """What the runtime has registered right now, call by call: ``pool.registrations``.
+
+    The ledger counts chunks; this counts registration calls, which differ where a chunk is
+    registered as several calls (the stall budget's pieces, retry halves). The worker that made
+    a call writes it here as soon as the call returns (a register) or succeeds (an unregister):
+    one byte store for a whole chunk, one dict store for a piece, O(1) and without the session
+    lock, so the hot path takes no lock it did not take before and the books never lag the
+    runtime by a batch. Each write is a single operation on a bytearray or dict, which CPython
+    makes atomic (the GIL; under free-threading, each object's own lock), and :meth:`snapshot`
+    copies each in one operation, so a reader on any thread sees every call that returned
+    before it read, and none that was undone; a call still in flight may or may not be seen.
+
+    A failed unregister leaves its range here (the runtime may still hold it: leaked).
+    """
+
+    __slots__ = ("_chunks", "_pieces", "_whole")
+
+    def __init__(self, chunks: Sequence[Chunk]) -> None:
+        self._chunks = chunks
+        self._whole = bytearray(len(chunks))  # 1: chunk i is registered as one call (1 B per chunk)
+        self._pieces: dict[int, int] = {}  # offset -> nbytes of registered ranges smaller than their chunk
+
+    def chunk_registered(self, index: int) -> None:
+        """Chunk ``index`` was registered whole, in one call."""
+        self._whole[index] = 1
+
+    def registered(self, index: int, chunk: Chunk, piece: Chunk) -> None:
+        """``piece`` of chunk ``index`` (``chunk`` itself, or part of it) was registered."""
+        if piece.offset == chunk.offset and piece.nbytes == chunk.nbytes:
+            self._whole[index] = 1
+        else:
+            self._pieces[piece.offset] = piece.nbytes
+
+    def unregistered(self, index: int, chunk: Chunk, piece: Chunk) -> None:
+        """``piece`` of chunk ``index`` (``chunk`` itself, or one of its pieces) was unregistered."""
+        if piece is chunk or (piece.offset == chunk.offset and piece.nbytes == chunk.nbytes):
+            self._whole[index] = 0
+        else:
+            self._pieces.pop(piece.offset, None)
+
+    def snapshot(self) -> tuple[Chunk, ...]:
+        """Every range registered now, sorted by offset: O(chunks) in C to find the runs of
+        whole chunks, then O(registrations)."""
+        whole = bytes(self._whole)  # one copy each: a consistent view of either structure
+        pieces = self._pieces.copy()
+        chunks = self._chunks
+        # A lazy table makes a run's chunks arithmetically, without building a table per run.
+        run_of = chunks._make if isinstance(chunks, ChunkTable) else lambda lo, hi: chunks[lo:hi]
+        found: list[Chunk] = []
+        start = whole.find(1)
+        while start != -1:
+            end = whole.find(0, start)
+            if end == -1:
+                end = len(whole)
+            if end - start == 1:
+                found.append(chunks[start])
+            else:
+                found.extend(run_of(start, end))
+            start = whole.find(1, end)
+        found.extend(Chunk(offset, nbytes) for offset, nbytes in pieces.items())
+        # The books follow pin order, which interleaves buffers (K/V halves, layer runs) rather than
+        # offsets; the runs are each sorted, so timsort merges them in about linear time.
+        found.sort(key=_BY_OFFSET)
+        return tuple(found)

@@ -14,6 +14,7 @@ HUGE_PAGE_SIZE = 2 << 20
 
 PROT_READ = 0x1
 PROT_WRITE = 0x2
+MAP_SHARED = 0x01
 MAP_PRIVATE = 0x02
 MAP_ANONYMOUS = 0x20
 MAP_FAILED = ctypes.c_void_p(-1).value
@@ -23,9 +24,14 @@ MAP_HUGE_SHIFT = 26
 MAP_HUGE_2MB = 21 << MAP_HUGE_SHIFT
 
 MADV_HUGEPAGE = 14
+MADV_POPULATE_READ = 22  # Linux >= 5.14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 MLOCK_ONFAULT = 1
+
+# statfs(2) f_type of the file systems a shared region may live on (linux/magic.h).
+TMPFS_MAGIC = 0x01021994
+HUGETLBFS_MAGIC = 0x958458F6
 MPOL_BIND = 2
 MPOL_MF_STRICT = 1
 
@@ -59,6 +65,16 @@ _munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _munlock.restype = ctypes.c_int
 
 
+# struct statfs is 120 bytes on 64-bit Linux; f_type and f_bsize are its first two longs.
+_STATFS_BYTES = 256
+_statfs = _libc.statfs
+_statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+_statfs.restype = ctypes.c_int
+
+_fstatfs = _libc.fstatfs
+_fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+_fstatfs.restype = ctypes.c_int
+
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 
@@ -89,6 +105,42 @@ def mmap_hugetlb(length: int) -> tuple[int, int]:
     if address is None or address == MAP_FAILED:
         return 0, ctypes.get_errno()
     return int(address), 0
+
+
+def mmap_shared(length: int, fd: int, offset: int = 0, *, writable: bool = True) -> tuple[int, int]:
+    """Map ``length`` bytes of the file ``fd`` from ``offset`` (MAP_SHARED); ``(address, errno)``.
+
+    On hugetlbfs the length and offset are whole huge pages and the mapping comes huge-page-aligned."""
+    ctypes.set_errno(0)
+    prot = PROT_READ | (PROT_WRITE if writable else 0)
+    address = _mmap(None, length, prot, MAP_SHARED, fd, offset)
+    if address is None or address == MAP_FAILED:
+        return 0, ctypes.get_errno()
+    return int(address), 0
+
+
+def _statfs_result(rc: int, buffer: ctypes.Array[ctypes.c_char]) -> tuple[int, int]:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    longs = (ctypes.c_long * 2).from_buffer(buffer)
+    return longs[0] & 0xFFFFFFFF, int(longs[1])  # f_type compared as the unsigned magic
+
+
+def statfs(path: str) -> tuple[int, int]:
+    """``(f_type, f_bsize)`` of the file system holding ``path`` (follows links); OSError on failure.
+
+    ``f_bsize`` is the huge page size on hugetlbfs."""
+    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
+    ctypes.set_errno(0)
+    return _statfs_result(_statfs(os.fsencode(path), buffer), buffer)
+
+
+def fstatfs(fd: int) -> tuple[int, int]:
+    """``(f_type, f_bsize)`` of the file system holding the open file ``fd``; OSError on failure."""
+    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
+    ctypes.set_errno(0)
+    return _statfs_result(_fstatfs(fd, buffer), buffer)
 
 
 def mlock_on_fault(address: int, length: int) -> int:

@@ -52,13 +52,15 @@ def _unmap(address: int, length: int) -> None:
         _libc.munmap(address + offset, min(UNMAP_PIECE_BYTES, length - offset))
 
 
-def populate_range(ptr: int, nbytes: int) -> None:
-    """Fault in ``[ptr, ptr+nbytes)`` writable (MADV_POPULATE_WRITE), on the calling thread."""
+def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRITE) -> None:
+    """Fault in ``[ptr, ptr+nbytes)`` on the calling thread: writable (MADV_POPULATE_WRITE), or
+    readable (MADV_POPULATE_READ: a shared file's pages, resident already, need no write fault)."""
     aligned = ptr - ptr % _libc.PAGE_SIZE  # madvise wants a page-aligned start (a caller's tensor may not be)
-    err = _libc.madvise(aligned, nbytes + (ptr - aligned), _libc.MADV_POPULATE_WRITE)
+    err = _libc.madvise(aligned, nbytes + (ptr - aligned), advice)
     if err:
+        name = "MADV_POPULATE_WRITE" if advice == _libc.MADV_POPULATE_WRITE else "MADV_POPULATE_READ"
         raise RuntimeCallError(
-            op="madvise(MADV_POPULATE_WRITE)", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
+            op=f"madvise({name})", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
             message=f"{os.strerror(err)}: the kernel could not fault in {format_bytes(nbytes)}; "
             "the host is probably short of memory",
         )  # fmt: skip

@@ -18,13 +18,21 @@ from typing import TypeGuard
 
 import torch
 
+from ._declared import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PER_BUFFER
 from ._errors import ConfigError
 from ._plan import DEFAULT_CHUNK_GIB, resolve_chunk_limit
 from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
 from ._units import format_bytes, parse_size, shown
 from .layouts import BufferSpec, Layout, Raw
 
-__all__ = ["PoolOptions", "resolve_pin_nice"]
+__all__ = [
+    "BACKGROUND_MAX_CALL_SECONDS",
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_MIN_CHUNK_BYTES",
+    "PoolOptions",
+    "resolve_max_call_seconds",
+    "resolve_pin_nice",
+]
 
 HUGE_PAGES = (False, True, "hugetlb")
 
@@ -174,8 +182,10 @@ def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:
         )
 
 
-DEFAULT_MIN_CHUNK_BYTES = 64 << 20
-DEFAULT_MAX_RETRIES = 8
+# max_call_seconds="auto" for a background pool: its body is serving while it pins; under mlock
+# each populate call holds mmap_lock, which the event loop's own allocations wait behind
+# (measured: the loop stalled for the whole pin without a budget).
+BACKGROUND_MAX_CALL_SECONDS = 0.05
 
 _SIZE_OR_PAGES_FIX = (
     'give exactly one of size= (a byte budget such as "64GiB": the pool holds the whole pages that fit) or '
@@ -215,8 +225,11 @@ class PoolOptions:
     (:meth:`create` with ``num_pages=``): then ``size`` is exactly ``num_pages *
     layout.page_bytes``, so the pool holds exactly that many pages. chunk_bytes: an explicit
     chunk size (None: the limit is ``chunk_limit`` and chunks may be split further for the
-    workers). chunk_limit: the per-call limit: ``chunk_bytes`` when given, else
-    ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it (default 256 GiB). populate:
+    workers). max_chunk_bytes: an upper bound given as a keyword (``chunk_bytes``, if also
+    given, must not exceed it). chunk_limit: the per-call limit: ``chunk_bytes`` when given,
+    else ``max_chunk_bytes``, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it
+    (default 256 GiB). per_buffer: one registration per buffer (``chunk_bytes="buffer"``),
+    never cut (no split for workers, no stall-budget pieces, no retry halves). populate:
     pre-fault (None: where supported). *_workers: threads per role (None: the default).
     huge_pages: False, True (THP) or "hugetlb". numa_node: bind the memory to this node.
     name: the pool's name in logs, metrics and errors.
@@ -227,6 +240,8 @@ class PoolOptions:
     the rate of the previous ones so it should not take longer (None: no budget).
     pin_nice: how much nicer than the process the pin worker threads run (0: as nice as it;
     :func:`resolve_pin_nice` turns the user's ``"auto"`` / None into this number).
+    background: the pool pins in the background (:meth:`create` resolves ``"auto"`` budgets
+    and niceness from it).
     """
 
     size: int
@@ -245,6 +260,9 @@ class PoolOptions:
     max_call_seconds: float | None = None
     num_pages: int | None = None
     pin_nice: int = 0
+    max_chunk_bytes: int | None = None
+    per_buffer: bool = False
+    background: bool = False
 
     @classmethod
     def create(
@@ -254,6 +272,7 @@ class PoolOptions:
         size: int | str | None = None,
         num_pages: int | None = None,
         chunk_bytes: int | str | None = None,
+        max_chunk_bytes: int | str | None = None,
         populate: bool | None = None,
         populate_workers: int | None = None,
         register_workers: int | None = None,
@@ -263,25 +282,40 @@ class PoolOptions:
         name: str = "default",
         min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
         max_retries: int = DEFAULT_MAX_RETRIES,
-        max_call_seconds: float | None = None,
-        pin_nice: int = 0,
+        max_call_seconds: float | str | None = "auto",
+        background: bool = False,
+        pin_nice: int | str | None = "auto",
     ) -> PoolOptions:
-        """Options from a user's spellings: sizes as ints or strings (``"64GiB"``), ``layout=None``
-        for :class:`Raw`, ``chunk_bytes=None`` for the ``PINPOOL_REGISTER_CHUNK_GB`` limit (read now).
-        Exactly one of ``size`` (a byte budget) and ``num_pages`` (a page count: ``size`` becomes
-        ``num_pages * layout.page_bytes``)."""
+        """Options from a user's spellings (the parameters are pinpool._declared's, with the same
+        defaults as PinnedPool's): sizes as ints or strings (``"64GiB"``), ``layout=None`` for
+        :class:`Raw`, ``chunk_bytes=None`` for the limit of ``max_chunk_bytes``, else
+        ``PINPOOL_REGISTER_CHUNK_GB`` (read now), ``chunk_bytes="buffer"`` for one registration
+        per buffer, ``"auto"`` budgets and niceness resolved for ``background``. Exactly one of
+        ``size`` (a byte budget) and ``num_pages`` (a page count: ``size`` becomes ``num_pages *
+        layout.page_bytes``)."""
+        if not isinstance(background, bool):
+            raise ConfigError(f"background={background!r} must be True or False")
         resolved = Raw() if layout is None else layout
         _check_plain(resolved, layout, populate, populate_workers, register_workers, unpin_workers, huge_pages,
                      numa_node, name)  # fmt: skip
         budget, pages = _budget_of(resolved, size, num_pages)
-        limit = resolve_chunk_limit(chunk_bytes)
+        per_buffer = isinstance(chunk_bytes, str) and chunk_bytes == PER_BUFFER
+        bound = None if max_chunk_bytes is None else parse_size(max_chunk_bytes, what="max_chunk_bytes")
+        if per_buffer:
+            exact, limit = None, budget if bound is None else bound
+        elif chunk_bytes is not None:
+            exact = limit = resolve_chunk_limit(chunk_bytes)
+        else:
+            exact, limit = None, resolve_chunk_limit(None) if bound is None else bound
         _check_fits_a_page(resolved, budget, size, num_pages=pages)
         return cls(
-            size=budget, layout=resolved, chunk_bytes=None if chunk_bytes is None else limit, chunk_limit=limit,
+            size=budget, layout=resolved, chunk_bytes=exact, chunk_limit=limit,
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
             unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
             min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
-            max_call_seconds=max_call_seconds, num_pages=pages, pin_nice=pin_nice,
+            max_call_seconds=resolve_max_call_seconds(max_call_seconds, background=background, per_buffer=per_buffer),
+            num_pages=pages, pin_nice=resolve_pin_nice(pin_nice, background=background), max_chunk_bytes=bound,
+            per_buffer=per_buffer, background=background,
         )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -296,7 +330,7 @@ class PoolOptions:
                     f"chunk_bytes={self.chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
                 )
             parse_size(self.chunk_bytes, what="chunk_bytes")
-            object.__setattr__(self, "chunk_limit", self.chunk_bytes)  # an explicit chunk size is the limit
+        self._check_chunk_options()
         limit = self.chunk_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
@@ -320,7 +354,40 @@ class PoolOptions:
                 f"is halved and retried; 0 never retries, the default is {DEFAULT_MAX_RETRIES})"
             )
         _check_max_call_seconds(self.max_call_seconds)
+        if self.per_buffer and self.max_call_seconds is not None:
+            raise ConfigError(_per_buffer_budget(self.max_call_seconds))
         _check_pin_nice(self.pin_nice)
+        if not isinstance(self.background, bool):
+            raise ConfigError(f"background={self.background!r} must be True or False")
+
+    def _check_chunk_options(self) -> None:
+        """chunk_bytes, max_chunk_bytes, per_buffer: each valid, and not contradicting each
+        other; the chunk limit follows from them (an explicit chunk size is the limit)."""
+        bound = self.max_chunk_bytes
+        if bound is not None:
+            if isinstance(bound, str):
+                raise ConfigError(
+                    f"max_chunk_bytes={bound!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
+                )
+            parse_size(bound, what="max_chunk_bytes")
+        if not isinstance(self.per_buffer, bool):
+            raise ConfigError(f"per_buffer={self.per_buffer!r} must be True or False")
+        if self.per_buffer and self.chunk_bytes is not None:
+            raise ConfigError(
+                f"per_buffer=True with chunk_bytes={self.chunk_bytes!r}: one registration per buffer has no chunk "
+                "size; give one of them"
+            )
+        if self.chunk_bytes is not None:
+            if bound is not None and self.chunk_bytes > bound:
+                raise ConfigError(
+                    f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) is more than "
+                    f"max_chunk_bytes={shown(bound)} ({format_bytes(bound)}): chunk_bytes is the exact size of every "
+                    "registration call and max_chunk_bytes its upper bound; give chunk_bytes <= max_chunk_bytes, or "
+                    "only one of them"
+                )
+            object.__setattr__(self, "chunk_limit", self.chunk_bytes)
+        elif bound is not None:
+            object.__setattr__(self, "chunk_limit", bound)
 
 
 _PIN_NICE_FIX = (
@@ -347,6 +414,32 @@ def resolve_pin_nice(value: object, *, background: bool) -> int:
             raise ConfigError(f"pin_nice={value!r}: {_PIN_NICE_FIX}")
         return BACKGROUND_PIN_NICE if background else 0
     return _check_pin_nice(value)
+
+
+def resolve_max_call_seconds(value: object, *, background: bool, per_buffer: bool = False) -> float | None:
+    """``max_call_seconds=`` as the user spells it → the stall budget: ``"auto"`` is
+    :data:`BACKGROUND_MAX_CALL_SECONDS` for a background pool (its body serves while it pins)
+    and none for a pool entered before its body runs, or whose registrations cannot be cut
+    (``per_buffer``); a number is checked (and refused for ``per_buffer``)."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise ConfigError(
+                f"max_call_seconds={value!r} must be a number of seconds, None (no budget) or "
+                '"auto" (the default: 50 ms for a background pool, none otherwise)'
+            )
+        return BACKGROUND_MAX_CALL_SECONDS if background and not per_buffer else None
+    _check_max_call_seconds(value)
+    if per_buffer and value is not None:
+        raise ConfigError(_per_buffer_budget(value))
+    return value  # type: ignore[return-value]  # checked: None or a number
+
+
+def _per_buffer_budget(value: object) -> str:
+    return (
+        f'max_call_seconds={shown(value)} with chunk_bytes="{PER_BUFFER}": one registration per buffer cannot be '
+        'cut to fit a stall budget; give max_call_seconds=None (or "auto", which gives such a pool none), or '
+        "chunk sizes that may be cut (chunk_bytes= or max_chunk_bytes=)"
+    )
 
 
 def _check_max_call_seconds(budget: object) -> None:

@@ -450,7 +450,8 @@ def plan_chunks(
         )
         raise ConfigError(
             f"{what} is larger than the chunk limit {format_bytes(limit)} ({limit} B): no chunk could hold "
-            f"one aligned unit; raise chunk_bytes= or {CHUNK_ENV} to at least {unit} bytes ({format_bytes(unit)})"
+            f"one aligned unit; raise chunk_bytes= or {CHUNK_ENV} to at least {unit} bytes ({format_bytes(unit)}), "
+            "or max_chunk_bytes= where that sets the limit"
         )
     chunk_bytes = (limit // unit) * unit
     if nbytes <= limit:
@@ -832,7 +833,10 @@ def _place(options: PoolOptions, host: HostFacts) -> _Placement:
     return _Placement(num_pages, specs, tuple(offsets), nbytes, align, mapping_bytes)
 
 
-def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, *, new_memory: bool = True) -> None:
+def check_host(
+    options: PoolOptions, host: HostFacts, runtime: object = None, *, new_memory: bool = True,
+    new_bytes: int | None = None,
+) -> None:  # fmt: skip
     """The pre-flight: every check against the host that needs no resolved runtime, before
     anything is mapped. Callable before a runtime is resolved, since resolving one (CUDA) may
     initialise a GPU driver, which a doomed configuration should not wait for.
@@ -842,7 +846,8 @@ def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, *,
     :func:`runtime_pinning`): the memory the pool would pin against what the process may still
     make resident (memory cgroup, MemAvailable; not for hugetlb pages, which are reserved, nor
     for a caller's tensor, ``new_memory=False``, which may be resident already) and, under
-    mlock, against RLIMIT_MEMLOCK.
+    mlock, against RLIMIT_MEMLOCK. ``new_bytes``: a shared file's pool (``memory=``) needs only
+    the pages the file does not hold yet as new memory; it locks all of them all the same.
     """
     place = _place(options, host)
     pinning = runtime_pinning(runtime, host)
@@ -851,7 +856,9 @@ def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, *,
     page = host.page_size
     subject = f"size={_bytes_text(options.size)}" if new_memory else f"pin(tensor) of {_bytes_text(options.size)}"
     if pinning.resident and new_memory and options.huge_pages != "hugetlb":
-        check_memory_available(place.mapping_bytes, host, subject=subject)
+        needed = place.mapping_bytes if new_bytes is None else new_bytes
+        if needed:
+            check_memory_available(needed, host, subject=subject)
     if pinning.memlock:
         # mlock charges the pages each chunk covers: every buffer rounded out to pages (a caller's
         # tensor may start mid-page: one page more).
@@ -901,6 +908,10 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
         if not spec.nbytes:
             buffers.append(BufferPlan(spec, offset, None, ChunkTable()))
             continue
+        if options.per_buffer:
+            plan = _one_call(spec, page_size, options.max_chunk_bytes)
+            buffers.append(BufferPlan(spec, offset, plan, plan.chunks.shifted(offset)))
+            continue
         # The split for workers applies only where an aligned unit fits in it.
         unit = math.lcm(spec.granularity or 1, page_size)
         plan_limit = split_limit if split_limit >= unit else limit
@@ -911,6 +922,8 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
         buffers.append(BufferPlan(spec, offset, plan, plan.chunks.shifted(offset)))
     chunks = ChunkTable.concat(b.chunks for b in buffers)
     chunk_bytes = max((b.plan.chunk_bytes for b in buffers if b.plan), default=0)
+    if options.per_buffer and options.max_chunk_bytes is None:
+        limit = chunk_bytes  # no limit was asked for: the largest call is the buffer
     granularities = {b.spec.granularity for b in buffers if b.plan}
     granularity = granularities.pop() if len(granularities) == 1 else None
     register_workers = max(1, min(wanted_register, len(chunks)))
@@ -942,6 +955,20 @@ def plan_pool(options: PoolOptions, host: HostFacts, caps: Capabilities, *, sour
         threads=threads, span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes,
         pin_chunks=pin_order(chunks, runs), page_runs=runs,
     )  # fmt: skip
+
+
+def _one_call(spec: BufferSpec, page_size: int, bound: int | None) -> ChunkPlan:
+    """``chunk_bytes="buffer"``: the buffer is one registration, never cut: no grid
+    (``origin=None``), so neither a retry nor the stall budget can split it."""
+    if bound is not None and spec.nbytes > bound:
+        raise ConfigError(
+            f'chunk_bytes="buffer": buffer {spec.name!r} holds {_bytes_text(spec.nbytes)}, more than '
+            f"max_chunk_bytes={_bytes_text(bound)}, and one registration per buffer cannot be cut; raise "
+            'max_chunk_bytes=, or let pinpool chunk the buffer (drop chunk_bytes="buffer")'
+        )
+    unit = math.lcm(spec.granularity or 1, page_size)
+    whole = ChunkTable([(0, spec.nbytes, 1)])
+    return ChunkPlan(spec.nbytes, spec.granularity, page_size, spec.nbytes, unit, spec.nbytes, whole, origin=None)
 
 
 @dataclass(frozen=True)

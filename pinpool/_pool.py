@@ -8,6 +8,7 @@ an interruption means.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -22,6 +23,7 @@ import anyio
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from ._declared import OPTIONS
 from ._drivers import drive_async, drive_sync, finalize_lifecycle
 from ._engine import PinSession
 from ._errors import (
@@ -30,16 +32,18 @@ from ._errors import (
     PoolStateError,
 )
 from ._host import HostFacts
+from ._libc import MADV_POPULATE_WRITE
 from ._lifecycle import Lifecycle, Memory
 from ._memory import HostMapping, TensorMemory, alias_of
 from ._node import NodeAdmission, NodePacing
 from ._observe import Observer
-from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions, resolve_pin_nice
+from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
 from ._outcome import PoolState
 from ._pipeline import Order
 from ._plan import BufferPlan, Chunk, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
 from ._prefix import PrefixTracker
 from ._ranges import PINNED_RANGES
+from ._shared import SharedMapping, SharedMemory, layout_record
 from ._types import Capabilities
 from ._units import format_bytes, parse_size
 from .layouts import BufferSpec, Layout, Raw
@@ -50,7 +54,9 @@ T = TypeVar("T")
 ProgressCallback = Callable[[int, int, int, int], object]
 
 _WAIT_POLL_SECONDS = 0.02
-BACKGROUND_MAX_CALL_SECONDS = 0.05
+# What _configure reads besides PoolOptions.create's options (pinpool._declared names them all).
+_CREATE = tuple(o.name for o in OPTIONS if o.create)
+_PACING = ("node_slots", "node_budget", "node_dir", "node_wait")
 
 
 class PinnedPool:
@@ -68,6 +74,9 @@ class PinnedPool:
     several registrations. Code that needs one address per registration (device pointers on
     ROCm, whose adjacent registrations get no adjacent device aliases) takes it from there.
 
+    The options are declared once, in ``pinpool._declared``; ``pin()``, the command line and
+    docs/options.md follow it, and a test holds this signature and the list below to it.
+
     Options:
       layout: what the memory holds (default :class:`pinpool.layouts.Raw`).
       size: byte budget, int or string (``"64GiB"``); the pool holds the largest whole number of
@@ -76,10 +85,18 @@ class PinnedPool:
         (``pool.num_pages == num_pages``, ``size = num_pages * layout.page_bytes``), so paired pools
         (an MLA KV pool and its Indexer pool, MHA and Mamba) get the same count. Give exactly one
         of ``size`` and ``num_pages``.
+      memory: where the memory comes from: None (the default) maps private anonymous memory; a
+        :class:`pinpool.SharedMemory` maps a shared file several processes may attach to.
       runtime: ``"auto"`` (CUDA if available, else mlock), ``"cuda"``, ``"mlock"`` or a runtime object.
-      chunk_bytes: the size of one registration call (rounded down to the layout's granularity).
-        Without it, the limit is ``PINPOOL_REGISTER_CHUNK_GB`` GiB (else 256 GiB), and with
-        several workers chunks are split further (not below 1 GiB) so every worker has a few.
+      chunk_bytes: the size of one registration call (rounded down to the layout's granularity),
+        exact. Without it, the limit is ``max_chunk_bytes`` (else ``PINPOOL_REGISTER_CHUNK_GB``
+        GiB, else 256 GiB), and with several workers chunks are split further (not below 1 GiB)
+        so every worker has a few. ``"buffer"``: one registration per buffer, never cut (no
+        split for the workers, no stall-budget pieces, no retry halves): for kernels that
+        address a pool from one base per registration (ROCm).
+      max_chunk_bytes: an upper bound of one registration call (rounded down to the layout's
+        granularity), like SGLang's 256 GiB or vLLM's 64 GiB setting; chunks may be split
+        further for the workers. With ``chunk_bytes`` it must be at least ``chunk_bytes``.
       populate: pre-fault the memory on ``populate_workers`` threads (MADV_POPULATE_WRITE, in
         spans of <= 512 MiB), pipelined with registration. Default: on where the kernel has
         MADV_POPULATE_WRITE (Linux 5.14+). CUDA: spans are faulted ahead of the serial
@@ -111,6 +128,17 @@ class PinnedPool:
         is kept (``pool.error``), raised by every waiter and on exit; nothing is unpinned under
         the body: pages ``[0, pinned_pages)`` stay pinned until the pool is exited or closed.
         See docs/serving.md.
+      pin_nice: how much nicer (lower CPU priority) than the rest of the process the pin
+        worker threads run: the populate and register calls, which are CPU work in the kernel
+        (faulting and zeroing every page), so the serving threads of the same process get the
+        CPU first and pinning takes what they leave. Default ``"auto"``: 10 for a background
+        pool (its body serves while it pins), 0 for a pool entered before its body runs.
+        An int from 0 to 19 sets it (added to the process's own nice value, capped at 19);
+        ``0`` or ``None`` opts out (pin workers at the process's priority, as before this
+        option). Linux only (per-thread nice; no privilege needed); where the kernel refuses
+        it (a seccomp filter), pinning goes on at the process's priority, logged once at
+        debug. Unpin workers (exit, rollback) always run at the process's priority. See
+        docs/serving.md.
       node_slots, node_budget, node_dir, node_wait: node pacing across the processes of one
         host (tensor-parallel ranks), with no server: at most ``node_slots`` processes pin at
         once (env ``PINPOOL_NODE_SLOTS``), and all cooperating pools together hold at most
@@ -118,6 +146,12 @@ class PinnedPool:
         ``PINPOOL_NODE_BUDGET``). Kept in flock-ed files in ``node_dir`` (env
         ``PINPOOL_NODE_DIR``, default ``/dev/shm/pinpool-<uid>``), released by the kernel when a
         holder dies. ``node_wait=False`` raises :class:`NodeBusyError` instead of waiting.
+      registry: the prometheus_client ``CollectorRegistry`` the pool's metrics go to (default:
+        the global ``REGISTRY``); None: no metrics.
+      logger: a structlog bound logger for the pool's events (default: structlog's if
+        configured, else the stdlib ``pinpool`` logger).
+      on_progress: ``callable(pinned_bytes, total_bytes, chunks_done, chunks_total)``, called
+        about every 100 ms while pinning and once at the end.
     """
 
     def __init__(
@@ -126,8 +160,10 @@ class PinnedPool:
         layout: Layout | None = None,
         size: int | str | None = None,
         num_pages: int | None = None,
+        memory: SharedMemory | None = None,
         runtime: str | Runtime = "auto",
         chunk_bytes: int | str | None = None,
+        max_chunk_bytes: int | str | None = None,
         populate: bool | None = None,
         populate_workers: int | None = None,
         register_workers: int | None = None,
@@ -148,31 +184,8 @@ class PinnedPool:
         logger: Any | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
-        if not isinstance(background, bool):
-            raise ConfigError(f"background={background!r} must be True or False")
-        if isinstance(max_call_seconds, str):
-            if max_call_seconds != "auto":
-                raise ConfigError(
-                    f"max_call_seconds={max_call_seconds!r} must be a number of seconds, None (no budget) or "
-                    '"auto" (the default: 50 ms for a background pool, none otherwise)'
-                )
-            # A background pool's body is serving while it pins: under mlock each populate call
-            # holds mmap_lock, which the event loop's own allocations wait behind (measured: the
-            # loop stalled for the whole pin without a budget).
-            max_call_seconds = BACKGROUND_MAX_CALL_SECONDS if background else None
-        options = PoolOptions.create(
-            layout=layout, size=size, num_pages=num_pages, chunk_bytes=chunk_bytes, populate=populate,
-            populate_workers=populate_workers, register_workers=register_workers, unpin_workers=unpin_workers,
-            huge_pages=huge_pages, numa_node=numa_node, name=name, min_chunk_bytes=min_chunk_bytes,
-            max_retries=max_retries, max_call_seconds=max_call_seconds,
-            pin_nice=resolve_pin_nice(pin_nice, background=background),
-        )  # fmt: skip
-        pacing = NodePacing.from_options(node_slots=node_slots, node_budget=node_budget, node_dir=node_dir,
-                                         node_wait=node_wait)  # fmt: skip
-        self._configure(
-            options, runtime=runtime, source=None, registry=registry, logger=logger, on_progress=on_progress,
-            background=background, pacing=pacing,
-        )  # fmt: skip
+        # Every option, by its declared name: the one construction path pin() shares.
+        self._configure(source=None, **{name: value for name, value in locals().items() if name != "self"})
 
     # -- the plan, read-only: every value below comes from plan_pool ---------------------------
 
@@ -259,24 +272,39 @@ class PinnedPool:
 
     def _configure(
         self,
-        options: PoolOptions,
         *,
-        runtime: str | Runtime,
         source: torch.Tensor | None,
-        registry: CollectorRegistry | None,
-        logger: Any | None,
-        on_progress: ProgressCallback | None,
-        background: bool = False,
-        pacing: NodePacing | None = None,
+        memory: SharedMemory | None = None,
+        runtime: str | Runtime = "auto",
+        registry: CollectorRegistry | None = REGISTRY,
+        logger: Any | None = None,
+        on_progress: ProgressCallback | None = None,
+        **given: Any,
     ) -> None:
-        """Plan; ``source`` is a caller's tensor to pin instead of own memory (pin()).
+        """The one construction path of ``PinnedPool(...)`` and ``pin()``: validate the options
+        (by their declared names, pinpool._declared), then plan. ``source`` is a caller's tensor
+        to pin instead of own memory (pin(): its layout and size come from the tensor, with
+        ``granularity_bytes``); ``memory`` a memory source for the pool's own memory.
 
         Every decision comes from :func:`pinpool._plan.plan_pool` over the options and the host's
         facts, probed once here; the host checks run before the runtime is resolved, so a doomed
         configuration (an absurd size, a missing NUMA node) fails before a GPU driver starts.
         """
+        granularity = given.pop("granularity_bytes", None)
+        unknown = set(given) - set(_CREATE) - set(_PACING)
+        assert not unknown, f"options not declared in pinpool._declared: {sorted(unknown)}"
+        if source is not None:
+            given["layout"] = _TensorLayout(source, granularity)
+            given["size"] = source.numel() * source.element_size()
+        options = PoolOptions.create(**{name: given[name] for name in _CREATE if name in given})
+        pacing = NodePacing.from_options(**{name: given[name] for name in _PACING if name in given})
+        background = options.background
+        _check_memory_source(memory, options)
         host = HostFacts.probe()
         check_host(options, host)
+        if memory is not None:
+            # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
+            host = dataclasses.replace(host, page_size=memory.page_size)
         resolved = resolve_runtime(runtime)
         start = 0 if source is None else source.data_ptr() % host.page_size  # own memory is page-aligned
         self._options = options
@@ -305,6 +333,7 @@ class PinnedPool:
             # The directory is checked (and made) now; a long wait is logged as node.waiting.
             admission = NodeAdmission(pacing, label=name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
+        self._memory_source = memory
         self._lifecycle = self._make_lifecycle(background, admission, source)
         # The finalizer holds the lifecycle, never the façade, so an unexited pool can be collected.
         self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
@@ -336,10 +365,17 @@ class PinnedPool:
         caps = self._caps
         options = self._options
 
-        def acquire() -> HostMapping | TensorMemory:
+        shared = self._memory_source
+        record = layout_record(self.layout, self.num_pages) if shared is not None else {}
+
+        def acquire() -> HostMapping | TensorMemory | SharedMapping:
             # The memory pre-flight (memory cgroup, MemAvailable, RLIMIT_MEMLOCK) against figures read
-            # now, right before mapping: they change between construction and entry.
-            check_host(options, HostFacts.probe(), runtime, new_memory=own_memory)
+            # now, right before mapping: they change between construction and entry. Pages a shared
+            # file already holds are memory in use, not new memory.
+            new_bytes = None if shared is None else shared.new_bytes(mapping_bytes)
+            check_host(options, HostFacts.probe(), runtime, new_memory=own_memory, new_bytes=new_bytes)
+            if shared is not None:
+                return _claim(name, shared.open_mapping(mapping_bytes, record), nbytes, runtime, caps)
             tensor = held[0]
             if not own_memory and tensor is None:
                 raise PoolStateError(f"pool {name!r} was closed: its tensor was let go; call pin() again")
@@ -364,12 +400,13 @@ class PinnedPool:
                 lookahead_bytes=lookahead, register_workers=register_workers, populate_workers=populate_workers,
                 unpin_workers=unpin_workers, observer=observer, prefix=PrefixTracker(plan.page_runs, plan.num_pages),
                 max_call_seconds=max_call_seconds, populate_unit=plan.align, pin_nice=options.pin_nice,
+                populate_advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE),
             )  # fmt: skip
             announce()
             return session
 
         def views(memory: Memory) -> Mapping[str, torch.Tensor]:
-            assert isinstance(memory, HostMapping | TensorMemory)
+            assert isinstance(memory, HostMapping | TensorMemory | SharedMapping)
             return MappingProxyType(
                 {
                     b.spec.name: memory.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape)
@@ -621,6 +658,31 @@ class PinnedPool:
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 
 
+_Mapped = HostMapping | TensorMemory | SharedMapping
+
+
+def _check_memory_source(memory: object, options: PoolOptions) -> None:
+    """``memory=`` is a :class:`SharedMemory`; the file system decides its page size, not huge_pages=."""
+    if memory is None:
+        return
+    if not isinstance(memory, SharedMemory):
+        raise ConfigError(
+            f"memory={memory!r} must be a pinpool.SharedMemory (or None for the pool's own private memory); "
+            "to pin a tensor you allocated, use pinpool.pin(tensor)"
+        )
+    if options.huge_pages:
+        raise ConfigError(
+            f"huge_pages={options.huge_pages!r} with memory=SharedMemory(...): a shared region's page size is its "
+            "file system's (a file on hugetlbfs has huge pages, one on /dev/shm has 4 KiB pages); drop huge_pages="
+        )
+    if options.numa_node is not None:
+        raise ConfigError(
+            f"numa_node={options.numa_node} with memory=SharedMemory(...) is not supported: a shared file's pages "
+            "follow the policy of the process that faults them first; bind that process instead (numactl "
+            "--membind), or drop numa_node="
+        )
+
+
 def _caller_outside_pinpool() -> tuple[str, int]:
     """(file, line) of the first frame outside pinpool: where the user made the pool."""
     frame = sys._getframe(1)
@@ -630,9 +692,7 @@ def _caller_outside_pinpool() -> tuple[str, int]:
     return ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
 
-def _claim(
-    name: str, memory: HostMapping | TensorMemory, nbytes: int, runtime: Runtime, caps: Capabilities
-) -> HostMapping | TensorMemory:
+def _claim(name: str, memory: _Mapped, nbytes: int, runtime: Runtime, caps: Capabilities) -> _Mapped:
     """Claim the memory's address range in this process, refusing memory that is already pinned."""
     overlap = PINNED_RANGES.add(memory.address, max(nbytes, 1))
     if overlap is not None:
@@ -661,6 +721,7 @@ def pin(
     granularity_bytes: int | None = None,
     runtime: str | Runtime = "auto",
     chunk_bytes: int | str | None = None,
+    max_chunk_bytes: int | str | None = None,
     populate: bool | None = None,
     populate_workers: int | None = None,
     register_workers: int | None = None,
@@ -668,8 +729,13 @@ def pin(
     name: str = "tensor",
     min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
     max_retries: int = DEFAULT_MAX_RETRIES,
-    max_call_seconds: float | None = None,
+    max_call_seconds: float | str | None = "auto",
+    background: bool = False,
     pin_nice: int | str | None = "auto",
+    node_slots: int | None = None,
+    node_budget: int | float | str | None = None,
+    node_dir: str | None = None,
+    node_wait: bool = True,
     registry: CollectorRegistry | None = REGISTRY,
     logger: Any | None = None,
     on_progress: ProgressCallback | None = None,
@@ -677,7 +743,13 @@ def pin(
     """Pin a contiguous CPU tensor you allocated, with PinnedPool's chunking and guarantees.
 
     Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
-    views ``t``'s memory, with its shape and dtype (``pinned.tensors["data"]``). Chunk
+    views ``t``'s memory, with its shape and dtype (``pinned.tensors["data"]``). It takes every
+    option of :class:`PinnedPool` with the same meaning and default (``name`` excepted:
+    ``"tensor"``), background pinning, the stall budget, node pacing and retries included,
+    but not those the tensor decides (``layout``, ``size``, ``num_pages``, ``memory``,
+    ``huge_pages``, ``numa_node``). Its pages are the tensor's rows along its first dimension
+    (``pinned.num_pages == t.shape[0]``), so with ``background=True`` ``pinned.pinned_pages``
+    and ``wait_ready(...)`` tell which leading rows are pinned. Chunk
     boundaries are multiples of ``granularity_bytes`` from the tensor's start, and on OS page
     boundaries where one of those multiples falls on a page; where none does (torch.empty's
     memory starts 64 B into a page), they are counted from the start and neighbouring chunks
@@ -692,6 +764,8 @@ def pin(
     pinpool, or locked by anyone under mlock) raises :class:`AlreadyPinnedError` on entry,
     with nothing changed.
     """
+    given = dict(locals())  # every option by its declared name (pinpool._declared), for _configure
+    del given["tensor"]
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
     if tensor.device.type != "cpu":
@@ -701,28 +775,24 @@ def pin(
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         raise ConfigError("pin(tensor): the tensor has no elements, so there is nothing to pin")
-    options = PoolOptions.create(
-        layout=_TensorLayout(tensor, granularity_bytes), size=nbytes, chunk_bytes=chunk_bytes, populate=populate,
-        populate_workers=populate_workers, register_workers=register_workers, unpin_workers=unpin_workers, name=name,
-        min_chunk_bytes=min_chunk_bytes, max_retries=max_retries, max_call_seconds=max_call_seconds,
-        pin_nice=resolve_pin_nice(pin_nice, background=False),
-    )  # fmt: skip
     pool = PinnedPool.__new__(PinnedPool)
     # The pool plans and pins an alias of the tensor: the same bytes, whose address and size
     # nothing done to `tensor` from now on can change, and which keeps its storage alive.
-    source = alias_of(tensor)
-    pool._configure(options, runtime=runtime, source=source, registry=registry, logger=logger, on_progress=on_progress)
+    pool._configure(source=alias_of(tensor), **given)
     return pool
 
 
 class _TensorLayout:
-    """The layout of a caller's tensor: one buffer of exactly its bytes."""
+    """The layout of a caller's tensor: one buffer of exactly its bytes, whose pages are its
+    rows along the first dimension (row-major: page *i* is row *i*), so a background pool can
+    say which leading rows are pinned. A 0-d tensor is one page."""
 
     def __init__(self, tensor: torch.Tensor, granularity_bytes: int | None) -> None:
         self._raw = Raw(granularity_bytes=granularity_bytes)
         self._shape = tuple(tensor.shape)
         self._dtype = tensor.dtype
         self._nbytes = tensor.numel() * tensor.element_size()
+        self._rows = self._shape[0] if self._shape else 1
 
     @property
     def name(self) -> str:
@@ -730,7 +800,7 @@ class _TensorLayout:
 
     @property
     def page_bytes(self) -> int:
-        return self._nbytes  # the whole tensor is the only page
+        return self._nbytes // self._rows  # one row
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         return (BufferSpec("data", self._shape, self._dtype, self._raw.granularity_bytes, 1),)

@@ -1,17 +1,81 @@
 from __future__ import annotations
 
+import fcntl
 import gc
-from collections.abc import Callable
+import os
+import tempfile
+from collections.abc import Callable, Iterator
 
 import pytest
 
 import pinpool
 from pinpool import _libc
 
+# pinpool's own pytest plugin (the gpu marker's skip, the fixtures), loaded from here rather than
+# through its installed pytest11 entry point, which pyproject's addopts turn off (-p no:pinpool):
+# an entry point is imported before pytest-cov starts measuring, so coverage would miss every
+# line pinpool and its eagerly imported modules run at import.
+pytest_plugins = ["pinpool.pytest_plugin"]
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+# A pool test under each driver, for an ``async def`` test that enters its pool by ``mode``
+# (pin_and_run, or ``if mode == "async"``): the async driver on both anyio backends, the sync
+# driver once. ``with pool`` never awaits, so a second backend would only repeat it; a plain
+# ``parametrize("mode", ["async", "sync"])`` did that (the check in
+# pytest_collection_modifyitems below refuses it).
+each_driver = pytest.mark.parametrize(
+    ("mode", "anyio_backend"),
+    [
+        pytest.param("async", "asyncio", id="async-asyncio"),
+        pytest.param("async", "trio", id="async-trio"),
+        pytest.param("sync", "asyncio", id="sync"),
+    ],
+)
+
+
+@pytest.fixture
+def hugetlb_lock() -> Iterator[None]:
+    """Held for the whole test: an exclusive flock on a host-wide file. The hugetlb pool
+    (/proc/sys/vm/nr_hugepages, HugePages_Free) is one per host, so tests that reserve, use or
+    count its pages take turns, whether they run on parallel xdist workers (./dev test) or in
+    another pytest process on the host. (Not xdist_group: under pytest 9.2, xdist 3.8's
+    --dist loadgroup no longer groups anything.)"""
+    path = os.path.join(tempfile.gettempdir(), "pinpool-tests-hugetlb.lock")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    except PermissionError:  # another user's file in a sticky /tmp: flock needs only a read descriptor
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+# Marks a test that reserves, uses or counts the host's hugetlb pages (see hugetlb_lock).
+hugetlb_pages = pytest.mark.usefixtures("hugetlb_lock")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    repeated = sorted(
+        {
+            item.nodeid.split("[")[0]
+            for item in items
+            if (params := getattr(getattr(item, "callspec", None), "params", {})).get("mode") == "sync"
+            and params.get("anyio_backend") == "trio"
+        }
+    )
+    if repeated:
+        raise pytest.UsageError(
+            "these tests run the sync driver once per anyio backend (the same test twice); "
+            "use @each_driver from tests/conftest.py instead of parametrize('mode', ['async', 'sync']):\n  "
+            + "\n  ".join(repeated)
+        )
 
 
 def _mlock_budget() -> int:

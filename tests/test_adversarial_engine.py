@@ -37,7 +37,7 @@ from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import OWN_LOCKS, SHARED_PAGES, _Pages
 from pinpool.testing import FakeRuntime
 
-from .conftest import needs_mlock, pin_and_run
+from .conftest import each_driver, needs_mlock, pin_and_run
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = _libc.PAGE_SIZE
@@ -86,7 +86,7 @@ BETWEEN_PIECES = {
 
 @pytest.mark.parametrize("where", sorted(BETWEEN_PIECES))
 @pytest.mark.parametrize("exc", [OverflowError("cannot convert float infinity to integer"), Interrupt("stop")])
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_a_fault_between_pieces_rolls_back_the_pieces_registered(
     monkeypatch: pytest.MonkeyPatch, where: str, exc: BaseException, mode: str
 ) -> None:

@@ -372,9 +372,16 @@ def run(delay):
     out.seek(0), err.seek(0)
     return {"delay": delay, "code": status, "out": out.read(), "err": err.read(), "took": took}
 
-plain = run(None)
-runs = [plain] + [run(plain["took"] * i / int(sys.argv[1])) for i in range(int(sys.argv[1]) + 1)]
-print(json.dumps(runs))
+moments, sweeps = int(sys.argv[1]), []
+# The moments are spread over a plain run's time. When that run was slowed (a loaded machine:
+# parallel test workers) and the sweep's were not, most signals come after the pin ended: sweep
+# again, recalibrated, up to 3 times (the test checks every run of every sweep).
+for _ in range(3):
+    plain = run(None)
+    sweeps.append([plain] + [run(plain["took"] * i / moments) for i in range(moments + 1)])
+    if sum(r["code"] == 130 for r in sweeps[-1][1:]) >= moments // 2:
+        break
+print(json.dumps(sweeps))
 """
 
 
@@ -384,19 +391,20 @@ def test_sigterm_at_any_moment_of_pin_exits_130_or_completes() -> None:
     result = subprocess.run([sys.executable, "-c", SIGTERM_SWEEP, str(moments)], capture_output=True, text=True,
                             timeout=180, cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr
-    runs = json.loads(result.stdout)
-    assert runs[0]["code"] == 0 and runs[0]["err"] == "VmLck 0\n", runs[0]
-    for run in runs[1:]:
-        where = f"SIGTERM {run['delay']:.3f} s after the fork: {run}"
-        assert "Exception ignored" not in run["err"] and "Traceback" not in run["err"], where
-        if run["code"] == 130:
-            assert run["err"].startswith("pinpool: interrupted (SIGTERM)\n"), where
-            assert run["err"].endswith("VmLck 0\n"), where
-        else:
-            # The signal came before main() took SIGTERM, or after it ended: the report is whole, nothing is locked.
-            assert run["code"] == 0, where
-            assert "VmLck 0 B before, 64 MiB while pinned, 0 B after" in run["out"], where
-    assert sum(run["code"] == 130 for run in runs[1:]) >= moments // 2  # most moments land while pinpool runs
+    sweeps = json.loads(result.stdout)
+    for runs in sweeps:
+        assert runs[0]["code"] == 0 and runs[0]["err"] == "VmLck 0\n", runs[0]
+        for run in runs[1:]:
+            where = f"SIGTERM {run['delay']:.3f} s after the fork: {run}"
+            assert "Exception ignored" not in run["err"] and "Traceback" not in run["err"], where
+            if run["code"] == 130:
+                assert run["err"].startswith("pinpool: interrupted (SIGTERM)\n"), where
+                assert run["err"].endswith("VmLck 0\n"), where
+            else:
+                # The signal came before main() took SIGTERM, or after it ended: the report is whole, nothing is locked.
+                assert run["code"] == 0, where
+                assert "VmLck 0 B before, 64 MiB while pinned, 0 B after" in run["out"], where
+    assert sum(run["code"] == 130 for run in sweeps[-1][1:]) >= moments // 2  # most moments land while pinpool runs
 
 
 def test_sigterm_is_restored_after_main() -> None:

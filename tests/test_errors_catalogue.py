@@ -289,6 +289,12 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'chunk_bytes="1MiB", layout=Raw(granularity_bytes=3 MiB)': lambda: pool(
             size=16 * MiB, chunk_bytes="1MiB", layout=layouts.Raw(granularity_bytes=3 * MiB)
         ),
+        'chunk_bytes="2MiB", max_chunk_bytes="1MiB"': lambda: pool(chunk_bytes="2MiB", max_chunk_bytes="1MiB"),
+        'chunk_bytes="buffer", max_call_seconds=0.02': lambda: pool(chunk_bytes="buffer", max_call_seconds=0.02),
+        'chunk_bytes="buffer", max_chunk_bytes="1MiB", size="4MiB"': lambda: pool(
+            chunk_bytes="buffer", max_chunk_bytes="1MiB", size="4MiB"
+        ),
+        'max_chunk_bytes="abc"': lambda: pool(max_chunk_bytes="abc"),
         "populate=1": lambda: pool(populate=1),
         "populate=True on Linux < 5.14": lambda: plan_pool(
             PoolOptions(size=MiB, populate=True), dataclasses.replace(HOST, populate_write=False), Capabilities()

@@ -25,6 +25,8 @@ import pinpool
 from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
+from .conftest import each_driver
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -577,7 +579,7 @@ def test_sglang_vector_raw_900_900_700(register_workers: int | None) -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_sglang_vector_teardown_order_and_second_exit(mode: str) -> None:
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(

@@ -21,7 +21,7 @@ from pinpool._lifecycle import PoolState
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 
-from .conftest import pin_and_run
+from .conftest import each_driver, pin_and_run
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
@@ -253,7 +253,7 @@ def test_teardown_without_threads_runs_inline(monkeypatch: pytest.MonkeyPatch) -
 # -- 4. a runtime raising BaseException ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_unregister_raising_base_exception_fails_that_chunk_only(mode: str) -> None:
     class Exits(FakeRuntime):
         def unregister(self, ptr: int) -> None:
@@ -276,7 +276,7 @@ async def test_unregister_raising_base_exception_fails_that_chunk_only(mode: str
         PINNED_RANGES.pop(base)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_register_raising_base_exception_is_a_pin_error(mode: str) -> None:
     class Interrupts(FakeRuntime):
         def register(self, ptr: int, nbytes: int) -> None:
@@ -296,7 +296,7 @@ async def test_register_raising_base_exception_is_a_pin_error(mode: str) -> None
 # -- crashed workers and internal errors ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -59,7 +59,13 @@ def test_the_gauges_are_the_families_pinpool_removes() -> None:
     assert {family.name for family in registry.collect() if family.type == "gauge"} == GAUGES
 
 
-def test_a_thousand_pool_names_leave_no_gauge_series() -> None:
+# Pool names opened and closed one after another. Whether a closed pool's gauges go is exact at
+# any count: 200 (it was 1,000, ~15 s) prove what 1,000 did. docs/metrics.md quotes the figures
+# this test prints for 1,000 (set NAMES = 1000 and run it with -s to measure them again).
+NAMES = 200
+
+
+def test_many_pool_names_leave_no_gauge_series() -> None:
     registry = CollectorRegistry()
     # A long-lived pool keeps its series throughout: only the closed pools' series go.
     with pinpool.PinnedPool(size=256 * KiB, runtime=FakeRuntime(), name="kv-host", registry=registry) as keeper:
@@ -68,7 +74,7 @@ def test_a_thousand_pool_names_leave_no_gauge_series() -> None:
         assert before > 0 and kept[("pinpool_pinned_bytes", ())] == keeper.nbytes
         total_before = sum(1 for _ in samples(registry))
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        for i in range(1000):
+        for i in range(NAMES):
             with pinpool.PinnedPool(size=64 * KiB, runtime=FakeRuntime(), name=f"pool-{i}", registry=registry) as p:
                 if i == 0:
                     assert gauge_count(registry) > before  # it had series while open
@@ -80,14 +86,13 @@ def test_a_thousand_pool_names_leave_no_gauge_series() -> None:
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         assert after == before
         assert gauges_of(registry, "kv-host") == kept
-        assert gauges_of(registry, "pool-999") == {}
+        assert gauges_of(registry, f"pool-{NAMES - 1}") == {}
         # Counters and histograms are cumulative: they stay (see docs/metrics.md, "Label cardinality").
-        assert registry.get_sample_value("pinpool_registered_bytes_total", {"pool": "pool-999", "runtime": "fake"}) == (
-            64 * KiB
-        )
+        last = {"pool": f"pool-{NAMES - 1}", "runtime": "fake"}
+        assert registry.get_sample_value("pinpool_registered_bytes_total", last) == 64 * KiB
         assert registry.get_sample_value("pinpool_pool_pin_seconds_count", {"pool": "pool-0", "runtime": "fake"}) == 1
     print(
-        f"\n1,000 pool names: gauge samples {before} -> {after}; all samples {total_before} -> {total_after} "
+        f"\n{NAMES:,} pool names: gauge samples {before} -> {after}; all samples {total_before} -> {total_after} "
         f"(counters and histograms); peak RSS +{(rss_after - rss_before) / 1024:.1f} MiB"
     )
 

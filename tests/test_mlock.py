@@ -15,7 +15,7 @@ import pinpool
 from pinpool import _libc
 from pinpool.runtimes import MlockRuntime
 
-from .conftest import needs_mlock, pin_and_run
+from .conftest import each_driver, hugetlb_pages, needs_mlock, pin_and_run
 
 MiB = 1 << 20
 
@@ -46,7 +46,7 @@ class FailingMlock(MlockRuntime):
         super().lock_on_fault(ptr, nbytes)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_vmlck_grows_by_pool_size_and_returns(mode: str, vmlck_baseline: int) -> None:
     pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", register_workers=2)
     if mode == "async":
@@ -74,7 +74,7 @@ def test_unaligned_granularity_locks_exactly_the_pool(granularity: int, vmlck_ba
     assert _libc.vm_locked_bytes() == vmlck_baseline
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_failure_rolls_back_real_locks(mode: str, vmlck_baseline: int) -> None:
     runtime = FailingMlock(fail_on=4)
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=8 * MiB, runtime=runtime, register_workers=1)
@@ -215,7 +215,7 @@ def _smaps_locked_kb(address: int) -> int:
     raise AssertionError(f"no mapping starts at {address:#x}")
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_default_pipeline_locks_every_page_on_fault(mode: str, vmlck_baseline: int) -> None:
     """mlock's default order: lock-on-fault first, then parallel faulting locks each page."""
     pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", populate_workers=2)
@@ -269,7 +269,8 @@ def _set_hugetlb(value: int) -> None:
         f.write(str(value))
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@hugetlb_pages
+@each_driver
 async def test_hugetlb_pool_uses_reserved_pages_and_returns_them(mode: str, vmlck_baseline: int) -> None:
     old = _reserve_hugetlb(16)
     try:
@@ -294,6 +295,7 @@ async def test_hugetlb_pool_uses_reserved_pages_and_returns_them(mode: str, vmlc
         _set_hugetlb(old)
 
 
+@hugetlb_pages
 def test_hugetlb_without_enough_reserved_pages_is_a_config_error() -> None:
     free, _total = _libc.hugetlb_free_pages()
     size = (free + 1) * 2 * MiB

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry
 import pinpool
 from pinpool.testing import FakeRuntime
 
+from .conftest import each_driver
+
 MiB = 1 << 20
 
 pytestmark = pytest.mark.anyio
@@ -30,7 +32,7 @@ def base(pool: str = "obs") -> dict[str, str]:
     return {"pool": pool, "runtime": "fake"}
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_metrics_follow_a_pool_through_pin_and_unpin(mode: str) -> None:
     registry = CollectorRegistry()
     pool = pinpool.PinnedPool(
@@ -182,7 +184,7 @@ def test_unconfigured_structlog_prints_no_line_per_chunk() -> None:
     assert "chunk.registered" not in result.stderr
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_progress_from_the_callers_thread_bounded_and_final(mode: str) -> None:
     calls: list[tuple[int, int, int, int]] = []
     threads: set[int] = set()
@@ -261,7 +263,7 @@ def test_multiprocess_mode_sums_live_pools(tmp_path: Any) -> None:
         assert child.returncode == 0
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_progress_error_on_the_final_call_rolls_back(mode: str) -> None:
     fake = FakeRuntime()
 

@@ -13,7 +13,7 @@ from pinpool import _libc
 from pinpool._plan import plan_chunks
 from pinpool.testing import FakeRuntime
 
-from .conftest import needs_mlock
+from .conftest import each_driver, needs_mlock
 
 MiB = 1 << 20
 PAGE = _libc.PAGE_SIZE
@@ -28,7 +28,7 @@ def unaligned_tensor(nbytes: int, misalignment: int = 64) -> torch.Tensor:
 
 
 @needs_mlock
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_pin_locks_the_callers_tensor_and_never_frees_it(mode: str, vmlck_baseline: int) -> None:
     t = unaligned_tensor(32 * MiB)
     t.fill_(5)

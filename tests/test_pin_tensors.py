@@ -24,7 +24,7 @@ from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES
 from pinpool.testing import FakeRuntime
 
-from .conftest import needs_mlock
+from .conftest import each_driver, needs_mlock
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = _libc.PAGE_SIZE
@@ -54,7 +54,7 @@ def sizes(chunks: object) -> list[int]:
 # -- item 2: the reference vector on an ordinary torch.empty buffer -----------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_reference_vector_on_a_torch_empty_buffer(mode: str) -> None:
     """2.5 GiB, 300 MiB copy pages, 1 GiB calls: 900 + 900 + 700 MiB, as on page-aligned memory."""
     t = torch.empty(2500 << 20, dtype=torch.uint8)  # torch's allocator: 64 B into an OS page (glibc mmap)
@@ -372,7 +372,7 @@ CHANGES = ["resize_(0)", "set_()", "resize_(larger)", "storage.resize_(0)"]
 
 
 @pytest.mark.parametrize("how", CHANGES)
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_changing_the_tensor_inside_the_block_never_frees_pinned_memory(how: str, mode: str) -> None:
     t = torch.empty(8 * MiB, dtype=torch.uint8)
     t.fill_(3)

@@ -22,7 +22,7 @@ from pinpool._ledger import ChunkState, LedgerError, Phase, StopCause
 from pinpool._pipeline import WAIT, Batch, Order, Pipeline, Span, split_spans
 from pinpool.testing import FakeRuntime
 
-from .conftest import pin_and_run
+from .conftest import each_driver, hugetlb_pages, pin_and_run
 
 MiB = 1 << 20
 
@@ -565,7 +565,7 @@ def test_populate_is_on_by_default_for_the_fake() -> None:
     assert_rolled_back(fake)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_populate_first_registers_each_chunk_after_all_its_spans(mode: str) -> None:
     fake = FakeRuntime(populate_delay=0.001, register_delay=0.002)
     pool = pinpool.PinnedPool(
@@ -591,7 +591,7 @@ async def test_populate_first_registers_each_chunk_after_all_its_spans(mode: str
     assert_rolled_back(fake)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_lock_on_fault_registers_each_chunk_before_faulting_it(mode: str) -> None:
     fake = FakeRuntime(lock_on_fault=True, populate_delay=0.001, register_delay=0.002)
     pool = pinpool.PinnedPool(
@@ -619,7 +619,7 @@ def test_huge_pages_fault_first_even_under_lock_on_fault() -> None:
 
 
 @pytest.mark.parametrize("lock_on_fault", [False, True])
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_populate_false_only_registers(mode: str, lock_on_fault: bool) -> None:
     fake = FakeRuntime(lock_on_fault=lock_on_fault)
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, populate=False, register_workers=2)
@@ -633,7 +633,7 @@ async def test_populate_false_only_registers(mode: str, lock_on_fault: bool) -> 
 
 @pytest.mark.parametrize("fail_on", [1, 6, 13])
 @pytest.mark.parametrize("lock_on_fault", [False, True])
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_populate_failure_rolls_back_in_both_orders(mode: str, lock_on_fault: bool, fail_on: int) -> None:
     fake = FakeRuntime(fail_populate_on=fail_on, lock_on_fault=lock_on_fault, populate_delay=0.001)
     pool = pinpool.PinnedPool(
@@ -664,7 +664,7 @@ async def test_populate_failure_rolls_back_in_both_orders(mode: str, lock_on_fau
 
 
 @pytest.mark.parametrize("lock_on_fault", [False, True])
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_two_spans_failing_at_once_are_both_reported(mode: str, lock_on_fault: bool) -> None:
     meet = threading.Barrier(2, timeout=10)
 
@@ -734,7 +734,7 @@ async def test_cancellation_from_inside_a_populate_call_rolls_back(lock_on_fault
     assert pool.pinned_bytes == 0
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_a_failure_ends_a_batch_at_once(mode: str) -> None:
     fake = FakeRuntime(fail_register_on=5)
     # One worker, 64 one-page chunks: they go out as one batch, called one by one.
@@ -804,7 +804,7 @@ class Logging(FakeRuntime):
                 self.unregistering -= 1
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_faulting_runs_ahead_of_registration_by_at_most_the_lookahead(mode: str) -> None:
     ran_ahead = threading.Event()
 
@@ -859,7 +859,7 @@ async def test_faulting_runs_ahead_of_registration_by_at_most_the_lookahead(mode
     assert_rolled_back(fake)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_parallel_teardown_unregisters_every_chunk_once(mode: str) -> None:
     meet = threading.Barrier(2, timeout=10)
 
@@ -885,7 +885,7 @@ async def test_parallel_teardown_unregisters_every_chunk_once(mode: str) -> None
     assert pool.pinned_bytes == 0
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_one_unpin_worker_unregisters_in_reverse_offset_order(mode: str) -> None:
     fake = Logging(unregister_delay=0.002)
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, unpin_workers=1, register_workers=3)
@@ -931,6 +931,7 @@ def test_bad_options_are_config_errors_before_anything_is_registered(option: str
     assert fake.register_calls == [] and fake.populate_calls == [] and fake.events == []
 
 
+@hugetlb_pages
 def test_hugetlb_without_free_pages_is_a_config_error() -> None:
     free = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
     try:

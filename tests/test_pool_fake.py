@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import anyio
 import anyio.lowlevel
@@ -22,12 +23,53 @@ from pinpool import layouts
 from pinpool._memory import HostMapping
 from pinpool.testing import FakeRuntime
 
-from .conftest import pin_and_run
+from .conftest import each_driver, pin_and_run
 
 MiB = 1 << 20
 GiB = 1 << 30
 
 pytestmark = pytest.mark.anyio
+
+
+class CtrlC:
+    """Ctrl-C for the main thread from inside the fake's calls: ``at`` holds ``(op, n)`` pairs,
+    and the n-th ``op`` call (1-based) interrupts the main thread with ``send`` (a real SIGINT by
+    default) before it runs. The call then waits until the main thread has taken the interrupt,
+    so it lands in that call's step however loaded the machine is: a timer's fixed delay did not
+    (under parallel workers a late one fired after the pool was done, outside pytest.raises, and
+    ended the whole run). ``taken`` counts the interrupts the main thread took."""
+
+    def __init__(self, fake: FakeRuntime, at: set[tuple[str, int]], send: Callable[[], None] | None = None) -> None:
+        main = threading.main_thread().ident
+        assert main is not None
+        self.fake, self.at, self.taken = fake, at, 0
+        self.send = send or (lambda: signal.pthread_kill(main, signal.SIGINT))
+        self._calls: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._landed = threading.Event()
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.taken += 1
+        self._landed.set()
+        raise KeyboardInterrupt
+
+    def _before_call(self, op: str, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            n = self._calls[op] = self._calls.get(op, 0) + 1
+        if (op, n) in self.at:
+            self._landed.clear()
+            self.send()
+            if threading.current_thread() is not threading.main_thread():
+                assert self._landed.wait(30), f"the main thread did not take the Ctrl-C sent from {op} #{n}"
+
+    def __enter__(self) -> CtrlC:
+        self._old = signal.signal(signal.SIGINT, self._handler)
+        self.fake.before_call = self._before_call
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.fake.before_call = None
+        signal.signal(signal.SIGINT, self._old)
 
 
 def assert_rolled_back(fake: FakeRuntime, failed_calls: set[int] = frozenset(), *, in_order: bool = False) -> None:  # type: ignore[assignment]
@@ -44,7 +86,7 @@ def assert_rolled_back(fake: FakeRuntime, failed_calls: set[int] = frozenset(), 
         assert fake.unregister_calls == sorted(fake.unregister_calls, reverse=True)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_pins_every_chunk_and_unpins_on_exit(mode: str) -> None:
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(
@@ -112,7 +154,7 @@ def test_second_registration_fails_reference_vector() -> None:
 
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("fail_at", range(1, 9))
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_rollback_at_every_chunk_index(mode: str, fail_at: int, workers: int) -> None:
     fake = FakeRuntime(fail_register_on=fail_at, register_delay=0.001)
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=workers)
@@ -153,7 +195,7 @@ async def test_rollback_that_cannot_unregister_reports_leaked() -> None:
     assert len(fake.registered) == 1
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_unregister_failure_at_exit_raises_unpin_error(mode: str) -> None:
     fake = FakeRuntime(fail_unregister_on=2)
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
@@ -165,7 +207,7 @@ async def test_unregister_failure_at_exit_raises_unpin_error(mode: str) -> None:
     assert len(fake.registered) == 1
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_body_exception_propagates_unchanged_with_unpin_failure_as_note(mode: str) -> None:
     fake = FakeRuntime(fail_unregister_on=1)
     pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
@@ -180,7 +222,7 @@ async def test_body_exception_propagates_unchanged_with_unpin_failure_as_note(mo
     assert any("failed to unregister" in note for note in getattr(boom, "__notes__", []))
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_body_exception_unpins_everything(mode: str) -> None:
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake)
@@ -296,16 +338,10 @@ async def test_cancellation_inside_body_unpins_and_propagates() -> None:
 def test_keyboard_interrupt_in_sync_twin_rolls_back(how: str) -> None:
     fake = FakeRuntime(register_delay=0.01)
     pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
-    main = threading.main_thread().ident
-    assert main is not None
-    interrupt = (lambda: signal.pthread_kill(main, signal.SIGINT)) if how == "SIGINT" else _thread.interrupt_main
-    timer = threading.Timer(0.05, interrupt)
-    timer.start()
-    try:
+    with CtrlC(fake, {("register", 5)}, None if how == "SIGINT" else _thread.interrupt_main) as ctrl_c:
         with pytest.raises(KeyboardInterrupt), pool:
             pytest.fail("body must not run")
-    finally:
-        timer.cancel()
+    assert ctrl_c.taken == 1
     assert 0 < len(fake.register_calls) < 100
     assert_rolled_back(fake)
 
@@ -469,31 +505,23 @@ def test_finalizer_unpins_even_when_warnings_are_errors() -> None:
 
 def test_second_interrupt_during_rollback_does_not_skip_it() -> None:
     fake = FakeRuntime(register_delay=0.01, unregister_delay=0.01)
-    # One unpin worker keeps the rollback long enough (~0.1 s) for all three interrupts to land in it.
+    # The first Ctrl-C lands mid-pinning, the next two in the rollback it starts (one unpin worker).
     pool = pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2, unpin_workers=1)
-    main = threading.main_thread().ident
-    assert main is not None
-    timers = [threading.Timer(t, signal.pthread_kill, (main, signal.SIGINT)) for t in (0.05, 0.08, 0.11)]
-    for timer in timers:
-        timer.start()
-    try:
+    with CtrlC(fake, {("register", 10), ("unregister", 1), ("unregister", 3)}) as ctrl_c:
         with pytest.raises(KeyboardInterrupt), pool:
             pytest.fail("body must not run")
-    finally:
-        for timer in timers:
-            timer.join()
+    assert ctrl_c.taken == 3
     assert_rolled_back(fake)
     assert pool.pinned_bytes == 0
 
 
 def test_interrupt_during_teardown_finishes_teardown_then_propagates() -> None:
     fake = FakeRuntime(unregister_delay=0.02)
-    main = threading.main_thread().ident
-    assert main is not None
     pool = pinpool.PinnedPool(size=10 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
-    with pytest.raises(KeyboardInterrupt):
+    with CtrlC(fake, {("unregister", 3)}) as ctrl_c, pytest.raises(KeyboardInterrupt):
         with pool:
-            threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT)).start()
+            pass
+    assert ctrl_c.taken == 1
     assert_rolled_back(fake)
     assert pool.state is pinpool.PoolState.CLOSED
     pool.__exit__(None, None, None)  # closed: a second exit is a no-op

@@ -141,6 +141,19 @@ def rate_limited_fake(bytes_per_second: float, **kw: object) -> FakeRuntime:
 def test_a_budget_keeps_every_call_short_aligned_and_undone_by_base() -> None:
     granularity = 3 * MiB  # unit: lcm(3 MiB, 4 KiB) = 3 MiB
     fake = rate_limited_fake(2e9)  # 2 GB/s: a 1.5 GiB chunk would take 0.8 s in one call
+    # How much longer than its modelled time each register call's sleep took: the scheduling
+    # delay of a loaded machine (parallel workers), which the wall-clock metric includes too.
+    overshoot = [0.0]
+    sleep = fake.before_call
+    assert sleep is not None
+
+    def timed(op: str, ptr: int, nbytes: int) -> None:
+        started = time.perf_counter()
+        sleep(op, ptr, nbytes)
+        if op == "register":
+            overshoot.append(time.perf_counter() - started - nbytes / 2e9)
+
+    fake.before_call = timed
     registry = CollectorRegistry()
     pool = PinnedPool(
         layout=layouts.Raw(granularity_bytes=granularity), size=1536 * MiB, chunk_bytes=768 * MiB, runtime=fake,
@@ -158,7 +171,7 @@ def test_a_budget_keeps_every_call_short_aligned_and_undone_by_base() -> None:
     assert sum(sizes) == pool.nbytes
     assert all((ptr - pool_base(calls)) % granularity == 0 for ptr, _n in calls)
     assert max(sizes) * 1.0 / 2e9 <= 0.02 * 1.5  # no call over the budget (by the fake's clock)
-    assert longest is not None and 0 < longest <= 0.03
+    assert longest is not None and 0 < longest <= 0.03 + max(overshoot)  # within the budget, but for the delay
 
 
 def pool_base(calls: list[tuple[int, int]]) -> int:

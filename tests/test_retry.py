@@ -16,7 +16,7 @@ from pinpool import layouts
 from pinpool._plan import Chunk, RetryGrid, RetrySplitter
 from pinpool.testing import FakeRuntime
 
-from .conftest import pin_and_run
+from .conftest import each_driver, pin_and_run
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
@@ -26,7 +26,7 @@ def registered_table(fake: FakeRuntime, base: int) -> list[Chunk]:
     return sorted(Chunk(ptr - base, n) for ptr, n in fake.registered.items())
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@each_driver
 async def test_a_capped_driver_gets_halves_and_the_pool_opens(mode: str) -> None:
     fake = FakeRuntime(fail_register_larger_than=300 * MiB)
     registry = CollectorRegistry()

@@ -1,0 +1,308 @@
+"""A pool's options, declared once: names, types, defaults, help, and where each is taken.
+
+:data:`OPTIONS` is the one list of what a user may ask of a pool. Everything that spells the
+options is derived from it, or checked against it by a test, so none can drift:
+
+- ``PinnedPool.__init__`` and ``pinpool.pin()`` keep explicit typed signatures (for IDEs and
+  mypy); ``tests/test_options_declared.py`` asserts with :func:`inspect.signature` that their
+  parameter names, kinds, defaults and annotations are exactly the declared ones, in this
+  order, that ``PoolOptions.create`` takes exactly the options marked ``create``, and that
+  ``PinnedPool``'s docstring ``Options:`` section lists every pool option.
+- Both go through one construction path, ``PinnedPool._configure``, which reads the options
+  by these names.
+- The command line (``pinpool/_cli.py``) builds the pool flags of ``pinpool pin``, ``plan``
+  and ``doctor`` by looping over :data:`OPTIONS` (:class:`Flag`), and reads them back the
+  same way.
+- ``docs/options.md``'s table is rendered from :data:`OPTIONS` by
+  ``docs/_ext/options_table.py`` (``--check`` in a test: the page cannot drift either).
+
+Standard library only: the command line imports this module, and must not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_MIN_CHUNK_BYTES",
+    "DEFAULT_REGISTRY",
+    "KINDS",
+    "OPTIONS",
+    "PER_BUFFER",
+    "Flag",
+    "Option",
+    "option",
+    "pin_options",
+    "pool_options",
+]
+
+DEFAULT_MIN_CHUNK_BYTES = 64 << 20
+DEFAULT_MAX_RETRIES = 8
+# chunk_bytes= that asks for one registration per buffer (ROCm kernels address a pool from one base).
+PER_BUFFER = "buffer"
+
+
+class _Default:
+    """A default that is an object this module cannot import (prometheus_client's registry)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+DEFAULT_REGISTRY = _Default("prometheus_client.REGISTRY")
+_SAME = _Default("the same")
+
+# How the command line reads an option's text (pinpool/_cli.py turns each into argparse arguments):
+KINDS = {
+    "layout": "the layout group: --layout FAMILY with its dimensions, or --layout-file",
+    "size": "a size: bytes, or a number with a unit (64GiB); a number without a unit must be whole",
+    "chunk": f"a size, or {PER_BUFFER!r}",
+    "int": "an integer",
+    "seconds": "a number of seconds, 'auto', or 'none'",
+    "nice": "an integer, or 'auto'",
+    "text": "text, as given",
+    "runtime": "a registered runtime name, or 'fake'",
+    "huge_pages": "off, thp or hugetlb; thp when the flag is given alone",
+    "bool": "--flag / --no-flag",
+    "switch": "--flag (True); absent: the Python default",
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How the command line spells an option.
+
+    ``kind``: how its text is read (a key of :data:`KINDS`). ``commands``: the subcommands
+    that take it. ``default``: the command line's own default for ``pin`` and ``plan``, as
+    text, where it differs from Python's (``doctor`` takes none: what it is not given, it does
+    not check). An option left off the command line gets the Python default. ``note``: what
+    the command line adds to the option's help.
+    """
+
+    flag: str
+    kind: str
+    metavar: str | None = None
+    commands: tuple[str, ...] = ("pin", "plan")
+    default: str | None = None
+    note: str = ""
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One pool option.
+
+    ``type``: the annotation text ``PinnedPool`` (and ``pin()``) declare it with, as the docs
+    show it. ``default``: the Python default. ``help``: one line. ``flag``: how the command
+    line spells it, or None with ``no_flag`` saying why not. ``pool`` / ``pin``: whether
+    ``PinnedPool(...)`` / ``pin(tensor, ...)`` take it (``no_pin``: why pin() does not);
+    ``pin_default``: pin()'s default where it differs. ``create``: whether
+    ``PoolOptions.create`` takes it (the options it validates and keeps).
+    ``shown_default``: how the docs show the default where ``repr`` does not say it well.
+    """
+
+    name: str
+    type: str
+    default: object
+    help: str
+    flag: Flag | None = None
+    no_flag: str = ""
+    pool: bool = True
+    pin: bool = True
+    no_pin: str = ""
+    pin_default: object = _SAME
+    create: bool = False
+    shown_default: str | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.flag is None) == bool(self.no_flag), f"{self.name}: a flag, or why there is none"
+        assert self.pin or self.no_pin, f"{self.name}: say why pin() does not take it"
+        assert self.flag is None or self.flag.kind in KINDS, f"{self.name}: unknown kind {self.flag.kind!r}"
+
+    @property
+    def default_for_pin(self) -> object:
+        return self.default if self.pin_default is _SAME else self.pin_default
+
+    def shown(self, value: object = _SAME) -> str:
+        """A default as the docs show it: Python's spelling."""
+        value = self.default if value is _SAME else value
+        if value is self.default and self.shown_default is not None:
+            return self.shown_default
+        return repr(value)
+
+
+_TENSOR = "the tensor decides"
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "granularity_bytes", "int | None", None,
+        "copy-page size of the tensor: chunk boundaries are multiples of it from the tensor's start",
+        no_flag="pin() only: the command line pins memory of its own (--layout raw --granularity does the same)",
+        pool=False,
+    ),
+    Option(
+        "layout", "Layout | None", None,
+        "what the memory holds: a layout from pinpool.layouts (None: Raw(), plain bytes)",
+        flag=Flag("--layout", "layout", "FAMILY"), pin=False, no_pin=_TENSOR, create=True,
+    ),
+    Option(
+        "size", "int | str | None", None,
+        "byte budget, an int or a size string such as 64GiB, 1.5TiB, 512MB: the pool holds the whole pages that fit",
+        flag=Flag("--size", "size", "SIZE", commands=("pin", "plan", "doctor"), default="4GiB",
+                  note="(pin and plan: default 4GiB unless --num-pages; doctor: the size to check the host against)"),
+        pin=False, no_pin=_TENSOR, create=True,
+    ),
+    Option(
+        "num_pages", "int | None", None,
+        "instead of size: exactly this many layout pages (paired pools, e.g. MLA and its Indexer, get the same count)",
+        flag=Flag("--num-pages", "int", "N"), pin=False, no_pin=_TENSOR, create=True,
+    ),
+    Option(
+        "memory", "SharedMemory | None", None,
+        "where the memory comes from: None maps private anonymous memory; a pinpool.SharedMemory maps a shared file",
+        no_flag="Python-only: a SharedMemory object", pin=False, no_pin="the tensor is the memory",
+    ),
+    Option(
+        "runtime", "str | Runtime", "auto",
+        "what pins: auto (ROCm or CUDA with a GPU, else mlock), cuda, rocm, mlock, or a runtime object",
+        flag=Flag("--runtime", "runtime", note="(names only: a runtime object is Python-only; fake is "
+                  "pinpool.testing.FakeRuntime, which pins nothing)"),
+    ),
+    Option(
+        "chunk_bytes", "int | str | None", None,
+        f"exact size of one registration call, rounded down to the alignment unit; {PER_BUFFER!r}: one registration "
+        "per buffer, never cut; None: chunks up to the chunk limit, split for the workers",
+        flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer"), create=True,
+    ),
+    Option(
+        "max_chunk_bytes", "int | str | None", None,
+        "upper bound of one registration call, rounded down to the alignment unit; chunks may be split further for the "
+        "workers (None: PINPOOL_REGISTER_CHUNK_GB GiB, else 256 GiB)",
+        flag=Flag("--max-chunk-bytes", "size", "SIZE"), create=True,
+    ),
+    Option(
+        "populate", "bool | None", None,
+        "pre-fault the memory on threads (MADV_POPULATE_WRITE), pipelined with registration (None: where it can)",
+        flag=Flag("--populate", "bool"), create=True,
+    ),
+    Option(
+        "populate_workers", "int | None", None, "pre-fault threads (None: CPUs, up to 16)",
+        flag=Flag("--populate-workers", "int", "N"), create=True,
+    ),
+    Option(
+        "register_workers", "int | None", None,
+        "registration threads (None: 1 for CUDA, whose driver serialises registration; CPUs up to 8 otherwise)",
+        flag=Flag("--register-workers", "int", "N"), create=True,
+    ),
+    Option(
+        "unpin_workers", "int | None", None,
+        "unregistration threads, at exit and in a rollback (None: CPUs, up to 8)",
+        flag=Flag("--unpin-workers", "int", "N"), create=True,
+    ),
+    Option(
+        "huge_pages", "bool | str", False,
+        "True: transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE); 'hugetlb': 2 MiB pages from vm.nr_hugepages",
+        flag=Flag("--huge-pages", "huge_pages", note="(thp for True, also when given alone; hugetlb; off: False)"),
+        pin=False, no_pin="pinpool.empty(..., huge_pages=) takes it",
+        create=True,
+    ),
+    Option(
+        "numa_node", "int | None", None,
+        "bind the memory to this NUMA node (mbind) before any of it is faulted (None: the kernel places it)",
+        flag=Flag("--numa-node", "int", "N"), pin=False, no_pin="pinpool.empty(..., numa_node=) takes it", create=True,
+    ),
+    Option(
+        "name", "str", "default",
+        "the pool's name in logs, metrics and errors (low-cardinality: one per pool role)",
+        flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor", create=True,
+    ),
+    Option(
+        "min_chunk_bytes", "int | str", DEFAULT_MIN_CHUNK_BYTES,
+        "a registration retried as halves is never cut below this (nor below one alignment unit)",
+        flag=Flag("--min-chunk-bytes", "size", "SIZE"), create=True, shown_default="67108864 (64 MiB)",
+    ),
+    Option(
+        "max_retries", "int", DEFAULT_MAX_RETRIES,
+        "how many times per pool a registration failing with a retryable code is halved and retried (0: never)",
+        flag=Flag("--max-retries", "int", "N"), create=True,
+    ),
+    Option(
+        "max_call_seconds", "float | str | None", "auto",
+        "the stall budget: every registration and populate call is sized to take at most this long ('auto': 50 ms "
+        "for a background pool, none otherwise; None: no budget)",
+        flag=Flag("--max-call-seconds", "seconds", "SECONDS|auto|none", note="(here none for None)"), create=True,
+    ),
+    Option(
+        "background", "bool", False,
+        "enter at once and pin in the background, lowest pages first (pool.state, pinned_pages, wait_ready)",
+        flag=Flag("--background", "switch", note="(pin waits until the pool is ready before it reports or holds)"),
+        create=True,
+    ),
+    Option(
+        "pin_nice", "int | str | None", "auto",
+        "how much nicer than the process the pin worker threads run, 0 to 19 ('auto': nicer for a background pool, "
+        "unchanged otherwise; None: 0)",
+        flag=Flag("--pin-nice", "nice", "N|auto"), create=True,
+    ),
+    Option(
+        "node_slots", "int | None", None,
+        "node pacing: at most this many processes of this host pin at once (None: PINPOOL_NODE_SLOTS, else no limit)",
+        flag=Flag("--node-slots", "int", "N"),
+    ),
+    Option(
+        "node_budget", "int | float | str | None", None,
+        "node pacing: bytes all cooperating pools may hold pinned, a size or a fraction of MemTotal such as 0.8 "
+        "(None: env PINPOOL_NODE_BUDGET, else no budget)",
+        flag=Flag("--node-budget", "text", "SIZE|FRACTION"),
+    ),
+    Option(
+        "node_dir", "str | None", None,
+        "node pacing's directory of flock-ed files (None: env PINPOOL_NODE_DIR, else /dev/shm/pinpool-<uid>)",
+        flag=Flag("--node-dir", "text", "PATH"),
+    ),
+    Option(
+        "node_wait", "bool", True,
+        "node pacing: wait for admission (True), or raise NodeBusyError at once (False)",
+        flag=Flag("--node-wait", "bool"),
+    ),
+    Option(
+        "registry", "CollectorRegistry | None", DEFAULT_REGISTRY,
+        "the prometheus_client registry the pool's metrics go to (None: no metrics)",
+        no_flag="Python-only: the command line keeps a registry of its own (pin --metrics-port serves it)",
+    ),
+    Option(
+        "logger", "Any | None", None,
+        "a structlog bound logger for the pool's events (None: structlog's if configured, else stdlib's)",
+        no_flag="Python-only: the command line prints the pool's events on stderr",
+    ),
+    Option(
+        "on_progress", "ProgressCallback | None", None,
+        "callable(pinned_bytes, total_bytes, chunks_done, chunks_total), called about every 100 ms and once at the end",
+        no_flag="Python-only: the command line draws progress itself (pin --progress)",
+    ),
+)  # fmt: skip
+
+_BY_NAME = {o.name: o for o in OPTIONS}
+assert len(_BY_NAME) == len(OPTIONS), "an option is declared twice"
+
+
+def option(name: str) -> Option:
+    return _BY_NAME[name]
+
+
+def pool_options() -> Iterator[Option]:
+    """What ``PinnedPool(...)`` takes, in its signature's order."""
+    return (o for o in OPTIONS if o.pool)
+
+
+def pin_options() -> Iterator[Option]:
+    """What ``pin(tensor, ...)`` takes after the tensor, in its signature's order."""
+    return (o for o in OPTIONS if o.pin)
