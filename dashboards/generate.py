@@ -7,6 +7,11 @@
 The JSON is generated, never edited by hand: CI runs ``--check`` so the two cannot drift.
 Metric names and labels are pinpool's contract (docs/metrics.md). No dependencies beyond the
 standard library.
+
+Time series are per instance and pool (``by (instance, pool)``), never one sum over every
+instance: 64 ranks each pinning a pool of the same name are 64 lines, so the one rank that is
+stuck stays visible. The stat row sums (that is what "how many pools are open" means) and adds
+the least-pinned instance, the one number that shows a stuck rank at a glance.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}
 # Every query filters on the dashboard's variables.
 SELECTOR = 'job=~"$job", instance=~"$instance", pool=~"$pool"'
 RATE = "$__rate_interval"
+# Time series group by these: one line per process (instance) and pool.
+BY = "instance, pool"
+EACH = "{{instance}} {{pool}}"  # their legend
 
 
 def sel(metric: str, extra: str = "") -> str:
@@ -190,46 +198,58 @@ def variables() -> list[Json]:
 
 
 def quantile(q: float, metric: str) -> str:
-    return f"histogram_quantile({q}, sum by (pool, le) ({rate(metric)}))"
+    return f"histogram_quantile({q}, sum by ({BY}, le) ({rate(metric)}))"
 
 
 def mean(histogram: str) -> str:
-    return f"sum by (pool) ({rate(histogram + '_sum')}) / sum by (pool) ({rate(histogram + '_count')})"
+    return f"sum by ({BY}) ({rate(histogram + '_sum')}) / sum by ({BY}) ({rate(histogram + '_count')})"
+
+
+def pinned_fraction() -> str:
+    """Pinned over target per instance and pool; closed pools (target 0) are left out."""
+    return f"sum by ({BY}) ({sel('pinpool_pinned_bytes')}) / (sum by ({BY}) ({sel('pinpool_pool_bytes')}) > 0)"
 
 
 def panels() -> list[Json]:
     items = [
         stat(
             "Pools open",
-            "Pools pinning or pinned now (pinpool_pools_open), per pool name.",
+            "Pools pinning or pinned now (pinpool_pools_open), per pool name, summed over the instances.",
             "short",
             [target(f"sum by (pool) ({sel('pinpool_pools_open')})", "{{pool}}", "A")],
-            grid(0, 0, 8, 4),
+            grid(0, 0, 6, 4),
         ),
         stat(
             "Pinned now",
-            "Bytes pinned now (pinpool_pinned_bytes), per pool name. Non-zero with no pool open means leaked "
-            "pinned memory (an unregister failed).",
+            "Bytes pinned now (pinpool_pinned_bytes), per pool name, summed over the instances. Non-zero with no "
+            "pool open means leaked pinned memory (an unregister failed).",
             "bytes",
             [target(f"sum by (pool) ({sel('pinpool_pinned_bytes')})", "{{pool}}", "A")],
-            grid(8, 0, 8, 4),
+            grid(6, 0, 6, 4),
         ),
         stat(
             "Target size of open pools",
-            "Target size of the open pools (pinpool_pool_bytes), per pool name.",
+            "Target size of the open pools (pinpool_pool_bytes), per pool name, summed over the instances.",
             "bytes",
             [target(f"sum by (pool) ({sel('pinpool_pool_bytes')})", "{{pool}}", "A")],
-            grid(16, 0, 8, 4),
+            grid(12, 0, 6, 4),
+        ),
+        stat(
+            "Least-pinned instance",
+            "Per pool name, the lowest pinned/target fraction of any instance's open pool: one rank of 64 that is "
+            "stuck shows here (a sum over the ranks would hide it). Below 100% for long: find that instance in "
+            "Pinned fraction per instance (alert PinpoolPoolBelowTarget).",
+            "percentunit",
+            [target(f"min by (pool) ({pinned_fraction()})", "{{pool}}", "A")],
+            grid(18, 0, 6, 4),
         ),
         timeseries(
-            "Pinned vs target bytes",
-            "pinpool_pinned_bytes climbs towards pinpool_pool_bytes while a pool pins and equals it while the pool "
-            "is open. Pinned below target for long: pinning is stuck (alert PinpoolPoolBelowTarget).",
-            "bytes",
-            [
-                target(f"sum by (pool) ({sel('pinpool_pinned_bytes')})", "{{pool}} pinned", "A"),
-                target(f"sum by (pool) ({sel('pinpool_pool_bytes')})", "{{pool}} target", "B"),
-            ],
+            "Pinned fraction per instance",
+            "pinpool_pinned_bytes / pinpool_pool_bytes of each open pool, one line per instance and pool: it climbs "
+            "to 100% while a pool pins and stays there while the pool is open. A line below the others for long: "
+            "that instance's pinning is stuck (alert PinpoolPoolBelowTarget).",
+            "percentunit",
+            [target(pinned_fraction(), EACH, "A")],
             grid(0, 4, 12, 8),
         ),
         timeseries(
@@ -240,8 +260,8 @@ def panels() -> list[Json]:
             "(docs/operations.md#sizing-workers).",
             "Bps",
             [
-                target(f"sum by (pool) ({rate('pinpool_registered_bytes_total')})", "{{pool}} registered", "A"),
-                target(f"sum by (pool) ({rate('pinpool_populated_bytes_total')})", "{{pool}} pre-faulted", "B"),
+                target(f"sum by ({BY}) ({rate('pinpool_registered_bytes_total')})", f"{EACH} registered", "A"),
+                target(f"sum by ({BY}) ({rate('pinpool_populated_bytes_total')})", f"{EACH} pre-faulted", "B"),
             ],
             grid(12, 4, 12, 8),
         ),
@@ -252,8 +272,8 @@ def panels() -> list[Json]:
             "chunk_bytes= (docs/operations.md#sizing-chunks).",
             "s",
             [
-                target(quantile(0.5, "pinpool_chunk_register_seconds_bucket"), "{{pool}} p50", "A"),
-                target(quantile(0.99, "pinpool_chunk_register_seconds_bucket"), "{{pool}} p99", "B"),
+                target(quantile(0.5, "pinpool_chunk_register_seconds_bucket"), f"{EACH} p50", "A"),
+                target(quantile(0.99, "pinpool_chunk_register_seconds_bucket"), f"{EACH} p99", "B"),
             ],
             grid(0, 12, 12, 8),
         ),
@@ -278,8 +298,8 @@ def panels() -> list[Json]:
             "short",
             [
                 target(
-                    f"sum by (pool, phase, reason) ({increase('pinpool_chunk_failures_total')})",
-                    "{{pool}} {{phase}} {{reason}}",
+                    f"sum by ({BY}, phase, reason) ({increase('pinpool_chunk_failures_total')})",
+                    f"{EACH} {{{{phase}}}} {{{{reason}}}}",
                     "A",
                 )
             ],
@@ -293,7 +313,7 @@ def panels() -> list[Json]:
             "timeout, exit when the body left or the process exited while a background pool pinned (a normal "
             "shutdown), collected when a pinning pool was dropped without being exited.",
             "short",
-            [target(f"sum by (pool, cause) ({increase('pinpool_rollbacks_total')})", "{{pool}} {{cause}}", "A")],
+            [target(f"sum by ({BY}, cause) ({increase('pinpool_rollbacks_total')})", f"{EACH} {{{{cause}}}}", "A")],
             grid(12, 20, 12, 8),
             drawStyle="bars",
         ),
@@ -302,7 +322,7 @@ def panels() -> list[Json]:
             "Populate, register and unregister calls in progress (pinpool_chunks_in_flight); at most the worker "
             "threads, 0 when idle. Stuck above 0 with no throughput: a call hangs in the driver or the kernel.",
             "short",
-            [target(f"sum by (pool) ({sel('pinpool_chunks_in_flight')})", "{{pool}}", "A")],
+            [target(f"sum by ({BY}) ({sel('pinpool_chunks_in_flight')})", EACH, "A")],
             grid(0, 28, 12, 8),
         ),
         timeseries(
@@ -311,8 +331,8 @@ def panels() -> list[Json]:
             "whole pool, over the interval. Pools pin rarely: points appear only where one pinned or unpinned.",
             "s",
             [
-                target(mean("pinpool_pool_pin_seconds"), "{{pool}} pin", "A"),
-                target(mean("pinpool_pool_unpin_seconds"), "{{pool}} unpin", "B"),
+                target(mean("pinpool_pool_pin_seconds"), f"{EACH} pin", "A"),
+                target(mean("pinpool_pool_unpin_seconds"), f"{EACH} unpin", "B"),
             ],
             grid(12, 28, 12, 8),
             showPoints="always",
@@ -324,7 +344,7 @@ def panels() -> list[Json]:
             "holds mmap_lock: a serving process stalls this long. Bound it with max_call_seconds= "
             "(docs/serving.md#choosing-a-stall-budget).",
             "s",
-            [target(f"max by (pool, op) ({sel('pinpool_call_seconds_max')})", "{{pool}} {{op}}", "A")],
+            [target(f"max by ({BY}, op) ({sel('pinpool_call_seconds_max')})", f"{EACH} {{{{op}}}}", "A")],
             grid(0, 36, 12, 8),
         ),
         timeseries(
@@ -333,11 +353,11 @@ def panels() -> list[Json]:
             "mean time pools waited for node pacing, by kind (pinpool_node_wait_seconds: slot, budget).",
             "short",
             [
-                target(f"sum by (pool) ({sel('pinpool_pools_ready')})", "{{pool}} ready", "A"),
+                target(f"sum by ({BY}) ({sel('pinpool_pools_ready')})", f"{EACH} ready", "A"),
                 target(
-                    f"sum by (pool, kind) ({rate('pinpool_node_wait_seconds_sum')}) / "
-                    f"sum by (pool, kind) ({rate('pinpool_node_wait_seconds_count')})",
-                    "{{pool}} waited ({{kind}}), s",
+                    f"sum by ({BY}, kind) ({rate('pinpool_node_wait_seconds_sum')}) / "
+                    f"sum by ({BY}, kind) ({rate('pinpool_node_wait_seconds_count')})",
+                    f"{EACH} waited ({{{{kind}}}}), s",
                     "B",
                 ),
             ],

@@ -1,7 +1,7 @@
 """A KV-cache offload server that serves while its host pool pins in the background.
 
-    python examples/kv_offload_server.py --size 2GiB --port 8000 --runtime mlock
-    python examples/kv_offload_server.py --size 2GiB --port 8000 --trio     # hypercorn's trio worker
+    python examples/kv_offload_server.py --size 2GiB --runtime mlock      # http://127.0.0.1:8080
+    python examples/kv_offload_server.py --size 2GiB --trio               # hypercorn's trio worker
 
 The pool is entered in a Starlette lifespan with ``background=True``: ``async with`` returns as
 soon as pinning has started, so the server answers requests at once while the pool pins, lowest
@@ -45,8 +45,11 @@ upload) shuts down gracefully: uploads still coming in are answered 503, the lif
 pool, which stops pinning and unpins everything, then the process logs
 ``kv_offload_server: shutdown VmLck=<bytes>`` on stderr and exits 0.
 
-Needs ``pip install starlette uvicorn`` (``hypercorn trio`` for ``--trio``). Under mlock the
-pool is charged to RLIMIT_MEMLOCK: run as root, or raise ``ulimit -l``.
+It listens on port 8080 by default (``--port``): 8000 is ``mkdocs serve``'s, which a checkout
+may be running. It uses pinpool's public API and the standard library besides its server
+packages: ``pip install starlette uvicorn`` (``hypercorn[trio]`` for ``--trio``), all in
+pinpool's ``test`` extra. Under mlock the pool is charged to RLIMIT_MEMLOCK: run as root, or
+raise ``ulimit -l``.
 """
 
 from __future__ import annotations
@@ -71,11 +74,21 @@ from starlette.routing import Route
 
 import pinpool
 from pinpool import PoolState, layouts
-from pinpool._libc import vm_locked_bytes
+
+DEFAULT_PORT = 8080  # not 8000: that is mkdocs serve's, which a checkout may be running
 
 
 def log(message: str) -> None:
     print(f"kv_offload_server: {message}", file=sys.stderr, flush=True)
+
+
+def vm_locked_bytes() -> int:
+    """What the kernel counts as locked in this process (VmLck in /proc/self/status), in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmLck:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    return 0
 
 
 # A page's body must arrive whole within this; a client that stalls gets 408 instead of holding a
@@ -161,7 +174,9 @@ class KVOffload:
     def get(self, i: int) -> bytes:
         for host, device in self._host_page(i):
             device.copy_(host)  # pinned host page -> device
-        return self.staging.cpu().numpy().tobytes()
+        body = bytearray(self.staging.numel())
+        torch.frombuffer(body, dtype=torch.uint8).copy_(self.staging)  # device -> the response's bytes
+        return bytes(body)
 
 
 def pool_status(pool: pinpool.PinnedPool) -> dict[str, Any]:
@@ -371,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A KV-cache offload server whose pool pins in the background.")
     parser.add_argument("--size", default="2GiB", help="pool size, e.g. 2GiB or 512GiB (default: 2GiB)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default: {DEFAULT_PORT})")
     parser.add_argument(
         "--runtime", default="auto", choices=["auto", "cuda", "rocm", "mlock", "fake-fail"],
         help="pinning runtime (default: auto); fake-fail is a testing aid whose pinning fails",

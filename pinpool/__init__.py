@@ -12,9 +12,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import runtimes, testing
+from ._errors import AllocationError as AllocationError
 from ._errors import AlreadyPinnedError as AlreadyPinnedError
 from ._errors import ChunkFailure as ChunkFailure
 from ._errors import ConfigError as ConfigError
+from ._errors import NodeBusyError as NodeBusyError
 from ._errors import PinError as PinError
 from ._errors import PinpoolError as PinpoolError
 from ._errors import PoolStateError as PoolStateError
@@ -26,10 +28,8 @@ from ._units import parse_size as parse_size
 if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and IDEs
     from . import layouts as layouts
     from ._alloc import empty as empty
-    from ._memory import AllocationError as AllocationError
-    from ._node import NodeBusyError as NodeBusyError
+    from ._chunks import Chunk as Chunk
     from ._outcome import PoolState as PoolState
-    from ._plan import Chunk as Chunk
     from ._pool import PinnedPool as PinnedPool
     from ._pool import pin as pin
     from ._shared import SharedMemory as SharedMemory
@@ -65,9 +65,7 @@ __all__ = [
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
 _LAZY = {
     "empty": "._alloc",
-    "AllocationError": "._memory",
-    "Chunk": "._plan",
-    "NodeBusyError": "._node",
+    "Chunk": "._chunks",
     "PinnedPool": "._pool",
     "PoolState": "._outcome",
     "layouts": ".layouts",

@@ -1,3 +1,5 @@
+"""``python -m pinpool``: the ``pinpool`` command line (pinpool/_cli/)."""
+
 import sys
 
 from ._cli import main

@@ -1,27 +1,48 @@
 """``pinpool doctor``: is this host ready to pin a pool of a given size, and if not, what to change.
 
-Facts are read once, in :func:`read_facts`, into a :class:`DoctorFacts` value; every check is a
-pure function of facts (and the requested size) that returns a :class:`Check` with a status
-(``ok``, ``warn``, ``fail`` or ``skip``), what it found, and a one-line fix. So each rule is
-tested with hand-made facts, and one test runs the whole thing on the real host.
+Facts are read once, in :func:`read_facts`: the host through pinpool's one host model
+(:class:`pinpool._host.HostFacts`, what a pool plans and pre-flights against), plus what only the
+doctor asks (the GPUs torch sees, pinpool's environment variables, shared memory regions). The
+memory, RLIMIT_MEMLOCK, transparent huge page, hugetlb and NUMA checks are the pool's own
+pre-flight checks (:mod:`pinpool._preflight`), asked about ``--size`` instead of a pool: the
+same functions, the same figures (page tables included), the same advice. Every check is a pure
+function of facts (and the requested size) that returns a :class:`Check` with a status (``ok``,
+``warn``, ``fail`` or ``skip``), what it found, and a one-line fix. So each rule is tested with
+hand-made facts, and one test runs the whole thing on the real host.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import _libc
 from ._errors import ConfigError
-from ._memlimits import cgroup_room, read_memory_limits
+from ._host import HostFacts
+from ._preflight import (
+    FAIL,
+    OK,
+    SKIP,
+    STATUSES,
+    WARN,
+    Check,
+    hugetlb_check,
+    memlock_check,
+    memory_check,
+    numa_check,
+    thp_check,
+)
 from ._shared import RegionInfo, find_regions
 from ._units import format_bytes
 
 __all__ = [
+    "FAIL",
+    "OK",
+    "SKIP",
+    "STATUSES",
+    "WARN",
     "Check",
     "CudaDevice",
     "CudaFacts",
@@ -34,11 +55,7 @@ __all__ = [
     "to_json",
 ]
 
-OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
-STATUSES = (OK, WARN, FAIL, SKIP)
-
-THP = "/sys/kernel/mm/transparent_hugepage"
-CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the same name as pinpool._plan.CHUNK_ENV (a test holds them equal)
+CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the same as pinpool._options.CHUNK_ENV (a test holds them equal)
 # Every environment variable pinpool reads, with what it means (a test greps the package for
 # PINPOOL_, so a new one cannot be forgotten here). Each is checked by the code that reads it.
 KNOWN_ENV: Mapping[str, str] = {
@@ -53,18 +70,6 @@ CAPPED_KERNELS = ((6, 11), (6, 14))
 KERNEL_PIN_CAP_BYTES = 2 * 10**9
 # cudaDevAttrCanUseHostPointerForRegisteredMem, the same number in the driver API.
 CAN_USE_HOST_POINTER_ATTR = 91
-# Less than this share of the available memory left over is a warning: the server needs some too.
-HEADROOM = 0.10
-
-
-@dataclass(frozen=True)
-class Check:
-    """One check's outcome: ``status`` is ok / warn / fail / skip; ``fix`` is empty when ok."""
-
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,25 +95,9 @@ class CudaFacts:
 
 @dataclass(frozen=True)
 class DoctorFacts:
-    """Everything the checks read. Sizes in bytes; ``None`` means unlimited (limits) or unknown."""
+    """Everything the checks read: the host as pools see it, and what only the doctor asks."""
 
-    memlock_soft: int | None
-    memlock_hard: int | None
-    cap_ipc_lock: bool
-    mem_available: int | None
-    cgroup_version: int | None
-    cgroup_limit: int | None
-    cgroup_usage: int | None
-    cgroup_reclaimable: int | None  # the cgroup's page cache: counted in usage, reclaimed before an OOM kill
-    cgroup_path: str | None
-    thp_enabled: str | None
-    thp_defrag: str | None
-    hugetlb_free: int
-    hugetlb_total: int
-    huge_page_size: int
-    kernel_release: str
-    populate_write: bool
-    numa_nodes: tuple[int, ...]
+    host: HostFacts
     cuda: CudaFacts
     env: Mapping[str, str]
     # pinpool's shared memory regions in /dev/shm and hugetlbfs mounts (pinpool.SharedMemory)
@@ -117,137 +106,22 @@ class DoctorFacts:
 
 # -- the checks: pure functions of facts ---------------------------------------------------------
 
-_RAISE_MEMLOCK = (
-    "raise the hard limit (systemd LimitMEMLOCK=infinity; docker --ulimit memlock=-1:-1; "
-    "/etc/security/limits.conf 'memlock unlimited') or grant CAP_IPC_LOCK"
-)
 
-
-def _limit_text(value: int | None) -> str:
-    return "unlimited" if value is None else format_bytes(value)
-
-
-def check_memlock(soft: int | None, hard: int | None, cap_ipc_lock: bool, size: int | None) -> Check:
-    """RLIMIT_MEMLOCK caps what mlock may lock, unless the process has CAP_IPC_LOCK."""
-    limits = f"RLIMIT_MEMLOCK soft {_limit_text(soft)}, hard {_limit_text(hard)}"
-    if cap_ipc_lock:
-        return Check("memlock", OK, f"CAP_IPC_LOCK is set, so the limit does not apply ({limits})")
-    if soft is None:
-        return Check("memlock", OK, f"{limits}, no CAP_IPC_LOCK needed")
-    fix = (
-        "raise the soft limit in the shell that starts the server: ulimit -l unlimited (the hard limit allows it)"
-        if hard is None or (size is not None and hard >= size)
-        else _RAISE_MEMLOCK
-    )
-    if size is not None and soft < size:
-        return Check(
-            "memlock", FAIL,
-            f"{limits} is below --size {format_bytes(size)} and CAP_IPC_LOCK is not set: "
-            "mlock of the pool fails (CUDA registration may too)",
-            fix,
-        )  # fmt: skip
-    if size is None:
-        return Check(
-            "memlock", WARN, f"{limits} without CAP_IPC_LOCK: pools larger than {format_bytes(soft)} cannot be locked",
-            fix,
-        )  # fmt: skip
-    return Check("memlock", OK, f"{limits} covers --size {format_bytes(size)}")
-
-
-def check_mem_available(size: int | None, mem_available: int | None) -> Check:
-    """Pinned memory cannot be swapped or reclaimed: it must fit in what the host has free."""
-    if mem_available is None:
-        return Check("memory", WARN, "MemAvailable could not be read from /proc/meminfo", "check /proc is mounted")
-    available = f"MemAvailable {format_bytes(mem_available)}"
-    if size is None:
-        return Check("memory", OK, available)
-    if size > mem_available:
-        return Check(
-            "memory", FAIL,
-            f"--size {format_bytes(size)} is more than {available}: pinned memory cannot be reclaimed or swapped, "
-            "so the host would run out of memory while pinning",
-            f"give a --size below {format_bytes(mem_available)} minus what the server itself needs, or free memory",
-        )  # fmt: skip
-    if mem_available - size < HEADROOM * mem_available:
-        return Check(
-            "memory", WARN,
-            f"--size {format_bytes(size)} leaves {format_bytes(mem_available - size)} of {available}",
-            "leave headroom for the server, the page cache and the kernel: a smaller --size",
-        )  # fmt: skip
-    return Check("memory", OK, f"{available} holds --size {format_bytes(size)}")
-
-
-def check_cgroup(
-    size: int | None,
-    version: int | None,
-    limit: int | None,
-    usage: int | None,
-    reclaimable: int | None = None,
-    path: str | None = None,
-) -> Check:
-    """A container's memory limit counts pinned memory too: past it the container is OOM-killed.
-    Its room is limit - usage + reclaimable page cache (pinpool._memlimits.cgroup_room)."""
+def check_cgroup(host: HostFacts) -> Check:
+    """The memory cgroup that binds, as found. Whether a pool fits it is the memory check's answer
+    (its room is one of the figures that check charges a pool against)."""
+    version, limit, usage, reclaimable = (
+        host.cgroup_version, host.cgroup_memory_limit, host.cgroup_memory_usage, host.cgroup_memory_reclaimable,
+    )  # fmt: skip
     if version is None:
         return Check("cgroup", OK, "no memory cgroup found: no container memory limit applies")
-    where = f"memory cgroup {path or '/'} (v{version})"
-    if limit is None:
+    where = f"memory cgroup {host.cgroup_path or '/'} (v{version})"
+    room = host.cgroup_room
+    if limit is None or room is None:
         return Check("cgroup", OK, f"{where} has no limit")
-    room = cgroup_room(limit, usage, reclaimable)
-    assert room is not None  # a limit always leaves a room
     cache = f", {format_bytes(reclaimable)} of it reclaimable page cache" if reclaimable else ""
     used = "usage unknown" if usage is None else f"usage {format_bytes(usage)}{cache}"
-    found = f"{where}: limit {format_bytes(limit)}, {used}, room {format_bytes(room)}"
-    if size is None:
-        return Check("cgroup", OK, found)
-    raise_it = (
-        f"raise the container's memory limit (docker run --memory, Kubernetes resources.limits.memory) above "
-        f"{format_bytes(size)} plus the server's own use, or give a smaller --size"
-    )
-    if size > room:
-        return Check(
-            "cgroup", FAIL, f"--size {format_bytes(size)} exceeds the room of the {found}: pinned pages cannot be "
-            "reclaimed, so the process would be OOM-killed", raise_it,
-        )  # fmt: skip
-    if room - size < HEADROOM * room:
-        return Check("cgroup", WARN, f"--size {format_bytes(size)} nearly fills the {found}", raise_it)
-    return Check("cgroup", OK, f"{found}; --size {format_bytes(size)} fits")
-
-
-def check_thp(enabled: str | None, defrag: str | None) -> Check:
-    """--huge-pages thp needs THP in madvise or always mode; defrag 'always' with 'always' stalls every fault."""
-    if enabled is None:
-        return Check(
-            "thp", WARN, f"transparent huge pages are not available ({THP} is missing): --huge-pages thp cannot work",
-            "use --huge-pages hugetlb, or the default 4 KiB pages",
-        )  # fmt: skip
-    found = f"transparent huge pages: enabled [{enabled}], defrag [{defrag or 'unknown'}]"
-    if enabled == "never":
-        return Check(
-            "thp", WARN, f"{found}: --huge-pages thp cannot work",
-            f"echo madvise > {THP}/enabled (pinpool asks for huge pages with madvise)",
-        )  # fmt: skip
-    if enabled == "always" and defrag == "always":
-        return Check(
-            "thp", WARN, f"{found}: every anonymous page fault on the host may stall in direct compaction",
-            f"echo defer+madvise > {THP}/defrag",
-        )  # fmt: skip
-    return Check("thp", OK, found)
-
-
-def check_hugetlb(free: int, total: int, huge_page_size: int, size: int | None) -> Check:
-    """--huge-pages hugetlb takes pages reserved in vm.nr_hugepages; only that option needs them."""
-    page = format_bytes(huge_page_size)
-    if total == 0:
-        return Check("hugetlb", OK, f"no {page} hugetlb pages reserved (only --huge-pages hugetlb needs them)")
-    found = f"{free} of {total} {page} hugetlb pages free ({format_bytes(free * huge_page_size)})"
-    if size is not None:
-        needed = -(-size // huge_page_size)
-        if free < needed:
-            return Check(
-                "hugetlb", WARN, f"{found}: --huge-pages hugetlb would need {needed} for --size {format_bytes(size)}",
-                f"echo {total - free + needed} > /proc/sys/vm/nr_hugepages, or use --huge-pages thp",
-            )  # fmt: skip
-    return Check("hugetlb", OK, found)
+    return Check("cgroup", OK, f"{where}: limit {format_bytes(limit)}, {used}, room {format_bytes(room)}")
 
 
 def kernel_version(release: str) -> tuple[int, int] | None:
@@ -288,15 +162,6 @@ def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) ->
     return Check("kernel", OK, detail)
 
 
-def check_numa(nodes: Sequence[int]) -> Check:
-    listed = ", ".join(map(str, nodes))
-    if len(nodes) <= 1:
-        return Check("numa", OK, f"one NUMA node with memory ({listed})")
-    return Check(
-        "numa", OK, f"{len(nodes)} NUMA nodes with memory ({listed}): bind a pool near its GPU with --numa-node N"
-    )
-
-
 def check_cuda(facts: CudaFacts) -> Check:
     """The GPU torch sees, its driver, and whether it can use registered memory by its host pointer."""
     if facts.skip_reason is not None:
@@ -335,7 +200,7 @@ def check_cuda(facts: CudaFacts) -> Check:
 
 def _chunk_limit(value: str) -> int:
     """The bytes ``PINPOOL_REGISTER_CHUNK_GB=value`` means (ConfigError when invalid), as the pool reads it."""
-    from ._plan import chunk_limit_from_env
+    from ._options import chunk_limit_from_env  # torch: imported only when the variable is set
 
     return chunk_limit_from_env({CHUNK_ENV: value})
 
@@ -431,22 +296,21 @@ def check_region(region: RegionInfo) -> Check:
 
 
 def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
-    """Every check, in the order they are printed."""
+    """Every check, in the order they are printed. The pre-flight's checks are asked about a pool
+    of ``size`` bytes of new memory, each buffer rounded out to pages as a pool's are."""
+    host = facts.host
+    nbytes = None if size is None else -(-size // host.page_size) * host.page_size
+    subject = "" if size is None else f"--size {format_bytes(size)}"
     return [
-        check_memlock(facts.memlock_soft, facts.memlock_hard, facts.cap_ipc_lock, size),
-        check_mem_available(size, facts.mem_available),
-        check_cgroup(
-            size,
-            facts.cgroup_version,
-            facts.cgroup_limit,
-            facts.cgroup_usage,
-            facts.cgroup_reclaimable,
-            facts.cgroup_path,
+        memlock_check(nbytes, host, subject=subject),
+        memory_check(nbytes, host, subject=subject),
+        check_cgroup(host),
+        thp_check(host.thp_mode, wanted=False, defrag=host.thp_defrag),
+        hugetlb_check(
+            size, free=host.hugetlb_free, total=host.hugetlb_total, huge_page_size=host.huge_page_size, wanted=False
         ),
-        check_thp(facts.thp_enabled, facts.thp_defrag),
-        check_hugetlb(facts.hugetlb_free, facts.hugetlb_total, facts.huge_page_size, size),
-        check_kernel(facts.kernel_release, facts.populate_write, env_chunk_limit(facts.env)),
-        check_numa(facts.numa_nodes),
+        check_kernel(host.kernel_release, host.populate_write, env_chunk_limit(facts.env)),
+        numa_check(None, host.numa_nodes),
         check_cuda(facts.cuda),
         *check_env(facts.env),
         *(check_region(region) for region in facts.regions),
@@ -488,24 +352,12 @@ def to_json(checks: Sequence[Check], size: int | None, version: str) -> dict[str
 # -- reading the facts ----------------------------------------------------------------------------
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _bracketed(text: str | None) -> str | None:
-    """The selected value of a sysfs choice file: ``always [madvise] never`` -> ``madvise``."""
-    if text is None:
-        return None
-    match = re.search(r"\[([^\]]+)\]", text)
-    return match.group(1) if match else None
-
-
 def _driver_version() -> str | None:
-    text = _read("/proc/driver/nvidia/version") or ""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        text = ""
     match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
     return match.group(1) if match else None
 
@@ -561,27 +413,10 @@ def read_cuda_facts() -> CudaFacts:
 
 def read_facts(*, cuda: bool = True) -> DoctorFacts:
     """This host's facts now. ``cuda=False`` skips the GPU probe (and the torch import)."""
-    soft, hard = _libc.memlock_limits()
-    free, total = _libc.hugetlb_free_pages()
-    memory = read_memory_limits()
+    import os
+
     return DoctorFacts(
-        memlock_soft=None if soft == _libc.RLIM_INFINITY else soft,
-        memlock_hard=None if hard == _libc.RLIM_INFINITY else hard,
-        cap_ipc_lock=_libc.has_cap_ipc_lock(),
-        mem_available=memory.mem_available_bytes,
-        cgroup_version=memory.cgroup_version,
-        cgroup_limit=memory.cgroup_limit_bytes,
-        cgroup_usage=memory.cgroup_usage_bytes,
-        cgroup_reclaimable=memory.cgroup_reclaimable_bytes,
-        cgroup_path=memory.cgroup_path,
-        thp_enabled=_libc.transparent_huge_pages_mode(),
-        thp_defrag=_bracketed(_read(f"{THP}/defrag")),
-        hugetlb_free=free,
-        hugetlb_total=total,
-        huge_page_size=_libc.HUGE_PAGE_SIZE,
-        kernel_release=os.uname().release,
-        populate_write=_libc.populate_write_supported(),
-        numa_nodes=_libc.numa_nodes(),
+        host=HostFacts.probe(torch_build=cuda),
         cuda=read_cuda_facts() if cuda else CudaFacts(skip_reason="not probed (--no-cuda)"),
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
         regions=tuple(find_regions()),

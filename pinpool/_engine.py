@@ -1,10 +1,18 @@
-"""The pinning engine: the synchronous bodies that worker threads run, shared by both drivers.
+"""The pinning engine: the runtime calls worker threads make, shared by both drivers.
 
-One :class:`PinSession` per entered pool. Workers are long-lived calls of
-:meth:`PinSession.work` that pull chunks from the ledger until it says stop, so a pool
-pays one thread hop per worker, not per chunk. Every outcome is recorded in the ledger
-inside the worker, under the session lock, so a host that was cancelled while waiting
-still knows exactly what to roll back.
+It owns the calls, and only the calls: one :class:`PinSession` per entered pool, built from
+the pool's plan and options whole. Every runtime call (register, populate, unregister) goes
+through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, a typed error for
+anything raised); every worker, pinning or unpinning, runs one batch loop,
+:meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did
+is one :class:`~pinpool._pipeline.Landing`, which the pipeline puts on the books
+(:meth:`~pinpool._pipeline.Pipeline.land`); which item comes next, and what a landing means,
+are the pipeline's and the ledger's.
+
+Workers are long-lived calls of :meth:`PinSession.work` that pull batches from the pipeline
+until it says stop, so a pool pays one thread hop per worker, not per chunk. Every outcome is
+recorded in the ledger inside the worker, under the session lock, so a host that was cancelled
+while waiting still knows exactly what to roll back.
 """
 
 from __future__ import annotations
@@ -16,26 +24,30 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
-from ._errors import ChunkFailure, RuntimeCallError
-from ._ledger import ChunkState, LedgerError, Phase, RegistrationBook, StopCause
+from ._chunks import Chunk
+from ._cutter import retry_splitter
+from ._errors import ChunkFailure, LedgerError, RuntimeCallError
+from ._ledger import ChunkState, Phase, RegistrationBook, StopCause
 from ._libc import MADV_POPULATE_WRITE
 from ._memory import populate_range
 from ._observe import Observer
-from ._pipeline import BATCH_BYTES, BATCH_ITEMS, WAIT, Order, Pipeline, Span, _Wait
-from ._plan import Chunk, RetrySplitter
+from ._pipeline import BATCH_BYTES, BATCH_ITEMS, WAIT, Landing, Order, Pipeline, Span, _Wait
 from ._prefix import PrefixTracker
 from ._priority import lower_this_thread
 from ._stall import CallSizer
 from ._types import Capabilities
 from .runtimes import LocksOnFault, Populates, Runtime
 
+if TYPE_CHECKING:
+    from ._options import PoolOptions
+    from ._plan import PoolPlan
+
 T = TypeVar("T")
 # Within a long batch of small calls, outcomes are put on the books at least this often.
 RECORD_INTERVAL_SECONDS = 0.01
-# How one call ended: (its error or None, the pipeline method that records it, the item, seconds).
-Outcome = tuple[RuntimeCallError | None, Callable[..., int | None], Any, float]
 
 
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
@@ -58,64 +70,104 @@ def _between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> 
     return error
 
 
+class Memory(Protocol):
+    """What the engine needs of the pool's memory: where it starts."""
+
+    address: int
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One kind of runtime call, as data for the one call wrapper (:meth:`PinSession._call`)."""
+
+    name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
+    call: Callable[[int, int], None]  # (ptr, nbytes)
+    # Every call's time, failed or not (unregister: a chunk registered in pieces is unregistered in
+    # one call per piece, and the longest-call gauge is about single calls). Register and populate
+    # report theirs with the call's outcome, with the attempt it was.
+    took: Callable[[float], None] | None = None
+
+
+class _Result(Protocol):
+    @property
+    def error(self) -> RuntimeCallError | None: ...
+
+
+R = TypeVar("R", bound=_Result)
+
+
+@dataclass(frozen=True)
+class _Unpinned:
+    """What unregistering one chunk (all its pieces) did."""
+
+    index: int
+    error: RuntimeCallError | None
+    seconds: float
+    was_pinned: bool
+
+
+@dataclass(frozen=True)
+class _Work(Generic[T, R]):
+    """What one kind of worker does, as data for the one batch loop (:meth:`PinSession._run`)."""
+
+    take: Callable[[], Sequence[T] | None]  # the next batch, claimed; None or empty: the worker is done
+    do: Callable[[T], R]  # one item's calls
+    keep: Callable[[R], None]  # right after an item's calls, once its result is kept
+    land: Callable[[Sequence[R], Sequence[T]], None]  # results on the books; at a batch's end, its unstarted items
+    stops: bool  # pinning: a failure, or pinning stopped, ends the batch after the current call
+
+
+def _nothing(_result: object) -> None:
+    return None
+
+
 class PinSession:
     """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
 
     def __init__(
         self,
+        plan: PoolPlan,
+        options: PoolOptions,
         *,
-        chunks: Sequence[Chunk],
         runtime: Runtime,
         caps: Capabilities,
-        base_ptr: int,
-        order: Order,
-        span_bytes: int,
-        lookahead_bytes: int,
-        register_workers: int,
-        populate_workers: int,
-        unpin_workers: int,
         observer: Observer,
-        retry: RetrySplitter | None = None,
-        max_retries: int = 0,
-        prefix: PrefixTracker | None = None,
-        max_call_seconds: float | None = None,
-        populate_unit: int = 4096,
-        pin_nice: int = 0,
-        populate_advice: int = MADV_POPULATE_WRITE,
+        memory: Memory,
     ) -> None:
+        order = plan.order
         # Workers start calling only once all of them are started: a populate call holds mmap_lock,
         # and starting the next thread (its stack is an mmap) would wait behind it (measured: the
         # second worker began one 512 MiB span late, so the first spans ran one after the other).
         self._go = threading.Event()
+        self.prefix = PrefixTracker(plan.page_runs, plan.num_pages)
         self.pipeline = Pipeline(
-            chunks, order=order, span_bytes=span_bytes, lookahead_bytes=lookahead_bytes,
-            register_workers=register_workers, populate_workers=populate_workers, prefix=prefix,
+            plan.pin_chunks, order=order, span_bytes=plan.span_bytes or 1, lookahead_bytes=plan.lookahead_bytes,
+            register_workers=plan.register_workers, populate_workers=plan.populate_workers, prefix=self.prefix,
         )  # fmt: skip
-        self.prefix = prefix
         self.ledger = self.pipeline.ledger
         # Every registration call live now (pool.registrations), written as each call returns.
         self.book = RegistrationBook(self.ledger.chunks)
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
         self.runtime = runtime
-        self.base_ptr = base_ptr
+        self.base_ptr = memory.address
         self.observer = observer
-        self.unpin_workers = unpin_workers
+        self.unpin_workers = plan.unpin_workers
         # Which calls to make is declared by the runtime (capabilities), never probed.
-        self._populate: Callable[[int, int], None] = (
+        populate: Callable[[int, int], None] = (
             cast(Populates, runtime).populate
             if caps.populates
-            else functools.partial(populate_range, advice=populate_advice)
+            else functools.partial(populate_range, advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE))
         )
-        self._register: Callable[[int, int], None] = (
-            cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
-        )
+        register = cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
+        self._populate = _Op("populate", populate)
+        self._register = _Op("register", register)
+        self._unregister = _Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
         # Retry with halving: only codes the runtime declares retryable, within one budget per pool.
-        self._cutter = retry
-        self._retry = retry if caps.retryable_codes else None
+        self._cutter = retry_splitter(plan, options.min_chunk_bytes)
         self._retryable = caps.retryable_codes
-        self._retries_left = max_retries
+        self._retries_left = options.max_retries
         self.retries = 0
         self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
@@ -123,18 +175,70 @@ class PinSession:
         self._failed_before = 0
         self._teardown_started = 0.0
         # The stall budget: every register and populate call sized to fit max_call_seconds.
-        self._register_sizer = CallSizer(max_call_seconds) if max_call_seconds and retry is not None else None
-        self._populate_sizer = CallSizer(max_call_seconds) if max_call_seconds else None
-        self._pieces_follow_faulting = (
-            self._register_sizer is not None and self._populate_sizer is not None and order is Order.REGISTER_FIRST
-        )
-        self._populate_unit = populate_unit
+        budget = options.max_call_seconds
+        self._register_sizer = CallSizer(budget) if budget else None
+        self._populate_sizer = CallSizer(budget) if budget else None
+        self._pieces_follow_faulting = bool(budget) and order is Order.REGISTER_FIRST
+        self._populate_unit = plan.align
         # Pin workers run this much nicer than the process (pin_nice=, see _priority.py); never
         # the thread that made the session (it entered the pool, and may go on serving).
-        self._pin_nice = pin_nice
+        self._pin_nice = options.pin_nice
         self._owner_thread = threading.get_ident()
 
-    # -- worker bodies ---------------------------------------------------------------------
+    # -- the one batch loop and the one call wrapper -----------------------------------------------
+
+    def _run(self, work: _Work[T, R]) -> None:
+        """One worker's batches, pinning or unpinning, until ``work.take`` has none left.
+
+        A batch's results go on the books together, under one lock hold (its items stay in
+        flight or claimed until then, so a rollback waits for them): when the batch ends, and
+        every RECORD_INTERVAL_SECONDS within a long one, so the pinned prefix and progress move
+        while a batch of many small chunks runs. Pinning (``work.stops``) ends a batch at a
+        failure, so the other workers hear of it after one call, not one batch, and once pinning
+        stopped. The items not started when the batch ends, or when something raises, go to
+        ``work.land`` too (pinning lands them as stopped; unpinning queues them again).
+        """
+        while items := work.take():
+            results: list[R] = []
+            started = 0  # items whose calls were made
+            try:
+                recorded_at = time.perf_counter()
+                for item in items:
+                    if started and work.stops and self.pipeline.stopped:  # another worker failed, or a cancel
+                        break
+                    result = work.do(item)
+                    results.append(result)  # on the books before anything else can go wrong
+                    started += 1
+                    work.keep(result)
+                    if work.stops and result.error is not None:
+                        break
+                    if time.perf_counter() - recorded_at >= RECORD_INTERVAL_SECONDS:
+                        landed, results = results, []  # never recorded twice, whatever land raises
+                        work.land(landed, ())
+                        recorded_at = time.perf_counter()
+            finally:
+                work.land(results, items[started:])
+
+    def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[RuntimeCallError | None, float]:
+        """One runtime call at ``offset`` from the pool's start; anything it raises, BaseException
+        included, is that call's failure (a worker thread has no caller to raise to)."""
+        ptr = self.base_ptr + offset
+        observer = self.observer
+        observer.call_started()
+        started = time.perf_counter()
+        error: RuntimeCallError | None = None
+        try:
+            op.call(ptr, nbytes)
+        except BaseException as exc:  # recorded, never lost
+            error = as_runtime_error(exc, op.name, ptr, nbytes)
+        finally:
+            observer.call_ended()
+        seconds = time.perf_counter() - started
+        if op.took is not None:
+            op.took(seconds)
+        return error, seconds
+
+    # -- pinning -----------------------------------------------------------------------------------
 
     def _next(self, take: Callable[[], T | _Wait | None]) -> T | None:
         """The next item of a role, sleeping while the pipeline says WAIT."""
@@ -152,76 +256,39 @@ class PinSession:
                 self._changed.wait()
 
     def work(self) -> None:
-        """One worker: populate spans and register chunks, as the pipeline hands them out.
-
-        A batch's outcomes are recorded together, under one lock hold (its items stay in flight
-        until then, so a rollback waits for them): when the batch ends, and every
-        RECORD_INTERVAL_SECONDS within a long one, so the pinned prefix and progress move while a
-        batch of many small chunks runs. A failure ends the batch at once, so the other workers
-        hear of it after one call, not one batch.
-        """
-        pipeline = self.pipeline
+        """One pinning worker: populate spans and register chunks, as the pipeline hands them out."""
         if self._pin_nice > 0 and threading.get_ident() != self._owner_thread:
             lower_this_thread(self._pin_nice)  # a fresh thread that only pins: nothing to restore
         self._go.wait()
-        while (batch := self._next(pipeline.next_work)) is not None:
-            items = batch.items
-            outcomes: list[Outcome] = []
-            started = 0  # items whose call was made
-            try:
-                recorded_at = time.perf_counter()
-                for item in items:
-                    if started and pipeline.stopped:  # another worker failed, or the caller cancelled
-                        break
-                    outcome = self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
-                    outcomes.append(outcome)  # on the books before anything else can go wrong
-                    started += 1
-                    self._observe(outcome)
-                    if outcome[0] is not None:
-                        break
-                    if time.perf_counter() - recorded_at >= RECORD_INTERVAL_SECONDS:
-                        landed, outcomes = outcomes, []  # never recorded twice, whatever _record raises
-                        self._record(landed)
-                        recorded_at = time.perf_counter()
-            finally:
-                self._record(outcomes, batch.role, items[started:])
+        self._run(_Work(take=self._take_pinning, do=self._pin, keep=self._observe, land=self._land, stops=True))
 
-    def _record(self, outcomes: list[Outcome], role: str | None = None, unstarted: Sequence[int | Span] = ()) -> None:
-        """Put ``outcomes`` on the books; with ``role``, the batch has ended too."""
-        pinned: list[int] = []
+    def _take_pinning(self) -> tuple[int | Span, ...] | None:
+        batch = self._next(self.pipeline.next_work)
+        return None if batch is None else batch.items
+
+    def _pin(self, item: int | Span) -> Landing:
+        return self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
+
+    def _land(self, landings: Sequence[Landing], unstarted: Sequence[int | Span]) -> None:
+        """Put ``landings`` on the books, and ``unstarted`` items as stopped (their batch ended)."""
         with self._changed:
-            for error, record, item, _seconds in outcomes:
-                if error is None:
-                    if (index := record(item)) is not None:
-                        pinned.append(index)
-                else:
-                    record(item, error)
-            if role is not None:
-                self.pipeline.batch_done(role, unstarted)
+            pinned = [self.pipeline.land(landing) for landing in landings]
+            pinned += [self.pipeline.land(Landing(item, stopped=True)) for item in unstarted]
             self._changed.notify_all()  # the landings may have made work for waiting workers
         for index in pinned:
-            self.observer.chunk_pinned(self.ledger.chunks[index])
+            if index is not None:
+                self.observer.chunk_pinned(self.ledger.chunks[index])
 
-    def _call(
-        self, call: Callable[[int, int], None], op: str, offset: int, nbytes: int
-    ) -> tuple[RuntimeCallError | None, float]:
-        """One runtime call; anything it raises, BaseException included, is that call's failure."""
-        ptr = self.base_ptr + offset
-        self.observer.call_started()
-        started = time.perf_counter()
-        try:
-            call(ptr, nbytes)
-        except BaseException as exc:  # recorded, never lost; a worker thread has no caller to raise to
-            return as_runtime_error(exc, op, ptr, nbytes), time.perf_counter() - started
-        finally:
-            self.observer.call_ended()
-        return None, time.perf_counter() - started
+    def _progress(self, item: int | Span, piece: Chunk) -> None:
+        """Part of an item is pinned now, between its calls (the stall budget)."""
+        with self.lock:
+            self.pipeline.land(Landing(item, pieces=(piece,), partial=True))
 
-    def _populate_span(self, span: Span) -> Outcome:
+    def _populate_span(self, span: Span) -> Landing:
         sizer = self._populate_sizer
         if sizer is None:
-            error, seconds = self._call(self._populate, "populate", span.offset, span.nbytes)
-            return (error, self.pipeline.populated if error is None else self.pipeline.populate_failed, span, seconds)
+            error, seconds = self._call(self._populate, span.offset, span.nbytes)
+            return Landing(span, error, seconds=seconds)
         # Under a stall budget the span is faulted in calls sized to fit it (page multiples). As
         # for a chunk's pieces, anything raised between the calls (a pinpool bug) is the span's
         # failure, landed on the books with its progress, never an exception that escapes the
@@ -230,44 +297,43 @@ class PinSession:
             return self._paced_populate(span, sizer)
         except BaseException as exc:  # a worker thread has no caller to raise to
             error = _between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
-            return (error, self.pipeline.populate_failed, span, 0.0)  # 0.0, not nan: the worker observes it
+            return Landing(span, error, seconds=0.0)  # 0.0, not nan: the worker observes it
 
-    def _paced_populate(self, span: Span, sizer: CallSizer) -> Outcome:
+    def _paced_populate(self, span: Span, sizer: CallSizer) -> Landing:
         offset, end = span.offset, span.offset + span.nbytes
         while offset < end:
             if self.pipeline.stopped:  # stop between calls, not after the whole span
-                return (None, _abandoned(self.pipeline), span, math.nan)
+                return Landing(span, stopped=True)
             nbytes = sizer.next_bytes(self._populate_unit, end - offset)
-            error, seconds = self._call(self._populate, "populate", offset, nbytes)
+            error, seconds = self._call(self._populate, offset, nbytes)
             sizer.record(nbytes, seconds)
             if error is not None:
-                return (error, self.pipeline.populate_failed, span, seconds)
+                return Landing(span, error, seconds=seconds)
             self.observer.span_populated(nbytes, seconds)
             if offset + nbytes < end:  # progress within the span (its landing records the rest)
-                with self.lock:
-                    self.pipeline.part_faulted(span, offset, nbytes)
+                self._progress(span, Chunk(offset, nbytes))
             offset += nbytes
-        return (None, self.pipeline.populated, span, math.nan)  # nan: observed call by call
+        return Landing(span)  # nan: observed call by call
 
-    def _register_chunk(self, index: int) -> Outcome:
+    def _register_chunk(self, index: int) -> Landing:
         chunk = self.ledger.chunks[index]
         if self._register_sizer is not None:
             return self._register_pieces(index, chunk, [], [], paced=True)
-        error, seconds = self._call(self._register, "register", chunk.offset, chunk.nbytes)
+        error, seconds = self._call(self._register, chunk.offset, chunk.nbytes)
         if error is None:
             self.book.chunk_registered(index)
-            return (None, self.pipeline.registered, index, seconds)
+            return Landing(index, seconds=seconds)
         halves = self._halves(chunk, error, attempt=1)
         if halves is None:
-            return (error, self.pipeline.register_failed, index, seconds)
+            return Landing(index, error, seconds=seconds)
         self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
         return self._register_pieces(index, chunk, list(halves), [ChunkFailure(chunk, "register", error)])
 
     def _halves(self, piece: Chunk, error: RuntimeCallError, attempt: int) -> tuple[Chunk, Chunk] | None:
         """Aligned halves to retry ``piece`` with, if its error is retryable and the budget allows."""
-        if self._retry is None or error.code not in self._retryable:
+        if error.code not in self._retryable:
             return None
-        halves = self._retry.split(piece)
+        halves = self._cutter.split(piece)
         if halves is None:
             return None
         with self.lock:
@@ -280,7 +346,7 @@ class PinSession:
 
     def _register_pieces(
         self, index: int, chunk: Chunk, todo: list[Chunk], attempts: list[ChunkFailure], *, paced: bool = False
-    ) -> Outcome:
+    ) -> Landing:
         """Register ``chunk`` as several calls: the halves of a failed call (``todo``), or, under
         the stall budget (``paced``), pieces sized to fit it as the calls go. A piece that fails
         retryably is halved again. Every failed attempt is kept, so a final failure lists them
@@ -297,8 +363,8 @@ class PinSession:
         except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
             error = _between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
             attempts.append(ChunkFailure(chunk, "register", error))
-            landing = _partly(self.pipeline, done, attempts) if done else _failed_after(self.pipeline, attempts)
-            return (error, landing, index, 0.0)  # 0.0, not nan: the worker observes this failure
+            # 0.0, not nan: the worker observes this failure
+            return Landing(index, error, pieces=tuple(done), attempts=tuple(attempts), seconds=0.0)
 
     def _pieces_loop(
         self,
@@ -309,7 +375,7 @@ class PinSession:
         done: list[Chunk],
         *,
         paced: bool,
-    ) -> Outcome:
+    ) -> Landing:
         """The calls of :meth:`_register_pieces`; every registered piece is in ``done`` at once."""
         sizer, cutter = self._register_sizer, self._cutter
         offset = chunk.offset if paced else chunk.end  # where the pieces not yet cut begin
@@ -317,9 +383,9 @@ class PinSession:
             if todo:
                 piece = todo.pop(0)
             else:
-                assert sizer is not None and cutter is not None
+                assert sizer is not None
                 if self.pipeline.stopped:  # stop between calls: the rollback undoes the pieces
-                    return (None, _stopped(self.pipeline, done), index, math.nan)
+                    return Landing(index, stopped=True, pieces=tuple(done))
                 rest = Chunk(offset, chunk.end - offset)
                 unit = cutter.unit_of(rest)
                 at_most = sizer.next_bytes(unit, rest.nbytes)
@@ -330,7 +396,7 @@ class PinSession:
                     at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
                 piece = cutter.first_piece(rest, at_most)
                 offset = piece.end
-            failure, took = self._call(self._register, "register", piece.offset, piece.nbytes)
+            failure, took = self._call(self._register, piece.offset, piece.nbytes)
             if failure is None:
                 done.append(piece)  # first: from here on the piece is on the books, whatever raises
                 self.book.registered(index, chunk, piece)
@@ -339,31 +405,25 @@ class PinSession:
             if failure is None:
                 self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
                 if paced and (todo or offset < chunk.end):  # progress within the chunk
-                    with self.lock:
-                        self.pipeline.part_registered(index, piece)
+                    self._progress(index, piece)
                 continue
             attempts.append(ChunkFailure(piece, "register", failure))
             self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
             again = self._halves(piece, failure, attempt=len(attempts))
-            if again is None:
-                if done:  # the registered pieces are undone by the rollback, from the books
-                    return (failure, _partly(self.pipeline, done, attempts), index, math.nan)
-                return (failure, _failed_after(self.pipeline, attempts), index, math.nan)
+            if again is None:  # registered pieces are undone by the rollback, from the books
+                return Landing(index, failure, pieces=tuple(done), attempts=tuple(attempts))
             todo[:0] = again
-        if done == [chunk]:  # one call did it all: an ordinary registration
-            return (None, self.pipeline.registered, index, math.nan)
-        return (None, _in_pieces(self.pipeline, done), index, math.nan)  # nan: observed call by call
+        return Landing(index, pieces=tuple(done))  # nan: observed call by call
 
     def registrations(self) -> tuple[Chunk, ...]:
         """Every registration call live now, sorted by offset (see :class:`RegistrationBook`);
         none in a forked child, whose parent holds them."""
         return self.book.snapshot() if os.getpid() == self.pid else ()
 
-    def _observe(self, outcome: Outcome) -> None:
-        error, _record, item, seconds = outcome
-        if math.isnan(seconds):  # a retried chunk: each of its calls was observed as it ended
+    def _observe(self, landing: Landing) -> None:
+        if math.isnan(landing.seconds):  # a chunk in pieces, a paced span: each call was observed as it ended
             return
-        observer = self.observer
+        observer, item, error, seconds = self.observer, landing.item, landing.error, landing.seconds
         if isinstance(item, Span):
             if error is None:
                 observer.span_populated(item.nbytes, seconds)
@@ -373,6 +433,8 @@ class PinSession:
             observer.chunk_registered(self.ledger.chunks[item], seconds)
         else:
             observer.chunk_failed(self.ledger.chunks[item], "register", error, seconds)
+
+    # -- stopping and teardown ---------------------------------------------------------------------
 
     def go(self) -> None:
         """Every pinning thread is started (or no more will be): workers may begin."""
@@ -426,7 +488,11 @@ class PinSession:
             self._failed_before = len(ledger.failures)
         self._teardown_started = time.perf_counter()
         pending = collections.deque(order)
-        return tuple(lambda: self._unregister_work(pending) for _ in range(min(self.unpin_workers, len(order))))
+        unpinning = _Work(
+            take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk, keep=_nothing,
+            land=functools.partial(self._land_unpinned, pending), stops=False,
+        )  # fmt: skip
+        return tuple(functools.partial(self._run, unpinning) for _ in range(min(self.unpin_workers, len(order))))
 
     def end_teardown(self, crashed: Sequence[BaseException] = ()) -> tuple[ChunkFailure, ...]:
         """Close the books once every unpin thread is done; returns this teardown's unregister failures.
@@ -450,104 +516,59 @@ class PinSession:
             self.unpin_seconds += time.perf_counter() - self._teardown_started
             return tuple(ledger.failures[self._failed_before :])
 
-    def _unregister_work(self, pending: collections.deque[int]) -> None:
-        """One unpin worker: unregister chunk bases from the shared reverse-order queue.
-
-        It claims a batch of consecutive chunks at a time (as pinning does: up to BATCH_BYTES or
-        BATCH_ITEMS, and no more than its share), so tiny chunks cost one lock hand-off per batch,
-        not two per chunk; outcomes go on the books at the end of the batch and at least every
-        RECORD_INTERVAL_SECONDS. Claimed chunks not yet unregistered when something interrupts
-        the worker go back to the queue (the inline runner resumes the queue after an interrupt).
-        """
-        lock = self.lock
-        while True:
-            with lock:
-                batch = self._claim_unpin_batch(pending)
-            if not batch:
-                return
-            done: list[tuple[int, RuntimeCallError | None, float, bool]] = []
-            recorded = 0
-            try:
-                recorded_at = time.perf_counter()
-                for index, was_pinned in batch:
-                    error, seconds = self._unregister_chunk(index)
-                    done.append((index, error, seconds, was_pinned))
-                    if time.perf_counter() - recorded_at >= RECORD_INTERVAL_SECONDS:
-                        self._record_unpinned(done[recorded:])
-                        recorded = len(done)
-                        recorded_at = time.perf_counter()
-            finally:
-                with lock:
-                    pending.extendleft(index for index, _ in reversed(batch[len(done) :]))
-                self._record_unpinned(done[recorded:])
+    # -- unpinning ---------------------------------------------------------------------------------
 
     def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[tuple[int, bool]]:
-        """Under the lock: the next chunks to unregister, each with whether it counts as pinned."""
+        """The next chunks to unregister, claimed from the shared reverse-order queue, each with
+        whether it counts as pinned: a batch of consecutive chunks, as pinning does (up to
+        BATCH_BYTES or BATCH_ITEMS, and no more than this worker's share), so tiny chunks cost
+        one lock hand-off per batch, not two per chunk."""
         ledger = self.ledger
-        share = -(-len(pending) // max(1, self.unpin_workers))
-        batch: list[tuple[int, bool]] = []
-        nbytes = 0
-        while pending and nbytes < BATCH_BYTES and len(batch) < min(BATCH_ITEMS, max(1, share)):
-            index = pending.popleft()
-            batch.append((index, ledger.states[index] is ChunkState.REGISTERED))
-            nbytes += ledger.chunks[index].nbytes
+        with self.lock:
+            share = -(-len(pending) // max(1, self.unpin_workers))
+            batch: list[tuple[int, bool]] = []
+            nbytes = 0
+            while pending and nbytes < BATCH_BYTES and len(batch) < min(BATCH_ITEMS, max(1, share)):
+                index = pending.popleft()
+                batch.append((index, ledger.states[index] is ChunkState.REGISTERED))
+                nbytes += ledger.chunks[index].nbytes
         return batch
 
-    def _unregister_chunk(self, index: int) -> tuple[RuntimeCallError | None, float]:
+    def _unregister_chunk(self, claimed: tuple[int, bool]) -> _Unpinned:
         """Unregister one chunk; a chunk registered in pieces (retries, the stall budget) is
         unregistered piece by piece, each by its own base."""
-        ledger, observer = self.ledger, self.observer
-        chunk = ledger.chunks[index]
+        index, was_pinned = claimed
+        chunk = self.ledger.chunks[index]
         error: RuntimeCallError | None = None
         started = time.perf_counter()
-        for piece in reversed(ledger.pieces.get(index, (chunk,))):
-            ptr = self.base_ptr + piece.offset
-            observer.call_started()
-            call_started = time.perf_counter()
-            try:
-                self.runtime.unregister(ptr)
-            except BaseException as exc:  # anything, SystemExit included, fails this chunk only
-                error = error or as_runtime_error(exc, "unregister", ptr, piece.nbytes)
-            else:
+        for piece in reversed(self.ledger.pieces.get(index, (chunk,))):
+            failure, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
+            if failure is None:
                 self.book.unregistered(index, chunk, piece)  # a piece whose unregister failed stays listed
-            finally:
-                observer.call_ended()
-                observer.unregister_call_took(time.perf_counter() - call_started)
-        return error, time.perf_counter() - started
+            else:  # anything, SystemExit included, fails this chunk only
+                error = error or failure
+        return _Unpinned(index, error, time.perf_counter() - started, was_pinned)
 
-    def _record_unpinned(self, done: Sequence[tuple[int, RuntimeCallError | None, float, bool]]) -> None:
+    def _land_unpinned(
+        self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[tuple[int, bool]]
+    ) -> None:
+        """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
+        the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
+        ledger, observer = self.ledger, self.observer
+        if unstarted:
+            with self.lock:
+                pending.extendleft(index for index, _ in reversed(unstarted))
         if not done:
             return
-        ledger, observer = self.ledger, self.observer
         with self.lock:
-            for index, error, _seconds, _was_pinned in done:
-                if error is None:
-                    ledger.unregistered(index)
+            for unpinned in done:
+                if unpinned.error is None:
+                    ledger.unregistered(unpinned.index)
                 else:
-                    ledger.unregister_failed(index, error)
-        for index, error, seconds, was_pinned in done:
-            chunk = ledger.chunks[index]
-            if error is None:
-                observer.chunk_unregistered(chunk, seconds, was_pinned=was_pinned)
+                    ledger.unregister_failed(unpinned.index, unpinned.error)
+        for unpinned in done:
+            chunk = ledger.chunks[unpinned.index]
+            if unpinned.error is None:
+                observer.chunk_unregistered(chunk, unpinned.seconds, was_pinned=unpinned.was_pinned)
             else:
-                observer.chunk_failed(chunk, "unregister", error, seconds)
-
-
-def _abandoned(pipeline: Pipeline) -> Callable[[Span], None]:
-    return lambda span: pipeline.span_abandoned(span)
-
-
-def _stopped(pipeline: Pipeline, pieces: list[Chunk]) -> Callable[[int], None]:
-    return lambda index: pipeline.register_stopped(index, pieces)
-
-
-def _in_pieces(pipeline: Pipeline, pieces: list[Chunk]) -> Callable[[int], int | None]:
-    return lambda index: pipeline.registered_in_pieces(index, pieces)
-
-
-def _partly(pipeline: Pipeline, pieces: list[Chunk], attempts: list[ChunkFailure]) -> Callable[..., None]:
-    return lambda index, _error: pipeline.register_partly_failed(index, pieces, attempts)
-
-
-def _failed_after(pipeline: Pipeline, attempts: list[ChunkFailure]) -> Callable[..., None]:
-    return lambda index, error: pipeline.register_failed(index, error, attempts)
+                observer.chunk_failed(chunk, "unregister", unpinned.error, unpinned.seconds)

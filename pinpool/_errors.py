@@ -10,10 +10,26 @@ catching them. Every error pickles (to cross process boundaries) with its attrib
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
-if TYPE_CHECKING:
-    from ._plan import Chunk
+
+class Chunk(Protocol):
+    """A chunk as the errors see it: its range in the pool (:class:`pinpool.Chunk` is one). A
+    protocol, so this module imports nothing of pinpool's and every other module may import it."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+# The one advice for a shortfall of RLIMIT_MEMLOCK: the pre-flight's refusal, pinpool doctor's fix
+# and mlock's own ENOMEM / EPERM / EAGAIN messages all give it, in these words.
+RAISE_MEMLOCK = (
+    "raise the limit (`ulimit -l unlimited`; systemd `LimitMEMLOCK=infinity`; docker `--ulimit memlock=-1:-1`; "
+    "/etc/security/limits.conf `memlock unlimited`), grant the process CAP_IPC_LOCK"
+)
 
 
 class PinpoolError(Exception):
@@ -26,6 +42,17 @@ class ConfigError(PinpoolError, ValueError):
 
 class PoolStateError(PinpoolError, RuntimeError):
     """A pool was used in a state that does not allow it (re-entered, used after exit, ...)."""
+
+
+class AllocationError(PinpoolError, MemoryError):
+    """The operating system refused to map the pool's memory."""
+
+
+class LedgerError(RuntimeError):
+    """A driver asked the ledger for a transition its state does not allow (a pinpool bug).
+
+    Deliberately not a :class:`PinpoolError`: an internal invariant failed, which no caller
+    should handle as one of pinpool's documented failures."""
 
 
 class AlreadyPinnedError(PinpoolError, RuntimeError):
@@ -130,3 +157,55 @@ class UnpinError(PinpoolError, RuntimeError):
 
 class UnclosedPoolWarning(RuntimeWarning):
     """A pool was garbage-collected, or still open at interpreter exit, without being exited."""
+
+
+# -- node pacing (pinpool._node) -------------------------------------------------------------------
+
+Kind = Literal["slots", "budget"]
+
+
+class NodeHolderLike(Protocol):
+    """What an error says of a holder (``pinpool._node_lock.NodeHolder``, typed here by shape so
+    that this module imports nothing of pinpool's)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def describe(self) -> str: ...
+
+
+class NodeBusyError(PinpoolError, RuntimeError):
+    """Node pacing with ``node_wait=False``: every slot is taken, or the request does not fit the
+    node's byte budget now. Nothing was pinned and nothing is held.
+
+    Not a :class:`ConfigError`: the input is fine, the node is busy. ``kind`` is ``"slots"`` or
+    ``"budget"``; ``limit`` the slot count or budget in bytes; ``requested`` the bytes asked for
+    (budget) or None; ``in_use`` the slots taken or bytes held; ``holders`` who holds them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        directory: str,
+        kind: Kind,
+        limit: int,
+        in_use: int,
+        requested: int | None = None,
+        holders: tuple[NodeHolderLike, ...] = (),
+    ) -> None:
+        self.directory = directory
+        self.kind = kind
+        self.limit = limit
+        self.in_use = in_use
+        self.requested = requested
+        self.holders = holders
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_restore_error, (type(self), self.args), self.__dict__)
+
+
+class NodeWaitCancelled(PinpoolError):
+    """A synchronous admission wait was given up because its ``cancelled()`` callback returned True.
+    Nothing is held."""

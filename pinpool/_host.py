@@ -2,9 +2,11 @@
 
 :class:`HostFacts` is everything planning a pool may depend on: CPUs, page sizes, the
 transparent-huge-page mode, whether the kernel has MADV_POPULATE_WRITE, locked-memory limits,
-memory limits and availability, hugetlb pages, NUMA nodes, the user address space, and which
-GPU stack is installed. :func:`pinpool._plan.plan_pool` takes it as an argument, so planning
-is a pure function and tests build HostFacts by hand for any host they like.
+memory limits and availability, hugetlb pages, NUMA nodes, the user address space, the kernel
+release, and which GPU stack is installed. It is pinpool's one model of the host: the planner
+(:func:`pinpool._plan.plan_pool`) and the pre-flight (:mod:`pinpool._preflight`) take it as an
+argument, and ``pinpool doctor`` reads the host through it too, so planning is a pure function,
+"will this pool fit here?" has one answer, and tests build HostFacts by hand for any host.
 
 :meth:`HostFacts.probe` reads the host. Facts that cannot change while the process runs (the
 page size, the kernel's madvise support, the address-space size, the torch build) are read
@@ -81,6 +83,8 @@ class HostFacts:
     torch_cuda, torch_hip: ``torch.version.cuda`` / ``torch.version.hip`` (build facts, no GPU touched).
     nvidia_driver: the NVIDIA kernel driver is loaded (/proc/driver/nvidia/version).
     amd_kfd: the ROCm kernel driver's device exists (/dev/kfd).
+    thp_defrag: the transparent huge pages defrag mode ("always", "defer+madvise", ...), None without THP.
+    kernel_release: ``uname -r``.
     """
 
     cpus: int
@@ -107,6 +111,8 @@ class HostFacts:
     cgroup_version: int | None = None
     cgroup_path: str | None = None
     locked_bytes: int = 0
+    thp_defrag: str | None = None
+    kernel_release: str = ""
 
     @property
     def cgroup_room(self) -> int | None:
@@ -122,11 +128,13 @@ class HostFacts:
         )
 
     @classmethod
-    def probe(cls) -> HostFacts:
-        """Read this host's facts now (static ones are read once per process)."""
+    def probe(cls, *, torch_build: bool = True) -> HostFacts:
+        """Read this host's facts now (static ones are read once per process). ``torch_build=False``
+        leaves ``torch_cuda`` / ``torch_hip`` unread (None), so nothing imports torch (~2 s):
+        ``pinpool doctor --no-cuda``."""
         soft, hard = _libc.memlock_limits()
         free, total = _libc.hugetlb_free_pages()
-        torch_cuda, torch_hip = _torch_build()
+        torch_cuda, torch_hip = _torch_build() if torch_build else (None, None)
         memory = read_memory_limits()
         return cls(
             cpus=available_cpus(),
@@ -152,6 +160,8 @@ class HostFacts:
             cgroup_version=memory.cgroup_version,
             cgroup_path=memory.cgroup_path,
             locked_bytes=_locked_bytes(),
+            thp_defrag=_bracketed(_read(_THP_DEFRAG)),
+            kernel_release=os.uname().release,
         )
 
 
@@ -165,6 +175,15 @@ def _torch_build() -> tuple[str | None, str | None]:
     version = getattr(torch, "version", None)
     cuda, hip = getattr(version, "cuda", None), getattr(version, "hip", None)
     return (str(cuda) if cuda else None), (str(hip) if hip else None)
+
+
+_THP_DEFRAG = "/sys/kernel/mm/transparent_hugepage/defrag"
+
+
+def _bracketed(text: str | None) -> str | None:
+    """The selected value of a sysfs choice file: ``always [madvise] never`` -> ``madvise``."""
+    start, end = (-1, -1) if text is None else (text.find("["), text.find("]"))
+    return text[start + 1 : end] if text is not None and 0 <= start < end else None
 
 
 def _locked_bytes() -> int:

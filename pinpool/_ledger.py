@@ -11,8 +11,8 @@ import enum
 import operator
 from collections.abc import Sequence
 
-from ._errors import ChunkFailure, RuntimeCallError
-from ._plan import Chunk, ChunkTable
+from ._chunks import Chunk, ChunkTable
+from ._errors import ChunkFailure, LedgerError, RuntimeCallError
 
 
 class ChunkState(enum.Enum):
@@ -43,10 +43,6 @@ class StopCause(enum.Enum):
     CANCELLED = "cancelled"  # the caller was interrupted (cancellation, Ctrl-C, on_progress raised)
     EXIT = "exit"  # a background pool's body left, or the interpreter exits, while it pinned
     COLLECTED = "collected"  # a background pool's façade was garbage-collected while it pinned
-
-
-class LedgerError(RuntimeError):
-    """A driver asked the ledger for a transition its state does not allow (a pinpool bug)."""
 
 
 class Ledger:

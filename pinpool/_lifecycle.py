@@ -20,27 +20,34 @@ is only one copy of it:
 * every state change goes through :func:`~pinpool._outcome.check_move` (one table);
 * a worker that crashed, or threads that could not be started, end in a typed
   :class:`PinError` / :class:`UnpinError`; internal invariant errors never reach users.
+
+It owns the pool's state and the order of its steps, nothing below them: it is given the
+pool's plan and options whole, and builds the engine (``_engine.py``) from them; the memory
+comes from a :class:`MemorySource` (``_pool.py``), node pacing from ``_admission.py``, and the
+pure rules and error texts from ``_outcome.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
 from collections.abc import Callable, Generator, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ._admission import PoolAdmission
 from ._engine import PinSession
-from ._errors import ChunkFailure, PoolStateError, UnclosedPoolWarning, UnpinError
+from ._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnclosedPoolWarning, UnpinError
 from ._ledger import Phase, StopCause
-from ._node import BudgetHold, NodeAdmission, NodeBusyError, NodeWaitCancelled, SlotHold
+from ._node import NodeAdmission
 from ._observe import Observer
 from ._outcome import (
     Outcome,
     PoolState,
-    admission_thread_error,
     check_move,
     decide,
+    deliver_exit,
     kept_text,
     pin_error,
     thread_start_error,
@@ -50,7 +57,13 @@ from ._ranges import PINNED_RANGES
 from ._steps import Detach, Joinable, Ran, RunThreads, Steps
 from ._units import format_bytes
 
-__all__ = ["Lifecycle", "Memory", "PoolState"]
+if TYPE_CHECKING:
+    from ._options import PoolOptions
+    from ._plan import PoolPlan
+    from ._types import Capabilities
+    from .runtimes import Runtime
+
+__all__ = ["Lifecycle", "Memory", "MemorySource", "PoolState"]
 
 ProgressCallback = Callable[[int, int, int, int], object]
 
@@ -63,57 +76,62 @@ class Memory(Protocol):
     def keep_forever(self) -> None: ...
 
 
-# Budget shares of pools whose chunks leaked: never released while this process lives.
-_KEPT_HOLDS: list[BudgetHold | None] = []
+class MemorySource(Protocol):
+    """Where a pool's memory comes from (``_pool.py``): the one collaborator that knows mappings,
+    files and tensors. It holds values, never the façade."""
+
+    def acquire(self) -> Memory:
+        """Map the memory (or take the caller's tensor) and claim its address range."""
+        ...
+
+    def views(self, memory: Memory) -> Mapping[str, Any]:
+        """The layout's tensors over the memory."""
+        ...
+
+    def release(self) -> None:
+        """Let go of whatever the pool was given to pin (a caller's tensor), once closed."""
+        ...
 
 
 class Lifecycle:
     """One pool's state and its pin / rollback / teardown sequence.
 
     It holds no reference to the :class:`PinnedPool` façade (the finalizer runs it after the
-    façade is gone), only what the sequence needs:
-
-    acquire: maps the memory (or takes the caller's tensor) and claims its address range.
-    start: opens a :class:`PinSession` over the memory's address and announces the pin.
-    views: the layout's tensors over the memory, once it is pinned (or at once, in the background).
-    describe: ``"pool 'x' (4 GiB, 16 chunks of <= 256 MiB, runtime mlock)"`` for messages.
-    background: entering returns once pinning has started; a conductor (a detached sequence on
-    its own thread) runs the rest of the pinning step, and exit stops it.
-    release: lets go of whatever the pool was given to pin (a caller's tensor), once closed.
+    façade is gone), only what the sequence needs: the pool's plan and options, whole; the
+    runtime (and the capabilities it declares), the observer, and the memory ``source``;
+    node pacing (``admission``), the user's ``on_progress``, and where the pool was made.
+    With ``options.background`` entering returns once pinning has started; a conductor (a
+    detached sequence on its own thread) runs the rest of the pinning step, and exit stops it.
     """
 
     def __init__(
         self,
+        plan: PoolPlan,
+        options: PoolOptions,
         *,
-        name: str,
-        nbytes: int,
-        num_pages: int,
-        chunk_limit: int,
-        workers: int,
-        describe: str,
+        runtime: Runtime,
+        caps: Capabilities,
         observer: Observer,
-        on_progress: ProgressCallback | None,
-        acquire: Callable[[], Memory],
-        start: Callable[[Memory], PinSession],
-        views: Callable[[Memory], Mapping[str, Any]],
-        background: bool = False,
+        source: MemorySource,
         admission: NodeAdmission | None = None,
-        release: Callable[[], None] = lambda: None,
+        on_progress: ProgressCallback | None = None,
         created_at: tuple[str, int] = ("<unknown>", 0),
     ) -> None:
-        self.name = name
-        self.nbytes = nbytes
-        self.num_pages = num_pages
-        self.chunk_limit = chunk_limit
-        self.workers = workers
-        self.describe = describe
+        self.plan = plan
+        self.options = options
+        self.runtime = runtime
+        self.caps = caps
         self.observer = observer
+        self.source = source
         self.on_progress = on_progress
-        self.background = background
-        self._acquire = acquire
-        self._start = start
-        self._views = views
-        self._release = release
+        self.name = options.name
+        self.nbytes = plan.nbytes
+        self.background = options.background
+        # For messages: "pool 'x' (4 GiB, 16 chunks of <= 256 MiB, runtime mlock)".
+        self.describe = (
+            f"pool {self.name!r} ({format_bytes(plan.nbytes)}, {len(plan.chunks)} chunks of "
+            f"<= {format_bytes(plan.chunk_bytes)}, runtime {runtime.name})"
+        )
         self.created_at = created_at  # (file, line) of the code that made the pool: where warnings point
         self.state = PoolState.NEW
         self.session: PinSession | None = None
@@ -130,10 +148,9 @@ class Lifecycle:
         self._conducting = False  # background: the conductor has not yet decided how pinning ended
         self._orphaned = False  # background: the façade was collected while pinning; the conductor cleans up
         # Node pacing: a slot while pinning, a share of the host's budget while anything is pinned.
-        self.admission = admission
-        self._admit_cancel = threading.Event()
-        self._slot: SlotHold | None = None
-        self._budget: BudgetHold | None = None
+        self.pacing = PoolAdmission(
+            admission, name=self.name, nbytes=self.nbytes, describe=self.describe, observer=observer
+        )
 
     def _move(self, to: PoolState) -> None:
         """The only place ``state`` changes (the table is ``_outcome.TRANSITIONS``)."""
@@ -163,17 +180,17 @@ class Lifecycle:
     def _enter(self) -> Steps[None]:
         if not self.background:
             try:
-                yield from self._admit()
+                yield from self.pacing.admit()
             except BaseException:
                 self._close_empty()
                 raise
         try:
-            memory = self._acquire()
+            memory = self.source.acquire()
         except BaseException:
             self._close_empty()
             raise
         try:
-            session = self._start(memory)
+            session = self._open_session(memory)
         except BaseException:
             PINNED_RANGES.pop(memory.address)
             self._close_empty()
@@ -191,7 +208,7 @@ class Lifecycle:
             yield from self._enter_background(session, pinning)
             return
         ran = yield pinning
-        self._release_slot()  # pinning is over: another rank may start while this one opens or rolls back
+        self.pacing.release_slot()  # pinning is over: another rank may start while this one opens or rolls back
         outcome, error = self._end_pinning(session, ran)
         if outcome is Outcome.READY:
             self._handed_out = True
@@ -209,12 +226,29 @@ class Lifecycle:
         assert error is not None  # INTERRUPTED (EXITED and ORPHANED are background outcomes)
         raise error
 
+    def _open_session(self, memory: Memory) -> PinSession:
+        """The engine over ``memory``, and the pin announced."""
+        plan = self.plan
+        session = PinSession(
+            plan, self.options, runtime=self.runtime, caps=self.caps, observer=self.observer, memory=memory
+        )
+        self.observer.pin_started(
+            nbytes=plan.nbytes, chunks=len(plan.chunks), chunk_bytes=plan.chunk_bytes, granularity=plan.granularity,
+            order=plan.order.value, register_workers=plan.register_workers, populate_workers=plan.populate_workers,
+        )  # fmt: skip
+        return session
+
+    @property
+    def workers(self) -> int:
+        """Pinning threads (each takes either role)."""
+        return self.plan.threads
+
     def _close_empty(self) -> None:
         """Entry failed before anything was pinned (admission, mapping, or the session)."""
-        self._release_slot()
-        self._release_budget()
+        self.pacing.release_slot()
+        self.pacing.release_budget()
         self.memory = None
-        self._release()
+        self.source.release()
         self._move(PoolState.CLOSED)
 
     # -- how pinning ends: one outcome ----------------------------------------------------------
@@ -234,7 +268,7 @@ class Lifecycle:
                 self.observer.pinned(nbytes=self.nbytes, chunks=len(session.ledger.chunks), seconds=session.pin_seconds)
                 assert self.memory is not None
                 if self.tensors is None:
-                    self.tensors = self._views(self.memory)
+                    self.tensors = self.source.views(self.memory)
             except BaseException as exc:
                 interruption = exc
         with self._lock:
@@ -255,7 +289,7 @@ class Lifecycle:
         ledger = session.ledger
         causes = ran.crashed or ran.start_errors
         return pin_error(
-            describe=self.describe, nbytes=self.nbytes, chunk_limit=self.chunk_limit,
+            describe=self.describe, nbytes=self.nbytes, chunk_limit=self.plan.chunk_limit,
             failures=ledger.failures_in("populate", "register"), leaked=ledger.leaked(), retries=session.retries,
             cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept,
         )  # fmt: skip
@@ -266,7 +300,7 @@ class Lifecycle:
         """Hand the pinning step to a conductor and return: the body runs while it pins."""
         assert self.memory is not None
         try:
-            self.tensors = self._views(self.memory)  # pages [0, pinned_pages) are usable at once
+            self.tensors = self.source.views(self.memory)  # pages [0, pinned_pages) are usable at once
         except BaseException:
             session.stop(StopCause.CANCELLED)
             self._move(PoolState.CLOSING)
@@ -275,8 +309,9 @@ class Lifecycle:
             raise
         self._conducting = True
         ran = yield Detach(
-            steps=self._conduct(session, pinning), name=f"pinpool-{self.name}-pin", stop=self._stop_for_shutdown
-        )
+            steps=self._conduct(session, pinning), name=f"pinpool-{self.name}-pin",
+            stop=functools.partial(self._stop_for_shutdown, session),
+        )  # fmt: skip
         self._conductor = ran.detached
         problems = ran.interrupts or ran.start_errors
         if not problems:
@@ -285,15 +320,15 @@ class Lifecycle:
         # The conductor could not be started, or an interrupt landed in Thread.start: it either
         # never runs or runs (maybe waiting for node pacing) and is stopped and waited for; then
         # whatever it pinned is undone (the body never ran).
+        # Nothing else closes the pool meanwhile: while it is being entered, exit refuses and the
+        # finalizer keeps off (``_driven``), so the conductor cannot have been orphaned.
         first = problems[0]
-        interrupts = yield from self._stop_conductor(session, StopCause.CANCELLED)
+        yield from self._stop_conductor(session, StopCause.CANCELLED)
         with self._lock:
             self._conducting = False
-        if self.state is not PoolState.CLOSED:
-            self._move(PoolState.CLOSING)
-            failures, more = yield from self._teardown(session)
-            interrupts += more
-            self._close(session, failures)
+        self._move(PoolState.CLOSING)
+        failures, _ = yield from self._teardown(session)
+        self._close(session, failures)
         if isinstance(first, Exception):
             raise thread_start_error(self.describe, first)
         raise first
@@ -301,7 +336,7 @@ class Lifecycle:
     def _conduct(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
         """The conductor's sequence: admission (node pacing); pin; then deliver the outcome."""
         try:
-            yield from self._admit()
+            yield from self.pacing.admit()
         except NodeWaitCancelled:  # stopped by exit, collection or interpreter exit: nothing was pinned
             outcome, error, ran = self._stopped_outcome(session), None, Ran()
             self.observer.rollback(cause=outcome.cause, registered_chunks=0)
@@ -310,7 +345,7 @@ class Lifecycle:
             self.observer.rollback(cause=outcome.cause, registered_chunks=0)
         else:
             ran = yield pinning
-            self._release_slot()
+            self.pacing.release_slot()
             outcome, error = self._end_pinning(session, ran)
         yield from self._deliver_in_background(session, outcome, error, ran)
 
@@ -325,9 +360,8 @@ class Lifecycle:
         thread that stopped pinning tears down itself; only a pool nobody can exit (orphaned) is
         torn down here."""
         if outcome is Outcome.FAILED and error is None:
-            prefix = session.prefix
-            pages = self.num_pages if prefix is None else prefix.pages
-            error = self._failure(session, ran, kept=kept_text(pages, self.num_pages, session.pipeline.pinned_bytes))
+            pages, pinned = session.prefix.pages, session.pipeline.pinned_bytes
+            error = self._failure(session, ran, kept=kept_text(pages, self.plan.num_pages, pinned))
         with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
             self._conducting = False
             if outcome is Outcome.READY:
@@ -348,20 +382,18 @@ class Lifecycle:
             failures, _ = yield from self._teardown(session)
             self._close(session, failures)
 
-    def _stop_for_shutdown(self) -> None:
+    def _stop_for_shutdown(self, session: PinSession) -> None:
         """The interpreter is exiting: stop pinning after the current calls. What is pinned stays
         pinned for threads still running; the pool's finalizer unpins it once they are done."""
-        session = self.session
-        self._admit_cancel.set()
-        if session is not None:
-            session.stop(StopCause.EXIT)
+        self.pacing.cancel.set()
+        session.stop(StopCause.EXIT)
 
     def _stop_conductor(self, session: PinSession, cause: StopCause) -> Generator[RunThreads, Ran, list[BaseException]]:
         """Stop background pinning after its current calls and wait until the conductor is done."""
         conductor = self._conductor
         if conductor is None or conductor.done:
             return []
-        self._admit_cancel.set()
+        self.pacing.cancel.set()
         session.stop(cause)
         ran = yield RunThreads(bodies=(conductor.join,), name=f"pinpool-{self.name}-join")
         return ran.interrupts
@@ -388,7 +420,7 @@ class Lifecycle:
             if state is PoolState.NEW:
                 if not closing:
                     raise PoolStateError(f"pool {self.name!r} is new: it can be exited only after it was entered")
-                self._release()
+                self.source.release()
                 self._move(PoolState.CLOSED)
                 return None
             if state is PoolState.PINNING and self._driven:
@@ -414,7 +446,7 @@ class Lifecycle:
             failures, more = yield from self._teardown(session)
             interrupts += more
             unpinned = self._close(session, failures)
-            return _deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
+            return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
             self._driven = False
 
@@ -431,55 +463,11 @@ class Lifecycle:
         memory, self.memory, self.tensors = self.memory, None, None
         if memory is not None:
             PINNED_RANGES.pop(memory.address)
-        self._release()
+        self.source.release()
         if self.state is not PoolState.CLOSED:
             check_move(self.state, PoolState.CLOSED)  # as _move does, without its lock
             self.state = PoolState.CLOSED
             self._closed.set()
-
-    # -- node pacing -------------------------------------------------------------------------------
-
-    def _admit(self) -> Generator[RunThreads, Ran, None]:
-        """Wait for this host's pacing to admit the pool: a share of the node budget, then a
-        pinning slot. Run as a thread step, so every driver's interrupt rules apply to the wait."""
-        admission = self.admission
-        if admission is None:
-            return
-        cancel = self._admit_cancel
-
-        def admit() -> None:
-            if admission.pacing.budget_bytes is not None:
-                self._budget = admission.reserve_budget_sync(self.nbytes, cancelled=cancel.is_set)
-            self._slot = admission.acquire_slot_sync(cancelled=cancel.is_set)
-
-        ran = yield RunThreads(
-            bodies=(admit,), name=f"pinpool-{self.name}-admit", interruptible=True, on_interrupt=cancel.set
-        )
-        if not (ran.interrupts or ran.crashed or ran.start_errors):
-            for kind, hold in (("budget", self._budget), ("slot", self._slot)):
-                if hold is not None and not hold.released:
-                    self.observer.node_admitted(kind=kind, seconds=hold.waited_seconds)
-            return
-        self._release_slot()
-        self._release_budget()
-        if ran.interrupts:
-            raise ran.interrupts[0]
-        if ran.crashed:
-            error = ran.crashed[0]
-            if isinstance(error, NodeBusyError):
-                self.observer.node_busy(kind=error.kind)
-            raise error
-        raise admission_thread_error(self.describe, ran.start_errors[0])
-
-    def _release_slot(self) -> None:
-        slot, self._slot = self._slot, None
-        if slot is not None:
-            slot.release()
-
-    def _release_budget(self) -> None:
-        budget, self._budget = self._budget, None
-        if budget is not None:
-            budget.release()
 
     # -- readiness ---------------------------------------------------------------------------------
 
@@ -489,9 +477,9 @@ class Lifecycle:
         failed, until exit)."""
         state = self.state
         if state is PoolState.READY:
-            return self.num_pages
+            return self.plan.num_pages
         session = self.session
-        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None or session.prefix is None:
+        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None:
             return 0
         return session.prefix.pages
 
@@ -536,12 +524,12 @@ class Lifecycle:
         )  # fmt: skip
         if leaked:
             memory.keep_forever()
-            _KEPT_HOLDS.append(self._budget)  # those bytes may still be pinned: they stay counted
+            self.pacing.keep_budget()  # those bytes may still be pinned: they stay counted
         else:
             PINNED_RANGES.pop(memory.address)
-            self._release_budget()
+            self.pacing.release_budget()
         del memory
-        self._release()  # after this the pool holds nothing of the caller's
+        self.source.release()  # after this the pool holds nothing of the caller's
         self._move(PoolState.CLOSED)
         if not failures or not handed_out:
             return None
@@ -577,7 +565,7 @@ class Lifecycle:
                 self._move(PoolState.CLOSING)
                 self._driven = True
         if orphaned:
-            self._admit_cancel.set()
+            self.pacing.cancel.set()
             session.stop(StopCause.COLLECTED)
             self._warn_unclosed("is unpinning what it pinned in the background")
             return
@@ -606,32 +594,3 @@ class Lifecycle:
             warnings.warn(message, UnclosedPoolWarning, stacklevel=2)
             return
         warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)
-
-
-def _deliver_exit(
-    body_error: BaseException | None,
-    failed: BaseException | None,
-    unpinned: UnpinError | None,
-    interrupts: list[BaseException],
-    raise_errors: bool,
-) -> BaseException | None:
-    """What leaving a pool raises: an interruption first (the errors as notes), else the unseen
-    background failure (the unpin error as a note), else the unpin error; a body's own error
-    gets them as notes instead. ``raise_errors=False`` returns the error instead of raising it."""
-    notes = [f"pinpool: pinning in the background had failed: {failed}"] if failed is not None else []
-    notes += [f"pinpool: {unpinned}"] if unpinned is not None else []
-    target = interrupts[0] if interrupts else body_error
-    if target is not None:
-        for note in notes:
-            target.add_note(note)
-        if interrupts:
-            raise interrupts[0]
-        return None
-    error = failed if failed is not None else unpinned
-    if error is None:
-        return None
-    if failed is not None and unpinned is not None:
-        failed.add_note(f"pinpool: {unpinned}")
-    if raise_errors:
-        raise error
-    return error

@@ -2,16 +2,16 @@
 
 Pinned pages are resident and can be neither swapped out nor reclaimed. Pinning more than the
 process's memory cgroup has left does not fail a call pinpool could roll back: the kernel's
-OOM killer ends the process (exit 137). So the pre-flight (:func:`pinpool._plan.check_host`)
+OOM killer ends the process (exit 137). So the pre-flight (:mod:`pinpool._preflight`)
 compares a pool with what is read here, before anything is mapped.
 
 Best effort by design: any file may be missing, unreadable or garbage (another kernel, a
 container without the cgroup filesystem, a namespace, a test fixture). What cannot be read is
 ``None``; nothing here raises.
 
-:func:`read_memory_limits` is the public reader (``pinpool doctor`` prints its fields); ``root``
-points it at a fixture tree laid out like ``/`` (``proc/self/cgroup``, ``proc/meminfo``,
-``sys/fs/cgroup/...``).
+:func:`read_memory_limits` is the public reader: :meth:`pinpool._host.HostFacts.probe`, the one
+host model pools and ``pinpool doctor`` both read, takes its fields. ``root`` points it at a
+fixture tree laid out like ``/`` (``proc/self/cgroup``, ``proc/meminfo``, ``sys/fs/cgroup/...``).
 """
 
 from __future__ import annotations

@@ -27,14 +27,11 @@ from typing import Any, TypeAlias
 import torch
 
 from . import _libc
-from ._errors import ConfigError, PinpoolError, RuntimeCallError
-from ._plan import check_hugetlb_pages, check_thp_mode
+from ._errors import AllocationError, ConfigError, RuntimeCallError
+from ._preflight import hugetlb_check, raise_first, thp_check
 from ._units import format_bytes
 
-
-class AllocationError(PinpoolError, MemoryError):
-    """The operating system refused to map the pool's memory."""
-
+__all__ = ["AllocationError", "HostMapping", "TensorMemory", "alias_of", "populate_range"]
 
 # Mappings that must outlive everything because a chunk of them may still be registered.
 _KEPT_FOREVER: list[HostMapping] = []
@@ -67,14 +64,15 @@ def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRIT
 
 
 def check_huge_pages_available() -> None:
-    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode (read now)."""
-    check_thp_mode(_libc.transparent_huge_pages_mode())
+    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode (read now: the
+    pre-flight's check, against the host as it is when the memory is mapped)."""
+    raise_first([thp_check(_libc.transparent_huge_pages_mode(), wanted=True)])
 
 
 def check_hugetlb_available(nbytes: int) -> None:
     """huge_pages='hugetlb' needs enough free 2 MiB pages reserved in the hugetlb pool (read now)."""
     free, total = _libc.hugetlb_free_pages()
-    check_hugetlb_pages(nbytes, free=free, total=total, huge_page_size=_libc.HUGE_PAGE_SIZE)
+    raise_first([hugetlb_check(nbytes, free=free, total=total, huge_page_size=_libc.HUGE_PAGE_SIZE, wanted=True)])
 
 
 class HostMapping:

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from prometheus_client import CollectorRegistry
 
+from ._chunks import Chunk
 from ._errors import RuntimeCallError
-from ._plan import Chunk
 from .metrics import PoolMetrics, metrics_for
 
 if TYPE_CHECKING:

@@ -4,37 +4,62 @@
 runtime object): :meth:`PoolOptions.create` takes the user's spellings (``size="64GiB"``,
 ``chunk_bytes=None`` meaning the environment's limit, ``layout=None``) and normalises them;
 the constructor itself checks every field, so no invalid options value exists. Both raise
-:class:`ConfigError` naming the value and the fix. :func:`pinpool._plan.plan_pool` turns
-options plus host facts into a plan.
+:class:`ConfigError` naming the value and the fix. The chunk limit a user's ``chunk_bytes=None``
+means (``PINPOOL_REGISTER_CHUNK_GB``, else 256 GiB) is resolved here too. :func:`pinpool._plan.plan_pool`
+turns options plus host facts into a plan.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TypeGuard
 
 import torch
 
 from ._declared import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PER_BUFFER
 from ._errors import ConfigError
-from ._plan import DEFAULT_CHUNK_GIB, resolve_chunk_limit
 from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
-from ._units import format_bytes, parse_size, shown
+from ._units import format_bytes, parse_env_gib, parse_size, shown
 from .layouts import BufferSpec, Layout, Raw
 
 __all__ = [
     "BACKGROUND_MAX_CALL_SECONDS",
+    "CHUNK_ENV",
+    "DEFAULT_CHUNK_GIB",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_MIN_CHUNK_BYTES",
     "PoolOptions",
+    "chunk_limit_from_env",
+    "resolve_chunk_limit",
     "resolve_max_call_seconds",
     "resolve_pin_nice",
 ]
 
 HUGE_PAGES = (False, True, "hugetlb")
+
+# The per-call limit when chunk_bytes= and max_chunk_bytes= are not given: the environment's, else 256 GiB.
+CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
+DEFAULT_CHUNK_GIB = 256
+
+
+def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = None) -> int:
+    """The per-call limit in bytes from ``PINPOOL_REGISTER_CHUNK_GB`` (GiB, fractions allowed)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(CHUNK_ENV)
+    if raw is None:
+        return DEFAULT_CHUNK_GIB << 30
+    return parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
+
+
+def resolve_chunk_limit(chunk_bytes: int | str | None) -> int:
+    """``chunk_bytes=`` when given (int or size string), else the environment, else 256 GiB."""
+    if chunk_bytes is None:
+        return chunk_limit_from_env()
+    return parse_size(chunk_bytes, what="chunk_bytes")
 
 
 # The most threads of one role a pool may start: far more than any host has cores for (the
@@ -58,15 +83,19 @@ def _check_workers(option: str, value: int | None) -> None:
         )
 
 
-def _check_fits_a_page(layout: Layout, budget: int, given: object, *, num_pages: int | None = None) -> None:
-    """A pool must hold at least one page, and one copy page of every buffer.
+def _check_fits_a_page(
+    layout: Layout, budget: int, given: object, *, num_pages: int | None = None
+) -> tuple[BufferSpec, ...]:
+    """A pool must hold at least one page, and one copy page of every buffer; returns the buffers
+    it holds, checked (a pool's one ``layout.buffers(num_pages)`` call: the placement reads them).
 
     ``num_pages``: the pool was asked for by page count (``budget`` is that many pages), so the
-    message names it. The layout is checked on the way (:func:`_check_layout`): a custom
-    layout's mistakes are ConfigErrors here, before anything is mapped, not a ZeroDivisionError
-    in the plan."""
-    page_bytes = _check_layout(layout, 1)
-    smallest = max([page_bytes, *(s.granularity or 0 for s in layout.buffers(1))])
+    message names it. The layout is checked on the way (:func:`_layout_page_bytes`,
+    :func:`_layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
+    is mapped, not a ZeroDivisionError in the plan."""
+    page_bytes = _layout_page_bytes(layout)
+    one_page = _layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
+    smallest = max([page_bytes, *(s.granularity or 0 for s in one_page)])
     if budget < smallest and num_pages is not None:
         pages = -(-smallest // page_bytes)
         raise ConfigError(
@@ -78,7 +107,8 @@ def _check_fits_a_page(layout: Layout, budget: int, given: object, *, num_pages:
             f"size={shown(given)} ({shown(budget)} B) is smaller than one page of layout {layout.name!r} "
             f"({shown(smallest)} B = {format_bytes(smallest)}); give a size of at least {shown(smallest)} bytes"
         )
-    _check_layout(layout, budget // page_bytes)  # the buffers this pool will have
+    pages = budget // page_bytes
+    return one_page if pages == 1 else _layout_buffers(layout, pages)  # the buffers this pool will have
 
 
 # -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --
@@ -109,8 +139,8 @@ def _is_layout(layout: object) -> bool:
         raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
 
 
-def _check_layout(layout: Layout, num_pages: int) -> int:
-    """Check what PinnedPool reads of a layout (name, page_bytes, buffers(num_pages)); return page_bytes."""
+def _layout_page_bytes(layout: Layout) -> int:
+    """Check the layout's name and page_bytes (what PinnedPool reads of it besides its buffers); return page_bytes."""
     what = _describe_layout(layout)
     name = _layout_value(what, "name", lambda: layout.name, "fix its name")
     if not isinstance(name, str) or not name:
@@ -120,6 +150,12 @@ def _check_layout(layout: Layout, num_pages: int) -> int:
     page_bytes = _layout_value(what, "page_bytes", lambda: layout.page_bytes, _PAGE_BYTES_FIX)
     if not _positive_int(page_bytes):
         raise ConfigError(f"{what}: page_bytes={page_bytes!r}; {_PAGE_BYTES_FIX} (size= buys whole pages of it)")
+    return page_bytes
+
+
+def _layout_buffers(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
+    """Check the layout's ``buffers(num_pages)``: a non-empty tuple of valid, distinct BufferSpecs holding bytes."""
+    what = _describe_layout(layout)
     # An absurd size (10**5000) is refused later as beyond the address space; its page count must
     # still print (str() of an int that long raises).
     call = f"buffers({num_pages if num_pages.bit_length() <= 128 else f'~2**{num_pages.bit_length() - 1}'})"
@@ -136,7 +172,7 @@ def _check_layout(layout: Layout, num_pages: int) -> int:
             f"{what}: {call} hold no bytes at all (every shape has a zero dimension); "
             "give at least one buffer a non-empty shape"
         )
-    return page_bytes
+    return tuple(specs)
 
 
 def _positive_int(value: object) -> TypeGuard[int]:
@@ -213,7 +249,7 @@ def _budget_of(layout: Layout, size: int | str | None, num_pages: object) -> tup
     if size is not None:
         return parse_size(size, what="size"), None
     pages = _check_num_pages(num_pages)
-    return pages * _check_layout(layout, 1), pages
+    return pages * _layout_page_bytes(layout), pages
 
 
 @dataclass(frozen=True)
@@ -263,6 +299,11 @@ class PoolOptions:
     max_chunk_bytes: int | None = None
     per_buffer: bool = False
     background: bool = False
+    # The layout's buffers for this size, checked: computed once, here; the placement reads them.
+    buffers: tuple[BufferSpec, ...] = field(init=False, repr=False, compare=False)
+    # create() checked the buffers already (before the options it parses after them, so errors
+    # come in the order users have always seen them): they are handed over, not read again.
+    checked_buffers: InitVar[tuple[BufferSpec, ...] | None] = None
 
     @classmethod
     def create(
@@ -307,7 +348,7 @@ class PoolOptions:
             exact = limit = resolve_chunk_limit(chunk_bytes)
         else:
             exact, limit = None, resolve_chunk_limit(None) if bound is None else bound
-        _check_fits_a_page(resolved, budget, size, num_pages=pages)
+        specs = _check_fits_a_page(resolved, budget, size, num_pages=pages)
         return cls(
             size=budget, layout=resolved, chunk_bytes=exact, chunk_limit=limit,
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
@@ -315,10 +356,10 @@ class PoolOptions:
             min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
             max_call_seconds=resolve_max_call_seconds(max_call_seconds, background=background, per_buffer=per_buffer),
             num_pages=pages, pin_nice=resolve_pin_nice(pin_nice, background=background), max_chunk_bytes=bound,
-            per_buffer=per_buffer, background=background,
+            per_buffer=per_buffer, background=background, checked_buffers=specs,
         )  # fmt: skip
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, checked_buffers: tuple[BufferSpec, ...] | None) -> None:
         _check_plain(self.layout, self.layout, self.populate, self.populate_workers, self.register_workers,
                      self.unpin_workers, self.huge_pages, self.numa_node, self.name)  # fmt: skip
         if isinstance(self.size, str):
@@ -335,13 +376,15 @@ class PoolOptions:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
         if self.num_pages is not None:
-            pages, page_bytes = _check_num_pages(self.num_pages), _check_layout(self.layout, 1)
+            pages, page_bytes = _check_num_pages(self.num_pages), _layout_page_bytes(self.layout)
             if self.size != pages * page_bytes:
                 raise ConfigError(
                     f"PoolOptions(size={self.size!r}, num_pages={pages}): size must be num_pages * layout.page_bytes "
                     f"({pages} * {page_bytes}); give one of them (PoolOptions.create computes the size)"
                 )
-        _check_fits_a_page(self.layout, self.size, self.size, num_pages=self.num_pages)
+        if checked_buffers is None:
+            checked_buffers = _check_fits_a_page(self.layout, self.size, self.size, num_pages=self.num_pages)
+        object.__setattr__(self, "buffers", checked_buffers)
         if isinstance(self.min_chunk_bytes, str):
             raise ConfigError(
                 f"min_chunk_bytes={self.min_chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"

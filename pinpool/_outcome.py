@@ -5,7 +5,7 @@
 * :class:`Outcome` and :func:`decide`: the pinning step ends in exactly one outcome, decided
   here from what the step reported. The foreground and background modes only *deliver* it
   differently (``_lifecycle.py``): the foreground rolls back and raises; the background keeps
-  what is pinned and tells the waiters.
+  what is pinned and tells the waiters. :func:`deliver_exit`: what leaving a pool raises.
 * The texts of the errors a pool raises when pinning or unpinning fails, built in one place.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from ._chunks import Chunk
 from ._errors import ChunkFailure, PinError, UnpinError
 from ._ledger import StopCause
-from ._plan import Chunk
 from ._units import format_bytes
 
 
@@ -110,6 +110,35 @@ def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orp
     if stop_cause is StopCause.COLLECTED:
         return Outcome.ORPHANED
     return Outcome.FAILED  # a call failed, a worker crashed or never started (CANCELLED without an interrupt too)
+
+
+def deliver_exit(
+    body_error: BaseException | None,
+    failed: BaseException | None,
+    unpinned: UnpinError | None,
+    interrupts: list[BaseException],
+    raise_errors: bool,
+) -> BaseException | None:
+    """What leaving a pool raises: an interruption first (the errors as notes), else the unseen
+    background failure (the unpin error as a note), else the unpin error; a body's own error
+    gets them as notes instead. ``raise_errors=False`` returns the error instead of raising it."""
+    notes = [f"pinpool: pinning in the background had failed: {failed}"] if failed is not None else []
+    notes += [f"pinpool: {unpinned}"] if unpinned is not None else []
+    target = interrupts[0] if interrupts else body_error
+    if target is not None:
+        for note in notes:
+            target.add_note(note)
+        if interrupts:
+            raise interrupts[0]
+        return None
+    error = failed if failed is not None else unpinned
+    if error is None:
+        return None
+    if failed is not None and unpinned is not None:
+        failed.add_note(f"pinpool: {unpinned}")
+    if raise_errors:
+        raise error
+    return error
 
 
 # -- error texts ----------------------------------------------------------------------------------

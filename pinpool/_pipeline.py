@@ -13,22 +13,27 @@ sleeps on a condition when it says ``WAIT``. Three orders:
   page as it is faulted in: one pass over the memory instead of fault, then lock.
 * ``REGISTER_ONLY`` (no pre-faulting): register workers take chunks in order and the
   registration call faults the pages itself.
+
+How each handed-out item ended comes back as one record, a :class:`Landing`, through one
+method, :meth:`Pipeline.land`: it owns what a landing means for the books (the ledger's
+states, the pinned bytes and prefix, the lookahead window, a batch's end).
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
-from ._errors import ChunkFailure, RuntimeCallError
-from ._ledger import ChunkState, Ledger, LedgerError, Phase
-from ._plan import Chunk, Order, Span, SpanTable
+from ._chunks import Chunk, Order, Span, SpanTable
+from ._errors import ChunkFailure, LedgerError, RuntimeCallError
+from ._ledger import ChunkState, Ledger, Phase
 from ._prefix import PrefixTracker
 
-__all__ = ["WAIT", "Batch", "Order", "Pipeline", "Span", "SpanTable", "split_spans"]
+__all__ = ["WAIT", "Batch", "Landing", "Order", "Pipeline", "Span", "SpanTable", "split_spans"]
 
 T = TypeVar("T")
 
@@ -51,6 +56,38 @@ class Batch:
 
     role: str
     items: tuple[int | Span, ...]
+
+
+@dataclass(frozen=True)
+class Landing:
+    """What the calls on one handed-out item did: the one record the engine gives :meth:`Pipeline.land`.
+
+    ``item``: a chunk index (registration) or a span (populate). ``error``: the call that failed
+    (pinning stops). ``stopped``: pinning stopped before the item was done, or before it was
+    called at all. ``pieces``: a chunk registered in several calls (retries, the stall budget),
+    the pieces registered, in call order; empty (or the chunk itself) for one whole call;
+    registered pieces of a failed or stopped chunk are undone by the rollback. ``attempts``:
+    every failed call of a chunk that failed, its last one included (empty: just ``error``).
+    ``partial``: progress, not a landing: ``pieces`` of the item are pinned now (registered,
+    or faulted under lock-on-fault) and it stays in flight. ``seconds``: how long its one call
+    took, for the observer; NaN when its calls were observed one by one.
+    """
+
+    item: int | Span
+    error: RuntimeCallError | None = None
+    stopped: bool = False
+    pieces: tuple[Chunk, ...] = ()
+    attempts: tuple[ChunkFailure, ...] = ()
+    partial: bool = False
+    seconds: float = math.nan
+
+
+@dataclass
+class _Out:
+    """A batch out with a worker: it ends when the last of its items lands."""
+
+    role: str
+    left: int
 
 
 def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> SpanTable:
@@ -88,6 +125,7 @@ class Pipeline:
         self.populate_workers = populate_workers
         self._register_batches = 0
         self._populate_batches = 0
+        self._out: dict[int | Span, _Out] = {}  # each batched item not yet landed -> its batch
         # Lazy: computed from the ledger's chunk table, O(runs) memory however many spans.
         self.spans: Sequence[Span] = () if order is Order.REGISTER_ONLY else split_spans(self.ledger.chunks, span_bytes)
         self._span_bytes = span_bytes
@@ -124,12 +162,13 @@ class Pipeline:
     def next_work(self) -> Batch | _Wait | None:
         """For a worker that can do either: a batch ``("register", [index, ...])`` or
         ``("populate", [span, ...])`` within each role's concurrency, ``WAIT``, or ``None``
-        once nothing is left to hand out. The worker calls :meth:`batch_done` after it.
+        once nothing is left to hand out.
 
         Registration comes first: it is the serial bottleneck under CUDA, and under
         lock-on-fault it is what lets faulting start. A batch holds consecutive items until
         they add up to ``BATCH_BYTES`` (a big chunk or span is a batch of one) and at most its
         share of the waiting items, so tiny chunks cost one hand-off per batch, not per chunk.
+        The batch ends when the last of its items lands (:meth:`land`, called or not).
         """
         if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
             return None
@@ -139,14 +178,20 @@ class Pipeline:
             indices = self._batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
             if indices:
                 self._register_batches += 1
-                return Batch("register", tuple(indices))
+                return self._hand_out("register", indices)
         if self._populate_batches < self.populate_workers:
             share = -(-(len(self.spans) - self._next_span) // self.populate_workers)
             spans = self._batch(self.next_populate, lambda span: span.nbytes, share)
             if spans:
                 self._populate_batches += 1
-                return Batch("populate", tuple(spans))
+                return self._hand_out("populate", spans)
         return self._wait("a worker")
+
+    def _hand_out(self, role: str, items: Sequence[int | Span]) -> Batch:
+        out = _Out(role, len(items))
+        for item in items:
+            self._out[item] = out
+        return Batch(role, tuple(items))
 
     def _batch(self, take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
         """Consecutive items up to BATCH_BYTES / BATCH_ITEMS, and no more than this worker's
@@ -161,18 +206,6 @@ class Pipeline:
             items.append(item)
             nbytes += size(item)
         return items
-
-    def batch_done(self, role: str, unstarted: Sequence[int | Span] = ()) -> None:
-        """A worker finished a batch; ``unstarted`` are its items it did not call (pinning stopped)."""
-        if role == "register":
-            self._register_batches -= 1
-        else:
-            self._populate_batches -= 1
-        for item in unstarted:
-            if isinstance(item, Span):
-                self._land_span(item)
-            else:
-                self.ledger.unclaim(item)
 
     def next_populate(self) -> Span | _Wait | None:
         """The next span to fault, ``None`` when this role is done, or ``WAIT``."""
@@ -231,11 +264,54 @@ class Pipeline:
             return False
         return self.ledger.pending > 0
 
-    # -- how calls ended -------------------------------------------------------------------------
+    # -- how calls ended: one record, one method ---------------------------------------------------
 
-    def populated(self, span: Span) -> int | None:
-        """Record a faulted span; returns its chunk's index if that made the chunk pinned (lock-on-fault)."""
-        self._land_span(span)
+    def land(self, landing: Landing) -> int | None:
+        """Put what the calls on one item did on the books (see :class:`Landing`); returns the
+        chunk's index if that made the chunk pinned. The last landing of a batch's items (called
+        or not) ends the batch, so its role may hand out another."""
+        if landing.error is not None and landing.stopped:
+            raise LedgerError(f"{landing.item!r} landed both failed and stopped: {landing}")
+        if landing.partial and (landing.error is not None or landing.stopped or not landing.pieces):
+            raise LedgerError(f"progress of {landing.item!r} must name its pieces and nothing else: {landing}")
+        item = landing.item
+        if not landing.partial:
+            self._end_item(item)
+        if isinstance(item, Span):
+            return self._land_span(landing, item)
+        return self._land_chunk(landing, item)
+
+    def _end_item(self, item: int | Span) -> None:
+        out = self._out.pop(item, None)
+        if out is None:  # handed out alone (next_populate / next_register), not in a batch
+            return
+        out.left -= 1
+        if out.left == 0:
+            if out.role == "register":
+                self._register_batches -= 1
+            else:
+                self._populate_batches -= 1
+
+    def _land_span(self, landing: Landing, span: Span) -> int | None:
+        if landing.partial:
+            # Part of the span was faulted by one of several calls (the stall budget): under
+            # lock-on-fault that part is locked now, so it counts before the span lands.
+            if self.order is Order.REGISTER_FIRST:
+                for part in landing.pieces:
+                    key = (span.chunk, span.offset)
+                    self._span_parts[key] = self._span_parts.get(key, 0) + part.nbytes
+                    self._partial_bytes += part.nbytes
+                    if self.prefix is not None:
+                        self.prefix.cover(part.offset, part.end)
+            return None
+        if self._populating <= 0:
+            raise LedgerError(f"span {span} landed with no populate in flight")
+        self._populating -= 1
+        if landing.error is not None:
+            self.ledger.populate_failed(span.chunk, landing.error)
+            return None
+        if landing.stopped:  # never called, or stopped between its calls: its chunk never counts as faulted
+            return None
         self.populated_bytes += span.nbytes
         parts = 0
         if self.order is Order.REGISTER_FIRST:
@@ -258,84 +334,45 @@ class Pipeline:
             heapq.heappush(self._ready, span.chunk)
         return None
 
-    def part_faulted(self, span: Span, offset: int, nbytes: int) -> None:
-        """Part of ``span`` was faulted by one of several calls (the stall budget): under
-        lock-on-fault that part is locked now, so it counts before the span lands."""
-        if self.order is not Order.REGISTER_FIRST:
-            return
-        key = (span.chunk, span.offset)
-        self._span_parts[key] = self._span_parts.get(key, 0) + nbytes
-        self._partial_bytes += nbytes
-        if self.prefix is not None:
-            self.prefix.cover(offset, offset + nbytes)
-
-    def populate_failed(self, span: Span, error: RuntimeCallError) -> None:
-        self._land_span(span)
-        self.ledger.populate_failed(span.chunk, error)
-
-    def part_registered(self, index: int, piece: Chunk) -> None:
-        """One piece of a chunk registered in several calls is pinned now (not under lock-on-fault,
-        where a registered piece is pinned only once faulted): it counts before the chunk lands."""
-        if self.order is Order.REGISTER_FIRST:
-            return
-        self._piece_bytes[index] = self._piece_bytes.get(index, 0) + piece.nbytes
-        self._partial_bytes += piece.nbytes
-        if self.prefix is not None:
-            self.prefix.cover(piece.offset, piece.end)
-
-    def _drop_pieces(self, index: int) -> None:
-        self._partial_bytes -= self._piece_bytes.pop(index, 0)
-
-    def span_abandoned(self, span: Span) -> None:
-        """Pinning stopped part-way through ``span`` (its calls were sized by the stall budget):
-        it is no longer in flight, and its chunk never counts as faulted."""
-        self._land_span(span)
-
-    def register_stopped(self, index: int, pieces: Sequence[Chunk]) -> None:
-        """Pinning stopped part-way through a chunk registered in pieces: the pieces registered
-        are undone by the rollback (none: the chunk is simply not registered)."""
-        self._drop_pieces(index)
-        if pieces:
-            self.ledger.partly_registered(index, pieces, ())
+    def _land_chunk(self, landing: Landing, index: int) -> int | None:
+        ledger, pieces = self.ledger, landing.pieces
+        if landing.partial:
+            # Pieces of a chunk registered in several calls are pinned now (not under lock-on-fault,
+            # where a registered piece is pinned only once faulted): they count before the chunk lands.
+            if self.order is not Order.REGISTER_FIRST:
+                for piece in pieces:
+                    self._piece_bytes[index] = self._piece_bytes.get(index, 0) + piece.nbytes
+                    self._partial_bytes += piece.nbytes
+                    if self.prefix is not None:
+                        self.prefix.cover(piece.offset, piece.end)
+            return None
+        self._partial_bytes -= self._piece_bytes.pop(index, 0)  # from here the chunk counts whole, or not at all
+        self._leave_window(index)
+        error = landing.error
+        if error is not None:  # every failed attempt is reported (a real out-of-memory is never hidden)
+            attempts = landing.attempts or (ChunkFailure(ledger.chunks[index], "register", error),)
+            if pieces:  # the pieces registered are undone by the rollback, from the books
+                ledger.partly_registered(index, pieces, attempts)
+            else:
+                ledger.failed(index, "register", error, attempts)
+            return None
+        if landing.stopped:  # what stopped pinning is reported, not this chunk's earlier attempts
+            if pieces:
+                ledger.partly_registered(index, pieces, ())
+            else:  # never called, or stopped before its first piece: simply not registered
+                ledger.unclaim(index)
+            return None
+        faulting = self.order is Order.REGISTER_FIRST
+        if pieces and pieces != (ledger.chunks[index],):
+            ledger.registered_in_pieces(index, pieces, faulting=faulting)
         else:
-            self.ledger.unclaim(index)
-        self._leave_window(index)
-
-    def _land_span(self, span: Span) -> None:
-        if self._populating <= 0:
-            raise LedgerError(f"span {span} landed with no populate in flight")
-        self._populating -= 1
-
-    def registered(self, index: int) -> int | None:
-        """Record a registration; returns the index if the chunk is pinned now (not lock-on-fault)."""
-        faulting = self.order is Order.REGISTER_FIRST
-        self.ledger.registered(index, faulting=faulting)
-        self._leave_window(index)
+            ledger.registered(index, faulting=faulting)
         if faulting:
             return None
-        self._cover(index)
-        return index
-
-    def register_failed(self, index: int, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
-        self._drop_pieces(index)
-        self.ledger.failed(index, "register", error, attempts)
-        self._leave_window(index)
-
-    def registered_in_pieces(self, index: int, pieces: Sequence[Chunk]) -> int | None:
-        """A chunk registered as several calls after retries; as :meth:`registered` otherwise."""
-        faulting = self.order is Order.REGISTER_FIRST
-        self._drop_pieces(index)  # the chunk counts whole from now on
-        self.ledger.registered_in_pieces(index, pieces, faulting=faulting)
-        self._leave_window(index)
-        if faulting:
-            return None
-        self._cover(index)
-        return index
-
-    def _cover(self, index: int) -> None:
         if self.prefix is not None:
-            chunk = self.ledger.chunks[index]
+            chunk = ledger.chunks[index]
             self.prefix.cover(chunk.offset, chunk.end)
+        return index
 
     @property
     def pinned_bytes(self) -> int:
@@ -344,11 +381,6 @@ class Pipeline:
         background pool keeps them locked until it is exited)."""
         partial = self._partial_bytes if self.ledger.phase in (Phase.PINNING, Phase.ROLLED_BACK) else 0
         return self.ledger.registered_bytes + partial
-
-    def register_partly_failed(self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure]) -> None:
-        self._drop_pieces(index)
-        self.ledger.partly_registered(index, pieces, attempts)
-        self._leave_window(index)
 
     def _leave_window(self, index: int) -> None:
         if index in self._window:

@@ -9,7 +9,6 @@ an interruption means.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -23,16 +22,15 @@ import anyio
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from ._chunks import Chunk, ChunkTable
 from ._declared import OPTIONS
 from ._drivers import drive_async, drive_sync, finalize_lifecycle
-from ._engine import PinSession
 from ._errors import (
     AlreadyPinnedError,
     ConfigError,
     PoolStateError,
 )
 from ._host import HostFacts
-from ._libc import MADV_POPULATE_WRITE
 from ._lifecycle import Lifecycle, Memory
 from ._memory import HostMapping, TensorMemory, alias_of
 from ._node import NodeAdmission, NodePacing
@@ -40,8 +38,9 @@ from ._observe import Observer
 from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
 from ._outcome import PoolState
 from ._pipeline import Order
-from ._plan import BufferPlan, Chunk, ChunkTable, PoolPlan, check_host, plan_pool, retry_splitter
-from ._prefix import PrefixTracker
+from ._placement import place
+from ._plan import BufferPlan, PoolPlan, plan_pool
+from ._preflight import check_pinning, placement_checks, raise_first
 from ._ranges import PINNED_RANGES
 from ._shared import SharedMapping, SharedMemory, layout_record
 from ._types import Capabilities
@@ -287,8 +286,9 @@ class PinnedPool:
         ``granularity_bytes``); ``memory`` a memory source for the pool's own memory.
 
         Every decision comes from :func:`pinpool._plan.plan_pool` over the options and the host's
-        facts, probed once here; the host checks run before the runtime is resolved, so a doomed
-        configuration (an absurd size, a missing NUMA node) fails before a GPU driver starts.
+        facts, probed once here. The placement is made and checked once (:mod:`pinpool._preflight`),
+        before the runtime is resolved, so a doomed configuration (an absurd size, a missing NUMA
+        node) fails before a GPU driver starts; the plan is made from that same placement.
         """
         granularity = given.pop("granularity_bytes", None)
         unknown = set(given) - set(_CREATE) - set(_PACING)
@@ -301,17 +301,18 @@ class PinnedPool:
         background = options.background
         _check_memory_source(memory, options)
         host = HostFacts.probe()
-        check_host(options, host)
         if memory is not None:
             # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
             host = dataclasses.replace(host, page_size=memory.page_size)
+        placement = place(options, host)
+        raise_first(placement_checks(options, host, placement))
         resolved = resolve_runtime(runtime)
         start = 0 if source is None else source.data_ptr() % host.page_size  # own memory is page-aligned
         self._options = options
         self._host = host
         self._runtime: Runtime = resolved
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
-        self._plan: PoolPlan = plan_pool(options, host, self._caps, source_start=start)
+        self._plan: PoolPlan = plan_pool(options, host, self._caps, source_start=start, placement=placement)
         self._buffers: tuple[BufferPlan, ...] = self._plan.buffers
         self._mapping_bytes = self._plan.mapping_bytes
         name = options.name
@@ -341,88 +342,14 @@ class PinnedPool:
     def _make_lifecycle(
         self, background: bool, admission: NodeAdmission | None, source: torch.Tensor | None
     ) -> Lifecycle:
-        """The pool's lifecycle, over values (not ``self``): the finalizer runs it after the façade is gone.
-
-        A caller's tensor (``source``) is held in one place, which the lifecycle empties once the
-        pool is closed: after ``close()`` nothing of the caller's is referenced (their mmap can close)."""
-        name, nbytes, runtime, observer = self.name, self.nbytes, self.runtime, self._observer
-        chunks, buffers = self.chunks, self._buffers
-        held: list[torch.Tensor | None] = [source]
-        own_memory = source is None
-        mapping_bytes, huge_pages, numa_node = self._mapping_bytes, self.huge_pages, self.numa_node
-        order, span_bytes, lookahead = self.order, self.span_bytes or 1, self.lookahead_bytes
-        register_workers, populate_workers, unpin_workers = (
-            self.register_workers,
-            self.populate_workers,
-            self.unpin_workers,
-        )
-        announce = functools.partial(
-            observer.pin_started, nbytes=nbytes, chunks=len(chunks), chunk_bytes=self.chunk_bytes,
-            granularity=self.granularity, order=order.value, register_workers=register_workers,
-            populate_workers=populate_workers,
-        )  # fmt: skip
-
-        caps = self._caps
+        """The pool's lifecycle, over values (not ``self``): the finalizer runs it after the façade
+        is gone. It gets the plan and the options whole; ``background`` is ``options.background``."""
         options = self._options
-
-        shared = self._memory_source
-        record = layout_record(self.layout, self.num_pages) if shared is not None else {}
-
-        def acquire() -> HostMapping | TensorMemory | SharedMapping:
-            # The memory pre-flight (memory cgroup, MemAvailable, RLIMIT_MEMLOCK) against figures read
-            # now, right before mapping: they change between construction and entry. Pages a shared
-            # file already holds are memory in use, not new memory.
-            new_bytes = None if shared is None else shared.new_bytes(mapping_bytes)
-            check_host(options, HostFacts.probe(), runtime, new_memory=own_memory, new_bytes=new_bytes)
-            if shared is not None:
-                return _claim(name, shared.open_mapping(mapping_bytes, record), nbytes, runtime, caps)
-            tensor = held[0]
-            if not own_memory and tensor is None:
-                raise PoolStateError(f"pool {name!r} was closed: its tensor was let go; call pin() again")
-            memory = (
-                HostMapping(mapping_bytes, huge_pages=huge_pages, numa_node=numa_node)
-                if tensor is None
-                else TensorMemory(tensor)
-            )
-            return _claim(name, memory, nbytes, runtime, caps)
-
-        def release() -> None:
-            held[0] = None
-
-        retry = retry_splitter(self._plan, self._options.min_chunk_bytes)
-        max_retries, max_call_seconds = self._options.max_retries, self._options.max_call_seconds
-        plan = self._plan
-
-        def start(memory: Memory) -> PinSession:
-            session = PinSession(
-                chunks=plan.pin_chunks, runtime=runtime, caps=caps, retry=retry, max_retries=max_retries,
-                base_ptr=memory.address, order=order, span_bytes=span_bytes,
-                lookahead_bytes=lookahead, register_workers=register_workers, populate_workers=populate_workers,
-                unpin_workers=unpin_workers, observer=observer, prefix=PrefixTracker(plan.page_runs, plan.num_pages),
-                max_call_seconds=max_call_seconds, populate_unit=plan.align, pin_nice=options.pin_nice,
-                populate_advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE),
-            )  # fmt: skip
-            announce()
-            return session
-
-        def views(memory: Memory) -> Mapping[str, torch.Tensor]:
-            assert isinstance(memory, HostMapping | TensorMemory | SharedMapping)
-            return MappingProxyType(
-                {
-                    b.spec.name: memory.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape)
-                    for b in buffers
-                }
-            )
-
+        assert background is options.background, (background, options.background)
+        memory = _PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
         return Lifecycle(
-            name=name, nbytes=nbytes, num_pages=plan.num_pages, chunk_limit=self.chunk_limit, workers=self.threads,
-            background=background, admission=admission,
-            describe=(
-                f"pool {name!r} ({format_bytes(nbytes)}, {len(chunks)} chunks of <= {format_bytes(self.chunk_bytes)}, "
-                f"runtime {runtime.name})"
-            ),
-            observer=observer, on_progress=self.on_progress, acquire=acquire, start=start, views=views,
-            release=release, created_at=_caller_outside_pinpool(),
+            self._plan, options, runtime=self._runtime, caps=self._caps, observer=self._observer, source=memory,
+            admission=admission, on_progress=self.on_progress, created_at=_caller_outside_pinpool(),
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -713,6 +640,57 @@ def _claim(name: str, memory: _Mapped, nbytes: int, runtime: Runtime, caps: Capa
             "nothing was pinned. Unpin it first, or pin a different tensor"
         )
     return memory
+
+
+class _PoolMemory:
+    """Where a pool's memory comes from, for its lifecycle: a new private mapping, a shared
+    file's mapping, or a caller's tensor (pin()); and the layout's tensors over it.
+
+    Holds values, never the façade. A caller's tensor is held only here, and let go once the
+    pool is closed: after ``close()`` nothing of the caller's is referenced (their mmap can close)."""
+
+    def __init__(
+        self, plan: PoolPlan, options: PoolOptions, runtime: Runtime, caps: Capabilities, *,
+        shared: SharedMemory | None, tensor: torch.Tensor | None,
+    ) -> None:  # fmt: skip
+        self._plan, self._options, self._runtime, self._caps = plan, options, runtime, caps
+        self._shared = shared
+        self._record = layout_record(options.layout, plan.num_pages) if shared is not None else {}
+        self._own = tensor is None
+        self._tensor = tensor
+
+    def acquire(self) -> HostMapping | TensorMemory | SharedMapping:
+        plan, name, shared = self._plan, self._options.name, self._shared
+        # The memory pre-flight (memory cgroup, MemAvailable, RLIMIT_MEMLOCK) against figures read
+        # now, right before mapping: they change between construction and entry. Pages a shared
+        # file already holds are memory in use, not new memory.
+        new_bytes = None if shared is None else shared.new_bytes(plan.mapping_bytes)
+        check_pinning(
+            self._options, HostFacts.probe(), self._caps, mapping_bytes=plan.mapping_bytes,
+            buffer_bytes=[b.spec.nbytes for b in plan.buffers], new_memory=self._own, new_bytes=new_bytes,
+        )  # fmt: skip
+        memory: HostMapping | TensorMemory | SharedMapping
+        if shared is not None:
+            memory = shared.open_mapping(plan.mapping_bytes, self._record)
+        elif self._own:
+            memory = HostMapping(plan.mapping_bytes, huge_pages=plan.huge_pages, numa_node=plan.numa_node)
+        elif self._tensor is None:
+            raise PoolStateError(f"pool {name!r} was closed: its tensor was let go; call pin() again")
+        else:
+            memory = TensorMemory(self._tensor)
+        return _claim(name, memory, plan.nbytes, self._runtime, self._caps)
+
+    def views(self, memory: Memory) -> Mapping[str, torch.Tensor]:
+        assert isinstance(memory, HostMapping | TensorMemory | SharedMapping)
+        return MappingProxyType(
+            {
+                b.spec.name: memory.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape)
+                for b in self._plan.buffers
+            }
+        )
+
+    def release(self) -> None:
+        self._tensor = None
 
 
 def pin(

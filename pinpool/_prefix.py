@@ -21,7 +21,7 @@ import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ._plan import Chunk, ChunkTable
+from ._chunks import Chunk, ChunkTable
 
 # Interleaving materialises the order (one run per chunk); beyond this many chunks the
 # pool keeps offset order, and only its first run's pages grow before the end.

@@ -5,8 +5,12 @@ Rendering is pure (:func:`render_bar`, :func:`render_line`, :func:`format_eta`,
 is the ``on_progress`` callback: PinnedPool calls it with ``(pinned, total, chunks_done,
 chunks_total)`` on the waiting thread about every 0.1 s. A callback that raises interrupts
 pinning and rolls it back, so the reporter never raises an ``Exception``: a stream that fails
-(closed, a broken pipe) only ends the display. :class:`EventLog` is a structlog-shaped logger
-for ``PinnedPool(logger=...)`` that keeps each registration call's duration for the summary.
+(closed, a broken pipe) only ends the display. It shows the current rate (over the last
+:data:`RATE_WINDOW_SECONDS`), not the average since the start, and reads faulted bytes at each
+update, so the display moves within a chunk; :class:`ResidentGrowth` is such a reading that
+moves page by page (the kernel's resident count), where the pool's own counters move a whole
+span (up to 512 MiB) at a time. :class:`EventLog` is a structlog-shaped logger for
+``PinnedPool(logger=...)`` that keeps each registration call's duration for the summary.
 
 Nothing here imports torch: the CLI's help must stay fast.
 """
@@ -14,9 +18,11 @@ Nothing here imports torch: the CLI's help must stay fast.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -25,6 +31,7 @@ from ._units import format_bytes
 __all__ = [
     "EventLog",
     "ProgressReporter",
+    "ResidentGrowth",
     "format_eta",
     "format_rate",
     "percentile",
@@ -34,6 +41,9 @@ __all__ = [
 
 # Plain lines in a log at most this often: often enough to show life, rare enough for a TiB pin.
 LINE_INTERVAL_SECONDS = 2.0
+# The rate shown is over about this long: recent enough to show a stall or a speed-up, long
+# enough that chunk-sized steps do not make it flicker.
+RATE_WINDOW_SECONDS = 2.0
 _BAR_MIN, _BAR_MAX = 10, 40
 
 
@@ -41,14 +51,30 @@ def format_rate(nbytes: int, seconds: float) -> str:
     """Decimal GB/s, as the summary and docs/performance.md report throughput."""
     if seconds <= 0:
         return "-- GB/s"
-    return f"{nbytes / seconds / 1e9:.2f} GB/s"
+    return format_speed(nbytes / seconds)
 
 
-def eta_seconds(pinned: int, total: int, elapsed: float) -> float | None:
-    """Seconds left at the average rate so far; None while no rate is known yet."""
+def format_speed(bytes_per_second: float | None) -> str:
+    """``5.21 GB/s`` (decimal, as :func:`format_rate`); ``-- GB/s`` when unknown."""
+    if bytes_per_second is None or not math.isfinite(bytes_per_second):
+        return "-- GB/s"
+    return f"{bytes_per_second / 1e9:.2f} GB/s"
+
+
+def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = None) -> float | None:
+    """Seconds left at ``rate`` (bytes/s), or at the average rate so far when None; None while
+    no rate is known yet (or the rate is 0: stalled)."""
+    if total > 0 and pinned >= total:
+        return 0.0
+    if rate is not None:
+        return None if rate <= 0 else max(0.0, (total - pinned) / rate)
     if pinned <= 0 or elapsed <= 0:
         return None
     return max(0.0, (total - pinned) * elapsed / pinned)
+
+
+def _speed(pinned: int, elapsed: float, rate: float | None) -> str:
+    return format_speed(rate) if rate is not None else format_rate(pinned, elapsed)
 
 
 def format_eta(seconds: float | None) -> str:
@@ -72,19 +98,27 @@ def _ahead(pinned: int, faulted: int | None) -> int | None:
 
 
 def render_bar(
-    pinned: int, total: int, elapsed: float, done: int, chunks: int, width: int = 80, faulted: int | None = None
+    pinned: int,
+    total: int,
+    elapsed: float,
+    done: int,
+    chunks: int,
+    width: int = 80,
+    faulted: int | None = None,
+    rate: float | None = None,
 ) -> str:
     """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s  ETA 0:01  6/16 chunks``.
 
     ``#`` is pinned; ``+`` is faulted in but not yet counted as pinned (``faulted``: bytes pre-faulted
     so far), which moves within a chunk while whole chunks are what gets counted as pinned.
+    ``rate``: the current rate in bytes/s, shown and used for the ETA; None: the average so far.
     The bar takes what ``width`` leaves after the figures (between 10 and 40 cells).
     """
     ahead = _ahead(pinned, faulted)
     figures = (
         f" {_percent(pinned, total):3d}%  {format_bytes(pinned)} / {format_bytes(total)}"
         + (f" ({format_bytes(ahead)} faulted)" if ahead is not None else "")
-        + f"  {format_rate(pinned, elapsed)}  ETA {format_eta(eta_seconds(pinned, total, elapsed))}"
+        + f"  {_speed(pinned, elapsed, rate)}  ETA {format_eta(eta_seconds(pinned, total, elapsed, rate))}"
         f"  {done}/{chunks} chunks"
     )
     cells = max(_BAR_MIN, min(_BAR_MAX, width - len(figures) - len("pinning []") - 1))
@@ -97,15 +131,77 @@ def render_bar(
     return f"pinning [{'#' * hashes}{'+' * pluses}{'.' * (cells - hashes - pluses)}]{figures}"
 
 
-def render_line(pinned: int, total: int, elapsed: float, done: int, chunks: int, faulted: int | None = None) -> str:
-    """One plain log line, for stderr that is not a terminal."""
+def render_line(
+    pinned: int,
+    total: int,
+    elapsed: float,
+    done: int,
+    chunks: int,
+    faulted: int | None = None,
+    rate: float | None = None,
+) -> str:
+    """One plain log line, for stderr that is not a terminal (``rate`` as for :func:`render_bar`)."""
     ahead = _ahead(pinned, faulted)
     return (
         f"pinpool: pinning {_percent(pinned, total)}% ({format_bytes(pinned)} of {format_bytes(total)}"
         + (f", {format_bytes(ahead)} faulted" if ahead is not None else "")
-        + f"), {format_rate(pinned, elapsed)}, ETA {format_eta(eta_seconds(pinned, total, elapsed))}, "
+        + f"), {_speed(pinned, elapsed, rate)}, ETA {format_eta(eta_seconds(pinned, total, elapsed, rate))}, "
         f"{done}/{chunks} chunks, {elapsed:.1f} s elapsed"
     )
+
+
+class RecentRate:
+    """Bytes per second over about the last ``window`` seconds, from (time, bytes so far) samples."""
+
+    def __init__(self, window: float = RATE_WINDOW_SECONDS) -> None:
+        self.window = window
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def restart(self, now: float) -> None:
+        self._samples.clear()
+        self._samples.append((now, 0))
+
+    def __call__(self, now: float, moved: int) -> float | None:
+        """Record ``moved`` at ``now``; the rate since the newest sample at least ``window`` old
+        (the oldest while none is), or None before any time has passed."""
+        samples = self._samples
+        samples.append((now, moved))
+        while len(samples) > 2 and now - samples[1][0] >= self.window:
+            samples.popleft()
+        then, before = samples[0]
+        if now - then <= 0:
+            return None
+        return max(0.0, (moved - before) / (now - then))
+
+
+class ResidentGrowth:
+    """Bytes this process's resident memory grew by since :meth:`restart` (or construction),
+    read from /proc/self/statm: while a pool pins, its pages become resident as they are
+    faulted, page by page, where ``pinpool_populated_bytes_total`` counts whole spans. Other
+    allocations meanwhile are noise of a few MiB; memory that was resident before pinning
+    (an existing tensor, shared memory already touched) does not move it. None where
+    /proc is not readable."""
+
+    def __init__(self, path: str = "/proc/self/statm") -> None:
+        self.path = path
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._base = self._resident()
+
+    def _resident(self) -> int | None:
+        try:
+            with open(self.path) as f:
+                return int(f.read().split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def restart(self) -> None:
+        self._base = self._resident()
+
+    def __call__(self) -> int | None:
+        now = self._resident()
+        if now is None or self._base is None:
+            return None
+        return max(0, now - self._base)
 
 
 class ProgressReporter:
@@ -113,8 +209,9 @@ class ProgressReporter:
     ``interval`` seconds (``mode="lines"``), or nothing (``mode="none"``).
 
     ``faulted``: None, or a callable returning the bytes pre-faulted so far (None when unknown),
-    read at each update. ``clock`` and ``width`` are injectable for tests; the width defaults to
-    the terminal's.
+    read at each update. The rate shown is over the last ``window`` seconds of progress (pinned,
+    or faulted where that runs ahead). ``clock`` and ``width`` are injectable for tests; the
+    width defaults to the terminal's.
     """
 
     def __init__(
@@ -126,6 +223,7 @@ class ProgressReporter:
         clock: Callable[[], float] = time.monotonic,
         width: int | None = None,
         faulted: Callable[[], float | None] | None = None,
+        window: float = RATE_WINDOW_SECONDS,
     ) -> None:
         if mode not in ("bar", "lines", "none"):
             raise ValueError(f"mode={mode!r}: choose 'bar', 'lines' or 'none'")
@@ -137,6 +235,8 @@ class ProgressReporter:
         self.faulted = faulted
         self._start = clock()
         self._last_line = self._start
+        self._rate = RecentRate(window)
+        self._rate.restart(self._start)
         self._drawn = 0  # characters of the bar now on screen (0: none)
         self._finished_line = False
         self._broken = False
@@ -144,6 +244,7 @@ class ProgressReporter:
     def restart(self) -> None:
         """Count elapsed time from now (the pin starts after the pool is constructed)."""
         self._start = self._last_line = self._clock()
+        self._rate.restart(self._start)
 
     def __call__(self, pinned: int, total: int, done: int, chunks: int) -> None:
         if self.mode == "none" or self._broken:
@@ -157,10 +258,11 @@ class ProgressReporter:
         now = self._clock()
         elapsed = now - self._start
         read = self.faulted() if self.faulted is not None else None
-        faulted = None if read is None else int(read)
+        faulted = None if read is None else min(total, int(read))
+        rate = self._rate(now, max(pinned, faulted or 0))
         if self.mode == "bar":
             width = self._width or shutil.get_terminal_size((80, 24)).columns
-            text = render_bar(pinned, total, elapsed, done, chunks, width=width - 1, faulted=faulted)
+            text = render_bar(pinned, total, elapsed, done, chunks, width=width - 1, faulted=faulted, rate=rate)
             # Pad over a longer previous line instead of an escape sequence: works on any terminal.
             self.stream.write("\r" + text.ljust(self._drawn))
             self.stream.flush()
@@ -172,7 +274,7 @@ class ProgressReporter:
         if complete or now - self._last_line >= self.interval:
             self._last_line = now
             self._finished_line = complete
-            self.stream.write(render_line(pinned, total, elapsed, done, chunks, faulted) + "\n")
+            self.stream.write(render_line(pinned, total, elapsed, done, chunks, faulted, rate) + "\n")
             self.stream.flush()
 
     def finish(self) -> None:

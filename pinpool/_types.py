@@ -1,4 +1,5 @@
-"""Small value types shared by the plan, the pipeline, the lifecycle and the runtimes."""
+"""Small value types shared by the plan, the pre-flight, the pipeline, the lifecycle and the runtimes:
+what a runtime declares it can do (:class:`Capabilities`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ class Capabilities:
         unverified).
     retryable_codes: register failure codes worth retrying with a smaller chunk
         (CUDA: 2, cudaErrorMemoryAllocation).
+    resident: registering a range makes its pages resident for good (neither swapped out nor
+        reclaimed), so the pre-flight charges a pool against the memory cgroup and MemAvailable.
+        True for anything that pins for real (the default: a runtime's purpose); False for one
+        that touches no memory (FakeRuntime, so tests may plan pools far beyond the host).
+    charges_memlock: registrations are charged to RLIMIT_MEMLOCK (mlock), so the pre-flight
+        checks the limit. Not declared by CUDA and ROCm: whether their drivers charge it depends
+        on the driver.
     """
 
     populates: bool = False
@@ -31,3 +39,5 @@ class Capabilities:
     serial_registration: bool = False
     exact_ranges: bool = False
     retryable_codes: frozenset[int] = field(default_factory=frozenset)
+    resident: bool = True
+    charges_memlock: bool = False

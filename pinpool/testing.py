@@ -84,7 +84,8 @@ class FakeRuntime:
     ``lock_on_fault=True`` makes the fake behave like mlock: it declares ``locks_on_fault``, so
     chunks are registered (through :meth:`lock_on_fault`, which counts as a register call)
     before they are faulted, instead of after (CUDA). ``capabilities`` is the declaration:
-    populates, retryable code 2, and locks_on_fault and exact_ranges as asked.
+    populates, retryable code 2, locks_on_fault and exact_ranges as asked, and not ``resident``
+    (it touches no memory, so the memory pre-flight charges nothing).
     ``events`` is every call in the order it started: ``("populate" | "register" |
     "unregister", ptr)``.
 
@@ -144,7 +145,11 @@ class FakeRuntime:
         if not isinstance(exact_ranges, bool):
             raise ConfigError(f"exact_ranges={exact_ranges!r} must be True or False")
         self.capabilities = Capabilities(
-            populates=True, locks_on_fault=lock_on_fault, exact_ranges=exact_ranges, retryable_codes=frozenset({2})
+            populates=True,
+            locks_on_fault=lock_on_fault,
+            exact_ranges=exact_ranges,
+            retryable_codes=frozenset({2}),
+            resident=False,  # it touches no memory: the pre-flight charges nothing, so tests may plan any size
         )
         _check_hook(before_call, "before_call")
         _check_hook(after_call, "after_call")

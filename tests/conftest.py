@@ -26,8 +26,8 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 # A pool test under each driver, for an ``async def`` test that enters its pool by ``mode``
 # (pin_and_run, or ``if mode == "async"``): the async driver on both anyio backends, the sync
 # driver once. ``with pool`` never awaits, so a second backend would only repeat it; a plain
-# ``parametrize("mode", ["async", "sync"])`` did that (the check in
-# pytest_collection_modifyitems below refuses it).
+# ``parametrize("mode", ["async", "sync"])`` did that (pytest_runtest_setup below fails
+# such a test's second run).
 each_driver = pytest.mark.parametrize(
     ("mode", "anyio_backend"),
     [
@@ -61,20 +61,13 @@ def hugetlb_lock() -> Iterator[None]:
 hugetlb_pages = pytest.mark.usefixtures("hugetlb_lock")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    repeated = sorted(
-        {
-            item.nodeid.split("[")[0]
-            for item in items
-            if (params := getattr(getattr(item, "callspec", None), "params", {})).get("mode") == "sync"
-            and params.get("anyio_backend") == "trio"
-        }
-    )
-    if repeated:
-        raise pytest.UsageError(
-            "these tests run the sync driver once per anyio backend (the same test twice); "
-            "use @each_driver from tests/conftest.py instead of parametrize('mode', ['async', 'sync']):\n  "
-            + "\n  ".join(repeated)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("mode") == "sync" and params.get("anyio_backend") == "trio":
+        pytest.fail(
+            "this test runs the sync driver once per anyio backend (the same test twice): use @each_driver "
+            "from tests/conftest.py instead of parametrize('mode', ['async', 'sync'])",
+            pytrace=False,
         )
 
 

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import _libc
+from pinpool._cutter import RetrySplitter
 from pinpool._observe import Observer
 from pinpool._options import MAX_CALL_SECONDS, MAX_WORKERS
-from pinpool._plan import RetrySplitter
 from pinpool._ranges import PINNED_RANGES
 from pinpool._stall import CallSizer
 from pinpool.runtimes import MlockRuntime

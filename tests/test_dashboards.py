@@ -116,6 +116,24 @@ def test_output_is_deterministic() -> None:
 # -- (b) lint: the grafana/dashboard-linter rules ---------------------------------------------------
 
 
+def test_time_series_are_per_instance() -> None:
+    """64 ranks pinning pools of one name are 64 lines, not one sum that hides the stuck rank."""
+    checked = 0
+    for panel in panels(load_dashboard()):
+        if panel["type"] != "timeseries":
+            continue
+        for t in panel["targets"]:
+            groupings = re.findall(r"\b(?:sum|max|min|avg|count) by \(([^)]*)\)", t["expr"])
+            assert groupings, (panel["title"], t["expr"])
+            for labels in groupings:
+                assert {"instance", "pool"} <= {label.strip() for label in labels.split(",")}, (panel["title"], t)
+            assert t["legendFormat"].startswith("{{instance}} {{pool}}"), (panel["title"], t["legendFormat"])
+            checked += 1
+    assert checked >= 10
+    least = next(p for p in panels(load_dashboard()) if p["title"] == "Least-pinned instance")
+    assert least["targets"][0]["expr"].startswith("min by (pool) (sum by (instance, pool) (pinpool_pinned_bytes")
+
+
 def lint(dashboard: dict[str, Any]) -> list[str]:
     """Problems found by the dashboard-linter rules (template-datasource, template-job/instance,
     template-label-promql, template-on-time-change-reload, panel-datasource, panel-units,
@@ -526,6 +544,17 @@ def test_compose_stack_is_wired() -> None:
     assert datasources[0]["jsonData"]["timeInterval"] == config["global"]["scrape_interval"]
 
 
+EXAMPLE_SERVER_PORT = 8080  # examples/kv_offload_server.py's default (8000 is mkdocs serve's)
+
+
+def test_the_example_servers_port_is_scraped() -> None:
+    source = (ROOT / "examples" / "kv_offload_server.py").read_text(encoding="utf-8")
+    assert f"DEFAULT_PORT = {EXAMPLE_SERVER_PORT}" in source
+    config = load_yaml(DASHBOARDS / "prometheus-compose.yml")
+    targets = {job["job_name"]: s["targets"] for job in config["scrape_configs"] for s in job["static_configs"]}
+    assert targets["kv-offload-server"] == [f"host.docker.internal:{EXAMPLE_SERVER_PORT}"]
+
+
 def test_one_metrics_port_everywhere() -> None:
     """9464 in every doc, config and command that names pinpool's metrics port; no other."""
     texts = {p: p.read_text(encoding="utf-8") for p in [*ROOT.glob("docs/*.md"), *DASHBOARDS.glob("*.y*ml")]}
@@ -536,8 +565,8 @@ def test_one_metrics_port_everywhere() -> None:
     found = {
         (path.relative_to(ROOT).as_posix(), int(a or b)) for path, text in texts.items() for a, b in ports.findall(text)
     }
-    # 8000: examples/kv_offload_server.py serves /metrics on its own HTTP port.
-    wrong = sorted((path, port) for path, port in found if port not in {METRICS_PORT, 8000})
+    # 8080: examples/kv_offload_server.py serves /metrics on its own HTTP port.
+    wrong = sorted((path, port) for path, port in found if port not in {METRICS_PORT, EXAMPLE_SERVER_PORT})
     assert not wrong, f"metrics port other than {METRICS_PORT}: {wrong}"
     assert ("dashboards/README.md", METRICS_PORT) in found and ("docs/observability.md", METRICS_PORT) in found
     readme = texts[DASHBOARDS / "README.md"]

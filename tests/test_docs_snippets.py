@@ -608,3 +608,58 @@ def test_runner_checks_values_top_level_await_locked_memory_and_warnings(zygote:
     leaky = "import mmap, ctypes\nm = mmap.mmap(-1, 1 << 16)\nctypes.CDLL(None).mlockall(1)\n"
     status, output = zygote.run(_synthetic(leaky), tmp_path)
     assert status == 1 and "it left memory locked" in output, output
+
+
+# -- the pages as the site shows them ---------------------------------------------------------------
+
+# docs/options.md is generated and checked by docs/_ext/options_table.py, and its prose is not
+# this suite's to rewrite: its links are left as they are.
+LINKED_PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name != "options.md" or p.parent.name != "docs")
+FILE_NAME_LINK = re.compile(r"\[`?([\w./-]+\.md)(?:#[^\]]*)?`?\]\(([\w./-]+\.md)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_links_between_pages_read_as_titles(page: Path) -> None:
+    """``[Concepts](concepts.md)``, not ``[concepts.md](concepts.md)``: the site shows a link's text, and a
+    file name reads as one ("concepts.md explains ...")."""
+    found = [m.group(0) for m in FILE_NAME_LINK.finditer(page.read_text(encoding="utf-8"))]
+    assert not found, f"{page.relative_to(ROOT)}: give these links the page's title: {found}"
+
+
+def test_file_name_links_are_found() -> None:
+    assert FILE_NAME_LINK.search("see [concepts.md](concepts.md#the-pipeline).")
+    assert FILE_NAME_LINK.search("[`operations.md`](../operations.md)")
+    assert not FILE_NAME_LINK.search("see [Concepts: The pipeline](concepts.md#the-pipeline).")
+
+
+def test_reference_pages_show_their_title_once() -> None:
+    """A page titled ``pinpool.layouts`` that renders the module must not render the module's own
+    heading too (mkdocstrings' show_root_heading is on for the classes the other pages list)."""
+    checked = 0
+    for page in sorted((ROOT / "docs" / "reference").glob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        title = re.match(r"# `?([^`\n]+)`?\n", text)
+        assert title is not None, page
+        directive = re.search(rf"^::: {re.escape(title.group(1))}\n((?:    .*\n)*)", text, re.MULTILINE)
+        if directive is None:
+            continue  # a page of several objects under a title of its own (Pools, Exceptions)
+        assert "show_root_heading: false" in directive.group(1), f"{page.name} shows {title.group(1)} twice"
+        checked += 1
+    assert checked >= 5
+
+
+NO_INDEX_INSTALL = re.compile(r"pip install (?:-U |--upgrade )?pinpool(?:$|[\s`\[])", re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/quickstart.md", "docs/index.md"])
+def test_install_instructions_do_not_promise_a_release(path: str) -> None:
+    """No release is on a package index: ``pip install pinpool`` would fail (or fetch someone else's
+    package). The pages install from a checkout or from the wheel .ci/run builds and checks."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    assert not NO_INDEX_INSTALL.findall(text), path
+    assert "pip install -e ." in text or "pip install -e /path/to/pinpool" in text, path
+    assert NO_INDEX_INSTALL.search("run `pip install pinpool` first") and NO_INDEX_INSTALL.search(
+        "pip install pinpool[test]"
+    )
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "-m build" in ci and "twine check" in ci and "--no-deps" in ci and "pinpool --help" in ci

@@ -23,8 +23,9 @@ import torch
 import pinpool
 from pinpool import _libc, layouts
 from pinpool._host import HostFacts
-from pinpool._options import PoolOptions
-from pinpool._plan import CHUNK_ENV, check_host, chunk_limit_from_env, plan_pool
+from pinpool._options import CHUNK_ENV, PoolOptions, chunk_limit_from_env
+from pinpool._plan import plan_pool
+from pinpool._preflight import check_host
 from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime

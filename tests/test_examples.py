@@ -138,3 +138,46 @@ def test_every_example_is_tested(name: str) -> None:
     tested_here = {"quickstart.py", "sync_init.py", "trio_pool.py", "pin_existing_tensor.py"}
     tested_elsewhere = {"kv_offload_server.py"}  # written, and tested, with the serving work
     assert name in tested_here | tested_elsewhere, f"examples/{name} is run by no test"
+
+
+def _imported_packages(path: Path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)  # from pinpool import _libc
+    return found
+
+
+# What the examples may import beyond the standard library: pinpool's own dependencies and,
+# for the server, the packages examples/README.md tells its readers to install (all in the test extra).
+EXAMPLE_PACKAGES = {"pinpool", "torch", "anyio", "structlog", "prometheus_client", "pytest", "trio", "starlette",
+                    "uvicorn", "hypercorn"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_examples_use_only_the_public_api_and_what_their_readme_installs(name: str) -> None:
+    """A reader copies an example into their project: no ``pinpool._private`` module (it may change
+    under them), no package the example's instructions do not install (numpy is not one)."""
+    imported = _imported_packages(EXAMPLES / name)
+    private = sorted(m for m in imported if re.match(r"pinpool(\.\w+)*\._(?!_)", m))
+    assert not private, f"examples/{name} imports pinpool's private modules: {private}"
+    siblings = {p.stem for p in EXAMPLES.glob("*.py")}  # test_with_fake_runtime.py imports sync_init.py
+    third_party = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - siblings
+    assert third_party <= EXAMPLE_PACKAGES, f"examples/{name} needs {sorted(third_party - EXAMPLE_PACKAGES)}"
+    assert ".numpy()" not in (EXAMPLES / name).read_text(encoding="utf-8")  # numpy, without importing it
+
+
+def test_the_example_server_does_not_take_mkdocs_serves_port() -> None:
+    """``mkdocs serve`` (the docs, from a checkout) listens on 8000; the example server must not clash with it."""
+    source = (EXAMPLES / "kv_offload_server.py").read_text(encoding="utf-8")
+    port = int(re.search(r"^DEFAULT_PORT = (\d+)", source, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    assert port != 8000 and "default=DEFAULT_PORT" in source
+    assert "dev_addr" not in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")  # so mkdocs serve keeps 8000
+    readme = (EXAMPLES / "README.md").read_text(encoding="utf-8")
+    assert "kv_offload_server.py" in readme and f"127.0.0.1:{port}" in readme

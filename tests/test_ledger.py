@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pinpool import Chunk, ChunkFailure, RuntimeCallError
-from pinpool._ledger import ChunkState, Ledger, LedgerError, Phase, StopCause
+from pinpool._errors import LedgerError
+from pinpool._ledger import ChunkState, Ledger, Phase, StopCause
 
 SIZES = (100, 200, 300, 400, 500)  # distinct, so registered_bytes tells which chunks count
 

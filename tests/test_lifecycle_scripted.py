@@ -9,7 +9,9 @@ so every ordering (exit before or after a failure, collection during pinning) is
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ import structlog.testing
 
 import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnclosedPoolWarning, UnpinError
+from pinpool._errors import NodeBusyError, NodeWaitCancelled
 from pinpool._ledger import StopCause
 from pinpool._outcome import TRANSITIONS, Outcome, TransitionError, check_move, decide
 from pinpool._ranges import PINNED_RANGES
@@ -97,6 +100,7 @@ class Conductor:
 
     def __init__(self, step: Detach) -> None:
         self.gen = step.steps
+        self.stop = step.stop  # what the driver calls when the interpreter starts to exit
         self.done = False
         self.script: list[Callable[[Step], Ran]] = []
 
@@ -250,7 +254,7 @@ def test_an_entry_step_that_raises_leaves_nothing_claimed() -> None:
     fake = FakeRuntime()
     pool = pool_of(fake)
     life = pool._lifecycle
-    life._start = lambda _memory: (_ for _ in ()).throw(KeyboardInterrupt())  # type: ignore[assignment]
+    life._open_session = lambda _memory: (_ for _ in ()).throw(KeyboardInterrupt())  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         drive(life.enter())
     assert life.state is PoolState.CLOSED and life.memory is None and fake.register_calls == []
@@ -380,7 +384,7 @@ def test_the_interpreter_exit_hook_stops_pinning_and_keeps_the_prefix_for_the_fi
     logs = Events()
     pool, conductor = enter_background(fake, logs)
     life = pool._lifecycle
-    life._stop_for_shutdown()
+    conductor.stop()
     conductor.join()
     assert life.state is PoolState.PINNING and not life._conducting  # nothing unpinned under live threads
     assert logs.of("pool.rollback") == ["exit"] and logs.of("pool.rollback", "log_level") == ["info"]
@@ -431,3 +435,202 @@ def test_a_forked_child_lets_go_without_touching_the_parents_registrations(monke
         assert life.state is PoolState.CLOSED and len(fake.registered) == (0 if background else 8)
         assert fake.unregister_calls == []
         fake.registered.clear()  # the parent's books, for this test's sake
+
+
+def test_a_background_pool_that_pins_everything_is_ready_and_waits_are_answered() -> None:
+    fake = FakeRuntime()
+    pool, conductor = enter_background(fake)
+    life = pool._lifecycle
+    assert life.pinned_pages == 0 and not life.reached(1) and not life.reached(None)  # nothing pinned yet
+    views = life.tensors
+    conductor.join()
+    assert life.state is PoolState.READY and life.tensors is views  # the body's views are kept, not remade
+    assert life.reached(None) and life.reached(pool.num_pages) and life.pinned_pages == pool.num_pages
+    assert drive(life.exit(None)) is None
+    assert fake.registered == {} and life.pinned_pages == 0
+
+
+def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error() -> None:
+    life = pool_of(FakeRuntime())._lifecycle
+    assert life.pinned_pages == 0
+    with pytest.raises(PoolStateError, match="is new: enter it"):
+        life.reached(None)
+    drive(life.enter())
+    drive(life.exit(None))
+    with pytest.raises(PoolStateError, match="closed: it was exited before it was ready"):
+        life.reached(1)
+
+
+def test_background_views_that_raise_undo_the_pin_at_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeRuntime()
+    life = pool_of(fake, background=True)._lifecycle
+
+    def views(_memory: Any) -> Any:
+        raise MemoryError("views")
+
+    def no_conductor(step: Step) -> Ran:
+        assert not isinstance(step, Detach), "no conductor is started for a pool whose views failed"
+        return inline(step)
+
+    monkeypatch.setattr(life.source, "views", views)
+    with pytest.raises(MemoryError, match="views"):
+        drive(life.enter(), no_conductor)
+    assert life.state is PoolState.CLOSED and fake.register_calls == [] and life.memory is None
+
+
+def test_an_interrupt_while_the_conductor_starts_is_raised_after_the_rollback() -> None:
+    fake = FakeRuntime()
+    life = pool_of(fake, background=True)._lifecycle
+    box: list[Conductor] = []
+
+    def interrupted_in_thread_start(step: Step) -> Ran:
+        ran = detach_into(box)(step)  # the thread started (it may run or not)...
+        ran.interrupts.append(KeyboardInterrupt())  # ...and Ctrl-C landed in Thread.start
+        return ran
+
+    with pytest.raises(KeyboardInterrupt):
+        drive(life.enter(), interrupted_in_thread_start)
+    assert box[0].done  # stopped (pinning nothing: the stop came first) and waited for
+    assert life.state is PoolState.CLOSED and fake.registered == {}
+
+
+def test_an_entry_whose_memory_cannot_be_had_closes_and_a_forked_child_has_nothing_to_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    life = pool_of(FakeRuntime())._lifecycle
+
+    def acquire() -> Any:
+        raise OSError("mmap")
+
+    monkeypatch.setattr(life.source, "acquire", acquire)
+    with pytest.raises(OSError, match="mmap"):
+        drive(life.enter())
+    assert life.state is PoolState.CLOSED and life.session is None
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: parent + 1)
+    assert drive(life.exit(None)) is None and life.state is PoolState.CLOSED
+
+
+def test_exit_while_another_thread_enters_is_refused() -> None:
+    fake = FakeRuntime()
+    life = pool_of(fake)._lifecycle
+
+    def exit_meanwhile(step: Step) -> Ran:
+        with pytest.raises(PoolStateError, match="being entered on another thread"):
+            drive(life.exit(None))
+        return inline(step)
+
+    drive(life.enter(), exit_meanwhile)
+    assert life.state is PoolState.READY
+    drive(life.exit(None))
+
+
+def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raised() -> None:
+    fake = FakeRuntime()
+    life = pool_of(fake)._lifecycle
+    drive(life.enter())
+    waiters: list[threading.Thread] = []
+    returned: list[object] = []
+
+    def teardown_raced(step: Step) -> Ran:
+        assert life.state is PoolState.CLOSING
+        with pytest.raises(KeyboardInterrupt):  # the second close's wait is interrupted: raised, nothing undone
+            drive(life.exit(None), report(Ran(interrupts=[KeyboardInterrupt()])))
+        # A second close on another thread waits until the first one closed the pool.
+        waiter = threading.Thread(target=lambda: returned.append(drive(life.exit(None, closing=True))))
+        waiter.start()
+        waiters.append(waiter)
+        return inline(step)
+
+    assert drive(life.exit(None), teardown_raced) is None
+    waiters[0].join(10)
+    assert returned == [None] and life.state is PoolState.CLOSED and fake.registered == {}
+    assert len(fake.unregister_calls) == 8  # unpinned once
+
+
+def test_a_finalizer_warning_without_a_file_to_point_at_is_still_a_warning() -> None:
+    fake = FakeRuntime()
+    life = pool_of(fake)._lifecycle
+    drive(life.enter())
+    life.created_at = ("<stdin>", 1)  # made by `python -c` or a REPL
+    with pytest.warns(UnclosedPoolWarning, match="in a finalizer"):
+        drive(life.finalize())
+    assert fake.registered == {}
+
+
+def test_an_unseen_background_failure_raised_on_exit_carries_the_unpin_failure_as_a_note() -> None:
+    fake = FakeRuntime(fail_register_on=3, fail_unregister_on=1)
+    pool, conductor = enter_background(fake)
+    conductor.join()  # chunks 0 and 1 pinned, the third call failed
+    with pytest.raises(PinError, match="stay pinned") as raised:
+        drive(pool._lifecycle.exit(None))
+    assert any("failed to unregister" in note for note in raised.value.__notes__)
+    assert pool.state is PoolState.CLOSED and len(fake.registered) == 1  # chunk 1 leaked (unpinned first)
+    PINNED_RANGES.pop(next(iter(fake.registered)) - MiB)  # kept claimed: part may be pinned
+
+
+# -- node pacing, scripted ----------------------------------------------------------------------------
+
+
+def paced_pool(fake: FakeRuntime, tmp_path: Path, logs: Events, **kw: Any) -> pinpool.PinnedPool:
+    options: dict[str, Any] = {"node_slots": 1, "node_budget": 64 * MiB, "node_dir": str(tmp_path / "node"), **kw}
+    return pool_of(fake, logs, **options)
+
+
+@pytest.mark.parametrize("budget", [64 * MiB, None])
+def test_an_admitted_pool_holds_a_slot_while_it_pins_and_its_budget_until_closed(
+    tmp_path: Path, budget: int | None
+) -> None:
+    fake, logs = FakeRuntime(), Events()
+    life = paced_pool(fake, tmp_path, logs, node_budget=budget)._lifecycle
+    drive(life.enter())
+    assert sorted(logs.of("node.admitted", "kind")) == (["budget", "slot"] if budget else ["slot"])
+    assert life.pacing.slot is None and (life.pacing.budget is not None) == bool(budget)  # let go once pinned
+    drive(life.exit(None))
+    assert life.pacing.budget is None and fake.registered == {}
+
+
+def test_a_rollback_that_cannot_unregister_a_chunk_says_so_in_the_pin_error() -> None:
+    fake = FakeRuntime(fail_register_on=4, fail_unregister_on=1)
+    life = pool_of(fake)._lifecycle
+    with pytest.raises(PinError, match=r"rolled back, 1 chunk\(s\) could not be unregistered") as raised:
+        drive(life.enter())
+    assert len(raised.value.leaked) == 1 and len(fake.registered) == 1 and life.state is PoolState.CLOSED
+    PINNED_RANGES.pop(next(iter(fake.registered)) - 2 * MiB)  # chunk 2 leaked (unpinned first): kept claimed
+
+
+def test_a_busy_node_an_interrupted_wait_and_no_thread_for_it_close_the_pool_with_nothing_pinned(
+    tmp_path: Path,
+) -> None:
+    busy = NodeBusyError("every slot is taken", directory=str(tmp_path), kind="slots", limit=1, in_use=1)
+    for ran, expected in (
+        (Ran(started=1, crashed=[busy]), NodeBusyError),
+        (Ran(started=1, interrupts=[KeyboardInterrupt()]), KeyboardInterrupt),
+        (Ran(start_errors=[RuntimeError("can't start new thread")]), PinError),
+    ):
+        fake, logs = FakeRuntime(), Events()
+        life = paced_pool(fake, tmp_path, logs)._lifecycle
+        with pytest.raises(expected) as raised:
+            drive(life.enter(), report(ran))
+        assert life.state is PoolState.CLOSED and life.memory is None and fake.register_calls == []
+        assert logs.of("node.busy", "kind") == (["slots"] if expected is NodeBusyError else [])
+        if expected is PinError:
+            assert "node-pacing wait could not start a thread" in str(raised.value)
+
+
+@pytest.mark.parametrize("given_up", [True, False])
+def test_a_background_conductor_whose_admission_ends_early_pins_nothing(tmp_path: Path, given_up: bool) -> None:
+    fake, logs = FakeRuntime(), Events()
+    pool, conductor = enter_background(fake, logs, node_slots=1, node_dir=str(tmp_path / "node"))
+    life = pool._lifecycle
+    busy = NodeBusyError("every slot is taken", directory=str(tmp_path), kind="slots", limit=1, in_use=1)
+    conductor.script = [report(Ran(started=1, crashed=[NodeWaitCancelled("exit") if given_up else busy]))]
+    if given_up:  # exit gives up the wait (and joins the conductor): a normal shutdown, not a failure
+        assert drive(life.exit(None)) is None
+        assert conductor.done and logs.of("pool.rollback") == ["exit"]
+    else:  # node_wait=False: the node was busy; kept as the pool's error until exit
+        conductor.join()
+        assert life.state is PoolState.FAILED and life.error is busy and logs.of("pool.rollback") == ["failure"]
+        with pytest.raises(NodeBusyError):
+            drive(life.exit(None))
+    assert life.state is PoolState.CLOSED and fake.register_calls == []

@@ -6,7 +6,9 @@ that could hang runs the candidate on a daemon thread with a deadline, and unblo
 
 from __future__ import annotations
 
+import ast
 import fcntl
+import inspect
 import json
 import os
 import shutil
@@ -25,8 +27,11 @@ import pytest
 import structlog
 
 import pinpool
-from pinpool import _node
-from pinpool._node import NodeAdmission, NodeBusyError, NodeHolder, NodePacing, NodeWaitCancelled, holder_state
+from pinpool import _node, _node_config, _node_dir, _node_lock
+from pinpool._errors import NodeBusyError, NodeWaitCancelled
+from pinpool._node import NodeAdmission
+from pinpool._node_config import NodePacing
+from pinpool._node_lock import NodeHolder, holder_state
 from pinpool._observe import Observer
 from pinpool.testing import FakeRuntime
 
@@ -130,7 +135,7 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
     ours = admission(node_dir, slots=1, budget=GiB)
     fifo = node_dir / name
     os.mkfifo(fifo, 0o600)
-    real = _node._file_problem
+    real = _node_dir._file_problem
     seen: set[int] = set()
 
     def lstat_saw_a_regular_file(st: os.stat_result) -> str | None:
@@ -139,7 +144,7 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
         seen.add(st.st_ino)
         return None
 
-    monkeypatch.setattr(_node, "_file_problem", lstat_saw_a_regular_file)
+    monkeypatch.setattr(_node_dir, "_file_problem", lstat_saw_a_regular_file)
     result = within(DEADLINE, lambda: acquire(ours, kind), release_fifo(fifo))
     monkeypatch.undo()
     assert isinstance(result, pinpool.ConfigError), result
@@ -209,7 +214,7 @@ def test_a_hard_link_swapped_in_after_the_lstat_is_refused_before_any_write(
 ) -> None:
     ours = admission(node_dir, slots=1)
     os.link(precious, node_dir / "slot-0")
-    real = _node._file_problem
+    real = _node_dir._file_problem
     calls = 0
 
     def lstat_saw_one_link(st: os.stat_result) -> str | None:
@@ -217,7 +222,7 @@ def test_a_hard_link_swapped_in_after_the_lstat_is_refused_before_any_write(
         calls += 1
         return None if calls == 1 else real(st)
 
-    monkeypatch.setattr(_node, "_file_problem", lstat_saw_one_link)
+    monkeypatch.setattr(_node_dir, "_file_problem", lstat_saw_one_link)
     with pytest.raises(pinpool.ConfigError, match="has 2 hard links"):
         ours.acquire_slot_sync()
     assert calls == 2
@@ -512,7 +517,18 @@ def test_busy_errors_still_compare_without_a_state() -> None:
 def test_node_admission_has_one_wait_loop_and_no_async_api() -> None:
     for gone in ("acquire_slot", "reserve_budget", "_wait_async", "_wait_sync"):
         assert not hasattr(NodeAdmission, gone), gone
-    assert "anyio" not in vars(_node)
+    sleepers: list[str] = []
+    for module in (_node, _node_config, _node_dir, _node_lock):
+        assert "anyio" not in vars(module), module.__name__
+        tree = ast.parse(inspect.getsource(module))
+        assert not [n.name for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)], module.__name__
+        sleepers += [
+            f"{module.__name__}.{n.name}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef)
+            and any(isinstance(c, ast.Attribute) and c.attr == "sleep" for c in ast.walk(n))
+        ]
+    assert sleepers == ["pinpool._node._wait"]  # the one loop that waits: slots and budget share it
 
 
 def test_fifo_checks_leave_lock_files_regular(node_dir: Path) -> None:

@@ -24,16 +24,11 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool import _node
-from pinpool._node import (
-    BudgetHold,
-    NodeAdmission,
-    NodeBusyError,
-    NodeHolder,
-    NodePacing,
-    NodeWaitCancelled,
-    SlotHold,
-)
+from pinpool import _node, _node_config
+from pinpool._errors import NodeBusyError, NodeWaitCancelled
+from pinpool._node import NodeAdmission
+from pinpool._node_config import NodePacing
+from pinpool._node_lock import BudgetHold, NodeHolder, SlotHold
 
 GiB = 1 << 30
 PACKAGE_DIR = str(Path(pinpool.__file__).parent)
@@ -699,7 +694,7 @@ def test_the_default_directory_is_per_user_and_per_host() -> None:
     pacing = NodePacing.from_options(node_slots=1, environ={})
     assert pacing is not None
     uid = os.geteuid()
-    assert pacing.directory == _node.default_directory()
+    assert pacing.directory == _node_config.default_directory()
     assert pacing.directory in (f"/dev/shm/pinpool-{uid}", f"/run/user/{uid}/pinpool", f"/tmp/pinpool-{uid}")
     if os.path.isdir("/dev/shm"):
         assert pacing.directory == f"/dev/shm/pinpool-{uid}"
@@ -765,8 +760,8 @@ def test_a_fraction_on_a_host_without_mem_total_is_a_config_error(tmp_path: Path
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemFree: 1 kB\n")
     with pytest.raises(pinpool.ConfigError, match="no readable MemTotal"):
-        _node.mem_total_bytes(str(meminfo))
-    assert _node.mem_total_bytes() > 0
+        _node_config.mem_total_bytes(str(meminfo))
+    assert _node_config.mem_total_bytes() > 0
 
 
 @pytest.mark.parametrize("bad", ["relative/dir", "", "/a\0b"])

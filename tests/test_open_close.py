@@ -220,6 +220,7 @@ def test_a_forked_child_never_waits_for_or_touches_its_parents_pool(state: str, 
 @pytest.mark.parametrize("step", ["claim", "scan", "map", "start", "views", "conductor"])
 def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import pinpool._drivers
+    import pinpool._lifecycle
     import pinpool._pool
     import pinpool.runtimes._mlock
 
@@ -233,7 +234,7 @@ def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, mon
         "claim": (pinpool._pool.PINNED_RANGES, "add"),
         "scan": (pinpool.runtimes._mlock, "_locked_in_smaps"),
         "map": (pinpool._pool, "HostMapping"),
-        "start": (pinpool._pool, "PinSession"),
+        "start": (pinpool._lifecycle, "PinSession"),
         "views": (pinpool._pool, "MappingProxyType"),
         "conductor": (pinpool._drivers.Threads, "start"),
     }[step]

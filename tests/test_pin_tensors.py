@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool import _libc, layouts
 from pinpool._alloc import empty
+from pinpool._chunks import Chunk, ChunkPlan
+from pinpool._cutter import retry_splitter
 from pinpool._memory import TensorMemory, alias_of
-from pinpool._plan import Chunk, ChunkPlan, plan_chunks, retry_splitter
+from pinpool._plan import plan_chunks
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import Chunk, RuntimeCallError, _libc
+from pinpool._errors import ChunkFailure
 from pinpool._ledger import ChunkState, LedgerError, Phase, StopCause
-from pinpool._pipeline import WAIT, Batch, Order, Pipeline, Span, split_spans
+from pinpool._pipeline import WAIT, Batch, Landing, Order, Pipeline, Span, split_spans
+from pinpool._prefix import PrefixTracker
 from pinpool.testing import FakeRuntime
 
 from .conftest import each_driver, hugetlb_pages, pin_and_run
@@ -98,7 +100,7 @@ def test_register_only_has_no_spans_and_claims_in_order() -> None:
     assert [pipeline.next_register() for _ in range(3)] == [0, 1, 2]
     assert pipeline.next_register() is None
     for index in (2, 0, 1):
-        pipeline.registered(index)
+        pipeline.land(Landing(index))
     assert pipeline.finish() is Phase.PINNED
     assert pipeline.populated_bytes == 0
 
@@ -109,13 +111,13 @@ def test_populate_first_registers_a_chunk_only_once_all_its_spans_landed() -> No
     spans = [pipeline.next_populate() for _ in range(3)]
     assert spans == [Span(0, 0, 4), Span(0, 4, 4), Span(0, 8, 4)]
     assert pipeline.next_populate() is None
-    pipeline.populated(Span(0, 8, 4))
-    pipeline.populated(Span(0, 0, 4))
+    pipeline.land(Landing(Span(0, 8, 4)))
+    pipeline.land(Landing(Span(0, 0, 4)))
     assert pipeline.next_register() is WAIT  # one span still faulting
-    pipeline.populated(Span(0, 4, 4))
+    pipeline.land(Landing(Span(0, 4, 4)))
     assert pipeline.next_register() == 0
     assert pipeline.next_register() is None
-    pipeline.registered(0)
+    pipeline.land(Landing(0))
     assert pipeline.finish() is Phase.PINNED
     assert pipeline.populated_bytes == 12
 
@@ -125,21 +127,21 @@ def test_register_first_faults_a_chunk_only_once_it_is_registered() -> None:
     assert pipeline.next_populate() is WAIT  # chunk 0 is not registered yet
     assert pipeline.next_register() == 0
     assert pipeline.next_populate() is WAIT  # registering, not registered
-    pipeline.registered(0)
+    pipeline.land(Landing(0))
     assert pipeline.next_populate() == Span(0, 0, 4)
     assert pipeline.next_populate() == Span(0, 4, 4)
     assert pipeline.next_populate() is WAIT  # chunk 1 is still pending
     assert pipeline.next_register() == 1
     assert pipeline.next_register() is None
-    pipeline.registered(1)
+    pipeline.land(Landing(1))
     spans = [pipeline.next_populate(), pipeline.next_populate()]
     assert spans == [Span(1, 8, 4), Span(1, 12, 4)]
     assert pipeline.next_populate() is None
     for span in [Span(0, 0, 4), Span(0, 4, 4), Span(1, 8, 4)]:
-        pipeline.populated(span)
+        pipeline.land(Landing(span))
     with pytest.raises(LedgerError, match="1 populate calls in flight"):
         pipeline.finish()
-    pipeline.populated(Span(1, 12, 4))
+    pipeline.land(Landing(Span(1, 12, 4)))
     assert pipeline.finish() is Phase.PINNED
     assert pipeline.populated_bytes == 16
 
@@ -148,27 +150,27 @@ def test_finish_raises_while_a_populate_is_in_flight() -> None:
     for order in (Order.POPULATE_FIRST, Order.REGISTER_FIRST):
         pipeline = Pipeline(make_chunks([4, 4]), order=order, span_bytes=4, lookahead_bytes=8)
         if order is Order.REGISTER_FIRST:
-            pipeline.registered(pipeline.next_register())  # type: ignore[arg-type]
+            pipeline.land(Landing(pipeline.next_register()))  # type: ignore[arg-type]
         span = pipeline.next_populate()
         assert isinstance(span, Span)
         pipeline.cancel()  # not even a stopped pipeline may close with a call out
         with pytest.raises(LedgerError, match="populate calls in flight"):
             pipeline.finish()
         assert pipeline.ledger.phase is Phase.PINNING
-        pipeline.populated(span)
+        pipeline.land(Landing(span))
         assert pipeline.finish() is Phase.ROLLED_BACK
 
 
 def test_populate_failure_in_register_first_leaves_the_chunk_registered() -> None:
     pipeline = Pipeline(make_chunks([8, 8]), order=Order.REGISTER_FIRST, span_bytes=4)
-    pipeline.registered(pipeline.next_register())  # type: ignore[arg-type]
+    pipeline.land(Landing(pipeline.next_register()))  # type: ignore[arg-type]
     first, second = pipeline.next_populate(), pipeline.next_populate()
     assert isinstance(first, Span) and isinstance(second, Span)
     failure = error()
-    pipeline.populate_failed(second, failure)
+    pipeline.land(Landing(second, failure))
     assert pipeline.stopped
     assert pipeline.next_populate() is None and pipeline.next_register() is None
-    pipeline.populated(first)  # the call still out lands normally
+    pipeline.land(Landing(first))  # the call still out lands normally
     # Registered lock-on-fault but never fully faulted: to undo, yet not counted as pinned.
     assert pipeline.ledger.states == [ChunkState.FAULTING, ChunkState.PENDING]
     assert pipeline.ledger.registered_bytes == 0
@@ -181,13 +183,13 @@ def test_populate_failure_in_populate_first_fails_the_chunk_and_nothing_undoes_i
     pipeline = Pipeline(make_chunks([4, 8]), order=Order.POPULATE_FIRST, span_bytes=4, lookahead_bytes=12)
     spans = [pipeline.next_populate() for _ in range(3)]
     assert spans == [Span(0, 0, 4), Span(1, 4, 4), Span(1, 8, 4)]
-    pipeline.populated(Span(0, 0, 4))
+    pipeline.land(Landing(Span(0, 0, 4)))
     assert pipeline.next_register() == 0
-    pipeline.populate_failed(Span(1, 4, 4), error())
+    pipeline.land(Landing(Span(1, 4, 4), error()))
     assert pipeline.next_register() is None and pipeline.next_populate() is None
-    pipeline.populated(Span(1, 8, 4))  # chunk 1's last span lands, but it is never handed to registration
+    pipeline.land(Landing(Span(1, 8, 4)))  # chunk 1's last span lands, but it is never handed to registration
     assert pipeline.next_register() is None
-    pipeline.registered(0)
+    pipeline.land(Landing(0))
     assert pipeline.ledger.states == [ChunkState.REGISTERED, ChunkState.FAILED]
     assert [(f.chunk, f.phase) for f in pipeline.ledger.failures] == [(Chunk(4, 8), "populate")]
     assert pipeline.finish() is Phase.ROLLED_BACK
@@ -198,8 +200,8 @@ def test_two_failed_spans_of_one_chunk_are_both_recorded() -> None:
     pipeline = Pipeline(make_chunks([8]), order=Order.POPULATE_FIRST, span_bytes=4, lookahead_bytes=8)
     first, second = pipeline.next_populate(), pipeline.next_populate()
     assert isinstance(first, Span) and isinstance(second, Span)
-    pipeline.populate_failed(first, error())
-    pipeline.populate_failed(second, error())  # both were in flight: both may fail
+    pipeline.land(Landing(first, error()))
+    pipeline.land(Landing(second, error()))  # both were in flight: both may fail
     assert [(f.chunk, f.phase) for f in pipeline.ledger.failures] == [(Chunk(0, 8), "populate")] * 2
     assert pipeline.ledger.states == [ChunkState.FAILED]
     assert pipeline.next_register() is None
@@ -212,11 +214,11 @@ def test_lookahead_holds_faulting_until_registration_lands() -> None:
     assert pipeline.next_populate() == Span(0, 0, 4)
     assert pipeline.next_populate() == Span(1, 4, 4)
     assert pipeline.next_populate() is WAIT  # chunk 2 would make 12 > 8 bytes in the window
-    pipeline.populated(Span(0, 0, 4))
+    pipeline.land(Landing(Span(0, 0, 4)))
     assert pipeline.next_populate() is WAIT  # faulted is not enough: its registration must land
     assert pipeline.next_register() == 0
     assert pipeline.next_populate() is WAIT
-    pipeline.registered(0)
+    pipeline.land(Landing(0))
     assert pipeline.next_populate() == Span(2, 8, 4)
 
 
@@ -225,10 +227,10 @@ def test_lookahead_always_admits_the_front_chunk_and_a_failed_registration_leave
     assert pipeline.next_populate() == Span(0, 0, 5)  # 10 > 3, but the window is empty
     assert pipeline.next_populate() == Span(0, 5, 5)  # the same chunk: already in the window
     assert pipeline.next_populate() is WAIT
-    pipeline.populated(Span(0, 0, 5))
-    pipeline.populated(Span(0, 5, 5))
+    pipeline.land(Landing(Span(0, 0, 5)))
+    pipeline.land(Landing(Span(0, 5, 5)))
     assert pipeline.next_register() == 0
-    pipeline.register_failed(0, error("cudaHostRegister"))
+    pipeline.land(Landing(0, error("cudaHostRegister")))
     assert pipeline.next_populate() is None  # stopped
     assert pipeline.finish() is Phase.ROLLED_BACK
     assert pipeline.ledger.teardown_order() == []
@@ -243,23 +245,123 @@ def test_cancel_stops_every_role_and_rolls_back() -> None:
         assert pipeline.stopped
         assert pipeline.next_register() is None and pipeline.next_populate() is None
         if isinstance(index, int):
-            pipeline.registered(index)  # the call in flight when the cancel came lands
+            pipeline.land(Landing(index))  # the call in flight when the cancel came lands
         assert pipeline.finish() is Phase.ROLLED_BACK
         assert pipeline.ledger.teardown_order() == ([] if index is None else [0])
 
 
+def test_a_landing_that_contradicts_itself_is_refused() -> None:
+    pipeline = Pipeline(make_chunks([8]), order=Order.REGISTER_ONLY)
+    index = pipeline.next_register()
+    assert index == 0
+    with pytest.raises(LedgerError, match="both failed and stopped"):
+        pipeline.land(Landing(index, error(), stopped=True))
+    for progress in (Landing(index, partial=True), Landing(index, error(), pieces=(Chunk(0, 4),), partial=True)):
+        with pytest.raises(LedgerError, match="must name its pieces and nothing else"):
+            pipeline.land(progress)
+    assert pipeline.in_flight == 1  # refused landings change nothing
+    pipeline.land(Landing(index))
+    assert pipeline.finish() is Phase.PINNED
+
+
+def test_a_chunk_stopped_between_its_pieces_is_undone_and_is_not_a_failure() -> None:
+    """The stall budget registers a chunk piece by piece; pinning stops between two of them: the
+    pieces registered go on the books to be undone (each by its own base), the chunk no longer
+    counts as pinned, and only the cause of the stop is reported."""
+    chunks = make_chunks([8, 8])
+    pipeline = Pipeline(chunks, order=Order.REGISTER_ONLY)
+    assert pipeline.next_register() == 0
+    pipeline.land(Landing(0, pieces=(Chunk(0, 2),), partial=True))  # progress: pinned before it lands
+    pipeline.land(Landing(0, pieces=(Chunk(2, 3),), partial=True))
+    assert pipeline.pinned_bytes == 5
+    pipeline.cancel()
+    pipeline.land(Landing(0, stopped=True, pieces=(Chunk(0, 2), Chunk(2, 3))))
+    assert pipeline.in_flight == 0 and pipeline.ledger.failures == []
+    assert pipeline.ledger.states == [ChunkState.FAULTING, ChunkState.PENDING]  # to undo, never pinned
+    assert pipeline.ledger.pieces == {0: (Chunk(0, 2), Chunk(2, 3))}
+    assert pipeline.pinned_bytes == 0  # a chunk counts whole or not at all once it landed
+    assert pipeline.finish() is Phase.ROLLED_BACK
+    assert pipeline.ledger.teardown_order() == [0]
+
+
+def test_finishing_before_anything_ran_rolls_back() -> None:
+    pipeline = Pipeline(make_chunks([4, 4]), order=Order.POPULATE_FIRST, span_bytes=4, lookahead_bytes=8)
+    assert pipeline.finish() is Phase.ROLLED_BACK  # nothing stopped it, but nothing is pinned either
+    assert pipeline.ledger.teardown_order() == []
+
+
+def test_a_span_landed_that_was_never_handed_out_is_refused() -> None:
+    pipeline = Pipeline(make_chunks([8]), order=Order.POPULATE_FIRST, span_bytes=4, lookahead_bytes=8)
+    with pytest.raises(LedgerError, match="no populate in flight"):
+        pipeline.land(Landing(Span(0, 0, 4)))
+
+
+def test_a_span_stopped_while_pinning_goes_on_is_a_wait_that_would_never_end() -> None:
+    """A span lands stopped only once pinning stopped; an engine that did otherwise would leave its
+    chunk never faulted, so never registered: the pipeline says so instead of waiting forever."""
+    pipeline = Pipeline(make_chunks([4]), order=Order.POPULATE_FIRST, span_bytes=4, lookahead_bytes=4)
+    span = pipeline.next_populate()
+    assert isinstance(span, Span)
+    pipeline.land(Landing(span, stopped=True))
+    assert not pipeline.stopped
+    with pytest.raises(LedgerError, match="would wait forever"):
+        pipeline.next_register()
+
+
+def test_every_chunk_registered_with_a_span_never_faulted_cannot_finish() -> None:
+    """The last span landed twice (a bug) in place of its sibling: its chunk looked faulted and was
+    registered, but the books know a span was never faulted, so pinning cannot close as PINNED."""
+    pipeline = Pipeline(make_chunks([7]), order=Order.POPULATE_FIRST, span_bytes=4, lookahead_bytes=8)
+    first, last = pipeline.next_populate(), pipeline.next_populate()
+    assert first == Span(0, 0, 4) and last == Span(0, 4, 3)
+    pipeline.land(Landing(last))
+    pipeline.land(Landing(last))
+    assert pipeline.next_register() == 0
+    pipeline.land(Landing(0))
+    with pytest.raises(LedgerError, match="spans left unfaulted"):
+        pipeline.finish()
+
+
 # -- Pipeline, random interleavings ------------------------------------------------------------------------
+
+
+class Covered(PrefixTracker):
+    """A prefix tracker that only remembers which ranges the pipeline reported pinned."""
+
+    def __init__(self) -> None:
+        super().__init__((), 0)
+        self.units: set[int] = set()
+
+    def cover(self, start: int, end: int) -> None:
+        assert start % UNIT == 0 and end % UNIT == 0 and start < end, (start, end)
+        self.units |= set(range(start // UNIT, end // UNIT))
+
+
+@dataclass
+class Call:
+    """One handed-out item being called, one runtime call at a time: a span in parts, or a chunk in
+    pieces (the stall budget), whose failed pieces may be retried as halves."""
+
+    item: int | Span
+    todo: list[Chunk]  # pieces (parts) not called yet, in call order
+    paced: bool  # sized as the calls go: pinning may stop between them, and progress lands as they return
+    done: list[Chunk] = field(default_factory=list)  # pieces whose call returned
+    attempts: list[ChunkFailure] = field(default_factory=list)
+    landing: Landing | None = None  # how it ended, once it has
 
 
 @dataclass
 class SimWorker:
     kind: str  # "populate" | "register": one role, one item at a time; "any": Pipeline.next_work batches
     items: tuple[int | Span, ...] = ()
-    role: str = ""
-    outcomes: list[bool] = field(default_factory=list)  # per called item: did it fail
-    calling: bool = False  # items[len(outcomes)] is being called
+    calls: list[Call] = field(default_factory=list)  # the batch's items called so far, in order
+    landed: int = 0  # of ``calls``, how many landings are on the books (a long batch records as it goes)
     waiting: bool = False  # got WAIT and has not been woken since
     exited: bool = False
+
+    @property
+    def calling(self) -> Call | None:
+        return self.calls[-1] if self.calls and self.calls[-1].landing is None else None
 
 
 @dataclass(frozen=True)
@@ -274,7 +376,8 @@ class SimConfig:
     threads: int  # "work" mode's workers; the engine runs populate + register workers, or the larger of the two
 
 
-# Sizes in MiB, so the engine's batch limits (bytes) make batches of a few items, not of everything.
+# Sizes in MiB, so the engine's batch limits (bytes) make batches of a few items, not of everything;
+# pieces and parts are cut on MiB boundaries too.
 UNIT = MiB
 
 configs = st.builds(
@@ -290,24 +393,39 @@ configs = st.builds(
 )
 
 
+def units(start: int, end: int) -> set[int]:
+    return set(range(start // UNIT, end // UNIT))
+
+
 class Simulation:
     """Workers driving one Pipeline in an interleaving hypothesis chooses, checking every invariant.
 
+    Every outcome goes through the real :meth:`Pipeline.land`, the one method the engine lands
+    with, as a :class:`Landing` drawn at random: an item called in several calls (parts of a
+    span, pieces of a chunk, with progress landed between them), failed pieces retried as
+    halves, failures with and without pieces registered, stops between calls, and items never
+    called. The simulation keeps its own account from the records alone (what the docs of
+    ``Landing`` say each means) and holds the books to it after every step.
+
     ``mode`` "roles": populate workers call next_populate, register workers next_register, one
-    item at a time, each outcome recorded as it lands and waking every waiter. "work": what the
-    engine's workers do: ``threads`` workers (any number must do) take next_work batches, call
-    the items one by one (stopping after a failure, or once pinning stopped), then record the
-    outcomes and batch_done together and wake the waiters; a cancel also wakes them.
+    item at a time, each landing as it ends and waking every waiter. "work": as the engine's
+    workers: ``threads`` workers (any number must do) take next_work batches, call the items one
+    by one (stopping after a failure, or once pinning stopped), land the outcomes now and then
+    and when the batch ends, the items not called as stopped, and wake the waiters; a cancel
+    also wakes them.
     """
 
-    def __init__(self, config: SimConfig, mode: str, data: st.DataObject) -> None:
+    def __init__(self, config: SimConfig, mode: str, data: st.DataObject, flakiness: int) -> None:
         self.config = config
         self.mode = mode
         self.data = data
+        self.flakiness = flakiness
         self.chunks = make_chunks(config.sizes, config.gaps)
+        # Without a prefix tracker (a pipeline alone), nothing else changes.
+        self.covered = Covered() if data.draw(st.integers(0, 4), label="prefix") else None
         self.pipeline = Pipeline(
             self.chunks, order=config.order, span_bytes=config.span_bytes, lookahead_bytes=config.lookahead_bytes,
-            register_workers=config.register_workers, populate_workers=config.populate_workers,
+            register_workers=config.register_workers, populate_workers=config.populate_workers, prefix=self.covered,
         )  # fmt: skip
         if mode == "roles":
             kinds = ["populate"] * config.populate_workers + ["register"] * config.register_workers
@@ -315,22 +433,30 @@ class Simulation:
             kinds = ["any"] * config.threads
         self.workers = [SimWorker(kind) for kind in kinds]
         self.expected_spans = () if config.order is Order.REGISTER_ONLY else split_spans(self.chunks, config.span_bytes)
+        self.retries_left = data.draw(st.integers(0, 6), label="retry budget")
+        # What the records said, kept by the simulation.
         self.handed_spans: list[Span] = []
         self.claims: list[int] = []
         self.populated: set[Span] = set()
-        self.registered: set[int] = set()
-        self.register_landed: set[int] = set()  # registered or failed: out of the lookahead window
+        self.registered: set[int] = set()  # registration landed whole (in one call or in pieces)
+        self.undo: set[int] = set()  # registered, or pieces of it: the rollback undoes it
+        self.pieces: dict[int, tuple[Chunk, ...]] = {}  # chunks registered in several calls
+        self.failed: set[int] = set()  # failed before anything of it was registered
+        self.register_landed: set[int] = set()  # out of the lookahead window
         self.entered: set[int] = set()  # chunks with a span handed out (POPULATE_FIRST's window, plus landed)
-        self.failures: list[tuple[int, str]] = []
+        self.failures: list[ChunkFailure] = []
+        self.progress: dict[int, set[int]] = {}  # units pinned ahead of their item's landing, per chunk
+        self.pinned_units: set[int] = set()  # every unit ever reported pinned (the prefix never goes back)
         self.stopped = False
         self.first_cause: StopCause | None = None
+        self.shapes: set[str] = set()  # which kinds of landings ran (hypothesis events)
 
     # -- one step ------------------------------------------------------------------------------
 
-    def run(self, flakiness: int, cancel_at: int | None) -> None:
+    def run(self, cancel_at: int | None) -> None:
         steps = 0
         while True:
-            self.check_counts()
+            self.check_books()
             actionable = [w for w in self.workers if not w.exited and not w.waiting]
             if not actionable:
                 live = [w for w in self.workers if not w.exited]
@@ -344,8 +470,8 @@ class Simulation:
                 self.stop(StopCause.CANCELLED)
                 self.wake()
             worker = self.data.draw(st.sampled_from(actionable), label="who acts")
-            if worker.calling:
-                self.call(worker, fail=self.data.draw(st.integers(0, 19), label="outcome") < flakiness)
+            if (call := worker.calling) is not None:
+                self.call_once(worker, call)
             elif worker.items:
                 self.advance(worker)
             else:
@@ -386,8 +512,9 @@ class Simulation:
             else:
                 assert role == "register" and isinstance(item, int)
                 self.handed_chunk(item)
-        worker.items, worker.role, worker.outcomes, worker.calling = items, role, [], True
+        worker.items, worker.calls, worker.landed = items, [], 0
         self.check_window()
+        self.start(worker, items[0])
 
     def handed_span(self, span: Span) -> None:
         order = self.config.order
@@ -416,49 +543,143 @@ class Simulation:
             f"faulting ran {nbytes} B ({sorted(window)}) ahead of registration, lookahead {self.config.lookahead_bytes}"
         )
 
-    def call(self, worker: SimWorker, *, fail: bool) -> None:
-        worker.outcomes.append(fail)
-        worker.calling = False
-        if self.mode == "roles":
-            self.record(worker.items[0], fail)
-            worker.items = ()
-            self.wake()
+    # -- calling one item ------------------------------------------------------------------------
+
+    def start(self, worker: SimWorker, item: int | Span) -> None:
+        """Begin calling ``item``: in one call, or paced in several (cut where hypothesis says)."""
+        whole = Chunk(item.offset, item.nbytes) if isinstance(item, Span) else self.chunks[item]
+        start, nbytes = whole.offset, whole.nbytes
+        paced = self.data.draw(st.booleans(), label="paced")
+        cuts: set[int] = set()
+        if paced and nbytes >= 2 * UNIT:
+            cuts = self.data.draw(st.sets(st.integers(1, nbytes // UNIT - 1), max_size=3), label="cuts")
+        bounds = [start, *sorted(start + c * UNIT for c in cuts), start + nbytes]
+        worker.calls.append(Call(item, [Chunk(a, b - a) for a, b in pairwise(bounds)], paced))
+
+    def call_once(self, worker: SimWorker, call: Call) -> None:
+        """One runtime call of ``call`` returns (or, paced and pinning stopped, none is made)."""
+        item = call.item
+        if call.paced and not call.attempts and self.pipeline.stopped and self.data.draw(st.booleans(), "stop"):
+            self.end(worker, call, Landing(item, stopped=True, pieces=() if isinstance(item, Span) else (*call.done,)))
+            return
+        piece = call.todo.pop(0)
+        phase = "populate" if isinstance(item, Span) else "register"
+        if self.data.draw(st.integers(0, 19), label="outcome") >= self.flakiness:
+            call.done.append(piece)
+            if call.paced and call.todo:  # progress within the item: pinned now, before it lands
+                self.land(Landing(item, pieces=(piece,), partial=True))
+                self.shapes.add(f"{phase} progress")
+            if not call.todo:
+                self.end(worker, call, Landing(item, pieces=() if isinstance(item, Span) else (*call.done,)))
+            return
+        failure = RuntimeCallError(op=phase, code=12, reason="ENOMEM", message="injected", ptr=piece.offset, nbytes=1)
+        call.attempts.append(ChunkFailure(piece, phase, failure))
+        if phase == "register" and piece.nbytes >= 2 * UNIT and self.retries_left and self.data.draw(st.booleans()):
+            self.retries_left -= 1  # a retryable failure: the piece is called again as two halves
+            half = piece.nbytes // UNIT // 2 * UNIT
+            call.todo[:0] = [Chunk(piece.offset, half), Chunk(piece.offset + half, piece.nbytes - half)]
+            self.shapes.add("register retried")
+            return
+        attempts = () if len(call.attempts) == 1 and self.data.draw(st.booleans(), label="one error") else call.attempts
+        pieces = () if isinstance(item, Span) else (*call.done,)
+        self.end(worker, call, Landing(item, failure, pieces=pieces, attempts=(*attempts,)))
+
+    def end(self, worker: SimWorker, call: Call, landing: Landing) -> None:
+        call.landing = landing
+        if self.mode == "roles":  # one item: it lands as it ends
+            self.land_batch(worker, ())
 
     def advance(self, worker: SimWorker) -> None:
-        """Between a batch's calls: call the next item, or (done, failed, or pinning stopped) land the batch."""
-        called = len(worker.outcomes)
-        if called < len(worker.items) and not worker.outcomes[-1] and not self.pipeline.stopped:
-            worker.calling = True
+        """Between a batch's items: call the next one, put what ended on the books (a long batch), or
+        (all called, one failed, or pinning stopped) land the rest and the items not called."""
+        last = worker.calls[-1].landing
+        assert last is not None
+        called = len(worker.calls)
+        if called < len(worker.items) and last.error is None and not self.pipeline.stopped:
+            if worker.landed < called and self.data.draw(st.booleans(), label="record now"):
+                self.land_batch(worker, (), ends=False)
+            self.start(worker, worker.items[called])
             return
-        for item, fail in zip(worker.items, worker.outcomes, strict=False):
-            self.record(item, fail)
-        unstarted = worker.items[called:]
-        self.pipeline.batch_done(worker.role, unstarted)
+        self.land_batch(worker, worker.items[called:])
+
+    def land_batch(self, worker: SimWorker, unstarted: Sequence[int | Span], *, ends: bool = True) -> None:
+        for call in worker.calls[worker.landed :]:
+            assert call.landing is not None
+            self.land(call.landing)
+        worker.landed = len(worker.calls)
         for item in unstarted:
-            if isinstance(item, int):
-                self.claims.remove(item)  # pending again (though nothing claims it after a stop)
-        worker.items, worker.outcomes = (), []
+            self.land(Landing(item, stopped=True))
+            self.shapes.add("never called")
+        if ends:
+            worker.items, worker.calls, worker.landed = (), [], 0
         self.wake()
 
-    def record(self, item: int | Span, fail: bool) -> None:
-        pipeline = self.pipeline
+    # -- the records, as the simulation reads them --------------------------------------------------------
+
+    def land(self, landing: Landing) -> None:
+        """Hand ``landing`` to the pipeline, and keep the simulation's own account of it."""
+        pinned = self.pipeline.land(landing)
+        item, order = landing.item, self.config.order
         if isinstance(item, Span):
-            if fail:
-                pipeline.populate_failed(item, error())
-                self.failures.append((item.chunk, "populate"))
-            else:
-                pipeline.populated(item)
-                self.populated.add(item)
+            index, phase = item.chunk, "populate"
         else:
-            if fail:
-                pipeline.register_failed(item, error("cudaHostRegister"))
-                self.failures.append((item, "register"))
-            else:
-                pipeline.registered(item)
-                self.registered.add(item)
-            self.register_landed.add(item)
-        if fail:
+            index, phase = item, "register"
+        if landing.partial:
+            (piece,) = landing.pieces
+            if order is Order.REGISTER_FIRST and phase == "populate":
+                self.progress.setdefault(index, set()).update(units(piece.offset, piece.end))
+                self.pinned_units |= units(piece.offset, piece.end)  # locked as it faulted
+            elif order is not Order.REGISTER_FIRST and phase == "register":
+                self.progress.setdefault(index, set()).update(units(piece.offset, piece.end))
+                self.pinned_units |= units(piece.offset, piece.end)
+            assert pinned is None
+            return
+        whole = landing.error is None and not landing.stopped
+        self.shapes.add(f"{phase} {'ok' if whole else 'failed' if landing.error else 'stopped'}")
+        if phase == "register":
+            self.register_landed.add(index)
+            if landing.pieces and landing.pieces != (self.chunks[index],):
+                self.pieces[index] = landing.pieces
+                self.shapes.add(f"register {'ok' if whole else 'failed' if landing.error else 'stopped'} in pieces")
+            if landing.pieces or whole:
+                self.undo.add(index)
+            if order is not Order.REGISTER_FIRST:
+                self.progress.pop(index, None)  # the chunk counts whole from here, or not at all
+            if whole:
+                self.registered.add(index)
+                if order is not Order.REGISTER_FIRST:
+                    chunk = self.chunks[index]
+                    self.pinned_units |= units(chunk.offset, chunk.end)
+                assert pinned == (None if order is Order.REGISTER_FIRST else index)
+            elif landing.error is not None:
+                chunk = self.chunks[index]
+                self.failures.extend(landing.attempts or [ChunkFailure(chunk, "register", landing.error)])
+                if not landing.pieces:
+                    self.failed.add(index)
+                self.stop(StopCause.FAILURE)
+            elif not landing.pieces:
+                self.claims.remove(index)  # pending again (though nothing claims it after a stop)
+            if not whole:
+                assert pinned is None
+            return
+        if landing.error is not None:
+            self.failures.append(ChunkFailure(self.chunks[index], "populate", landing.error))
+            if order is Order.POPULATE_FIRST:
+                self.failed.add(index)
             self.stop(StopCause.FAILURE)
+        if not whole:
+            assert pinned is None
+            return
+        self.populated.add(item)
+        if order is Order.REGISTER_FIRST:
+            self.progress.setdefault(index, set()).update(units(item.offset, item.offset + item.nbytes))
+            self.pinned_units |= units(item.offset, item.offset + item.nbytes)
+        spans_done = all(s in self.populated for s in self.expected_spans if s.chunk == index)
+        if order is Order.REGISTER_FIRST and spans_done:
+            self.progress.pop(index)
+            assert pinned == index, "the last span of a lock-on-fault chunk makes it pinned"
+        else:
+            assert pinned is None
 
     def stop(self, cause: StopCause) -> None:
         if not self.stopped:
@@ -468,9 +689,22 @@ class Simulation:
         for worker in self.workers:
             worker.waiting = False
 
-    def check_counts(self) -> None:
-        out = sum(len(w.items) for w in self.workers)  # a batch's items are in flight until it lands
-        assert self.pipeline.in_flight == out, "in_flight counts every handed-out item not yet landed or returned"
+    def pinned(self) -> set[int]:
+        """Chunks pinned: registered with every page in (lock-on-fault: only once all its spans landed)."""
+        if self.config.order is not Order.REGISTER_FIRST:
+            return set(self.registered)
+        return {i for i in self.registered if all(s in self.populated for s in self.expected_spans if s.chunk == i)}
+
+    def check_books(self) -> None:
+        pipeline = self.pipeline
+        out = sum(len(w.items) - w.landed for w in self.workers)  # handed out, not yet landed
+        assert pipeline.in_flight == out, "in_flight counts every handed-out item not yet landed"
+        pinned = sum(self.chunks[i].nbytes for i in self.pinned())
+        ahead = sum(len(u) for i, u in self.progress.items() if i not in self.pinned()) * UNIT
+        partial = ahead if pipeline.ledger.phase in (Phase.PINNING, Phase.ROLLED_BACK) else 0
+        assert pipeline.pinned_bytes == pinned + partial
+        if self.covered is not None:
+            assert self.covered.units == self.pinned_units, "the prefix hears of every pinned range, and nothing else"
 
     # -- the end -------------------------------------------------------------------------------
 
@@ -479,30 +713,30 @@ class Simulation:
         assert pipeline.in_flight == 0
         assert pipeline.next_populate() is None and pipeline.next_register() is None
         phase = pipeline.finish()
-        states = ledger.states
-        undo = {ChunkState.REGISTERED, ChunkState.FAULTING}
-        assert {i for i, s in enumerate(states) if s in undo} == self.registered
-        assert ledger.teardown_order() == sorted(self.registered, reverse=True)
-        # Pinned means registered with every page in: lock-on-fault chunks only once all their spans landed.
-        faulted = {i for i in self.registered if all(s in self.populated for s in self.expected_spans if s.chunk == i)}
-        pinned = faulted if self.config.order is Order.REGISTER_FIRST else self.registered
-        assert {i for i, s in enumerate(states) if s is ChunkState.REGISTERED} == pinned
+        self.check_books()
+        pinned = self.pinned()
+        expected = [
+            ChunkState.REGISTERED if i in pinned
+            else ChunkState.FAULTING if i in self.undo
+            else ChunkState.FAILED if i in self.failed
+            else ChunkState.PENDING
+            for i in range(len(self.chunks))
+        ]  # fmt: skip
+        assert ledger.states == expected
+        assert ledger.teardown_order() == sorted(self.undo, reverse=True)
+        assert ledger.pieces == self.pieces, "teardown unregisters each piece of a chunk by its own base"
         assert ledger.registered_bytes == sum(self.chunks[i].nbytes for i in pinned)
-        assert [(ledger.chunks.index(f.chunk), f.phase) for f in ledger.failures] == self.failures
+        assert ledger.failures == self.failures
         assert pipeline.populated_bytes == sum(s.nbytes for s in self.populated)
         if self.stopped:
             assert phase is Phase.ROLLED_BACK
             assert ledger.stop_cause is self.first_cause is not None
-            for index, phase_name in self.failures:
-                expected = ChunkState.FAILED
-                if phase_name == "populate" and self.config.order is Order.REGISTER_FIRST:
-                    expected = ChunkState.FAULTING  # registered lock-on-fault, never fully faulted
-                assert states[index] is expected
         else:
             assert phase is Phase.PINNED
             assert self.failures == [] and self.first_cause is None
-            assert states == [ChunkState.REGISTERED] * len(self.chunks)
+            assert ledger.states == [ChunkState.REGISTERED] * len(self.chunks)
             assert set(self.handed_spans) == set(self.expected_spans) == self.populated
+            assert self.pinned_units == set().union(*(units(c.offset, c.end) for c in self.chunks))
             if self.config.order is Order.REGISTER_ONLY:
                 assert pipeline.populated_bytes == 0
             else:
@@ -515,11 +749,13 @@ class Simulation:
 def test_random_interleavings_keep_every_invariant(mode: str, config: SimConfig, data: st.DataObject) -> None:
     flakiness = data.draw(st.sampled_from([0, 0, 1, 4]), label="failures in 20 calls")
     cancel_at = data.draw(st.none() | st.integers(0, 120), label="cancel at step")
-    sim = Simulation(config, mode, data)
-    sim.run(flakiness, cancel_at)
+    sim = Simulation(config, mode, data, flakiness)
+    sim.run(cancel_at)
     sim.check_end()
     event(f"{config.order.value}: {sim.first_cause.value if sim.first_cause else 'pinned'}")
     event(f"chunks registered: {len(sim.registered)} of {len(sim.chunks)}")
+    for shape in sorted(sim.shapes):
+        event(shape)
 
 
 @pytest.mark.parametrize("order", list(Order))
@@ -532,8 +768,8 @@ def test_clean_runs_pin_everything_in_every_order(mode: str, order: Order, data:
         sizes=(9 * UNIT, 3 * UNIT, 12 * UNIT, 1 * UNIT, 16 * UNIT), gaps=(UNIT,), span_bytes=4 * UNIT,
         lookahead_bytes=10 * UNIT, order=order, register_workers=2, populate_workers=2, threads=3,
     )  # fmt: skip
-    sim = Simulation(config, mode, data)
-    sim.run(flakiness=0, cancel_at=None)
+    sim = Simulation(config, mode, data, flakiness=0)
+    sim.run(cancel_at=None)
     assert not sim.stopped
     sim.check_end()
 

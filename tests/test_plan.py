@@ -1,25 +1,21 @@
-"""Chunk planning: `plan_chunks`, `chunk_limit_from_env`, `resolve_chunk_limit`."""
+"""Chunk planning (`plan_chunks`, `chunk_limit_from_env`, `resolve_chunk_limit`) and what its modules import."""
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from itertools import pairwise
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pinpool import ConfigError
-from pinpool._plan import (
-    CHUNK_ENV,
-    DEFAULT_CHUNK_GIB,
-    Chunk,
-    ChunkPlan,
-    chunk_limit_from_env,
-    plan_chunks,
-    resolve_chunk_limit,
-)
+from pinpool._chunks import Chunk, ChunkPlan
+from pinpool._options import CHUNK_ENV, DEFAULT_CHUNK_GIB, chunk_limit_from_env, resolve_chunk_limit
+from pinpool._plan import plan_chunks
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE_SIZES = (4096, 16384, 65536)
@@ -357,3 +353,44 @@ def test_resolve_bad_values_name_chunk_bytes(value: object) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_chunk_limit(value)  # type: ignore[arg-type]
     assert f"chunk_bytes={value!r}" in str(info.value)
+
+
+# -- module boundaries ------------------------------------------------------------------------------
+
+
+def _pinpool_imports(module: str, *, for_type_checkers: bool = False) -> set[str]:
+    """The pinpool modules (and names) ``module`` imports when it loads: module-level imports, not
+    those inside functions; with ``for_type_checkers``, those under ``if TYPE_CHECKING:`` too."""
+    path = Path(__file__).resolve().parents[1] / "pinpool" / f"{module}.py"
+    nodes: list[ast.stmt] = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            nodes += node.body if for_type_checkers else []
+        else:
+            nodes.append(node)
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            found |= {node.module or "", *(f"{node.module}.{a.name}" if node.module else a.name for a in node.names)}
+    return found
+
+
+def test_the_vocabulary_and_the_errors_import_nothing_of_pinpools() -> None:
+    """Every layer imports the chunk vocabulary and the errors, so they import nothing back, not
+    even for type checkers (that made a circle of six modules before the planner was split)."""
+    assert _pinpool_imports("_chunks", for_type_checkers=True) == set()
+    assert _pinpool_imports("_errors") == set()
+    # NodeBusyError's field types, for type checkers only; they belong with the node pacing split.
+    assert _pinpool_imports("_errors", for_type_checkers=True) <= {
+        "_node_lock",
+        "_node_lock.Kind",
+        "_node_lock.NodeHolder",
+    }
+
+
+def test_planning_and_the_preflight_import_no_runtime_and_no_host_probe() -> None:
+    """They receive HostFacts values and declared Capabilities, never read the host or name a runtime."""
+    forbidden = {"runtimes", "_host", "_memlimits", "_libc", "testing"}
+    for module in ("_plan", "_placement", "_preflight", "_cutter"):
+        imported = {name.split(".")[0] for name in _pinpool_imports(module)}
+        assert not imported & forbidden, (module, imported & forbidden)

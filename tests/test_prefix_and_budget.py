@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinnedPool, layouts
-from pinpool._plan import Chunk, ChunkTable
+from pinpool._chunks import Chunk, ChunkTable
 from pinpool._prefix import PageRun, PrefixTracker, page_runs, pin_order
 from pinpool._stall import MAX_GROWTH, PROBE_BYTES, CallSizer
 from pinpool.testing import FakeRuntime

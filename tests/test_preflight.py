@@ -26,7 +26,8 @@ import pinpool
 from pinpool import ConfigError, _libc, layouts
 from pinpool._host import HostFacts
 from pinpool._options import PoolOptions
-from pinpool._plan import Pinning, check_host, runtime_pinning
+from pinpool._preflight import check_host, pinning_capabilities
+from pinpool._types import Capabilities
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime
 
@@ -188,20 +189,23 @@ def test_memlock_counts_every_buffer_in_whole_pages_and_a_tensors_extra_page() -
 # -- which runtimes pin for real ---------------------------------------------------------------------------------
 
 
-def test_runtime_pinning() -> None:
-    assert runtime_pinning(None, HOST) is None
-    assert runtime_pinning("nope", HOST) is None
-    assert runtime_pinning(FakeRuntime(), HOST) is None
-    assert runtime_pinning(FakeRuntime(lock_on_fault=True), HOST) is None
-    assert runtime_pinning("mlock", HOST) == Pinning(resident=True, memlock=True)
-    assert runtime_pinning(MlockRuntime(), GPU_HOST) == Pinning(resident=True, memlock=True)
-    assert runtime_pinning("cuda", HOST) == runtime_pinning("rocm", HOST) == Pinning(resident=True, memlock=False)
-    assert runtime_pinning("auto", HOST) == Pinning(resident=True, memlock=True)  # no GPU stack: mlock
-    assert runtime_pinning("auto", GPU_HOST) == Pinning(resident=True, memlock=False)
-    rocm = dataclasses.replace(HOST, torch_hip="6.2", amd_kfd=True)
-    assert runtime_pinning("auto", rocm) == Pinning(resident=True, memlock=False)
-    half = dataclasses.replace(HOST, torch_cuda="12.4")  # a CUDA build without the driver: mlock
-    assert runtime_pinning("auto", half) == Pinning(resident=True, memlock=True)
+def test_pinning_capabilities() -> None:
+    """Names resolve to their runtime's declared capabilities (from the class, nothing is built);
+    "auto" by the host's GPU stack; objects declare their own."""
+
+    def pinning(runtime: object, host: HostFacts = HOST) -> tuple[bool, bool] | None:
+        caps = pinning_capabilities(runtime, host)
+        return None if caps is None else (caps.resident, caps.charges_memlock)
+
+    assert pinning(None) is None
+    assert pinning("nope") is None  # resolving it raises the ConfigError
+    assert pinning(FakeRuntime()) == pinning(FakeRuntime(lock_on_fault=True)) == (False, False)
+    assert pinning("mlock") == pinning(MlockRuntime(), GPU_HOST) == (True, True)
+    assert pinning("cuda") == pinning("rocm") == (True, False)
+    assert pinning("auto") == (True, True)  # no GPU stack: mlock
+    assert pinning("auto", GPU_HOST) == (True, False)
+    assert pinning("auto", dataclasses.replace(HOST, torch_hip="6.2", amd_kfd=True)) == (True, False)
+    assert pinning("auto", dataclasses.replace(HOST, torch_cuda="12.4")) == (True, True)  # no driver: mlock
 
     class Custom:
         name = "custom"
@@ -210,7 +214,37 @@ def test_runtime_pinning() -> None:
 
         def unregister(self, ptr: int) -> None: ...
 
-    assert runtime_pinning(Custom(), HOST) == Pinning(resident=True, memlock=False)  # a runtime pins
+    assert pinning(Custom()) == (True, False)  # declares nothing: a runtime pins for real
+
+
+class PageCharger:
+    """A runtime pinpool has never heard of, named like none of its own, that declares its
+    registrations charged to RLIMIT_MEMLOCK."""
+
+    name = "page-charger"
+    capabilities = Capabilities(charges_memlock=True)
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+class Phantom(PageCharger):
+    """Declares it touches no memory (as FakeRuntime does): nothing to charge."""
+
+    name = "phantom"
+    capabilities = Capabilities(resident=False, charges_memlock=True)
+
+
+def test_a_new_runtime_gets_the_preflight_it_declares() -> None:
+    """The pre-flight follows declared capabilities, never a runtime's name or class."""
+    assert refusal(PoolOptions(size=GiB), NO_CAP, PageCharger()).startswith("size=1073741824 B = 1 GiB needs 1 GiB")
+    assert "cannot be pinned here" in refusal(PoolOptions(size=4 * GiB), CONTAINER, PageCharger())
+    check_host(PoolOptions(size=GiB), NO_CAP, Recorder())  # declares nothing: memory only, no memlock
+    check_host(PoolOptions(size=64 * GiB), CONTAINER, Phantom())  # not resident: nothing charged
+    check_host(PoolOptions(size=GiB), NO_CAP, Phantom())
+    # Its Capabilities work in place of the runtime, as the pool passes them.
+    assert "RLIMIT_MEMLOCK leaves only" in refusal(PoolOptions(size=GiB), NO_CAP, Capabilities(charges_memlock=True))
 
 
 # -- through PinnedPool and pin(): needs _pool._configure to pass the runtime -------------------------------------

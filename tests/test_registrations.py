@@ -18,8 +18,8 @@ import torch
 
 import pinpool
 from pinpool import _libc, layouts
+from pinpool._chunks import Chunk, ChunkTable
 from pinpool._ledger import RegistrationBook
-from pinpool._plan import Chunk, ChunkTable
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime
 

@@ -96,7 +96,7 @@ def test_capabilities_is_the_shared_value_type() -> None:
 
 def test_declared_capabilities_of_the_built_in_runtimes() -> None:
     mlock = capabilities_of(MlockRuntime())
-    assert mlock == Capabilities(locks_on_fault=True, finds_pinned=True, exact_ranges=True)
+    assert mlock == Capabilities(locks_on_fault=True, finds_pinned=True, exact_ranges=True, charges_memlock=True)
     assert mlock.exact_ranges and mlock.retryable_codes == frozenset()  # shared pages are counted
     assert CudaRuntime.capabilities == Capabilities(
         serial_registration=True, exact_ranges=True, retryable_codes=frozenset({2})
@@ -112,7 +112,7 @@ def test_declared_capabilities_of_the_built_in_runtimes() -> None:
 def test_fake_runtime_declares_what_it_was_asked_to_be(lock_on_fault: bool) -> None:
     fake = FakeRuntime(lock_on_fault=lock_on_fault)
     assert capabilities_of(fake) == Capabilities(
-        populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2})
+        populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2}), resident=False
     )
     assert isinstance(fake, Populates) and isinstance(fake, LocksOnFault)  # the method is always there
 

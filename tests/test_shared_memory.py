@@ -1,4 +1,4 @@
-"""pinpool.SharedMemory: MAP_SHARED regions on tmpfs, hugetlbfs and memfds (pinpool/_shared.py).
+"""pinpool.SharedMemory: MAP_SHARED regions on tmpfs, hugetlbfs and memfds (pinpool/_shared*.py).
 
 Create / attach / keep / unlink, the trust checks on directories and files, the trailer that
 refuses a re-attach with another size or layout, memfds and descriptors handed on, two processes
@@ -32,15 +32,10 @@ import torch
 
 import pinpool
 from pinpool import _doctor, _libc, layouts
-from pinpool._shared import (
-    MAGIC,
-    TRAILER_BYTES,
-    SharedMapping,
-    SharedMemory,
-    find_regions,
-    layout_record,
-    read_region,
-)
+from pinpool._shared import SharedMemory
+from pinpool._shared_mapping import SharedMapping
+from pinpool._shared_regions import find_regions, read_region
+from pinpool._shared_trailer import MAGIC, TRAILER_BYTES, layout_record
 from pinpool.runtimes import MlockRuntime
 
 from .conftest import hugetlb_pages, needs_mlock

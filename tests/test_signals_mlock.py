@@ -84,13 +84,14 @@ CHILD = textwrap.dedent(
 # Prints, as JSON, per run: the exit code (as subprocess gives it), stdout, stderr, timed_out.
 SWEEP = textwrap.dedent(
     """
-    import asyncio, json, os, signal, sys, tempfile, time
+    import asyncio, gc, json, os, signal, sys, tempfile, time
     import pinpool, trio, torch
     from pinpool import _libc
 
     mode, signum, plan = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     pinpool.PinnedPool(size="256MiB", chunk_bytes="8MiB", runtime="mlock", registry=None, unpin_workers=2)
     child_code = compile(sys.argv[4], "<child>", "exec")
+    gc.freeze()  # the preloaded objects: a fork's collections (and its exit) leave their pages shared
 
     def exited(pid, flags=0):
         done, status = os.waitpid(pid, flags)

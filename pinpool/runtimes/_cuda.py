@@ -54,14 +54,22 @@ class CudaRuntime(HostRegisterRuntime):
 
     Capabilities: the driver serialises registration (one register worker is enough), tracks
     registrations by exact byte range (neighbours may share an OS page), and
-    ``cudaErrorMemoryAllocation`` (2) is worth retrying with a smaller chunk.
+    ``cudaErrorMemoryAllocation`` (2) is worth retrying with a smaller chunk. Registered pages
+    are resident (``resident``); RLIMIT_MEMLOCK is not declared (``charges_memlock``): whether the
+    driver charges it depends on the driver.
 
     Runs on NVIDIA builds of torch only: on a ROCm build the binding calls HIP, whose codes
     differ; use :class:`RocmRuntime` (``runtime="rocm"``) there.
     """
 
     name = "cuda"
-    capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({2}))
+    capabilities = Capabilities(
+        serial_registration=True,
+        exact_ranges=True,
+        retryable_codes=frozenset({2}),
+        resident=True,
+        charges_memlock=False,
+    )
     _api = CUDA
 
     @classmethod

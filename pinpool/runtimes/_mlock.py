@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from .. import _libc
-from .._errors import RuntimeCallError
+from .._errors import RAISE_MEMLOCK, RuntimeCallError
 from .._ranges import RangeBook
 from .._types import Capabilities
 from .._units import format_bytes
@@ -204,11 +204,13 @@ class MlockRuntime:
     exact byte range and a page that registrations cover only in part is counted: it is
     locked while any of them is registered and unlocked with the last (``exact_ranges``), so
     neighbouring chunks may share a page as under CUDA. No errno is worth retrying with a
-    smaller chunk: the limit counts the whole pool, however it is split.
+    smaller chunk: the limit counts the whole pool, however it is split. Every locked page is
+    resident and charged to RLIMIT_MEMLOCK (``resident``, ``charges_memlock``): the pre-flight
+    checks both.
     """
 
     name = "mlock"
-    capabilities = Capabilities(locks_on_fault=True, finds_pinned=True, exact_ranges=True)
+    capabilities = Capabilities(locks_on_fault=True, finds_pinned=True, exact_ranges=True, charges_memlock=True)
 
     def __init__(self) -> None:
         self._book = RangeBook()
@@ -349,11 +351,7 @@ def mlock_error_message(err: int, nbytes: int) -> str:
         f"RLIMIT_MEMLOCK soft {_libc.format_rlimit(soft)}, hard {_libc.format_rlimit(hard)}; "
         f"CAP_IPC_LOCK {'present' if cap else 'absent'}"
     )
-    raise_limit = (
-        "raise the limit (`ulimit -l unlimited`; systemd `LimitMEMLOCK=infinity`; "
-        "docker `--ulimit memlock=-1:-1`; /etc/security/limits.conf `memlock unlimited`) "
-        "or grant the process CAP_IPC_LOCK"
-    )
+    raise_limit = RAISE_MEMLOCK
     if err == errno.ENOMEM:
         if cap or soft == _libc.RLIM_INFINITY:
             return (

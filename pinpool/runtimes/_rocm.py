@@ -60,11 +60,18 @@ class RocmRuntime(HostRegisterRuntime):
     Capabilities: ``hipErrorOutOfMemory`` (2) is retryable with a smaller chunk. Registration
     is declared serial, like CUDA's (not measured on ROCm: one register worker is the
     conservative default). Exact byte-range tracking is not declared: it is unverified for
-    HIP, so neighbours never share an OS page.
+    HIP, so neighbours never share an OS page. Registered pages are resident; RLIMIT_MEMLOCK is
+    not declared, as for CUDA.
     """
 
     name = "rocm"
-    capabilities = Capabilities(serial_registration=True, exact_ranges=False, retryable_codes=frozenset({2}))
+    capabilities = Capabilities(
+        serial_registration=True,
+        exact_ranges=False,
+        retryable_codes=frozenset({2}),
+        resident=True,
+        charges_memlock=False,
+    )
     _api = HIP
 
     @classmethod

@@ -1,0 +1,122 @@
+"""The pinpool command line: plan a pool, check the host, pin a pool.
+
+    pinpool plan   --size 1.5TiB --layout mha ...   what a pool would be; nothing is allocated
+    pinpool doctor --size 1.5TiB                    is this host ready, and what to change
+    pinpool pin    --size 64GiB [--hold forever]    pin it, show progress, report, unpin
+
+This module runs a command (:func:`main`): errors to exit statuses, signals, a closed stdout.
+The rest is one concept a module: parser.py (argparse), options.py and layout.py (flags to
+PinnedPool's keyword arguments), text.py (reading their text), plan.py, doctor.py and pin.py
+(the commands), report.py (what plan and pin print), status.py (notes on stderr),
+signals.py (SIGTERM and Ctrl-C), exits.py (the statuses, listed in ``pinpool --help``).
+
+Only the standard library and pinpool's torch-free modules are imported at the top: torch
+(through pinpool.layouts and pinpool._pool) costs seconds, so it is imported inside the
+commands, after each has said what it is doing, and ``pinpool --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+from collections.abc import Sequence
+
+from .._errors import ConfigError, PinError, PinpoolError, UnpinError
+from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIN_FAILED, EXIT_PIPE
+from .layout import LAYOUT_FILE_MAX_BYTES, layout_from_file
+from .options import pool_options
+from .parser import build_parser, glue_negative_values, value_options
+from .signals import sigterm_as_interrupt
+from .text import cli_size
+
+__all__ = [
+    "LAYOUT_FILE_MAX_BYTES",
+    "build_parser",
+    "cli_size",
+    "layout_from_file",
+    "main",
+    "pool_options",
+    "sigterm_as_interrupt",
+]
+
+BENCH_MOVED = (
+    "`pinpool bench` is no longer part of the installed package: the benchmark is benchmark code and lives "
+    "in the repository's benchmarks/ folder. From a checkout run `./dev bench [options]` "
+    "(or `python benchmarks/pin_throughput.py --help` with any Python that has pinpool); "
+    "the method and results are in docs/performance.md"
+)
+
+
+def _bench_moved() -> int:
+    print(f"pinpool: {BENCH_MOVED}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _exit_code_of(error: PinpoolError) -> int:
+    if isinstance(error, ConfigError):
+        return EXIT_BAD_INPUT
+    if isinstance(error, UnpinError):
+        return EXIT_FAILED
+    # PinError, and the failures that leave nothing pinned as well: AllocationError (mmap refused),
+    # AlreadyPinnedError, RuntimeCallError outside a pool.
+    return EXIT_PIN_FAILED if isinstance(error, PinError | MemoryError | RuntimeError) else EXIT_FAILED
+
+
+def _stdout_gone() -> int:
+    """stdout's reader went away: point stdout at /dev/null so the interpreter's final flush is
+    quiet (the Python docs' recipe for SIGPIPE), and exit as a tool killed by SIGPIPE would."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_PIPE
+
+
+def _report_interrupt(exc: KeyboardInterrupt) -> None:
+    what = str(exc.args[0]) if exc.args and exc.args[0] else "Ctrl-C"
+    lines = [f"pinpool: interrupted ({what})"]
+    lines.extend(f"pinpool: {note.removeprefix('pinpool: ')}" for note in getattr(exc, "__notes__", ()))
+    with contextlib.suppress(Exception, KeyboardInterrupt):  # a second Ctrl-C while saying so: still no traceback
+        prefix = "\n" if sys.stderr.isatty() else ""  # past the terminal's ^C
+        sys.stderr.write(prefix + "\n".join(lines) + "\n")
+        sys.stderr.flush()
+
+
+def _dispatch(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(glue_negative_values(argv, value_options(parser)))
+    try:
+        return int(args.run(args))
+    except PinpoolError as exc:
+        print(f"pinpool: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return _exit_code_of(exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse raises SystemExit for --help,
+    --version and usage errors, with status 0 or 2)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["bench"]:  # before parsing: whatever bench options follow, say where it went
+        return _bench_moved()
+    with sigterm_as_interrupt() as interrupts:
+        try:
+            try:
+                code = _dispatch(args)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        except BrokenPipeError:
+            return _stdout_gone()
+        except KeyboardInterrupt as exc:
+            _report_interrupt(exc)
+            return EXIT_INTERRUPTED
+        finally:
+            if interrupts is not None:
+                interrupts.defer()
+                if args[:1] == ["pin"]:
+                    gc.collect()  # whatever of the pool a cycle kept is freed (and unmapped) while signals wait
+        if interrupts is not None and interrupts.pending is not None and code == EXIT_OK:
+            _report_interrupt(KeyboardInterrupt(interrupts.pending))  # it arrived as the command ended
+            return EXIT_INTERRUPTED
+    return code

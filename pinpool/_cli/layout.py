@@ -1,0 +1,240 @@
+"""The pool's layout on the command line: ``--layout FAMILY`` with one flag per layout field, or
+``--layout-file`` with a JSON object.
+
+Which fields a family has, and which are required, is read from the layout class in
+:mod:`pinpool.layouts` when a layout is built; :data:`FIELDS` only says how each field is
+spelled and read on the command line (tests/test_cli.py checks that every field of every
+layout class has an entry here whose kind fits the field's type). This module is torch-free
+at import: ``pinpool.layouts`` (torch) is imported when a layout is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+from dataclasses import MISSING, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ConfigError
+from .._units import format_bytes
+from .text import cli_size, int_text, shape_text
+
+if TYPE_CHECKING:
+    from ..layouts import Layout
+
+
+@dataclass(frozen=True)
+class Field:
+    """One layout constructor field: its command-line option and how its text is read."""
+
+    flag: str
+    kind: str  # int, bytes, dtype, shape, shapes, choice, flag
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+# Every field of every class in FAMILIES, by its constructor name.
+FIELDS: dict[str, Field] = {
+    "layout": Field("--kv-layout", "choice", "layout kind: layer_first, page_first, page_first_direct or page_head"),
+    "layer_num": Field("--layer-num", "int", "layers"),
+    "page_size": Field("--page-size", "int", "tokens per page"),
+    "head_num": Field("--head-num", "int", "KV heads (mha)"),
+    "head_dim": Field("--head-dim", "int", "head dimension (mha)"),
+    "v_head_dim": Field("--v-head-dim", "int", "V head dimension when it differs from --head-dim (mha)"),
+    "k_only": Field("--k-only", "flag", "K without V (mha)"),
+    "kv_cache_dim": Field("--kv-cache-dim", "int", "latent dimension per token and layer (mla)"),
+    "dtype": Field("--dtype", "dtype", "element type, e.g. bfloat16, float16, float8_e4m3fn"),
+    "temporal_dtype": Field("--temporal-dtype", "dtype", "temporal state dtype, default --dtype (mamba)"),
+    "conv_dtype": Field("--conv-dtype", "dtype", "conv state dtype, default --dtype (mamba)"),
+    "num_mamba_layers": Field("--num-mamba-layers", "int", "Mamba layers (mamba)"),
+    "temporal_shape": Field("--temporal-shape", "shape", "temporal state shape, e.g. 8,64,128 (mamba)"),
+    "conv_shapes": Field("--conv-shapes", "shapes", "conv state shapes, e.g. '4,8192;4,512' (mamba)"),
+    "index_head_dim": Field("--index-head-dim", "int", "indexer head dimension (indexer)"),
+    "quant_block_size": Field("--quant-block-size", "int", "elements per fp32 scale (indexer)"),
+    "item_bytes": Field("--item-bytes", "bytes", "bytes per page and layer (paged)"),
+    "granularity_bytes": Field("--granularity", "bytes", "copy-page size chunk boundaries align to (raw)"),
+}
+
+# --layout FAMILY -> the class in pinpool.layouts; its fields are the dataclass's own.
+FAMILIES: dict[str, str] = {
+    "raw": "Raw",
+    "mha": "MHA",
+    "mla": "MLA",
+    "mamba": "Mamba",
+    "indexer": "Indexer",
+    "paged": "PagedBytes",
+}
+
+# Short names engines use (SGLang's --kv-cache-dtype, vLLM's) for torch's dtypes.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
+                 "fp8_e5m2": "float8_e5m2"}  # fmt: skip
+
+
+def _dtype(where: str, value: object) -> Any:
+    import torch
+
+    name = value.removeprefix("torch.") if isinstance(value, str) else value
+    name = DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(
+            f"{where} {value!r} is not a torch dtype; give one such as bfloat16, float16, float32, float8_e4m3fn, "
+            "uint8 (or bf16, fp16, fp8_e4m3)"
+        )
+    return dtype
+
+
+def _field_value(field: Field, where: str, value: object, *, from_text: bool) -> object:
+    """The constructor value of a field given as command-line text or as a JSON value. Range and
+    type checks beyond parsing are the layout class's (its ConfigError names the field)."""
+    if field.kind == "dtype":
+        return _dtype(where, value)
+    if field.kind == "bytes":
+        return cli_size(field.flag if from_text else where, value) if isinstance(value, str) else value
+    if from_text and isinstance(value, str):
+        if field.kind == "int":
+            return int_text(where, value)
+        if field.kind == "shape":
+            return shape_text(where, value)
+        if field.kind == "shapes":
+            return tuple(shape_text(where, shape) for shape in value.split(";") if shape.strip())
+        return value
+    if field.kind == "shape" and isinstance(value, list):
+        return tuple(value)
+    if field.kind == "shapes" and isinstance(value, list):
+        return tuple(tuple(shape) if isinstance(shape, list) else shape for shape in value)
+    return value
+
+
+def family_class(family: str) -> type[Any]:
+    """The layout class of ``--layout family`` (imports pinpool.layouts, so torch)."""
+    from .. import layouts
+
+    cls: type[Any] = getattr(layouts, FAMILIES[family])
+    return cls
+
+
+def family_fields(family: str) -> tuple[str, ...]:
+    """The constructor fields of ``family``'s class, in declaration order."""
+    return tuple(f.name for f in fields(family_class(family)))
+
+
+def build_layout(family: str, given: dict[str, object], *, source: str, from_text: bool) -> Layout:
+    """A layout of ``family`` from field values keyed by the constructor's field names.
+
+    ``source`` names where they came from in messages (``--layout mha`` or the file's path).
+    Raises ConfigError for an unknown family, a field the family lacks, a missing field, or
+    whatever the layout class rejects.
+    """
+    if family not in FAMILIES:
+        raise ConfigError(f"{source}: unknown layout family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cls = family_class(family)
+    names = family_fields(family)
+    label = (lambda n: FIELDS[n].flag) if from_text else (lambda n: n)
+    extra = sorted(set(given) - set(names))
+    if extra:
+        raise ConfigError(
+            f"{source} has no {', '.join(map(label, extra))}; its fields are {', '.join(map(label, names))}"
+        )
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in given]
+    if missing:
+        raise ConfigError(f"{source} also needs {', '.join(map(label, missing))}")
+    kwargs = {
+        name: _field_value(FIELDS[name], label(name) if from_text else f"{source}: {name}", value, from_text=from_text)
+        for name, value in given.items()
+    }
+    layout: Layout = cls(**kwargs)
+    return layout
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    """The layout the command line asks for: ``--layout-file`` or ``--layout`` with its dims."""
+    given = {name: getattr(args, f.dest) for name, f in FIELDS.items() if getattr(args, f.dest) is not None}
+    if args.layout_file is not None:
+        if args.layout is not None or given:
+            flags = [*(["--layout"] if args.layout is not None else []), *(FIELDS[n].flag for n in given)]
+            raise ConfigError(f"--layout-file {args.layout_file} takes no {', '.join(flags)}: put them in the file")
+        return layout_from_file(args.layout_file)
+    family = args.layout or "raw"
+    return build_layout(family, given, source=f"--layout {family}", from_text=True)
+
+
+LAYOUT_FILE_MAX_BYTES = 1 << 20  # a layout is a few hundred bytes; more is the wrong file
+
+
+def _read_layout_file(path: str) -> bytes:
+    """The file's bytes, refusing what is not a regular file (a FIFO would block for ever,
+    /dev/zero would be read until the OOM killer stops it) and anything over the size limit."""
+    try:
+        # O_NONBLOCK: opening a FIFO would wait for a writer (a regular file's reads ignore the flag).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ConfigError(
+                    f"--layout-file {path} is {_file_kind(mode)}, not a regular file: give a regular JSON file"
+                )
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(LAYOUT_FILE_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"--layout-file {path}: cannot read it ({exc.strerror})") from None
+    if len(data) > LAYOUT_FILE_MAX_BYTES:
+        raise ConfigError(
+            f"--layout-file {path} is larger than {format_bytes(LAYOUT_FILE_MAX_BYTES)}, the limit for a layout "
+            "file: give the JSON file that describes the layout"
+        )
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]  # fmt: skip
+    return next((kind for test, kind in kinds if test(mode)), "a special file")
+
+
+def layout_from_file(path: str) -> Layout:
+    """A layout from a JSON object ``{"family": "mha", "layout": "page_first", "layer_num": 32, ...}``
+    in a regular file of at most LAYOUT_FILE_MAX_BYTES."""
+    data = _read_layout_file(path)
+    try:
+        spec = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--layout-file {path}: not JSON ({exc})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("family"), str):
+        raise ConfigError(
+            f'--layout-file {path}: give a JSON object with a "family" ({", ".join(FAMILIES)}) and the '
+            'layout\'s fields, e.g. {"family": "mha", "layout": "page_first", "layer_num": 32, "page_size": 64, '
+            '"head_num": 8, "head_dim": 128, "dtype": "bfloat16"}'
+        )
+    family = spec.pop("family")
+    return build_layout(family, spec, source=f"--layout-file {path} ({family})", from_text=False)
+
+
+METAVARS = {"int": "N", "bytes": "SIZE", "dtype": "DTYPE", "shape": "SHAPE", "shapes": "SHAPES", "choice": "KIND"}
+
+
+def add_layout_group(parser: argparse.ArgumentParser) -> None:
+    """``--layout``, ``--layout-file`` and one flag per field of :data:`FIELDS`."""
+    layout = parser.add_argument_group(
+        "layout", "what the pool holds: --layout FAMILY with its dimensions, or --layout-file (default: raw bytes)"
+    )
+    layout.add_argument("--layout", choices=list(FAMILIES), help="layout family (default raw)")
+    layout.add_argument(
+        "--layout-file",
+        metavar="PATH",
+        help='a regular file (at most 1 MiB) holding a JSON object: {"family": "mha", "layout": "page_first", '
+        '"layer_num": 32, ...}',
+    )
+    for field in FIELDS.values():
+        if field.kind == "flag":
+            layout.add_argument(field.flag, action="store_true", default=None, help=field.help)
+        else:
+            layout.add_argument(field.flag, metavar=METAVARS[field.kind], help=field.help)

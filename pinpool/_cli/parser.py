@@ -1,0 +1,146 @@
+"""The command line's argparse parser: the commands, their flags and their help.
+
+Building it imports no torch (``pinpool --help`` answers at once); the pool and layout flags
+come from pinpool._declared through options.py and layout.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+from .doctor import run_doctor
+from .exits import EXIT_CODES
+from .options import add_pool_options
+from .pin import METRICS_PORT, run_pin
+from .plan import run_plan
+
+DESCRIPTION = "Plan, check and pin page-locked host-memory pools (KV-cache offload) for LLM inference servers."
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, reading the version only when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        print(f"pinpool {_version()}")
+        parser.exit()
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=30)
+
+
+def _wrap(text: str) -> str:
+    # Raw descriptions keep the exit-code table's layout, so prose is wrapped here.
+    return textwrap.fill(text, width=79)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pinpool",
+        description=_wrap(DESCRIPTION),
+        epilog=EXIT_CODES,
+        formatter_class=_formatter,
+    )
+    parser.add_argument("--version", action=_VersionAction, help="print pinpool's version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,doctor,pin}")
+
+    plan = commands.add_parser(
+        "plan", help="show what a pool would be (buffers, chunks, workers); allocates and pins nothing",
+        description=_wrap("Plan a pool with the same options as pin: buffers, pages, chunks, workers, spans and "
+        "the chunk table. Nothing is allocated or pinned, so a pool larger than this host's memory can be planned "
+        "too; the plan says whether this host could pin it."),
+        epilog=EXIT_CODES, formatter_class=_formatter,
+    )  # fmt: skip
+    add_pool_options(plan, "plan")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    plan.add_argument("--rows", type=int, default=5, metavar="N",
+                      help="chunk table rows shown at each end (default 5)")  # fmt: skip
+    plan.set_defaults(run=run_plan)
+
+    doctor = commands.add_parser(
+        "doctor", help="check this host for pinning: limits, memory, huge pages, kernel, NUMA, GPU, environment",
+        description=_wrap("Check this host for pinning a pool, each check ok / warn / fail / skip with a one-line "
+        "fix. Exits 1 when a check fails (warnings do not)."),
+        epilog=EXIT_CODES, formatter_class=_formatter,
+    )  # fmt: skip
+    add_pool_options(doctor, "doctor")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    doctor.add_argument(
+        "--cuda",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask torch and the driver about GPUs (default: yes, when torch sees one)",
+    )
+    doctor.set_defaults(run=run_doctor)
+
+    pin = commands.add_parser(
+        "pin", help="pin a pool with progress, report how and how fast, unpin it",
+        description=_wrap("Pin a pool, showing progress on stderr (a bar on a terminal, a line every 2 s "
+        "otherwise), then report to stdout how it was pinned, how fast, and the latency of each registration "
+        "call, and unpin it. --hold keeps it pinned meanwhile (with --metrics-port for Prometheus)."),
+        epilog=EXIT_CODES, formatter_class=_formatter,
+    )  # fmt: skip
+    add_pool_options(pin, "pin")
+    pin.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    pin.add_argument("--hold", metavar="SECONDS|forever",
+                     help="keep the pool pinned this long after pinning; Ctrl-C or SIGTERM ends the hold, the pool "
+                     "is unpinned and pinpool exits 0 (the report says which signal ended it)")  # fmt: skip
+    pin.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help=f"serve the pool's Prometheus metrics on this port while pinning and holding "
+                     f"({METRICS_PORT} is pinpool's usual; 0 picks a free one)")  # fmt: skip
+    pin.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="address to serve metrics on (default 127.0.0.1, this machine only; 0.0.0.0 for all)",
+    )
+    pin.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "none"),
+        default="auto",
+        help="auto (default): a bar on a terminal, a plain line every 2 s otherwise",
+    )
+    pin.set_defaults(run=run_pin)
+    return parser
+
+
+def value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option, in any subcommand, that takes exactly one value."""
+    found: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= value_options(sub)
+        elif action.option_strings and action.nargs is None:
+            found.update(action.option_strings)
+    return found
+
+
+def glue_negative_values(argv: list[str], options: set[str]) -> list[str]:
+    """``--size -5GiB`` as ``--size=-5GiB``: argparse would take ``-5GiB`` for an option and answer
+    "expected one argument"; glued, the value reaches pinpool's own check, which says what is wrong."""
+    glued: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token in options and i + 1 < len(argv) and re.match(r"-[0-9.]", argv[i + 1]):
+            glued.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        glued.append(token)
+        i += 1
+    return glued

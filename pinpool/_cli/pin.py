@@ -1,0 +1,177 @@
+"""``pinpool pin``: pin a pool with progress on stderr, hold it if asked (serving its metrics),
+report to stdout how it was pinned and how fast, unpin it (the report is report.py's)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any, TextIO
+
+from .. import _libc
+from .._errors import ConfigError
+from .._progress import EventLog, ProgressReporter, ResidentGrowth
+from .._units import format_bytes
+from .exits import EXIT_OK
+from .layout import layout_from_args
+from .options import runtime_arg, text_options
+from .report import pin_report, pin_text
+from .signals import current, defer_interrupts, signal_name
+from .status import say
+from .text import hold_seconds
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from .._pool import PinnedPool
+
+METRICS_PORT = 9464  # the port every pinpool dashboard and doc uses
+ROLLED_BACK_NOTE = "pinning stopped and was rolled back: nothing is pinned"
+UNPINNED_NOTE = "the pool was unpinned before exit"
+PROGRESS_SECONDS = 0.1  # how often a background pool's progress is drawn while pin waits for it
+
+
+def progress_mode(choice: str, stream: Any) -> str:
+    """``auto``: a redrawn bar on a terminal, plain lines in a log or a pipe."""
+    if choice != "auto":
+        return choice
+    isatty = getattr(stream, "isatty", None)
+    return "bar" if callable(isatty) and isatty() else "lines"
+
+
+def first_line(kwargs: dict[str, Any]) -> str:
+    """What pin says before importing torch (seconds): the pool it is about to pin."""
+    what = format_bytes(kwargs["size"]) if "size" in kwargs else f"{kwargs.get('num_pages')} pages"
+    return f"pinpool: preparing to pin {what} (pool {kwargs.get('name', 'cli')!r}): loading torch"
+
+
+def _serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, str]:
+    from prometheus_client import start_http_server
+
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics-port {port}: give a TCP port (0-65535; {METRICS_PORT} is pinpool's usual)")
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(
+            f"--metrics-host {host} --metrics-port {port}: cannot serve metrics there ({exc.strerror or exc}); "
+            "pick a free port, or a host address of this machine"
+        ) from None
+    shown = f"[{host}]" if ":" in host else host
+    return server, f"http://{shown}:{server.server_port}/metrics"
+
+
+def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
+    """Keep the pool pinned; ``"time"`` when the hold ran out, else the signal that ended it
+    (``"SIGINT"``, ``"SIGTERM"``)."""
+    until = "until Ctrl-C or SIGTERM" if seconds == float("inf") else f"for {seconds:g} s (Ctrl-C or SIGTERM ends it)"
+    try:
+        say(f"pinpool: holding {format_bytes(pool.nbytes)} pinned {until}" + (f"; metrics at {url}" if url else ""))
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 3600.0))
+    except KeyboardInterrupt as exc:  # the usual way to end a hold: unpin and exit 0
+        interrupts = current()
+        if interrupts is not None:
+            interrupts.stopping = True  # a second signal while unpinning asks the same: still exit 0
+        # Our handler names the signal; Python's own SIGINT handler (when someone else installed
+        # it, or off our watch) raises a bare KeyboardInterrupt, which is Ctrl-C.
+        return signal_name(str(exc.args[0]) if exc.args and exc.args[0] else "Ctrl-C")
+    return "time"
+
+
+def _wait_ready(pool: PinnedPool, progress: ProgressReporter) -> None:
+    """Wait for a background pool, drawing progress: its worker threads report to nobody,
+    so the command reads the pool, as a server would. A failure raises its PinError."""
+    while True:
+        try:
+            pool.wait_ready_sync(timeout=PROGRESS_SECONDS)
+        except TimeoutError:
+            progress(pool.pinned_bytes, pool.nbytes, 0, len(pool.chunks))
+            continue
+        progress(pool.nbytes, pool.nbytes, len(pool.chunks), len(pool.chunks))
+        return
+
+
+def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
+    err = sys.stderr if stderr is None else stderr
+    kwargs = text_options(args, "pin")
+    hold_for = hold_seconds(args.hold)
+    mode = progress_mode(args.progress, err)
+    # Only when the wait is torch's import: a caller that has torch already (main() called in
+    # process) gets at once what would follow, and nothing says "loading" that is not.
+    if mode != "none" and "torch" not in sys.modules:
+        say(first_line(kwargs), err)
+    kwargs["layout"] = layout_from_args(args)  # imports torch
+    from prometheus_client import CollectorRegistry
+
+    from .._pool import PinnedPool
+
+    registry = CollectorRegistry()  # the pool's own: the summary reads it, --metrics-port serves it
+    events = EventLog(err)
+    progress = ProgressReporter(err, mode)
+    kwargs["runtime"] = runtime_arg(kwargs.get("runtime", "auto"))
+    pool = PinnedPool(**kwargs, registry=registry, logger=events, on_progress=progress)
+    server, url = (None, None) if args.metrics_port is None else _serve_metrics(registry, args.metrics_host,
+                                                                                 args.metrics_port)  # fmt: skip
+    try:
+        return _pin_and_report(args, pool, progress, events, registry, hold_for, url)
+    finally:
+        progress.finish()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
+    """Bytes faulted in so far, for the progress display: the pool's populated counter (whole
+    spans, up to 512 MiB each) or the process's resident growth (page by page), whichever is
+    further. Chunks count as pinned whole; this is what moves the display within one."""
+    labels = {"pool": pool.name, "runtime": pool.runtime.name}
+    resident = ResidentGrowth()  # from now: the pool is constructed, its memory not yet faulted
+
+    def faulted() -> int:
+        counted = registry.get_sample_value("pinpool_populated_bytes_total", labels) or 0.0
+        return max(int(counted), resident() or 0)
+
+    return faulted
+
+
+def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: ProgressReporter, events: EventLog,
+                    registry: CollectorRegistry, hold_for: float | None, url: str | None) -> int:  # fmt: skip
+    if progress.mode != "none":
+        say(
+            f"pinpool: pinning {format_bytes(pool.nbytes)} in {len(pool.chunks)} chunk(s) of <= "
+            f"{format_bytes(pool.chunk_bytes)} with runtime {pool.runtime.name!r} (pool {pool.name!r})",
+            progress.stream,
+        )
+    held: tuple[float, str] | None = None
+    entered = False
+    before = _libc.vm_locked_bytes()
+    progress.faulted = _faulted(pool, registry)
+    progress.restart()
+    try:
+        with pool:
+            try:
+                entered = True
+                if args.background:  # the pool pins while this waits
+                    _wait_ready(pool, progress)
+                progress.finish()
+                during = _libc.vm_locked_bytes()
+                if hold_for is not None:
+                    started = time.monotonic()
+                    ended_by = hold(hold_for, pool, url)
+                    held = (time.monotonic() - started, ended_by)
+            finally:
+                defer_interrupts()  # the pool unpins and unmaps uninterrupted; a signal now is recorded
+        interrupts = current()
+        if interrupts is not None and interrupts.pending is not None:
+            raise KeyboardInterrupt(interrupts.pending)  # it arrived while the pool was unpinned
+    except KeyboardInterrupt as exc:
+        exc.add_note(UNPINNED_NOTE if entered else ROLLED_BACK_NOTE)
+        raise
+    after = _libc.vm_locked_bytes()
+    report = pin_report(pool, events, registry, (before, during, after), held)
+    print(json.dumps(report) if args.json else "\n".join(pin_text(report)))
+    return EXIT_OK

@@ -1,0 +1,60 @@
+"""``pinpool plan``: the plan of a pool with pin's options, and whether this host could pin it;
+nothing is allocated or pinned (the report itself is pinpool/_cli/report.py's)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .._declared import option
+from .._errors import ConfigError
+from .exits import EXIT_OK
+from .options import plan_runtime, pool_options
+from .report import plan_report, plan_text
+from .status import while_loading
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    with while_loading("loading torch to plan the pool"):
+        kwargs = pool_options(args, "plan")
+        if args.rows < 0:
+            raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
+        from .._host import HostFacts
+        from .._node import NodePacing
+        from .._options import PoolOptions
+        from .._plan import plan_pool
+        from .._preflight import check_host
+
+        # The same options as pin, checked the same way; pacing is validated, not joined.
+        options = PoolOptions.create(**{name: value for name, value in kwargs.items() if option(name).create})
+        pacing = NodePacing.from_options(**{name: value for name, value in kwargs.items()
+                                            if name.startswith("node_")})  # fmt: skip
+        runtime, caps, available = plan_runtime(args.runtime)
+        host = HostFacts.probe()
+        plan = plan_pool(options, host, caps)
+    report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,
+                         available=available, rows=args.rows)  # fmt: skip
+    report["pinning"] = {
+        "background": options.background,
+        "max_call_seconds": options.max_call_seconds,
+        "pin_nice": options.pin_nice,
+        "per_buffer": options.per_buffer,
+        "min_chunk_bytes": options.min_chunk_bytes,
+        "max_retries": options.max_retries,
+        "node_pacing": None
+        if pacing is None
+        else {"slots": pacing.slots, "budget_bytes": pacing.budget_bytes, "dir": pacing.directory,
+              "wait": pacing.wait},
+    }  # fmt: skip
+    # The plan holds for any host; whether pinning it here would pass the pool's memory and
+    # memlock pre-flight is a separate answer, reported rather than raised.
+    try:
+        check_host(options, host, None if args.runtime == "fake" else args.runtime)
+        report["preflight_error"] = None
+    except ConfigError as exc:
+        report["preflight_error"] = str(exc)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(plan_text(report)))
+    return EXIT_OK

@@ -1,0 +1,132 @@
+"""Finding and reading shared memory regions without mapping them: :class:`RegionInfo` (what a
+region file holds, from its trailer and its ``stat``), :func:`read_region` (one file),
+:func:`find_regions` (every region in ``/dev/shm`` and the hugetlbfs mounts, for ``pinpool
+doctor``). Nothing here raises for a bad file, follows a symbolic link or blocks on a FIFO.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._node_dir import _FILE_FLAGS
+from ._shared_trailer import FLAG_KEEP, _NotRegion, _process_start, _read_trailer, _Trailer
+
+__all__ = ["RegionInfo", "find_regions", "read_region", "region_directories"]
+
+_SCAN_LIMIT = 10_000  # directory entries find_regions looks at, at most
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """What a region file holds, read from its trailer and its ``stat``.
+
+    ``held_bytes``: memory the file holds now (``st_blocks * 512``: resident, or swapped out on
+    tmpfs), trailer included. ``creator_alive``: whether the creating process still runs (its
+    pid with the same start time, on this host); ``None`` when it was made on another host (a
+    container with its own hostname) and so cannot be told.
+    """
+
+    path: str
+    file_bytes: int
+    nbytes: int
+    page_size: int
+    held_bytes: int
+    owner_uid: int
+    version: int
+    generation: int
+    keep: bool
+    record: Mapping[str, Any]
+    created_uid: int | None
+    created_pid: int | None
+    created_unix: float | None
+    created_host: str | None
+    creator_alive: bool | None
+    age_seconds: float | None
+
+
+def _region_info(path: str, st: os.stat_result, trailer: _Trailer) -> RegionInfo:
+    created = trailer.created
+    pid, host, start = created.get("pid"), created.get("host"), created.get("start")
+    alive: bool | None = None
+    if isinstance(pid, int) and host == socket.gethostname():
+        alive = start is not None and _process_start(pid) == start
+    unix = created.get("unix")
+    when = float(unix) if isinstance(unix, int | float) else None
+    return RegionInfo(
+        path=path, file_bytes=st.st_size, nbytes=trailer.nbytes, page_size=trailer.page_size,
+        held_bytes=st.st_blocks * 512, owner_uid=st.st_uid, version=trailer.version, generation=trailer.generation,
+        keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
+        created_uid=created.get("uid") if isinstance(created.get("uid"), int) else None,
+        created_pid=pid if isinstance(pid, int) else None, created_unix=when,
+        created_host=host if isinstance(host, str) else None, creator_alive=alive,
+        age_seconds=None if when is None else max(0.0, time.time() - when),
+    )  # fmt: skip
+
+
+def read_region(path: str) -> RegionInfo | None:
+    """What the file at ``path`` holds, or None when it is no pinpool region (or cannot be read).
+    Never follows a symbolic link, never blocks on a FIFO, never raises for a bad file."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, os.O_RDONLY | _FILE_FLAGS)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return _region_info(path, st, _read_trailer(fd, st.st_size))
+    except (OSError, _NotRegion):
+        return None
+    finally:
+        os.close(fd)
+
+
+def region_directories(mounts: str = "/proc/mounts") -> list[str]:
+    """Where regions live: ``/dev/shm`` and every hugetlbfs mount point."""
+    found = ["/dev/shm"]
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "hugetlbfs":
+                    point = parts[1].replace("\\040", " ")
+                    if point not in found:
+                        found.append(point)
+    except OSError:
+        pass
+    return found
+
+
+def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
+    """Every pinpool region in ``directories`` (default :func:`region_directories`) and in their
+    immediate subdirectories, by path; files that are not regions, or cannot be read, are skipped."""
+    regions: list[RegionInfo] = []
+    budget = _SCAN_LIMIT
+    pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
+    while pending and budget > 0:
+        directory, depth = pending.pop(0)
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries[:budget]:
+            budget -= 1
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    if depth > 0:
+                        pending.append((entry.path, depth - 1))
+                elif entry.is_file(follow_symlinks=False):
+                    info = read_region(entry.path)
+                    if info is not None:
+                        regions.append(info)
+            except OSError:
+                continue
+    return sorted(regions, key=lambda r: r.path)
