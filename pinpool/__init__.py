@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
     from ._alloc import empty as empty
     from ._chunks import Chunk as Chunk
     from ._outcome import PoolState as PoolState
+    from ._pin import pin as pin
     from ._pool import PinnedPool as PinnedPool
-    from ._pool import pin as pin
     from ._shared import SharedMemory as SharedMemory
 
 __version__ = "0.1.0"
@@ -69,7 +69,7 @@ _LAZY = {
     "PinnedPool": "._pool",
     "PoolState": "._outcome",
     "layouts": ".layouts",
-    "pin": "._pool",
+    "pin": "._pin",
     "SharedMemory": "._shared",
 }
 

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -26,13 +26,11 @@ from ._chunks import Chunk, ChunkTable
 from ._declared import OPTIONS
 from ._drivers import drive_async, drive_sync, finalize_lifecycle
 from ._errors import (
-    AlreadyPinnedError,
     ConfigError,
     PoolStateError,
 )
 from ._host import HostFacts
-from ._lifecycle import Lifecycle, Memory
-from ._memory import HostMapping, TensorMemory, alias_of
+from ._lifecycle import Lifecycle
 from ._node import NodeAdmission, NodePacing
 from ._observe import Observer
 from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
@@ -40,13 +38,12 @@ from ._outcome import PoolState
 from ._pipeline import Order
 from ._placement import place
 from ._plan import BufferPlan, PoolPlan, plan_pool
-from ._preflight import check_pinning, placement_checks, raise_first
-from ._ranges import PINNED_RANGES
-from ._shared import SharedMapping, SharedMemory, layout_record
-from ._types import Capabilities
+from ._pool_memory import PoolMemory, TensorLayout, check_memory_source
+from ._preflight import placement_checks, raise_first
+from ._shared import SharedMemory
 from ._units import format_bytes, parse_size
-from .layouts import BufferSpec, Layout, Raw
-from .runtimes import FindsPinned, Runtime, capabilities_of, resolve_runtime
+from .layouts import Layout
+from .runtimes import Runtime, capabilities_of, resolve_runtime
 
 T = TypeVar("T")
 
@@ -294,12 +291,12 @@ class PinnedPool:
         unknown = set(given) - set(_CREATE) - set(_PACING)
         assert not unknown, f"options not declared in pinpool._declared: {sorted(unknown)}"
         if source is not None:
-            given["layout"] = _TensorLayout(source, granularity)
+            given["layout"] = TensorLayout(source, granularity)
             given["size"] = source.numel() * source.element_size()
         options = PoolOptions.create(**{name: given[name] for name in _CREATE if name in given})
         pacing = NodePacing.from_options(**{name: given[name] for name in _PACING if name in given})
         background = options.background
-        _check_memory_source(memory, options)
+        check_memory_source(memory, options)
         host = HostFacts.probe()
         if memory is not None:
             # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
@@ -346,7 +343,7 @@ class PinnedPool:
         is gone. It gets the plan and the options whole; ``background`` is ``options.background``."""
         options = self._options
         assert background is options.background, (background, options.background)
-        memory = _PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
+        memory = PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
         return Lifecycle(
             self._plan, options, runtime=self._runtime, caps=self._caps, observer=self._observer, source=memory,
             admission=admission, on_progress=self.on_progress, created_at=_caller_outside_pinpool(),
@@ -585,31 +582,6 @@ class PinnedPool:
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 
 
-_Mapped = HostMapping | TensorMemory | SharedMapping
-
-
-def _check_memory_source(memory: object, options: PoolOptions) -> None:
-    """``memory=`` is a :class:`SharedMemory`; the file system decides its page size, not huge_pages=."""
-    if memory is None:
-        return
-    if not isinstance(memory, SharedMemory):
-        raise ConfigError(
-            f"memory={memory!r} must be a pinpool.SharedMemory (or None for the pool's own private memory); "
-            "to pin a tensor you allocated, use pinpool.pin(tensor)"
-        )
-    if options.huge_pages:
-        raise ConfigError(
-            f"huge_pages={options.huge_pages!r} with memory=SharedMemory(...): a shared region's page size is its "
-            "file system's (a file on hugetlbfs has huge pages, one on /dev/shm has 4 KiB pages); drop huge_pages="
-        )
-    if options.numa_node is not None:
-        raise ConfigError(
-            f"numa_node={options.numa_node} with memory=SharedMemory(...) is not supported: a shared file's pages "
-            "follow the policy of the process that faults them first; bind that process instead (numactl "
-            "--membind), or drop numa_node="
-        )
-
-
 def _caller_outside_pinpool() -> tuple[str, int]:
     """(file, line) of the first frame outside pinpool: where the user made the pool."""
     frame = sys._getframe(1)
@@ -617,168 +589,3 @@ def _caller_outside_pinpool() -> tuple[str, int]:
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame = frame.f_back  # type: ignore[assignment]
     return ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
-
-
-def _claim(name: str, memory: _Mapped, nbytes: int, runtime: Runtime, caps: Capabilities) -> _Mapped:
-    """Claim the memory's address range in this process, refusing memory that is already pinned."""
-    overlap = PINNED_RANGES.add(memory.address, max(nbytes, 1))
-    if overlap is not None:
-        raise AlreadyPinnedError(
-            f"pool {name!r}: [{memory.address:#x}, +{nbytes}) overlaps "
-            f"[{overlap[0]:#x}, +{overlap[1]}), which pinpool already pins in this process; "
-            "nothing was pinned. Exit the other pool first, or pin a different tensor"
-        )
-    try:
-        elsewhere = cast(FindsPinned, runtime).find_pinned(memory.address, nbytes) if caps.finds_pinned else None
-    except BaseException:  # an interrupt during the scan (it reads /proc/self/smaps) must not keep the claim
-        PINNED_RANGES.pop(memory.address)
-        raise
-    if elsewhere is not None:
-        PINNED_RANGES.pop(memory.address)
-        raise AlreadyPinnedError(
-            f"pool {name!r}: the memory is already pinned outside pinpool ({elsewhere}); "
-            "nothing was pinned. Unpin it first, or pin a different tensor"
-        )
-    return memory
-
-
-class _PoolMemory:
-    """Where a pool's memory comes from, for its lifecycle: a new private mapping, a shared
-    file's mapping, or a caller's tensor (pin()); and the layout's tensors over it.
-
-    Holds values, never the façade. A caller's tensor is held only here, and let go once the
-    pool is closed: after ``close()`` nothing of the caller's is referenced (their mmap can close)."""
-
-    def __init__(
-        self, plan: PoolPlan, options: PoolOptions, runtime: Runtime, caps: Capabilities, *,
-        shared: SharedMemory | None, tensor: torch.Tensor | None,
-    ) -> None:  # fmt: skip
-        self._plan, self._options, self._runtime, self._caps = plan, options, runtime, caps
-        self._shared = shared
-        self._record = layout_record(options.layout, plan.num_pages) if shared is not None else {}
-        self._own = tensor is None
-        self._tensor = tensor
-
-    def acquire(self) -> HostMapping | TensorMemory | SharedMapping:
-        plan, name, shared = self._plan, self._options.name, self._shared
-        # The memory pre-flight (memory cgroup, MemAvailable, RLIMIT_MEMLOCK) against figures read
-        # now, right before mapping: they change between construction and entry. Pages a shared
-        # file already holds are memory in use, not new memory.
-        new_bytes = None if shared is None else shared.new_bytes(plan.mapping_bytes)
-        check_pinning(
-            self._options, HostFacts.probe(), self._caps, mapping_bytes=plan.mapping_bytes,
-            buffer_bytes=[b.spec.nbytes for b in plan.buffers], new_memory=self._own, new_bytes=new_bytes,
-        )  # fmt: skip
-        memory: HostMapping | TensorMemory | SharedMapping
-        if shared is not None:
-            memory = shared.open_mapping(plan.mapping_bytes, self._record)
-        elif self._own:
-            memory = HostMapping(plan.mapping_bytes, huge_pages=plan.huge_pages, numa_node=plan.numa_node)
-        elif self._tensor is None:
-            raise PoolStateError(f"pool {name!r} was closed: its tensor was let go; call pin() again")
-        else:
-            memory = TensorMemory(self._tensor)
-        return _claim(name, memory, plan.nbytes, self._runtime, self._caps)
-
-    def views(self, memory: Memory) -> Mapping[str, torch.Tensor]:
-        assert isinstance(memory, HostMapping | TensorMemory | SharedMapping)
-        return MappingProxyType(
-            {
-                b.spec.name: memory.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape)
-                for b in self._plan.buffers
-            }
-        )
-
-    def release(self) -> None:
-        self._tensor = None
-
-
-def pin(
-    tensor: torch.Tensor,
-    *,
-    granularity_bytes: int | None = None,
-    runtime: str | Runtime = "auto",
-    chunk_bytes: int | str | None = None,
-    max_chunk_bytes: int | str | None = None,
-    populate: bool | None = None,
-    populate_workers: int | None = None,
-    register_workers: int | None = None,
-    unpin_workers: int | None = None,
-    name: str = "tensor",
-    min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
-    max_retries: int = DEFAULT_MAX_RETRIES,
-    max_call_seconds: float | str | None = "auto",
-    background: bool = False,
-    pin_nice: int | str | None = "auto",
-    node_slots: int | None = None,
-    node_budget: int | float | str | None = None,
-    node_dir: str | None = None,
-    node_wait: bool = True,
-    registry: CollectorRegistry | None = REGISTRY,
-    logger: Any | None = None,
-    on_progress: ProgressCallback | None = None,
-) -> PinnedPool:
-    """Pin a contiguous CPU tensor you allocated, with PinnedPool's chunking and guarantees.
-
-    Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
-    views ``t``'s memory, with its shape and dtype (``pinned.tensors["data"]``). It takes every
-    option of :class:`PinnedPool` with the same meaning and default (``name`` excepted:
-    ``"tensor"``), background pinning, the stall budget, node pacing and retries included,
-    but not those the tensor decides (``layout``, ``size``, ``num_pages``, ``memory``,
-    ``huge_pages``, ``numa_node``). Its pages are the tensor's rows along its first dimension
-    (``pinned.num_pages == t.shape[0]``), so with ``background=True`` ``pinned.pinned_pages``
-    and ``wait_ready(...)`` tell which leading rows are pinned. Chunk
-    boundaries are multiples of ``granularity_bytes`` from the tensor's start, and on OS page
-    boundaries where one of those multiples falls on a page; where none does (torch.empty's
-    memory starts 64 B into a page), they are counted from the start and neighbouring chunks
-    share the page around each boundary, on runtimes that track exact byte ranges (CUDA,
-    mlock, FakeRuntime); elsewhere that is a :class:`ConfigError` (allocate with
-    :func:`pinpool.empty`, which is page-aligned).
-
-    The caller's memory is never freed by pinpool, nor under it: pinpool holds ``t``'s storage
-    while pinned, and points ``t`` at a non-resizable alias of it, so growing ``t`` with
-    ``resize_`` raises instead of reallocating pinned memory; ``t`` gets its own storage back
-    when the pool lets go of the memory. A tensor that overlaps memory already pinned (by
-    pinpool, or locked by anyone under mlock) raises :class:`AlreadyPinnedError` on entry,
-    with nothing changed.
-    """
-    given = dict(locals())  # every option by its declared name (pinpool._declared), for _configure
-    del given["tensor"]
-    if not isinstance(tensor, torch.Tensor):
-        raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
-    if tensor.device.type != "cpu":
-        raise ConfigError(f"pin(tensor on {tensor.device}): only CPU tensors live in host memory")
-    if not tensor.is_contiguous():
-        raise ConfigError("pin(tensor): the tensor is not contiguous; pin its storage's contiguous owner instead")
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        raise ConfigError("pin(tensor): the tensor has no elements, so there is nothing to pin")
-    pool = PinnedPool.__new__(PinnedPool)
-    # The pool plans and pins an alias of the tensor: the same bytes, whose address and size
-    # nothing done to `tensor` from now on can change, and which keeps its storage alive.
-    pool._configure(source=alias_of(tensor), **given)
-    return pool
-
-
-class _TensorLayout:
-    """The layout of a caller's tensor: one buffer of exactly its bytes, whose pages are its
-    rows along the first dimension (row-major: page *i* is row *i*), so a background pool can
-    say which leading rows are pinned. A 0-d tensor is one page."""
-
-    def __init__(self, tensor: torch.Tensor, granularity_bytes: int | None) -> None:
-        self._raw = Raw(granularity_bytes=granularity_bytes)
-        self._shape = tuple(tensor.shape)
-        self._dtype = tensor.dtype
-        self._nbytes = tensor.numel() * tensor.element_size()
-        self._rows = self._shape[0] if self._shape else 1
-
-    @property
-    def name(self) -> str:
-        return "tensor"
-
-    @property
-    def page_bytes(self) -> int:
-        return self._nbytes // self._rows  # one row
-
-    def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
-        return (BufferSpec("data", self._shape, self._dtype, self._raw.granularity_bytes, 1),)

@@ -45,7 +45,6 @@ __all__ = [
     "memlock_check",
     "memory_check",
     "numa_check",
-    "pinning_capabilities",
     "pinning_checks",
     "placement_checks",
     "raise_first",
@@ -283,36 +282,6 @@ def _limit_text(value: int | None) -> str:
     return "unlimited" if value is None else human(value)
 
 
-def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | None:
-    """The declared capabilities that say what pinning with ``runtime`` costs the host: a runtime
-    object's, a :class:`Capabilities` as given, or those of the runtime a registered name
-    (``"auto"``, ``"mlock"``, ``"cuda"``, ``"rocm"``) resolves to, read from its class without
-    building it. None when there is no runtime to judge: None (not said) or an unknown name
-    (resolving it raises the ConfigError).
-
-    ``"auto"`` is judged from the host facts, without starting a GPU driver: mlock unless torch
-    was built for CUDA with the NVIDIA driver loaded, or for ROCm with /dev/kfd. A GPU stack with
-    no visible device resolves to mlock after all; its memlock shortfall then surfaces as mlock's
-    own ENOMEM, in a PinError after a full rollback.
-    """
-    if runtime is None or isinstance(runtime, Capabilities):
-        return runtime
-    # The runtimes load here, not with this module: planning imports these checks and no runtime.
-    from .runtimes import capabilities_of, runtime_info
-
-    if isinstance(runtime, str):
-        name = runtime
-        if name == "auto":
-            cuda, rocm = host.torch_cuda and host.nvidia_driver, host.torch_hip and host.amd_kfd
-            name = "cuda" if cuda else "rocm" if rocm else "mlock"
-        try:
-            factory = runtime_info(name).factory
-        except ConfigError:
-            return None
-        return capabilities_of(factory)  # type: ignore[arg-type]  # a runtime class: its declaration
-    return capabilities_of(runtime)  # type: ignore[arg-type]  # checked there
-
-
 def pinning_checks(
     *, size: int, locked_bytes: int, new_bytes: int | None, host: HostFacts, caps: Capabilities | None,
     new_memory: bool = True,
@@ -333,8 +302,8 @@ def pinning_checks(
 
 
 def check_pinning(
-    options: PoolOptions, host: HostFacts, runtime: object, *, mapping_bytes: int, buffer_bytes: Iterable[int],
-    new_memory: bool = True, new_bytes: int | None = None,
+    options: PoolOptions, host: HostFacts, caps: Capabilities | None, *, mapping_bytes: int,
+    buffer_bytes: Iterable[int], new_memory: bool = True, new_bytes: int | None = None,
 ) -> None:  # fmt: skip
     """The memory pre-flight of a pool already placed (its placement checked): ``mapping_bytes``
     mapped, buffers of ``buffer_bytes``. Run again right before mapping, against host figures read
@@ -348,7 +317,6 @@ def check_pinning(
     new = (mapping_bytes if new_bytes is None else new_bytes) if new_memory and options.huge_pages != "hugetlb" else 0
     page = host.page_size
     locked = sum(-(-nbytes // page) * page for nbytes in buffer_bytes) + (0 if new_memory else page)
-    caps = pinning_capabilities(runtime, host)
     checks = pinning_checks(
         size=options.size, locked_bytes=locked, new_bytes=new, host=host, caps=caps, new_memory=new_memory
     )
@@ -356,16 +324,18 @@ def check_pinning(
 
 
 def check_host(
-    options: PoolOptions, host: HostFacts, runtime: object = None, *, new_memory: bool = True,
+    options: PoolOptions, host: HostFacts, caps: Capabilities | None = None, *, new_memory: bool = True,
     new_bytes: int | None = None,
 ) -> None:  # fmt: skip
     """The whole pre-flight in one call, before a pool is planned: its placement's checks, then
-    (with ``runtime``: a name, a runtime object or its Capabilities) what pinning it costs. Callable
-    before a runtime is resolved, since resolving one (CUDA) may initialise a GPU driver, which a
-    doomed configuration should not wait for. Raises the first failure as :class:`ConfigError`."""
+    (with ``caps``: the runtime's declared capabilities, see
+    :func:`pinpool.runtimes._registry.pinning_capabilities`, which reads them from a runtime's class
+    without building it) what pinning it costs. Callable before a runtime is resolved, since
+    resolving one (CUDA) may initialise a GPU driver, which a doomed configuration should not wait
+    for. Raises the first failure as :class:`ConfigError`."""
     placement = place(options, host)
     raise_first(placement_checks(options, host, placement))
     check_pinning(
-        options, host, runtime, mapping_bytes=placement.mapping_bytes,
+        options, host, caps, mapping_bytes=placement.mapping_bytes,
         buffer_bytes=[spec.nbytes for spec in placement.specs], new_memory=new_memory, new_bytes=new_bytes,
     )  # fmt: skip

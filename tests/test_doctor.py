@@ -13,10 +13,17 @@ from typing import Any
 import pytest
 
 from pinpool import ConfigError, _doctor, _preflight
+from pinpool import _preflight as preflight
 from pinpool._doctor import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
 from pinpool._host import HostFacts
 from pinpool._options import PoolOptions
-from pinpool._preflight import check_host
+from pinpool.runtimes._registry import pinning_capabilities
+
+
+def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
+    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
+    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 1 << 20, 1 << 30

@@ -15,6 +15,7 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -22,14 +23,21 @@ import torch
 
 import pinpool
 from pinpool import _libc, layouts
+from pinpool import _preflight as preflight
 from pinpool._host import HostFacts
 from pinpool._options import CHUNK_ENV, PoolOptions, chunk_limit_from_env
 from pinpool._plan import plan_pool
-from pinpool._preflight import check_host
 from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime
+from pinpool.runtimes._registry import pinning_capabilities
 from pinpool.testing import FakeRuntime
+
+
+def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
+    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
+    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"

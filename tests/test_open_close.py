@@ -221,7 +221,7 @@ def test_a_forked_child_never_waits_for_or_touches_its_parents_pool(state: str, 
 def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import pinpool._drivers
     import pinpool._lifecycle
-    import pinpool._pool
+    import pinpool._pool_memory
     import pinpool.runtimes._mlock
 
     before, claimed = vmlck_kb(), PINNED_RANGES.snapshot()
@@ -231,11 +231,11 @@ def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, mon
         raise KeyboardInterrupt(step)
 
     target: tuple[Any, str] = {
-        "claim": (pinpool._pool.PINNED_RANGES, "add"),
+        "claim": (pinpool._pool_memory.PINNED_RANGES, "add"),
         "scan": (pinpool.runtimes._mlock, "_locked_in_smaps"),
-        "map": (pinpool._pool, "HostMapping"),
+        "map": (pinpool._pool_memory, "HostMapping"),
         "start": (pinpool._lifecycle, "PinSession"),
-        "views": (pinpool._pool, "MappingProxyType"),
+        "views": (pinpool._pool_memory, "MappingProxyType"),
         "conductor": (pinpool._drivers.Threads, "start"),
     }[step]
     background = step in ("views", "conductor")

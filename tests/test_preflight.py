@@ -17,6 +17,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -24,14 +25,21 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, _libc, layouts
+from pinpool import _preflight as preflight
 from pinpool._host import HostFacts
 from pinpool._options import PoolOptions
-from pinpool._preflight import check_host, pinning_capabilities
 from pinpool._types import Capabilities
 from pinpool.runtimes import MlockRuntime
+from pinpool.runtimes._registry import pinning_capabilities
 from pinpool.testing import FakeRuntime
 
 from .conftest import needs_mlock
+
+
+def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
+    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
+    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
+
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB

@@ -24,6 +24,7 @@ def run_plan(args: argparse.Namespace) -> int:
         from .._options import PoolOptions
         from .._plan import plan_pool
         from .._preflight import check_host
+        from ..runtimes._registry import pinning_capabilities
 
         # The same options as pin, checked the same way; pacing is validated, not joined.
         options = PoolOptions.create(**{name: value for name, value in kwargs.items() if option(name).create})
@@ -49,7 +50,8 @@ def run_plan(args: argparse.Namespace) -> int:
     # The plan holds for any host; whether pinning it here would pass the pool's memory and
     # memlock pre-flight is a separate answer, reported rather than raised.
     try:
-        check_host(options, host, None if args.runtime == "fake" else args.runtime)
+        charged = None if args.runtime == "fake" else pinning_capabilities(args.runtime, host)
+        check_host(options, host, charged)
         report["preflight_error"] = None
     except ConfigError as exc:
         report["preflight_error"] = str(exc)

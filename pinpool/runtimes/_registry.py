@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .._errors import ConfigError
+from .._types import Capabilities
 from ._base import Runtime, capabilities_of
 from ._cuda import CudaRuntime
 from ._mlock import MlockRuntime
 from ._rocm import RocmRuntime
+
+if TYPE_CHECKING:
+    from .._host import HostFacts
 
 __all__ = [
     "RUNTIME_NAMES",
@@ -135,3 +140,30 @@ def resolve_runtime(runtime: str | Runtime) -> Runtime:
         )
     capabilities_of(resolved)
     return resolved
+
+
+def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | None:
+    """The declared capabilities that say what pinning with ``runtime`` costs the host: a runtime
+    object's, a :class:`Capabilities` as given, or those of the runtime a registered name
+    (``"auto"``, ``"mlock"``, ``"cuda"``, ``"rocm"``) resolves to, read from its class without
+    building it. None when there is no runtime to judge: None (not said) or an unknown name
+    (resolving it raises the ConfigError).
+
+    ``"auto"`` is judged from the host facts, without starting a GPU driver: mlock unless torch
+    was built for CUDA with the NVIDIA driver loaded, or for ROCm with /dev/kfd. A GPU stack with
+    no visible device resolves to mlock after all; its memlock shortfall then surfaces as mlock's
+    own ENOMEM, in a PinError after a full rollback.
+    """
+    if runtime is None or isinstance(runtime, Capabilities):
+        return runtime
+    if isinstance(runtime, str):
+        name = runtime
+        if name == "auto":
+            cuda, rocm = host.torch_cuda and host.nvidia_driver, host.torch_hip and host.amd_kfd
+            name = "cuda" if cuda else "rocm" if rocm else "mlock"
+        try:
+            factory = runtime_info(name).factory
+        except ConfigError:
+            return None
+        return capabilities_of(factory)  # type: ignore[arg-type]  # a runtime class: its declaration
+    return capabilities_of(runtime)  # type: ignore[arg-type]  # checked there
