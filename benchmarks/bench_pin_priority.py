@@ -397,7 +397,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Machine: {result['machine']}. Example server (uvicorn), {format_bytes(result['size'])} background mlock "
         f"pool; `GET /healthz` {load_words(result)} from one httpx client process on loopback"
         f"{' (the server in a session of its own)' if result['session'] == 'new' else ''}. "
-        f"{result['reps']} interleaved repetitions (+1 warm-up discarded), medians with (min–max). "
+        f"{result['reps']} interleaved repetitions (+{result.get('warm_up', 1)} warm-up discarded), "
+        "medians with (min–max). "
         f"Run {result['date']}, {result['seconds']:.0f} s, pinpool {result['pinpool_version']}.",
         "",
     ]
@@ -452,7 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="0 (default): closed loop, each client sends its next request when answered; R > 0: open loop, R "
         "requests per second on a fixed schedule, latency counted from when each was due",
     )  # fmt: skip
-    parser.add_argument("--reps", type=int, default=3, help="measured repetitions (+1 warm-up, discarded)")
+    parser.add_argument("--reps", type=int, default=3, help="measured repetitions (+ --warm-up, discarded)")
+    parser.add_argument(
+        "--warm-up", type=int, choices=(0, 1), default=1,
+        help="discarded first repetitions: 1 (default) warms fresh memory; 0 for a quick check of the harness",
+    )  # fmt: skip
     parser.add_argument("--configs", default="today,default", help=f"built-in configurations: {', '.join(BUILTIN)}")
     parser.add_argument(
         "--config", action="append", default=[], metavar="NAME=ARGS",
@@ -526,11 +531,11 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "reps": reps, "size": size,
         "requests": args.requests, "concurrency": args.concurrency, "rate": args.rate, "baseline": args.baseline,
-        "session": args.session,
+        "session": args.session, "warm_up": args.warm_up,
         "pinpool_version": getattr(pinpool, "__version__", "?"), "failures": [],
     }  # fmt: skip
     progress(result["machine"])
-    for rep in range(reps + 1):
+    for rep in range(1 - args.warm_up, reps + 1):
         order = configs if rep % 2 == 0 else configs[::-1]
         for config in order:
             sample = run_one(

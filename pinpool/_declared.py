@@ -4,7 +4,7 @@
 options is derived from it, or checked against it by a test, so none can drift:
 
 - ``PinnedPool.__init__`` and ``pinpool.pin()`` keep explicit typed signatures (for IDEs and
-  mypy); ``tests/test_options_declared.py`` asserts with :func:`inspect.signature` that their
+  mypy); ``tests/core/test_options_declared.py`` asserts with :func:`inspect.signature` that their
   parameter names, kinds, defaults and annotations are exactly the declared ones, in this
   order, that ``PoolOptions.create`` takes exactly the options marked ``create``, and that
   ``PinnedPool``'s docstring ``Options:`` section lists every pool option.

@@ -143,6 +143,7 @@ class PinSession:
         self.pipeline = Pipeline(
             plan.pin_chunks, order=order, span_bytes=plan.span_bytes or 1, lookahead_bytes=plan.lookahead_bytes,
             register_workers=plan.register_workers, populate_workers=plan.populate_workers, prefix=self.prefix,
+            spans=plan.spans,
         )  # fmt: skip
         self.ledger = self.pipeline.ledger
         # Every registration call live now (pool.registrations), written as each call returns.

@@ -442,7 +442,7 @@ _PIN_NICE_FIX = (
 
 def _check_pin_nice(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NICE:
-        raise ConfigError(f"pin_nice={value!r}: {_PIN_NICE_FIX}")
+        raise ConfigError(f"pin_nice={shown(value)}: {_PIN_NICE_FIX}")
     return value
 
 
@@ -454,7 +454,7 @@ def resolve_pin_nice(value: object, *, background: bool) -> int:
         return 0
     if isinstance(value, str):
         if value != "auto":
-            raise ConfigError(f"pin_nice={value!r}: {_PIN_NICE_FIX}")
+            raise ConfigError(f"pin_nice={shown(value)}: {_PIN_NICE_FIX}")
         return BACKGROUND_PIN_NICE if background else 0
     return _check_pin_nice(value)
 

@@ -113,6 +113,7 @@ class Pipeline:
         register_workers: int = 1,
         populate_workers: int = 1,
         prefix: PrefixTracker | None = None,
+        spans: Sequence[Span] | None = None,
     ) -> None:
         if register_workers < 1 or (order is not Order.REGISTER_ONLY and populate_workers < 1):
             raise ValueError(
@@ -126,8 +127,11 @@ class Pipeline:
         self._register_batches = 0
         self._populate_batches = 0
         self._out: dict[int | Span, _Out] = {}  # each batched item not yet landed -> its batch
-        # Lazy: computed from the ledger's chunk table, O(runs) memory however many spans.
-        self.spans: Sequence[Span] = () if order is Order.REGISTER_ONLY else split_spans(self.ledger.chunks, span_bytes)
+        # The plan's spans when it has them (planned once); else cut here from the chunk table,
+        # lazily: O(runs) memory however many spans.
+        self.spans: Sequence[Span] = (
+            () if order is Order.REGISTER_ONLY else spans if spans else split_spans(self.ledger.chunks, span_bytes)
+        )
         self._span_bytes = span_bytes
         self._span_total = self.spans.nbytes if isinstance(self.spans, SpanTable) else 0
         self.lookahead_bytes = lookahead_bytes

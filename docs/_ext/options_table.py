@@ -4,7 +4,7 @@
     python docs/_ext/options_table.py           rewrite the table in docs/options.md
     python docs/_ext/options_table.py --check   exit 1 if the page's table differs from what this writes
 
-The table between the two markers is generated, never edited by hand: tests/test_options_declared.py
+The table between the two markers is generated, never edited by hand: tests/core/test_options_declared.py
 runs the check (so ./dev test and CI do), and the page cannot drift from the code. Standard
 library and pinpool._declared only (no torch).
 """

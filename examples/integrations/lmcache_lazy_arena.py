@@ -18,7 +18,7 @@ the unpinning are one background ``pinpool.PinnedPool`` with ``chunk_bytes="64Mi
   once and keeps allocating below it; ``close()`` unpins everything.
 
 Run as a script it shows a healthy arena, then one whose third registration fails (a failing
-mlock runtime), with the kernel's VmLck for each. tests/test_integrations.py checks the books
+mlock runtime), with the kernel's VmLck for each. tests/tools/test_integrations.py checks the books
 with ``pinpool.testing.FakeRuntime``.
 """
 

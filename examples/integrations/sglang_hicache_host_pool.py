@@ -11,7 +11,7 @@ SGLang maps the buffer itself and registers it in granularity-aligned chunks
 ``pinpool.PinnedPool`` does all of that, in the background, and the allocator hands out only
 pages that are pinned already (``pool.pinned_pages``), so the server serves while the pool pins.
 
-docs/integrations.md compares the two; tests/test_integrations.py checks the shapes and strides
+docs/integrations.md compares the two; tests/tools/test_integrations.py checks the shapes and strides
 against SGLang's own formulas.
 """
 

@@ -21,7 +21,7 @@ once. A worker whose pinning fails closes its pool (everything it registered is 
 maps the file plainly: it keeps serving, nothing is raised.
 
 Run as a script: two worker processes (``spawn``) each write their own slots and read the other's,
-then the same with worker 1's pinning failing. tests/test_integrations.py checks the output.
+then the same with worker 1's pinning failing. tests/tools/test_integrations.py checks the output.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Which fields a family has, and which are required, is read from the layout class in
 :mod:`pinpool.layouts` when a layout is built; :data:`FIELDS` only says how each field is
-spelled and read on the command line (tests/test_cli.py checks that every field of every
+spelled and read on the command line (tests/tools/test_cli.py checks that every field of every
 layout class has an entry here whose kind fits the field's type). This module is torch-free
 at import: ``pinpool.layouts`` (torch) is imported when a layout is built.
 """
