@@ -34,6 +34,8 @@ from typing import IO, Any
 ZYGOTE = r"""
 import json, os, signal, socket, sys, threading
 import torch  # the expensive import, once for every child
+import gc
+gc.freeze()  # torch's objects: a child's collections skip them (and its pages stay shared)
 
 sock = socket.socket(fileno=int(sys.argv[1]))
 send_lock = threading.Lock()
