@@ -620,9 +620,7 @@ def test_runner_checks_values_top_level_await_locked_memory_and_warnings(zygote:
 
 # -- the pages as the site shows them ---------------------------------------------------------------
 
-# docs/options.md is generated and checked by docs/_ext/options_table.py, and its prose is not
-# this suite's to rewrite: its links are left as they are.
-LINKED_PAGES = sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name != "options.md" or p.parent.name != "docs")
+LINKED_PAGES = sorted((ROOT / "docs").rglob("*.md"))
 FILE_NAME_LINK = re.compile(r"\[`?([\w./-]+\.md)(?:#[^\]]*)?`?\]\(([\w./-]+\.md)(?:#[^)]*)?\)")
 
 
