@@ -73,8 +73,10 @@ def test_default_workers_split_chunks_but_never_below_one_gib() -> None:
     assert piped.populate_workers == 4 and piped.span_bytes == 256 << 20
 
 
-def test_auto_runtime_is_mlock_without_cuda() -> None:
+def test_auto_runtime_is_the_gpu_stack_or_mlock() -> None:
     import torch
 
     pool = pinpool.PinnedPool(size="1MiB")
-    assert pool.runtime.name == ("cuda" if torch.cuda.is_available() else "mlock")
+    # ROCm builds answer torch.cuda.is_available() too; only torch.version.hip tells them apart.
+    gpu = "rocm" if torch.version.hip else "cuda"
+    assert pool.runtime.name == (gpu if torch.cuda.is_available() else "mlock")
