@@ -235,6 +235,7 @@ class Lifecycle:
         self.observer.pin_started(
             nbytes=plan.nbytes, chunks=len(plan.chunks), chunk_bytes=plan.chunk_bytes, granularity=plan.granularity,
             order=plan.order.value, register_workers=plan.register_workers, populate_workers=plan.populate_workers,
+            pin_nice=self.options.pin_nice, max_call_seconds=self.options.max_call_seconds,
         )  # fmt: skip
         return session
 

@@ -362,3 +362,15 @@ def test_an_unconfigured_application_sees_one_readable_line_per_warning() -> Non
         "pinpool: pool.rollback pool='kv-host' runtime='fake' layout='raw' cause='failure' registered_chunks=2"
     ], lines
     assert result.stdout == ""
+
+
+def test_the_start_event_says_how_the_pin_workers_run() -> None:
+    """pin_nice and the stall budget decide how a pin shares the host: the first event says both."""
+    with structlog.testing.capture_logs() as logs:
+        with pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), name="fg", registry=None):
+            pass
+        with pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), name="bg", registry=None, background=True):
+            pass
+    starts = {e["pool"]: e for e in logs if e["event"] == "pool.pin.start"}
+    assert (starts["fg"]["pin_nice"], starts["fg"]["max_call_seconds"]) == (0, None)
+    assert starts["bg"]["pin_nice"] == 10 and starts["bg"]["max_call_seconds"] > 0
