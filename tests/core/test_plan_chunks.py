@@ -379,13 +379,7 @@ def test_the_vocabulary_and_the_errors_import_nothing_of_pinpools() -> None:
     """Every layer imports the chunk vocabulary and the errors, so they import nothing back, not
     even for type checkers (that made a circle of six modules before the planner was split)."""
     assert _pinpool_imports("_chunks", for_type_checkers=True) == set()
-    assert _pinpool_imports("_errors") == set()
-    # NodeBusyError's field types, for type checkers only; they belong with the node pacing split.
-    assert _pinpool_imports("_errors", for_type_checkers=True) <= {
-        "_node_lock",
-        "_node_lock.Kind",
-        "_node_lock.NodeHolder",
-    }
+    assert _pinpool_imports("_errors", for_type_checkers=True) == set()
 
 
 def test_planning_and_the_preflight_import_no_runtime_and_no_host_probe() -> None:
