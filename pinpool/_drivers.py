@@ -41,8 +41,17 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
 
     def interrupted(exc: BaseException) -> None:
         ran.interrupts.append(exc)
-        if len(ran.interrupts) == 1:
-            step.on_interrupt()
+        if len(ran.interrupts) > 1:
+            return
+        # A second Ctrl-C can land inside on_interrupt (seen under trio, whose handler raises at
+        # once outside its own code): it is recorded like any other, and the stop is asked again
+        # (it is idempotent), so the interruption never leaves the driver's wait.
+        while True:
+            try:
+                step.on_interrupt()
+                return
+            except BaseException as again:
+                ran.interrupts.append(again)
 
     try:
         for i, body in enumerate(step.bodies):

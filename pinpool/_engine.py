@@ -447,7 +447,10 @@ class PinSession:
 
     def stop(self, cause: StopCause) -> None:
         """Tell workers to stop after their current call, for ``cause`` (the first cause wins)."""
-        with self._changed:
+        # The plain lock, not the Condition: Condition.__enter__ is Python code, and an interrupt
+        # landing between its acquire and the with block (a second Ctrl-C while the first one
+        # stops the workers) would leave the lock held for good. A C lock's with is not split.
+        with self.lock:
             self.ledger.stop(cause)
             self._changed.notify_all()
         self._go.set()  # a worker still waiting to begin must see the stop, not wait forever

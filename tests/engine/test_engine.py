@@ -210,3 +210,45 @@ def test_the_pipeline_walks_the_plans_spans_computed_once() -> None:
     assert len(pool._plan.spans) > 1
     assert session.pipeline.spans is pool._plan.spans  # cut once, in planning; not again by the pipeline
     assert pin(session) is Phase.PINNED
+
+
+@pytest.mark.parametrize("driver", ["sync", "asyncio", "trio"])
+def test_a_second_interrupt_inside_the_stop_is_recorded_and_the_stop_asked_again(driver: str) -> None:
+    """A second Ctrl-C landing inside on_interrupt (seen under trio, while the first one stopped
+    the workers: the stop's lock was left held and the KeyboardInterrupt left the driver with
+    chunks registered) is one more recorded interruption; the stop is asked again and the wait
+    goes on until every thread is done."""
+    import threading
+
+    import anyio
+
+    from pinpool._drivers import run_async, run_sync
+    from pinpool._steps import RunThreads
+
+    stopped, asked, ticks = threading.Event(), [], []
+
+    def body() -> None:
+        assert stopped.wait(30), "never stopped"
+
+    def on_interrupt() -> None:
+        asked.append(1)
+        if len(asked) == 1:
+            raise KeyboardInterrupt("the second Ctrl-C, inside the stop")
+        stopped.set()
+
+    def on_tick() -> None:  # the first interruption: on_tick raising counts as one
+        ticks.append(1)
+        if len(ticks) == 1:
+            raise KeyboardInterrupt("the first Ctrl-C")
+
+    step = RunThreads(bodies=(body,), name="t", interruptible=True, on_interrupt=on_interrupt, on_tick=on_tick)
+    if driver == "sync":
+        ran = run_sync(step)
+    else:
+
+        async def main() -> object:
+            return await run_async(step)
+
+        ran = anyio.run(main, backend=driver)  # type: ignore[assignment]
+    assert [str(e) for e in ran.interrupts] == ["the first Ctrl-C", "the second Ctrl-C, inside the stop"]
+    assert len(asked) == 2 and stopped.is_set() and ran.started == 1 and not ran.crashed
