@@ -3,13 +3,15 @@
 The baselines must pin memory the way the field does, without pinpool: an anonymous private
 mapping (``mmap``), faulted in with ``madvise(MADV_POPULATE_WRITE)`` on threads (through
 ctypes, which releases the GIL for the call; ``mmap.mmap.madvise`` holds it, which would
-serialise the threads), and registered with the runtime's public ``register``.
+serialise the threads), and registered with the runtime's public ``register``. Also the one way
+every benchmark hands over its results (:func:`publish`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import mmap
 import os
 import platform
@@ -133,3 +135,14 @@ def machine() -> str:
         f"{platform.machine()}, {available_cpus()} CPUs, {format_bytes(mem)} RAM, Linux {platform.release()}, "
         f"Python {platform.python_version()}, THP {transparent_huge_pages_mode()}"
     )
+
+
+def publish(text: str, result: object, *, json_path: str | None, markdown_path: str | None) -> None:
+    """Print a benchmark's markdown report, and write it and the raw result where asked."""
+    print(text)
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump(result, out, indent=2)
+    if markdown_path:
+        with open(markdown_path, "w") as out:
+            out.write(text + "\n")

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_memory import format_bytes, machine
+from bench_memory import format_bytes, machine, publish
 
 import pinpool
 
@@ -500,10 +500,7 @@ def report(path: str, args: argparse.Namespace) -> int:
     result.setdefault("session", "same")
     result["rows"] = rows(configs, result["baseline"])
     text = markdown(result)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            out.write(text + "\n")
+    publish(text, result, json_path=None, markdown_path=args.markdown)
     return 0
 
 
@@ -569,13 +566,7 @@ def run(args: argparse.Namespace) -> int:
     result["unloaded_samples"] = {c.name: c.unloaded for c in configs}
     result["seconds"] = time.perf_counter() - started
     text = markdown(result)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            out.write(text + "\n")
+    publish(text, result, json_path=args.json, markdown_path=args.markdown)
     return 0
 
 

@@ -38,7 +38,6 @@ import argparse
 import bisect
 import gc
 import hashlib
-import json
 import math
 import mmap
 import statistics
@@ -51,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from bench_memory import PAGE_SIZE, format_bytes, machine
+from bench_memory import PAGE_SIZE, format_bytes, machine, publish
 from prometheus_client import CollectorRegistry
 
 import pinpool
@@ -597,13 +596,7 @@ def run(args: argparse.Namespace) -> int:
                            "samples": {c.name: c.samples for c in stalls}}  # fmt: skip
     result["seconds"] = time.perf_counter() - started
     text = markdown(result)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            out.write(text + "\n")
+    publish(text, result, json_path=args.json, markdown_path=args.markdown)
     return 0
 
 

@@ -37,7 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench_memory import format_bytes, machine
+from bench_memory import format_bytes, machine, publish
 
 import pinpool
 
@@ -190,13 +190,7 @@ def run(args: argparse.Namespace) -> int:
     result["ratio_median"] = statistics.median(r["ratio"] for r in runs)
     result["vm_locked"] = runs[-1]["vm_locked"]
     text = markdown(result)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            out.write(text + "\n")
+    publish(text, result, json_path=args.json, markdown_path=args.markdown)
     return 0 if all(r["bytes_intact"] for r in runs) else 1
 
 

@@ -40,6 +40,7 @@ from bench_memory import (
     format_bytes,
     machine,
     parallel,
+    publish,
     spans,
     transparent_huge_pages_mode,
 )
@@ -463,13 +464,7 @@ def run(args: argparse.Namespace) -> int:
         result["rss"] = peak_rss(size, args.runtime)
     result["seconds"] = time.perf_counter() - started
     text = markdown(result)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as out:
-            out.write(text + "\n")
+    publish(text, result, json_path=args.json, markdown_path=args.markdown)
     if args.write_docs:
         write_docs(args.write_docs, text)
     return 0

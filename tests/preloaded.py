@@ -346,22 +346,12 @@ def run(
         kwargs.setdefault("stderr", subprocess.PIPE)
     if input is not None:
         kwargs["stdin"] = subprocess.PIPE
-    child = spawn(argv, **kwargs)
-    if isinstance(child, subprocess.Popen):
-        with child:
-            try:
-                out, err = child.communicate(input, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.communicate()
-                raise
-    else:
-        with child:
-            try:
-                out, err = child.communicate(input, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                raise
+    with spawn(argv, **kwargs) as child:  # leaving reaps it (Popen's exit waits, Child's kills first)
+        try:
+            out, err = child.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise
     result = subprocess.CompletedProcess(list(argv), child.returncode or 0, out, err)
     if check:
         result.check_returncode()
