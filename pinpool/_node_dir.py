@@ -53,21 +53,28 @@ _FILE_KINDS = (
 )
 
 
-def _file_problem(st: os.stat_result) -> str | None:
-    """What makes a lock file (``lstat`` or ``fstat``) unusable, or None: pinpool reads, writes,
-    truncates and locks only a regular file of ours with one link."""
+def regular_file_problem(st: os.stat_result, *, files: str, linked: str) -> str | None:
+    """What makes a file pinpool keeps (``lstat`` or ``fstat``) unusable, or None: only a regular
+    file of ours with one link, not writable by others, will do. ``files``: what the file is, for
+    the symbolic-link message; ``linked``: why a second name matters, for the hard-link one."""
     mode = st.st_mode
     if stat.S_ISLNK(mode):
-        return "is a symbolic link (pinpool never follows links to its lock files)"
+        return f"is a symbolic link (pinpool never follows links to {files})"
     if not stat.S_ISREG(mode):
         kind = next((name for test, name in _FILE_KINDS if test(mode)), f"file type {stat.S_IFMT(mode):#o}")
         return f"is not a regular file ({kind})"
     if st.st_nlink > 1:
-        return (
-            f"has {st.st_nlink} hard links (another name refers to the same file, and pinpool writes "
-            "into its lock files)"
-        )
+        return f"has {st.st_nlink} hard links ({linked})"
     return _problem(st)
+
+
+def _file_problem(st: os.stat_result) -> str | None:
+    """What makes a lock file unusable, or None: pinpool reads, writes, truncates and locks only a
+    regular file of ours with one link."""
+    return regular_file_problem(
+        st, files="its lock files",
+        linked="another name refers to the same file, and pinpool writes into its lock files",
+    )  # fmt: skip
 
 
 def _file_error(directory: str, name: str, problem: str) -> ConfigError:

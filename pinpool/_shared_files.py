@@ -19,7 +19,7 @@ import stat
 
 from . import _libc
 from ._errors import ConfigError
-from ._node_dir import _FILE_FLAGS, _FILE_KINDS, _problem
+from ._node_dir import _FILE_FLAGS, regular_file_problem
 from ._shared_regions import read_region
 from ._shared_trailer import _describe
 
@@ -89,17 +89,9 @@ def _dir_problem(st: os.stat_result) -> str | None:
 
 
 def _region_file_problem(st: os.stat_result) -> str | None:
-    """What makes an existing region file unusable, or None: a regular file of ours with one link,
-    not writable by others (like node pacing's lock files)."""
-    mode = st.st_mode
-    if stat.S_ISLNK(mode):
-        return "is a symbolic link (pinpool never follows links to a region's file)"
-    if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _FILE_KINDS if test(mode)), f"file type {stat.S_IFMT(mode):#o}")
-        return f"is not a regular file ({kind})"
-    if st.st_nlink > 1:
-        return f"has {st.st_nlink} hard links (another name refers to the same memory)"
-    return _problem(st)
+    """What makes an existing region file unusable, or None: the same rules as node pacing's lock
+    files (a regular file of ours with one link, not writable by others)."""
+    return regular_file_problem(st, files="a region's file", linked="another name refers to the same memory")
 
 
 def _refuse_directory(path: str, st: os.stat_result) -> None:
