@@ -58,27 +58,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction, help="print pinpool's version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,doctor,pin}")
 
-    plan = commands.add_parser(
-        "plan", help="show what a pool would be (buffers, chunks, workers); allocates and pins nothing",
-        description=_wrap("Plan a pool with the same options as pin: buffers, pages, chunks, workers, spans and "
-        "the chunk table. Nothing is allocated or pinned, so a pool larger than this host's memory can be planned "
-        "too; the plan says whether this host could pin it."),
-        epilog=EXIT_CODES, formatter_class=_formatter,
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        """A command: its help, the pool options every command takes, and --json."""
+        sub = commands.add_parser(
+            name, help=help, description=_wrap(description), epilog=EXIT_CODES, formatter_class=_formatter
+        )
+        add_pool_options(sub, name)
+        sub.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+        return sub
+
+    plan = command(
+        "plan", "show what a pool would be (buffers, chunks, workers); allocates and pins nothing",
+        "Plan a pool with the same options as pin: buffers, pages, chunks, workers, spans and the chunk table. "
+        "Nothing is allocated or pinned, so a pool larger than this host's memory can be planned too; the plan "
+        "says whether this host could pin it.",
     )  # fmt: skip
-    add_pool_options(plan, "plan")
-    plan.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     plan.add_argument("--rows", type=int, default=5, metavar="N",
                       help="chunk table rows shown at each end (default 5)")  # fmt: skip
     plan.set_defaults(run=run_plan)
 
-    doctor = commands.add_parser(
-        "doctor", help="check this host for pinning: limits, memory, huge pages, kernel, NUMA, GPU, environment",
-        description=_wrap("Check this host for pinning a pool, each check ok / warn / fail / skip with a one-line "
-        "fix. Exits 1 when a check fails (warnings do not)."),
-        epilog=EXIT_CODES, formatter_class=_formatter,
+    doctor = command(
+        "doctor", "check this host for pinning: limits, memory, huge pages, kernel, NUMA, GPU, environment",
+        "Check this host for pinning a pool, each check ok / warn / fail / skip with a one-line fix. Exits 1 when "
+        "a check fails (warnings do not).",
     )  # fmt: skip
-    add_pool_options(doctor, "doctor")
-    doctor.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     doctor.add_argument(
         "--cuda",
         action=argparse.BooleanOptionalAction,
@@ -87,15 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.set_defaults(run=run_doctor)
 
-    pin = commands.add_parser(
-        "pin", help="pin a pool with progress, report how and how fast, unpin it",
-        description=_wrap("Pin a pool, showing progress on stderr (a bar on a terminal, a line every 2 s "
-        "otherwise), then report to stdout how it was pinned, how fast, and the latency of each registration "
-        "call, and unpin it. --hold keeps it pinned meanwhile (with --metrics-port for Prometheus)."),
-        epilog=EXIT_CODES, formatter_class=_formatter,
+    pin = command(
+        "pin", "pin a pool with progress, report how and how fast, unpin it",
+        "Pin a pool, showing progress on stderr (a bar on a terminal, a line every 2 s otherwise), then report "
+        "to stdout how it was pinned, how fast, and the latency of each registration call, and unpin it. --hold "
+        "keeps it pinned meanwhile (with --metrics-port for Prometheus).",
     )  # fmt: skip
-    add_pool_options(pin, "pin")
-    pin.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     pin.add_argument("--hold", metavar="SECONDS|forever",
                      help="keep the pool pinned this long after pinning; Ctrl-C or SIGTERM ends the hold, the pool "
                      "is unpinned and pinpool exits 0 (the report says which signal ended it)")  # fmt: skip
