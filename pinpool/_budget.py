@@ -68,29 +68,28 @@ class Shares:
         """The bytes all the pools map together: never more than ``budget``."""
         return sum(self.bytes.values())
 
-    def pool(self, name: str, **options: Any) -> PinnedPool:
-        """The pool ``name``: ``PinnedPool(layout=layouts[name], num_pages=num_pages, **options)``
+    def pool(self, key: str, /, **options: Any) -> PinnedPool:
+        """The pool ``key``: ``PinnedPool(layout=layouts[key], num_pages=num_pages, name=key, **options)``
         with the options it was sized with. Any other pool option may be added (``name=``,
         ``background=``, ``runtime=``...); the sizing ones may not be changed."""
-        if name not in self.layouts:
+        if key not in self.layouts:
+            raise ConfigError(f"Shares.pool({key!r}): no pool of that name was sized; give one of {list(self.layouts)}")
+        for option in sorted(_SHAPING & set(options)):
             raise ConfigError(
-                f"Shares.pool({name!r}): no pool of that name was sized; give one of {list(self.layouts)}"
-            )
-        for key in sorted(_SHAPING & set(options)):
-            raise ConfigError(
-                f"Shares.pool({name!r}, {key}=...): the shares give the layout and num_pages={self.num_pages}; "
+                f"Shares.pool({key!r}, {option}=...): the shares give the layout and num_pages={self.num_pages}; "
                 "drop it, or size the pools again with pinpool.share()"
             )
-        for key, value in options.items():
-            if key in self.options and options[key] != self.options[key]:
+        for option, value in options.items():
+            if option in self.options and value != self.options[option]:
                 raise ConfigError(
-                    f"Shares.pool({name!r}, {key}={value!r}): the pools were sized with {key}={self.options[key]!r}, "
-                    "which decides what they map; drop it, or size the pools again with pinpool.share()"
+                    f"Shares.pool({key!r}, {option}={value!r}): the pools were sized with "
+                    f"{option}={self.options[option]!r}, which decides what they map; drop it, or size the pools "
+                    "again with pinpool.share()"
                 )
         from ._pool import PinnedPool  # torch and anyio: only when a pool is built
 
-        merged = {**self.options, **options}
-        return PinnedPool(layout=self.layouts[name], num_pages=self.num_pages, **merged)
+        merged = {"name": key, **self.options, **options}
+        return PinnedPool(layout=self.layouts[key], num_pages=self.num_pages, **merged)
 
 
 def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts | None = None, **options: Any) -> Shares:
