@@ -28,7 +28,7 @@ from ._declared import OPTIONS
 from ._errors import ConfigError
 from ._host import HostFacts
 from ._node_config import parse_fraction
-from ._options import PoolOptions, min_num_pages
+from ._options import PoolOptions, _is_layout, min_num_pages
 from ._placement import place
 from ._preflight import bytes_text, human, resident_fit
 from ._units import decimal_to_int, parse_size, shown
@@ -106,9 +106,14 @@ def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts |
             f"share(layouts={layouts!r}): give a non-empty mapping of pool names to layouts, "
             'e.g. {"kv": layouts.MLA(...), "indexer": layouts.Indexer(...)}'
         )
-    for key in layouts:
+    for key, layout in layouts.items():
         if not isinstance(key, str) or not key:
             raise ConfigError(f"share(layouts=...): pool name {key!r} must be a non-empty str")
+        if not _is_layout(layout):
+            raise ConfigError(
+                f"share(layouts=...): {key!r}: {layout!r} is not a layout; use one from pinpool.layouts, "
+                "e.g. layouts.MLA(...)"
+            )
     unknown = sorted(set(options) - _POOL_OPTIONS)
     if unknown:
         raise ConfigError(
