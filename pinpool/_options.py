@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_MIN_CHUNK_BYTES",
     "PoolOptions",
     "chunk_limit_from_env",
+    "min_num_pages",
     "resolve_chunk_limit",
     "resolve_max_call_seconds",
     "resolve_pin_nice",
@@ -93,9 +94,7 @@ def _check_fits_a_page(
     message names it. The layout is checked on the way (:func:`_layout_page_bytes`,
     :func:`_layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
     is mapped, not a ZeroDivisionError in the plan."""
-    page_bytes = _layout_page_bytes(layout)
-    one_page = _layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
-    smallest = max([page_bytes, *(s.granularity or 0 for s in one_page)])
+    page_bytes, one_page, smallest = _smallest_pool(layout)
     if budget < smallest and num_pages is not None:
         pages = -(-smallest // page_bytes)
         raise ConfigError(
@@ -109,6 +108,20 @@ def _check_fits_a_page(
         )
     pages = budget // page_bytes
     return one_page if pages == 1 else _layout_buffers(layout, pages)  # the buffers this pool will have
+
+
+def _smallest_pool(layout: Layout) -> tuple[int, tuple[BufferSpec, ...], int]:
+    """The layout's page_bytes, its buffers for one page, and the fewest bytes a pool of it holds:
+    one page, and one copy page of every buffer (the layout checked on the way)."""
+    page_bytes = _layout_page_bytes(layout)
+    one_page = _layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
+    return page_bytes, one_page, max([page_bytes, *(s.granularity or 0 for s in one_page)])
+
+
+def min_num_pages(layout: Layout) -> int:
+    """The fewest pages a pool of ``layout`` may hold (``num_pages=`` below it is refused)."""
+    page_bytes, _, smallest = _smallest_pool(layout)
+    return -(-smallest // page_bytes)
 
 
 # -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --

@@ -48,6 +48,7 @@ __all__ = [
     "pinning_checks",
     "placement_checks",
     "raise_first",
+    "resident_fit",
     "thp_check",
 ]
 
@@ -209,6 +210,12 @@ def _sources(host: HostFacts) -> tuple[str, str]:
     return f"{mem_text} ({cgroup_text})", host_fix
 
 
+def resident_fit(available: int, page_size: int) -> int:
+    """The most bytes (whole OS pages) that fit in ``available`` with their page tables, as
+    :func:`memory_check` charges them: the pool sizes it advises and :func:`pinpool.host_budget`."""
+    return max(0, available) * page_size // (page_size + _PTE_BYTES) // page_size * page_size
+
+
 def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
     """``nbytes`` of new memory (and its page tables) against what the process may still make
     resident: the memory cgroup's room (limit - usage + reclaimable page cache) and MemAvailable,
@@ -230,7 +237,7 @@ def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
     tables = -(-nbytes // host.page_size) * _PTE_BYTES
     needed = nbytes + tables
     if needed > available:
-        fit = available * host.page_size // (host.page_size + _PTE_BYTES) // host.page_size * host.page_size
+        fit = resident_fit(available, host.page_size)
         return Check(
             "memory", FAIL,
             f"{subject} cannot be pinned here: it needs {human(needed)} of memory ({human(nbytes)} of pages plus "

@@ -104,6 +104,12 @@ CONTAINER = dataclasses.replace(
 NO_CAP = dataclasses.replace(HOST, cap_ipc_lock=False, memlock_soft=64 * KiB, memlock_hard=64 * KiB)
 
 
+# Pools that share one budget (pinpool.share): a DSA model's KV, indexer and draft KV pools.
+TRIO = {
+    "kv": layouts.MLA("page_first", 2, 64, 576, torch.bfloat16),
+    "indexer": layouts.Indexer("page_first", 2, 64, 128, 128),
+    "draft": layouts.MHA("page_first", 1, 64, 2, 64, torch.bfloat16),
+}
 FOUR_CHUNKS: dict[str, object] = {"size": 4 * MiB, "chunk_bytes": MiB, "max_retries": 0}
 ONE_CHUNK: dict[str, object] = {"size": MiB, "max_retries": 0}
 
@@ -412,6 +418,20 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
             tmp, hard_link_to(tmp / "precious")
         ),
         "MlockRuntime().unregister(base it never registered)": lambda: MlockRuntime().unregister(4096),
+        # pinpool.share / pinpool.host_budget
+        "share(200703, MLA + Indexer + MHA layouts)": lambda: pinpool.share(200703, TRIO, host=HOST),
+        'share("1GiB", {})': lambda: pinpool.share("1GiB", {}, host=HOST),
+        'share("1GiB", layouts, num_pages=3)': lambda: pinpool.share("1GiB", TRIO, host=HOST, num_pages=3),
+        'shares.pool("kv", num_pages=341)': lambda: pinpool.share("64MiB", TRIO, host=HOST).pool("kv", num_pages=341),
+        "host_budget(fraction=1.5)": lambda: pinpool.host_budget(fraction=1.5, host=HOST, environ={}),
+        'host_budget(reserve="20GiB") with 16 GiB available': lambda: pinpool.host_budget(
+            reserve="20GiB", host=HOST, environ={}
+        ),
+        "host_budget(ranks=0)": lambda: pinpool.host_budget(ranks=0, host=HOST, environ={}),
+        "LOCAL_WORLD_SIZE=eight, host_budget()": lambda: pinpool.host_budget(
+            host=HOST, environ={"LOCAL_WORLD_SIZE": "eight"}
+        ),
+        "host_budget(ranks=2**40)": lambda: pinpool.host_budget(ranks=2**40, host=HOST, environ={}),
         # pinpool.testing.FakeRuntime
         "FakeRuntime(fail_register_on=0)": lambda: FakeRuntime(fail_register_on=0),
         'FakeRuntime(fail_register_larger_than="lots")': lambda: FakeRuntime(fail_register_larger_than="lots"),
