@@ -90,7 +90,8 @@ class FakeRuntime:
     ``lock_on_fault=True`` makes the fake behave like mlock: it declares ``locks_on_fault``, so
     chunks are registered (through :meth:`lock_on_fault`, which counts as a register call)
     before they are faulted, instead of after (CUDA). ``capabilities`` is the declaration:
-    populates, retryable code 2, locks_on_fault and exact_ranges as asked, and not ``resident``
+    populates, retryable code 2, "not registered" code 713, locks_on_fault and exact_ranges as
+    asked, and not ``resident``
     (it touches no memory, so the memory pre-flight charges nothing).
     ``events`` is every call in the order it started: ``("populate" | "register" |
     "unregister", ptr)``.
@@ -155,6 +156,7 @@ class FakeRuntime:
             locks_on_fault=lock_on_fault,
             exact_ranges=exact_ranges,
             retryable_codes=frozenset({2}),
+            not_registered_codes=frozenset({_NOT_REGISTERED[0]}),
             resident=False,  # it touches no memory: the pre-flight charges nothing, so tests may plan any size
         )
         _check_hook(before_call, "before_call")

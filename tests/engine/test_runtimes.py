@@ -98,8 +98,12 @@ def test_declared_capabilities_of_the_built_in_runtimes() -> None:
     mlock = capabilities_of(MlockRuntime())
     assert mlock == Capabilities(locks_on_fault=True, finds_pinned=True, exact_ranges=True, charges_memlock=True)
     assert mlock.exact_ranges and mlock.retryable_codes == frozenset()  # shared pages are counted
+    assert mlock.not_registered_codes == frozenset()  # its books are its own: nobody else releases from them
     assert CudaRuntime.capabilities == Capabilities(
-        serial_registration=True, exact_ranges=True, retryable_codes=frozenset({2})
+        serial_registration=True,
+        exact_ranges=True,
+        retryable_codes=frozenset({2}),
+        not_registered_codes=frozenset({713}),
     )
     assert RocmRuntime.capabilities.retryable_codes == frozenset({2})
     assert RocmRuntime.capabilities.serial_registration and not RocmRuntime.capabilities.exact_ranges
@@ -112,8 +116,9 @@ def test_declared_capabilities_of_the_built_in_runtimes() -> None:
 def test_fake_runtime_declares_what_it_was_asked_to_be(lock_on_fault: bool) -> None:
     fake = FakeRuntime(lock_on_fault=lock_on_fault)
     assert capabilities_of(fake) == Capabilities(
-        populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2}), resident=False
-    )
+        populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2}),
+        not_registered_codes=frozenset({713}), resident=False,
+    )  # fmt: skip
     assert isinstance(fake, Populates) and isinstance(fake, LocksOnFault)  # the method is always there
 
 
@@ -408,7 +413,7 @@ def test_device_strings(gpu_build: Any) -> None:
 @pytest.mark.parametrize("flags", [-1, True, 1.0])
 def test_bad_flags_are_config_errors(flags: object, stub_runtime: Any) -> None:
     with pytest.raises(pinpool.ConfigError, match=r"flags=.*non-negative int of cudaHostRegister flags"):
-        stub_runtime(CudaRuntime, flags=flags)  # type: ignore[arg-type]
+        stub_runtime(CudaRuntime, flags=flags)
 
 
 # -- CudaRuntime's and RocmRuntime's logic through the stubs --------------------------------------
