@@ -104,6 +104,9 @@ class _Unpinned:
     error: RuntimeCallError | None
     seconds: float
     was_pinned: bool
+    # Pieces the runtime said were not registered any more (someone else released them), each
+    # with that answer: unregistered all the same, never a failure (Capabilities.not_registered_codes).
+    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,7 @@ class PinSession:
         # Retry with halving: only codes the runtime declares retryable, within one budget per pool.
         self._cutter = retry_splitter(plan, options.min_chunk_bytes)
         self._retryable = caps.retryable_codes
+        self._not_registered = caps.not_registered_codes
         self._retries_left = options.max_retries
         self.retries = 0
         self._pin_started = time.perf_counter()
@@ -544,14 +548,21 @@ class PinSession:
         index, was_pinned = claimed
         chunk = self.ledger.chunks[index]
         error: RuntimeCallError | None = None
+        released: list[tuple[Chunk, RuntimeCallError]] = []
         started = time.perf_counter()
         for piece in reversed(self.ledger.pieces.get(index, (chunk,))):
             failure, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
+            if failure is not None and failure.code in self._not_registered:
+                # The runtime holds no registration at this base: someone else released it (a
+                # server's clean-up unregistering the buffer's base). Nothing is pinned there, so
+                # keeping the memory mapped would only leak it; every other piece still goes.
+                released.append((piece, failure))
+                failure = None
             if failure is None:
                 self.book.unregistered(index, chunk, piece)  # a piece whose unregister failed stays listed
             else:  # anything, SystemExit included, fails this chunk only
                 error = error or failure
-        return _Unpinned(index, error, time.perf_counter() - started, was_pinned)
+        return _Unpinned(index, error, time.perf_counter() - started, was_pinned, tuple(released))
 
     def _land_unpinned(
         self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[tuple[int, bool]]
@@ -566,11 +577,14 @@ class PinSession:
             return
         with self.lock:
             for unpinned in done:
+                ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
                 if unpinned.error is None:
                     ledger.unregistered(unpinned.index)
                 else:
                     ledger.unregister_failed(unpinned.index, unpinned.error)
         for unpinned in done:
+            for piece, answer in unpinned.released:
+                observer.released_elsewhere(piece, self.base_ptr + piece.offset, answer)
             chunk = ledger.chunks[unpinned.index]
             if unpinned.error is None:
                 observer.chunk_unregistered(chunk, unpinned.seconds, was_pinned=unpinned.was_pinned)

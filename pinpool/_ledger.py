@@ -56,6 +56,9 @@ class Ledger:
         self.stop_cause: StopCause | None = None
         self.failures: list[ChunkFailure] = []
         self.pieces: dict[int, tuple[Chunk, ...]] = {}  # chunks registered as several calls (retries)
+        # Registrations (chunks or pieces) found released by someone else at teardown: their
+        # chunks count as unregistered, never as leaked (Capabilities.not_registered_codes).
+        self.released_elsewhere: list[Chunk] = []
         self._next = 0
         self._in_flight = 0
         self._registered_bytes = 0

@@ -236,6 +236,20 @@ class Observer:
             except Exception as exc:
                 self._metric_failed("chunk_unregistered", exc)
 
+    def released_elsewhere(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
+        """Unregistering ``piece`` (at address ``ptr``) found no registration there: someone else
+        released it (a server's own clean-up). Not a failure; worth a warning, since that clean-up
+        also undid pinning pinpool owned, perhaps while the pool was still in use."""
+        if self.metrics:
+            try:
+                self.metrics.released_elsewhere.labels(*self._labels).inc()
+            except Exception as exc:
+                self._metric_failed("released_elsewhere", exc)
+        self._emit(
+            "warning", "chunk.released_elsewhere", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
+            code=answer.code, reason=answer.reason,
+        )  # fmt: skip
+
     # -- the pool (event loop / calling thread) ----------------------------------------------------
 
     def pin_started(

@@ -44,6 +44,11 @@ class RangeBook:
                 del self._bases[bisect.bisect_left(self._bases, ptr)]
             return nbytes
 
+    def get(self, ptr: int) -> int | None:
+        """The size of the range whose base is ``ptr``, or None."""
+        with self._lock:
+            return self._sizes.get(ptr)
+
     def snapshot(self) -> dict[int, int]:
         with self._lock:
             return dict(self._sizes)

@@ -54,7 +54,9 @@ class CudaRuntime(HostRegisterRuntime):
 
     Capabilities: the driver serialises registration (one register worker is enough), tracks
     registrations by exact byte range (neighbours may share an OS page), and
-    ``cudaErrorMemoryAllocation`` (2) is worth retrying with a smaller chunk. Registered pages
+    ``cudaErrorMemoryAllocation`` (2) is worth retrying with a smaller chunk; an unregister that
+    answers ``cudaErrorHostMemoryNotRegistered`` (713) finds its registration released by
+    someone else (``not_registered_codes``). Registered pages
     are resident (``resident``); RLIMIT_MEMLOCK is not declared (``charges_memlock``): whether the
     driver charges it depends on the driver.
 
@@ -67,6 +69,7 @@ class CudaRuntime(HostRegisterRuntime):
         serial_registration=True,
         exact_ranges=True,
         retryable_codes=frozenset({2}),
+        not_registered_codes=frozenset({713}),
         resident=True,
         charges_memlock=False,
     )

@@ -57,7 +57,9 @@ class RocmRuntime(HostRegisterRuntime):
     an offset that crosses into another chunk; look it up per chunk. Host pointers are
     contiguous as usual.
 
-    Capabilities: ``hipErrorOutOfMemory`` (2) is retryable with a smaller chunk. Registration
+    Capabilities: ``hipErrorOutOfMemory`` (2) is retryable with a smaller chunk;
+    ``hipErrorHostMemoryNotRegistered`` (1062) on unregister means released by someone else
+    (``not_registered_codes``). Registration
     is declared serial, like CUDA's (not measured on ROCm: one register worker is the
     conservative default). Exact byte-range tracking is not declared: it is unverified for
     HIP, so neighbours never share an OS page. Registered pages are resident; RLIMIT_MEMLOCK is
@@ -69,6 +71,7 @@ class RocmRuntime(HostRegisterRuntime):
         serial_registration=True,
         exact_ranges=False,
         retryable_codes=frozenset({2}),
+        not_registered_codes=frozenset({1062}),
         resident=True,
         charges_memlock=False,
     )
