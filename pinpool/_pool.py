@@ -478,7 +478,9 @@ class PinnedPool:
     @property
     def pinned_bytes(self) -> int:
         """Bytes pinned right now, moving within a chunk where the runtime locks as pages fault
-        in (mlock); 0 before entering and after exit."""
+        in (mlock); 0 before entering and after exit. After a background failure, what stays
+        pinned until exit: every registered range (a failed chunk's pieces included), under
+        lock-on-fault its faulted part; the error text and the gauge say the same figure."""
         session = self._lifecycle.session
         return 0 if session is None else session.pipeline.pinned_bytes
 
