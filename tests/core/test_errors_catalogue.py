@@ -351,7 +351,9 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "pin(torch.empty(4, 4).t())": lambda: pinpool.pin(torch.empty(4, 4).t()),
         "pin(torch.empty(0))": lambda: pinpool.pin(torch.empty(0)),
         "pin(t, granularity_bytes=0)": lambda: pinpool.pin(torch.empty(4), granularity_bytes=0),
-        "pin(torch.empty(10).as_strided((4, 4), (2, 1)))": lambda: pinpool.pin(torch.empty(10).as_strided((4, 4), (2, 1))),
+        "pin(torch.empty(10).as_strided((4, 4), (2, 1)))": lambda: pinpool.pin(
+            torch.empty(10).as_strided((4, 4), (2, 1))
+        ),
         "pin(t, ranges=[])": lambda: pinpool.pin(torch.empty(4), ranges=[]),
         "pin(t, ranges=5)": lambda: pinpool.pin(torch.empty(4), ranges=5),  # type: ignore[arg-type]
         "pin(t, ranges=[(0, 4, 1)])": lambda: pinpool.pin(torch.empty(4), ranges=[(0, 4, 1)]),  # type: ignore[list-item]
