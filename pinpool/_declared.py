@@ -149,6 +149,12 @@ OPTIONS: tuple[Option, ...] = (
         pool=False,
     ),
     Option(
+        "ranges", "Sequence[tuple[int, int]] | None", None,
+        "pin only these (offset, nbytes) byte ranges of the tensor, each a registration of its own (None: all of it; "
+        "a strided view: each of its contiguous rows)",
+        no_flag="pin() only: byte ranges of a tensor you give", pool=False,
+    ),
+    Option(
         "layout", "Layout | None", None,
         "what the memory holds: a layout from pinpool.layouts (None: Raw(), plain bytes)",
         flag=Flag("--layout", "layout", "FAMILY"), pin=False, no_pin=_TENSOR, create=True,

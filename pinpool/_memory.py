@@ -248,7 +248,7 @@ _GiveBack: TypeAlias = "weakref.finalize[..., TensorMemory]"  # gives the caller
 
 
 class TensorMemory:
-    """A caller's contiguous CPU tensor as pool memory: same interface as HostMapping, never freed.
+    """A caller's CPU tensor as pool memory: same interface as HostMapping, never freed.
 
     ``tensor`` is the alias :func:`alias_of` made when ``pin()`` was called (a plain tensor is
     aliased here). Its storage holds the caller's storage, so the memory cannot be released
@@ -261,9 +261,13 @@ class TensorMemory:
 
     Raises :class:`ConfigError` when the caller's storage was reallocated (grown with
     ``resize_``) between ``pin()`` and entry: the bytes the plan was made for are gone.
+
+    ``span``: the bytes ``[start, end)`` from the tensor's start that the pool's memory is (pin()
+    of a strided view or of ranges=: from its first range to its last); default its elements'
+    bytes, for a contiguous tensor.
     """
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> None:
         info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
         if not isinstance(info, _Alias):
             tensor = alias_of(tensor)
@@ -277,17 +281,18 @@ class TensorMemory:
                 "that grew it, or a resize of its storage), so the memory this pin was planned for is gone; "
                 "nothing was pinned. Call pin() again on the tensor as it is now"
             )
+        start, end = (0, tensor.numel() * tensor.element_size()) if span is None else span
         self.tensor = tensor
-        self.address = int(tensor.data_ptr())
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.address = int(tensor.data_ptr()) + start
+        self.nbytes = end - start
         self.length = self.nbytes
         self.huge_pages: bool | str = False
         self._storage = info.storage
-        self._offset = info.storage_offset
+        self._offset = info.storage_offset + start
         self._finalizer: _GiveBack | None = None
         owner = info.owner()
         if owner is not None and original.resizable() and owner.untyped_storage()._cdata == original._cdata:
-            if owner.data_ptr() == self.address and _point(owner, info.storage):
+            if owner.data_ptr() == tensor.data_ptr() and _point(owner, info.storage):
                 self._finalizer = weakref.finalize(
                     self, _give_back, info.owner, info.storage, original, info.geometry, threading.get_ident()
                 )
@@ -300,6 +305,12 @@ class TensorMemory:
             raise ValueError(f"view [{offset}, +{nbytes}) outside the tensor's {self.nbytes} bytes")
         flat = torch.empty(0, dtype=torch.uint8)
         return flat.set_(self._storage, self._offset + offset, (nbytes,), (1,))
+
+    def as_given(self) -> torch.Tensor:
+        """The caller's tensor as it was given (dtype, shape, strides, a strided view's too) over
+        the pinned bytes (the alias's storage, whatever the caller's tensor views now)."""
+        t = self.tensor
+        return torch.empty(0, dtype=t.dtype).set_(self._storage, t.storage_offset(), t.size(), t.stride())
 
     def keep_forever(self) -> None:
         """Never free: part of this memory may still be registered. The caller's tensor keeps

@@ -357,6 +357,19 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "pin(torch.empty(4, 4).t())": lambda: pinpool.pin(torch.empty(4, 4).t()),
         "pin(torch.empty(0))": lambda: pinpool.pin(torch.empty(0)),
         "pin(t, granularity_bytes=0)": lambda: pinpool.pin(torch.empty(4), granularity_bytes=0),
+        "pin(torch.empty(10).as_strided((4, 4), (2, 1)))": lambda: pinpool.pin(
+            torch.empty(10).as_strided((4, 4), (2, 1))
+        ),
+        "pin(t, ranges=[])": lambda: pinpool.pin(torch.empty(4), ranges=[]),
+        "pin(t, ranges=5)": lambda: pinpool.pin(torch.empty(4), ranges=5),  # type: ignore[arg-type]
+        "pin(t, ranges=[(0, 4, 1)])": lambda: pinpool.pin(torch.empty(4), ranges=[(0, 4, 1)]),  # type: ignore[list-item]
+        "pin(t, ranges=[(0, 0)])": lambda: pinpool.pin(torch.empty(4), ranges=[(0, 0)]),
+        "pin(t, ranges=[(8, 16)]) of 16 bytes": lambda: pinpool.pin(torch.empty(4), ranges=[(8, 16)]),
+        "pin(t, ranges=[(0, 8), (4, 8)])": lambda: pinpool.pin(torch.empty(4), ranges=[(0, 8), (4, 8)]),
+        "pin(t.t(), ranges=[(0, 8)])": lambda: pinpool.pin(torch.empty(4, 4).t(), ranges=[(0, 8)]),
+        "pin(t, ranges=[(0, 8), (16, 8)], runtime=FakeRuntime(exact_ranges=False))": lambda: pinpool.pin(
+            pinpool.empty(64, dtype=torch.uint8), ranges=[(0, 8), (16, 8)], runtime=FakeRuntime(exact_ranges=False)
+        ),
         # layouts
         "Raw(granularity_bytes=-1)": lambda: layouts.Raw(granularity_bytes=-1),
         'MHA("bad", 2, 4, 2, 16, torch.float16)': lambda: layouts.MHA("bad", 2, 4, 2, 16, torch.float16),
