@@ -26,11 +26,12 @@ from ._layout_spec import (
     check_shape,
 )
 from ._layouts_attention import MHA, MLA
+from ._layouts_dense import Dense
 from ._units import shown
 
-__all__ = ["MHA", "MLA", "BufferSpec", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw"]
+__all__ = ["MHA", "MLA", "BufferSpec", "Dense", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw"]
 
-for _public in (BufferSpec, Layout, MHA, MLA):  # defined in private modules; this is where users find them
+for _public in (BufferSpec, Layout, MHA, MLA, Dense):  # defined in private modules; this is where users find them
     _public.__module__ = __name__
 
 

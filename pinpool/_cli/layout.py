@@ -30,7 +30,7 @@ class Field:
     """One layout constructor field: its command-line option and how its text is read."""
 
     flag: str
-    kind: str  # int, bytes, dtype, shape, shapes, choice, flag
+    kind: str  # int, bytes, dtype, shape, shapes, choice, text, flag
     help: str
 
     @property
@@ -65,7 +65,10 @@ FIELDS: dict[str, Field] = {
     "index_head_dim": Field("--index-head-dim", "int", "indexer head dimension (indexer, mla page_first_kv_split)"),
     "quant_block_size": Field("--quant-block-size", "int", "elements per fp32 scale (indexer)"),
     "item_bytes": Field("--item-bytes", "bytes", "bytes per page and layer (paged)"),
-    "granularity_bytes": Field("--granularity", "bytes", "copy-page size chunk boundaries align to (raw)"),
+    "granularity_bytes": Field("--granularity", "bytes", "copy-page size chunk boundaries align to (raw, dense)"),
+    "shape": Field("--shape", "shape", "the tensor of a one-page pool, e.g. 2,64,32,8,128 (dense)"),
+    "page_dim": Field("--page-dim", "int", "the dimension pages stack along, default 0 (dense)"),
+    "buffer": Field("--buffer-name", "text", "the buffer's name, pool.tensors[NAME], default data (dense)"),
 }
 
 # --layout FAMILY -> the class in pinpool.layouts; its fields are the dataclass's own.
@@ -76,6 +79,7 @@ FAMILIES: dict[str, str] = {
     "mamba": "Mamba",
     "indexer": "Indexer",
     "paged": "PagedBytes",
+    "dense": "Dense",
 }
 
 # Short names engines use (SGLang's --kv-cache-dtype, vLLM's) for torch's dtypes.
@@ -226,7 +230,8 @@ def layout_from_file(path: str) -> Layout:
     return build_layout(family, spec, source=f"--layout-file {path} ({family})", from_text=False)
 
 
-METAVARS = {"int": "N", "bytes": "SIZE", "dtype": "DTYPE", "shape": "SHAPE", "shapes": "SHAPES", "choice": "KIND"}
+METAVARS = {"int": "N", "bytes": "SIZE", "dtype": "DTYPE", "shape": "SHAPE", "shapes": "SHAPES", "choice": "KIND",
+            "text": "NAME"}  # fmt: skip
 
 
 def add_layout_group(parser: argparse.ArgumentParser) -> None:

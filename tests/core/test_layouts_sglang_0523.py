@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,9 @@ from .test_layouts_kv import (
 # -- SGLang's PageUnifiedLayout, written out ------------------------------------------------------------
 
 
-def sglang_page_unified(P: int, L: int, H: int, groups: int, D: int, it: int, *, is_mla: bool = False) -> dict:
+def sglang_page_unified(
+    P: int, L: int, H: int, groups: int, D: int, it: int, *, is_mla: bool = False
+) -> dict[str, Any]:
     """PageUnifiedLayout's properties (page_unified.py), as SGLang computes them."""
     components = 1 if is_mla else 2
     heads_per_group = H // groups
@@ -190,6 +193,7 @@ def mla_new_case(draw: st.DrawFn, layout: str) -> Build:
         out = [expected_per_page("k", (n, L, P, 1, C - rope), dtype, n),
                expected_per_page("v", (n, L, P, 1, rope), dtype, n)]  # fmt: skip
         if Li is not None:
+            assert width is not None
             out.append(expected_per_page("index_k", (n, Li, P, 1, width), dtype, n))
             if scales:
                 out.append(expected_per_page("index_k_scale", (n, Li, P, 1, 1), torch.float32, n))
@@ -239,7 +243,7 @@ def test_new_layouts_shapes_granularity_and_no_straddle(case: str, data: st.Data
                              index_scales=True),
          "MLA(index_scales=True): the fp32 scales belong to an indexer buffer"),
         (lambda: layouts.MLA("page_first_kv_split", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64,
-                             index_scales=1),
+                             index_scales=1),  # type: ignore[arg-type]
          "MLA(index_scales=1): must be True or False"),
         (lambda: layouts.MLA("page_first_kv_split", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=0),
          "MLA(qk_rope_head_dim=0): must be a positive int"),

@@ -658,6 +658,8 @@ def test_a_huge_plan_stays_lazy() -> None:
         (["--layout", "mla", "--kv-layout", "page_first_kv_split", "--layer-num", "2", "--page-size", "64",
           "--kv-cache-dim", "576", "--qk-rope-head-dim", "64", "--index-layer-num", "1", "--index-head-dim", "128",
           "--index-scales", "--dtype", "bf16"], "mla/page_first_kv_split", 64 * (2 * 576 * 2 + 128 * 2 + 4)),
+        (["--layout", "dense", "--shape", "2,16,4,2,64", "--page-dim", "1", "--dtype", "bf16", "--granularity",
+          "16KiB", "--buffer-name", "kv"], "dense", 2 * 16 * 4 * 2 * 64 * 2),
     ],
 )  # fmt: skip
 def test_layouts_from_the_command_line(argv: list[str], layout: str, page_bytes: int,
@@ -771,6 +773,7 @@ FLAG_TYPES = {
     "shape": {"tuple[int, ...]"},
     "shapes": {"tuple[tuple[int, ...], ...]"},
     "choice": {"str"},
+    "text": {"str"},
     "flag": {"bool"},
 }
 
