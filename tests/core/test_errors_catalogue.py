@@ -394,6 +394,34 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'Indexer("page_first", 2, 4, 100, 64)': lambda: layouts.Indexer("page_first", 2, 4, 100, 64),
         'PagedBytes("page_first", 2, 0)': lambda: layouts.PagedBytes("page_first", 2, 0),
         'PagedBytes.state("page_first", 2, 0, 64)': lambda: layouts.PagedBytes.state("page_first", 2, 0, 64),
+        'MHA("page_unified", ..., head_num=8, head_group_num=3)': lambda: layouts.MHA(
+            "page_unified", 2, 4, 8, 16, torch.bfloat16, head_group_num=3
+        ),
+        'MHA("page_first", ..., head_group_num=2)': lambda: layouts.MHA(
+            "page_first", 2, 4, 8, 16, torch.bfloat16, head_group_num=2
+        ),
+        'MLA("page_first_kv_split", 2, 4, 576, torch.bfloat16)': lambda: layouts.MLA(
+            "page_first_kv_split", 2, 4, 576, torch.bfloat16
+        ),
+        'MLA("page_first", ..., qk_rope_head_dim=64)': lambda: layouts.MLA(
+            "page_first", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64
+        ),
+        'MLA("page_first_kv_split", ..., index_layer_num=2)': lambda: layouts.MLA(
+            "page_first_kv_split", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64, index_layer_num=2
+        ),
+        'MLA("page_first_kv_split", ..., index_scales=True)': lambda: layouts.MLA(
+            "page_first_kv_split", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64, index_scales=True
+        ),
+        "Dense((2, 0), torch.uint8)": lambda: layouts.Dense((2, 0), torch.uint8),
+        'Dense((2, 4), "bf16")': lambda: layouts.Dense((2, 4), "bf16"),  # type: ignore[arg-type]
+        "Dense((2, 4), torch.uint8, page_dim=2)": lambda: layouts.Dense((2, 4), torch.uint8, page_dim=2),
+        'Dense((2, 4), torch.uint8, buffer="")': lambda: layouts.Dense((2, 4), torch.uint8, buffer=""),
+        "Dense((2, 4), torch.uint8, granularity_bytes=0)": lambda: layouts.Dense(
+            (2, 4), torch.uint8, granularity_bytes=0
+        ),
+        "Dense((2, 1, 64), torch.bfloat16, page_dim=1, granularity_bytes=96)": lambda: layouts.Dense(
+            (2, 1, 64), torch.bfloat16, page_dim=1, granularity_bytes=96
+        ),
         # environment variables
         "PINPOOL_REGISTER_CHUNK_GB=abc": with_env(CHUNK_ENV, "abc", pool),
         "PINPOOL_REGISTER_CHUNK_GB=0": with_env(CHUNK_ENV, "0", pool),
