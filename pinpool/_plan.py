@@ -28,7 +28,7 @@ from ._placement import Placement, place
 from ._prefix import PageRun, page_runs, pin_order
 from ._preflight import bytes_text, placement_checks, raise_first
 from ._types import Capabilities
-from ._units import format_bytes
+from ._units import format_bytes, hugetlb_page_size
 from .layouts import BufferSpec
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ class PoolPlan:
     populate: bool
     huge_pages: bool | str
     numa_node: int | None
-    page_size: int  # the OS page chunks are aligned to
+    page_size: int  # the page chunks are aligned to: the OS page, or the hugetlb page with huge_pages="hugetlb..."
     align: int  # buffer placement alignment: the OS page, or the huge page with huge_pages
     source_start: int  # the memory's start modulo the OS page (non-zero only for a caller's tensor)
     buffers: tuple[BufferPlan, ...]
@@ -304,7 +304,8 @@ def plan_pool(
     limit = options.chunk_limit
     workers = max(wanted_register, wanted_populate)
     split_limit = limit if options.chunk_bytes is not None else parallel_limit(limit, total, workers)
-    page_size = host.page_size
+    # Chunk boundaries on whole hugetlb pages: mlock cannot split one (nor munmap part of one).
+    page_size = hugetlb_page_size(huge_pages) or host.page_size
     buffers: list[BufferPlan] = []
     for spec, offset in zip(where.specs, where.offsets, strict=True):
         if not spec.nbytes:
