@@ -40,13 +40,15 @@ _kept_lock = threading.Lock()
 
 # munmap frees every page of the range while holding the process's mmap_lock for writing: 4 GiB
 # took ~0.3 s here, a stall for every thread that maps or faults memory. In pieces, the lock is
-# let go between them (any range of a mapping may be unmapped on its own).
+# let go between them (any range of a mapping may be unmapped on its own, in whole pages: a piece
+# of a hugetlb mapping is whole hugetlb pages, else munmap refuses it with EINVAL).
 UNMAP_PIECE_BYTES = 128 << 20
 
 
-def _unmap(address: int, length: int) -> None:
-    for offset in range(0, length, UNMAP_PIECE_BYTES):
-        _libc.munmap(address + offset, min(UNMAP_PIECE_BYTES, length - offset))
+def _unmap(address: int, length: int, page: int = _libc.PAGE_SIZE) -> None:
+    piece = -(-UNMAP_PIECE_BYTES // page) * page  # 1 GiB pages: one page per piece
+    for offset in range(0, length, piece):
+        _libc.munmap(address + offset, min(piece, length - offset))
 
 
 def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRITE) -> None:
@@ -77,11 +79,11 @@ def check_hugetlb_available(nbytes: int, huge_pages: str) -> None:
     raise_first([hugetlb_check(nbytes, free=free, total=total, huge_page_size=page, wanted=True, value=huge_pages)])
 
 
-def _unmap_in(pid: int, address: int, length: int) -> None:
+def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
     """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
     whatever it has mapped at that address since is its own."""
     if os.getpid() == pid:
-        _unmap(address, length)
+        _unmap(address, length, page)
 
 
 class HostMapping:
@@ -120,7 +122,7 @@ class HostMapping:
         self.length = length
         self.nbytes = nbytes
         self.huge_pages = huge_pages
-        self._finalizer = weakref.finalize(self, _unmap_in, os.getpid(), address, length)
+        self._finalizer = weakref.finalize(self, _unmap_in, os.getpid(), address, length, hugetlb or _libc.PAGE_SIZE)
         # Never at interpreter exit: finalizers left then run newest first, so this one (made at
         # entry) would unmap before the pool's (made at construction) unpins. The pool's lifecycle
         # holds the mapping until it has unpinned; at exit the kernel takes the memory back.

@@ -304,7 +304,8 @@ def plan_pool(
     limit = options.chunk_limit
     workers = max(wanted_register, wanted_populate)
     split_limit = limit if options.chunk_bytes is not None else parallel_limit(limit, total, workers)
-    # Chunk boundaries on whole hugetlb pages: mlock cannot split one (nor munmap part of one).
+    # Chunk boundaries on whole hugetlb pages, as on whole OS pages otherwise: no page is shared by
+    # two registrations (a hugetlb page is faulted, pinned and freed whole; no retry could split one).
     page_size = hugetlb_page_size(huge_pages) or host.page_size
     buffers: list[BufferPlan] = []
     for spec, offset in zip(where.specs, where.offsets, strict=True):

@@ -146,8 +146,8 @@ def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
     1 GiB of contiguous free memory per page)."""
     if huge_page_size == 1 << 30:
         return (
-            f"hugepagesz=1G hugepages={pages} on the kernel command line, then reboot (echo {pages} > "
-            "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages works only while memory is unfragmented)"
+            f"hugepagesz=1G hugepages={pages} on the kernel command line and reboot; echo {pages} > "
+            "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages works only while memory is unfragmented"
         )
     return f"echo {pages} > /proc/sys/vm/nr_hugepages, or hugepages= on the kernel command line"
 
