@@ -178,9 +178,11 @@ def test_hugetlb_1gib_pages() -> None:
     """1 GiB pages have a line of their own, from their own counters, and the pool's advice: the
     kernel command line (1 GiB pages can rarely be reserved once memory is in use)."""
     none = by_name(_doctor.run_checks(facts(hugetlb_free=512, hugetlb_total=512), 4 * GiB))["hugetlb:1GiB"]
-    assert none.status == OK and none.detail == "no 1 GiB hugetlb pages reserved (only huge_pages='hugetlb:1GiB' needs them)"
+    assert none.status == OK
+    assert none.detail == "no 1 GiB hugetlb pages reserved (only huge_pages='hugetlb:1GiB' needs them)"
     short = by_name(_doctor.run_checks(facts(hugetlb_1g_free=2, hugetlb_1g_total=3), 4 * GiB))["hugetlb:1GiB"]
-    assert short.status == WARN and "needs 4 free 1 GiB hugetlb pages (4 GiB), but the host has 2 free of 3" in short.detail
+    assert short.status == WARN
+    assert "needs 4 free 1 GiB hugetlb pages (4 GiB), but the host has 2 free of 3" in short.detail
     assert "hugepagesz=1G hugepages=5 on the kernel command line" in short.fix
     enough = by_name(_doctor.run_checks(facts(hugetlb_1g_free=4, hugetlb_1g_total=8), 4 * GiB))["hugetlb:1GiB"]
     assert enough.status == OK and enough.detail == "4 of 8 1 GiB hugetlb pages free (4 GiB)"
