@@ -67,7 +67,7 @@ KINDS = {
     "nice": "an integer, or 'auto'",
     "text": "text, as given",
     "runtime": "a registered runtime name, or 'fake'",
-    "huge_pages": "off, thp or hugetlb; thp when the flag is given alone",
+    "huge_pages": "off, thp, hugetlb (2 MiB pages, also hugetlb:2MiB) or hugetlb:1GiB; thp when given alone",
     "bool": "--flag / --no-flag",
     "switch": "--flag (True); absent: the Python default",
 }
@@ -215,7 +215,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "huge_pages", "bool | str", False,
-        "True: transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE); 'hugetlb': 2 MiB pages from vm.nr_hugepages",
+        "True: transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE); 'hugetlb' (or 'hugetlb:2MiB'): 2 MiB pages "
+        "from vm.nr_hugepages; 'hugetlb:1GiB': 1 GiB pages reserved at boot (hugepagesz=1G hugepages=N)",
         flag=Flag("--huge-pages", "huge_pages", note="(thp for True, also when given alone; hugetlb; off: False)"),
         pin=False, no_pin="pinpool.empty(..., huge_pages=) takes it",
         create=True,

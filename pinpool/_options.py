@@ -23,7 +23,7 @@ import torch
 from ._declared import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PER_BUFFER
 from ._errors import ConfigError
 from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
-from ._units import format_bytes, parse_env_gib, parse_size, shown
+from ._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size, shown
 from .layouts import BufferSpec, Layout, Raw
 
 __all__ = [
@@ -40,7 +40,8 @@ __all__ = [
     "resolve_pin_nice",
 ]
 
-HUGE_PAGES = (False, True, "hugetlb")
+HUGE_PAGES = (False, True, *HUGETLB_PAGE_SIZES)
+
 
 # The per-call limit when chunk_bytes= and max_chunk_bytes= are not given: the environment's, else 256 GiB.
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
@@ -280,7 +281,8 @@ class PoolOptions:
     (default 256 GiB). per_buffer: one registration per buffer (``chunk_bytes="buffer"``),
     never cut (no split for workers, no stall-budget pieces, no retry halves). populate:
     pre-fault (None: where supported). *_workers: threads per role (None: the default).
-    huge_pages: False, True (THP) or "hugetlb". numa_node: bind the memory to this node.
+    huge_pages: False, True (THP), "hugetlb" (or "hugetlb:2MiB") or "hugetlb:1GiB". numa_node: bind the
+    memory to this node.
     name: the pool's name in logs, metrics and errors.
     min_chunk_bytes / max_retries: a registration failing with a code its runtime declares
     retryable is split in aligned halves and retried, down to ``min_chunk_bytes`` (never below
@@ -537,7 +539,8 @@ def _check_plain(
     if not isinstance(huge_pages, bool | str) or huge_pages not in HUGE_PAGES:
         raise ConfigError(
             f"huge_pages={huge_pages!r} must be False, True (transparent huge pages) or 'hugetlb' "
-            "(pages reserved in vm.nr_hugepages)"
+            "(2 MiB pages reserved in vm.nr_hugepages; also spelled 'hugetlb:2MiB'), or 'hugetlb:1GiB' "
+            "(1 GiB pages reserved with hugepagesz=1G hugepages=N on the kernel command line)"
         )
     for option, value in (
         ("populate_workers", populate_workers), ("register_workers", register_workers),

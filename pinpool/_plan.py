@@ -31,7 +31,7 @@ from ._placement import Placement, place
 from ._prefix import PageRun, page_runs, pin_order
 from ._preflight import bytes_text, placement_checks, raise_first
 from ._types import Capabilities
-from ._units import format_bytes
+from ._units import format_bytes, hugetlb_page_size
 from .layouts import BufferSpec
 
 if TYPE_CHECKING:
@@ -258,7 +258,7 @@ class PoolPlan:
     populate: bool
     huge_pages: bool | str
     numa_node: int | None
-    page_size: int  # the OS page chunks are aligned to
+    page_size: int  # the page chunks are aligned to: the OS page, or the hugetlb page with huge_pages="hugetlb..."
     align: int  # buffer placement alignment: the OS page, or the huge page with huge_pages
     source_start: int  # the memory's start modulo the OS page (non-zero only for a caller's tensor)
     buffers: tuple[BufferPlan, ...]
@@ -315,7 +315,9 @@ def plan_pool(
         order = Order.REGISTER_FIRST
     else:
         order = Order.POPULATE_FIRST
-    page_size = host.page_size
+    # Chunk boundaries on whole hugetlb pages, as on whole OS pages otherwise: no page is shared by
+    # two registrations (a hugetlb page is faulted, pinned and freed whole; no retry could split one).
+    page_size = hugetlb_page_size(huge_pages) or host.page_size
     placed: list[tuple[BufferSpec, int]] = list(zip(where.specs, where.offsets, strict=True))
     if ranges is not None:
         placed = _range_buffers(placed, ranges, source_start, page_size, caps)

@@ -222,6 +222,21 @@ def mmap_fails() -> None:
         enter(pool())
 
 
+def dontfork_fails() -> None:
+    """madvise(MADV_DONTFORK) refused: the mapping is given back, nothing is pinned."""
+    real = _libc.madvise
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        return errno.EINVAL if advice == _libc.MADV_DONTFORK else real(address, length, advice)
+
+    fake = FakeRuntime()
+    with mock.patch.object(_libc, "madvise", madvise):
+        try:
+            enter(pool(runtime=fake))
+        finally:
+            assert fake.register_calls == []
+
+
 def node_busy(tmp: Path) -> None:
     """The first pool holds the node's whole byte budget while it is open; the second does not wait."""
     with pool(size=4 * MiB, node_budget=4 * MiB, node_dir=str(tmp)):
@@ -325,6 +340,10 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'huge_pages="hugetlb" with too few free pages': lambda: check_host(
             PoolOptions(size=8 * MiB, huge_pages="hugetlb"), dataclasses.replace(HOST, hugetlb_free=1, hugetlb_total=1)
         ),
+        'huge_pages="hugetlb:1GiB" with no 1 GiB pages reserved': lambda: check_host(
+            PoolOptions(size=2 * GiB, huge_pages="hugetlb:1GiB"), HOST
+        ),
+        'empty(8, huge_pages="hugetlb:4MiB")': lambda: pinpool.empty(8, huge_pages="hugetlb:4MiB"),
         'numa_node="0"': lambda: pool(numa_node="0"),
         "numa_node=-1": lambda: pool(numa_node=-1),
         "numa_node=7 on a host with nodes 0, 1": lambda: check_host(PoolOptions(size=MiB, numa_node=7), HOST),
@@ -451,6 +470,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "no worker thread can be started": no_threads,
         "an unregistration fails at exit": lambda: enter(pool(runtime=FakeRuntime(fail_unregister_on=1), **ONE_CHUNK)),
         "mmap of the pool fails": mmap_fails,
+        "madvise(MADV_DONTFORK) of the pool fails": dontfork_fails,
         "node_wait=False and the node's byte budget is held": lambda: node_busy(tmp),
         "a FIFO in place of the file slot-0 in node_dir": lambda: planted_slot_file(
             tmp, lambda path: os.mkfifo(path, 0o600)

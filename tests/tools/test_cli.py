@@ -1136,7 +1136,7 @@ def test_doctor_on_this_host() -> None:
     assert result.returncode == (0 if report["ok"] else 1), result.stderr
     assert report["pinpool"] == pinpool.__version__ and report["size_bytes"] == 64 * MiB
     names = [c["name"] for c in report["checks"]]
-    assert names[:8] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "kernel", "numa", "cuda"]
+    assert names[:9] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "hugetlb:1GiB", "kernel", "numa", "cuda"]
     for check in report["checks"]:
         assert set(check) == {"name", "status", "detail", "fix"} and check["status"] in _doctor.STATUSES
         assert check["detail"] and (check["status"] in (OK, SKIP) or check["fix"])
