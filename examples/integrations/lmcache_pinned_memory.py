@@ -72,7 +72,9 @@ def lazy_allocator(base: type, tensor_allocator: type) -> type:
             self._curr_size = self._pool.wait_ready_sync(min_bytes=init) if init else 0  # raises a failure
             self._curr_size -= self._curr_size % align_bytes
             self._pin_record: list[tuple[int, int]] = []  # pinpool keeps the books
-            self._allocator = tensor_allocator(self._buffer, align_bytes=align_bytes, init_address_space=self._curr_size)
+            self._allocator = tensor_allocator(
+                self._buffer, align_bytes=align_bytes, init_address_space=self._curr_size
+            )
             self._address_manager = self._allocator.address_manager
             self._stop_expand = threading.Event()
             self._expand_thread = threading.Thread(target=self._expand_worker, daemon=True, name="lazy-mem-expand")

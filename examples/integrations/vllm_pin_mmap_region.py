@@ -34,7 +34,10 @@ def pin_mmap_region(region: Any, worker_slot_only: bool = False, *, background: 
     if worker_slot_only and region.rank is not None and stride - slot >= max(page, MIN_HOST_REGISTER_SAVED_BYTES):
         shape: dict[str, Any] = {"ranges": list(region.iter_worker_slot_ranges())}
     else:  # whole rows, as few calls as 64 GiB allows
-        shape = {"granularity_bytes": stride, "max_chunk_bytes": max(MAX_HOST_REGISTER_CHUNK_BYTES // stride, 1) * stride}
+        shape = {
+            "granularity_bytes": stride,
+            "max_chunk_bytes": max(MAX_HOST_REGISTER_CHUNK_BYTES // stride, 1) * stride,
+        }
     try:
         pool = pinpool.pin(region._base, runtime=RUNTIME, background=background, name="vllm-offload", **shape).open()
     except pinpool.PinpoolError as error:  # rolled back; the region stays pageable, as vLLM's

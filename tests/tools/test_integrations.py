@@ -9,7 +9,6 @@ import mmap
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any
 
 import pytest
 import torch

@@ -8,7 +8,9 @@ def placeholder(module: str, name: str) -> Any:
         raise AttributeError(name)
 
     def missing(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"{module}.{name}: the peers suite's torchvision stand-in has only the import surface")
+        raise NotImplementedError(
+            f"{module}.{name}: the peers suite's torchvision stand-in has only the import surface"
+        )
 
     missing.__name__ = name
     return missing
