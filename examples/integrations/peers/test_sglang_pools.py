@@ -67,8 +67,10 @@ def _build(kind: str, layout: str, pin_memory: bool) -> Any:
 
 
 def _refs(pool: Any) -> list[torch.Tensor]:
-    return list(getattr(pool, "k_data_refs", None) or []) + list(getattr(pool, "v_data_refs", None) or []) + list(
-        getattr(pool, "data_refs", None) or []
+    return (
+        list(getattr(pool, "k_data_refs", None) or [])
+        + list(getattr(pool, "v_data_refs", None) or [])
+        + list(getattr(pool, "data_refs", None) or [])
     )
 
 
@@ -115,7 +117,13 @@ LAYOUTS += [("mla", lo) for lo in ("layer_first", "page_first", "page_first_dire
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("kind", "layout"), LAYOUTS)
 def test_their_host_pool_on_the_drop_in_is_their_unpinned_pool(
-    fake: Any, monkeypatch: pytest.MonkeyPatch, kind: str, layout: str, mode: str, order: str
+    fake: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kind: str,
+    layout: str,
+    mode: str,
+    order: str,
 ) -> None:
     shim = load_shim("sglang_host_register", fake)
     _install(monkeypatch, shim, mode)
@@ -123,10 +131,11 @@ def test_their_host_pool_on_the_drop_in_is_their_unpinned_pool(
     assert fake.registered == {}  # their unpinned path registers nothing
     pinned = _build(kind, layout, pin_memory=True)
     buf = pinned.kv_buffer
-    pool = getattr(buf, "_pinpool_pool")
+    pool = buf._pinpool_pool
     assert pool.state == pinpool.PoolState.READY and pool.pinned_bytes == buf.numel() * buf.element_size()
     assert sorted(fake.registered.items()) == sorted(buf._sglang_cuda_host_registered_ranges)
     assert sum(fake.registered.values()) == buf.numel() * buf.element_size()
+    registrations = len(fake.registered)
     if mode == "alloc":
         assert buf.data_ptr() == pool.data_ptr  # pinpool's mapping under their pool
     assert _geometry(pinned) == _geometry(plain)
@@ -142,6 +151,7 @@ def test_their_host_pool_on_the_drop_in_is_their_unpinned_pool(
     assert pinned.free(slots[0]) == plain.free(slots[1]) == P * 3
     assert pinned.available_size() == plain.available_size() == P * PAGES
 
+    caplog.set_level("WARNING")
     if order == "sglang-first":
         pinned.destroy()
         pinned.destroy()  # idempotent
@@ -152,10 +162,55 @@ def test_their_host_pool_on_the_drop_in_is_their_unpinned_pool(
         pinned.destroy()
     assert pool.state == pinpool.PoolState.CLOSED and pinned.kv_buffer is None
     assert fake.registered == {} and buf._sglang_cuda_host_registered_ranges == []
+    # Only their own unregister, run first, releases pinpool's ranges under it: 713 on each, no UnpinError.
+    elsewhere = [r for r in caplog.records if "chunk.released_elsewhere" in r.getMessage()]
+    assert len(elsewhere) == (registrations if (mode, order) == ("register", "sglang-first") else 0)
     plain.destroy()
 
 
-def test_mla_page_first_kv_split_cannot_be_built_on_cpu() -> None:
-    """Recorded for the report: MLA's page_first_kv_split (Ascend) needs the NPU device pool's
-    native split buffers (``MLASplitBuffers``) and allocates k/v/indexer buffers separately."""
-    pytest.xfail("page_first_kv_split: see the test body")
+def _kv_split(pin_memory: bool) -> Any:
+    native = dpi.MLASplitBuffers(
+        k=torch.zeros(L, P * 8, 1, KV_LORA, dtype=torch.bfloat16),
+        v=torch.zeros(L, P * 8, 1, ROPE, dtype=torch.bfloat16),
+        index_k=None, index_scales=None, index_layer_indices=(), k_width=KV_LORA, v_width=ROPE, index_width=0,
+    )  # fmt: skip
+    info = dpi.MLABufferInfo(
+        buffers=native, data_ptrs=None, layer_indices=tuple(range(L)), device_layer_num=L, page_size=P,
+        kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE, kv_cache_dim=KV_LORA + ROPE, dtype=torch.bfloat16, device=CPU,
+    )  # fmt: skip
+    with base.host_memory_budget_scope(1 << 30):
+        return MLATokenToKVPoolHost(
+            info, 2.0, 0, P, "page_first_kv_split", pin_memory=pin_memory, device_capacity_tokens=P * 8,
+            start_layer=0, end_layer=L, target_layer_num=L, host_token_capacity=P * PAGES,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("unregister", ["theirs", "drop-in"])
+def test_mla_page_first_kv_split_destroy_releases_only_k(
+    fake: Any, monkeypatch: pytest.MonkeyPatch, unregister: str
+) -> None:
+    """MLA's Ascend layout allocates K and V (RoPE) buffers apart; ``destroy()`` unregisters only
+    ``kv_buffer`` (= ``k_buffer``). With their own ``_cuda_host_register`` the V buffer stays
+    registered after ``destroy()`` exactly as with the drop-in: an SGLang gap, not pinpool's.
+    The adopter releases ``v_buffer`` itself."""
+    shim = load_shim("sglang_host_register", fake)
+    their_unregister = common._cuda_host_unregister
+    monkeypatch.setattr(base, "_is_cuda", True)
+    monkeypatch.delitem(common.ALLOC_MEMORY_FUNCS, "cpu", raising=False)
+    if unregister == "drop-in":
+        _install(monkeypatch, shim, "register")
+    plain, pinned = _kv_split(False), _kv_split(True)
+    for name in ("k_buffer", "v_buffer"):
+        a, b = getattr(pinned, name), getattr(plain, name)
+        assert (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+    assert [(r.shape, r.stride()) for r in pinned.data_refs] == [(r.shape, r.stride()) for r in plain.data_refs]
+    v = pinned.v_buffer
+    assert set(fake.registered) == {pinned.k_buffer.data_ptr(), v.data_ptr()}
+    pinned.destroy()
+    pinned.destroy()
+    assert fake.registered == {v.data_ptr(): v.numel() * v.element_size()}  # K released, V still registered
+    (their_unregister if unregister == "theirs" else shim._cuda_host_unregister)(v)
+    if unregister == "drop-in":  # their destroy() released K under pinpool: close it now (713 -> released)
+        shim._cuda_host_unregister(pinned.k_buffer)
+        assert pinned.k_buffer._pinpool_pool.state == pinpool.PoolState.CLOSED
+    plain.destroy()
