@@ -14,13 +14,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import InitVar, dataclass, field
 from typing import TypeGuard
 
 import torch
 
-from ._declared import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PER_BUFFER
+from ._declared import DEFAULT_MAX_RETRIES, PER_BUFFER
 from ._errors import ConfigError
 from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
 from ._units import format_bytes, parse_env_gib, parse_size, shown
@@ -31,7 +31,6 @@ __all__ = [
     "CHUNK_ENV",
     "DEFAULT_CHUNK_GIB",
     "DEFAULT_MAX_RETRIES",
-    "DEFAULT_MIN_CHUNK_BYTES",
     "PoolOptions",
     "chunk_limit_from_env",
     "resolve_chunk_limit",
@@ -269,11 +268,14 @@ class PoolOptions:
     pre-fault (None: where supported). *_workers: threads per role (None: the default).
     huge_pages: False, True (THP) or "hugetlb". numa_node: bind the memory to this node.
     name: the pool's name in logs, metrics and errors.
-    min_chunk_bytes / max_retries: a registration failing with a code its runtime declares
-    retryable is split in aligned halves and retried, down to ``min_chunk_bytes`` (never below
-    one alignment unit), at most ``max_retries`` times per pool (0: never retry).
+    min_chunk_bytes / max_retries / retry_codes: the retry policy: a registration failing with
+    one of ``retry_codes`` (None: its runtime's retryable codes) is retried as aligned halves,
+    down to ``min_chunk_bytes`` (None: one alignment unit), at most ``max_retries`` halvings
+    below its planned chunk (per chunk lineage, not per pool; 0: never retry).
     max_call_seconds: the stall budget: every registration and populate call is sized from
     the rate of the previous ones so it should not take longer (None: no budget).
+    budget_yields_to: the explicit chunk option (``"chunk_bytes"``, ``"max_chunk_bytes"``) an
+    ``"auto"`` budget yields to for registrations (populate calls still fit it), else None.
     pin_nice: how much nicer than the process the pin worker threads run (0: as nice as it;
     :func:`resolve_pin_nice` turns the user's ``"auto"`` / None into this number).
     background: the pool pins in the background (:meth:`create` resolves ``"auto"`` budgets
@@ -291,7 +293,7 @@ class PoolOptions:
     huge_pages: bool | str = False
     numa_node: int | None = None
     name: str = "default"
-    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
+    min_chunk_bytes: int | None = None
     max_retries: int = DEFAULT_MAX_RETRIES
     max_call_seconds: float | None = None
     num_pages: int | None = None
@@ -299,6 +301,8 @@ class PoolOptions:
     max_chunk_bytes: int | None = None
     per_buffer: bool = False
     background: bool = False
+    retry_codes: frozenset[int] | None = None
+    budget_yields_to: str | None = None
     # The layout's buffers for this size, checked: computed once, here; the placement reads them.
     buffers: tuple[BufferSpec, ...] = field(init=False, repr=False, compare=False)
     # create() checked the buffers already (before the options it parses after them, so errors
@@ -321,8 +325,9 @@ class PoolOptions:
         huge_pages: bool | str = False,
         numa_node: int | None = None,
         name: str = "default",
-        min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
+        min_chunk_bytes: int | str | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_codes: Collection[int] | None = None,
         max_call_seconds: float | str | None = "auto",
         background: bool = False,
         pin_nice: int | str | None = "auto",
@@ -349,14 +354,21 @@ class PoolOptions:
         else:
             exact, limit = None, resolve_chunk_limit(None) if bound is None else bound
         specs = _check_fits_a_page(resolved, budget, size, num_pages=pages)
+        stall = resolve_max_call_seconds(max_call_seconds, background=background, per_buffer=per_buffer)
+        # An "auto" budget yields to an explicit chunk option for registrations (the user said how
+        # to chunk; "auto" is only a default); a number given with exact chunks is refused below.
+        yields_to = None
+        if stall is not None and isinstance(max_call_seconds, str):
+            yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
+        floor = None if min_chunk_bytes is None else parse_size(min_chunk_bytes, what="min_chunk_bytes")
         return cls(
             size=budget, layout=resolved, chunk_bytes=exact, chunk_limit=limit,
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
             unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
-            min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
-            max_call_seconds=resolve_max_call_seconds(max_call_seconds, background=background, per_buffer=per_buffer),
+            min_chunk_bytes=floor, max_retries=max_retries, max_call_seconds=stall,
             num_pages=pages, pin_nice=resolve_pin_nice(pin_nice, background=background), max_chunk_bytes=bound,
-            per_buffer=per_buffer, background=background, checked_buffers=specs,
+            per_buffer=per_buffer, background=background, retry_codes=_retry_codes(retry_codes),
+            budget_yields_to=yields_to, checked_buffers=specs,
         )  # fmt: skip
 
     def __post_init__(self, checked_buffers: tuple[BufferSpec, ...] | None) -> None:
@@ -385,23 +397,48 @@ class PoolOptions:
         if checked_buffers is None:
             checked_buffers = _check_fits_a_page(self.layout, self.size, self.size, num_pages=self.num_pages)
         object.__setattr__(self, "buffers", checked_buffers)
+        self._check_retry_policy()
+        _check_max_call_seconds(self.max_call_seconds)
+        if self.per_buffer and self.max_call_seconds is not None:
+            raise ConfigError(_per_buffer_budget(self.max_call_seconds))
+        self._check_budget_yields()
+        _check_pin_nice(self.pin_nice)
+        if not isinstance(self.background, bool):
+            raise ConfigError(f"background={self.background!r} must be True or False")
+
+    def _check_retry_policy(self) -> None:
+        """min_chunk_bytes, max_retries, retry_codes: each valid (retry_codes normalised to a frozenset)."""
         if isinstance(self.min_chunk_bytes, str):
             raise ConfigError(
                 f"min_chunk_bytes={self.min_chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
             )
-        parse_size(self.min_chunk_bytes, what="min_chunk_bytes")
+        if self.min_chunk_bytes is not None:
+            parse_size(self.min_chunk_bytes, what="min_chunk_bytes")
         retries = self.max_retries
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
             raise ConfigError(
-                f"max_retries={shown(retries)} must be an int >= 0 (how many times per pool a failed registration "
-                f"is halved and retried; 0 never retries, the default is {DEFAULT_MAX_RETRIES})"
+                f"max_retries={shown(retries)} must be an int from 0 to {MAX_RETRIES}: how many times one planned "
+                "registration may be halved, level after level (0 never retries; the default "
+                f"{DEFAULT_MAX_RETRIES} lets halving reach one 4 KiB page from 16 TiB; {MAX_RETRIES} halvings "
+                "already reach one byte from any size an address space holds)"
             )
-        _check_max_call_seconds(self.max_call_seconds)
-        if self.per_buffer and self.max_call_seconds is not None:
-            raise ConfigError(_per_buffer_budget(self.max_call_seconds))
-        _check_pin_nice(self.pin_nice)
-        if not isinstance(self.background, bool):
-            raise ConfigError(f"background={self.background!r} must be True or False")
+        object.__setattr__(self, "retry_codes", _retry_codes(self.retry_codes))
+
+    def _check_budget_yields(self) -> None:
+        """chunk_bytes is exact: a stall budget may not cut it, unless the budget was "auto" and yields."""
+        yields = self.budget_yields_to
+        if yields not in (None, "chunk_bytes", "max_chunk_bytes") or (yields and getattr(self, yields) is None):
+            raise ConfigError(
+                f"budget_yields_to={yields!r}: None, or the chunk option given; PoolOptions.create sets it"
+            )
+        if self.chunk_bytes is not None and self.max_call_seconds is not None and yields is None:
+            raise ConfigError(
+                f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) makes every registration "
+                f"exactly that size, and max_call_seconds={shown(self.max_call_seconds)} would cut them into pieces "
+                "that fit the stall budget; give max_chunk_bytes= instead of chunk_bytes= (an upper bound the budget "
+                'may cut further), or max_call_seconds=None (or "auto": the budget then yields to chunk_bytes for '
+                "registrations)"
+            )
 
     def _check_chunk_options(self) -> None:
         """chunk_bytes, max_chunk_bytes, per_buffer: each valid, and not contradicting each
@@ -431,6 +468,29 @@ class PoolOptions:
             object.__setattr__(self, "chunk_limit", self.chunk_bytes)
         elif bound is not None:
             object.__setattr__(self, "chunk_limit", bound)
+
+
+# max_retries above this is meaningless: 64 halvings reach one byte from 2**64 bytes.
+MAX_RETRIES = 64
+# A runtime's error codes (cudaError_t, hipError_t) are positive C ints; 0 is success.
+MAX_ERROR_CODE = 2**31 - 1
+
+
+def _retry_codes(codes: object) -> frozenset[int] | None:
+    """``retry_codes=``: None (the runtime's own), or a collection of positive int error codes."""
+    if codes is None:
+        return None
+    fix = (
+        f"retry_codes={shown(codes)} must be a collection of the runtime's error codes, positive ints such as "
+        "(1, 2) for CUDA (invalid value, out of memory); () never retries; None (the default) takes the "
+        "runtime's own (Capabilities.retryable_codes)"
+    )
+    if isinstance(codes, str | bytes) or not isinstance(codes, Collection):
+        raise ConfigError(fix)
+    for code in codes:
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 < code <= MAX_ERROR_CODE:
+            raise ConfigError(f"{fix}; {shown(code)} is not one")
+    return frozenset(codes)
 
 
 _PIN_NICE_FIX = (

@@ -57,7 +57,8 @@ class RocmRuntime(HostRegisterRuntime):
     an offset that crosses into another chunk; look it up per chunk. Host pointers are
     contiguous as usual.
 
-    Capabilities: ``hipErrorOutOfMemory`` (2) is retryable with a smaller chunk. Registration
+    Capabilities: ``hipErrorInvalidValue`` (1) and ``hipErrorOutOfMemory`` (2), HIP's
+    equivalents of CUDA's codes for a registration too large, are retryable with a smaller chunk. Registration
     is declared serial, like CUDA's (not measured on ROCm: one register worker is the
     conservative default). Exact byte-range tracking is not declared: it is unverified for
     HIP, so neighbours never share an OS page. Registered pages are resident; RLIMIT_MEMLOCK is
@@ -68,7 +69,7 @@ class RocmRuntime(HostRegisterRuntime):
     capabilities = Capabilities(
         serial_registration=True,
         exact_ranges=False,
-        retryable_codes=frozenset({2}),
+        retryable_codes=frozenset({1, 2}),
         resident=True,
         charges_memlock=False,
     )

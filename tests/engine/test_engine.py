@@ -114,7 +114,7 @@ def test_a_paced_span_under_lock_on_fault_counts_each_part_as_it_is_locked() -> 
 def test_a_chunk_stopped_between_its_pieces_is_undone_piece_by_piece() -> None:
     box: list[PinSession] = []
     fake = FakeRuntime(before_call=stop_after(box, "register", 2))
-    box.append(session_of(fake, size=1 << 30, chunk_bytes=1 << 30, populate=False, max_call_seconds=0.02))
+    box.append(session_of(fake, size=1 << 30, max_chunk_bytes=1 << 30, populate=False, max_call_seconds=0.02))
     session = box[0]
     assert len(session.ledger.chunks) == 1
     assert pin(session) is Phase.ROLLED_BACK

@@ -295,7 +295,7 @@ def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
 
     values: list[int] = []
     pool = PinnedPool(
-        size=512 * MiB, chunk_bytes=512 * MiB, runtime="mlock", registry=None, populate_workers=1,
+        size=512 * MiB, max_chunk_bytes=512 * MiB, runtime="mlock", registry=None, populate_workers=1,
         max_call_seconds=0.005, on_progress=lambda pinned, total, done, chunks: values.append(pinned),
     )  # fmt: skip
     with pool:
