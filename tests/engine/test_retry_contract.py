@@ -136,7 +136,9 @@ def test_a_unit_that_cannot_register_fails_with_pin_error_after_one_call(rc: int
     with pytest.raises(pinpool.PinError, match="retries with aligned halves") as info:
         with pool:
             pytest.fail("the body must not run")
-    at_the_unit = [(ptr, code) for ptr, nbytes, code in binding.calls if ptr <= bad[0] < ptr + nbytes and nbytes == unit]
+    at_the_unit = [
+        (ptr, code) for ptr, nbytes, code in binding.calls if ptr <= bad[0] < ptr + nbytes and nbytes == unit
+    ]
     assert at_the_unit == [(bad[0], rc)]  # one call for the unit that cannot register
     assert all(nbytes >= unit and nbytes % unit == 0 for _, nbytes, _ in binding.calls)
     assert info.value.failures[-1].chunk.nbytes == unit and info.value.code == rc
