@@ -360,8 +360,9 @@ class PinSession:
     ) -> Landing:
         """Register ``chunk`` as several calls: the halves of a failed call (``todo``), or, under
         the stall budget (``paced``), pieces sized to fit it as the calls go; each piece with its
-        depth (halvings below ``chunk``). A piece that fails retryably is halved again. Every failed attempt is kept, so a final failure lists them
-        all (a real out-of-memory is never hidden). Each call is observed as it ends.
+        depth (halvings below ``chunk``). A piece that fails retryably is halved again. Every
+        failed attempt is kept, so a final failure lists them all (a real out-of-memory is never
+        hidden). Each call is observed as it ends.
 
         The pieces registered so far exist only in ``done`` until the chunk lands, so nothing may
         take them away: a piece joins ``done`` as soon as its call returns, before anything else
