@@ -28,6 +28,9 @@ from ._units import parse_size as parse_size
 if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and IDEs
     from . import layouts as layouts
     from ._alloc import empty as empty
+    from ._budget import Shares as Shares
+    from ._budget import host_budget as host_budget
+    from ._budget import share as share
     from ._chunks import Chunk as Chunk
     from ._outcome import PoolState as PoolState
     from ._pin import pin as pin
@@ -50,14 +53,17 @@ __all__ = [
     "PoolStateError",
     "RuntimeCallError",
     "SharedMemory",
+    "Shares",
     "UnclosedPoolWarning",
     "UnpinError",
     "__version__",
     "empty",
+    "host_budget",
     "layouts",
     "parse_size",
     "pin",
     "runtimes",
+    "share",
     "testing",
 ]
 
@@ -71,6 +77,9 @@ _LAZY = {
     "layouts": ".layouts",
     "pin": "._pin",
     "SharedMemory": "._shared",
+    "Shares": "._budget",
+    "host_budget": "._budget",
+    "share": "._budget",
 }
 
 

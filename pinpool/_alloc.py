@@ -18,6 +18,7 @@ import torch
 
 from ._errors import ConfigError
 from ._memory import HostMapping
+from ._units import hugetlb_page_size
 
 __all__ = ["empty"]
 
@@ -53,15 +54,20 @@ def empty(
 
     Like ``torch.empty(*size, dtype=dtype)`` (``dtype`` defaults to torch's default dtype, and
     the size is given as ints or as one sequence), but the memory is a private anonymous
-    ``mmap`` of its own: page-aligned (2 MiB-aligned with ``huge_pages``), zero-filled by the
+    ``mmap`` of its own: page-aligned (huge-page-aligned with ``huge_pages``), zero-filled by the
     kernel, faulted in only as it is touched (or as ``pin()`` pre-faults it), and unmapped once
     the tensor and every view of it are gone. Pinning it plans exactly as a ``PinnedPool``'s
     own memory does: every chunk boundary on a page, none shared.
 
-    ``huge_pages``: ``True`` advises transparent huge pages, ``"hugetlb"`` maps reserved 2 MiB
-    pages. ``numa_node``: bind the memory to that NUMA node before any of it is faulted. Both
-    as for :class:`pinpool.PinnedPool`. Its storage cannot be resized (``resize_`` to a larger
-    size raises), as for any tensor over memory torch did not allocate.
+    ``huge_pages``: ``True`` advises transparent huge pages, ``"hugetlb"`` (or ``"hugetlb:2MiB"``)
+    maps reserved 2 MiB pages, ``"hugetlb:1GiB"`` reserved 1 GiB pages. ``numa_node``: bind the
+    memory to that NUMA node before any of it is faulted. Both as for :class:`pinpool.PinnedPool`.
+    Its storage cannot be resized (``resize_`` to a larger size raises), as for any tensor over
+    memory torch did not allocate.
+
+    Like a pool's memory, the mapping is ``MADV_DONTFORK``: a child forked while the tensor
+    exists has nothing mapped at its address (touching it there is a segmentation fault), so
+    the parent's pages are never shared copy-on-write with the child.
 
     Raises :class:`pinpool.ConfigError` for a bad size, dtype or option, and
     :class:`pinpool.AllocationError` (a ``MemoryError``) where the OS refuses the mapping.
@@ -71,8 +77,11 @@ def empty(
         dtype = torch.get_default_dtype()
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"empty(dtype={dtype!r}): expected a torch.dtype, such as torch.uint8")
-    if not (isinstance(huge_pages, bool) or huge_pages == "hugetlb"):
-        raise ConfigError(f"empty(huge_pages={huge_pages!r}): use False, True (transparent) or 'hugetlb'")
+    if not (isinstance(huge_pages, bool) or hugetlb_page_size(huge_pages)):
+        raise ConfigError(
+            f"empty(huge_pages={huge_pages!r}): use False, True (transparent), 'hugetlb' (2 MiB pages; also "
+            "'hugetlb:2MiB') or 'hugetlb:1GiB'"
+        )
     if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < 0):
         raise ConfigError(f"empty(numa_node={numa_node!r}): give a NUMA node number (>= 0), or None")
     itemsize = torch.empty(0, dtype=dtype).element_size()

@@ -68,7 +68,7 @@ KINDS = {
     "nice": "an integer, or 'auto'",
     "text": "text, as given",
     "runtime": "a registered runtime name, or 'fake'",
-    "huge_pages": "off, thp or hugetlb; thp when the flag is given alone",
+    "huge_pages": "off, thp, hugetlb (2 MiB pages, also hugetlb:2MiB) or hugetlb:1GiB; thp when given alone",
     "bool": "--flag / --no-flag",
     "switch": "--flag (True); absent: the Python default",
 }
@@ -150,6 +150,12 @@ OPTIONS: tuple[Option, ...] = (
         pool=False,
     ),
     Option(
+        "ranges", "Sequence[tuple[int, int]] | None", None,
+        "pin only these (offset, nbytes) byte ranges of the tensor, each a registration of its own (None: all of it; "
+        "a strided view: each of its contiguous rows)",
+        no_flag="pin() only: byte ranges of a tensor you give", pool=False,
+    ),
+    Option(
         "layout", "Layout | None", None,
         "what the memory holds: a layout from pinpool.layouts (None: Raw(), plain bytes)",
         flag=Flag("--layout", "layout", "FAMILY"), pin=False, no_pin=_TENSOR, create=True,
@@ -212,7 +218,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "huge_pages", "bool | str", False,
-        "True: transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE); 'hugetlb': 2 MiB pages from vm.nr_hugepages",
+        "True: transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE); 'hugetlb' (or 'hugetlb:2MiB'): 2 MiB pages "
+        "from vm.nr_hugepages; 'hugetlb:1GiB': 1 GiB pages reserved at boot (hugepagesz=1G hugepages=N)",
         flag=Flag("--huge-pages", "huge_pages", note="(thp for True, also when given alone; hugetlb; off: False)"),
         pin=False, no_pin="pinpool.empty(..., huge_pages=) takes it",
         create=True,

@@ -309,6 +309,9 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
         hugetlb_check(
             size, free=host.hugetlb_free, total=host.hugetlb_total, huge_page_size=host.huge_page_size, wanted=False
         ),
+        hugetlb_check(
+            size, free=host.hugetlb_1g_free, total=host.hugetlb_1g_total, huge_page_size=1 << 30, wanted=False
+        ),
         check_kernel(host.kernel_release, host.populate_write, env_chunk_limit(facts.env)),
         numa_check(None, host.numa_nodes),
         check_cuda(facts.cuda),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 from ._chunks import Chunk
 from ._cutter import retry_splitter
 from ._errors import ChunkFailure, LedgerError, RuntimeCallError
-from ._ledger import ChunkState, Phase, RegistrationBook, StopCause
+from ._ledger import Phase, RegistrationBook, StopCause
 from ._libc import MADV_POPULATE_WRITE
 from ._memory import populate_range
 from ._observe import Observer
@@ -103,7 +103,9 @@ class _Unpinned:
     index: int
     error: RuntimeCallError | None
     seconds: float
-    was_pinned: bool
+    # Pieces the runtime said were not registered any more (someone else released them), each
+    # with that answer: unregistered all the same, never a failure (Capabilities.not_registered_codes).
+    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class PinSession:
         # degradation), while one chunk that fails at every level costs one call per level.
         self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
         self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
+        self._not_registered = caps.not_registered_codes
         self._max_depth = options.max_retries
         self.retries = 0
         self._pin_started = time.perf_counter()
@@ -277,9 +280,12 @@ class PinSession:
     def _land(self, landings: Sequence[Landing], unstarted: Sequence[int | Span]) -> None:
         """Put ``landings`` on the books, and ``unstarted`` items as stopped (their batch ended)."""
         with self._changed:
+            before = self.ledger.pinned_bytes
             pinned = [self.pipeline.land(landing) for landing in landings]
             pinned += [self.pipeline.land(Landing(item, stopped=True)) for item in unstarted]
+            moved = self.ledger.pinned_bytes - before
             self._changed.notify_all()  # the landings may have made work for waiting workers
+        self.observer.pinned_moved(moved)
         for index in pinned:
             if index is not None:
                 self.observer.chunk_pinned(self.ledger.chunks[index])
@@ -287,7 +293,10 @@ class PinSession:
     def _progress(self, item: int | Span, piece: Chunk) -> None:
         """Part of an item is pinned now, between its calls (the stall budget)."""
         with self.lock:
+            before = self.ledger.pinned_bytes
             self.pipeline.land(Landing(item, pieces=(piece,), partial=True))
+            moved = self.ledger.pinned_bytes - before
+        self.observer.pinned_moved(moved)
 
     def _populate_span(self, span: Span) -> Landing:
         sizer = self._populate_sizer
@@ -519,6 +528,7 @@ class PinSession:
         with self._changed:
             if ledger.phase is Phase.CLOSED:
                 return ()
+            before = ledger.pinned_bytes
             for index in ledger.teardown_order():
                 chunk = ledger.chunks[index]
                 ledger.unregister_failed(
@@ -530,61 +540,75 @@ class PinSession:
                 )  # fmt: skip
             ledger.close()
             self.unpin_seconds += time.perf_counter() - self._teardown_started
-            return tuple(ledger.failures[self._failed_before :])
+            failures = tuple(ledger.failures[self._failed_before :])
+            moved = ledger.pinned_bytes - before
+        self.observer.pinned_moved(moved)
+        return failures
 
     # -- unpinning ---------------------------------------------------------------------------------
 
-    def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[tuple[int, bool]]:
-        """The next chunks to unregister, claimed from the shared reverse-order queue, each with
-        whether it counts as pinned: a batch of consecutive chunks, as pinning does (up to
-        BATCH_BYTES or BATCH_ITEMS, and no more than this worker's share), so tiny chunks cost
-        one lock hand-off per batch, not two per chunk."""
+    def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[int]:
+        """The next chunks to unregister, claimed from the shared reverse-order queue: a batch of
+        consecutive chunks, as pinning does (up to BATCH_BYTES or BATCH_ITEMS, and no more than
+        this worker's share), so tiny chunks cost one lock hand-off per batch, not two per chunk."""
         ledger = self.ledger
         with self.lock:
             share = -(-len(pending) // max(1, self.unpin_workers))
-            batch: list[tuple[int, bool]] = []
+            batch: list[int] = []
             nbytes = 0
             while pending and nbytes < BATCH_BYTES and len(batch) < min(BATCH_ITEMS, max(1, share)):
                 index = pending.popleft()
-                batch.append((index, ledger.states[index] is ChunkState.REGISTERED))
+                batch.append(index)
                 nbytes += ledger.chunks[index].nbytes
         return batch
 
-    def _unregister_chunk(self, claimed: tuple[int, bool]) -> _Unpinned:
+    def _unregister_chunk(self, index: int) -> _Unpinned:
         """Unregister one chunk; a chunk registered in pieces (retries, the stall budget) is
         unregistered piece by piece, each by its own base."""
-        index, was_pinned = claimed
         chunk = self.ledger.chunks[index]
         error: RuntimeCallError | None = None
+        released: list[tuple[Chunk, RuntimeCallError]] = []
         started = time.perf_counter()
         for piece in reversed(self.ledger.pieces.get(index, (chunk,))):
             failure, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
+            if failure is not None and failure.code in self._not_registered:
+                # The runtime holds no registration at this base: someone else released it (a
+                # server's clean-up unregistering the buffer's base). Nothing is pinned there, so
+                # keeping the memory mapped would only leak it; every other piece still goes.
+                released.append((piece, failure))
+                failure = None
             if failure is None:
                 self.book.unregistered(index, chunk, piece)  # a piece whose unregister failed stays listed
             else:  # anything, SystemExit included, fails this chunk only
                 error = error or failure
-        return _Unpinned(index, error, time.perf_counter() - started, was_pinned)
+        return _Unpinned(index, error, time.perf_counter() - started, tuple(released))
 
     def _land_unpinned(
-        self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[tuple[int, bool]]
+        self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[int]
     ) -> None:
         """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
         the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
         ledger, observer = self.ledger, self.observer
         if unstarted:
             with self.lock:
-                pending.extendleft(index for index, _ in reversed(unstarted))
+                pending.extendleft(reversed(unstarted))
         if not done:
             return
         with self.lock:
+            before = ledger.pinned_bytes
             for unpinned in done:
+                ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
                 if unpinned.error is None:
                     ledger.unregistered(unpinned.index)
                 else:
                     ledger.unregister_failed(unpinned.index, unpinned.error)
+            moved = ledger.pinned_bytes - before
+        observer.pinned_moved(moved)
         for unpinned in done:
+            for piece, answer in unpinned.released:
+                observer.released_elsewhere(piece, self.base_ptr + piece.offset, answer)
             chunk = ledger.chunks[unpinned.index]
             if unpinned.error is None:
-                observer.chunk_unregistered(chunk, unpinned.seconds, was_pinned=unpinned.was_pinned)
+                observer.chunk_unregistered(chunk, unpinned.seconds)
             else:
                 observer.chunk_failed(chunk, "unregister", unpinned.error, unpinned.seconds)

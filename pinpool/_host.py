@@ -78,6 +78,8 @@ class HostFacts:
     cgroup_path: the binding cgroup's path, for messages.
     locked_bytes: memory this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
     hugetlb_free, hugetlb_total: 2 MiB hugetlb pages free and reserved (vm.nr_hugepages).
+    hugetlb_1g_free, hugetlb_1g_total: 1 GiB hugetlb pages free and reserved (``hugepagesz=1G
+        hugepages=N`` on the kernel command line; /sys/kernel/mm/hugepages/hugepages-1048576kB).
     numa_nodes: NUMA nodes with memory (``(0,)`` without NUMA).
     address_space_bytes: an upper bound on what one process can map (see :func:`address_space_bytes`).
     torch_cuda, torch_hip: ``torch.version.cuda`` / ``torch.version.hip`` (build facts, no GPU touched).
@@ -113,6 +115,14 @@ class HostFacts:
     locked_bytes: int = 0
     thp_defrag: str | None = None
     kernel_release: str = ""
+    hugetlb_1g_free: int = 0
+    hugetlb_1g_total: int = 0
+
+    def hugetlb_pages(self, page_size: int) -> tuple[int, int]:
+        """``(free, reserved)`` hugetlb pages of ``page_size`` (2 MiB or 1 GiB)."""
+        if page_size == 1 << 30:
+            return self.hugetlb_1g_free, self.hugetlb_1g_total
+        return self.hugetlb_free, self.hugetlb_total
 
     @property
     def cgroup_room(self) -> int | None:
@@ -134,6 +144,7 @@ class HostFacts:
         ``pinpool doctor --no-cuda``."""
         soft, hard = _libc.memlock_limits()
         free, total = _libc.hugetlb_free_pages()
+        free_1g, total_1g = _libc.hugetlb_free_pages(1 << 30)
         torch_cuda, torch_hip = _torch_build() if torch_build else (None, None)
         memory = read_memory_limits()
         return cls(
@@ -162,6 +173,8 @@ class HostFacts:
             locked_bytes=_locked_bytes(),
             thp_defrag=_bracketed(_read(_THP_DEFRAG)),
             kernel_release=os.uname().release,
+            hugetlb_1g_free=free_1g,
+            hugetlb_1g_total=total_1g,
         )
 
 

@@ -56,10 +56,19 @@ class Ledger:
         self.stop_cause: StopCause | None = None
         self.failures: list[ChunkFailure] = []
         self.pieces: dict[int, tuple[Chunk, ...]] = {}  # chunks registered as several calls (retries)
+        # Registrations (chunks or pieces) found released by someone else at teardown: their
+        # chunks count as unregistered, never as leaked (Capabilities.not_registered_codes).
+        self.released_elsewhere: list[Chunk] = []
         self._next = 0
         self._in_flight = 0
         self._registered_bytes = 0
         self._registered_chunks = 0  # counted, not summed: progress is read every tick
+        # Bytes pinned of chunks that do not count whole (yet, or ever): pieces registered of a
+        # chunk registered in several calls, faulted spans of a lock-on-fault chunk. They are
+        # pinned as surely as a whole chunk and stay so until that chunk is unregistered, also
+        # when it failed or stopped part-way, so they count until then (pinned_bytes).
+        self._part_bytes: dict[int, int] = {}
+        self._part_total = 0
         self._pending = len(self.chunks)
 
     # -- pinning ---------------------------------------------------------------------------
@@ -105,27 +114,47 @@ class Ledger:
             self._land(index, ChunkState.FAULTING)
             return
         self._land(index, ChunkState.REGISTERED)
-        self._registered_bytes += self.chunks[index].nbytes
-        self._registered_chunks += 1
+        self._count_whole(index)
 
     def faulted(self, index: int) -> None:
         """Every page of a lock-on-fault chunk is faulted in, so locked: it is pinned now."""
         if self.states[index] is not ChunkState.FAULTING:
             raise LedgerError(f"chunk {index} faulted but was {self.states[index].value}")
         self.states[index] = ChunkState.REGISTERED
+        self._count_whole(index)
+
+    def _count_whole(self, index: int) -> None:
+        self._drop_part(index)  # from here the chunk counts whole
         self._registered_bytes += self.chunks[index].nbytes
         self._registered_chunks += 1
+
+    def pinned_part(self, index: int, nbytes: int) -> None:
+        """``nbytes`` more of chunk ``index`` are pinned, before (or without) the chunk counting whole."""
+        self._part_bytes[index] = self._part_bytes.get(index, 0) + nbytes
+        self._part_total += nbytes
+
+    def _drop_part(self, index: int) -> int:
+        nbytes = self._part_bytes.pop(index, 0)
+        self._part_total -= nbytes
+        return nbytes
 
     def registered_in_pieces(self, index: int, pieces: Sequence[Chunk], *, faulting: bool = False) -> None:
         """A chunk registered as several calls after retries: teardown unregisters each piece's base."""
         self.registered(index, faulting=faulting)
         self.pieces[index] = tuple(pieces)
 
-    def partly_registered(self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure]) -> None:
-        """Retries ran out with ``pieces`` of the chunk registered: they must be undone (the chunk
-        counts as not pinned), every failed attempt is recorded, and pinning stops."""
-        self._land(index, ChunkState.FAULTING)  # undone by teardown, never counted as pinned
+    def partly_registered(
+        self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure], *, pinned: bool = True
+    ) -> None:
+        """A chunk failed or stopped with ``pieces`` of it registered: teardown undoes them, every
+        failed attempt is recorded, and pinning stops. The chunk never counts whole, but its
+        pieces are pinned until teardown (``pinned``; False under lock-on-fault, where a piece is
+        pinned only once faulted, and these never are): :attr:`pinned_bytes` counts them."""
+        self._land(index, ChunkState.FAULTING)  # undone by teardown, never counted whole
         self.pieces[index] = tuple(pieces)
+        if pinned:  # all of them: progress landed only some (retry halves land none)
+            self._drop_part(index)
+            self.pinned_part(index, sum(piece.nbytes for piece in pieces))
         self.failures.extend(attempts)
         if self.stop_cause is None:
             self.stop_cause = StopCause.FAILURE
@@ -176,8 +205,17 @@ class Ledger:
 
     @property
     def registered_bytes(self) -> int:
-        """Bytes registered now, counting leaked chunks (their unregister failed: maybe still pinned)."""
+        """Bytes of the chunks that count whole now, and of leaked ones (their unregister failed:
+        maybe still pinned)."""
         return self._registered_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes pinned now, the one figure ``pool.pinned_bytes``, the pinned-bytes gauge and a
+        failure's text report: chunks that count whole, plus what is pinned of the others (their
+        registered pieces; their faulted spans under lock-on-fault) until they are unregistered.
+        The pinned page prefix is told of exactly these ranges (``Pipeline.land``)."""
+        return self._registered_bytes + self._part_total
 
     @property
     def chunks_done(self) -> int:
@@ -240,7 +278,9 @@ class Ledger:
         if state is ChunkState.UNREGISTERED and was is ChunkState.REGISTERED:
             self._registered_bytes -= nbytes
         elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:
-            self._registered_bytes += nbytes  # a leaked chunk may well still be pinned: count it
+            # A leaked chunk may well still be pinned: count all it registered.
+            self._registered_bytes += sum(piece.nbytes for piece in self.pieces.get(index, (self.chunks[index],)))
+        self._drop_part(index)  # unregistered: nothing of it pinned; leaked: counted above
 
     def close(self) -> None:
         """Mark teardown done; every chunk still REGISTERED at this point is a driver bug."""

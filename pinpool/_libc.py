@@ -22,7 +22,10 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 MAP_HUGETLB = 0x40000
 MAP_HUGE_SHIFT = 26
 MAP_HUGE_2MB = 21 << MAP_HUGE_SHIFT
+MAP_HUGE_1GB = 30 << MAP_HUGE_SHIFT
+_MAP_HUGE = {2 << 20: MAP_HUGE_2MB, 1 << 30: MAP_HUGE_1GB}
 
+MADV_DONTFORK = 10  # a forked child gets no copy of the range (not even copy-on-write)
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux >= 5.14
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -97,10 +100,11 @@ def mmap_anonymous(length: int) -> tuple[int, int]:
     return int(address), 0
 
 
-def mmap_hugetlb(length: int) -> tuple[int, int]:
-    """Map ``length`` bytes (a multiple of 2 MiB) from the 2 MiB hugetlb pool; ``(address, errno)``."""
+def mmap_hugetlb(length: int, page_size: int = HUGE_PAGE_SIZE) -> tuple[int, int]:
+    """Map ``length`` bytes (a multiple of ``page_size``) from the hugetlb pool of ``page_size``
+    pages (2 MiB or 1 GiB; the mapping comes aligned to it); ``(address, errno)``."""
     ctypes.set_errno(0)
-    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | MAP_HUGE_2MB
+    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | _MAP_HUGE[page_size]
     address = _mmap(None, length, PROT_READ | PROT_WRITE, flags, -1, 0)
     if address is None or address == MAP_FAILED:
         return 0, ctypes.get_errno()
@@ -183,13 +187,15 @@ def numa_nodes() -> tuple[int, ...]:
     return tuple(nodes)
 
 
-def hugetlb_free_pages() -> tuple[int, int]:
-    """``(free, total)`` 2 MiB hugetlb pages (HugePages_Free/_Total of /proc/meminfo)."""
+def hugetlb_free_pages(page_size: int = HUGE_PAGE_SIZE) -> tuple[int, int]:
+    """``(free, total)`` hugetlb pages of ``page_size`` (2 MiB: vm.nr_hugepages; 1 GiB: reserved
+    with ``hugepagesz=1G hugepages=N``), from /sys/kernel/mm/hugepages; ``(0, 0)`` without them."""
     free = total = 0
+    folder = f"/sys/kernel/mm/hugepages/hugepages-{page_size >> 10}kB"
     try:
-        with open("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages") as f:
+        with open(f"{folder}/free_hugepages") as f:
             free = int(f.read())
-        with open("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages") as f:
+        with open(f"{folder}/nr_hugepages") as f:
             total = int(f.read())
     except OSError:
         pass

@@ -362,8 +362,11 @@ class Lifecycle:
         thread that stopped pinning tears down itself; only a pool nobody can exit (orphaned) is
         torn down here."""
         if outcome is Outcome.FAILED and error is None:
+            # The pool's own figures, from the books at rest (no call in flight): the text and
+            # pool.pinned_pages / pinned_bytes / registrations say the same.
             pages, pinned = session.prefix.pages, session.pipeline.pinned_bytes
-            error = self._failure(session, ran, kept=kept_text(pages, self.plan.num_pages, pinned))
+            kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations())
+            error = self._failure(session, ran, kept=kept)
         with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
             self._conducting = False
             if outcome is Outcome.READY:

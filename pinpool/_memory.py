@@ -28,8 +28,8 @@ import torch
 
 from . import _libc
 from ._errors import AllocationError, ConfigError, RuntimeCallError
-from ._preflight import hugetlb_check, raise_first, thp_check
-from ._units import format_bytes
+from ._preflight import hugetlb_check, hugetlb_fix, raise_first, thp_check
+from ._units import format_bytes, hugetlb_page_size
 
 __all__ = ["AllocationError", "HostMapping", "TensorMemory", "alias_of", "populate_range"]
 
@@ -40,13 +40,15 @@ _kept_lock = threading.Lock()
 
 # munmap frees every page of the range while holding the process's mmap_lock for writing: 4 GiB
 # took ~0.3 s here, a stall for every thread that maps or faults memory. In pieces, the lock is
-# let go between them (any range of a mapping may be unmapped on its own).
+# let go between them (any range of a mapping may be unmapped on its own, in whole pages: a piece
+# of a hugetlb mapping is whole hugetlb pages, else munmap refuses it with EINVAL).
 UNMAP_PIECE_BYTES = 128 << 20
 
 
-def _unmap(address: int, length: int) -> None:
-    for offset in range(0, length, UNMAP_PIECE_BYTES):
-        _libc.munmap(address + offset, min(UNMAP_PIECE_BYTES, length - offset))
+def _unmap(address: int, length: int, page: int = _libc.PAGE_SIZE) -> None:
+    piece = -(-UNMAP_PIECE_BYTES // page) * page  # 1 GiB pages: one page per piece
+    for offset in range(0, length, piece):
+        _libc.munmap(address + offset, min(piece, length - offset))
 
 
 def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRITE) -> None:
@@ -69,32 +71,50 @@ def check_huge_pages_available() -> None:
     raise_first([thp_check(_libc.transparent_huge_pages_mode(), wanted=True)])
 
 
-def check_hugetlb_available(nbytes: int) -> None:
-    """huge_pages='hugetlb' needs enough free 2 MiB pages reserved in the hugetlb pool (read now)."""
-    free, total = _libc.hugetlb_free_pages()
-    raise_first([hugetlb_check(nbytes, free=free, total=total, huge_page_size=_libc.HUGE_PAGE_SIZE, wanted=True)])
+def check_hugetlb_available(nbytes: int, huge_pages: str) -> None:
+    """huge_pages='hugetlb' (or 'hugetlb:2MiB', 'hugetlb:1GiB') needs enough free hugetlb pages
+    of that size reserved (read now)."""
+    page = hugetlb_page_size(huge_pages)
+    free, total = _libc.hugetlb_free_pages(page)
+    raise_first([hugetlb_check(nbytes, free=free, total=total, huge_page_size=page, wanted=True, value=huge_pages)])
+
+
+def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
+    """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
+    whatever it has mapped at that address since is its own."""
+    if os.getpid() == pid:
+        _unmap(address, length, page)
 
 
 class HostMapping:
-    """``nbytes`` of private anonymous memory, page-aligned (2 MiB-aligned with huge pages).
+    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages).
 
     ``huge_pages``: ``True`` asks for transparent huge pages (MADV_HUGEPAGE), ``"hugetlb"``
-    maps reserved 2 MiB hugetlb pages. ``numa_node`` binds the memory (mbind) before any of it
-    is faulted.
+    (or ``"hugetlb:2MiB"``) maps reserved 2 MiB hugetlb pages, ``"hugetlb:1GiB"`` reserved
+    1 GiB ones. ``numa_node`` binds the memory (mbind) before any of it is faulted.
+
+    **Fork**: the mapping is ``MADV_DONTFORK``, set before any page is faulted or pinned, as
+    every server that pins private memory does: a forked child gets no copy of it (its address
+    range is unmapped in the child; touching it there is a segmentation fault), so the pinned
+    pages are never shared copy-on-write, and a write by the parent after the fork can never
+    move it to a new, unpinned page under a DMA registration.
     """
 
     def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
         if huge_pages is True:
             check_huge_pages_available()
-        align = _libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE
+        hugetlb = hugetlb_page_size(huge_pages)
+        align = hugetlb or (_libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE)
         length = -(-nbytes // align) * align
-        if huge_pages == "hugetlb":
-            check_hugetlb_available(length)
-            address, err = _libc.mmap_hugetlb(length)  # hugetlb mappings come 2 MiB-aligned
+        if hugetlb:
+            assert isinstance(huge_pages, str)
+            check_hugetlb_available(length, huge_pages)
+            address, err = _libc.mmap_hugetlb(length, hugetlb)  # hugetlb mappings come aligned to their page
             if err:
                 raise AllocationError(
-                    f"mmap of {format_bytes(length)} of hugetlb pages failed: {_libc.errno_name(err)} "
-                    f"({os.strerror(err)}); reserve more 2 MiB pages (vm.nr_hugepages) or use huge_pages=True"
+                    f"mmap of {format_bytes(length)} of {format_bytes(hugetlb)} hugetlb pages failed: "
+                    f"{_libc.errno_name(err)} ({os.strerror(err)}); reserve more {format_bytes(hugetlb)} pages "
+                    f"({hugetlb_fix(hugetlb, 'N')}) or use huge_pages=True"
                 )
         else:
             address, err = self._map_aligned(length, align)
@@ -102,11 +122,21 @@ class HostMapping:
         self.length = length
         self.nbytes = nbytes
         self.huge_pages = huge_pages
-        self._finalizer = weakref.finalize(self, _unmap, address, length)
+        self._finalizer = weakref.finalize(self, _unmap_in, os.getpid(), address, length, hugetlb or _libc.PAGE_SIZE)
         # Never at interpreter exit: finalizers left then run newest first, so this one (made at
         # entry) would unmap before the pool's (made at construction) unpins. The pool's lifecycle
         # holds the mapping until it has unpinned; at exit the kernel takes the memory back.
         self._finalizer.atexit = False
+        # First, before any page is faulted: a page a child shares copy-on-write is one a write
+        # by the parent would move off the registered frame.
+        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)
+        if err:
+            self._finalizer()
+            raise AllocationError(
+                f"madvise(MADV_DONTFORK) of the {format_bytes(length)} mapping failed: {_libc.errno_name(err)} "
+                f"({os.strerror(err)}); it was unmapped and nothing was pinned. ENOMEM here means the process "
+                "has too many mappings (raise vm.max_map_count)"
+            )
         if huge_pages is True:
             err = _libc.madvise(address, length, _libc.MADV_HUGEPAGE)
             if err:
@@ -248,7 +278,7 @@ _GiveBack: TypeAlias = "weakref.finalize[..., TensorMemory]"  # gives the caller
 
 
 class TensorMemory:
-    """A caller's contiguous CPU tensor as pool memory: same interface as HostMapping, never freed.
+    """A caller's CPU tensor as pool memory: same interface as HostMapping, never freed.
 
     ``tensor`` is the alias :func:`alias_of` made when ``pin()`` was called (a plain tensor is
     aliased here). Its storage holds the caller's storage, so the memory cannot be released
@@ -261,9 +291,13 @@ class TensorMemory:
 
     Raises :class:`ConfigError` when the caller's storage was reallocated (grown with
     ``resize_``) between ``pin()`` and entry: the bytes the plan was made for are gone.
+
+    ``span``: the bytes ``[start, end)`` from the tensor's start that the pool's memory is (pin()
+    of a strided view or of ranges=: from its first range to its last); default its elements'
+    bytes, for a contiguous tensor.
     """
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> None:
         info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
         if not isinstance(info, _Alias):
             tensor = alias_of(tensor)
@@ -277,17 +311,18 @@ class TensorMemory:
                 "that grew it, or a resize of its storage), so the memory this pin was planned for is gone; "
                 "nothing was pinned. Call pin() again on the tensor as it is now"
             )
+        start, end = (0, tensor.numel() * tensor.element_size()) if span is None else span
         self.tensor = tensor
-        self.address = int(tensor.data_ptr())
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.address = int(tensor.data_ptr()) + start
+        self.nbytes = end - start
         self.length = self.nbytes
         self.huge_pages: bool | str = False
         self._storage = info.storage
-        self._offset = info.storage_offset
+        self._offset = info.storage_offset + start
         self._finalizer: _GiveBack | None = None
         owner = info.owner()
         if owner is not None and original.resizable() and owner.untyped_storage()._cdata == original._cdata:
-            if owner.data_ptr() == self.address and _point(owner, info.storage):
+            if owner.data_ptr() == tensor.data_ptr() and _point(owner, info.storage):
                 self._finalizer = weakref.finalize(
                     self, _give_back, info.owner, info.storage, original, info.geometry, threading.get_ident()
                 )
@@ -300,6 +335,12 @@ class TensorMemory:
             raise ValueError(f"view [{offset}, +{nbytes}) outside the tensor's {self.nbytes} bytes")
         flat = torch.empty(0, dtype=torch.uint8)
         return flat.set_(self._storage, self._offset + offset, (nbytes,), (1,))
+
+    def as_given(self) -> torch.Tensor:
+        """The caller's tensor as it was given (dtype, shape, strides, a strided view's too) over
+        the pinned bytes (the alias's storage, whatever the caller's tensor views now)."""
+        t = self.tensor
+        return torch.empty(0, dtype=t.dtype).set_(self._storage, t.storage_offset(), t.size(), t.stride())
 
     def keep_forever(self) -> None:
         """Never free: part of this memory may still be registered. The caller's tensor keeps

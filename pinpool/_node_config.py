@@ -29,6 +29,7 @@ __all__ = [
     "NodePacing",
     "default_directory",
     "mem_total_bytes",
+    "parse_fraction",
 ]
 
 SLOTS_ENV = "PINPOOL_NODE_SLOTS"
@@ -87,8 +88,7 @@ def _parse_slots(value: object, *, what: str, from_env: bool = False) -> int:
 
 
 def _fraction_bytes(fraction: Decimal, given: object, what: str, mem_total: int | None) -> int:
-    if not fraction.is_finite() or not 0 < fraction <= 1:
-        raise ConfigError(f"{what}={given!r}: a fraction of MemTotal must be in (0, 1]; give {_BUDGET_HINT}")
+    """``fraction`` (in (0, 1], checked by :func:`parse_fraction`) of MemTotal, in whole bytes."""
     total = mem_total_bytes() if mem_total is None else mem_total
     nbytes = decimal_to_int(fraction, total)
     if not nbytes:
@@ -96,27 +96,43 @@ def _fraction_bytes(fraction: Decimal, given: object, what: str, mem_total: int 
     return nbytes
 
 
+def _in_range(fraction: Decimal, given: object, what: str, of: str, hint: str) -> Decimal:
+    if not fraction.is_finite() or not 0 < fraction <= 1:
+        raise ConfigError(f"{what}={given!r}: a fraction of {of} must be in (0, 1]; give {hint}")
+    return fraction
+
+
+def parse_fraction(value: object, *, what: str, of: str, hint: str) -> Decimal | None:
+    """A fraction in (0, 1] as a Decimal, from a float (``0.8``) or a string (``"0.8"``, ``"80%"``);
+    None for a value not spelled as a fraction (an int, a size such as ``"512GiB"``). ASCII only,
+    like every pinpool number: ``"١٠%"``, ``"８０%"`` or a non-breaking space are errors. ``of``
+    names the whole in messages, ``hint`` the spellings accepted."""
+    if isinstance(value, float):
+        return _in_range(Decimal(repr(value)), value, what, of, hint)
+    if not isinstance(value, str):
+        return None
+    text = value.strip(" \t\n")
+    if text.endswith("%"):
+        percent = ascii_decimal(text[:-1], what=what, fix=f"give {hint}", given=value)
+        return _in_range(percent / 100, value, what, of, hint)
+    if text and "." in text and not any(c.isalpha() for c in text):  # a unitless decimal: a fraction
+        number = ascii_decimal(text, what=what, fix=f"give {hint}", given=value)
+        if number > 1:
+            raise ConfigError(
+                f"{what}={value!r}: a unitless decimal is a fraction of {of} and must be in (0, 1]; "
+                f"for bytes give an integer or a size with a unit; give {hint}"
+            )
+        return _in_range(number, value, what, of, hint)
+    return None
+
+
 def _parse_budget(value: object, *, what: str, mem_total: int | None) -> int:
     """Bytes from an int, a size string, a float fraction, ``"0.8"`` or ``"80%"``."""
     if isinstance(value, bool):
         raise ConfigError(f"{what}={value!r} is a bool; give {_BUDGET_HINT}")
-    if isinstance(value, float):
-        return _fraction_bytes(Decimal(repr(value)), value, what, mem_total)
-    if isinstance(value, str):
-        # ASCII only, like every pinpool number: "١٠%", "８０%" or a non-breaking space are errors.
-        text = value.strip(" \t\n")
-        fix = f"give {_BUDGET_HINT}"
-        if text.endswith("%"):
-            percent = ascii_decimal(text[:-1], what=what, fix=fix, given=value)
-            return _fraction_bytes(percent / 100, value, what, mem_total)
-        if text and "." in text and not any(c.isalpha() for c in text):  # a unitless decimal: a fraction
-            number = ascii_decimal(text, what=what, fix=fix, given=value)
-            if number > 1:
-                raise ConfigError(
-                    f"{what}={value!r}: a unitless decimal is a fraction of MemTotal and must be in (0, 1]; "
-                    f"for bytes give an integer or a size with a unit; give {_BUDGET_HINT}"
-                )
-            return _fraction_bytes(number, value, what, mem_total)
+    fraction = parse_fraction(value, what=what, of="MemTotal", hint=_BUDGET_HINT)
+    if fraction is not None:
+        return _fraction_bytes(fraction, value, what, mem_total)
     if isinstance(value, int | str):
         try:
             return parse_size(value, what=what)

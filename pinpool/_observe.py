@@ -216,25 +216,45 @@ class Observer:
         )  # fmt: skip
 
     def chunk_pinned(self, chunk: Chunk) -> None:
-        """A chunk is registered and all its pages are in: it counts as pinned."""
+        """A chunk is registered and all its pages are in: it counts as pinned whole."""
         if self.metrics:
             m, labels = self.metrics, self._labels
             try:
                 m.chunks_registered.labels(*labels).inc()
                 m.registered_bytes.labels(*labels).inc(chunk.nbytes)
-                m.pinned_bytes.labels(*labels).inc(chunk.nbytes)
             except Exception as exc:
                 self._metric_failed("chunk_pinned", exc)
 
-    def chunk_unregistered(self, chunk: Chunk, seconds: float, *, was_pinned: bool) -> None:
+    def pinned_moved(self, nbytes: int) -> None:
+        """``pool.pinned_bytes`` moved by ``nbytes`` (negative: unpinned): the gauge follows the
+        ledger's one figure, piece by piece and span by span, so the two never disagree."""
+        if self.metrics and nbytes:
+            try:
+                self.metrics.pinned_bytes.labels(*self._labels).inc(nbytes)
+            except Exception as exc:
+                self._metric_failed("pinned_moved", exc)
+
+    def chunk_unregistered(self, chunk: Chunk, seconds: float) -> None:
         """A chunk is unregistered (``seconds``: all its calls; see :meth:`unregister_call_took`)."""
         if self.metrics:
             try:
                 self.metrics.chunk_unregister_seconds.labels(*self._labels).observe(seconds)
-                if was_pinned:
-                    self.metrics.pinned_bytes.labels(*self._labels).dec(chunk.nbytes)
             except Exception as exc:
                 self._metric_failed("chunk_unregistered", exc)
+
+    def released_elsewhere(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
+        """Unregistering ``piece`` (at address ``ptr``) found no registration there: someone else
+        released it (a server's own clean-up). Not a failure; worth a warning, since that clean-up
+        also undid pinning pinpool owned, perhaps while the pool was still in use."""
+        if self.metrics:
+            try:
+                self.metrics.released_elsewhere.labels(*self._labels).inc()
+            except Exception as exc:
+                self._metric_failed("released_elsewhere", exc)
+        self._emit(
+            "warning", "chunk.released_elsewhere", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
+            code=answer.code, reason=answer.reason,
+        )  # fmt: skip
 
     # -- the pool (event loop / calling thread) ----------------------------------------------------
 

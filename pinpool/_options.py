@@ -23,7 +23,7 @@ import torch
 from ._declared import DEFAULT_MAX_RETRIES, PER_BUFFER
 from ._errors import ConfigError
 from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
-from ._units import format_bytes, parse_env_gib, parse_size, shown
+from ._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size, shown
 from .layouts import BufferSpec, Layout, Raw
 
 __all__ = [
@@ -33,12 +33,14 @@ __all__ = [
     "DEFAULT_MAX_RETRIES",
     "PoolOptions",
     "chunk_limit_from_env",
+    "min_num_pages",
     "resolve_chunk_limit",
     "resolve_max_call_seconds",
     "resolve_pin_nice",
 ]
 
-HUGE_PAGES = (False, True, "hugetlb")
+HUGE_PAGES = (False, True, *HUGETLB_PAGE_SIZES)
+
 
 # The per-call limit when chunk_bytes= and max_chunk_bytes= are not given: the environment's, else 256 GiB.
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
@@ -92,9 +94,7 @@ def _check_fits_a_page(
     message names it. The layout is checked on the way (:func:`_layout_page_bytes`,
     :func:`_layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
     is mapped, not a ZeroDivisionError in the plan."""
-    page_bytes = _layout_page_bytes(layout)
-    one_page = _layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
-    smallest = max([page_bytes, *(s.granularity or 0 for s in one_page)])
+    page_bytes, one_page, smallest = _smallest_pool(layout)
     if budget < smallest and num_pages is not None:
         pages = -(-smallest // page_bytes)
         raise ConfigError(
@@ -108,6 +108,20 @@ def _check_fits_a_page(
         )
     pages = budget // page_bytes
     return one_page if pages == 1 else _layout_buffers(layout, pages)  # the buffers this pool will have
+
+
+def _smallest_pool(layout: Layout) -> tuple[int, tuple[BufferSpec, ...], int]:
+    """The layout's page_bytes, its buffers for one page, and the fewest bytes a pool of it holds:
+    one page, and one copy page of every buffer (the layout checked on the way)."""
+    page_bytes = _layout_page_bytes(layout)
+    one_page = _layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
+    return page_bytes, one_page, max([page_bytes, *(s.granularity or 0 for s in one_page)])
+
+
+def min_num_pages(layout: Layout) -> int:
+    """The fewest pages a pool of ``layout`` may hold (``num_pages=`` below it is refused)."""
+    page_bytes, _, smallest = _smallest_pool(layout)
+    return -(-smallest // page_bytes)
 
 
 # -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --
@@ -266,7 +280,8 @@ class PoolOptions:
     (default 256 GiB). per_buffer: one registration per buffer (``chunk_bytes="buffer"``),
     never cut (no split for workers, no stall-budget pieces, no retry halves). populate:
     pre-fault (None: where supported). *_workers: threads per role (None: the default).
-    huge_pages: False, True (THP) or "hugetlb". numa_node: bind the memory to this node.
+    huge_pages: False, True (THP), "hugetlb" (or "hugetlb:2MiB") or "hugetlb:1GiB". numa_node: bind the
+    memory to this node.
     name: the pool's name in logs, metrics and errors.
     min_chunk_bytes / max_retries / retry_codes: the retry policy: a registration failing with
     one of ``retry_codes`` (None: its runtime's retryable codes) is retried as aligned halves,
@@ -584,7 +599,8 @@ def _check_plain(
     if not isinstance(huge_pages, bool | str) or huge_pages not in HUGE_PAGES:
         raise ConfigError(
             f"huge_pages={huge_pages!r} must be False, True (transparent huge pages) or 'hugetlb' "
-            "(pages reserved in vm.nr_hugepages)"
+            "(2 MiB pages reserved in vm.nr_hugepages; also spelled 'hugetlb:2MiB'), or 'hugetlb:1GiB' "
+            "(1 GiB pages reserved with hugepagesz=1G hugepages=N on the kernel command line)"
         )
     for option, value in (
         ("populate_workers", populate_workers), ("register_workers", register_workers),

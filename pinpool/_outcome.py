@@ -193,9 +193,16 @@ def pin_error(
     return error
 
 
-def kept_text(pages: int, num_pages: int, pinned_bytes: int) -> str:
+def kept_text(pages: int, num_pages: int, pinned_bytes: int, registrations: Sequence[Chunk]) -> str:
+    """What a background pool keeps after a failure, in the figures the pool reports: ``pinned_pages``,
+    ``pinned_bytes`` and ``registrations`` (whose bytes exceed the pinned ones only by lock-on-fault
+    ranges never faulted: registered, not yet pinned)."""
+    registered = sum(chunk.nbytes for chunk in registrations)
+    held = f"{format_bytes(pinned_bytes)} pinned, {len(registrations)} registration(s) of {format_bytes(registered)}"
+    if registered > pinned_bytes:
+        held += f" ({format_bytes(registered - pinned_bytes)} of them locked on fault but not faulted in: not pinned)"
     return (
-        f"nothing was unpinned: pages [0, {pages}) of {num_pages} ({format_bytes(pinned_bytes)} pinned) stay pinned "
+        f"nothing was unpinned: pages [0, {pages}) of {num_pages} ({held}) stay pinned "
         "and usable until the pool is exited or closed; stop using new pages, drain, and exit the pool"
     )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ def pin(
     tensor: torch.Tensor,
     *,
     granularity_bytes: int | None = None,
+    ranges: Sequence[tuple[int, int]] | None = None,
     runtime: str | Runtime = "auto",
     chunk_bytes: int | str | None = None,
     max_chunk_bytes: int | str | None = None,
@@ -41,7 +42,7 @@ def pin(
     logger: Any | None = None,
     on_progress: ProgressCallback | None = None,
 ) -> PinnedPool:
-    """Pin a contiguous CPU tensor you allocated, with PinnedPool's chunking and guarantees.
+    """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees.
 
     Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
     views ``t``'s memory, with its shape and dtype (``pinned.tensors["data"]``). It takes every
@@ -58,6 +59,16 @@ def pin(
     mlock, FakeRuntime); elsewhere that is a :class:`ConfigError` (allocate with
     :func:`pinpool.empty`, which is page-aligned).
 
+    Not all of it, where it is given so (each range its own registrations, chunked within it by
+    the rule above from its own start, never merged with a neighbour; rolled back and unpinned
+    like chunks; two ranges may share an OS page only where neighbouring chunks may): a strided
+    view whose rows are contiguous (``region.view(rows, stride)[:, a:b]``: vLLM's worker slots)
+    pins each row, and ``ranges=[(offset, nbytes), ...]`` (byte offsets into a contiguous
+    tensor, any order, none overlapping) pins those ranges; ``pinned.tensor`` is the tensor as
+    given, ``pinned.nbytes`` the bytes registered, and pages are still its rows along the first
+    dimension (a row is pinned once every range in it is). A view whose rows are not contiguous,
+    or overlap one another, is a :class:`ConfigError`.
+
     The caller's memory is never freed by pinpool, nor under it: pinpool holds ``t``'s storage
     while pinned, and points ``t`` at a non-resizable alias of it, so growing ``t`` with
     ``resize_`` raises instead of reallocating pinned memory; ``t`` gets its own storage back
@@ -71,8 +82,6 @@ def pin(
         raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
     if tensor.device.type != "cpu":
         raise ConfigError(f"pin(tensor on {tensor.device}): only CPU tensors live in host memory")
-    if not tensor.is_contiguous():
-        raise ConfigError("pin(tensor): the tensor is not contiguous; pin its storage's contiguous owner instead")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         raise ConfigError("pin(tensor): the tensor has no elements, so there is nothing to pin")

@@ -145,10 +145,8 @@ class Pipeline:
         # Pinned-page bookkeeping for pools used while they pin: each range is reported as it
         # becomes pinned (a registered chunk; a faulted span of a lock-on-fault chunk).
         self.prefix = prefix
-        # Pinned bytes of chunks not yet whole: faulted spans of lock-on-fault chunks, and pieces
-        # registered so far of chunks registered in several calls (the stall budget).
-        self._partial_bytes = 0
-        self._piece_bytes: dict[int, int] = {}  # chunk index -> bytes of its pieces counted above
+        # What is pinned of chunks not (yet) whole is counted in the ledger (Ledger.pinned_part);
+        # this only remembers the parts of spans faulted in several calls, not to count them twice.
         self._span_parts: dict[tuple[int, int], int] = {}  # REGISTER_FIRST: bytes of spans faulted in parts
 
     # -- what workers ask for ------------------------------------------------------------------
@@ -304,7 +302,7 @@ class Pipeline:
                 for part in landing.pieces:
                     key = (span.chunk, span.offset)
                     self._span_parts[key] = self._span_parts.get(key, 0) + part.nbytes
-                    self._partial_bytes += part.nbytes
+                    self.ledger.pinned_part(span.chunk, part.nbytes)
                     if self.prefix is not None:
                         self.prefix.cover(part.offset, part.end)
             return None
@@ -326,13 +324,11 @@ class Pipeline:
         if landed < -(-self.ledger.chunks[span.chunk].nbytes // self._span_bytes):
             self._spans_landed[span.chunk] = landed
             if self.order is Order.REGISTER_FIRST:
-                self._partial_bytes += span.nbytes - parts
+                self.ledger.pinned_part(span.chunk, span.nbytes - parts)
             return None
         self._spans_landed.pop(span.chunk, None)
         if self.order is Order.REGISTER_FIRST:
-            # The chunk now counts whole in the ledger: drop its earlier spans and this one's parts.
-            self._partial_bytes -= self.ledger.chunks[span.chunk].nbytes - span.nbytes + parts
-            self.ledger.faulted(span.chunk)  # locked on fault, now every page is in: pinned
+            self.ledger.faulted(span.chunk)  # locked on fault, now every page is in: pinned, and counted whole
             return span.chunk
         if self.ledger.states[span.chunk] is ChunkState.PENDING and not self.stopped:
             heapq.heappush(self._ready, span.chunk)
@@ -345,24 +341,28 @@ class Pipeline:
             # where a registered piece is pinned only once faulted): they count before the chunk lands.
             if self.order is not Order.REGISTER_FIRST:
                 for piece in pieces:
-                    self._piece_bytes[index] = self._piece_bytes.get(index, 0) + piece.nbytes
-                    self._partial_bytes += piece.nbytes
-                    if self.prefix is not None:
-                        self.prefix.cover(piece.offset, piece.end)
+                    ledger.pinned_part(index, piece.nbytes)
+                    self._cover(piece)
             return None
-        self._partial_bytes -= self._piece_bytes.pop(index, 0)  # from here the chunk counts whole, or not at all
         self._leave_window(index)
         error = landing.error
+        # A chunk that failed or stopped part-way keeps the pieces it registered until teardown:
+        # pinned (not under lock-on-fault: never faulted), so counted and in the prefix, all of
+        # them (progress told of some; retry halves of none).
+        pinned = self.order is not Order.REGISTER_FIRST
+        if pieces and (error is not None or landing.stopped) and pinned:
+            for piece in pieces:
+                self._cover(piece)
         if error is not None:  # every failed attempt is reported (a real out-of-memory is never hidden)
             attempts = landing.attempts or (ChunkFailure(ledger.chunks[index], "register", error),)
             if pieces:  # the pieces registered are undone by the rollback, from the books
-                ledger.partly_registered(index, pieces, attempts)
+                ledger.partly_registered(index, pieces, attempts, pinned=pinned)
             else:
                 ledger.failed(index, "register", error, attempts)
             return None
         if landing.stopped:  # what stopped pinning is reported, not this chunk's earlier attempts
             if pieces:
-                ledger.partly_registered(index, pieces, ())
+                ledger.partly_registered(index, pieces, (), pinned=pinned)
             else:  # never called, or stopped before its first piece: simply not registered
                 ledger.unclaim(index)
             return None
@@ -373,18 +373,19 @@ class Pipeline:
             ledger.registered(index, faulting=faulting)
         if faulting:
             return None
-        if self.prefix is not None:
-            chunk = ledger.chunks[index]
-            self.prefix.cover(chunk.offset, chunk.end)
+        self._cover(ledger.chunks[index])
         return index
+
+    def _cover(self, pinned: Chunk) -> None:
+        if self.prefix is not None:
+            self.prefix.cover(pinned.offset, pinned.end)
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes pinned now: registered chunks, and while pinning under lock-on-fault, the
-        faulted (so locked) spans of chunks still faulting (also once pinning stopped early: a
-        background pool keeps them locked until it is exited)."""
-        partial = self._partial_bytes if self.ledger.phase in (Phase.PINNING, Phase.ROLLED_BACK) else 0
-        return self.ledger.registered_bytes + partial
+        """Bytes pinned now (:attr:`Ledger.pinned_bytes`): whole chunks, pieces registered, and
+        under lock-on-fault faulted spans, until teardown unregisters them, also after pinning
+        stopped early (a background pool keeps them until it is exited)."""
+        return self.ledger.pinned_bytes
 
     def _leave_window(self, index: int) -> None:
         if index in self._window:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._units import hugetlb_page_size
+
 if TYPE_CHECKING:  # types only: the pre-flight, and with it pinpool doctor, stays torch-free
     from ._host import HostFacts
     from ._options import PoolOptions
@@ -42,7 +44,8 @@ def place(options: PoolOptions, host: HostFacts) -> Placement:
     """Lay the options' buffers out in one mapping on ``host`` (its page sizes). Checks nothing:
     :func:`pinpool._preflight.placement_checks` judges the result against the host."""
     specs = options.buffers
-    align = host.huge_page_size if options.huge_pages else host.page_size
+    # hugetlb pages: the mapping's page (2 MiB or 1 GiB); THP: 2 MiB-aligned 4 KiB pages.
+    align = hugetlb_page_size(options.huge_pages) or (host.huge_page_size if options.huge_pages else host.page_size)
     offsets: list[int] = []
     offset = 0
     for spec in specs:

@@ -16,10 +16,13 @@ where chunks may be cut later (retries, the stall budget) is :mod:`pinpool._cutt
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from ._chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from ._errors import ConfigError
@@ -28,7 +31,7 @@ from ._placement import Placement, place
 from ._prefix import PageRun, page_runs, pin_order
 from ._preflight import bytes_text, placement_checks, raise_first
 from ._types import Capabilities
-from ._units import format_bytes
+from ._units import format_bytes, hugetlb_page_size
 from .layouts import BufferSpec
 
 if TYPE_CHECKING:
@@ -225,6 +228,21 @@ class BufferPlan:
 
 
 @dataclass(frozen=True)
+class SourceRanges:
+    """The byte ranges of a caller's tensor that :func:`pinpool.pin` registers instead of all of
+    it: the rows of a strided view, or ``ranges=``. ``ranges``: sorted, disjoint, non-empty
+    ``(offset, nbytes)`` from the first range's start (where the pool's memory starts: a group of
+    ranges is claimed, and unregistered, by its first byte); ``extent``: the last range's end;
+    ``run``: where the tensor's pages (rows along its first dimension) lie, the bytes between
+    the ranges as its holes; ``first``: the first range's offset from the tensor's start."""
+
+    ranges: tuple[tuple[int, int], ...]
+    extent: int
+    run: PageRun
+    first: int
+
+
+@dataclass(frozen=True)
 class PoolPlan:
     """Everything decided about a pool before anything is mapped or pinned (see :func:`plan_pool`).
 
@@ -240,7 +258,7 @@ class PoolPlan:
     populate: bool
     huge_pages: bool | str
     numa_node: int | None
-    page_size: int  # the OS page chunks are aligned to
+    page_size: int  # the page chunks are aligned to: the OS page, or the hugetlb page with huge_pages="hugetlb..."
     align: int  # buffer placement alignment: the OS page, or the huge page with huge_pages
     source_start: int  # the memory's start modulo the OS page (non-zero only for a caller's tensor)
     buffers: tuple[BufferPlan, ...]
@@ -265,7 +283,7 @@ class PoolPlan:
 
 def plan_pool(
     options: PoolOptions, host: HostFacts, caps: Capabilities, *, source_start: int = 0,
-    placement: Placement | None = None,
+    placement: Placement | None = None, ranges: SourceRanges | None = None,
 ) -> PoolPlan:  # fmt: skip
     """Plan a pool: a pure function of its options, the host's facts and the runtime's abilities.
 
@@ -273,6 +291,8 @@ def plan_pool(
     (page-aligned), a caller's tensor's ``data_ptr() % page_size`` for :func:`pinpool.pin`.
     ``placement``: the pool's placement on this host, made and checked already by the caller's
     pre-flight (so it is computed and checked once); without it, it is made and checked here.
+    ``ranges``: pin() of a strided view or of ranges= (one layout buffer): each range is laid out
+    as a buffer of its own, chunked on its own grid, so no chunk crosses a gap between ranges.
     Raises :class:`ConfigError` for anything the host cannot do (NUMA node, THP, hugetlb pages,
     MADV_POPULATE_WRITE, a size beyond the address space) or the options cannot satisfy.
     """
@@ -298,7 +318,13 @@ def plan_pool(
         order = Order.REGISTER_FIRST
     else:
         order = Order.POPULATE_FIRST
-    total = where.nbytes
+    # Chunk boundaries on whole hugetlb pages, as on whole OS pages otherwise: no page is shared by
+    # two registrations (a hugetlb page is faulted, pinned and freed whole; no retry could split one).
+    page_size = hugetlb_page_size(huge_pages) or host.page_size
+    placed: list[tuple[BufferSpec, int]] = list(zip(where.specs, where.offsets, strict=True))
+    if ranges is not None:
+        placed = _range_buffers(placed, ranges, source_start, page_size, caps)
+    total = sum(spec.nbytes for spec, _ in placed)
     by_size = max(1, total // MIN_BYTES_PER_DEFAULT_WORKER)
     wanted_register = options.register_workers or min(by_size, default_register_workers(caps, host.cpus))
     wanted_populate = (options.populate_workers or min(by_size, default_populate_workers(host.cpus))) if populate else 0
@@ -310,9 +336,8 @@ def plan_pool(
     workers = max(wanted_register, wanted_populate)
     explicit = options.chunk_bytes is not None or options.max_chunk_bytes is not None
     split_limit = limit if explicit else parallel_limit(limit, total, workers)
-    page_size = host.page_size
     buffers: list[BufferPlan] = []
-    for spec, offset in zip(where.specs, where.offsets, strict=True):
+    for spec, offset in placed:
         if not spec.nbytes:
             buffers.append(BufferPlan(spec, offset, None, ChunkTable()))
             continue
@@ -324,7 +349,8 @@ def plan_pool(
         unit = math.lcm(spec.granularity or 1, page_size)
         plan_limit = split_limit if split_limit >= unit else limit
         plan = plan_chunks(
-            spec.nbytes, granularity=spec.granularity, limit=plan_limit, page_size=page_size, start=source_start,
+            spec.nbytes, granularity=spec.granularity, limit=plan_limit, page_size=page_size,
+            start=(source_start + offset) % page_size,
             shared_boundary_pages=caps.exact_ranges,  # only changes plans no page-aligned boundary fits
         )  # fmt: skip
         buffers.append(BufferPlan(spec, offset, plan, plan.chunks.shifted(offset)))
@@ -336,7 +362,10 @@ def plan_pool(
     granularity = granularities.pop() if len(granularities) == 1 else None
     register_workers = max(1, min(wanted_register, len(chunks)))
     span_bytes = span_bytes_for(chunk_bytes, wanted_populate, where.align) if populate else 0
-    runs = page_runs([(b.offset, b.spec.nbytes, b.spec.page_runs) for b in buffers], where.num_pages)
+    if ranges is None:
+        runs = page_runs([(b.offset, b.spec.nbytes, b.spec.page_runs) for b in buffers], where.num_pages)
+    else:
+        runs = (ranges.run,)
     pin_chunks = pin_order(chunks, runs)
     # Spans index the chunks in the order they are pinned: the pipeline faults them in that order.
     spans: Sequence[Span] = SpanTable(pin_chunks, span_bytes) if populate else ()
@@ -358,7 +387,8 @@ def plan_pool(
         nbytes=total, num_pages=where.num_pages, page_bytes=options.layout.page_bytes, chunk_limit=limit,
         chunk_bytes=chunk_bytes, granularity=granularity, populate=populate, huge_pages=huge_pages,
         numa_node=options.numa_node, page_size=page_size, align=where.align, source_start=source_start,
-        buffers=tuple(buffers), mapping_bytes=where.mapping_bytes, chunks=chunks, order=order,
+        buffers=tuple(buffers), chunks=chunks, order=order,
+        mapping_bytes=where.mapping_bytes if ranges is None else max(page_size, ranges.extent),
         register_workers=register_workers, populate_workers=populate_workers, unpin_workers=unpin_workers,
         threads=threads, span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes,
         pin_chunks=pin_chunks, page_runs=runs, registrations=len(chunks),
@@ -386,6 +416,28 @@ def _registrations_reason(options: PoolOptions, count: int, limit: int, split_li
     elif options.budget_yields_to:
         why += f'; the "auto" stall budget yields to {options.budget_yields_to} for registrations'
     return f"{count} registration{'s' if count != 1 else ''}: {why}"
+
+
+def _range_buffers(
+    placed: list[tuple[BufferSpec, int]], ranges: SourceRanges, source_start: int, page_size: int, caps: Capabilities
+) -> list[tuple[BufferSpec, int]]:
+    """The ranges of pin()'s one buffer as buffers of their own (``data[i]``: range *i*, in bytes).
+    Two ranges on one OS page need a runtime that tracks registrations by exact byte range."""
+    ((spec, base),) = placed
+    for (offset, nbytes), (after, _) in itertools.pairwise(ranges.ranges):
+        last_page = (source_start + offset + nbytes - 1) // page_size
+        if not caps.exact_ranges and last_page == (source_start + after) // page_size:
+            raise ConfigError(
+                f"pin(): the ranges ending at byte {ranges.first + offset + nbytes} and starting at byte "
+                f"{ranges.first + after} of the tensor share an OS page of {page_size} B, and this runtime does not "
+                "track registrations "
+                "by exact byte range (Capabilities.exact_ranges), so two registrations may not share a page; "
+                "round the ranges out to whole pages, or use a runtime that does (cuda, mlock)"
+            )
+    return [
+        (BufferSpec(f"{spec.name}[{i}]", (nbytes,), torch.uint8, spec.granularity, None), base + offset)
+        for i, (offset, nbytes) in enumerate(ranges.ranges)
+    ]
 
 
 def _one_call(spec: BufferSpec, page_size: int, bound: int | None) -> ChunkPlan:

@@ -294,10 +294,12 @@ class PinnedPool:
         node) fails before a GPU driver starts; the plan is made from that same placement.
         """
         granularity = given.pop("granularity_bytes", None)
+        ranges = given.pop("ranges", None)
         unknown = set(given) - set(_CREATE) - set(_PACING)
         assert not unknown, f"options not declared in pinpool._declared: {sorted(unknown)}"
+        tensor_layout = None if source is None else TensorLayout(source, granularity, ranges)
         if source is not None:
-            given["layout"] = TensorLayout(source, granularity)
+            given["layout"] = tensor_layout
             given["size"] = source.numel() * source.element_size()
         options = PoolOptions.create(**{name: given[name] for name in _CREATE if name in given})
         pacing = NodePacing.from_options(**{name: given[name] for name in _PACING if name in given})
@@ -310,12 +312,17 @@ class PinnedPool:
         placement = place(options, host)
         raise_first(placement_checks(options, host, placement))
         resolved = resolve_runtime(runtime)
-        start = 0 if source is None else source.data_ptr() % host.page_size  # own memory is page-aligned
+        # Own memory is page-aligned; a caller's tensor starts where it starts (at its first range with ranges).
+        source_ranges = None if tensor_layout is None else tensor_layout.ranges
+        start = 0 if source is None else (source.data_ptr() + (source_ranges.first if source_ranges else 0))
+        start %= host.page_size
         self._options = options
         self._host = host
         self._runtime: Runtime = resolved
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
-        self._plan: PoolPlan = plan_pool(options, host, self._caps, source_start=start, placement=placement)
+        self._plan: PoolPlan = plan_pool(
+            options, host, self._caps, source_start=start, placement=placement, ranges=source_ranges
+        )
         self._buffers: tuple[BufferPlan, ...] = self._plan.buffers
         self._mapping_bytes = self._plan.mapping_bytes
         name = options.name
@@ -484,7 +491,9 @@ class PinnedPool:
     @property
     def pinned_bytes(self) -> int:
         """Bytes pinned right now, moving within a chunk where the runtime locks as pages fault
-        in (mlock); 0 before entering and after exit."""
+        in (mlock); 0 before entering and after exit. After a background failure, what stays
+        pinned until exit: every registered range (a failed chunk's pieces included), under
+        lock-on-fault its faulted part; the error text and the gauge say the same figure."""
         session = self._lifecycle.session
         return 0 if session is None else session.pipeline.pinned_bytes
 

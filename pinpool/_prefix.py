@@ -36,6 +36,9 @@ class PageRun:
     start: int
     end: int
     page_bytes: int | None
+    # Bytes of the run nothing registers (between the rows of a strided view, or ranges=):
+    # they hold no page's data, so the tracker counts them pinned from the start.
+    holes: tuple[tuple[int, int], ...] = ()
 
 
 def page_runs(buffers: Sequence[tuple[int, int, int | None]], num_pages: int) -> tuple[PageRun, ...]:
@@ -100,6 +103,9 @@ class PrefixTracker:
         self._done = [run.start for run in self.runs]  # absolute end of each run's pinned prefix
         self._ahead: list[list[tuple[int, int]]] = [[] for _ in self.runs]  # heaps of ranges beyond it
         self._pages = 0 if self.runs else num_pages
+        for run in self.runs:
+            for lo, hi in run.holes:
+                self.cover(lo, hi)
 
     def cover(self, start: int, end: int) -> None:
         """``[start, end)`` of the pool is pinned now."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ._errors import RAISE_MEMLOCK, ConfigError
 from ._placement import Placement, place
 from ._types import Capabilities
-from ._units import format_bytes
+from ._units import format_bytes, hugetlb_page_size
 
 if TYPE_CHECKING:
     from ._host import HostFacts
@@ -42,12 +42,14 @@ __all__ = [
     "check_host",
     "check_pinning",
     "hugetlb_check",
+    "hugetlb_fix",
     "memlock_check",
     "memory_check",
     "numa_check",
     "pinning_checks",
     "placement_checks",
     "raise_first",
+    "resident_fit",
     "thp_check",
 ]
 
@@ -139,22 +141,39 @@ def thp_check(mode: str | None, *, wanted: bool, defrag: str | None = None) -> C
     return Check("thp", OK, found)
 
 
-def hugetlb_check(nbytes: int | None, *, free: int, total: int, huge_page_size: int, wanted: bool) -> Check:
-    """huge_pages='hugetlb' needs ``nbytes`` of free pages reserved in the hugetlb pool (vm.nr_hugepages):
-    a failure when ``wanted``, a warning where pages are reserved but too few, else what there is."""
+def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
+    """How to reserve ``pages`` hugetlb pages of ``huge_page_size`` in all: 2 MiB pages at run time
+    (vm.nr_hugepages); 1 GiB pages on the kernel command line (at run time the kernel rarely finds
+    1 GiB of contiguous free memory per page)."""
+    if huge_page_size == 1 << 30:
+        return (
+            f"hugepagesz=1G hugepages={pages} on the kernel command line and reboot; echo {pages} > "
+            "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages works only while memory is unfragmented"
+        )
+    return f"echo {pages} > /proc/sys/vm/nr_hugepages, or hugepages= on the kernel command line"
+
+
+def hugetlb_check(
+    nbytes: int | None, *, free: int, total: int, huge_page_size: int, wanted: bool, value: str | None = None
+) -> Check:
+    """huge_pages='hugetlb' needs ``nbytes`` of free pages reserved in the hugetlb pool (vm.nr_hugepages),
+    'hugetlb:1GiB' in the 1 GiB pool: a failure when ``wanted``, a warning where pages are reserved
+    but too few, else what there is. ``value``: the huge_pages= asked for, for messages."""
     page = format_bytes(huge_page_size)
+    value = value or ("hugetlb:1GiB" if huge_page_size == 1 << 30 else "hugetlb")
+    name = "hugetlb" if huge_page_size == 2 << 20 else f"hugetlb:{page.replace(' ', '')}"
     needed = 0 if nbytes is None else -(-nbytes // huge_page_size)
     if free < needed and (wanted or total):
         return Check(
-            "hugetlb", FAIL if wanted else WARN,
-            f"huge_pages='hugetlb' needs {needed} free {page} hugetlb pages ({human(needed * huge_page_size)}), "
+            name, FAIL if wanted else WARN,
+            f"huge_pages={value!r} needs {needed} free {page} hugetlb pages ({human(needed * huge_page_size)}), "
             f"but the host has {free} free of {total} reserved",
-            f"reserve them first (echo {total - free + needed} > /proc/sys/vm/nr_hugepages, or hugepages= on the "
-            "kernel command line), or use huge_pages=True (transparent huge pages, nothing to reserve)",
+            f"reserve them first ({hugetlb_fix(huge_page_size, total - free + needed)}), or use huge_pages=True "
+            "(transparent huge pages, nothing to reserve)",
         )  # fmt: skip
     if total == 0:
-        return Check("hugetlb", OK, f"no {page} hugetlb pages reserved (only huge_pages='hugetlb' needs them)")
-    return Check("hugetlb", OK, f"{free} of {total} {page} hugetlb pages free ({format_bytes(free * huge_page_size)})")
+        return Check(name, OK, f"no {page} hugetlb pages reserved (only huge_pages={value!r} needs them)")
+    return Check(name, OK, f"{free} of {total} {page} hugetlb pages free ({format_bytes(free * huge_page_size)})")
 
 
 def address_space_check(mapping_bytes: int, *, size: int, address_space: int) -> Check:
@@ -178,9 +197,15 @@ def placement_checks(options: PoolOptions, host: HostFacts, placement: Placement
     checks.append(
         address_space_check(placement.mapping_bytes, size=options.size, address_space=host.address_space_bytes)
     )
-    if options.huge_pages == "hugetlb":
-        free, total, page = host.hugetlb_free, host.hugetlb_total, host.huge_page_size
-        checks.append(hugetlb_check(placement.mapping_bytes, free=free, total=total, huge_page_size=page, wanted=True))
+    page = hugetlb_page_size(options.huge_pages)
+    if page:
+        free, total = host.hugetlb_pages(page)
+        checks.append(
+            hugetlb_check(
+                placement.mapping_bytes, free=free, total=total, huge_page_size=page, wanted=True,
+                value=str(options.huge_pages),
+            )
+        )  # fmt: skip
     return checks
 
 
@@ -209,6 +234,12 @@ def _sources(host: HostFacts) -> tuple[str, str]:
     return f"{mem_text} ({cgroup_text})", host_fix
 
 
+def resident_fit(available: int, page_size: int) -> int:
+    """The most bytes (whole OS pages) that fit in ``available`` with their page tables, as
+    :func:`memory_check` charges them: the pool sizes it advises and :func:`pinpool.host_budget`."""
+    return max(0, available) * page_size // (page_size + _PTE_BYTES) // page_size * page_size
+
+
 def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
     """``nbytes`` of new memory (and its page tables) against what the process may still make
     resident: the memory cgroup's room (limit - usage + reclaimable page cache) and MemAvailable,
@@ -230,7 +261,7 @@ def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
     tables = -(-nbytes // host.page_size) * _PTE_BYTES
     needed = nbytes + tables
     if needed > available:
-        fit = available * host.page_size // (host.page_size + _PTE_BYTES) // host.page_size * host.page_size
+        fit = resident_fit(available, host.page_size)
         return Check(
             "memory", FAIL,
             f"{subject} cannot be pinned here: it needs {human(needed)} of memory ({human(nbytes)} of pages plus "
@@ -314,7 +345,11 @@ def check_pinning(
     pool needs only the pages the file does not hold yet, and locks all of them all the same.
     mlock charges the pages each chunk covers: every buffer rounded out to pages (a caller's
     tensor may start mid-page: one page more)."""
-    new = (mapping_bytes if new_bytes is None else new_bytes) if new_memory and options.huge_pages != "hugetlb" else 0
+    new = (
+        (mapping_bytes if new_bytes is None else new_bytes)
+        if new_memory and not hugetlb_page_size(options.huge_pages)
+        else 0
+    )
     page = host.page_size
     locked = sum(-(-nbytes // page) * page for nbytes in buffer_bytes) + (0 if new_memory else page)
     checks = pinning_checks(

@@ -24,6 +24,12 @@ class Capabilities:
         unverified).
     retryable_codes: register failure codes worth retrying with a smaller chunk
         (CUDA: 2, cudaErrorMemoryAllocation).
+    not_registered_codes: unregister failure codes that mean "no registration has this base":
+        CUDA's 713 (cudaErrorHostMemoryNotRegistered), HIP's 1062. A registration pinpool made
+        that answers one of them at teardown was released by someone else (a server's own
+        clean-up unregistering the buffer's base): pinpool records it as released elsewhere,
+        not as a failure, and lets the memory go. None for mlock: its books are the runtime
+        object's own, so nobody else can release a registration from them.
     resident: registering a range makes its pages resident for good (neither swapped out nor
         reclaimed), so the pre-flight charges a pool against the memory cgroup and MemAvailable.
         True for anything that pins for real (the default: a runtime's purpose); False for one
@@ -39,5 +45,6 @@ class Capabilities:
     serial_registration: bool = False
     exact_ranges: bool = False
     retryable_codes: frozenset[int] = field(default_factory=frozenset)
+    not_registered_codes: frozenset[int] = field(default_factory=frozenset)
     resident: bool = True
     charges_memlock: bool = False

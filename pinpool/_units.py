@@ -151,3 +151,13 @@ def format_bytes(nbytes: int) -> str:
             text = f"{nbytes / scale:.2f}".rstrip("0").rstrip(".")
             return f"{text} {unit}"
     return f"{nbytes} B"
+
+
+# huge_pages= spellings that map hugetlb pages, and the page each maps: plain "hugetlb" keeps its
+# first meaning (2 MiB pages, vm.nr_hugepages); "hugetlb:1GiB" takes pages reserved at boot.
+HUGETLB_PAGE_SIZES = {"hugetlb": 2 << 20, "hugetlb:2MiB": 2 << 20, "hugetlb:1GiB": 1 << 30}
+
+
+def hugetlb_page_size(huge_pages: object) -> int:
+    """The hugetlb page ``huge_pages=`` maps with (2 MiB or 1 GiB); 0 for False and True (THP)."""
+    return HUGETLB_PAGE_SIZES.get(huge_pages, 0) if isinstance(huge_pages, str) else 0

@@ -123,6 +123,12 @@ class PoolMetrics:
             "pinpool_rollbacks_total", "Pinnings rolled back, by cause (failure, cancelled).", (*_BASE, "cause"), **kw
         )
         self.retries = Counter("pinpool_retries_total", "Chunk registrations retried.", _BASE, **kw)
+        self.released_elsewhere = Counter(
+            "pinpool_released_elsewhere_total",
+            "Registrations found already released by someone else when pinpool unregistered them (CUDA 713, "
+            "HIP 1062): counted as unregistered, not as failures.",
+            _BASE, **kw,
+        )  # fmt: skip
         self.log_errors = Counter(
             "pinpool_log_errors_total",
             "Log calls that raised (in a logger or structlog processor); swallowed, reported once per pool on stderr.",

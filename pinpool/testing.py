@@ -13,6 +13,11 @@ paths of your own server without a GPU or locked memory::
 Injected register failures report code 2, which the fake declares retryable as CUDA does, so
 a pool would retry a failed chunk of at least twice ``min_chunk_bytes`` as two halves; pass
 ``max_retries=0`` to test the plain failure path, or keep retries on to test them.
+
+:class:`FakeCudart` stands in for ``torch.cuda.cudart()`` instead: it keeps CUDA's
+registration books (712, 713, the sticky last error) and really locks pages, so pinpool's own
+CUDA runtime code (``CudaRuntime.from_binding(FakeCudart())``) and a server's own pinning code
+run on CPU side by side (see docs/testing.md).
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from collections.abc import Callable, Iterable
 
 from . import _libc
 from ._errors import ConfigError, RuntimeCallError
+from ._fake_cudart import FakeCudart
 from ._ranges import RangeBook
 from ._types import Capabilities
 from ._units import parse_size
 
-__all__ = ["CallHook", "FakeRuntime"]
+__all__ = ["CallHook", "FakeCudart", "FakeRuntime"]
 
 # CUDA's codes, so code written against the fake sees what it would see on a GPU host.
 _ALLOCATION_FAILED = (2, "cudaErrorMemoryAllocation")
@@ -84,7 +90,8 @@ class FakeRuntime:
     ``lock_on_fault=True`` makes the fake behave like mlock: it declares ``locks_on_fault``, so
     chunks are registered (through :meth:`lock_on_fault`, which counts as a register call)
     before they are faulted, instead of after (CUDA). ``capabilities`` is the declaration:
-    populates, retryable code 2, locks_on_fault and exact_ranges as asked, and not ``resident``
+    populates, retryable code 2, "not registered" code 713, locks_on_fault and exact_ranges as
+    asked, and not ``resident``
     (it touches no memory, so the memory pre-flight charges nothing).
     ``events`` is every call in the order it started: ``("populate" | "register" |
     "unregister", ptr)``.
@@ -149,6 +156,7 @@ class FakeRuntime:
             locks_on_fault=lock_on_fault,
             exact_ranges=exact_ranges,
             retryable_codes=frozenset({2}),
+            not_registered_codes=frozenset({_NOT_REGISTERED[0]}),
             resident=False,  # it touches no memory: the pre-flight charges nothing, so tests may plan any size
         )
         _check_hook(before_call, "before_call")

@@ -39,7 +39,7 @@ def _flag_cell(flag: Flag) -> str:
     elif flag.kind == "runtime":
         spelled = _code(f"{flag.flag} NAME")
     elif flag.kind == "huge_pages":
-        spelled = _code(f"{flag.flag} [thp|hugetlb|off]")
+        spelled = _code(f"{flag.flag} [thp|hugetlb|hugetlb:2MiB|hugetlb:1GiB|off]")
     else:
         spelled = _code(f"{flag.flag} {flag.metavar}")
     extra = (

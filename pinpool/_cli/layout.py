@@ -30,7 +30,7 @@ class Field:
     """One layout constructor field: its command-line option and how its text is read."""
 
     flag: str
-    kind: str  # int, bytes, dtype, shape, shapes, choice, flag
+    kind: str  # int, bytes, dtype, shape, shapes, choice, text, flag
     help: str
 
     @property
@@ -40,24 +40,35 @@ class Field:
 
 # Every field of every class in FAMILIES, by its constructor name.
 FIELDS: dict[str, Field] = {
-    "layout": Field("--kv-layout", "choice", "layout kind: layer_first, page_first, page_first_direct or page_head"),
+    "layout": Field(
+        "--kv-layout",
+        "choice",
+        "layout kind: layer_first, page_first, page_first_direct, page_head, page_unified or page_first_kv_split",
+    ),
     "layer_num": Field("--layer-num", "int", "layers"),
     "page_size": Field("--page-size", "int", "tokens per page"),
     "head_num": Field("--head-num", "int", "KV heads (mha)"),
     "head_dim": Field("--head-dim", "int", "head dimension (mha)"),
     "v_head_dim": Field("--v-head-dim", "int", "V head dimension when it differs from --head-dim (mha)"),
     "k_only": Field("--k-only", "flag", "K without V (mha)"),
+    "head_group_num": Field("--head-group-num", "int", "kv-head groups a page_unified page is cut into (mha)"),
     "kv_cache_dim": Field("--kv-cache-dim", "int", "latent dimension per token and layer (mla)"),
+    "qk_rope_head_dim": Field("--qk-rope-head-dim", "int", "V (rope) width; K gets the rest (mla page_first_kv_split)"),
+    "index_layer_num": Field("--index-layer-num", "int", "indexer layers (mla page_first_kv_split)"),
+    "index_scales": Field("--index-scales", "flag", "fp32 indexer scales (mla page_first_kv_split)"),
     "dtype": Field("--dtype", "dtype", "element type, e.g. bfloat16, float16, float8_e4m3fn"),
     "temporal_dtype": Field("--temporal-dtype", "dtype", "temporal state dtype, default --dtype (mamba)"),
     "conv_dtype": Field("--conv-dtype", "dtype", "conv state dtype, default --dtype (mamba)"),
     "num_mamba_layers": Field("--num-mamba-layers", "int", "Mamba layers (mamba)"),
     "temporal_shape": Field("--temporal-shape", "shape", "temporal state shape, e.g. 8,64,128 (mamba)"),
     "conv_shapes": Field("--conv-shapes", "shapes", "conv state shapes, e.g. '4,8192;4,512' (mamba)"),
-    "index_head_dim": Field("--index-head-dim", "int", "indexer head dimension (indexer)"),
+    "index_head_dim": Field("--index-head-dim", "int", "indexer head dimension (indexer, mla page_first_kv_split)"),
     "quant_block_size": Field("--quant-block-size", "int", "elements per fp32 scale (indexer)"),
     "item_bytes": Field("--item-bytes", "bytes", "bytes per page and layer (paged)"),
-    "granularity_bytes": Field("--granularity", "bytes", "copy-page size chunk boundaries align to (raw)"),
+    "granularity_bytes": Field("--granularity", "bytes", "copy-page size chunk boundaries align to (raw, dense)"),
+    "shape": Field("--shape", "shape", "the tensor of a one-page pool, e.g. 2,64,32,8,128 (dense)"),
+    "page_dim": Field("--page-dim", "int", "the dimension pages stack along, default 0 (dense)"),
+    "buffer": Field("--buffer-name", "text", "the buffer's name, pool.tensors[NAME], default data (dense)"),
 }
 
 # --layout FAMILY -> the class in pinpool.layouts; its fields are the dataclass's own.
@@ -68,6 +79,7 @@ FAMILIES: dict[str, str] = {
     "mamba": "Mamba",
     "indexer": "Indexer",
     "paged": "PagedBytes",
+    "dense": "Dense",
 }
 
 # Short names engines use (SGLang's --kv-cache-dtype, vLLM's) for torch's dtypes.
@@ -218,7 +230,8 @@ def layout_from_file(path: str) -> Layout:
     return build_layout(family, spec, source=f"--layout-file {path} ({family})", from_text=False)
 
 
-METAVARS = {"int": "N", "bytes": "SIZE", "dtype": "DTYPE", "shape": "SHAPE", "shapes": "SHAPES", "choice": "KIND"}
+METAVARS = {"int": "N", "bytes": "SIZE", "dtype": "DTYPE", "shape": "SHAPE", "shapes": "SHAPES", "choice": "KIND",
+            "text": "NAME"}  # fmt: skip
 
 
 def add_layout_group(parser: argparse.ArgumentParser) -> None:

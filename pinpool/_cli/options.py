@@ -14,7 +14,9 @@ from .text import cli_size, codes_text, nice_text, seconds_text
 if TYPE_CHECKING:
     from ..runtimes import Capabilities
 
-HUGE_PAGES: dict[str, bool | str] = {"off": False, "thp": True, "hugetlb": "hugetlb"}
+HUGE_PAGES: dict[str, bool | str] = {
+    "off": False, "thp": True, "hugetlb": "hugetlb", "hugetlb:2MiB": "hugetlb:2MiB", "hugetlb:1GiB": "hugetlb:1GiB",
+}  # fmt: skip
 CLI_RUNTIMES = tuple(dict.fromkeys((*runtime_choices(), "fake")))
 
 

@@ -8,13 +8,14 @@ error table, the library that holds the calls the binding lacks (``cudaGetLastEr
 unknown code), and which torch build the runtime may run on. :class:`GpuApi` holds those
 differences; :class:`HostRegisterRuntime` is everything else, written once.
 
-The binding, the library and the device setter can be injected (``_from_parts``), so this
-logic runs in CI through stubs shaped like the real ones; the public constructors find the
-real ones through torch.
+The binding and the library can be given (``from_binding``, e.g. with
+:class:`pinpool.testing.FakeCudart`), so this logic runs in CI on CPU; the plain constructors
+find the real ones through torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -130,6 +131,8 @@ class HostRegisterRuntime:
     device: int
     flags: int
     clears_sticky_errors: bool
+    _get_last_error: Callable[[], object] | None
+    _get_error_name: Callable[[int], object] | None
 
     def __init__(self, device: int | str | None = None, flags: int = 0) -> None:
         import torch
@@ -140,47 +143,71 @@ class HostRegisterRuntime:
         count = torch.cuda.device_count()
         if not 0 <= index < count:
             raise ConfigError(f"device={device!r} is not one of the {count} visible {self._api.platform} devices")
+        library = load_library(self._api)
+        getters = (None, None) if library is None else _library_calls(library, self._api)
         self._bind(
-            binding=torch.cuda.cudart(),  # type: ignore[no-untyped-call]
-            library=load_library(self._api),
+            torch.cuda.cudart(),  # type: ignore[no-untyped-call]
+            getters,
             device_context=torch.cuda.device,
             device=int(index),
             flags=flags,
         )
 
     @classmethod
-    def _from_parts(
-        cls,
-        *,
-        binding: CudartBinding,
-        library: Any | None,
-        device_context: DeviceContext,
-        device: int = 0,
-        flags: int = 0,
+    def from_binding(
+        cls, binding: CudartBinding, *, library: Any | None = None, device: int = 0, flags: int = 0
     ) -> Self:
-        """A runtime on the given binding, library and device setter, without asking torch for them.
+        """This runtime on a binding shaped like ``torch.cuda.cudart()``, without asking torch for it.
 
-        For tests: stubs with the shape of ``torch.cuda.cudart()``, of the loaded library
-        (``<prefix>GetLastError()``, ``<prefix>GetErrorName(code) -> bytes | None``) and of
-        ``torch.cuda.device``. The platform checks of the public constructor are skipped.
+        For tests on hosts without a GPU (:class:`pinpool.testing.FakeCudart`) and for a binding
+        of your own. ``library``: what holds ``<prefix>GetLastError()`` and
+        ``<prefix>GetErrorName(code) -> bytes`` (the loaded libcudart / libamdhip64); None: the
+        binding itself where it has ``cudaGetLastError`` (FakeCudart has; torch's binding has
+        not, so a failure's sticky error is then not cleared: ``clears_sticky_errors``).
+        ``device``: the device index each call is made on, made current with
+        ``torch.cuda.device`` where torch sees a GPU, and a no-op without one. The platform
+        checks of the plain constructor are skipped; a binding that names its platform (FakeCudart's
+        ``platform``) must name this runtime's.
         """
         _check_flags(flags, cls._api)
+        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+            raise ConfigError(f"device={device!r} must be a non-negative device index (int)")
+        platform = getattr(binding, "platform", None)
+        if platform is not None and platform != cls._api.runtime:
+            raise ConfigError(
+                f"{cls.__name__}.from_binding: the binding is for platform={platform!r}, whose error codes differ; "
+                f"use a binding for platform={cls._api.runtime!r}"
+            )
+        missing = [name for name in _BINDING_CALLS if not callable(getattr(binding, name, None))]
+        if missing:
+            raise ConfigError(
+                f"{cls.__name__}.from_binding: binding={binding!r} has no callable {', '.join(missing)}; pass "
+                "torch.cuda.cudart() or pinpool.testing.FakeCudart()"
+            )
+        getters: tuple[Callable[[], object] | None, Callable[[int], object] | None] = (None, None)
+        if library is not None:
+            getters = _library_calls(library, cls._api)
+        elif callable(getattr(binding, "cudaGetLastError", None)):  # torch's binding keeps cuda* names on ROCm
+            getters = (binding.cudaGetLastError, getattr(binding, "cudaGetErrorName", None))  # type: ignore[attr-defined]
         runtime = cls.__new__(cls)
-        runtime._bind(binding=binding, library=library, device_context=device_context, device=device, flags=flags)
+        runtime._bind(binding, getters, device_context=_device_context(), device=device, flags=flags)
         return runtime
 
     def _bind(
-        self, *, binding: CudartBinding, library: Any | None, device_context: DeviceContext, device: int, flags: int
+        self,
+        binding: CudartBinding,
+        getters: tuple[Callable[[], object] | None, Callable[[int], object] | None],
+        *,
+        device_context: DeviceContext,
+        device: int,
+        flags: int,
     ) -> None:
+        """``getters``: the library's ``<prefix>GetLastError`` and ``<prefix>GetErrorName``, each or None."""
         self.device = device
         self.flags = flags
         self._binding = binding
         self._device_context = device_context
-        self._get_last_error: Callable[[], object] | None = None
-        self._get_error_name: Callable[[int], object] | None = None
-        if library is not None:
-            self._get_last_error = getattr(library, self._api.get_last_error)
-            self._get_error_name = getattr(library, self._api.get_error_name, None)
+        self._get_last_error, self._get_error_name = getters
         self.clears_sticky_errors = self._get_last_error is not None
 
     @classmethod
@@ -242,3 +269,22 @@ class HostRegisterRuntime:
 def _check_flags(flags: object, api: GpuApi) -> None:
     if isinstance(flags, bool) or not isinstance(flags, int) or flags < 0:
         raise ConfigError(f"flags={flags!r} must be a non-negative int of {api.register_op} flags")
+
+
+_BINDING_CALLS = ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString")
+
+
+def _library_calls(library: Any, api: GpuApi) -> tuple[Callable[[], object] | None, Callable[[int], object] | None]:
+    """The library's ``<prefix>GetLastError`` and ``<prefix>GetErrorName`` (None where it lacks one)."""
+    return getattr(library, api.get_last_error, None), getattr(library, api.get_error_name, None)
+
+
+def _device_context() -> DeviceContext:
+    """``torch.cuda.device`` where torch sees a GPU; otherwise a context that switches nothing."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return contextlib.nullcontext
+    if torch.cuda.is_available():
+        return torch.cuda.device
+    return contextlib.nullcontext

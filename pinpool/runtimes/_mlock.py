@@ -17,7 +17,7 @@ from .._ranges import RangeBook
 from .._types import Capabilities
 from .._units import format_bytes
 
-__all__ = ["MlockRuntime", "mlock_error_message"]
+__all__ = ["MlockRuntime", "lock_range", "mlock_error_message", "unlock_range"]
 
 
 class _SharedPages:
@@ -192,6 +192,32 @@ def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
     return tuple(partial), lo, max(lo, hi)
 
 
+def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.mlock) -> int:
+    """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): its whole pages in one call, each
+    page it covers in part through :data:`SHARED_PAGES` (locked by its first holder). Returns 0,
+    or the errno of a failure, after which nothing this call locked stays locked."""
+    partial, lo, hi = _pages_of(ptr, nbytes)
+    err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
+    if not err:
+        failed = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
+        if failed is not None:
+            err = failed[1]
+            if hi > lo:
+                _libc.munlock(lo, hi - lo)
+    return err
+
+
+def unlock_range(ptr: int, nbytes: int) -> int:
+    """Undo :func:`lock_range`: munlock the whole pages, and each page covered in part once its
+    last holder lets go. Returns 0, or the errno of a munlock that failed."""
+    partial, lo, hi = _pages_of(ptr, nbytes)
+    err = _libc.munlock(lo, hi - lo) if hi > lo else 0
+    if not err:
+        failed = SHARED_PAGES.release(partial)
+        err = 0 if failed is None else failed[1]
+    return err
+
+
 class MlockRuntime:
     """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts.
 
@@ -240,15 +266,8 @@ class MlockRuntime:
                 op=op, code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
-        partial, lo, hi = _pages_of(ptr, nbytes)
         OWN_LOCKS.add(*_page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
-        err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
-        if not err:
-            failed = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
-            if failed is not None:
-                err = failed[1]
-                if hi > lo:
-                    _libc.munlock(lo, hi - lo)
+        err = lock_range(ptr, nbytes, call)
         if err:
             OWN_LOCKS.remove(*_page_span(ptr, nbytes))
             self._book.pop(ptr)
@@ -273,11 +292,7 @@ class MlockRuntime:
                 op="munlock", code=errno.EINVAL, reason="EINVAL", ptr=ptr, nbytes=0,
                 message="no range registered at this base (unregister takes the base of an earlier register)",
             )  # fmt: skip
-        partial, lo, hi = _pages_of(ptr, nbytes)
-        err = _libc.munlock(lo, hi - lo) if hi > lo else 0
-        if not err:
-            failed = SHARED_PAGES.release(partial)
-            err = 0 if failed is None else failed[1]
+        err = unlock_range(ptr, nbytes)
         if not err:
             OWN_LOCKS.remove(*_page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
         if err:

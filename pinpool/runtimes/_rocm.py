@@ -58,7 +58,9 @@ class RocmRuntime(HostRegisterRuntime):
     contiguous as usual.
 
     Capabilities: ``hipErrorInvalidValue`` (1) and ``hipErrorOutOfMemory`` (2), HIP's
-    equivalents of CUDA's codes for a registration too large, are retryable with a smaller chunk. Registration
+    equivalents of CUDA's codes for a registration too large, are retryable with a smaller chunk;
+    ``hipErrorHostMemoryNotRegistered`` (1062) on unregister means released by someone else
+    (``not_registered_codes``). Registration
     is declared serial, like CUDA's (not measured on ROCm: one register worker is the
     conservative default). Exact byte-range tracking is not declared: it is unverified for
     HIP, so neighbours never share an OS page. Registered pages are resident; RLIMIT_MEMLOCK is
@@ -70,6 +72,7 @@ class RocmRuntime(HostRegisterRuntime):
         serial_registration=True,
         exact_ranges=False,
         retryable_codes=frozenset({1, 2}),
+        not_registered_codes=frozenset({1062}),
         resident=True,
         charges_memlock=False,
     )

@@ -104,6 +104,12 @@ CONTAINER = dataclasses.replace(
 NO_CAP = dataclasses.replace(HOST, cap_ipc_lock=False, memlock_soft=64 * KiB, memlock_hard=64 * KiB)
 
 
+# Pools that share one budget (pinpool.share): a DSA model's KV, indexer and draft KV pools.
+TRIO = {
+    "kv": layouts.MLA("page_first", 2, 64, 576, torch.bfloat16),
+    "indexer": layouts.Indexer("page_first", 2, 64, 128, 128),
+    "draft": layouts.MHA("page_first", 1, 64, 2, 64, torch.bfloat16),
+}
 FOUR_CHUNKS: dict[str, object] = {"size": 4 * MiB, "chunk_bytes": MiB, "max_retries": 0}
 ONE_CHUNK: dict[str, object] = {"size": MiB, "max_retries": 0}
 
@@ -216,6 +222,21 @@ def mmap_fails() -> None:
         enter(pool())
 
 
+def dontfork_fails() -> None:
+    """madvise(MADV_DONTFORK) refused: the mapping is given back, nothing is pinned."""
+    real = _libc.madvise
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        return errno.EINVAL if advice == _libc.MADV_DONTFORK else real(address, length, advice)
+
+    fake = FakeRuntime()
+    with mock.patch.object(_libc, "madvise", madvise):
+        try:
+            enter(pool(runtime=fake))
+        finally:
+            assert fake.register_calls == []
+
+
 def node_busy(tmp: Path) -> None:
     """The first pool holds the node's whole byte budget while it is open; the second does not wait."""
     with pool(size=4 * MiB, node_budget=4 * MiB, node_dir=str(tmp)):
@@ -320,6 +341,10 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'huge_pages="hugetlb" with too few free pages': lambda: check_host(
             PoolOptions(size=8 * MiB, huge_pages="hugetlb"), dataclasses.replace(HOST, hugetlb_free=1, hugetlb_total=1)
         ),
+        'huge_pages="hugetlb:1GiB" with no 1 GiB pages reserved': lambda: check_host(
+            PoolOptions(size=2 * GiB, huge_pages="hugetlb:1GiB"), HOST
+        ),
+        'empty(8, huge_pages="hugetlb:4MiB")': lambda: pinpool.empty(8, huge_pages="hugetlb:4MiB"),
         'numa_node="0"': lambda: pool(numa_node="0"),
         "numa_node=-1": lambda: pool(numa_node=-1),
         "numa_node=7 on a host with nodes 0, 1": lambda: check_host(PoolOptions(size=MiB, numa_node=7), HOST),
@@ -355,6 +380,19 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "pin(torch.empty(4, 4).t())": lambda: pinpool.pin(torch.empty(4, 4).t()),
         "pin(torch.empty(0))": lambda: pinpool.pin(torch.empty(0)),
         "pin(t, granularity_bytes=0)": lambda: pinpool.pin(torch.empty(4), granularity_bytes=0),
+        "pin(torch.empty(10).as_strided((4, 4), (2, 1)))": lambda: pinpool.pin(
+            torch.empty(10).as_strided((4, 4), (2, 1))
+        ),
+        "pin(t, ranges=[])": lambda: pinpool.pin(torch.empty(4), ranges=[]),
+        "pin(t, ranges=5)": lambda: pinpool.pin(torch.empty(4), ranges=5),  # type: ignore[arg-type]
+        "pin(t, ranges=[(0, 4, 1)])": lambda: pinpool.pin(torch.empty(4), ranges=[(0, 4, 1)]),  # type: ignore[list-item]
+        "pin(t, ranges=[(0, 0)])": lambda: pinpool.pin(torch.empty(4), ranges=[(0, 0)]),
+        "pin(t, ranges=[(8, 16)]) of 16 bytes": lambda: pinpool.pin(torch.empty(4), ranges=[(8, 16)]),
+        "pin(t, ranges=[(0, 8), (4, 8)])": lambda: pinpool.pin(torch.empty(4), ranges=[(0, 8), (4, 8)]),
+        "pin(t.t(), ranges=[(0, 8)])": lambda: pinpool.pin(torch.empty(4, 4).t(), ranges=[(0, 8)]),
+        "pin(t, ranges=[(0, 8), (16, 8)], runtime=FakeRuntime(exact_ranges=False))": lambda: pinpool.pin(
+            pinpool.empty(64, dtype=torch.uint8), ranges=[(0, 8), (16, 8)], runtime=FakeRuntime(exact_ranges=False)
+        ),
         # layouts
         "Raw(granularity_bytes=-1)": lambda: layouts.Raw(granularity_bytes=-1),
         'MHA("bad", 2, 4, 2, 16, torch.float16)': lambda: layouts.MHA("bad", 2, 4, 2, 16, torch.float16),
@@ -379,6 +417,34 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'Indexer("page_first", 2, 4, 100, 64)': lambda: layouts.Indexer("page_first", 2, 4, 100, 64),
         'PagedBytes("page_first", 2, 0)': lambda: layouts.PagedBytes("page_first", 2, 0),
         'PagedBytes.state("page_first", 2, 0, 64)': lambda: layouts.PagedBytes.state("page_first", 2, 0, 64),
+        'MHA("page_unified", ..., head_num=8, head_group_num=3)': lambda: layouts.MHA(
+            "page_unified", 2, 4, 8, 16, torch.bfloat16, head_group_num=3
+        ),
+        'MHA("page_first", ..., head_group_num=2)': lambda: layouts.MHA(
+            "page_first", 2, 4, 8, 16, torch.bfloat16, head_group_num=2
+        ),
+        'MLA("page_first_kv_split", 2, 4, 576, torch.bfloat16)': lambda: layouts.MLA(
+            "page_first_kv_split", 2, 4, 576, torch.bfloat16
+        ),
+        'MLA("page_first", ..., qk_rope_head_dim=64)': lambda: layouts.MLA(
+            "page_first", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64
+        ),
+        'MLA("page_first_kv_split", ..., index_layer_num=2)': lambda: layouts.MLA(
+            "page_first_kv_split", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64, index_layer_num=2
+        ),
+        'MLA("page_first_kv_split", ..., index_scales=True)': lambda: layouts.MLA(
+            "page_first_kv_split", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64, index_scales=True
+        ),
+        "Dense((2, 0), torch.uint8)": lambda: layouts.Dense((2, 0), torch.uint8),
+        'Dense((2, 4), "bf16")': lambda: layouts.Dense((2, 4), "bf16"),  # type: ignore[arg-type]
+        "Dense((2, 4), torch.uint8, page_dim=2)": lambda: layouts.Dense((2, 4), torch.uint8, page_dim=2),
+        'Dense((2, 4), torch.uint8, buffer="")': lambda: layouts.Dense((2, 4), torch.uint8, buffer=""),
+        "Dense((2, 4), torch.uint8, granularity_bytes=0)": lambda: layouts.Dense(
+            (2, 4), torch.uint8, granularity_bytes=0
+        ),
+        "Dense((2, 1, 64), torch.bfloat16, page_dim=1, granularity_bytes=96)": lambda: layouts.Dense(
+            (2, 1, 64), torch.bfloat16, page_dim=1, granularity_bytes=96
+        ),
         # environment variables
         "PINPOOL_REGISTER_CHUNK_GB=abc": with_env(CHUNK_ENV, "abc", pool),
         "PINPOOL_REGISTER_CHUNK_GB=0": with_env(CHUNK_ENV, "0", pool),
@@ -408,6 +474,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "no worker thread can be started": no_threads,
         "an unregistration fails at exit": lambda: enter(pool(runtime=FakeRuntime(fail_unregister_on=1), **ONE_CHUNK)),
         "mmap of the pool fails": mmap_fails,
+        "madvise(MADV_DONTFORK) of the pool fails": dontfork_fails,
         "node_wait=False and the node's byte budget is held": lambda: node_busy(tmp),
         "a FIFO in place of the file slot-0 in node_dir": lambda: planted_slot_file(
             tmp, lambda path: os.mkfifo(path, 0o600)
@@ -416,6 +483,20 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
             tmp, hard_link_to(tmp / "precious")
         ),
         "MlockRuntime().unregister(base it never registered)": lambda: MlockRuntime().unregister(4096),
+        # pinpool.share / pinpool.host_budget
+        "share(200703, MLA + Indexer + MHA layouts)": lambda: pinpool.share(200703, TRIO, host=HOST),
+        'share("1GiB", {})': lambda: pinpool.share("1GiB", {}, host=HOST),
+        'share("1GiB", layouts, num_pages=3)': lambda: pinpool.share("1GiB", TRIO, host=HOST, num_pages=3),
+        'shares.pool("kv", num_pages=341)': lambda: pinpool.share("64MiB", TRIO, host=HOST).pool("kv", num_pages=341),
+        "host_budget(fraction=1.5)": lambda: pinpool.host_budget(fraction=1.5, host=HOST, environ={}),
+        'host_budget(reserve="20GiB") with 16 GiB available': lambda: pinpool.host_budget(
+            reserve="20GiB", host=HOST, environ={}
+        ),
+        "host_budget(ranks=0)": lambda: pinpool.host_budget(ranks=0, host=HOST, environ={}),
+        "LOCAL_WORLD_SIZE=eight, host_budget()": lambda: pinpool.host_budget(
+            host=HOST, environ={"LOCAL_WORLD_SIZE": "eight"}
+        ),
+        "host_budget(ranks=2**40)": lambda: pinpool.host_budget(ranks=2**40, host=HOST, environ={}),
         # pinpool.testing.FakeRuntime
         "FakeRuntime(fail_register_on=0)": lambda: FakeRuntime(fail_register_on=0),
         'FakeRuntime(fail_register_larger_than="lots")': lambda: FakeRuntime(fail_register_larger_than="lots"),

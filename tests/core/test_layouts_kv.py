@@ -700,12 +700,19 @@ def choices_of(message: str) -> set[str]:
 ALL4 = {"layer_first", "page_first", "page_first_direct", "page_head"}
 LAYER_AND_PAGE = {"layer_first", "page_first", "page_first_direct"}
 PAGE_ONLY = {"page_first", "page_first_direct"}
+MHA_ALL = ALL4 | {"page_unified"}  # SGLang 0.5.23 (test_layouts_sglang_0523.py)
+MLA_ALL = LAYER_AND_PAGE | {"page_unified", "page_first_kv_split"}
 
 LAYOUT_CTORS: dict[str, tuple[Callable[[object], object], set[str]]] = {
-    "MHA": (lambda lay: layouts.MHA(lay, 2, 4, 2, 8, torch.float16), ALL4),
+    "MHA": (lambda lay: layouts.MHA(lay, 2, 4, 2, 8, torch.float16), MHA_ALL),
     "MHA-k": (lambda lay: layouts.MHA(lay, 2, 4, 2, 8, torch.float16, k_only=True), LAYER_AND_PAGE),
     "MHA-kv": (lambda lay: layouts.MHA(lay, 2, 4, 2, 8, torch.float16, v_head_dim=4), PAGE_ONLY),
-    "MLA": (lambda lay: layouts.MLA(lay, 2, 4, 8, torch.float16), LAYER_AND_PAGE),
+    "MLA": (
+        lambda lay: layouts.MLA(
+            lay, 2, 4, 8, torch.float16, qk_rope_head_dim=4 if lay == "page_first_kv_split" else None
+        ),
+        MLA_ALL,
+    ),
     "Mamba": (lambda lay: layouts.Mamba(2, (4,), ((3,),), torch.float16, layout=lay), PAGE_ONLY),
     "Indexer": (lambda lay: layouts.Indexer(lay, 2, 4, 16, 8), LAYER_AND_PAGE),
     "PagedBytes": (lambda lay: layouts.PagedBytes(lay, 2, 100), LAYER_AND_PAGE),
@@ -735,7 +742,7 @@ def test_every_valid_layout_is_accepted(family: str) -> None:
         ("MHA-k", "page_head", LAYER_AND_PAGE),
         ("MHA-kv", "layer_first", PAGE_ONLY),
         ("MHA-kv", "page_head", PAGE_ONLY),
-        ("MLA", "page_head", LAYER_AND_PAGE),
+        ("MLA", "page_head", MLA_ALL),
         ("Indexer", "page_head", LAYER_AND_PAGE),
         ("Mamba", "layer_first", PAGE_ONLY),
         ("Mamba", "page_head", PAGE_ONLY),

@@ -71,6 +71,8 @@ hosts = st.builds(
     mem_available=st.none() | st.integers(0, 2**44),
     hugetlb_free=st.integers(0, 2**16) | st.just(2**32),
     hugetlb_total=st.integers(0, 2**16),
+    hugetlb_1g_free=st.integers(0, 2**8) | st.just(2**20),
+    hugetlb_1g_total=st.integers(0, 2**8),
     numa_nodes=st.sets(st.integers(0, 7), min_size=1).map(lambda s: tuple(sorted(s))),
     address_space_bytes=st.sampled_from((1 << 39, 1 << 47, 1 << 48)),
     torch_cuda=st.none() | st.just("12.4"),
@@ -112,7 +114,7 @@ def options_st(draw: st.DrawFn) -> PoolOptions:
         "layout": layout, "size": size, "chunk_bytes": limit if explicit else None, "chunk_limit": limit,
         "populate": draw(st.none() | st.booleans()), "populate_workers": draw(workers),
         "register_workers": draw(workers), "unpin_workers": draw(workers),
-        "huge_pages": draw(st.sampled_from((False, False, False, True, "hugetlb"))),
+        "huge_pages": draw(st.sampled_from((False, False, False, True, "hugetlb", "hugetlb:2MiB", "hugetlb:1GiB"))),
         "numa_node": draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 8))),
     }  # fmt: skip
     try:
@@ -191,6 +193,16 @@ class _SpansByIndex(Sequence[Span]):
         return Span(i, offset, min(self.span_bytes, c.end - offset))
 
 
+HUGETLB = {"hugetlb": 2 * MiB, "hugetlb:2MiB": 2 * MiB, "hugetlb:1GiB": GiB}
+
+
+def model_align(options: PoolOptions, host: HostFacts) -> int:
+    """Buffers start on the hugetlb page (2 MiB or 1 GiB), on 2 MiB with THP, else on the OS page."""
+    if isinstance(options.huge_pages, str):
+        return HUGETLB[options.huge_pages]
+    return host.huge_page_size if options.huge_pages else host.page_size
+
+
 def model_refusal(options: PoolOptions, host: HostFacts, caps: Capabilities) -> str | None:
     """The first host check the options fail (a phrase of its message), else None."""
     if options.numa_node is not None and options.numa_node not in host.numa_nodes:
@@ -199,11 +211,12 @@ def model_refusal(options: PoolOptions, host: HostFacts, caps: Capabilities) -> 
         return "needs transparent huge pages"
     layout = options.layout
     specs = layout.buffers(options.size // layout.page_bytes)
-    align = host.huge_page_size if options.huge_pages else host.page_size
+    align = model_align(options, host)
     mapping = max(sum(-(-s.nbytes // align) * align for s in specs), host.page_size)
     if mapping > host.address_space_bytes:
         return "of address space"
-    if options.huge_pages == "hugetlb" and host.hugetlb_free < -(-mapping // host.huge_page_size):
+    hugetlb = HUGETLB.get(options.huge_pages, 0) if isinstance(options.huge_pages, str) else 0
+    if hugetlb and host.hugetlb_pages(hugetlb)[0] < -(-mapping // hugetlb):
         return "hugetlb pages"
     if options.populate and not caps.populates and not host.populate_write:
         return "needs MADV_POPULATE_WRITE"
@@ -211,7 +224,9 @@ def model_refusal(options: PoolOptions, host: HostFacts, caps: Capabilities) -> 
 
 
 def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start: int) -> dict[str, object]:
-    layout, page = options.layout, host.page_size
+    layout = options.layout
+    # Chunks on whole hugetlb pages (mlock cannot split one), else on the OS page.
+    page = HUGETLB[options.huge_pages] if isinstance(options.huge_pages, str) else host.page_size
     num_pages = options.size // layout.page_bytes
     specs = layout.buffers(num_pages)
     populate = options.populate if options.populate is not None else (caps.populates or host.populate_write)
@@ -226,7 +241,7 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
     default_register = 1 if caps.serial_registration else max(1, min(8, host.cpus))
     wanted_register = options.register_workers or min(by_size, default_register)
     wanted_populate = (options.populate_workers or min(by_size, max(1, min(16, host.cpus)))) if populate else 0
-    align = host.huge_page_size if options.huge_pages else page
+    align = model_align(options, host)
     limit = options.chunk_limit
     n_workers = max(wanted_register, wanted_populate)
     split = limit
@@ -264,7 +279,7 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
         "order": order, "register_workers": register, "populate_workers": populate_workers, "unpin_workers": unpin,
         "threads": threads, "span_bytes": span_bytes,
         "lookahead_bytes": max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS)),
-        "mapping_bytes": max(offset, page), "offsets": offsets, "chunks": tuple(chunks), "spans": spans,
+        "mapping_bytes": max(offset, host.page_size), "offsets": offsets, "chunks": tuple(chunks), "spans": spans,
     }  # fmt: skip
 
 
@@ -273,8 +288,9 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
 
 def check_invariants(plan: PoolPlan, options: PoolOptions, host: HostFacts, caps: Capabilities, start: int) -> None:
     page = host.page_size
-    assert plan.page_size == page and plan.source_start == start
-    assert plan.align == (host.huge_page_size if options.huge_pages else page)
+    assert plan.page_size == (HUGETLB[options.huge_pages] if isinstance(options.huge_pages, str) else page)
+    assert plan.source_start == start
+    assert plan.align == model_align(options, host)
     # buffers: in order, aligned, back to back (each padded to the alignment), inside the mapping
     offset = 0
     for b in plan.buffers:
@@ -301,9 +317,9 @@ def check_invariants(plan: PoolPlan, options: PoolOptions, host: HostFacts, caps
             if count > 1 or run_offset != b.offset:  # a boundary inside the buffer starts this run
                 boundary = run_offset - b.offset
                 if b.plan.shared_pages:  # no page-aligned boundary: cut from the start, pages shared
-                    assert caps.exact_ranges and start % page and boundary % b.plan.unit == 0
-                else:
-                    assert (start + boundary) % page == 0
+                    assert caps.exact_ranges and start % plan.page_size and boundary % b.plan.unit == 0
+                else:  # on the OS page, or on the hugetlb page (mlock cannot split one)
+                    assert (start + boundary) % plan.page_size == 0
                 if b.spec.granularity is not None:
                     assert boundary % b.spec.granularity == 0
                 if start == 0:

@@ -266,8 +266,9 @@ def test_a_landing_that_contradicts_itself_is_refused() -> None:
 
 def test_a_chunk_stopped_between_its_pieces_is_undone_and_is_not_a_failure() -> None:
     """The stall budget registers a chunk piece by piece; pinning stops between two of them: the
-    pieces registered go on the books to be undone (each by its own base), the chunk no longer
-    counts as pinned, and only the cause of the stop is reported."""
+    pieces registered go on the books to be undone (each by its own base), the chunk never counts
+    whole, its pieces stay counted as pinned until teardown unregisters them (they are), and only
+    the cause of the stop is reported."""
     chunks = make_chunks([8, 8])
     pipeline = Pipeline(chunks, order=Order.REGISTER_ONLY)
     assert pipeline.next_register() == 0
@@ -279,9 +280,54 @@ def test_a_chunk_stopped_between_its_pieces_is_undone_and_is_not_a_failure() -> 
     assert pipeline.in_flight == 0 and pipeline.ledger.failures == []
     assert pipeline.ledger.states == [ChunkState.FAULTING, ChunkState.PENDING]  # to undo, never pinned
     assert pipeline.ledger.pieces == {0: (Chunk(0, 2), Chunk(2, 3))}
-    assert pipeline.pinned_bytes == 0  # a chunk counts whole or not at all once it landed
+    assert pipeline.pinned_bytes == 5  # still registered, so still pinned
+    assert pipeline.ledger.registered_bytes == 0 and pipeline.ledger.chunks_done == 0  # never whole
     assert pipeline.finish() is Phase.ROLLED_BACK
+    assert pipeline.pinned_bytes == 5
     assert pipeline.ledger.teardown_order() == [0]
+    pipeline.ledger.unregistered(0)
+    assert pipeline.pinned_bytes == 0
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_pieces_of_a_chunk_that_failed_count_all_of_them_until_unregistered(stopped: bool) -> None:
+    """Issue 22: a chunk that fails (or stops) after some pieces registered keeps those pieces
+    pinned until teardown, so they count, all of them, and the prefix hears of them: also the
+    pieces no progress reported (retry halves land only with the chunk)."""
+    covered = Covered()
+    pipeline = Pipeline(make_chunks([8 * UNIT] * 3), order=Order.REGISTER_ONLY, prefix=covered)
+    assert pipeline.next_register() == 0
+    pipeline.land(Landing(0))
+    assert pipeline.next_register() == 1
+    offset = 8 * UNIT
+    halves = (Chunk(offset, 3 * UNIT), Chunk(offset + 3 * UNIT, UNIT))  # never reported as progress
+    failure = RuntimeCallError(op="register", code=2, reason="oom", message="injected", ptr=0, nbytes=1)
+    if stopped:
+        pipeline.cancel()
+        pipeline.land(Landing(1, stopped=True, pieces=halves))
+    else:
+        pipeline.land(Landing(1, failure, pieces=halves))
+    assert pipeline.pinned_bytes == 12 * UNIT
+    assert covered.units == set(range(12))
+    pipeline.finish()
+    assert pipeline.pinned_bytes == 12 * UNIT  # a background pool keeps them until it is exited
+    for index in pipeline.ledger.teardown_order():
+        pipeline.ledger.unregistered(index)
+    assert pipeline.pinned_bytes == 0
+    pipeline.ledger.close()
+    assert pipeline.pinned_bytes == 0
+
+
+def test_a_leaked_chunk_of_pieces_counts_the_pieces_it_registered() -> None:
+    pipeline = Pipeline(make_chunks([8, 8]), order=Order.REGISTER_ONLY)
+    assert pipeline.next_register() == 0
+    failure = RuntimeCallError(op="register", code=2, reason="oom", message="injected", ptr=0, nbytes=1)
+    pipeline.land(Landing(0, failure, pieces=(Chunk(0, 3),)))
+    pipeline.finish()
+    pipeline.ledger.unregister_failed(0, failure)
+    assert pipeline.pinned_bytes == 3  # may still be pinned: counted, once
+    pipeline.ledger.close()
+    assert pipeline.pinned_bytes == 3
 
 
 def test_finishing_before_anything_ran_rolls_back() -> None:
@@ -644,7 +690,11 @@ class Simulation:
             if landing.pieces or whole:
                 self.undo.add(index)
             if order is not Order.REGISTER_FIRST:
-                self.progress.pop(index, None)  # the chunk counts whole from here, or not at all
+                self.progress.pop(index, None)  # the chunk counts whole from here, or only its pieces
+                if landing.pieces and not whole:  # failed or stopped part-way: its pieces stay pinned
+                    for piece in landing.pieces:
+                        self.progress.setdefault(index, set()).update(units(piece.offset, piece.end))
+                        self.pinned_units |= units(piece.offset, piece.end)
             if whole:
                 self.registered.add(index)
                 if order is not Order.REGISTER_FIRST:
@@ -701,8 +751,10 @@ class Simulation:
         assert pipeline.in_flight == out, "in_flight counts every handed-out item not yet landed"
         pinned = sum(self.chunks[i].nbytes for i in self.pinned())
         ahead = sum(len(u) for i, u in self.progress.items() if i not in self.pinned()) * UNIT
-        partial = ahead if pipeline.ledger.phase in (Phase.PINNING, Phase.ROLLED_BACK) else 0
-        assert pipeline.pinned_bytes == pinned + partial
+        assert pipeline.pinned_bytes == pinned + ahead
+        # One source of truth (issue 22): until teardown, what is counted pinned is exactly what the
+        # prefix was told of, however pinning ended (a failure or stop mid-chunk included).
+        assert pipeline.pinned_bytes == len(self.pinned_units) * UNIT
         if self.covered is not None:
             assert self.covered.units == self.pinned_units, "the prefix hears of every pinned range, and nothing else"
 
@@ -741,6 +793,26 @@ class Simulation:
                 assert pipeline.populated_bytes == 0
             else:
                 assert pipeline.populated_bytes == sum(self.config.sizes)
+        self.check_teardown()
+
+    def check_teardown(self) -> None:
+        """Teardown takes each chunk's count with it: a chunk unregistered leaves nothing counted, a
+        leaked one counts what it registered (maybe still pinned), and closed books count only leaks."""
+        ledger = self.pipeline.ledger
+        leaked = 0
+        for index in ledger.teardown_order():
+            before = self.pipeline.pinned_bytes
+            counted = self.chunks[index].nbytes if index in self.pinned() else len(self.progress.get(index, ())) * UNIT
+            if self.data.draw(st.integers(0, 9), label="unregister fails") == 0:
+                ledger.unregister_failed(index, error("unregister"))
+                registered = self.pieces.get(index, (self.chunks[index],))
+                leaked += sum(piece.nbytes for piece in registered)
+                assert self.pipeline.pinned_bytes == before - counted + sum(piece.nbytes for piece in registered)
+            else:
+                ledger.unregistered(index)
+                assert self.pipeline.pinned_bytes == before - counted
+        ledger.close()
+        assert self.pipeline.pinned_bytes == leaked
 
 
 @pytest.mark.parametrize("mode", ["roles", "work"])

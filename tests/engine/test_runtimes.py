@@ -34,7 +34,7 @@ from pinpool.runtimes import (
     runtime_infos,
 )
 from pinpool.runtimes._gpu import GpuApi, HostRegisterRuntime, device_index
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeCudart, FakeRuntime
 
 MiB = 1 << 20
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -98,12 +98,16 @@ def test_declared_capabilities_of_the_built_in_runtimes() -> None:
     mlock = capabilities_of(MlockRuntime())
     assert mlock == Capabilities(locks_on_fault=True, finds_pinned=True, exact_ranges=True, charges_memlock=True)
     assert mlock.exact_ranges and mlock.retryable_codes == frozenset()  # shared pages are counted
+    assert mlock.not_registered_codes == frozenset()  # its books are its own: nobody else releases from them
     assert CudaRuntime.capabilities == Capabilities(
-        serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2})
+        serial_registration=True,
+        exact_ranges=True,
+        retryable_codes=frozenset({1, 2}),
+        not_registered_codes=frozenset({713}),
     )
     assert RocmRuntime.capabilities.retryable_codes == frozenset({1, 2})
     assert RocmRuntime.capabilities.serial_registration and not RocmRuntime.capabilities.exact_ranges
-    cuda = _stub_runtime(CudaRuntime)[0]
+    cuda = CudaRuntime.from_binding(FakeCudart(lock=False))
     assert capabilities_of(cuda) is CudaRuntime.capabilities
     assert isinstance(MlockRuntime(), LocksOnFault) and isinstance(MlockRuntime(), FindsPinned)
 
@@ -112,8 +116,9 @@ def test_declared_capabilities_of_the_built_in_runtimes() -> None:
 def test_fake_runtime_declares_what_it_was_asked_to_be(lock_on_fault: bool) -> None:
     fake = FakeRuntime(lock_on_fault=lock_on_fault)
     assert capabilities_of(fake) == Capabilities(
-        populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2}), resident=False
-    )
+        populates=True, locks_on_fault=lock_on_fault, exact_ranges=True, retryable_codes=frozenset({2}),
+        not_registered_codes=frozenset({713}), resident=False,
+    )  # fmt: skip
     assert isinstance(fake, Populates) and isinstance(fake, LocksOnFault)  # the method is always there
 
 
@@ -306,17 +311,25 @@ PLATFORMS: dict[type[HostRegisterRuntime], dict[str, Any]] = {
 }  # fmt: skip
 
 
-def _stub_runtime(
-    cls: type[HostRegisterRuntime], *, device: int = 3, flags: int = 2, library: bool = True
-) -> tuple[Any, StubCudart, StubLibrary, StubDevices]:
-    platform = PLATFORMS[cls]
+@pytest.fixture
+def stub_runtime(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``build(cls, device=, flags=, library=)``: the runtime on a stub binding and library through the
+    public ``from_binding``, with torch looking like it sees a GPU so that ``torch.cuda.device`` (the
+    stub devices here) is what makes the device current."""
     devices = StubDevices()
-    binding = StubCudart(devices, platform["texts"])
-    lib = StubLibrary(cls._api, binding, platform["names"], platform["unknown"])
-    runtime = cls._from_parts(
-        binding=binding, library=lib if library else None, device_context=devices, device=device, flags=flags
-    )
-    return runtime, binding, lib, devices
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", devices)
+
+    def build(
+        cls: type[HostRegisterRuntime], *, device: int = 3, flags: int = 2, library: bool = True
+    ) -> tuple[Any, StubCudart, StubLibrary, StubDevices]:
+        platform = PLATFORMS[cls]
+        binding = StubCudart(devices, platform["texts"])
+        lib = StubLibrary(cls._api, binding, platform["names"], platform["unknown"])
+        runtime = cls.from_binding(binding, library=lib if library else None, device=device, flags=flags)
+        return runtime, binding, lib, devices
+
+    return build
 
 
 @pytest.fixture
@@ -398,9 +411,9 @@ def test_device_strings(gpu_build: Any) -> None:
 
 
 @pytest.mark.parametrize("flags", [-1, True, 1.0])
-def test_bad_flags_are_config_errors(flags: object) -> None:
+def test_bad_flags_are_config_errors(flags: object, stub_runtime: Any) -> None:
     with pytest.raises(pinpool.ConfigError, match=r"flags=.*non-negative int of cudaHostRegister flags"):
-        _stub_runtime(CudaRuntime, flags=flags)  # type: ignore[arg-type]
+        stub_runtime(CudaRuntime, flags=flags)
 
 
 # -- CudaRuntime's and RocmRuntime's logic through the stubs --------------------------------------
@@ -409,8 +422,10 @@ gpu_runtimes = pytest.mark.parametrize("cls", [CudaRuntime, RocmRuntime])
 
 
 @gpu_runtimes
-def test_success_sets_the_device_passes_flags_and_clears_nothing(cls: type[HostRegisterRuntime]) -> None:
-    runtime, binding, lib, devices = _stub_runtime(cls)
+def test_success_sets_the_device_passes_flags_and_clears_nothing(
+    cls: type[HostRegisterRuntime], stub_runtime: Any
+) -> None:
+    runtime, binding, lib, devices = stub_runtime(cls)
     assert runtime.clears_sticky_errors and isinstance(runtime, Runtime)
     runtime.register(0x1000, 4096)
     runtime.unregister(0x1000)
@@ -422,10 +437,12 @@ def test_success_sets_the_device_passes_flags_and_clears_nothing(cls: type[HostR
 
 
 @gpu_runtimes
-def test_register_failure_is_named_hinted_and_its_sticky_error_cleared_once(cls: type[HostRegisterRuntime]) -> None:
+def test_register_failure_is_named_hinted_and_its_sticky_error_cleared_once(
+    cls: type[HostRegisterRuntime], stub_runtime: Any
+) -> None:
     platform = PLATFORMS[cls]
     code, reason, op = platform["oom"]
-    runtime, binding, lib, _devices = _stub_runtime(cls)
+    runtime, binding, lib, _devices = stub_runtime(cls)
     binding.codes[0x2000] = code
     with pytest.raises(pinpool.RuntimeCallError) as info:
         runtime.register(0x2000, 8 * MiB)
@@ -439,27 +456,30 @@ def test_register_failure_is_named_hinted_and_its_sticky_error_cleared_once(cls:
 
 @gpu_runtimes
 def test_already_registered_and_not_registered_use_the_platforms_codes(cls: type[HostRegisterRuntime]) -> None:
+    """On FakeCudart's books (the platform's own codes for a real overlap and a real non-base)."""
     platform = PLATFORMS[cls]
-    runtime, binding, lib, _devices = _stub_runtime(cls)
+    fake = FakeCudart(platform=cls.name, lock=False)
+    runtime = cls.from_binding(fake)
+    runtime.register(0x1000, 8192)
     already, already_name = platform["already"]
-    binding.codes[0x3000] = already
     with pytest.raises(pinpool.RuntimeCallError) as info:
-        runtime.register(0x3000, 4096)
+        runtime.register(0x2000, 4096)  # overlaps the second half
     assert (info.value.code, info.value.reason) == (already, already_name)
     assert "already registered" in info.value.message
     missing, missing_name, op = platform["not_registered"]
-    binding.codes[0x4000] = missing
     with pytest.raises(pinpool.RuntimeCallError) as info:
-        runtime.unregister(0x4000)
+        runtime.unregister(0x2000)  # inside a registration, not its base
     assert (info.value.op, info.value.code, info.value.reason, info.value.nbytes) == (op, missing, missing_name, 0)
     assert "not the base of a registration" in info.value.message
-    assert [error for _thread, error in lib.cleared] == [already, missing]
+    assert [rc for *_call, rc in fake.calls] == [0, already, missing]
+    assert fake.cudaGetLastError() == 0  # each failure's sticky error was cleared
+    assert fake.registered == {0x1000: 8192}
 
 
 @gpu_runtimes
-def test_unknown_codes_get_a_name(cls: type[HostRegisterRuntime]) -> None:
+def test_unknown_codes_get_a_name(cls: type[HostRegisterRuntime], stub_runtime: Any) -> None:
     prefix, platform = PLATFORMS[cls]["prefix"], PLATFORMS[cls]["platform"]
-    runtime, binding, _lib, _devices = _stub_runtime(cls)
+    runtime, binding, _lib, _devices = stub_runtime(cls)
     binding.codes.update({0x5000: 4242, 0x6000: 4343})
     with pytest.raises(pinpool.RuntimeCallError) as info:  # the library knows it
         runtime.register(0x5000, 4096)
@@ -471,9 +491,11 @@ def test_unknown_codes_get_a_name(cls: type[HostRegisterRuntime]) -> None:
 
 
 @gpu_runtimes
-def test_without_the_library_names_fall_back_and_nothing_is_cleared(cls: type[HostRegisterRuntime]) -> None:
+def test_without_the_library_names_fall_back_and_nothing_is_cleared(
+    cls: type[HostRegisterRuntime], stub_runtime: Any
+) -> None:
     prefix = PLATFORMS[cls]["prefix"]
-    runtime, binding, _lib, _devices = _stub_runtime(cls, library=False)
+    runtime, binding, _lib, _devices = stub_runtime(cls, library=False)
     assert not runtime.clears_sticky_errors
     binding.codes[0x5000] = 4242
     with pytest.raises(pinpool.RuntimeCallError) as info:
@@ -483,9 +505,11 @@ def test_without_the_library_names_fall_back_and_nothing_is_cleared(cls: type[Ho
 
 
 @gpu_runtimes
-def test_each_calling_thread_sets_the_device_and_clears_its_own_error(cls: type[HostRegisterRuntime]) -> None:
+def test_each_calling_thread_sets_the_device_and_clears_its_own_error(
+    cls: type[HostRegisterRuntime], stub_runtime: Any
+) -> None:
     code = PLATFORMS[cls]["oom"][0]
-    runtime, binding, lib, devices = _stub_runtime(cls, device=1)
+    runtime, binding, lib, devices = stub_runtime(cls, device=1)
     binding.codes[0x9000] = code  # thread 1's second call fails
     meet = threading.Barrier(2, timeout=10)
     errors: dict[int, list[int]] = {}

@@ -49,8 +49,8 @@ def by_name(checks: list[_doctor.Check]) -> dict[str, _doctor.Check]:
 def test_a_good_host_passes() -> None:
     checks = _doctor.run_checks(facts(), 64 * GiB)
     assert {c.status for c in checks} == {OK, SKIP} and _doctor.exit_code(checks) == 0
-    assert [c.name for c in checks] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "kernel", "numa", "cuda",
-                                        "env"]  # fmt: skip
+    assert [c.name for c in checks] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "hugetlb:1GiB", "kernel",
+                                        "numa", "cuda", "env"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,25 @@ def test_doctor_text_and_exit_code_for_failures() -> None:
     assert text.startswith("pinpool doctor for --size 200 GiB:")
     assert re.search(r"\n  fail  memlock +--size 200 GiB needs 200 GiB locked with mlock, but RLIMIT_MEMLOCK "
                      r"leaves only 8 MiB.*\n +fix: raise the limit", text)  # fmt: skip
-    assert text.endswith("result: 5 ok, 1 warn, 2 fail, 1 skip")
+    assert text.endswith("result: 6 ok, 1 warn, 2 fail, 1 skip")
+
+
+def test_hugetlb_1gib_pages() -> None:
+    """1 GiB pages have a line of their own, from their own counters, and the pool's advice: the
+    kernel command line (1 GiB pages can rarely be reserved once memory is in use)."""
+    none = by_name(_doctor.run_checks(facts(hugetlb_free=512, hugetlb_total=512), 4 * GiB))["hugetlb:1GiB"]
+    assert none.status == OK
+    assert none.detail == "no 1 GiB hugetlb pages reserved (only huge_pages='hugetlb:1GiB' needs them)"
+    short = by_name(_doctor.run_checks(facts(hugetlb_1g_free=2, hugetlb_1g_total=3), 4 * GiB))["hugetlb:1GiB"]
+    assert short.status == WARN
+    assert "needs 4 free 1 GiB hugetlb pages (4 GiB), but the host has 2 free of 3" in short.detail
+    assert "hugepagesz=1G hugepages=5 on the kernel command line" in short.fix
+    enough = by_name(_doctor.run_checks(facts(hugetlb_1g_free=4, hugetlb_1g_total=8), 4 * GiB))["hugetlb:1GiB"]
+    assert enough.status == OK and enough.detail == "4 of 8 1 GiB hugetlb pages free (4 GiB)"
+    with pytest.raises(ConfigError) as pool:  # the same numbers and fix in a pool that asks for them
+        check_host(PoolOptions(size=4 * GiB, huge_pages="hugetlb:1GiB"),
+                   dataclasses.replace(HOST, hugetlb_1g_free=2, hugetlb_1g_total=3))  # fmt: skip
+    assert short.fix in str(pool.value) and short.detail in str(pool.value)
 
 
 def test_one_text_per_piece_of_advice() -> None:

@@ -231,7 +231,7 @@ def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, mon
         raise KeyboardInterrupt(step)
 
     target: tuple[Any, str] = {
-        "claim": (pinpool._pool_memory.PINNED_RANGES, "add"),
+        "claim": (pinpool._pool_memory.PINNED_RANGES, "add_all"),
         "scan": (pinpool.runtimes._mlock, "_locked_in_smaps"),
         "map": (pinpool._pool_memory, "HostMapping"),
         "start": (pinpool._lifecycle, "PinSession"),

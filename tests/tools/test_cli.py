@@ -652,6 +652,14 @@ def test_a_huge_plan_stays_lazy() -> None:
           "--index-head-dim", "128", "--quant-block-size", "128"], "indexer/page_first", 4 * 64 * (128 + 4)),
         (["--layout", "paged", "--kv-layout", "layer_first", "--layer-num", "3", "--item-bytes", "4KiB"],
          "paged/layer_first", 3 * 4096),
+        (["--layout", "mha", "--kv-layout", "page_unified", "--head-group-num", "4", "--layer-num", "2",
+          "--head-num", "8", "--head-dim", "64", "--page-size", "16", "--dtype", "bf16"],
+         "mha/page_unified", 2 * 16 * 2 * 8 * 64 * 2),
+        (["--layout", "mla", "--kv-layout", "page_first_kv_split", "--layer-num", "2", "--page-size", "64",
+          "--kv-cache-dim", "576", "--qk-rope-head-dim", "64", "--index-layer-num", "1", "--index-head-dim", "128",
+          "--index-scales", "--dtype", "bf16"], "mla/page_first_kv_split", 64 * (2 * 576 * 2 + 128 * 2 + 4)),
+        (["--layout", "dense", "--shape", "2,16,4,2,64", "--page-dim", "1", "--dtype", "bf16", "--granularity",
+          "16KiB", "--buffer-name", "kv"], "dense", 2 * 16 * 4 * 2 * 64 * 2),
     ],
 )  # fmt: skip
 def test_layouts_from_the_command_line(argv: list[str], layout: str, page_bytes: int,
@@ -765,6 +773,7 @@ FLAG_TYPES = {
     "shape": {"tuple[int, ...]"},
     "shapes": {"tuple[tuple[int, ...], ...]"},
     "choice": {"str"},
+    "text": {"str"},
     "flag": {"bool"},
 }
 
@@ -796,7 +805,7 @@ def test_every_layout_field_has_a_flag_of_its_type() -> None:
     used = {f.name for name in classes for f in dataclasses.fields(getattr(layouts, name))}
     assert set(cli_layout.FIELDS) == used, "a flag for a field no layout has"
     # The family's fields and their order come from the class itself.
-    assert cli_layout.family_fields("mla") == ("layout", "layer_num", "page_size", "kv_cache_dim", "dtype")
+    assert cli_layout.family_fields("mla")[:5] == ("layout", "layer_num", "page_size", "kv_cache_dim", "dtype")
 
 
 def test_a_layout_field_without_a_flag_is_found() -> None:
@@ -1127,7 +1136,7 @@ def test_doctor_on_this_host() -> None:
     assert result.returncode == (0 if report["ok"] else 1), result.stderr
     assert report["pinpool"] == pinpool.__version__ and report["size_bytes"] == 64 * MiB
     names = [c["name"] for c in report["checks"]]
-    assert names[:8] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "kernel", "numa", "cuda"]
+    assert names[:9] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "hugetlb:1GiB", "kernel", "numa", "cuda"]
     for check in report["checks"]:
         assert set(check) == {"name", "status", "detail", "fix"} and check["status"] in _doctor.STATUSES
         assert check["detail"] and (check["status"] in (OK, SKIP) or check["fix"])

@@ -1,0 +1,174 @@
+"""Fork safety of the memory pinpool maps: every private mapping (a pool's, ``pinpool.empty()``'s)
+is MADV_DONTFORK, so a forked child has nothing mapped there, the parent's pinned pages are never
+shared copy-on-write (a write by the parent after the fork keeps its frames), and a child that
+inherits the pool object exits cleanly, touching nothing of the parent's."""
+
+from __future__ import annotations
+
+import errno
+import json
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+import pinpool
+from pinpool import _libc
+from pinpool._memory import HostMapping
+from tests import preloaded
+from tests.pool.test_open_close import in_forked_child
+
+MiB = 1 << 20
+
+# The parent pins a private pool (mlock: really locked) and writes a pattern, then forks. The child
+# says what /proc/self/maps has over the pool's range, waits while the parent writes the pool again,
+# then falls off the end of the script: interpreter exit with the inherited pool object (open, its
+# tensor alive), its stderr on a pipe of its own. The parent reads its page frames (/proc/self/pagemap)
+# before the fork and after its write, while the child is still alive (once the child is gone a
+# copy-on-write page would be reused in place, hiding the copy).
+SCRIPT = r"""
+import json, os, struct, sys
+import torch
+import pinpool
+from pinpool import _libc
+
+SIZE = 4 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def frames(address, length):
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(address // PAGE * 8)
+        data = pagemap.read(length // PAGE * 8)
+    return [entry & ((1 << 55) - 1) for entry in struct.unpack(f"<{len(data) // 8}Q", data)]
+
+
+def mapped_over(address, length):
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo < address + length and address < hi:
+                return line.strip()
+    return None
+
+
+pool = pinpool.PinnedPool(size=SIZE, chunk_bytes=1 << 20, runtime="mlock")
+pool.open()
+tensor = pool.tensor
+address = pool.data_ptr
+pattern = torch.arange(SIZE, dtype=torch.int64).remainder(251).to(torch.uint8)
+tensor.copy_(pattern)
+locked = _libc.vm_locked_bytes()
+before = frames(address, SIZE)
+child_reads, parent_writes = os.pipe()
+parent_reads, child_writes = os.pipe()
+errors_read, errors_write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child
+    os.dup2(errors_write, 2)
+    for fd in (parent_writes, parent_reads, errors_read, errors_write):
+        os.close(fd)
+    os.write(child_writes, (json.dumps({"mapped": mapped_over(address, SIZE)}) + "\n").encode())
+    os.read(child_reads, 1)  # the parent has written the pool again
+else:  # the parent
+    for fd in (child_reads, child_writes, errors_write):
+        os.close(fd)
+    child = json.loads(os.fdopen(parent_reads).readline())
+    tensor.add_(1)  # every page written while the child lives
+    after = frames(address, SIZE)
+    intact = bool(torch.equal(tensor, pattern + 1))
+    os.write(parent_writes, b"x")
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(errors_read) as errors:
+        child_stderr = errors.read()
+    print(json.dumps({
+        "child_mapped": child["mapped"], "child_exit": os.waitstatus_to_exitcode(status),
+        "child_stderr": child_stderr, "frames_before": before, "frames_after": after,
+        "locked_before": locked, "locked_after": _libc.vm_locked_bytes(), "intact": intact,
+        "pinned_bytes": pool.pinned_bytes, "state": pool.state.name,
+    }), flush=True)
+    pool.close()
+    print(json.dumps({"locked_closed": _libc.vm_locked_bytes(), "state": pool.state.name}), flush=True)
+"""
+
+
+def test_a_fork_while_pinned_copies_nothing_and_the_child_exits_cleanly() -> None:
+    result = preloaded.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # the parent: no warning, nothing printed
+    report, closed = (json.loads(line) for line in result.stdout.splitlines())
+    # The child: nothing mapped over the pool's range, a clean interpreter exit with the pool object.
+    assert report["child_mapped"] is None
+    assert report["child_exit"] == 0
+    assert report["child_stderr"] == ""  # no traceback, no UnclosedPoolWarning: the pool is the parent's
+    # The parent: still pinned, same locked bytes, the data it wrote, its pool closes as usual.
+    assert report["intact"] is True
+    assert report["state"] == "READY" and report["pinned_bytes"] == 4 * MiB
+    assert report["locked_after"] == report["locked_before"] >= 4 * MiB
+    assert closed == {"locked_closed": report["locked_before"] - 4 * MiB, "state": "CLOSED"}
+    before, after = report["frames_before"], report["frames_after"]
+    assert len(before) == len(after) == 4 * MiB // _libc.PAGE_SIZE
+    if not any(before):
+        pytest.skip("/proc/self/pagemap shows no page frame numbers to this user (CAP_SYS_ADMIN): not compared")
+    assert 0 not in before
+    assert after == before  # no page was copied on write: the registered frames are the parent's still
+
+
+def test_pinpool_empty_is_not_mapped_in_a_forked_child() -> None:
+    tensor = pinpool.empty(3 * MiB, dtype=torch.uint8)
+    tensor.fill_(7)
+    address, length = tensor.data_ptr(), 3 * MiB
+
+    def child() -> None:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                assert not (lo < address + length and address < hi), f"mapped in the child: {line.strip()}"
+
+    assert in_forked_child(child) == "ok"
+    assert int(tensor.sum()) == 7 * length  # the parent's memory is untouched
+
+
+def test_a_forked_child_never_unmaps_what_it_mapped_where_the_parents_mapping_is() -> None:
+    """The child has nothing at the parent's address (MADV_DONTFORK), so it may map something of its
+    own there; collecting the inherited mapping object in the child must not unmap that."""
+    mapping = HostMapping(2 * MiB)
+    address, length = mapping.address, mapping.length
+
+    def child() -> None:
+        fixed = 0x100000  # MAP_FIXED_NOREPLACE: fails rather than replace anything mapped there
+        flags = _libc.MAP_PRIVATE | _libc.MAP_ANONYMOUS | fixed
+        got = _libc._mmap(address, length, _libc.PROT_READ | _libc.PROT_WRITE, flags, -1, 0)
+        assert got == address, f"the child could not map its own memory at {address:#x}: the parent's is there"
+        mapping._finalizer()  # what collecting the inherited object runs
+        with open("/proc/self/maps") as maps:
+            assert any(int(line.split("-")[0], 16) == address for line in maps), "the child's own mapping went"
+
+    assert in_forked_child(child) == "ok"
+    assert not mapping.unmapped
+    mapping._finalizer()
+    assert mapping.unmapped
+
+
+def test_a_refused_madvise_dontfork_unmaps_and_raises_before_anything_is_faulted() -> None:
+    real_madvise, real_munmap = _libc.madvise, _libc.munmap
+    advised: list[tuple[int, int]] = []
+    unmapped: list[tuple[int, int]] = []
+
+    def madvise(address: int, length: int, advice: int) -> int:
+        advised.append((address, advice))
+        if advice == _libc.MADV_DONTFORK:
+            return errno.ENOMEM
+        return real_madvise(address, length, advice)
+
+    def munmap(address: int, length: int) -> int:
+        unmapped.append((address, length))
+        return real_munmap(address, length)
+
+    with mock.patch.object(_libc, "madvise", madvise), mock.patch.object(_libc, "munmap", munmap):
+        with pytest.raises(pinpool.AllocationError, match=r"MADV_DONTFORK.*ENOMEM.*vm.max_map_count"):
+            pinpool.empty(MiB, dtype=torch.uint8, huge_pages=True)  # THP's MADV_HUGEPAGE would come after it
+    assert [advice for _, advice in advised] == [_libc.MADV_DONTFORK]  # first: nothing faulted or advised before
+    address = advised[0][0]
+    assert (address, 2 * MiB) in unmapped  # the mapping (2 MiB-aligned with THP) was given back
