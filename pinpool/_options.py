@@ -11,17 +11,14 @@ turns options plus host facts into a plan.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import InitVar, dataclass, field
-from typing import TypeGuard
-
-import torch
 
 from ._declared import DEFAULT_MAX_RETRIES, PER_BUFFER
 from ._errors import ConfigError
+from ._layout_spec import is_layout, layout_buffers, layout_page_bytes, positive_int
 from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
 from ._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size, shown
 from .layouts import BufferSpec, Layout, Raw
@@ -91,8 +88,8 @@ def _check_fits_a_page(
     it holds, checked (a pool's one ``layout.buffers(num_pages)`` call: the placement reads them).
 
     ``num_pages``: the pool was asked for by page count (``budget`` is that many pages), so the
-    message names it. The layout is checked on the way (:func:`_layout_page_bytes`,
-    :func:`_layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
+    message names it. The layout is checked on the way (:func:`layout_page_bytes`,
+    :func:`layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
     is mapped, not a ZeroDivisionError in the plan."""
     page_bytes, one_page, smallest = _smallest_pool(layout)
     if budget < smallest and num_pages is not None:
@@ -107,14 +104,14 @@ def _check_fits_a_page(
             f"({shown(smallest)} B = {format_bytes(smallest)}); give a size of at least {shown(smallest)} bytes"
         )
     pages = budget // page_bytes
-    return one_page if pages == 1 else _layout_buffers(layout, pages)  # the buffers this pool will have
+    return one_page if pages == 1 else layout_buffers(layout, pages)  # the buffers this pool will have
 
 
 def _smallest_pool(layout: Layout) -> tuple[int, tuple[BufferSpec, ...], int]:
     """The layout's page_bytes, its buffers for one page, and the fewest bytes a pool of it holds:
     one page, and one copy page of every buffer (the layout checked on the way)."""
-    page_bytes = _layout_page_bytes(layout)
-    one_page = _layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
+    page_bytes = layout_page_bytes(layout)
+    one_page = layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
     return page_bytes, one_page, max([page_bytes, *(s.granularity or 0 for s in one_page)])
 
 
@@ -122,113 +119,6 @@ def min_num_pages(layout: Layout) -> int:
     """The fewest pages a pool of ``layout`` may hold (``num_pages=`` below it is refused)."""
     page_bytes, _, smallest = _smallest_pool(layout)
     return -(-smallest // page_bytes)
-
-
-# -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --
-
-_PAGE_BYTES_FIX = "a layout's page_bytes must be a positive int: the bytes one page occupies across all its buffers"
-_BUFFERS_FIX = "a layout's buffers(num_pages) must return a tuple of pinpool.layouts.BufferSpec"
-
-
-def _describe_layout(layout: object) -> str:
-    """How messages name a layout: its name where it has a usable one, and always its class."""
-    try:
-        name = getattr(layout, "name", None)
-    except Exception:  # a property that raises: the class is all there is to go by
-        name = None
-    kind = type(layout).__qualname__
-    return f"layout {name!r} ({kind})" if isinstance(name, str) and name else f"layout {kind}"
-
-
-def _is_layout(layout: object) -> bool:
-    """``isinstance(layout, Layout)``, which reads the protocol's properties and so raises what they raise."""
-    try:
-        return isinstance(layout, Layout)
-    except Exception as exc:
-        what = _describe_layout(layout)
-        fixes = {"name": "fix its name", "page_bytes": _PAGE_BYTES_FIX, "buffers": _BUFFERS_FIX}
-        for attribute, fix in fixes.items():  # which one raised, to name it
-            _layout_value(what, attribute, functools.partial(getattr, layout, attribute), fix)
-        raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
-
-
-def _layout_page_bytes(layout: Layout) -> int:
-    """Check the layout's name and page_bytes (what PinnedPool reads of it besides its buffers); return page_bytes."""
-    what = _describe_layout(layout)
-    name = _layout_value(what, "name", lambda: layout.name, "fix its name")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(
-            f"{what}: name={name!r} must be a non-empty str (it labels the pool's logs and metrics); fix its name"
-        )
-    page_bytes = _layout_value(what, "page_bytes", lambda: layout.page_bytes, _PAGE_BYTES_FIX)
-    if not _positive_int(page_bytes):
-        raise ConfigError(f"{what}: page_bytes={page_bytes!r}; {_PAGE_BYTES_FIX} (size= buys whole pages of it)")
-    return page_bytes
-
-
-def _layout_buffers(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
-    """Check the layout's ``buffers(num_pages)``: a non-empty tuple of valid, distinct BufferSpecs holding bytes."""
-    what = _describe_layout(layout)
-    # An absurd size (10**5000) is refused later as beyond the address space; its page count must
-    # still print (str() of an int that long raises).
-    call = f"buffers({num_pages if num_pages.bit_length() <= 128 else f'~2**{num_pages.bit_length() - 1}'})"
-    specs = _layout_value(what, call, lambda: layout.buffers(num_pages), _BUFFERS_FIX)
-    if isinstance(specs, str | bytes) or not isinstance(specs, tuple | list):
-        raise ConfigError(f"{what}: {call} returned {specs!r}; {_BUFFERS_FIX}")
-    if not specs:
-        raise ConfigError(f"{what}: {call} returned no buffers; {_BUFFERS_FIX}, at least one")
-    seen: set[str] = set()
-    for spec in specs:
-        _check_buffer_spec(f"{what}: {call}", spec, seen)
-    if not sum(spec.nbytes for spec in specs):
-        raise ConfigError(
-            f"{what}: {call} hold no bytes at all (every shape has a zero dimension); "
-            "give at least one buffer a non-empty shape"
-        )
-    return tuple(specs)
-
-
-def _positive_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: str) -> object:
-    """``read()``; anything but a ConfigError it raises becomes one naming the layout and the fix."""
-    try:
-        return read()
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"{what}: {attribute} raised {type(exc).__name__} ({exc}); {fix}") from exc
-
-
-def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:
-    """One BufferSpec of a layout: the fields the plan and the tensor views use, of the right types."""
-    if not isinstance(spec, BufferSpec):
-        raise ConfigError(f"{where} holds {spec!r}, not a BufferSpec; {_BUFFERS_FIX}")
-    if not isinstance(spec.name, str) or not spec.name or spec.name in seen:
-        problem = "repeats the name" if spec.name in seen else "has name"
-        raise ConfigError(
-            f"{where} {problem} {spec.name!r}; every buffer needs a distinct non-empty str name (pool.tensors[name])"
-        )
-    seen.add(spec.name)
-    shape = spec.shape
-    if not isinstance(shape, tuple) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-        raise ConfigError(f"{where}: buffer {spec.name!r} has shape={shape!r}; give a tuple of non-negative ints")
-    if not isinstance(spec.dtype, torch.dtype):
-        raise ConfigError(f"{where}: buffer {spec.name!r} has dtype={spec.dtype!r}; give a torch.dtype")
-    granularity = spec.granularity
-    if granularity is not None and not _positive_int(granularity):
-        raise ConfigError(
-            f"{where}: buffer {spec.name!r} has granularity={granularity!r}; give a positive int number of bytes "
-            "(one copy page: chunk boundaries fall on its multiples), or None for no alignment constraint"
-        )
-    runs = getattr(spec, "page_runs", None)
-    if runs is not None and not _positive_int(runs):
-        raise ConfigError(
-            f"{where}: buffer {spec.name!r} has page_runs={runs!r}; give a positive int, or None when the "
-            "buffer's pages are usable only once all of it is pinned"
-        )
 
 
 # max_call_seconds="auto" for a background pool: its body is serving while it pins; under mlock
@@ -245,7 +135,7 @@ _SIZE_OR_PAGES_FIX = (
 
 def _check_num_pages(num_pages: object) -> int:
     """``num_pages=``: a positive int (never a bool, a float or a string)."""
-    if not _positive_int(num_pages):
+    if not positive_int(num_pages):
         raise ConfigError(
             f"num_pages={shown(num_pages)} must be a positive int number of layout pages (pool.num_pages of a pool "
             "to pair with), or None to size the pool by size= instead"
@@ -262,7 +152,7 @@ def _budget_of(layout: Layout, size: int | str | None, num_pages: object) -> tup
     if size is not None:
         return parse_size(size, what="size"), None
     pages = _check_num_pages(num_pages)
-    return pages * _layout_page_bytes(layout), pages
+    return pages * layout_page_bytes(layout), pages
 
 
 @dataclass(frozen=True)
@@ -403,7 +293,7 @@ class PoolOptions:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
         if self.num_pages is not None:
-            pages, page_bytes = _check_num_pages(self.num_pages), _layout_page_bytes(self.layout)
+            pages, page_bytes = _check_num_pages(self.num_pages), layout_page_bytes(self.layout)
             if self.size != pages * page_bytes:
                 raise ConfigError(
                     f"PoolOptions(size={self.size!r}, num_pages={pages}): size must be num_pages * layout.page_bytes "
@@ -590,7 +480,7 @@ def _check_plain(
     name: object,
 ) -> None:
     """The checks that need neither parsing nor the host, in the order users have always seen them."""
-    if not _is_layout(layout):
+    if not is_layout(layout):
         raise ConfigError(f"layout={given_layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"name={name!r} must be a non-empty str (it labels the pool's logs and metrics)")
