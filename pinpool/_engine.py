@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from ._chunks import Chunk
 from ._cutter import retry_splitter
-from ._errors import ChunkFailure, LedgerError, RuntimeCallError
+from ._errors import ChunkFailure, LedgerError, RuntimeCallError, as_runtime_error, between_calls_error
 from ._ledger import Phase, RegistrationBook, StopCause
 from ._libc import MADV_POPULATE_WRITE
 from ._memory import populate_range
@@ -48,26 +48,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # Within a long batch of small calls, outcomes are put on the books at least this often.
 RECORD_INTERVAL_SECONDS = 0.01
-
-
-def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
-    """A runtime that raised something other than RuntimeCallError still gets a typed record."""
-    if isinstance(exc, RuntimeCallError):
-        return exc
-    error = RuntimeCallError(op=op, code=-1, reason=type(exc).__name__, message=str(exc), ptr=ptr, nbytes=nbytes)
-    error.__cause__ = exc
-    return error
-
-
-def _between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
-    """Something pinpool itself raised between a chunk's runtime calls, as that chunk's failure."""
-    error = RuntimeCallError(
-        op=op, code=-1, reason=type(exc).__name__, ptr=ptr, nbytes=nbytes,
-        message=f"{exc} (raised by pinpool between runtime calls, not by the runtime; this is a pinpool bug, "
-        "please report it)",
-    )  # fmt: skip
-    error.__cause__ = exc
-    return error
 
 
 class Memory(Protocol):
@@ -310,7 +290,7 @@ class PinSession:
         try:
             return self._paced_populate(span, sizer)
         except BaseException as exc:  # a worker thread has no caller to raise to
-            error = _between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
+            error = between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
             return Landing(span, error, seconds=0.0)  # 0.0, not nan: the worker observes it
 
     def _paced_populate(self, span: Span, sizer: CallSizer) -> Landing:
@@ -382,7 +362,7 @@ class PinSession:
         try:
             return self._pieces_loop(index, chunk, todo, attempts, done, paced=paced)
         except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
-            error = _between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
+            error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
             attempts.append(ChunkFailure(chunk, "register", error))
             # 0.0, not nan: the worker observes this failure
             return Landing(index, error, pieces=tuple(done), attempts=tuple(attempts), seconds=0.0)
