@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
 import time
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -25,16 +23,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from ._chunks import Chunk, ChunkTable
 from ._declared import OPTIONS
 from ._drivers import drive_async, drive_sync, finalize_lifecycle
-from ._errors import (
-    ConfigError,
-    PoolStateError,
-)
+from ._errors import ConfigError, PoolStateError
 from ._host import HostFacts
 from ._lifecycle import Lifecycle
 from ._node import NodeAdmission, NodePacing
 from ._observe import Observer
 from ._options import DEFAULT_MAX_RETRIES, PoolOptions
-from ._outcome import PoolState
+from ._outcome import PoolState, caller_outside_pinpool
 from ._pipeline import Order
 from ._placement import place
 from ._plan import BufferPlan, PoolPlan, plan_pool
@@ -359,7 +354,7 @@ class PinnedPool:
         memory = PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
         return Lifecycle(
             self._plan, options, runtime=self._runtime, caps=self._caps, observer=self._observer, source=memory,
-            admission=admission, on_progress=self.on_progress, created_at=_caller_outside_pinpool(),
+            admission=admission, on_progress=self.on_progress, created_at=caller_outside_pinpool(),
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -595,12 +590,3 @@ class PinnedPool:
         ``KeyboardInterrupt`` and other interruptions are always re-raised, after the teardown.
         """
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
-
-
-def _caller_outside_pinpool() -> tuple[str, int]:
-    """(file, line) of the first frame outside pinpool: where the user made the pool."""
-    frame = sys._getframe(1)
-    package = os.path.dirname(__file__)
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame = frame.f_back  # type: ignore[assignment]
-    return ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
