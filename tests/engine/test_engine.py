@@ -64,7 +64,7 @@ def stop_after(session: list[PinSession], op: str, calls: int) -> Any:
 # One 256 MiB chunk and span: under a 20 ms budget it takes at least three calls (the sizer's
 # 16 MiB probe, then at most 4x the last one: 64 MiB, then the 176 MiB left, at the fastest).
 PACED: dict[str, Any] = {
-    "size": 256 * MiB, "chunk_bytes": 256 * MiB, "populate_workers": 1, "register_workers": 1,
+    "size": 256 * MiB, "max_chunk_bytes": 256 * MiB, "populate_workers": 1, "register_workers": 1,
     "max_call_seconds": 0.02,
 }  # fmt: skip
 

@@ -347,7 +347,7 @@ def test_a_leaked_registration_stays_listed(budget: float | None) -> None:
     fake's books (with a budget the chunk is in pieces, and only the failed piece stays)."""
     fake = RateFake(4 << 30, fail_unregister_on=1)
     pool = pinpool.PinnedPool(
-        layout=layouts.Raw(granularity_bytes=MiB), size=32 * MiB, chunk_bytes=16 * MiB, runtime=fake,
+        layout=layouts.Raw(granularity_bytes=MiB), size=32 * MiB, max_chunk_bytes=16 * MiB, runtime=fake,
         registry=None, populate=False, register_workers=1, unpin_workers=1, max_call_seconds=budget,
     )  # fmt: skip
     base: list[int] = []
