@@ -7,7 +7,7 @@ LMCache keeps one 1-D uint8 arena per engine and sub-allocates it. Its lazy allo
 arena in 64 MiB steps on a daemon thread, opens the usable address space only behind the pinned
 bytes, and keeps serving at the size it reached when a step fails (a warning, not an error).
 ``LazyPinnedArena`` below keeps that contract; the pin thread, the step loop, the pin record and
-the unpinning are one background ``pinpool.PinnedPool`` with ``chunk_bytes="64MiB"``:
+the unpinning are one background ``pinpool.PinnedPool`` with ``max_chunk_bytes="64MiB"``:
 
 - the usable size is ``pool.pinned_pages`` (a ``Raw`` pool's page is one byte: the pinned prefix),
   read on every allocation, so it grows as the pool pins, never ahead of it;
@@ -74,7 +74,7 @@ class LazyPinnedArena:
         # (LMCache's daemon thread; pre-faulting runs ahead on several); a failed step is not
         # retried (max_retries=0), as LMCache does not retry it.
         self.pool = pinpool.PinnedPool(
-            layout=layouts.Raw(), size=size, runtime=runtime, background=True, chunk_bytes=step,
+            layout=layouts.Raw(), size=size, runtime=runtime, background=True, max_chunk_bytes=step,
             register_workers=1, max_call_seconds=max_call_seconds, max_retries=0, name="lmcache-l1",
             registry=registry,
         ).open()  # fmt: skip

@@ -166,7 +166,7 @@ def run(layout: str, size: int, runtime: str) -> None:
     # 4 layers, 4 heads of 64 bf16, 16 tokens a page: 4 KiB a token, 64 KiB a page.
     host = MHATokenToKVPoolHost(
         host_size_bytes=size, layer_num=4, head_num=4, head_dim=64, page_size=16, layout=layout,
-        runtime=runtime, chunk_bytes="4MiB", max_call_seconds=0.02,
+        runtime=runtime, chunk_bytes="4MiB",
     )  # fmt: skip
     pool = host.pool
     try:
