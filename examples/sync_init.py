@@ -17,6 +17,7 @@ import argparse
 import contextlib
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -31,8 +32,9 @@ MiB = 1 << 20
 class HostKVPool:
     """K and V for ``layer_num`` layers, ``page_size`` tokens a page, in one pinned host pool.
 
-    ``runtime``, ``chunk_bytes`` and ``registry`` are passed to the pool, so tests can hand in
-    a ``pinpool.testing.FakeRuntime``, small chunks and a registry of their own. ``on_pinned(pool)`` runs once
+    ``runtime``, ``chunk_bytes``, ``registry`` and any other ``pool_options`` are passed to the
+    pool, so tests can hand in a ``pinpool.testing.FakeRuntime``, small chunks, a registry of
+    their own and ``max_retries=0`` (a plain failure, no retry). ``on_pinned(pool)`` runs once
     the pool is pinned: a server would register the buffer with its transfer engine there.
     """
 
@@ -49,6 +51,7 @@ class HostKVPool:
         chunk_bytes: int | str | None = None,
         registry: CollectorRegistry | None = REGISTRY,
         on_pinned: Callable[[pinpool.PinnedPool], None] | None = None,
+        **pool_options: Any,
     ) -> None:
         layout = layouts.MHA(
             "page_first", layer_num=layer_num, page_size=page_size, head_num=head_num, head_dim=head_dim, dtype=dtype
@@ -65,6 +68,7 @@ class HostKVPool:
                     chunk_bytes=chunk_bytes,
                     registry=registry,
                     name="host-kv",
+                    **pool_options,
                 )
             )
             self.kv = self.pool.tensors["kv"]  # (2, tokens, layer_num, head_num, head_dim): K is 0, V is 1

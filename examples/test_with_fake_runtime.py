@@ -43,11 +43,11 @@ def test_pins_on_init_and_unpins_on_close(fake_runtime: FakeRuntime) -> None:
 
 
 def test_registration_failure_in_init_leaves_nothing_pinned() -> None:
-    # Your own fake, configured: the third registration call fails. max_retries is not needed
-    # here: 1 MiB chunks are too small to be retried as halves (see min_chunk_bytes).
+    # Your own fake, configured: the third registration call fails. max_retries=0: its code (2,
+    # as CUDA's out of memory) is retryable, and the failed chunk would be retried as halves.
     fake = FakeRuntime(fail_register_on=3)
     with pytest.raises(pinpool.PinError) as info:
-        HostKVPool(size=8 * MiB, chunk_bytes="1MiB", runtime=fake, registry=None)
+        HostKVPool(size=8 * MiB, chunk_bytes="1MiB", runtime=fake, registry=None, max_retries=0)
     assert (info.value.phase, info.value.code, info.value.reason) == ("register", 2, "cudaErrorMemoryAllocation")
     assert fake.registered == {}  # what did register was rolled back
     assert len(fake.unregister_calls) == len(fake.register_calls) - 1  # every success undone, the failure not

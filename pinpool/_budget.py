@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 from ._declared import OPTIONS
 from ._errors import ConfigError
 from ._host import HostFacts
+from ._layout_spec import is_layout
 from ._node_config import parse_fraction
-from ._options import PoolOptions, _is_layout, min_num_pages
+from ._options import PoolOptions, min_num_pages
 from ._placement import place
 from ._preflight import bytes_text, human, resident_fit
 from ._units import decimal_to_int, parse_size, shown
@@ -109,7 +110,7 @@ def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts |
     for key, layout in layouts.items():
         if not isinstance(key, str) or not key:
             raise ConfigError(f"share(layouts=...): pool name {key!r} must be a non-empty str")
-        if not _is_layout(layout):
+        if not is_layout(layout):
             raise ConfigError(
                 f"share(layouts=...): {key!r}: {layout!r} is not a layout; use one from pinpool.layouts, "
                 "e.g. layouts.MLA(...)"

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_MAX_RETRIES",
-    "DEFAULT_MIN_CHUNK_BYTES",
     "DEFAULT_REGISTRY",
     "KINDS",
     "OPTIONS",
@@ -38,8 +37,9 @@ __all__ = [
     "pool_options",
 ]
 
-DEFAULT_MIN_CHUNK_BYTES = 64 << 20
-DEFAULT_MAX_RETRIES = 8
+# How many times one planned registration may be halved, level after level: 32 levels reach one
+# 4 KiB page from 16 TiB, so the floor (min_chunk_bytes, else one alignment unit) ends halving first.
+DEFAULT_MAX_RETRIES = 32
 # chunk_bytes= that asks for one registration per buffer (ROCm kernels address a pool from one base).
 PER_BUFFER = "buffer"
 
@@ -63,6 +63,7 @@ KINDS = {
     "size": "a size: bytes, or a number with a unit (64GiB); a number without a unit must be whole",
     "chunk": f"a size, or {PER_BUFFER!r}",
     "int": "an integer",
+    "codes": "comma-separated integers, or 'none' (never retry)",
     "seconds": "a number of seconds, 'auto', or 'none'",
     "nice": "an integer, or 'auto'",
     "text": "text, as given",
@@ -184,14 +185,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "chunk_bytes", "int | str | None", None,
-        f"exact size of one registration call, rounded down to the alignment unit; {PER_BUFFER!r}: one registration "
-        "per buffer, never cut; None: chunks up to the chunk limit, split for the workers",
+        f"exact size of every registration call (a buffer's last one shorter), rounded down to the alignment unit, "
+        f"never split for the workers nor cut by an 'auto' stall budget; {PER_BUFFER!r}: one registration per buffer, "
+        "never cut; None: chunks up to the chunk limit, split for the workers",
         flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer"), create=True,
     ),
     Option(
         "max_chunk_bytes", "int | str | None", None,
-        "upper bound of one registration call, rounded down to the alignment unit; chunks may be split further for the "
-        "workers (None: PINPOOL_REGISTER_CHUNK_GB GiB, else 256 GiB)",
+        "upper bound of one registration call, rounded down to the alignment unit: as few registrations as it allows, "
+        "never split for the workers nor cut by an 'auto' stall budget (None: PINPOOL_REGISTER_CHUNK_GB GiB, else "
+        "256 GiB, split for the workers)",
         flag=Flag("--max-chunk-bytes", "size", "SIZE"), create=True,
     ),
     Option(
@@ -232,14 +235,22 @@ OPTIONS: tuple[Option, ...] = (
         flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor", create=True,
     ),
     Option(
-        "min_chunk_bytes", "int | str", DEFAULT_MIN_CHUNK_BYTES,
-        "a registration retried as halves is never cut below this (nor below one alignment unit)",
-        flag=Flag("--min-chunk-bytes", "size", "SIZE"), create=True, shown_default="67108864 (64 MiB)",
+        "min_chunk_bytes", "int | str | None", None,
+        "a registration retried as halves is never cut below this (None: one alignment unit, lcm(granularity, "
+        "OS page))",
+        flag=Flag("--min-chunk-bytes", "size", "SIZE"), create=True,
     ),
     Option(
         "max_retries", "int", DEFAULT_MAX_RETRIES,
-        "how many times per pool a registration failing with a retryable code is halved and retried (0: never)",
+        "how many times one planned registration may be halved, level after level, when a call fails with a retry "
+        "code (0: never retry)",
         flag=Flag("--max-retries", "int", "N"), create=True,
+    ),
+    Option(
+        "retry_codes", "Collection[int] | None", None,
+        "the runtime's error codes that make a registration retry as halves (None: the runtime's own; CUDA and "
+        "ROCm: 1 and 2, what a registration too large gets; (): never retry)",
+        flag=Flag("--retry-codes", "codes", "CODE,..."), create=True,
     ),
     Option(
         "max_call_seconds", "float | str | None", "auto",

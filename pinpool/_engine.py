@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from ._chunks import Chunk
 from ._cutter import retry_splitter
-from ._errors import ChunkFailure, LedgerError, RuntimeCallError
+from ._errors import ChunkFailure, LedgerError, RuntimeCallError, as_runtime_error, between_calls_error
 from ._ledger import Phase, RegistrationBook, StopCause
 from ._libc import MADV_POPULATE_WRITE
 from ._memory import populate_range
@@ -48,26 +48,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # Within a long batch of small calls, outcomes are put on the books at least this often.
 RECORD_INTERVAL_SECONDS = 0.01
-
-
-def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
-    """A runtime that raised something other than RuntimeCallError still gets a typed record."""
-    if isinstance(exc, RuntimeCallError):
-        return exc
-    error = RuntimeCallError(op=op, code=-1, reason=type(exc).__name__, message=str(exc), ptr=ptr, nbytes=nbytes)
-    error.__cause__ = exc
-    return error
-
-
-def _between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
-    """Something pinpool itself raised between a chunk's runtime calls, as that chunk's failure."""
-    error = RuntimeCallError(
-        op=op, code=-1, reason=type(exc).__name__, ptr=ptr, nbytes=nbytes,
-        message=f"{exc} (raised by pinpool between runtime calls, not by the runtime; this is a pinpool bug, "
-        "please report it)",
-    )  # fmt: skip
-    error.__cause__ = exc
-    return error
 
 
 class Memory(Protocol):
@@ -167,11 +147,14 @@ class PinSession:
         self._register = _Op("register", register)
         self._unregister = _Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
-        # Retry with halving: only codes the runtime declares retryable, within one budget per pool.
-        self._cutter = retry_splitter(plan, options.min_chunk_bytes)
-        self._retryable = caps.retryable_codes
+        # Retry with halving: the pool's retry codes (else the runtime's), down to the floor (else one
+        # unit), at most max_retries levels below each planned chunk. A bound per lineage, not per
+        # pool: a pool of many chunks that all meet a size limit needs every one halved (SGLang's
+        # degradation), while one chunk that fails at every level costs one call per level.
+        self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
+        self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
         self._not_registered = caps.not_registered_codes
-        self._retries_left = options.max_retries
+        self._max_depth = options.max_retries
         self.retries = 0
         self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
@@ -179,10 +162,11 @@ class PinSession:
         self._failed_before = 0
         self._teardown_started = 0.0
         # The stall budget: every register and populate call sized to fit max_call_seconds.
+        # An "auto" budget that yields to an explicit chunk option leaves registrations as planned.
         budget = options.max_call_seconds
-        self._register_sizer = CallSizer(budget) if budget else None
+        self._register_sizer = CallSizer(budget) if budget and not options.budget_yields_to else None
         self._populate_sizer = CallSizer(budget) if budget else None
-        self._pieces_follow_faulting = bool(budget) and order is Order.REGISTER_FIRST
+        self._pieces_follow_faulting = self._register_sizer is not None and order is Order.REGISTER_FIRST
         self._populate_unit = plan.align
         # Pin workers run this much nicer than the process (pin_nice=, see _priority.py); never
         # the thread that made the session (it entered the pool, and may go on serving).
@@ -306,7 +290,7 @@ class PinSession:
         try:
             return self._paced_populate(span, sizer)
         except BaseException as exc:  # a worker thread has no caller to raise to
-            error = _between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
+            error = between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
             return Landing(span, error, seconds=0.0)  # 0.0, not nan: the worker observes it
 
     def _paced_populate(self, span: Span, sizer: CallSizer) -> Landing:
@@ -333,34 +317,41 @@ class PinSession:
         if error is None:
             self.book.chunk_registered(index)
             return Landing(index, seconds=seconds)
-        halves = self._halves(chunk, error, attempt=1)
+        halves = self._halves(chunk, 0, error, attempt=1)
         if halves is None:
             return Landing(index, error, seconds=seconds)
         self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
-        return self._register_pieces(index, chunk, list(halves), [ChunkFailure(chunk, "register", error)])
+        return self._register_pieces(index, chunk, halves, [ChunkFailure(chunk, "register", error)])
 
-    def _halves(self, piece: Chunk, error: RuntimeCallError, attempt: int) -> tuple[Chunk, Chunk] | None:
-        """Aligned halves to retry ``piece`` with, if its error is retryable and the budget allows."""
-        if error.code not in self._retryable:
+    def _halves(
+        self, piece: Chunk, depth: int, error: RuntimeCallError, attempt: int
+    ) -> list[tuple[Chunk, int]] | None:
+        """Aligned halves to retry ``piece`` with (``depth`` halvings below its planned chunk), each
+        with its own depth, if its error is a retry code and the depth bound allows."""
+        if error.code not in self._retryable or depth >= self._max_depth:
             return None
         halves = self._cutter.split(piece)
         if halves is None:
             return None
         with self.lock:
-            if self._retries_left <= 0:
-                return None
-            self._retries_left -= 1
             self.retries += 1
         self.observer.chunk_retried(piece, error, halves, attempt)
-        return halves
+        return [(half, depth + 1) for half in halves]
 
     def _register_pieces(
-        self, index: int, chunk: Chunk, todo: list[Chunk], attempts: list[ChunkFailure], *, paced: bool = False
+        self,
+        index: int,
+        chunk: Chunk,
+        todo: list[tuple[Chunk, int]],
+        attempts: list[ChunkFailure],
+        *,
+        paced: bool = False,
     ) -> Landing:
         """Register ``chunk`` as several calls: the halves of a failed call (``todo``), or, under
-        the stall budget (``paced``), pieces sized to fit it as the calls go. A piece that fails
-        retryably is halved again. Every failed attempt is kept, so a final failure lists them
-        all (a real out-of-memory is never hidden). Each call is observed as it ends.
+        the stall budget (``paced``), pieces sized to fit it as the calls go; each piece with its
+        depth (halvings below ``chunk``). A piece that fails retryably is halved again. Every
+        failed attempt is kept, so a final failure lists them all (a real out-of-memory is never
+        hidden). Each call is observed as it ends.
 
         The pieces registered so far exist only in ``done`` until the chunk lands, so nothing may
         take them away: a piece joins ``done`` as soon as its call returns, before anything else
@@ -371,7 +362,7 @@ class PinSession:
         try:
             return self._pieces_loop(index, chunk, todo, attempts, done, paced=paced)
         except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
-            error = _between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
+            error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
             attempts.append(ChunkFailure(chunk, "register", error))
             # 0.0, not nan: the worker observes this failure
             return Landing(index, error, pieces=tuple(done), attempts=tuple(attempts), seconds=0.0)
@@ -380,7 +371,7 @@ class PinSession:
         self,
         index: int,
         chunk: Chunk,
-        todo: list[Chunk],
+        todo: list[tuple[Chunk, int]],
         attempts: list[ChunkFailure],
         done: list[Chunk],
         *,
@@ -391,8 +382,9 @@ class PinSession:
         offset = chunk.offset if paced else chunk.end  # where the pieces not yet cut begin
         while todo or offset < chunk.end:
             if todo:
-                piece = todo.pop(0)
+                piece, depth = todo.pop(0)
             else:
+                depth = 0  # a piece the stall budget cut: a planned size, not a retry
                 assert sizer is not None
                 if self.pipeline.stopped:  # stop between calls: the rollback undoes the pieces
                     return Landing(index, stopped=True, pieces=tuple(done))
@@ -419,7 +411,7 @@ class PinSession:
                 continue
             attempts.append(ChunkFailure(piece, "register", failure))
             self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
-            again = self._halves(piece, failure, attempt=len(attempts))
+            again = self._halves(piece, depth, failure, attempt=len(attempts))
             if again is None:  # registered pieces are undone by the rollback, from the books
                 return Landing(index, failure, pieces=tuple(done), attempts=tuple(attempts))
             todo[:0] = again

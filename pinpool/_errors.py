@@ -91,6 +91,26 @@ def _rebuild_runtime_call_error(
     return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
 
 
+def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
+    """A runtime that raised something other than RuntimeCallError still gets a typed record."""
+    if isinstance(exc, RuntimeCallError):
+        return exc
+    error = RuntimeCallError(op=op, code=-1, reason=type(exc).__name__, message=str(exc), ptr=ptr, nbytes=nbytes)
+    error.__cause__ = exc
+    return error
+
+
+def between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
+    """Something pinpool itself raised between a chunk's runtime calls, as that chunk's failure."""
+    error = RuntimeCallError(
+        op=op, code=-1, reason=type(exc).__name__, ptr=ptr, nbytes=nbytes,
+        message=f"{exc} (raised by pinpool between runtime calls, not by the runtime; this is a pinpool bug, "
+        "please report it)",
+    )  # fmt: skip
+    error.__cause__ = exc
+    return error
+
+
 @dataclass(frozen=True)
 class ChunkFailure:
     """One chunk's failed runtime call: which chunk, in which phase, and the runtime's error."""

@@ -32,13 +32,12 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import warnings
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._admission import PoolAdmission
 from ._engine import PinSession
-from ._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnclosedPoolWarning, UnpinError
+from ._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnpinError
 from ._ledger import Phase, StopCause
 from ._node import NodeAdmission
 from ._observe import Observer
@@ -52,6 +51,7 @@ from ._outcome import (
     pin_error,
     thread_start_error,
     unpin_error,
+    warn_unclosed,
 )
 from ._ranges import PINNED_RANGES
 from ._steps import Detach, Joinable, Ran, RunThreads, Steps
@@ -236,6 +236,7 @@ class Lifecycle:
             nbytes=plan.nbytes, chunks=len(plan.chunks), chunk_bytes=plan.chunk_bytes, granularity=plan.granularity,
             order=plan.order.value, register_workers=plan.register_workers, populate_workers=plan.populate_workers,
             pin_nice=self.options.pin_nice, max_call_seconds=self.options.max_call_seconds,
+            budget_yields_to=self.options.budget_yields_to,
         )  # fmt: skip
         return session
 
@@ -571,7 +572,7 @@ class Lifecycle:
         if orphaned:
             self.pacing.cancel.set()
             session.stop(StopCause.COLLECTED)
-            self._warn_unclosed("is unpinning what it pinned in the background")
+            warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
             return
         unseen = self.error if state is PoolState.FAILED and not self.error_delivered else None
         try:
@@ -584,17 +585,7 @@ class Lifecycle:
         finally:
             self._driven = False
         if unseen is not None:
-            self._warn_unclosed(f"had failed to pin in the background, and nobody saw why: {unseen}")
-        self._warn_unclosed(f"unpinned its {format_bytes(pinned)} in a finalizer")
-
-    def _warn_unclosed(self, what: str) -> None:
-        """Warn where the pool was created: a finalizer has no caller of its own to point at."""
-        filename, lineno = self.created_at
-        message = (
-            f"PinnedPool {self.name!r} was never exited; {what}. "
-            "Use `async with` / `with`, or pool.close(), so teardown happens where you expect it"
-        )
-        if filename.startswith("<"):  # python -c, a REPL: no file to point at (warn_explicit drops those)
-            warnings.warn(message, UnclosedPoolWarning, stacklevel=2)
-            return
-        warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)
+            warn_unclosed(
+                self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"
+            )
+        warn_unclosed(self.name, self.created_at, f"unpinned its {format_bytes(pinned)} in a finalizer")

@@ -11,17 +11,14 @@ turns options plus host facts into a plan.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Collection
 from dataclasses import InitVar, dataclass, field
-from typing import TypeGuard
 
-import torch
-
-from ._declared import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PER_BUFFER
+from ._declared import DEFAULT_MAX_RETRIES, PER_BUFFER
 from ._errors import ConfigError
+from ._layout_spec import is_layout, layout_buffers, layout_page_bytes, positive_int
 from ._priority import BACKGROUND_PIN_NICE, MAX_NICE
 from ._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size, shown
 from .layouts import BufferSpec, Layout, Raw
@@ -31,7 +28,6 @@ __all__ = [
     "CHUNK_ENV",
     "DEFAULT_CHUNK_GIB",
     "DEFAULT_MAX_RETRIES",
-    "DEFAULT_MIN_CHUNK_BYTES",
     "PoolOptions",
     "chunk_limit_from_env",
     "min_num_pages",
@@ -92,8 +88,8 @@ def _check_fits_a_page(
     it holds, checked (a pool's one ``layout.buffers(num_pages)`` call: the placement reads them).
 
     ``num_pages``: the pool was asked for by page count (``budget`` is that many pages), so the
-    message names it. The layout is checked on the way (:func:`_layout_page_bytes`,
-    :func:`_layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
+    message names it. The layout is checked on the way (:func:`layout_page_bytes`,
+    :func:`layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
     is mapped, not a ZeroDivisionError in the plan."""
     page_bytes, one_page, smallest = _smallest_pool(layout)
     if budget < smallest and num_pages is not None:
@@ -108,14 +104,14 @@ def _check_fits_a_page(
             f"({shown(smallest)} B = {format_bytes(smallest)}); give a size of at least {shown(smallest)} bytes"
         )
     pages = budget // page_bytes
-    return one_page if pages == 1 else _layout_buffers(layout, pages)  # the buffers this pool will have
+    return one_page if pages == 1 else layout_buffers(layout, pages)  # the buffers this pool will have
 
 
 def _smallest_pool(layout: Layout) -> tuple[int, tuple[BufferSpec, ...], int]:
     """The layout's page_bytes, its buffers for one page, and the fewest bytes a pool of it holds:
     one page, and one copy page of every buffer (the layout checked on the way)."""
-    page_bytes = _layout_page_bytes(layout)
-    one_page = _layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
+    page_bytes = layout_page_bytes(layout)
+    one_page = layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
     return page_bytes, one_page, max([page_bytes, *(s.granularity or 0 for s in one_page)])
 
 
@@ -123,113 +119,6 @@ def min_num_pages(layout: Layout) -> int:
     """The fewest pages a pool of ``layout`` may hold (``num_pages=`` below it is refused)."""
     page_bytes, _, smallest = _smallest_pool(layout)
     return -(-smallest // page_bytes)
-
-
-# -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --
-
-_PAGE_BYTES_FIX = "a layout's page_bytes must be a positive int: the bytes one page occupies across all its buffers"
-_BUFFERS_FIX = "a layout's buffers(num_pages) must return a tuple of pinpool.layouts.BufferSpec"
-
-
-def _describe_layout(layout: object) -> str:
-    """How messages name a layout: its name where it has a usable one, and always its class."""
-    try:
-        name = getattr(layout, "name", None)
-    except Exception:  # a property that raises: the class is all there is to go by
-        name = None
-    kind = type(layout).__qualname__
-    return f"layout {name!r} ({kind})" if isinstance(name, str) and name else f"layout {kind}"
-
-
-def _is_layout(layout: object) -> bool:
-    """``isinstance(layout, Layout)``, which reads the protocol's properties and so raises what they raise."""
-    try:
-        return isinstance(layout, Layout)
-    except Exception as exc:
-        what = _describe_layout(layout)
-        fixes = {"name": "fix its name", "page_bytes": _PAGE_BYTES_FIX, "buffers": _BUFFERS_FIX}
-        for attribute, fix in fixes.items():  # which one raised, to name it
-            _layout_value(what, attribute, functools.partial(getattr, layout, attribute), fix)
-        raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
-
-
-def _layout_page_bytes(layout: Layout) -> int:
-    """Check the layout's name and page_bytes (what PinnedPool reads of it besides its buffers); return page_bytes."""
-    what = _describe_layout(layout)
-    name = _layout_value(what, "name", lambda: layout.name, "fix its name")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(
-            f"{what}: name={name!r} must be a non-empty str (it labels the pool's logs and metrics); fix its name"
-        )
-    page_bytes = _layout_value(what, "page_bytes", lambda: layout.page_bytes, _PAGE_BYTES_FIX)
-    if not _positive_int(page_bytes):
-        raise ConfigError(f"{what}: page_bytes={page_bytes!r}; {_PAGE_BYTES_FIX} (size= buys whole pages of it)")
-    return page_bytes
-
-
-def _layout_buffers(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
-    """Check the layout's ``buffers(num_pages)``: a non-empty tuple of valid, distinct BufferSpecs holding bytes."""
-    what = _describe_layout(layout)
-    # An absurd size (10**5000) is refused later as beyond the address space; its page count must
-    # still print (str() of an int that long raises).
-    call = f"buffers({num_pages if num_pages.bit_length() <= 128 else f'~2**{num_pages.bit_length() - 1}'})"
-    specs = _layout_value(what, call, lambda: layout.buffers(num_pages), _BUFFERS_FIX)
-    if isinstance(specs, str | bytes) or not isinstance(specs, tuple | list):
-        raise ConfigError(f"{what}: {call} returned {specs!r}; {_BUFFERS_FIX}")
-    if not specs:
-        raise ConfigError(f"{what}: {call} returned no buffers; {_BUFFERS_FIX}, at least one")
-    seen: set[str] = set()
-    for spec in specs:
-        _check_buffer_spec(f"{what}: {call}", spec, seen)
-    if not sum(spec.nbytes for spec in specs):
-        raise ConfigError(
-            f"{what}: {call} hold no bytes at all (every shape has a zero dimension); "
-            "give at least one buffer a non-empty shape"
-        )
-    return tuple(specs)
-
-
-def _positive_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: str) -> object:
-    """``read()``; anything but a ConfigError it raises becomes one naming the layout and the fix."""
-    try:
-        return read()
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(f"{what}: {attribute} raised {type(exc).__name__} ({exc}); {fix}") from exc
-
-
-def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:
-    """One BufferSpec of a layout: the fields the plan and the tensor views use, of the right types."""
-    if not isinstance(spec, BufferSpec):
-        raise ConfigError(f"{where} holds {spec!r}, not a BufferSpec; {_BUFFERS_FIX}")
-    if not isinstance(spec.name, str) or not spec.name or spec.name in seen:
-        problem = "repeats the name" if spec.name in seen else "has name"
-        raise ConfigError(
-            f"{where} {problem} {spec.name!r}; every buffer needs a distinct non-empty str name (pool.tensors[name])"
-        )
-    seen.add(spec.name)
-    shape = spec.shape
-    if not isinstance(shape, tuple) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-        raise ConfigError(f"{where}: buffer {spec.name!r} has shape={shape!r}; give a tuple of non-negative ints")
-    if not isinstance(spec.dtype, torch.dtype):
-        raise ConfigError(f"{where}: buffer {spec.name!r} has dtype={spec.dtype!r}; give a torch.dtype")
-    granularity = spec.granularity
-    if granularity is not None and not _positive_int(granularity):
-        raise ConfigError(
-            f"{where}: buffer {spec.name!r} has granularity={granularity!r}; give a positive int number of bytes "
-            "(one copy page: chunk boundaries fall on its multiples), or None for no alignment constraint"
-        )
-    runs = getattr(spec, "page_runs", None)
-    if runs is not None and not _positive_int(runs):
-        raise ConfigError(
-            f"{where}: buffer {spec.name!r} has page_runs={runs!r}; give a positive int, or None when the "
-            "buffer's pages are usable only once all of it is pinned"
-        )
 
 
 # max_call_seconds="auto" for a background pool: its body is serving while it pins; under mlock
@@ -246,7 +135,7 @@ _SIZE_OR_PAGES_FIX = (
 
 def _check_num_pages(num_pages: object) -> int:
     """``num_pages=``: a positive int (never a bool, a float or a string)."""
-    if not _positive_int(num_pages):
+    if not positive_int(num_pages):
         raise ConfigError(
             f"num_pages={shown(num_pages)} must be a positive int number of layout pages (pool.num_pages of a pool "
             "to pair with), or None to size the pool by size= instead"
@@ -263,7 +152,7 @@ def _budget_of(layout: Layout, size: int | str | None, num_pages: object) -> tup
     if size is not None:
         return parse_size(size, what="size"), None
     pages = _check_num_pages(num_pages)
-    return pages * _layout_page_bytes(layout), pages
+    return pages * layout_page_bytes(layout), pages
 
 
 @dataclass(frozen=True)
@@ -284,11 +173,14 @@ class PoolOptions:
     huge_pages: False, True (THP), "hugetlb" (or "hugetlb:2MiB") or "hugetlb:1GiB". numa_node: bind the
     memory to this node.
     name: the pool's name in logs, metrics and errors.
-    min_chunk_bytes / max_retries: a registration failing with a code its runtime declares
-    retryable is split in aligned halves and retried, down to ``min_chunk_bytes`` (never below
-    one alignment unit), at most ``max_retries`` times per pool (0: never retry).
+    min_chunk_bytes / max_retries / retry_codes: the retry policy: a registration failing with
+    one of ``retry_codes`` (None: its runtime's retryable codes) is retried as aligned halves,
+    down to ``min_chunk_bytes`` (None: one alignment unit), at most ``max_retries`` halvings
+    below its planned chunk (per chunk lineage, not per pool; 0: never retry).
     max_call_seconds: the stall budget: every registration and populate call is sized from
     the rate of the previous ones so it should not take longer (None: no budget).
+    budget_yields_to: the explicit chunk option (``"chunk_bytes"``, ``"max_chunk_bytes"``) an
+    ``"auto"`` budget yields to for registrations (populate calls still fit it), else None.
     pin_nice: how much nicer than the process the pin worker threads run (0: as nice as it;
     :func:`resolve_pin_nice` turns the user's ``"auto"`` / None into this number).
     background: the pool pins in the background (:meth:`create` resolves ``"auto"`` budgets
@@ -306,7 +198,7 @@ class PoolOptions:
     huge_pages: bool | str = False
     numa_node: int | None = None
     name: str = "default"
-    min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES
+    min_chunk_bytes: int | None = None
     max_retries: int = DEFAULT_MAX_RETRIES
     max_call_seconds: float | None = None
     num_pages: int | None = None
@@ -314,6 +206,8 @@ class PoolOptions:
     max_chunk_bytes: int | None = None
     per_buffer: bool = False
     background: bool = False
+    retry_codes: frozenset[int] | None = None
+    budget_yields_to: str | None = None
     # The layout's buffers for this size, checked: computed once, here; the placement reads them.
     buffers: tuple[BufferSpec, ...] = field(init=False, repr=False, compare=False)
     # create() checked the buffers already (before the options it parses after them, so errors
@@ -336,8 +230,9 @@ class PoolOptions:
         huge_pages: bool | str = False,
         numa_node: int | None = None,
         name: str = "default",
-        min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
+        min_chunk_bytes: int | str | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_codes: Collection[int] | None = None,
         max_call_seconds: float | str | None = "auto",
         background: bool = False,
         pin_nice: int | str | None = "auto",
@@ -364,14 +259,21 @@ class PoolOptions:
         else:
             exact, limit = None, resolve_chunk_limit(None) if bound is None else bound
         specs = _check_fits_a_page(resolved, budget, size, num_pages=pages)
+        stall = resolve_max_call_seconds(max_call_seconds, background=background, per_buffer=per_buffer)
+        # An "auto" budget yields to an explicit chunk option for registrations (the user said how
+        # to chunk; "auto" is only a default); a number given with exact chunks is refused below.
+        yields_to = None
+        if stall is not None and isinstance(max_call_seconds, str):
+            yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
+        floor = None if min_chunk_bytes is None else parse_size(min_chunk_bytes, what="min_chunk_bytes")
         return cls(
             size=budget, layout=resolved, chunk_bytes=exact, chunk_limit=limit,
             populate=populate, populate_workers=populate_workers, register_workers=register_workers,
             unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
-            min_chunk_bytes=parse_size(min_chunk_bytes, what="min_chunk_bytes"), max_retries=max_retries,
-            max_call_seconds=resolve_max_call_seconds(max_call_seconds, background=background, per_buffer=per_buffer),
+            min_chunk_bytes=floor, max_retries=max_retries, max_call_seconds=stall,
             num_pages=pages, pin_nice=resolve_pin_nice(pin_nice, background=background), max_chunk_bytes=bound,
-            per_buffer=per_buffer, background=background, checked_buffers=specs,
+            per_buffer=per_buffer, background=background, retry_codes=_retry_codes(retry_codes),
+            budget_yields_to=yields_to, checked_buffers=specs,
         )  # fmt: skip
 
     def __post_init__(self, checked_buffers: tuple[BufferSpec, ...] | None) -> None:
@@ -391,7 +293,7 @@ class PoolOptions:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
         if self.num_pages is not None:
-            pages, page_bytes = _check_num_pages(self.num_pages), _layout_page_bytes(self.layout)
+            pages, page_bytes = _check_num_pages(self.num_pages), layout_page_bytes(self.layout)
             if self.size != pages * page_bytes:
                 raise ConfigError(
                     f"PoolOptions(size={self.size!r}, num_pages={pages}): size must be num_pages * layout.page_bytes "
@@ -400,23 +302,48 @@ class PoolOptions:
         if checked_buffers is None:
             checked_buffers = _check_fits_a_page(self.layout, self.size, self.size, num_pages=self.num_pages)
         object.__setattr__(self, "buffers", checked_buffers)
+        self._check_retry_policy()
+        _check_max_call_seconds(self.max_call_seconds)
+        if self.per_buffer and self.max_call_seconds is not None:
+            raise ConfigError(_per_buffer_budget(self.max_call_seconds))
+        self._check_budget_yields()
+        _check_pin_nice(self.pin_nice)
+        if not isinstance(self.background, bool):
+            raise ConfigError(f"background={self.background!r} must be True or False")
+
+    def _check_retry_policy(self) -> None:
+        """min_chunk_bytes, max_retries, retry_codes: each valid (retry_codes normalised to a frozenset)."""
         if isinstance(self.min_chunk_bytes, str):
             raise ConfigError(
                 f"min_chunk_bytes={self.min_chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
             )
-        parse_size(self.min_chunk_bytes, what="min_chunk_bytes")
+        if self.min_chunk_bytes is not None:
+            parse_size(self.min_chunk_bytes, what="min_chunk_bytes")
         retries = self.max_retries
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
             raise ConfigError(
-                f"max_retries={shown(retries)} must be an int >= 0 (how many times per pool a failed registration "
-                f"is halved and retried; 0 never retries, the default is {DEFAULT_MAX_RETRIES})"
+                f"max_retries={shown(retries)} must be an int from 0 to {MAX_RETRIES}: how many times one planned "
+                "registration may be halved, level after level (0 never retries; the default "
+                f"{DEFAULT_MAX_RETRIES} lets halving reach one 4 KiB page from 16 TiB; {MAX_RETRIES} halvings "
+                "already reach one byte from any size an address space holds)"
             )
-        _check_max_call_seconds(self.max_call_seconds)
-        if self.per_buffer and self.max_call_seconds is not None:
-            raise ConfigError(_per_buffer_budget(self.max_call_seconds))
-        _check_pin_nice(self.pin_nice)
-        if not isinstance(self.background, bool):
-            raise ConfigError(f"background={self.background!r} must be True or False")
+        object.__setattr__(self, "retry_codes", _retry_codes(self.retry_codes))
+
+    def _check_budget_yields(self) -> None:
+        """chunk_bytes is exact: a stall budget may not cut it, unless the budget was "auto" and yields."""
+        yields = self.budget_yields_to
+        if yields not in (None, "chunk_bytes", "max_chunk_bytes") or (yields and getattr(self, yields) is None):
+            raise ConfigError(
+                f"budget_yields_to={yields!r}: None, or the chunk option given; PoolOptions.create sets it"
+            )
+        if self.chunk_bytes is not None and self.max_call_seconds is not None and yields is None:
+            raise ConfigError(
+                f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) makes every registration "
+                f"exactly that size, and max_call_seconds={shown(self.max_call_seconds)} would cut them into pieces "
+                "that fit the stall budget; give max_chunk_bytes= instead of chunk_bytes= (an upper bound the budget "
+                'may cut further), or max_call_seconds=None (or "auto": the budget then yields to chunk_bytes for '
+                "registrations)"
+            )
 
     def _check_chunk_options(self) -> None:
         """chunk_bytes, max_chunk_bytes, per_buffer: each valid, and not contradicting each
@@ -446,6 +373,29 @@ class PoolOptions:
             object.__setattr__(self, "chunk_limit", self.chunk_bytes)
         elif bound is not None:
             object.__setattr__(self, "chunk_limit", bound)
+
+
+# max_retries above this is meaningless: 64 halvings reach one byte from 2**64 bytes.
+MAX_RETRIES = 64
+# A runtime's error codes (cudaError_t, hipError_t) are positive C ints; 0 is success.
+MAX_ERROR_CODE = 2**31 - 1
+
+
+def _retry_codes(codes: object) -> frozenset[int] | None:
+    """``retry_codes=``: None (the runtime's own), or a collection of positive int error codes."""
+    if codes is None:
+        return None
+    fix = (
+        f"retry_codes={shown(codes)} must be a collection of the runtime's error codes, positive ints such as "
+        "(1, 2) for CUDA (invalid value, out of memory); () never retries; None (the default) takes the "
+        "runtime's own (Capabilities.retryable_codes)"
+    )
+    if isinstance(codes, str | bytes) or not isinstance(codes, Collection):
+        raise ConfigError(fix)
+    for code in codes:
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 < code <= MAX_ERROR_CODE:
+            raise ConfigError(f"{fix}; {shown(code)} is not one")
+    return frozenset(codes)
 
 
 _PIN_NICE_FIX = (
@@ -530,7 +480,7 @@ def _check_plain(
     name: object,
 ) -> None:
     """The checks that need neither parsing nor the host, in the order users have always seen them."""
-    if not _is_layout(layout):
+    if not is_layout(layout):
         raise ConfigError(f"layout={given_layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"name={name!r} must be a non-empty str (it labels the pool's logs and metrics)")

@@ -6,16 +6,20 @@
   here from what the step reported. The foreground and background modes only *deliver* it
   differently (``_lifecycle.py``): the foreground rolls back and raises; the background keeps
   what is pinned and tells the waiters. :func:`deliver_exit`: what leaving a pool raises.
-* The texts of the errors a pool raises when pinning or unpinning fails, built in one place.
+* The texts of the errors a pool raises when pinning or unpinning fails, built in one place,
+  and the warning for a pool never exited, pointed at the code that made it.
 """
 
 from __future__ import annotations
 
 import enum
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 
 from ._chunks import Chunk
-from ._errors import ChunkFailure, PinError, UnpinError
+from ._errors import ChunkFailure, PinError, UnclosedPoolWarning, UnpinError
 from ._ledger import StopCause
 from ._units import format_bytes
 
@@ -234,3 +238,28 @@ def unpin_error(name: str, failures: Sequence[ChunkFailure], leaked: tuple[Chunk
         failures=tuple(failures),
         leaked=leaked,
     )
+
+
+# -- a pool never exited: the warning points where the user made it ------------------------------
+
+
+def caller_outside_pinpool() -> tuple[str, int]:
+    """(file, line) of the first frame outside pinpool: where the user made the pool."""
+    frame = sys._getframe(1)
+    package = os.path.dirname(__file__)
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+    return ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def warn_unclosed(name: str, created_at: tuple[str, int], what: str) -> None:
+    """Warn at ``created_at`` (:func:`caller_outside_pinpool`): a finalizer has no caller of its own to point at."""
+    filename, lineno = created_at
+    message = (
+        f"PinnedPool {name!r} was never exited; {what}. "
+        "Use `async with` / `with`, or pool.close(), so teardown happens where you expect it"
+    )
+    if filename.startswith("<"):  # python -c, a REPL: no file to point at (warn_explicit drops those)
+        warnings.warn(message, UnclosedPoolWarning, stacklevel=2)
+        return
+    warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)

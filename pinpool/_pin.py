@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from ._errors import ConfigError
 from ._memory import alias_of
-from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES
+from ._options import DEFAULT_MAX_RETRIES
 from ._pool import PinnedPool, ProgressCallback
 from .runtimes import Runtime
 
@@ -28,8 +28,9 @@ def pin(
     register_workers: int | None = None,
     unpin_workers: int | None = None,
     name: str = "tensor",
-    min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
+    min_chunk_bytes: int | str | None = None,
     max_retries: int = DEFAULT_MAX_RETRIES,
+    retry_codes: Collection[int] | None = None,
     max_call_seconds: float | str | None = "auto",
     background: bool = False,
     pin_nice: int | str | None = "auto",

@@ -26,7 +26,7 @@ import torch
 
 from ._chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from ._errors import ConfigError
-from ._options import CHUNK_ENV
+from ._options import CHUNK_ENV, DEFAULT_CHUNK_GIB
 from ._placement import Placement, place
 from ._prefix import PageRun, page_runs, pin_order
 from ._preflight import bytes_text, placement_checks, raise_first
@@ -276,6 +276,9 @@ class PoolPlan:
     # the pinned page prefix grows from the start (see _prefix.py); and those runs.
     pin_chunks: ChunkTable
     page_runs: tuple[PageRun, ...]
+    # How many registration calls the plan makes (len(chunks)), and why that many, in words.
+    registrations: int
+    registrations_reason: str
 
 
 def plan_pool(
@@ -325,11 +328,14 @@ def plan_pool(
     by_size = max(1, total // MIN_BYTES_PER_DEFAULT_WORKER)
     wanted_register = options.register_workers or min(by_size, default_register_workers(caps, host.cpus))
     wanted_populate = (options.populate_workers or min(by_size, default_populate_workers(host.cpus))) if populate else 0
-    # An explicit chunk_bytes= is the chunk size; the default (or the environment's) is an
-    # upper bound that is split further so the workers have chunks to share and overlap.
+    # An explicit chunk_bytes= is the chunk size, and an explicit max_chunk_bytes= asks for as few
+    # calls as it allows (on ROCm each registration is a device alias of its own: the count
+    # matters); only the default (or the environment's) limit is split further so the workers
+    # have chunks to share and overlap.
     limit = options.chunk_limit
     workers = max(wanted_register, wanted_populate)
-    split_limit = limit if options.chunk_bytes is not None else parallel_limit(limit, total, workers)
+    explicit = options.chunk_bytes is not None or options.max_chunk_bytes is not None
+    split_limit = limit if explicit else parallel_limit(limit, total, workers)
     buffers: list[BufferPlan] = []
     for spec, offset in placed:
         if not spec.nbytes:
@@ -385,8 +391,31 @@ def plan_pool(
         mapping_bytes=where.mapping_bytes if ranges is None else max(page_size, ranges.extent),
         register_workers=register_workers, populate_workers=populate_workers, unpin_workers=unpin_workers,
         threads=threads, span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes,
-        pin_chunks=pin_chunks, page_runs=runs,
+        pin_chunks=pin_chunks, page_runs=runs, registrations=len(chunks),
+        registrations_reason=_registrations_reason(options, len(chunks), limit, split_limit, workers),
     )  # fmt: skip
+
+
+def _registrations_reason(options: PoolOptions, count: int, limit: int, split_limit: int, workers: int) -> str:
+    """Why the plan makes ``count`` registration calls, in words (pool.chunking_reason, pinpool plan)."""
+    if options.per_buffer:
+        why = 'one per buffer (chunk_bytes="buffer"), never cut'
+    elif options.chunk_bytes is not None:
+        why = f"chunk_bytes={format_bytes(limit)}: every call exactly that size, a buffer's last one shorter"
+    elif options.max_chunk_bytes is not None:
+        why = f"max_chunk_bytes={format_bytes(limit)}: as few calls as the limit and the alignment allow"
+    elif split_limit < limit:
+        why = (
+            f"the default limit {format_bytes(limit)} split to {format_bytes(split_limit)} so {workers} workers "
+            f"get {CHUNKS_PER_WORKER} chunks each (give max_chunk_bytes= for fewer calls)"
+        )
+    else:
+        why = f"the default limit {format_bytes(limit)} ({CHUNK_ENV}, else {DEFAULT_CHUNK_GIB} GiB)"
+    if options.max_call_seconds is not None and not options.per_buffer and not options.budget_yields_to:
+        why += f"; the stall budget ({options.max_call_seconds:g} s) cuts calls further as they go"
+    elif options.budget_yields_to:
+        why += f'; the "auto" stall budget yields to {options.budget_yields_to} for registrations'
+    return f"{count} registration{'s' if count != 1 else ''}: {why}"
 
 
 def _range_buffers(

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, TypeVar
 
@@ -25,16 +23,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from ._chunks import Chunk, ChunkTable
 from ._declared import OPTIONS
 from ._drivers import drive_async, drive_sync, finalize_lifecycle
-from ._errors import (
-    ConfigError,
-    PoolStateError,
-)
+from ._errors import ConfigError, PoolStateError
 from ._host import HostFacts
 from ._lifecycle import Lifecycle
 from ._node import NodeAdmission, NodePacing
 from ._observe import Observer
-from ._options import DEFAULT_MAX_RETRIES, DEFAULT_MIN_CHUNK_BYTES, PoolOptions
-from ._outcome import PoolState
+from ._options import DEFAULT_MAX_RETRIES, PoolOptions
+from ._outcome import PoolState, caller_outside_pinpool
 from ._pipeline import Order
 from ._placement import place
 from ._plan import BufferPlan, PoolPlan, plan_pool
@@ -84,15 +79,15 @@ class PinnedPool:
       memory: where the memory comes from: None (the default) maps private anonymous memory; a
         :class:`pinpool.SharedMemory` maps a shared file several processes may attach to.
       runtime: ``"auto"`` (CUDA if available, else mlock), ``"cuda"``, ``"mlock"`` or a runtime object.
-      chunk_bytes: the size of one registration call (rounded down to the layout's granularity),
-        exact. Without it, the limit is ``max_chunk_bytes`` (else ``PINPOOL_REGISTER_CHUNK_GB``
-        GiB, else 256 GiB), and with several workers chunks are split further (not below 1 GiB)
-        so every worker has a few. ``"buffer"``: one registration per buffer, never cut (no
-        split for the workers, no stall-budget pieces, no retry halves): for kernels that
-        address a pool from one base per registration (ROCm).
-      max_chunk_bytes: an upper bound of one registration call (rounded down to the layout's
-        granularity), like SGLang's 256 GiB or vLLM's 64 GiB setting; chunks may be split
-        further for the workers. With ``chunk_bytes`` it must be at least ``chunk_bytes``.
+      chunk_bytes: the exact size of every registration call (rounded down to the alignment
+        unit; a buffer's last one shorter; only a failed call's retry halves differ). Without
+        it or ``max_chunk_bytes`` the limit is ``PINPOOL_REGISTER_CHUNK_GB`` GiB, else 256 GiB,
+        split further (not below 1 GiB) so every worker has a few. ``"buffer"``: one
+        registration per buffer, never cut: for kernels that address a pool from one base per
+        registration (ROCm).
+      max_chunk_bytes: an upper bound of one registration call (SGLang's 256 GiB, vLLM's 64
+        GiB): as few calls as it and the alignment allow. Neither chunk option is split for the
+        workers; an ``"auto"`` stall budget yields to them (docs/concepts.md, "Chunking").
       populate: pre-fault the memory on ``populate_workers`` threads (MADV_POPULATE_WRITE, in
         spans of <= 512 MiB), pipelined with registration. Default: on where the kernel has
         MADV_POPULATE_WRITE (Linux 5.14+). CUDA: spans are faulted ahead of the serial
@@ -106,10 +101,10 @@ class PinnedPool:
         ``"hugetlb"``: 2 MiB pages from the hugetlb pool (vm.nr_hugepages must have enough free).
       numa_node: bind the memory to this NUMA node (mbind) before any of it is faulted.
       name: the pool's name in logs, metrics and errors.
-      min_chunk_bytes, max_retries: a registration that fails with a code the runtime declares
-        retryable (CUDA: cudaErrorMemoryAllocation) is split into aligned halves and retried,
-        down to ``min_chunk_bytes`` (default 64 MiB, never below one alignment unit), at most
-        ``max_retries`` times per pool (default 8; 0 never retries). Other codes fail at once.
+      min_chunk_bytes, max_retries, retry_codes: a registration failing with one of
+        ``retry_codes`` (default: the runtime's; CUDA, ROCm: 1 and 2) is retried as halves in
+        whole alignment units, down to ``min_chunk_bytes`` (default: one unit), at most
+        ``max_retries`` levels below its chunk (default 32; 0: never). Others fail at once.
       max_call_seconds: the stall budget. A registration call holds the CUDA driver lock (every
         other CUDA call of the process waits) or, under mlock, the process's mmap lock; a
         server already serving feels the longest one. With a budget (e.g. ``0.02``) every
@@ -167,8 +162,9 @@ class PinnedPool:
         huge_pages: bool | str = False,
         numa_node: int | None = None,
         name: str = "default",
-        min_chunk_bytes: int | str = DEFAULT_MIN_CHUNK_BYTES,
+        min_chunk_bytes: int | str | None = None,
         max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_codes: Collection[int] | None = None,
         max_call_seconds: float | str | None = "auto",
         background: bool = False,
         pin_nice: int | str | None = "auto",
@@ -221,6 +217,11 @@ class PinnedPool:
     @property
     def chunk_limit(self) -> int:
         return self._plan.chunk_limit
+
+    @property
+    def chunking_reason(self) -> str:
+        """How many registration calls the plan makes (``len(pool.chunks)``) and why, in words."""
+        return self._plan.registrations_reason
 
     @property
     def granularity(self) -> int | None:
@@ -353,7 +354,7 @@ class PinnedPool:
         memory = PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
         return Lifecycle(
             self._plan, options, runtime=self._runtime, caps=self._caps, observer=self._observer, source=memory,
-            admission=admission, on_progress=self.on_progress, created_at=_caller_outside_pinpool(),
+            admission=admission, on_progress=self.on_progress, created_at=caller_outside_pinpool(),
         )  # fmt: skip
 
     def __repr__(self) -> str:
@@ -589,12 +590,3 @@ class PinnedPool:
         ``KeyboardInterrupt`` and other interruptions are always re-raised, after the teardown.
         """
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
-
-
-def _caller_outside_pinpool() -> tuple[str, int]:
-    """(file, line) of the first frame outside pinpool: where the user made the pool."""
-    frame = sys._getframe(1)
-    package = os.path.dirname(__file__)
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame = frame.f_back  # type: ignore[assignment]
-    return ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)

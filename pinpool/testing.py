@@ -11,7 +11,7 @@ paths of your own server without a GPU or locked memory::
     assert fake.registered == {}
 
 Injected register failures report code 2, which the fake declares retryable as CUDA does, so
-a pool would retry a failed chunk of at least twice ``min_chunk_bytes`` as two halves; pass
+a pool would retry a failed chunk of two alignment units or more as halves, down to one; pass
 ``max_retries=0`` to test the plain failure path, or keep retries on to test them.
 
 :class:`FakeCudart` stands in for ``torch.cuda.cudart()`` instead: it keeps CUDA's

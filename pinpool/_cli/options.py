@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from .._declared import OPTIONS, PER_BUFFER, Flag, Option
 from ..runtimes import runtime_choices
 from .layout import add_layout_group, layout_from_args
-from .text import cli_size, nice_text, seconds_text
+from .text import cli_size, codes_text, nice_text, seconds_text
 
 if TYPE_CHECKING:
     from ..runtimes import Capabilities
@@ -33,6 +33,8 @@ def _flag_value(flag: Flag, value: Any) -> Any:
         return PER_BUFFER if value.strip() == PER_BUFFER else cli_size(flag.flag, value)
     if flag.kind == "seconds":
         return seconds_text(flag.flag, value)
+    if flag.kind == "codes":
+        return codes_text(flag.flag, value)
     if flag.kind == "nice":
         return nice_text(flag.flag, value)
     if flag.kind == "huge_pages":

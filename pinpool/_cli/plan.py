@@ -42,6 +42,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "per_buffer": options.per_buffer,
         "min_chunk_bytes": options.min_chunk_bytes,
         "max_retries": options.max_retries,
+        "retry_codes": sorted(caps.retryable_codes if options.retry_codes is None else options.retry_codes),
+        "budget_yields_to": options.budget_yields_to,
         "node_pacing": None
         if pacing is None
         else {"slots": pacing.slots, "budget_bytes": pacing.budget_bytes, "dir": pacing.directory,

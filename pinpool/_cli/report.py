@@ -98,6 +98,8 @@ def plan_report(plan: PoolPlan, *, pool: str, layout: str, size: int, runtime: s
         "os_page_bytes": plan.page_size,
         "chunk_limit": plan.chunk_limit,
         "chunk_bytes": plan.chunk_bytes,
+        "registrations": plan.registrations,
+        "registrations_reason": plan.registrations_reason,
         "granularity_bytes": plan.granularity,
         "order": plan.order.value,
         "populate": plan.populate,
@@ -164,6 +166,7 @@ def plan_text(report: dict[str, Any]) -> list[str]:
         f"{format_bytes(r['align_bytes'])}, OS page {format_bytes(r['os_page_bytes'])}",
         f"chunks:    {r['chunks']['count']} of <= {format_bytes(r['chunk_bytes'])} (chunk limit "
         f"{format_bytes(r['chunk_limit'])}), granularity {_gran(r['granularity_bytes'])}",
+        f"why:       {r['registrations_reason']}",
         f"order:     {r['order']} (populate={r['populate']}, huge_pages={r['huge_pages']}, numa_node={r['numa_node']})",
         f"workers:   populate {r['workers']['populate']}, register {r['workers']['register']}, "
         f"unpin {r['workers']['unpin']} ({r['workers']['threads']} pinning threads)",
@@ -206,7 +209,9 @@ def _pinning_text(p: dict[str, Any]) -> str:
         f"{'in the background' if p['background'] else 'before the body runs'}, "
         + ("one registration per buffer (never cut), " if p["per_buffer"] else "")
         + f"stall budget {'none' if budget is None else format_seconds(budget)}, pin threads nice +{p['pin_nice']}, "
-        f"node pacing {paced}"
+        f"node pacing {paced}, retries of codes {', '.join(map(str, p['retry_codes'])) or 'none'} as halves down to "
+        f"{'one alignment unit' if p['min_chunk_bytes'] is None else format_bytes(p['min_chunk_bytes'])}, at most "
+        f"{p['max_retries']} levels deep"
     )
 
 

@@ -41,6 +41,13 @@ def shape_text(where: str, text: str) -> tuple[int, ...]:
     return tuple(int_text(where, part) for part in text.split(",") if part.strip())
 
 
+def codes_text(flag: str, text: str) -> tuple[int, ...]:
+    """``--retry-codes``: ``1,2`` (checked by the pool), or ``none`` for no retry."""
+    if text.strip().lower() == "none":
+        return ()
+    return tuple(int_text(flag, part.strip()) for part in text.split(",") if part.strip())
+
+
 def seconds_text(flag: str, text: str) -> float | str | None:
     """``--max-call-seconds``: a number (checked by the pool), ``auto`` or ``none``."""
     word = text.strip().lower()

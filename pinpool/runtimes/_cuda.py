@@ -54,7 +54,10 @@ class CudaRuntime(HostRegisterRuntime):
 
     Capabilities: the driver serialises registration (one register worker is enough), tracks
     registrations by exact byte range (neighbours may share an OS page), and
-    ``cudaErrorMemoryAllocation`` (2) is worth retrying with a smaller chunk; an unregister that
+    ``cudaErrorInvalidValue`` (1) and ``cudaErrorMemoryAllocation`` (2) are worth retrying with
+    a smaller chunk: drivers answer a registration that is too large with either (SGLang saw 1 in
+    production, for a 32 GiB call whose 4 KiB probe at the same pointer succeeded). A truly
+    invalid range fails again at one alignment unit, after one call per halving. An unregister that
     answers ``cudaErrorHostMemoryNotRegistered`` (713) finds its registration released by
     someone else (``not_registered_codes``). Registered pages
     are resident (``resident``); RLIMIT_MEMLOCK is not declared (``charges_memlock``): whether the
@@ -68,7 +71,7 @@ class CudaRuntime(HostRegisterRuntime):
     capabilities = Capabilities(
         serial_registration=True,
         exact_ranges=True,
-        retryable_codes=frozenset({2}),
+        retryable_codes=frozenset({1, 2}),
         not_registered_codes=frozenset({713}),
         resident=True,
         charges_memlock=False,

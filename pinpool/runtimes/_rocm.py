@@ -57,7 +57,8 @@ class RocmRuntime(HostRegisterRuntime):
     an offset that crosses into another chunk; look it up per chunk. Host pointers are
     contiguous as usual.
 
-    Capabilities: ``hipErrorOutOfMemory`` (2) is retryable with a smaller chunk;
+    Capabilities: ``hipErrorInvalidValue`` (1) and ``hipErrorOutOfMemory`` (2), HIP's
+    equivalents of CUDA's codes for a registration too large, are retryable with a smaller chunk;
     ``hipErrorHostMemoryNotRegistered`` (1062) on unregister means released by someone else
     (``not_registered_codes``). Registration
     is declared serial, like CUDA's (not measured on ROCm: one register worker is the
@@ -70,7 +71,7 @@ class RocmRuntime(HostRegisterRuntime):
     capabilities = Capabilities(
         serial_registration=True,
         exact_ranges=False,
-        retryable_codes=frozenset({2}),
+        retryable_codes=frozenset({1, 2}),
         not_registered_codes=frozenset({1062}),
         resident=True,
         charges_memlock=False,

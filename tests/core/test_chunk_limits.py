@@ -56,13 +56,27 @@ def test_max_chunk_bytes_is_rounded_down_to_the_granularity() -> None:
     assert p.chunk_limit == GiB and p.chunk_bytes == 900 * MiB
 
 
-def test_max_chunk_bytes_may_be_split_further_for_the_workers_chunk_bytes_is_exact() -> None:
+def test_explicit_chunk_options_are_never_split_for_the_workers_the_default_is() -> None:
+    """max_chunk_bytes= alone: as few calls as the limit allows, whatever the workers; chunk_bytes=
+    exact; only the default limit is split so the workers have chunks to share."""
     bounded = plan(size=64 * GiB, max_chunk_bytes="16GiB", register_workers=8, populate=False)
-    assert set(sizes(bounded.chunks)) == {2 * GiB} and len(bounded.chunks) == 32
+    assert sizes(bounded.chunks) == [16 * GiB] * 4 and bounded.registrations == 4
+    assert "max_chunk_bytes=16 GiB: as few calls" in bounded.registrations_reason
     exact = plan(size=64 * GiB, chunk_bytes="16GiB", register_workers=8, populate=False)
     assert sizes(exact.chunks) == [16 * GiB] * 4
-    one_worker = plan(size=64 * GiB, max_chunk_bytes="16GiB", register_workers=1, populate=False)
-    assert sizes(one_worker.chunks) == [16 * GiB] * 4
+    default = plan(size=64 * GiB, register_workers=8, populate=False)
+    assert set(sizes(default.chunks)) == {2 * GiB} and default.registrations == 32
+    assert default.registrations_reason == (
+        "32 registrations: the default limit 256 GiB split to 2 GiB so 8 workers get 4 chunks each "
+        "(give max_chunk_bytes= for fewer calls)"
+    )
+
+
+def test_sglang_limit_makes_one_registration_of_a_buffer_under_it() -> None:
+    """SGLang's count: max_chunk_bytes=256GiB over a 1.1 GB buffer is one call, with 8 workers too."""
+    p = plan(size=1_100_000_000, max_chunk_bytes="256GiB", register_workers=8, populate_workers=8)
+    assert sizes(p.chunks) == [1_100_000_000] and p.registrations == 1
+    assert p.registrations_reason.startswith("1 registration: max_chunk_bytes=256 GiB")
 
 
 def test_max_chunk_bytes_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -54,7 +54,9 @@ async def test_a_capped_driver_gets_halves_and_the_pool_opens(mode: str) -> None
 
 async def test_the_floor_ends_retries_and_the_error_lists_every_attempt() -> None:
     fake = FakeRuntime(fail_register_larger_than=10 * MiB)
-    pool = pinpool.PinnedPool(size="512MiB", chunk_bytes="512MiB", runtime=fake, registry=None, populate=False)
+    pool = pinpool.PinnedPool(
+        size="512MiB", chunk_bytes="512MiB", runtime=fake, registry=None, populate=False, min_chunk_bytes="64MiB"
+    )
     with pytest.raises(pinpool.PinError, match="retries with aligned halves") as info:
         with pool:
             pytest.fail("body must not run")

@@ -14,7 +14,9 @@ MiB = 1 << 20
 
 def failing_pool(*, fail_register_on: int | None = None, fail_unregister_on: int | None = None) -> pinpool.PinnedPool:
     fake = FakeRuntime(fail_register_on=fail_register_on, fail_unregister_on=fail_unregister_on)
-    return pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1, populate=False)
+    return pinpool.PinnedPool(
+        size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1, populate=False, max_retries=0
+    )
 
 
 @pytest.mark.parametrize(

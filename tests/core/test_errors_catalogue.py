@@ -325,6 +325,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
             chunk_bytes="buffer", max_chunk_bytes="1MiB", size="4MiB"
         ),
         'max_chunk_bytes="abc"': lambda: pool(max_chunk_bytes="abc"),
+        'chunk_bytes="1MiB", max_call_seconds=0.02': lambda: pool(chunk_bytes="1MiB", max_call_seconds=0.02),
         "populate=1": lambda: pool(populate=1),
         "populate=True on Linux < 5.14": lambda: plan_pool(
             PoolOptions(size=MiB, populate=True), dataclasses.replace(HOST, populate_write=False), Capabilities()
@@ -350,6 +351,9 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'name=""': lambda: pool(name=""),
         'min_chunk_bytes="0"': lambda: pool(min_chunk_bytes="0"),
         "max_retries=-1": lambda: pool(max_retries=-1),
+        "max_retries=65": lambda: pool(max_retries=65),
+        'retry_codes="1,2"': lambda: pool(retry_codes="1,2"),
+        "retry_codes=(0,)": lambda: pool(retry_codes=(0,)),
         "max_call_seconds=0": lambda: pool(max_call_seconds=0),
         'max_call_seconds=float("nan")': lambda: pool(max_call_seconds=float("nan")),
         "max_call_seconds=1e300": lambda: pool(max_call_seconds=1e300),

@@ -136,7 +136,7 @@ class Events(list[dict[str, Any]]):
 def pool_of(fake: FakeRuntime, logs: Events | None = None, **kw: Any) -> pinpool.PinnedPool:
     options: dict[str, Any] = {
         "size": 8 * MiB, "chunk_bytes": MiB, "runtime": fake, "registry": None, "register_workers": 1,
-        "populate": False, "populate_workers": 1, "unpin_workers": 1, "name": "scripted",
+        "populate": False, "populate_workers": 1, "unpin_workers": 1, "name": "scripted", "max_retries": 0,
         "logger": (logs if logs is not None else Events()).logger(),
     }  # fmt: skip
     options.update(kw)

@@ -141,14 +141,15 @@ def test_pin_and_plan_take_every_option_that_is_not_python_only() -> None:
     assert {o.name for o in OPTIONS} - on_the_command_line == {o.name for o in OPTIONS if o.no_flag}
     assert declared_flags("pin") == declared_flags("plan")
     assert declared_flags("doctor") == {"--size"}
-    assert len(on_the_command_line) == 22  # 11 before: size, layout, runtime, chunk_bytes, populate, 3 workers, ...
+    assert len(on_the_command_line) == 23  # 11 before: size, layout, runtime, chunk_bytes, populate, 3 workers, ...
 
 
 EVERY_FLAG = [
     "--num-pages", "4194304", "--runtime", "fake", "--chunk-bytes", "1MiB", "--max-chunk-bytes", "2MiB",
     "--no-populate",
     "--populate-workers", "2", "--register-workers", "2", "--unpin-workers", "2", "--name", "every",
-    "--min-chunk-bytes", "1MiB", "--max-retries", "3", "--max-call-seconds", "0.5", "--background", "--pin-nice", "3",
+    "--min-chunk-bytes", "1MiB", "--max-retries", "3", "--retry-codes", "1, 2,719", "--max-call-seconds", "auto",
+    "--background", "--pin-nice", "3",
     "--node-slots", "2", "--node-budget", "0.5", "--node-wait", "--layout", "raw", "--granularity", "64KiB",
 ]  # fmt: skip
 
@@ -158,17 +159,19 @@ def test_every_flag_reaches_pinned_pool(tmp_path: Path) -> None:
     kwargs = _cli.pool_options(args, "pin")
     expected = {
         "num_pages", "runtime", "chunk_bytes", "max_chunk_bytes", "populate", "populate_workers", "register_workers",
-        "unpin_workers", "name", "min_chunk_bytes", "max_retries", "max_call_seconds", "background", "pin_nice",
-        "node_slots", "node_budget", "node_dir", "node_wait", "layout",
+        "unpin_workers", "name", "min_chunk_bytes", "max_retries", "retry_codes", "max_call_seconds", "background",
+        "pin_nice", "node_slots", "node_budget", "node_dir", "node_wait", "layout",
     }  # fmt: skip
     assert set(kwargs) == expected  # no --size: --num-pages asks for the pool by page count
     assert kwargs["chunk_bytes"] == MiB and kwargs["max_chunk_bytes"] == 2 * MiB and kwargs["min_chunk_bytes"] == MiB
-    assert kwargs["max_call_seconds"] == 0.5 and kwargs["pin_nice"] == 3 and kwargs["background"] is True
+    assert kwargs["max_call_seconds"] == "auto" and kwargs["pin_nice"] == 3 and kwargs["background"] is True
+    assert kwargs["retry_codes"] == (1, 2, 719)
     assert kwargs["populate"] is False and kwargs["node_wait"] is True and kwargs["node_budget"] == "0.5"
     kwargs["runtime"] = FakeRuntime()
     pool = pinpool.PinnedPool(**kwargs, registry=None)
     assert pool.name == "every" and pool.num_pages == 4 * MiB and pool.granularity == 64 << 10
-    assert pool._options.max_call_seconds == 0.5 and pool._options.pin_nice == 3 and pool._options.background
+    assert pool._options.max_call_seconds == 0.05 and pool._options.pin_nice == 3 and pool._options.background
+    assert pool._options.budget_yields_to == "chunk_bytes" and pool._options.retry_codes == {1, 2, 719}
 
 
 def test_flags_left_off_get_the_python_defaults_and_the_command_lines_own() -> None:
@@ -190,6 +193,9 @@ def test_flags_left_off_get_the_python_defaults_and_the_command_lines_own() -> N
         (["--max-chunk-bytes", "1.5"], "--max-chunk-bytes 1.5 is not a whole number of bytes"),
         (["--chunk-bytes", "2MiB", "--max-chunk-bytes", "1MiB"], "is more than max_chunk_bytes=1048576"),
         (["--chunk-bytes", "buffer", "--max-call-seconds", "0.02"], "cannot be cut to fit a stall budget"),
+        (["--chunk-bytes", "1MiB", "--max-call-seconds", "0.02"], "give max_chunk_bytes= instead of chunk_bytes="),
+        (["--retry-codes", "1,two"], "--retry-codes 'two' is not an integer"),
+        (["--retry-codes", "0"], "retry_codes=(0,) must be a collection of the runtime's error codes"),
         (["--node-slots", "0", "--node-dir", "/tmp"], "node_slots=0 is out of range"),
         (["--node-budget", "1.5", "--node-dir", "/tmp"], "a unitless decimal is a fraction of MemTotal"),
         (["--num-pages", "0"], "num_pages=0 must be a positive int"),

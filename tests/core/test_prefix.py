@@ -156,7 +156,7 @@ def test_a_budget_keeps_every_call_short_aligned_and_undone_by_base() -> None:
     fake.before_call = timed
     registry = CollectorRegistry()
     pool = PinnedPool(
-        layout=layouts.Raw(granularity_bytes=granularity), size=1536 * MiB, chunk_bytes=768 * MiB, runtime=fake,
+        layout=layouts.Raw(granularity_bytes=granularity), size=1536 * MiB, max_chunk_bytes=768 * MiB, runtime=fake,
         registry=registry, max_call_seconds=0.02, populate=False, register_workers=1,
     )  # fmt: skip
     with pool:
@@ -188,7 +188,7 @@ def test_without_a_budget_calls_are_whole_chunks() -> None:
 def test_a_budget_with_a_failing_piece_rolls_back_the_pieces_before_it() -> None:
     fake = rate_limited_fake(4e9, fail_register_on=5)
     pool = PinnedPool(
-        size=256 * MiB, chunk_bytes=256 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False,
+        size=256 * MiB, max_chunk_bytes=256 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False,
         max_retries=0,
     )  # fmt: skip
     from pinpool import PinError
@@ -229,7 +229,7 @@ def test_leaving_stops_between_the_pieces_of_one_chunk() -> None:
     after the whole chunk, and the pieces registered so far are undone by their own bases."""
     fake = rate_limited_fake(1e9)  # ~1 ms per MiB: the chunk takes ~0.5 s in pieces
     pool = PinnedPool(
-        size=512 * MiB, chunk_bytes=512 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False,
+        size=512 * MiB, max_chunk_bytes=512 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False,
         background=True,
     )  # fmt: skip
     with pool:
@@ -246,7 +246,7 @@ def test_progress_moves_within_a_chunk_registered_in_pieces() -> None:
     fake = rate_limited_fake(2e9)
     seen: list[int] = []
     pool = PinnedPool(
-        size=256 * MiB, chunk_bytes=256 * MiB, runtime=fake, registry=None, max_call_seconds=0.01,
+        size=256 * MiB, max_chunk_bytes=256 * MiB, runtime=fake, registry=None, max_call_seconds=0.01,
         populate=False, background=True,
     )  # fmt: skip
     with pool:
@@ -265,7 +265,7 @@ def test_calls_never_shrink_below_what_is_sampled() -> None:
     """A fixed cost per call above the budget must not shrink calls forever: they stay >= 1 MiB."""
     fake = FakeRuntime(register_delay=0.02)  # 20 ms per call whatever its size, budget 10 ms
     with PinnedPool(
-        size=64 * MiB, chunk_bytes=64 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False
+        size=64 * MiB, max_chunk_bytes=64 * MiB, runtime=fake, registry=None, max_call_seconds=0.01, populate=False
     ):
         pass
     sizes = [n for _p, n in fake.register_calls]
@@ -312,7 +312,7 @@ def test_lock_on_fault_pieces_follow_the_faulting_rate() -> None:
 
     fake.before_call = before
     with PinnedPool(
-        size=256 * MiB, chunk_bytes=256 * MiB, runtime=fake, registry=None, max_call_seconds=0.01,
+        size=256 * MiB, max_chunk_bytes=256 * MiB, runtime=fake, registry=None, max_call_seconds=0.01,
         populate_workers=1, register_workers=1,
     ):  # fmt: skip
         pass

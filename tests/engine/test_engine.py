@@ -64,7 +64,7 @@ def stop_after(session: list[PinSession], op: str, calls: int) -> Any:
 # One 256 MiB chunk and span: under a 20 ms budget it takes at least three calls (the sizer's
 # 16 MiB probe, then at most 4x the last one: 64 MiB, then the 176 MiB left, at the fastest).
 PACED: dict[str, Any] = {
-    "size": 256 * MiB, "chunk_bytes": 256 * MiB, "populate_workers": 1, "register_workers": 1,
+    "size": 256 * MiB, "max_chunk_bytes": 256 * MiB, "populate_workers": 1, "register_workers": 1,
     "max_call_seconds": 0.02,
 }  # fmt: skip
 
@@ -114,7 +114,7 @@ def test_a_paced_span_under_lock_on_fault_counts_each_part_as_it_is_locked() -> 
 def test_a_chunk_stopped_between_its_pieces_is_undone_piece_by_piece() -> None:
     box: list[PinSession] = []
     fake = FakeRuntime(before_call=stop_after(box, "register", 2))
-    box.append(session_of(fake, size=1 << 30, chunk_bytes=1 << 30, populate=False, max_call_seconds=0.02))
+    box.append(session_of(fake, size=1 << 30, max_chunk_bytes=1 << 30, populate=False, max_call_seconds=0.02))
     session = box[0]
     assert len(session.ledger.chunks) == 1
     assert pin(session) is Phase.ROLLED_BACK

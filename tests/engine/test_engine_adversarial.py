@@ -222,7 +222,11 @@ def check_accepted(options: Any) -> None:
     for workers in (options.populate_workers, options.register_workers, options.unpin_workers):
         assert workers is None or 1 <= workers <= MAX_WORKERS
     assert options.numa_node is None or 0 <= options.numa_node
-    assert options.max_retries >= 0 and options.min_chunk_bytes > 0 and options.chunk_limit > 0
+    assert (
+        options.max_retries >= 0
+        and (options.min_chunk_bytes is None or options.min_chunk_bytes > 0)
+        and options.chunk_limit > 0
+    )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -323,7 +327,7 @@ def pin_only(option: str, value: object) -> None:
         ({"unpin_workers": 10**5000}, "unpin_workers=~2**16609 is more than 1024 threads"),
         ({"numa_node": -1}, "numa_node=-1 is not a NUMA node number; give a node's int id, from 0 to 1023"),
         ({"numa_node": 10**5000}, "numa_node=~2**16609 is not a NUMA node number"),
-        ({"max_retries": -(10**5000)}, "max_retries=-~2**16609 must be an int >= 0"),
+        ({"max_retries": -(10**5000)}, "max_retries=-~2**16609 must be an int from 0 to 64"),
         ({"chunk_bytes": -(10**5000)}, "chunk_bytes=-~2**16609 is not positive"),
     ],
 )

@@ -326,7 +326,7 @@ def exposition() -> str:
 
     with pool(runtime=FakeRuntime()):
         pass
-    with pytest.raises(pinpool.PinError), pool(runtime=FakeRuntime(fail_register_on=2)):
+    with pytest.raises(pinpool.PinError), pool(runtime=FakeRuntime(fail_register_on=2), max_retries=0):
         pass
     with pytest.raises(pinpool.UnpinError), pool(runtime=FakeRuntime(fail_unregister_on=1)):
         pass
@@ -646,7 +646,7 @@ _CHILD = textwrap.dedent(
     node_dir = tempfile.mkdtemp(prefix="pinpool-node-")
     server, _thread = serve(0, addr="127.0.0.1")
     try:
-        with pool(runtime=FakeRuntime(fail_register_on=2), register_workers=1):
+        with pool(runtime=FakeRuntime(fail_register_on=2), register_workers=1, max_retries=0):
             raise AssertionError("the body must not run")
     except pinpool.PinError:
         pass

@@ -74,7 +74,7 @@ async def test_failure_and_cancellation_are_counted() -> None:
     with pytest.raises(pinpool.PinError):
         async with pinpool.PinnedPool(
             size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(fail_register_on=2), name="obs", registry=registry,
-            register_workers=1,
+            register_workers=1, max_retries=0,
         ):  # fmt: skip
             pass
     labels = {**base(), "phase": "register", "reason": "cudaErrorMemoryAllocation"}
@@ -143,6 +143,7 @@ def test_failure_log_events() -> None:
                 runtime=FakeRuntime(fail_register_on=3),
                 registry=None,
                 register_workers=1,
+                max_retries=0,
             ),
         ):
             pass
@@ -302,7 +303,9 @@ def test_rollback_that_leaks_logs_unpin_failed() -> None:
     with structlog.testing.capture_logs() as logs:
         with (
             pytest.raises(pinpool.PinError) as info,
-            pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, register_workers=1),
+            pinpool.PinnedPool(
+                size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, register_workers=1, max_retries=0
+            ),
         ):
             pass
     events = [e["event"] for e in logs]
@@ -348,7 +351,7 @@ def test_an_unconfigured_application_sees_one_readable_line_per_warning() -> Non
         "from pinpool.testing import FakeRuntime\n"
         "try:\n"
         "    with pinpool.PinnedPool(size='8MiB', chunk_bytes='1MiB', runtime=FakeRuntime(fail_register_on=3),\n"
-        "                            registry=None, name='kv-host'):\n"
+        "                            registry=None, name='kv-host', max_retries=0):\n"
         "        pass\n"
         "except pinpool.PinError:\n"
         "    pass\n"

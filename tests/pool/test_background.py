@@ -130,7 +130,7 @@ async def test_a_background_failure_keeps_the_pinned_prefix_until_exit_and_every
 @pytest.mark.anyio
 async def test_an_unseen_background_failure_is_raised_on_exit() -> None:
     fake = FakeRuntime(register_delay=0.002, fail_register_on=3)
-    pool = slow_pool(fake, name="bg-unseen")
+    pool = slow_pool(fake, name="bg-unseen", max_retries=0)
     with pytest.raises(PinError, match="register"):
         async with pool:
             await until_pinning_ends(pool)
@@ -140,14 +140,14 @@ async def test_an_unseen_background_failure_is_raised_on_exit() -> None:
 @pytest.mark.anyio
 async def test_a_seen_failure_is_not_raised_again_and_a_body_error_gets_a_note() -> None:
     fake = FakeRuntime(fail_register_on=2)
-    pool = slow_pool(fake, name="bg-seen")
+    pool = slow_pool(fake, name="bg-seen", max_retries=0)
     async with pool:
         await until_pinning_ends(pool)
         assert isinstance(pool.error, PinError)  # read: delivered
     assert_books_clean(fake, pool)
 
     fake = FakeRuntime(fail_register_on=2)
-    pool = slow_pool(fake, name="bg-note")
+    pool = slow_pool(fake, name="bg-note", max_retries=0)
     with pytest.raises(KeyError) as raised:
         async with pool:
             await until_pinning_ends(pool)
@@ -295,7 +295,7 @@ def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
 
     values: list[int] = []
     pool = PinnedPool(
-        size=512 * MiB, chunk_bytes=512 * MiB, runtime="mlock", registry=None, populate_workers=1,
+        size=512 * MiB, max_chunk_bytes=512 * MiB, runtime="mlock", registry=None, populate_workers=1,
         max_call_seconds=0.005, on_progress=lambda pinned, total, done, chunks: values.append(pinned),
     )  # fmt: skip
     with pool:

@@ -65,7 +65,7 @@ async def enter(pool: PinnedPool, mode: str) -> None:
 
 def piece_pool(fake: FakeRuntime, registry: CollectorRegistry, background: bool, name: str) -> PinnedPool:
     return PinnedPool(
-        size=256 * MiB, chunk_bytes=256 * MiB, runtime=fake, registry=registry, name=name, populate=False,
+        size=256 * MiB, max_chunk_bytes=256 * MiB, runtime=fake, registry=registry, name=name, populate=False,
         register_workers=1, max_retries=0, max_call_seconds=0.05, background=background,
     )  # fmt: skip
 
@@ -214,7 +214,7 @@ def test_mlock_background_failure_counts_agree_with_vmlck(
 ) -> None:
     runtime, registry = _FailingMlock(**failure), CollectorRegistry()
     pool = PinnedPool(
-        size=64 * MiB, chunk_bytes=chunk_mib * MiB, runtime=runtime, registry=registry, name="counts-mlock",
+        size=64 * MiB, max_chunk_bytes=chunk_mib * MiB, runtime=runtime, registry=registry, name="counts-mlock",
         register_workers=1, populate_workers=1, max_retries=0, max_call_seconds=budget, background=True,
     )  # fmt: skip
     with pool:

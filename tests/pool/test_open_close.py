@@ -115,7 +115,7 @@ def test_close_raises_an_unpin_error_or_returns_it_for_a_destructor() -> None:
 
 def test_close_returns_an_unseen_background_failure_for_a_destructor() -> None:
     fake = FakeRuntime(fail_register_on=3)
-    pool = pool_of(fake, background=True).open()
+    pool = pool_of(fake, background=True, max_retries=0).open()
     for _ in range(500):
         if pool.state is PoolState.FAILED:
             break
@@ -181,7 +181,7 @@ def in_forked_child(action: Any, timeout: float = 10.0) -> str:
 @pytest.mark.parametrize("how", ["close", "exit", "collect"])
 def test_a_forked_child_never_waits_for_or_touches_its_parents_pool(state: str, how: str) -> None:
     fake = FakeRuntime(register_delay=0.02, fail_register_on=4 if state == "failed" else None)
-    pool = pool_of(fake, background=state in ("pinning-background", "failed"), size=32 * MiB)
+    pool = pool_of(fake, background=state in ("pinning-background", "failed"), size=32 * MiB, max_retries=0)
     if state != "new":
         pool.open()
     if state == "pinning-background":

@@ -91,7 +91,10 @@ def test_pinning_memory_locked_outside_pinpool_changes_nothing(vmlck_baseline: i
 def test_pin_rolls_back_on_failure(fail_at: int) -> None:
     t = unaligned_tensor(16 * MiB)
     fake = FakeRuntime(fail_register_on=fail_at)
-    with pytest.raises(pinpool.PinError), pinpool.pin(t, runtime=fake, chunk_bytes=4 * MiB, register_workers=1):
+    with (
+        pytest.raises(pinpool.PinError),
+        pinpool.pin(t, runtime=fake, chunk_bytes=4 * MiB, register_workers=1, max_retries=0),
+    ):
         pytest.fail("must not enter")
     assert fake.registered == {}
     assert len(fake.unregister_calls) == fail_at - 1

@@ -157,7 +157,7 @@ def test_second_registration_fails_reference_vector() -> None:
 @each_driver
 async def test_rollback_at_every_chunk_index(mode: str, fail_at: int, workers: int) -> None:
     fake = FakeRuntime(fail_register_on=fail_at, register_delay=0.001)
-    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=workers)
+    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=workers, max_retries=0)
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
     base = min(ptr for ptr, _ in fake.register_calls)  # chunk 0 is always claimed first
@@ -173,7 +173,7 @@ async def test_rollback_at_every_chunk_index(mode: str, fail_at: int, workers: i
 
 async def test_several_failures_are_all_reported() -> None:
     fake = FakeRuntime(fail_register_on={1, 2}, register_delay=0.05)
-    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
+    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2, max_retries=0)
     with pytest.raises(pinpool.PinError) as info:
         async with pool:
             pytest.fail("body must not run")
@@ -187,7 +187,9 @@ async def test_rollback_that_cannot_unregister_reports_leaked() -> None:
     fake = FakeRuntime(fail_register_on=3, fail_unregister_on=1)
     # One unpin worker: with two, both chunks are unregistered at once and which call is the
     # first (the failing one) is a race between them.
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1, unpin_workers=1)
+    pool = pinpool.PinnedPool(
+        size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1, unpin_workers=1, max_retries=0
+    )
     with pytest.raises(pinpool.PinError) as info:
         async with pool:
             pytest.fail("body must not run")

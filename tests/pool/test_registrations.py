@@ -119,7 +119,7 @@ async def test_equal_to_the_fakes_books_at_every_call_and_it_shrinks_in_teardown
     fake = RateFake(2 << 30)  # 2 GiB/s
     fake.fail_next(1)  # the first call (chunk 0's first piece, 16 MiB) fails retryably: two halves
     pool = pinpool.PinnedPool(
-        layout=layouts.Raw(granularity_bytes=MiB), size=64 * MiB, chunk_bytes=32 * MiB, runtime=fake,
+        layout=layouts.Raw(granularity_bytes=MiB), size=64 * MiB, max_chunk_bytes=32 * MiB, runtime=fake,
         registry=None, populate=False, register_workers=1, unpin_workers=1, max_call_seconds=0.004,
         min_chunk_bytes=MiB,
     )  # fmt: skip
@@ -191,7 +191,7 @@ def background_pool() -> tuple[pinpool.PinnedPool, FakeRuntime, Holder]:
     holder = Holder(at={2, 4, 7})
     fake = RateFake(4 << 30, before_call=holder)
     pool = pinpool.PinnedPool(
-        layout=layouts.Raw(granularity_bytes=MiB), size=96 * MiB, chunk_bytes=32 * MiB, runtime=fake,
+        layout=layouts.Raw(granularity_bytes=MiB), size=96 * MiB, max_chunk_bytes=32 * MiB, runtime=fake,
         registry=None, populate=False, register_workers=1, background=True, max_call_seconds=0.004,
     )  # fmt: skip
     return pool, fake, holder
@@ -258,7 +258,7 @@ async def test_on_progress_sees_exactly_the_fakes_books(mode: str) -> None:
             holder.release()
 
     pool = pinpool.PinnedPool(
-        layout=layouts.Raw(granularity_bytes=MiB), size=64 * MiB, chunk_bytes=64 * MiB, runtime=fake,
+        layout=layouts.Raw(granularity_bytes=MiB), size=64 * MiB, max_chunk_bytes=64 * MiB, runtime=fake,
         registry=None, populate=False, register_workers=1, max_call_seconds=0.004, on_progress=progress,
     )  # fmt: skip
     await pin_and_run(pool, mode, lambda p: samples.append(listed(p)))
@@ -347,7 +347,7 @@ def test_a_leaked_registration_stays_listed(budget: float | None) -> None:
     fake's books (with a budget the chunk is in pieces, and only the failed piece stays)."""
     fake = RateFake(4 << 30, fail_unregister_on=1)
     pool = pinpool.PinnedPool(
-        layout=layouts.Raw(granularity_bytes=MiB), size=32 * MiB, chunk_bytes=16 * MiB, runtime=fake,
+        layout=layouts.Raw(granularity_bytes=MiB), size=32 * MiB, max_chunk_bytes=16 * MiB, runtime=fake,
         registry=None, populate=False, register_workers=1, unpin_workers=1, max_call_seconds=budget,
     )  # fmt: skip
     base: list[int] = []
@@ -392,7 +392,7 @@ async def test_mlock_lists_its_locks_in_pieces_while_a_background_pool_pins(vmlc
     holder = Holder(at={2, 3})
     runtime = HeldMlock(holder)
     pool = pinpool.PinnedPool(
-        size=128 * MiB, chunk_bytes=64 * MiB, runtime=runtime, registry=None, background=True,
+        size=128 * MiB, max_chunk_bytes=64 * MiB, runtime=runtime, registry=None, background=True,
         register_workers=1, max_call_seconds=0.002,
     )  # fmt: skip
     assert pool.order is pinpool._pipeline.Order.REGISTER_FIRST

@@ -257,8 +257,8 @@ def test_a_closed_stdout_through_a_shell_pipe() -> None:
 
 
 def test_a_failed_pin_exits_3_after_rolling_back() -> None:
-    command = fake_cli(["pin", "--runtime", "fake", "--size", "64MiB", "--chunk-bytes", "16MiB", "--progress", "none"],
-                       fail_register_on=3)  # fmt: skip
+    command = fake_cli(["pin", "--runtime", "fake", "--size", "64MiB", "--chunk-bytes", "16MiB", "--progress", "none",
+                        "--max-retries", "0"], fail_register_on=3)  # fmt: skip
     result = preloaded.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 3, result.stderr
     assert result.stderr.startswith("pinpool: PinError: pinning pool 'cli'")
