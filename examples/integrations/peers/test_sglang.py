@@ -8,6 +8,8 @@ import pytest
 import torch
 from conftest import load_shim
 
+import pinpool
+
 common = pytest.importorskip("sglang.srt.mem_cache.pool_host.common")
 from sglang.srt.mem_cache.storage.mmap import alloc_mmap  # noqa: E402
 
@@ -35,11 +37,6 @@ G = 3 << 19  # 1.5 MiB: a granularity that is not a power of two
 UNITS = 40
 
 
-@pytest.mark.xfail(
-    reason="needs branch 'chunking' (issue 22 item 2: CUDA retrying rc 1 and 2, halving in whole units down to "
-    "one unit), not yet merged into main: pinpool's defaults retry only rc=2 and stop halving at 64 MiB",
-    strict=False,
-)
 @pytest.mark.parametrize("rc", [1, 2])
 @pytest.mark.parametrize("cap", [8 << 20, G], ids=["refuse-above-8MiB", "refuse-above-one-unit"])
 def test_their_degradation_contract_with_the_drop_in_register(
@@ -67,3 +64,21 @@ def test_their_degradation_contract_with_the_drop_in_register(
         assert sorted(buffer._sglang_cuda_host_registered_ranges) == ranges
     finally:
         shim._cuda_host_unregister(buffer)
+
+
+@pytest.mark.parametrize("rc", [1, 2])
+def test_a_unit_their_driver_refuses_fails_after_one_call_with_nothing_left(
+    fake: Any, monkeypatch: pytest.MonkeyPatch, rc: int
+) -> None:
+    """Below one unit SGLang's contract never splits: one call for the unit, then PinError, rolled back."""
+    shim = load_shim("sglang_host_register", fake)
+    monkeypatch.setattr(common, "_cuda_host_register", shim._cuda_host_register)
+    fake.refuse_above(G - 4096, rc=rc)
+    with pytest.raises(pinpool.PinError):
+        common.alloc_with_host_register(
+            (UNITS, G // 2), torch.bfloat16, "cpu", True, common.HostTensorAllocator(), registration_granularity_bytes=G
+        )
+    registers = [(p, n) for op, p, n, _ in fake.calls if op == "register"]
+    assert all(n >= G and n % G == 0 for _, n in registers)
+    assert [n for _, n in registers].count(G) == 1  # the first unit, tried once
+    assert fake.registered == {}
