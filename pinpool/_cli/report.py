@@ -209,10 +209,16 @@ def _pinning_text(p: dict[str, Any]) -> str:
         f"{'in the background' if p['background'] else 'before the body runs'}, "
         + ("one registration per buffer (never cut), " if p["per_buffer"] else "")
         + f"stall budget {'none' if budget is None else format_seconds(budget)}, pin threads nice +{p['pin_nice']}, "
-        f"node pacing {paced}, retries of codes {', '.join(map(str, p['retry_codes'])) or 'none'} as halves down to "
-        f"{'one alignment unit' if p['min_chunk_bytes'] is None else format_bytes(p['min_chunk_bytes'])}, at most "
-        f"{p['max_retries']} levels deep"
+        f"node pacing {paced}, " + _retry_text(p)
     )
+
+
+def _retry_text(p: dict[str, Any]) -> str:
+    codes = ", ".join(map(str, p["retry_codes"]))
+    if not codes or not p["max_retries"]:
+        return "no retries" + ("" if codes else " (no retry codes)")
+    floor = "one alignment unit" if p["min_chunk_bytes"] is None else format_bytes(p["min_chunk_bytes"])
+    return f"retries of codes {codes} as halves down to {floor}, at most {p['max_retries']} levels deep"
 
 
 # -- pin -------------------------------------------------------------------------------------------
