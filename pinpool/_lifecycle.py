@@ -510,7 +510,9 @@ class Lifecycle:
     ) -> Generator[RunThreads, Ran, tuple[tuple[ChunkFailure, ...], list[BaseException]]]:
         bodies = session.begin_teardown()
         ran = yield RunThreads(bodies=bodies, name=f"pinpool-{self.name}-unpin")
-        return session.end_teardown(ran.crashed), ran.interrupts
+        # What the runtime raised on a worker that is no Exception (SystemExit, KeyboardInterrupt)
+        # is raised as itself once the books are closed, as an interruption here would be.
+        return session.end_teardown(ran.crashed), [*ran.interrupts, *session.take_raised()]
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books after teardown, and let the memory go unless a chunk leaked (then it is
