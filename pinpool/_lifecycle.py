@@ -365,7 +365,8 @@ class Lifecycle:
             # The pool's own figures, from the books at rest (no call in flight): the text and
             # pool.pinned_pages / pinned_bytes / registrations say the same.
             pages, pinned = session.prefix.pages, session.pipeline.pinned_bytes
-            kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations())
+            maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
+            kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
             error = self._failure(session, ran, kept=kept)
         with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
             self._conducting = False

@@ -218,6 +218,27 @@ def test_a_maybe_registered_range_that_fails_to_unregister_is_reported_leaked(cl
     assert list(fake.registered.values()) == [MiB]  # still registered, as the leak says
 
 
+@pytest.mark.parametrize("call", ["register", "lock_on_fault"])
+def test_a_background_failure_says_which_registrations_may_be_registered(call: str) -> None:
+    """A background pool keeps what it pinned after a failure; its text counts a maybe-registered
+    range as such, not as "locked on fault but not faulted in" nor as pinned."""
+    fake = Misbehaves(call, "RuntimeError", "after")
+    pool = pinpool.PinnedPool(
+        size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, background=True, register_workers=1,
+        populate_workers=1,
+    )  # fmt: skip
+    with pool:
+        with pytest.raises(pinpool.PinError) as info:
+            pool.wait_ready_sync()
+        text = str(info.value)
+        assert len(pool.registrations) == 2, pool.registrations
+        assert "1 MiB of them a register call that failed but may have registered)" in text, text
+        if call == "register":  # under lock-on-fault the first chunk may not be faulted in yet
+            assert pool.pinned_bytes == MiB and "1 MiB pinned, 2 registration(s) of 2 MiB (1 MiB of them a" in text
+            assert "locked on fault" not in text, text
+    assert fake.registered == {}
+
+
 def test_untrusted_call_classifies_every_answer() -> None:
     def returns(value: object) -> object:
         return lambda ptr, nbytes: value
