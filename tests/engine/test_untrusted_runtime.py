@@ -15,11 +15,11 @@ leaked), no range claim is held, and a new pool in the same process works.
 
 from __future__ import annotations
 
-import logging
 import pickle
 from collections.abc import Iterator
 
 import pytest
+import structlog
 
 import pinpool
 from pinpool import _libc
@@ -192,18 +192,19 @@ def test_a_register_call_that_registered_and_raised_is_never_retried() -> None:
     assert fake.unregister_calls.count(fake.register_calls[1][0]) == 1  # the maybe-registered range, undone
 
 
-def test_a_maybe_registered_range_the_runtime_never_registered_is_logged_not_registered(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_maybe_registered_range_the_runtime_never_registered_is_logged_not_registered() -> None:
     """Raised before registering: teardown's unregister answers "not registered" (713), which is
     fine for such a range: an info event chunk.not_registered, not a leak, not released_elsewhere."""
     fake = Misbehaves("register", "RuntimeError", "before")
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=False)
-    with caplog.at_level(logging.DEBUG), pytest.raises(pinpool.PinError) as info:
-        pool.__enter__()
+    with structlog.testing.capture_logs() as logs:  # the pool binds its logger when constructed
+        pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=False)
+        with pytest.raises(pinpool.PinError) as info:
+            pool.__enter__()
     assert info.value.leaked == ()
-    text = caplog.text
-    assert "chunk.not_registered" in text and "chunk.released_elsewhere" not in text
+    (absent,) = [e for e in logs if e["event"] == "chunk.not_registered"]
+    assert absent["log_level"] == "info" and absent["code"] == 713 and absent["offset"] == MiB
+    assert int(absent["ptr"], 16) == fake.register_calls[0][0] + MiB  # the second chunk, never registered
+    assert not [e for e in logs if e["event"] in ("chunk.released_elsewhere", "pool.unpin.failed")]
     assert fake.registered == {}
 
 
