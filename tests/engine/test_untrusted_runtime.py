@@ -15,6 +15,7 @@ leaked), no range claim is held, and a new pool in the same process works.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Iterator
 
@@ -181,8 +182,10 @@ async def test_a_misbehaving_runtime_call_is_never_forgotten(
 
 
 def test_a_register_call_that_registered_and_raised_is_never_retried() -> None:
-    """A maybe-registered range is not halved and tried again (that would register it twice)."""
+    """A maybe-registered range is not halved and tried again (that would register it twice), even
+    from a runtime that declares its code retryable (-1: the code of any foreign exception)."""
     fake = Misbehaves("register", "RuntimeError", "after")
+    fake.capabilities = dataclasses.replace(fake.capabilities, retryable_codes=frozenset({-1, 2}))
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=4 * MiB, runtime=fake, registry=None, populate=False)
     with pytest.raises(pinpool.PinError) as info:
         pool.__enter__()
