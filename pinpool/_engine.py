@@ -2,8 +2,10 @@
 
 It owns the calls, and only the calls: one :class:`PinSession` per entered pool, built from
 the pool's plan and options whole. Every runtime call (register, populate, unregister) goes
-through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, a typed error for
-anything raised); every worker, pinning or unpinning, runs one batch loop,
+through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer as
+:func:`~pinpool._untrusted.untrusted_call` reads it: a register that failed other than with the
+runtime's typed error lands as "may be registered", for teardown to undo); every worker,
+pinning or unpinning, runs one batch loop,
 :meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did
 is one :class:`~pinpool._pipeline.Landing`, which the pipeline puts on the books
 (:meth:`~pinpool._pipeline.Pipeline.land`); which item comes next, and what a landing means,
