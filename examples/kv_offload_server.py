@@ -43,7 +43,10 @@ arena, a large allocation, an import) waits for it. Without a budget, one call f
 SIGTERM or SIGINT at any moment (while pinning too, or with a client stalled in the middle of an
 upload) shuts down gracefully: uploads still coming in are answered 503, the lifespan leaves the
 pool, which stops pinning and unpins everything, then the process logs
-``kv_offload_server: shutdown VmLck=<bytes>`` on stderr and exits 0.
+``kv_offload_server: shutdown VmLck=<bytes>`` on stderr and exits 0. A bad option (``--port
+99999``) is one line and exit 2, as argparse does; a pool the host cannot hold, which pinpool's
+pre-flight refuses when the lifespan enters it, is one line naming the value and the fix
+(``kv_offload_server: cannot start: ...``) and exit 3, a failed start-up as uvicorn reports it.
 
 It listens on port 8080 by default (``--port``): 8000 is ``mkdocs serve``'s, which a checkout
 may be running. It uses pinpool's public API and the standard library besides its server
@@ -109,6 +112,9 @@ class Stopping:
 
     def __init__(self) -> None:
         self.requested = False
+        # The pool refused to start (a pre-flight ConfigError: the host cannot hold it), already
+        # said in one line: the server exits 3 without printing it again as a traceback.
+        self.refused: pinpool.ConfigError | None = None
 
 
 @dataclass(frozen=True)
@@ -229,14 +235,20 @@ async def read_body(request: Request, limit: int, stopping: Stopping) -> bytearr
 
 def create_app(
     pool: pinpool.PinnedPool, registry: CollectorRegistry, device: torch.device, stopping: Stopping | None = None
-) -> Starlette:
+) -> QuietRefusal:
     kv = KVOffload(pool, device)
     stopping = Stopping() if stopping is None else stopping
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         started = time.monotonic()
-        async with pool:  # returns at once: background=True
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(pool)  # returns at once: background=True
+            except pinpool.ConfigError as error:  # the pre-flight refused: its message names the value and the fix
+                log(f"cannot start: {error}")
+                stopping.refused = error
+                raise
             log(
                 f"pinning {pool.nbytes} bytes ({pool.num_pages} pages of {pool.page_bytes} bytes, "
                 f"layout {pool.layout.name}, runtime {pool.runtime.name}, device {device}) in the background"
@@ -313,7 +325,24 @@ def create_app(
         Route("/pages/{i:int}", put_page, methods=["PUT"]),
         Route("/pages/{i:int}", get_page, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return QuietRefusal(Starlette(routes=routes, lifespan=lifespan), stopping)
+
+
+class QuietRefusal:
+    """ASGI wrapper: a start-up the lifespan refused, and said why in one line, is not printed
+    again as a traceback (Starlette sends the traceback text with ``lifespan.startup.failed``,
+    and the server logs it); the server still fails its start-up (uvicorn exits 3)."""
+
+    def __init__(self, app: Starlette, stopping: Stopping) -> None:
+        self.app, self.stopping = app, stopping
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def quiet(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed" and self.stopping.refused is not None:
+                message = {**message, "message": ""}
+            await send(message)
+
+        await self.app(scope, receive, quiet if scope["type"] == "lifespan" else send)
 
 
 def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.PinnedPool:
@@ -336,7 +365,7 @@ def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.
     )  # fmt: skip
 
 
-def serve_uvicorn(app: Starlette, host: str, port: int, stopping: Stopping) -> None:
+def serve_uvicorn(app: QuietRefusal, host: str, port: int, stopping: Stopping) -> None:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -358,7 +387,7 @@ def serve_uvicorn(app: Starlette, host: str, port: int, stopping: Stopping) -> N
     Server(config).run()
 
 
-def serve_trio(app: Starlette, host: str, port: int, stopping: Stopping) -> None:
+def serve_trio(app: QuietRefusal, host: str, port: int, stopping: Stopping) -> None:
     import trio
     from hypercorn.config import Config
     from hypercorn.trio import serve
@@ -379,14 +408,32 @@ def serve_trio(app: Starlette, host: str, port: int, stopping: Stopping) -> None
 
             await serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    except Exception:  # hypercorn raises a failed start-up out of trio.run (LifespanFailureError, in a group)
+        if stopping.refused is None:
+            raise
+        sys.exit(3)  # already said in one line; 3 as uvicorn exits for a failed start-up
+
+
+def tcp_port(value: str) -> int:
+    """``--port``: a TCP port, checked here so a bad one is one line and exit 2, not a traceback from bind()."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port: give 1-65535 (0: any free port)")
+    return port
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="A KV-cache offload server whose pool pins in the background.")
     parser.add_argument("--size", default="2GiB", help="pool size, e.g. 2GiB or 512GiB (default: 2GiB)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default: {DEFAULT_PORT})")
+    parser.add_argument(
+        "--port", type=tcp_port, default=DEFAULT_PORT, help=f"port to listen on (default: {DEFAULT_PORT})"
+    )
     parser.add_argument(
         "--runtime", default="auto", choices=["auto", "cuda", "rocm", "mlock", "fake-fail"],
         help="pinning runtime (default: auto); fake-fail is a testing aid whose pinning fails",

@@ -22,6 +22,7 @@ from ._errors import PinpoolError as PinpoolError
 from ._errors import PoolStateError as PoolStateError
 from ._errors import RuntimeCallError as RuntimeCallError
 from ._errors import UnclosedPoolWarning as UnclosedPoolWarning
+from ._errors import UnexpectedReturn as UnexpectedReturn
 from ._errors import UnpinError as UnpinError
 from ._units import parse_size as parse_size
 
@@ -55,6 +56,7 @@ __all__ = [
     "SharedMemory",
     "Shares",
     "UnclosedPoolWarning",
+    "UnexpectedReturn",
     "UnpinError",
     "__version__",
     "empty",

@@ -2,8 +2,10 @@
 
 It owns the calls, and only the calls: one :class:`PinSession` per entered pool, built from
 the pool's plan and options whole. Every runtime call (register, populate, unregister) goes
-through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, a typed error for
-anything raised); every worker, pinning or unpinning, runs one batch loop,
+through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer as
+:func:`~pinpool._untrusted.untrusted_call` reads it: a register that failed other than with the
+runtime's typed error lands as "may be registered", for teardown to undo); every worker,
+pinning or unpinning, runs one batch loop,
 :meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did
 is one :class:`~pinpool._pipeline.Landing`, which the pipeline puts on the books
 (:meth:`~pinpool._pipeline.Pipeline.land`); which item comes next, and what a landing means,
@@ -29,16 +31,18 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from ._chunks import Chunk
 from ._cutter import retry_splitter
-from ._errors import ChunkFailure, LedgerError, RuntimeCallError, as_runtime_error, between_calls_error
+from ._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls_error
 from ._ledger import Phase, RegistrationBook, StopCause
 from ._libc import MADV_POPULATE_WRITE
 from ._memory import populate_range
 from ._observe import Observer
-from ._pipeline import BATCH_BYTES, BATCH_ITEMS, WAIT, Landing, Order, Pipeline, Span, _Wait
+from ._pipeline import WAIT, Landing, Order, Pipeline, Span, _Wait
 from ._prefix import PrefixTracker
 from ._priority import lower_this_thread
 from ._stall import CallSizer
 from ._types import Capabilities
+from ._unpin import Unpinning
+from ._untrusted import Answer, untrusted_call
 from .runtimes import LocksOnFault, Populates, Runtime
 
 if TYPE_CHECKING:
@@ -61,7 +65,7 @@ class _Op:
     """One kind of runtime call, as data for the one call wrapper (:meth:`PinSession._call`)."""
 
     name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
-    call: Callable[[int, int], None]  # (ptr, nbytes)
+    call: Callable[[int, int], object]  # (ptr, nbytes); anything but None is the runtime's fault
     # Every call's time, failed or not (unregister: a chunk registered in pieces is unregistered in
     # one call per piece, and the longest-call gauge is about single calls). Register and populate
     # report theirs with the call's outcome, with the attempt it was.
@@ -74,18 +78,6 @@ class _Result(Protocol):
 
 
 R = TypeVar("R", bound=_Result)
-
-
-@dataclass(frozen=True)
-class _Unpinned:
-    """What unregistering one chunk (all its pieces) did."""
-
-    index: int
-    error: RuntimeCallError | None
-    seconds: float
-    # Pieces the runtime said were not registered any more (someone else released them), each
-    # with that answer: unregistered all the same, never a failure (Capabilities.not_registered_codes).
-    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,7 @@ def _nothing(_result: object) -> None:
     return None
 
 
-class PinSession:
+class PinSession(Unpinning):
     """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
 
     def __init__(
@@ -156,6 +148,8 @@ class PinSession:
         self._not_registered = caps.not_registered_codes
         self._max_depth = options.max_retries
         self.retries = 0
+        # What the runtime raised that is no Exception (SystemExit, KeyboardInterrupt), in call order.
+        self.raised: list[BaseException] = []
         self._pin_started = time.perf_counter()
         self.pin_seconds = 0.0
         self.unpin_seconds = 0.0
@@ -207,24 +201,25 @@ class PinSession:
             finally:
                 work.land(results, items[started:])
 
-    def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[RuntimeCallError | None, float]:
-        """One runtime call at ``offset`` from the pool's start; anything it raises, BaseException
-        included, is that call's failure (a worker thread has no caller to raise to)."""
+    def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[Answer, float]:
+        """One runtime call at ``offset`` from the pool's start, classified by
+        :func:`~pinpool._untrusted.untrusted_call`: anything it raises, BaseException included, is
+        that call's failure (a worker thread has no caller to raise to); a BaseException is also
+        kept in :attr:`raised`, for the pool's caller to raise again once teardown is done."""
         ptr = self.base_ptr + offset
         observer = self.observer
         observer.call_started()
         started = time.perf_counter()
-        error: RuntimeCallError | None = None
         try:
-            op.call(ptr, nbytes)
-        except BaseException as exc:  # recorded, never lost
-            error = as_runtime_error(exc, op.name, ptr, nbytes)
+            answer = untrusted_call(op.call, op.name, ptr, nbytes)
         finally:
             observer.call_ended()
+        if answer.raised is not None:
+            self.raised.append(answer.raised)
         seconds = time.perf_counter() - started
         if op.took is not None:
             op.took(seconds)
-        return error, seconds
+        return answer, seconds
 
     # -- pinning -----------------------------------------------------------------------------------
 
@@ -281,8 +276,8 @@ class PinSession:
     def _populate_span(self, span: Span) -> Landing:
         sizer = self._populate_sizer
         if sizer is None:
-            error, seconds = self._call(self._populate, span.offset, span.nbytes)
-            return Landing(span, error, seconds=seconds)
+            answer, seconds = self._call(self._populate, span.offset, span.nbytes)
+            return Landing(span, answer.error, seconds=seconds)
         # Under a stall budget the span is faulted in calls sized to fit it (page multiples). As
         # for a chunk's pieces, anything raised between the calls (a pinpool bug) is the span's
         # failure, landed on the books with its progress, never an exception that escapes the
@@ -299,10 +294,10 @@ class PinSession:
             if self.pipeline.stopped:  # stop between calls, not after the whole span
                 return Landing(span, stopped=True)
             nbytes = sizer.next_bytes(self._populate_unit, end - offset)
-            error, seconds = self._call(self._populate, offset, nbytes)
+            answer, seconds = self._call(self._populate, offset, nbytes)
             sizer.record(nbytes, seconds)
-            if error is not None:
-                return Landing(span, error, seconds=seconds)
+            if answer.error is not None:
+                return Landing(span, answer.error, seconds=seconds)
             self.observer.span_populated(nbytes, seconds)
             if offset + nbytes < end:  # progress within the span (its landing records the rest)
                 self._progress(span, Chunk(offset, nbytes))
@@ -313,10 +308,14 @@ class PinSession:
         chunk = self.ledger.chunks[index]
         if self._register_sizer is not None:
             return self._register_pieces(index, chunk, [], [], paced=True)
-        error, seconds = self._call(self._register, chunk.offset, chunk.nbytes)
-        if error is None:
+        answer, seconds = self._call(self._register, chunk.offset, chunk.nbytes)
+        error = answer.error
+        if error is None or answer.maybe:  # maybe: booked for teardown too (never retried)
             self.book.chunk_registered(index)
+        if error is None:
             return Landing(index, seconds=seconds)
+        if answer.maybe:
+            return Landing(index, error, maybe=(chunk,), seconds=seconds)
         halves = self._halves(chunk, 0, error, attempt=1)
         if halves is None:
             return Landing(index, error, seconds=seconds)
@@ -359,13 +358,14 @@ class PinSession:
         a pinpool bug, never the runtime's) becomes this chunk's failure, landed with the pieces
         registered so the rollback undoes them, instead of escaping the worker with them."""
         done: list[Chunk] = []
+        maybe: list[Chunk] = []  # a piece whose call failed untrusted: it may be registered (never retried)
         try:
-            return self._pieces_loop(index, chunk, todo, attempts, done, paced=paced)
+            return self._pieces_loop(index, chunk, todo, attempts, done, maybe, paced=paced)
         except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
             error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
             attempts.append(ChunkFailure(chunk, "register", error))
             # 0.0, not nan: the worker observes this failure
-            return Landing(index, error, pieces=tuple(done), attempts=tuple(attempts), seconds=0.0)
+            return Landing(index, error, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts), seconds=0.0)
 
     def _pieces_loop(
         self,
@@ -374,6 +374,7 @@ class PinSession:
         todo: list[tuple[Chunk, int]],
         attempts: list[ChunkFailure],
         done: list[Chunk],
+        maybe: list[Chunk],
         *,
         paced: bool,
     ) -> Landing:
@@ -398,9 +399,11 @@ class PinSession:
                     at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
                 piece = cutter.first_piece(rest, at_most)
                 offset = piece.end
-            failure, took = self._call(self._register, piece.offset, piece.nbytes)
-            if failure is None:
-                done.append(piece)  # first: from here on the piece is on the books, whatever raises
+            answer, took = self._call(self._register, piece.offset, piece.nbytes)
+            failure = answer.error
+            if failure is None or answer.maybe:
+                # first: from here on the piece is on the books, whatever raises
+                (done if failure is None else maybe).append(piece)
                 self.book.registered(index, chunk, piece)
             if sizer is not None:
                 sizer.record(piece.nbytes, took)
@@ -411,9 +414,9 @@ class PinSession:
                 continue
             attempts.append(ChunkFailure(piece, "register", failure))
             self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
-            again = self._halves(piece, depth, failure, attempt=len(attempts))
+            again = None if answer.maybe else self._halves(piece, depth, failure, attempt=len(attempts))
             if again is None:  # registered pieces are undone by the rollback, from the books
-                return Landing(index, failure, pieces=tuple(done), attempts=tuple(attempts))
+                return Landing(index, failure, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts))
             todo[:0] = again
         return Landing(index, pieces=tuple(done))  # nan: observed call by call
 
@@ -435,6 +438,12 @@ class PinSession:
             observer.chunk_registered(self.ledger.chunks[item], seconds)
         else:
             observer.chunk_failed(self.ledger.chunks[item], "register", error, seconds)
+
+    def take_raised(self) -> list[BaseException]:
+        """What the runtime raised that is no Exception, each handed out once (teardown raises it)."""
+        with self.lock:
+            raised, self.raised = self.raised, []
+        return raised
 
     # -- stopping and teardown ---------------------------------------------------------------------
 
@@ -524,71 +533,3 @@ class PinSession:
             moved = ledger.pinned_bytes - before
         self.observer.pinned_moved(moved)
         return failures
-
-    # -- unpinning ---------------------------------------------------------------------------------
-
-    def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[int]:
-        """The next chunks to unregister, claimed from the shared reverse-order queue: a batch of
-        consecutive chunks, as pinning does (up to BATCH_BYTES or BATCH_ITEMS, and no more than
-        this worker's share), so tiny chunks cost one lock hand-off per batch, not two per chunk."""
-        ledger = self.ledger
-        with self.lock:
-            share = -(-len(pending) // max(1, self.unpin_workers))
-            batch: list[int] = []
-            nbytes = 0
-            while pending and nbytes < BATCH_BYTES and len(batch) < min(BATCH_ITEMS, max(1, share)):
-                index = pending.popleft()
-                batch.append(index)
-                nbytes += ledger.chunks[index].nbytes
-        return batch
-
-    def _unregister_chunk(self, index: int) -> _Unpinned:
-        """Unregister one chunk; a chunk registered in pieces (retries, the stall budget) is
-        unregistered piece by piece, each by its own base."""
-        chunk = self.ledger.chunks[index]
-        error: RuntimeCallError | None = None
-        released: list[tuple[Chunk, RuntimeCallError]] = []
-        started = time.perf_counter()
-        for piece in reversed(self.ledger.pieces.get(index, (chunk,))):
-            failure, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
-            if failure is not None and failure.code in self._not_registered:
-                # The runtime holds no registration at this base: someone else released it (a
-                # server's clean-up unregistering the buffer's base). Nothing is pinned there, so
-                # keeping the memory mapped would only leak it; every other piece still goes.
-                released.append((piece, failure))
-                failure = None
-            if failure is None:
-                self.book.unregistered(index, chunk, piece)  # a piece whose unregister failed stays listed
-            else:  # anything, SystemExit included, fails this chunk only
-                error = error or failure
-        return _Unpinned(index, error, time.perf_counter() - started, tuple(released))
-
-    def _land_unpinned(
-        self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[int]
-    ) -> None:
-        """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
-        the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
-        ledger, observer = self.ledger, self.observer
-        if unstarted:
-            with self.lock:
-                pending.extendleft(reversed(unstarted))
-        if not done:
-            return
-        with self.lock:
-            before = ledger.pinned_bytes
-            for unpinned in done:
-                ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
-                if unpinned.error is None:
-                    ledger.unregistered(unpinned.index)
-                else:
-                    ledger.unregister_failed(unpinned.index, unpinned.error)
-            moved = ledger.pinned_bytes - before
-        observer.pinned_moved(moved)
-        for unpinned in done:
-            for piece, answer in unpinned.released:
-                observer.released_elsewhere(piece, self.base_ptr + piece.offset, answer)
-            chunk = ledger.chunks[unpinned.index]
-            if unpinned.error is None:
-                observer.chunk_unregistered(chunk, unpinned.seconds)
-            else:
-                observer.chunk_failed(chunk, "unregister", unpinned.error, unpinned.seconds)

@@ -91,6 +91,27 @@ def _rebuild_runtime_call_error(
     return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
 
 
+class UnexpectedReturn(RuntimeCallError):
+    """A runtime call returned something other than ``None``, which no runtime's contract allows.
+
+    The runtime is not following its contract, so nothing it did can be assumed: a register
+    call that answers this is treated as "may be registered" (booked, undone at teardown), like
+    one that raised something other than :class:`RuntimeCallError`. ``returned`` is a bounded
+    ``repr`` of what came back.
+    """
+
+    def __init__(self, *, op: str, ptr: int, nbytes: int, returned: str) -> None:
+        self.returned = returned
+        super().__init__(
+            op=op, code=-1, reason="UnexpectedReturn", ptr=ptr, nbytes=nbytes,
+            message=f"the runtime returned {returned} where None was expected (a runtime's calls return None and "
+            "raise pinpool.RuntimeCallError on failure); fix the runtime",
+        )  # fmt: skip
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_restore_error, (type(self), self.args), self.__dict__)
+
+
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
     """A runtime that raised something other than RuntimeCallError still gets a typed record."""
     if isinstance(exc, RuntimeCallError):

@@ -59,6 +59,9 @@ class Ledger:
         # Registrations (chunks or pieces) found released by someone else at teardown: their
         # chunks count as unregistered, never as leaked (Capabilities.not_registered_codes).
         self.released_elsewhere: list[Chunk] = []
+        # Ranges whose register call failed untrusted (pinpool._untrusted): they may be registered,
+        # so teardown unregisters them with the chunk's pieces; never counted as pinned.
+        self.maybe: set[Chunk] = set()
         self._next = 0
         self._in_flight = 0
         self._registered_bytes = 0
@@ -144,14 +147,23 @@ class Ledger:
         self.pieces[index] = tuple(pieces)
 
     def partly_registered(
-        self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure], *, pinned: bool = True
+        self,
+        index: int,
+        pieces: Sequence[Chunk],
+        attempts: Sequence[ChunkFailure],
+        *,
+        pinned: bool = True,
+        maybe: Sequence[Chunk] = (),
     ) -> None:
         """A chunk failed or stopped with ``pieces`` of it registered: teardown undoes them, every
         failed attempt is recorded, and pinning stops. The chunk never counts whole, but its
         pieces are pinned until teardown (``pinned``; False under lock-on-fault, where a piece is
-        pinned only once faulted, and these never are): :attr:`pinned_bytes` counts them."""
+        pinned only once faulted, and these never are): :attr:`pinned_bytes` counts them.
+        ``maybe``: ranges that may be registered (their call failed untrusted): undone by
+        teardown after the pieces, never counted as pinned."""
         self._land(index, ChunkState.FAULTING)  # undone by teardown, never counted whole
-        self.pieces[index] = tuple(pieces)
+        self.pieces[index] = (*pieces, *maybe)
+        self.maybe.update(maybe)
         if pinned:  # all of them: progress landed only some (retry halves land none)
             self._drop_part(index)
             self.pinned_part(index, sum(piece.nbytes for piece in pieces))

@@ -365,7 +365,8 @@ class Lifecycle:
             # The pool's own figures, from the books at rest (no call in flight): the text and
             # pool.pinned_pages / pinned_bytes / registrations say the same.
             pages, pinned = session.prefix.pages, session.pipeline.pinned_bytes
-            kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations())
+            maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
+            kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
             error = self._failure(session, ran, kept=kept)
         with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
             self._conducting = False
@@ -510,7 +511,9 @@ class Lifecycle:
     ) -> Generator[RunThreads, Ran, tuple[tuple[ChunkFailure, ...], list[BaseException]]]:
         bodies = session.begin_teardown()
         ran = yield RunThreads(bodies=bodies, name=f"pinpool-{self.name}-unpin")
-        return session.end_teardown(ran.crashed), ran.interrupts
+        # What the runtime raised on a worker that is no Exception (SystemExit, KeyboardInterrupt)
+        # is raised as itself once the books are closed, as an interruption here would be.
+        return session.end_teardown(ran.crashed), [*ran.interrupts, *session.take_raised()]
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books after teardown, and let the memory go unless a chunk leaked (then it is

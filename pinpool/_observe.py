@@ -256,6 +256,15 @@ class Observer:
             code=answer.code, reason=answer.reason,
         )  # fmt: skip
 
+    def not_registered(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
+        """``piece`` only may have been registered (its register call failed untrusted) and the
+        runtime says it is not: that call never registered it. Nothing to undo, nothing leaked;
+        logged so the runtime's misbehaviour is on record next to its ``chunk.failed``."""
+        self._emit(
+            "info", "chunk.not_registered", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
+            code=answer.code, reason=answer.reason,
+        )  # fmt: skip
+
     # -- the pool (event loop / calling thread) ----------------------------------------------------
 
     def pin_started(

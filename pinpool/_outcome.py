@@ -197,14 +197,23 @@ def pin_error(
     return error
 
 
-def kept_text(pages: int, num_pages: int, pinned_bytes: int, registrations: Sequence[Chunk]) -> str:
+def kept_text(
+    pages: int, num_pages: int, pinned_bytes: int, registrations: Sequence[Chunk], maybe_bytes: int = 0
+) -> str:
     """What a background pool keeps after a failure, in the figures the pool reports: ``pinned_pages``,
-    ``pinned_bytes`` and ``registrations`` (whose bytes exceed the pinned ones only by lock-on-fault
-    ranges never faulted: registered, not yet pinned)."""
+    ``pinned_bytes`` and ``registrations`` (whose bytes exceed the pinned ones by lock-on-fault
+    ranges never faulted: registered, not yet pinned; and by ``maybe_bytes``, ranges whose register
+    call failed untrusted: they may be registered, and are never counted as pinned)."""
     registered = sum(chunk.nbytes for chunk in registrations)
     held = f"{format_bytes(pinned_bytes)} pinned, {len(registrations)} registration(s) of {format_bytes(registered)}"
-    if registered > pinned_bytes:
-        held += f" ({format_bytes(registered - pinned_bytes)} of them locked on fault but not faulted in: not pinned)"
+    unfaulted = registered - pinned_bytes - maybe_bytes
+    notes = []
+    if unfaulted > 0:
+        notes.append(f"{format_bytes(unfaulted)} of them locked on fault but not faulted in: not pinned")
+    if maybe_bytes:
+        notes.append(f"{format_bytes(maybe_bytes)} of them a register call that failed but may have registered")
+    if notes:
+        held += f" ({'; '.join(notes)})"
     return (
         f"nothing was unpinned: pages [0, {pages}) of {num_pages} ({held}) stay pinned "
         "and usable until the pool is exited or closed; stop using new pages, drain, and exit the pool"

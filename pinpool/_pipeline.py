@@ -69,8 +69,10 @@ class Landing:
     registered pieces of a failed or stopped chunk are undone by the rollback. ``attempts``:
     every failed call of a chunk that failed, its last one included (empty: just ``error``).
     ``partial``: progress, not a landing: ``pieces`` of the item are pinned now (registered,
-    or faulted under lock-on-fault) and it stays in flight. ``seconds``: how long its one call
-    took, for the observer; NaN when its calls were observed one by one.
+    or faulted under lock-on-fault) and it stays in flight. ``maybe``: ranges of a failed chunk
+    whose register call failed untrusted (:mod:`pinpool._untrusted`), so they may be registered:
+    undone by the rollback like ``pieces``, never counted as pinned. ``seconds``: how long its
+    one call took, for the observer; NaN when its calls were observed one by one.
     """
 
     item: int | Span
@@ -80,6 +82,7 @@ class Landing:
     attempts: tuple[ChunkFailure, ...] = ()
     partial: bool = False
     seconds: float = math.nan
+    maybe: tuple[Chunk, ...] = ()
 
 
 @dataclass
@@ -355,8 +358,8 @@ class Pipeline:
                 self._cover(piece)
         if error is not None:  # every failed attempt is reported (a real out-of-memory is never hidden)
             attempts = landing.attempts or (ChunkFailure(ledger.chunks[index], "register", error),)
-            if pieces:  # the pieces registered are undone by the rollback, from the books
-                ledger.partly_registered(index, pieces, attempts, pinned=pinned)
+            if pieces or landing.maybe:  # the pieces registered are undone by the rollback, from the books
+                ledger.partly_registered(index, pieces, attempts, pinned=pinned, maybe=landing.maybe)
             else:
                 ledger.failed(index, "register", error, attempts)
             return None

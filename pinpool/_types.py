@@ -28,8 +28,10 @@ class Capabilities:
         CUDA's 713 (cudaErrorHostMemoryNotRegistered), HIP's 1062. A registration pinpool made
         that answers one of them at teardown was released by someone else (a server's own
         clean-up unregistering the buffer's base): pinpool records it as released elsewhere,
-        not as a failure, and lets the memory go. None for mlock: its books are the runtime
-        object's own, so nobody else can release a registration from them.
+        not as a failure, and lets the memory go. mlock's is EINVAL, its books' "no range
+        registered at this base" (only a caller of the runtime object itself can release a
+        registration from them). A range whose register call failed untrusted (it may or may
+        not be registered) that answers one of them was never registered: fine, not a leak.
     resident: registering a range makes its pages resident for good (neither swapped out nor
         reclaimed), so the pre-flight charges a pool against the memory cgroup and MemAvailable.
         True for anything that pins for real (the default: a runtime's purpose); False for one

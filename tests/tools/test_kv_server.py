@@ -305,6 +305,44 @@ def test_trio_hypercorn_pin_round_trip_sigterm() -> None:
         assert srv.logged_vmlck() == 0, srv.output
 
 
+def run_example(*args: str) -> subprocess.CompletedProcess[str]:
+    """The example server run to its end (it never gets to serve): exit status and stderr."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return preloaded.run(  # type: ignore[no-any-return]
+        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, env=env, cwd=ROOT,
+        timeout=START_TIMEOUT,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_bad_port_is_one_line_and_exit_2(port: str) -> None:
+    """Issue 23, finding 13: ``--port 99999`` printed bind()'s OverflowError traceback (exit 1)."""
+    done = run_example("--port", port, "--runtime", "mlock", "--size", "8MiB")
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert errors == [f"kv_offload_server.py: error: argument --port: {port!r} is not a TCP port: give 1-65535 "
+                      "(0: any free port)"], done.stderr  # fmt: skip
+
+
+@pytest.mark.parametrize("serve", ["uvicorn", "trio"])
+def test_a_pool_the_pre_flight_refuses_in_the_lifespan_is_one_line_and_exit_3(serve: str) -> None:
+    """Issue 23, finding 13: a pre-flight ConfigError on entering the pool (a pool larger than the
+    host's memory) printed the lifespan's traceback; now one line naming the value and the fix."""
+    if serve == "trio":
+        pytest.importorskip("hypercorn")
+        pytest.importorskip("trio")
+    with open("/proc/meminfo") as meminfo:
+        total_kib = int(meminfo.readline().split()[1])
+    size = f"{(total_kib >> 20) * 4 + 4}GiB"  # four times the host's memory: refused on entry, not at construction
+    done = run_example("--port", "0", "--runtime", "mlock", "--size", size, *(["--trio"] if serve == "trio" else []))
+    assert done.returncode == 3, done.stderr
+    assert "Traceback" not in done.stderr and "ConfigError" not in done.stderr, done.stderr
+    refusals = [line for line in done.stderr.splitlines() if line.startswith("kv_offload_server: cannot start: ")]
+    assert len(refusals) == 1, done.stderr
+    assert f"size={int(size[:-3]) << 30} B" in refusals[0] and "Give a smaller size" in refusals[0], refusals[0]
+
+
 @needs_mlock
 @pytest.mark.parametrize("serve", ["uvicorn", "trio"])
 def test_sigterm_with_a_client_stalled_mid_upload_shuts_down_cleanly(serve: str) -> None:
