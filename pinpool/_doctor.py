@@ -274,7 +274,8 @@ def check_region(region: RegionInfo) -> Check:
     """One pinpool shared memory region: what it holds and who made it. Listing it is the point: a
     region kept for a warm restart, or left behind by a process that died, holds its memory until
     an operator removes it. Left behind (its creator is gone and did not mean to keep it): warn."""
-    record = region.record
+    record = region.record  # its text is printable ASCII (the trailer's parser refuses anything else)
+    path = region.path if region.path.isprintable() else ascii(region.path)  # a file name reaches a terminal
     layout = f", layout {record['layout']}" if "layout" in record else ""
     pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
     if region.created_pid is None:
@@ -283,11 +284,12 @@ def check_region(region: RegionInfo) -> Check:
         state = {True: "running", False: "gone", None: f"on host {region.created_host!r}"}[region.creator_alive]
         creator = f"by pid {region.created_pid} ({state})"
     detail = (
-        f"{region.path}: {format_bytes(region.nbytes)} region{layout}{pages}, {format_bytes(region.held_bytes)} held "
+        f"{path}: {format_bytes(region.nbytes)} region{layout}{pages}, {format_bytes(region.held_bytes)} held "
         f"in memory ({format_bytes(region.page_size)} pages), owner uid {region.owner_uid}, created {creator} "
-        f"{_age(region.age_seconds)}, generation {region.generation}, {'kept' if region.keep else 'not kept'}"
+        f"{_age(region.age_seconds)}, region id {region.region_id}, generation {region.generation}, "
+        f"{'kept' if region.keep else 'not kept'}"
     )
-    remove = f"rm {region.path} once no process maps it (its memory returns when the last process mapping it exits)"
+    remove = f"rm {path} once no process maps it (its memory returns when the last process mapping it exits)"
     if region.creator_alive is False and not region.keep:
         return Check(
             "region", WARN, f"{detail}: left behind by a process that ended without removing it", f"remove it: {remove}"
