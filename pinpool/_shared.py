@@ -278,7 +278,8 @@ class SharedMemory:
 
     def _open_region_file(self, *, write: bool = False) -> tuple[int, bool] | None:
         """A descriptor of the region's file as it is now, and whether the caller must close it;
-        None when there is none yet (or the name is no file pinpool would use)."""
+        None when there is none yet (or the name is no file pinpool would use). The path is
+        walked as creating and attaching walk it (:class:`ConfigError` where it cannot be trusted)."""
         mapping = self.mapping
         if mapping is not None:
             return mapping.fd, False
@@ -286,12 +287,15 @@ class SharedMemory:
             return self._given_fd, False
         if self._path is None:
             return None
+        dir_fd = open_region_directory(self._path)
         try:
-            if _region_file_problem(os.lstat(self._path)) is not None:
+            if _region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
                 return None
-            fd = os.open(self._path, (os.O_RDWR if write else os.O_RDONLY) | _FILE_FLAGS)
+            fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | _FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
             return None
+        finally:
+            os.close(dir_fd)
         if _region_file_problem(os.fstat(fd)) is not None:
             os.close(fd)
             return None

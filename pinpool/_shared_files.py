@@ -260,7 +260,7 @@ def _refuse_existing(dir_fd: int, path: str) -> None:
         raise _file_error(path, f"cannot be checked ({exc.strerror or exc})", "check the directory") from None
     if stat.S_ISLNK(st.st_mode):
         raise _file_error(path, "exists already as a symbolic link (pinpool never follows one)")
-    held = read_region(path)
+    held = read_region(path, dir_fd=dir_fd)
     what = (
         f"holds a pinpool region already ({_describe(held.nbytes, held.record)}, generation {held.generation})"
         if held is not None

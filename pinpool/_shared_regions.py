@@ -76,13 +76,15 @@ def _region_info(path: str, st: os.stat_result, trailer: _Trailer) -> RegionInfo
     )  # fmt: skip
 
 
-def read_region(path: str) -> RegionInfo | None:
-    """What the file at ``path`` holds, or None when it is no pinpool region (or cannot be read).
-    Never follows a symbolic link, never blocks on a FIFO, never raises for a bad file."""
+def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
+    """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or
+    None when it is no pinpool region (or cannot be read). Never follows a symbolic link as its
+    last component, never blocks on a FIFO, never raises for a bad file."""
+    name = path if dir_fd is None else os.path.basename(path)
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             return None
-        fd = os.open(path, os.O_RDONLY | _FILE_FLAGS)
+        fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
         return None
     try:

@@ -256,6 +256,18 @@ def test_a_region_the_tmpfs_has_no_room_for_is_a_config_error_before_anything_is
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["filler"]  # nothing left behind
 
 
+def test_pages_the_tmpfs_cannot_reserve_are_a_config_error_naming_the_fix(small_tmpfs: Path) -> None:
+    from pinpool._shared_mapping import _reserve
+
+    fd = os.open(small_tmpfs / "kv", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 16 * MiB)  # sized past the mount: a fault past 8 MiB would be SIGBUS
+        with pytest.raises(pinpool.ConfigError, match=r"could not reserve the region's 16 MiB .*nothing was pinned"):
+            _reserve(fd, 16 * MiB, "'kv'", page_size=PAGE, directory=str(small_tmpfs))
+    finally:
+        os.close(fd)
+
+
 # -- finding 8: every component of the path -------------------------------------------------------------
 
 
@@ -281,6 +293,25 @@ def test_a_link_or_directory_another_user_controls_higher_in_the_path_is_refused
     theirs.chmod(0o777)
     with pytest.raises(pinpool.ConfigError, match=r"theirs' is group- or world-writable without the sticky bit"):
         SharedMemory(theirs / "mine" / "kv", create=False)
+
+
+@as_root
+def test_an_ancestor_swapped_for_another_users_link_after_construction_is_refused(shm_dir: Path) -> None:
+    (shm_dir / "a" / "regions").mkdir(parents=True, mode=0o700)
+    path = shm_dir / "a" / "regions" / "kv"
+    make_region(path)
+    shared = SharedMemory(path, create=False)  # checked now; the walk is done again at each use
+    (shm_dir / "planted" / "regions").mkdir(parents=True, mode=0o700)
+    make_region(shm_dir / "planted" / "regions" / "kv", 2 * MiB)  # what another user wants read
+    (shm_dir / "a").rename(shm_dir / "a-real")
+    (shm_dir / "a").symlink_to(shm_dir / "planted")
+    os.lchown(shm_dir / "a", 65534, 65534)
+    for use in (
+        shared.region, lambda: shared.generation, lambda: shared.set_generation(9),
+        lambda: shared.resident_bytes(MiB), lambda: shared.open_mapping(2 * MiB, record(2 * MiB)),
+    ):  # fmt: skip
+        with pytest.raises(pinpool.ConfigError, match=r"'.*/a' is a symbolic link owned by uid 65534"):
+            use()
 
 
 # -- finding 9: a region's identity ----------------------------------------------------------------------
@@ -363,6 +394,23 @@ while True:
     m = SharedMemory(path).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes // 4096))
     del m  # unmapped and removed at once (nothing else refers to it): the loop is mostly creating
 """
+
+
+def test_what_a_dead_creator_left_is_removed_by_the_next_creation_and_a_live_one_is_not(shm_dir: Path) -> None:
+    dead = shm_dir / ".kv.pinpool-new-0123456789abcdef"
+    dead.write_bytes(b"\0" * 2 * PAGE)
+    dead.chmod(0o600)
+    live = shm_dir / ".kv.pinpool-new-fedcba9876543210"
+    live.write_bytes(b"")
+    live.chmod(0o600)
+    holder = os.open(live, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # a creation in progress in another process
+    try:
+        make_region(shm_dir / "kv")
+        assert sorted(p.name for p in shm_dir.iterdir()) == [live.name, "kv"]
+        assert [r.path for r in find_regions([str(shm_dir)])] == [str(shm_dir / "kv")]
+    finally:
+        os.close(holder)
 
 
 def test_a_creator_killed_at_any_moment_leaves_no_half_made_region(shm_dir: Path) -> None:
