@@ -31,7 +31,6 @@ from ._shared_trailer import (
     _GENERATION_AT,
     FLAG_KEEP,
     MAGIC,
-    TRAILER_BYTES,
     _align,
     _check_generation,
     _describe,
@@ -43,6 +42,7 @@ from ._shared_trailer import (
     _Trailer,
     _trailer_bytes,
     read_field,
+    store,
     write_field,
 )
 from ._units import format_bytes
@@ -302,21 +302,9 @@ def _reserve(fd: int, file_bytes: int, where: str, *, page_size: int, directory:
 
 
 def _write_new_trailer(fd: int, file_bytes: int, trailer: bytes, where: str, *, page_size: int) -> None:
-    """Write a new file's trailer, the magic last: ``pwrite`` (tmpfs), or through a mapping of its
-    last page (hugetlbfs files cannot be written)."""
-    if page_size == _libc.PAGE_SIZE:
-        os.pwrite(fd, trailer[len(MAGIC) :], file_bytes - TRAILER_BYTES + len(MAGIC))
-        os.pwrite(fd, trailer[: len(MAGIC)], file_bytes - TRAILER_BYTES)
-        return
-    address, err = _libc.mmap_shared(page_size, fd, file_bytes - page_size)
-    if err:
-        raise ConfigError(f"shared memory {where}: mapping its trailer failed: {_libc.errno_name(err)}")
-    try:
-        at = address + page_size - TRAILER_BYTES
-        ctypes.memmove(at + len(MAGIC), trailer[len(MAGIC) :], TRAILER_BYTES - len(MAGIC))
-        ctypes.memmove(at, trailer, len(MAGIC))
-    finally:
-        _libc.munmap(address, page_size)
+    """Write a new file's trailer, the magic last (a file without it is no region)."""
+    store(fd, file_bytes, len(MAGIC), trailer[len(MAGIC) :], where, page_size=page_size)
+    store(fd, file_bytes, 0, trailer[: len(MAGIC)], where, page_size=page_size)
 
 
 def create_mapping(

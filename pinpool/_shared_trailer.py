@@ -328,6 +328,12 @@ def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, p
     written, so there through a mapping of the trailer's page, right after the check (a truncation
     in the microseconds between the two is the one SIGBUS left, see docs/shared-memory.md)."""
     _checked_size(fd, file_bytes, where)
+    store(fd, file_bytes, at, data, where, page_size=page_size)
+
+
+def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
+    """Write ``data`` at ``at`` of the trailer of a file of ``file_bytes``: ``pwrite``, or on
+    hugetlbfs (whose files cannot be written) through a mapping of the trailer's page."""
     offset = file_bytes - TRAILER_BYTES + at
     if page_size == _PAGE:
         os.pwrite(fd, data, offset)
@@ -336,7 +342,6 @@ def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, p
     if err:
         raise ConfigError(f"shared memory {where}: mapping its trailer failed: {_libc.errno_name(err)}")
     try:
-        _checked_size(fd, file_bytes, where)
         ctypes.memmove(address + page_size - TRAILER_BYTES + at, data, len(data))
     finally:
         _libc.munmap(address, page_size)
