@@ -10,9 +10,11 @@ The rest lives in :mod:`pinpool._shared_trailer` (the file's layout and its trai
 :mod:`pinpool._shared_regions` (reading regions without mapping them, for ``pinpool doctor``);
 their public names are re-exported here (``__all__``).
 
-**Creating** (``create=True``): ``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC`` (mode 0600 by
-default; an existing name is a :class:`ConfigError`), ``flock(LOCK_EX)`` at once, ``ftruncate``
-to the full size, map, write the trailer (magic last), ``flock(LOCK_UN)``. **Attaching**
+**Creating** (``create=True``): a temporary name beside the region, ``O_CREAT | O_EXCL |
+O_NOFOLLOW | O_CLOEXEC`` (mode 0600 by default), ``flock(LOCK_EX)`` at once, ``ftruncate`` to
+the full size, ``posix_fallocate`` (a size-limited tmpfs), the trailer (magic last), then
+``renameat2(RENAME_NOREPLACE)`` to the region's name (an existing name is a
+:class:`ConfigError`), ``flock(LOCK_UN)``, map. A memfd or an ``fd=`` is made in place. **Attaching**
 (``create=False``): open with ``O_NOFOLLOW``; the file must be a regular file of ours with one
 link, not writable by others; ``flock(LOCK_SH)`` waits (up to :data:`ATTACH_WAIT_SECONDS`) for a
 creation in progress; then the trailer is checked and compared with what the pool asks for.

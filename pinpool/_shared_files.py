@@ -1,11 +1,13 @@
 """Where a shared memory region lives, and the trust placed in it: the page size of its file
-system (tmpfs or hugetlbfs, nothing else), a new memfd, the region's directory (ours or root's,
-not a symbolic link, not writable by others unless sticky), and its file: created exclusively
-(``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC``, mode 0600 by default; an existing name is a
-:class:`ConfigError`) or opened to attach (``O_NOFOLLOW``; a regular file of ours with one link,
-not writable by others, checked with ``lstat`` before the open and ``fstat`` after it). Files
-are trusted as node pacing's lock files are (:mod:`pinpool._node_dir`). Every refusal is a
-:class:`ConfigError` naming the path, the problem and the fix.
+system (tmpfs or hugetlbfs, nothing else), a new memfd, the region's directory (reached from
+``/`` without following anything another user controls, see :func:`_walk`; ours or root's, not a
+symbolic link, not writable by others unless sticky), and its file: made under a temporary name
+(``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC``, mode 0600 by default) and linked into place once
+complete (:func:`publish`; an existing name is a :class:`ConfigError`), or opened to attach
+(``O_NOFOLLOW``; a regular file of ours with one link, not writable by others, checked with
+``lstat`` before the open and ``fstat`` after it). Files are trusted as node pacing's lock
+files are (:mod:`pinpool._node_dir`). Every refusal is a :class:`ConfigError` naming the path,
+the problem and the fix.
 
 Every function takes the region's absolute ``path``; a file is opened by its name relative to
 the directory's descriptor, never by a path that could be swapped.

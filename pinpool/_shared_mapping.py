@@ -1,13 +1,16 @@
 """A shared memory region mapped in this process: :class:`SharedMapping` (its lifetime: unmapped
 and its descriptor closed when nothing refers to it, never at interpreter exit; the creator's
 file removed by ``_Unlinker``), and the two ways a descriptor becomes one: :func:`create_mapping`
-(size an empty file, map it, write its trailer, under ``LOCK_EX``) and :func:`attach_mapping`
-(read the trailer under ``LOCK_SH``, compare it with what the pool asks for, map it).
+(size an empty file, reserve its pages, write its trailer, under ``LOCK_EX``, then map it) and
+:func:`attach_mapping` (read the trailer under ``LOCK_SH``, compare it with what the pool asks
+for, map it).
 
 **Creating** (``create=True``) holds ``flock(LOCK_EX)`` from the exclusive open (by the caller)
-until the trailer is written (magic last). **Attaching** (``create=False``) takes ``flock(LOCK_SH)``,
-waiting up to :data:`ATTACH_WAIT_SECONDS` for a creation in progress, then checks the trailer.
-On tmpfs both refuse a region the file system has no room for (a fault past its size is SIGBUS).
+until the trailer is written (magic last) and, for a path, the file is linked into place.
+**Attaching** (``create=False``) takes ``flock(LOCK_SH)``, waiting up to
+:data:`ATTACH_WAIT_SECONDS` for a creation in progress, then checks the trailer. On tmpfs both
+refuse a region the file system has no room for (a fault past its size is SIGBUS); creating also
+reserves the region's pages there.
 """
 
 from __future__ import annotations
