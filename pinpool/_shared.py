@@ -454,18 +454,19 @@ class SharedMemory:
                 # Made whole under a temporary name, then linked into place: an attacher never sees a
                 # half-made region, and a creator killed midway leaves only a temporary file.
                 fd, temp = create_temp_file(dir_fd, self._path, self._mode)
-                st = os.fstat(fd)
-                identity = (st.st_dev, st.st_ino)
                 path = self._path
                 try:
+                    st = os.fstat(fd)
+                    identity = (st.st_dev, st.st_ino)
                     mapping = self._initialise(
                         fd, nbytes, record_json, where, self._unlinker_for(dir_fd, identity),
                         publish=lambda: publish(dir_fd, path, temp),
                     )  # fmt: skip
-                except BaseException:
+                except BaseException:  # an interrupt too: no temporary file, no half-made region left
+                    st = os.fstat(fd)
                     os.close(fd)
-                    remove_file(dir_fd, temp, identity)
-                    remove_file(dir_fd, self._name, identity)
+                    remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
+                    remove_file(dir_fd, self._name, (st.st_dev, st.st_ino))
                     raise
                 self._made = identity
                 return mapping

@@ -7,6 +7,7 @@ exit status (-7) to assert on, not the end of the test run.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import json
@@ -394,6 +395,46 @@ while True:
     m = SharedMemory(path).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes // 4096))
     del m  # unmapped and removed at once (nothing else refers to it): the loop is mostly creating
 """
+
+
+def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_renameat2_links(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pinpool import _shared
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_shared, "publish", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            SharedMemory(shm_dir / "kv").open_mapping(MiB, record(MiB))
+    assert list(shm_dir.iterdir()) == []
+    monkeypatch.setattr(_libc, "rename_noreplace", lambda *args: errno.ENOSYS)  # linkat, then unlink
+    make_region(shm_dir / "kv")
+    assert [p.name for p in shm_dir.iterdir()] == ["kv"] and read_region(str(shm_dir / "kv")) is not None
+    with pytest.raises(pinpool.ConfigError, match=r"holds a pinpool region already"):
+        SharedMemory(shm_dir / "kv").open_mapping(MiB, record(MiB))
+    assert [p.name for p in shm_dir.iterdir()] == ["kv"]
+
+
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_a_name_taken_while_a_region_was_being_made_is_never_replaced(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool
+) -> None:
+    from pinpool._shared_files import publish
+
+    if not renameat2:
+        monkeypatch.setattr(_libc, "rename_noreplace", lambda *args: errno.ENOSYS)
+    (shm_dir / ".kv.pinpool-new-1").write_bytes(b"mine")
+    (shm_dir / "kv").write_bytes(b"theirs")  # another process created the name meanwhile
+    dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(pinpool.ConfigError, match=r"kv' exists already; attach to it with create=False"):
+            publish(dir_fd, str(shm_dir / "kv"), ".kv.pinpool-new-1")
+    finally:
+        os.close(dir_fd)
+    assert (shm_dir / "kv").read_bytes() == b"theirs"
 
 
 def test_what_a_dead_creator_left_is_removed_by_the_next_creation_and_a_live_one_is_not(shm_dir: Path) -> None:
