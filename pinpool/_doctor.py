@@ -34,7 +34,7 @@ from ._preflight import (
     numa_check,
     thp_check,
 )
-from ._shared import RegionInfo, find_regions
+from ._shared import HalfMade, RegionInfo, find_half_made, find_regions
 from ._units import format_bytes
 
 __all__ = [
@@ -102,6 +102,8 @@ class DoctorFacts:
     env: Mapping[str, str]
     # pinpool's shared memory regions in /dev/shm and hugetlbfs mounts (pinpool.SharedMemory)
     regions: tuple[RegionInfo, ...] = ()
+    # regions' temporary files: being made now, or left by a creator that died
+    half_made: tuple[HalfMade, ...] = ()
 
 
 # -- the checks: pure functions of facts ---------------------------------------------------------
@@ -297,6 +299,20 @@ def check_region(region: RegionInfo) -> Check:
     return Check("region", OK, detail, f"when no longer needed: {remove}")
 
 
+def check_half_made(half: HalfMade) -> Check:
+    """A region's temporary file: fine while its creator is at work; left by a creator that died
+    (killed while creating), it holds its memory until removed: warn."""
+    path = half.path if half.path.isprintable() else ascii(half.path)
+    if half.in_progress:
+        return Check("region", OK, f"{path}: a region being created now", "")
+    return Check(
+        "region", WARN,
+        f"{path}: a region left half-made by a creator that died while creating it, "
+        f"{format_bytes(half.held_bytes)} held in memory",
+        f"remove it: rm {path} (the next creation of that region removes it too)",
+    )  # fmt: skip
+
+
 def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
     """Every check, in the order they are printed. The pre-flight's checks are asked about a pool
     of ``size`` bytes of new memory, each buffer rounded out to pages as a pool's are."""
@@ -319,6 +335,7 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
         check_cuda(facts.cuda),
         *check_env(facts.env),
         *(check_region(region) for region in facts.regions),
+        *(check_half_made(half) for half in facts.half_made),
     ]
 
 
@@ -425,4 +442,5 @@ def read_facts(*, cuda: bool = True) -> DoctorFacts:
         cuda=read_cuda_facts() if cuda else CudaFacts(skip_reason="not probed (--no-cuda)"),
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
         regions=tuple(find_regions()),
+        half_made=tuple(find_half_made()),
     )

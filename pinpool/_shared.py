@@ -57,7 +57,7 @@ from ._shared_files import (
     remove_file,
 )
 from ._shared_mapping import ATTACH_WAIT_SECONDS, SharedMapping, _Unlinker, attach_mapping, create_mapping
-from ._shared_regions import RegionInfo, _region_info, find_regions, read_region
+from ._shared_regions import HalfMade, RegionInfo, _region_info, find_half_made, find_regions, read_region
 from ._shared_trailer import (
     _GENERATION_AT,
     FORMAT_VERSION,
@@ -78,9 +78,11 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "TRAILER_BYTES",
+    "HalfMade",
     "RegionInfo",
     "SharedMapping",
     "SharedMemory",
+    "find_half_made",
     "find_regions",
     "layout_record",
     "read_region",

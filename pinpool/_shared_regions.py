@@ -6,18 +6,27 @@ doctor``). Nothing here raises for a bad file, follows a symbolic link or blocks
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._node_dir import _FILE_FLAGS
 from ._shared_trailer import FLAG_KEEP, TRAILER_BYTES, _NotRegion, _process_start, _read_trailer, _Trailer
 
-__all__ = ["RegionInfo", "find_regions", "is_temp_name", "read_region", "region_directories"]
+__all__ = [
+    "HalfMade",
+    "RegionInfo",
+    "find_half_made",
+    "find_regions",
+    "is_temp_name",
+    "read_region",
+    "region_directories",
+]
 
 _SCAN_LIMIT = 1_000_000  # directory entries find_regions looks at, at most (an lstat each, at worst)
 _TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see _shared_files)
@@ -114,15 +123,20 @@ def region_directories(mounts: str = "/proc/mounts") -> list[str]:
     return found
 
 
-def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
-    """Every pinpool region in ``directories`` (default :func:`region_directories`) and in their
-    immediate subdirectories, by path; files that are not regions, or cannot be read, are skipped.
+@dataclass(frozen=True)
+class HalfMade:
+    """A region's temporary file (``.NAME.pinpool-new-*``): ``in_progress`` while its creator
+    holds its lock, else left by a creator that died, holding ``held_bytes`` of memory until
+    removed (the next creation of that name removes it)."""
 
-    Bounded per file, not by how many entries come first: a file too small to hold a trailer is
-    skipped on its ``lstat`` alone (10,000 empty files planted to sort first hide nothing), a
-    larger one costs one 4 KiB ``pread`` and a bounded parse; at most :data:`_SCAN_LIMIT`
-    entries are looked at in all. Regions being made (their temporary names) are not listed."""
-    regions: list[RegionInfo] = []
+    path: str
+    held_bytes: int
+    in_progress: bool
+
+
+def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
+    """Regular files in ``directories`` (default :func:`region_directories`) and their immediate
+    subdirectories, never through a link; at most :data:`_SCAN_LIMIT` entries looked at in all."""
     budget = _SCAN_LIMIT
     pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
     while pending and budget > 0:
@@ -140,14 +154,54 @@ def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
                     if entry.is_dir(follow_symlinks=False):
                         if depth > 0:
                             pending.append((entry.path, depth - 1))
-                    elif (
-                        entry.is_file(follow_symlinks=False)
-                        and not is_temp_name(entry.name)
-                        and entry.stat(follow_symlinks=False).st_size >= 2 * TRAILER_BYTES
-                    ):
-                        info = read_region(entry.path)
-                        if info is not None:
-                            regions.append(info)
+                    elif entry.is_file(follow_symlinks=False):
+                        yield entry
                 except OSError:
                     continue
+
+
+def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
+    """Every pinpool region in ``directories`` (default :func:`region_directories`) and in their
+    immediate subdirectories, by path; files that are not regions, or cannot be read, are skipped.
+
+    Bounded per file, not by how many entries come first: a file too small to hold a trailer is
+    skipped on its ``lstat`` alone (10,000 empty files planted to sort first hide nothing), a
+    larger one costs one 4 KiB ``pread`` and a bounded parse; at most :data:`_SCAN_LIMIT`
+    entries are looked at in all. Regions being made (their temporary names) are
+    :func:`find_half_made`'s."""
+    regions: list[RegionInfo] = []
+    for entry in _files(directories):
+        try:
+            if is_temp_name(entry.name) or entry.stat(follow_symlinks=False).st_size < 2 * TRAILER_BYTES:
+                continue
+        except OSError:
+            continue
+        info = read_region(entry.path)
+        if info is not None:
+            regions.append(info)
     return sorted(regions, key=lambda r: r.path)
+
+
+def find_half_made(directories: Iterable[str] | None = None) -> list[HalfMade]:
+    """Every region's temporary file in ``directories``, as :func:`find_regions` looks: being
+    made now (its creator holds ``LOCK_EX``), or left by a creator that died."""
+    found: list[HalfMade] = []
+    for entry in _files(directories):
+        if not is_temp_name(entry.name):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | _FILE_FLAGS)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                busy = False
+            except BlockingIOError:
+                busy = True
+            found.append(HalfMade(entry.path, os.fstat(fd).st_blocks * 512, busy))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return sorted(found, key=lambda h: h.path)

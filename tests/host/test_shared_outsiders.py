@@ -31,7 +31,7 @@ import pytest
 import pinpool
 from pinpool import _doctor, _libc, layouts
 from pinpool._shared import SharedMemory
-from pinpool._shared_regions import find_regions, read_region
+from pinpool._shared_regions import find_half_made, find_regions, read_region
 from pinpool._shared_trailer import MAGIC, TRAILER_BYTES, layout_record
 
 from ..conftest import needs_mlock
@@ -447,9 +447,17 @@ def test_what_a_dead_creator_left_is_removed_by_the_next_creation_and_a_live_one
     holder = os.open(live, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_EX)  # a creation in progress in another process
     try:
+        checks = [_doctor.check_half_made(h) for h in find_half_made([str(shm_dir)])]
+        assert [(c.status, c.detail) for c in checks] == [
+            (_doctor.WARN, f"{dead}: a region left half-made by a creator that died while creating it, 8 KiB held "
+             "in memory"),
+            (_doctor.OK, f"{live}: a region being created now"),
+        ]  # fmt: skip
+        assert checks[0].fix == f"remove it: rm {dead} (the next creation of that region removes it too)"
         make_region(shm_dir / "kv")
         assert sorted(p.name for p in shm_dir.iterdir()) == [live.name, "kv"]
         assert [r.path for r in find_regions([str(shm_dir)])] == [str(shm_dir / "kv")]
+        assert [h.path for h in find_half_made([str(shm_dir)])] == [str(live)]
     finally:
         os.close(holder)
 
