@@ -34,7 +34,7 @@ from ._preflight import (
     numa_check,
     thp_check,
 )
-from ._shared import RegionInfo, find_regions
+from ._shared import HalfMade, RegionInfo, find_half_made, find_regions
 from ._units import format_bytes
 
 __all__ = [
@@ -102,6 +102,8 @@ class DoctorFacts:
     env: Mapping[str, str]
     # pinpool's shared memory regions in /dev/shm and hugetlbfs mounts (pinpool.SharedMemory)
     regions: tuple[RegionInfo, ...] = ()
+    # regions' temporary files: being made now, or left by a creator that died
+    half_made: tuple[HalfMade, ...] = ()
 
 
 # -- the checks: pure functions of facts ---------------------------------------------------------
@@ -274,7 +276,8 @@ def check_region(region: RegionInfo) -> Check:
     """One pinpool shared memory region: what it holds and who made it. Listing it is the point: a
     region kept for a warm restart, or left behind by a process that died, holds its memory until
     an operator removes it. Left behind (its creator is gone and did not mean to keep it): warn."""
-    record = region.record
+    record = region.record  # its text is printable ASCII (the trailer's parser refuses anything else)
+    path = region.path if region.path.isprintable() else ascii(region.path)  # a file name reaches a terminal
     layout = f", layout {record['layout']}" if "layout" in record else ""
     pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
     if region.created_pid is None:
@@ -283,16 +286,31 @@ def check_region(region: RegionInfo) -> Check:
         state = {True: "running", False: "gone", None: f"on host {region.created_host!r}"}[region.creator_alive]
         creator = f"by pid {region.created_pid} ({state})"
     detail = (
-        f"{region.path}: {format_bytes(region.nbytes)} region{layout}{pages}, {format_bytes(region.held_bytes)} held "
+        f"{path}: {format_bytes(region.nbytes)} region{layout}{pages}, {format_bytes(region.held_bytes)} held "
         f"in memory ({format_bytes(region.page_size)} pages), owner uid {region.owner_uid}, created {creator} "
-        f"{_age(region.age_seconds)}, generation {region.generation}, {'kept' if region.keep else 'not kept'}"
+        f"{_age(region.age_seconds)}, region id {region.region_id}, generation {region.generation}, "
+        f"{'kept' if region.keep else 'not kept'}"
     )
-    remove = f"rm {region.path} once no process maps it (its memory returns when the last process mapping it exits)"
+    remove = f"rm {path} once no process maps it (its memory returns when the last process mapping it exits)"
     if region.creator_alive is False and not region.keep:
         return Check(
             "region", WARN, f"{detail}: left behind by a process that ended without removing it", f"remove it: {remove}"
         )  # fmt: skip
     return Check("region", OK, detail, f"when no longer needed: {remove}")
+
+
+def check_half_made(half: HalfMade) -> Check:
+    """A region's temporary file: fine while its creator is at work; left by a creator that died
+    (killed while creating), it holds its memory until removed: warn."""
+    path = half.path if half.path.isprintable() else ascii(half.path)
+    if half.in_progress:
+        return Check("region", OK, f"{path}: a region being created now", "")
+    return Check(
+        "region", WARN,
+        f"{path}: a region left half-made by a creator that died while creating it, "
+        f"{format_bytes(half.held_bytes)} held in memory",
+        f"remove it: rm {path} (the next creation of that region removes it too)",
+    )  # fmt: skip
 
 
 def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
@@ -317,6 +335,7 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
         check_cuda(facts.cuda),
         *check_env(facts.env),
         *(check_region(region) for region in facts.regions),
+        *(check_half_made(half) for half in facts.half_made),
     ]
 
 
@@ -423,4 +442,5 @@ def read_facts(*, cuda: bool = True) -> DoctorFacts:
         cuda=read_cuda_facts() if cuda else CudaFacts(skip_reason="not probed (--no-cuda)"),
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
         regions=tuple(find_regions()),
+        half_made=tuple(find_half_made()),
     )

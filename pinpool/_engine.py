@@ -132,7 +132,8 @@ class PinSession(Unpinning):
         populate: Callable[[int, int], None] = (
             cast(Populates, runtime).populate
             if caps.populates
-            else functools.partial(populate_range, advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE))
+            else getattr(memory, "populate", None)  # a shared region's: names a truncation by another process
+            or functools.partial(populate_range, advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE))
         )
         register = cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
         self._populate = _Op("populate", populate)

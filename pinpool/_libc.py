@@ -147,6 +147,23 @@ def fstatfs(fd: int) -> tuple[int, int]:
     return _statfs_result(_fstatfs(fd, buffer), buffer)
 
 
+RENAME_NOREPLACE = 1
+_renameat2 = getattr(_libc, "renameat2", None)  # glibc 2.28+
+if _renameat2 is not None:
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    _renameat2.restype = ctypes.c_int
+
+
+def rename_noreplace(dir_fd: int, old: str, new: str) -> int:
+    """``renameat2(RENAME_NOREPLACE)`` of ``old`` to ``new``, both in the directory ``dir_fd``:
+    0, or the errno (EEXIST when ``new`` exists; ENOSYS without the call, EINVAL where the file
+    system lacks the flag)."""
+    if _renameat2 is None:
+        return errno.ENOSYS
+    ctypes.set_errno(0)
+    return _check(_renameat2(dir_fd, os.fsencode(old), dir_fd, os.fsencode(new), RENAME_NOREPLACE))
+
+
 def mlock_on_fault(address: int, length: int) -> int:
     """mlock2(MLOCK_ONFAULT): lock resident pages now and every other page as it is faulted in."""
     number = _syscall_number("mlock2")

@@ -132,6 +132,10 @@ class PoolMemory:
         if isinstance(memory, TensorMemory):  # the caller's tensor as given: a strided view stays one
             return MappingProxyType({TENSOR_BUFFER: memory.as_given()})
         assert isinstance(memory, HostMapping | SharedMapping)
+        if isinstance(memory, SharedMapping):
+            # Pages another process truncated away are SIGBUS to touch, and mlock skips them
+            # silently: refuse them before the pool calls them pinned (after a foreground pin).
+            memory.check_size()
         return MappingProxyType(
             {
                 b.spec.name: memory.view(b.offset, b.spec.nbytes).view(b.spec.dtype).view(b.spec.shape)

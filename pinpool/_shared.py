@@ -10,9 +10,11 @@ The rest lives in :mod:`pinpool._shared_trailer` (the file's layout and its trai
 :mod:`pinpool._shared_regions` (reading regions without mapping them, for ``pinpool doctor``);
 their public names are re-exported here (``__all__``).
 
-**Creating** (``create=True``): ``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC`` (mode 0600 by
-default; an existing name is a :class:`ConfigError`), ``flock(LOCK_EX)`` at once, ``ftruncate``
-to the full size, map, write the trailer (magic last), ``flock(LOCK_UN)``. **Attaching**
+**Creating** (``create=True``): a temporary name beside the region, ``O_CREAT | O_EXCL |
+O_NOFOLLOW | O_CLOEXEC`` (mode 0600 by default), ``flock(LOCK_EX)`` at once, ``ftruncate`` to
+the full size, ``posix_fallocate`` (a size-limited tmpfs), the trailer (magic last), then
+``renameat2(RENAME_NOREPLACE)`` to the region's name (an existing name is a
+:class:`ConfigError`), ``flock(LOCK_UN)``, map. A memfd or an ``fd=`` is made in place. **Attaching**
 (``create=False``): open with ``O_NOFOLLOW``; the file must be a regular file of ours with one
 link, not writable by others; ``flock(LOCK_SH)`` waits (up to :data:`ATTACH_WAIT_SECONDS`) for a
 creation in progress; then the trailer is checked and compared with what the pool asks for.
@@ -31,7 +33,6 @@ refers to it.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import stat
@@ -46,16 +47,17 @@ from ._shared_files import (
     _HUGE_PAGE_SIZES,
     _region_file_problem,
     check_directory,
-    create_region_file,
+    create_temp_file,
     names_file,
     new_memfd,
     open_region_directory,
     open_region_file,
     page_size_of,
+    publish,
     remove_file,
 )
 from ._shared_mapping import ATTACH_WAIT_SECONDS, SharedMapping, _Unlinker, attach_mapping, create_mapping
-from ._shared_regions import RegionInfo, _region_info, find_regions, read_region
+from ._shared_regions import HalfMade, RegionInfo, _region_info, find_half_made, find_regions, read_region
 from ._shared_trailer import (
     _GENERATION_AT,
     FORMAT_VERSION,
@@ -67,6 +69,7 @@ from ._shared_trailer import (
     _NotRegion,
     _read_trailer,
     layout_record,
+    write_field,
 )
 from ._units import format_bytes, parse_size
 
@@ -75,9 +78,11 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "TRAILER_BYTES",
+    "HalfMade",
     "RegionInfo",
     "SharedMapping",
     "SharedMemory",
+    "find_half_made",
     "find_regions",
     "layout_record",
     "read_region",
@@ -277,7 +282,8 @@ class SharedMemory:
 
     def _open_region_file(self, *, write: bool = False) -> tuple[int, bool] | None:
         """A descriptor of the region's file as it is now, and whether the caller must close it;
-        None when there is none yet (or the name is no file pinpool would use)."""
+        None when there is none yet (or the name is no file pinpool would use). The path is
+        walked as creating and attaching walk it (:class:`ConfigError` where it cannot be trusted)."""
         mapping = self.mapping
         if mapping is not None:
             return mapping.fd, False
@@ -285,12 +291,15 @@ class SharedMemory:
             return self._given_fd, False
         if self._path is None:
             return None
+        dir_fd = open_region_directory(self._path)
         try:
-            if _region_file_problem(os.lstat(self._path)) is not None:
+            if _region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
                 return None
-            fd = os.open(self._path, (os.O_RDWR if write else os.O_RDONLY) | _FILE_FLAGS)
+            fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | _FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
             return None
+        finally:
+            os.close(dir_fd)
         if _region_file_problem(os.fstat(fd)) is not None:
             os.close(fd)
             return None
@@ -345,19 +354,33 @@ class SharedMemory:
     @property
     def generation(self) -> int:
         """The region's generation number: 0 when created, then whatever the server stores with
-        :meth:`set_generation`. Read from the live mapping, else from the file.
-        :class:`ConfigError` when there is no region to read."""
+        :meth:`set_generation`. Read from the file (the live mapping's descriptor, else the path).
+        :class:`ConfigError` when there is no region to read, or it was truncated."""
         mapping = self.mapping
         if mapping is not None:
             return mapping.generation
+        return self._info("has no generation").generation
+
+    @property
+    def region_id(self) -> str:
+        """The region's identity: 32 hex digits, new each time a region is created (a region
+        removed and created again at the same path has another). Key a saved index on
+        ``(region_id, generation)``: the generation counts within one region's life, the id tells
+        the lives apart. :class:`ConfigError` when there is no region to read."""
+        mapping = self.mapping
+        if mapping is not None:
+            return mapping.region_id
+        return self._info("has no identity").region_id
+
+    def _info(self, lacking: str) -> RegionInfo:
         info = self.region()
         if info is None:
-            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it has no generation")
-        return info.generation
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it {lacking}")
+        return info
 
     def set_generation(self, value: int) -> None:
-        """Store ``value`` as the region's generation, in the live mapping, else in the file (its
-        trailer's page mapped for the moment). Every process attached sees it at once."""
+        """Store ``value`` as the region's generation, in the file's trailer (through the live
+        mapping's descriptor, else the path's). Every process attached sees it at once."""
         value = _check_generation(value)
         mapping = self.mapping
         if mapping is not None:
@@ -370,14 +393,8 @@ class SharedMemory:
         try:
             size = os.fstat(fd).st_size
             _read_trailer(fd, size)  # refuse a file that holds no region
-            page = self._page_size
-            address, err = _libc.mmap_shared(page, fd, size - page)
-            if err:
-                raise ConfigError(f"shared memory {self._where()}: mapping its trailer failed: {_libc.errno_name(err)}")
-            try:
-                ctypes.c_uint64.from_address(address + page - TRAILER_BYTES + _GENERATION_AT).value = value
-            finally:
-                _libc.munmap(address, page)
+            data = value.to_bytes(8, "little")
+            write_field(fd, size, _GENERATION_AT, data, self._where(), page_size=self._page_size)
         except _NotRegion as exc:
             raise ConfigError(f"shared memory {self._where()} {exc.problem}") from None
         finally:
@@ -436,14 +453,22 @@ class SharedMemory:
         dir_fd = open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
         try:
             if self._create and not names_file(dir_fd, self._path, self._made):
-                fd = create_region_file(dir_fd, self._path, self._mode)
-                st = os.fstat(fd)
-                identity = (st.st_dev, st.st_ino)
+                # Made whole under a temporary name, then linked into place: an attacher never sees a
+                # half-made region, and a creator killed midway leaves only a temporary file.
+                fd, temp = create_temp_file(dir_fd, self._path, self._mode)
+                path = self._path
                 try:
-                    mapping = self._initialise(fd, nbytes, record_json, where, self._unlinker_for(dir_fd, identity))
-                except BaseException:
+                    st = os.fstat(fd)
+                    identity = (st.st_dev, st.st_ino)
+                    mapping = self._initialise(
+                        fd, nbytes, record_json, where, self._unlinker_for(dir_fd, identity),
+                        publish=lambda: publish(dir_fd, path, temp),
+                    )  # fmt: skip
+                except BaseException:  # an interrupt too: no temporary file, no half-made region left
+                    st = os.fstat(fd)
                     os.close(fd)
-                    remove_file(dir_fd, self._name, identity)
+                    remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
+                    remove_file(dir_fd, self._name, (st.st_dev, st.st_ino))
                     raise
                 self._made = identity
                 return mapping
@@ -464,12 +489,13 @@ class SharedMemory:
         return lambda: _Unlinker(os.dup(dir_fd), self._name, identity, keep=self._keep)
 
     def _initialise(
-        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], _Unlinker] | None
-    ) -> SharedMapping:
-        """Size the new (empty) file ``fd``, map it and write its trailer (see :func:`create_mapping`)."""
+        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], _Unlinker] | None,
+        publish: Callable[[], None] | None = None,
+    ) -> SharedMapping:  # fmt: skip
+        """Size the new (empty) file ``fd``, write its trailer and map it (see :func:`create_mapping`)."""
         return create_mapping(
             fd, nbytes, record_json, where, page_size=self._page_size, keep=self._keep, seal=bool(self._memfd_flags),
-            path=self._path, directory=self._directory, unlinker=unlinker,
+            path=self._path, directory=self._directory, unlinker=unlinker, publish=publish,
         )  # fmt: skip
 
     def _attach(

@@ -1,11 +1,13 @@
 """Where a shared memory region lives, and the trust placed in it: the page size of its file
-system (tmpfs or hugetlbfs, nothing else), a new memfd, the region's directory (ours or root's,
-not a symbolic link, not writable by others unless sticky), and its file: created exclusively
-(``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC``, mode 0600 by default; an existing name is a
-:class:`ConfigError`) or opened to attach (``O_NOFOLLOW``; a regular file of ours with one link,
-not writable by others, checked with ``lstat`` before the open and ``fstat`` after it). Files
-are trusted as node pacing's lock files are (:mod:`pinpool._node_dir`). Every refusal is a
-:class:`ConfigError` naming the path, the problem and the fix.
+system (tmpfs or hugetlbfs, nothing else), a new memfd, the region's directory (reached from
+``/`` without following anything another user controls, see :func:`_walk`; ours or root's, not a
+symbolic link, not writable by others unless sticky), and its file: made under a temporary name
+(``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC``, mode 0600 by default) and linked into place once
+complete (:func:`publish`; an existing name is a :class:`ConfigError`), or opened to attach
+(``O_NOFOLLOW``; a regular file of ours with one link, not writable by others, checked with
+``lstat`` before the open and ``fstat`` after it). Files are trusted as node pacing's lock
+files are (:mod:`pinpool._node_dir`). Every refusal is a :class:`ConfigError` naming the path,
+the problem and the fix.
 
 Every function takes the region's absolute ``path``; a file is opened by its name relative to
 the directory's descriptor, never by a path that could be swapped.
@@ -14,24 +16,28 @@ the directory's descriptor, never by a path that could be swapped.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import secrets
 import stat
 
 from . import _libc
 from ._errors import ConfigError
 from ._node_dir import _FILE_FLAGS, regular_file_problem
-from ._shared_regions import read_region
+from ._shared_regions import _TEMP_MARK, read_region
 from ._shared_trailer import _describe
 
 __all__ = [
     "check_directory",
-    "create_region_file",
+    "create_temp_file",
     "names_file",
     "new_memfd",
     "open_region_directory",
     "open_region_file",
     "page_size_of",
+    "publish",
     "remove_file",
+    "remove_stale_temps",
 ]
 
 _HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
@@ -103,27 +109,98 @@ def _refuse_directory(path: str, st: os.stat_result) -> None:
         )
 
 
-def check_directory(path: str) -> None:
-    """:class:`ConfigError` unless the directory of the region's file ``path`` can be trusted (``lstat``)."""
+_MAX_LINKS = 40  # symbolic links followed in one walk, as the kernel's own limit
+_WALK_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _refuse_ancestor(path: str, at: str, problem: str) -> ConfigError:
+    return ConfigError(
+        f"shared memory path {path!r}: {at!r} {problem}; another user could redirect the region through it. "
+        "Use a path whose every directory belongs to this user or root (/dev/shm)"
+    )
+
+
+def _walk(path: str) -> int:
+    """The directory of ``path`` opened (``O_RDONLY | O_DIRECTORY``), reached one component at a
+    time from ``/`` with ``openat(O_NOFOLLOW)``: every directory on the way must pass
+    :func:`_dir_problem`, and a symbolic link is followed only where it is owned by root or this
+    user and is not the region's own directory. So nothing another user controls redirects it."""
     directory = os.path.dirname(path)
+    todo = [c for c in directory.split("/") if c][::-1]  # a stack: the next component last
+    stack = [os.open("/", _WALK_FLAGS)]
+    walked: list[str] = []
+    links = 0
     try:
-        st = os.lstat(directory)
-    except OSError as exc:
-        raise ConfigError(
-            f"shared memory directory {directory!r} of {path!r} cannot be used: "
-            f"{exc.strerror or exc}; create it (mode 0700) or choose a path on /dev/shm"
-        ) from None
-    _refuse_directory(path, st)
+        _refuse_ancestor_st(path, "/", os.fstat(stack[0]))
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                    walked.pop()
+                continue
+            at = "/" + "/".join([*walked, name])
+            try:
+                st = os.stat(name, dir_fd=stack[-1], follow_symlinks=False)
+            except OSError as exc:
+                raise ConfigError(
+                    f"shared memory directory {directory!r} of {path!r} cannot be used: {exc.strerror or exc} "
+                    f"({at!r}); create it (mode 0700) or choose a path on /dev/shm"
+                ) from None
+            if stat.S_ISLNK(st.st_mode):
+                if not todo:  # the region's own directory is never a link: its name is what a user checks
+                    _refuse_directory(path, st)
+                if st.st_uid not in (0, os.geteuid()):
+                    raise _refuse_ancestor(path, at, f"is a symbolic link owned by uid {st.st_uid}")
+                links += 1
+                if links > _MAX_LINKS:
+                    raise _refuse_ancestor(path, at, f"leads through more than {_MAX_LINKS} symbolic links")
+                target = os.readlink(name, dir_fd=stack[-1])
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop())
+                    walked.clear()
+                todo.extend([c for c in target.split("/") if c][::-1])
+                continue
+            if todo:
+                _refuse_ancestor_st(path, at, st)
+            else:
+                _refuse_directory(path, st)
+            fd = os.open(name, _WALK_FLAGS, dir_fd=stack[-1])
+            stack.append(fd)
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise _refuse_ancestor(path, at, "was replaced while being opened")
+            walked.append(name)
+        try:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=stack[-1])
+        except OSError as exc:
+            raise ConfigError(
+                f"shared memory directory {directory!r} cannot be opened: {exc.strerror or exc}"
+            ) from None
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def _refuse_ancestor_st(path: str, at: str, st: os.stat_result) -> None:
+    problem = _dir_problem(st)
+    if problem is not None:
+        raise _refuse_ancestor(path, at, problem)
+
+
+def check_directory(path: str) -> None:
+    """:class:`ConfigError` unless the directory of the region's file ``path``, and every
+    directory and link on the way to it, can be trusted (see :func:`_walk`)."""
+    os.close(_walk(path))
 
 
 def open_region_directory(path: str) -> int:
-    """The directory of ``path``, opened ``O_DIRECTORY | O_NOFOLLOW`` and checked again (it may have changed)."""
-    check_directory(path)
-    directory = os.path.dirname(path)
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | _FILE_FLAGS)
-    except OSError as exc:
-        raise ConfigError(f"shared memory directory {directory!r} cannot be opened: {exc.strerror or exc}") from None
+    """The directory of ``path``, reached without following anything another user controls
+    (:func:`_walk`) and checked again once open (it may have changed)."""
+    dir_fd = _walk(path)
     try:
         _refuse_directory(path, os.fstat(dir_fd))
     except BaseException:
@@ -170,36 +247,98 @@ def open_region_file(dir_fd: int, path: str) -> int:
     return fd
 
 
-def create_region_file(dir_fd: int, path: str, mode: int) -> int:
-    """Create the region's file exclusively (never following a link), with ``mode``."""
+def _temp_prefix(name: str) -> str:
+    return f".{name[:200]}{_TEMP_MARK}"  # within NAME_MAX (255) with the random part
+
+
+def _refuse_existing(dir_fd: int, path: str) -> None:
+    """:class:`ConfigError` saying what holds the name of ``path`` already, if anything does."""
     name = os.path.basename(path)
     try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, mode, dir_fd=dir_fd)
-    except FileExistsError:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _file_error(path, f"cannot be checked ({exc.strerror or exc})", "check the directory") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise _file_error(path, "exists already as a symbolic link (pinpool never follows one)")
+    held = read_region(path, dir_fd=dir_fd)
+    what = (
+        f"holds a pinpool region already ({_describe(held.nbytes, held.record)}, generation {held.generation})"
+        if held is not None
+        else "exists already"
+    )
+    raise _file_error(path, what, "attach to it with create=False, or remove it (`rm` it) if no process uses it")
+
+
+def remove_stale_temps(dir_fd: int, name: str) -> int:
+    """Remove what creators of ``name`` that died left half-made (a temporary file nobody holds
+    ``LOCK_EX`` on, of this user); returns how many. A creation in progress holds its lock."""
+    prefix, removed = _temp_prefix(name), 0
+    try:
+        names = [n for n in os.listdir(dir_fd) if n.startswith(prefix)]
+    except OSError:
+        return 0
+    for temp in names:
         try:
-            link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+            fd = os.open(temp, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
-            link = False
-        if link:
-            raise _file_error(path, "exists already as a symbolic link (pinpool never follows one)") from None
-        held = read_region(path)
-        what = (
-            f"holds a pinpool region already ({_describe(held.nbytes, held.record)}, generation {held.generation})"
-            if held is not None
-            else "exists already"
-        )
-        raise _file_error(
-            path, what, "attach to it with create=False, or remove it (`rm` it) if no process uses it"
-        ) from None
+            continue
+        try:
+            st = os.fstat(fd)
+            if _region_file_problem(st) is None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
+                removed += 1
+        except OSError:
+            pass  # locked: its creator is at work
+        finally:
+            os.close(fd)
+    return removed
+
+
+def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
+    """Start a region at ``path``: refuse a name that exists, clean up what dead creators left,
+    and create a temporary file beside it exclusively (never following a link), with ``mode``,
+    locked ``LOCK_EX``; :func:`publish` links it into place once complete. Returns its descriptor
+    and its name."""
+    name = os.path.basename(path)
+    _refuse_existing(dir_fd, path)
+    remove_stale_temps(dir_fd, name)
+    temp = _temp_prefix(name) + secrets.token_hex(8)
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, mode, dir_fd=dir_fd)
     except OSError as exc:
         raise _file_error(path, f"cannot be created ({exc.strerror or exc})", "check the directory") from None
     try:
         if os.fstat(fd).st_mode & 0o022:  # a umask never adds bits, but a default ACL may
             os.fchmod(fd, mode)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BaseException:
         os.close(fd)
+        os.unlink(temp, dir_fd=dir_fd)
         raise
-    return fd
+    return fd, temp
+
+
+def publish(dir_fd: int, path: str, temp: str) -> None:
+    """Give the complete region ``temp`` its name, atomically and never replacing a file that took
+    the name meanwhile (``renameat2(RENAME_NOREPLACE)``; ``linkat`` then ``unlink`` where the
+    file system lacks it). An attacher sees no file, or a whole region."""
+    name = os.path.basename(path)
+    err = _libc.rename_noreplace(dir_fd, temp, name)
+    if err in (errno.ENOSYS, errno.EINVAL):
+        try:
+            os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            err = 0
+        except OSError as exc:
+            err = exc.errno or errno.EIO
+        if not err:
+            os.unlink(temp, dir_fd=dir_fd)
+    if err == errno.EEXIST:
+        _refuse_existing(dir_fd, path)
+    if err:
+        raise _file_error(path, f"cannot be linked into place ({_libc.errno_name(err)})", "check the directory")
 
 
 def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool:

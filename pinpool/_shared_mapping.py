@@ -1,13 +1,16 @@
 """A shared memory region mapped in this process: :class:`SharedMapping` (its lifetime: unmapped
 and its descriptor closed when nothing refers to it, never at interpreter exit; the creator's
 file removed by ``_Unlinker``), and the two ways a descriptor becomes one: :func:`create_mapping`
-(size an empty file, map it, write its trailer, under ``LOCK_EX``) and :func:`attach_mapping`
-(read the trailer under ``LOCK_SH``, compare it with what the pool asks for, map it).
+(size an empty file, reserve its pages, write its trailer, under ``LOCK_EX``, then map it) and
+:func:`attach_mapping` (read the trailer under ``LOCK_SH``, compare it with what the pool asks
+for, map it).
 
 **Creating** (``create=True``) holds ``flock(LOCK_EX)`` from the exclusive open (by the caller)
-until the trailer is written (magic last). **Attaching** (``create=False``) takes ``flock(LOCK_SH)``,
-waiting up to :data:`ATTACH_WAIT_SECONDS` for a creation in progress, then checks the trailer.
-On tmpfs both refuse a region the file system has no room for (a fault past its size is SIGBUS).
+until the trailer is written (magic last) and, for a path, the file is linked into place.
+**Attaching** (``create=False``) takes ``flock(LOCK_SH)``, waiting up to
+:data:`ATTACH_WAIT_SECONDS` for a creation in progress, then checks the trailer. On tmpfs both
+refuse a region the file system has no room for (a fault past its size is SIGBUS); creating also
+reserves the region's pages there.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import json
 import os
 import threading
@@ -24,12 +28,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _libc
-from ._errors import ConfigError, PoolStateError
+from ._errors import ConfigError, PoolStateError, RuntimeCallError
 from ._shared_trailer import (
     _FLAGS_AT,
     _GENERATION_AT,
     FLAG_KEEP,
-    TRAILER_BYTES,
+    MAGIC,
     _align,
     _check_generation,
     _describe,
@@ -39,7 +43,10 @@ from ._shared_trailer import (
     _NotRegion,
     _read_trailer,
     _Trailer,
-    _write_trailer,
+    _trailer_bytes,
+    read_field,
+    store,
+    write_field,
 )
 from ._units import format_bytes
 
@@ -113,7 +120,11 @@ class SharedMapping:
     """A region mapped ``MAP_SHARED`` in this process: the same interface as the pool's own
     :class:`~pinpool._memory.HostMapping` (``address``, ``length``, ``nbytes``, ``huge_pages``,
     ``view()``, ``keep_forever()``, ``unmapped``), plus the region's ``fd``, ``path``,
-    ``page_size``, ``file_bytes``, ``created`` and its ``generation``.
+    ``page_size``, ``file_bytes``, ``created``, its ``region_id`` and its ``generation``.
+
+    The trailer (generation, flags) is read and written with ``pread``/``pwrite`` on ``fd`` after
+    a size check, never through the mapping: another process that truncates the file makes those
+    a :class:`ConfigError`, not SIGBUS (see :func:`~pinpool._shared_trailer.read_field`).
 
     ``address`` is the pool's data (file offset 0): page-aligned, huge-page-aligned on hugetlbfs.
     ``length`` is the data rounded up to ``page_size``; the trailer's page follows it in the same
@@ -124,7 +135,7 @@ class SharedMapping:
 
     def __init__(
         self, *, base: int, file_bytes: int, nbytes: int, page_size: int, fd: int, path: str | None,
-        created: bool, unlinker: _Unlinker | None,
+        created: bool, unlinker: _Unlinker | None, region_id: str,
     ) -> None:  # fmt: skip
         self.address = base
         self.length = _align(nbytes, page_size)
@@ -140,7 +151,8 @@ class SharedMapping:
         self.path = path
         self.created = created
         self.file_bytes = file_bytes
-        self._trailer = base + file_bytes - TRAILER_BYTES
+        self.region_id = region_id
+        self._where = repr(path) if path is not None else f"fd {fd}"
         self._unlinker = unlinker
         self._finalizer = weakref.finalize(self, _release, base, file_bytes, fd, unlinker)
         self._finalizer.atexit = False  # never unmap at exit: the pool's finalizer may not have unpinned yet
@@ -175,26 +187,58 @@ class SharedMapping:
             raise PoolStateError("the shared memory region was unmapped: its generation cannot be read here")
 
     @property
-    def generation(self) -> int:
-        """The region's generation number, read from the mapped trailer (all processes see one value)."""
+    def populate(self) -> Callable[[int, int], None]:
+        """A pool's populate step for this region (holding its figures, not the mapping, which
+        the pool lets go of when it closes): see :func:`_populate`."""
+        return functools.partial(_populate, self.fd, self.file_bytes, self._where, self.populate_advice)
+
+    def check_size(self) -> None:
+        """:class:`ConfigError` when another process truncated or resized the file under this mapping."""
         self._check_mapped()
-        return int(ctypes.c_uint64.from_address(self._trailer + _GENERATION_AT).value)
+        read_field(self.fd, self.file_bytes, 0, 0, self._where)
+
+    @property
+    def generation(self) -> int:
+        """The region's generation number, read from the file's trailer (all processes see one value)."""
+        self._check_mapped()
+        return int.from_bytes(read_field(self.fd, self.file_bytes, _GENERATION_AT, 8, self._where), "little")
 
     def set_generation(self, value: int) -> None:
-        """Store ``value`` as the region's generation (one aligned 8-byte store, seen by every process at once)."""
+        """Store ``value`` as the region's generation (one aligned 8-byte write, seen by every process at once)."""
         value = _check_generation(value)
         self._check_mapped()
-        ctypes.c_uint64.from_address(self._trailer + _GENERATION_AT).value = value
+        self._write(_GENERATION_AT, value.to_bytes(8, "little"))
 
     def _set_keep_flag(self, keep: bool) -> None:
         if not self.unmapped:
-            flags = ctypes.c_uint32.from_address(self._trailer + _FLAGS_AT)
-            flags.value = (flags.value | FLAG_KEEP) if keep else (flags.value & ~FLAG_KEEP)
+            flags = int.from_bytes(read_field(self.fd, self.file_bytes, _FLAGS_AT, 4, self._where), "little")
+            flags = (flags | FLAG_KEEP) if keep else (flags & ~FLAG_KEEP)
+            self._write(_FLAGS_AT, flags.to_bytes(4, "little"))
+
+    def _write(self, at: int, data: bytes) -> None:
+        write_field(self.fd, self.file_bytes, at, data, self._where, page_size=self.page_size)
 
     def __repr__(self) -> str:
         where = self.path or f"fd {self.fd}"
         state = "unmapped" if self.unmapped else f"at {self.address:#x}"
         return f"<SharedMapping {where} {format_bytes(self.nbytes)} {state}>"
+
+
+def _populate(fd: int, file_bytes: int, where: str, advice: int, ptr: int, nbytes: int) -> None:
+    """Pre-fault ``[ptr, +nbytes)`` of a region. A fault the kernel refuses because another
+    process truncated the file is said to be that, naming the region, not host memory."""
+    from ._memory import populate_range  # loads torch: only once a pool pins
+
+    try:
+        populate_range(ptr, nbytes, advice)
+    except RuntimeCallError as exc:
+        try:
+            read_field(fd, file_bytes, 0, 0, where)
+        except (ConfigError, OSError) as truncated:
+            raise RuntimeCallError(
+                op=exc.op, code=exc.code, reason=exc.reason, ptr=ptr, nbytes=nbytes, message=str(truncated)
+            ) from None
+        raise
 
 
 # -- making one from a descriptor -------------------------------------------------------------------
@@ -243,12 +287,38 @@ def _map(fd: int, file_bytes: int, where: str, *, page_size: int) -> int:
     return address
 
 
+def _reserve(fd: int, file_bytes: int, where: str, *, page_size: int, directory: str) -> None:
+    """Allocate the region's pages now (``posix_fallocate``) on a tmpfs with a size limit, so a
+    full one is a :class:`ConfigError` here, before anything is pinned, never SIGBUS at a later
+    fault. hugetlbfs reserves its pages when mapping (ENOMEM then); a memfd's mount has no limit."""
+    if page_size > _libc.PAGE_SIZE or os.fstatvfs(fd).f_blocks == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, file_bytes)
+    except OSError as exc:
+        raise ConfigError(
+            f"shared memory {where}: the file system ({directory or where}) could not reserve the region's "
+            f"{format_bytes(file_bytes)} ({exc.strerror or exc}); nothing was pinned. Remove regions no longer "
+            "used (`pinpool doctor` lists them), make the pool smaller, or enlarge the mount (`mount -o "
+            "remount,size=...`)"
+        ) from None
+
+
+def _write_new_trailer(fd: int, file_bytes: int, trailer: bytes, where: str, *, page_size: int) -> None:
+    """Write a new file's trailer, the magic last (a file without it is no region)."""
+    store(fd, file_bytes, len(MAGIC), trailer[len(MAGIC) :], where, page_size=page_size)
+    store(fd, file_bytes, 0, trailer[: len(MAGIC)], where, page_size=page_size)
+
+
 def create_mapping(
     fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, keep: bool, seal: bool,
     path: str | None, directory: str, unlinker: Callable[[], _Unlinker] | None,
+    publish: Callable[[], None] | None = None,
 ) -> SharedMapping:  # fmt: skip
-    """Size a new (empty) file, map it and write its trailer, under LOCK_EX. ``seal``: a memfd, sealed
-    against shrinking and growing. ``directory``: where the file lives ("" for a descriptor), for messages."""
+    """Size a new (empty) file, reserve its pages, write its trailer, then map it, under LOCK_EX.
+    ``seal``: a memfd, sealed against shrinking, growing and further seals. ``publish``: called
+    once the file is complete, before mapping it (links a file made under a temporary name into
+    place). ``directory``: where the file lives ("" for a descriptor), for messages."""
     body = _encode_body(nbytes, page_size, record_json)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -269,21 +339,21 @@ def create_mapping(
         raise ConfigError(
             f"shared memory {where} cannot be sized to {format_bytes(file_bytes)}: {exc.strerror or exc}{hint}"
         ) from None
+    _reserve(fd, file_bytes, where, page_size=page_size, directory=directory)
+    _write_new_trailer(fd, file_bytes, _trailer_bytes(body, keep=keep), where, page_size=page_size)
+    if seal:
+        try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError:
+            pass  # a kernel without sealing: documented
+    if publish is not None:
+        publish()
+    fcntl.flock(fd, fcntl.LOCK_UN)
     address = _map(fd, file_bytes, where, page_size=page_size)
-    try:
-        _write_trailer(address + file_bytes - TRAILER_BYTES, body, keep=keep)
-        if seal:
-            try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            except OSError:
-                pass
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    except BaseException:
-        _libc.munmap(address, file_bytes)
-        raise
     return SharedMapping(
         base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd,
         path=path, created=True, unlinker=None if unlinker is None else unlinker(),
+        region_id=_read_trailer(fd, file_bytes).region_id,
     )  # fmt: skip
 
 
@@ -353,5 +423,5 @@ def attach_mapping(
     address = _map(fd, file_bytes, where, page_size=page_size)
     return SharedMapping(
         base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd, path=path,
-        created=unlinker is not None, unlinker=None if unlinker is None else unlinker(),
+        created=unlinker is not None, unlinker=None if unlinker is None else unlinker(), region_id=trailer.region_id,
     )  # fmt: skip

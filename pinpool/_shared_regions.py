@@ -6,20 +6,35 @@ doctor``). Nothing here raises for a bad file, follows a symbolic link or blocks
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._node_dir import _FILE_FLAGS
-from ._shared_trailer import FLAG_KEEP, _NotRegion, _process_start, _read_trailer, _Trailer
+from ._shared_trailer import FLAG_KEEP, TRAILER_BYTES, _NotRegion, _process_start, _read_trailer, _Trailer
 
-__all__ = ["RegionInfo", "find_regions", "read_region", "region_directories"]
+__all__ = [
+    "HalfMade",
+    "RegionInfo",
+    "find_half_made",
+    "find_regions",
+    "is_temp_name",
+    "read_region",
+    "region_directories",
+]
 
-_SCAN_LIMIT = 10_000  # directory entries find_regions looks at, at most
+_SCAN_LIMIT = 1_000_000  # directory entries find_regions looks at, at most (an lstat each, at worst)
+_TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see _shared_files)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a region being made (or left half-made by a creator that died)."""
+    return name.startswith(".") and _TEMP_MARK in name
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,7 @@ class RegionInfo:
     owner_uid: int
     version: int
     generation: int
+    region_id: str
     keep: bool
     record: Mapping[str, Any]
     created_uid: int | None
@@ -61,7 +77,7 @@ def _region_info(path: str, st: os.stat_result, trailer: _Trailer) -> RegionInfo
     return RegionInfo(
         path=path, file_bytes=st.st_size, nbytes=trailer.nbytes, page_size=trailer.page_size,
         held_bytes=st.st_blocks * 512, owner_uid=st.st_uid, version=trailer.version, generation=trailer.generation,
-        keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
+        region_id=trailer.region_id, keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
         created_uid=created.get("uid") if isinstance(created.get("uid"), int) else None,
         created_pid=pid if isinstance(pid, int) else None, created_unix=when,
         created_host=host if isinstance(host, str) else None, creator_alive=alive,
@@ -69,13 +85,15 @@ def _region_info(path: str, st: os.stat_result, trailer: _Trailer) -> RegionInfo
     )  # fmt: skip
 
 
-def read_region(path: str) -> RegionInfo | None:
-    """What the file at ``path`` holds, or None when it is no pinpool region (or cannot be read).
-    Never follows a symbolic link, never blocks on a FIFO, never raises for a bad file."""
+def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
+    """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or
+    None when it is no pinpool region (or cannot be read). Never follows a symbolic link as its
+    last component, never blocks on a FIFO, never raises for a bad file."""
+    name = path if dir_fd is None else os.path.basename(path)
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
             return None
-        fd = os.open(path, os.O_RDONLY | _FILE_FLAGS)
+        fd = os.open(name, os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
         return None
     try:
@@ -105,28 +123,85 @@ def region_directories(mounts: str = "/proc/mounts") -> list[str]:
     return found
 
 
-def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
-    """Every pinpool region in ``directories`` (default :func:`region_directories`) and in their
-    immediate subdirectories, by path; files that are not regions, or cannot be read, are skipped."""
-    regions: list[RegionInfo] = []
+@dataclass(frozen=True)
+class HalfMade:
+    """A region's temporary file (``.NAME.pinpool-new-*``): ``in_progress`` while its creator
+    holds its lock, else left by a creator that died, holding ``held_bytes`` of memory until
+    removed (the next creation of that name removes it)."""
+
+    path: str
+    held_bytes: int
+    in_progress: bool
+
+
+def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
+    """Regular files in ``directories`` (default :func:`region_directories`) and their immediate
+    subdirectories, never through a link; at most :data:`_SCAN_LIMIT` entries looked at in all."""
     budget = _SCAN_LIMIT
     pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
     while pending and budget > 0:
         directory, depth = pending.pop(0)
         try:
-            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+            scan = os.scandir(directory)
         except OSError:
             continue
-        for entry in entries[:budget]:
-            budget -= 1
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    if depth > 0:
-                        pending.append((entry.path, depth - 1))
-                elif entry.is_file(follow_symlinks=False):
-                    info = read_region(entry.path)
-                    if info is not None:
-                        regions.append(info)
-            except OSError:
+        with scan:
+            for entry in scan:
+                budget -= 1
+                if budget < 0:
+                    break
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        if depth > 0:
+                            pending.append((entry.path, depth - 1))
+                    elif entry.is_file(follow_symlinks=False):
+                        yield entry
+                except OSError:
+                    continue
+
+
+def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
+    """Every pinpool region in ``directories`` (default :func:`region_directories`) and in their
+    immediate subdirectories, by path; files that are not regions, or cannot be read, are skipped.
+
+    Bounded per file, not by how many entries come first: a file too small to hold a trailer is
+    skipped on its ``lstat`` alone (10,000 empty files planted to sort first hide nothing), a
+    larger one costs one 4 KiB ``pread`` and a bounded parse; at most :data:`_SCAN_LIMIT`
+    entries are looked at in all. Regions being made (their temporary names) are
+    :func:`find_half_made`'s."""
+    regions: list[RegionInfo] = []
+    for entry in _files(directories):
+        try:
+            if is_temp_name(entry.name) or entry.stat(follow_symlinks=False).st_size < 2 * TRAILER_BYTES:
                 continue
+        except OSError:
+            continue
+        info = read_region(entry.path)
+        if info is not None:
+            regions.append(info)
     return sorted(regions, key=lambda r: r.path)
+
+
+def find_half_made(directories: Iterable[str] | None = None) -> list[HalfMade]:
+    """Every region's temporary file in ``directories``, as :func:`find_regions` looks: being
+    made now (its creator holds ``LOCK_EX``), or left by a creator that died."""
+    found: list[HalfMade] = []
+    for entry in _files(directories):
+        if not is_temp_name(entry.name):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | _FILE_FLAGS)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                busy = False
+            except BlockingIOError:
+                busy = True
+            found.append(HalfMade(entry.path, os.fstat(fd).st_blocks * 512, busy))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return sorted(found, key=lambda h: h.path)

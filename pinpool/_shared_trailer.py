@@ -20,18 +20,30 @@ mapping at a huge-page boundary).
     20      4     flags                      bit 0: the creator keeps the file (keep=True)
     24      8     generation                 the server's own counter (set_generation); not in the CRC
     32      8     reserved (0)
-    40      ...   body: UTF-8 JSON {"nbytes", "page_size", "record", "created": {"uid", "pid",
-                  "start", "unix", "host"}}; "record" is the pool's description (layout_record())
+    40      ...   body: UTF-8 JSON {"nbytes", "page_size", "region_id", "record", "created": {"uid",
+                  "pid", "start", "unix", "host"}}; "record" is the pool's description (layout_record())
+
+``region_id``: 32 hex digits, random, new each time a region is created, so that a server's
+index saved against one region never matches a later region at the same path (whose generation
+starts again at 0). A region made before it existed reads as the hash of its body, which holds
+the creator's pid, start time and creation time: also new each time.
 
 A file that holds no region (or a newer format, or a corrupt trailer) reads as ``_NotRegion``,
-which callers turn into a :class:`ConfigError` or skip.
+which callers turn into a :class:`ConfigError` or skip. The trailer is *untrusted input* (any
+process of the owner, or a file another user planted, may have written it): its body is parsed
+with bounded nesting, integers only where integers belong, finite numbers, and printable text
+only, so a bad one is ``_NotRegion``, never a RecursionError, an OverflowError or an escape
+sequence on an operator's terminal.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
+import math
 import os
+import secrets
 import socket
 import struct
 import time
@@ -40,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import _libc
 from ._errors import ConfigError
 from ._units import format_bytes
 
@@ -57,6 +70,9 @@ _MAX_BODY = TRAILER_BYTES - _BODY_AT
 _FLAGS_AT = 20
 _GENERATION_AT = 24
 FLAG_KEEP = 1
+_PAGE = _libc.PAGE_SIZE
+_MAX_DEPTH = 8  # the body nests 5 deep (body, record, buffers, a buffer, its shape)
+_MAX_SIZE = 1 << 62  # larger than any host's memory, small enough for every later sum
 
 
 def _align(n: int, page: int) -> int:
@@ -126,6 +142,10 @@ class _Trailer:
         return int(self.body["page_size"])
 
     @property
+    def region_id(self) -> str:
+        return str(self.body["region_id"])
+
+    @property
     def record(self) -> dict[str, Any]:
         record = self.body.get("record")
         return record if isinstance(record, dict) else {}
@@ -141,16 +161,104 @@ def _encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
         "uid": os.geteuid(), "pid": os.getpid(), "start": _process_start(), "unix": round(time.time(), 3),
         "host": socket.gethostname(),
     }  # fmt: skip
-    body = json.dumps(
-        {"nbytes": nbytes, "page_size": page_size, "record": json.loads(record_json), "created": created},
-        sort_keys=True, separators=(",", ":"),
-    ).encode()  # fmt: skip
+    fields = {
+        "nbytes": nbytes, "page_size": page_size, "region_id": new_region_id(), "record": json.loads(record_json),
+        "created": created,
+    }  # fmt: skip
+    problem = _untrusted_problem(fields, 1)
+    if problem is not None:
+        raise ConfigError(f"the pool's description cannot be kept in a shared memory trailer: {problem}")
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     if len(body) > _MAX_BODY:
         raise ConfigError(
             f"the pool's description for its shared memory trailer is {len(body)} bytes, more than the "
             f"{_MAX_BODY} a trailer holds: a layout with fewer buffers (or shorter names) is needed"
         )
     return body
+
+
+def new_region_id() -> str:
+    """A region's identity: 128 random bits, new at each creation."""
+    return secrets.token_hex(16)
+
+
+def _printable(text: str) -> bool:
+    return text.isprintable() and text.isascii()
+
+
+def _untrusted_problem(value: object, depth: int) -> str | None:
+    """Why a parsed (or to be written) body is not one pinpool reads, or None: nesting beyond
+    :data:`_MAX_DEPTH`, a number that is not finite, or text that is not printable ASCII (which
+    would reach terminals and logs)."""
+    if depth > _MAX_DEPTH:
+        return f"it nests more than {_MAX_DEPTH} deep"
+    if isinstance(value, str):
+        return None if _printable(value) else f"the text {ascii(value)[:60]} is not printable ASCII"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "a number is not finite"
+    if isinstance(value, dict):
+        items: list[object] = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    return next((p for p in (_untrusted_problem(v, depth + 1) for v in items) if p is not None), None)
+
+
+def _nesting(body: bytes) -> int:
+    """The deepest nesting of ``[`` and ``{`` outside strings: checked before ``json.loads``,
+    whose recursion a body of 4,000 brackets would exhaust."""
+    depth = deepest = 0
+    quoted = escaped = False
+    for byte in body:
+        if quoted:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                quoted = False
+        elif byte == 0x22:
+            quoted = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a number pinpool writes")
+
+
+def _size_field(body: dict[str, Any], key: str) -> int:
+    value = body.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= _MAX_SIZE:
+        raise ValueError(f"{key} is not a size")
+    return value
+
+
+def _parse_body(body: bytes) -> dict[str, Any]:
+    """The trailer's JSON body, parsed as untrusted input; ValueError says what is wrong."""
+    if _nesting(body) > _MAX_DEPTH:
+        raise ValueError(f"it nests more than {_MAX_DEPTH} deep")
+    parsed = json.loads(body, parse_constant=_no_constant)
+    if not isinstance(parsed, dict):
+        raise ValueError("it is not a JSON object")
+    problem = _untrusted_problem(parsed, 1)
+    if problem is not None:
+        raise ValueError(problem)
+    _size_field(parsed, "nbytes")
+    page_size = _size_field(parsed, "page_size")
+    if page_size & (page_size - 1) or page_size < 4096:
+        raise ValueError("page_size is not a page size")
+    region_id = parsed.get("region_id")
+    if region_id is None:  # made before regions had an identity: the body names its creation
+        parsed["region_id"] = hashlib.blake2b(body, digest_size=16).hexdigest()
+    elif not isinstance(region_id, str) or not 0 < len(region_id) <= 64:
+        raise ValueError("region_id is not an identity")
+    return parsed
 
 
 def _parse_trailer(raw: bytes) -> _Trailer:
@@ -170,13 +278,10 @@ def _parse_trailer(raw: bytes) -> _Trailer:
     if length > _MAX_BODY or zlib.crc32(body) != crc:
         raise _NotRegion("has a corrupt pinpool trailer (its checksum does not match)")
     try:
-        parsed = json.loads(body)
-        trailer = _Trailer(version, flags, generation, parsed)
-        if trailer.nbytes <= 0 or trailer.page_size <= 0:
-            raise ValueError("sizes")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise _NotRegion("has a corrupt pinpool trailer (its description cannot be read)") from None
-    return trailer
+        parsed = _parse_body(body)
+    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError and int-digit limits are ValueErrors
+        raise _NotRegion(f"has a corrupt pinpool trailer (its description cannot be read: {exc})") from None
+    return _Trailer(version, flags, generation, parsed)
 
 
 def _read_trailer(fd: int, file_bytes: int) -> _Trailer:
@@ -188,12 +293,58 @@ def _read_trailer(fd: int, file_bytes: int) -> _Trailer:
     return _parse_trailer(os.pread(fd, TRAILER_BYTES, file_bytes - TRAILER_BYTES))
 
 
-def _write_trailer(address: int, body: bytes, *, keep: bool) -> None:
-    """Write a trailer at ``address`` (the mapped last 4 KiB of the file), the magic last."""
-    ctypes.memmove(address + _BODY_AT, body, len(body))
-    head = _FIXED.pack(b"\0" * 8, FORMAT_VERSION, len(body), zlib.crc32(body), FLAG_KEEP if keep else 0, 0, 0)
-    ctypes.memmove(address + 8, head[8:], len(head) - 8)
-    ctypes.memmove(address, MAGIC, len(MAGIC))
+def _trailer_bytes(body: bytes, *, keep: bool) -> bytes:
+    """A whole trailer (4 KiB) holding ``body``."""
+    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), FLAG_KEEP if keep else 0, 0, 0)
+    return (head + body).ljust(TRAILER_BYTES, b"\0")
+
+
+def _checked_size(fd: int, file_bytes: int, where: str) -> None:
+    """:class:`ConfigError` unless the file is still ``file_bytes`` long: another process of the
+    owner may truncate or grow it, and touching a mapped page past its end is SIGBUS."""
+    size = os.fstat(fd).st_size
+    if size != file_bytes:
+        raise ConfigError(
+            f"shared memory {where} is {size} bytes now, not the {file_bytes} its region was made with: another "
+            "process truncated or resized it, so its pages past the end are gone and the region cannot be used; "
+            "stop the pool, remove the file (`rm` it) and create the region again"
+        )
+
+
+def read_field(fd: int, file_bytes: int, at: int, size: int, where: str) -> bytes:
+    """``size`` bytes at ``at`` of the trailer, read with ``pread`` after checking the file's size:
+    never through a mapping, so a truncation is a :class:`ConfigError`, never SIGBUS."""
+    _checked_size(fd, file_bytes, where)
+    raw = os.pread(fd, size, file_bytes - TRAILER_BYTES + at)
+    if len(raw) != size:  # truncated between the check and the read
+        _checked_size(fd, file_bytes, where)
+        raise ConfigError(f"shared memory {where}: its trailer could not be read ({len(raw)} of {size} bytes)")
+    return raw
+
+
+def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
+    """Write ``data`` at ``at`` of the trailer after checking the file's size: ``pwrite`` on tmpfs
+    and memfds (a truncation is a :class:`ConfigError`, never SIGBUS); hugetlbfs files cannot be
+    written, so there through a mapping of the trailer's page, right after the check (a truncation
+    in the microseconds between the two is the one SIGBUS left, see docs/shared-memory.md)."""
+    _checked_size(fd, file_bytes, where)
+    store(fd, file_bytes, at, data, where, page_size=page_size)
+
+
+def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
+    """Write ``data`` at ``at`` of the trailer of a file of ``file_bytes``: ``pwrite``, or on
+    hugetlbfs (whose files cannot be written) through a mapping of the trailer's page."""
+    offset = file_bytes - TRAILER_BYTES + at
+    if page_size == _PAGE:
+        os.pwrite(fd, data, offset)
+        return
+    address, err = _libc.mmap_shared(page_size, fd, file_bytes - page_size)
+    if err:
+        raise ConfigError(f"shared memory {where}: mapping its trailer failed: {_libc.errno_name(err)}")
+    try:
+        ctypes.memmove(address + page_size - TRAILER_BYTES + at, data, len(data))
+    finally:
+        _libc.munmap(address, page_size)
 
 
 def _check_generation(value: object) -> int:

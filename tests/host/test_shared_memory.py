@@ -501,12 +501,17 @@ def test_resident_bytes_counts_what_the_file_holds(shm_dir: Path) -> None:
     assert shared.resident_bytes(4 * MiB) == 0 and shared.new_bytes(4 * MiB) == 4 * MiB + PAGE
     assert shared.file_bytes(4 * MiB) == 4 * MiB + PAGE
     mapping = shared.open_mapping(4 * MiB, record(4 * MiB))
-    assert shared.resident_bytes(4 * MiB) == 0  # sized, not faulted: only the trailer's page is memory
-    assert shared.new_bytes(4 * MiB) == 4 * MiB
-    mapping.view(0, 3 * MiB // 2).fill_(1)
-    assert shared.resident_bytes(4 * MiB) == 3 * MiB // 2
+    # /dev/shm has a size limit: creating reserved every page (posix_fallocate), so all of it is memory
+    assert shared.resident_bytes(4 * MiB) == 4 * MiB and shared.new_bytes(4 * MiB) == 0
     del mapping
     collect()
+    trailer = path.read_bytes()[-TRAILER_BYTES:]
+    os.truncate(path, 0)  # the region again, holding part of its pages (sparse): as after a swap-out
+    with open(path, "r+b") as f:
+        f.truncate(4 * MiB + PAGE)
+        f.write(b"\1" * (3 * MiB // 2))
+        f.seek(4 * MiB)
+        f.write(trailer)
     attacher = SharedMemory(path, create=False)
     assert attacher.resident_bytes(4 * MiB) == 3 * MiB // 2 and attacher.new_bytes(4 * MiB) == 5 * MiB // 2
     attacher.set_generation(7)  # no mapping: the trailer's page is mapped for the moment
@@ -711,13 +716,14 @@ def test_find_regions_lists_regions_and_doctor_reports_them(shm_dir: Path) -> No
     assert [r.path for r in regions] == [str(shm_dir / "kept"), str(shm_dir / "sub" / "nested")]
     kept = regions[0]
     assert kept.keep and kept.nbytes == MiB and kept.owner_uid == os.geteuid() and kept.creator_alive is True
-    assert kept.held_bytes == PAGE  # only the trailer was ever written
+    assert kept.held_bytes == MiB + PAGE  # creating reserved every page (posix_fallocate on /dev/shm)
     check = _doctor.check_region(kept)
     assert check.status == _doctor.OK and check.name == "region"
     assert re.match(
-        rf"{re.escape(str(shm_dir / 'kept'))}: 1 MiB region, layout raw, {MiB} pages, 4 KiB held", check.detail
+        rf"{re.escape(str(shm_dir / 'kept'))}: 1 MiB region, layout raw, {MiB} pages, 1 MiB held", check.detail
     )
-    assert "created by pid" in check.detail and "(running)" in check.detail and "generation 0, kept" in check.detail
+    assert "created by pid" in check.detail and "(running)" in check.detail and ", generation 0, kept" in check.detail
+    assert f"region id {kept.region_id}," in check.detail
     assert f"rm {shm_dir / 'kept'}" in check.fix
     orphan = dataclasses.replace(kept, keep=False, creator_alive=False, age_seconds=7200.0)
     left = _doctor.check_region(orphan)
@@ -749,6 +755,7 @@ def test_the_trailer_format_is_as_documented(shm_dir: Path) -> None:
     body = raw[40 : 40 + length]
     assert zlib.crc32(body) == crc
     parsed = json.loads(body)
-    assert set(parsed) == {"nbytes", "page_size", "record", "created"} and parsed["nbytes"] == MiB
+    assert set(parsed) == {"nbytes", "page_size", "region_id", "record", "created"} and parsed["nbytes"] == MiB
+    assert re.fullmatch(r"[0-9a-f]{32}", parsed["region_id"])
     assert set(parsed["created"]) == {"uid", "pid", "start", "unix", "host"}
     assert not any(raw[40 + length :])
