@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ._duty import duty_cycle
 from ._errors import ConfigError
 from ._host import HostFacts
 from ._plan import default_populate_workers, pool_cpus
@@ -139,9 +140,11 @@ def check_cpu(host: HostFacts) -> Check:
         )
     budget = host.cpu_budget
     uses = [default_populate_workers(pool_cpus(budget, background=bg)) for bg in (False, True)]
+    duty = duty_cycle(cpus, background=True)
+    rests = f" busy {duty:.0%} of the time (the quota leaves no whole CPU)" if duty < 1 else ""
     detail = (
         f"affinity {host.cpus} CPUs, {limit}: budget {budget}; default populate workers: up to {uses[0]} "
-        f"for a pool, {uses[1]} for a background pool"
+        f"for a pool, {uses[1]} for a background pool{rests}"
     )
     if quota is not None and quota.ignored:
         return Check(

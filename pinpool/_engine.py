@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from ._chunks import Chunk
 from ._cutter import retry_splitter
+from ._duty import Pacer
 from ._errors import ChunkFailure, LedgerError, RuntimeCallError, as_runtime_error, between_calls_error
 from ._ledger import Phase, RegistrationBook, StopCause
 from ._libc import MADV_POPULATE_WRITE
@@ -66,6 +67,7 @@ class _Op:
     # one call per piece, and the longest-call gauge is about single calls). Register and populate
     # report theirs with the call's outcome, with the attempt it was.
     took: Callable[[float], None] | None = None
+    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_duty.py)
 
 
 class _Result(Protocol):
@@ -143,8 +145,9 @@ class PinSession:
             else functools.partial(populate_range, advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE))
         )
         register = cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
-        self._populate = _Op("populate", populate)
-        self._register = _Op("register", register)
+        pacer = Pacer(plan.duty_cycle)  # rests only below duty 1: a background pool under a small CPU quota
+        self._populate = _Op("populate", populate, pacer.took, pacer.before)
+        self._register = _Op("register", register, pacer.took, pacer.before)
         self._unregister = _Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
         # Retry with halving: the pool's retry codes (else the runtime's), down to the floor (else one
@@ -212,6 +215,8 @@ class PinSession:
         included, is that call's failure (a worker thread has no caller to raise to)."""
         ptr = self.base_ptr + offset
         observer = self.observer
+        if op.before is not None:
+            op.before()
         observer.call_started()
         started = time.perf_counter()
         error: RuntimeCallError | None = None

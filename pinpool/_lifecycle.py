@@ -237,6 +237,7 @@ class Lifecycle:
             order=plan.order.value, register_workers=plan.register_workers, populate_workers=plan.populate_workers,
             pin_nice=self.options.pin_nice, max_call_seconds=self.options.max_call_seconds,
             budget_yields_to=self.options.budget_yields_to, cpu_budget=plan.cpu_budget, cpu_quota=plan.cpu_quota,
+            duty_cycle=plan.duty_cycle,
         )  # fmt: skip
         return session
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
+from ._duty import duty_cycle
 from ._errors import ConfigError
 from ._options import CHUNK_ENV, DEFAULT_CHUNK_GIB
 from ._placement import Placement, place
@@ -278,6 +279,7 @@ class PoolPlan:
     threads: int  # worker threads pinning starts (each takes either role)
     cpu_budget: int  # the host's CPU budget the default worker counts were sized from (HostFacts.cpu_budget)
     cpu_quota: float | None  # the CPU quota in CPUs that bounded it, None without one
+    duty_cycle: float  # the share of their time pin workers spend in calls (1: no rest; see _duty.py)
     span_bytes: int  # 0 without pre-faulting
     spans: Sequence[Span]  # pin_chunks cut into populate calls (a SpanTable), or () without pre-faulting
     lookahead_bytes: int
@@ -339,6 +341,7 @@ def plan_pool(
     # workers beyond the quota only spend it sooner, and the kernel then stalls every thread of the
     # cgroup, the server's too, until the next period.
     cpus = pool_cpus(host.cpu_budget, background=options.background)
+    quota_cpus = None if host.cpu_quota is None else host.cpu_quota.cpus
     wanted_register = options.register_workers or min(by_size, default_register_workers(caps, cpus))
     wanted_populate = (options.populate_workers or min(by_size, default_populate_workers(cpus))) if populate else 0
     # An explicit chunk_bytes= is the chunk size, and an explicit max_chunk_bytes= asks for as few
@@ -404,7 +407,8 @@ def plan_pool(
         mapping_bytes=where.mapping_bytes if ranges is None else max(page_size, ranges.extent),
         register_workers=register_workers, populate_workers=populate_workers, unpin_workers=unpin_workers,
         threads=threads, span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes,
-        cpu_budget=host.cpu_budget, cpu_quota=None if host.cpu_quota is None else host.cpu_quota.cpus,
+        cpu_budget=host.cpu_budget, cpu_quota=quota_cpus,
+        duty_cycle=duty_cycle(quota_cpus, background=options.background and options.populate_workers is None),
         pin_chunks=pin_chunks, page_runs=runs, registrations=len(chunks),
         registrations_reason=_registrations_reason(options, len(chunks), limit, split_limit, workers),
     )  # fmt: skip

@@ -622,6 +622,19 @@ def test_worker_defaults_follow_the_cpu_quota_not_the_affinity() -> None:
     assert plan_pool(dataclasses.replace(big, populate_workers=4), one_cpu, MLOCK_LIKE).populate_workers == 4
 
 
+def test_a_background_pool_under_a_quota_below_two_cpus_pins_at_half_of_it() -> None:
+    """No whole CPU to leave the server: the one pin worker rests, and uses half the quota."""
+    background = PoolOptions(size=64 * GiB, background=True)
+    one_cpu = dataclasses.replace(HOST, cpu_quota=CpuQuota(100_000, 100_000))
+    assert plan_pool(background, one_cpu, MLOCK_LIKE).duty_cycle == 0.5
+    assert plan_pool(dataclasses.replace(background, background=False), one_cpu, MLOCK_LIKE).duty_cycle == 1.0
+    two_cpus = dataclasses.replace(HOST, cpu_quota=CpuQuota(200_000, 100_000))
+    assert plan_pool(background, two_cpus, MLOCK_LIKE).duty_cycle == 1.0  # one worker, one CPU left
+    assert plan_pool(background, HOST, MLOCK_LIKE).duty_cycle == 1.0  # no quota: nothing throttles
+    explicit = dataclasses.replace(background, populate_workers=2)
+    assert plan_pool(explicit, one_cpu, MLOCK_LIKE).duty_cycle == 1.0  # the caller sized it
+
+
 # -- options -------------------------------------------------------------------------------------------------
 
 

@@ -221,18 +221,23 @@ def test_the_probe_reads_this_hosts_quota() -> None:
     assert 1 <= host.cpu_budget <= host.cpus == len(os.sched_getaffinity(0))
 
 
-PROBE = (
-    "from pinpool._host import HostFacts; from pinpool._options import PoolOptions;"
-    "from pinpool._plan import plan_pool;"
-    "from pinpool.runtimes import capabilities_of; h = HostFacts.probe(torch_build=False);"
-    "p = plan_pool(PoolOptions(size=8 << 30), h, capabilities_of('mlock'));"
-    "print(h.cpus, h.cpu_quota.cpus, h.cpu_budget, p.populate_workers)"
-)
+PROBE = """
+import structlog, pinpool
+from pinpool._host import HostFacts
+h = HostFacts.probe(torch_build=False)
+with structlog.testing.capture_logs() as logs:
+    for background in (False, True):
+        with pinpool.PinnedPool(size="2GiB", runtime="mlock", background=background, registry=None) as pool:
+            pool.wait_ready_sync()
+start = [e for e in logs if e["event"] == "pool.pin.start"]
+print(h.cpus, h.cpu_quota.cpus, h.cpu_budget, *(f"{e['populate_workers']}/{e['duty_cycle']}" for e in start))
+"""
 
 
 def test_a_real_v1_cgroup_quota_sizes_the_workers() -> None:
     """Where this host has a v1 ``cpu`` hierarchy and we may make a cgroup there (root), a process
-    moved into one with a 1-CPU quota reads it and plans one populate worker, not one per CPU."""
+    moved into one with a 1-CPU quota reads it and pins a 2 GiB pool on one populate worker, not one
+    per CPU; in the background that worker rests half the time (and the pool still gets ready)."""
     base = Path("/sys/fs/cgroup/cpu")
     if not (base / "cpu.cfs_quota_us").exists() or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs a cgroup v1 cpu hierarchy at /sys/fs/cgroup/cpu and 2 CPUs")
@@ -246,8 +251,8 @@ def test_a_real_v1_cgroup_quota_sizes_the_workers() -> None:
         (group / "cpu.cfs_quota_us").write_text("100000")
         script = f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"'
         out = subprocess.run(
-            ["sh", "-c", script, sys.executable, PROBE], capture_output=True, text=True, timeout=120, check=True
+            ["sh", "-c", script, sys.executable, PROBE], capture_output=True, text=True, timeout=300, check=True
         ).stdout.split()
     finally:
         group.rmdir()
-    assert out == [str(len(os.sched_getaffinity(0))), "1.0", "1", "1"]
+    assert out == [str(len(os.sched_getaffinity(0))), "1.0", "1", "1/1.0", "1/0.5"]

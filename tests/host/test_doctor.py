@@ -121,7 +121,8 @@ def test_cpu_shows_the_quota_and_what_pools_use() -> None:
     assert cpu.status == OK
     assert cpu.detail == (
         "affinity 8 CPUs, quota 1.00 CPUs (100000/100000 us per period, cgroup v2 cpu.max of /kubepods/pod1): "
-        "budget 1; default populate workers: up to 1 for a pool, 1 for a background pool"
+        "budget 1; default populate workers: up to 1 for a pool, 1 for a background pool busy 50% of the time "
+        "(the quota leaves no whole CPU)"
     )
     unlimited = by_name(_doctor.run_checks(facts(cpu_quota=CpuQuota()), None))["cpu"]
     assert unlimited.detail.startswith("affinity 8 CPUs, no CPU quota: budget 8;")
