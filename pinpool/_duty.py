@@ -36,19 +36,20 @@ class Pacer:
     """Makes each thread that calls rest before its next call, so its calls use ``duty`` of its
     time. A call is charged by the CPU time its thread spent in it (``time.thread_time``: user and
     system, the faulting included), not by its wall time: a worker preempted mid-call (other work
-    on the host, or its nice value) used no quota meanwhile, and resting for that too would pin
-    slower than the quota needs. The rest is taken before the next call, not right after a call, so
-    a rest never sits between a call and the books that record it."""
+    on the host, or its nice value) used no quota meanwhile, so the rest is what makes the call's
+    CPU time ``duty`` of the call and the rest together (``used / duty - wall``), never more.
+    The rest is taken before the next call, not right after a call, so a rest never sits between
+    a call and the books that record it."""
 
     def __init__(self, duty: float) -> None:
         if not 0 < duty <= 1:
             raise ValueError(f"duty={duty!r} must be in (0, 1]")
-        self._rest_per_second = 1 / duty - 1
+        self._duty = duty
         self._thread = threading.local()
 
     def before(self) -> None:
         """Rest what the calling thread's last call left owing (nothing before its first)."""
-        if not self._rest_per_second:  # duty 1: no rest, nothing to remember
+        if self._duty == 1:  # no rest, nothing to remember
             return
         rest = getattr(self._thread, "owed", 0.0)
         if rest > 0:
@@ -56,9 +57,10 @@ class Pacer:
             time.sleep(rest)
         self._thread.started = time.thread_time()
 
-    def took(self, _seconds: float) -> None:
-        """A call of the calling thread ended: its next call first rests in proportion to the CPU
-        time this one used."""
+    def took(self, seconds: float) -> None:
+        """A call of the calling thread ended after ``seconds`` (wall time): its next call first
+        rests so that the CPU time this one used is ``duty`` of the call and the rest together."""
         started = getattr(self._thread, "started", None)
         if started is not None:
-            self._thread.owed = min(MAX_REST, (time.thread_time() - started) * self._rest_per_second)
+            used = time.thread_time() - started
+            self._thread.owed = min(MAX_REST, max(0.0, used / self._duty - seconds))

@@ -33,23 +33,38 @@ def test_the_pacer_rests_before_the_next_call_in_proportion_to_the_last_calls_cp
     started = time.perf_counter()
     pacer.before()  # nothing owed before the first call
     assert time.perf_counter() - started < 0.01
+    wall, cpu = time.perf_counter(), time.thread_time()
     spin(0.05)
-    pacer.took(0.05)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    pacer.took(wall)
     started = time.perf_counter()
     pacer.before()
-    assert 0.045 <= time.perf_counter() - started < 0.5  # rested as long as the call used (duty 0.5)
+    # Rested so the call's CPU time is half of call + rest: as long as the call, less any time the
+    # call spent preempted on a busy host.
+    assert 2 * cpu - wall - 0.01 <= time.perf_counter() - started < 2 * cpu - wall + 0.1
     time.sleep(0.1)  # a call that waited, using no CPU (preempted, or blocked): owes no rest
     pacer.took(0.1)
     started = time.perf_counter()
     pacer.before()
     assert time.perf_counter() - started < 0.02
+    # A call that used 0.05 s of CPU in 0.08 s of wall time (preempted for 0.03 s) rests 0.02 s:
+    # 0.05 of CPU in 0.1 s is duty 0.5 already counting the time it waited.
+    wall, cpu = time.perf_counter(), time.thread_time()
+    spin(0.05)
+    time.sleep(0.03)
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    pacer.took(wall)
+    started = time.perf_counter()
+    pacer.before()
+    assert max(0, 2 * cpu - wall) - 0.01 <= time.perf_counter() - started < max(0, 2 * cpu - wall) + 0.1
+    assert 2 * cpu - wall < 0.05  # less than the call's CPU time: the wait counted
 
 
 def test_each_thread_owes_its_own_rest_and_a_rest_is_bounded() -> None:
     pacer = Pacer(0.1)
     pacer.before()
     spin(0.1)
-    pacer.took(0.1)  # owes 0.9 s at duty 0.1: capped, so a stop is never held long
+    pacer.took(0.1)  # owes 1 - 0.1 = 0.9 s at duty 0.1: capped, so a stop is never held long
     rested: list[float] = []
 
     def other() -> None:
