@@ -19,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ._duty import duty_cycle
 from ._errors import ConfigError
 from ._host import HostFacts
+from ._plan import default_populate_workers, pool_cpus
 from ._preflight import (
     FAIL,
     OK,
@@ -124,6 +126,35 @@ def check_cgroup(host: HostFacts) -> Check:
     cache = f", {format_bytes(reclaimable)} of it reclaimable page cache" if reclaimable else ""
     used = "usage unknown" if usage is None else f"usage {format_bytes(usage)}{cache}"
     return Check("cgroup", OK, f"{where}: limit {format_bytes(limit)}, {used}, room {format_bytes(room)}")
+
+
+def check_cpu(host: HostFacts) -> Check:
+    """The CPU budget worker counts derive from (the affinity bounded by the cgroup's CPU quota),
+    and the pin threads a pool of several GiB starts on it by default, in the foreground and the
+    background (which leaves the serving threads one CPU of the budget)."""
+    quota = host.cpu_quota
+    cpus = None if quota is None else quota.cpus
+    if quota is None or cpus is None:
+        limit = "no CPU quota"
+    else:
+        limit = (
+            f"quota {cpus:.2f} CPUs ({quota.quota_us}/{quota.period_us} us per period, {quota.source} of {quota.path})"
+        )
+    budget = host.cpu_budget
+    uses = [default_populate_workers(pool_cpus(budget, background=bg)) for bg in (False, True)]
+    duty = duty_cycle(cpus, background=True)
+    rests = f" busy {duty:.0%} of the time (the quota leaves no whole CPU)" if duty < 1 else ""
+    detail = (
+        f"affinity {host.cpus} CPUs, {limit}: budget {budget}; default populate workers: up to {uses[0]} "
+        f"for a pool, {uses[1]} for a background pool{rests}"
+    )
+    if quota is not None and quota.ignored:
+        return Check(
+            "cpu", WARN, f"{detail}; ignored as unreadable: {'; '.join(quota.ignored)}",
+            "check the cgroup's CPU quota files (the kernel writes only numbers there); to size pinning yourself, "
+            "give populate_workers= and register_workers=",
+        )  # fmt: skip
+    return Check("cpu", OK, detail)
 
 
 def kernel_version(release: str) -> tuple[int, int] | None:
@@ -323,6 +354,7 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
         memlock_check(nbytes, host, subject=subject),
         memory_check(nbytes, host, subject=subject),
         check_cgroup(host),
+        check_cpu(host),
         thp_check(host.thp_mode, wanted=False, defrag=host.thp_defrag),
         hugetlb_check(
             size, free=host.hugetlb_free, total=host.hugetlb_total, huge_page_size=host.huge_page_size, wanted=False

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from ._chunks import Chunk
 from ._cutter import retry_splitter
+from ._duty import Pacer
 from ._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls_error
 from ._ledger import Phase, RegistrationBook, StopCause
 from ._libc import MADV_POPULATE_WRITE
@@ -70,6 +71,7 @@ class _Op:
     # one call per piece, and the longest-call gauge is about single calls). Register and populate
     # report theirs with the call's outcome, with the attempt it was.
     took: Callable[[float], None] | None = None
+    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_duty.py)
 
 
 class _Result(Protocol):
@@ -136,8 +138,9 @@ class PinSession(Unpinning):
             or functools.partial(populate_range, advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE))
         )
         register = cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
-        self._populate = _Op("populate", populate)
-        self._register = _Op("register", register)
+        pacer = Pacer(plan.duty_cycle)  # rests only below duty 1: a background pool under a small CPU quota
+        self._populate = _Op("populate", populate, pacer.took, pacer.before)
+        self._register = _Op("register", register, pacer.took, pacer.before)
         self._unregister = _Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
         # Retry with halving: the pool's retry codes (else the runtime's), down to the floor (else one
@@ -209,6 +212,8 @@ class PinSession(Unpinning):
         kept in :attr:`raised`, for the pool's caller to raise again once teardown is done."""
         ptr = self.base_ptr + offset
         observer = self.observer
+        if op.before is not None:
+            op.before()
         observer.call_started()
         started = time.perf_counter()
         try:

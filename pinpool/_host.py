@@ -1,6 +1,6 @@
 """What pinpool knows about the host, probed in one place into one frozen value.
 
-:class:`HostFacts` is everything planning a pool may depend on: CPUs, page sizes, the
+:class:`HostFacts` is everything planning a pool may depend on: CPUs and the CPU quota, page sizes, the
 transparent-huge-page mode, whether the kernel has MADV_POPULATE_WRITE, locked-memory limits,
 memory limits and availability, hugetlb pages, NUMA nodes, the user address space, the kernel
 release, and which GPU stack is installed. It is pinpool's one model of the host: the planner
@@ -10,7 +10,7 @@ argument, and ``pinpool doctor`` reads the host through it too, so planning is a
 
 :meth:`HostFacts.probe` reads the host. Facts that cannot change while the process runs (the
 page size, the kernel's madvise support, the address-space size, the torch build) are read
-once per process; everything that can (CPU affinity, limits, sysfs settings, memory figures,
+once per process; everything that can (CPU affinity and quota, limits, sysfs settings, memory figures,
 hugetlb counters, NUMA nodes, GPU driver presence) is read again on every probe. A probe never
 initialises CUDA: it reads ``torch.version`` (a build fact) and checks for driver files.
 """
@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 
 from . import _libc
+from ._cpulimits import CpuQuota, cpu_budget, read_cpu_quota
 from ._memlimits import _binding_level, _read, cgroup_room, effective_available, read_mem_available, read_memory_limits
 
 __all__ = ["HostFacts", "address_space_bytes", "available_cpus"]
@@ -61,6 +62,9 @@ class HostFacts:
     """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
 
     cpus: CPUs in this process's affinity mask.
+    cpu_quota: the CPU cgroup quota that binds (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), as read by
+        :func:`pinpool._cpulimits.read_cpu_quota`; None when not read (a hand-made host).
+        :attr:`cpu_budget` is what worker counts derive from.
     page_size: the OS page.
     huge_page_size: the huge page pinpool maps with (``huge_pages=True`` alignment, hugetlb pages): 2 MiB.
     thp_mode: transparent huge pages mode ("always", "madvise", "never"), None without THP.
@@ -117,6 +121,12 @@ class HostFacts:
     kernel_release: str = ""
     hugetlb_1g_free: int = 0
     hugetlb_1g_total: int = 0
+    cpu_quota: CpuQuota | None = None
+
+    @property
+    def cpu_budget(self) -> int:
+        """Threads this process can keep busy: the affinity's CPUs, bounded by the CPU quota."""
+        return cpu_budget(self.cpus, self.cpu_quota)
 
     def hugetlb_pages(self, page_size: int) -> tuple[int, int]:
         """``(free, reserved)`` hugetlb pages of ``page_size`` (2 MiB or 1 GiB)."""
@@ -175,6 +185,7 @@ class HostFacts:
             kernel_release=os.uname().release,
             hugetlb_1g_free=free_1g,
             hugetlb_1g_total=total_1g,
+            cpu_quota=read_cpu_quota(),
         )
 
 

@@ -236,7 +236,8 @@ class Lifecycle:
             nbytes=plan.nbytes, chunks=len(plan.chunks), chunk_bytes=plan.chunk_bytes, granularity=plan.granularity,
             order=plan.order.value, register_workers=plan.register_workers, populate_workers=plan.populate_workers,
             pin_nice=self.options.pin_nice, max_call_seconds=self.options.max_call_seconds,
-            budget_yields_to=self.options.budget_yields_to,
+            budget_yields_to=self.options.budget_yields_to, cpu_budget=plan.cpu_budget, cpu_quota=plan.cpu_quota,
+            duty_cycle=plan.duty_cycle,
         )  # fmt: skip
         return session
 

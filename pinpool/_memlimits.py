@@ -221,11 +221,12 @@ def _to_int(text: str | None) -> int | None:
     return int(text) if _DIGITS.fullmatch(text) else None
 
 
-def _read(path: str) -> str | None:
-    """A small text file's contents, or None when it is missing, unreadable, not UTF-8 or not a file."""
+def _read(path: str, cap: int = _READ_CAP) -> str | None:
+    """A small text file's contents (its first ``cap`` bytes), or None when it is missing, unreadable,
+    not UTF-8 or not a file."""
     try:
         with open(path, "rb") as f:
-            data = f.read(_READ_CAP)
+            data = f.read(cap)
         return data.decode()
     except (OSError, UnicodeDecodeError, ValueError):
         return None

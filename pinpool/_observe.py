@@ -270,7 +270,8 @@ class Observer:
     def pin_started(
         self, *, nbytes: int, chunks: int, chunk_bytes: int, granularity: int | None, order: str,
         register_workers: int, populate_workers: int, pin_nice: int = 0, max_call_seconds: float | None = None,
-        budget_yields_to: str | None = None,
+        budget_yields_to: str | None = None, cpu_budget: int | None = None, cpu_quota: float | None = None,
+        duty_cycle: float = 1.0,
     ) -> None:  # fmt: skip
         if self.metrics:
             m, labels = self.metrics, self._labels
@@ -288,7 +289,7 @@ class Observer:
             "info", "pool.pin.start", bytes=nbytes, chunks=chunks, chunk_bytes=chunk_bytes,
             granularity_bytes=granularity, order=order, register_workers=register_workers,
             populate_workers=populate_workers, pin_nice=pin_nice, max_call_seconds=max_call_seconds,
-            budget_yields_to=budget_yields_to,
+            budget_yields_to=budget_yields_to, cpu_budget=cpu_budget, cpu_quota=cpu_quota, duty_cycle=duty_cycle,
         )  # fmt: skip
 
     def pinned(self, *, nbytes: int, chunks: int, seconds: float) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
+from ._duty import duty_cycle
 from ._errors import ConfigError
 from ._options import CHUNK_ENV, DEFAULT_CHUNK_GIB
 from ._placement import Placement, place
@@ -184,6 +185,13 @@ MIN_SPAN_BYTES = 16 << 20
 MIN_BYTES_PER_DEFAULT_WORKER = 256 << 20
 
 
+def pool_cpus(cpu_budget: int, *, background: bool) -> int:
+    """The CPUs a pool's default worker counts are sized to. A background pool pins while its
+    process serves, so it leaves the serving threads one CPU of the budget (at least one worker
+    remains); a pool entered before its body runs has nothing else to run for and takes it all."""
+    return max(1, cpu_budget - 1) if background else max(1, cpu_budget)
+
+
 def default_register_workers(caps: Capabilities, cpus: int) -> int:
     """A runtime that serialises registration (the CUDA driver's lock) gets one; mlock (and the
     fake) scale with cores, up to a bound."""
@@ -269,6 +277,9 @@ class PoolPlan:
     populate_workers: int
     unpin_workers: int
     threads: int  # worker threads pinning starts (each takes either role)
+    cpu_budget: int  # the host's CPU budget the default worker counts were sized from (HostFacts.cpu_budget)
+    cpu_quota: float | None  # the CPU quota in CPUs that bounded it, None without one
+    duty_cycle: float  # the share of their time pin workers spend in calls (1: no rest; see _duty.py)
     span_bytes: int  # 0 without pre-faulting
     spans: Sequence[Span]  # pin_chunks cut into populate calls (a SpanTable), or () without pre-faulting
     lookahead_bytes: int
@@ -326,8 +337,13 @@ def plan_pool(
         placed = _range_buffers(placed, ranges, source_start, page_size, caps)
     total = sum(spec.nbytes for spec, _ in placed)
     by_size = max(1, total // MIN_BYTES_PER_DEFAULT_WORKER)
-    wanted_register = options.register_workers or min(by_size, default_register_workers(caps, host.cpus))
-    wanted_populate = (options.populate_workers or min(by_size, default_populate_workers(host.cpus))) if populate else 0
+    # Sized to the CPU budget (affinity bounded by the cgroup's CPU quota), not the affinity alone:
+    # workers beyond the quota only spend it sooner, and the kernel then stalls every thread of the
+    # cgroup, the server's too, until the next period.
+    cpus = pool_cpus(host.cpu_budget, background=options.background)
+    quota_cpus = None if host.cpu_quota is None else host.cpu_quota.cpus
+    wanted_register = options.register_workers or min(by_size, default_register_workers(caps, cpus))
+    wanted_populate = (options.populate_workers or min(by_size, default_populate_workers(cpus))) if populate else 0
     # An explicit chunk_bytes= is the chunk size, and an explicit max_chunk_bytes= asks for as few
     # calls as it allows (on ROCm each registration is a device alias of its own: the count
     # matters); only the default (or the environment's) limit is split further so the workers
@@ -370,7 +386,7 @@ def plan_pool(
     # Spans index the chunks in the order they are pinned: the pipeline faults them in that order.
     spans: Sequence[Span] = SpanTable(pin_chunks, span_bytes) if populate else ()
     populate_workers = min(wanted_populate, len(spans))
-    unpin_workers = max(1, min(options.unpin_workers or default_unpin_workers(host.cpus), len(chunks)))
+    unpin_workers = max(1, min(options.unpin_workers or default_unpin_workers(host.cpu_budget), len(chunks)))
     # Workers take either role. Faulting first (CUDA), registration is the serial bottleneck,
     # so it gets threads of its own; registering first (mlock on-fault) or not faulting, a
     # registration is quick or is the fault, so the roles share threads.
@@ -391,6 +407,8 @@ def plan_pool(
         mapping_bytes=where.mapping_bytes if ranges is None else max(page_size, ranges.extent),
         register_workers=register_workers, populate_workers=populate_workers, unpin_workers=unpin_workers,
         threads=threads, span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes,
+        cpu_budget=host.cpu_budget, cpu_quota=quota_cpus,
+        duty_cycle=duty_cycle(quota_cpus, background=options.background and options.populate_workers is None),
         pin_chunks=pin_chunks, page_runs=runs, registrations=len(chunks),
         registrations_reason=_registrations_reason(options, len(chunks), limit, split_limit, workers),
     )  # fmt: skip

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool import ConfigError, layouts
 from pinpool._chunks import Chunk, ChunkTable, Order, Span, SpanTable
+from pinpool._cpulimits import CpuQuota
 from pinpool._host import HostFacts, address_space_bytes, cgroup_memory_limit, mem_available
 from pinpool._options import CHUNK_ENV, PoolOptions
 from pinpool._pipeline import split_spans
@@ -79,6 +80,9 @@ hosts = st.builds(
     torch_hip=st.none() | st.just("6.2"),
     nvidia_driver=st.booleans(),
     amd_kfd=st.booleans(),
+    cpu_quota=st.none()
+    | st.builds(CpuQuota, quota_us=st.integers(1000, 10**7), period_us=st.integers(1000, 10**6))
+    | st.just(CpuQuota()),
 )
 capabilities = st.builds(
     Capabilities,
@@ -116,6 +120,7 @@ def options_st(draw: st.DrawFn) -> PoolOptions:
         "register_workers": draw(workers), "unpin_workers": draw(workers),
         "huge_pages": draw(st.sampled_from((False, False, False, True, "hugetlb", "hugetlb:2MiB", "hugetlb:1GiB"))),
         "numa_node": draw(st.one_of(st.none(), st.none(), st.none(), st.integers(0, 8))),
+        "background": draw(st.booleans()),
     }  # fmt: skip
     try:
         return PoolOptions(**kwargs)  # type: ignore[arg-type]
@@ -238,9 +243,14 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
         order = Order.POPULATE_FIRST
     total = sum(s.nbytes for s in specs)
     by_size = max(1, total // (256 * MiB))
-    default_register = 1 if caps.serial_registration else max(1, min(8, host.cpus))
+    # The CPU budget: the affinity bounded by whole CPUs of the quota; a background pool leaves one.
+    quota = host.cpu_quota
+    budget = host.cpus if quota is None or quota.quota_us is None else min(host.cpus, quota.quota_us // quota.period_us)
+    budget = max(1, budget)
+    cpus = max(1, budget - 1) if options.background else budget
+    default_register = 1 if caps.serial_registration else max(1, min(8, cpus))
     wanted_register = options.register_workers or min(by_size, default_register)
-    wanted_populate = (options.populate_workers or min(by_size, max(1, min(16, host.cpus)))) if populate else 0
+    wanted_populate = (options.populate_workers or min(by_size, max(1, min(16, cpus)))) if populate else 0
     align = model_align(options, host)
     limit = options.chunk_limit
     n_workers = max(wanted_register, wanted_populate)
@@ -270,7 +280,7 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
         span_bytes = -(-min(512 * MiB, max(16 * MiB, share)) // align) * align
     spans = reference_spans(chunks, span_bytes) if populate else ()
     populate_workers = min(wanted_populate, len(spans))
-    unpin = max(1, min(options.unpin_workers or max(1, min(8, host.cpus)), len(chunks)))
+    unpin = max(1, min(options.unpin_workers or max(1, min(8, budget)), len(chunks)))
     threads = populate_workers + register if order is Order.POPULATE_FIRST else max(populate_workers, register)
     grans = {s.granularity for s in specs if s.nbytes}
     return {
@@ -587,6 +597,42 @@ def test_defaults_follow_capabilities_and_cpus() -> None:
     assert plan_pool(big, HOST, MLOCK_LIKE).order is Order.REGISTER_FIRST
     huge = dataclasses.replace(big, huge_pages=True)
     assert plan_pool(huge, HOST, MLOCK_LIKE).order is Order.POPULATE_FIRST
+
+
+def test_worker_defaults_follow_the_cpu_quota_not_the_affinity() -> None:
+    """A container limited to 1 CPU on an 8-CPU affinity: one worker, not eight (more only spend the
+    quota sooner, and the kernel then stalls every thread of the container until the next period)."""
+    big = PoolOptions(size=64 * GiB)
+    one_cpu = dataclasses.replace(HOST, cpus=8, cpu_quota=CpuQuota(100_000, 100_000, "cgroup v2 cpu.max", "/pod"))
+    plan = plan_pool(big, one_cpu, MLOCK_LIKE)
+    assert (plan.register_workers, plan.populate_workers, plan.unpin_workers, plan.threads) == (1, 1, 1, 1)
+    assert (plan.cpu_budget, plan.cpu_quota) == (1, 1.0)
+    # 2.5 CPUs of quota keep two threads busy (rounded down); a background pool leaves the server one.
+    two_and_a_half = dataclasses.replace(one_cpu, cpu_quota=CpuQuota(250_000, 100_000))
+    assert plan_pool(big, two_and_a_half, MLOCK_LIKE).populate_workers == 2
+    background = dataclasses.replace(big, background=True)
+    assert plan_pool(background, two_and_a_half, MLOCK_LIKE).populate_workers == 1
+    chunked = dataclasses.replace(background, chunk_bytes=GiB)
+    assert plan_pool(chunked, two_and_a_half, MLOCK_LIKE).unpin_workers == 2  # a teardown takes the budget
+    assert plan_pool(background, one_cpu, MLOCK_LIKE).threads == 1  # never below one
+    # Without a quota the affinity is the budget, and a background pool still leaves a CPU.
+    assert plan_pool(big, HOST, MLOCK_LIKE).populate_workers == 8
+    assert plan_pool(background, HOST, MLOCK_LIKE).populate_workers == 7
+    # Explicit worker counts are the caller's: the budget bounds only the defaults.
+    assert plan_pool(dataclasses.replace(big, populate_workers=4), one_cpu, MLOCK_LIKE).populate_workers == 4
+
+
+def test_a_background_pool_under_a_quota_below_two_cpus_pins_at_half_of_it() -> None:
+    """No whole CPU to leave the server: the one pin worker rests, and uses half the quota."""
+    background = PoolOptions(size=64 * GiB, background=True)
+    one_cpu = dataclasses.replace(HOST, cpu_quota=CpuQuota(100_000, 100_000))
+    assert plan_pool(background, one_cpu, MLOCK_LIKE).duty_cycle == 0.5
+    assert plan_pool(dataclasses.replace(background, background=False), one_cpu, MLOCK_LIKE).duty_cycle == 1.0
+    two_cpus = dataclasses.replace(HOST, cpu_quota=CpuQuota(200_000, 100_000))
+    assert plan_pool(background, two_cpus, MLOCK_LIKE).duty_cycle == 1.0  # one worker, one CPU left
+    assert plan_pool(background, HOST, MLOCK_LIKE).duty_cycle == 1.0  # no quota: nothing throttles
+    explicit = dataclasses.replace(background, populate_workers=2)
+    assert plan_pool(explicit, one_cpu, MLOCK_LIKE).duty_cycle == 1.0  # the caller sized it
 
 
 # -- options -------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 
 from pinpool import ConfigError, _doctor, _preflight
 from pinpool import _preflight as preflight
+from pinpool._cpulimits import V2_SOURCE, CpuQuota
 from pinpool._doctor import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
 from pinpool._host import HostFacts
 from pinpool._options import PoolOptions
@@ -49,8 +50,8 @@ def by_name(checks: list[_doctor.Check]) -> dict[str, _doctor.Check]:
 def test_a_good_host_passes() -> None:
     checks = _doctor.run_checks(facts(), 64 * GiB)
     assert {c.status for c in checks} == {OK, SKIP} and _doctor.exit_code(checks) == 0
-    assert [c.name for c in checks] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "hugetlb:1GiB", "kernel",
-                                        "numa", "cuda", "env"]  # fmt: skip
+    assert [c.name for c in checks] == ["memlock", "memory", "cgroup", "cpu", "thp", "hugetlb", "hugetlb:1GiB",
+                                        "kernel", "numa", "cuda", "env"]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -112,6 +113,25 @@ def test_the_cgroup_binds_the_memory_check() -> None:
     assert by_name(_doctor.run_checks(facts(cgroup_version=None), GiB))["cgroup"].status == OK
 
 
+def test_cpu_shows_the_quota_and_what_pools_use() -> None:
+    """The cpu row: the affinity, the quota and its source, the budget, and the workers a pool and a
+    background pool default to on it (a 1-CPU quota on 8 CPUs: one each, not eight)."""
+    quota = CpuQuota(100_000, 100_000, V2_SOURCE, "/kubepods/pod1")
+    cpu = by_name(_doctor.run_checks(facts(cpu_quota=quota), None))["cpu"]
+    assert cpu.status == OK
+    assert cpu.detail == (
+        "affinity 8 CPUs, quota 1.00 CPUs (100000/100000 us per period, cgroup v2 cpu.max of /kubepods/pod1): "
+        "budget 1; default populate workers: up to 1 for a pool, 1 for a background pool busy 50% of the time "
+        "(the quota leaves no whole CPU)"
+    )
+    unlimited = by_name(_doctor.run_checks(facts(cpu_quota=CpuQuota()), None))["cpu"]
+    assert unlimited.detail.startswith("affinity 8 CPUs, no CPU quota: budget 8;")
+    assert unlimited.detail.endswith("up to 8 for a pool, 7 for a background pool")
+    garbled = CpuQuota(ignored=("/sys/fs/cgroup/a/cpu.max: 'lots 100000'",))
+    warned = by_name(_doctor.run_checks(facts(cpu_quota=garbled), None))["cpu"]
+    assert warned.status == WARN and "'lots 100000'" in warned.detail and "populate_workers=" in warned.fix
+
+
 @pytest.mark.parametrize(
     ("enabled", "defrag", "status"),
     [("madvise", "madvise", OK), ("always", "defer+madvise", OK), ("never", "madvise", WARN), (None, None, WARN),
@@ -171,7 +191,7 @@ def test_doctor_text_and_exit_code_for_failures() -> None:
     assert text.startswith("pinpool doctor for --size 200 GiB:")
     assert re.search(r"\n  fail  memlock +--size 200 GiB needs 200 GiB locked with mlock, but RLIMIT_MEMLOCK "
                      r"leaves only 8 MiB.*\n +fix: raise the limit", text)  # fmt: skip
-    assert text.endswith("result: 6 ok, 1 warn, 2 fail, 1 skip")
+    assert text.endswith("result: 7 ok, 1 warn, 2 fail, 1 skip")
 
 
 def test_hugetlb_1gib_pages() -> None:

@@ -26,6 +26,7 @@ from pinpool._cli import pin as cli_pin
 from pinpool._cli import report as cli_report
 from pinpool._cli import status as cli_status
 from pinpool._doctor import FAIL, OK, SKIP, WARN, CudaDevice, CudaFacts
+from pinpool._host import HostFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -1136,7 +1137,12 @@ def test_doctor_on_this_host() -> None:
     assert result.returncode == (0 if report["ok"] else 1), result.stderr
     assert report["pinpool"] == pinpool.__version__ and report["size_bytes"] == 64 * MiB
     names = [c["name"] for c in report["checks"]]
-    assert names[:9] == ["memlock", "memory", "cgroup", "thp", "hugetlb", "hugetlb:1GiB", "kernel", "numa", "cuda"]
+    assert names[:10] == [
+        "memlock", "memory", "cgroup", "cpu", "thp", "hugetlb", "hugetlb:1GiB", "kernel", "numa", "cuda",
+    ]  # fmt: skip
+    host = HostFacts.probe(torch_build=False)
+    cpu = next(c for c in report["checks"] if c["name"] == "cpu")["detail"]
+    assert cpu.startswith(f"affinity {host.cpus} CPUs, ") and f": budget {host.cpu_budget};" in cpu
     for check in report["checks"]:
         assert set(check) == {"name", "status", "detail", "fix"} and check["status"] in _doctor.STATUSES
         assert check["detail"] and (check["status"] in (OK, SKIP) or check["fix"])
