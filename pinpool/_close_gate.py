@@ -12,21 +12,22 @@ every other caller is told who has it:
   of the same event loop): it cannot wait for itself, so it asks for the close and returns at
   once; the entry or teardown in progress finishes it.
 
-Taking the gate is one C-level ``dict.setdefault``, so a signal handler, which Python runs
-between two bytecodes of the thread it interrupts, sees either no holder or a whole one: never
-a half-taken gate it would wait on for ever.
+Taking the gate is one C-level ``dict.setdefault``, inside the ``try`` whose ``finally`` lets it
+go, so a signal handler, which Python runs between two bytecodes of the thread it interrupts,
+sees either no holder or a whole one (never a half-taken gate it would wait on for ever), and a
+``KeyboardInterrupt`` landing around it leaves no holder behind.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from ._errors import NodeWaitCancelled, PoolStateError
 from ._outcome import closed_during_open
-from ._steps import Ran, RunThreads, Steps
+from ._steps import RunThreads, Steps
 
 T = TypeVar("T")
 
@@ -58,39 +59,29 @@ class CloseGate:
         self._held: dict[str, Driver] = {}
         self.close_requested = False
 
-    def take(self, role: str) -> tuple[Driver, bool]:
-        """Take the gate for ``role``; returns the holder and whether it is this caller."""
-        mine = Driver(threading.get_ident(), role)
-        holder = self._held.setdefault("driver", mine)  # atomic: no handler lands inside it
-        return holder, holder is mine
-
     def release(self, driver: Driver) -> None:
-        """Let go (only the holder calls it, so the one it pops is its own)."""
-        self._held.pop("driver", None)
+        """Let go, if ``driver`` holds the gate (an interrupt may have landed before it took it)."""
+        if self._held.get("driver") is driver:  # no other thread changes a held gate: only its holder
+            del self._held["driver"]
         driver.done.set()
-
-    @staticmethod
-    def is_this_thread(driver: Driver) -> bool:
-        """The holder is the thread asking (a signal handler or another task on it): never wait."""
-        return driver.thread == threading.get_ident()
 
     def enter(self, name: str, describe: str, enter: Callable[[], Steps[None]], exit: Exit) -> Steps[None]:
         """Run ``enter`` holding the gate. A ``close()`` meanwhile asked it to stop (it rolls back and
         raises); if it opened all the same, ``exit`` closes it here, and the entry raises."""
-        driver, mine = self.take("enter")
-        if not mine:
-            raise PoolStateError(
-                f"pool {name!r} is being entered or closed by another caller: a PinnedPool is entered once; "
-                "create a new PinnedPool to pin again"
-            )
+        mine = Driver(threading.get_ident(), "enter")
         try:
+            if self._held.setdefault("driver", mine) is not mine:  # atomic: no handler lands inside it
+                raise PoolStateError(
+                    f"pool {name!r} is being entered or closed by another caller: a PinnedPool is entered once; "
+                    "create a new PinnedPool to pin again"
+                )
             yield from enter()
         except NodeWaitCancelled as exc:  # a foreground node-pacing wait that a close() cancelled
             if not self.close_requested:
                 raise
             raise closed_during_open(describe) from exc
         finally:
-            self.release(driver)
+            self.release(mine)
         if self.close_requested:  # read after letting go: a close from here on closes the pool itself
             unpinned = yield from exit(None, closing=True, raise_errors=False)
             raise closed_during_open(describe, unpinned)
@@ -99,32 +90,23 @@ class CloseGate:
         self, name: str, close: Callable[[], Steps[T]], *, closing: bool, stop_entry: Callable[[], None]
     ) -> Steps[T | None]:
         """Run ``close`` (an exit, or ``closing``: ``close()``) holding the gate, once another thread
-        that holds it lets go; None at once where this very thread holds it."""
-        driver = yield from self._take_to_close(name, closing=closing, stop_entry=stop_entry)
-        if driver is None:  # a signal handler, or another task of this thread's event loop
-            return None  # the entry or teardown in progress on this thread finishes the pool
-        try:
-            return (yield from close())
-        finally:
-            self.release(driver)
-
-    def _take_to_close(
-        self, name: str, *, closing: bool, stop_entry: Callable[[], None]
-    ) -> Generator[RunThreads, Ran, Driver | None]:
-        """The gate, taken to close: once another thread that holds it lets go (an entry is asked to
-        stop first); None when this very thread holds it."""
+        that holds it lets go (an entry is asked to stop first); None at once where this very thread
+        holds it: a signal handler, or another task of this thread's event loop, cannot wait for
+        itself, and the entry or teardown in progress on this thread finishes the pool."""
         if closing:
             self.close_requested = True  # before looking: an entry that ends now still sees it
-        while True:
-            driver, mine = self.take("close")
-            if mine:
-                return driver
-            if self.is_this_thread(driver):
-                return None
-            if driver.role == "enter":
-                if not closing:  # an exit (the end of a with block) of a pool whose entry has not returned
-                    raise PoolStateError(f"pool {name!r} is being entered on another thread: exit it once entered")
-                stop_entry()
-            ran = yield RunThreads(bodies=(driver.done.wait,), name=f"pinpool-{name}-close")
-            if ran.interrupts:
-                raise ran.interrupts[0]
+        mine = Driver(threading.get_ident(), "close")
+        try:
+            while (holder := self._held.setdefault("driver", mine)) is not mine:
+                if holder.thread == mine.thread:
+                    return None
+                if holder.role == "enter":
+                    if not closing:  # an exit (the end of a with block) of a pool whose entry has not returned
+                        raise PoolStateError(f"pool {name!r} is being entered on another thread: exit it once entered")
+                    stop_entry()
+                ran = yield RunThreads(bodies=(holder.done.wait,), name=f"pinpool-{name}-close")
+                if ran.interrupts:
+                    raise ran.interrupts[0]
+            return (yield from close())
+        finally:
+            self.release(mine)
