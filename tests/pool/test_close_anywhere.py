@@ -137,6 +137,30 @@ def test_close_racing_open_never_raises_and_leaves_nothing(background: bool) -> 
     assert closed_during > 0, "no close landed during open(): the race is not exercised"
 
 
+@needs_mlock
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_close_racing_open_of_a_real_mlock_pool_unlocks_everything(background: bool) -> None:
+    baseline = _libc.vm_locked_bytes()
+    for run in range(4):
+        pool = pool_of("mlock", background=background, size=64 * MiB, name=f"mlockrace{run}", unpin_workers=2)
+        result: list[object] = []
+
+        def open_it(pool: pinpool.PinnedPool = pool, result: list[object] = result) -> None:
+            try:
+                result.append(pool.open())
+            except BaseException as exc:
+                result.append(exc)
+
+        opener = threading.Thread(target=open_it)
+        opener.start()
+        time.sleep(0.001 * run)
+        join_all([*closers(pool, 2), opener])
+        assert [o[0:2] for o in pool.outcomes] == [("returned", None)] * 2, pool.outcomes  # type: ignore[attr-defined]
+        assert result[0] is pool or isinstance(result[0], PoolStateError), result
+        assert pool.state is PoolState.CLOSED and pool.registrations == ()
+        assert _libc.vm_locked_bytes() == baseline
+
+
 def test_a_close_during_open_stops_pinning_and_open_raises_a_pool_state_error() -> None:
     fake = FakeRuntime(register_delay=0.005)  # 64 chunks: 0.3 s; a close stops pinning within ~0.1 s
     pool = pool_of(fake, size=64 * MiB)
