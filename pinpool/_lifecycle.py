@@ -36,6 +36,7 @@ from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ._admission import PoolAdmission
+from ._close_gate import CloseGate
 from ._engine import PinSession
 from ._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnpinError
 from ._ledger import Phase, StopCause
@@ -45,6 +46,7 @@ from ._outcome import (
     Outcome,
     PoolState,
     check_move,
+    closed_during_open,
     decide,
     deliver_exit,
     kept_text,
@@ -140,7 +142,8 @@ class Lifecycle:
         self.error: BaseException | None = None  # why background pinning ended early (state FAILED)
         self.error_delivered = False  # a waiter (or pool.error) has handed it to the user
         self._lock = threading.RLock()
-        self._closed = threading.Event()  # set once CLOSED: a second close waits for the first
+        self._closed = threading.Event()  # set once CLOSED: an exit waits for the finalizer's teardown
+        self.gate = CloseGate()  # one caller at a time enters or closes; close() from anywhere
         self._pid: int | None = None  # the process that entered (a forked child lets go instead)
         self._driven = False  # a driver is running enter() or exit(): the finalizer keeps off
         self._handed_out = False  # the body was given the pool (ready, or background entered)
@@ -163,6 +166,9 @@ class Lifecycle:
     # -- enter ---------------------------------------------------------------------------------
 
     def enter(self) -> Steps[None]:
+        yield from self.gate.enter(self.name, self.describe, self._enter_gated, self.exit)
+
+    def _enter_gated(self) -> Steps[None]:
         with self._lock:
             if self.state is not PoolState.NEW:
                 raise PoolStateError(
@@ -197,11 +203,11 @@ class Lifecycle:
             raise
         self.memory, self.session = memory, session
         pinning = RunThreads(
-            bodies=(session.work,) * self.workers,
+            bodies=(session.work,) * self.plan.threads,  # pinning threads (each takes either role)
             name=f"pinpool-{self.name}",
             interruptible=True,
             on_interrupt=session.cancel,
-            on_tick=self._report_progress if self.on_progress else None,
+            on_tick=self._tick,
             on_started=session.go,
         )
         if self.background:
@@ -241,11 +247,6 @@ class Lifecycle:
         )  # fmt: skip
         return session
 
-    @property
-    def workers(self) -> int:
-        """Pinning threads (each takes either role)."""
-        return self.plan.threads
-
     def _close_empty(self) -> None:
         """Entry failed before anything was pinned (admission, mapping, or the session)."""
         self.pacing.release_slot()
@@ -267,7 +268,7 @@ class Lifecycle:
         pinned = phase is Phase.PINNED and interruption is None
         if pinned:
             try:
-                self._report_progress()  # the final 100%; raising from it stops like an interruption
+                self._tick()  # the final 100%; raising from it stops like an interruption
                 self.observer.pinned(nbytes=self.nbytes, chunks=len(session.ledger.chunks), seconds=session.pin_seconds)
                 assert self.memory is not None
                 if self.tensors is None:
@@ -275,6 +276,8 @@ class Lifecycle:
             except BaseException as exc:
                 interruption = exc
         with self._lock:
+            if interruption is None and not self.background and self.gate.close_requested:
+                interruption = closed_during_open(self.describe)  # rolled back and raised, as an interruption is
             outcome = decide(
                 interrupted=interruption is not None,
                 pinned=pinned,
@@ -410,16 +413,20 @@ class Lifecycle:
     def exit(
         self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
     ) -> Steps[BaseException | None]:
-        """Leave the pool: stop background pinning, unpin everything, close the books.
-
-        Idempotent: a pool already closed is left alone, and one being closed elsewhere is
-        waited for. ``closing`` (``pool.close()``): a pool never entered is closed too.
-        ``raise_errors=False`` (the destructor form): a pinning or unpinning error the user has
-        not seen is returned instead of raised (it is logged and counted all the same);
-        interruptions are always re-raised."""
+        """Leave the pool: stop background pinning, unpin everything, close the books. Idempotent,
+        from any thread (``_close_gate.py``); ``closing`` (``pool.close()``): a pool never entered is
+        closed too, one being entered stops, rolls back and raises. ``raise_errors=False`` (a
+        destructor): an unseen pinning or unpinning error is returned instead of raised (logged and
+        counted all the same); interruptions are always re-raised."""
         if self._pid is not None and os.getpid() != self._pid:
             self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
             return None
+        leave = functools.partial(self._leave, body_error, closing, raise_errors)
+        return (yield from self.gate.close(self.name, leave, closing=closing, stop_entry=self.pacing.cancel.set))
+
+    def _leave(
+        self, body_error: BaseException | None, closing: bool, raise_errors: bool
+    ) -> Steps[BaseException | None]:
         with self._lock:
             state = self.state
             if state is PoolState.CLOSED:
@@ -430,13 +437,11 @@ class Lifecycle:
                 self.source.release()
                 self._move(PoolState.CLOSED)
                 return None
-            if state is PoolState.PINNING and self._driven:
-                raise PoolStateError(f"pool {self.name!r} is being entered on another thread: close it once entered")
-            wait = state is PoolState.CLOSING or self._driven
+            wait = state is PoolState.CLOSING or self._driven  # the finalizer tears it down
             if not wait:
                 self._driven = True
-        if wait:  # another thread (or the finalizer) is closing it: done when that is
-            ran = yield RunThreads(bodies=(self._wait_closed,), name=f"pinpool-{self.name}-close")
+        if wait:
+            ran = yield RunThreads(bodies=(self._closed.wait,), name=f"pinpool-{self.name}-close")
             if ran.interrupts:
                 raise ran.interrupts[0]
             return None
@@ -456,9 +461,6 @@ class Lifecycle:
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
             self._driven = False
-
-    def _wait_closed(self) -> None:
-        self._closed.wait()
 
     def _let_go_in_child(self) -> None:
         """A forked child exits or closes its copy of the parent's pool: the registrations, the
@@ -544,8 +546,11 @@ class Lifecycle:
             return None
         return unpin_error(self.name, failures, leaked)
 
-    def _report_progress(self) -> None:
+    def _tick(self) -> None:
+        """About every 0.1 s while pinning, and at its end: the user's on_progress; a close() stops an entry."""
         session = self.session
+        if self.gate.close_requested and not self.background and session is not None:
+            session.stop(StopCause.CANCELLED)
         if self.on_progress is not None and session is not None:
             ledger = session.ledger
             self.on_progress(session.pipeline.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))

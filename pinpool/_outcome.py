@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Sequence
 
 from ._chunks import Chunk
-from ._errors import ChunkFailure, PinError, UnclosedPoolWarning, UnpinError
+from ._errors import ChunkFailure, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
 from ._ledger import StopCause
 from ._units import format_bytes
 
@@ -236,6 +236,17 @@ def admission_thread_error(describe: str, exc: BaseException) -> PinError:
         f"pinning {describe}: the node-pacing wait could not start a thread ({exc})", failures=(), leaked=()
     )
     error.__cause__ = exc
+    return error
+
+
+def closed_during_open(describe: str, unpinned: BaseException | None = None) -> PoolStateError:
+    """What ``open()`` / ``with`` raises when ``close()`` was called while the pool was being entered."""
+    error = PoolStateError(
+        f"{describe} was closed while it was being opened (pool.close() on another thread or from a "
+        "signal handler): pinning stopped and what it had pinned was unpinned; create a new PinnedPool to pin again"
+    )
+    if unpinned is not None:  # the close's own unpin failure (logged and counted as well)
+        error.add_note(f"pinpool: {unpinned}")
     return error
 
 

@@ -571,17 +571,21 @@ class PinnedPool:
         """Enter the pool and return it: for owners that hold a pool from a constructor to a
         destructor (a server's host KV pool) instead of a ``with`` block. Pair it with
         :meth:`close`; ``with`` / ``async with`` stay the recommended form. Same as ``__enter__``
-        (with ``background=True`` it returns once pinning has started)."""
+        (with ``background=True`` it returns once pinning has started). A :meth:`close` meanwhile
+        stops the pinning and rolls it back; ``open()`` then raises :class:`PoolStateError`."""
         drive_sync(self._lifecycle.enter())
         return self
 
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
         """Exit the pool: stop background pinning, unpin every chunk, let go of the memory.
 
-        May be called from any thread, and more than once: a closed pool is left alone, and a
-        close while another thread closes waits for that one. A pool never entered is closed
-        too. Afterwards the pool refers to none of the memory (a caller's tensor, its storage,
-        the views), so the caller may free it or close its mmap at once.
+        From any thread, at any moment, more than once; never :class:`PoolStateError`. A closed pool
+        is left alone, one never entered is closed. While another thread closes it (or enters it:
+        pinning stops and rolls back, and that entry raises), it waits and returns None. On the
+        thread already entering or closing it (a signal handler, ``loop.add_signal_handler``, another
+        task of the loop) it returns None at once: that entry or teardown finishes the job (see
+        docs/serving.md). Afterwards the pool refers to none of the memory (a caller's tensor, its
+        storage, the views), so the caller may free it or close its mmap at once.
 
         Raises :class:`UnpinError` when a chunk could not be unregistered (it stays pinned and
         mapped), or the unseen :class:`PinError` of a failed background pinning. A destructor

@@ -33,7 +33,7 @@ class RunThreads:
     about every 0.1 s while the threads run.
     """
 
-    bodies: tuple[Callable[[], None], ...]
+    bodies: tuple[Callable[[], object], ...]
     name: str
     interruptible: bool = False
     on_interrupt: Callable[[], None] = lambda: None

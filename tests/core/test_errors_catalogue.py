@@ -279,6 +279,24 @@ def entered_twice() -> None:
     enter(p)
 
 
+def closed_during_open() -> None:
+    # A close() on another thread while this one opens the pool (the second register waits for it).
+    fake = FakeRuntime()
+    p = pool(runtime=fake, **FOUR_CHUNKS)
+    closer = threading.Thread(target=p.close)
+
+    def first_register(op: str, ptr: int, nbytes: int) -> None:
+        if op == "register" and closer.ident is None:
+            closer.start()
+            closer.join(0.3)  # the close() waits for this entry: it asked it to stop, and this call ends it
+
+    fake.before_call = first_register
+    try:
+        p.open()
+    finally:
+        closer.join(10)
+
+
 def tensor_of_closed_pool() -> None:
     p = pool()
     enter(p)
@@ -464,6 +482,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         ),
         # while pinning, and the pool's state
         "entering a pool a second time": entered_twice,
+        "close() while the pool is being opened": closed_during_open,
         "pool.tensor after exit": tensor_of_closed_pool,
         "pin() of a tensor pinpool already pins": twice_pinned,
         "a registration fails": lambda: enter(pool(runtime=FakeRuntime(fail_register_on=2), **FOUR_CHUNKS)),

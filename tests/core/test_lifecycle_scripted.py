@@ -141,7 +141,7 @@ def pool_of(fake: FakeRuntime, logs: Events | None = None, **kw: Any) -> pinpool
     }  # fmt: skip
     options.update(kw)
     pool = pinpool.PinnedPool(**options)
-    assert pool._lifecycle.workers == 1
+    assert pool._lifecycle.plan.threads == 1
     return pool
 
 
@@ -511,18 +511,49 @@ def test_an_entry_whose_memory_cannot_be_had_closes_and_a_forked_child_has_nothi
     assert drive(life.exit(None)) is None and life.state is PoolState.CLOSED
 
 
+def on_another_thread(call: Callable[[], object]) -> object:
+    """What ``call`` returned or raised, run on a thread of its own."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    assert out, "it did not return"
+    return out[0]
+
+
 def test_exit_while_another_thread_enters_is_refused() -> None:
     fake = FakeRuntime()
     life = pool_of(fake)._lifecycle
 
     def exit_meanwhile(step: Step) -> Ran:
-        with pytest.raises(PoolStateError, match="being entered on another thread"):
-            drive(life.exit(None))
+        refused = on_another_thread(lambda: drive(life.exit(None)))
+        assert isinstance(refused, PoolStateError) and "being entered on another thread" in str(refused)
         return inline(step)
 
     drive(life.enter(), exit_meanwhile)
     assert life.state is PoolState.READY
     drive(life.exit(None))
+
+
+def test_a_close_on_the_entering_thread_returns_at_once_and_the_entry_rolls_back_and_raises() -> None:
+    fake = FakeRuntime()
+    life = pool_of(fake)._lifecycle
+    returned: list[object] = []
+
+    def close_meanwhile(step: Step) -> Ran:  # a signal handler's close() while this thread pins
+        returned.append(drive(life.exit(None, closing=True)))
+        return inline(step)
+
+    with pytest.raises(PoolStateError, match="closed while it was being opened"):
+        drive(life.enter(), close_meanwhile)
+    assert returned == [None] and life.state is PoolState.CLOSED and fake.registered == {}
 
 
 def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raised() -> None:
@@ -534,8 +565,11 @@ def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raise
 
     def teardown_raced(step: Step) -> Ran:
         assert life.state is PoolState.CLOSING
-        with pytest.raises(KeyboardInterrupt):  # the second close's wait is interrupted: raised, nothing undone
-            drive(life.exit(None), report(Ran(interrupts=[KeyboardInterrupt()])))
+        # On this very thread (a signal handler) a close cannot wait for itself: it returns at once.
+        assert drive(life.exit(None, closing=True)) is None and life.state is PoolState.CLOSING
+        # The second close's wait is interrupted: raised, nothing undone.
+        interrupted = on_another_thread(lambda: drive(life.exit(None), report(Ran(interrupts=[KeyboardInterrupt()]))))
+        assert isinstance(interrupted, KeyboardInterrupt)
         # A second close on another thread waits until the first one closed the pool.
         waiter = threading.Thread(target=lambda: returned.append(drive(life.exit(None, closing=True))))
         waiter.start()
