@@ -36,6 +36,7 @@ from ._plan import BufferPlan, PoolPlan, plan_pool
 from ._pool_memory import PoolMemory, TensorLayout, check_memory_source
 from ._preflight import placement_checks, raise_first
 from ._shared import SharedMemory
+from ._steps import Steps
 from ._units import format_bytes, parse_size
 from .layouts import Layout
 from .runtimes import Runtime, capabilities_of, resolve_runtime
@@ -545,7 +546,7 @@ class PinnedPool:
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 
     async def __aenter__(self) -> PinnedPool:
-        await drive_async(self._lifecycle.enter())
+        await drive_async(self._lifecycle.enter(), undo=self._undo_entry)
         return self
 
     async def __aexit__(
@@ -558,8 +559,12 @@ class PinnedPool:
             return
         await drive_async(self._lifecycle.exit(exc))
 
+    def _undo_entry(self) -> Steps[BaseException | None]:
+        """A Ctrl-C deferred until entry completed: the caller never gets the pool, so it is exited."""
+        return self._lifecycle.exit(None)
+
     def __enter__(self) -> PinnedPool:
-        drive_sync(self._lifecycle.enter())
+        drive_sync(self._lifecycle.enter(), undo=self._undo_entry)
         return self
 
     def __exit__(
