@@ -296,6 +296,8 @@ def _stop_running() -> None:
 
 @protected
 def finalize_lifecycle(lifecycle: object) -> None:
-    """A pool's finalizer: run its lifecycle's ``finalize`` sequence inline (no threads)."""
-    with guard():
+    """A pool's finalizer: run its lifecycle's ``finalize`` sequence inline (no threads). A Ctrl-C
+    landing in it is deferred until the unpinning is done, then ignored, as Python ignores any
+    exception raised in a finalizer (inside a driver, the driver delivers it)."""
+    with guard(drop=True):
         drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]

@@ -104,6 +104,11 @@ class guard:
 
     installed = False
 
+    def __init__(self, *, drop: bool = False) -> None:
+        # drop: a signal deferred until the outermost guard ends is dropped, not replayed (a
+        # finalizer: Python ignores what one raises, and would print it as "Exception ignored").
+        self.drop = drop
+
     def __enter__(self) -> None:
         self.installed = _install()
 
@@ -112,7 +117,7 @@ class guard:
             return
         if kind is not None and issubclass(kind, KeyboardInterrupt):
             _Guard.pending = 0
-        _leave()
+        _leave(drop=self.drop)
 
 
 def _install() -> bool:
@@ -138,10 +143,12 @@ def _install() -> bool:
     return True
 
 
-def _leave() -> None:
+def _leave(*, drop: bool = False) -> None:
     _Guard.depth -= 1
     if _Guard.depth:
-        return
+        return  # a signal deferred meanwhile stays for the outer guard
+    if drop:
+        _Guard.pending = 0
     previous = _Guard.previous
     if signal.getsignal(signal.SIGINT) is _handler and previous is not None:
         signal.signal(signal.SIGINT, previous)
