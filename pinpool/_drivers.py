@@ -11,6 +11,13 @@ those bodies on tracked threads and wait for *every one* of them, whatever arriv
 * waiting goes on, shielded from anyio cancellation and absorbing native cancellations,
   until every thread is done. The lifecycle re-raises the interruption once its books are
   closed.
+
+A Ctrl-C never lands inside a driver's own book-keeping: each driver runs under
+:func:`pinpool._ki.guard` and is :func:`~pinpool._ki.protected`, so a SIGINT is deferred
+everywhere except at the safe point, the wait for pinning threads (which stops pinning), and is
+replayed there or when the driver is done. An entry that completes with a Ctrl-C deferred is
+undone (``undo``: the pool is exited) before the ``KeyboardInterrupt`` is raised: a ``with``
+statement whose ``__enter__`` raises never calls ``__exit__``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import TypeVar
 import anyio
 import anyio.lowlevel
 
+from ._ki import guard, protected, replay, safe
 from ._steps import Detach, Ran, RunThreads, Step
 from ._threads import PROGRESS_INTERVAL_SECONDS, Threads
 
@@ -103,18 +111,38 @@ def run_sync(step: Step) -> Ran:
     threads, ran, interrupted = _launch(step)
     while True:
         try:
-            threads.wait(on_tick=step.on_tick if step.interruptible and not ran.interrupts else None)
+            if step.interruptible and not ran.interrupts:
+                _wait_interruptibly(threads, step.on_tick)
+            else:
+                threads.wait()
             break
         except BaseException as exc:
             interrupted(exc)
     return _finish(step, threads, ran)
 
 
-def drive_sync(lifecycle: Lifecycle[T]) -> T:
-    """Run a lifecycle on the calling thread."""
-    return _drive(lifecycle, run_sync)
+@safe
+def _wait_interruptibly(threads: Threads, on_tick: Callable[[], object] | None) -> None:
+    replay()  # a Ctrl-C deferred while the step was launched stops it now
+    threads.wait(on_tick=on_tick)
 
 
+@protected
+def drive_sync(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
+    """Run a lifecycle on the calling thread. ``undo``: what undoes it if a Ctrl-C was deferred
+    until it completed (entry: the exit)."""
+    with guard():
+        result = _drive(lifecycle, run_sync)
+        try:
+            replay()
+        except BaseException:
+            if undo is not None:
+                _drive(undo(), run_sync)
+            raise
+        return result
+
+
+@protected
 def drive_inline(lifecycle: Lifecycle[T]) -> T:
     """Run a lifecycle with no threads at all (the finalizer: at interpreter exit none can be started)."""
 
@@ -158,6 +186,8 @@ async def run_async(step: Step) -> Ran:
     while not threads.done:
         shielded = bool(ran.interrupts) or not step.interruptible
         try:
+            if not shielded:
+                replay()  # a Ctrl-C deferred while the step was launched stops it now
             with anyio.CancelScope(shield=shielded):
                 await anyio.sleep(delay)
             delay = min(delay * 2, ASYNC_POLL_SECONDS)
@@ -175,8 +205,23 @@ async def run_async(step: Step) -> Ran:
     return _finish(step, threads, ran)
 
 
-async def drive_async(lifecycle: Lifecycle[T]) -> T:
-    """Run a lifecycle from a task of an anyio event loop (asyncio or trio)."""
+@protected
+async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
+    """Run a lifecycle from a task of an anyio event loop (asyncio or trio); ``undo`` as for
+    :func:`drive_sync`. While it awaits, a Ctrl-C goes to the loop's own handler (its frames are
+    not on the stack then): asyncio.run cancels the main task, trio raises at a checkpoint."""
+    with guard():
+        result = await _drive_async(lifecycle)
+        try:
+            replay()  # under asyncio.run this cancels the task instead: the body's first await sees it
+        except BaseException:
+            if undo is not None:
+                await _drive_async(undo())
+            raise
+        return result
+
+
+async def _drive_async(lifecycle: Lifecycle[T]) -> T:
     try:
         step = next(lifecycle)
         while True:
@@ -249,6 +294,10 @@ def _stop_running() -> None:
             pass
 
 
+@protected
 def finalize_lifecycle(lifecycle: object) -> None:
-    """A pool's finalizer: run its lifecycle's ``finalize`` sequence inline (no threads)."""
-    drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]
+    """A pool's finalizer: run its lifecycle's ``finalize`` sequence inline (no threads). A Ctrl-C
+    landing in it is deferred until the unpinning is done, then ignored, as Python ignores any
+    exception raised in a finalizer (inside a driver, the driver delivers it)."""
+    with guard(drop=True):
+        drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]

@@ -36,6 +36,7 @@ from ._plan import BufferPlan, PoolPlan, plan_pool
 from ._pool_memory import PoolMemory, TensorLayout, check_memory_source
 from ._preflight import placement_checks, raise_first
 from ._shared import SharedMemory
+from ._steps import Steps
 from ._units import format_bytes, parse_size
 from .layouts import Layout
 from .runtimes import Runtime, capabilities_of, resolve_runtime
@@ -545,7 +546,7 @@ class PinnedPool:
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 
     async def __aenter__(self) -> PinnedPool:
-        await drive_async(self._lifecycle.enter())
+        await drive_async(self._lifecycle.enter(), undo=self._undo_entry)
         return self
 
     async def __aexit__(
@@ -558,8 +559,12 @@ class PinnedPool:
             return
         await drive_async(self._lifecycle.exit(exc))
 
+    def _undo_entry(self) -> Steps[BaseException | None]:
+        """A Ctrl-C deferred until entry completed: the caller never gets the pool, so it is exited."""
+        return self._lifecycle.exit(None)
+
     def __enter__(self) -> PinnedPool:
-        drive_sync(self._lifecycle.enter())
+        drive_sync(self._lifecycle.enter(), undo=self._undo_entry)
         return self
 
     def __exit__(
@@ -573,8 +578,7 @@ class PinnedPool:
         :meth:`close`; ``with`` / ``async with`` stay the recommended form. Same as ``__enter__``
         (with ``background=True`` it returns once pinning has started). A :meth:`close` meanwhile
         stops the pinning and rolls it back; ``open()`` then raises :class:`PoolStateError`."""
-        drive_sync(self._lifecycle.enter())
-        return self
+        return self.__enter__()
 
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
         """Exit the pool: stop background pinning, unpin every chunk, let go of the memory.

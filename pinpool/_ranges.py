@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 
 
@@ -11,22 +12,31 @@ class RangeBook:
 
     Bases are kept sorted, so an overlap check is a bisection, not a scan: a pool of 100k
     chunks must not cost O(n²) in bookkeeping. Thread-safe.
+
+    Every change is one store (an insertion or deletion of one entry, or the swap of a whole new
+    list), so an exception that lands between two statements (a Ctrl-C outside a driver's guard,
+    a MemoryError) leaves the book as it was before or after, never half-changed: a base without
+    its size once made every later pool in the process fail with ``KeyError``.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._bases: list[int] = []
-        self._sizes: dict[int, int] = {}
-        self._groups: dict[int, tuple[int, ...]] = {}  # the first base of a group → all its bases
+        # (base, size, group) sorted by base; group: every base of a range set recorded by add_all
+        # (on its first base; () elsewhere), so pop(first) removes the set whole.
+        self._ranges: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def _find(self, ptr: int) -> int:
+        """The index of the entry whose base is ``ptr``, or -1."""
+        i = bisect.bisect_left(self._ranges, (ptr,))
+        return i if i < len(self._ranges) and self._ranges[i][0] == ptr else -1
 
     def _overlap(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
-        i = bisect.bisect_right(self._bases, ptr)
-        if i and self._bases[i - 1] + self._sizes[self._bases[i - 1]] > ptr:
-            base = self._bases[i - 1]
-            return base, self._sizes[base]
-        if i < len(self._bases) and self._bases[i] < ptr + max(nbytes, 1):
-            base = self._bases[i]
-            return base, self._sizes[base]
+        ranges = self._ranges
+        i = bisect.bisect_right(ranges, (ptr, math.inf))
+        if i and ranges[i - 1][0] + ranges[i - 1][1] > ptr:
+            return ranges[i - 1][0], ranges[i - 1][1]
+        if i < len(ranges) and ranges[i][0] < ptr + max(nbytes, 1):
+            return ranges[i][0], ranges[i][1]
         return None
 
     def add(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
@@ -34,8 +44,7 @@ class RangeBook:
         with self._lock:
             overlap = self._overlap(ptr, nbytes)
             if overlap is None:
-                bisect.insort(self._bases, ptr)
-                self._sizes[ptr] = nbytes
+                bisect.insort(self._ranges, (ptr, nbytes, ()))
             return overlap
 
     def add_all(self, ranges: list[tuple[int, int]]) -> tuple[int, int] | None:
@@ -47,32 +56,36 @@ class RangeBook:
                 overlap = self._overlap(ptr, nbytes)
                 if overlap is not None:
                     return overlap
-            for ptr, nbytes in ranges:
-                bisect.insort(self._bases, ptr)
-                self._sizes[ptr] = nbytes
-            if len(ranges) > 1:
-                self._groups[ranges[0][0]] = tuple(ptr for ptr, _ in ranges)
+            group = tuple(ptr for ptr, _ in ranges) if len(ranges) > 1 else ()
+            entries = [(ptr, nbytes, group if i == 0 else ()) for i, (ptr, nbytes) in enumerate(ranges)]
+            self._ranges = sorted(self._ranges + entries)
             return None
 
     def pop(self, ptr: int) -> int | None:
         """Forget the range (or the group recorded by :meth:`add_all`) at ``ptr``; its bytes, or None."""
         with self._lock:
-            total = None
-            for base in self._groups.pop(ptr, (ptr,)):
-                nbytes = self._sizes.pop(base, None)
-                if nbytes is not None:
-                    del self._bases[bisect.bisect_left(self._bases, base)]
-                    total = (total or 0) + nbytes
+            i = self._find(ptr)
+            if i < 0:
+                return None
+            _, nbytes, group = self._ranges[i]
+            if not group:
+                del self._ranges[i]
+                return nbytes
+            members = set(group)
+            kept = [entry for entry in self._ranges if entry[0] not in members]
+            total = sum(entry[1] for entry in self._ranges if entry[0] in members)
+            self._ranges = kept
             return total
 
     def get(self, ptr: int) -> int | None:
         """The size of the range whose base is ``ptr``, or None."""
         with self._lock:
-            return self._sizes.get(ptr)
+            i = self._find(ptr)
+            return None if i < 0 else self._ranges[i][1]
 
     def snapshot(self) -> dict[int, int]:
         with self._lock:
-            return dict(self._sizes)
+            return {base: nbytes for base, nbytes, _ in self._ranges}
 
 
 # Ranges pinned by pinpool in this process (pools and pinned tensors), so none is pinned twice.

@@ -18,7 +18,7 @@ import anyio.lowlevel
 import pytest
 
 import pinpool
-from pinpool import layouts
+from pinpool import _ki, layouts
 from pinpool._memory import HostMapping
 from pinpool.testing import FakeRuntime
 
@@ -37,7 +37,8 @@ class CtrlC:
     default) before it runs. The call then waits until the main thread has taken the interrupt,
     so it lands in that call's step however loaded the machine is: a timer's fixed delay did not
     (under parallel workers a late one fired after the pool was done, outside pytest.raises, and
-    ended the whole run). ``taken`` counts the interrupts the main thread took."""
+    ended the whole run). ``taken`` counts the interrupts the main thread's handler took; one that
+    lands in pinpool's own code is deferred by it (``pinpool._ki``) and counts as landed then."""
 
     def __init__(self, fake: FakeRuntime, at: set[tuple[str, int]], send: Callable[[], None] | None = None) -> None:
         main = threading.main_thread().ident
@@ -58,9 +59,12 @@ class CtrlC:
             n = self._calls[op] = self._calls.get(op, 0) + 1
         if (op, n) in self.at:
             self._landed.clear()
+            deferred = _ki._Guard.pending
             self.send()
             if threading.current_thread() is not threading.main_thread():
-                assert self._landed.wait(30), f"the main thread did not take the Ctrl-C sent from {op} #{n}"
+                deadline = time.monotonic() + 30
+                while not self._landed.wait(0.001) and _ki._Guard.pending <= deferred:
+                    assert time.monotonic() < deadline, f"the main thread did not take the Ctrl-C sent from {op} #{n}"
 
     def __enter__(self) -> CtrlC:
         self._old = signal.signal(signal.SIGINT, self._handler)
@@ -514,7 +518,7 @@ def test_second_interrupt_during_rollback_does_not_skip_it() -> None:
     with CtrlC(fake, {("register", 10), ("unregister", 1), ("unregister", 3)}) as ctrl_c:
         with pytest.raises(KeyboardInterrupt), pool:
             pytest.fail("body must not run")
-    assert ctrl_c.taken == 3
+    assert ctrl_c.taken == 1  # the rollback's two were deferred, then merged into the one raised
     assert_rolled_back(fake)
     assert pool.pinned_bytes == 0
 

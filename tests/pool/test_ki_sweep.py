@@ -1,0 +1,271 @@
+"""A Ctrl-C on every line: a deterministic sweep over pinpool's main-thread code.
+
+For each scenario (a pool's whole life: enter, pin, body, teardown; foreground and background;
+the sync, asyncio and trio drivers; ``open()``/``close()``; ``pinpool.pin()``; a pool over a
+``SharedMemory`` it creates) a first run counts N ``line`` events of pinpool's own code on the
+main thread (``sys.settrace``; worker threads are not traced, Python never delivers a signal
+there). Then, for k in a sample of 1..N (every k with ``PINPOOL_KI_SWEEP=all``), the life is run
+again and at the k-th event the trace function sends a **real SIGINT** (``signal.raise_signal``:
+the Python handler runs right there, as it would if Ctrl-C arrived at that line). Afterwards:
+
+* the run completed or a ``KeyboardInterrupt`` came out (never another error); in the sync and
+  trio scenarios a sent Ctrl-C always comes out (a deferred one is replayed, never lost), unless
+  it landed in the finalizer of an earlier pool that the garbage collector ran meanwhile (its
+  unpinning finishes, then the Ctrl-C is ignored, as Python ignores any exception a finalizer
+  raises);
+* SIGINT's handler is Python's own again and nothing is left deferred;
+* ``close()`` from another thread returns (within 10 s, without an error);
+* then nothing is registered in the runtime, no range is claimed, and ``PINNED_RANGES`` holds
+  disjoint ranges (a Ctrl-C landing after ``__enter__`` has put the handler back,
+  on its last lines, leaves a ready pool that the ``with`` statement never exits: like any pool
+  not exited, ``close()`` unpins it, or its finalizer once it is collected);
+* no pinpool thread is alive, and a new pool in the same process pins and unpins.
+
+What this proves: a real Ctrl-C at any line of pinpool's main-thread code leaves nothing behind.
+It does not model an *exception* raised at an arbitrary line inside a driver's guarded code (the
+guard defers signals, not exceptions): raising ``KeyboardInterrupt`` from the trace function there
+would model a bug, not a Ctrl-C. Where the guard is not installed (before it, after it, in the
+safe wait) a raised exception and a real signal are the same thing, so this sweep covers them.
+The process-wide book's own atomicity against an exception between two statements is tested
+with a raise from the trace function in ``test_range_book.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import pinpool
+from pinpool import _ki
+from pinpool._drivers import finalize_lifecycle
+from pinpool._ranges import PINNED_RANGES
+from pinpool.testing import FakeRuntime
+
+KiB = 1 << 10
+CHUNK = 64 * KiB
+CHUNKS = 8
+PACKAGE = os.path.dirname(pinpool.__file__) + os.sep
+ALL = os.environ.get("PINPOOL_KI_SWEEP") == "all"
+SAMPLES = 30  # per scenario in the default run (./dev test); every k with PINPOOL_KI_SWEEP=all
+
+
+class Trace:
+    """Counts line events in pinpool's code; at the ``at``-th, sends a real SIGINT (once)."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self.count = 0
+        self.fired = False
+        self.in_finalizer = False  # the Ctrl-C landed in a pool's finalizer, run by gc outside any driver
+
+    def calls(self, frame: FrameType, event: str, arg: object) -> Any:
+        return self.lines if frame.f_code.co_filename.startswith(PACKAGE) else None
+
+    def lines(self, frame: FrameType, event: str, arg: object) -> Any:
+        if event == "line":
+            self.count += 1
+            if self.count == self.at:
+                self.fired = True
+                self.in_finalizer = _ki._Guard.depth == 0 and in_finalizer(frame)
+                signal.raise_signal(signal.SIGINT)  # our handler defers it, or Python's raises here
+        return self.lines
+
+
+def in_finalizer(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code is finalize_lifecycle.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def small_pool(runtime: FakeRuntime, **options: Any) -> pinpool.PinnedPool:
+    return pinpool.PinnedPool(
+        size=CHUNKS * CHUNK, chunk_bytes=CHUNK, runtime=runtime, registry=None, register_workers=2,
+        populate_workers=2, unpin_workers=2, **options,
+    )  # fmt: skip
+
+
+# -- the lives: build what is not traced (options, plan), then run the traced part ----------------
+
+
+def life_sync(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+    pool = small_pool(runtime, background=background)
+    pools.append(pool)
+
+    def run() -> None:
+        with pool:
+            if background:
+                pool.wait_ready_sync()
+            pool.tensor[:1].fill_(1)
+
+    return run
+
+
+def life_open_close(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+    pool = small_pool(runtime, background=background)
+    pools.append(pool)
+
+    def run() -> None:
+        pool.open()
+        pool.close()
+
+    return run
+
+
+def life_async(backend: str) -> Callable[[list[pinpool.PinnedPool], FakeRuntime, bool], Callable[[], None]]:
+    def life(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+        pool = small_pool(runtime, background=background)
+        pools.append(pool)
+
+        async def body() -> None:
+            async with pool:
+                if background:
+                    await pool.wait_ready()
+                pool.tensor[:1].fill_(1)
+
+        if backend == "trio":
+            return lambda: trio.run(body)
+        return lambda: asyncio.run(body())
+
+    return life
+
+
+def life_pin(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+    tensor = pinpool.empty(CHUNKS * CHUNK, dtype=torch.uint8)
+    pool = pinpool.pin(tensor, runtime=runtime, registry=None, chunk_bytes=CHUNK, background=background)
+    pools.append(pool)
+
+    def run() -> None:
+        with pool:
+            if background:
+                pool.wait_ready_sync()
+            pool.tensor[:1].fill_(1)
+
+    return run
+
+
+def life_shared(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+    where = Path(tempfile.mkdtemp(prefix="pinpool-ki-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    shared = pinpool.SharedMemory(where / "kv")
+    pool = small_pool(runtime, background=background, memory=shared)
+    pools.append(pool)
+
+    def run() -> None:
+        with pool:
+            if background:
+                pool.wait_ready_sync()
+            pool.tensor[:1].fill_(1)
+
+    return run
+
+
+SCENARIOS: dict[str, tuple[Callable[..., Callable[[], None]], bool]] = {
+    "sync": (life_sync, False),
+    "sync-background": (life_sync, True),
+    "open-close": (life_open_close, False),
+    "open-close-background": (life_open_close, True),
+    "asyncio": (life_async("asyncio"), False),
+    "asyncio-background": (life_async("asyncio"), True),
+    "trio": (life_async("trio"), False),
+    "trio-background": (life_async("trio"), True),
+    "pin": (life_pin, False),
+    "pin-background": (life_pin, True),
+    "shared-memory": (life_shared, False),
+}
+
+
+def pinpool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("pinpool-")]
+
+
+def run_once(scenario: str, at: int) -> tuple[Trace, BaseException | None]:
+    """One traced life with a Ctrl-C at line event ``at`` (0: none), then every check."""
+    make, background = SCENARIOS[scenario]
+    runtime = FakeRuntime()
+    pools: list[pinpool.PinnedPool] = []
+    claims_before = PINNED_RANGES.snapshot()
+    run = make(pools, runtime, background)
+    trace = Trace(at)
+    outcome: BaseException | None = None
+    sys.settrace(trace.calls)
+    try:
+        run()
+    except BaseException as exc:
+        outcome = exc
+    finally:
+        sys.settrace(None)
+    where = f"{scenario}, Ctrl-C at line event {at} of {trace.count}"
+    assert outcome is None or isinstance(outcome, KeyboardInterrupt), f"{where}: {outcome!r}"
+    # asyncio.run may absorb a late cancel; a finalizer's Ctrl-C is ignored, as Python ignores what one raises
+    if trace.fired and not scenario.startswith("asyncio") and not trace.in_finalizer:
+        assert isinstance(outcome, KeyboardInterrupt), f"{where}: the Ctrl-C was lost"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, where
+    assert _ki._Guard.depth == 0 and _ki._Guard.pending == 0, where
+
+    errors: list[BaseException] = []
+
+    def close_all() -> None:
+        for pool in pools:
+            try:
+                pool.close()
+            except BaseException as exc:
+                errors.append(exc)
+
+    closer = threading.Thread(target=close_all, name="ki-sweep-close")
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), f"{where}: close() from another thread hangs"
+    assert errors == [], f"{where}: close() raised {errors!r}"
+    assert runtime.registered == {}, f"{where}: left registered"
+    assert PINNED_RANGES.snapshot() == claims_before, f"{where}: a range claim left behind"
+    ranges = sorted(PINNED_RANGES.snapshot().items())
+    assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(ranges)), where
+    deadline = time.monotonic() + 5
+    while pinpool_threads() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert pinpool_threads() == [], f"{where}: a pinpool thread is still alive"
+    return trace, outcome
+
+
+def a_new_pool_works() -> None:
+    runtime = FakeRuntime()
+    pool = pinpool.PinnedPool(size=2 * CHUNK, chunk_bytes=CHUNK, runtime=runtime, registry=None, populate_workers=1)
+    with pool:
+        assert runtime.registered and pool.pinned_pages == pool.num_pages
+    assert runtime.registered == {}
+
+
+def sample(n: int, scenario: str) -> list[int]:
+    if ALL or n <= SAMPLES:
+        return list(range(1, n + 1))
+    picked = set(random.Random(f"{scenario}-{n}").sample(range(1, n + 1), SAMPLES - 2))
+    return sorted(picked | {1, n})
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_a_ctrl_c_on_any_line_leaves_nothing_behind(scenario: str) -> None:
+    counted, outcome = run_once(scenario, at=0)
+    assert outcome is None and counted.count > 50, counted.count  # the life ran, and was traced
+    ks = sample(counted.count, scenario)
+    fired = 0
+    for k in ks:
+        trace, _ = run_once(scenario, at=k)
+        fired += trace.fired  # not when this run's life was shorter (its waits poll): it completed
+        a_new_pool_works()
+    assert fired >= 0.9 * len(ks), (fired, len(ks))
