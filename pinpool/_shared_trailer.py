@@ -325,8 +325,8 @@ def read_field(fd: int, file_bytes: int, at: int, size: int, where: str) -> byte
 def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
     """Write ``data`` at ``at`` of the trailer after checking the file's size: ``pwrite`` on tmpfs
     and memfds (a truncation is a :class:`ConfigError`, never SIGBUS); hugetlbfs files cannot be
-    written, so there through a mapping of the trailer's page, right after the check (a truncation
-    in the microseconds between the two is the one SIGBUS left, see docs/shared-memory.md)."""
+    written, so there through a mapping of the trailer's page, stored through ``/proc/self/mem``
+    (a truncation since the check is EIO there, never SIGBUS)."""
     _checked_size(fd, file_bytes, where)
     store(fd, file_bytes, at, data, where, page_size=page_size)
 
@@ -342,9 +342,29 @@ def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_si
     if err:
         raise ConfigError(f"shared memory {where}: mapping its trailer failed: {_libc.errno_name(err)}")
     try:
-        ctypes.memmove(address + page_size - TRAILER_BYTES + at, data, len(data))
+        _write_mapped(address + page_size - TRAILER_BYTES + at, data, where)
     finally:
         _libc.munmap(address, page_size)
+
+
+def _write_mapped(address: int, data: bytes, where: str) -> None:
+    """Store into our own mapping through ``/proc/self/mem``: the kernel answers a page beyond the
+    file's end (another process truncated it since the size check) with EIO, not SIGBUS. Where
+    ``/proc`` is not there or is closed to us, a plain store (the one SIGBUS window left)."""
+    try:
+        mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        ctypes.memmove(address, data, len(data))
+        return
+    try:
+        os.pwrite(mem, data, address)
+    except OSError as exc:
+        raise ConfigError(
+            f"shared memory {where}: its trailer's page is gone ({_libc.errno_name(exc.errno or 0)}): another "
+            "process truncated or resized the file; remove it and create the region again"
+        ) from None
+    finally:
+        os.close(mem)
 
 
 def _check_generation(value: object) -> int:

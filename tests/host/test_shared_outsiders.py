@@ -164,6 +164,32 @@ def test_a_region_truncated_by_another_process_is_a_config_error_not_sigbus(shm_
     assert "FAILURES [] REGION None" in done.stdout, done.stdout + done.stderr[-2000:]
 
 
+MAPPED_STORE = """
+import os, sys
+from pinpool import ConfigError
+from pinpool._shared_trailer import TRAILER_BYTES, store
+path, huge = sys.argv[1], 2 << 20
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 2 * huge)
+store(fd, 2 * huge, 0, b"generation", "kv", page_size=huge)  # a mapped store, as on hugetlbfs
+assert os.pread(fd, 10, 2 * huge - TRAILER_BYTES) == b"generation"
+os.ftruncate(fd, huge)  # another process, between the size check and the store
+try:
+    store(fd, 2 * huge, 0, b"generation", "kv", page_size=huge)
+except ConfigError as exc:
+    print("REFUSED", exc, flush=True)
+"""
+
+
+def test_a_store_through_the_trailers_mapping_after_a_truncation_is_a_config_error_not_sigbus(shm_dir: Path) -> None:
+    """hugetlbfs files cannot be written with pwrite, so the generation is stored through a mapping of
+    the trailer's page (here on tmpfs, with a 2 MiB page as hugetlbfs has): through /proc/self/mem a
+    page the file no longer has is EIO, where a plain store was SIGBUS."""
+    done = run_child(MAPPED_STORE, str(shm_dir / "kv"))
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7 was SIGBUS
+    assert "REFUSED" in done.stdout and "truncated or resized" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
 POOL_TRUNCATED = """
 import os, sys
 import pinpool
