@@ -28,7 +28,7 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
 @needs_mlock
 def test_bench_measures_both_configurations_with_and_without_a_quota(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    result = bench("--size", "512MiB", "--reps", "1", "--idle-seconds", "0.5", "--json", str(out))
+    result = bench("--size", "256MiB", "--reps", "1", "--idle-seconds", "0.25", "--json", str(out))
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     cpus = len(os.sched_getaffinity(0))
@@ -39,7 +39,7 @@ def test_bench_measures_both_configurations_with_and_without_a_quota(tmp_path: P
         assert set(runs) == {"today", "default"}
         for run in runs.values():
             assert run["idle_n"] > 0 and run["pin_n"] >= 0 and run["pin_seconds"] > 0 and run["idle_p99_ms"] > 0
-        assert runs["today"]["workers"][0] == min(cpus, 2)  # one per CPU (2 at most: 512 MiB, by size)
+        assert runs["today"]["workers"][0] == min(cpus, 2)  # one per CPU (2 at most: 256 MiB, by size)
         if where == "cgroup":  # a 1-CPU quota: one worker, and the cgroup's counters were read
             assert runs["default"]["workers"][:2] == [1, 1] and runs["default"]["throttled"] is not None
         else:  # the budget less the CPU left to the server
