@@ -63,7 +63,10 @@ CASES = {
                 await asyncio.sleep(3600)
         loop = asyncio.new_event_loop()
         task = loop.create_task(hold())
-        loop.run_until_complete(asyncio.sleep(0.5))
+        for _ in range(1200):  # until the body is reached (a loaded machine pins 256 MiB slowly)
+            loop.run_until_complete(asyncio.sleep(0.05))
+            if pool.state is pinpool.PoolState.READY:
+                break
         assert pool.state is pinpool.PoolState.READY and vmlck() >= 256 * 1024
         # exits with the task suspended inside the body and the loop never closed
     """,

@@ -1,6 +1,6 @@
 """Finding 1 (issue 23): a Ctrl-C as teardown starts, with the real mlock runtime, in a child process.
 
-The child pins 64 MiB (8 chunks) with ``with``, and in the body arms a trace that sends a real
+The child pins 16 MiB (8 chunks) with ``with``, and in the body arms a trace that sends a real
 SIGINT (``signal.raise_signal``) at the n-th line event of pinpool's code once the ``with``
 block's exit has begun (n = 1..LINES: the exit's first lines, ``Lifecycle.exit``, the state move,
 ``begin_teardown``). Before the fix the exit raised ``KeyboardInterrupt`` with the pool left
@@ -46,11 +46,11 @@ CHILD = textwrap.dedent(
     def once():
         global count
         count = 0
-        pool = pinpool.PinnedPool(size="64MiB", chunk_bytes="8MiB", runtime="mlock", registry=None, unpin_workers=2)
+        pool = pinpool.PinnedPool(size="16MiB", chunk_bytes="2MiB", runtime="mlock", registry=None, unpin_workers=2)
         caught = "-"
         try:
             with pool:
-                assert _libc.vm_locked_bytes() >= 64 << 20
+                assert _libc.vm_locked_bytes() >= 16 << 20
                 sys.settrace(calls)  # the next pinpool line is the exit's first
         except KeyboardInterrupt:
             caught = "KeyboardInterrupt"
