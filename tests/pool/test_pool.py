@@ -206,7 +206,8 @@ async def test_rollback_that_cannot_unregister_reports_leaked() -> None:
 @each_driver
 async def test_unregister_failure_at_exit_raises_unpin_error(mode: str) -> None:
     fake = FakeRuntime(fail_unregister_on=2)
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
+    # one unpin worker: unpinning goes in reverse, so the second call is chunk 2's
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1, unpin_workers=1)
     with pytest.raises(pinpool.UnpinError) as info:
         await pin_and_run(pool, mode)
     assert info.value.leaked == (pinpool.Chunk(2 * MiB, MiB),)
