@@ -35,13 +35,12 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ._memlimits import _read, _to_int
+from ._memlimits import _read, _to_int, cgroup_paths
 
 __all__ = ["CpuQuota", "cpu_budget", "read_cpu_quota"]
 
 # mountinfo lists every mount of the namespace: a node running many containers has thousands.
 _MOUNTINFO_CAP = 1 << 22
-_PATH_MAX = 4096
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
 V2_SOURCE = "cgroup v2 cpu.max"
 V1_SOURCE = "cgroup v1 cpu.cfs_quota_us/cpu.cfs_period_us"
@@ -156,16 +155,9 @@ def _levels(proc_cgroup: str | None, mounts: list[_Mount]) -> Iterator[_Level]:
     ``N:cpu,cpuacct:/path`` for v1. A mount whose root is not on the path (another subtree
     bind-mounted here) shows nothing of this process's cgroups and is skipped.
     """
-    for line in (proc_cgroup or "").splitlines():
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        _id, controllers, path = fields
+    for controllers, parts in cgroup_paths(proc_cgroup):
         version = 2 if controllers == "" else 1 if "cpu" in controllers.split(",") else None
-        if version is None or len(path) > _PATH_MAX:
-            continue
-        parts = [p for p in path.removesuffix(" (deleted)").split("/") if p not in ("", ".")]
-        if ".." in parts:  # outside this cgroup namespace: nothing visible here is on its path
+        if version is None:
             continue
         for mount in (m for m in mounts if m.version == version):
             top = [p for p in mount.root.split("/") if p]

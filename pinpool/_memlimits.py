@@ -148,6 +148,19 @@ def _binding_level(proc_cgroup: str | None, mount: str) -> _Level | None:
     return levels[0] if levels else None
 
 
+def cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
+    """Each line of ``/proc/self/cgroup`` (``id:controllers:path``) as its controllers ("" for v2)
+    and its path's parts. Skipped: a path outside this cgroup namespace (a ``..`` part: nothing
+    visible here is an ancestor) and one longer than the kernel writes."""
+    for line in (proc_cgroup or "").splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3 or len(fields[2]) > _PATH_MAX:
+            continue
+        parts = [p for p in fields[2].removesuffix(" (deleted)").split("/") if p not in ("", ".")]
+        if ".." not in parts:
+            yield fields[1], parts
+
+
 def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
     """Every cgroup of this process that has memory files, deepest first, per hierarchy.
 
@@ -157,20 +170,13 @@ def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
     their limits bind too. In a container without a cgroup namespace the path names the host's
     cgroup, which the container sees as its mount root: the walk up finds the root's files.
     """
-    for line in (proc_cgroup or "").splitlines():
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        _id, controllers, path = fields
+    for controllers, parts in cgroup_paths(proc_cgroup):
         if controllers == "":
             version, bases = 2, [mount, os.path.join(mount, "unified")]
         elif "memory" in controllers.split(","):
             version, bases = 1, list(dict.fromkeys([os.path.join(mount, "memory"), os.path.join(mount, controllers)]))
         else:
             continue
-        parts = [p for p in path.removesuffix(" (deleted)").split("/") if p not in ("", ".")]
-        if ".." in parts or len(path) > _PATH_MAX:  # outside this cgroup namespace (nothing visible here is
-            continue  # an ancestor), or not a path the kernel writes
         limit_name, usage_name, stat_keys = _FILES[version]
         for base in bases:
             for depth in range(len(parts), -1, -1):
