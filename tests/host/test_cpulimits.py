@@ -14,14 +14,7 @@ import pytest
 from pinpool._cpulimits import V1_SOURCE, V2_SOURCE, CpuQuota, cpu_budget, read_cpu_quota
 from pinpool._host import HostFacts
 
-
-def tree(tmp_path: Path, files: dict[str, str]) -> str:
-    """A fake ``/`` under tmp_path holding ``files`` (paths relative to it)."""
-    for name, text in files.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return str(tmp_path)
+from .test_memlimits import tree
 
 
 def mountinfo(*mounts: tuple[str, str, str, str]) -> str:

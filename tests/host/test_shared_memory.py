@@ -15,7 +15,6 @@ import gc
 import json
 import os
 import re
-import shutil
 import stat
 import struct
 import subprocess
@@ -24,7 +23,6 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,18 +47,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def record(nbytes: int, layout: layouts.Layout | None = None) -> dict[str, object]:
     layout = layout or layouts.Raw()
     return layout_record(layout, nbytes // layout.page_bytes)
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A private directory on /dev/shm (mode 0700), removed with whatever the test left in it."""
-    path = Path("/dev/shm") / f"pinpool-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir(mode=0o700)
-    try:
-        yield path
-    finally:
-        gc.collect()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def collect() -> None:

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import struct
 import subprocess
@@ -22,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,17 +43,6 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a fil
 
 def record(nbytes: int) -> dict[str, object]:
     return layout_record(layouts.Raw(), nbytes // layouts.Raw().page_bytes)
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"pinpool-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir(mode=0o700)
-    try:
-        yield path
-    finally:
-        gc.collect()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def make_region(path: Path, nbytes: int = MiB) -> None:

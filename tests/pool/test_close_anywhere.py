@@ -27,18 +27,14 @@ from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
+from .test_open_close import pool_of as owned_pool
 
 MiB = 1 << 20
 RUNS = 30
 
 
-def pool_of(fake: FakeRuntime | str, **kw: Any) -> pinpool.PinnedPool:
-    options: dict[str, Any] = {
-        "size": 16 * MiB, "chunk_bytes": MiB, "runtime": fake, "registry": None, "register_workers": 1,
-        "populate": False, "name": "closeany",
-    }  # fmt: skip
-    options.update(kw)
-    return pinpool.PinnedPool(**options)
+def pool_of(runtime: FakeRuntime | str, **kw: Any) -> pinpool.PinnedPool:
+    return owned_pool(runtime, **{"size": 16 * MiB, "name": "closeany", **kw})
 
 
 @pytest.fixture(autouse=True)
@@ -105,6 +101,21 @@ def test_closes_on_many_threads_of_a_real_mlock_background_pool_unlock_everythin
 # -- finding 5: close() racing open() ------------------------------------------------------------
 
 
+def start_opening(pool: pinpool.PinnedPool) -> tuple[threading.Thread, list[object]]:
+    """A thread calling ``pool.open()``, and the list that gets what it returned or raised."""
+    result: list[object] = []
+
+    def open_it() -> None:
+        try:
+            result.append(pool.open())
+        except BaseException as exc:
+            result.append(exc)
+
+    opener = threading.Thread(target=open_it)
+    opener.start()
+    return opener, result
+
+
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 def test_close_racing_open_never_raises_and_leaves_nothing(background: bool) -> None:
     rng = random.Random(5)
@@ -112,16 +123,7 @@ def test_close_racing_open_never_raises_and_leaves_nothing(background: bool) -> 
     for run in range(RUNS):
         fake = FakeRuntime(register_delay=0.002)
         pool = pool_of(fake, background=background, name=f"race{run}")
-        result: list[object] = []
-
-        def open_it(pool: pinpool.PinnedPool = pool, result: list[object] = result) -> None:
-            try:
-                result.append(pool.open())
-            except BaseException as exc:
-                result.append(exc)
-
-        opener = threading.Thread(target=open_it)
-        opener.start()
+        opener, result = start_opening(pool)
         # A background open() returns once pinning has started (~1 ms): the closes must come soon.
         time.sleep(rng.uniform(0, 0.003 if background else 0.04))
         threads = closers(pool, rng.randint(1, 3))
@@ -143,16 +145,7 @@ def test_close_racing_open_of_a_real_mlock_pool_unlocks_everything(background: b
     baseline = _libc.vm_locked_bytes()
     for run in range(4):
         pool = pool_of("mlock", background=background, size=64 * MiB, name=f"mlockrace{run}", unpin_workers=2)
-        result: list[object] = []
-
-        def open_it(pool: pinpool.PinnedPool = pool, result: list[object] = result) -> None:
-            try:
-                result.append(pool.open())
-            except BaseException as exc:
-                result.append(exc)
-
-        opener = threading.Thread(target=open_it)
-        opener.start()
+        opener, result = start_opening(pool)
         time.sleep(0.001 * run)
         join_all([*closers(pool, 2), opener])
         assert [o[0:2] for o in pool.outcomes] == [("returned", None)] * 2, pool.outcomes  # type: ignore[attr-defined]

@@ -104,9 +104,8 @@ def small_pool(runtime: FakeRuntime, **options: Any) -> pinpool.PinnedPool:
 # -- the lives: build what is not traced (options, plan), then run the traced part ----------------
 
 
-def life_sync(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
-    pool = small_pool(runtime, background=background)
-    pools.append(pool)
+def with_block(pool: pinpool.PinnedPool, background: bool) -> Callable[[], None]:
+    """The traced part of a sync life: the ``with`` block, its body waiting for a background pool."""
 
     def run() -> None:
         with pool:
@@ -115,6 +114,13 @@ def life_sync(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background:
             pool.tensor[:1].fill_(1)
 
     return run
+
+
+def life_sync(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+    pool = small_pool(runtime, background=background)
+    pools.append(pool)
+
+    return with_block(pool, background)
 
 
 def life_open_close(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
@@ -151,13 +157,7 @@ def life_pin(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: 
     pool = pinpool.pin(tensor, runtime=runtime, registry=None, chunk_bytes=CHUNK, background=background)
     pools.append(pool)
 
-    def run() -> None:
-        with pool:
-            if background:
-                pool.wait_ready_sync()
-            pool.tensor[:1].fill_(1)
-
-    return run
+    return with_block(pool, background)
 
 
 def life_shared(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
@@ -166,13 +166,7 @@ def life_shared(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, backgroun
     pool = small_pool(runtime, background=background, memory=shared)
     pools.append(pool)
 
-    def run() -> None:
-        with pool:
-            if background:
-                pool.wait_ready_sync()
-            pool.tensor[:1].fill_(1)
-
-    return run
+    return with_block(pool, background)
 
 
 SCENARIOS: dict[str, tuple[Callable[..., Callable[[], None]], bool]] = {

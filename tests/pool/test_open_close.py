@@ -31,7 +31,7 @@ def vmlck_kb() -> int:
     return int(match.group(1))
 
 
-def pool_of(fake: FakeRuntime, **kw: Any) -> pinpool.PinnedPool:
+def pool_of(fake: FakeRuntime | str, **kw: Any) -> pinpool.PinnedPool:
     options: dict[str, Any] = {
         "size": 8 * MiB, "chunk_bytes": MiB, "runtime": fake, "registry": None, "register_workers": 1,
         "populate": False, "name": "owned",
