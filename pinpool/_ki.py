@@ -85,11 +85,6 @@ def replay() -> None:
         previous(signal.SIGINT, sys._getframe(1))
 
 
-def deferring() -> bool:
-    """Whether a SIGINT landing here now would be deferred (for tests and assertions)."""
-    return _Guard.depth > 0 and signal.getsignal(signal.SIGINT) is _handler and _deferring(sys._getframe(1))
-
-
 class guard:
     """Install the deferring handler for the block (main thread only; nested guards share it).
 
