@@ -28,15 +28,15 @@ from ._units import parse_size as parse_size
 
 if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and IDEs
     from . import layouts as layouts
-    from ._alloc import empty as empty
-    from ._budget import Shares as Shares
-    from ._budget import host_budget as host_budget
-    from ._budget import share as share
-    from ._chunks import Chunk as Chunk
-    from ._outcome import PoolState as PoolState
-    from ._pin import pin as pin
-    from ._pool import PinnedPool as PinnedPool
-    from ._shared import SharedMemory as SharedMemory
+    from ._pin.outcome import PoolState as PoolState
+    from ._plan.chunks import Chunk as Chunk
+    from ._pool.alloc import empty as empty
+    from ._pool.budget import Shares as Shares
+    from ._pool.budget import host_budget as host_budget
+    from ._pool.budget import share as share
+    from ._pool.pin import pin as pin
+    from ._pool.pool import PinnedPool as PinnedPool
+    from ._shared.memory import SharedMemory as SharedMemory
 
 __version__ = "0.1.0"
 
@@ -72,16 +72,16 @@ __all__ = [
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
 _LAZY = {
-    "empty": "._alloc",
-    "Chunk": "._chunks",
-    "PinnedPool": "._pool",
-    "PoolState": "._outcome",
+    "empty": "._pool.alloc",
+    "Chunk": "._plan.chunks",
+    "PinnedPool": "._pool.pool",
+    "PoolState": "._pin.outcome",
     "layouts": ".layouts",
-    "pin": "._pin",
-    "SharedMemory": "._shared",
-    "Shares": "._budget",
-    "host_budget": "._budget",
-    "share": "._budget",
+    "pin": "._pool.pin",
+    "SharedMemory": "._shared.memory",
+    "Shares": "._pool.budget",
+    "host_budget": "._pool.budget",
+    "share": "._pool.budget",
 }
 
 

@@ -200,13 +200,13 @@ class UnclosedPoolWarning(RuntimeWarning):
     """A pool was garbage-collected, or still open at interpreter exit, without being exited."""
 
 
-# -- node pacing (pinpool._node) -------------------------------------------------------------------
+# -- node pacing (pinpool._node.pacing) -------------------------------------------------------------------
 
 Kind = Literal["slots", "budget"]
 
 
 class NodeHolderLike(Protocol):
-    """What an error says of a holder (``pinpool._node_lock.NodeHolder``, typed here by shape so
+    """What an error says of a holder (``pinpool._node.locks.NodeHolder``, typed here by shape so
     that this module imports nothing of pinpool's)."""
 
     @property

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ._chunks import Chunk
 from ._errors import RuntimeCallError
 from .metrics import PoolMetrics, metrics_for
 
 if TYPE_CHECKING:
-    from ._node import NodeHolder
+    from ._node.pacing import NodeHolder
+    from ._plan.chunks import Chunk
 
 
 def default_logger() -> Any:

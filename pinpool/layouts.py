@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ._errors import ConfigError
-from ._layout_spec import (
+from ._layouts.attention import MHA, MLA
+from ._layouts.dense import Dense
+from ._layouts.spec import (
     LAYER_FIRST,
     PAGE_FIRST,
     PAGE_FIRST_DIRECT,
@@ -25,8 +27,6 @@ from ._layout_spec import (
     check_dtype,
     check_shape,
 )
-from ._layouts_attention import MHA, MLA
-from ._layouts_dense import Dense
 from ._units import shown
 
 __all__ = ["MHA", "MLA", "BufferSpec", "Dense", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw"]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
 
 # pinpool's own pytest plugin (the gpu marker's skip, the fixtures), loaded from here rather than
 # through its installed pytest11 entry point, which pyproject's addopts turn off (-p no:pinpool):

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Render docs/options.md's options table from pinpool._declared.OPTIONS, the one declaration.
+"""Render docs/options.md's options table from pinpool._plan.declared.OPTIONS, the one declaration.
 
     python docs/_ext/options_table.py           rewrite the table in docs/options.md
     python docs/_ext/options_table.py --check   exit 1 if the page's table differs from what this writes
 
 The table between the two markers is generated, never edited by hand: tests/core/test_options_declared.py
 runs the check (so ./dev test and CI do), and the page cannot drift from the code. Standard
-library and pinpool._declared only (no torch).
+library and pinpool._plan.declared only (no torch).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "options.md"
-BEGIN = "<!-- options table: generated from pinpool/_declared.py by docs/_ext/options_table.py; do not edit -->"
+BEGIN = "<!-- options table: generated from pinpool/_plan/declared.py by docs/_ext/options_table.py; do not edit -->"
 END = "<!-- end of the options table -->"
 
 sys.path.insert(0, str(ROOT))
-from pinpool._declared import OPTIONS, Flag, Option  # noqa: E402
+from pinpool._plan.declared import OPTIONS, Flag, Option  # noqa: E402
 
 
 def _code(text: str) -> str:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         diff = difflib.unified_diff(text.splitlines(), wanted.splitlines(), "docs/options.md", "generated", lineterm="")
         print("\n".join(diff), file=sys.stderr)
-        print("docs/options.md's table differs from pinpool/_declared.py: run python docs/_ext/options_table.py",
+        print("docs/options.md's table differs from pinpool/_plan/declared.py: run python docs/_ext/options_table.py",
               file=sys.stderr)  # fmt: skip
         return 1
     PAGE.write_text(wanted, encoding="utf-8")

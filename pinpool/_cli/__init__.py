@@ -11,7 +11,7 @@ PinnedPool's keyword arguments), text.py (reading their text), plan.py, doctor.p
 signals.py (SIGTERM and Ctrl-C), exits.py (the statuses, listed in ``pinpool --help``).
 
 Only the standard library and pinpool's torch-free modules are imported at the top: torch
-(through pinpool.layouts and pinpool._pool) costs seconds, so it is imported inside the
+(through pinpool.layouts and pinpool._pool.pool) costs seconds, so it is imported inside the
 commands, after each has said what it is doing, and ``pinpool --help`` answers at once.
 """
 

@@ -1,4 +1,4 @@
-"""``pinpool doctor``: the command's wiring around pinpool/_doctor.py, which owns the checks,
+"""``pinpool doctor``: the command's wiring around pinpool/_cli/checks.py, which owns the checks,
 their facts and their rendering."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from .status import while_loading
 def run_doctor(args: argparse.Namespace) -> int:
     size = pool_options(args, "doctor").get("size")
     with while_loading("reading this host" + (" (loading torch to ask about GPUs)" if args.cuda else "")):
-        from .. import _doctor
+        from . import checks as _doctor
 
         checks = _doctor.run_checks(_doctor.read_facts(cuda=args.cuda), size)
     if args.json:

@@ -1,4 +1,4 @@
-"""The pool options of ``plan``, ``doctor`` and ``pin`` as flags: pinpool._declared's options,
+"""The pool options of ``plan``, ``doctor`` and ``pin`` as flags: pinpool._plan.declared's options,
 added to a parser by their declared kind and read back as PinnedPool keyword arguments."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from .._declared import OPTIONS, PER_BUFFER, Flag, Option
+from .._plan.declared import OPTIONS, PER_BUFFER, Flag, Option
 from ..runtimes import runtime_choices
 from .layout import add_layout_group, layout_from_args
 from .text import cli_size, codes_text, nice_text, seconds_text
@@ -26,7 +26,7 @@ def flags(command: str) -> list[tuple[Option, Flag]]:
 
 
 def _flag_value(flag: Flag, value: Any) -> Any:
-    """The Python value of a flag's argparse value, by its declared kind (pinpool._declared.KINDS)."""
+    """The Python value of a flag's argparse value, by its declared kind (pinpool._plan.declared.KINDS)."""
     if flag.kind == "size":
         return cli_size(flag.flag, value)
     if flag.kind == "chunk":
@@ -103,7 +103,7 @@ def _flag_help(opt: Option, flag: Flag) -> str:
 
 
 def add_pool_options(parser: argparse.ArgumentParser, command: str) -> None:
-    """Every declared option ``command`` takes (pinpool._declared), as a flag of its kind. Each
+    """Every declared option ``command`` takes (pinpool._plan.declared), as a flag of its kind. Each
     defaults to None, "not given": :func:`pool_options` then leaves it to the Python default,
     or to the command line's own (``Flag.default``)."""
     pool = parser.add_argument_group("pool", "the options of PinnedPool(...) of the same names (docs/options.md)")

@@ -1,7 +1,7 @@
 """The command line's argparse parser: the commands, their flags and their help.
 
 Building it imports no torch (``pinpool --help`` answers at once); the pool and layout flags
-come from pinpool._declared through options.py and layout.py.
+come from pinpool._plan.declared through options.py and layout.py.
 """
 
 from __future__ import annotations

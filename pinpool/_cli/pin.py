@@ -9,13 +9,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .. import _libc
 from .._errors import ConfigError
-from .._progress import EventLog, ProgressReporter, ResidentGrowth
+from .._host import libc as _libc
 from .._units import format_bytes
 from .exits import EXIT_OK
 from .layout import layout_from_args
 from .options import runtime_arg, text_options
+from .progress import EventLog, ProgressReporter, ResidentGrowth
 from .report import pin_report, pin_text
 from .signals import current, defer_interrupts, signal_name
 from .status import say
@@ -24,7 +24,7 @@ from .text import hold_seconds
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .._pool import PinnedPool
+    from .._pool.pool import PinnedPool
 
 METRICS_PORT = 9464  # the port every pinpool dashboard and doc uses
 ROLLED_BACK_NOTE = "pinning stopped and was rolled back: nothing is pinned"
@@ -106,7 +106,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
     kwargs["layout"] = layout_from_args(args)  # imports torch
     from prometheus_client import CollectorRegistry
 
-    from .._pool import PinnedPool
+    from .._pool.pool import PinnedPool
 
     registry = CollectorRegistry()  # the pool's own: the summary reads it, --metrics-port serves it
     events = EventLog(err)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from .._declared import option
 from .._errors import ConfigError
+from .._plan.declared import option
 from .exits import EXIT_OK
 from .options import plan_runtime, pool_options
 from .report import plan_report, plan_text
@@ -19,11 +19,11 @@ def run_plan(args: argparse.Namespace) -> int:
         kwargs = pool_options(args, "plan")
         if args.rows < 0:
             raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
-        from .._host import HostFacts
-        from .._node import NodePacing
-        from .._options import PoolOptions
-        from .._plan import plan_pool
-        from .._preflight import check_host
+        from .._host.facts import HostFacts
+        from .._node.pacing import NodePacing
+        from .._plan.options import PoolOptions
+        from .._plan.plan import plan_pool
+        from .._plan.preflight import check_host
         from ..runtimes._registry import pinning_capabilities
 
         # The same options as pin, checked the same way; pacing is validated, not joined.

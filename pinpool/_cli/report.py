@@ -8,14 +8,14 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._progress import EventLog, format_rate, format_seconds, percentile
 from .._units import format_bytes
+from .progress import EventLog, format_rate, format_seconds, percentile
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .._plan import PoolPlan
-    from .._pool import PinnedPool
+    from .._plan.plan import PoolPlan
+    from .._pool.pool import PinnedPool
 
 WIDTH = 120  # a report line fits a terminal, a log viewer and a code review's diff without scrolling
 

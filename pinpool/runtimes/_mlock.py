@@ -11,8 +11,8 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
-from .. import _libc
 from .._errors import RAISE_MEMLOCK, RuntimeCallError
+from .._host import libc as _libc
 from .._ranges import RangeBook
 from .._types import Capabilities
 from .._units import format_bytes

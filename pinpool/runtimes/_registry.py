@@ -20,7 +20,7 @@ from ._mlock import MlockRuntime
 from ._rocm import RocmRuntime
 
 if TYPE_CHECKING:
-    from .._host import HostFacts
+    from .._host.facts import HostFacts
 
 __all__ = [
     "RUNTIME_NAMES",

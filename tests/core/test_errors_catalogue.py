@@ -22,11 +22,12 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import _libc, layouts
-from pinpool import _preflight as preflight
-from pinpool._host import HostFacts
-from pinpool._options import CHUNK_ENV, PoolOptions, chunk_limit_from_env
-from pinpool._plan import plan_pool
+from pinpool import layouts
+from pinpool._host import libc as _libc
+from pinpool._host.facts import HostFacts
+from pinpool._plan import preflight
+from pinpool._plan.options import CHUNK_ENV, PoolOptions, chunk_limit_from_env
+from pinpool._plan.plan import plan_pool
 from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime
@@ -178,7 +179,7 @@ def strict_chunk_env(value: str) -> Callable[[], object]:
             chunk_limit_from_env({CHUNK_ENV: "1_0"})
         except pinpool.ConfigError:
             return chunk_limit_from_env({CHUNK_ENV: value})
-        pytest.skip("pinpool/_plan.py chunk_limit_from_env does not delegate to _units.parse_env_gib yet")
+        pytest.skip("pinpool/_plan/plan.py chunk_limit_from_env does not delegate to _units.parse_env_gib yet")
 
     return run
 
@@ -539,7 +540,7 @@ def test_every_row_has_a_case_and_every_case_a_row(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("row", doc_rows(), ids=lambda r: r.example)
 def test_row(row: Row, tmp_path: Path) -> None:
-    error = getattr(pinpool, row.error, None) or getattr(importlib.import_module("pinpool._node"), row.error)
+    error = getattr(pinpool, row.error, None) or getattr(importlib.import_module("pinpool._node.pacing"), row.error)
     with pytest.raises(error) as info:
         cases(tmp_path)[row.example]()
     assert type(info.value).__name__ == row.error
@@ -576,8 +577,8 @@ def test_every_exception_class_has_a_row() -> None:
 def test_ledger_error_is_said_to_never_reach_users() -> None:
     text = DOC.read_text()
     assert "LedgerError" in text and "never reach" in text
-    from pinpool._ledger import LedgerError
-    from pinpool._outcome import TransitionError
+    from pinpool._pin.ledger import LedgerError
+    from pinpool._pin.outcome import TransitionError
 
     assert not issubclass(LedgerError, pinpool.PinpoolError)  # an invariant breach, not an error to handle
     assert not issubclass(TransitionError, pinpool.PinpoolError)

@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool import _libc, layouts
+from pinpool import layouts
+from pinpool._host import libc as _libc
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock

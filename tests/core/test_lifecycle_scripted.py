@@ -21,10 +21,10 @@ import structlog.testing
 import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnclosedPoolWarning, UnpinError
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._ledger import StopCause
-from pinpool._outcome import TRANSITIONS, Outcome, TransitionError, check_move, decide
+from pinpool._pin.ledger import StopCause
+from pinpool._pin.outcome import TRANSITIONS, Outcome, TransitionError, check_move, decide
+from pinpool._pin.steps import Detach, Ran, RunThreads, Step
 from pinpool._ranges import PINNED_RANGES
-from pinpool._steps import Detach, Ran, RunThreads, Step
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""The pool options are declared once (pinpool/_declared.py), and every spelling follows it:
+"""The pool options are declared once (pinpool/_plan/declared.py), and every spelling follows it:
 PinnedPool's and pin()'s signatures, PoolOptions.create, PinnedPool's docstring, the command
 line's flags, and docs/options.md's table. A new option, a renamed one or a changed default
 fails here until every spelling agrees."""
@@ -18,8 +18,8 @@ from prometheus_client import REGISTRY
 
 import pinpool
 from pinpool import _cli
-from pinpool._declared import DEFAULT_REGISTRY, OPTIONS, Option, pin_options, pool_options
-from pinpool._options import PoolOptions
+from pinpool._plan.declared import DEFAULT_REGISTRY, OPTIONS, Option, pin_options, pool_options
+from pinpool._plan.options import PoolOptions
 from pinpool.testing import FakeRuntime
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,9 +13,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pinpool import ConfigError
-from pinpool._chunks import Chunk, ChunkPlan
-from pinpool._options import CHUNK_ENV, DEFAULT_CHUNK_GIB, chunk_limit_from_env, resolve_chunk_limit
-from pinpool._plan import plan_chunks
+from pinpool._plan.chunks import Chunk, ChunkPlan
+from pinpool._plan.options import CHUNK_ENV, DEFAULT_CHUNK_GIB, chunk_limit_from_env, resolve_chunk_limit
+from pinpool._plan.plan import plan_chunks
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE_SIZES = (4096, 16384, 65536)
@@ -378,13 +378,13 @@ def _pinpool_imports(module: str, *, for_type_checkers: bool = False) -> set[str
 def test_the_vocabulary_and_the_errors_import_nothing_of_pinpools() -> None:
     """Every layer imports the chunk vocabulary and the errors, so they import nothing back, not
     even for type checkers (that made a circle of six modules before the planner was split)."""
-    assert _pinpool_imports("_chunks", for_type_checkers=True) == set()
+    assert _pinpool_imports("_plan/chunks", for_type_checkers=True) == set()
     assert _pinpool_imports("_errors", for_type_checkers=True) == set()
 
 
 def test_planning_and_the_preflight_import_no_runtime_and_no_host_probe() -> None:
     """They receive HostFacts values and declared Capabilities, never read the host or name a runtime."""
     forbidden = {"runtimes", "_host", "_memlimits", "_libc", "testing"}
-    for module in ("_plan", "_placement", "_preflight", "_cutter"):
+    for module in ("_plan/plan", "_plan/placement", "_plan/preflight", "_plan/cutter"):
         imported = {name.split(".")[0] for name in _pinpool_imports(module)}
         assert not imported & forbidden, (module, imported & forbidden)

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinnedPool, layouts
-from pinpool._chunks import Chunk, ChunkTable
-from pinpool._prefix import PageRun, PrefixTracker, page_runs, pin_order
-from pinpool._stall import MAX_GROWTH, PROBE_BYTES, CallSizer
+from pinpool._plan.chunks import Chunk, ChunkTable
+from pinpool._plan.prefix import PageRun, PrefixTracker, page_runs, pin_order
+from pinpool._plan.stall import MAX_GROWTH, PROBE_BYTES, CallSizer
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
@@ -210,7 +210,7 @@ def test_max_call_seconds_is_validated() -> None:
 
 @needs_mlock
 def test_mlock_populate_calls_fit_the_budget(vmlck_baseline: int) -> None:
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
 
     registry = CollectorRegistry()
     with PinnedPool(size=512 * MiB, runtime="mlock", registry=registry, max_call_seconds=0.02, name="budget"):

@@ -10,7 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pinpool import ConfigError, parse_size
-from pinpool._options import CHUNK_ENV, chunk_limit_from_env
+from pinpool._plan.options import CHUNK_ENV, chunk_limit_from_env
 from pinpool._units import format_bytes, parse_env_gib
 
 KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50
@@ -410,7 +410,7 @@ def _chunk_env_is_strict() -> bool:
 
 @pytest.mark.skipif(
     not _chunk_env_is_strict(),
-    reason="pinpool/_plan.py chunk_limit_from_env does not delegate to _units.parse_env_gib yet (see the report)",
+    reason="pinpool/_plan/plan.py chunk_limit_from_env does not delegate to _units.parse_env_gib yet (see the report)",
 )
 @pytest.mark.parametrize(("raw", "why"), ENV_REJECTED)
 def test_the_chunk_env_var_is_parsed_strictly(raw: str, why: str) -> None:

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool._engine import PinSession
-from pinpool._ledger import ChunkState, Phase, StopCause
+from pinpool._pin.engine import PinSession
+from pinpool._pin.ledger import ChunkState, Phase, StopCause
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20
@@ -222,8 +222,8 @@ def test_a_second_interrupt_inside_the_stop_is_recorded_and_the_stop_asked_again
 
     import anyio
 
-    from pinpool._drivers import run_async, run_sync
-    from pinpool._steps import RunThreads
+    from pinpool._pin.drivers import run_async, run_sync
+    from pinpool._pin.steps import RunThreads
 
     stopped, asked, ticks = threading.Event(), [], []
 

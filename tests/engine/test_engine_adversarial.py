@@ -27,12 +27,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool import _libc
-from pinpool._cutter import RetrySplitter
+from pinpool._host import libc as _libc
 from pinpool._observe import Observer
-from pinpool._options import MAX_CALL_SECONDS, MAX_WORKERS
+from pinpool._plan.cutter import RetrySplitter
+from pinpool._plan.options import MAX_CALL_SECONDS, MAX_WORKERS
+from pinpool._plan.stall import CallSizer
 from pinpool._ranges import PINNED_RANGES
-from pinpool._stall import CallSizer
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import OWN_LOCKS, SHARED_PAGES, _Pages
 from pinpool.testing import FakeRuntime

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
 from pinpool.runtimes import CudaRuntime, RocmRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES
 from pinpool.testing import FakeCudart

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
 from pinpool.runtimes import CudaRuntime
 from pinpool.testing import FakeCudart
 

@@ -17,11 +17,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool import Chunk, RuntimeCallError, _libc
+from pinpool import Chunk, RuntimeCallError
 from pinpool._errors import ChunkFailure
-from pinpool._ledger import ChunkState, LedgerError, Phase, StopCause
-from pinpool._pipeline import WAIT, Batch, Landing, Order, Pipeline, Span, split_spans
-from pinpool._prefix import PrefixTracker
+from pinpool._host import libc as _libc
+from pinpool._pin.ledger import ChunkState, LedgerError, Phase, StopCause
+from pinpool._pin.pipeline import WAIT, Batch, Landing, Order, Pipeline, Span, split_spans
+from pinpool._plan.prefix import PrefixTracker
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, hugetlb_pages, pin_and_run

@@ -12,7 +12,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
 from pinpool.runtimes import CudaRuntime, RocmRuntime
 from pinpool.testing import FakeCudart, FakeRuntime
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
 from pinpool.runtimes import MlockRuntime
 
 from .. import preloaded
@@ -139,8 +139,8 @@ _LIMITED_CHILD = textwrap.dedent(
     """
     import dataclasses, json, resource
     import pinpool
-    from pinpool import _libc
-    from pinpool._host import HostFacts
+    from pinpool._host import libc as _libc
+    from pinpool._host.facts import HostFacts
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     out = {"cap": _libc.has_cap_ipc_lock(), "soft": soft, "before": _libc.vm_locked_bytes()}
     # The pre-flight refuses the pool before anything is mapped...

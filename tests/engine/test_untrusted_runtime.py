@@ -23,9 +23,9 @@ import pytest
 import structlog
 
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
+from pinpool._pin.untrusted import untrusted_call
 from pinpool._ranges import PINNED_RANGES
-from pinpool._untrusted import untrusted_call
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import ConfigError, _libc, layouts
-from pinpool import _preflight as preflight
-from pinpool._host import HostFacts
-from pinpool._options import PoolOptions
-from pinpool._placement import place
+from pinpool import ConfigError, layouts
+from pinpool._host import libc as _libc
+from pinpool._host.facts import HostFacts
+from pinpool._plan import preflight
+from pinpool._plan.options import PoolOptions
+from pinpool._plan.placement import place
 from pinpool.runtimes._registry import pinning_capabilities
 
 from ..conftest import needs_mlock

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pinpool._cpulimits import V1_SOURCE, V2_SOURCE, CpuQuota, cpu_budget, read_cpu_quota
-from pinpool._host import HostFacts
+from pinpool._host.cpulimits import V1_SOURCE, V2_SOURCE, CpuQuota, cpu_budget, read_cpu_quota
+from pinpool._host.facts import HostFacts
 
 from .test_memlimits import tree
 
@@ -216,7 +216,7 @@ def test_the_probe_reads_this_hosts_quota() -> None:
 
 PROBE = """
 import structlog, pinpool
-from pinpool._host import HostFacts
+from pinpool._host.facts import HostFacts
 h = HostFacts.probe(torch_build=False)
 with structlog.testing.capture_logs() as logs:
     for background in (False, True):

@@ -17,12 +17,13 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import _libc, _memory
-from pinpool import _preflight as preflight
 from pinpool._errors import ConfigError
-from pinpool._host import HostFacts
-from pinpool._options import PoolOptions
-from pinpool._plan import plan_pool
+from pinpool._host import libc as _libc
+from pinpool._host import mapping as _memory
+from pinpool._host.facts import HostFacts
+from pinpool._plan import preflight
+from pinpool._plan.options import PoolOptions
+from pinpool._plan.plan import plan_pool
 from pinpool.runtimes._registry import pinning_capabilities
 from tests.conftest import hugetlb_pages
 from tests.engine.test_runtime_mlock import _reserve_hugetlb, _set_hugetlb

@@ -27,11 +27,14 @@ import pytest
 import structlog
 
 import pinpool
-from pinpool import _node, _node_config, _node_dir, _node_lock
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._node import NodeAdmission
-from pinpool._node_config import NodePacing
-from pinpool._node_lock import NodeHolder, holder_state
+from pinpool._node import config as _node_config
+from pinpool._node import directory as _node_dir
+from pinpool._node import locks as _node_lock
+from pinpool._node import pacing as _node
+from pinpool._node.config import NodePacing
+from pinpool._node.locks import NodeHolder, holder_state
+from pinpool._node.pacing import NodeAdmission
 from pinpool._observe import Observer
 from pinpool.testing import FakeRuntime
 
@@ -333,8 +336,8 @@ import json, os, sys, time, types, fcntl
 spec = json.loads(sys.argv[1])
 package = types.ModuleType("pinpool")
 package.__path__ = [spec["package"]]
-sys.modules["pinpool"] = package  # pinpool._node without pinpool/__init__ (and torch)
-from pinpool._node import NodeAdmission, NodePacing
+sys.modules["pinpool"] = package  # pinpool._node.pacing without pinpool/__init__ (and torch)
+from pinpool._node.pacing import NodeAdmission, NodePacing
 
 if spec["kind"] == "lock":  # a rank stopped while admitting: it holds budget.lock itself
     fd = os.open(os.path.join(spec["dir"], "budget.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -530,7 +533,7 @@ def test_node_admission_has_one_wait_loop_and_no_async_api() -> None:
             if isinstance(n, ast.FunctionDef)
             and any(isinstance(c, ast.Attribute) and c.attr == "sleep" for c in ast.walk(n))
         ]
-    assert sleepers == ["pinpool._node._wait"]  # the one loop that waits: slots and budget share it
+    assert sleepers == ["pinpool._node.pacing._wait"]  # the one loop that waits: slots and budget share it
 
 
 def test_fifo_checks_leave_lock_files_regular(node_dir: Path) -> None:

@@ -1,7 +1,7 @@
-"""Node-level pacing (pinpool._node): slots and a byte budget shared by real processes through flock.
+"""Node-level pacing (pinpool._node.pacing): slots and a byte budget shared by real processes through flock.
 
 The ranks are real processes (``python -c``), started together by a go-file barrier. They
-import ``pinpool._node`` through a bare ``pinpool`` package stub, so that each one starts in a
+import ``pinpool._node.pacing`` through a bare ``pinpool`` package stub, so that each one starts in a
 fraction of a second instead of importing torch (pacing needs none of it). Timestamps are
 CLOCK_MONOTONIC, which Linux shares between processes.
 """
@@ -24,11 +24,12 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool import _node, _node_config
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._node import NodeAdmission
-from pinpool._node_config import NodePacing
-from pinpool._node_lock import BudgetHold, NodeHolder, SlotHold
+from pinpool._node import config as _node_config
+from pinpool._node import pacing as _node
+from pinpool._node.config import NodePacing
+from pinpool._node.locks import BudgetHold, NodeHolder, SlotHold
+from pinpool._node.pacing import NodeAdmission
 
 from .. import preloaded
 
@@ -40,8 +41,8 @@ import json, os, sys, time, types
 spec = json.loads(sys.argv[1])
 package = types.ModuleType("pinpool")
 package.__path__ = [spec["package"]]
-sys.modules["pinpool"] = package  # pinpool._node without pinpool/__init__ (and torch)
-from pinpool._node import NodeAdmission, NodeBusyError, NodePacing
+sys.modules["pinpool"] = package  # pinpool._node.pacing without pinpool/__init__ (and torch)
+from pinpool._node.pacing import NodeAdmission, NodeBusyError, NodePacing
 
 def now():
     return time.clock_gettime(time.CLOCK_MONOTONIC)

@@ -11,7 +11,7 @@ import pytest
 
 import pinpool
 from pinpool import ConfigError, PoolState, layouts
-from pinpool._libc import vm_locked_bytes
+from pinpool._host.libc import vm_locked_bytes
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -90,7 +90,7 @@ def test_two_processes_attach_one_region_and_see_each_others_bytes(region: Path)
     child = textwrap.dedent(
         f"""
         import pinpool
-        from pinpool._libc import vm_locked_bytes
+        from pinpool._host.libc import vm_locked_bytes
         memory = pinpool.SharedMemory({str(region)!r}, create=False)
         with pinpool.PinnedPool(size={16 * MiB}, runtime="mlock", memory=memory, registry=None) as pool:
             assert int(pool.tensor[123]) == 77, int(pool.tensor[123])

@@ -24,10 +24,11 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import ConfigError, _libc, layouts
-from pinpool import _preflight as preflight
-from pinpool._host import HostFacts
-from pinpool._options import PoolOptions
+from pinpool import ConfigError, layouts
+from pinpool._host import libc as _libc
+from pinpool._host.facts import HostFacts
+from pinpool._plan import preflight
+from pinpool._plan.options import PoolOptions
 from pinpool._types import Capabilities
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._registry import pinning_capabilities
@@ -287,7 +288,7 @@ def _preflight_wired() -> bool:
 WIRED = _preflight_wired()
 needs_wiring = pytest.mark.skipif(
     not WIRED,
-    reason="PinnedPool does not run the memory pre-flight yet: pinpool/_pool.py must call "
+    reason="PinnedPool does not run the memory pre-flight yet: pinpool/_pool/pool.py must call "
     "check_host(options, HostFacts.probe(), runtime, new_memory=source is None) before it maps (see the report)",
 )
 
@@ -423,7 +424,7 @@ CHILD = textwrap.dedent(
     """
     import json, sys
     import pinpool
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
 
     size = int(sys.argv[1])
     out = {"cgroup": open("/proc/self/cgroup").read()}

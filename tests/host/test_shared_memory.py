@@ -29,11 +29,13 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import _doctor, _libc, layouts
-from pinpool._shared import SharedMemory
-from pinpool._shared_mapping import SharedMapping
-from pinpool._shared_regions import find_regions, read_region
-from pinpool._shared_trailer import MAGIC, TRAILER_BYTES, layout_record
+from pinpool import layouts
+from pinpool._cli import checks as _doctor
+from pinpool._host import libc as _libc
+from pinpool._shared.mapping import SharedMapping
+from pinpool._shared.memory import SharedMemory
+from pinpool._shared.regions import find_regions, read_region
+from pinpool._shared.trailer import MAGIC, TRAILER_BYTES, layout_record
 from pinpool.runtimes import MlockRuntime
 
 from .. import preloaded
@@ -392,7 +394,7 @@ def test_attach_waits_for_a_creation_in_progress(shm_dir: Path) -> None:
 
 CHILD_ATTACH = """
 import sys, gc
-from pinpool._shared import SharedMemory, layout_record
+from pinpool._shared.memory import SharedMemory, layout_record
 from pinpool import layouts
 fd, nbytes = int(sys.argv[1]), int(sys.argv[2])
 m = SharedMemory(fd=fd, create=False).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes))
@@ -513,8 +515,8 @@ def vmlck_kb() -> int:
 
 SECOND_PROCESS = """
 import sys
-from pinpool import _libc
-from pinpool._shared import SharedMemory, layout_record
+from pinpool._host import libc as _libc
+from pinpool._shared.memory import SharedMemory, layout_record
 from pinpool import layouts
 from pinpool.runtimes import MlockRuntime
 path, nbytes = sys.argv[1], int(sys.argv[2])
@@ -591,8 +593,8 @@ def _at_the_very_end():
     print("AT_EXIT mapped", mapped, "vmlck_kb", kb, "file", os.path.exists(state["path"]), flush=True)
 atexit.register(_at_the_very_end)  # first registered: runs after every finalizer
 import sys
-from pinpool import _libc
-from pinpool._shared import SharedMemory, layout_record
+from pinpool._host import libc as _libc
+from pinpool._shared.memory import SharedMemory, layout_record
 from pinpool import layouts
 path = sys.argv[1]
 m = SharedMemory(path).open_mapping(8 << 20, layout_record(layouts.Raw(), 8 << 20))

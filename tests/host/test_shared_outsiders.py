@@ -28,10 +28,12 @@ from pathlib import Path
 import pytest
 
 import pinpool
-from pinpool import _doctor, _libc, layouts
-from pinpool._shared import SharedMemory
-from pinpool._shared_regions import find_half_made, find_regions, read_region
-from pinpool._shared_trailer import MAGIC, TRAILER_BYTES, layout_record
+from pinpool import layouts
+from pinpool._cli import checks as _doctor
+from pinpool._host import libc as _libc
+from pinpool._shared.memory import SharedMemory
+from pinpool._shared.regions import find_half_made, find_regions, read_region
+from pinpool._shared.trailer import MAGIC, TRAILER_BYTES, layout_record
 
 from ..conftest import needs_mlock
 
@@ -121,7 +123,7 @@ def test_ten_thousand_empty_files_sorted_first_hide_no_region(shm_dir: Path) -> 
 TRUNCATE = """
 import gc, os, sys
 import pinpool
-from pinpool._shared import SharedMemory, layout_record
+from pinpool._shared.memory import SharedMemory, layout_record
 from pinpool import layouts
 path, size = sys.argv[1], sys.argv[2]
 nbytes = 4 << 20
@@ -155,7 +157,7 @@ def test_a_region_truncated_by_another_process_is_a_config_error_not_sigbus(shm_
 MAPPED_STORE = """
 import os, sys
 from pinpool import ConfigError
-from pinpool._shared_trailer import TRAILER_BYTES, store
+from pinpool._shared.trailer import TRAILER_BYTES, store
 path, huge = sys.argv[1], 2 << 20
 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 os.ftruncate(fd, 2 * huge)
@@ -205,7 +207,7 @@ try:
         print("USED", pool.pinned_pages, flush=True)
 except pinpool.PinpoolError as exc:
     print("REFUSED", type(exc).__name__, exc, flush=True)
-from pinpool._libc import vm_locked_bytes
+from pinpool._host.libc import vm_locked_bytes
 print("VMLCK", vm_locked_bytes(), flush=True)
 """
 
@@ -243,7 +245,7 @@ def small_tmpfs() -> Iterator[Path]:
 
 FILL_THEN_WRITE = """
 import gc, os, sys
-from pinpool._shared import SharedMemory, layout_record
+from pinpool._shared.memory import SharedMemory, layout_record
 from pinpool import layouts
 path, filler = sys.argv[1], sys.argv[2]
 nbytes = 4 << 20
@@ -272,7 +274,7 @@ def test_a_region_the_tmpfs_has_no_room_for_is_a_config_error_before_anything_is
 
 
 def test_pages_the_tmpfs_cannot_reserve_are_a_config_error_naming_the_fix(small_tmpfs: Path) -> None:
-    from pinpool._shared_mapping import _reserve
+    from pinpool._shared.mapping import _reserve
 
     fd = os.open(small_tmpfs / "kv", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -404,7 +406,7 @@ KILLS = int(os.environ.get("PINPOOL_KILLS", "40"))  # SIGKILLed creators; more f
 def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_renameat2_links(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pinpool import _shared
+    from pinpool._shared import memory as _shared
 
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
@@ -426,7 +428,7 @@ def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_re
 def test_a_name_taken_while_a_region_was_being_made_is_never_replaced(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool
 ) -> None:
-    from pinpool._shared_files import publish
+    from pinpool._shared.files import publish
 
     if not renameat2:
         monkeypatch.setattr(_libc, "rename_noreplace", lambda *args: errno.ENOSYS)

@@ -14,9 +14,9 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 import pinpool
-from pinpool._chunks import Chunk
 from pinpool._errors import RuntimeCallError
 from pinpool._observe import Observer
+from pinpool._plan.chunks import Chunk
 from pinpool._ranges import PINNED_RANGES
 from pinpool.metrics import PoolMetrics
 from pinpool.testing import FakeRuntime

@@ -273,7 +273,7 @@ async def test_kv_pages_grow_in_k_and_v_together() -> None:
 @needs_mlock
 @pytest.mark.anyio
 async def test_mlock_background_pool_locks_while_the_body_runs(vmlck_baseline: int) -> None:
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
 
     pool = PinnedPool(size=512 * MiB, runtime="mlock", registry=None, background=True, name="bg-mlock")
     async with pool:
@@ -291,7 +291,7 @@ async def test_mlock_background_pool_locks_while_the_body_runs(vmlck_baseline: i
 @needs_mlock
 def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
     """Lock-on-fault locks each span as it faults: progress moves inside a single-chunk pool."""
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
 
     values: list[int] = []
     pool = PinnedPool(
@@ -381,7 +381,7 @@ class _MlockFailingOn(pinpool.runtimes.MlockRuntime):
 
 @needs_mlock
 def test_mlock_background_failure_keeps_the_prefix_locked_until_exit(vmlck_baseline: int) -> None:
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
 
     runtime = _MlockFailingOn(6)
     pool = PinnedPool(

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool import PoolState, PoolStateError, _libc
+from pinpool import PoolState, PoolStateError
+from pinpool._host import libc as _libc
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 

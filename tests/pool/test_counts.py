@@ -12,8 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import pinpool
-from pinpool import Chunk, PinError, PinnedPool, PoolState, _libc
-from pinpool._memory import populate_range
+from pinpool import Chunk, PinError, PinnedPool, PoolState
+from pinpool._host import libc as _libc
+from pinpool._host.mapping import populate_range
 from pinpool._units import format_bytes
 from pinpool.testing import FakeRuntime
 

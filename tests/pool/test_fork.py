@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import _libc
-from pinpool._memory import HostMapping
+from pinpool._host import libc as _libc
+from pinpool._host.mapping import HostMapping
 from tests import preloaded
 from tests.pool.test_open_close import in_forked_child
 
@@ -31,7 +31,7 @@ SCRIPT = r"""
 import json, os, struct, sys
 import torch
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
 
 SIZE = 4 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool._lifecycle import PoolState
+from pinpool._pin.lifecycle import PoolState
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 

@@ -26,7 +26,7 @@ CHILD = textwrap.dedent(
     """
     import gc, os, signal, sys, threading
     import pinpool
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
     from pinpool._ranges import PINNED_RANGES
 
     package = os.path.dirname(pinpool.__file__) + os.sep

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 import pinpool
-from pinpool._lifecycle import PoolState
+from pinpool._pin.lifecycle import PoolState
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 
@@ -305,7 +305,7 @@ async def test_register_raising_base_exception_is_raised_after_the_rollback(mode
 async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pinpool import _engine
+    from pinpool._pin import engine as _engine
 
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=False)

@@ -220,9 +220,9 @@ def test_a_forked_child_never_waits_for_or_touches_its_parents_pool(state: str, 
 @needs_mlock
 @pytest.mark.parametrize("step", ["claim", "scan", "map", "start", "views", "conductor"])
 def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pinpool._drivers
-    import pinpool._lifecycle
-    import pinpool._pool_memory
+    import pinpool._pin.drivers
+    import pinpool._pin.lifecycle
+    import pinpool._pin.memory_source
     import pinpool.runtimes._mlock
 
     before, claimed = vmlck_kb(), PINNED_RANGES.snapshot()
@@ -232,12 +232,12 @@ def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, mon
         raise KeyboardInterrupt(step)
 
     target: tuple[Any, str] = {
-        "claim": (pinpool._pool_memory.PINNED_RANGES, "add_all"),
+        "claim": (pinpool._pin.memory_source.PINNED_RANGES, "add_all"),
         "scan": (pinpool.runtimes._mlock, "_locked_in_smaps"),
-        "map": (pinpool._pool_memory, "HostMapping"),
-        "start": (pinpool._lifecycle, "PinSession"),
-        "views": (pinpool._pool_memory, "MappingProxyType"),
-        "conductor": (pinpool._drivers.Threads, "start"),
+        "map": (pinpool._pin.memory_source, "HostMapping"),
+        "start": (pinpool._pin.lifecycle, "PinSession"),
+        "views": (pinpool._pin.memory_source, "MappingProxyType"),
+        "conductor": (pinpool._pin.drivers.Threads, "start"),
     }[step]
     background = step in ("views", "conductor")
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool import _libc
-from pinpool._plan import plan_chunks
+from pinpool._host import libc as _libc
+from pinpool._plan.plan import plan_chunks
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, needs_mlock

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import PoolState, _libc
-from pinpool._node import NodeBusyError
-from pinpool._pool import PinnedPool
+from pinpool import PoolState
+from pinpool._host import libc as _libc
+from pinpool._node.pacing import NodeBusyError
+from pinpool._pool.pool import PinnedPool
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, needs_mlock

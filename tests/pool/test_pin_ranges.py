@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import _libc
+from pinpool._host import libc as _libc
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime

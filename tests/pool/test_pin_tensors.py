@@ -15,12 +15,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool import _libc, layouts
-from pinpool._alloc import empty
-from pinpool._chunks import Chunk, ChunkPlan
-from pinpool._cutter import retry_splitter
-from pinpool._memory import TensorMemory, alias_of
-from pinpool._plan import plan_chunks
+from pinpool import layouts
+from pinpool._host import libc as _libc
+from pinpool._host.mapping import TensorMemory, alias_of
+from pinpool._plan.chunks import Chunk, ChunkPlan
+from pinpool._plan.cutter import retry_splitter
+from pinpool._plan.plan import plan_chunks
+from pinpool._pool.alloc import empty
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES

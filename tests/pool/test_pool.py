@@ -18,8 +18,9 @@ import anyio.lowlevel
 import pytest
 
 import pinpool
-from pinpool import _ki, layouts
-from pinpool._memory import HostMapping
+from pinpool import layouts
+from pinpool._host.mapping import HostMapping
+from pinpool._pin import ki as _ki
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
@@ -38,7 +39,7 @@ class CtrlC:
     so it lands in that call's step however loaded the machine is: a timer's fixed delay did not
     (under parallel workers a late one fired after the pool was done, outside pytest.raises, and
     ended the whole run). ``taken`` counts the interrupts the main thread's handler took; one that
-    lands in pinpool's own code is deferred by it (``pinpool._ki``) and counts as landed then."""
+    lands in pinpool's own code is deferred by it (``pinpool._pin.ki``) and counts as landed then."""
 
     def __init__(self, fake: FakeRuntime, at: set[tuple[str, int]], send: Callable[[], None] | None = None) -> None:
         main = threading.main_thread().ident
@@ -566,6 +567,6 @@ def test_leaked_chunk_keeps_its_memory_mapped() -> None:
 
 
 def test_huge_pages_without_thp_is_a_config_error_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pinpool._libc, "transparent_huge_pages_mode", lambda: "never")
+    monkeypatch.setattr(pinpool._host.libc, "transparent_huge_pages_mode", lambda: "never")
     with pytest.raises(pinpool.ConfigError, match=r"transparent huge pages.*never"):
         pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), huge_pages=True)

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import _libc, layouts
-from pinpool._chunks import Chunk, ChunkTable
-from pinpool._ledger import RegistrationBook
+from pinpool import layouts
+from pinpool._host import libc as _libc
+from pinpool._pin.ledger import RegistrationBook
+from pinpool._plan.chunks import Chunk, ChunkTable
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime
 
@@ -163,7 +164,7 @@ async def test_lock_on_fault_chunks_are_listed_before_their_pages_fault() -> Non
         size=64 * MiB, chunk_bytes=16 * MiB, runtime=fake, registry=None, register_workers=1, populate_workers=1,
         max_call_seconds=None,
     )  # fmt: skip
-    assert pool.order is pinpool._pipeline.Order.REGISTER_FIRST
+    assert pool.order is pinpool._pin.pipeline.Order.REGISTER_FIRST
     uncovered: list[int] = []
     populates = 0
 
@@ -395,7 +396,7 @@ async def test_mlock_lists_its_locks_in_pieces_while_a_background_pool_pins(vmlc
         size=128 * MiB, max_chunk_bytes=64 * MiB, runtime=runtime, registry=None, background=True,
         register_workers=1, max_call_seconds=0.002,
     )  # fmt: skip
-    assert pool.order is pinpool._pipeline.Order.REGISTER_FIRST
+    assert pool.order is pinpool._pin.pipeline.Order.REGISTER_FIRST
     samples: list[list[tuple[int, int]]] = []
     async with pool:
         while len(samples) < 2:

@@ -31,7 +31,7 @@ CHILD = textwrap.dedent(
     """
     import asyncio, signal, sys, time
     import pinpool, trio
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
 
     mode = sys.argv[1]
     pool = pinpool.PinnedPool(size="256MiB", chunk_bytes="8MiB", runtime="mlock", registry=None, unpin_workers=2)
@@ -86,7 +86,7 @@ SWEEP = textwrap.dedent(
     """
     import asyncio, gc, json, os, signal, sys, tempfile, time
     import pinpool, trio, torch
-    from pinpool import _libc
+    from pinpool._host import libc as _libc
 
     mode, signum, plan = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     pinpool.PinnedPool(size="256MiB", chunk_bytes="8MiB", runtime="mlock", registry=None, unpin_workers=2)

@@ -20,13 +20,15 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool import _cli, _doctor, _progress
+from pinpool import _cli
+from pinpool._cli import checks as _doctor
 from pinpool._cli import layout as cli_layout
 from pinpool._cli import pin as cli_pin
+from pinpool._cli import progress as _progress
 from pinpool._cli import report as cli_report
 from pinpool._cli import status as cli_status
-from pinpool._doctor import FAIL, OK, SKIP, WARN, CudaDevice, CudaFacts
-from pinpool._host import HostFacts
+from pinpool._cli.checks import FAIL, OK, SKIP, WARN, CudaDevice, CudaFacts
+from pinpool._host.facts import HostFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -381,7 +383,7 @@ def test_a_timed_hold_ends_by_itself() -> None:
 
 SIGTERM_IN_UNMAP = """
 import os, signal, sys
-from pinpool import _libc
+from pinpool._host import libc as _libc
 real = _libc.munmap
 
 def munmap(address, length):  # a SIGTERM arriving while the pool's memory is unmapped
@@ -413,7 +415,8 @@ def test_a_sigterm_in_the_final_unmap_exits_130_and_prints_no_ignored_exception(
 SIGTERM_SWEEP = """
 import contextlib, json, os, signal, sys, tempfile, time
 import torch  # noqa: F401
-from pinpool import _cli, _libc
+from pinpool import _cli
+from pinpool._host import libc as _libc
 
 ARGV = ["pin", "--runtime", "mlock", "--size", "64MiB", "--progress", "none"]
 signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the runs' own before and after main(): ignored
@@ -1123,7 +1126,7 @@ def test_check_env() -> None:
 
 
 def test_doctor_knows_every_environment_variable_pinpool_reads() -> None:
-    from pinpool import _plan
+    from pinpool._plan import plan as _plan
 
     read = set()
     for path in (ROOT / "pinpool").rglob("*.py"):

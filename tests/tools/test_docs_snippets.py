@@ -291,7 +291,7 @@ def zygote_main() -> None:
     import torch  # noqa: F401 - pinpool imports it lazily, on first use of a pool
 
     import pinpool
-    import pinpool._pool  # noqa: F401
+    import pinpool._pool.pool  # noqa: F401
 
     # The preloaded objects: a child's collections skip them, and so does its exit (which would
     # otherwise spend ~0.5 s collecting torch's module graph), and their pages stay shared.

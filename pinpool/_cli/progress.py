@@ -1,0 +1,355 @@
+"""What ``pinpool pin`` shows people while it pins and after: progress, and per-call latency.
+
+Rendering is pure (:func:`render_bar`, :func:`render_line`, :func:`format_eta`,
+:func:`percentile`), so tests check it without a terminal or a clock. :class:`ProgressReporter`
+is the ``on_progress`` callback: PinnedPool calls it with ``(pinned, total, chunks_done,
+chunks_total)`` on the waiting thread about every 0.1 s. A callback that raises interrupts
+pinning and rolls it back, so the reporter never raises an ``Exception``: a stream that fails
+(closed, a broken pipe) only ends the display. It shows the current rate (over the last
+:data:`RATE_WINDOW_SECONDS`), not the average since the start, and reads faulted bytes at each
+update, so the display moves within a chunk; :class:`ResidentGrowth` is such a reading that
+moves page by page (the kernel's resident count), where the pool's own counters move a whole
+span (up to 512 MiB) at a time. :class:`EventLog` is a structlog-shaped logger for
+``PinnedPool(logger=...)`` that keeps each registration call's duration for the summary.
+
+Nothing here imports torch: the CLI's help must stay fast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from .._units import format_bytes
+
+__all__ = [
+    "EventLog",
+    "ProgressReporter",
+    "ResidentGrowth",
+    "format_eta",
+    "format_rate",
+    "percentile",
+    "render_bar",
+    "render_line",
+]
+
+# Plain lines in a log at most this often: often enough to show life, rare enough for a TiB pin.
+LINE_INTERVAL_SECONDS = 2.0
+# The rate shown is over about this long: recent enough to show a stall or a speed-up, long
+# enough that chunk-sized steps do not make it flicker.
+RATE_WINDOW_SECONDS = 2.0
+_BAR_MIN, _BAR_MAX = 10, 40
+
+
+def format_rate(nbytes: int, seconds: float) -> str:
+    """Decimal GB/s, as the summary and docs/performance.md report throughput."""
+    if seconds <= 0:
+        return "-- GB/s"
+    return format_speed(nbytes / seconds)
+
+
+def format_speed(bytes_per_second: float | None) -> str:
+    """``5.21 GB/s`` (decimal, as :func:`format_rate`); ``-- GB/s`` when unknown."""
+    if bytes_per_second is None or not math.isfinite(bytes_per_second):
+        return "-- GB/s"
+    return f"{bytes_per_second / 1e9:.2f} GB/s"
+
+
+def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = None) -> float | None:
+    """Seconds left at ``rate`` (bytes/s), or at the average rate so far when None; None while
+    no rate is known yet (or the rate is 0: stalled)."""
+    if total > 0 and pinned >= total:
+        return 0.0
+    if rate is not None:
+        return None if rate <= 0 else max(0.0, (total - pinned) / rate)
+    if pinned <= 0 or elapsed <= 0:
+        return None
+    return max(0.0, (total - pinned) * elapsed / pinned)
+
+
+def _speed(pinned: int, elapsed: float, rate: float | None) -> str:
+    return format_speed(rate) if rate is not None else format_rate(pinned, elapsed)
+
+
+def format_eta(seconds: float | None) -> str:
+    """``0:07``, ``12:34``, ``1:02:03``; ``--:--`` when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "--:--"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _percent(pinned: int, total: int) -> int:
+    # Floor, so 100% means every byte is pinned, never "almost".
+    return 100 if total <= 0 else min(100, pinned * 100 // total)
+
+
+def _ahead(pinned: int, faulted: int | None) -> int | None:
+    """Faulted bytes worth showing: only while they run ahead of the pinned ones."""
+    return faulted if faulted is not None and faulted > pinned else None
+
+
+def render_bar(
+    pinned: int,
+    total: int,
+    elapsed: float,
+    done: int,
+    chunks: int,
+    width: int = 80,
+    faulted: int | None = None,
+    rate: float | None = None,
+) -> str:
+    """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s  ETA 0:01  6/16 chunks``.
+
+    ``#`` is pinned; ``+`` is faulted in but not yet counted as pinned (``faulted``: bytes pre-faulted
+    so far), which moves within a chunk while whole chunks are what gets counted as pinned.
+    ``rate``: the current rate in bytes/s, shown and used for the ETA; None: the average so far.
+    The bar takes what ``width`` leaves after the figures (between 10 and 40 cells).
+    """
+    ahead = _ahead(pinned, faulted)
+    figures = (
+        f" {_percent(pinned, total):3d}%  {format_bytes(pinned)} / {format_bytes(total)}"
+        + (f" ({format_bytes(ahead)} faulted)" if ahead is not None else "")
+        + f"  {_speed(pinned, elapsed, rate)}  ETA {format_eta(eta_seconds(pinned, total, elapsed, rate))}"
+        f"  {done}/{chunks} chunks"
+    )
+    cells = max(_BAR_MIN, min(_BAR_MAX, width - len(figures) - len("pinning []") - 1))
+
+    def fill(nbytes: int) -> int:
+        return cells if total <= 0 else min(cells, nbytes * cells // total)
+
+    hashes = fill(pinned)
+    pluses = fill(ahead) - hashes if ahead is not None else 0
+    return f"pinning [{'#' * hashes}{'+' * pluses}{'.' * (cells - hashes - pluses)}]{figures}"
+
+
+def render_line(
+    pinned: int,
+    total: int,
+    elapsed: float,
+    done: int,
+    chunks: int,
+    faulted: int | None = None,
+    rate: float | None = None,
+) -> str:
+    """One plain log line, for stderr that is not a terminal (``rate`` as for :func:`render_bar`)."""
+    ahead = _ahead(pinned, faulted)
+    return (
+        f"pinpool: pinning {_percent(pinned, total)}% ({format_bytes(pinned)} of {format_bytes(total)}"
+        + (f", {format_bytes(ahead)} faulted" if ahead is not None else "")
+        + f"), {_speed(pinned, elapsed, rate)}, ETA {format_eta(eta_seconds(pinned, total, elapsed, rate))}, "
+        f"{done}/{chunks} chunks, {elapsed:.1f} s elapsed"
+    )
+
+
+class RecentRate:
+    """Bytes per second over about the last ``window`` seconds, from (time, bytes so far) samples."""
+
+    def __init__(self, window: float = RATE_WINDOW_SECONDS) -> None:
+        self.window = window
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def restart(self, now: float) -> None:
+        self._samples.clear()
+        self._samples.append((now, 0))
+
+    def __call__(self, now: float, moved: int) -> float | None:
+        """Record ``moved`` at ``now``; the rate since the newest sample at least ``window`` old
+        (the oldest while none is), or None before any time has passed."""
+        samples = self._samples
+        samples.append((now, moved))
+        while len(samples) > 2 and now - samples[1][0] >= self.window:
+            samples.popleft()
+        then, before = samples[0]
+        if now - then <= 0:
+            return None
+        return max(0.0, (moved - before) / (now - then))
+
+
+class ResidentGrowth:
+    """Bytes this process's resident memory grew by since :meth:`restart` (or construction),
+    read from /proc/self/statm: while a pool pins, its pages become resident as they are
+    faulted, page by page, where ``pinpool_populated_bytes_total`` counts whole spans. Other
+    allocations meanwhile are noise of a few MiB; memory that was resident before pinning
+    (an existing tensor, shared memory already touched) does not move it. None where
+    /proc is not readable."""
+
+    def __init__(self, path: str = "/proc/self/statm") -> None:
+        self.path = path
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._base = self._resident()
+
+    def _resident(self) -> int | None:
+        try:
+            with open(self.path) as f:
+                return int(f.read().split()[1]) * self._page
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def restart(self) -> None:
+        self._base = self._resident()
+
+    def __call__(self) -> int | None:
+        now = self._resident()
+        if now is None or self._base is None:
+            return None
+        return max(0, now - self._base)
+
+
+class ProgressReporter:
+    """The ``on_progress`` callback: a bar redrawn with ``\\r`` (``mode="bar"``), plain lines every
+    ``interval`` seconds (``mode="lines"``), or nothing (``mode="none"``).
+
+    ``faulted``: None, or a callable returning the bytes pre-faulted so far (None when unknown),
+    read at each update. The rate shown is over the last ``window`` seconds of progress (pinned,
+    or faulted where that runs ahead). ``clock`` and ``width`` are injectable for tests; the
+    width defaults to the terminal's.
+    """
+
+    def __init__(
+        self,
+        stream: TextIO,
+        mode: str,
+        *,
+        interval: float = LINE_INTERVAL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        width: int | None = None,
+        faulted: Callable[[], float | None] | None = None,
+        window: float = RATE_WINDOW_SECONDS,
+    ) -> None:
+        if mode not in ("bar", "lines", "none"):
+            raise ValueError(f"mode={mode!r}: choose 'bar', 'lines' or 'none'")
+        self.stream = stream
+        self.mode = mode
+        self.interval = interval
+        self._clock = clock
+        self._width = width
+        self.faulted = faulted
+        self._start = clock()
+        self._last_line = self._start
+        self._rate = RecentRate(window)
+        self._rate.restart(self._start)
+        self._drawn = 0  # characters of the bar now on screen (0: none)
+        self._finished_line = False
+        self._broken = False
+
+    def restart(self) -> None:
+        """Count elapsed time from now (the pin starts after the pool is constructed)."""
+        self._start = self._last_line = self._clock()
+        self._rate.restart(self._start)
+
+    def __call__(self, pinned: int, total: int, done: int, chunks: int) -> None:
+        if self.mode == "none" or self._broken:
+            return
+        try:
+            self._update(pinned, total, done, chunks)
+        except Exception:  # never raise into the pin: that would roll it back
+            self._broken = True
+
+    def _update(self, pinned: int, total: int, done: int, chunks: int) -> None:
+        now = self._clock()
+        elapsed = now - self._start
+        read = self.faulted() if self.faulted is not None else None
+        faulted = None if read is None else min(total, int(read))
+        rate = self._rate(now, max(pinned, faulted or 0))
+        if self.mode == "bar":
+            width = self._width or shutil.get_terminal_size((80, 24)).columns
+            text = render_bar(pinned, total, elapsed, done, chunks, width=width - 1, faulted=faulted, rate=rate)
+            # Pad over a longer previous line instead of an escape sequence: works on any terminal.
+            self.stream.write("\r" + text.ljust(self._drawn))
+            self.stream.flush()
+            self._drawn = len(text)
+            return
+        complete = total > 0 and pinned >= total
+        if complete and self._finished_line:
+            return
+        if complete or now - self._last_line >= self.interval:
+            self._last_line = now
+            self._finished_line = complete
+            self.stream.write(render_line(pinned, total, elapsed, done, chunks, faulted, rate) + "\n")
+            self.stream.flush()
+
+    def finish(self) -> None:
+        """Take the bar off the screen, so what follows starts on a clean line. Never raises."""
+        if self._drawn and not self._broken:
+            try:
+                self.stream.write("\r" + " " * self._drawn + "\r")
+                self.stream.flush()
+            except Exception:
+                self._broken = True
+        self._drawn = 0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``: always one of the values,
+    so p99 of a few calls is an observed call, not an interpolation. ``values`` must not be empty."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.42 ms``, ``12.3 ms``, ``1.25 s``: latencies span microseconds (lock-on-fault) to seconds (CUDA)."""
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
+class EventLog:
+    """A structlog-compatible logger for ``PinnedPool(logger=...)`` in the CLI.
+
+    Keeps the ``seconds`` of every ``chunk.registered`` event (one per registration call, see
+    pinpool/_observe.py) and prints warnings and errors as one readable line with the pool's
+    name (pinpool's unconfigured default would go through the stdlib's last-resort handler).
+    ``quiet`` events are kept out of stderr: the CLI reports those outcomes itself.
+    Worker threads call it; ``list.append`` and the counter's lock make that safe.
+    """
+
+    def __init__(self, stream: TextIO, *, quiet: frozenset[str] = frozenset({"pool.rollback"})) -> None:
+        self.stream = stream
+        self.quiet = quiet
+        self.register_seconds: list[float] = []
+        self.retries = 0
+        self._context: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, **context: Any) -> EventLog:
+        # One pool per log: binding adds the pool's labels to what warnings print.
+        self._context.update(context)
+        return self
+
+    def debug(self, event: str, **fields: Any) -> None:
+        if event == "chunk.registered":
+            self.register_seconds.append(float(fields.get("seconds", 0.0)))
+
+    def info(self, event: str, **fields: Any) -> None:
+        if event == "chunk.retry":
+            with self._lock:
+                self.retries += 1
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._print("warning", event, fields)
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._print("error", event, fields)
+
+    def _print(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        if event in self.quiet:
+            return
+        pool = self._context.get("pool", "?")
+        details = ", ".join(f"{key}={value!r}" for key, value in fields.items())
+        try:
+            self.stream.write(f"pinpool: pool {pool!r}: {level}: {event}" + (f" ({details})" if details else "") + "\n")
+            self.stream.flush()
+        except Exception:
+            pass  # stderr is gone; the summary and exit status still say what happened

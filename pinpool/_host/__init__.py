@@ -1,0 +1,1 @@
+"""pinpool._host"""

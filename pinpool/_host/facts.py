@@ -1,0 +1,233 @@
+"""What pinpool knows about the host, probed in one place into one frozen value.
+
+:class:`HostFacts` is everything planning a pool may depend on: CPUs and the CPU quota, page sizes, the
+transparent-huge-page mode, whether the kernel has MADV_POPULATE_WRITE, locked-memory limits,
+memory limits and availability, hugetlb pages, NUMA nodes, the user address space, the kernel
+release, and which GPU stack is installed. It is pinpool's one model of the host: the planner
+(:func:`pinpool._plan.plan.plan_pool`) and the pre-flight (:mod:`pinpool._plan.preflight`) take it as an
+argument, and ``pinpool doctor`` reads the host through it too, so planning is a pure function,
+"will this pool fit here?" has one answer, and tests build HostFacts by hand for any host.
+
+:meth:`HostFacts.probe` reads the host. Facts that cannot change while the process runs (the
+page size, the kernel's madvise support, the address-space size, the torch build) are read
+once per process; everything that can (CPU affinity and quota, limits, sysfs settings, memory figures,
+hugetlb counters, NUMA nodes, GPU driver presence) is read again on every probe. A probe never
+initialises CUDA: it reads ``torch.version`` (a build fact) and checks for driver files.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+from . import libc as _libc
+from .cpulimits import CpuQuota, cpu_budget, read_cpu_quota
+from .memlimits import _binding_level, _read, cgroup_room, effective_available, read_mem_available, read_memory_limits
+
+__all__ = ["HostFacts", "address_space_bytes", "available_cpus"]
+
+# Largest user address space a process gets without asking for more (an mmap hint above it):
+# x86-64 4-level paging gives user space [0, 2**47); 5-level paging (LA57) widens it to 2**56
+# only for mmap calls with a hint address above 2**47, which pinpool never passes. arm64 likewise
+# hands out addresses below 2**48 unless asked (52-bit VA). These are upper bounds: the binary,
+# its libraries, the heap and the stack live in the same space, so a little less is mappable.
+_USER_ADDRESS_BITS = {"x86_64": 47, "amd64": 47, "aarch64": 48, "arm64": 48}
+# Any other 64-bit Linux architecture: no user address space reaches 2**57 (riscv sv57 and
+# x86-64 LA57 top out at 2**56, ppc64 and s390x below that). 32-bit: the pointer width.
+_OTHER_64_BIT_ADDRESS_BITS = 57
+
+
+@functools.cache
+def address_space_bytes(machine: str | None = None) -> int:
+    """An upper bound on the bytes one process can map (see ``_USER_ADDRESS_BITS``)."""
+    pointer_bits = ctypes.sizeof(ctypes.c_void_p) * 8
+    if pointer_bits < 64:
+        return 1 << pointer_bits
+    bits = _USER_ADDRESS_BITS.get(machine or os.uname().machine, _OTHER_64_BIT_ADDRESS_BITS)
+    return 1 << bits
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
+
+    cpus: CPUs in this process's affinity mask.
+    cpu_quota: the CPU cgroup quota that binds (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), as read by
+        :func:`pinpool._host.cpulimits.read_cpu_quota`; None when not read (a hand-made host).
+        :attr:`cpu_budget` is what worker counts derive from.
+    page_size: the OS page.
+    huge_page_size: the huge page pinpool maps with (``huge_pages=True`` alignment, hugetlb pages): 2 MiB.
+    thp_mode: transparent huge pages mode ("always", "madvise", "never"), None without THP.
+    populate_write: the kernel accepts MADV_POPULATE_WRITE (Linux 5.14+).
+    memlock_soft, memlock_hard: RLIMIT_MEMLOCK (None: unlimited).
+    cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK.
+    cgroup_memory_limit: the memory cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)
+        that binds: of the process's cgroup and its ancestors, the one with the least room left.
+        None when unlimited or not found. Best effort (see :mod:`pinpool._host.memlimits`).
+    mem_available: ``MemAvailable`` of /proc/meminfo, None when unreadable.
+    cgroup_memory_usage: that cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``).
+    cgroup_memory_reclaimable: that cgroup's file page cache, which its usage counts but the
+        kernel reclaims before it OOM-kills.
+    cgroup_version: 1 or 2 (the hierarchy with the memory controller), None without one.
+    cgroup_path: the binding cgroup's path, for messages.
+    locked_bytes: memory this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
+    hugetlb_free, hugetlb_total: 2 MiB hugetlb pages free and reserved (vm.nr_hugepages).
+    hugetlb_1g_free, hugetlb_1g_total: 1 GiB hugetlb pages free and reserved (``hugepagesz=1G
+        hugepages=N`` on the kernel command line; /sys/kernel/mm/hugepages/hugepages-1048576kB).
+    numa_nodes: NUMA nodes with memory (``(0,)`` without NUMA).
+    address_space_bytes: an upper bound on what one process can map (see :func:`address_space_bytes`).
+    torch_cuda, torch_hip: ``torch.version.cuda`` / ``torch.version.hip`` (build facts, no GPU touched).
+    nvidia_driver: the NVIDIA kernel driver is loaded (/proc/driver/nvidia/version).
+    amd_kfd: the ROCm kernel driver's device exists (/dev/kfd).
+    thp_defrag: the transparent huge pages defrag mode ("always", "defer+madvise", ...), None without THP.
+    kernel_release: ``uname -r``.
+    """
+
+    cpus: int
+    page_size: int
+    huge_page_size: int
+    thp_mode: str | None
+    populate_write: bool
+    memlock_soft: int | None
+    memlock_hard: int | None
+    cap_ipc_lock: bool
+    cgroup_memory_limit: int | None
+    mem_available: int | None
+    hugetlb_free: int
+    hugetlb_total: int
+    numa_nodes: tuple[int, ...]
+    address_space_bytes: int
+    torch_cuda: str | None
+    torch_hip: str | None
+    nvidia_driver: bool
+    amd_kfd: bool
+    # Added later, with defaults, so hand-made hosts in tests and user code keep working.
+    cgroup_memory_usage: int | None = None
+    cgroup_memory_reclaimable: int | None = None
+    cgroup_version: int | None = None
+    cgroup_path: str | None = None
+    locked_bytes: int = 0
+    thp_defrag: str | None = None
+    kernel_release: str = ""
+    hugetlb_1g_free: int = 0
+    hugetlb_1g_total: int = 0
+    cpu_quota: CpuQuota | None = None
+
+    @property
+    def cpu_budget(self) -> int:
+        """Threads this process can keep busy: the affinity's CPUs, bounded by the CPU quota."""
+        return cpu_budget(self.cpus, self.cpu_quota)
+
+    def hugetlb_pages(self, page_size: int) -> tuple[int, int]:
+        """``(free, reserved)`` hugetlb pages of ``page_size`` (2 MiB or 1 GiB)."""
+        if page_size == 1 << 30:
+            return self.hugetlb_1g_free, self.hugetlb_1g_total
+        return self.hugetlb_free, self.hugetlb_total
+
+    @property
+    def cgroup_room(self) -> int | None:
+        """Bytes the memory cgroup can still charge (limit - usage + page cache); None without a limit."""
+        return cgroup_room(self.cgroup_memory_limit, self.cgroup_memory_usage, self.cgroup_memory_reclaimable)
+
+    @property
+    def memory_available(self) -> int | None:
+        """Bytes that may still become resident: the cgroup's room (limit - usage + page cache) or
+        MemAvailable, whichever is smaller; None when neither is known."""
+        return effective_available(
+            self.cgroup_memory_limit, self.cgroup_memory_usage, self.cgroup_memory_reclaimable, self.mem_available
+        )
+
+    @classmethod
+    def probe(cls, *, torch_build: bool = True) -> HostFacts:
+        """Read this host's facts now (static ones are read once per process). ``torch_build=False``
+        leaves ``torch_cuda`` / ``torch_hip`` unread (None), so nothing imports torch (~2 s):
+        ``pinpool doctor --no-cuda``."""
+        soft, hard = _libc.memlock_limits()
+        free, total = _libc.hugetlb_free_pages()
+        free_1g, total_1g = _libc.hugetlb_free_pages(1 << 30)
+        torch_cuda, torch_hip = _torch_build() if torch_build else (None, None)
+        memory = read_memory_limits()
+        return cls(
+            cpus=available_cpus(),
+            page_size=_libc.PAGE_SIZE,
+            huge_page_size=_libc.HUGE_PAGE_SIZE,
+            thp_mode=_libc.transparent_huge_pages_mode(),
+            populate_write=_libc.populate_write_supported(),
+            memlock_soft=None if soft == _libc.RLIM_INFINITY else soft,
+            memlock_hard=None if hard == _libc.RLIM_INFINITY else hard,
+            cap_ipc_lock=_libc.has_cap_ipc_lock(),
+            cgroup_memory_limit=memory.cgroup_limit_bytes,
+            mem_available=memory.mem_available_bytes,
+            hugetlb_free=free,
+            hugetlb_total=total,
+            numa_nodes=_libc.numa_nodes(),
+            address_space_bytes=address_space_bytes(),
+            torch_cuda=torch_cuda,
+            torch_hip=torch_hip,
+            nvidia_driver=os.path.exists("/proc/driver/nvidia/version"),
+            amd_kfd=os.path.exists("/dev/kfd"),
+            cgroup_memory_usage=memory.cgroup_usage_bytes,
+            cgroup_memory_reclaimable=memory.cgroup_reclaimable_bytes,
+            cgroup_version=memory.cgroup_version,
+            cgroup_path=memory.cgroup_path,
+            locked_bytes=_locked_bytes(),
+            thp_defrag=_bracketed(_read(_THP_DEFRAG)),
+            kernel_release=os.uname().release,
+            hugetlb_1g_free=free_1g,
+            hugetlb_1g_total=total_1g,
+            cpu_quota=read_cpu_quota(),
+        )
+
+
+@functools.cache
+def _torch_build() -> tuple[str | None, str | None]:
+    """``torch.version.cuda`` and ``.hip``: attributes of the installed build; nothing is initialised."""
+    try:
+        import torch  # already imported by pinpool (its layouts); importing it initialises no GPU
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return None, None
+    version = getattr(torch, "version", None)
+    cuda, hip = getattr(version, "cuda", None), getattr(version, "hip", None)
+    return (str(cuda) if cuda else None), (str(hip) if hip else None)
+
+
+_THP_DEFRAG = "/sys/kernel/mm/transparent_hugepage/defrag"
+
+
+def _bracketed(text: str | None) -> str | None:
+    """The selected value of a sysfs choice file: ``always [madvise] never`` -> ``madvise``."""
+    start, end = (-1, -1) if text is None else (text.find("["), text.find("]"))
+    return text[start + 1 : end] if text is not None and 0 <= start < end else None
+
+
+def _locked_bytes() -> int:
+    try:
+        return _libc.vm_locked_bytes()
+    except (OSError, ValueError, IndexError):  # no /proc: nothing known to be locked
+        return 0
+
+
+# The two readers below predate pinpool._host.memlimits and keep their signatures for callers and
+# tests that point them at fixture files; both delegate to it.
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The binding memory limit on this process's cgroup path (v2 or v1), or None. Best effort:
+    a cgroup filesystem mounted elsewhere, or a path hidden by a namespace, reads as no limit."""
+    level = _binding_level(_read(proc_cgroup), root)
+    return None if level is None else level.limit
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` in bytes, or None."""
+    return read_mem_available(meminfo)

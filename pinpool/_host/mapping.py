@@ -1,0 +1,355 @@
+"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying.
+
+Lifetime rule: the mapping is unmapped only when nothing refers to it any more: not the
+pool (which lets go after every chunk is unregistered) and not any tensor view (each view
+holds it through the buffer object torch.frombuffer keeps alive). A tensor kept past the
+pool's exit therefore stays valid, merely unpinned. A mapping whose chunks could not all
+be unregistered is never unmapped: freeing still-registered memory is undefined. The unmap
+never runs at interpreter exit (where finalizers run in reverse creation order, so a mapping
+made at entry would go before its pool unpinned it): the pool's finalizer unpins, and the
+kernel takes the memory back with the process.
+
+A caller's tensor (:func:`pinpool.pin`) is reached through an *alias*: a tensor over the
+same bytes whose storage cannot be resized and keeps the caller's storage alive. While the
+memory is pinned the caller's tensor is pointed at that alias, so ``t.resize_()`` to a
+larger size (which would reallocate, freeing the pinned memory under its registrations)
+raises instead, and ``t.set_()`` or dropping ``t`` cannot free it either.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from typing import Any, TypeAlias
+
+import torch
+
+from .._errors import AllocationError, ConfigError, RuntimeCallError
+from .._plan.preflight import hugetlb_check, hugetlb_fix, raise_first, thp_check
+from .._units import format_bytes, hugetlb_page_size
+from . import libc as _libc
+
+__all__ = ["AllocationError", "HostMapping", "TensorMemory", "alias_of", "populate_range"]
+
+# Mappings that must outlive everything because a chunk of them may still be registered.
+_KEPT_FOREVER: list[HostMapping] = []
+_kept_lock = threading.Lock()
+
+
+# munmap frees every page of the range while holding the process's mmap_lock for writing: 4 GiB
+# took ~0.3 s here, a stall for every thread that maps or faults memory. In pieces, the lock is
+# let go between them (any range of a mapping may be unmapped on its own, in whole pages: a piece
+# of a hugetlb mapping is whole hugetlb pages, else munmap refuses it with EINVAL).
+UNMAP_PIECE_BYTES = 128 << 20
+
+
+def _unmap(address: int, length: int, page: int = _libc.PAGE_SIZE) -> None:
+    piece = -(-UNMAP_PIECE_BYTES // page) * page  # 1 GiB pages: one page per piece
+    for offset in range(0, length, piece):
+        _libc.munmap(address + offset, min(piece, length - offset))
+
+
+def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRITE) -> None:
+    """Fault in ``[ptr, ptr+nbytes)`` on the calling thread: writable (MADV_POPULATE_WRITE), or
+    readable (MADV_POPULATE_READ: a shared file's pages, resident already, need no write fault)."""
+    aligned = ptr - ptr % _libc.PAGE_SIZE  # madvise wants a page-aligned start (a caller's tensor may not be)
+    err = _libc.madvise(aligned, nbytes + (ptr - aligned), advice)
+    if err:
+        name = "MADV_POPULATE_WRITE" if advice == _libc.MADV_POPULATE_WRITE else "MADV_POPULATE_READ"
+        raise RuntimeCallError(
+            op=f"madvise({name})", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
+            message=f"{os.strerror(err)}: the kernel could not fault in {format_bytes(nbytes)}; "
+            "the host is probably short of memory",
+        )  # fmt: skip
+
+
+def check_huge_pages_available() -> None:
+    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode (read now: the
+    pre-flight's check, against the host as it is when the memory is mapped)."""
+    raise_first([thp_check(_libc.transparent_huge_pages_mode(), wanted=True)])
+
+
+def check_hugetlb_available(nbytes: int, huge_pages: str) -> None:
+    """huge_pages='hugetlb' (or 'hugetlb:2MiB', 'hugetlb:1GiB') needs enough free hugetlb pages
+    of that size reserved (read now)."""
+    page = hugetlb_page_size(huge_pages)
+    free, total = _libc.hugetlb_free_pages(page)
+    raise_first([hugetlb_check(nbytes, free=free, total=total, huge_page_size=page, wanted=True, value=huge_pages)])
+
+
+def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
+    """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
+    whatever it has mapped at that address since is its own."""
+    if os.getpid() == pid:
+        _unmap(address, length, page)
+
+
+class HostMapping:
+    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages).
+
+    ``huge_pages``: ``True`` asks for transparent huge pages (MADV_HUGEPAGE), ``"hugetlb"``
+    (or ``"hugetlb:2MiB"``) maps reserved 2 MiB hugetlb pages, ``"hugetlb:1GiB"`` reserved
+    1 GiB ones. ``numa_node`` binds the memory (mbind) before any of it is faulted.
+
+    **Fork**: the mapping is ``MADV_DONTFORK``, set before any page is faulted or pinned, as
+    every server that pins private memory does: a forked child gets no copy of it (its address
+    range is unmapped in the child; touching it there is a segmentation fault), so the pinned
+    pages are never shared copy-on-write, and a write by the parent after the fork can never
+    move it to a new, unpinned page under a DMA registration.
+    """
+
+    def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
+        if huge_pages is True:
+            check_huge_pages_available()
+        hugetlb = hugetlb_page_size(huge_pages)
+        align = hugetlb or (_libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE)
+        length = -(-nbytes // align) * align
+        if hugetlb:
+            assert isinstance(huge_pages, str)
+            check_hugetlb_available(length, huge_pages)
+            address, err = _libc.mmap_hugetlb(length, hugetlb)  # hugetlb mappings come aligned to their page
+            if err:
+                raise AllocationError(
+                    f"mmap of {format_bytes(length)} of {format_bytes(hugetlb)} hugetlb pages failed: "
+                    f"{_libc.errno_name(err)} ({os.strerror(err)}); reserve more {format_bytes(hugetlb)} pages "
+                    f"({hugetlb_fix(hugetlb, 'N')}) or use huge_pages=True"
+                )
+        else:
+            address, err = self._map_aligned(length, align)
+        self.address = address
+        self.length = length
+        self.nbytes = nbytes
+        self.huge_pages = huge_pages
+        self._finalizer = weakref.finalize(self, _unmap_in, os.getpid(), address, length, hugetlb or _libc.PAGE_SIZE)
+        # Never at interpreter exit: finalizers left then run newest first, so this one (made at
+        # entry) would unmap before the pool's (made at construction) unpins. The pool's lifecycle
+        # holds the mapping until it has unpinned; at exit the kernel takes the memory back.
+        self._finalizer.atexit = False
+        # First, before any page is faulted: a page a child shares copy-on-write is one a write
+        # by the parent would move off the registered frame.
+        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)
+        if err:
+            self._finalizer()
+            raise AllocationError(
+                f"madvise(MADV_DONTFORK) of the {format_bytes(length)} mapping failed: {_libc.errno_name(err)} "
+                f"({os.strerror(err)}); it was unmapped and nothing was pinned. ENOMEM here means the process "
+                "has too many mappings (raise vm.max_map_count)"
+            )
+        if huge_pages is True:
+            err = _libc.madvise(address, length, _libc.MADV_HUGEPAGE)
+            if err:
+                self._finalizer()
+                raise ConfigError(f"madvise(MADV_HUGEPAGE) failed: {_libc.errno_name(err)}; use huge_pages=False")
+        if numa_node is not None:
+            err = _libc.mbind(address, length, numa_node)
+            if err:
+                self._finalizer()
+                raise ConfigError(
+                    f"mbind of the pool's memory to numa_node={numa_node} failed: {_libc.errno_name(err)} "
+                    f"({os.strerror(err)}); check the node has memory (numactl -H) or use numa_node=None"
+                )
+
+    @staticmethod
+    def _map_aligned(length: int, align: int) -> tuple[int, int]:
+        slack = align - _libc.PAGE_SIZE
+        raw, err = _libc.mmap_anonymous(length + slack)
+        if err:
+            raise AllocationError(
+                f"mmap of {format_bytes(length + slack)} failed: {_libc.errno_name(err)} ({os.strerror(err)}); "
+                "the host cannot provide that much address space or memory (check vm.overcommit_memory and ulimit -v)"
+            )
+        address = -(-raw // align) * align
+        if address > raw:
+            _libc.munmap(raw, address - raw)
+        if raw + length + slack > address + length:
+            _libc.munmap(address + length, raw + length + slack - (address + length))
+        return address, 0
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor over ``[offset, offset+nbytes)`` that keeps this mapping alive."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
+            raise ValueError(f"view [{offset}, +{nbytes}) outside the mapping of {self.length} bytes")
+        buffer_type: Any = type("_PoolBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
+        buffer = buffer_type.from_address(self.address + offset)
+        buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def keep_forever(self) -> None:
+        """Never unmap: part of this memory may still be registered with the runtime."""
+        with _kept_lock:
+            _KEPT_FOREVER.append(self)
+
+    @property
+    def unmapped(self) -> bool:
+        return not self._finalizer.alive
+
+
+class _Alias:
+    """What pinning a caller's tensor needs beyond the alias tensor itself (see :func:`alias_of`)."""
+
+    __slots__ = ("address", "geometry", "nbytes", "original", "owner", "storage", "storage_offset")
+
+    def __init__(
+        self,
+        owner: weakref.ref[torch.Tensor],
+        original: torch.UntypedStorage,
+        storage: torch.UntypedStorage,
+        storage_offset: int,
+        geometry: _Geometry,
+    ) -> None:
+        self.owner = owner  # the caller's tensor, weakly: pinning must not keep the object alive
+        self.original = original  # the caller's storage (the alias's buffer holds it too)
+        self.storage = storage  # the alias's storage: non-resizable, over the same bytes
+        self.address = original.data_ptr()  # where the original storage's bytes were when aliased
+        self.nbytes = original.nbytes()
+        self.storage_offset = storage_offset  # bytes from the storage's start to the tensor's
+        self.geometry = geometry  # the caller's tensor's (offset, sizes, strides) when pinned
+
+
+_ALIAS_ATTRIBUTE = "_pinpool_alias"
+# A tensor's place in its storage: (storage_offset in elements, sizes, strides).
+_Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def _geometry(tensor: torch.Tensor) -> _Geometry:
+    return int(tensor.storage_offset()), tuple(tensor.size()), tuple(tensor.stride())
+
+
+def alias_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over exactly ``tensor``'s bytes (same dtype, shape, strides) whose storage
+    cannot be resized and keeps ``tensor``'s storage alive, as :func:`pinpool.pin` pins it.
+
+    Its address and size never change whatever is done to ``tensor`` afterwards (``resize_``,
+    ``set_``, ``del``), so the plan made from it still describes the memory at entry; an alias
+    of an alias aliases the same original storage.
+    """
+    info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
+    original = info.original if isinstance(info, _Alias) else tensor.untyped_storage()
+    nbytes = original.nbytes()
+    buffer_type: Any = type("_TensorBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
+    buffer = buffer_type.from_address(original.data_ptr())
+    buffer._owner = original  # the alias's storage holds `buffer`, `buffer` holds the caller's storage
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+    alias = torch.empty(0, dtype=tensor.dtype).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+    owner = info.owner if isinstance(info, _Alias) else weakref.ref(tensor)
+    geometry = info.geometry if isinstance(info, _Alias) else _geometry(tensor)
+    offset = int(tensor.storage_offset()) * tensor.element_size()
+    setattr(alias, _ALIAS_ATTRIBUTE, _Alias(owner, original, storage, offset, geometry))
+    return alias
+
+
+def _point(tensor: torch.Tensor, storage: torch.UntypedStorage, geometry: _Geometry | None = None) -> bool:
+    """Point ``tensor`` at ``storage`` with ``geometry`` (default: its own offset, sizes and
+    strides); False where torch refuses (sizes beyond the storage, a tensor that cannot change)."""
+    offset, size, stride = _geometry(tensor) if geometry is None else geometry
+    context = torch.inference_mode() if tensor.is_inference() else torch.no_grad()
+    try:
+        with context:
+            tensor.set_(storage, offset, size, stride)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _give_back(owner: weakref.ref[torch.Tensor], alias: torch.UntypedStorage, original: torch.UntypedStorage,
+               geometry: _Geometry, thread: int) -> None:  # fmt: skip
+    """Point the caller's tensor back at its own storage, if it still views the alias: as it is
+    now, or, where that is out of the storage's bounds, as it was when pinned (a ``resize_`` that
+    the alias refused leaves the tensor's sizes grown over its unchanged storage: torch sets the
+    sizes before it tries the storage).
+
+    Only in the thread that pointed it at the alias (the one that entered the pool, which
+    exits it too): a pool closed elsewhere (a background pinning that failed, a finalizer)
+    must not change a tensor another thread may be using. The tensor then keeps the alias:
+    the same bytes, which cannot be resized."""
+    if threading.get_ident() != thread:
+        return
+    tensor = owner()
+    if tensor is not None and tensor.untyped_storage()._cdata == alias._cdata:
+        if not _point(tensor, original):
+            _point(tensor, original, geometry)  # where torch refuses this too, it keeps the alias: same bytes
+
+
+_GiveBack: TypeAlias = "weakref.finalize[..., TensorMemory]"  # gives the caller's tensor its storage back
+
+
+class TensorMemory:
+    """A caller's CPU tensor as pool memory: same interface as HostMapping, never freed.
+
+    ``tensor`` is the alias :func:`alias_of` made when ``pin()`` was called (a plain tensor is
+    aliased here). Its storage holds the caller's storage, so the memory cannot be released
+    while pinned: this object is referenced until the pool is closed (and forever if a chunk
+    leaked). On entry the caller's tensor is pointed at the alias's non-resizable storage, so
+    growing it (``resize_``) raises instead of reallocating under the registrations; once
+    pinpool lets go of this object it gets its own storage back, if it still views the alias
+    and this happens in the thread that entered (see :func:`_give_back`).
+    Unpinning never reads the caller's tensor: it unregisters the addresses recorded here.
+
+    Raises :class:`ConfigError` when the caller's storage was reallocated (grown with
+    ``resize_``) between ``pin()`` and entry: the bytes the plan was made for are gone.
+
+    ``span``: the bytes ``[start, end)`` from the tensor's start that the pool's memory is (pin()
+    of a strided view or of ranges=: from its first range to its last); default its elements'
+    bytes, for a contiguous tensor.
+    """
+
+    def __init__(self, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> None:
+        info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
+        if not isinstance(info, _Alias):
+            tensor = alias_of(tensor)
+            info = getattr(tensor, _ALIAS_ATTRIBUTE)
+        assert isinstance(info, _Alias)
+        original = info.original
+        if original.data_ptr() != info.address or original.nbytes() < info.nbytes:
+            raise ConfigError(
+                f"pin(tensor): the tensor's storage was reallocated after pin() was called (its bytes moved from "
+                f"{info.address:#x}, +{info.nbytes} to {original.data_ptr():#x}, +{original.nbytes()}: a resize_ "
+                "that grew it, or a resize of its storage), so the memory this pin was planned for is gone; "
+                "nothing was pinned. Call pin() again on the tensor as it is now"
+            )
+        start, end = (0, tensor.numel() * tensor.element_size()) if span is None else span
+        self.tensor = tensor
+        self.address = int(tensor.data_ptr()) + start
+        self.nbytes = end - start
+        self.length = self.nbytes
+        self.huge_pages: bool | str = False
+        self._storage = info.storage
+        self._offset = info.storage_offset + start
+        self._finalizer: _GiveBack | None = None
+        owner = info.owner()
+        if owner is not None and original.resizable() and owner.untyped_storage()._cdata == original._cdata:
+            if owner.data_ptr() == tensor.data_ptr() and _point(owner, info.storage):
+                self._finalizer = weakref.finalize(
+                    self, _give_back, info.owner, info.storage, original, info.geometry, threading.get_ident()
+                )
+                self._finalizer.atexit = False
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor over ``[offset, offset+nbytes)`` of the pinned bytes (the alias's
+        storage, whatever the caller's tensor views now)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise ValueError(f"view [{offset}, +{nbytes}) outside the tensor's {self.nbytes} bytes")
+        flat = torch.empty(0, dtype=torch.uint8)
+        return flat.set_(self._storage, self._offset + offset, (nbytes,), (1,))
+
+    def as_given(self) -> torch.Tensor:
+        """The caller's tensor as it was given (dtype, shape, strides, a strided view's too) over
+        the pinned bytes (the alias's storage, whatever the caller's tensor views now)."""
+        t = self.tensor
+        return torch.empty(0, dtype=t.dtype).set_(self._storage, t.storage_offset(), t.size(), t.stride())
+
+    def keep_forever(self) -> None:
+        """Never free: part of this memory may still be registered. The caller's tensor keeps
+        viewing the alias (same bytes, cannot be grown away from under the registration)."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        with _kept_lock:
+            _KEPT_FOREVER.append(self)  # type: ignore[arg-type]
+
+    @property
+    def unmapped(self) -> bool:
+        return False

@@ -1,0 +1,208 @@
+"""What a layout is: the Layout protocol, one buffer's BufferSpec, the checks every family's
+constructor shares (so each family's ConfigError names its field and the fix the same way), and
+the checks of what a custom layout promises (so its mistakes are ConfigErrors, not failures deep
+in the plan).
+
+Private: ``pinpool.layouts`` is the public module and re-exports these.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeGuard, runtime_checkable
+
+import torch
+
+from .._errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One buffer of a pool: its tensor ``shape`` and ``dtype``, and its ``granularity`` in bytes
+    (``None``: any page-aligned split is safe).
+
+    ``page_runs`` says where page *i* lives, so a pool pinning in the background can say which
+    leading pages ``[0, k)`` are usable: the buffer is ``page_runs`` equal runs back to back,
+    and in each run page *i* is the *i*-th equal slice (1 for page-major shapes such as
+    ``(pages, ...)``, ``layer_num`` for layer_first shapes, 2 more-fold for a combined K/V
+    buffer). ``None`` (a custom layout that does not say): the buffer's pages are usable only
+    once all of it is pinned.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    granularity: int | None
+    page_runs: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@runtime_checkable
+class Layout(Protocol):
+    """What PinnedPool asks of a layout."""
+
+    @property
+    def name(self) -> str:
+        """Short name for logs and metrics labels, e.g. ``"raw"`` or ``"mha/page_first"``."""
+        ...
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page occupies across all buffers; ``size=`` buys whole pages of this."""
+        ...
+
+    def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
+        """The buffers of a pool holding ``num_pages`` pages."""
+        ...
+
+
+LAYER_FIRST = "layer_first"
+PAGE_FIRST = "page_first"
+PAGE_FIRST_DIRECT = "page_first_direct"
+PAGE_HEAD = "page_head"
+PAGE_UNIFIED = "page_unified"  # SGLang 0.5.23: a page is one block, head groups outermost
+PAGE_FIRST_KV_SPLIT = "page_first_kv_split"  # SGLang 0.5.23 MLA (Ascend): K, V (and indexer) buffers
+
+
+def check_choice(family: str, layout: object, allowed: Sequence[str], why: str = "") -> str:
+    if not isinstance(layout, str) or layout not in allowed:
+        raise ConfigError(
+            f"{family}(layout={layout!r}): choose one of {', '.join(map(repr, allowed))}" + (f" ({why})" if why else "")
+        )
+    return layout
+
+
+def check_dim(family: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{family}({name}={value!r}): must be a positive int")
+    return value
+
+
+def check_dtype(family: str, value: object, name: str = "dtype") -> torch.dtype:
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(
+            f"{family}({name}={value!r}): must be a torch.dtype such as torch.bfloat16 or torch.float8_e4m3fn"
+        )
+    return value
+
+
+def check_shape(family: str, name: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigError(f"{family}({name}={value!r}): must be a tuple of non-negative ints")
+    dims = tuple(value)
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+        raise ConfigError(f"{family}({name}={value!r}): must be a tuple of non-negative ints")
+    return dims
+
+
+# -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --
+
+_PAGE_BYTES_FIX = "a layout's page_bytes must be a positive int: the bytes one page occupies across all its buffers"
+_BUFFERS_FIX = "a layout's buffers(num_pages) must return a tuple of pinpool.layouts.BufferSpec"
+
+
+def _describe_layout(layout: object) -> str:
+    """How messages name a layout: its name where it has a usable one, and always its class."""
+    try:
+        name = getattr(layout, "name", None)
+    except Exception:  # a property that raises: the class is all there is to go by
+        name = None
+    kind = type(layout).__qualname__
+    return f"layout {name!r} ({kind})" if isinstance(name, str) and name else f"layout {kind}"
+
+
+def is_layout(layout: object) -> bool:
+    """``isinstance(layout, Layout)``, which reads the protocol's properties and so raises what they raise."""
+    try:
+        return isinstance(layout, Layout)
+    except Exception as exc:
+        what = _describe_layout(layout)
+        fixes = {"name": "fix its name", "page_bytes": _PAGE_BYTES_FIX, "buffers": _BUFFERS_FIX}
+        for attribute, fix in fixes.items():  # which one raised, to name it
+            _layout_value(what, attribute, functools.partial(getattr, layout, attribute), fix)
+        raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
+
+
+def layout_page_bytes(layout: Layout) -> int:
+    """Check the layout's name and page_bytes (what PinnedPool reads of it besides its buffers); return page_bytes."""
+    what = _describe_layout(layout)
+    name = _layout_value(what, "name", lambda: layout.name, "fix its name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"{what}: name={name!r} must be a non-empty str (it labels the pool's logs and metrics); fix its name"
+        )
+    page_bytes = _layout_value(what, "page_bytes", lambda: layout.page_bytes, _PAGE_BYTES_FIX)
+    if not positive_int(page_bytes):
+        raise ConfigError(f"{what}: page_bytes={page_bytes!r}; {_PAGE_BYTES_FIX} (size= buys whole pages of it)")
+    return page_bytes
+
+
+def layout_buffers(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
+    """Check the layout's ``buffers(num_pages)``: a non-empty tuple of valid, distinct BufferSpecs holding bytes."""
+    what = _describe_layout(layout)
+    # An absurd size (10**5000) is refused later as beyond the address space; its page count must
+    # still print (str() of an int that long raises).
+    call = f"buffers({num_pages if num_pages.bit_length() <= 128 else f'~2**{num_pages.bit_length() - 1}'})"
+    specs = _layout_value(what, call, lambda: layout.buffers(num_pages), _BUFFERS_FIX)
+    if isinstance(specs, str | bytes) or not isinstance(specs, tuple | list):
+        raise ConfigError(f"{what}: {call} returned {specs!r}; {_BUFFERS_FIX}")
+    if not specs:
+        raise ConfigError(f"{what}: {call} returned no buffers; {_BUFFERS_FIX}, at least one")
+    seen: set[str] = set()
+    for spec in specs:
+        _check_buffer_spec(f"{what}: {call}", spec, seen)
+    if not sum(spec.nbytes for spec in specs):
+        raise ConfigError(
+            f"{what}: {call} hold no bytes at all (every shape has a zero dimension); "
+            "give at least one buffer a non-empty shape"
+        )
+    return tuple(specs)
+
+
+def positive_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: str) -> object:
+    """``read()``; anything but a ConfigError it raises becomes one naming the layout and the fix."""
+    try:
+        return read()
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"{what}: {attribute} raised {type(exc).__name__} ({exc}); {fix}") from exc
+
+
+def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:
+    """One BufferSpec of a layout: the fields the plan and the tensor views use, of the right types."""
+    if not isinstance(spec, BufferSpec):
+        raise ConfigError(f"{where} holds {spec!r}, not a BufferSpec; {_BUFFERS_FIX}")
+    if not isinstance(spec.name, str) or not spec.name or spec.name in seen:
+        problem = "repeats the name" if spec.name in seen else "has name"
+        raise ConfigError(
+            f"{where} {problem} {spec.name!r}; every buffer needs a distinct non-empty str name (pool.tensors[name])"
+        )
+    seen.add(spec.name)
+    shape = spec.shape
+    if not isinstance(shape, tuple) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ConfigError(f"{where}: buffer {spec.name!r} has shape={shape!r}; give a tuple of non-negative ints")
+    if not isinstance(spec.dtype, torch.dtype):
+        raise ConfigError(f"{where}: buffer {spec.name!r} has dtype={spec.dtype!r}; give a torch.dtype")
+    granularity = spec.granularity
+    if granularity is not None and not positive_int(granularity):
+        raise ConfigError(
+            f"{where}: buffer {spec.name!r} has granularity={granularity!r}; give a positive int number of bytes "
+            "(one copy page: chunk boundaries fall on its multiples), or None for no alignment constraint"
+        )
+    runs = getattr(spec, "page_runs", None)
+    if runs is not None and not positive_int(runs):
+        raise ConfigError(
+            f"{where}: buffer {spec.name!r} has page_runs={runs!r}; give a positive int, or None when the "
+            "buffer's pages are usable only once all of it is pinned"
+        )

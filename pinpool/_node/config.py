@@ -1,0 +1,230 @@
+"""Node pacing's configuration: the ``PINPOOL_NODE_*`` environment variables, the pool options
+``node_slots`` / ``node_budget`` / ``node_dir`` / ``node_wait``, and :class:`NodePacing`, the
+checked result. Nothing here touches a file but ``/proc/meminfo`` (for a fractional budget).
+
+**Slots** (``node_slots``, ``PINPOOL_NODE_SLOTS``): how many processes may *pin* at once, 1 to
+:data:`MAX_SLOTS`. **Budget** (``node_budget``, ``PINPOOL_NODE_BUDGET``): the bytes every
+cooperating pool may hold pinned together, as bytes (an int or a size such as ``"512GiB"``) or
+as a fraction of ``MemTotal`` (``0.8``, ``"0.8"``, ``"80%"``). **Directory** (``node_dir``,
+``PINPOOL_NODE_DIR``): where the ranks' lock files live, an absolute path shared by every rank,
+default :func:`default_directory`. An argument wins over its variable. Every rank must agree on
+the slot count, the budget and the directory (see :mod:`pinpool._node.pacing`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+
+from .._errors import ConfigError
+from .._units import ascii_decimal, decimal_to_int, parse_size, shown
+
+__all__ = [
+    "BUDGET_ENV",
+    "DIR_ENV",
+    "MAX_SLOTS",
+    "SLOTS_ENV",
+    "NodePacing",
+    "default_directory",
+    "mem_total_bytes",
+    "parse_fraction",
+]
+
+SLOTS_ENV = "PINPOOL_NODE_SLOTS"
+BUDGET_ENV = "PINPOOL_NODE_BUDGET"
+DIR_ENV = "PINPOOL_NODE_DIR"
+
+MAX_SLOTS = 1024  # a waiting rank opens every slot file once per poll
+
+
+def mem_total_bytes(meminfo: str = "/proc/meminfo") -> int:
+    """``MemTotal`` of /proc/meminfo in bytes (the host's, also inside a container)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    raise ConfigError(
+        f"node_budget as a fraction of MemTotal needs {meminfo}, which has no readable MemTotal; "
+        "give the budget in bytes instead (e.g. node_budget='512GiB')"
+    )
+
+
+def default_directory(uid: int | None = None) -> str:
+    """``/dev/shm/pinpool-<uid>`` (tmpfs, per host), else ``/run/user/<uid>/pinpool``, else
+    ``/tmp/pinpool-<uid>``. Not ``$TMPDIR``: ranks with different TMPDIRs would not see each other."""
+    uid = os.geteuid() if uid is None else uid
+    if os.path.isdir("/dev/shm"):
+        return f"/dev/shm/pinpool-{uid}"
+    run = f"/run/user/{uid}"
+    if os.path.isdir(run):
+        return os.path.join(run, "pinpool")
+    return f"/tmp/pinpool-{uid}" if os.path.isdir("/tmp") else f"/var/tmp/pinpool-{uid}"
+
+
+_SLOTS_FIX = f"give a whole number of processes that may pin at once, 1 to {MAX_SLOTS} (e.g. 2)"
+_BUDGET_HINT = (
+    'bytes (an int, or a size such as "512GiB"), a fraction of MemTotal (a float in (0, 1] such as 0.8, '
+    'or the strings "0.8" or "80%")'
+)
+
+
+def _parse_slots(value: object, *, what: str, from_env: bool = False) -> int:
+    if from_env and isinstance(value, str):  # strict ASCII digits
+        if not (value.isascii() and value.isdigit()):
+            raise ConfigError(f"{what}={shown(value)} is not a positive integer; {_SLOTS_FIX}, or unset {SLOTS_ENV}")
+        number = int(value)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        raise ConfigError(f"{what}={shown(value)} has type {type(value).__name__}; {_SLOTS_FIX}")
+    if not 1 <= number <= MAX_SLOTS:
+        raise ConfigError(f"{what}={shown(value)} is out of range; {_SLOTS_FIX}")
+    return number
+
+
+def _fraction_bytes(fraction: Decimal, given: object, what: str, mem_total: int | None) -> int:
+    """``fraction`` (in (0, 1], checked by :func:`parse_fraction`) of MemTotal, in whole bytes."""
+    total = mem_total_bytes() if mem_total is None else mem_total
+    nbytes = decimal_to_int(fraction, total)
+    if not nbytes:
+        raise ConfigError(f"{what}={given!r} of MemTotal ({total} B) is less than one byte; give {_BUDGET_HINT}")
+    return nbytes
+
+
+def _in_range(fraction: Decimal, given: object, what: str, of: str, hint: str) -> Decimal:
+    if not fraction.is_finite() or not 0 < fraction <= 1:
+        raise ConfigError(f"{what}={given!r}: a fraction of {of} must be in (0, 1]; give {hint}")
+    return fraction
+
+
+def parse_fraction(value: object, *, what: str, of: str, hint: str) -> Decimal | None:
+    """A fraction in (0, 1] as a Decimal, from a float (``0.8``) or a string (``"0.8"``, ``"80%"``);
+    None for a value not spelled as a fraction (an int, a size such as ``"512GiB"``). ASCII only,
+    like every pinpool number: ``"١٠%"``, ``"８０%"`` or a non-breaking space are errors. ``of``
+    names the whole in messages, ``hint`` the spellings accepted."""
+    if isinstance(value, float):
+        return _in_range(Decimal(repr(value)), value, what, of, hint)
+    if not isinstance(value, str):
+        return None
+    text = value.strip(" \t\n")
+    if text.endswith("%"):
+        percent = ascii_decimal(text[:-1], what=what, fix=f"give {hint}", given=value)
+        return _in_range(percent / 100, value, what, of, hint)
+    if text and "." in text and not any(c.isalpha() for c in text):  # a unitless decimal: a fraction
+        number = ascii_decimal(text, what=what, fix=f"give {hint}", given=value)
+        if number > 1:
+            raise ConfigError(
+                f"{what}={value!r}: a unitless decimal is a fraction of {of} and must be in (0, 1]; "
+                f"for bytes give an integer or a size with a unit; give {hint}"
+            )
+        return _in_range(number, value, what, of, hint)
+    return None
+
+
+def _parse_budget(value: object, *, what: str, mem_total: int | None) -> int:
+    """Bytes from an int, a size string, a float fraction, ``"0.8"`` or ``"80%"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}={value!r} is a bool; give {_BUDGET_HINT}")
+    fraction = parse_fraction(value, what=what, of="MemTotal", hint=_BUDGET_HINT)
+    if fraction is not None:
+        return _fraction_bytes(fraction, value, what, mem_total)
+    if isinstance(value, int | str):
+        try:
+            return parse_size(value, what=what)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; the budget may also be {_BUDGET_HINT}") from None
+    raise ConfigError(f"{what}={value!r} has type {type(value).__name__}; give {_BUDGET_HINT}")
+
+
+@dataclass(frozen=True)
+class NodePacing:
+    """How the pools of one host pace each other (see :mod:`pinpool._node.pacing`).
+
+    directory: an absolute path, shared by every cooperating rank. slots: how many processes may
+    pin at once (None: unlimited). budget_bytes: the bytes all cooperating pools may hold pinned
+    together (None: no budget). wait: True, admission waits; False, it raises
+    :class:`NodeBusyError` at once. At least one of ``slots`` and ``budget_bytes`` is set; "no
+    pacing" is ``None``, which :meth:`from_options` returns when neither is asked for.
+    """
+
+    directory: str
+    slots: int | None = None
+    budget_bytes: int | None = None
+    wait: bool = True
+
+    def __post_init__(self) -> None:
+        d = self.directory
+        if not isinstance(d, str) or not d or not os.path.isabs(d) or "\0" in d:
+            raise ConfigError(
+                f"node_dir={d!r} must be an absolute path (every rank must name the same directory, whatever "
+                f"its working directory); set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
+            )
+        object.__setattr__(self, "directory", os.path.normpath(d))
+        if self.slots is not None:
+            _parse_slots(self.slots, what="node_slots")
+        if self.budget_bytes is not None:
+            b = self.budget_bytes
+            if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+                raise ConfigError(
+                    f"budget_bytes={b!r} must be a positive int; use NodePacing.from_options for sizes and fractions"
+                )
+        if self.slots is None and self.budget_bytes is None:
+            raise ConfigError("NodePacing needs slots or budget_bytes (no pacing is None, not an empty NodePacing)")
+        if not isinstance(self.wait, bool):
+            raise ConfigError(f"node_wait={self.wait!r} must be True (wait for admission) or False (fail fast)")
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        node_slots: int | None = None,
+        node_budget: int | float | str | None = None,
+        node_dir: str | os.PathLike[str] | None = None,
+        node_wait: bool = True,
+        environ: Mapping[str, str] | None = None,
+        mem_total: int | None = None,
+    ) -> NodePacing | None:
+        """Pacing from a pool's options, each falling back to its environment variable
+        (``PINPOOL_NODE_SLOTS``, ``PINPOOL_NODE_BUDGET``, ``PINPOOL_NODE_DIR``; an argument wins).
+        None when neither slots nor a budget is asked for. No file is touched here.
+
+        ``mem_total`` (bytes) replaces /proc/meminfo's MemTotal for fractional budgets (tests).
+        """
+        env = os.environ if environ is None else environ
+        if node_slots is not None:
+            slots: int | None = _parse_slots(node_slots, what="node_slots")
+        elif (raw := env.get(SLOTS_ENV)) is not None:
+            slots = _parse_slots(raw, what=SLOTS_ENV, from_env=True)
+        else:
+            slots = None
+        if node_budget is not None:
+            budget: int | None = _parse_budget(node_budget, what="node_budget", mem_total=mem_total)
+        elif (raw := env.get(BUDGET_ENV)) is not None:
+            budget = _parse_budget(raw, what=BUDGET_ENV, mem_total=mem_total)
+        else:
+            budget = None
+        if not isinstance(node_wait, bool):
+            raise ConfigError(f"node_wait={node_wait!r} must be True (wait for admission) or False (fail fast)")
+        if node_dir is not None:
+            try:
+                directory = os.fspath(node_dir)
+            except TypeError:
+                raise ConfigError(f"node_dir={node_dir!r} must be a path (str or os.PathLike)") from None
+            what = "node_dir"
+        elif (raw := env.get(DIR_ENV)) is not None:
+            directory, what = raw, DIR_ENV
+        else:
+            directory, what = default_directory(), "the default node_dir"
+        if not isinstance(directory, str) or not directory or not os.path.isabs(directory) or "\0" in directory:
+            raise ConfigError(
+                f"{what}={directory!r} must be an absolute path (every rank must name the same directory); "
+                f"set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
+            )
+        if slots is None and budget is None:
+            return None
+        return cls(directory=directory, slots=slots, budget_bytes=budget, wait=node_wait)

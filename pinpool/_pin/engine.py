@@ -1,0 +1,541 @@
+"""The pinning engine: the runtime calls worker threads make, shared by both drivers.
+
+It owns the calls, and only the calls: one :class:`PinSession` per entered pool, built from
+the pool's plan and options whole. Every runtime call (register, populate, unregister) goes
+through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer as
+:func:`~pinpool._pin.untrusted.untrusted_call` reads it: a register that failed other than with the
+runtime's typed error lands as "may be registered", for teardown to undo); every worker,
+pinning or unpinning, runs one batch loop,
+:meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did
+is one :class:`~pinpool._pin.pipeline.Landing`, which the pipeline puts on the books
+(:meth:`~pinpool._pin.pipeline.Pipeline.land`); which item comes next, and what a landing means,
+are the pipeline's and the ledger's.
+
+Workers are long-lived calls of :meth:`PinSession.work` that pull batches from the pipeline
+until it says stop, so a pool pays one thread hop per worker, not per chunk. Every outcome is
+recorded in the ledger inside the worker, under the session lock, so a host that was cancelled
+while waiting still knows exactly what to roll back.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
+
+from .._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls_error
+from .._host.libc import MADV_POPULATE_WRITE
+from .._host.mapping import populate_range
+from .._host.priority import lower_this_thread
+from .._observe import Observer
+from .._plan.chunks import Chunk
+from .._plan.cutter import retry_splitter
+from .._plan.duty import Pacer
+from .._plan.prefix import PrefixTracker
+from .._plan.stall import CallSizer
+from .._types import Capabilities
+from ..runtimes import LocksOnFault, Populates, Runtime
+from .ledger import Phase, RegistrationBook, StopCause
+from .pipeline import WAIT, Landing, Order, Pipeline, Span, _Wait
+from .unpin import Unpinning
+from .untrusted import Answer, untrusted_call
+
+if TYPE_CHECKING:
+    from .._plan.options import PoolOptions
+    from .._plan.plan import PoolPlan
+
+T = TypeVar("T")
+# Within a long batch of small calls, outcomes are put on the books at least this often.
+RECORD_INTERVAL_SECONDS = 0.01
+
+
+class Memory(Protocol):
+    """What the engine needs of the pool's memory: where it starts."""
+
+    address: int
+
+
+@dataclass(frozen=True)
+class _Op:
+    """One kind of runtime call, as data for the one call wrapper (:meth:`PinSession._call`)."""
+
+    name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
+    call: Callable[[int, int], object]  # (ptr, nbytes); anything but None is the runtime's fault
+    # Every call's time, failed or not (unregister: a chunk registered in pieces is unregistered in
+    # one call per piece, and the longest-call gauge is about single calls). Register and populate
+    # report theirs with the call's outcome, with the attempt it was.
+    took: Callable[[float], None] | None = None
+    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/duty.py)
+
+
+class _Result(Protocol):
+    @property
+    def error(self) -> RuntimeCallError | None: ...
+
+
+R = TypeVar("R", bound=_Result)
+
+
+@dataclass(frozen=True)
+class _Work(Generic[T, R]):
+    """What one kind of worker does, as data for the one batch loop (:meth:`PinSession._run`)."""
+
+    take: Callable[[], Sequence[T] | None]  # the next batch, claimed; None or empty: the worker is done
+    do: Callable[[T], R]  # one item's calls
+    keep: Callable[[R], None]  # right after an item's calls, once its result is kept
+    land: Callable[[Sequence[R], Sequence[T]], None]  # results on the books; at a batch's end, its unstarted items
+    stops: bool  # pinning: a failure, or pinning stopped, ends the batch after the current call
+
+
+def _nothing(_result: object) -> None:
+    return None
+
+
+class PinSession(Unpinning):
+    """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
+
+    def __init__(
+        self,
+        plan: PoolPlan,
+        options: PoolOptions,
+        *,
+        runtime: Runtime,
+        caps: Capabilities,
+        observer: Observer,
+        memory: Memory,
+    ) -> None:
+        order = plan.order
+        # Workers start calling only once all of them are started: a populate call holds mmap_lock,
+        # and starting the next thread (its stack is an mmap) would wait behind it (measured: the
+        # second worker began one 512 MiB span late, so the first spans ran one after the other).
+        self._go = threading.Event()
+        self.prefix = PrefixTracker(plan.page_runs, plan.num_pages)
+        self.pipeline = Pipeline(
+            plan.pin_chunks, order=order, span_bytes=plan.span_bytes or 1, lookahead_bytes=plan.lookahead_bytes,
+            register_workers=plan.register_workers, populate_workers=plan.populate_workers, prefix=self.prefix,
+            spans=plan.spans,
+        )  # fmt: skip
+        self.ledger = self.pipeline.ledger
+        # Every registration call live now (pool.registrations), written as each call returns.
+        self.book = RegistrationBook(self.ledger.chunks)
+        self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)
+        self.runtime = runtime
+        self.base_ptr = memory.address
+        self.observer = observer
+        self.unpin_workers = plan.unpin_workers
+        # Which calls to make is declared by the runtime (capabilities), never probed.
+        populate: Callable[[int, int], None] = (
+            cast(Populates, runtime).populate
+            if caps.populates
+            else getattr(memory, "populate", None)  # a shared region's: names a truncation by another process
+            or functools.partial(populate_range, advice=getattr(memory, "populate_advice", MADV_POPULATE_WRITE))
+        )
+        register = cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
+        pacer = Pacer(plan.duty_cycle)  # rests only below duty 1: a background pool under a small CPU quota
+        self._populate = _Op("populate", populate, pacer.took, pacer.before)
+        self._register = _Op("register", register, pacer.took, pacer.before)
+        self._unregister = _Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
+        self.pid = os.getpid()
+        # Retry with halving: the pool's retry codes (else the runtime's), down to the floor (else one
+        # unit), at most max_retries levels below each planned chunk. A bound per lineage, not per
+        # pool: a pool of many chunks that all meet a size limit needs every one halved (SGLang's
+        # degradation), while one chunk that fails at every level costs one call per level.
+        self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
+        self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
+        self._not_registered = caps.not_registered_codes
+        self._max_depth = options.max_retries
+        self.retries = 0
+        # What the runtime raised that is no Exception (SystemExit, KeyboardInterrupt), in call order.
+        self.raised: list[BaseException] = []
+        self._pin_started = time.perf_counter()
+        self.pin_seconds = 0.0
+        self.unpin_seconds = 0.0
+        self._failed_before = 0
+        self._teardown_started = 0.0
+        # The stall budget: every register and populate call sized to fit max_call_seconds.
+        # An "auto" budget that yields to an explicit chunk option leaves registrations as planned.
+        budget = options.max_call_seconds
+        self._register_sizer = CallSizer(budget) if budget and not options.budget_yields_to else None
+        self._populate_sizer = CallSizer(budget) if budget else None
+        self._pieces_follow_faulting = self._register_sizer is not None and order is Order.REGISTER_FIRST
+        self._populate_unit = plan.align
+        # Pin workers run this much nicer than the process (pin_nice=, see _host/priority.py); never
+        # the thread that made the session (it entered the pool, and may go on serving).
+        self._pin_nice = options.pin_nice
+        self._owner_thread = threading.get_ident()
+
+    # -- the one batch loop and the one call wrapper -----------------------------------------------
+
+    def _run(self, work: _Work[T, R]) -> None:
+        """One worker's batches, pinning or unpinning, until ``work.take`` has none left.
+
+        A batch's results go on the books together, under one lock hold (its items stay in
+        flight or claimed until then, so a rollback waits for them): when the batch ends, and
+        every RECORD_INTERVAL_SECONDS within a long one, so the pinned prefix and progress move
+        while a batch of many small chunks runs. Pinning (``work.stops``) ends a batch at a
+        failure, so the other workers hear of it after one call, not one batch, and once pinning
+        stopped. The items not started when the batch ends, or when something raises, go to
+        ``work.land`` too (pinning lands them as stopped; unpinning queues them again).
+        """
+        while items := work.take():
+            results: list[R] = []
+            started = 0  # items whose calls were made
+            try:
+                recorded_at = time.perf_counter()
+                for item in items:
+                    if started and work.stops and self.pipeline.stopped:  # another worker failed, or a cancel
+                        break
+                    result = work.do(item)
+                    results.append(result)  # on the books before anything else can go wrong
+                    started += 1
+                    work.keep(result)
+                    if work.stops and result.error is not None:
+                        break
+                    if time.perf_counter() - recorded_at >= RECORD_INTERVAL_SECONDS:
+                        landed, results = results, []  # never recorded twice, whatever land raises
+                        work.land(landed, ())
+                        recorded_at = time.perf_counter()
+            finally:
+                work.land(results, items[started:])
+
+    def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[Answer, float]:
+        """One runtime call at ``offset`` from the pool's start, classified by
+        :func:`~pinpool._pin.untrusted.untrusted_call`: anything it raises, BaseException included, is
+        that call's failure (a worker thread has no caller to raise to); a BaseException is also
+        kept in :attr:`raised`, for the pool's caller to raise again once teardown is done."""
+        ptr = self.base_ptr + offset
+        observer = self.observer
+        if op.before is not None:
+            op.before()
+        observer.call_started()
+        started = time.perf_counter()
+        try:
+            answer = untrusted_call(op.call, op.name, ptr, nbytes)
+        finally:
+            observer.call_ended()
+        if answer.raised is not None:
+            self.raised.append(answer.raised)
+        seconds = time.perf_counter() - started
+        if op.took is not None:
+            op.took(seconds)
+        return answer, seconds
+
+    # -- pinning -----------------------------------------------------------------------------------
+
+    def _next(self, take: Callable[[], T | _Wait | None]) -> T | None:
+        """The next item of a role, sleeping while the pipeline says WAIT."""
+        with self._changed:
+            while True:
+                try:
+                    item = take()
+                except BaseException:
+                    # A scheduling bug must not leave the other workers asleep forever.
+                    self.ledger.cancel()
+                    self._changed.notify_all()
+                    raise
+                if item is not WAIT:
+                    return item
+                self._changed.wait()
+
+    def work(self) -> None:
+        """One pinning worker: populate spans and register chunks, as the pipeline hands them out."""
+        if self._pin_nice > 0 and threading.get_ident() != self._owner_thread:
+            lower_this_thread(self._pin_nice)  # a fresh thread that only pins: nothing to restore
+        self._go.wait()
+        self._run(_Work(take=self._take_pinning, do=self._pin, keep=self._observe, land=self._land, stops=True))
+
+    def _take_pinning(self) -> tuple[int | Span, ...] | None:
+        batch = self._next(self.pipeline.next_work)
+        return None if batch is None else batch.items
+
+    def _pin(self, item: int | Span) -> Landing:
+        return self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
+
+    def _land(self, landings: Sequence[Landing], unstarted: Sequence[int | Span]) -> None:
+        """Put ``landings`` on the books, and ``unstarted`` items as stopped (their batch ended)."""
+        with self._changed:
+            before = self.ledger.pinned_bytes
+            pinned = [self.pipeline.land(landing) for landing in landings]
+            pinned += [self.pipeline.land(Landing(item, stopped=True)) for item in unstarted]
+            moved = self.ledger.pinned_bytes - before
+            self._changed.notify_all()  # the landings may have made work for waiting workers
+        self.observer.pinned_moved(moved)
+        for index in pinned:
+            if index is not None:
+                self.observer.chunk_pinned(self.ledger.chunks[index])
+
+    def _progress(self, item: int | Span, piece: Chunk) -> None:
+        """Part of an item is pinned now, between its calls (the stall budget)."""
+        with self.lock:
+            before = self.ledger.pinned_bytes
+            self.pipeline.land(Landing(item, pieces=(piece,), partial=True))
+            moved = self.ledger.pinned_bytes - before
+        self.observer.pinned_moved(moved)
+
+    def _populate_span(self, span: Span) -> Landing:
+        sizer = self._populate_sizer
+        if sizer is None:
+            answer, seconds = self._call(self._populate, span.offset, span.nbytes)
+            return Landing(span, answer.error, seconds=seconds)
+        # Under a stall budget the span is faulted in calls sized to fit it (page multiples). As
+        # for a chunk's pieces, anything raised between the calls (a pinpool bug) is the span's
+        # failure, landed on the books with its progress, never an exception that escapes the
+        # worker with the span still in flight.
+        try:
+            return self._paced_populate(span, sizer)
+        except BaseException as exc:  # a worker thread has no caller to raise to
+            error = between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
+            return Landing(span, error, seconds=0.0)  # 0.0, not nan: the worker observes it
+
+    def _paced_populate(self, span: Span, sizer: CallSizer) -> Landing:
+        offset, end = span.offset, span.offset + span.nbytes
+        while offset < end:
+            if self.pipeline.stopped:  # stop between calls, not after the whole span
+                return Landing(span, stopped=True)
+            nbytes = sizer.next_bytes(self._populate_unit, end - offset)
+            answer, seconds = self._call(self._populate, offset, nbytes)
+            sizer.record(nbytes, seconds)
+            if answer.error is not None:
+                return Landing(span, answer.error, seconds=seconds)
+            self.observer.span_populated(nbytes, seconds)
+            if offset + nbytes < end:  # progress within the span (its landing records the rest)
+                self._progress(span, Chunk(offset, nbytes))
+            offset += nbytes
+        return Landing(span)  # nan: observed call by call
+
+    def _register_chunk(self, index: int) -> Landing:
+        chunk = self.ledger.chunks[index]
+        if self._register_sizer is not None:
+            return self._register_pieces(index, chunk, [], [], paced=True)
+        answer, seconds = self._call(self._register, chunk.offset, chunk.nbytes)
+        error = answer.error
+        if error is None or answer.maybe:  # maybe: booked for teardown too (never retried)
+            self.book.chunk_registered(index)
+        if error is None:
+            return Landing(index, seconds=seconds)
+        if answer.maybe:
+            return Landing(index, error, maybe=(chunk,), seconds=seconds)
+        halves = self._halves(chunk, 0, error, attempt=1)
+        if halves is None:
+            return Landing(index, error, seconds=seconds)
+        self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
+        return self._register_pieces(index, chunk, halves, [ChunkFailure(chunk, "register", error)])
+
+    def _halves(
+        self, piece: Chunk, depth: int, error: RuntimeCallError, attempt: int
+    ) -> list[tuple[Chunk, int]] | None:
+        """Aligned halves to retry ``piece`` with (``depth`` halvings below its planned chunk), each
+        with its own depth, if its error is a retry code and the depth bound allows."""
+        if error.code not in self._retryable or depth >= self._max_depth:
+            return None
+        halves = self._cutter.split(piece)
+        if halves is None:
+            return None
+        with self.lock:
+            self.retries += 1
+        self.observer.chunk_retried(piece, error, halves, attempt)
+        return [(half, depth + 1) for half in halves]
+
+    def _register_pieces(
+        self,
+        index: int,
+        chunk: Chunk,
+        todo: list[tuple[Chunk, int]],
+        attempts: list[ChunkFailure],
+        *,
+        paced: bool = False,
+    ) -> Landing:
+        """Register ``chunk`` as several calls: the halves of a failed call (``todo``), or, under
+        the stall budget (``paced``), pieces sized to fit it as the calls go; each piece with its
+        depth (halvings below ``chunk``). A piece that fails retryably is halved again. Every
+        failed attempt is kept, so a final failure lists them all (a real out-of-memory is never
+        hidden). Each call is observed as it ends.
+
+        The pieces registered so far exist only in ``done`` until the chunk lands, so nothing may
+        take them away: a piece joins ``done`` as soon as its call returns, before anything else
+        runs, and anything raised between calls (the sizer, the cutter, the observer, the books:
+        a pinpool bug, never the runtime's) becomes this chunk's failure, landed with the pieces
+        registered so the rollback undoes them, instead of escaping the worker with them."""
+        done: list[Chunk] = []
+        maybe: list[Chunk] = []  # a piece whose call failed untrusted: it may be registered (never retried)
+        try:
+            return self._pieces_loop(index, chunk, todo, attempts, done, maybe, paced=paced)
+        except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
+            error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
+            attempts.append(ChunkFailure(chunk, "register", error))
+            # 0.0, not nan: the worker observes this failure
+            return Landing(index, error, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts), seconds=0.0)
+
+    def _pieces_loop(
+        self,
+        index: int,
+        chunk: Chunk,
+        todo: list[tuple[Chunk, int]],
+        attempts: list[ChunkFailure],
+        done: list[Chunk],
+        maybe: list[Chunk],
+        *,
+        paced: bool,
+    ) -> Landing:
+        """The calls of :meth:`_register_pieces`; every registered piece is in ``done`` at once."""
+        sizer, cutter = self._register_sizer, self._cutter
+        offset = chunk.offset if paced else chunk.end  # where the pieces not yet cut begin
+        while todo or offset < chunk.end:
+            if todo:
+                piece, depth = todo.pop(0)
+            else:
+                depth = 0  # a piece the stall budget cut: a planned size, not a retry
+                assert sizer is not None
+                if self.pipeline.stopped:  # stop between calls: the rollback undoes the pieces
+                    return Landing(index, stopped=True, pieces=tuple(done))
+                rest = Chunk(offset, chunk.end - offset)
+                unit = cutter.unit_of(rest)
+                at_most = sizer.next_bytes(unit, rest.nbytes)
+                if self._pieces_follow_faulting:
+                    # A lock-on-fault registration is quick, but its piece is later unlocked in one
+                    # call (munlock), which holds mmap_lock for writing as long as the faulting took:
+                    # pieces are sized by the faulting rate, so unpinning stays within the budget too.
+                    at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
+                piece = cutter.first_piece(rest, at_most)
+                offset = piece.end
+            answer, took = self._call(self._register, piece.offset, piece.nbytes)
+            failure = answer.error
+            if failure is None or answer.maybe:
+                # first: from here on the piece is on the books, whatever raises
+                (done if failure is None else maybe).append(piece)
+                self.book.registered(index, chunk, piece)
+            if sizer is not None:
+                sizer.record(piece.nbytes, took)
+            if failure is None:
+                self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
+                if paced and (todo or offset < chunk.end):  # progress within the chunk
+                    self._progress(index, piece)
+                continue
+            attempts.append(ChunkFailure(piece, "register", failure))
+            self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
+            again = None if answer.maybe else self._halves(piece, depth, failure, attempt=len(attempts))
+            if again is None:  # registered pieces are undone by the rollback, from the books
+                return Landing(index, failure, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts))
+            todo[:0] = again
+        return Landing(index, pieces=tuple(done))  # nan: observed call by call
+
+    def registrations(self) -> tuple[Chunk, ...]:
+        """Every registration call live now, sorted by offset (see :class:`RegistrationBook`);
+        none in a forked child, whose parent holds them."""
+        return self.book.snapshot() if os.getpid() == self.pid else ()
+
+    def _observe(self, landing: Landing) -> None:
+        if math.isnan(landing.seconds):  # a chunk in pieces, a paced span: each call was observed as it ended
+            return
+        observer, item, error, seconds = self.observer, landing.item, landing.error, landing.seconds
+        if isinstance(item, Span):
+            if error is None:
+                observer.span_populated(item.nbytes, seconds)
+            else:
+                observer.chunk_failed(self.ledger.chunks[item.chunk], "populate", error, seconds)
+        elif error is None:
+            observer.chunk_registered(self.ledger.chunks[item], seconds)
+        else:
+            observer.chunk_failed(self.ledger.chunks[item], "register", error, seconds)
+
+    def take_raised(self) -> list[BaseException]:
+        """What the runtime raised that is no Exception, each handed out once (teardown raises it)."""
+        with self.lock:
+            raised, self.raised = self.raised, []
+        return raised
+
+    # -- stopping and teardown ---------------------------------------------------------------------
+
+    def go(self) -> None:
+        """Every pinning thread is started (or no more will be): workers may begin."""
+        self._go.set()
+
+    def cancel(self) -> None:
+        """Tell workers to stop after their current call."""
+        self.stop(StopCause.CANCELLED)
+
+    def stop(self, cause: StopCause) -> None:
+        """Tell workers to stop after their current call, for ``cause`` (the first cause wins)."""
+        # The plain lock, not the Condition: Condition.__enter__ is Python code, and an interrupt
+        # landing between its acquire and the with block (a second Ctrl-C while the first one
+        # stops the workers) would leave the lock held for good. A C lock's with is not split.
+        with self.lock:
+            self.ledger.stop(cause)
+            self._changed.notify_all()
+        self._go.set()  # a worker still waiting to begin must see the stop, not wait forever
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Wait until no populate or register call is in flight (workers stop at the next one
+        once stopped); False if some still is after ``timeout`` seconds."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.pipeline.in_flight == 0, timeout=timeout)
+
+    def finish_pinning(self) -> Phase:
+        """Every pinning thread is done: close the pinning phase (PINNED, or ROLLED_BACK to undo)."""
+        with self.lock:
+            return self._finish_pinning_locked()
+
+    def _finish_pinning_locked(self) -> Phase:
+        self.pin_seconds = time.perf_counter() - self._pin_started
+        try:
+            return self.pipeline.finish()
+        except LedgerError:
+            # The books disagree with "every thread is done" (a worker crashed mid-batch: a
+            # pinpool bug). Roll back what is known to be registered; the lifecycle reports it.
+            return self.ledger.abort()
+
+    def begin_teardown(self) -> tuple[Callable[[], None], ...]:
+        """What the unpin threads run: unregister every registered chunk base, claimed from one
+        queue in reverse offset order. Empty when there is nothing to undo, once closed
+        (teardown is idempotent), and in a forked child (the registrations are the parent's)."""
+        ledger = self.ledger
+        with self._changed:
+            if ledger.phase is Phase.PINNING:
+                self._finish_pinning_locked()
+            if ledger.phase is Phase.CLOSED:
+                return ()
+            if os.getpid() != self.pid:
+                ledger.disown()
+                return ()
+            order = ledger.teardown_order()
+            self._failed_before = len(ledger.failures)
+        self._teardown_started = time.perf_counter()
+        pending = collections.deque(order)
+        unpinning = _Work(
+            take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk, keep=_nothing,
+            land=functools.partial(self._land_unpinned, pending), stops=False,
+        )  # fmt: skip
+        return tuple(functools.partial(self._run, unpinning) for _ in range(min(self.unpin_workers, len(order))))
+
+    def end_teardown(self, crashed: Sequence[BaseException] = ()) -> tuple[ChunkFailure, ...]:
+        """Close the books once every unpin thread is done; returns this teardown's unregister failures.
+
+        A chunk still registered here means an unpin worker crashed before reaching it (a pinpool
+        bug): it is reported as leaked, never left silently registered."""
+        ledger = self.ledger
+        with self._changed:
+            if ledger.phase is Phase.CLOSED:
+                return ()
+            before = ledger.pinned_bytes
+            for index in ledger.teardown_order():
+                chunk = ledger.chunks[index]
+                ledger.unregister_failed(
+                    index,
+                    RuntimeCallError(
+                        op="unregister", code=-1, reason="InternalError", ptr=self.base_ptr + chunk.offset,
+                        nbytes=chunk.nbytes, message=f"never unregistered: an unpin worker crashed ({crashed!r})",
+                    ),
+                )  # fmt: skip
+            ledger.close()
+            self.unpin_seconds += time.perf_counter() - self._teardown_started
+            failures = tuple(ledger.failures[self._failed_before :])
+            moved = ledger.pinned_bytes - before
+        self.observer.pinned_moved(moved)
+        return failures

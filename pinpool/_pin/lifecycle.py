@@ -1,0 +1,600 @@
+"""A pool's life, written once: pin → (body) → teardown, or pin → rollback.
+
+:class:`Lifecycle` is synchronous and has no threads or awaits of its own, and imports no
+driver: its :meth:`enter`, :meth:`exit` and :meth:`finalize` are generators that do the quick,
+synchronous steps themselves (map the memory, open and close the books, report) and yield only
+the steps that need waiting or a thread (``_pin/steps.py``: :class:`RunThreads`, :class:`Detach`).
+The drivers (``_pin/drivers.py``: ``async with``, ``with``, and the finalizer's inline one) run
+those and send back what happened. So every rule below holds for every driver, because there
+is only one copy of it:
+
+* the pinning step ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in one place
+  (:meth:`Lifecycle._end_pinning`); the foreground delivers it by rolling back and raising,
+  the background by keeping what is pinned and telling the waiters;
+* once a page was reported pinned (the pool is ready, or the page is below ``pinned_pages``),
+  only the caller's exit or close, or the finalizer of a pool nobody can exit any more,
+  unpins it: a background failure never rolls back under a running body;
+* once a teardown or rollback starts, it finishes before control returns, whatever arrives
+  meanwhile; the interruption is re-raised after the books are closed;
+* the finalizer never starts a teardown while a driver is running one (or is pinning);
+* every state change goes through :func:`~pinpool._pin.outcome.check_move` (one table);
+* a worker that crashed, or threads that could not be started, end in a typed
+  :class:`PinError` / :class:`UnpinError`; internal invariant errors never reach users.
+
+It owns the pool's state and the order of its steps, nothing below them: it is given the
+pool's plan and options whole, and builds the engine (``_pin/engine.py``) from them; the memory
+comes from a :class:`MemorySource` (``_pool/pool.py``), node pacing from ``_pin/admission.py``, and the
+pure rules and error texts from ``_pin/outcome.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Generator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnpinError
+from .._node.pacing import NodeAdmission
+from .._observe import Observer
+from .._ranges import PINNED_RANGES
+from .._units import format_bytes
+from .admission import PoolAdmission
+from .close_gate import CloseGate
+from .engine import PinSession
+from .ledger import Phase, StopCause
+from .outcome import (
+    Outcome,
+    PoolState,
+    check_move,
+    closed_during_open,
+    decide,
+    deliver_exit,
+    kept_text,
+    pin_error,
+    thread_start_error,
+    unpin_error,
+    warn_unclosed,
+)
+from .steps import Detach, Joinable, Ran, RunThreads, Steps
+
+if TYPE_CHECKING:
+    from .._plan.options import PoolOptions
+    from .._plan.plan import PoolPlan
+    from .._types import Capabilities
+    from ..runtimes import Runtime
+
+__all__ = ["Lifecycle", "Memory", "MemorySource", "PoolState"]
+
+ProgressCallback = Callable[[int, int, int, int], object]
+
+
+class Memory(Protocol):
+    """The pool's memory: its own mapping, or a caller's tensor (pin())."""
+
+    address: int
+
+    def keep_forever(self) -> None: ...
+
+
+class MemorySource(Protocol):
+    """Where a pool's memory comes from (``_pool/pool.py``): the one collaborator that knows mappings,
+    files and tensors. It holds values, never the façade."""
+
+    def acquire(self) -> Memory:
+        """Map the memory (or take the caller's tensor) and claim its address range."""
+        ...
+
+    def views(self, memory: Memory) -> Mapping[str, Any]:
+        """The layout's tensors over the memory."""
+        ...
+
+    def release(self) -> None:
+        """Let go of whatever the pool was given to pin (a caller's tensor), once closed."""
+        ...
+
+
+class Lifecycle:
+    """One pool's state and its pin / rollback / teardown sequence.
+
+    It holds no reference to the :class:`PinnedPool` façade (the finalizer runs it after the
+    façade is gone), only what the sequence needs: the pool's plan and options, whole; the
+    runtime (and the capabilities it declares), the observer, and the memory ``source``;
+    node pacing (``admission``), the user's ``on_progress``, and where the pool was made.
+    With ``options.background`` entering returns once pinning has started; a conductor (a
+    detached sequence on its own thread) runs the rest of the pinning step, and exit stops it.
+    """
+
+    def __init__(
+        self,
+        plan: PoolPlan,
+        options: PoolOptions,
+        *,
+        runtime: Runtime,
+        caps: Capabilities,
+        observer: Observer,
+        source: MemorySource,
+        admission: NodeAdmission | None = None,
+        on_progress: ProgressCallback | None = None,
+        created_at: tuple[str, int] = ("<unknown>", 0),
+    ) -> None:
+        self.plan = plan
+        self.options = options
+        self.runtime = runtime
+        self.caps = caps
+        self.observer = observer
+        self.source = source
+        self.on_progress = on_progress
+        self.name = options.name
+        self.nbytes = plan.nbytes
+        self.background = options.background
+        # For messages: "pool 'x' (4 GiB, 16 chunks of <= 256 MiB, runtime mlock)".
+        self.describe = (
+            f"pool {self.name!r} ({format_bytes(plan.nbytes)}, {len(plan.chunks)} chunks of "
+            f"<= {format_bytes(plan.chunk_bytes)}, runtime {runtime.name})"
+        )
+        self.created_at = created_at  # (file, line) of the code that made the pool: where warnings point
+        self.state = PoolState.NEW
+        self.session: PinSession | None = None
+        self.memory: Memory | None = None
+        self.tensors: Mapping[str, Any] | None = None
+        self.error: BaseException | None = None  # why background pinning ended early (state FAILED)
+        self.error_delivered = False  # a waiter (or pool.error) has handed it to the user
+        self._lock = threading.RLock()
+        self._closed = threading.Event()  # set once CLOSED: an exit waits for the finalizer's teardown
+        self.gate = CloseGate()  # one caller at a time enters or closes; close() from anywhere
+        self._pid: int | None = None  # the process that entered (a forked child lets go instead)
+        self._driven = False  # a driver is running enter() or exit(): the finalizer keeps off
+        self._handed_out = False  # the body was given the pool (ready, or background entered)
+        self._conductor: Joinable | None = None  # background: the thread finishing the pinning step
+        self._conducting = False  # background: the conductor has not yet decided how pinning ended
+        self._orphaned = False  # background: the façade was collected while pinning; the conductor cleans up
+        # Node pacing: a slot while pinning, a share of the host's budget while anything is pinned.
+        self.pacing = PoolAdmission(
+            admission, name=self.name, nbytes=self.nbytes, describe=self.describe, observer=observer
+        )
+
+    def _move(self, to: PoolState) -> None:
+        """The only place ``state`` changes (the table is ``_outcome.TRANSITIONS``)."""
+        with self._lock:
+            check_move(self.state, to)
+            self.state = to
+            if to is PoolState.CLOSED:
+                self._closed.set()
+
+    # -- enter ---------------------------------------------------------------------------------
+
+    def enter(self) -> Steps[None]:
+        yield from self.gate.enter(self.name, self.describe, self._enter_gated, self.exit)
+
+    def _enter_gated(self) -> Steps[None]:
+        with self._lock:
+            if self.state is not PoolState.NEW:
+                raise PoolStateError(
+                    f"pool {self.name!r} is {self.state.value}: a PinnedPool is entered once; "
+                    "create a new PinnedPool to pin again"
+                )
+            self._move(PoolState.PINNING)
+            self._driven = True
+            self._pid = os.getpid()
+        try:
+            yield from self._enter()
+        finally:
+            self._driven = False
+
+    def _enter(self) -> Steps[None]:
+        if not self.background:
+            try:
+                yield from self.pacing.admit()
+            except BaseException:
+                self._close_empty()
+                raise
+        try:
+            memory = self.source.acquire()
+        except BaseException:
+            self._close_empty()
+            raise
+        try:
+            session = self._open_session(memory)
+        except BaseException:
+            PINNED_RANGES.pop(memory.address)
+            self._close_empty()
+            raise
+        self.memory, self.session = memory, session
+        pinning = RunThreads(
+            bodies=(session.work,) * self.plan.threads,  # pinning threads (each takes either role)
+            name=f"pinpool-{self.name}",
+            interruptible=True,
+            on_interrupt=session.cancel,
+            on_tick=self._tick,
+            on_started=session.go,
+        )
+        if self.background:
+            yield from self._enter_background(session, pinning)
+            return
+        ran = yield pinning
+        self.pacing.release_slot()  # pinning is over: another rank may start while this one opens or rolls back
+        outcome, error = self._end_pinning(session, ran)
+        if outcome is Outcome.READY:
+            self._handed_out = True
+            return
+        # Foreground delivery: the body never ran, so everything is rolled back, then raised.
+        self._move(PoolState.CLOSING)
+        failures, interrupts = yield from self._teardown(session)
+        self._close(session, failures)
+        if outcome is Outcome.FAILED:
+            failed = self._failure(session, ran, kept=None)
+            if interrupts:  # an interruption during the rollback still propagates: it was asked for
+                interrupts[0].add_note(f"pinpool: {failed}")
+                raise interrupts[0]
+            raise failed
+        assert error is not None  # INTERRUPTED (EXITED and ORPHANED are background outcomes)
+        raise error
+
+    def _open_session(self, memory: Memory) -> PinSession:
+        """The engine over ``memory``, and the pin announced."""
+        plan = self.plan
+        session = PinSession(
+            plan, self.options, runtime=self.runtime, caps=self.caps, observer=self.observer, memory=memory
+        )
+        self.observer.pin_started(
+            nbytes=plan.nbytes, chunks=len(plan.chunks), chunk_bytes=plan.chunk_bytes, granularity=plan.granularity,
+            order=plan.order.value, register_workers=plan.register_workers, populate_workers=plan.populate_workers,
+            pin_nice=self.options.pin_nice, max_call_seconds=self.options.max_call_seconds,
+            budget_yields_to=self.options.budget_yields_to, cpu_budget=plan.cpu_budget, cpu_quota=plan.cpu_quota,
+            duty_cycle=plan.duty_cycle,
+        )  # fmt: skip
+        return session
+
+    def _close_empty(self) -> None:
+        """Entry failed before anything was pinned (admission, mapping, or the session)."""
+        self.pacing.release_slot()
+        self.pacing.release_budget()
+        self.memory = None
+        self.source.release()
+        self._move(PoolState.CLOSED)
+
+    # -- how pinning ends: one outcome ----------------------------------------------------------
+
+    def _end_pinning(self, session: PinSession, ran: Ran) -> tuple[Outcome, BaseException | None]:
+        """Every pinning thread is done: decide the outcome, open the pool if it is ready, and
+        report an early end. Returns the outcome and the interruption to raise, if any."""
+        crashed = bool(ran.crashed) or ran.started == 0
+        if crashed:
+            session.stop(StopCause.FAILURE)
+        phase = session.finish_pinning()
+        interruption = ran.interrupts[0] if ran.interrupts else None
+        pinned = phase is Phase.PINNED and interruption is None
+        if pinned:
+            try:
+                self._tick()  # the final 100%; raising from it stops like an interruption
+                self.observer.pinned(nbytes=self.nbytes, chunks=len(session.ledger.chunks), seconds=session.pin_seconds)
+                assert self.memory is not None
+                if self.tensors is None:
+                    self.tensors = self.source.views(self.memory)
+            except BaseException as exc:
+                interruption = exc
+        with self._lock:
+            if interruption is None and not self.background and self.gate.close_requested:
+                interruption = closed_during_open(self.describe)  # rolled back and raised, as an interruption is
+            outcome = decide(
+                interrupted=interruption is not None,
+                pinned=pinned,
+                stop_cause=None if crashed else session.ledger.stop_cause,
+                orphaned=self._orphaned,
+            )
+            if outcome is Outcome.READY:
+                self._move(PoolState.READY)
+                return outcome, None
+        kept = session.pipeline.pinned_bytes if self.background and outcome is not Outcome.ORPHANED else 0
+        self.observer.rollback(cause=outcome.cause, registered_chunks=session.ledger.chunks_done, kept_bytes=kept)
+        return outcome, interruption
+
+    def _failure(self, session: PinSession, ran: Ran, kept: str | None) -> BaseException:
+        ledger = session.ledger
+        causes = ran.crashed or ran.start_errors
+        return pin_error(
+            describe=self.describe, nbytes=self.nbytes, chunk_limit=self.plan.chunk_limit,
+            failures=ledger.failures_in("populate", "register"), leaked=ledger.leaked(), retries=session.retries,
+            cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept,
+        )  # fmt: skip
+
+    # -- background pinning ----------------------------------------------------------------------
+
+    def _enter_background(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
+        """Hand the pinning step to a conductor and return: the body runs while it pins."""
+        assert self.memory is not None
+        try:
+            self.tensors = self.source.views(self.memory)  # pages [0, pinned_pages) are usable at once
+        except BaseException:
+            session.stop(StopCause.CANCELLED)
+            self._move(PoolState.CLOSING)
+            failures, _ = yield from self._teardown(session)
+            self._close(session, failures)
+            raise
+        self._conducting = True
+        ran = yield Detach(
+            steps=self._conduct(session, pinning), name=f"pinpool-{self.name}-pin",
+            stop=functools.partial(self._stop_for_shutdown, session),
+        )  # fmt: skip
+        self._conductor = ran.detached
+        problems = ran.interrupts or ran.start_errors
+        if not problems:
+            self._handed_out = True
+            return
+        # The conductor could not be started, or an interrupt landed in Thread.start: it either
+        # never runs or runs (maybe waiting for node pacing) and is stopped and waited for; then
+        # whatever it pinned is undone (the body never ran).
+        # Nothing else closes the pool meanwhile: while it is being entered, exit refuses and the
+        # finalizer keeps off (``_driven``), so the conductor cannot have been orphaned.
+        first = problems[0]
+        yield from self._stop_conductor(session, StopCause.CANCELLED)
+        with self._lock:
+            self._conducting = False
+        self._move(PoolState.CLOSING)
+        failures, _ = yield from self._teardown(session)
+        self._close(session, failures)
+        if isinstance(first, Exception):
+            raise thread_start_error(self.describe, first)
+        raise first
+
+    def _conduct(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
+        """The conductor's sequence: admission (node pacing); pin; then deliver the outcome."""
+        try:
+            yield from self.pacing.admit()
+        except NodeWaitCancelled:  # stopped by exit, collection or interpreter exit: nothing was pinned
+            outcome, error, ran = self._stopped_outcome(session), None, Ran()
+            self.observer.rollback(cause=outcome.cause, registered_chunks=0)
+        except BaseException as exc:  # fail-fast pacing (NodeBusyError), or no thread for the wait
+            outcome, error, ran = Outcome.FAILED, exc, Ran()
+            self.observer.rollback(cause=outcome.cause, registered_chunks=0)
+        else:
+            ran = yield pinning
+            self.pacing.release_slot()
+            outcome, error = self._end_pinning(session, ran)
+        yield from self._deliver_in_background(session, outcome, error, ran)
+
+    def _stopped_outcome(self, session: PinSession) -> Outcome:
+        return decide(interrupted=False, pinned=False, stop_cause=session.ledger.stop_cause, orphaned=self._orphaned)
+
+    def _deliver_in_background(
+        self, session: PinSession, outcome: Outcome, error: BaseException | None, ran: Ran
+    ) -> Steps[None]:
+        """Background delivery: nothing is unpinned under the body. A failure keeps every registered
+        chunk (the pages below ``pinned_pages`` are in use) until exit; an exit or the entering
+        thread that stopped pinning tears down itself; only a pool nobody can exit (orphaned) is
+        torn down here."""
+        if outcome is Outcome.FAILED and error is None:
+            # The pool's own figures, from the books at rest (no call in flight): the text and
+            # pool.pinned_pages / pinned_bytes / registrations say the same.
+            pages, pinned = session.prefix.pages, session.pipeline.pinned_bytes
+            maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
+            kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
+            error = self._failure(session, ran, kept=kept)
+        with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
+            self._conducting = False
+            if outcome is Outcome.READY:
+                return
+            if self._orphaned:
+                action = "teardown"
+            elif error is None:  # EXITED, or stopped by the thread that entered: the stopper tears down
+                action = "leave"
+            else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
+                self.error = error  # before the state says FAILED: a waiter reads the state, then the error
+                self._move(PoolState.FAILED)
+                action = "failed"
+        if action == "failed":
+            assert error is not None
+            self.observer.failed_in_background(error)
+        elif action == "teardown":
+            self._move(PoolState.CLOSING)
+            failures, _ = yield from self._teardown(session)
+            self._close(session, failures)
+
+    def _stop_for_shutdown(self, session: PinSession) -> None:
+        """The interpreter is exiting: stop pinning after the current calls. What is pinned stays
+        pinned for threads still running; the pool's finalizer unpins it once they are done."""
+        self.pacing.cancel.set()
+        session.stop(StopCause.EXIT)
+
+    def _stop_conductor(self, session: PinSession, cause: StopCause) -> Generator[RunThreads, Ran, list[BaseException]]:
+        """Stop background pinning after its current calls and wait until the conductor is done."""
+        conductor = self._conductor
+        if conductor is None or conductor.done:
+            return []
+        self.pacing.cancel.set()
+        session.stop(cause)
+        ran = yield RunThreads(bodies=(conductor.join,), name=f"pinpool-{self.name}-join")
+        return ran.interrupts
+
+    # -- exit and close ----------------------------------------------------------------------------
+
+    def exit(
+        self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
+    ) -> Steps[BaseException | None]:
+        """Leave the pool: stop background pinning, unpin everything, close the books. Idempotent,
+        from any thread (``_pin/close_gate.py``); ``closing`` (``pool.close()``): a pool never entered is
+        closed too, one being entered stops, rolls back and raises. ``raise_errors=False`` (a
+        destructor): an unseen pinning or unpinning error is returned instead of raised (logged and
+        counted all the same); interruptions are always re-raised."""
+        if self._pid is not None and os.getpid() != self._pid:
+            self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
+            return None
+        leave = functools.partial(self._leave, body_error, closing, raise_errors)
+        return (yield from self.gate.close(self.name, leave, closing=closing, stop_entry=self.pacing.cancel.set))
+
+    def _leave(
+        self, body_error: BaseException | None, closing: bool, raise_errors: bool
+    ) -> Steps[BaseException | None]:
+        with self._lock:
+            state = self.state
+            if state is PoolState.CLOSED:
+                return None
+            if state is PoolState.NEW:
+                if not closing:
+                    raise PoolStateError(f"pool {self.name!r} is new: it can be exited only after it was entered")
+                self.source.release()
+                self._move(PoolState.CLOSED)
+                return None
+            wait = state is PoolState.CLOSING or self._driven  # the finalizer tears it down
+            if not wait:
+                self._driven = True
+        if wait:
+            ran = yield RunThreads(bodies=(self._closed.wait,), name=f"pinpool-{self.name}-close")
+            if ran.interrupts:
+                raise ran.interrupts[0]
+            return None
+        try:
+            session = self.session
+            assert session is not None
+            interrupts: list[BaseException] = []
+            if self.background:
+                interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
+            failed = self.error if self.state is PoolState.FAILED and not self.error_delivered else None
+            if failed is not None:
+                self.error_delivered = True
+            self._move(PoolState.CLOSING)
+            failures, more = yield from self._teardown(session)
+            interrupts += more
+            unpinned = self._close(session, failures)
+            return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
+        finally:
+            self._driven = False
+
+    def _let_go_in_child(self) -> None:
+        """A forked child exits or closes its copy of the parent's pool: the registrations, the
+        conductor and the worker threads are the parent's (none exists here), so nothing is
+        unregistered or waited for; the child only drops its references."""
+        session = self.session
+        if session is not None:
+            session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
+        memory, self.memory, self.tensors = self.memory, None, None
+        if memory is not None:
+            PINNED_RANGES.pop(memory.address)
+        self.source.release()
+        if self.state is not PoolState.CLOSED:
+            check_move(self.state, PoolState.CLOSED)  # as _move does, without its lock
+            self.state = PoolState.CLOSED
+            self._closed.set()
+
+    # -- readiness ---------------------------------------------------------------------------------
+
+    @property
+    def pinned_pages(self) -> int:
+        """Pages ``[0, k)`` pinned now in every buffer (kept as they were when background pinning
+        failed, until exit)."""
+        state = self.state
+        if state is PoolState.READY:
+            return self.plan.num_pages
+        session = self.session
+        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None:
+            return 0
+        return session.prefix.pages
+
+    def reached(self, pages: int | None) -> bool:
+        """Whether the pool is ready (``pages`` None) or has its first ``pages`` pages pinned;
+        raises the background failure, or PoolStateError for a pool that can no longer get there."""
+        state = self.state
+        if state is PoolState.READY:
+            return True
+        if state is PoolState.PINNING:
+            return pages is not None and self.pinned_pages >= pages
+        if state is PoolState.FAILED and self.error is not None:
+            self.error_delivered = True
+            raise self.error
+        if state is PoolState.NEW:
+            raise PoolStateError(f"pool {self.name!r} is new: enter it (async with / with) before waiting for it")
+        raise PoolStateError(f"pool {self.name!r} is {state.value}: it was exited before it was ready")
+
+    # -- teardown ----------------------------------------------------------------------------------
+
+    def _teardown(
+        self, session: PinSession
+    ) -> Generator[RunThreads, Ran, tuple[tuple[ChunkFailure, ...], list[BaseException]]]:
+        bodies = session.begin_teardown()
+        ran = yield RunThreads(bodies=bodies, name=f"pinpool-{self.name}-unpin")
+        # What the runtime raised on a worker that is no Exception (SystemExit, KeyboardInterrupt)
+        # is raised as itself once the books are closed, as an interruption here would be.
+        return session.end_teardown(ran.crashed), [*ran.interrupts, *session.take_raised()]
+
+    def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
+        """Close the books after teardown, and let the memory go unless a chunk leaked (then it is
+        kept mapped and its range stays claimed: part of it may still be pinned). Returns the
+        UnpinError of a pool that had been handed out (after a rollback, unpin failures are
+        reported by the PinError that follows, in its ``leaked``)."""
+        memory = self.memory
+        handed_out = self._handed_out
+        self.tensors = None
+        self.memory = None
+        assert memory is not None
+        leaked = session.ledger.leaked()
+        self.observer.unpinned(
+            nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
+            leaked_bytes=sum(c.nbytes for c in leaked), pinned=handed_out,
+        )  # fmt: skip
+        if leaked:
+            memory.keep_forever()
+            self.pacing.keep_budget()  # those bytes may still be pinned: they stay counted
+        else:
+            PINNED_RANGES.pop(memory.address)
+            self.pacing.release_budget()
+        del memory
+        self.source.release()  # after this the pool holds nothing of the caller's
+        self._move(PoolState.CLOSED)
+        if not failures or not handed_out:
+            return None
+        return unpin_error(self.name, failures, leaked)
+
+    def _tick(self) -> None:
+        """About every 0.1 s while pinning, and at its end: the user's on_progress; a close() stops an entry."""
+        session = self.session
+        if self.gate.close_requested and not self.background and session is not None:
+            session.stop(StopCause.CANCELLED)
+        if self.on_progress is not None and session is not None:
+            ledger = session.ledger
+            self.on_progress(session.pipeline.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
+
+    # -- the finalizer -------------------------------------------------------------------------------
+
+    def finalize(self) -> Steps[None]:
+        """The façade was garbage-collected (or is alive at interpreter exit) without being exited.
+        Run inline (no threads): at interpreter exit none can be started."""
+        if self._pid is None:
+            return  # never entered: nothing to undo
+        if os.getpid() != self._pid:
+            self._let_go_in_child()  # a forked child: the registrations are its parent's
+            return
+        with self._lock:
+            session = self.session
+            state = self.state
+            if self._driven or session is None or state not in (PoolState.READY, PoolState.PINNING, PoolState.FAILED):
+                return  # a driver owns it (and will finish or roll back), or there is nothing to undo
+            orphaned = state is PoolState.PINNING and self._conducting
+            if orphaned:
+                # Background pinning goes on: its conductor undoes it when done. Waiting for it
+                # here could deadlock (a collection may run on the conductor's own thread).
+                self._orphaned = True
+            else:
+                self._move(PoolState.CLOSING)
+                self._driven = True
+        if orphaned:
+            self.pacing.cancel.set()
+            session.stop(StopCause.COLLECTED)
+            warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
+            return
+        unseen = self.error if state is PoolState.FAILED and not self.error_delivered else None
+        try:
+            session.stop(StopCause.COLLECTED)
+            session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
+            pinned = session.pipeline.pinned_bytes
+            # Unpin first: a warning turned into an error must not keep memory pinned.
+            failures, _interrupts = yield from self._teardown(session)
+            self._close(session, failures)  # nobody to raise to: logged and counted
+        finally:
+            self._driven = False
+        if unseen is not None:
+            warn_unclosed(
+                self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"
+            )
+        warn_unclosed(self.name, self.created_at, f"unpinned its {format_bytes(pinned)} in a finalizer")

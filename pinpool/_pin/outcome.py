@@ -1,0 +1,285 @@
+"""How a pool's pinning ends, and where a pool may go from where it is: pure rules, no threads.
+
+* :class:`PoolState` and :data:`TRANSITIONS`: every state change of a pool goes through
+  :func:`check_move`, so the table below is the whole truth (docs/concepts.md shows it).
+* :class:`Outcome` and :func:`decide`: the pinning step ends in exactly one outcome, decided
+  here from what the step reported. The foreground and background modes only *deliver* it
+  differently (``_pin/lifecycle.py``): the foreground rolls back and raises; the background keeps
+  what is pinned and tells the waiters. :func:`deliver_exit`: what leaving a pool raises.
+* The texts of the errors a pool raises when pinning or unpinning fails, built in one place,
+  and the warning for a pool never exited, pointed at the code that made it.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+from .._errors import ChunkFailure, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
+from .._plan.chunks import Chunk
+from .._units import format_bytes
+from .ledger import StopCause
+
+
+class PoolState(enum.Enum):
+    """Where a pool is in its life (``pool.state``).
+
+    NEW: constructed, not entered. PINNING: entered, chunks being pinned (with
+    ``background=True`` the body already runs; pages ``[0, pool.pinned_pages)`` are usable).
+    READY: every chunk pinned. FAILED: pinning in the background ended early (a runtime call
+    failed, or ``on_progress`` raised); ``pool.error`` says why and every waiter raises it.
+    Nothing is unpinned then: pages ``[0, pool.pinned_pages)`` stay pinned and usable until the
+    pool is exited or closed. CLOSING: unpinning (on exit, close, or a foreground rollback).
+    CLOSED: nothing pinned.
+    """
+
+    NEW = "new"
+    PINNING = "pinning"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+_S = PoolState
+# Every state change a pool may make; anything else is a pinpool bug (check_move raises).
+TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
+    _S.NEW: frozenset({_S.PINNING, _S.CLOSED}),  # entered; or closed without ever being entered
+    _S.PINNING: frozenset(
+        {
+            _S.READY,  # every chunk pinned
+            _S.FAILED,  # background: pinning ended early; what is pinned stays pinned until exit
+            _S.CLOSING,  # foreground rollback; background exit or collection while pinning
+            _S.CLOSED,  # nothing was mapped or pinned (admission or mapping failed, or a forked child)
+        }
+    ),
+    _S.READY: frozenset({_S.CLOSING, _S.CLOSED}),  # CLOSED: a forked child lets go of its parent's pool
+    _S.FAILED: frozenset({_S.CLOSING, _S.CLOSED}),
+    _S.CLOSING: frozenset({_S.CLOSED}),
+    _S.CLOSED: frozenset(),
+}
+
+
+class TransitionError(AssertionError):
+    """A pool was asked to move where the table says it cannot: a pinpool bug."""
+
+
+def check_move(current: PoolState, to: PoolState) -> None:
+    if to not in TRANSITIONS[current]:
+        raise TransitionError(f"pool state {current.value} -> {to.value} is not a transition pinpool makes")
+
+
+class Outcome(enum.Enum):
+    """How one pinning step ended. ``cause`` is the label of ``pinpool_rollbacks_total`` and the
+    ``cause`` field of the ``pool.rollback`` event; only ``failure`` is a failure."""
+
+    READY = "ready"  # every chunk pinned: the pool opens
+    FAILED = "failed"  # a runtime call failed, a worker crashed, or no thread could be started
+    INTERRUPTED = "interrupted"  # cancellation, Ctrl-C, SystemExit, an exception from on_progress
+    EXITED = "exited"  # background: the body left (or the interpreter exits) while the pool pinned
+    ORPHANED = "orphaned"  # background: the pool was garbage-collected while it pinned
+
+    @property
+    def cause(self) -> str:
+        return _CAUSES[self]
+
+
+_CAUSES = {
+    Outcome.READY: "",
+    Outcome.FAILED: "failure",
+    Outcome.INTERRUPTED: "cancelled",
+    Outcome.EXITED: "exit",
+    Outcome.ORPHANED: "collected",
+}
+STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)
+
+
+def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orphaned: bool) -> Outcome:
+    """The one outcome of a pinning step.
+
+    ``interrupted``: the driver saw an interruption (or ``on_progress`` raised) while the
+    threads ran, or opening the pool raised; ``pinned``: the books say every chunk registered
+    and nothing asked to stop; ``stop_cause``: why the books stopped handing out chunks (the
+    first cause wins); ``orphaned``: a background pool's façade was collected meanwhile.
+    """
+    if interrupted:
+        return Outcome.INTERRUPTED
+    if pinned:
+        return Outcome.ORPHANED if orphaned else Outcome.READY
+    if stop_cause is StopCause.EXIT:
+        return Outcome.EXITED
+    if stop_cause is StopCause.COLLECTED:
+        return Outcome.ORPHANED
+    return Outcome.FAILED  # a call failed, a worker crashed or never started (CANCELLED without an interrupt too)
+
+
+def deliver_exit(
+    body_error: BaseException | None,
+    failed: BaseException | None,
+    unpinned: UnpinError | None,
+    interrupts: list[BaseException],
+    raise_errors: bool,
+) -> BaseException | None:
+    """What leaving a pool raises: an interruption first (the errors as notes), else the unseen
+    background failure (the unpin error as a note), else the unpin error; a body's own error
+    gets them as notes instead. ``raise_errors=False`` returns the error instead of raising it."""
+    notes = [f"pinpool: pinning in the background had failed: {failed}"] if failed is not None else []
+    notes += [f"pinpool: {unpinned}"] if unpinned is not None else []
+    target = interrupts[0] if interrupts else body_error
+    if target is not None:
+        for note in notes:
+            target.add_note(note)
+        if interrupts:
+            raise interrupts[0]
+        return None
+    error = failed if failed is not None else unpinned
+    if error is None:
+        return None
+    if failed is not None and unpinned is not None:
+        failed.add_note(f"pinpool: {unpinned}")
+    if raise_errors:
+        raise error
+    return error
+
+
+# -- error texts ----------------------------------------------------------------------------------
+
+
+def pin_error(
+    *,
+    describe: str,
+    nbytes: int,
+    chunk_limit: int,
+    failures: Sequence[ChunkFailure],
+    leaked: tuple[Chunk, ...],
+    retries: int,
+    cause: BaseException | None,
+    crashed: bool,
+    kept: str | None,
+) -> PinError:
+    """The PinError of a failed pinning. ``kept``: background pinning keeps what it pinned (the
+    text says which pages); None: the foreground rolled everything back (``leaked``: what could
+    not be unregistered)."""
+    if kept is not None:
+        ending = f"; {kept}"
+    elif leaked:
+        ending = f"; rolled back, {len(leaked)} chunk(s) could not be unregistered and may still be pinned: {leaked}"
+    else:
+        ending = "; every registered chunk was rolled back"
+    if not failures:  # no runtime call failed: the threads did
+        what = (
+            f"a pinning thread failed ({type(cause).__name__}: {cause}; this is a pinpool bug, please report it)"
+            if crashed
+            else f"no pinning thread could be started ({type(cause).__name__}: {cause}); "
+            "the process is out of threads: lower the worker counts or raise the thread limit"
+        )
+        error = PinError(f"pinning {describe} failed: {what}{ending}", failures=(), leaked=leaked)
+        error.__cause__ = cause
+        return error
+    first = min(failures, key=lambda f: f.chunk.offset)
+    message = (
+        f"pinning {describe} failed at offset={first.chunk.offset} nbytes={first.chunk.nbytes} "
+        f"total={nbytes} chunk_limit={chunk_limit}: {first.phase} "
+        f"rc={first.error.code} ({first.error.reason}): {first.error.message}"
+    )
+    if len(failures) > 1:
+        message += f" [{len(failures)} calls failed, in {len({f.chunk for f in failures})} chunk(s)]"
+    if retries:
+        message += (
+            f" [after {retries} retries with aligned halves, down to min_chunk_bytes or the max_retries "
+            "budget; every attempt is in .failures]"
+        )
+    error = PinError(message + ending, failures=tuple(failures), leaked=leaked)
+    error.__cause__ = first.error
+    return error
+
+
+def kept_text(
+    pages: int, num_pages: int, pinned_bytes: int, registrations: Sequence[Chunk], maybe_bytes: int = 0
+) -> str:
+    """What a background pool keeps after a failure, in the figures the pool reports: ``pinned_pages``,
+    ``pinned_bytes`` and ``registrations`` (whose bytes exceed the pinned ones by lock-on-fault
+    ranges never faulted: registered, not yet pinned; and by ``maybe_bytes``, ranges whose register
+    call failed untrusted: they may be registered, and are never counted as pinned)."""
+    registered = sum(chunk.nbytes for chunk in registrations)
+    held = f"{format_bytes(pinned_bytes)} pinned, {len(registrations)} registration(s) of {format_bytes(registered)}"
+    unfaulted = registered - pinned_bytes - maybe_bytes
+    notes = []
+    if unfaulted > 0:
+        notes.append(f"{format_bytes(unfaulted)} of them locked on fault but not faulted in: not pinned")
+    if maybe_bytes:
+        notes.append(f"{format_bytes(maybe_bytes)} of them a register call that failed but may have registered")
+    if notes:
+        held += f" ({'; '.join(notes)})"
+    return (
+        f"nothing was unpinned: pages [0, {pages}) of {num_pages} ({held}) stay pinned "
+        "and usable until the pool is exited or closed; stop using new pages, drain, and exit the pool"
+    )
+
+
+def thread_start_error(describe: str, exc: BaseException) -> PinError:
+    error = PinError(
+        f"pinning {describe} in the background failed: its thread could not be started "
+        f"({type(exc).__name__}: {exc}); nothing is pinned. Lower the worker counts or raise the thread limit",
+        failures=(),
+        leaked=(),
+    )
+    error.__cause__ = exc
+    return error
+
+
+def admission_thread_error(describe: str, exc: BaseException) -> PinError:
+    error = PinError(
+        f"pinning {describe}: the node-pacing wait could not start a thread ({exc})", failures=(), leaked=()
+    )
+    error.__cause__ = exc
+    return error
+
+
+def closed_during_open(describe: str, unpinned: BaseException | None = None) -> PoolStateError:
+    """What ``open()`` / ``with`` raises when ``close()`` was called while the pool was being entered."""
+    error = PoolStateError(
+        f"{describe} was closed while it was being opened (pool.close() on another thread or from a "
+        "signal handler): pinning stopped and what it had pinned was unpinned; create a new PinnedPool to pin again"
+    )
+    if unpinned is not None:  # the close's own unpin failure (logged and counted as well)
+        error.add_note(f"pinpool: {unpinned}")
+    return error
+
+
+def unpin_error(name: str, failures: Sequence[ChunkFailure], leaked: tuple[Chunk, ...]) -> UnpinError:
+    return UnpinError(
+        f"unpinning pool {name!r}: {len(failures)} chunk(s) failed to unregister "
+        f"({', '.join(f'offset={f.chunk.offset} rc={f.error.code} ({f.error.reason})' for f in failures)}); "
+        f"{format_bytes(sum(c.nbytes for c in leaked))} may still be pinned; the memory is kept mapped",
+        failures=tuple(failures),
+        leaked=leaked,
+    )
+
+
+# -- a pool never exited: the warning points where the user made it ------------------------------
+
+
+def caller_outside_pinpool() -> tuple[str, int]:
+    """(file, line) of the first frame outside pinpool: where the user made the pool."""
+    frame = sys._getframe(1)
+    package = os.path.dirname(os.path.dirname(__file__))  # pinpool/, not pinpool/_pin/
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame = frame.f_back  # type: ignore[assignment]
+    return ("<unknown>", 0) if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def warn_unclosed(name: str, created_at: tuple[str, int], what: str) -> None:
+    """Warn at ``created_at`` (:func:`caller_outside_pinpool`): a finalizer has no caller of its own to point at."""
+    filename, lineno = created_at
+    message = (
+        f"PinnedPool {name!r} was never exited; {what}. "
+        "Use `async with` / `with`, or pool.close(), so teardown happens where you expect it"
+    )
+    if filename.startswith("<"):  # python -c, a REPL: no file to point at (warn_explicit drops those)
+        warnings.warn(message, UnclosedPoolWarning, stacklevel=2)
+        return
+    warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)

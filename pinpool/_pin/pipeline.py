@@ -1,0 +1,408 @@
+"""The pinning pipeline: which populate span or which chunk registration a worker does next.
+
+Pure and synchronous like the ledger it drives: the engine calls it under one lock and
+sleeps on a condition when it says ``WAIT``. Three orders:
+
+* ``POPULATE_FIRST`` (CUDA): populate workers pre-fault spans of the next chunks while
+  register workers register chunks that are fully faulted, so the driver's serial
+  registration overlaps parallel faulting. Faulting runs at most ``lookahead_bytes`` of
+  whole chunks ahead of registration (the chunk at the front is always allowed, so a
+  chunk larger than the lookahead still progresses).
+* ``REGISTER_FIRST`` (mlock): each chunk is registered lock-on-fault (cheap: no page is
+  touched), then populate workers fault its spans in parallel and the kernel locks each
+  page as it is faulted in: one pass over the memory instead of fault, then lock.
+* ``REGISTER_ONLY`` (no pre-faulting): register workers take chunks in order and the
+  registration call faults the pages itself.
+
+How each handed-out item ended comes back as one record, a :class:`Landing`, through one
+method, :meth:`Pipeline.land`: it owns what a landing means for the books (the ledger's
+states, the pinned bytes and prefix, the lookahead window, a batch's end).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+from .._errors import ChunkFailure, LedgerError, RuntimeCallError
+from .._plan.chunks import Chunk, Order, Span, SpanTable
+from .._plan.prefix import PrefixTracker
+from .ledger import ChunkState, Ledger, Phase
+
+__all__ = ["WAIT", "Batch", "Landing", "Order", "Pipeline", "Span", "SpanTable", "split_spans"]
+
+T = TypeVar("T")
+
+# A worker's batch of consecutive items stops growing at this many bytes or items.
+BATCH_BYTES = 8 << 20
+BATCH_ITEMS = 64
+
+
+class _Wait(enum.Enum):
+    WAIT = "wait"
+
+
+WAIT: Final = _Wait.WAIT
+"""Nothing for this role right now, but there will be: sleep until the pipeline changes."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one worker does next: ``role`` "register" (chunk indices) or "populate" (spans)."""
+
+    role: str
+    items: tuple[int | Span, ...]
+
+
+@dataclass(frozen=True)
+class Landing:
+    """What the calls on one handed-out item did: the one record the engine gives :meth:`Pipeline.land`.
+
+    ``item``: a chunk index (registration) or a span (populate). ``error``: the call that failed
+    (pinning stops). ``stopped``: pinning stopped before the item was done, or before it was
+    called at all. ``pieces``: a chunk registered in several calls (retries, the stall budget),
+    the pieces registered, in call order; empty (or the chunk itself) for one whole call;
+    registered pieces of a failed or stopped chunk are undone by the rollback. ``attempts``:
+    every failed call of a chunk that failed, its last one included (empty: just ``error``).
+    ``partial``: progress, not a landing: ``pieces`` of the item are pinned now (registered,
+    or faulted under lock-on-fault) and it stays in flight. ``maybe``: ranges of a failed chunk
+    whose register call failed untrusted (:mod:`pinpool._pin.untrusted`), so they may be registered:
+    undone by the rollback like ``pieces``, never counted as pinned. ``seconds``: how long its
+    one call took, for the observer; NaN when its calls were observed one by one.
+    """
+
+    item: int | Span
+    error: RuntimeCallError | None = None
+    stopped: bool = False
+    pieces: tuple[Chunk, ...] = ()
+    attempts: tuple[ChunkFailure, ...] = ()
+    partial: bool = False
+    seconds: float = math.nan
+    maybe: tuple[Chunk, ...] = ()
+
+
+@dataclass
+class _Out:
+    """A batch out with a worker: it ends when the last of its items lands."""
+
+    role: str
+    left: int
+
+
+def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> SpanTable:
+    """Every chunk cut into spans of at most ``span_bytes`` (the last of each chunk may be shorter).
+
+    Span boundaries are the chunk's start plus multiples of ``span_bytes``, so with an aligned
+    ``span_bytes`` every span but a chunk's first starts aligned; a span never crosses chunks.
+    The result is lazy (a :class:`SpanTable`, equal to the tuple of its spans).
+    """
+    return SpanTable(chunks, span_bytes)
+
+
+class Pipeline:
+    """Hands out populate spans and chunk registrations, and records how each ended."""
+
+    def __init__(
+        self,
+        chunks: Sequence[Chunk],
+        *,
+        order: Order,
+        span_bytes: int = 1,
+        lookahead_bytes: int = 0,
+        register_workers: int = 1,
+        populate_workers: int = 1,
+        prefix: PrefixTracker | None = None,
+        spans: Sequence[Span] | None = None,
+    ) -> None:
+        if register_workers < 1 or (order is not Order.REGISTER_ONLY and populate_workers < 1):
+            raise ValueError(
+                f"register_workers={register_workers}, populate_workers={populate_workers}: each role in use "
+                "needs at least one worker, or nothing would ever take its work"
+            )
+        self.ledger = Ledger(chunks)
+        self.order = order
+        self.register_workers = register_workers
+        self.populate_workers = populate_workers
+        self._register_batches = 0
+        self._populate_batches = 0
+        self._out: dict[int | Span, _Out] = {}  # each batched item not yet landed -> its batch
+        # The plan's spans when it has them (planned once); else cut here from the chunk table,
+        # lazily: O(runs) memory however many spans.
+        self.spans: Sequence[Span] = (
+            () if order is Order.REGISTER_ONLY else spans if spans else split_spans(self.ledger.chunks, span_bytes)
+        )
+        self._span_bytes = span_bytes
+        self._span_total = self.spans.nbytes if isinstance(self.spans, SpanTable) else 0
+        self.lookahead_bytes = lookahead_bytes
+        self._next_span = 0
+        self._spans_landed: dict[int, int] = {}  # spans populated so far, for chunks part-way through
+        self._populating = 0
+        self._ready: list[int] = []  # POPULATE_FIRST: fully faulted, not yet claimed for registration
+        self._window: set[int] = set()  # POPULATE_FIRST: chunks faulting or faulted, registration not landed
+        self._window_bytes = 0
+        self.populated_bytes = 0
+        # Pinned-page bookkeeping for pools used while they pin: each range is reported as it
+        # becomes pinned (a registered chunk; a faulted span of a lock-on-fault chunk).
+        self.prefix = prefix
+        # What is pinned of chunks not (yet) whole is counted in the ledger (Ledger.pinned_part);
+        # this only remembers the parts of spans faulted in several calls, not to count them twice.
+        self._span_parts: dict[tuple[int, int], int] = {}  # REGISTER_FIRST: bytes of spans faulted in parts
+
+    # -- what workers ask for ------------------------------------------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        ledger = self.ledger
+        return ledger.stop_cause is not None or ledger.phase is not Phase.PINNING
+
+    @property
+    def in_flight(self) -> int:
+        """Populate and register calls in progress."""
+        return self._populating + self.ledger.in_flight
+
+    def next_work(self) -> Batch | _Wait | None:
+        """For a worker that can do either: a batch ``("register", [index, ...])`` or
+        ``("populate", [span, ...])`` within each role's concurrency, ``WAIT``, or ``None``
+        once nothing is left to hand out.
+
+        Registration comes first: it is the serial bottleneck under CUDA, and under
+        lock-on-fault it is what lets faulting start. A batch holds consecutive items until
+        they add up to ``BATCH_BYTES`` (a big chunk or span is a batch of one) and at most its
+        share of the waiting items, so tiny chunks cost one hand-off per batch, not per chunk.
+        The batch ends when the last of its items lands (:meth:`land`, called or not).
+        """
+        if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
+            return None
+        if self._register_batches < self.register_workers:
+            waiting = len(self._ready) if self.order is Order.POPULATE_FIRST else self.ledger.pending
+            share = -(-waiting // self.register_workers)
+            indices = self._batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
+            if indices:
+                self._register_batches += 1
+                return self._hand_out("register", indices)
+        if self._populate_batches < self.populate_workers:
+            share = -(-(len(self.spans) - self._next_span) // self.populate_workers)
+            spans = self._batch(self.next_populate, lambda span: span.nbytes, share)
+            if spans:
+                self._populate_batches += 1
+                return self._hand_out("populate", spans)
+        return self._wait("a worker")
+
+    def _hand_out(self, role: str, items: Sequence[int | Span]) -> Batch:
+        out = _Out(role, len(items))
+        for item in items:
+            self._out[item] = out
+        return Batch(role, tuple(items))
+
+    def _batch(self, take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
+        """Consecutive items up to BATCH_BYTES / BATCH_ITEMS, and no more than this worker's
+        ``share`` of what is waiting, so a batch never takes work another worker could overlap."""
+        items: list[T] = []
+        nbytes = 0
+        most = min(BATCH_ITEMS, max(1, share))
+        while nbytes < BATCH_BYTES and len(items) < most:
+            item = take()
+            if item is None or item is WAIT:
+                break
+            items.append(item)
+            nbytes += size(item)
+        return items
+
+    def next_populate(self) -> Span | _Wait | None:
+        """The next span to fault, ``None`` when this role is done, or ``WAIT``."""
+        if self.stopped or self._next_span >= len(self.spans):
+            return None
+        span = self.spans[self._next_span]
+        blocked = self._blocked(span)
+        if blocked is not None:
+            return self._wait(f"populate of chunk {span.chunk} ({blocked})")
+        if self.order is Order.POPULATE_FIRST and span.chunk not in self._window:
+            self._window.add(span.chunk)
+            self._window_bytes += self.ledger.chunks[span.chunk].nbytes
+        self._next_span += 1
+        self._populating += 1
+        return span
+
+    def next_register(self) -> int | _Wait | None:
+        """The next chunk index to register, ``None`` when this role is done, or ``WAIT``."""
+        if self.stopped:
+            return None
+        ledger = self.ledger
+        if self.order is not Order.POPULATE_FIRST:
+            return ledger.claim()
+        if self._ready:
+            index = heapq.heappop(self._ready)
+            ledger.claim_index(index)
+            return index
+        if ledger.pending == 0:
+            return None
+        return self._wait("registration (no chunk is fully faulted yet)")
+
+    def _wait(self, what: str) -> _Wait:
+        # Someone must be able to wake the waiter: a call in flight, or work the other role can take.
+        if self.in_flight == 0 and not self._ready and not self._span_available() and not self._claimable():
+            raise LedgerError(f"{what} would wait forever: nothing is in flight or ready")
+        return WAIT
+
+    def _blocked(self, span: Span) -> str | None:
+        """Why ``span`` may not be faulted yet, or None: under REGISTER_FIRST its chunk must be
+        registered lock-on-fault first; under POPULATE_FIRST a new chunk must fit the lookahead."""
+        if self.order is Order.REGISTER_FIRST:
+            state = self.ledger.states[span.chunk]
+            return None if state is ChunkState.FAULTING else state.value
+        nbytes = self.ledger.chunks[span.chunk].nbytes
+        if span.chunk in self._window or not self._window or self._window_bytes + nbytes <= self.lookahead_bytes:
+            return None
+        return "beyond the lookahead"
+
+    def _span_available(self) -> bool:
+        if self.stopped or self._next_span >= len(self.spans):
+            return False
+        return self._blocked(self.spans[self._next_span]) is None
+
+    def _claimable(self) -> bool:
+        if self.stopped or self.order is Order.POPULATE_FIRST:
+            return False
+        return self.ledger.pending > 0
+
+    # -- how calls ended: one record, one method ---------------------------------------------------
+
+    def land(self, landing: Landing) -> int | None:
+        """Put what the calls on one item did on the books (see :class:`Landing`); returns the
+        chunk's index if that made the chunk pinned. The last landing of a batch's items (called
+        or not) ends the batch, so its role may hand out another."""
+        if landing.error is not None and landing.stopped:
+            raise LedgerError(f"{landing.item!r} landed both failed and stopped: {landing}")
+        if landing.partial and (landing.error is not None or landing.stopped or not landing.pieces):
+            raise LedgerError(f"progress of {landing.item!r} must name its pieces and nothing else: {landing}")
+        item = landing.item
+        if not landing.partial:
+            self._end_item(item)
+        if isinstance(item, Span):
+            return self._land_span(landing, item)
+        return self._land_chunk(landing, item)
+
+    def _end_item(self, item: int | Span) -> None:
+        out = self._out.pop(item, None)
+        if out is None:  # handed out alone (next_populate / next_register), not in a batch
+            return
+        out.left -= 1
+        if out.left == 0:
+            if out.role == "register":
+                self._register_batches -= 1
+            else:
+                self._populate_batches -= 1
+
+    def _land_span(self, landing: Landing, span: Span) -> int | None:
+        if landing.partial:
+            # Part of the span was faulted by one of several calls (the stall budget): under
+            # lock-on-fault that part is locked now, so it counts before the span lands.
+            if self.order is Order.REGISTER_FIRST:
+                for part in landing.pieces:
+                    key = (span.chunk, span.offset)
+                    self._span_parts[key] = self._span_parts.get(key, 0) + part.nbytes
+                    self.ledger.pinned_part(span.chunk, part.nbytes)
+                    if self.prefix is not None:
+                        self.prefix.cover(part.offset, part.end)
+            return None
+        if self._populating <= 0:
+            raise LedgerError(f"span {span} landed with no populate in flight")
+        self._populating -= 1
+        if landing.error is not None:
+            self.ledger.populate_failed(span.chunk, landing.error)
+            return None
+        if landing.stopped:  # never called, or stopped between its calls: its chunk never counts as faulted
+            return None
+        self.populated_bytes += span.nbytes
+        parts = 0
+        if self.order is Order.REGISTER_FIRST:
+            parts = self._span_parts.pop((span.chunk, span.offset), 0)
+            if self.prefix is not None:
+                self.prefix.cover(span.offset, span.offset + span.nbytes)  # locked as it faulted
+        landed = self._spans_landed.get(span.chunk, 0) + 1
+        if landed < -(-self.ledger.chunks[span.chunk].nbytes // self._span_bytes):
+            self._spans_landed[span.chunk] = landed
+            if self.order is Order.REGISTER_FIRST:
+                self.ledger.pinned_part(span.chunk, span.nbytes - parts)
+            return None
+        self._spans_landed.pop(span.chunk, None)
+        if self.order is Order.REGISTER_FIRST:
+            self.ledger.faulted(span.chunk)  # locked on fault, now every page is in: pinned, and counted whole
+            return span.chunk
+        if self.ledger.states[span.chunk] is ChunkState.PENDING and not self.stopped:
+            heapq.heappush(self._ready, span.chunk)
+        return None
+
+    def _land_chunk(self, landing: Landing, index: int) -> int | None:
+        ledger, pieces = self.ledger, landing.pieces
+        if landing.partial:
+            # Pieces of a chunk registered in several calls are pinned now (not under lock-on-fault,
+            # where a registered piece is pinned only once faulted): they count before the chunk lands.
+            if self.order is not Order.REGISTER_FIRST:
+                for piece in pieces:
+                    ledger.pinned_part(index, piece.nbytes)
+                    self._cover(piece)
+            return None
+        self._leave_window(index)
+        error = landing.error
+        # A chunk that failed or stopped part-way keeps the pieces it registered until teardown:
+        # pinned (not under lock-on-fault: never faulted), so counted and in the prefix, all of
+        # them (progress told of some; retry halves of none).
+        pinned = self.order is not Order.REGISTER_FIRST
+        if pieces and (error is not None or landing.stopped) and pinned:
+            for piece in pieces:
+                self._cover(piece)
+        if error is not None:  # every failed attempt is reported (a real out-of-memory is never hidden)
+            attempts = landing.attempts or (ChunkFailure(ledger.chunks[index], "register", error),)
+            if pieces or landing.maybe:  # the pieces registered are undone by the rollback, from the books
+                ledger.partly_registered(index, pieces, attempts, pinned=pinned, maybe=landing.maybe)
+            else:
+                ledger.failed(index, "register", error, attempts)
+            return None
+        if landing.stopped:  # what stopped pinning is reported, not this chunk's earlier attempts
+            if pieces:
+                ledger.partly_registered(index, pieces, (), pinned=pinned)
+            else:  # never called, or stopped before its first piece: simply not registered
+                ledger.unclaim(index)
+            return None
+        faulting = self.order is Order.REGISTER_FIRST
+        if pieces and pieces != (ledger.chunks[index],):
+            ledger.registered_in_pieces(index, pieces, faulting=faulting)
+        else:
+            ledger.registered(index, faulting=faulting)
+        if faulting:
+            return None
+        self._cover(ledger.chunks[index])
+        return index
+
+    def _cover(self, pinned: Chunk) -> None:
+        if self.prefix is not None:
+            self.prefix.cover(pinned.offset, pinned.end)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes pinned now (:attr:`Ledger.pinned_bytes`): whole chunks, pieces registered, and
+        under lock-on-fault faulted spans, until teardown unregisters them, also after pinning
+        stopped early (a background pool keeps them until it is exited)."""
+        return self.ledger.pinned_bytes
+
+    def _leave_window(self, index: int) -> None:
+        if index in self._window:
+            self._window.remove(index)
+            self._window_bytes -= self.ledger.chunks[index].nbytes
+
+    def cancel(self) -> None:
+        self.ledger.cancel()
+
+    def finish(self) -> Phase:
+        """Close pinning once nothing is in flight; PINNED only if every chunk is registered and faulted."""
+        if self._populating:
+            raise LedgerError(f"finish with {self._populating} populate calls in flight")
+        if self.ledger.stop_cause is None and self.populated_bytes < self._span_total:
+            if self.ledger.chunks_done == len(self.ledger.chunks):
+                raise LedgerError("finish with every chunk registered but spans left unfaulted")
+        return self.ledger.finish_pinning()

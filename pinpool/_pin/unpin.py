@@ -1,0 +1,130 @@
+"""Unpinning: the calls an unpin worker makes, and how their outcomes go on the books.
+
+A part of :class:`~pinpool._pin.engine.PinSession` (a mixin, so the session stays one object with
+one lock): teardown claims chunks from one reverse-order queue in batches, unregisters each
+chunk piece by piece, and lands the results. A piece that only *may* be registered (its
+register call failed untrusted, see :mod:`pinpool._pin.untrusted`) is unregistered like any other;
+a "not registered" answer for it means that call never registered it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .._errors import RuntimeCallError
+from .._plan.chunks import Chunk
+from .pipeline import BATCH_BYTES, BATCH_ITEMS
+
+if TYPE_CHECKING:
+    import threading
+
+    from .._observe import Observer
+    from .engine import _Op
+    from .ledger import Ledger, RegistrationBook
+    from .untrusted import Answer
+
+
+@dataclass(frozen=True)
+class _Unpinned:
+    """What unregistering one chunk (all its pieces) did."""
+
+    index: int
+    error: RuntimeCallError | None
+    seconds: float
+    # Pieces the runtime said were not registered any more (someone else released them), each
+    # with that answer: unregistered all the same, never a failure (Capabilities.not_registered_codes).
+    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()
+    # Pieces that only may have been registered (their register call failed untrusted) and that the
+    # runtime says are not: that call never registered them, so there was nothing to undo.
+    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()
+
+
+class Unpinning:
+    """The unpin workers' calls, for :class:`~pinpool._pin.engine.PinSession`, which provides these."""
+
+    ledger: Ledger
+    book: RegistrationBook
+    lock: threading.Lock
+    observer: Observer
+    base_ptr: int
+    unpin_workers: int
+    _unregister: _Op
+    _not_registered: frozenset[int]
+
+    def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[Answer, float]:
+        raise NotImplementedError  # PinSession's one call wrapper
+
+    def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[int]:
+        """The next chunks to unregister, claimed from the shared reverse-order queue: a batch of
+        consecutive chunks, as pinning does (up to BATCH_BYTES or BATCH_ITEMS, and no more than
+        this worker's share), so tiny chunks cost one lock hand-off per batch, not two per chunk."""
+        ledger = self.ledger
+        with self.lock:
+            share = -(-len(pending) // max(1, self.unpin_workers))
+            batch: list[int] = []
+            nbytes = 0
+            while pending and nbytes < BATCH_BYTES and len(batch) < min(BATCH_ITEMS, max(1, share)):
+                index = pending.popleft()
+                batch.append(index)
+                nbytes += ledger.chunks[index].nbytes
+        return batch
+
+    def _unregister_chunk(self, index: int) -> _Unpinned:
+        """Unregister one chunk; a chunk registered in pieces (retries, the stall budget) is
+        unregistered piece by piece, each by its own base."""
+        chunk = self.ledger.chunks[index]
+        error: RuntimeCallError | None = None
+        released: list[tuple[Chunk, RuntimeCallError]] = []
+        absent: list[tuple[Chunk, RuntimeCallError]] = []
+        started = time.perf_counter()
+        for piece in reversed(self.ledger.pieces.get(index, (chunk,))):
+            answer, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
+            failure = answer.error
+            if failure is not None and failure.code in self._not_registered:
+                # The runtime holds no registration at this base: the register call that failed
+                # untrusted never made one (absent), or someone else released it (a server's
+                # clean-up unregistering the buffer's base). Nothing is pinned there, so keeping
+                # the memory mapped would only leak it; every other piece still goes.
+                (absent if piece in self.ledger.maybe else released).append((piece, failure))
+                failure = None
+            if failure is None:
+                self.book.unregistered(index, chunk, piece)  # a piece whose unregister failed stays listed
+            else:  # anything, SystemExit included, fails this chunk only
+                error = error or failure
+        return _Unpinned(index, error, time.perf_counter() - started, tuple(released), tuple(absent))
+
+    def _land_unpinned(
+        self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[int]
+    ) -> None:
+        """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
+        the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
+        ledger, observer = self.ledger, self.observer
+        if unstarted:
+            with self.lock:
+                pending.extendleft(reversed(unstarted))
+        if not done:
+            return
+        with self.lock:
+            before = ledger.pinned_bytes
+            for unpinned in done:
+                ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
+                if unpinned.error is None:
+                    ledger.unregistered(unpinned.index)
+                else:
+                    ledger.unregister_failed(unpinned.index, unpinned.error)
+            moved = ledger.pinned_bytes - before
+        observer.pinned_moved(moved)
+        for unpinned in done:
+            for piece, answer in unpinned.released:
+                observer.released_elsewhere(piece, self.base_ptr + piece.offset, answer)
+            for piece, answer in unpinned.absent:
+                observer.not_registered(piece, self.base_ptr + piece.offset, answer)
+            chunk = ledger.chunks[unpinned.index]
+            if unpinned.error is None:
+                observer.chunk_unregistered(chunk, unpinned.seconds)
+            else:
+                observer.chunk_failed(chunk, "unregister", unpinned.error, unpinned.seconds)

@@ -1,0 +1,146 @@
+"""Which leading pages of a pool are pinned, and the chunk order that makes them grow early.
+
+A server that starts while its pool pins uses pages ``[0, k)`` as they become pinned. Page *i*
+is not always one byte range: a combined K/V buffer holds page *i* in its K half and in its V
+half, a layer_first buffer in every layer's run. A buffer is therefore described as
+``page_runs`` equal runs (:class:`~pinpool.layouts.BufferSpec`), and page *i* is usable once
+its slice of every run of every buffer is pinned.
+
+Two pure pieces, both driven under the pinning session's lock:
+
+* :func:`pin_order` orders a pool's chunks so every run advances together (the chunk that
+  finishes the smallest fraction of its run first), instead of buffer after buffer.
+* :class:`PrefixTracker` is told each range as it becomes pinned (in any order) and says how
+  many leading pages are pinned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .chunks import Chunk, ChunkTable
+
+# Interleaving materialises the order (one run per chunk); beyond this many chunks the
+# pool keeps offset order, and only its first run's pages grow before the end.
+MAX_INTERLEAVED_CHUNKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """Bytes ``[start, end)`` of the pool holding one slice per page, ``page_bytes`` each
+    (None: the pages' bytes are not in page order; usable only once the whole run is pinned)."""
+
+    start: int
+    end: int
+    page_bytes: int | None
+    # Bytes of the run nothing registers (between the rows of a strided view, or ranges=):
+    # they hold no page's data, so the tracker counts them pinned from the start.
+    holes: tuple[tuple[int, int], ...] = ()
+
+
+def page_runs(buffers: Sequence[tuple[int, int, int | None]], num_pages: int) -> tuple[PageRun, ...]:
+    """The runs of buffers given as ``(offset in the pool, nbytes, page_runs)``."""
+    runs: list[PageRun] = []
+    for offset, nbytes, count in buffers:
+        if nbytes <= 0:
+            continue
+        if count is None or count <= 0 or num_pages <= 0 or nbytes % (count * num_pages):
+            runs.append(PageRun(offset, offset + nbytes, None))
+            continue
+        length = nbytes // count
+        runs.extend(PageRun(offset + k * length, offset + (k + 1) * length, length // num_pages) for k in range(count))
+    return tuple(runs)
+
+
+def pin_order(chunks: ChunkTable, runs: Sequence[PageRun]) -> ChunkTable:
+    """``chunks`` (offset order) in the order to pin them so the pinned page prefix grows early.
+
+    With one run that is offset order itself (returned as is, still lazy). With several, each
+    chunk is keyed by the fraction of its run it completes, and the runs are merged by key.
+    """
+    if len(runs) <= 1 or len(chunks) > MAX_INTERLEAVED_CHUNKS:
+        return chunks
+
+    def keyed(run_index: int, run: PageRun) -> Iterator[tuple[float, int, Chunk]]:
+        length = run.end - run.start
+        for chunk in _chunks_in(chunks, run):
+            yield (min(chunk.end, run.end) - run.start) / length, run_index, chunk
+
+    merged = heapq.merge(*(keyed(i, run) for i, run in enumerate(runs)))
+    seen: set[int] = set()
+    ordered: list[Chunk] = []
+    for _key, _run, chunk in merged:
+        if chunk.offset not in seen:  # a chunk spanning runs is keyed once per run: keep its first
+            seen.add(chunk.offset)
+            ordered.append(chunk)
+    return ChunkTable.of(ordered)
+
+
+def _chunks_in(chunks: ChunkTable, run: PageRun) -> Iterator[Chunk]:
+    """The chunks overlapping ``run``, in offset order (the table is sorted by offset)."""
+    first = bisect.bisect_right(chunks, run.start, key=lambda chunk: chunk.end)  # the first ending after it
+    for index in range(first, len(chunks)):
+        chunk = chunks[index]
+        if chunk.offset >= run.end:
+            return
+        yield chunk
+
+
+class PrefixTracker:
+    """How many leading pages are pinned, told each range as it becomes pinned, in any order.
+
+    Per run it keeps the covered prefix and the pinned ranges beyond it (few: pinning runs in
+    order, a few calls in parallel), merging them in as the prefix reaches them.
+    """
+
+    def __init__(self, runs: Sequence[PageRun], num_pages: int) -> None:
+        self.runs = tuple(sorted(runs, key=lambda r: r.start))
+        self.num_pages = num_pages
+        self._starts = [run.start for run in self.runs]
+        self._done = [run.start for run in self.runs]  # absolute end of each run's pinned prefix
+        self._ahead: list[list[tuple[int, int]]] = [[] for _ in self.runs]  # heaps of ranges beyond it
+        self._pages = 0 if self.runs else num_pages
+        for run in self.runs:
+            for lo, hi in run.holes:
+                self.cover(lo, hi)
+
+    def cover(self, start: int, end: int) -> None:
+        """``[start, end)`` of the pool is pinned now."""
+        index = max(0, bisect.bisect_right(self._starts, start) - 1)
+        changed = False
+        while index < len(self.runs) and self.runs[index].start < end:
+            run = self.runs[index]
+            lo, hi = max(start, run.start), min(end, run.end)
+            if lo < hi:
+                changed |= self._add(index, lo, hi)
+            index += 1
+        if changed:
+            self._pages = self._count()
+
+    def _add(self, index: int, lo: int, hi: int) -> bool:
+        done, ahead = self._done[index], self._ahead[index]
+        if lo > done:
+            heapq.heappush(ahead, (lo, hi))
+            return False
+        done = max(done, hi)
+        while ahead and ahead[0][0] <= done:
+            done = max(done, heapq.heappop(ahead)[1])
+        self._done[index] = done
+        return True
+
+    def _count(self) -> int:
+        pages = self.num_pages
+        for run, done in zip(self.runs, self._done, strict=True):
+            if run.page_bytes is None:
+                pages = min(pages, self.num_pages if done >= run.end else 0)
+            else:
+                pages = min(pages, (done - run.start) // run.page_bytes)
+        return pages
+
+    @property
+    def pages(self) -> int:
+        """Pages ``[0, pages)`` are pinned in every run."""
+        return self._pages

@@ -1,0 +1,362 @@
+"""Where a shared memory region lives, and the trust placed in it: the page size of its file
+system (tmpfs or hugetlbfs, nothing else), a new memfd, the region's directory (reached from
+``/`` without following anything another user controls, see :func:`_walk`; ours or root's, not a
+symbolic link, not writable by others unless sticky), and its file: made under a temporary name
+(``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC``, mode 0600 by default) and linked into place once
+complete (:func:`publish`; an existing name is a :class:`ConfigError`), or opened to attach
+(``O_NOFOLLOW``; a regular file of ours with one link, not writable by others, checked with
+``lstat`` before the open and ``fstat`` after it). Files are trusted as node pacing's lock
+files are (:mod:`pinpool._node.directory`). Every refusal is a :class:`ConfigError` naming the path,
+the problem and the fix.
+
+Every function takes the region's absolute ``path``; a file is opened by its name relative to
+the directory's descriptor, never by a path that could be swapped.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import secrets
+import stat
+
+from .._errors import ConfigError
+from .._host import libc as _libc
+from .._host.files import FILE_FLAGS, regular_file_problem
+from .regions import _TEMP_MARK, read_region
+from .trailer import _describe
+
+__all__ = [
+    "check_directory",
+    "create_temp_file",
+    "names_file",
+    "new_memfd",
+    "open_region_directory",
+    "open_region_file",
+    "page_size_of",
+    "publish",
+    "remove_file",
+    "remove_stale_temps",
+]
+
+_HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
+_FS_NAMES = {
+    0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x794C7630: "overlayfs", 0x6969: "nfs",
+    0x858458F6: "ramfs", 0x65735546: "fuse", 0x01021997: "9p", 0xFF534D42: "cifs", 0x2FC12FC1: "zfs",
+}  # fmt: skip
+
+
+def _fs_name(f_type: int) -> str:
+    return _FS_NAMES.get(f_type, f"f_type {f_type:#x}")
+
+
+def page_size_of(f_type: int, f_bsize: int, where: str) -> int:
+    """The page a region on this file system is made of, or :class:`ConfigError` for one it cannot live on."""
+    if f_type == _libc.HUGETLBFS_MAGIC:
+        return f_bsize
+    if f_type == _libc.TMPFS_MAGIC:
+        return _libc.PAGE_SIZE
+    raise ConfigError(
+        f"shared memory {where} is on a {_fs_name(f_type)} file system, not tmpfs or hugetlbfs: a pool's pages "
+        "must be memory, not a disk file's page cache. Use a path on /dev/shm (tmpfs) or on a hugetlbfs mount, "
+        "or path=None for a memfd"
+    )
+
+
+def new_memfd(flags: int) -> int:
+    """A new memfd (``memfd_create`` with ``flags``), or :class:`ConfigError` saying why not."""
+    try:
+        return os.memfd_create("pinpool-region", flags)
+    except OSError as exc:
+        huge = " with hugetlb pages (MFD_HUGETLB)" if flags & os.MFD_HUGETLB else ""
+        raise ConfigError(f"memfd_create{huge} failed: {exc.strerror or exc}") from None
+
+
+# -- the directory ----------------------------------------------------------------------------------
+
+
+def _dir_problem(st: os.stat_result) -> str | None:
+    """What makes a region's directory untrustworthy, or None. Ours or root's, and not writable by
+    others unless sticky (``/dev/shm``, ``/tmp``: others may add names there, but may not remove or
+    replace ours; the file itself is checked when opened)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (pinpool never follows a link to a region's directory)"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return (
+            f"is group- or world-writable without the sticky bit (mode {stat.S_IMODE(st.st_mode):#o}): another "
+            "user could replace the region's file"
+        )
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"is owned by uid {st.st_uid}, neither this process's uid {os.geteuid()} nor root"
+    return None
+
+
+def _region_file_problem(st: os.stat_result) -> str | None:
+    """What makes an existing region file unusable, or None: the same rules as node pacing's lock
+    files (a regular file of ours with one link, not writable by others)."""
+    return regular_file_problem(st, files="a region's file", linked="another name refers to the same memory")
+
+
+def _refuse_directory(path: str, st: os.stat_result) -> None:
+    problem = _dir_problem(st)
+    if problem is not None:
+        raise ConfigError(
+            f"shared memory directory {os.path.dirname(path)!r} {problem}; use a directory this user owns that "
+            f"only it can write (`chmod go-w`), or /dev/shm, for {path!r}"
+        )
+
+
+_MAX_LINKS = 40  # symbolic links followed in one walk, as the kernel's own limit
+_WALK_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _refuse_ancestor(path: str, at: str, problem: str) -> ConfigError:
+    return ConfigError(
+        f"shared memory path {path!r}: {at!r} {problem}; another user could redirect the region through it. "
+        "Use a path whose every directory belongs to this user or root (/dev/shm)"
+    )
+
+
+def _walk(path: str) -> int:
+    """The directory of ``path`` opened (``O_RDONLY | O_DIRECTORY``), reached one component at a
+    time from ``/`` with ``openat(O_NOFOLLOW)``: every directory on the way must pass
+    :func:`_dir_problem`, and a symbolic link is followed only where it is owned by root or this
+    user and is not the region's own directory. So nothing another user controls redirects it."""
+    directory = os.path.dirname(path)
+    todo = [c for c in directory.split("/") if c][::-1]  # a stack: the next component last
+    stack = [os.open("/", _WALK_FLAGS)]
+    walked: list[str] = []
+    links = 0
+    try:
+        _refuse_ancestor_st(path, "/", os.fstat(stack[0]))
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                    walked.pop()
+                continue
+            at = "/" + "/".join([*walked, name])
+            try:
+                st = os.stat(name, dir_fd=stack[-1], follow_symlinks=False)
+            except OSError as exc:
+                raise ConfigError(
+                    f"shared memory directory {directory!r} of {path!r} cannot be used: {exc.strerror or exc} "
+                    f"({at!r}); create it (mode 0700) or choose a path on /dev/shm"
+                ) from None
+            if stat.S_ISLNK(st.st_mode):
+                if not todo:  # the region's own directory is never a link: its name is what a user checks
+                    _refuse_directory(path, st)
+                if st.st_uid not in (0, os.geteuid()):
+                    raise _refuse_ancestor(path, at, f"is a symbolic link owned by uid {st.st_uid}")
+                links += 1
+                if links > _MAX_LINKS:
+                    raise _refuse_ancestor(path, at, f"leads through more than {_MAX_LINKS} symbolic links")
+                target = os.readlink(name, dir_fd=stack[-1])
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop())
+                    walked.clear()
+                todo.extend([c for c in target.split("/") if c][::-1])
+                continue
+            if todo:
+                _refuse_ancestor_st(path, at, st)
+            else:
+                _refuse_directory(path, st)
+            fd = os.open(name, _WALK_FLAGS, dir_fd=stack[-1])
+            stack.append(fd)
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                raise _refuse_ancestor(path, at, "was replaced while being opened")
+            walked.append(name)
+        try:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=stack[-1])
+        except OSError as exc:
+            raise ConfigError(
+                f"shared memory directory {directory!r} cannot be opened: {exc.strerror or exc}"
+            ) from None
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def _refuse_ancestor_st(path: str, at: str, st: os.stat_result) -> None:
+    problem = _dir_problem(st)
+    if problem is not None:
+        raise _refuse_ancestor(path, at, problem)
+
+
+def check_directory(path: str) -> None:
+    """:class:`ConfigError` unless the directory of the region's file ``path``, and every
+    directory and link on the way to it, can be trusted (see :func:`_walk`)."""
+    os.close(_walk(path))
+
+
+def open_region_directory(path: str) -> int:
+    """The directory of ``path``, reached without following anything another user controls
+    (:func:`_walk`) and checked again once open (it may have changed)."""
+    dir_fd = _walk(path)
+    try:
+        _refuse_directory(path, os.fstat(dir_fd))
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd
+
+
+# -- the file ---------------------------------------------------------------------------------------
+
+
+def _file_error(path: str, problem: str, fix: str = "") -> ConfigError:
+    fix = fix or "remove it if no process uses it (`rm` it; `pinpool doctor` lists regions), or choose another path"
+    return ConfigError(f"shared memory file {path!r} {problem}; {fix}")
+
+
+def open_region_file(dir_fd: int, path: str) -> int:
+    """Open the region's file to attach (``O_RDWR``), checked before and after the open."""
+    name = os.path.basename(path)
+    try:
+        problem = _region_file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+    except FileNotFoundError:
+        raise _file_error(
+            path, "does not exist", "create it with create=True, or wait until its creator has (the path must exist)"
+        ) from None
+    if problem is not None:
+        raise _file_error(path, problem)
+    try:
+        fd = os.open(name, os.O_RDWR | FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _file_error(path, "is a symbolic link (pinpool never follows links to a region's file)") from None
+        if exc.errno == errno.ENOENT:
+            raise _file_error(path, "was removed while being opened", "create it again, or retry") from None
+        raise _file_error(path, f"cannot be opened for reading and writing ({exc.strerror or exc})") from None
+    try:
+        st = os.fstat(fd)
+        problem = "was removed while being opened" if st.st_nlink == 0 else _region_file_problem(st)
+        if problem is not None:
+            raise _file_error(path, problem)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _temp_prefix(name: str) -> str:
+    return f".{name[:200]}{_TEMP_MARK}"  # within NAME_MAX (255) with the random part
+
+
+def _refuse_existing(dir_fd: int, path: str) -> None:
+    """:class:`ConfigError` saying what holds the name of ``path`` already, if anything does."""
+    name = os.path.basename(path)
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise _file_error(path, f"cannot be checked ({exc.strerror or exc})", "check the directory") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise _file_error(path, "exists already as a symbolic link (pinpool never follows one)")
+    held = read_region(path, dir_fd=dir_fd)
+    what = (
+        f"holds a pinpool region already ({_describe(held.nbytes, held.record)}, generation {held.generation})"
+        if held is not None
+        else "exists already"
+    )
+    raise _file_error(path, what, "attach to it with create=False, or remove it (`rm` it) if no process uses it")
+
+
+def remove_stale_temps(dir_fd: int, name: str) -> int:
+    """Remove what creators of ``name`` that died left half-made (a temporary file nobody holds
+    ``LOCK_EX`` on, of this user); returns how many. A creation in progress holds its lock."""
+    prefix, removed = _temp_prefix(name), 0
+    try:
+        names = [n for n in os.listdir(dir_fd) if n.startswith(prefix)]
+    except OSError:
+        return 0
+    for temp in names:
+        try:
+            fd = os.open(temp, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if _region_file_problem(st) is None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
+                removed += 1
+        except OSError:
+            pass  # locked: its creator is at work
+        finally:
+            os.close(fd)
+    return removed
+
+
+def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
+    """Start a region at ``path``: refuse a name that exists, clean up what dead creators left,
+    and create a temporary file beside it exclusively (never following a link), with ``mode``,
+    locked ``LOCK_EX``; :func:`publish` links it into place once complete. Returns its descriptor
+    and its name."""
+    name = os.path.basename(path)
+    _refuse_existing(dir_fd, path)
+    remove_stale_temps(dir_fd, name)
+    temp = _temp_prefix(name) + secrets.token_hex(8)
+    try:
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        raise _file_error(path, f"cannot be created ({exc.strerror or exc})", "check the directory") from None
+    try:
+        if os.fstat(fd).st_mode & 0o022:  # a umask never adds bits, but a default ACL may
+            os.fchmod(fd, mode)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        os.unlink(temp, dir_fd=dir_fd)
+        raise
+    return fd, temp
+
+
+def publish(dir_fd: int, path: str, temp: str) -> None:
+    """Give the complete region ``temp`` its name, atomically and never replacing a file that took
+    the name meanwhile (``renameat2(RENAME_NOREPLACE)``; ``linkat`` then ``unlink`` where the
+    file system lacks it). An attacher sees no file, or a whole region."""
+    name = os.path.basename(path)
+    err = _libc.rename_noreplace(dir_fd, temp, name)
+    if err in (errno.ENOSYS, errno.EINVAL):
+        try:
+            os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            err = 0
+        except OSError as exc:
+            err = exc.errno or errno.EIO
+        if not err:
+            os.unlink(temp, dir_fd=dir_fd)
+    if err == errno.EEXIST:
+        _refuse_existing(dir_fd, path)
+    if err:
+        raise _file_error(path, f"cannot be linked into place ({_libc.errno_name(err)})", "check the directory")
+
+
+def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool:
+    """Whether the name of ``path`` still refers to the file ``identity`` (``(st_dev, st_ino)``) describes."""
+    if identity is None:
+        return False
+    try:
+        st = os.stat(os.path.basename(path), dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == identity
+
+
+def remove_file(dir_fd: int, name: str, identity: tuple[int, int]) -> None:
+    """Remove a file this process just created and could not make a region of (if the name still refers to it)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == identity:
+            os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass

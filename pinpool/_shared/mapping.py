@@ -1,0 +1,427 @@
+"""A shared memory region mapped in this process: :class:`SharedMapping` (its lifetime: unmapped
+and its descriptor closed when nothing refers to it, never at interpreter exit; the creator's
+file removed by ``_Unlinker``), and the two ways a descriptor becomes one: :func:`create_mapping`
+(size an empty file, reserve its pages, write its trailer, under ``LOCK_EX``, then map it) and
+:func:`attach_mapping` (read the trailer under ``LOCK_SH``, compare it with what the pool asks
+for, map it).
+
+**Creating** (``create=True``) holds ``flock(LOCK_EX)`` from the exclusive open (by the caller)
+until the trailer is written (magic last) and, for a path, the file is linked into place.
+**Attaching** (``create=False``) takes ``flock(LOCK_SH)``, waiting up to
+:data:`ATTACH_WAIT_SECONDS` for a creation in progress, then checks the trailer. On tmpfs both
+refuse a region the file system has no room for (a fault past its size is SIGBUS); creating also
+reserves the region's pages there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import functools
+import json
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ConfigError, PoolStateError, RuntimeCallError
+from .._host import libc as _libc
+from .._units import format_bytes
+from .trailer import (
+    _FLAGS_AT,
+    _GENERATION_AT,
+    FLAG_KEEP,
+    MAGIC,
+    _align,
+    _check_generation,
+    _describe,
+    _differences,
+    _encode_body,
+    _file_bytes,
+    _NotRegion,
+    _read_trailer,
+    _Trailer,
+    _trailer_bytes,
+    read_field,
+    store,
+    write_field,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ATTACH_WAIT_SECONDS", "SharedMapping", "attach_mapping", "create_mapping"]
+
+# How long attaching waits for a creation in progress (the creator holds LOCK_EX from the
+# exclusive open until the trailer is written: microseconds, unless the creator stopped).
+ATTACH_WAIT_SECONDS = 5.0
+_POLL_SECONDS = 0.005
+_UNINITIALISED_GRACE_SECONDS = 0.5  # an empty, unlocked file: the creator may not have taken its lock yet
+
+
+class _Unlinker:
+    """Removes the creator's file once (unless ``keep``), only in the process that created it, and
+    only if the name still refers to the file it created; closes the directory descriptor."""
+
+    def __init__(self, dir_fd: int, name: str, identity: tuple[int, int], *, keep: bool) -> None:
+        self.dir_fd = dir_fd
+        self.name = name
+        self.identity = identity
+        self.keep = keep
+        self.pid = os.getpid()
+        self.done = False
+        self.removed = False
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self.done:
+                return
+            self.done = True
+            if os.getpid() != self.pid:
+                return  # a forked child: the name and the directory descriptor are the parent's business
+            try:
+                if not self.keep:
+                    st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == self.identity:
+                        os.unlink(self.name, dir_fd=self.dir_fd)
+                        self.removed = True
+            except OSError:
+                pass  # already removed (by an operator), or the directory is gone: nothing to do
+            finally:
+                os.close(self.dir_fd)
+
+
+# munmap frees every page of the range holding the process's mmap_lock for writing: in pieces,
+# as pinpool._host.mapping does for the pool's own mapping (not imported from there: it loads torch).
+_UNMAP_PIECE_BYTES = 128 << 20
+
+
+def _release(base: int, file_bytes: int, fd: int, unlink: _Unlinker | None) -> None:
+    for offset in range(0, file_bytes, _UNMAP_PIECE_BYTES):
+        _libc.munmap(base + offset, min(_UNMAP_PIECE_BYTES, file_bytes - offset))
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    if unlink is not None:
+        unlink()
+
+
+# Mappings that must outlive everything because a chunk of them may still be registered.
+_KEPT_FOREVER: list[SharedMapping] = []
+_kept_lock = threading.Lock()
+
+
+class SharedMapping:
+    """A region mapped ``MAP_SHARED`` in this process: the same interface as the pool's own
+    :class:`~pinpool._host.mapping.HostMapping` (``address``, ``length``, ``nbytes``, ``huge_pages``,
+    ``view()``, ``keep_forever()``, ``unmapped``), plus the region's ``fd``, ``path``,
+    ``page_size``, ``file_bytes``, ``created``, its ``region_id`` and its ``generation``.
+
+    The trailer (generation, flags) is read and written with ``pread``/``pwrite`` on ``fd`` after
+    a size check, never through the mapping: another process that truncates the file makes those
+    a :class:`ConfigError`, not SIGBUS (see :func:`~pinpool._shared.trailer.read_field`).
+
+    ``address`` is the pool's data (file offset 0): page-aligned, huge-page-aligned on hugetlbfs.
+    ``length`` is the data rounded up to ``page_size``; the trailer's page follows it in the same
+    mapping and is never part of the pool. Unmapped (and ``fd`` closed, and the file removed by
+    its creator unless kept) when nothing refers to this object any more, never at interpreter
+    exit; the file's removal also runs at interpreter exit (see :mod:`pinpool._shared.memory`, Lifetime).
+    """
+
+    def __init__(
+        self, *, base: int, file_bytes: int, nbytes: int, page_size: int, fd: int, path: str | None,
+        created: bool, unlinker: _Unlinker | None, region_id: str,
+    ) -> None:  # fmt: skip
+        self.address = base
+        self.length = _align(nbytes, page_size)
+        self.nbytes = nbytes
+        self.page_size = page_size
+        self.huge_pages: bool | str = "hugetlb" if page_size > _libc.PAGE_SIZE else False
+        # Pre-fault a shared mapping with MADV_POPULATE_READ: a read fault on a shared file maps up to
+        # 16 pages the file holds already at once (fault-around), a write fault one page at a time.
+        # Measured with 1 GiB on tmpfs: resident pages 0.40 s read against 0.86 s write; new pages are
+        # allocated and zeroed either way (docs/shared-memory.md).
+        self.populate_advice = _libc.MADV_POPULATE_READ
+        self.fd = fd
+        self.path = path
+        self.created = created
+        self.file_bytes = file_bytes
+        self.region_id = region_id
+        self._where = repr(path) if path is not None else f"fd {fd}"
+        self._unlinker = unlinker
+        self._finalizer = weakref.finalize(self, _release, base, file_bytes, fd, unlinker)
+        self._finalizer.atexit = False  # never unmap at exit: the pool's finalizer may not have unpinned yet
+        if unlinker is not None:
+            weakref.finalize(self, unlinker)  # the name goes at exit too (atexit=True): removing it unmaps nothing
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor over ``[offset, offset+nbytes)`` of the pool's data that keeps this mapping alive."""
+        import torch
+
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
+            raise ValueError(f"view [{offset}, +{nbytes}) outside the region's {self.length} bytes of data")
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        buffer_type: Any = type("_RegionBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
+        buffer = buffer_type.from_address(self.address + offset)
+        buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def keep_forever(self) -> None:
+        """Never unmap: part of this memory may still be registered with the runtime. (A creator
+        that does not keep the file still removes its name at exit.)"""
+        with _kept_lock:
+            _KEPT_FOREVER.append(self)
+
+    @property
+    def unmapped(self) -> bool:
+        return not self._finalizer.alive
+
+    def _check_mapped(self) -> None:
+        if self.unmapped:
+            raise PoolStateError("the shared memory region was unmapped: its generation cannot be read here")
+
+    @property
+    def populate(self) -> Callable[[int, int], None]:
+        """A pool's populate step for this region (holding its figures, not the mapping, which
+        the pool lets go of when it closes): see :func:`_populate`."""
+        return functools.partial(_populate, self.fd, self.file_bytes, self._where, self.populate_advice)
+
+    def check_size(self) -> None:
+        """:class:`ConfigError` when another process truncated or resized the file under this mapping."""
+        self._check_mapped()
+        read_field(self.fd, self.file_bytes, 0, 0, self._where)
+
+    @property
+    def generation(self) -> int:
+        """The region's generation number, read from the file's trailer (all processes see one value)."""
+        self._check_mapped()
+        return int.from_bytes(read_field(self.fd, self.file_bytes, _GENERATION_AT, 8, self._where), "little")
+
+    def set_generation(self, value: int) -> None:
+        """Store ``value`` as the region's generation (one aligned 8-byte write, seen by every process at once)."""
+        value = _check_generation(value)
+        self._check_mapped()
+        self._write(_GENERATION_AT, value.to_bytes(8, "little"))
+
+    def _set_keep_flag(self, keep: bool) -> None:
+        if not self.unmapped:
+            flags = int.from_bytes(read_field(self.fd, self.file_bytes, _FLAGS_AT, 4, self._where), "little")
+            flags = (flags | FLAG_KEEP) if keep else (flags & ~FLAG_KEEP)
+            self._write(_FLAGS_AT, flags.to_bytes(4, "little"))
+
+    def _write(self, at: int, data: bytes) -> None:
+        write_field(self.fd, self.file_bytes, at, data, self._where, page_size=self.page_size)
+
+    def __repr__(self) -> str:
+        where = self.path or f"fd {self.fd}"
+        state = "unmapped" if self.unmapped else f"at {self.address:#x}"
+        return f"<SharedMapping {where} {format_bytes(self.nbytes)} {state}>"
+
+
+def _populate(fd: int, file_bytes: int, where: str, advice: int, ptr: int, nbytes: int) -> None:
+    """Pre-fault ``[ptr, +nbytes)`` of a region. A fault the kernel refuses because another
+    process truncated the file is said to be that, naming the region, not host memory."""
+    from .._host.mapping import populate_range  # loads torch: only once a pool pins
+
+    try:
+        populate_range(ptr, nbytes, advice)
+    except RuntimeCallError as exc:
+        try:
+            read_field(fd, file_bytes, 0, 0, where)
+        except (ConfigError, OSError) as truncated:
+            raise RuntimeCallError(
+                op=exc.op, code=exc.code, reason=exc.reason, ptr=ptr, nbytes=nbytes, message=str(truncated)
+            ) from None
+        raise
+
+
+# -- making one from a descriptor -------------------------------------------------------------------
+
+
+def _check_room(fd: int, needed: int, where: str, *, page_size: int, directory: str) -> None:
+    """On tmpfs, a fault past the file system's size kills the process (SIGBUS): refuse first."""
+    if page_size > _libc.PAGE_SIZE or needed <= 0:
+        return  # hugetlbfs reserves the pages when mapping, and says ENOMEM then
+    try:
+        vfs = os.fstatvfs(fd)
+    except OSError:
+        return
+    if vfs.f_blocks == 0:
+        return  # no size limit (the memfd mount)
+    free = vfs.f_bavail * vfs.f_frsize
+    if needed > free:
+        place = directory or where
+        raise ConfigError(
+            f"shared memory {where}: the file system ({place}) has {format_bytes(free)} free of "
+            f"{format_bytes(vfs.f_blocks * vfs.f_frsize)}, the region needs {format_bytes(needed)} more; a page "
+            "fault past its size would kill the process (SIGBUS). Remove regions no longer used (`pinpool "
+            "doctor` lists them), make the pool smaller, or enlarge the mount (`mount -o remount,size=...`)"
+        )
+
+
+def _map(fd: int, file_bytes: int, where: str, *, page_size: int) -> int:
+    address, err = _libc.mmap_shared(file_bytes, fd)
+    if err:
+        from .._host.mapping import AllocationError
+
+        if err == errno.EACCES:
+            raise ConfigError(
+                f"shared memory {where} cannot be mapped for writing (EACCES): the descriptor must be open for "
+                "reading and writing"
+            )
+        hint = (
+            f"; reserve more {format_bytes(page_size)} hugetlb pages (HugePages_Free in /proc/meminfo)"
+            if page_size > _libc.PAGE_SIZE and err == errno.ENOMEM
+            else ""
+        )
+        raise AllocationError(
+            f"mmap of shared memory {where} ({format_bytes(file_bytes)}) failed: {_libc.errno_name(err)} "
+            f"({os.strerror(err)}){hint}"
+        )
+    return address
+
+
+def _reserve(fd: int, file_bytes: int, where: str, *, page_size: int, directory: str) -> None:
+    """Allocate the region's pages now (``posix_fallocate``) on a tmpfs with a size limit, so a
+    full one is a :class:`ConfigError` here, before anything is pinned, never SIGBUS at a later
+    fault. hugetlbfs reserves its pages when mapping (ENOMEM then); a memfd's mount has no limit."""
+    if page_size > _libc.PAGE_SIZE or os.fstatvfs(fd).f_blocks == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, file_bytes)
+    except OSError as exc:
+        raise ConfigError(
+            f"shared memory {where}: the file system ({directory or where}) could not reserve the region's "
+            f"{format_bytes(file_bytes)} ({exc.strerror or exc}); nothing was pinned. Remove regions no longer "
+            "used (`pinpool doctor` lists them), make the pool smaller, or enlarge the mount (`mount -o "
+            "remount,size=...`)"
+        ) from None
+
+
+def _write_new_trailer(fd: int, file_bytes: int, trailer: bytes, where: str, *, page_size: int) -> None:
+    """Write a new file's trailer, the magic last (a file without it is no region)."""
+    store(fd, file_bytes, len(MAGIC), trailer[len(MAGIC) :], where, page_size=page_size)
+    store(fd, file_bytes, 0, trailer[: len(MAGIC)], where, page_size=page_size)
+
+
+def create_mapping(
+    fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, keep: bool, seal: bool,
+    path: str | None, directory: str, unlinker: Callable[[], _Unlinker] | None,
+    publish: Callable[[], None] | None = None,
+) -> SharedMapping:  # fmt: skip
+    """Size a new (empty) file, reserve its pages, write its trailer, then map it, under LOCK_EX.
+    ``seal``: a memfd, sealed against shrinking, growing and further seals. ``publish``: called
+    once the file is complete, before mapping it (links a file made under a temporary name into
+    place). ``directory``: where the file lives ("" for a descriptor), for messages."""
+    body = _encode_body(nbytes, page_size, record_json)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise ConfigError(f"shared memory {where} is locked by another process: being created, or in use") from None
+    st = os.fstat(fd)
+    if st.st_size:
+        raise ConfigError(
+            f"shared memory {where} holds {format_bytes(st.st_size)} already: create=True makes a region only "
+            "in an empty file; attach to it with create=False"
+        )
+    file_bytes = _file_bytes(nbytes, page_size)
+    _check_room(fd, file_bytes, where, page_size=page_size, directory=directory)
+    try:
+        os.ftruncate(fd, file_bytes)
+    except OSError as exc:
+        hint = " (check the hugetlbfs mount's size= limit)" if page_size > _libc.PAGE_SIZE else ""
+        raise ConfigError(
+            f"shared memory {where} cannot be sized to {format_bytes(file_bytes)}: {exc.strerror or exc}{hint}"
+        ) from None
+    _reserve(fd, file_bytes, where, page_size=page_size, directory=directory)
+    _write_new_trailer(fd, file_bytes, _trailer_bytes(body, keep=keep), where, page_size=page_size)
+    if seal:
+        try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        except OSError:
+            pass  # a kernel without sealing: documented
+    if publish is not None:
+        publish()
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    address = _map(fd, file_bytes, where, page_size=page_size)
+    return SharedMapping(
+        base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd,
+        path=path, created=True, unlinker=None if unlinker is None else unlinker(),
+        region_id=_read_trailer(fd, file_bytes).region_id,
+    )  # fmt: skip
+
+
+def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, _Trailer]:
+    """The trailer, read under LOCK_SH once no creation is in progress (waits up to
+    :data:`ATTACH_WAIT_SECONDS`); :class:`ConfigError` for a file that holds no region."""
+    deadline = time.monotonic() + ATTACH_WAIT_SECONDS
+    first_empty: float | None = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"shared memory {where} stayed locked for {ATTACH_WAIT_SECONDS:g} s: its creator is stopped "
+                    "while creating it, or another program holds a lock on it"
+                ) from None
+            time.sleep(_POLL_SECONDS)
+            continue
+        try:
+            st = os.fstat(fd)
+            return st, _read_trailer(fd, st.st_size)
+        except _NotRegion as exc:
+            now = time.monotonic()
+            first_empty = now if first_empty is None else first_empty
+            if not exc.uninitialised or now - first_empty > _UNINITIALISED_GRACE_SECONDS or now > deadline:
+                fix = (
+                    "its creator died while creating it, or it is not a region: remove it (`rm` it) and create it "
+                    "again" if exc.uninitialised else
+                    "attach only to a file pinpool created (create=True makes one); remove it if it is left over"
+                )  # fmt: skip
+                raise ConfigError(f"shared memory {where} {exc.problem}; {fix}") from None
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        time.sleep(_POLL_SECONDS)
+
+
+def attach_mapping(
+    fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, path: str | None, directory: str,
+    unlinker: Callable[[], _Unlinker] | None,
+) -> SharedMapping:  # fmt: skip
+    """Map the region the file already holds, once its trailer says it holds ``nbytes`` described
+    by ``record_json`` in pages of ``page_size`` (:class:`ConfigError` naming both otherwise)."""
+    st, trailer = _locked_trailer(fd, where)
+    if trailer.page_size != page_size:
+        raise ConfigError(
+            f"shared memory {where} was made of {format_bytes(trailer.page_size)} pages, but its file system has "
+            f"{format_bytes(page_size)} pages: it was copied or moved; remove it and create it again"
+        )
+    expected = _file_bytes(trailer.nbytes, trailer.page_size)
+    if st.st_size != expected:
+        raise ConfigError(
+            f"shared memory {where} is {st.st_size} bytes, but its trailer says it holds "
+            f"{format_bytes(trailer.nbytes)} ({expected} bytes of file): it was truncated or grown by something "
+            "else than pinpool; remove it and create it again"
+        )
+    asked = json.loads(record_json)
+    if trailer.nbytes != nbytes or trailer.record != asked:
+        raise ConfigError(
+            f"shared memory {where} holds {_describe(trailer.nbytes, trailer.record)}, but the pool asks for "
+            f"{_describe(nbytes, asked)}: {_differences(trailer.nbytes, trailer.record, nbytes, asked)}. A "
+            "region is attached only with the layout and size it was made with: give the pool those, or "
+            "remove the region (`rm` it) and create it again"
+        )
+    file_bytes = st.st_size
+    _check_room(fd, file_bytes - st.st_blocks * 512, where, page_size=page_size, directory=directory)
+    address = _map(fd, file_bytes, where, page_size=page_size)
+    return SharedMapping(
+        base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd, path=path,
+        created=unlinker is not None, unlinker=None if unlinker is None else unlinker(), region_id=trailer.region_id,
+    )  # fmt: skip

@@ -1,0 +1,508 @@
+"""Shared, file-backed pool memory: :class:`SharedMemory`, a ``MAP_SHARED`` mapping of a file on
+tmpfs (``/dev/shm``), on hugetlbfs (2 MiB or 1 GiB pages) or of a memfd, that several processes
+map and that can outlive the process that made it (a *warm restart*). This module owns the
+source object a pool is given: its arguments, what its region holds now, and which way
+:meth:`SharedMemory.open_mapping` goes (create or attach; a path, a memfd or a descriptor).
+
+The rest lives in :mod:`pinpool._shared.trailer` (the file's layout and its trailer),
+:mod:`pinpool._shared.files` (file systems, directory and file trust, exclusive creation),
+:mod:`pinpool._shared.mapping` (:class:`SharedMapping`, creating and attaching a mapping) and
+:mod:`pinpool._shared.regions` (reading regions without mapping them, for ``pinpool doctor``);
+their public names are re-exported here (``__all__``).
+
+**Creating** (``create=True``): a temporary name beside the region, ``O_CREAT | O_EXCL |
+O_NOFOLLOW | O_CLOEXEC`` (mode 0600 by default), ``flock(LOCK_EX)`` at once, ``ftruncate`` to
+the full size, ``posix_fallocate`` (a size-limited tmpfs), the trailer (magic last), then
+``renameat2(RENAME_NOREPLACE)`` to the region's name (an existing name is a
+:class:`ConfigError`), ``flock(LOCK_UN)``, map. A memfd or an ``fd=`` is made in place. **Attaching**
+(``create=False``): open with ``O_NOFOLLOW``; the file must be a regular file of ours with one
+link, not writable by others; ``flock(LOCK_SH)`` waits (up to :data:`ATTACH_WAIT_SECONDS`) for a
+creation in progress; then the trailer is checked and compared with what the pool asks for.
+
+**Lifetime.** The mapping (:class:`SharedMapping`) is unmapped and its descriptor closed when
+nothing refers to it any more (the pool lets go after unpinning, and every tensor view is gone),
+never at interpreter exit, like :class:`pinpool._host.mapping.HostMapping`. The file is removed by its
+*creator* (the process whose SharedMemory created it) unless ``keep`` is true: when the mapping is
+released, or at interpreter exit, whichever comes first (removing a name unmaps nothing, so this
+is safe while still pinned; the memory returns once the last process mapping it exits). A
+process that attached never removes the file; nor does a forked child of the creator. A process
+killed before it could remove the file leaves it behind: ``pinpool doctor`` lists regions, an
+operator removes them with ``rm``. A memfd has no name: it lives while a descriptor or a mapping
+refers to it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+
+from .._errors import ConfigError, PoolStateError
+from .._host import libc as _libc
+from .._host.files import FILE_FLAGS
+from .._units import format_bytes, parse_size
+from .files import (
+    _HUGE_PAGE_SIZES,
+    _region_file_problem,
+    check_directory,
+    create_temp_file,
+    names_file,
+    new_memfd,
+    open_region_directory,
+    open_region_file,
+    page_size_of,
+    publish,
+    remove_file,
+)
+from .mapping import ATTACH_WAIT_SECONDS, SharedMapping, _Unlinker, attach_mapping, create_mapping
+from .regions import HalfMade, RegionInfo, _region_info, find_half_made, find_regions, read_region
+from .trailer import (
+    _GENERATION_AT,
+    FORMAT_VERSION,
+    MAGIC,
+    TRAILER_BYTES,
+    _align,
+    _check_generation,
+    _file_bytes,
+    _NotRegion,
+    _read_trailer,
+    layout_record,
+    write_field,
+)
+
+__all__ = [
+    "ATTACH_WAIT_SECONDS",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "TRAILER_BYTES",
+    "HalfMade",
+    "RegionInfo",
+    "SharedMapping",
+    "SharedMemory",
+    "find_half_made",
+    "find_regions",
+    "layout_record",
+    "read_region",
+]
+
+
+class SharedMemory:
+    """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs
+    (``/dev/shm``), on hugetlbfs (2 MiB or 1 GiB pages, found with ``statfs``), or of a memfd
+    (``path=None``), that several processes map and pin, and that may outlive its creator.
+
+    ``path``: the region's file (its directory must exist, be ours or root's, not a symbolic link
+    and not writable by others unless sticky, like ``/dev/shm``); ``None`` with ``fd=None``: a
+    new memfd (``memfd_create``), shared by descriptor (:attr:`fd`) with forked or exec'd children
+    (``pass_fds=``) or over a Unix socket (``socket.send_fds``). ``fd``: a descriptor another
+    process handed on (SGLang's shm allocator, ``SCM_RIGHTS``); it stays the caller's (pinpool maps
+    a duplicate of it).
+
+    ``create=True`` makes the region (exclusively: an existing file is a :class:`ConfigError`;
+    with ``fd=`` the file must be empty), sized to the pool; ``create=False`` attaches to one
+    that holds a pinpool region, and refuses one whose size or layout differs from what the pool
+    asks for (:class:`ConfigError` naming both). ``keep``: the creator leaves the file in place
+    when it lets go (for a warm restart); without it the creator removes the file when the pool
+    releases the memory, or at interpreter exit. It can be changed later (``shared.keep = True``
+    at a graceful shutdown). ``mode``: of a file this creates (0600; never group- or
+    world-writable). ``huge_page_size``: with ``path=None``, a memfd of 2 MiB or 1 GiB hugetlb
+    pages (``MFD_HUGETLB``); with a path or ``fd``, the page size the file system must have.
+
+    Constructing checks the arguments and the directory only; the file is created or opened when
+    a pool maps it (:meth:`open_mapping`). One pool at a time maps a SharedMemory.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        create: bool = True,
+        keep: bool = False,
+        mode: int = 0o600,
+        fd: int | None = None,
+        huge_page_size: int | str | None = None,
+    ) -> None:
+        for name, value in (("create", create), ("keep", keep)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"SharedMemory({name}={value!r}): must be True or False")
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+            raise ConfigError(f"SharedMemory(mode={mode!r}): must be a permission mode such as 0o600")
+        if mode & 0o600 != 0o600 or mode & 0o022:
+            raise ConfigError(
+                f"SharedMemory(mode={mode:#o}): the owner must be able to read and write the region and nobody "
+                "else to write it (use 0o600, or 0o640 / 0o644 for readers of other users)"
+            )
+        huge = None if huge_page_size is None else parse_size(huge_page_size, what="huge_page_size")
+        self._create = create
+        self._keep = keep
+        self._mode = mode
+        self._lock = threading.Lock()
+        self._live: weakref.ref[SharedMapping] | None = None
+        self._made: tuple[int, int] | None = None  # (st_dev, st_ino) of the file this object created
+        self._path: str | None = None
+        self._directory = self._name = ""
+        self._given_fd: int | None = None
+        self._memfd_flags = 0
+        if path is not None and fd is not None:
+            raise ConfigError("SharedMemory(path=..., fd=...): give one: a path to open, or a descriptor handed on")
+        if fd is not None:
+            if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+                raise ConfigError(f"SharedMemory(fd={fd!r}): must be an open file descriptor (an int >= 0)")
+            if keep:
+                raise ConfigError(
+                    "SharedMemory(fd=..., keep=True): a descriptor has no name to keep or remove; its file lives "
+                    "as long as its owner keeps it (and any mapping of it)"
+                )
+            try:
+                st = os.fstat(fd)
+                f_type, f_bsize = _libc.fstatfs(fd)
+            except OSError as exc:
+                raise ConfigError(f"SharedMemory(fd={fd}): not an open descriptor ({exc.strerror or exc})") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"SharedMemory(fd={fd}): the descriptor is not a regular file (mode {st.st_mode:#o})")
+            self._given_fd = fd
+            self._page_size = page_size_of(f_type, f_bsize, f"fd {fd}")
+        elif path is not None:
+            if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
+                raise ConfigError(f"SharedMemory(path={path!r}): must be a str or os.PathLike path, or None")
+            text = os.fspath(path)
+            if not isinstance(text, str) or not text:
+                raise ConfigError(f"SharedMemory(path={path!r}): must be a non-empty str path")
+            self._path = os.path.abspath(text)
+            self._directory, self._name = os.path.split(self._path)
+            if not self._name or text.endswith("/"):
+                raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
+            check_directory(self._path)
+            f_type, f_bsize = _libc.statfs(self._directory)
+            self._page_size = page_size_of(f_type, f_bsize, f"path {self._path!r}")
+        else:
+            if not create:
+                raise ConfigError(
+                    "SharedMemory(create=False) needs something to attach to: a path= of an existing region, or "
+                    "the fd= another process handed on"
+                )
+            if keep:
+                raise ConfigError(
+                    "SharedMemory(path=None, keep=True): a memfd has no name to keep; it lives while a descriptor "
+                    "or a mapping refers to it. Give a path on /dev/shm or a hugetlbfs mount to keep a region"
+                )
+            self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+            self._page_size = _libc.PAGE_SIZE
+            if huge is not None:
+                size_flag = _HUGE_PAGE_SIZES.get(huge)
+                if size_flag is None:
+                    raise ConfigError(
+                        f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
+                    )
+                self._memfd_flags |= os.MFD_HUGETLB | size_flag
+                self._page_size = huge
+        if huge is not None and huge != self._page_size:
+            raise ConfigError(
+                f"SharedMemory(huge_page_size={huge_page_size!r}): {self._where()} has "
+                f"{format_bytes(self._page_size)} pages, not {format_bytes(huge)}"
+                + (" (it is not on hugetlbfs)" if self._page_size == _libc.PAGE_SIZE else "")
+            )
+
+    # -- properties --------------------------------------------------------------------------------
+
+    @property
+    def path(self) -> str | None:
+        """The region's file, absolute; None for a memfd or a descriptor handed on."""
+        return self._path
+
+    @property
+    def fd(self) -> int | None:
+        """The descriptor to hand on: the ``fd=`` given; else the open region's own (``O_CLOEXEC``)
+        while a pool maps it; else None."""
+        if self._given_fd is not None:
+            return self._given_fd
+        mapping = self.mapping
+        return None if mapping is None else mapping.fd
+
+    @property
+    def create(self) -> bool:
+        return self._create
+
+    @property
+    def keep(self) -> bool:
+        """Whether the creator leaves the file in place when it lets go (settable, e.g. at shutdown)."""
+        return self._keep
+
+    @keep.setter
+    def keep(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"SharedMemory.keep = {value!r}: must be True or False")
+        if value and self._path is None:
+            raise ConfigError("SharedMemory.keep = True: only a region with a path can be kept")
+        self._keep = value
+        mapping = self.mapping
+        if mapping is not None and mapping._unlinker is not None:
+            mapping._unlinker.keep = value
+            mapping._set_keep_flag(value)
+
+    @property
+    def mode(self) -> int:
+        return self._mode
+
+    @property
+    def page_size(self) -> int:
+        """The page the region is made of: 4096 on tmpfs and memfds, the huge page size on hugetlbfs
+        (2 MiB or 1 GiB). Chunk boundaries and buffer placement align to it."""
+        return self._page_size
+
+    @property
+    def huge_pages(self) -> bool | str:
+        """``"hugetlb"`` on hugetlbfs or a hugetlb memfd, else False (as PinnedPool.huge_pages)."""
+        return "hugetlb" if self._page_size > _libc.PAGE_SIZE else False
+
+    @property
+    def mapping(self) -> SharedMapping | None:
+        """The mapping a pool holds now, or None."""
+        mapping = None if self._live is None else self._live()
+        return None if mapping is None or mapping.unmapped else mapping
+
+    def file_bytes(self, nbytes: int) -> int:
+        """The region file's size for a pool of ``nbytes``: the data rounded up to pages, plus the trailer's page."""
+        return _file_bytes(self._check_nbytes(nbytes), self._page_size)
+
+    def __repr__(self) -> str:
+        return f"SharedMemory({self._where()}, create={self._create}, keep={self._keep})"
+
+    def _where(self) -> str:
+        if self._path is not None:
+            return repr(self._path)
+        if self._given_fd is not None:
+            return f"fd={self._given_fd}"
+        return "memfd"
+
+    # -- the region as it is now ----------------------------------------------------------------------
+
+    def _open_region_file(self, *, write: bool = False) -> tuple[int, bool] | None:
+        """A descriptor of the region's file as it is now, and whether the caller must close it;
+        None when there is none yet (or the name is no file pinpool would use). The path is
+        walked as creating and attaching walk it (:class:`ConfigError` where it cannot be trusted)."""
+        mapping = self.mapping
+        if mapping is not None:
+            return mapping.fd, False
+        if self._given_fd is not None:
+            return self._given_fd, False
+        if self._path is None:
+            return None
+        dir_fd = open_region_directory(self._path)
+        try:
+            if _region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
+                return None
+            fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | FILE_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            return None
+        finally:
+            os.close(dir_fd)
+        if _region_file_problem(os.fstat(fd)) is not None:
+            os.close(fd)
+            return None
+        return fd, True
+
+    def _held(self) -> os.stat_result | None:
+        opened = self._open_region_file()
+        if opened is None:
+            return None
+        fd, close = opened
+        try:
+            return os.fstat(fd)
+        finally:
+            if close:
+                os.close(fd)
+
+    def resident_bytes(self, nbytes: int) -> int:
+        """Bytes of a pool of ``nbytes`` that the region's file already holds in memory (resident,
+        or swapped out on tmpfs): pages that mapping it will not newly take. 0 when there is no
+        file yet (``create=True`` before the pool maps it; a memfd). Read from ``st_blocks``, the
+        trailer's page not counted; for a region of this size it is exact, for another file an
+        estimate (attaching to one is refused anyway)."""
+        data = _align(self._check_nbytes(nbytes), self._page_size)
+        st = self._held()
+        if st is None:
+            return 0
+        beyond = max(0, st.st_size - data) // self._page_size * self._page_size
+        return min(data, max(0, st.st_blocks * 512 - beyond))
+
+    def new_bytes(self, nbytes: int) -> int:
+        """Memory that mapping and faulting the region for a pool of ``nbytes`` takes that is not
+        taken yet: :meth:`file_bytes` less what the file already holds (the trailer's page included)."""
+        total = self.file_bytes(nbytes)
+        st = self._held()
+        return total if st is None else max(0, total - st.st_blocks * 512)
+
+    def region(self) -> RegionInfo | None:
+        """What the region's file holds now (from its trailer), or None when there is no region yet."""
+        opened = self._open_region_file()
+        if opened is None:
+            return None
+        fd, close = opened
+        try:
+            st = os.fstat(fd)
+            return _region_info(self._path or self._where(), st, _read_trailer(fd, st.st_size))
+        except (OSError, _NotRegion):
+            return None
+        finally:
+            if close:
+                os.close(fd)
+
+    @property
+    def generation(self) -> int:
+        """The region's generation number: 0 when created, then whatever the server stores with
+        :meth:`set_generation`. Read from the file (the live mapping's descriptor, else the path).
+        :class:`ConfigError` when there is no region to read, or it was truncated."""
+        mapping = self.mapping
+        if mapping is not None:
+            return mapping.generation
+        return self._info("has no generation").generation
+
+    @property
+    def region_id(self) -> str:
+        """The region's identity: 32 hex digits, new each time a region is created (a region
+        removed and created again at the same path has another). Key a saved index on
+        ``(region_id, generation)``: the generation counts within one region's life, the id tells
+        the lives apart. :class:`ConfigError` when there is no region to read."""
+        mapping = self.mapping
+        if mapping is not None:
+            return mapping.region_id
+        return self._info("has no identity").region_id
+
+    def _info(self, lacking: str) -> RegionInfo:
+        info = self.region()
+        if info is None:
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it {lacking}")
+        return info
+
+    def set_generation(self, value: int) -> None:
+        """Store ``value`` as the region's generation, in the file's trailer (through the live
+        mapping's descriptor, else the path's). Every process attached sees it at once."""
+        value = _check_generation(value)
+        mapping = self.mapping
+        if mapping is not None:
+            mapping.set_generation(value)
+            return
+        opened = self._open_region_file(write=True)
+        if opened is None:
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
+        fd, close = opened
+        try:
+            size = os.fstat(fd).st_size
+            _read_trailer(fd, size)  # refuse a file that holds no region
+            data = value.to_bytes(8, "little")
+            write_field(fd, size, _GENERATION_AT, data, self._where(), page_size=self._page_size)
+        except _NotRegion as exc:
+            raise ConfigError(f"shared memory {self._where()} {exc.problem}") from None
+        finally:
+            if close:
+                os.close(fd)
+
+    # -- mapping it -------------------------------------------------------------------------------------
+
+    def _check_nbytes(self, nbytes: int) -> int:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ConfigError(f"a shared memory region of nbytes={nbytes!r}: must be a positive int")
+        return nbytes
+
+    def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
+        """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (see
+        :func:`layout_record`), map all of it ``MAP_SHARED`` in this process, and return the mapping.
+
+        Creating writes ``nbytes`` and ``record`` into the trailer; attaching refuses a region
+        whose ``nbytes`` or ``record`` differ (:class:`ConfigError` naming both). The pages are
+        not faulted: the pool pre-faults and pins them. :class:`PoolStateError` while another
+        pool maps this SharedMemory; :class:`~pinpool.AllocationError` when the kernel refuses the
+        mapping (hugetlb pages short).
+        """
+        self._check_nbytes(nbytes)
+        if not isinstance(record, Mapping):
+            raise ConfigError(f"record={record!r} must be a mapping of JSON values (see layout_record)")
+        try:
+            record_json = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"record must hold JSON values only: {exc}") from None
+        with self._lock:
+            if self.mapping is not None:
+                raise PoolStateError(
+                    f"{self!r} is mapped by another pool in this process already; a SharedMemory is mapped by one "
+                    "pool at a time (make another SharedMemory(path, create=False) to map the region twice)"
+                )
+            if self._path is None:
+                fd = os.dup(self._given_fd) if self._given_fd is not None else new_memfd(self._memfd_flags)
+                where = f"fd {self._given_fd}" if self._given_fd is not None else "memfd"
+                try:
+                    if self._create:
+                        mapping = self._initialise(fd, nbytes, record_json, where, None)
+                    else:
+                        mapping = self._attach(fd, nbytes, record_json, where, None)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            else:
+                mapping = self._open_path(nbytes, record_json)
+            self._live = weakref.ref(mapping)
+            return mapping
+
+    def _open_path(self, nbytes: int, record_json: str) -> SharedMapping:
+        assert self._path is not None
+        where = repr(self._path)
+        dir_fd = open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
+        try:
+            if self._create and not names_file(dir_fd, self._path, self._made):
+                # Made whole under a temporary name, then linked into place: an attacher never sees a
+                # half-made region, and a creator killed midway leaves only a temporary file.
+                fd, temp = create_temp_file(dir_fd, self._path, self._mode)
+                path = self._path
+                try:
+                    st = os.fstat(fd)
+                    identity = (st.st_dev, st.st_ino)
+                    mapping = self._initialise(
+                        fd, nbytes, record_json, where, self._unlinker_for(dir_fd, identity),
+                        publish=lambda: publish(dir_fd, path, temp),
+                    )  # fmt: skip
+                except BaseException:  # an interrupt too: no temporary file, no half-made region left
+                    st = os.fstat(fd)
+                    os.close(fd)
+                    remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
+                    remove_file(dir_fd, self._name, (st.st_dev, st.st_ino))
+                    raise
+                self._made = identity
+                return mapping
+            fd = open_region_file(dir_fd, self._path)
+            try:
+                st = os.fstat(fd)
+                # This object made it and kept it (a pool opened again): it is still the creator.
+                made = self._made == (st.st_dev, st.st_ino)
+                unlinker = self._unlinker_for(dir_fd, (st.st_dev, st.st_ino)) if made else None
+                return self._attach(fd, nbytes, record_json, where, unlinker)
+            except BaseException:
+                os.close(fd)
+                raise
+        finally:
+            os.close(dir_fd)
+
+    def _unlinker_for(self, dir_fd: int, identity: tuple[int, int]) -> Callable[[], _Unlinker]:
+        return lambda: _Unlinker(os.dup(dir_fd), self._name, identity, keep=self._keep)
+
+    def _initialise(
+        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], _Unlinker] | None,
+        publish: Callable[[], None] | None = None,
+    ) -> SharedMapping:  # fmt: skip
+        """Size the new (empty) file ``fd``, write its trailer and map it (see :func:`create_mapping`)."""
+        return create_mapping(
+            fd, nbytes, record_json, where, page_size=self._page_size, keep=self._keep, seal=bool(self._memfd_flags),
+            path=self._path, directory=self._directory, unlinker=unlinker, publish=publish,
+        )  # fmt: skip
+
+    def _attach(
+        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], _Unlinker] | None
+    ) -> SharedMapping:
+        """Map the region ``fd`` holds, once it matches what the pool asks for (see :func:`attach_mapping`)."""
+        return attach_mapping(
+            fd, nbytes, record_json, where, page_size=self._page_size, path=self._path, directory=self._directory,
+            unlinker=unlinker,
+        )  # fmt: skip

@@ -1,0 +1,310 @@
+"""Test helpers for pinpool and for code built on it.
+
+:class:`FakeRuntime` registers nothing for real; it keeps the books CUDA would keep, fails
+on request, and records every call, so you can test failure, rollback and cancellation
+paths of your own server without a GPU or locked memory::
+
+    fake = FakeRuntime(fail_register_on=3)
+    with pytest.raises(pinpool.PinError):
+        with pinpool.PinnedPool(size="1GiB", chunk_bytes="128MiB", runtime=fake, max_retries=0):
+            ...
+    assert fake.registered == {}
+
+Injected register failures report code 2, which the fake declares retryable as CUDA does, so
+a pool would retry a failed chunk of two alignment units or more as halves, down to one; pass
+``max_retries=0`` to test the plain failure path, or keep retries on to test them.
+
+:class:`FakeCudart` stands in for ``torch.cuda.cudart()`` instead: it keeps CUDA's
+registration books (712, 713, the sticky last error) and really locks pages, so pinpool's own
+CUDA runtime code (``CudaRuntime.from_binding(FakeCudart())``) and a server's own pinning code
+run on CPU side by side (see docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from .._errors import ConfigError, RuntimeCallError
+from .._host import libc as _libc
+from .._ranges import RangeBook
+from .._types import Capabilities
+from .._units import parse_size
+from ._fake_cudart import FakeCudart
+
+__all__ = ["CallHook", "FakeCudart", "FakeRuntime"]
+
+# CUDA's codes, so code written against the fake sees what it would see on a GPU host.
+_ALLOCATION_FAILED = (2, "cudaErrorMemoryAllocation")
+_ALREADY_REGISTERED = (712, "cudaErrorHostMemoryAlreadyRegistered")
+_NOT_REGISTERED = (713, "cudaErrorHostMemoryNotRegistered")
+_ENOMEM = 12
+_POPULATE_OP = "madvise(MADV_POPULATE_WRITE)"
+
+_OPS = ("register", "unregister", "populate")
+
+CallHook = Callable[[str, int, int], None]
+"""``hook(op, ptr, nbytes)``: op is ``"populate"``, ``"register"`` or ``"unregister"`` (nbytes 0)."""
+
+
+def _call_indices(value: int | Iterable[int] | None, what: str) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    indices = frozenset([value]) if isinstance(value, int) else frozenset(value)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in indices):
+        raise ConfigError(f"{what}={value!r}: call indices are 1-based ints (an int or a set of them)")
+    return indices
+
+
+def _check_hook(hook: object, what: str) -> None:
+    if hook is not None and not callable(hook):
+        raise ConfigError(f"{what}={hook!r} must be None or a callable hook(op, ptr, nbytes)")
+
+
+class FakeRuntime:
+    """A thread-safe stand-in for a pinning runtime, with fault injection.
+
+    ``fail_register_on`` / ``fail_unregister_on``: 1-based indices (an int or a set) of the
+    register / unregister calls that fail, counted over this runtime's lifetime.
+    ``fail_register_larger_than``: a size (bytes or a string like ``"64GiB"``); register calls
+    for more bytes than that fail, as a driver's per-call cap does.
+    :meth:`fail_next` ``(k, op)``: the next ``k`` calls of one op fail, whenever they come.
+    ``register_delay`` / ``unregister_delay``: seconds each call sleeps (outside the lock, so
+    concurrent calls really overlap).
+
+    Like CUDA, registering a range that overlaps a registered one fails with
+    ``cudaErrorHostMemoryAlreadyRegistered`` (712), and unregistering anything but a
+    registered base fails with ``cudaErrorHostMemoryNotRegistered`` (713). Injected register
+    and unregister failures report ``cudaErrorMemoryAllocation`` (2), which the fake declares
+    retryable, as CUDA does; a failed register leaves nothing registered, a failed unregister
+    leaves the range registered.
+
+    Attributes: ``registered`` (base → nbytes now registered), ``register_calls`` (every
+    ``(ptr, nbytes)`` asked, failed ones included), ``unregister_calls`` (every ptr asked),
+    ``max_concurrent_registers`` (most register calls seen in flight at once).
+
+    Pre-faulting (``populate=``, on by default) goes through :meth:`populate`, which touches no
+    memory: ``fail_populate_on`` / ``populate_delay`` inject failures (reported as ENOMEM, as
+    MADV_POPULATE_WRITE does) and latency; ``populate_calls`` records every ``(ptr, nbytes)``.
+    ``lock_on_fault=True`` makes the fake behave like mlock: it declares ``locks_on_fault``, so
+    chunks are registered (through :meth:`lock_on_fault`, which counts as a register call)
+    before they are faulted, instead of after (CUDA). ``capabilities`` is the declaration:
+    populates, retryable code 2, "not registered" code 713, locks_on_fault and exact_ranges as
+    asked, and not ``resident``
+    (it touches no memory, so the memory pre-flight charges nothing).
+    ``events`` is every call in the order it started: ``("populate" | "register" |
+    "unregister", ptr)``.
+
+    Hooks, to act at exact moments (an interrupt mid-pinning, a check of the books):
+    ``before_call`` and ``after_call``, each None or ``hook(op, ptr, nbytes)``, run in the
+    calling thread, outside the fake's lock, around every populate / register / unregister
+    call (nbytes is 0 for unregister, which takes only a base). ``before_call`` runs before
+    the call is recorded; if it raises, the call never happens. ``after_call`` runs once the
+    books are updated, whether the call failed or not. An exception a hook raises propagates
+    out of the runtime call: raised by ``after_call`` of a successful register, it leaves the
+    range registered, as an interrupt just after the driver returned would. Both are plain
+    attributes, so a test may set them after construction.
+
+    ``exact_ranges`` (default True, as CUDA): registrations are kept by exact byte range, so
+    two may share an OS page as long as no byte is in both. ``exact_ranges=False`` makes the
+    fake a runtime that pins whole pages and does not count them (as ROCm is treated, or a
+    runtime of your own that declares nothing): it declares ``exact_ranges=False``, so a
+    caller's tensor is planned without shared pages, and a register whose range shares an
+    OS page with a registered one fails with 712, as overlapping bytes do.
+    """
+
+    name = "fake"
+
+    def __init__(
+        self,
+        *,
+        fail_register_on: int | Iterable[int] | None = None,
+        fail_unregister_on: int | Iterable[int] | None = None,
+        fail_populate_on: int | Iterable[int] | None = None,
+        fail_register_larger_than: int | str | None = None,
+        register_delay: float = 0.0,
+        unregister_delay: float = 0.0,
+        populate_delay: float = 0.0,
+        lock_on_fault: bool = False,
+        exact_ranges: bool = True,
+        before_call: CallHook | None = None,
+        after_call: CallHook | None = None,
+    ) -> None:
+        self.fail_register_on = _call_indices(fail_register_on, "fail_register_on")
+        self.fail_unregister_on = _call_indices(fail_unregister_on, "fail_unregister_on")
+        self.fail_populate_on = _call_indices(fail_populate_on, "fail_populate_on")
+        self.fail_register_larger_than = (
+            None
+            if fail_register_larger_than is None
+            else parse_size(fail_register_larger_than, what="fail_register_larger_than")
+        )
+        delays = (("register_delay", register_delay), ("unregister_delay", unregister_delay),
+                  ("populate_delay", populate_delay))  # fmt: skip
+        for what, delay in delays:
+            if not isinstance(delay, int | float) or isinstance(delay, bool) or delay < 0:
+                raise ConfigError(f"{what}={delay!r} must be a non-negative number of seconds")
+        self.register_delay = float(register_delay)
+        self.unregister_delay = float(unregister_delay)
+        self.populate_delay = float(populate_delay)
+        if not isinstance(lock_on_fault, bool):
+            raise ConfigError(f"lock_on_fault={lock_on_fault!r} must be True or False")
+        if not isinstance(exact_ranges, bool):
+            raise ConfigError(f"exact_ranges={exact_ranges!r} must be True or False")
+        self.capabilities = Capabilities(
+            populates=True,
+            locks_on_fault=lock_on_fault,
+            exact_ranges=exact_ranges,
+            retryable_codes=frozenset({2}),
+            not_registered_codes=frozenset({_NOT_REGISTERED[0]}),
+            resident=False,  # it touches no memory: the pre-flight charges nothing, so tests may plan any size
+        )
+        _check_hook(before_call, "before_call")
+        _check_hook(after_call, "after_call")
+        self.before_call = before_call
+        self.after_call = after_call
+        self._book = RangeBook()
+        self._pages = None if exact_ranges else RangeBook()  # page-rounded ranges, for exact_ranges=False
+        self.register_calls: list[tuple[int, int]] = []
+        self.unregister_calls: list[int] = []
+        self.populate_calls: list[tuple[int, int]] = []
+        self.events: list[tuple[str, int]] = []
+        self.max_concurrent_registers = 0
+        self._in_flight = 0
+        self._fail_next = dict.fromkeys(_OPS, 0)
+        self._lock = threading.Lock()
+
+    @property
+    def registered(self) -> dict[int, int]:
+        """Base → nbytes of every range registered now."""
+        return self._book.snapshot()
+
+    def fail_next(self, k: int, op: str = "register") -> None:
+        """Make the next ``k`` calls of ``op`` fail, counted from now, whichever thread makes them.
+
+        ``op``: ``"register"`` (lock-on-fault calls included) or ``"unregister"``, failing with
+        ``cudaErrorMemoryAllocation`` (2), or ``"populate"``, failing with ENOMEM (12). Replaces
+        what is still pending for that op; ``k=0`` disarms it.
+        """
+        if op not in _OPS:
+            raise ConfigError(f"op={op!r} is not a FakeRuntime call; choose one of {', '.join(map(repr, _OPS))}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(f"k={k!r} must be a non-negative int (the number of {op} calls to fail)")
+        with self._lock:
+            self._fail_next[op] = k
+
+    def _take_fail_next(self, op: str) -> bool:
+        """Under the lock: whether this call is one of the armed ones."""
+        if self._fail_next[op]:
+            self._fail_next[op] -= 1
+            return True
+        return False
+
+    def _around(self, op: str, ptr: int, nbytes: int, call: Callable[[], None]) -> None:
+        """Run ``call`` between the hooks, in the order the class docstring promises."""
+        before = self.before_call
+        if before is not None:
+            before(op, ptr, nbytes)
+        try:
+            call()
+        finally:
+            after = self.after_call
+            if after is not None:
+                after(op, ptr, nbytes)
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._around("register", ptr, nbytes, lambda: self._register(ptr, nbytes))
+
+    def lock_on_fault(self, ptr: int, nbytes: int) -> None:
+        """Register the range before it is faulted; used when ``lock_on_fault=True`` declares it."""
+        self.register(ptr, nbytes)
+
+    def populate(self, ptr: int, nbytes: int) -> None:
+        """Stand-in for pre-faulting ``[ptr, +nbytes)``; touches nothing."""
+        self._around("populate", ptr, nbytes, lambda: self._populate(ptr, nbytes))
+
+    def unregister(self, ptr: int) -> None:
+        self._around("unregister", ptr, 0, lambda: self._unregister(ptr))
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            self.register_calls.append((ptr, nbytes))
+            self.events.append(("register", ptr))
+            call = len(self.register_calls)
+            armed = self._take_fail_next("register")
+            self._in_flight += 1
+            self.max_concurrent_registers = max(self.max_concurrent_registers, self._in_flight)
+        try:
+            if self.register_delay:
+                time.sleep(self.register_delay)
+            if call in self.fail_register_on:
+                raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
+                                  f"injected failure (FakeRuntime register call #{call})")  # fmt: skip
+            if armed:
+                raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
+                                  f"injected failure (FakeRuntime.fail_next, register call #{call})")  # fmt: skip
+            cap = self.fail_register_larger_than
+            if cap is not None and nbytes > cap:
+                raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
+                                  f"injected failure: {nbytes} bytes is over the fake driver's per-call cap of "
+                                  f"{cap} (FakeRuntime fail_register_larger_than)")  # fmt: skip
+            overlap = self._book.add(ptr, nbytes)
+            if overlap is not None:
+                raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
+                                  f"overlaps registered [{overlap[0]:#x}, +{overlap[1]})")  # fmt: skip
+            if self._pages is not None:
+                lo, hi = _page_extent(ptr, nbytes)
+                shared = self._pages.add(lo, hi - lo)
+                if shared is not None:
+                    self._book.pop(ptr)
+                    raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
+                                      f"shares an OS page with registered pages [{shared[0]:#x}, +{shared[1]}) "
+                                      "(FakeRuntime(exact_ranges=False) pins whole pages)")  # fmt: skip
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _populate(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            self.populate_calls.append((ptr, nbytes))
+            self.events.append(("populate", ptr))
+            call = len(self.populate_calls)
+            armed = self._take_fail_next("populate")
+        if self.populate_delay:
+            time.sleep(self.populate_delay)
+        if call in self.fail_populate_on or armed:
+            how = "FakeRuntime.fail_next, " if call not in self.fail_populate_on else "FakeRuntime "
+            raise RuntimeCallError(
+                op=_POPULATE_OP, code=_ENOMEM, reason="ENOMEM", ptr=ptr, nbytes=nbytes,
+                message=f"Cannot allocate memory: injected failure ({how}populate call #{call}); "
+                "the host is probably short of memory",
+            )  # fmt: skip
+
+    def _unregister(self, ptr: int) -> None:
+        with self._lock:
+            self.unregister_calls.append(ptr)
+            self.events.append(("unregister", ptr))
+            call = len(self.unregister_calls)
+            armed = self._take_fail_next("unregister")
+        if self.unregister_delay:
+            time.sleep(self.unregister_delay)
+        if call in self.fail_unregister_on or armed:
+            how = "FakeRuntime.fail_next, " if call not in self.fail_unregister_on else "FakeRuntime "
+            raise self._error("cudaHostUnregister", _ALLOCATION_FAILED, ptr, 0,
+                              f"injected failure ({how}unregister call #{call})")  # fmt: skip
+        if self._book.pop(ptr) is None:
+            raise self._error("cudaHostUnregister", _NOT_REGISTERED, ptr, 0,
+                              "not the base of a registered range")  # fmt: skip
+        if self._pages is not None:
+            self._pages.pop(_page_extent(ptr, 1)[0])
+
+    @staticmethod
+    def _error(op: str, code_name: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
+        code, reason = code_name
+        return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
+
+
+def _page_extent(ptr: int, nbytes: int) -> tuple[int, int]:
+    """``[ptr, +nbytes)`` rounded out to whole OS pages."""
+    page = _libc.PAGE_SIZE
+    return ptr - ptr % page, -(-(ptr + max(nbytes, 1)) // page) * page
