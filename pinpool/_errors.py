@@ -206,7 +206,7 @@ Kind = Literal["slots", "budget"]
 
 
 class NodeHolderLike(Protocol):
-    """What an error says of a holder (``pinpool._node.locks.NodeHolder``, typed here by shape so
+    """What an error says of a holder (``pinpool._node.pacing.NodeHolder``, typed here by shape so
     that this module imports nothing of pinpool's)."""
 
     @property

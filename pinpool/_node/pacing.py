@@ -1,44 +1,34 @@
-"""Node-level pacing: ranks (processes) on one host share pin slots and a byte budget, with no
-server. This module owns admission (:class:`NodeAdmission`: one attempt, and the one wait loop);
-the rest of node pacing lives in :mod:`pinpool._node.config` (options, environment,
-:class:`NodePacing`), :mod:`pinpool._node.directory` (the directory and the trust placed in its
-files) and :mod:`pinpool._node.locks` (flock holds, fork safety, what the lock files record).
-Its names are re-exported here (``__all__``), so ``pinpool._node.pacing`` is node pacing's one entry point.
+"""Node-level pacing: ranks (processes) on one host share pin slots and a byte budget through
+``flock(2)``-ed files in one directory (see :mod:`pinpool._node.config`), with no server; a
+crashed rank's locks go with it (the kernel drops a flock with the last descriptor of its open
+file description, SIGKILL included).
 
-Processes cooperate through ``flock(2)``-ed files in one directory (``PINPOOL_NODE_DIR``,
-default ``/dev/shm/pinpool-<uid>``); a crashed rank's locks go with it.
+**Slots**: a slot is ``LOCK_EX`` on the first free of ``slot-0 .. slot-{N-1}``, released by
+closing the descriptor. **Budget**: each holder keeps a file ``hold-<pid>-<random>`` holding its
+byte count, locked ``LOCK_EX`` for as long as it holds the bytes. Admission runs under
+``LOCK_EX`` on ``budget.lock``: it counts the hold files whose lock is held (one whose lock can
+be taken belongs to a dead holder and is removed), admits when the sum plus the request fits,
+and creates the new hold file, written and locked, before releasing ``budget.lock``. Slot files
+and ``budget.lock`` are never removed (removing a file others hold open would split the lock in
+two). Slot and hold files record their holder's pid and label, for others' messages only.
 
-**Slots** (``node_slots``, ``PINPOOL_NODE_SLOTS``): at most N processes *pin* at once. The files
-``slot-0 .. slot-{N-1}``; a slot is held by ``LOCK_EX`` on one of them (the first that is free)
-and released by closing the descriptor. The holder writes its pid and label into the file, for
-messages only.
+**Waiting** polls (``LOCK_NB`` plus a sleep) on the calling thread, which the pool runs on a
+thread of its own and stops with ``cancelled()``, checked between attempts when nothing is
+held. The interval starts at 5 ms and is 5 % of the time waited (jittered, at most ``poll``), so
+a slot freed after a short pin is taken within milliseconds while a long wait polls a few times
+a second: the hand-over costs at most ~5 % of the wait. Not FIFO. After 10 s, then every 60 s,
+``on_waiting(kind, holders, waited_seconds)`` names whom the rank waits for and whether each
+runs, is stopped (``T`` in ``/proc/<pid>/stat``) or is not found here.
 
-**Budget** (``node_budget``, ``PINPOOL_NODE_BUDGET``): the bytes every cooperating pool holds
-pinned, together, stay within a per-host budget. Each holder keeps a file
-``hold-<pid>-<random>`` whose content is its byte count and which it holds ``LOCK_EX`` for as
-long as it holds the bytes. Admission runs under ``LOCK_EX`` on ``budget.lock``: it lists the
-hold files, counts those whose lock is held (a file whose lock can be taken belongs to a dead or
-finished holder: it is removed), admits when the sum plus the request fits, and creates the new
-hold file, written and locked, before ``budget.lock`` is released. Slot files and
-``budget.lock`` are never removed (removing a lock file others may hold open would split the lock
-in two); hold files are removed by their holder or, once stale, by the next admission.
-
-Waiting polls (``LOCK_NB`` plus a sleep) on the calling thread: the pool runs it on a thread of
-its own and stops it with the ``cancelled()`` callback, checked between attempts, when nothing
-is held. The interval starts at 5 ms and grows with the time already waited (5 % of it,
-jittered, at most ``poll``, default 0.25 s), so a slot freed after a short pin is taken within
-milliseconds while a rank that waits minutes polls a few times a second: the hand-over costs at
-most ~5 % of the wait. Waiting is not FIFO. A rank that has waited 10 s, and then every 60 s,
-calls ``on_waiting(kind, holders, waited_seconds)`` (the pool logs ``node.waiting``), naming
-whom it waits for and whether each holder runs, is stopped (``SIGSTOP``, state ``T`` in
-``/proc/<pid>/stat``) or is not found here. Every ``acquire`` closes what it opened on any
-``BaseException`` before a hold object exists. The constructor checks the lock files already
-there (``lstat``), so a planted file is refused before anything is mapped. Every rank must run
-as the same user, and agree on the slot count and the budget.
+**Fork**: descriptors are ``O_CLOEXEC``; a child forked without ``exec`` would inherit the
+parent's open file descriptions and keep its slot locked after the parent released it. So at
+fork (``os.register_at_fork``) the child closes its copies (which never releases the parent's
+lock) and marks every inherited hold released; ``release()`` in any process but the acquiring
+one does nothing.
 
 Containers: ``/dev/shm`` is private to a container by default; ranks in separate containers
-cooperate only through a directory they all mount (a hostPath in Kubernetes) named by
-``PINPOOL_NODE_DIR``. The pids in file names and messages are in the writer's pid namespace.
+cooperate only through a directory they all mount, named by ``PINPOOL_NODE_DIR``. Pids in file
+names and messages are in the writer's pid namespace.
 """
 
 from __future__ import annotations
@@ -48,55 +38,250 @@ import fcntl
 import os
 import random
 import secrets
+import threading
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TypeVar, cast
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Literal, TypeVar, cast
 
 from .._errors import ConfigError, Kind, NodeBusyError, NodeWaitCancelled
 from .._host.files import FILE_FLAGS
 from .._units import format_bytes
-from .config import (
-    BUDGET_ENV,
-    DIR_ENV,
-    MAX_SLOTS,
-    SLOTS_ENV,
-    NodePacing,
-    default_directory,
-    mem_total_bytes,
-)
-from .directory import _file_error, _file_problem, _open_error, _open_file, open_directory
-from .locks import (
-    _BUDGET_LOCK,
-    _HOLD_PREFIX,
-    _LIVE,
-    _SLOT_PREFIX,
-    BudgetHold,
-    NodeHolder,
-    SlotHold,
-    _flock_holders,
-    _Hold,
-    _read_record,
-    _record,
-    holder_state,
-)
+from .config import BUDGET_ENV, SLOTS_ENV, NodePacing, file_error, file_problem, open_directory, open_error, open_file
 
-__all__ = [
-    "BUDGET_ENV",
-    "DIR_ENV",
-    "MAX_SLOTS",
-    "SLOTS_ENV",
-    "BudgetHold",
-    "NodeAdmission",
-    "NodeBusyError",
-    "NodeHolder",
-    "NodePacing",
-    "NodeWaitCancelled",
-    "SlotHold",
-    "default_directory",
-    "holder_state",
-    "mem_total_bytes",
-]
+HolderState = Literal["running", "stopped", "zombie", "not found", "unknown"]
+
+_SLOT_PREFIX = "slot-"
+_HOLD_PREFIX = "hold-"
+_BUDGET_LOCK = "budget.lock"
+_RECORD_LIMIT = 512  # bytes read back from a slot or hold file
+
+
+# -- who holds what --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeHolder:
+    """Who holds a slot or part of the budget, as its file says: pid (None if unreadable), bytes
+    (budget only) and the holder's label (its pool's name). ``state`` is None unless looked up
+    (what a waiting rank reports, see :func:`holder_state`)."""
+
+    pid: int | None
+    nbytes: int | None = None
+    label: str = ""
+    state: HolderState | None = None
+
+    def describe(self) -> str:
+        who = "pid ?" if self.pid is None else f"pid {self.pid}"
+        if self.label:
+            who += f" (pool {self.label!r})"
+        if self.state is not None:
+            who += f" [{self.state}]"
+        return who if self.nbytes is None else f"{who}: {format_bytes(self.nbytes)}"
+
+
+def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
+    """Whether ``pid`` runs (or sleeps), is stopped (``T``/``t``: SIGSTOP, a debugger), is a zombie,
+    is not found here (gone, or in another pid namespace), or cannot be told: one read of
+    ``/proc/<pid>/stat``."""
+    if pid is None or pid <= 0:
+        return "unknown"
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            data = f.read(4096)
+    except FileNotFoundError:
+        return "not found"
+    except OSError:
+        return "unknown"
+    fields = data.rpartition(b")")[2].split()  # the command name, in parentheses, may hold anything
+    if not fields:
+        return "unknown"
+    code = fields[0]
+    if code in (b"T", b"t"):
+        return "stopped"
+    if code in (b"Z", b"X", b"x"):
+        return "zombie"
+    return "running"
+
+
+def _flock_holders(st: os.stat_result, locks: str = "/proc/locks") -> tuple[int, ...]:
+    """The pids holding a flock on the file ``st`` describes, as ``/proc/locks`` says (pids of
+    this pid namespace; empty when unreadable). Read only when a wait is reported."""
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    pids: list[int] = []
+    try:
+        with open(locks) as f:
+            for line in f:
+                # "7: FLOCK  ADVISORY  WRITE 4242 00:1b:1234 0 EOF" (a waiter's line has "->" after the number)
+                parts = line.split()
+                if len(parts) < 6 or parts[1] != "FLOCK":
+                    continue
+                try:
+                    major, minor, inode = parts[5].split(":")
+                    if (int(major, 16), int(minor, 16), int(inode)) == want and int(parts[4]) > 0:
+                        pids.append(int(parts[4]))
+                except ValueError:
+                    continue
+    except OSError:
+        return ()
+    return tuple(dict.fromkeys(pids))
+
+
+def _record(pid: int, first: str, label: str) -> bytes:
+    clean = "".join(c if c.isprintable() else " " for c in label)[:200]
+    return f"{first}\n{pid}\n{clean}\n".encode()
+
+
+def _read_record(fd: int) -> tuple[str, int | None, str]:
+    """``(first line, pid, label)`` of a slot or hold file; blanks for whatever is unreadable."""
+    try:
+        lines = os.pread(fd, _RECORD_LIMIT, 0).decode("utf-8", "replace").split("\n")
+    except OSError:
+        return "", None, ""
+    first = lines[0] if lines else ""
+    pid = int(lines[1]) if len(lines) > 1 and lines[1].isascii() and lines[1].isdigit() else None
+    label = lines[2] if len(lines) > 2 else ""
+    return first, pid, label
+
+
+# -- holds -----------------------------------------------------------------------------------------
+
+_LIVE: weakref.WeakSet[_Hold] = weakref.WeakSet()
+
+
+class _Hold:
+    """A lock file's descriptor, released once (also when collected), in the acquiring process only.
+
+    A hold exists before anything is opened and owns each descriptor from the one store that keeps
+    it (``hold._fd = os.open(...)``), so whatever is raised afterwards (a ``KeyboardInterrupt``
+    too) is undone by :meth:`release`; the only window is between ``open`` and that store, when the
+    descriptor holds no lock yet.
+    """
+
+    def __init__(self, *, directory: str, name: str | None, waited_seconds: float) -> None:
+        self._fd = -1
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self.directory = directory
+        self.name = name  # the file's name in the directory, None for a hold of no pacing
+        self.waited_seconds = waited_seconds
+
+    @property
+    def released(self) -> bool:
+        """True once released (and from the start for a hold of no pacing, or in a forked child)."""
+        return self._fd < 0
+
+    def release(self) -> None:
+        """Give the hold back (idempotent; a no-op in any process but the one that acquired it)."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                _LIVE.discard(self)
+            try:
+                self._undo(owned=fd >= 0)
+            finally:
+                if fd >= 0:
+                    os.close(fd)  # drops the flock: the last descriptor of its open file description
+
+    def _undo(self, *, owned: bool) -> None:
+        """What to do before the descriptor is closed (the budget removes its hold file)."""
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close the inherited copy (never releases the parent's lock)."""
+        fd, self._fd = self._fd, -1
+        self._lock = threading.Lock()
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> _Hold:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+def _forget_all_in_child() -> None:
+    for hold in list(_LIVE):
+        hold._forget_in_child()
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_all_in_child)
+
+
+class SlotHold(_Hold):
+    """One of the node's pin slots (``index``; None when slots are not paced). Hold it only while pinning."""
+
+    def __init__(self, *, directory: str, index: int | None, waited_seconds: float) -> None:
+        name = None if index is None else f"{_SLOT_PREFIX}{index}"
+        super().__init__(directory=directory, name=name, waited_seconds=waited_seconds)
+        self.index = index
+
+    def __enter__(self) -> SlotHold:
+        return self
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<SlotHold {self.name} in {self.directory!r} {state} waited={self.waited_seconds:.3f}s>"
+
+
+class BudgetHold(_Hold):
+    """``nbytes`` of the node's byte budget (``name`` None when the budget is not paced). Hold it for
+    as long as the memory is pinned: from before pinning until after unpinning."""
+
+    def __init__(self, *, directory: str, name: str | None, nbytes: int, waited_seconds: float) -> None:
+        self._dir_fd = -1  # the directory, to remove the hold file by name (never by a path that could be swapped)
+        super().__init__(directory=directory, name=name, waited_seconds=waited_seconds)
+        self.nbytes = nbytes
+
+    def _undo(self, *, owned: bool) -> None:
+        dir_fd, self._dir_fd = self._dir_fd, -1
+        if dir_fd < 0:
+            return
+        try:
+            if owned and self.name is not None:
+                os.unlink(self.name, dir_fd=dir_fd)  # still locked: nobody counts it as stale meanwhile
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(dir_fd)
+
+    def _forget_in_child(self) -> None:
+        dir_fd, self._dir_fd = self._dir_fd, -1
+        if dir_fd >= 0:
+            try:
+                os.close(dir_fd)
+            except OSError:
+                pass
+        super()._forget_in_child()
+
+    def __enter__(self) -> BudgetHold:
+        return self
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return (
+            f"<BudgetHold {format_bytes(self.nbytes)} {self.name} in {self.directory!r} {state} "
+            f"waited={self.waited_seconds:.3f}s>"
+        )
+
+
+# -- admission --------------------------------------------------------------------------------------
 
 DEFAULT_POLL_SECONDS = 0.25  # the longest interval between two attempts while waiting
 MIN_POLL_SECONDS = 0.005  # the first intervals
@@ -125,17 +310,11 @@ OnWaiting = Callable[[Kind, tuple[NodeHolder, ...], float], object]
 class NodeAdmission:
     """Admission to a node's pin slots and byte budget, for one pool (``label``: its name).
 
-    The constructor creates and checks the directory, and the lock files already in it
-    (:class:`ConfigError` at once, before anything is mapped); every acquisition checks them
-    again. Holds from a NodeAdmission of no slots (or no budget) are free and released already:
-    callers need no special case.
-
-    ``on_waiting(kind, holders, waited_seconds)``, if given, is called from the waiting thread
-    when a wait has lasted 10 s, then every 60 s: ``kind`` is ``"slots"`` or ``"budget"``,
-    ``holders`` whom it waits for, each with its :attr:`NodeHolder.state` looked up
-    (``"stopped"``: a holder stopped with SIGSTOP holds its share until continued or killed).
-    A pool passes its observer's ``node_waiting``, which logs ``node.waiting``. An
-    ``Exception`` it raises is ignored: a report never changes the wait.
+    The constructor checks the directory and the lock files already in it (:class:`ConfigError`
+    before anything is mapped); every acquisition checks them again. Holds from a NodeAdmission of
+    no slots (or no budget) are free and released already. ``on_waiting`` (see the module doc;
+    ``kind`` is ``"slots"`` or ``"budget"``, each holder's :attr:`NodeHolder.state` looked up) is
+    called from the waiting thread; an ``Exception`` it raises is ignored.
     """
 
     def __init__(self, pacing: NodePacing, *, label: str = "", on_waiting: OnWaiting | None = None) -> None:
@@ -164,11 +343,11 @@ class NodeAdmission:
             elif not (p.budget_bytes is not None and (name == _BUDGET_LOCK or name.startswith(_HOLD_PREFIX))):
                 continue
             try:
-                problem = _file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+                problem = file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
             except FileNotFoundError:  # a hold file released meanwhile
                 continue
             if problem is not None:
-                raise _file_error(p.directory, name, problem)
+                raise file_error(p.directory, name, problem)
 
     def __repr__(self) -> str:
         p = self.pacing
@@ -176,17 +355,6 @@ class NodeAdmission:
         return f"<NodeAdmission {p.directory!r} slots={p.slots} budget={budget} wait={p.wait}>"
 
     # -- one attempt -----------------------------------------------------------------------------
-
-    def try_acquire_slot(self) -> SlotHold | NodeBusyError:
-        """One attempt: a slot, or the :class:`NodeBusyError` that says who holds them all (not raised)."""
-        return self._attempt_slot(0.0)
-
-    def try_reserve_budget(self, nbytes: int) -> BudgetHold | NodeBusyError | None:
-        """One attempt: the bytes, the :class:`NodeBusyError` that says who holds the budget (not
-        raised), or None when another rank was admitting at this instant (try again)."""
-        self.check_request(nbytes)
-        result = self._attempt_budget(nbytes, 0.0)
-        return None if isinstance(result, _Contended) else result
 
     def _attempt_slot(self, waited: float) -> SlotHold | NodeBusyError:
         p = self.pacing
@@ -198,7 +366,7 @@ class NodeAdmission:
             for index in range(p.slots):
                 hold = SlotHold(directory=p.directory, index=index, waited_seconds=waited)
                 try:
-                    hold._fd = _open_file(dir_fd, p.directory, f"{_SLOT_PREFIX}{index}", os.O_RDWR | os.O_CREAT)
+                    hold._fd = open_file(dir_fd, p.directory, f"{_SLOT_PREFIX}{index}", os.O_RDWR | os.O_CREAT)
                     _LIVE.add(hold)
                     try:
                         fcntl.flock(hold._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -246,7 +414,7 @@ class NodeAdmission:
             return BudgetHold(directory=p.directory, name=None, nbytes=nbytes, waited_seconds=0.0)
         dir_fd = open_directory(p.directory)
         try:
-            lock_fd = _open_file(dir_fd, p.directory, _BUDGET_LOCK, os.O_RDWR | os.O_CREAT)
+            lock_fd = open_file(dir_fd, p.directory, _BUDGET_LOCK, os.O_RDWR | os.O_CREAT)
             try:
                 try:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -278,7 +446,7 @@ class NodeAdmission:
             if not name.startswith(_HOLD_PREFIX):
                 continue
             try:
-                fd = _open_file(dir_fd, directory, name, os.O_RDONLY)
+                fd = open_file(dir_fd, directory, name, os.O_RDONLY)
             except FileNotFoundError:  # released meanwhile
                 continue
             try:
@@ -307,7 +475,7 @@ class NodeAdmission:
             try:  # O_EXCL: a new file, ours alone (one link, not a FIFO): nothing to check
                 hold._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd)
             except OSError as exc:
-                error = _open_error(p.directory, name, exc, existed=False)
+                error = open_error(p.directory, name, exc, existed=False)
                 if error is None:
                     raise
                 raise error from None
@@ -329,12 +497,9 @@ class NodeAdmission:
         poll: float = DEFAULT_POLL_SECONDS,
         on_wait: Callable[[NodeBusyError], object] | None = None,
     ) -> SlotHold:
-        """A pin slot, waiting on this thread if ``wait`` (polling at most ``poll`` s apart, see the module doc).
-
-        Raises :class:`NodeBusyError` at once without ``wait``; :class:`NodeWaitCancelled` when
-        ``cancelled()`` returns True (checked before every sleep). ``on_wait(busy)`` is called once,
-        when the first attempt finds every slot taken and the call is going to wait.
-        """
+        """A pin slot, waiting on this thread if ``wait`` (polling at most ``poll`` s apart): else
+        :class:`NodeBusyError` at once. :class:`NodeWaitCancelled` once ``cancelled()`` is True
+        (checked before every sleep); ``on_wait(busy)`` is called once, when the wait begins."""
         return self._wait("slots", lambda waited: self._attempt_slot(waited), cancelled, poll, on_wait)
 
     def reserve_budget_sync(

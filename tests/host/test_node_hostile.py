@@ -29,12 +29,9 @@ import structlog
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
 from pinpool._node import config as _node_config
-from pinpool._node import directory as _node_dir
-from pinpool._node import locks as _node_lock
 from pinpool._node import pacing as _node
 from pinpool._node.config import NodePacing
-from pinpool._node.locks import NodeHolder, holder_state
-from pinpool._node.pacing import NodeAdmission
+from pinpool._node.pacing import NodeAdmission, NodeHolder, holder_state
 from pinpool._observe import Observer
 from pinpool.testing import FakeRuntime
 
@@ -140,7 +137,7 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
     ours = admission(node_dir, slots=1, budget=GiB)
     fifo = node_dir / name
     os.mkfifo(fifo, 0o600)
-    real = _node_dir._file_problem
+    real = _node_config.file_problem
     seen: set[int] = set()
 
     def lstat_saw_a_regular_file(st: os.stat_result) -> str | None:
@@ -149,7 +146,7 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
         seen.add(st.st_ino)
         return None
 
-    monkeypatch.setattr(_node_dir, "_file_problem", lstat_saw_a_regular_file)
+    monkeypatch.setattr(_node_config, "file_problem", lstat_saw_a_regular_file)
     result = within(DEADLINE, lambda: acquire(ours, kind), release_fifo(fifo))
     monkeypatch.undo()
     assert isinstance(result, pinpool.ConfigError), result
@@ -219,7 +216,7 @@ def test_a_hard_link_swapped_in_after_the_lstat_is_refused_before_any_write(
 ) -> None:
     ours = admission(node_dir, slots=1)
     os.link(precious, node_dir / "slot-0")
-    real = _node_dir._file_problem
+    real = _node_config.file_problem
     calls = 0
 
     def lstat_saw_one_link(st: os.stat_result) -> str | None:
@@ -227,7 +224,7 @@ def test_a_hard_link_swapped_in_after_the_lstat_is_refused_before_any_write(
         calls += 1
         return None if calls == 1 else real(st)
 
-    monkeypatch.setattr(_node_dir, "_file_problem", lstat_saw_one_link)
+    monkeypatch.setattr(_node_config, "file_problem", lstat_saw_one_link)
     with pytest.raises(pinpool.ConfigError, match="has 2 hard links"):
         ours.acquire_slot_sync()
     assert calls == 2
@@ -523,7 +520,7 @@ def test_node_admission_has_one_wait_loop_and_no_async_api() -> None:
     for gone in ("acquire_slot", "reserve_budget", "_wait_async", "_wait_sync"):
         assert not hasattr(NodeAdmission, gone), gone
     sleepers: list[str] = []
-    for module in (_node, _node_config, _node_dir, _node_lock):
+    for module in (_node, _node_config):
         assert "anyio" not in vars(module), module.__name__
         tree = ast.parse(inspect.getsource(module))
         assert not [n.name for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)], module.__name__

@@ -28,8 +28,7 @@ from pinpool._errors import NodeBusyError, NodeWaitCancelled
 from pinpool._node import config as _node_config
 from pinpool._node import pacing as _node
 from pinpool._node.config import NodePacing
-from pinpool._node.locks import BudgetHold, NodeHolder, SlotHold
-from pinpool._node.pacing import NodeAdmission
+from pinpool._node.pacing import BudgetHold, NodeAdmission, NodeHolder, SlotHold
 
 from .. import preloaded
 
@@ -205,7 +204,9 @@ def test_a_sigkilled_slot_holder_frees_its_slot_at_once(
     kill_children.append(rank.proc)
     wait_for(rank.held, rank.proc)
     ours = admission(node_dir, slots=1, label="survivor")
-    busy = ours.try_acquire_slot()
+    with pytest.raises(NodeBusyError) as raised:  # wait=False: one attempt
+        ours.acquire_slot_sync()
+    busy = raised.value
     assert isinstance(busy, NodeBusyError)
     assert busy.kind == "slots" and busy.limit == 1 and busy.in_use == 1
     assert busy.holders == (NodeHolder(pid=rank.proc.pid, label="rank0"),)
@@ -260,7 +261,9 @@ def test_a_sigkilled_budget_holder_frees_its_bytes_and_its_file_is_removed(
     (stale,) = hold_files(node_dir)
     assert stale.startswith(f"hold-{rank.proc.pid}-")
     ours = admission(node_dir, budget=2 * GiB)
-    busy = ours.try_reserve_budget(GiB)
+    with pytest.raises(NodeBusyError) as raised:  # wait=False: one attempt
+        ours.reserve_budget_sync(GiB)
+    busy = raised.value
     assert isinstance(busy, NodeBusyError)
     assert busy.in_use == 2 * GiB and busy.requested == GiB
     assert busy.holders == (NodeHolder(pid=rank.proc.pid, nbytes=2 * GiB, label="rank0"),)
@@ -469,17 +472,19 @@ def test_a_forked_child_neither_keeps_nor_releases_its_parents_holds(node_dir: P
         assert json.loads(os.read(report_r, 100)) == [True, True]  # forgotten in the child at fork
         # The child's release changed nothing: the parent still holds both.
         assert not slot.released and not budget.released
-        assert isinstance(ours.try_acquire_slot(), NodeBusyError)
-        assert isinstance(ours.try_reserve_budget(GiB), NodeBusyError)
+        for attempt in (ours.acquire_slot_sync, lambda: ours.reserve_budget_sync(GiB)):  # wait=False: one each
+            with pytest.raises(NodeBusyError) as raised:
+                attempt()
+            assert isinstance(raised.value, NodeBusyError)
         assert hold_files(node_dir) == [budget.name]
         # The parent releases while the child still lives: both are free at once (the child
         # closed its inherited copies of the descriptors at fork).
         slot.release()
         budget.release()
-        other = ours.try_acquire_slot()
+        other = ours.acquire_slot_sync()
         assert isinstance(other, SlotHold)
         other.release()
-        other_budget = ours.try_reserve_budget(GiB)
+        other_budget = ours.reserve_budget_sync(GiB)
         assert isinstance(other_budget, BudgetHold)
         other_budget.release()
     finally:
