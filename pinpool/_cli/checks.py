@@ -36,7 +36,7 @@ from .._plan.preflight import (
     numa_check,
     thp_check,
 )
-from .._shared.memory import HalfMade, RegionInfo, find_half_made, find_regions
+from .._shared.format import HalfMade, RegionInfo, find_half_made, find_regions
 from .._units import format_bytes
 
 __all__ = [
@@ -242,7 +242,7 @@ def env_value(name: str, value: str) -> str:
     """What ``name=value`` means to pinpool, read by the code that reads it; ConfigError when invalid."""
     if name == CHUNK_ENV:
         return format_bytes(_chunk_limit(value))
-    from .._node.pacing import NodePacing  # node pacing reads the PINPOOL_NODE_ variables, each checked alone here
+    from .._node.config import NodePacing  # node pacing reads the PINPOOL_NODE_ variables, each checked alone here
 
     pacing = NodePacing.from_options(environ={name: value})
     if pacing is not None and pacing.slots is not None:

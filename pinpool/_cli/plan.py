@@ -20,7 +20,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.rows < 0:
             raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
         from .._host.facts import HostFacts
-        from .._node.pacing import NodePacing
+        from .._node.config import NodePacing
         from .._plan.options import PoolOptions
         from .._plan.plan import plan_pool
         from .._plan.preflight import check_host

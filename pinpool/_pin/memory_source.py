@@ -20,7 +20,9 @@ from .._plan.plan import PoolPlan, SourceRanges
 from .._plan.prefix import PageRun
 from .._plan.preflight import check_pinning
 from .._ranges import PINNED_RANGES
-from .._shared.memory import SharedMapping, SharedMemory, layout_record
+from .._shared.format import layout_record
+from .._shared.mapping import SharedMapping
+from .._shared.memory import SharedMemory
 from .._types import Capabilities
 from .._units import shown
 from ..layouts import BufferSpec, Raw

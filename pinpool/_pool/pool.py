@@ -1,9 +1,8 @@
 """PinnedPool: a façade of read-only properties over the pure plan and the lifecycle.
 
-The constructor validates the options and asks ``plan_pool`` for every decision; entering
-and exiting only run the pool's :class:`~pinpool._pin.lifecycle.Lifecycle` with the async or the
-sync driver (``_pin/drivers.py``). Nothing here decides what to register, what to undo, or what
-an interruption means.
+The constructor validates the options and asks ``plan_pool`` for every decision; entering and exiting
+only run the pool's :class:`~pinpool._pin.lifecycle.Lifecycle` with the async or the sync driver
+(``_pin/drivers.py``). Nothing here decides what to register, what to undo, or what an interruption means.
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from .._errors import ConfigError, PoolStateError
 from .._host.facts import HostFacts
-from .._node.pacing import NodeAdmission, NodePacing
+from .._node.config import NodePacing
+from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._pin.drivers import drive_async, drive_sync, finalize_lifecycle
 from .._pin.lifecycle import Lifecycle

@@ -1,16 +1,10 @@
-"""Where a shared memory region lives, and the trust placed in it: the page size of its file
-system (tmpfs or hugetlbfs, nothing else), a new memfd, the region's directory (reached from
-``/`` without following anything another user controls, see :func:`_walk`; ours or root's, not a
-symbolic link, not writable by others unless sticky), and its file: made under a temporary name
-(``O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC``, mode 0600 by default) and linked into place once
-complete (:func:`publish`; an existing name is a :class:`ConfigError`), or opened to attach
-(``O_NOFOLLOW``; a regular file of ours with one link, not writable by others, checked with
-``lstat`` before the open and ``fstat`` after it). Files are trusted as node pacing's lock
-files are (:mod:`pinpool._node.directory`). Every refusal is a :class:`ConfigError` naming the path,
-the problem and the fix.
-
-Every function takes the region's absolute ``path``; a file is opened by its name relative to
-the directory's descriptor, never by a path that could be swapped.
+"""Where a shared memory region lives, and the trust placed in it: its file system (tmpfs or
+hugetlbfs only), a new memfd, its directory (reached from ``/`` without following anything
+another user controls, see :func:`_walk`) and its file, trusted as node pacing's lock files are
+(:mod:`pinpool._host.files`). A region is made under a temporary name, exclusively, and linked
+into place once complete (:func:`publish`). Files are opened by name relative to the directory's
+descriptor, never by a path that could be swapped. Every refusal is a :class:`ConfigError`
+naming the path, the problem and the fix.
 """
 
 from __future__ import annotations
@@ -24,23 +18,9 @@ import stat
 from .._errors import ConfigError
 from .._host import libc as _libc
 from .._host.files import FILE_FLAGS, regular_file_problem
-from .regions import _TEMP_MARK, read_region
-from .trailer import _describe
+from .format import TEMP_MARK, describe, read_region
 
-__all__ = [
-    "check_directory",
-    "create_temp_file",
-    "names_file",
-    "new_memfd",
-    "open_region_directory",
-    "open_region_file",
-    "page_size_of",
-    "publish",
-    "remove_file",
-    "remove_stale_temps",
-]
-
-_HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
+HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
 _FS_NAMES = {
     0xEF53: "ext2/3/4", 0x58465342: "xfs", 0x9123683E: "btrfs", 0x794C7630: "overlayfs", 0x6969: "nfs",
     0x858458F6: "ramfs", 0x65735546: "fuse", 0x01021997: "9p", 0xFF534D42: "cifs", 0x2FC12FC1: "zfs",
@@ -94,7 +74,7 @@ def _dir_problem(st: os.stat_result) -> str | None:
     return None
 
 
-def _region_file_problem(st: os.stat_result) -> str | None:
+def region_file_problem(st: os.stat_result) -> str | None:
     """What makes an existing region file unusable, or None: the same rules as node pacing's lock
     files (a regular file of ours with one link, not writable by others)."""
     return regular_file_problem(st, files="a region's file", linked="another name refers to the same memory")
@@ -221,7 +201,7 @@ def open_region_file(dir_fd: int, path: str) -> int:
     """Open the region's file to attach (``O_RDWR``), checked before and after the open."""
     name = os.path.basename(path)
     try:
-        problem = _region_file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+        problem = region_file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
     except FileNotFoundError:
         raise _file_error(
             path, "does not exist", "create it with create=True, or wait until its creator has (the path must exist)"
@@ -238,7 +218,7 @@ def open_region_file(dir_fd: int, path: str) -> int:
         raise _file_error(path, f"cannot be opened for reading and writing ({exc.strerror or exc})") from None
     try:
         st = os.fstat(fd)
-        problem = "was removed while being opened" if st.st_nlink == 0 else _region_file_problem(st)
+        problem = "was removed while being opened" if st.st_nlink == 0 else region_file_problem(st)
         if problem is not None:
             raise _file_error(path, problem)
     except BaseException:
@@ -248,7 +228,7 @@ def open_region_file(dir_fd: int, path: str) -> int:
 
 
 def _temp_prefix(name: str) -> str:
-    return f".{name[:200]}{_TEMP_MARK}"  # within NAME_MAX (255) with the random part
+    return f".{name[:200]}{TEMP_MARK}"  # within NAME_MAX (255) with the random part
 
 
 def _refuse_existing(dir_fd: int, path: str) -> None:
@@ -264,7 +244,7 @@ def _refuse_existing(dir_fd: int, path: str) -> None:
         raise _file_error(path, "exists already as a symbolic link (pinpool never follows one)")
     held = read_region(path, dir_fd=dir_fd)
     what = (
-        f"holds a pinpool region already ({_describe(held.nbytes, held.record)}, generation {held.generation})"
+        f"holds a pinpool region already ({describe(held.nbytes, held.record)}, generation {held.generation})"
         if held is not None
         else "exists already"
     )
@@ -286,7 +266,7 @@ def remove_stale_temps(dir_fd: int, name: str) -> int:
             continue
         try:
             st = os.fstat(fd)
-            if _region_file_problem(st) is None:
+            if region_file_problem(st) is None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
                 removed += 1

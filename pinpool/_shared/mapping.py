@@ -1,16 +1,9 @@
-"""A shared memory region mapped in this process: :class:`SharedMapping` (its lifetime: unmapped
-and its descriptor closed when nothing refers to it, never at interpreter exit; the creator's
-file removed by ``_Unlinker``), and the two ways a descriptor becomes one: :func:`create_mapping`
-(size an empty file, reserve its pages, write its trailer, under ``LOCK_EX``, then map it) and
-:func:`attach_mapping` (read the trailer under ``LOCK_SH``, compare it with what the pool asks
-for, map it).
-
-**Creating** (``create=True``) holds ``flock(LOCK_EX)`` from the exclusive open (by the caller)
-until the trailer is written (magic last) and, for a path, the file is linked into place.
-**Attaching** (``create=False``) takes ``flock(LOCK_SH)``, waiting up to
-:data:`ATTACH_WAIT_SECONDS` for a creation in progress, then checks the trailer. On tmpfs both
-refuse a region the file system has no room for (a fault past its size is SIGBUS); creating also
-reserves the region's pages there.
+"""A region mapped in this process (:class:`SharedMapping`) and the two ways a descriptor becomes
+one: :func:`create_mapping` (under ``LOCK_EX``, held from the exclusive open: size the empty
+file, reserve its pages, write the trailer with its magic last, link it into place, then map)
+and :func:`attach_mapping` (under ``LOCK_SH``, waiting up to :data:`ATTACH_WAIT_SECONDS` for a
+creation in progress: check the trailer against what the pool asks for, then map). On tmpfs
+both refuse a region the file system has no room for: a fault past its size is SIGBUS.
 """
 
 from __future__ import annotations
@@ -30,30 +23,28 @@ from typing import TYPE_CHECKING, Any
 from .._errors import ConfigError, PoolStateError, RuntimeCallError
 from .._host import libc as _libc
 from .._units import format_bytes
-from .trailer import (
-    _FLAGS_AT,
-    _GENERATION_AT,
+from .format import (
     FLAG_KEEP,
+    FLAGS_AT,
+    GENERATION_AT,
     MAGIC,
-    _align,
-    _check_generation,
-    _describe,
-    _differences,
-    _encode_body,
-    _file_bytes,
-    _NotRegion,
-    _read_trailer,
-    _Trailer,
-    _trailer_bytes,
+    NotRegion,
+    Trailer,
+    align,
+    check_generation,
+    describe,
+    differences,
+    encode_body,
     read_field,
+    read_trailer,
+    region_file_bytes,
     store,
+    trailer_bytes,
     write_field,
 )
 
 if TYPE_CHECKING:
     import torch
-
-__all__ = ["ATTACH_WAIT_SECONDS", "SharedMapping", "attach_mapping", "create_mapping"]
 
 # How long attaching waits for a creation in progress (the creator holds LOCK_EX from the
 # exclusive open until the trailer is written: microseconds, unless the creator stopped).
@@ -62,7 +53,7 @@ _POLL_SECONDS = 0.005
 _UNINITIALISED_GRACE_SECONDS = 0.5  # an empty, unlocked file: the creator may not have taken its lock yet
 
 
-class _Unlinker:
+class Unlinker:
     """Removes the creator's file once (unless ``keep``), only in the process that created it, and
     only if the name still refers to the file it created; closes the directory descriptor."""
 
@@ -100,7 +91,7 @@ class _Unlinker:
 _UNMAP_PIECE_BYTES = 128 << 20
 
 
-def _release(base: int, file_bytes: int, fd: int, unlink: _Unlinker | None) -> None:
+def _release(base: int, file_bytes: int, fd: int, unlink: Unlinker | None) -> None:
     for offset in range(0, file_bytes, _UNMAP_PIECE_BYTES):
         _libc.munmap(base + offset, min(_UNMAP_PIECE_BYTES, file_bytes - offset))
     try:
@@ -117,28 +108,21 @@ _kept_lock = threading.Lock()
 
 
 class SharedMapping:
-    """A region mapped ``MAP_SHARED`` in this process: the same interface as the pool's own
-    :class:`~pinpool._host.mapping.HostMapping` (``address``, ``length``, ``nbytes``, ``huge_pages``,
-    ``view()``, ``keep_forever()``, ``unmapped``), plus the region's ``fd``, ``path``,
-    ``page_size``, ``file_bytes``, ``created``, its ``region_id`` and its ``generation``.
-
-    The trailer (generation, flags) is read and written with ``pread``/``pwrite`` on ``fd`` after
-    a size check, never through the mapping: another process that truncates the file makes those
-    a :class:`ConfigError`, not SIGBUS (see :func:`~pinpool._shared.trailer.read_field`).
-
-    ``address`` is the pool's data (file offset 0): page-aligned, huge-page-aligned on hugetlbfs.
-    ``length`` is the data rounded up to ``page_size``; the trailer's page follows it in the same
-    mapping and is never part of the pool. Unmapped (and ``fd`` closed, and the file removed by
-    its creator unless kept) when nothing refers to this object any more, never at interpreter
-    exit; the file's removal also runs at interpreter exit (see :mod:`pinpool._shared.memory`, Lifetime).
+    """A region mapped ``MAP_SHARED`` in this process, with the interface of
+    :class:`~pinpool._host.mapping.HostMapping` plus the region's ``fd``, ``path``, ``page_size``,
+    ``file_bytes``, ``created``, ``region_id`` and ``generation``. ``address`` is the pool's data
+    (file offset 0), ``length`` the data rounded up to ``page_size``; the trailer's page follows in
+    the same mapping, never part of the pool, and is read and written only through
+    :func:`~pinpool._shared.format.read_field` / ``write_field`` (a truncation is a
+    :class:`ConfigError`, never SIGBUS). Lifetime: see :mod:`pinpool._shared.memory`.
     """
 
     def __init__(
         self, *, base: int, file_bytes: int, nbytes: int, page_size: int, fd: int, path: str | None,
-        created: bool, unlinker: _Unlinker | None, region_id: str,
+        created: bool, unlinker: Unlinker | None, region_id: str,
     ) -> None:  # fmt: skip
         self.address = base
-        self.length = _align(nbytes, page_size)
+        self.length = align(nbytes, page_size)
         self.nbytes = nbytes
         self.page_size = page_size
         self.huge_pages: bool | str = "hugetlb" if page_size > _libc.PAGE_SIZE else False
@@ -201,19 +185,19 @@ class SharedMapping:
     def generation(self) -> int:
         """The region's generation number, read from the file's trailer (all processes see one value)."""
         self._check_mapped()
-        return int.from_bytes(read_field(self.fd, self.file_bytes, _GENERATION_AT, 8, self._where), "little")
+        return int.from_bytes(read_field(self.fd, self.file_bytes, GENERATION_AT, 8, self._where), "little")
 
     def set_generation(self, value: int) -> None:
         """Store ``value`` as the region's generation (one aligned 8-byte write, seen by every process at once)."""
-        value = _check_generation(value)
+        value = check_generation(value)
         self._check_mapped()
-        self._write(_GENERATION_AT, value.to_bytes(8, "little"))
+        self._write(GENERATION_AT, value.to_bytes(8, "little"))
 
     def _set_keep_flag(self, keep: bool) -> None:
         if not self.unmapped:
-            flags = int.from_bytes(read_field(self.fd, self.file_bytes, _FLAGS_AT, 4, self._where), "little")
+            flags = int.from_bytes(read_field(self.fd, self.file_bytes, FLAGS_AT, 4, self._where), "little")
             flags = (flags | FLAG_KEEP) if keep else (flags & ~FLAG_KEEP)
-            self._write(_FLAGS_AT, flags.to_bytes(4, "little"))
+            self._write(FLAGS_AT, flags.to_bytes(4, "little"))
 
     def _write(self, at: int, data: bytes) -> None:
         write_field(self.fd, self.file_bytes, at, data, self._where, page_size=self.page_size)
@@ -312,14 +296,14 @@ def _write_new_trailer(fd: int, file_bytes: int, trailer: bytes, where: str, *, 
 
 def create_mapping(
     fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, keep: bool, seal: bool,
-    path: str | None, directory: str, unlinker: Callable[[], _Unlinker] | None,
+    path: str | None, directory: str, unlinker: Callable[[], Unlinker] | None,
     publish: Callable[[], None] | None = None,
 ) -> SharedMapping:  # fmt: skip
     """Size a new (empty) file, reserve its pages, write its trailer, then map it, under LOCK_EX.
     ``seal``: a memfd, sealed against shrinking, growing and further seals. ``publish``: called
     once the file is complete, before mapping it (links a file made under a temporary name into
     place). ``directory``: where the file lives ("" for a descriptor), for messages."""
-    body = _encode_body(nbytes, page_size, record_json)
+    body = encode_body(nbytes, page_size, record_json)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -330,7 +314,7 @@ def create_mapping(
             f"shared memory {where} holds {format_bytes(st.st_size)} already: create=True makes a region only "
             "in an empty file; attach to it with create=False"
         )
-    file_bytes = _file_bytes(nbytes, page_size)
+    file_bytes = region_file_bytes(nbytes, page_size)
     _check_room(fd, file_bytes, where, page_size=page_size, directory=directory)
     try:
         os.ftruncate(fd, file_bytes)
@@ -340,7 +324,7 @@ def create_mapping(
             f"shared memory {where} cannot be sized to {format_bytes(file_bytes)}: {exc.strerror or exc}{hint}"
         ) from None
     _reserve(fd, file_bytes, where, page_size=page_size, directory=directory)
-    _write_new_trailer(fd, file_bytes, _trailer_bytes(body, keep=keep), where, page_size=page_size)
+    _write_new_trailer(fd, file_bytes, trailer_bytes(body, keep=keep), where, page_size=page_size)
     if seal:
         try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
@@ -353,11 +337,11 @@ def create_mapping(
     return SharedMapping(
         base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd,
         path=path, created=True, unlinker=None if unlinker is None else unlinker(),
-        region_id=_read_trailer(fd, file_bytes).region_id,
+        region_id=read_trailer(fd, file_bytes).region_id,
     )  # fmt: skip
 
 
-def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, _Trailer]:
+def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, Trailer]:
     """The trailer, read under LOCK_SH once no creation is in progress (waits up to
     :data:`ATTACH_WAIT_SECONDS`); :class:`ConfigError` for a file that holds no region."""
     deadline = time.monotonic() + ATTACH_WAIT_SECONDS
@@ -375,8 +359,8 @@ def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, _Trailer]:
             continue
         try:
             st = os.fstat(fd)
-            return st, _read_trailer(fd, st.st_size)
-        except _NotRegion as exc:
+            return st, read_trailer(fd, st.st_size)
+        except NotRegion as exc:
             now = time.monotonic()
             first_empty = now if first_empty is None else first_empty
             if not exc.uninitialised or now - first_empty > _UNINITIALISED_GRACE_SECONDS or now > deadline:
@@ -393,7 +377,7 @@ def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, _Trailer]:
 
 def attach_mapping(
     fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, path: str | None, directory: str,
-    unlinker: Callable[[], _Unlinker] | None,
+    unlinker: Callable[[], Unlinker] | None,
 ) -> SharedMapping:  # fmt: skip
     """Map the region the file already holds, once its trailer says it holds ``nbytes`` described
     by ``record_json`` in pages of ``page_size`` (:class:`ConfigError` naming both otherwise)."""
@@ -403,7 +387,7 @@ def attach_mapping(
             f"shared memory {where} was made of {format_bytes(trailer.page_size)} pages, but its file system has "
             f"{format_bytes(page_size)} pages: it was copied or moved; remove it and create it again"
         )
-    expected = _file_bytes(trailer.nbytes, trailer.page_size)
+    expected = region_file_bytes(trailer.nbytes, trailer.page_size)
     if st.st_size != expected:
         raise ConfigError(
             f"shared memory {where} is {st.st_size} bytes, but its trailer says it holds "
@@ -413,8 +397,8 @@ def attach_mapping(
     asked = json.loads(record_json)
     if trailer.nbytes != nbytes or trailer.record != asked:
         raise ConfigError(
-            f"shared memory {where} holds {_describe(trailer.nbytes, trailer.record)}, but the pool asks for "
-            f"{_describe(nbytes, asked)}: {_differences(trailer.nbytes, trailer.record, nbytes, asked)}. A "
+            f"shared memory {where} holds {describe(trailer.nbytes, trailer.record)}, but the pool asks for "
+            f"{describe(nbytes, asked)}: {differences(trailer.nbytes, trailer.record, nbytes, asked)}. A "
             "region is attached only with the layout and size it was made with: give the pool those, or "
             "remove the region (`rm` it) and create it again"
         )

@@ -1,34 +1,17 @@
-"""Shared, file-backed pool memory: :class:`SharedMemory`, a ``MAP_SHARED`` mapping of a file on
-tmpfs (``/dev/shm``), on hugetlbfs (2 MiB or 1 GiB pages) or of a memfd, that several processes
-map and that can outlive the process that made it (a *warm restart*). This module owns the
-source object a pool is given: its arguments, what its region holds now, and which way
-:meth:`SharedMemory.open_mapping` goes (create or attach; a path, a memfd or a descriptor).
+"""Shared, file-backed pool memory: :class:`SharedMemory`, the source object a pool is given: its
+arguments, what its region holds now, and which way :meth:`SharedMemory.open_mapping` goes
+(create or attach; a path, a memfd or a descriptor). The file's format is
+:mod:`pinpool._shared.format`, its trust :mod:`pinpool._shared.files`, the mapping
+:mod:`pinpool._shared.mapping`.
 
-The rest lives in :mod:`pinpool._shared.trailer` (the file's layout and its trailer),
-:mod:`pinpool._shared.files` (file systems, directory and file trust, exclusive creation),
-:mod:`pinpool._shared.mapping` (:class:`SharedMapping`, creating and attaching a mapping) and
-:mod:`pinpool._shared.regions` (reading regions without mapping them, for ``pinpool doctor``);
-their public names are re-exported here (``__all__``).
-
-**Creating** (``create=True``): a temporary name beside the region, ``O_CREAT | O_EXCL |
-O_NOFOLLOW | O_CLOEXEC`` (mode 0600 by default), ``flock(LOCK_EX)`` at once, ``ftruncate`` to
-the full size, ``posix_fallocate`` (a size-limited tmpfs), the trailer (magic last), then
-``renameat2(RENAME_NOREPLACE)`` to the region's name (an existing name is a
-:class:`ConfigError`), ``flock(LOCK_UN)``, map. A memfd or an ``fd=`` is made in place. **Attaching**
-(``create=False``): open with ``O_NOFOLLOW``; the file must be a regular file of ours with one
-link, not writable by others; ``flock(LOCK_SH)`` waits (up to :data:`ATTACH_WAIT_SECONDS`) for a
-creation in progress; then the trailer is checked and compared with what the pool asks for.
-
-**Lifetime.** The mapping (:class:`SharedMapping`) is unmapped and its descriptor closed when
-nothing refers to it any more (the pool lets go after unpinning, and every tensor view is gone),
-never at interpreter exit, like :class:`pinpool._host.mapping.HostMapping`. The file is removed by its
-*creator* (the process whose SharedMemory created it) unless ``keep`` is true: when the mapping is
-released, or at interpreter exit, whichever comes first (removing a name unmaps nothing, so this
-is safe while still pinned; the memory returns once the last process mapping it exits). A
-process that attached never removes the file; nor does a forked child of the creator. A process
-killed before it could remove the file leaves it behind: ``pinpool doctor`` lists regions, an
-operator removes them with ``rm``. A memfd has no name: it lives while a descriptor or a mapping
-refers to it.
+**Lifetime.** The mapping is unmapped and its descriptor closed when nothing refers to it any
+more (the pool lets go after unpinning, and every tensor view is gone), never at interpreter
+exit. The *creator* (the process whose SharedMemory created the file) removes it unless ``keep``:
+when the mapping is released or at interpreter exit, whichever comes first (removing a name
+unmaps nothing, so this is safe while still pinned). A process that attached never removes the
+file, nor does a forked child of the creator. A file a killed process left behind is listed by
+``pinpool doctor`` and removed with ``rm``. A memfd lives while a descriptor or a mapping refers
+to it.
 """
 
 from __future__ import annotations
@@ -45,8 +28,7 @@ from .._host import libc as _libc
 from .._host.files import FILE_FLAGS
 from .._units import format_bytes, parse_size
 from .files import (
-    _HUGE_PAGE_SIZES,
-    _region_file_problem,
+    HUGE_PAGE_SIZES,
     check_directory,
     create_temp_file,
     names_file,
@@ -55,64 +37,39 @@ from .files import (
     open_region_file,
     page_size_of,
     publish,
+    region_file_problem,
     remove_file,
 )
-from .mapping import ATTACH_WAIT_SECONDS, SharedMapping, _Unlinker, attach_mapping, create_mapping
-from .regions import HalfMade, RegionInfo, _region_info, find_half_made, find_regions, read_region
-from .trailer import (
-    _GENERATION_AT,
-    FORMAT_VERSION,
-    MAGIC,
-    TRAILER_BYTES,
-    _align,
-    _check_generation,
-    _file_bytes,
-    _NotRegion,
-    _read_trailer,
-    layout_record,
+from .format import (
+    GENERATION_AT,
+    NotRegion,
+    RegionInfo,
+    align,
+    check_generation,
+    read_trailer,
+    region_file_bytes,
+    region_info,
     write_field,
 )
-
-__all__ = [
-    "ATTACH_WAIT_SECONDS",
-    "FORMAT_VERSION",
-    "MAGIC",
-    "TRAILER_BYTES",
-    "HalfMade",
-    "RegionInfo",
-    "SharedMapping",
-    "SharedMemory",
-    "find_half_made",
-    "find_regions",
-    "layout_record",
-    "read_region",
-]
+from .mapping import SharedMapping, Unlinker, attach_mapping, create_mapping
 
 
 class SharedMemory:
     """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs
-    (``/dev/shm``), on hugetlbfs (2 MiB or 1 GiB pages, found with ``statfs``), or of a memfd
-    (``path=None``), that several processes map and pin, and that may outlive its creator.
+    (``/dev/shm``), on hugetlbfs (2 MiB or 1 GiB pages), or of a memfd, that several processes map
+    and pin, and that may outlive its creator (docs/shared-memory.md).
 
-    ``path``: the region's file (its directory must exist, be ours or root's, not a symbolic link
-    and not writable by others unless sticky, like ``/dev/shm``); ``None`` with ``fd=None``: a
-    new memfd (``memfd_create``), shared by descriptor (:attr:`fd`) with forked or exec'd children
-    (``pass_fds=``) or over a Unix socket (``socket.send_fds``). ``fd``: a descriptor another
-    process handed on (SGLang's shm allocator, ``SCM_RIGHTS``); it stays the caller's (pinpool maps
-    a duplicate of it).
+    ``path``: the region's file (its directory ours or root's, not a symbolic link, not writable by
+    others unless sticky); ``None``: a new memfd, shared by descriptor (:attr:`fd`: ``pass_fds=``,
+    ``socket.send_fds``); ``fd``: a descriptor another process handed on (it stays the caller's;
+    pinpool maps a duplicate). ``create=True`` makes the region exclusively (with ``fd=``, in an
+    empty file); ``create=False`` attaches to one, refusing another size or layout. ``keep``: the
+    creator leaves the file in place (a warm restart); settable, e.g. at shutdown. ``mode``: of a
+    file this creates (never group- or world-writable). ``huge_page_size``: a hugetlb memfd's page
+    (2 MiB or 1 GiB), or the page a path's or fd's file system must have.
 
-    ``create=True`` makes the region (exclusively: an existing file is a :class:`ConfigError`;
-    with ``fd=`` the file must be empty), sized to the pool; ``create=False`` attaches to one
-    that holds a pinpool region, and refuses one whose size or layout differs from what the pool
-    asks for (:class:`ConfigError` naming both). ``keep``: the creator leaves the file in place
-    when it lets go (for a warm restart); without it the creator removes the file when the pool
-    releases the memory, or at interpreter exit. It can be changed later (``shared.keep = True``
-    at a graceful shutdown). ``mode``: of a file this creates (0600; never group- or
-    world-writable). ``huge_page_size``: with ``path=None``, a memfd of 2 MiB or 1 GiB hugetlb
-    pages (``MFD_HUGETLB``); with a path or ``fd``, the page size the file system must have.
-
-    Constructing checks the arguments and the directory only; the file is created or opened when
-    a pool maps it (:meth:`open_mapping`). One pool at a time maps a SharedMemory.
+    Constructing checks the arguments and the directory only; the file is created or opened when a
+    pool maps it (:meth:`open_mapping`), one pool at a time.
     """
 
     def __init__(
@@ -192,7 +149,7 @@ class SharedMemory:
             self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
             self._page_size = _libc.PAGE_SIZE
             if huge is not None:
-                size_flag = _HUGE_PAGE_SIZES.get(huge)
+                size_flag = HUGE_PAGE_SIZES.get(huge)
                 if size_flag is None:
                     raise ConfigError(
                         f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
@@ -219,12 +176,8 @@ class SharedMemory:
         while a pool maps it; else None."""
         if self._given_fd is not None:
             return self._given_fd
-        mapping = self.mapping
+        mapping = self._mapping
         return None if mapping is None else mapping.fd
-
-    @property
-    def create(self) -> bool:
-        return self._create
 
     @property
     def keep(self) -> bool:
@@ -238,14 +191,10 @@ class SharedMemory:
         if value and self._path is None:
             raise ConfigError("SharedMemory.keep = True: only a region with a path can be kept")
         self._keep = value
-        mapping = self.mapping
+        mapping = self._mapping
         if mapping is not None and mapping._unlinker is not None:
             mapping._unlinker.keep = value
             mapping._set_keep_flag(value)
-
-    @property
-    def mode(self) -> int:
-        return self._mode
 
     @property
     def page_size(self) -> int:
@@ -254,19 +203,10 @@ class SharedMemory:
         return self._page_size
 
     @property
-    def huge_pages(self) -> bool | str:
-        """``"hugetlb"`` on hugetlbfs or a hugetlb memfd, else False (as PinnedPool.huge_pages)."""
-        return "hugetlb" if self._page_size > _libc.PAGE_SIZE else False
-
-    @property
-    def mapping(self) -> SharedMapping | None:
+    def _mapping(self) -> SharedMapping | None:
         """The mapping a pool holds now, or None."""
         mapping = None if self._live is None else self._live()
         return None if mapping is None or mapping.unmapped else mapping
-
-    def file_bytes(self, nbytes: int) -> int:
-        """The region file's size for a pool of ``nbytes``: the data rounded up to pages, plus the trailer's page."""
-        return _file_bytes(self._check_nbytes(nbytes), self._page_size)
 
     def __repr__(self) -> str:
         return f"SharedMemory({self._where()}, create={self._create}, keep={self._keep})"
@@ -284,7 +224,7 @@ class SharedMemory:
         """A descriptor of the region's file as it is now, and whether the caller must close it;
         None when there is none yet (or the name is no file pinpool would use). The path is
         walked as creating and attaching walk it (:class:`ConfigError` where it cannot be trusted)."""
-        mapping = self.mapping
+        mapping = self._mapping
         if mapping is not None:
             return mapping.fd, False
         if self._given_fd is not None:
@@ -293,14 +233,14 @@ class SharedMemory:
             return None
         dir_fd = open_region_directory(self._path)
         try:
-            if _region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
+            if region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
                 return None
             fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
             return None
         finally:
             os.close(dir_fd)
-        if _region_file_problem(os.fstat(fd)) is not None:
+        if region_file_problem(os.fstat(fd)) is not None:
             os.close(fd)
             return None
         return fd, True
@@ -322,7 +262,7 @@ class SharedMemory:
         file yet (``create=True`` before the pool maps it; a memfd). Read from ``st_blocks``, the
         trailer's page not counted; for a region of this size it is exact, for another file an
         estimate (attaching to one is refused anyway)."""
-        data = _align(self._check_nbytes(nbytes), self._page_size)
+        data = align(self._check_nbytes(nbytes), self._page_size)
         st = self._held()
         if st is None:
             return 0
@@ -331,12 +271,12 @@ class SharedMemory:
 
     def new_bytes(self, nbytes: int) -> int:
         """Memory that mapping and faulting the region for a pool of ``nbytes`` takes that is not
-        taken yet: :meth:`file_bytes` less what the file already holds (the trailer's page included)."""
-        total = self.file_bytes(nbytes)
+        taken yet: the file's size (data and trailer page) less what it already holds."""
+        total = region_file_bytes(self._check_nbytes(nbytes), self._page_size)
         st = self._held()
         return total if st is None else max(0, total - st.st_blocks * 512)
 
-    def region(self) -> RegionInfo | None:
+    def _region(self) -> RegionInfo | None:
         """What the region's file holds now (from its trailer), or None when there is no region yet."""
         opened = self._open_region_file()
         if opened is None:
@@ -344,8 +284,8 @@ class SharedMemory:
         fd, close = opened
         try:
             st = os.fstat(fd)
-            return _region_info(self._path or self._where(), st, _read_trailer(fd, st.st_size))
-        except (OSError, _NotRegion):
+            return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
+        except (OSError, NotRegion):
             return None
         finally:
             if close:
@@ -356,7 +296,7 @@ class SharedMemory:
         """The region's generation number: 0 when created, then whatever the server stores with
         :meth:`set_generation`. Read from the file (the live mapping's descriptor, else the path).
         :class:`ConfigError` when there is no region to read, or it was truncated."""
-        mapping = self.mapping
+        mapping = self._mapping
         if mapping is not None:
             return mapping.generation
         return self._info("has no generation").generation
@@ -367,13 +307,13 @@ class SharedMemory:
         removed and created again at the same path has another). Key a saved index on
         ``(region_id, generation)``: the generation counts within one region's life, the id tells
         the lives apart. :class:`ConfigError` when there is no region to read."""
-        mapping = self.mapping
+        mapping = self._mapping
         if mapping is not None:
             return mapping.region_id
         return self._info("has no identity").region_id
 
     def _info(self, lacking: str) -> RegionInfo:
-        info = self.region()
+        info = self._region()
         if info is None:
             raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it {lacking}")
         return info
@@ -381,8 +321,8 @@ class SharedMemory:
     def set_generation(self, value: int) -> None:
         """Store ``value`` as the region's generation, in the file's trailer (through the live
         mapping's descriptor, else the path's). Every process attached sees it at once."""
-        value = _check_generation(value)
-        mapping = self.mapping
+        value = check_generation(value)
+        mapping = self._mapping
         if mapping is not None:
             mapping.set_generation(value)
             return
@@ -392,10 +332,10 @@ class SharedMemory:
         fd, close = opened
         try:
             size = os.fstat(fd).st_size
-            _read_trailer(fd, size)  # refuse a file that holds no region
+            read_trailer(fd, size)  # refuse a file that holds no region
             data = value.to_bytes(8, "little")
-            write_field(fd, size, _GENERATION_AT, data, self._where(), page_size=self._page_size)
-        except _NotRegion as exc:
+            write_field(fd, size, GENERATION_AT, data, self._where(), page_size=self._page_size)
+        except NotRegion as exc:
             raise ConfigError(f"shared memory {self._where()} {exc.problem}") from None
         finally:
             if close:
@@ -426,7 +366,7 @@ class SharedMemory:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"record must hold JSON values only: {exc}") from None
         with self._lock:
-            if self.mapping is not None:
+            if self._mapping is not None:
                 raise PoolStateError(
                     f"{self!r} is mapped by another pool in this process already; a SharedMemory is mapped by one "
                     "pool at a time (make another SharedMemory(path, create=False) to map the region twice)"
@@ -485,11 +425,11 @@ class SharedMemory:
         finally:
             os.close(dir_fd)
 
-    def _unlinker_for(self, dir_fd: int, identity: tuple[int, int]) -> Callable[[], _Unlinker]:
-        return lambda: _Unlinker(os.dup(dir_fd), self._name, identity, keep=self._keep)
+    def _unlinker_for(self, dir_fd: int, identity: tuple[int, int]) -> Callable[[], Unlinker]:
+        return lambda: Unlinker(os.dup(dir_fd), self._name, identity, keep=self._keep)
 
     def _initialise(
-        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], _Unlinker] | None,
+        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], Unlinker] | None,
         publish: Callable[[], None] | None = None,
     ) -> SharedMapping:  # fmt: skip
         """Size the new (empty) file ``fd``, write its trailer and map it (see :func:`create_mapping`)."""
@@ -499,7 +439,7 @@ class SharedMemory:
         )  # fmt: skip
 
     def _attach(
-        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], _Unlinker] | None
+        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], Unlinker] | None
     ) -> SharedMapping:
         """Map the region ``fd`` holds, once it matches what the pool asks for (see :func:`attach_mapping`)."""
         return attach_mapping(

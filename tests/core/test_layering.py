@@ -46,7 +46,7 @@ PURE = "the pure modules make no system call"
         ("_pin/ledger.py", "from . import engine", PURE),
         ("_pin/lifecycle.py", "from . import drivers", "the lifecycle imports no driver"),
         ("_pin/pipeline.py", "from .._pool import pool", LAYERS),
-        ("_shared/trailer.py", "from .._node import config", LAYERS),
+        ("_shared/format.py", "from .._node import config", LAYERS),
         ("_plan/a_new_module.py", "from .._pin import engine", LAYERS),  # a new file inherits its folder's layer
     ],
 )

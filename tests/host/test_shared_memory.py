@@ -32,10 +32,9 @@ import pinpool
 from pinpool import layouts
 from pinpool._cli import checks as _doctor
 from pinpool._host import libc as _libc
+from pinpool._shared.format import MAGIC, TRAILER_BYTES, find_regions, layout_record, read_region
 from pinpool._shared.mapping import SharedMapping
 from pinpool._shared.memory import SharedMemory
-from pinpool._shared.regions import find_regions, read_region
-from pinpool._shared.trailer import MAGIC, TRAILER_BYTES, layout_record
 from pinpool.runtimes import MlockRuntime
 
 from .. import preloaded
@@ -78,10 +77,10 @@ def test_create_makes_the_file_with_its_trailer_and_maps_it(shm_dir: Path) -> No
     assert st.st_size == 3 * MiB + PAGE + PAGE  # the data rounded to pages, then the trailer's page
     assert mapping.address % PAGE == 0 and mapping.length == 3 * MiB + PAGE and mapping.nbytes == 3 * MiB + 5
     assert mapping.huge_pages is False and mapping.created and mapping.path == str(path)
-    assert shared.fd == mapping.fd and shared.mapping is mapping
+    assert shared.fd == mapping.fd and shared._mapping is mapping
     raw = path.read_bytes()[-TRAILER_BYTES:]
     assert raw.startswith(MAGIC)
-    info = shared.region()
+    info = shared._region()
     assert info is not None and info.nbytes == 3 * MiB + 5 and info.generation == 0 and not info.keep
     assert info.record == record(3 * MiB + 5) and info.created_pid == os.getpid() and info.creator_alive is True
     view = mapping.view(0, 3 * MiB + 5)
@@ -100,11 +99,11 @@ def test_the_creator_removes_the_file_when_the_last_view_is_gone(shm_dir: Path) 
     view = mapping.view(0, MiB)
     del mapping
     collect()
-    assert path.exists() and fd_open(fd) and shared.mapping is not None  # the view holds the mapping
+    assert path.exists() and fd_open(fd) and shared._mapping is not None  # the view holds the mapping
     view.fill_(1)
     del view
     collect()
-    assert not path.exists() and not fd_open(fd) and shared.mapping is None and shared.fd is None
+    assert not path.exists() and not fd_open(fd) and shared._mapping is None and shared.fd is None
 
 
 def test_keep_leaves_the_region_and_an_attach_sees_its_bytes_and_generation(shm_dir: Path) -> None:
@@ -115,7 +114,7 @@ def test_keep_leaves_the_region_and_an_attach_sees_its_bytes_and_generation(shm_
     shared.set_generation(41)
     del mapping
     collect()
-    assert path.exists() and shared.mapping is None
+    assert path.exists() and shared._mapping is None
     info = read_region(str(path))
     assert info is not None and info.keep and info.generation == 41 and info.held_bytes == 2 * MiB + PAGE
     again = SharedMemory(path, create=False)
@@ -191,7 +190,7 @@ def test_one_pool_maps_a_shared_memory_at_a_time(shm_dir: Path) -> None:
     mapping.keep_forever()  # a leaked chunk: never unmapped, so still "mapped"
     del mapping
     collect()
-    assert shared.mapping is not None
+    assert shared._mapping is not None
 
 
 # -- trust: directories and files ---------------------------------------------------------------------
@@ -394,7 +393,8 @@ def test_attach_waits_for_a_creation_in_progress(shm_dir: Path) -> None:
 
 CHILD_ATTACH = """
 import sys, gc
-from pinpool._shared.memory import SharedMemory, layout_record
+from pinpool._shared.format import layout_record
+from pinpool._shared.memory import SharedMemory
 from pinpool import layouts
 fd, nbytes = int(sys.argv[1]), int(sys.argv[2])
 m = SharedMemory(fd=fd, create=False).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes))
@@ -487,8 +487,8 @@ def test_resident_bytes_counts_what_the_file_holds(shm_dir: Path) -> None:
     path = shm_dir / "kv"
     shared = SharedMemory(path, keep=True)
     assert shared.resident_bytes(4 * MiB) == 0 and shared.new_bytes(4 * MiB) == 4 * MiB + PAGE
-    assert shared.file_bytes(4 * MiB) == 4 * MiB + PAGE
     mapping = shared.open_mapping(4 * MiB, record(4 * MiB))
+    assert mapping.file_bytes == 4 * MiB + PAGE
     # /dev/shm has a size limit: creating reserved every page (posix_fallocate), so all of it is memory
     assert shared.resident_bytes(4 * MiB) == 4 * MiB and shared.new_bytes(4 * MiB) == 0
     del mapping
@@ -516,7 +516,8 @@ def vmlck_kb() -> int:
 SECOND_PROCESS = """
 import sys
 from pinpool._host import libc as _libc
-from pinpool._shared.memory import SharedMemory, layout_record
+from pinpool._shared.format import layout_record
+from pinpool._shared.memory import SharedMemory
 from pinpool import layouts
 from pinpool.runtimes import MlockRuntime
 path, nbytes = sys.argv[1], int(sys.argv[2])
@@ -594,7 +595,8 @@ def _at_the_very_end():
 atexit.register(_at_the_very_end)  # first registered: runs after every finalizer
 import sys
 from pinpool._host import libc as _libc
-from pinpool._shared.memory import SharedMemory, layout_record
+from pinpool._shared.format import layout_record
+from pinpool._shared.memory import SharedMemory
 from pinpool import layouts
 path = sys.argv[1]
 m = SharedMemory(path).open_mapping(8 << 20, layout_record(layouts.Raw(), 8 << 20))
@@ -652,7 +654,7 @@ def test_a_region_on_hugetlbfs_uses_huge_pages() -> None:
     path = Path(mount) / f"pinpool-test-{uuid.uuid4().hex[:12]}"
     try:
         shared = SharedMemory(path, keep=True, huge_page_size=page)
-        assert shared.page_size == page and shared.huge_pages == "hugetlb"
+        assert shared.page_size == page
         free_before = free_huge_pages(page)
         mapping = shared.open_mapping(page, record(page))
         assert mapping.address % page == 0 and mapping.huge_pages == "hugetlb"
@@ -682,8 +684,9 @@ def test_a_hugetlb_memfd_uses_reserved_huge_pages() -> None:
     if free_huge_pages(page) < 2:
         pytest.skip("fewer than 2 free 2 MiB hugetlb pages (HugePages_Free in /proc/meminfo)")
     shared = SharedMemory(huge_page_size="2MiB")
-    assert shared.page_size == page and shared.huge_pages == "hugetlb"
+    assert shared.page_size == page
     mapping = shared.open_mapping(page, record(page))
+    assert mapping.huge_pages == "hugetlb"
     assert mapping.address % page == 0 and _libc.fstatfs(mapping.fd)[0] == _libc.HUGETLBFS_MAGIC
     mapping.view(0, page).fill_(1)
     del mapping

@@ -31,9 +31,8 @@ import pinpool
 from pinpool import layouts
 from pinpool._cli import checks as _doctor
 from pinpool._host import libc as _libc
+from pinpool._shared.format import MAGIC, TRAILER_BYTES, find_half_made, find_regions, layout_record, read_region
 from pinpool._shared.memory import SharedMemory
-from pinpool._shared.regions import find_half_made, find_regions, read_region
-from pinpool._shared.trailer import MAGIC, TRAILER_BYTES, layout_record
 
 from ..conftest import needs_mlock
 
@@ -123,7 +122,8 @@ def test_ten_thousand_empty_files_sorted_first_hide_no_region(shm_dir: Path) -> 
 TRUNCATE = """
 import gc, os, sys
 import pinpool
-from pinpool._shared.memory import SharedMemory, layout_record
+from pinpool._shared.format import layout_record
+from pinpool._shared.memory import SharedMemory
 from pinpool import layouts
 path, size = sys.argv[1], sys.argv[2]
 nbytes = 4 << 20
@@ -143,7 +143,7 @@ for what, call in [
         failures.append(what + ": no error")
     except pinpool.ConfigError as exc:
         assert "truncated or resized" in str(exc) or "holds no pinpool region" in str(exc), exc
-print("FAILURES", failures, "REGION", shared.region(), flush=True)
+print("FAILURES", failures, "REGION", shared._region(), flush=True)
 """
 
 
@@ -157,7 +157,7 @@ def test_a_region_truncated_by_another_process_is_a_config_error_not_sigbus(shm_
 MAPPED_STORE = """
 import os, sys
 from pinpool import ConfigError
-from pinpool._shared.trailer import TRAILER_BYTES, store
+from pinpool._shared.format import TRAILER_BYTES, store
 path, huge = sys.argv[1], 2 << 20
 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 os.ftruncate(fd, 2 * huge)
@@ -245,7 +245,8 @@ def small_tmpfs() -> Iterator[Path]:
 
 FILL_THEN_WRITE = """
 import gc, os, sys
-from pinpool._shared.memory import SharedMemory, layout_record
+from pinpool._shared.format import layout_record
+from pinpool._shared.memory import SharedMemory
 from pinpool import layouts
 path, filler = sys.argv[1], sys.argv[2]
 nbytes = 4 << 20
@@ -324,7 +325,7 @@ def test_an_ancestor_swapped_for_another_users_link_after_construction_is_refuse
     (shm_dir / "a").symlink_to(shm_dir / "planted")
     os.lchown(shm_dir / "a", 65534, 65534)
     for use in (
-        shared.region, lambda: shared.generation, lambda: shared.set_generation(9),
+        shared._region, lambda: shared.generation, lambda: shared.set_generation(9),
         lambda: shared.resident_bytes(MiB), lambda: shared.open_mapping(2 * MiB, record(2 * MiB)),
     ):  # fmt: skip
         with pytest.raises(pinpool.ConfigError, match=r"'.*/a' is a symbolic link owned by uid 65534"):

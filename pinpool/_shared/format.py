@@ -1,14 +1,11 @@
-"""The on-disk format of a shared memory region (see :mod:`pinpool._shared.memory`): the file's layout,
-the trailer that says what it holds, and :func:`layout_record`, the pool's description kept in it.
+"""A shared memory region's on-disk format, and reading regions without mapping them.
 
 **The file.** ``[0, data)`` holds the pool's bytes, ``data = nbytes`` rounded up to the file
 system's page (4 KiB on tmpfs, the huge page on hugetlbfs); one more page follows, whose last
-4 KiB are the *trailer* that says what the file holds. So the file is ``data + page_size`` bytes,
-the pool's memory starts at file offset 0 (another program that maps the file sees the pool's
-bytes at its start), and a pinpool region is recognised by the last 4 KiB of a file. On tmpfs the
-trailer costs 4 KiB; on hugetlbfs it costs one huge page (2 MiB, or 1 GiB with 1 GiB pages: a
-huge page cannot be split between a pinned range and the trailer, since ``mlock`` must split the
-mapping at a huge-page boundary).
+4 KiB are the *trailer* that says what the file holds. The pool's memory starts at file offset 0
+(another program that maps the file sees the pool's bytes at its start). On hugetlbfs the
+trailer costs a whole huge page: ``mlock`` cannot split a huge page between a pinned range and
+the trailer.
 
 **The trailer** (little-endian; hugetlbfs files are written through a mapping, never ``write()``)::
 
@@ -23,43 +20,43 @@ mapping at a huge-page boundary).
     40      ...   body: UTF-8 JSON {"nbytes", "page_size", "region_id", "record", "created": {"uid",
                   "pid", "start", "unix", "host"}}; "record" is the pool's description (layout_record())
 
-``region_id``: 32 hex digits, random, new each time a region is created, so that a server's
-index saved against one region never matches a later region at the same path (whose generation
-starts again at 0). A region made before it existed reads as the hash of its body, which holds
-the creator's pid, start time and creation time: also new each time.
+``region_id``: 128 random bits, new at each creation, so an index saved against one region never
+matches a later one at the same path (whose generation starts again at 0); a region made before
+it existed reads as the hash of its body (the creator's pid and times: also new each time).
 
-A file that holds no region (or a newer format, or a corrupt trailer) reads as ``_NotRegion``,
-which callers turn into a :class:`ConfigError` or skip. The trailer is *untrusted input* (any
-process of the owner, or a file another user planted, may have written it): its body is parsed
-with bounded nesting, integers only where integers belong, finite numbers, and printable text
-only, so a bad one is ``_NotRegion``, never a RecursionError, an OverflowError or an escape
-sequence on an operator's terminal.
+The trailer is *untrusted input* (any process of the owner, or a file another user planted, may
+have written it): bounded nesting, integers where integers belong, finite numbers, printable
+ASCII only, so a bad one is :class:`NotRegion`, never a RecursionError, an OverflowError or an
+escape sequence on an operator's terminal. Nothing that reads a region (:func:`read_region`,
+:func:`find_regions`, for ``pinpool doctor``) raises for a bad file, follows a symbolic link or
+blocks on a FIFO.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import json
 import math
 import os
 import secrets
 import socket
+import stat
 import struct
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
 from .._host import libc as _libc
+from .._host.files import FILE_FLAGS
 from .._units import format_bytes
 
 if TYPE_CHECKING:
     from ..layouts import Layout
-
-__all__ = ["FLAG_KEEP", "FORMAT_VERSION", "MAGIC", "TRAILER_BYTES", "layout_record"]
 
 MAGIC = b"pinpoolR"
 FORMAT_VERSION = 1
@@ -67,21 +64,21 @@ TRAILER_BYTES = 4096
 _FIXED = struct.Struct("<8sIIIIQQ")  # magic, version, body length, body CRC, flags, generation, reserved
 _BODY_AT = _FIXED.size  # 40
 _MAX_BODY = TRAILER_BYTES - _BODY_AT
-_FLAGS_AT = 20
-_GENERATION_AT = 24
+FLAGS_AT = 20
+GENERATION_AT = 24
 FLAG_KEEP = 1
 _PAGE = _libc.PAGE_SIZE
 _MAX_DEPTH = 8  # the body nests 5 deep (body, record, buffers, a buffer, its shape)
 _MAX_SIZE = 1 << 62  # larger than any host's memory, small enough for every later sum
 
 
-def _align(n: int, page: int) -> int:
+def align(n: int, page: int) -> int:
     return -(-n // page) * page
 
 
-def _file_bytes(nbytes: int, page_size: int) -> int:
+def region_file_bytes(nbytes: int, page_size: int) -> int:
     """The size of a region file holding ``nbytes``: the data rounded to pages, plus the trailer's page."""
-    return _align(nbytes, page_size) + page_size
+    return align(nbytes, page_size) + page_size
 
 
 def _process_start(pid: int | str = "self") -> int | None:
@@ -117,7 +114,7 @@ def layout_record(layout: Layout, num_pages: int) -> dict[str, object]:
 # -- the trailer ------------------------------------------------------------------------------------
 
 
-class _NotRegion(Exception):
+class NotRegion(Exception):
     """The file holds no pinpool region; ``uninitialised``: its trailer is still all zeros."""
 
     def __init__(self, problem: str, *, uninitialised: bool = False) -> None:
@@ -127,7 +124,7 @@ class _NotRegion(Exception):
 
 
 @dataclass(frozen=True)
-class _Trailer:
+class Trailer:
     version: int
     flags: int
     generation: int
@@ -156,7 +153,7 @@ class _Trailer:
         return created if isinstance(created, dict) else {}
 
 
-def _encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
+def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
     created = {
         "uid": os.geteuid(), "pid": os.getpid(), "start": _process_start(), "unix": round(time.time(), 3),
         "host": socket.gethostname(),
@@ -261,39 +258,39 @@ def _parse_body(body: bytes) -> dict[str, Any]:
     return parsed
 
 
-def _parse_trailer(raw: bytes) -> _Trailer:
+def _parse_trailer(raw: bytes) -> Trailer:
     if len(raw) < TRAILER_BYTES:
-        raise _NotRegion(f"is smaller than a pinpool trailer ({TRAILER_BYTES} bytes)")
+        raise NotRegion(f"is smaller than a pinpool trailer ({TRAILER_BYTES} bytes)")
     magic, version, length, crc, flags, generation, _reserved = _FIXED.unpack_from(raw)
     if magic != MAGIC:
         if not any(raw):
-            raise _NotRegion("holds no pinpool trailer yet (all zeros)", uninitialised=True)
-        raise _NotRegion("is not a pinpool region, or a newer format (its last 4 KiB hold no pinpool trailer)")
+            raise NotRegion("holds no pinpool trailer yet (all zeros)", uninitialised=True)
+        raise NotRegion("is not a pinpool region, or a newer format (its last 4 KiB hold no pinpool trailer)")
     if version > FORMAT_VERSION or version == 0:
-        raise _NotRegion(
+        raise NotRegion(
             f"is a pinpool region of format version {version}; this pinpool reads version {FORMAT_VERSION}: "
             "not a pinpool region, or a newer format (use the pinpool that made it)"
         )
     body = raw[_BODY_AT : _BODY_AT + length]
     if length > _MAX_BODY or zlib.crc32(body) != crc:
-        raise _NotRegion("has a corrupt pinpool trailer (its checksum does not match)")
+        raise NotRegion("has a corrupt pinpool trailer (its checksum does not match)")
     try:
         parsed = _parse_body(body)
     except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError and int-digit limits are ValueErrors
-        raise _NotRegion(f"has a corrupt pinpool trailer (its description cannot be read: {exc})") from None
-    return _Trailer(version, flags, generation, parsed)
+        raise NotRegion(f"has a corrupt pinpool trailer (its description cannot be read: {exc})") from None
+    return Trailer(version, flags, generation, parsed)
 
 
-def _read_trailer(fd: int, file_bytes: int) -> _Trailer:
+def read_trailer(fd: int, file_bytes: int) -> Trailer:
     """The trailer of the open file (``pread``: hugetlbfs files can be read, and a hole reads as zeros)."""
     if file_bytes < 2 * TRAILER_BYTES:
         if file_bytes == 0:
-            raise _NotRegion("is empty: not initialised yet", uninitialised=True)
-        raise _NotRegion(f"is too small ({file_bytes} bytes) for a pinpool region")
+            raise NotRegion("is empty: not initialised yet", uninitialised=True)
+        raise NotRegion(f"is too small ({file_bytes} bytes) for a pinpool region")
     return _parse_trailer(os.pread(fd, TRAILER_BYTES, file_bytes - TRAILER_BYTES))
 
 
-def _trailer_bytes(body: bytes, *, keep: bool) -> bytes:
+def trailer_bytes(body: bytes, *, keep: bool) -> bytes:
     """A whole trailer (4 KiB) holding ``body``."""
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), FLAG_KEEP if keep else 0, 0, 0)
     return (head + body).ljust(TRAILER_BYTES, b"\0")
@@ -323,10 +320,7 @@ def read_field(fd: int, file_bytes: int, at: int, size: int, where: str) -> byte
 
 
 def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
-    """Write ``data`` at ``at`` of the trailer after checking the file's size: ``pwrite`` on tmpfs
-    and memfds (a truncation is a :class:`ConfigError`, never SIGBUS); hugetlbfs files cannot be
-    written, so there through a mapping of the trailer's page, stored through ``/proc/self/mem``
-    (a truncation since the check is EIO there, never SIGBUS)."""
+    """:func:`store` after checking the file's size (a truncation is a :class:`ConfigError`, never SIGBUS)."""
     _checked_size(fd, file_bytes, where)
     store(fd, file_bytes, at, data, where, page_size=page_size)
 
@@ -367,7 +361,7 @@ def _write_mapped(address: int, data: bytes, where: str) -> None:
         os.close(mem)
 
 
-def _check_generation(value: object) -> int:
+def check_generation(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
         raise ConfigError(f"generation={value!r} must be an integer in [0, 2**64)")
     return value
@@ -378,7 +372,7 @@ def _compact(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _describe(nbytes: int, record: Mapping[str, Any]) -> str:
+def describe(nbytes: int, record: Mapping[str, Any]) -> str:
     parts = [format_bytes(nbytes)]
     if "layout" in record:
         pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
@@ -387,7 +381,7 @@ def _describe(nbytes: int, record: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _differences(held_nbytes: int, held: Mapping[str, Any], nbytes: int, asked: Mapping[str, Any]) -> str:
+def differences(held_nbytes: int, held: Mapping[str, Any], nbytes: int, asked: Mapping[str, Any]) -> str:
     found: list[str] = []
     if held_nbytes != nbytes:
         found.append(f"size: {format_bytes(held_nbytes)} ({held_nbytes} bytes) in the file, "
@@ -398,3 +392,180 @@ def _differences(held_nbytes: int, held: Mapping[str, Any], nbytes: int, asked: 
         if held.get(key) != asked.get(key)
     )
     return "; ".join(found)
+
+
+# -- finding and reading regions -------------------------------------------------------------------
+
+_SCAN_LIMIT = 1_000_000  # directory entries find_regions looks at, at most (an lstat each, at worst)
+TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see _shared_files)
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a region being made (or left half-made by a creator that died)."""
+    return name.startswith(".") and TEMP_MARK in name
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """What a region file holds, read from its trailer and its ``stat``.
+
+    ``held_bytes``: memory the file holds now (``st_blocks * 512``: resident, or swapped out on
+    tmpfs), trailer included. ``creator_alive``: whether the creating process still runs (its
+    pid with the same start time, on this host); ``None`` when it was made on another host (a
+    container with its own hostname) and so cannot be told.
+    """
+
+    path: str
+    file_bytes: int
+    nbytes: int
+    page_size: int
+    held_bytes: int
+    owner_uid: int
+    version: int
+    generation: int
+    region_id: str
+    keep: bool
+    record: Mapping[str, Any]
+    created_uid: int | None
+    created_pid: int | None
+    created_unix: float | None
+    created_host: str | None
+    creator_alive: bool | None
+    age_seconds: float | None
+
+
+def region_info(path: str, st: os.stat_result, trailer: Trailer) -> RegionInfo:
+    created = trailer.created
+    pid, host, start = created.get("pid"), created.get("host"), created.get("start")
+    alive: bool | None = None
+    if isinstance(pid, int) and host == socket.gethostname():
+        alive = start is not None and _process_start(pid) == start
+    unix = created.get("unix")
+    when = float(unix) if isinstance(unix, int | float) else None
+    return RegionInfo(
+        path=path, file_bytes=st.st_size, nbytes=trailer.nbytes, page_size=trailer.page_size,
+        held_bytes=st.st_blocks * 512, owner_uid=st.st_uid, version=trailer.version, generation=trailer.generation,
+        region_id=trailer.region_id, keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
+        created_uid=created.get("uid") if isinstance(created.get("uid"), int) else None,
+        created_pid=pid if isinstance(pid, int) else None, created_unix=when,
+        created_host=host if isinstance(host, str) else None, creator_alive=alive,
+        age_seconds=None if when is None else max(0.0, time.time() - when),
+    )  # fmt: skip
+
+
+def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
+    """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or None
+    when it is no pinpool region or cannot be read."""
+    name = path if dir_fd is None else os.path.basename(path)
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return None
+        fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return region_info(path, st, read_trailer(fd, st.st_size))
+    except (OSError, NotRegion):
+        return None
+    finally:
+        os.close(fd)
+
+
+def region_directories(mounts: str = "/proc/mounts") -> list[str]:
+    """Where regions live: ``/dev/shm`` and every hugetlbfs mount point."""
+    found = ["/dev/shm"]
+    try:
+        with open(mounts) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[2] == "hugetlbfs":
+                    point = parts[1].replace("\\040", " ")
+                    if point not in found:
+                        found.append(point)
+    except OSError:
+        pass
+    return found
+
+
+@dataclass(frozen=True)
+class HalfMade:
+    """A region's temporary file (``.NAME.pinpool-new-*``): ``in_progress`` while its creator
+    holds its lock, else left by a creator that died, holding ``held_bytes`` of memory until
+    removed (the next creation of that name removes it)."""
+
+    path: str
+    held_bytes: int
+    in_progress: bool
+
+
+def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
+    """Regular files in ``directories`` (default :func:`region_directories`) and their immediate
+    subdirectories, never through a link; at most :data:`_SCAN_LIMIT` entries looked at in all."""
+    budget = _SCAN_LIMIT
+    pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
+    while pending and budget > 0:
+        directory, depth = pending.pop(0)
+        try:
+            scan = os.scandir(directory)
+        except OSError:
+            continue
+        with scan:
+            for entry in scan:
+                budget -= 1
+                if budget < 0:
+                    break
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        if depth > 0:
+                            pending.append((entry.path, depth - 1))
+                    elif entry.is_file(follow_symlinks=False):
+                        yield entry
+                except OSError:
+                    continue
+
+
+def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
+    """Every pinpool region in ``directories`` (default :func:`region_directories`) and their
+    immediate subdirectories, by path. Bounded per file, not by how many entries come first: a
+    file too small for a trailer is skipped on its ``lstat`` (10,000 empty files planted to sort
+    first hide nothing), a larger one costs one 4 KiB ``pread``. Temporary names are
+    :func:`find_half_made`'s."""
+    regions: list[RegionInfo] = []
+    for entry in _files(directories):
+        try:
+            if is_temp_name(entry.name) or entry.stat(follow_symlinks=False).st_size < 2 * TRAILER_BYTES:
+                continue
+        except OSError:
+            continue
+        info = read_region(entry.path)
+        if info is not None:
+            regions.append(info)
+    return sorted(regions, key=lambda r: r.path)
+
+
+def find_half_made(directories: Iterable[str] | None = None) -> list[HalfMade]:
+    """Every region's temporary file in ``directories``, as :func:`find_regions` looks: being
+    made now (its creator holds ``LOCK_EX``), or left by a creator that died."""
+    found: list[HalfMade] = []
+    for entry in _files(directories):
+        if not is_temp_name(entry.name):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | FILE_FLAGS)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                busy = False
+            except BlockingIOError:
+                busy = True
+            found.append(HalfMade(entry.path, os.fstat(fd).st_blocks * 512, busy))
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return sorted(found, key=lambda h: h.path)
