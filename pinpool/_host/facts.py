@@ -1,18 +1,11 @@
 """What pinpool knows about the host, probed in one place into one frozen value.
 
-:class:`HostFacts` is everything planning a pool may depend on: CPUs and the CPU quota, page sizes, the
-transparent-huge-page mode, whether the kernel has MADV_POPULATE_WRITE, locked-memory limits,
-memory limits and availability, hugetlb pages, NUMA nodes, the user address space, the kernel
-release, and which GPU stack is installed. It is pinpool's one model of the host: the planner
-(:func:`pinpool._plan.plan.plan_pool`) and the pre-flight (:mod:`pinpool._plan.preflight`) take it as an
-argument, and ``pinpool doctor`` reads the host through it too, so planning is a pure function,
+:class:`HostFacts` is pinpool's one model of the host: the planner and the pre-flight take it as
+an argument and ``pinpool doctor`` reads the host through it, so planning is a pure function,
 "will this pool fit here?" has one answer, and tests build HostFacts by hand for any host.
-
-:meth:`HostFacts.probe` reads the host. Facts that cannot change while the process runs (the
-page size, the kernel's madvise support, the address-space size, the torch build) are read
-once per process; everything that can (CPU affinity and quota, limits, sysfs settings, memory figures,
-hugetlb counters, NUMA nodes, GPU driver presence) is read again on every probe. A probe never
-initialises CUDA: it reads ``torch.version`` (a build fact) and checks for driver files.
+:meth:`HostFacts.probe` reads facts that cannot change while the process runs (page size,
+madvise support, address space, torch build) once per process, the rest on every probe; it never
+initialises CUDA (it reads ``torch.version`` and checks for driver files).
 """
 
 from __future__ import annotations
@@ -23,10 +16,14 @@ import os
 from dataclasses import dataclass
 
 from . import libc as _libc
-from .cpulimits import CpuQuota, cpu_budget, read_cpu_quota
-from .memlimits import _binding_level, _read, cgroup_room, effective_available, read_mem_available, read_memory_limits
-
-__all__ = ["HostFacts", "address_space_bytes", "available_cpus"]
+from .limits import (
+    CpuQuota,
+    cgroup_room,
+    cpu_budget,
+    effective_available,
+    read_cpu_quota,
+    read_memory_limits,
+)
 
 # Largest user address space a process gets without asking for more (an mmap hint above it):
 # x86-64 4-level paging gives user space [0, 2**47); 5-level paging (LA57) widens it to 2**56
@@ -63,7 +60,7 @@ class HostFacts:
 
     cpus: CPUs in this process's affinity mask.
     cpu_quota: the CPU cgroup quota that binds (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), as read by
-        :func:`pinpool._host.cpulimits.read_cpu_quota`; None when not read (a hand-made host).
+        :func:`pinpool._host.limits.read_cpu_quota`; None when not read (a hand-made host).
         :attr:`cpu_budget` is what worker counts derive from.
     page_size: the OS page.
     huge_page_size: the huge page pinpool maps with (``huge_pages=True`` alignment, hugetlb pages): 2 MiB.
@@ -73,7 +70,7 @@ class HostFacts:
     cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK.
     cgroup_memory_limit: the memory cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)
         that binds: of the process's cgroup and its ancestors, the one with the least room left.
-        None when unlimited or not found. Best effort (see :mod:`pinpool._host.memlimits`).
+        None when unlimited or not found. Best effort (see :mod:`pinpool._host.limits`).
     mem_available: ``MemAvailable`` of /proc/meminfo, None when unreadable.
     cgroup_memory_usage: that cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``).
     cgroup_memory_reclaimable: that cgroup's file page cache, which its usage counts but the
@@ -181,7 +178,7 @@ class HostFacts:
             cgroup_version=memory.cgroup_version,
             cgroup_path=memory.cgroup_path,
             locked_bytes=_locked_bytes(),
-            thp_defrag=_bracketed(_read(_THP_DEFRAG)),
+            thp_defrag=_libc.sysfs_choice("/sys/kernel/mm/transparent_hugepage/defrag"),
             kernel_release=os.uname().release,
             hugetlb_1g_free=free_1g,
             hugetlb_1g_total=total_1g,
@@ -201,33 +198,8 @@ def _torch_build() -> tuple[str | None, str | None]:
     return (str(cuda) if cuda else None), (str(hip) if hip else None)
 
 
-_THP_DEFRAG = "/sys/kernel/mm/transparent_hugepage/defrag"
-
-
-def _bracketed(text: str | None) -> str | None:
-    """The selected value of a sysfs choice file: ``always [madvise] never`` -> ``madvise``."""
-    start, end = (-1, -1) if text is None else (text.find("["), text.find("]"))
-    return text[start + 1 : end] if text is not None and 0 <= start < end else None
-
-
 def _locked_bytes() -> int:
     try:
         return _libc.vm_locked_bytes()
     except (OSError, ValueError, IndexError):  # no /proc: nothing known to be locked
         return 0
-
-
-# The two readers below predate pinpool._host.memlimits and keep their signatures for callers and
-# tests that point them at fixture files; both delegate to it.
-
-
-def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """The binding memory limit on this process's cgroup path (v2 or v1), or None. Best effort:
-    a cgroup filesystem mounted elsewhere, or a path hidden by a namespace, reads as no limit."""
-    level = _binding_level(_read(proc_cgroup), root)
-    return None if level is None else level.limit
-
-
-def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` in bytes, or None."""
-    return read_mem_available(meminfo)

@@ -1,12 +1,15 @@
-"""The few libc calls pinpool needs, through ctypes (which releases the GIL around each call)."""
+"""The few libc calls pinpool needs, through ctypes (which releases the GIL around each call), and the
+pin workers' lower CPU priority (:func:`lower_this_thread`)."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import resource
+import sys
 import threading
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -287,12 +290,67 @@ def populate_write_supported() -> bool:
         return _populate_supported
 
 
-def transparent_huge_pages_mode() -> str | None:
-    """The bracketed mode of /sys/kernel/mm/transparent_hugepage/enabled, or None without THP."""
+def sysfs_choice(path: str) -> str | None:
+    """The selected value of a sysfs choice file (``always [madvise] never``: ``madvise``), or None."""
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
-            text = setting.read()
-    except OSError:
+        with open(path) as setting:
+            text = setting.read(1 << 16)
+    except (OSError, UnicodeDecodeError, ValueError):
         return None
     start, end = text.find("["), text.find("]")
     return text[start + 1 : end] if 0 <= start < end else None
+
+
+def transparent_huge_pages_mode() -> str | None:
+    """The transparent huge pages mode ("always", "madvise", "never"), or None without THP."""
+    return sysfs_choice("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+# -- pin workers' priority -------------------------------------------------------------------------
+#
+# A background pool pins while its process serves, and pinning is CPU work (the kernel faults and
+# zeroes every page): at the process's own priority the workers took the serving threads' CPU
+# (the example server's /healthz p99 rose 4x while a 4 GiB pool pinned on 2 cores). So a pin
+# worker raises its own nice value when it starts. setpriority(PRIO_PROCESS, tid) changes one
+# thread on Linux; raising nice needs no privilege but lowering it again does, so only threads
+# whose one job is pinning are niced (fresh workers each pinning; never the caller's thread, nor
+# unpin workers, which a server waits for at shutdown). Nice, not SCHED_IDLE: an idle-class
+# thread may wait for ever on a busy server while holding what serving needs (the GIL, mmap_lock,
+# the CUDA driver's lock); a niced one gets its weighted share (nice 10: about a tenth). Where
+# the priority cannot be changed, pinning goes on at the inherited one, logged once at debug.
+# See docs/serving.md and docs/performance.md.
+
+_log = logging.getLogger("pinpool")
+_nice_reported = threading.Event()
+
+
+def lower_this_thread(increment: int) -> int | None:
+    """Add ``increment`` to the calling thread's nice value (capped at 19); return the nice value
+    now in effect, or None when nothing changed (``increment <= 0``, not Linux, or the kernel
+    refused). Only at the start of a thread pinpool owns: it cannot be undone without privileges."""
+    if increment <= 0:
+        return None
+    if not sys.platform.startswith("linux"):
+        # Elsewhere a thread id is not a process id: setpriority would reach another process or fail.
+        _report_nice_once(f"per-thread priorities are Linux-only (platform {sys.platform})")
+        return None
+    from .._plan.options import MAX_NICE  # not at the top: _plan.options loads torch (through layouts)
+
+    try:
+        tid = threading.get_native_id()
+        target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        os.setpriority(os.PRIO_PROCESS, tid, target)
+    except OSError as exc:  # EPERM/EACCES under a seccomp filter or an LSM: pin at the inherited priority
+        _report_nice_once(f"setpriority failed: {type(exc).__name__}: {exc}")
+        return None
+    return target
+
+
+def _report_nice_once(why: str) -> None:
+    if _nice_reported.is_set():
+        return
+    _nice_reported.set()
+    try:
+        _log.debug("pinpool: pin workers run at the process's priority (pin_nice not applied): %s", why)
+    except Exception:
+        pass  # a broken logging setup must not fail pinning

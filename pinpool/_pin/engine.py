@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from .._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls_error
-from .._host.libc import MADV_POPULATE_WRITE
+from .._host.libc import MADV_POPULATE_WRITE, lower_this_thread
 from .._host.mapping import populate_range
-from .._host.priority import lower_this_thread
 from .._observe import Observer
 from .._plan.chunks import Chunk
 from .._plan.cutter import retry_splitter
@@ -166,7 +165,7 @@ class PinSession(Unpinning):
         self._populate_sizer = CallSizer(budget) if budget else None
         self._pieces_follow_faulting = self._register_sizer is not None and order is Order.REGISTER_FIRST
         self._populate_unit = plan.align
-        # Pin workers run this much nicer than the process (pin_nice=, see _host/priority.py); never
+        # Pin workers run this much nicer than the process (pin_nice=, see _host/libc.py); never
         # the thread that made the session (it entered the pool, and may go on serving).
         self._pin_nice = options.pin_nice
         self._owner_thread = threading.get_ident()

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host.cpulimits import CpuQuota
-from pinpool._host.facts import HostFacts, address_space_bytes, cgroup_memory_limit, mem_available
+from pinpool._host.facts import HostFacts, address_space_bytes
+from pinpool._host.limits import CpuQuota, read_mem_available, read_memory_limits
 from pinpool._pin.pipeline import split_spans
 from pinpool._plan.chunks import Chunk, ChunkTable, Order, Span, SpanTable
 from pinpool._plan.options import CHUNK_ENV, PoolOptions
@@ -718,21 +718,27 @@ def test_probe_reads_this_host() -> None:
 
 
 def test_cgroup_limits_v1_v2_and_ancestors(tmp_path: Path) -> None:
-    root = tmp_path / "cg"
+    root = tmp_path / "sys" / "fs" / "cgroup"  # a tree laid out like /, read by read_memory_limits(tmp_path)
     (root / "a" / "b").mkdir(parents=True)
     (root / "a" / "memory.max").write_text("1073741824\n")
     (root / "a" / "b" / "memory.max").write_text("max\n")
-    proc = tmp_path / "cgroup"
+    proc = tmp_path / "proc" / "self" / "cgroup"
+    proc.parent.mkdir(parents=True)
     proc.write_text("0::/a/b\n")
-    assert cgroup_memory_limit(str(proc), str(root)) == GiB  # the parent's limit binds
+
+    def cgroup_memory_limit() -> int | None:
+        return read_memory_limits(str(tmp_path)).cgroup_limit_bytes
+
+    assert cgroup_memory_limit() == GiB  # the parent's limit binds
     (root / "memory" / "x").mkdir(parents=True)
     (root / "memory" / "x" / "memory.limit_in_bytes").write_text("536870912\n")
     proc.write_text("4:memory:/x\n0::/a/b\n")
-    assert cgroup_memory_limit(str(proc), str(root)) == 512 * MiB
+    assert cgroup_memory_limit() == 512 * MiB
     (root / "memory" / "x" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1 "unlimited"
     proc.write_text("4:memory:/x\n")
-    assert cgroup_memory_limit(str(proc), str(root)) is None
-    assert cgroup_memory_limit(str(tmp_path / "missing"), str(root)) is None
+    assert cgroup_memory_limit() is None
+    proc.unlink()  # no /proc/self/cgroup
+    assert cgroup_memory_limit() is None
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
-    assert mem_available(str(meminfo)) == 2 * MiB
+    assert read_mem_available(str(meminfo)) == 2 * MiB

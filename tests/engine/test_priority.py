@@ -16,8 +16,8 @@ import pytest
 
 import pinpool
 from pinpool import ConfigError
-from pinpool._host import priority as _priority
-from pinpool._plan.options import BACKGROUND_PIN_NICE
+from pinpool._host import libc as _libc
+from pinpool._plan.options import BACKGROUND_PIN_NICE, MAX_NICE
 from pinpool.testing import FakeRuntime
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
@@ -59,7 +59,7 @@ def pool(seen: Seen, **options: object) -> pinpool.PinnedPool:
 
 
 def expected(increment: int, base: int) -> int:
-    return min(_priority.MAX_NICE, base + increment)
+    return min(MAX_NICE, base + increment)
 
 
 @pytest.mark.anyio
@@ -165,8 +165,8 @@ def test_a_refused_setpriority_never_fails_pinning_and_is_logged_once(
     def refuse(which: int, who: int, prio: int) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(_priority.os, "setpriority", refuse)
-    monkeypatch.setattr(_priority, "_reported", threading.Event())
+    monkeypatch.setattr(_libc.os, "setpriority", refuse)
+    monkeypatch.setattr(_libc, "_nice_reported", threading.Event())
     base = this_nice()
     caplog.set_level(logging.DEBUG, logger="pinpool")
     for _ in range(2):
@@ -190,8 +190,8 @@ def test_lower_this_thread() -> None:
         thread.join()
 
     base = this_nice()
-    run("zero", lambda: _priority.lower_this_thread(0))
-    run("four", lambda: _priority.lower_this_thread(4))
+    run("zero", lambda: _libc.lower_this_thread(0))
+    run("four", lambda: _libc.lower_this_thread(4))
     assert results["zero"] == (None, base)
     assert results["four"] == (expected(4, base), expected(4, base))
     assert this_nice() == base  # only the calling thread changed

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pinpool._host.cpulimits import V1_SOURCE, V2_SOURCE, CpuQuota, cpu_budget, read_cpu_quota
 from pinpool._host.facts import HostFacts
+from pinpool._host.limits import V1_SOURCE, V2_SOURCE, CpuQuota, cpu_budget, read_cpu_quota
 
 from .test_memlimits import tree
 

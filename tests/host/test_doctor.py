@@ -15,8 +15,8 @@ import pytest
 from pinpool import ConfigError
 from pinpool._cli import checks as _doctor
 from pinpool._cli.checks import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
-from pinpool._host.cpulimits import V2_SOURCE, CpuQuota
 from pinpool._host.facts import HostFacts
+from pinpool._host.limits import V2_SOURCE, CpuQuota
 from pinpool._plan import preflight
 from pinpool._plan import preflight as _preflight
 from pinpool._plan.options import PoolOptions

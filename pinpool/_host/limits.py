@@ -1,0 +1,411 @@
+"""What this process's cgroups (v1 or v2) leave it: memory that may still become resident, and CPU time.
+
+**Memory.** Pinned pages are resident and can be neither swapped out nor reclaimed; pinning more
+than the memory cgroup has left does not fail a call pinpool could roll back: the OOM killer
+ends the process (exit 137). So the pre-flight compares a pool with :func:`read_memory_limits`
+(the limit, usage and page cache of the binding cgroup, and MemAvailable) before anything is mapped.
+
+**CPU.** A container's CPU limit (Kubernetes ``limits.cpu``, ``docker run --cpus``, systemd's
+``CPUQuota=``) is a CFS quota: ``quota`` microseconds per ``period`` across all the cgroup's
+threads, after which the kernel stops every one of them until the next period. The affinity mask
+does not show it (a pod limited to 16 CPUs on a 192-core node may run on all 192), and sizing pin
+workers from the affinity alone stalls the server's own threads (measured: a 2 ms serving task's
+p99 at 12x its idle value under a 1-CPU quota). So workers are sized by :func:`cpu_budget`: the
+affinity bounded by :func:`read_cpu_quota` (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` /
+``cpu.cfs_period_us``). Mount points come from ``/proc/self/mountinfo``, whose root field maps a
+cgroup path onto a mount that shows only the container's subtree.
+
+A parent's limit binds its children, so every level from the process's cgroup up is read; the
+tightest wins. Best effort by design: any file may be missing, unreadable or garbage (another
+kernel, no cgroup filesystem, a namespace, a fixture): unknown is ``None`` and nothing raises. A
+quota file holding what the kernel never writes is ignored for sizing but named in
+:attr:`CpuQuota.ignored` (``pinpool doctor`` warns). ``root`` points a reader at a fixture tree
+laid out like ``/``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# The kernel reports "no limit" as PAGE_COUNTER_MAX pages (v1: 9223372036854771712 with 4 KiB
+# pages; v2 writes "max"). Anything this large is no limit at all.
+_NO_LIMIT = 1 << 62
+# Every file read here is a few KiB; a cap keeps a garbage fixture (or /dev/zero) from costing more.
+_READ_CAP = 1 << 16
+_PATH_MAX = 4096  # the kernel never writes a longer cgroup path
+_DIGITS = re.compile(r"[0-9]{1,20}", re.ASCII)  # int() would also take "1_0", "+1", " ١٠ "
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    """This process's memory figures, in bytes; ``None`` where unknown (or, for the limit, unlimited).
+
+    cgroup_version: 1 or 2, the hierarchy holding the memory controller; None without one.
+    cgroup_limit_bytes: the limit that binds: of this process's cgroup and its ancestors (a
+        parent's limit binds its children too), the one with the least room left. None: no limit.
+    cgroup_usage_bytes: that cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``);
+        without a limit, the usage of the process's own cgroup.
+    mem_available_bytes: ``MemAvailable`` of /proc/meminfo (the kernel's estimate of what can be
+        allocated without swapping, reclaimable page cache included). Host-wide, not per container.
+    effective_available_bytes: the smaller of what the cgroup has left and MemAvailable (see
+        :func:`effective_available`); None when neither is known.
+    cgroup_path: the binding cgroup's path in its hierarchy (``/`` inside a cgroup namespace).
+    cgroup_reclaimable_bytes: that cgroup's file page cache (``active_file + inactive_file`` of
+        memory.stat), which counts in its usage but the kernel reclaims before it OOM-kills.
+    """
+
+    cgroup_version: int | None = None
+    cgroup_limit_bytes: int | None = None
+    cgroup_usage_bytes: int | None = None
+    mem_available_bytes: int | None = None
+    effective_available_bytes: int | None = None
+    cgroup_path: str | None = None
+    cgroup_reclaimable_bytes: int | None = None
+
+
+def cgroup_room(limit: int | None, usage: int | None, reclaimable: int | None) -> int | None:
+    """Bytes a cgroup can still charge before its limit: ``limit - (usage - reclaimable page cache)``.
+
+    Page cache counts in a cgroup's usage but is dropped before the OOM killer runs, so it is
+    room too (docker and the kubelet subtract it the same way). Unknown usage: the limit is all
+    we know, an upper bound."""
+    if limit is None:
+        return None
+    if usage is None:
+        return limit
+    used = max(0, usage - (reclaimable or 0))
+    return max(0, limit - used)
+
+
+def effective_available(
+    limit: int | None, usage: int | None, reclaimable: int | None, mem_available: int | None
+) -> int | None:
+    """What may still become resident: the cgroup's room and MemAvailable, whichever is smaller."""
+    known = [x for x in (cgroup_room(limit, usage, reclaimable), mem_available) if x is not None]
+    return min(known, default=None)
+
+
+def read_memory_limits(root: str = "/") -> MemoryLimits:
+    """Read this process's memory cgroup and MemAvailable (under ``root``). Never raises."""
+    try:
+        level = _binding_level(read_text(os.path.join(root, "proc/self/cgroup")), os.path.join(root, "sys/fs/cgroup"))
+        available = read_mem_available(os.path.join(root, "proc/meminfo"))
+    except Exception:  # a reader must never stop a pool: an odd host reads as "unknown"  # pragma: no cover
+        return MemoryLimits()
+    if level is None:
+        return MemoryLimits(mem_available_bytes=available, effective_available_bytes=available)
+    return MemoryLimits(
+        cgroup_version=level.version,
+        cgroup_limit_bytes=level.limit,
+        cgroup_usage_bytes=level.usage,
+        mem_available_bytes=available,
+        effective_available_bytes=effective_available(level.limit, level.usage, level.reclaimable, available),
+        cgroup_path=level.path,
+        cgroup_reclaimable_bytes=level.reclaimable,
+    )
+
+
+def read_mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` in bytes, or None (a kernel before 3.14 has none; garbage reads as None)."""
+    for line in (read_text(meminfo) or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            fields = line.split()
+            if len(fields) == 3 and fields[2] == "kB":
+                kib = _to_int(fields[1])
+                return None if kib is None else kib * 1024
+            return None
+    return None
+
+
+# -- the cgroup hierarchy ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Level:
+    """One cgroup on the path from the process's own to the root of its hierarchy."""
+
+    version: int
+    path: str
+    limit: int | None
+    usage: int | None
+    reclaimable: int | None
+
+
+# Per version: the limit, usage and stat files, and the memory.stat keys of the file LRU lists
+# (v1 has hierarchical total_* keys, which count child cgroups as usage_in_bytes does).
+_FILES = {
+    2: ("memory.max", "memory.current", (("active_file", "inactive_file"),)),
+    1: (
+        "memory.limit_in_bytes",
+        "memory.usage_in_bytes",
+        (("total_active_file", "total_inactive_file"), ("active_file", "inactive_file")),
+    ),
+}
+
+
+def _binding_level(proc_cgroup: str | None, mount: str) -> _Level | None:
+    """The cgroup whose limit leaves the least room, else the process's own cgroup, else None."""
+    levels = list(_levels(proc_cgroup, mount))
+    limited = [level for level in levels if level.limit is not None]
+    if limited:
+        return min(limited, key=lambda level: cgroup_room(level.limit, level.usage, level.reclaimable) or 0)
+    return levels[0] if levels else None
+
+
+def cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
+    """Each line of ``/proc/self/cgroup`` (``id:controllers:path``) as its controllers ("" for v2)
+    and its path's parts. Skipped: a path outside this cgroup namespace (a ``..`` part: nothing
+    visible here is an ancestor) and one longer than the kernel writes."""
+    for line in (proc_cgroup or "").splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3 or len(fields[2]) > _PATH_MAX:
+            continue
+        parts = [p for p in fields[2].removesuffix(" (deleted)").split("/") if p not in ("", ".")]
+        if ".." not in parts:
+            yield fields[1], parts
+
+
+def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
+    """Every cgroup of this process that has memory files, deepest first, per hierarchy.
+
+    ``/proc/self/cgroup`` lines are ``id:controllers:path``: ``0::/path`` for v2 (mounted at
+    /sys/fs/cgroup, or at /sys/fs/cgroup/unified on hybrid hosts, where it may lack the memory
+    controller), ``N:memory:/path`` (or ``N:cpu,memory:/path``) for v1. Ancestors count because
+    their limits bind too. In a container without a cgroup namespace the path names the host's
+    cgroup, which the container sees as its mount root: the walk up finds the root's files.
+    """
+    for controllers, parts in cgroup_paths(proc_cgroup):
+        if controllers == "":
+            version, bases = 2, [mount, os.path.join(mount, "unified")]
+        elif "memory" in controllers.split(","):
+            version, bases = 1, list(dict.fromkeys([os.path.join(mount, "memory"), os.path.join(mount, controllers)]))
+        else:
+            continue
+        limit_name, usage_name, stat_keys = _FILES[version]
+        for base in bases:
+            for depth in range(len(parts), -1, -1):
+                directory = os.path.join(base, *parts[:depth])
+                if not os.path.isdir(directory):
+                    continue
+                limit_text = read_text(os.path.join(directory, limit_name))
+                usage = _to_int(read_text(os.path.join(directory, usage_name)))
+                if limit_text is None and usage is None:
+                    continue  # not a cgroup here (or no memory controller on this mount)
+                yield _Level(
+                    version=version,
+                    path="/" + "/".join(parts[:depth]),
+                    limit=_limit(limit_text),
+                    usage=usage,
+                    reclaimable=_page_cache(read_text(os.path.join(directory, "memory.stat")), stat_keys),
+                )
+
+
+def _limit(text: str | None) -> int | None:
+    """A limit file's bytes; None for "max", the v1 near-2**63 "unlimited", and anything unreadable."""
+    if text is None or text.strip() == "max":
+        return None
+    value = _to_int(text)
+    return value if value is not None and value < _NO_LIMIT else None
+
+
+def _page_cache(stat: str | None, key_sets: tuple[tuple[str, ...], ...]) -> int | None:
+    """The file LRU bytes of a memory.stat, from the first key set it has in full."""
+    values: dict[str, int] = {}
+    for line in (stat or "").splitlines():
+        fields = line.split()
+        if len(fields) == 2:
+            number = _to_int(fields[1])
+            if number is not None:
+                values[fields[0]] = number
+    for keys in key_sets:
+        if all(k in values for k in keys):
+            return sum(values[k] for k in keys)
+    return None
+
+
+def _to_int(text: str | None) -> int | None:
+    """A non-negative ASCII decimal, or None (kernel files hold nothing else; garbage is unknown)."""
+    if text is None:
+        return None
+    text = text.strip(" \t\n")
+    return int(text) if _DIGITS.fullmatch(text) else None
+
+
+def read_text(path: str, cap: int = _READ_CAP) -> str | None:
+    """A small text file's contents (its first ``cap`` bytes), or None when it is missing, unreadable,
+    not UTF-8 or not a file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(cap)
+        return data.decode()
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+# -- the CPU quota ----------------------------------------------------------------------------------
+
+# mountinfo lists every mount of the namespace: a node running many containers has thousands.
+_MOUNTINFO_CAP = 1 << 22
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
+V2_SOURCE = "cgroup v2 cpu.max"
+V1_SOURCE = "cgroup v1 cpu.cfs_quota_us/cpu.cfs_period_us"
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """The CPU quota that binds this process, as read (see the module's docs).
+
+    quota_us, period_us: CPU time the cgroup may use per period, in microseconds; both None when
+        no quota applies (or none could be read).
+    source: which files it came from (:data:`V2_SOURCE`, :data:`V1_SOURCE`), None without a quota.
+    path: the binding cgroup's path in its hierarchy, None without a quota.
+    ignored: quota files that held what the kernel never writes, each as ``"file: 'text'"``; they
+        were left out of the figures above.
+    """
+
+    quota_us: int | None = None
+    period_us: int | None = None
+    source: str | None = None
+    path: str | None = None
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def cpus(self) -> float | None:
+        """The quota in CPUs (``quota / period``), None without one."""
+        if self.quota_us is None or not self.period_us:
+            return None
+        return self.quota_us / self.period_us
+
+
+def cpu_budget(affinity_cpus: int, quota: CpuQuota | None) -> int:
+    """Threads this process can keep busy: the CPUs it may run on, bounded by the CPU time its
+    cgroup may use (``floor(quota / period)``: a 1.5-CPU quota keeps one thread busy, not two);
+    at least 1."""
+    budget = max(1, affinity_cpus)
+    cpus = None if quota is None else quota.cpus
+    if cpus is not None:
+        budget = min(budget, int(cpus))
+    return max(1, budget)
+
+
+def read_cpu_quota(root: str = "/") -> CpuQuota:
+    """The tightest CPU quota on this process's cgroup path (v2 and v1), read under ``root``.
+    Never raises."""
+    try:
+        proc_cgroup = read_text(os.path.join(root, "proc/self/cgroup"))
+        mounts = _cgroup_mounts(read_text(os.path.join(root, "proc/self/mountinfo"), _MOUNTINFO_CAP), root)
+        levels = list(_cpu_levels(proc_cgroup, mounts))
+    except Exception:  # a reader must never stop a pool: an odd host reads as "unknown"  # pragma: no cover
+        return CpuQuota()
+    ignored = tuple(level.ignored for level in levels if level.ignored)
+    limited = [level for level in levels if level.quota_us is not None]
+    if not limited:
+        return CpuQuota(ignored=ignored)
+    tightest = min(limited, key=lambda level: (level.quota_us or 0) / level.period_us)
+    return CpuQuota(tightest.quota_us, tightest.period_us, tightest.source, tightest.path, ignored)
+
+
+# -- the hierarchy -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Mount:
+    version: int
+    directory: str  # where it is mounted, under the reader's root
+    root: str  # the cgroup path the mount shows at its top (mountinfo's fourth field)
+
+
+@dataclass(frozen=True)
+class _CpuLevel:
+    path: str
+    source: str
+    quota_us: int | None
+    period_us: int
+    ignored: str | None
+
+
+def _cgroup_mounts(mountinfo: str | None, root: str) -> list[_Mount]:
+    """The cgroup2 mounts and the v1 mounts holding the ``cpu`` controller, from mountinfo; the
+    usual places when mountinfo is missing or lists none."""
+    found: list[_Mount] = []
+    for line in (mountinfo or "").splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        fstype, options = tail[0], tail[2].split(",")
+        if fstype == "cgroup2":
+            version = 2
+        elif fstype == "cgroup" and "cpu" in options:
+            version = 1
+        else:
+            continue
+        mount_root, mount_point = (_OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), f) for f in fields[3:5])
+        found.append(_Mount(version, os.path.join(root, mount_point.lstrip("/")), mount_root))
+    if found:
+        return found
+    base = os.path.join(root, "sys/fs/cgroup")
+    return [
+        _Mount(2, base, "/"),
+        _Mount(2, os.path.join(base, "unified"), "/"),
+        _Mount(1, os.path.join(base, "cpu"), "/"),
+        _Mount(1, os.path.join(base, "cpu,cpuacct"), "/"),
+    ]
+
+
+def _cpu_levels(proc_cgroup: str | None, mounts: list[_Mount]) -> Iterator[_CpuLevel]:
+    """Every cgroup on this process's path that has CPU quota files, deepest first, per mount.
+
+    ``/proc/self/cgroup`` lines are ``id:controllers:path``: ``0::/path`` for v2,
+    ``N:cpu,cpuacct:/path`` for v1. A mount whose root is not on the path (another subtree
+    bind-mounted here) shows nothing of this process's cgroups and is skipped.
+    """
+    for controllers, parts in cgroup_paths(proc_cgroup):
+        version = 2 if controllers == "" else 1 if "cpu" in controllers.split(",") else None
+        if version is None:
+            continue
+        for mount in (m for m in mounts if m.version == version):
+            top = [p for p in mount.root.split("/") if p]
+            if parts[: len(top)] != top:
+                continue
+            for depth in range(len(parts), len(top) - 1, -1):
+                directory = os.path.join(mount.directory, *parts[len(top) : depth])
+                level = _read_level(version, directory, "/" + "/".join(parts[:depth]))
+                if level is not None:
+                    yield level
+
+
+def _read_level(version: int, directory: str, path: str) -> _CpuLevel | None:
+    """One cgroup's quota; None when it has no quota files (not a cgroup, or the root of v2)."""
+    if version == 2:
+        name = os.path.join(directory, "cpu.max")
+        text = read_text(name)
+        if text is None:
+            return None
+        fields = text.split()
+        if len(fields) in (1, 2) and fields[0] == "max" and (len(fields) == 1 or _to_int(fields[1])):
+            return _CpuLevel(path, V2_SOURCE, None, 1, None)
+        quota, period = (_to_int(f) for f in fields) if len(fields) == 2 else (None, None)
+        if quota is None or not period:
+            return _CpuLevel(path, V2_SOURCE, None, 1, _shown(name, text))
+        return _CpuLevel(path, V2_SOURCE, quota, period, None)
+    quota_name, period_name = os.path.join(directory, "cpu.cfs_quota_us"), os.path.join(directory, "cpu.cfs_period_us")
+    quota_text, period_text = read_text(quota_name), read_text(period_name)
+    if quota_text is None and period_text is None:
+        return None
+    if quota_text is not None and quota_text.strip() == "-1":
+        return _CpuLevel(path, V1_SOURCE, None, 1, None)
+    quota, period = _to_int(quota_text), _to_int(period_text)
+    if quota is None or not period:
+        return _CpuLevel(
+            path, V1_SOURCE, None, 1, f"{_shown(quota_name, quota_text)}, {_shown(period_name, period_text)}"
+        )
+    return _CpuLevel(path, V1_SOURCE, quota, period, None)
+
+
+def _shown(name: str, text: str | None) -> str:
+    """A file and what it held, for a warning: short, and as a repr (no control characters reach a terminal)."""
+    return f"{name}: {(text or '').strip()[:80]!r}"
