@@ -59,24 +59,16 @@ class HostFacts:
     """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
 
     cpus: CPUs in this process's affinity mask.
-    cpu_quota: the CPU cgroup quota that binds (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), as read by
-        :func:`pinpool._host.limits.read_cpu_quota`; None when not read (a hand-made host).
-        :attr:`cpu_budget` is what worker counts derive from.
+    cpu_quota: the CPU cgroup quota that binds (:func:`~pinpool._host.limits.read_cpu_quota`); None
+        when not read (a hand-made host). Worker counts derive from :attr:`cpu_budget`.
     page_size: the OS page.
     huge_page_size: the huge page pinpool maps with (``huge_pages=True`` alignment, hugetlb pages): 2 MiB.
     thp_mode: transparent huge pages mode ("always", "madvise", "never"), None without THP.
     populate_write: the kernel accepts MADV_POPULATE_WRITE (Linux 5.14+).
     memlock_soft, memlock_hard: RLIMIT_MEMLOCK (None: unlimited).
     cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK.
-    cgroup_memory_limit: the memory cgroup's limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``)
-        that binds: of the process's cgroup and its ancestors, the one with the least room left.
-        None when unlimited or not found. Best effort (see :mod:`pinpool._host.limits`).
-    mem_available: ``MemAvailable`` of /proc/meminfo, None when unreadable.
-    cgroup_memory_usage: that cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``).
-    cgroup_memory_reclaimable: that cgroup's file page cache, which its usage counts but the
-        kernel reclaims before it OOM-kills.
-    cgroup_version: 1 or 2 (the hierarchy with the memory controller), None without one.
-    cgroup_path: the binding cgroup's path, for messages.
+    cgroup_memory_limit, cgroup_memory_usage, cgroup_memory_reclaimable, cgroup_version, cgroup_path,
+        mem_available: the fields of :class:`~pinpool._host.limits.MemoryLimits`.
     locked_bytes: memory this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
     hugetlb_free, hugetlb_total: 2 MiB hugetlb pages free and reserved (vm.nr_hugepages).
     hugetlb_1g_free, hugetlb_1g_total: 1 GiB hugetlb pages free and reserved (``hugepagesz=1G

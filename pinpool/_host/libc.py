@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 import threading
+from typing import Any
 
 PAGE_SIZE = mmap.PAGESIZE
 HUGE_PAGE_SIZE = 2 << 20
@@ -50,37 +51,22 @@ RLIM_INFINITY = resource.RLIM_INFINITY
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
-_mmap = _libc.mmap
-_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_mmap.restype = ctypes.c_void_p
 
-_munmap = _libc.munmap
-_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_munmap.restype = ctypes.c_int
-
-_madvise = _libc.madvise
-_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_madvise.restype = ctypes.c_int
-
-_mlock = _libc.mlock
-_mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_mlock.restype = ctypes.c_int
-
-_munlock = _libc.munlock
-_munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_munlock.restype = ctypes.c_int
+def _function(name: str, restype: Any, *argtypes: Any) -> Any:
+    function = getattr(_libc, name)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
 
 
-# struct statfs is 120 bytes on 64-bit Linux; f_type and f_bsize are its first two longs.
-_STATFS_BYTES = 256
-_statfs = _libc.statfs
-_statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-_statfs.restype = ctypes.c_int
-
-_fstatfs = _libc.fstatfs
-_fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
-_fstatfs.restype = ctypes.c_int
-
+_void_p, _size_t, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+_mmap = _function("mmap", _void_p, _void_p, _size_t, _int, _int, _int, ctypes.c_long)
+_munmap = _function("munmap", _int, _void_p, _size_t)
+_madvise = _function("madvise", _int, _void_p, _size_t, _int)
+_mlock = _function("mlock", _int, _void_p, _size_t)
+_munlock = _function("munlock", _int, _void_p, _size_t)
+_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type and f_bsize are its first two longs
+_statfs = _function("statfs", _int, ctypes.c_char_p, _void_p)
+_fstatfs = _function("fstatfs", _int, _int, _void_p)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
 

@@ -43,18 +43,16 @@ _DIGITS = re.compile(r"[0-9]{1,20}", re.ASCII)  # int() would also take "1_0", "
 class MemoryLimits:
     """This process's memory figures, in bytes; ``None`` where unknown (or, for the limit, unlimited).
 
-    cgroup_version: 1 or 2, the hierarchy holding the memory controller; None without one.
-    cgroup_limit_bytes: the limit that binds: of this process's cgroup and its ancestors (a
-        parent's limit binds its children too), the one with the least room left. None: no limit.
+    cgroup_version: 1 or 2, the hierarchy holding the memory controller.
+    cgroup_limit_bytes: of this process's cgroup and its ancestors, the limit with the least room left
+        (v2 ``memory.max``, v1 ``memory.limit_in_bytes``).
     cgroup_usage_bytes: that cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``);
-        without a limit, the usage of the process's own cgroup.
-    mem_available_bytes: ``MemAvailable`` of /proc/meminfo (the kernel's estimate of what can be
-        allocated without swapping, reclaimable page cache included). Host-wide, not per container.
-    effective_available_bytes: the smaller of what the cgroup has left and MemAvailable (see
-        :func:`effective_available`); None when neither is known.
-    cgroup_path: the binding cgroup's path in its hierarchy (``/`` inside a cgroup namespace).
-    cgroup_reclaimable_bytes: that cgroup's file page cache (``active_file + inactive_file`` of
-        memory.stat), which counts in its usage but the kernel reclaims before it OOM-kills.
+        without a limit, the process's own cgroup's.
+    cgroup_reclaimable_bytes: that cgroup's file page cache (memory.stat), counted in its usage but
+        reclaimed before the OOM killer runs.
+    cgroup_path: the binding cgroup's path (``/`` inside a cgroup namespace), for messages.
+    mem_available_bytes: ``MemAvailable`` of /proc/meminfo (host-wide, not per container).
+    effective_available_bytes: :func:`effective_available` of the above.
     """
 
     cgroup_version: int | None = None
@@ -169,14 +167,10 @@ def cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
 
 
 def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
-    """Every cgroup of this process that has memory files, deepest first, per hierarchy.
-
-    ``/proc/self/cgroup`` lines are ``id:controllers:path``: ``0::/path`` for v2 (mounted at
-    /sys/fs/cgroup, or at /sys/fs/cgroup/unified on hybrid hosts, where it may lack the memory
-    controller), ``N:memory:/path`` (or ``N:cpu,memory:/path``) for v1. Ancestors count because
-    their limits bind too. In a container without a cgroup namespace the path names the host's
-    cgroup, which the container sees as its mount root: the walk up finds the root's files.
-    """
+    """Every cgroup of this process that has memory files, deepest first, per hierarchy: v2 at
+    /sys/fs/cgroup (or /sys/fs/cgroup/unified on hybrid hosts), v1 at its ``memory`` mount. In a
+    container without a cgroup namespace the path names the host's cgroup, which the container
+    sees as its mount root: the walk up finds the root's files."""
     for controllers, parts in cgroup_paths(proc_cgroup):
         if controllers == "":
             version, bases = 2, [mount, os.path.join(mount, "unified")]
@@ -256,15 +250,9 @@ V1_SOURCE = "cgroup v1 cpu.cfs_quota_us/cpu.cfs_period_us"
 
 @dataclass(frozen=True)
 class CpuQuota:
-    """The CPU quota that binds this process, as read (see the module's docs).
-
-    quota_us, period_us: CPU time the cgroup may use per period, in microseconds; both None when
-        no quota applies (or none could be read).
-    source: which files it came from (:data:`V2_SOURCE`, :data:`V1_SOURCE`), None without a quota.
-    path: the binding cgroup's path in its hierarchy, None without a quota.
-    ignored: quota files that held what the kernel never writes, each as ``"file: 'text'"``; they
-        were left out of the figures above.
-    """
+    """The CPU quota that binds this process: ``quota_us`` per ``period_us`` (None: no quota known),
+    from ``source`` (:data:`V2_SOURCE`, :data:`V1_SOURCE`) at the cgroup ``path``; ``ignored``: quota
+    files that held what the kernel never writes (``"file: 'text'"``), left out of the figures."""
 
     quota_us: int | None = None
     period_us: int | None = None

@@ -16,6 +16,7 @@ to it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -303,9 +304,8 @@ class SharedMemory:
 
     @property
     def region_id(self) -> str:
-        """The region's identity: 32 hex digits, new each time a region is created (a region
-        removed and created again at the same path has another). Key a saved index on
-        ``(region_id, generation)``: the generation counts within one region's life, the id tells
+        """The region's identity: 32 hex digits, new each time a region is created. Key a saved index
+        on ``(region_id, generation)``: the generation counts within one region's life, the id tells
         the lives apart. :class:`ConfigError` when there is no region to read."""
         mapping = self._mapping
         if mapping is not None:
@@ -350,13 +350,9 @@ class SharedMemory:
 
     def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
         """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (see
-        :func:`layout_record`), map all of it ``MAP_SHARED`` in this process, and return the mapping.
-
-        Creating writes ``nbytes`` and ``record`` into the trailer; attaching refuses a region
-        whose ``nbytes`` or ``record`` differ (:class:`ConfigError` naming both). The pages are
-        not faulted: the pool pre-faults and pins them. :class:`PoolStateError` while another
-        pool maps this SharedMemory; :class:`~pinpool.AllocationError` when the kernel refuses the
-        mapping (hugetlb pages short).
+        :func:`~pinpool._shared.format.layout_record`: attaching refuses another one, naming both)
+        and map all of it ``MAP_SHARED``, unfaulted. :class:`PoolStateError` while another pool maps
+        this SharedMemory; :class:`~pinpool.AllocationError` when the kernel refuses the mapping.
         """
         self._check_nbytes(nbytes)
         if not isinstance(record, Mapping):
@@ -375,10 +371,7 @@ class SharedMemory:
                 fd = os.dup(self._given_fd) if self._given_fd is not None else new_memfd(self._memfd_flags)
                 where = f"fd {self._given_fd}" if self._given_fd is not None else "memfd"
                 try:
-                    if self._create:
-                        mapping = self._initialise(fd, nbytes, record_json, where, None)
-                    else:
-                        mapping = self._attach(fd, nbytes, record_json, where, None)
+                    mapping = self._map(self._create, fd, nbytes, record_json, where, None)
                 except BaseException:
                     os.close(fd)
                     raise
@@ -400,10 +393,9 @@ class SharedMemory:
                 try:
                     st = os.fstat(fd)
                     identity = (st.st_dev, st.st_ino)
-                    mapping = self._initialise(
-                        fd, nbytes, record_json, where, self._unlinker_for(dir_fd, identity),
-                        publish=lambda: publish(dir_fd, path, temp),
-                    )  # fmt: skip
+                    unlinker = self._unlinker_for(dir_fd, identity)
+                    publishing = functools.partial(publish, dir_fd, path, temp)
+                    mapping = self._map(True, fd, nbytes, record_json, where, unlinker, publishing)
                 except BaseException:  # an interrupt too: no temporary file, no half-made region left
                     st = os.fstat(fd)
                     os.close(fd)
@@ -418,7 +410,7 @@ class SharedMemory:
                 # This object made it and kept it (a pool opened again): it is still the creator.
                 made = self._made == (st.st_dev, st.st_ino)
                 unlinker = self._unlinker_for(dir_fd, (st.st_dev, st.st_ino)) if made else None
-                return self._attach(fd, nbytes, record_json, where, unlinker)
+                return self._map(False, fd, nbytes, record_json, where, unlinker)
             except BaseException:
                 os.close(fd)
                 raise
@@ -428,21 +420,17 @@ class SharedMemory:
     def _unlinker_for(self, dir_fd: int, identity: tuple[int, int]) -> Callable[[], Unlinker]:
         return lambda: Unlinker(os.dup(dir_fd), self._name, identity, keep=self._keep)
 
-    def _initialise(
-        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], Unlinker] | None,
-        publish: Callable[[], None] | None = None,
+    def _map(
+        self, create: bool, fd: int, nbytes: int, record_json: str, where: str,
+        unlinker: Callable[[], Unlinker] | None, publish: Callable[[], None] | None = None,
     ) -> SharedMapping:  # fmt: skip
-        """Size the new (empty) file ``fd``, write its trailer and map it (see :func:`create_mapping`)."""
-        return create_mapping(
-            fd, nbytes, record_json, where, page_size=self._page_size, keep=self._keep, seal=bool(self._memfd_flags),
-            path=self._path, directory=self._directory, unlinker=unlinker, publish=publish,
-        )  # fmt: skip
-
-    def _attach(
-        self, fd: int, nbytes: int, record_json: str, where: str, unlinker: Callable[[], Unlinker] | None
-    ) -> SharedMapping:
-        """Map the region ``fd`` holds, once it matches what the pool asks for (see :func:`attach_mapping`)."""
+        """Create the region in the empty file ``fd``, or attach to the one it holds, and map it."""
+        page_size, path, directory = self._page_size, self._path, self._directory
+        if create:
+            return create_mapping(
+                fd, nbytes, record_json, where, page_size=page_size, keep=self._keep, seal=bool(self._memfd_flags),
+                path=path, directory=directory, unlinker=unlinker, publish=publish,
+            )  # fmt: skip
         return attach_mapping(
-            fd, nbytes, record_json, where, page_size=self._page_size, path=self._path, directory=self._directory,
-            unlinker=unlinker,
-        )  # fmt: skip
+            fd, nbytes, record_json, where, page_size=page_size, path=path, directory=directory, unlinker=unlinker
+        )
