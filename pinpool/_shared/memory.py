@@ -393,9 +393,9 @@ class SharedMemory:
                 try:
                     st = os.fstat(fd)
                     identity = (st.st_dev, st.st_ino)
-                    unlinker = self._unlinker_for(dir_fd, identity)
                     publishing = functools.partial(publish, dir_fd, path, temp)
-                    mapping = self._map(True, fd, nbytes, record_json, where, unlinker, publishing)
+                    unlink = self._unlinker_for(dir_fd, identity)
+                    mapping = self._map(True, fd, nbytes, record_json, where, unlink, publishing)
                 except BaseException:  # an interrupt too: no temporary file, no half-made region left
                     st = os.fstat(fd)
                     os.close(fd)
