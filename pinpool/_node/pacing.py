@@ -44,7 +44,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Literal, TypeVar, cast
+from typing import Literal, Self, TypeVar, cast
 
 from .._errors import ConfigError, Kind, NodeBusyError, NodeWaitCancelled
 from .._host.files import FILE_FLAGS
@@ -161,8 +161,9 @@ class _Hold:
     """
 
     def __init__(self, *, directory: str, name: str | None, waited_seconds: float) -> None:
-        self._fd = -1
+        self._fd = self._dir_fd = -1  # the budget's: the directory, to remove its hold file by name
         self._pid = os.getpid()
+        self._shown = ""  # what a repr names first
         self._lock = threading.Lock()
         self.directory = directory
         self.name = name  # the file's name in the directory, None for a hold of no pacing
@@ -191,16 +192,17 @@ class _Hold:
         """What to do before the descriptor is closed (the budget removes its hold file)."""
 
     def _forget_in_child(self) -> None:
-        """In a forked child: close the inherited copy (never releases the parent's lock)."""
-        fd, self._fd = self._fd, -1
+        """In a forked child: close the inherited copies (never releases the parent's lock)."""
+        fds, self._fd, self._dir_fd = (self._fd, self._dir_fd), -1, -1
         self._lock = threading.Lock()
-        if fd >= 0:
+        for fd in fds:
             try:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             except OSError:
                 pass
 
-    def __enter__(self) -> _Hold:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -213,6 +215,11 @@ class _Hold:
             self.release()
         except Exception:
             pass
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        where = f"{self.name} in {self.directory!r} {state} waited={self.waited_seconds:.3f}s"
+        return f"<{type(self).__name__} {self._shown}{where}>"
 
 
 def _forget_all_in_child() -> None:
@@ -232,22 +239,15 @@ class SlotHold(_Hold):
         super().__init__(directory=directory, name=name, waited_seconds=waited_seconds)
         self.index = index
 
-    def __enter__(self) -> SlotHold:
-        return self
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return f"<SlotHold {self.name} in {self.directory!r} {state} waited={self.waited_seconds:.3f}s>"
-
 
 class BudgetHold(_Hold):
     """``nbytes`` of the node's byte budget (``name`` None when the budget is not paced). Hold it for
     as long as the memory is pinned: from before pinning until after unpinning."""
 
     def __init__(self, *, directory: str, name: str | None, nbytes: int, waited_seconds: float) -> None:
-        self._dir_fd = -1  # the directory, to remove the hold file by name (never by a path that could be swapped)
         super().__init__(directory=directory, name=name, waited_seconds=waited_seconds)
         self.nbytes = nbytes
+        self._shown = f"{format_bytes(nbytes)} "
 
     def _undo(self, *, owned: bool) -> None:
         dir_fd, self._dir_fd = self._dir_fd, -1
@@ -260,25 +260,6 @@ class BudgetHold(_Hold):
             pass
         finally:
             os.close(dir_fd)
-
-    def _forget_in_child(self) -> None:
-        dir_fd, self._dir_fd = self._dir_fd, -1
-        if dir_fd >= 0:
-            try:
-                os.close(dir_fd)
-            except OSError:
-                pass
-        super()._forget_in_child()
-
-    def __enter__(self) -> BudgetHold:
-        return self
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return (
-            f"<BudgetHold {format_bytes(self.nbytes)} {self.name} in {self.directory!r} {state} "
-            f"waited={self.waited_seconds:.3f}s>"
-        )
 
 
 # -- admission --------------------------------------------------------------------------------------
