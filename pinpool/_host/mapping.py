@@ -1,19 +1,17 @@
-"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying.
+"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying; or a
+caller's tensor, reached through an alias.
 
-Lifetime rule: the mapping is unmapped only when nothing refers to it any more: not the
-pool (which lets go after every chunk is unregistered) and not any tensor view (each view
-holds it through the buffer object torch.frombuffer keeps alive). A tensor kept past the
-pool's exit therefore stays valid, merely unpinned. A mapping whose chunks could not all
-be unregistered is never unmapped: freeing still-registered memory is undefined. The unmap
-never runs at interpreter exit (where finalizers run in reverse creation order, so a mapping
-made at entry would go before its pool unpinned it): the pool's finalizer unpins, and the
-kernel takes the memory back with the process.
+Lifetime: a mapping is unmapped only when nothing refers to it (not the pool, which lets go after
+unpinning, nor any tensor view, each holding it through the buffer torch.frombuffer keeps), so a
+view kept past the pool's exit stays valid, merely unpinned; one with a chunk still registered
+is never unmapped. Never at interpreter exit either: finalizers run newest first then, so a
+mapping made at entry would go before its pool (made earlier) unpinned it; the kernel takes the
+memory back with the process.
 
-A caller's tensor (:func:`pinpool.pin`) is reached through an *alias*: a tensor over the
-same bytes whose storage cannot be resized and keeps the caller's storage alive. While the
-memory is pinned the caller's tensor is pointed at that alias, so ``t.resize_()`` to a
-larger size (which would reallocate, freeing the pinned memory under its registrations)
-raises instead, and ``t.set_()`` or dropping ``t`` cannot free it either.
+A caller's tensor (:func:`pinpool.pin`) is pinned through an *alias*: a tensor over the same
+bytes whose storage cannot be resized and keeps the caller's storage alive. While pinned, the
+caller's tensor is pointed at it, so ``t.resize_()`` (which would reallocate, freeing the pinned
+memory under its registrations) raises instead, and ``t.set_()`` or ``del t`` cannot free it.
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ from .._errors import AllocationError, ConfigError, RuntimeCallError
 from .._plan.preflight import hugetlb_check, hugetlb_fix, raise_first, thp_check
 from .._units import format_bytes, hugetlb_page_size
 from . import libc as _libc
-
-__all__ = ["AllocationError", "HostMapping", "TensorMemory", "alias_of", "populate_range"]
 
 # Mappings that must outlive everything because a chunk of them may still be registered.
 _KEPT_FOREVER: list[HostMapping] = []
@@ -93,11 +89,10 @@ class HostMapping:
     (or ``"hugetlb:2MiB"``) maps reserved 2 MiB hugetlb pages, ``"hugetlb:1GiB"`` reserved
     1 GiB ones. ``numa_node`` binds the memory (mbind) before any of it is faulted.
 
-    **Fork**: the mapping is ``MADV_DONTFORK``, set before any page is faulted or pinned, as
-    every server that pins private memory does: a forked child gets no copy of it (its address
-    range is unmapped in the child; touching it there is a segmentation fault), so the pinned
-    pages are never shared copy-on-write, and a write by the parent after the fork can never
-    move it to a new, unpinned page under a DMA registration.
+    **Fork**: the mapping is ``MADV_DONTFORK`` before any page is faulted, as every server that
+    pins private memory does: a forked child gets no copy (touching the range there is a
+    segmentation fault), so no pinned page is shared copy-on-write, and a write by the parent
+    after a fork never moves one to a new, unpinned page under a DMA registration.
     """
 
     def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
@@ -123,13 +118,8 @@ class HostMapping:
         self.nbytes = nbytes
         self.huge_pages = huge_pages
         self._finalizer = weakref.finalize(self, _unmap_in, os.getpid(), address, length, hugetlb or _libc.PAGE_SIZE)
-        # Never at interpreter exit: finalizers left then run newest first, so this one (made at
-        # entry) would unmap before the pool's (made at construction) unpins. The pool's lifecycle
-        # holds the mapping until it has unpinned; at exit the kernel takes the memory back.
-        self._finalizer.atexit = False
-        # First, before any page is faulted: a page a child shares copy-on-write is one a write
-        # by the parent would move off the registered frame.
-        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)
+        self._finalizer.atexit = False  # never at interpreter exit (see the module doc)
+        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)  # before any page is faulted (Fork, above)
         if err:
             self._finalizer()
             raise AllocationError(
@@ -258,14 +248,10 @@ def _point(tensor: torch.Tensor, storage: torch.UntypedStorage, geometry: _Geome
 def _give_back(owner: weakref.ref[torch.Tensor], alias: torch.UntypedStorage, original: torch.UntypedStorage,
                geometry: _Geometry, thread: int) -> None:  # fmt: skip
     """Point the caller's tensor back at its own storage, if it still views the alias: as it is
-    now, or, where that is out of the storage's bounds, as it was when pinned (a ``resize_`` that
-    the alias refused leaves the tensor's sizes grown over its unchanged storage: torch sets the
-    sizes before it tries the storage).
-
-    Only in the thread that pointed it at the alias (the one that entered the pool, which
-    exits it too): a pool closed elsewhere (a background pinning that failed, a finalizer)
-    must not change a tensor another thread may be using. The tensor then keeps the alias:
-    the same bytes, which cannot be resized."""
+    now, or, out of the storage's bounds, as it was when pinned (torch sets a refused ``resize_``'s
+    sizes before it tries the storage). Only in the thread that pointed it at the alias: a pool
+    closed elsewhere (a failed background pinning, a finalizer) must not change a tensor another
+    thread may be using; it then keeps the alias (the same bytes, which cannot be resized)."""
     if threading.get_ident() != thread:
         return
     tensor = owner()
@@ -281,20 +267,12 @@ class TensorMemory:
     """A caller's CPU tensor as pool memory: same interface as HostMapping, never freed.
 
     ``tensor`` is the alias :func:`alias_of` made when ``pin()`` was called (a plain tensor is
-    aliased here). Its storage holds the caller's storage, so the memory cannot be released
-    while pinned: this object is referenced until the pool is closed (and forever if a chunk
-    leaked). On entry the caller's tensor is pointed at the alias's non-resizable storage, so
-    growing it (``resize_``) raises instead of reallocating under the registrations; once
-    pinpool lets go of this object it gets its own storage back, if it still views the alias
-    and this happens in the thread that entered (see :func:`_give_back`).
-    Unpinning never reads the caller's tensor: it unregisters the addresses recorded here.
-
-    Raises :class:`ConfigError` when the caller's storage was reallocated (grown with
-    ``resize_``) between ``pin()`` and entry: the bytes the plan was made for are gone.
-
-    ``span``: the bytes ``[start, end)`` from the tensor's start that the pool's memory is (pin()
-    of a strided view or of ranges=: from its first range to its last); default its elements'
-    bytes, for a contiguous tensor.
+    aliased here), referenced until the pool is closed (forever if a chunk leaked). On entry the
+    caller's tensor is pointed at the alias (see the module doc); once pinpool lets go it gets its
+    own storage back (:func:`_give_back`). Unpinning unregisters the addresses recorded here, never
+    reading the caller's tensor. :class:`ConfigError` when the caller's storage was reallocated
+    between ``pin()`` and entry. ``span``: the bytes ``[start, end)`` from the tensor's start that
+    the pool's memory is (a strided view's or ranges=': first range to last); default all of it.
     """
 
     def __init__(self, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> None:

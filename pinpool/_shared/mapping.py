@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ConfigError, PoolStateError, RuntimeCallError
+from .._errors import AllocationError, ConfigError, PoolStateError, RuntimeCallError
 from .._host import libc as _libc
 from .._units import format_bytes
 from .format import (
@@ -252,8 +252,6 @@ def _check_room(fd: int, needed: int, where: str, *, page_size: int, directory: 
 def _map(fd: int, file_bytes: int, where: str, *, page_size: int) -> int:
     address, err = _libc.mmap_shared(file_bytes, fd)
     if err:
-        from .._host.mapping import AllocationError
-
         if err == errno.EACCES:
             raise ConfigError(
                 f"shared memory {where} cannot be mapped for writing (EACCES): the descriptor must be open for "
