@@ -86,15 +86,6 @@ def _parse_slots(value: object, *, what: str, from_env: bool = False) -> int:
     return number
 
 
-def _fraction_bytes(fraction: Decimal, given: object, what: str, mem_total: int | None) -> int:
-    """``fraction`` (in (0, 1], checked by :func:`parse_fraction`) of MemTotal, in whole bytes."""
-    total = mem_total_bytes() if mem_total is None else mem_total
-    nbytes = decimal_to_int(fraction, total)
-    if not nbytes:
-        raise ConfigError(f"{what}={given!r} of MemTotal ({total} B) is less than one byte; give {_BUDGET_HINT}")
-    return nbytes
-
-
 def _in_range(fraction: Decimal, given: object, what: str, of: str, hint: str) -> Decimal:
     if not fraction.is_finite() or not 0 < fraction <= 1:
         raise ConfigError(f"{what}={given!r}: a fraction of {of} must be in (0, 1]; give {hint}")
@@ -131,7 +122,11 @@ def _parse_budget(value: object, *, what: str, mem_total: int | None) -> int:
         raise ConfigError(f"{what}={value!r} is a bool; give {_BUDGET_HINT}")
     fraction = parse_fraction(value, what=what, of="MemTotal", hint=_BUDGET_HINT)
     if fraction is not None:
-        return _fraction_bytes(fraction, value, what, mem_total)
+        total = mem_total_bytes() if mem_total is None else mem_total
+        nbytes = decimal_to_int(fraction, total)
+        if not nbytes:
+            raise ConfigError(f"{what}={value!r} of MemTotal ({total} B) is less than one byte; give {_BUDGET_HINT}")
+        return nbytes
     if isinstance(value, int | str):
         try:
             return parse_size(value, what=what)
@@ -142,13 +137,9 @@ def _parse_budget(value: object, *, what: str, mem_total: int | None) -> int:
 
 @dataclass(frozen=True)
 class NodePacing:
-    """How the pools of one host pace each other (see :mod:`pinpool._node.pacing`).
-
-    directory: an absolute path, shared by every cooperating rank. slots: how many processes may
-    pin at once (None: unlimited). budget_bytes: the bytes all cooperating pools may hold pinned
-    together (None: no budget). wait: True, admission waits; False, it raises
-    :class:`NodeBusyError` at once. At least one of ``slots`` and ``budget_bytes`` is set; "no
-    pacing" is ``None``, which :meth:`from_options` returns when neither is asked for.
+    """How the pools of one host pace each other: the lock files' ``directory``, ``slots`` (None:
+    unlimited) and ``budget_bytes`` (None: no budget), at least one of them set ("no pacing" is
+    None, as :meth:`from_options` returns it); ``wait``: False raises :class:`NodeBusyError` at once.
     """
 
     directory: str
@@ -188,12 +179,9 @@ class NodePacing:
         environ: Mapping[str, str] | None = None,
         mem_total: int | None = None,
     ) -> NodePacing | None:
-        """Pacing from a pool's options, each falling back to its environment variable
-        (``PINPOOL_NODE_SLOTS``, ``PINPOOL_NODE_BUDGET``, ``PINPOOL_NODE_DIR``; an argument wins).
-        None when neither slots nor a budget is asked for. No file is touched here.
-
-        ``mem_total`` (bytes) replaces /proc/meminfo's MemTotal for fractional budgets (tests).
-        """
+        """Pacing from a pool's options, each falling back to its environment variable; None when
+        neither slots nor a budget is asked for. No file is touched. ``mem_total`` replaces
+        /proc/meminfo's MemTotal for fractional budgets."""
         env = os.environ if environ is None else environ
         if node_slots is not None:
             slots: int | None = _parse_slots(node_slots, what="node_slots")
@@ -248,9 +236,13 @@ def file_error(directory: str, name: str, problem: str) -> ConfigError:
     )
 
 
+def _reason(code: int) -> str:
+    return f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
+
+
 def _unwritable(directory: str, code: int, doing: str = "") -> ConfigError:
     """The directory refused a file (EACCES, EPERM, EROFS): the errno, and what to do."""
-    reason = f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
+    reason = _reason(code)
     if code == errno.EROFS:
         fix = f"set node_dir= / {DIR_ENV} to a directory on a writable file system (such as {default_directory()!r})"
     else:
@@ -346,8 +338,7 @@ def open_error(directory: str, name: str, exc: OSError, *, existed: bool) -> Con
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         if code == errno.EROFS or not existed:
             return _unwritable(directory, code, f" (creating {name!r})")
-        reason = f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
-        return file_error(directory, name, f"cannot be opened ({reason})")
+        return file_error(directory, name, f"cannot be opened ({_reason(code)})")
     return None
 
 

@@ -1,34 +1,31 @@
 """Node-level pacing: ranks (processes) on one host share pin slots and a byte budget through
-``flock(2)``-ed files in one directory (see :mod:`pinpool._node.config`), with no server; a
-crashed rank's locks go with it (the kernel drops a flock with the last descriptor of its open
-file description, SIGKILL included).
+``flock(2)``-ed files in one directory (:mod:`pinpool._node.config`), with no server. A flock goes
+with the last descriptor of its open file description, so a crashed (even SIGKILLed) rank's
+locks go with it.
 
-**Slots**: a slot is ``LOCK_EX`` on the first free of ``slot-0 .. slot-{N-1}``, released by
-closing the descriptor. **Budget**: each holder keeps a file ``hold-<pid>-<random>`` holding its
-byte count, locked ``LOCK_EX`` for as long as it holds the bytes. Admission runs under
-``LOCK_EX`` on ``budget.lock``: it counts the hold files whose lock is held (one whose lock can
-be taken belongs to a dead holder and is removed), admits when the sum plus the request fits,
-and creates the new hold file, written and locked, before releasing ``budget.lock``. Slot files
-and ``budget.lock`` are never removed (removing a file others hold open would split the lock in
-two). Slot and hold files record their holder's pid and label, for others' messages only.
+**Slots**: ``LOCK_EX`` on the first free of ``slot-0 .. slot-{N-1}``. **Budget**: each holder
+keeps ``hold-<pid>-<random>``, holding its byte count, locked for as long as it holds the bytes.
+Admission runs under ``LOCK_EX`` on ``budget.lock``: it sums the hold files whose lock is held
+(one whose lock can be taken is a dead holder's, and is removed), and if the request fits,
+creates its own hold file, written and locked, before letting ``budget.lock`` go. Slot files and
+``budget.lock`` are never removed (removing a file others hold open would split the lock). Slot
+and hold files record their holder's pid and label, for others' messages only.
 
-**Waiting** polls (``LOCK_NB`` plus a sleep) on the calling thread, which the pool runs on a
-thread of its own and stops with ``cancelled()``, checked between attempts when nothing is
-held. The interval starts at 5 ms and is 5 % of the time waited (jittered, at most ``poll``), so
-a slot freed after a short pin is taken within milliseconds while a long wait polls a few times
-a second: the hand-over costs at most ~5 % of the wait. Not FIFO. After 10 s, then every 60 s,
-``on_waiting(kind, holders, waited_seconds)`` names whom the rank waits for and whether each
+**Waiting** polls (``LOCK_NB`` and a sleep) on the calling thread, which the pool runs apart and
+stops with ``cancelled()``. The interval is 5 % of the time waited (from 5 ms, jittered, at most
+``poll``): a slot freed after a short pin is taken within milliseconds, a long wait polls a few
+times a second, the hand-over costs at most ~5 % of the wait. Not FIFO. After 10 s, then every
+60 s, ``on_waiting(kind, holders, waited_seconds)`` names whom the rank waits for and whether each
 runs, is stopped (``T`` in ``/proc/<pid>/stat``) or is not found here.
 
-**Fork**: descriptors are ``O_CLOEXEC``; a child forked without ``exec`` would inherit the
-parent's open file descriptions and keep its slot locked after the parent released it. So at
-fork (``os.register_at_fork``) the child closes its copies (which never releases the parent's
-lock) and marks every inherited hold released; ``release()`` in any process but the acquiring
-one does nothing.
+**Fork**: descriptors are ``O_CLOEXEC``, but a child forked without ``exec`` shares the parent's
+open file descriptions and would keep its slot locked after the parent released it. So at fork
+the child closes its copies (which never releases the parent's lock) and marks every inherited
+hold released; ``release()`` in any process but the acquiring one does nothing.
 
-Containers: ``/dev/shm`` is private to a container by default; ranks in separate containers
-cooperate only through a directory they all mount, named by ``PINPOOL_NODE_DIR``. Pids in file
-names and messages are in the writer's pid namespace.
+Containers: ranks in separate containers cooperate only through a directory they all mount
+(``/dev/shm`` is private to each by default), named by ``PINPOOL_NODE_DIR``. Pids in file names
+and messages are in the writer's pid namespace.
 """
 
 from __future__ import annotations
