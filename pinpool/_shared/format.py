@@ -290,10 +290,12 @@ def read_trailer(fd: int, file_bytes: int) -> Trailer:
     return _parse_trailer(os.pread(fd, TRAILER_BYTES, file_bytes - TRAILER_BYTES))
 
 
-def trailer_bytes(body: bytes, *, keep: bool) -> bytes:
-    """A whole trailer (4 KiB) holding ``body``."""
+def write_new_trailer(fd: int, file_bytes: int, body: bytes, where: str, *, keep: bool, page_size: int) -> None:
+    """Write a new file's whole trailer holding ``body``, the magic last (a file without it is no region)."""
     head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), FLAG_KEEP if keep else 0, 0, 0)
-    return (head + body).ljust(TRAILER_BYTES, b"\0")
+    trailer = (head + body).ljust(TRAILER_BYTES, b"\0")
+    store(fd, file_bytes, len(MAGIC), trailer[len(MAGIC) :], where, page_size=page_size)
+    store(fd, file_bytes, 0, trailer[: len(MAGIC)], where, page_size=page_size)
 
 
 def _checked_size(fd: int, file_bytes: int, where: str) -> None:
@@ -397,7 +399,7 @@ def differences(held_nbytes: int, held: Mapping[str, Any], nbytes: int, asked: M
 # -- finding and reading regions -------------------------------------------------------------------
 
 _SCAN_LIMIT = 1_000_000  # directory entries find_regions looks at, at most (an lstat each, at worst)
-TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see _shared_files)
+TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see files.create_temp_file)
 
 
 def is_temp_name(name: str) -> bool:
@@ -407,13 +409,10 @@ def is_temp_name(name: str) -> bool:
 
 @dataclass(frozen=True)
 class RegionInfo:
-    """What a region file holds, read from its trailer and its ``stat``.
-
-    ``held_bytes``: memory the file holds now (``st_blocks * 512``: resident, or swapped out on
-    tmpfs), trailer included. ``creator_alive``: whether the creating process still runs (its
-    pid with the same start time, on this host); ``None`` when it was made on another host (a
-    container with its own hostname) and so cannot be told.
-    """
+    """What a region file holds, from its trailer and its ``stat``. ``held_bytes``: memory the file
+    holds now (resident, or swapped out on tmpfs), trailer included. ``creator_alive``: whether the
+    creating pid still runs with the same start time; None when made on another host (a container
+    with its own hostname)."""
 
     path: str
     file_bytes: int

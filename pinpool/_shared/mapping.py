@@ -27,7 +27,6 @@ from .format import (
     FLAG_KEEP,
     FLAGS_AT,
     GENERATION_AT,
-    MAGIC,
     NotRegion,
     Trailer,
     align,
@@ -38,9 +37,8 @@ from .format import (
     read_field,
     read_trailer,
     region_file_bytes,
-    store,
-    trailer_bytes,
     write_field,
+    write_new_trailer,
 )
 
 if TYPE_CHECKING:
@@ -286,12 +284,6 @@ def _reserve(fd: int, file_bytes: int, where: str, *, page_size: int, directory:
         ) from None
 
 
-def _write_new_trailer(fd: int, file_bytes: int, trailer: bytes, where: str, *, page_size: int) -> None:
-    """Write a new file's trailer, the magic last (a file without it is no region)."""
-    store(fd, file_bytes, len(MAGIC), trailer[len(MAGIC) :], where, page_size=page_size)
-    store(fd, file_bytes, 0, trailer[: len(MAGIC)], where, page_size=page_size)
-
-
 def create_mapping(
     fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, keep: bool, seal: bool,
     path: str | None, directory: str, unlinker: Callable[[], Unlinker] | None,
@@ -322,7 +314,7 @@ def create_mapping(
             f"shared memory {where} cannot be sized to {format_bytes(file_bytes)}: {exc.strerror or exc}{hint}"
         ) from None
     _reserve(fd, file_bytes, where, page_size=page_size, directory=directory)
-    _write_new_trailer(fd, file_bytes, trailer_bytes(body, keep=keep), where, page_size=page_size)
+    write_new_trailer(fd, file_bytes, body, where, keep=keep, page_size=page_size)
     if seal:
         try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
