@@ -89,7 +89,7 @@ def effective_available(
 def read_memory_limits(root: str = "/") -> MemoryLimits:
     """Read this process's memory cgroup and MemAvailable (under ``root``). Never raises."""
     try:
-        level = _binding_level(read_text(os.path.join(root, "proc/self/cgroup")), os.path.join(root, "sys/fs/cgroup"))
+        level = _binding_level(_read(os.path.join(root, "proc/self/cgroup")), os.path.join(root, "sys/fs/cgroup"))
         available = read_mem_available(os.path.join(root, "proc/meminfo"))
     except Exception:  # a reader must never stop a pool: an odd host reads as "unknown"  # pragma: no cover
         return MemoryLimits()
@@ -108,7 +108,7 @@ def read_memory_limits(root: str = "/") -> MemoryLimits:
 
 def read_mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     """``MemAvailable`` in bytes, or None (a kernel before 3.14 has none; garbage reads as None)."""
-    for line in (read_text(meminfo) or "").splitlines():
+    for line in (_read(meminfo) or "").splitlines():
         if line.startswith("MemAvailable:"):
             fields = line.split()
             if len(fields) == 3 and fields[2] == "kB":
@@ -153,7 +153,7 @@ def _binding_level(proc_cgroup: str | None, mount: str) -> _Level | None:
     return levels[0] if levels else None
 
 
-def cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
+def _cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
     """Each line of ``/proc/self/cgroup`` (``id:controllers:path``) as its controllers ("" for v2)
     and its path's parts. Skipped: a path outside this cgroup namespace (a ``..`` part: nothing
     visible here is an ancestor) and one longer than the kernel writes."""
@@ -171,7 +171,7 @@ def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
     /sys/fs/cgroup (or /sys/fs/cgroup/unified on hybrid hosts), v1 at its ``memory`` mount. In a
     container without a cgroup namespace the path names the host's cgroup, which the container
     sees as its mount root: the walk up finds the root's files."""
-    for controllers, parts in cgroup_paths(proc_cgroup):
+    for controllers, parts in _cgroup_paths(proc_cgroup):
         if controllers == "":
             version, bases = 2, [mount, os.path.join(mount, "unified")]
         elif "memory" in controllers.split(","):
@@ -184,8 +184,8 @@ def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
                 directory = os.path.join(base, *parts[:depth])
                 if not os.path.isdir(directory):
                     continue
-                limit_text = read_text(os.path.join(directory, limit_name))
-                usage = _to_int(read_text(os.path.join(directory, usage_name)))
+                limit_text = _read(os.path.join(directory, limit_name))
+                usage = _to_int(_read(os.path.join(directory, usage_name)))
                 if limit_text is None and usage is None:
                     continue  # not a cgroup here (or no memory controller on this mount)
                 yield _Level(
@@ -193,7 +193,7 @@ def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
                     path="/" + "/".join(parts[:depth]),
                     limit=_limit(limit_text),
                     usage=usage,
-                    reclaimable=_page_cache(read_text(os.path.join(directory, "memory.stat")), stat_keys),
+                    reclaimable=_page_cache(_read(os.path.join(directory, "memory.stat")), stat_keys),
                 )
 
 
@@ -228,7 +228,7 @@ def _to_int(text: str | None) -> int | None:
     return int(text) if _DIGITS.fullmatch(text) else None
 
 
-def read_text(path: str, cap: int = _READ_CAP) -> str | None:
+def _read(path: str, cap: int = _READ_CAP) -> str | None:
     """A small text file's contents (its first ``cap`` bytes), or None when it is missing, unreadable,
     not UTF-8 or not a file."""
     try:
@@ -283,8 +283,8 @@ def read_cpu_quota(root: str = "/") -> CpuQuota:
     """The tightest CPU quota on this process's cgroup path (v2 and v1), read under ``root``.
     Never raises."""
     try:
-        proc_cgroup = read_text(os.path.join(root, "proc/self/cgroup"))
-        mounts = _cgroup_mounts(read_text(os.path.join(root, "proc/self/mountinfo"), _MOUNTINFO_CAP), root)
+        proc_cgroup = _read(os.path.join(root, "proc/self/cgroup"))
+        mounts = _cgroup_mounts(_read(os.path.join(root, "proc/self/mountinfo"), _MOUNTINFO_CAP), root)
         levels = list(_cpu_levels(proc_cgroup, mounts))
     except Exception:  # a reader must never stop a pool: an odd host reads as "unknown"  # pragma: no cover
         return CpuQuota()
@@ -351,7 +351,7 @@ def _cpu_levels(proc_cgroup: str | None, mounts: list[_Mount]) -> Iterator[_CpuL
     ``N:cpu,cpuacct:/path`` for v1. A mount whose root is not on the path (another subtree
     bind-mounted here) shows nothing of this process's cgroups and is skipped.
     """
-    for controllers, parts in cgroup_paths(proc_cgroup):
+    for controllers, parts in _cgroup_paths(proc_cgroup):
         version = 2 if controllers == "" else 1 if "cpu" in controllers.split(",") else None
         if version is None:
             continue
@@ -370,7 +370,7 @@ def _read_level(version: int, directory: str, path: str) -> _CpuLevel | None:
     """One cgroup's quota; None when it has no quota files (not a cgroup, or the root of v2)."""
     if version == 2:
         name = os.path.join(directory, "cpu.max")
-        text = read_text(name)
+        text = _read(name)
         if text is None:
             return None
         fields = text.split()
@@ -381,7 +381,7 @@ def _read_level(version: int, directory: str, path: str) -> _CpuLevel | None:
             return _CpuLevel(path, V2_SOURCE, None, 1, _shown(name, text))
         return _CpuLevel(path, V2_SOURCE, quota, period, None)
     quota_name, period_name = os.path.join(directory, "cpu.cfs_quota_us"), os.path.join(directory, "cpu.cfs_period_us")
-    quota_text, period_text = read_text(quota_name), read_text(period_name)
+    quota_text, period_text = _read(quota_name), _read(period_name)
     if quota_text is None and period_text is None:
         return None
     if quota_text is not None and quota_text.strip() == "-1":
