@@ -128,29 +128,11 @@ class Trailer:
     version: int
     flags: int
     generation: int
-    body: dict[str, Any]
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.body["nbytes"])
-
-    @property
-    def page_size(self) -> int:
-        return int(self.body["page_size"])
-
-    @property
-    def region_id(self) -> str:
-        return str(self.body["region_id"])
-
-    @property
-    def record(self) -> dict[str, Any]:
-        record = self.body.get("record")
-        return record if isinstance(record, dict) else {}
-
-    @property
-    def created(self) -> dict[str, Any]:
-        created = self.body.get("created")
-        return created if isinstance(created, dict) else {}
+    nbytes: int
+    page_size: int
+    region_id: str
+    record: dict[str, Any]
+    created: dict[str, Any]
 
 
 def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
@@ -278,7 +260,11 @@ def _parse_trailer(raw: bytes) -> Trailer:
         parsed = _parse_body(body)
     except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError and int-digit limits are ValueErrors
         raise NotRegion(f"has a corrupt pinpool trailer (its description cannot be read: {exc})") from None
-    return Trailer(version, flags, generation, parsed)
+    record, created = (parsed.get(key) for key in ("record", "created"))
+    return Trailer(
+        version, flags, generation, parsed["nbytes"], parsed["page_size"], parsed["region_id"],
+        record if isinstance(record, dict) else {}, created if isinstance(created, dict) else {},
+    )  # fmt: skip
 
 
 def read_trailer(fd: int, file_bytes: int) -> Trailer:
