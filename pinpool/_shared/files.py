@@ -333,10 +333,10 @@ def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool
 
 
 def remove_file(dir_fd: int, name: str, identity: tuple[int, int]) -> None:
-    """Remove a file this process just created and could not make a region of (if the name still refers to it)."""
+    """Remove a file this process created, if the name still refers to it (already gone, or the
+    directory with it: nothing to do)."""
     try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if (st.st_dev, st.st_ino) == identity:
+        if names_file(dir_fd, name, identity):
             os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import AllocationError, ConfigError, PoolStateError, RuntimeCallError
 from .._host import libc as _libc
 from .._units import format_bytes
+from .files import remove_file
 from .format import (
     FLAG_KEEP,
     FLAGS_AT,
@@ -62,7 +63,6 @@ class Unlinker:
         self.keep = keep
         self.pid = os.getpid()
         self.done = False
-        self.removed = False
         self._lock = threading.Lock()
 
     def __call__(self) -> None:
@@ -74,12 +74,7 @@ class Unlinker:
                 return  # a forked child: the name and the directory descriptor are the parent's business
             try:
                 if not self.keep:
-                    st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
-                    if (st.st_dev, st.st_ino) == self.identity:
-                        os.unlink(self.name, dir_fd=self.dir_fd)
-                        self.removed = True
-            except OSError:
-                pass  # already removed (by an operator), or the directory is gone: nothing to do
+                    remove_file(self.dir_fd, self.name, self.identity)
             finally:
                 os.close(self.dir_fd)
 
