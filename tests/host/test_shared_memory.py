@@ -1,4 +1,4 @@
-"""pinpool.SharedMemory: MAP_SHARED regions on tmpfs, hugetlbfs and memfds (pinpool/_shared*.py).
+"""pinpool.SharedMemory: MAP_SHARED regions on tmpfs, hugetlbfs and memfds (pinpool/_shared/).
 
 Create / attach / keep / unlink, the trust checks on directories and files, the trailer that
 refuses a re-attach with another size or layout, memfds and descriptors handed on, two processes
