@@ -25,13 +25,15 @@ from ._layouts.spec import (
     check_choice,
     check_dim,
     check_dtype,
+    check_layout,
     check_shape,
 )
 from ._units import shown
 
-__all__ = ["MHA", "MLA", "BufferSpec", "Dense", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw"]
+__all__ = ["MHA", "MLA", "BufferSpec", "Dense", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw", "check_layout"]
 
-for _public in (BufferSpec, Layout, MHA, MLA, Dense):  # defined in private modules; this is where users find them
+# Defined in private modules; this is where users find them.
+for _public in (BufferSpec, Layout, MHA, MLA, Dense, check_layout):
     _public.__module__ = __name__
 
 

@@ -129,6 +129,32 @@ def is_layout(layout: object) -> bool:
         raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
 
 
+def require_layout(layout: object) -> None:
+    """``layout`` is a :class:`Layout` (its properties read as one), else a ConfigError."""
+    if not is_layout(layout):
+        raise ConfigError(f"layout={layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
+
+
+def check_layout(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
+    """Check what a layout promises, as a pool will, and return its buffers for ``num_pages`` pages.
+
+    A custom layout's mistakes (a ``name`` that is not a non-empty str, a ``page_bytes`` that is not
+    a positive int, ``buffers()`` returning no, repeated or malformed BufferSpecs, or
+    raising) become a :class:`pinpool.ConfigError` naming the layout, the field and the fix, the
+    error ``PinnedPool(layout=...)`` would raise. Call it in your layout's tests::
+
+        from pinpool import layouts
+
+        specs = layouts.check_layout(MyLayout(layer_num=32), num_pages=1000)
+        assert sum(spec.nbytes for spec in specs) == 1000 * MyLayout(layer_num=32).page_bytes
+    """
+    if not positive_int(num_pages):
+        raise ConfigError(f"check_layout(num_pages={num_pages!r}): give a positive int number of pages")
+    require_layout(layout)
+    layout_page_bytes(layout)
+    return layout_buffers(layout, num_pages)
+
+
 def layout_page_bytes(layout: Layout) -> int:
     """Check the layout's name and page_bytes (what PinnedPool reads of it besides its buffers); return page_bytes."""
     what = _describe_layout(layout)
