@@ -31,9 +31,8 @@ from ..layouts import BufferSpec
 from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from .duty import duty_cycle
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB
-from .placement import Placement, place
 from .prefix import PageRun, page_runs, pin_order
-from .preflight import bytes_text, placement_checks, raise_first
+from .preflight import Placement, bytes_text, place
 
 if TYPE_CHECKING:
     from .._host.facts import HostFacts
@@ -307,10 +306,7 @@ def plan_pool(
     Raises :class:`ConfigError` for anything the host cannot do (NUMA node, THP, hugetlb pages,
     MADV_POPULATE_WRITE, a size beyond the address space) or the options cannot satisfy.
     """
-    if placement is None:
-        placement = place(options, host)
-        raise_first(placement_checks(options, host, placement))
-    where = placement
+    where = placement or place(options, host)
     populate = options.populate
     if populate is None:
         populate = caps.populates or host.populate_write

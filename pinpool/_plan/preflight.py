@@ -16,17 +16,17 @@ it, RLIMIT_MEMLOCK. Which of those apply is the runtime's declared
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._errors import RAISE_MEMLOCK, ConfigError
 from .._types import Capabilities
 from .._units import format_bytes, hugetlb_page_size
-from .placement import Placement, place
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: the pre-flight, and with it pinpool doctor, stays torch-free
     from .._host.facts import HostFacts
+    from ..layouts import BufferSpec
     from .options import PoolOptions
 
 __all__ = [
@@ -37,16 +37,19 @@ __all__ = [
     "STATUSES",
     "WARN",
     "Check",
+    "Placement",
     "address_space_check",
     "bytes_text",
     "check_host",
     "check_pinning",
+    "huge_pages_check",
     "hugetlb_check",
     "hugetlb_fix",
     "memlock_check",
     "memory_check",
     "numa_check",
     "pinning_checks",
+    "place",
     "placement_checks",
     "raise_first",
     "resident_fit",
@@ -102,7 +105,44 @@ def bytes_text(nbytes: int) -> str:
     return f"{nbytes} B = {format_bytes(nbytes)}" if nbytes.bit_length() <= 128 else human(nbytes)
 
 
-# -- the placement: NUMA node, huge pages, address space ----------------------------------------------
+# -- the placement: where the buffers sit in the one mapping; its NUMA node, huge pages, address space --
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The pool's buffers and their offsets in the mapping. Sizes are bytes.
+
+    specs: the layout's buffers for ``num_pages``. offsets: each buffer's start, aligned to ``align``
+    (the OS page, or the huge page with huge_pages). mapping_bytes: every buffer, each rounded up to
+    ``align``; at least one OS page.
+    """
+
+    num_pages: int
+    specs: tuple[BufferSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    align: int
+    mapping_bytes: int
+
+
+def place(options: PoolOptions, host: HostFacts, *, check: bool = True) -> Placement:
+    """Lay the options' buffers out in one mapping on ``host``'s page sizes: the pre-flight and the
+    planner's one placement of a pool. ``check``: raise the first failure of its
+    :func:`placement_checks` (off only for arithmetic such as :func:`pinpool.share`)."""
+    # hugetlb pages: the mapping's page (2 MiB or 1 GiB); THP: 2 MiB-aligned 4 KiB pages.
+    align = hugetlb_page_size(options.huge_pages) or (host.huge_page_size if options.huge_pages else host.page_size)
+    offsets: list[int] = []
+    offset = 0
+    for spec in options.buffers:
+        offsets.append(offset)
+        offset += -(-spec.nbytes // align) * align
+    placement = Placement(
+        num_pages=options.size // options.layout.page_bytes, specs=options.buffers, offsets=tuple(offsets),
+        nbytes=sum(spec.nbytes for spec in options.buffers), align=align, mapping_bytes=max(offset, host.page_size),
+    )  # fmt: skip
+    if check:
+        raise_first(placement_checks(options, host, placement))
+    return placement
 
 
 def numa_check(node: int | None, nodes: Sequence[int]) -> Check:
@@ -189,23 +229,32 @@ def address_space_check(mapping_bytes: int, *, size: int, address_space: int) ->
     return Check("address space", OK, f"{human(mapping_bytes)} of {human(address_space)} of address space")
 
 
+def huge_pages_check(
+    huge_pages: bool | str, nbytes: int, thp_mode: Callable[[], str | None],
+    hugetlb_pages: Callable[[int], tuple[int, int]],
+) -> Check | None:  # fmt: skip
+    """``huge_pages=`` against the host: THP's mode for True, enough free hugetlb pages of its size
+    (``hugetlb_pages(page)``: free, total) for ``nbytes``; None without huge pages. At construction
+    from :class:`HostFacts`, and again when the mapping is made, against the host as it is then."""
+    if huge_pages is True:
+        return thp_check(thp_mode(), wanted=True)
+    page = hugetlb_page_size(huge_pages)
+    if not page:
+        return None
+    free, total = hugetlb_pages(page)
+    return hugetlb_check(nbytes, free=free, total=total, huge_page_size=page, wanted=True, value=str(huge_pages))
+
+
 def placement_checks(options: PoolOptions, host: HostFacts, placement: Placement) -> list[Check]:
     """The checks a placement needs and no runtime: NUMA node, THP, address space, hugetlb pages."""
-    checks = [numa_check(options.numa_node, host.numa_nodes)]
-    if options.huge_pages is True:
-        checks.append(thp_check(host.thp_mode, wanted=True))
-    checks.append(
-        address_space_check(placement.mapping_bytes, size=options.size, address_space=host.address_space_bytes)
-    )
-    page = hugetlb_page_size(options.huge_pages)
-    if page:
-        free, total = host.hugetlb_pages(page)
-        checks.append(
-            hugetlb_check(
-                placement.mapping_bytes, free=free, total=total, huge_page_size=page, wanted=True,
-                value=str(options.huge_pages),
-            )
-        )  # fmt: skip
+    mapped = placement.mapping_bytes
+    checks = [
+        numa_check(options.numa_node, host.numa_nodes),
+        address_space_check(mapped, size=options.size, address_space=host.address_space_bytes),
+    ]
+    huge = huge_pages_check(options.huge_pages, mapped, lambda: host.thp_mode, host.hugetlb_pages)
+    if huge is not None:  # THP is judged before the address space, hugetlb pages after it
+        checks.insert(1 if options.huge_pages is True else 2, huge)
     return checks
 
 
@@ -369,7 +418,6 @@ def check_host(
     resolving one (CUDA) may initialise a GPU driver, which a doomed configuration should not wait
     for. Raises the first failure as :class:`ConfigError`."""
     placement = place(options, host)
-    raise_first(placement_checks(options, host, placement))
     check_pinning(
         options, host, caps, mapping_bytes=placement.mapping_bytes,
         buffer_bytes=[spec.nbytes for spec in placement.specs], new_memory=new_memory, new_bytes=new_bytes,

@@ -4,7 +4,7 @@ SGLang sizes the host pools that belong together (the KV cache, the DSA indexer,
 draft model's KV cache) from one per-rank byte budget with one page count, so page *i* of each
 belongs with page *i* of the others. :func:`share` does that: the largest page count whose pools,
 together, map no more than the budget. What a pool maps is its placement's ``mapping_bytes``
-(:func:`pinpool._plan.placement.place`: every buffer rounded up to the OS page, or to the huge page
+(:func:`pinpool._plan.preflight.place`: every buffer rounded up to the OS page, or to the huge page
 with ``huge_pages``), the very figure the pool maps, so "never above the budget" holds for real
 mapped bytes, not for ``page_bytes`` arithmetic.
 
@@ -30,8 +30,7 @@ from .._layouts.spec import is_layout
 from .._node.config import parse_fraction
 from .._plan.declared import OPTIONS
 from .._plan.options import PoolOptions, min_num_pages
-from .._plan.placement import place
-from .._plan.preflight import bytes_text, human, resident_fit
+from .._plan.preflight import bytes_text, human, place, resident_fit
 from .._units import decimal_to_int, parse_size, shown
 from ..runtimes._registry import pinning_capabilities
 
@@ -126,7 +125,7 @@ def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts |
 
     def mapped(pages: int) -> dict[str, int]:
         return {
-            key: place(PoolOptions.create(layout=layout, num_pages=pages, **options), facts).mapping_bytes
+            key: place(PoolOptions.create(layout=layout, num_pages=pages, **options), facts, check=False).mapping_bytes
             for key, layout in named.items()
         }
 
