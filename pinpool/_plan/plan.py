@@ -11,7 +11,7 @@ arrive as a value (:class:`pinpool._host.facts.HostFacts`), the runtime as its d
 pre-flight's (:mod:`pinpool._plan.preflight`), so every rule is property-tested with hand-made hosts.
 
 The values it plans with (chunks, spans, their lazy tables, orders) are :mod:`pinpool._plan.chunks`;
-where chunks may be cut later (retries, the stall budget) is :mod:`pinpool._plan.cutter`.
+where chunks may be cut later (retries, the stall budget) is :mod:`pinpool._plan.calls`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from .._errors import ConfigError
 from .._types import Capabilities
 from .._units import format_bytes, hugetlb_page_size
 from ..layouts import BufferSpec
+from .calls import duty_cycle
 from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
-from .duty import duty_cycle
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB
 from .prefix import PageRun, page_runs, pin_order
 from .preflight import Placement, bytes_text, place
@@ -278,7 +278,7 @@ class PoolPlan:
     threads: int  # worker threads pinning starts (each takes either role)
     cpu_budget: int  # the host's CPU budget the default worker counts were sized from (HostFacts.cpu_budget)
     cpu_quota: float | None  # the CPU quota in CPUs that bounded it, None without one
-    duty_cycle: float  # the share of their time pin workers spend in calls (1: no rest; see _plan/duty.py)
+    duty_cycle: float  # the share of their time pin workers spend in calls (1: no rest; see _plan/calls.py)
     span_bytes: int  # 0 without pre-faulting
     spans: Sequence[Span]  # pin_chunks cut into populate calls (a SpanTable), or () without pre-faulting
     lookahead_bytes: int

@@ -385,6 +385,6 @@ def test_the_vocabulary_and_the_errors_import_nothing_of_pinpools() -> None:
 def test_planning_and_the_preflight_import_no_runtime_and_no_host_probe() -> None:
     """They receive HostFacts values and declared Capabilities, never read the host or name a runtime."""
     forbidden = {"runtimes", "_host", "_memlimits", "_libc", "testing"}
-    for module in ("_plan/plan", "_plan/preflight", "_plan/cutter"):
+    for module in ("_plan/plan", "_plan/preflight", "_plan/calls"):
         imported = {name.split(".")[0] for name in _pinpool_imports(module)}
         assert not imported & forbidden, (module, imported & forbidden)
