@@ -26,7 +26,6 @@ from .chunks import Chunk
 if TYPE_CHECKING:
     from .plan import PoolPlan
 
-__all__ = ["MAX_REST", "MIN_DUTY", "CallSizer", "Pacer", "RetryGrid", "RetrySplitter", "duty_cycle", "retry_splitter"]
 
 # Calls aim at this share of the budget: rates vary from call to call (a slower NUMA node,
 # a reclaim pass), and an estimate taken at the budget itself would exceed it half the time.

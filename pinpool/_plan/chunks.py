@@ -18,8 +18,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
-__all__ = ["Chunk", "ChunkPlan", "ChunkTable", "Order", "Run", "Span", "SpanTable"]
-
 
 @dataclass(frozen=True, order=True)
 class Chunk:

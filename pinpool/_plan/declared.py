@@ -24,19 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = [
-    "DEFAULT_MAX_RETRIES",
-    "DEFAULT_REGISTRY",
-    "KINDS",
-    "OPTIONS",
-    "PER_BUFFER",
-    "Flag",
-    "Option",
-    "option",
-    "pin_options",
-    "pool_options",
-]
-
 # How many times one planned registration may be halved, level after level: 32 levels reach one
 # 4 KiB page from 16 TiB, so the floor (min_chunk_bytes, else one alignment unit) ends halving first.
 DEFAULT_MAX_RETRIES = 32

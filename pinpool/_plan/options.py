@@ -18,17 +18,6 @@ from .._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size
 from ..layouts import BufferSpec, Layout, Raw
 from .declared import DEFAULT_MAX_RETRIES, OPTIONS, PER_BUFFER
 
-__all__ = [
-    "BACKGROUND_MAX_CALL_SECONDS",
-    "CHUNK_ENV",
-    "DEFAULT_CHUNK_GIB",
-    "DEFAULT_MAX_RETRIES",
-    "PoolOptions",
-    "chunk_limit_from_env",
-    "min_num_pages",
-    "resolve_chunk_limit",
-]
-
 # ``pin_nice="auto"``: a background pool's pin workers run this much nicer than the process.
 # Measured in docs/performance.md ("Serving: pinning leaves serving its CPU (pin_nice)"): the
 # /healthz tail moved most at 10; 3-5 left it in place, 19 and SCHED_IDLE held locks 0.7-2.2 s.

@@ -29,32 +29,6 @@ if TYPE_CHECKING:  # types only: the pre-flight, and with it pinpool doctor, sta
     from ..layouts import BufferSpec
     from .options import PoolOptions
 
-__all__ = [
-    "FAIL",
-    "OK",
-    "RAISE_MEMLOCK",
-    "SKIP",
-    "STATUSES",
-    "WARN",
-    "Check",
-    "Placement",
-    "address_space_check",
-    "bytes_text",
-    "check_host",
-    "check_pinning",
-    "huge_pages_check",
-    "hugetlb_check",
-    "hugetlb_fix",
-    "memlock_check",
-    "memory_check",
-    "numa_check",
-    "pinning_checks",
-    "place",
-    "placement_checks",
-    "raise_first",
-    "resident_fit",
-    "thp_check",
-]
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 STATUSES = (OK, WARN, FAIL, SKIP)

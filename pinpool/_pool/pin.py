@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from .._errors import ConfigError
 from .._host.mapping import alias_of
-from .._plan.options import DEFAULT_MAX_RETRIES
+from .._plan.declared import DEFAULT_MAX_RETRIES
 from ..runtimes import Runtime
 from .pool import PinnedPool, ProgressCallback
 

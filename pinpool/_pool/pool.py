@@ -31,8 +31,8 @@ from .._pin.outcome import PoolState, caller_outside_pinpool
 from .._pin.pipeline import Order
 from .._pin.steps import Steps
 from .._plan.chunks import Chunk, ChunkTable
-from .._plan.declared import OPTIONS
-from .._plan.options import DEFAULT_MAX_RETRIES, PoolOptions
+from .._plan.declared import DEFAULT_MAX_RETRIES, OPTIONS
+from .._plan.options import PoolOptions
 from .._plan.plan import BufferPlan, PoolPlan, plan_pool
 from .._plan.preflight import place
 from .._shared.memory import SharedMemory
