@@ -53,13 +53,6 @@ def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = Non
     return parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
 
 
-def resolve_chunk_limit(chunk_bytes: int | str | None) -> int:
-    """``chunk_bytes=`` when given (int or size string), else the environment, else 256 GiB."""
-    if chunk_bytes is None:
-        return chunk_limit_from_env()
-    return parse_size(chunk_bytes, what="chunk_bytes")
-
-
 def _bytes(value: object, what: str) -> Any:
     """A size string parsed (create's spelling); anything else as given, for the dataclass to check."""
     return parse_size(value, what=what) if isinstance(value, str) else value
