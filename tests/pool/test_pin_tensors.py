@@ -21,7 +21,7 @@ from pinpool._host.mapping import TensorMemory, alias_of
 from pinpool._plan.calls import retry_splitter
 from pinpool._plan.chunks import Chunk, ChunkPlan
 from pinpool._plan.plan import plan_chunks
-from pinpool._pool.alloc import empty
+from pinpool._pool.pin import empty
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES
