@@ -1,17 +1,8 @@
-"""The pre-flight: every check of a pool against the host, as structured results, before anything is mapped.
-
-Each check is a pure function of values (numbers, :class:`pinpool._host.facts.HostFacts`) that returns
-a :class:`Check`: a name, a status (ok / warn / fail; the doctor's own checks add skip), what it
-found and the one fix. A pool raises the first failure as :class:`ConfigError`
-(:func:`raise_first`); ``pinpool doctor`` (:mod:`pinpool._cli.checks`) renders them all. So "will this
-pool fit here?" has one answer, and each piece of advice one text.
-
-What is checked, in order: the placement (NUMA node, transparent huge pages, the address space,
-hugetlb pages: :func:`placement_checks`), then what pinning costs the host (:func:`pinning_checks`):
-the memory the pool makes resident against what the process may still make resident (memory
-cgroup, MemAvailable, page tables included) and, where the runtime's registrations are charged to
-it, RLIMIT_MEMLOCK. Which of those apply is the runtime's declared
-:class:`~pinpool.runtimes.Capabilities` (``resident``, ``charges_memlock``), never its name.
+"""The pre-flight: every check of a pool against the host, before anything is mapped, each a pure
+function of values returning a :class:`Check` (status, what it found, the one fix). A pool raises
+the first failure (:func:`raise_first`); ``pinpool doctor`` renders them all. In order: the
+placement (:func:`placement_checks`), then what pinning costs (:func:`pinning_checks`: resident
+memory, RLIMIT_MEMLOCK), as the runtime's declared :class:`Capabilities` say, never its name.
 """
 
 from __future__ import annotations
@@ -53,8 +44,7 @@ class Check:
     fix: str = ""
 
     def error(self) -> ConfigError:
-        """The pool's error for this failed check: what was found, the fix (a new sentence after a
-        detail that ends one), and that nothing was done yet (the pre-flight runs before mapping)."""
+        """The pool's error for this failed check: what was found, the fix, and that nothing was done yet."""
         if self.detail.endswith("."):
             text = f"{self.detail} {self.fix[:1].upper()}{self.fix[1:]}"
         else:
@@ -84,12 +74,8 @@ def bytes_text(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """The pool's buffers and their offsets in the mapping. Sizes are bytes.
-
-    specs: the layout's buffers for ``num_pages``. offsets: each buffer's start, aligned to ``align``
-    (the OS page, or the huge page with huge_pages). mapping_bytes: every buffer, each rounded up to
-    ``align``; at least one OS page.
-    """
+    """The buffers' offsets in the one mapping, each aligned to ``align`` (the OS or huge page);
+    ``mapping_bytes``: every buffer rounded up to ``align``, at least one OS page."""
 
     num_pages: int
     specs: tuple[BufferSpec, ...]
@@ -156,9 +142,8 @@ def thp_check(mode: str | None, *, wanted: bool, defrag: str | None = None) -> C
 
 
 def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
-    """How to reserve ``pages`` hugetlb pages of ``huge_page_size`` in all: 2 MiB pages at run time
-    (vm.nr_hugepages); 1 GiB pages on the kernel command line (at run time the kernel rarely finds
-    1 GiB of contiguous free memory per page)."""
+    """How to reserve ``pages`` hugetlb pages: 2 MiB ones at run time, 1 GiB ones at boot (at run
+    time the kernel rarely finds 1 GiB of contiguous free memory per page)."""
     if huge_page_size == 1 << 30:
         return (
             f"hugepagesz=1G hugepages={pages} on the kernel command line and reboot; echo {pages} > "
@@ -191,8 +176,7 @@ def hugetlb_check(
 
 
 def address_space_check(mapping_bytes: int, *, size: int, address_space: int) -> Check:
-    """A pool bigger than the process's address space can never be mapped: refused now, in
-    microseconds, rather than failing in mmap (or running out of memory planning it)."""
+    """A pool bigger than the address space is refused now, not in mmap (or planning it)."""
     if mapping_bytes > address_space:
         return Check(
             "address space", FAIL,
@@ -264,14 +248,10 @@ def resident_fit(available: int, page_size: int) -> int:
 
 
 def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
-    """``nbytes`` of new memory (and its page tables) against what the process may still make
-    resident: the memory cgroup's room (limit - usage + reclaimable page cache) and MemAvailable,
-    the smaller. ``nbytes`` None: only what is available.
-
-    Pinned pages stay resident, so past the cgroup's limit the kernel cannot reclaim them and
-    OOM-kills the process (exit 137) instead of failing a call that could be rolled back. Unknown
-    figures are not guessed at: a warning, which stops no pool.
-    """
+    """``nbytes`` of new memory and its page tables against what may still become resident (the
+    cgroup's room or MemAvailable, the smaller; ``nbytes`` None: only what is). Pinned pages cannot
+    be reclaimed: past the cgroup's limit the process is OOM-killed (exit 137) instead of failing
+    a call that could be rolled back. Unknown figures are a warning, which stops no pool."""
     available = host.memory_available
     if available is None:
         return Check(
@@ -341,9 +321,7 @@ def pinning_checks(
     new_memory: bool = True,
 ) -> list[Check]:  # fmt: skip
     """What pinning costs the host, as ``caps`` declares it: ``new_bytes`` of new resident memory
-    (None: none, e.g. hugetlb pages, which are reserved, or a caller's tensor, which may be
-    resident already) against what may still become resident, and ``locked_bytes`` against
-    RLIMIT_MEMLOCK where registrations are charged to it. ``size``: the pool's, for messages."""
+    (None: none) and ``locked_bytes`` against RLIMIT_MEMLOCK where registrations are charged to it."""
     if caps is None or not caps.resident:
         return []
     subject = f"size={bytes_text(size)}" if new_memory else f"pin(tensor) of {bytes_text(size)}"
@@ -359,15 +337,10 @@ def check_pinning(
     options: PoolOptions, host: HostFacts, caps: Capabilities | None, *, mapping_bytes: int,
     buffer_bytes: Iterable[int], new_memory: bool = True, new_bytes: int | None = None,
 ) -> None:  # fmt: skip
-    """The memory pre-flight of a pool already placed (its placement checked): ``mapping_bytes``
-    mapped, buffers of ``buffer_bytes``. Run again right before mapping, against host figures read
-    then, since they change between construction and entry. Raises the first failure.
-
-    New memory: the mapping (none for hugetlb pages, which are reserved, nor for a caller's
-    tensor, ``new_memory=False``, which may be resident already); ``new_bytes``: a shared file's
-    pool needs only the pages the file does not hold yet, and locks all of them all the same.
-    mlock charges the pages each chunk covers: every buffer rounded out to pages (a caller's
-    tensor may start mid-page: one page more)."""
+    """The memory pre-flight of a placed pool, raising the first failure; again right before mapping,
+    since the figures change. New memory: the mapping, or ``new_bytes`` (the pages a shared file does
+    not hold yet); none for hugetlb pages (reserved) or a caller's tensor (``new_memory=False``).
+    Locked: every buffer rounded out to pages (a tensor starting mid-page: one page more)."""
     new = (
         (mapping_bytes if new_bytes is None else new_bytes)
         if new_memory and not hugetlb_page_size(options.huge_pages)
@@ -385,12 +358,8 @@ def check_host(
     options: PoolOptions, host: HostFacts, caps: Capabilities | None = None, *, new_memory: bool = True,
     new_bytes: int | None = None,
 ) -> None:  # fmt: skip
-    """The whole pre-flight in one call, before a pool is planned: its placement's checks, then
-    (with ``caps``: the runtime's declared capabilities, see
-    :func:`pinpool.runtimes._registry.pinning_capabilities`, which reads them from a runtime's class
-    without building it) what pinning it costs. Callable before a runtime is resolved, since
-    resolving one (CUDA) may initialise a GPU driver, which a doomed configuration should not wait
-    for. Raises the first failure as :class:`ConfigError`."""
+    """The whole pre-flight, raising the first failure: the placement's checks, then (with ``caps``,
+    read from a runtime's class without building it, so no GPU driver starts) what pinning costs."""
     placement = place(options, host)
     check_pinning(
         options, host, caps, mapping_bytes=placement.mapping_bytes,
