@@ -127,25 +127,12 @@ def empty(
 ) -> torch.Tensor:
     """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`.
 
-    Like ``torch.empty(*size, dtype=dtype)`` (``dtype`` defaults to torch's default dtype, and
-    the size is given as ints or as one sequence), but the memory is a private anonymous
-    ``mmap`` of its own: page-aligned (huge-page-aligned with ``huge_pages``), zero-filled by the
-    kernel, faulted in only as it is touched (or as ``pin()`` pre-faults it), and unmapped once
-    the tensor and every view of it are gone. Pinning it plans exactly as a ``PinnedPool``'s
-    own memory does: every chunk boundary on a page, none shared.
-
-    ``huge_pages``: ``True`` advises transparent huge pages, ``"hugetlb"`` (or ``"hugetlb:2MiB"``)
-    maps reserved 2 MiB pages, ``"hugetlb:1GiB"`` reserved 1 GiB pages. ``numa_node``: bind the
-    memory to that NUMA node before any of it is faulted. Both as for :class:`pinpool.PinnedPool`.
-    Its storage cannot be resized (``resize_`` to a larger size raises), as for any tensor over
-    memory torch did not allocate.
-
-    Like a pool's memory, the mapping is ``MADV_DONTFORK``: a child forked while the tensor
-    exists has nothing mapped at its address (touching it there is a segmentation fault), so
-    the parent's pages are never shared copy-on-write with the child.
-
-    Raises :class:`pinpool.ConfigError` for a bad size, dtype or option, and
-    :class:`pinpool.AllocationError` (a ``MemoryError``) where the OS refuses the mapping.
+    Like ``torch.empty(*size, dtype=dtype)``, but the memory is a private anonymous ``mmap`` of
+    its own, zero-filled, faulted in as touched and unmapped with the last view, so it pins
+    exactly as a ``PinnedPool``'s own memory does (every chunk boundary on a page). ``huge_pages``
+    and ``numa_node`` as for :class:`pinpool.PinnedPool`; like a pool's memory it is not resizable
+    and ``MADV_DONTFORK`` (a forked child has nothing mapped there). Raises :class:`pinpool.ConfigError`
+    for a bad size, dtype or option, :class:`pinpool.AllocationError` where the OS refuses the mapping.
     """
     shape = _shape(size)
     if dtype is None:
