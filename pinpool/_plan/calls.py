@@ -27,14 +27,12 @@ if TYPE_CHECKING:
     from .plan import PoolPlan
 
 
-# Calls aim at this share of the budget: rates vary from call to call (a slower NUMA node,
-# a reclaim pass), and an estimate taken at the budget itself would exceed it half the time.
+# Calls aim at this share of the budget: rates vary (a slower NUMA node, a reclaim pass), and an
+# estimate at the budget itself would exceed it half the time.
 TARGET_SHARE = 0.6
-# The first call of a kind, before any rate is known: small enough for any realistic budget
-# on any runtime (CUDA registers >= 4 GB/s, mlock faults >= 1 GB/s: 16 MiB is <= 16 ms).
+# The first call of a kind, before any rate is known: CUDA registers >= 4 GB/s, mlock faults >= 1 GB/s.
 PROBE_BYTES = 16 << 20
-# A size may grow at most this much from one call to the next, so one fast call (a range
-# that happened to be faulted already) cannot produce a huge next call.
+# Growth per call: one fast call (a range faulted already) cannot produce a huge next one.
 MAX_GROWTH = 4
 # The rate is the slowest of the last few calls (conservative, and quick to follow a slowdown).
 WINDOW = 8
@@ -55,16 +53,14 @@ class CallSizer:
         self.longest = 0.0
 
     def next_bytes(self, unit: int, at_most: int) -> int:
-        """The next call's size: a multiple of ``unit`` (at least one), at most ``at_most``
-        (whole units of it; ``at_most`` itself when it is below one unit)."""
+        """The next call's size: whole units, at least one, at most ``at_most`` (itself when below a unit)."""
         size = self.hint(unit, at_most)
         with self._lock:
             self._last = size
         return size
 
     def hint(self, unit: int, at_most: int) -> int:
-        """What :meth:`next_bytes` would answer now, without counting as a call (another kind of
-        call may borrow this kind's rate: see the engine's lock-on-fault pieces)."""
+        """:meth:`next_bytes`'s answer without counting as a call (another kind may borrow this rate)."""
         if at_most <= unit:
             return at_most
         with self._lock:
@@ -76,8 +72,7 @@ class CallSizer:
                     want = min(want, self._last * MAX_GROWTH)
             else:
                 want = PROBE_BYTES
-        # Never below what is sampled: calls that small would never teach a better rate, and a
-        # fixed per-call cost would shrink them for good.
+        # Never below what is sampled: smaller calls would never teach a better rate.
         want = max(want, MIN_SAMPLE_BYTES)
         return max(unit, min(want, at_most) // unit * unit)
 
@@ -101,9 +96,8 @@ class RetryGrid:
 
 @dataclass(frozen=True)
 class RetrySplitter:
-    """Halves of a failed chunk for a retry that keep every planning invariant: the cut is on its
-    buffer's grid (a multiple of lcm(granularity, OS page) from the buffer's first boundary), and
-    neither half is below ``floor_bytes`` (min_chunk_bytes) or one unit. Pure."""
+    """Cuts on each buffer's grid: a failed chunk's halves for a retry (neither below ``floor_bytes``,
+    min_chunk_bytes, or one unit), and the stall budget's first pieces."""
 
     grids: tuple[RetryGrid, ...]
     floor_bytes: int
@@ -124,8 +118,7 @@ class RetrySplitter:
         return Chunk(chunk.offset, cut - chunk.offset), Chunk(cut, chunk.end - cut)
 
     def first_piece(self, chunk: Chunk, at_most: int) -> Chunk:
-        """The first piece of ``chunk`` of at most ``at_most`` bytes cut on its buffer's grid (one
-        unit when ``at_most`` is less), or the whole chunk where no cut fits (the stall budget)."""
+        """The first piece of at most ``at_most`` bytes (one unit when less), or the whole chunk where no cut fits."""
         grid = next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
         if grid is None or chunk.nbytes <= at_most:
             return chunk
@@ -141,8 +134,7 @@ class RetrySplitter:
 
 
 def retry_splitter(plan: PoolPlan, min_chunk_bytes: int) -> RetrySplitter:
-    """The retry cuts allowed in ``plan``'s buffers: each buffer's own grid (``ChunkPlan.origin``),
-    so a caller's unaligned tensor keeps its page-aligned boundaries, or its shared-page grid."""
+    """The cuts allowed in ``plan``'s buffers: each buffer's own grid (``ChunkPlan.origin``)."""
     grids = []
     for buffer in plan.buffers:
         if buffer.plan is None or buffer.plan.origin is None:  # no aligned cut exists: never split
@@ -160,21 +152,17 @@ MAX_REST = 0.25  # seconds: a longer call (no stall budget) rests no longer, so 
 
 
 def duty_cycle(quota_cpus: float | None, *, background: bool) -> float:
-    """The share of their time a pool's pin workers may spend in calls: 1 (no rest) unless the
-    pool pins in the background under a quota below 2 CPUs, where it is half the quota."""
+    """The share of their time pin workers spend in calls: half the quota for a background pool under
+    a quota below 2 CPUs, else 1 (no rest)."""
     if not background or quota_cpus is None or quota_cpus >= 2:
         return 1.0
     return max(MIN_DUTY, quota_cpus / 2)
 
 
 class Pacer:
-    """Makes each thread that calls rest before its next call, so its calls use ``duty`` of its
-    time. A call is charged by the CPU time its thread spent in it (``time.thread_time``: user and
-    system, the faulting included), not by its wall time: a worker preempted mid-call (other work
-    on the host, or its nice value) used no quota meanwhile, so the rest is what makes the call's
-    CPU time ``duty`` of the call and the rest together (``used / duty - wall``), never more.
-    The rest is taken before the next call, not right after a call, so a rest never sits between
-    a call and the books that record it."""
+    """Makes each calling thread rest before its next call so its calls use ``duty`` of its time,
+    charged by CPU time (``time.thread_time``), not wall time: a worker preempted mid-call used no
+    quota meanwhile. Rested before the next call, so a rest never sits between a call and its books."""
 
     def __init__(self, duty: float) -> None:
         if not 0 < duty <= 1:
@@ -193,8 +181,7 @@ class Pacer:
         self._thread.started = time.thread_time()
 
     def took(self, seconds: float) -> None:
-        """A call of the calling thread ended after ``seconds`` (wall time): its next call first
-        rests so that the CPU time this one used is ``duty`` of the call and the rest together."""
+        """A call ended after ``seconds`` (wall): owe the rest that makes its CPU time ``duty`` of both."""
         started = getattr(self._thread, "started", None)
         if started is not None:
             used = time.thread_time() - started

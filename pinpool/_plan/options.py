@@ -30,8 +30,7 @@ HUGE_PAGES = (False, True, *HUGETLB_PAGE_SIZES)
 # The per-call limit when chunk_bytes= and max_chunk_bytes= are not given: the environment's, else 256 GiB.
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
 DEFAULT_CHUNK_GIB = 256
-# The most threads of one role: far more than any host has cores for, few enough that a typo
-# (10**6) fails here, not in thread starts.
+# The most threads of one role: a typo (10**6) fails here, not in thread starts.
 MAX_WORKERS = 1024
 # One call may hold the driver or mmap lock at most an hour: beyond that a budget bounds nothing,
 # and the sizer's arithmetic (bytes = seconds / seconds-per-byte) would leave the numbers a size can be.
@@ -53,14 +52,12 @@ def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = Non
     return parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
 
 
-def _bytes(value: object, what: str) -> Any:
-    """A size string parsed (create's spelling); anything else as given, for the dataclass to check."""
+def _bytes(value: object, what: str) -> Any:  # a size string parsed; anything else is the dataclass's to check
     return parse_size(value, what=what) if isinstance(value, str) else value
 
 
 def _smallest_pool(layout: Layout) -> tuple[int, tuple[BufferSpec, ...], int]:
-    """page_bytes, the buffers of one page, and the fewest bytes a pool holds: one page, and one
-    copy page of every buffer (the layout checked on the way)."""
+    """page_bytes, one page's buffers, and the fewest bytes a pool holds: a page, a copy page of each buffer."""
     one_page = check_layout(layout, 1)
     page_bytes = layout.page_bytes
     return page_bytes, one_page, max([page_bytes, *(s.granularity or 0 for s in one_page)])
@@ -214,8 +211,7 @@ class PoolOptions:
             )
 
     def _check_chunk_options(self) -> None:
-        """per_buffer, chunk_bytes and max_chunk_bytes do not contradict each other; the chunk limit
-        follows from them (an explicit chunk size is the limit)."""
+        """per_buffer, chunk_bytes and max_chunk_bytes agree; the chunk limit follows from them."""
         bound = self.max_chunk_bytes
         if not isinstance(self.per_buffer, bool):
             raise ConfigError(f"per_buffer={self.per_buffer!r} must be True or False")
@@ -238,8 +234,7 @@ class PoolOptions:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
 
     def _fits_a_page(self, given: object) -> tuple[BufferSpec, ...]:
-        """A pool holds at least one page, and one copy page of every buffer; its buffers, checked
-        (a custom layout's mistakes are ConfigErrors here, not a ZeroDivisionError in the plan)."""
+        """The buffers, checked: at least one page, and one copy page of every buffer."""
         layout, budget = self.layout, self.size
         page_bytes, one_page, smallest = _smallest_pool(layout)
         if budget < smallest and self.num_pages is not None:
@@ -257,8 +252,8 @@ class PoolOptions:
         return one_page if pages == 1 else check_layout(layout, pages)
 
     def _check_stall_budget(self) -> None:
-        """None, or a finite number of seconds in (0, MAX_CALL_SECONDS] (never a bool), which neither
-        one registration per buffer nor exact chunks (unless an "auto" budget yields) can be cut to."""
+        """None, or seconds in (0, MAX_CALL_SECONDS], which neither per-buffer nor exact chunks
+        (unless an "auto" budget yields) can be cut to."""
         budget, yields = self.max_call_seconds, self.budget_yields_to
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf

@@ -76,13 +76,10 @@ class Shares:
 
 
 def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts | None = None, **options: Any) -> Shares:
-    """Size pools that belong together from one byte ``budget`` with one page count: the most
-    pages for which every pool of ``layouts`` (a name per pool) together maps at most ``budget``.
-
-    ``options``: pool options the pools will share that decide what they map (``huge_pages=``);
-    :meth:`Shares.pool` passes them on. ``host``: the page sizes to round to (probed by
-    default). Pure arithmetic: nothing is mapped. A budget below one page of every pool
-    together is a :class:`ConfigError` naming what one page set maps."""
+    """Size pools that belong together from one byte ``budget``: the most pages for which every pool
+    of ``layouts`` (by name) together maps at most ``budget``. ``options``: the pool options that
+    decide what they map (``huge_pages=``), passed on by :meth:`Shares.pool`; ``host``: the page
+    sizes to round to (probed by default). Pure arithmetic: nothing is mapped."""
     nbytes = parse_size(budget, what="budget")
     if not isinstance(layouts, Mapping) or not layouts:
         raise ConfigError(

@@ -51,36 +51,26 @@ def pin(
     """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees.
 
     Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
-    views ``t``'s memory, with its shape and dtype (``pinned.tensors["data"]``). It takes every
-    option of :class:`PinnedPool` with the same meaning and default (``name`` excepted:
-    ``"tensor"``), background pinning, the stall budget, node pacing and retries included,
-    but not those the tensor decides (``layout``, ``size``, ``num_pages``, ``memory``,
-    ``huge_pages``, ``numa_node``). Its pages are the tensor's rows along its first dimension
-    (``pinned.num_pages == t.shape[0]``), so with ``background=True`` ``pinned.pinned_pages``
-    and ``wait_ready(...)`` tell which leading rows are pinned. Chunk
-    boundaries are multiples of ``granularity_bytes`` from the tensor's start, and on OS page
-    boundaries where one of those multiples falls on a page; where none does (torch.empty's
-    memory starts 64 B into a page), they are counted from the start and neighbouring chunks
-    share the page around each boundary, on runtimes that track exact byte ranges (CUDA,
-    mlock, FakeRuntime); elsewhere that is a :class:`ConfigError` (allocate with
+    views ``t``'s memory. It takes every option of :class:`PinnedPool` with the same meaning and
+    default (``name`` excepted: ``"tensor"``) but those the tensor decides (``layout``, ``size``,
+    ``num_pages``, ``memory``, ``huge_pages``, ``numa_node``). Its pages are its rows along the
+    first dimension (``pinned.num_pages == t.shape[0]``; ``pinned_pages``, ``wait_ready``). Chunk
+    boundaries are multiples of ``granularity_bytes`` from its start, on OS pages where such a
+    multiple falls on one; where none does (torch.empty's memory starts 64 B into a page),
+    neighbouring chunks share the page around each boundary on runtimes that track exact byte
+    ranges (CUDA, mlock, FakeRuntime), and elsewhere that is a :class:`ConfigError` (allocate with
     :func:`pinpool.empty`, which is page-aligned).
 
-    Not all of it, where it is given so (each range its own registrations, chunked within it by
-    the rule above from its own start, never merged with a neighbour; rolled back and unpinned
-    like chunks; two ranges may share an OS page only where neighbouring chunks may): a strided
-    view whose rows are contiguous (``region.view(rows, stride)[:, a:b]``: vLLM's worker slots)
-    pins each row, and ``ranges=[(offset, nbytes), ...]`` (byte offsets into a contiguous
-    tensor, any order, none overlapping) pins those ranges; ``pinned.tensor`` is the tensor as
-    given, ``pinned.nbytes`` the bytes registered, and pages are still its rows along the first
-    dimension (a row is pinned once every range in it is). A view whose rows are not contiguous,
-    or overlap one another, is a :class:`ConfigError`.
+    Part of it: a strided view whose rows are contiguous (``region.view(rows, stride)[:, a:b]``:
+    vLLM's worker slots) pins each row, ``ranges=[(offset, nbytes), ...]`` (byte offsets, any
+    order, none overlapping) pins those ranges: each range its own registrations, chunked by the
+    rule above from its own start; ``pinned.nbytes`` is the bytes registered, and a row is pinned
+    once every range in it is. Rows not contiguous, or overlapping, are a :class:`ConfigError`.
 
-    The caller's memory is never freed by pinpool, nor under it: pinpool holds ``t``'s storage
-    while pinned, and points ``t`` at a non-resizable alias of it, so growing ``t`` with
-    ``resize_`` raises instead of reallocating pinned memory; ``t`` gets its own storage back
-    when the pool lets go of the memory. A tensor that overlaps memory already pinned (by
-    pinpool, or locked by anyone under mlock) raises :class:`AlreadyPinnedError` on entry,
-    with nothing changed.
+    pinpool never frees the caller's memory, nor lets it go under it: ``t`` points at a
+    non-resizable alias while pinned (``resize_`` raises) and gets its storage back after. A
+    tensor overlapping memory already pinned (or mlock-ed by anyone) raises
+    :class:`AlreadyPinnedError` on entry, with nothing changed.
     """
     given = dict(locals())  # every option by its declared name (pinpool._plan.declared), for _configure
     del given["tensor"]
