@@ -75,17 +75,11 @@ class Raw:
 class Dense:
     """One C-contiguous buffer of any ``shape`` and ``dtype``, paged along ``page_dim``.
 
-    ``shape`` is the tensor of a one-page pool; a pool of ``n`` pages has ``shape[page_dim] * n``
-    along ``page_dim`` and the other dimensions as given. So SGLang's page_first MHA host
-    buffer ``(2, size, L, H, D)`` is ``Dense((2, P, L, H, D), torch.bfloat16, page_dim=1,
-    granularity_bytes=P*L*H*D*2)``, and a 1-D byte arena of 2 MiB blocks is
-    ``Dense((2 << 20,), torch.uint8)``.
-
-    ``granularity_bytes``: the copy unit chunk boundaries fall on multiples of, as the engine
-    would pass it to its registration (``None``: no constraint, as :class:`Raw`). It must be
-    whole elements and either divide one page's contiguous piece (a page is ``prod(shape[:page_dim])``
-    pieces, one in each run of the leading dimensions) or, when a page is one piece, be whole
-    pages. ``buffer``: the buffer's name, ``pool.tensors[buffer]``.
+    ``shape`` is the tensor of a one-page pool (``n`` pages: ``shape[page_dim] * n`` along
+    ``page_dim``): SGLang's page_first MHA buffer ``(2, size, L, H, D)`` is ``Dense((2, P, L, H, D),
+    torch.bfloat16, page_dim=1, granularity_bytes=P*L*H*D*2)``. ``granularity_bytes``: the copy
+    unit (``None``: no constraint), whole elements that divide one page's contiguous piece, or
+    whole pages when a page is one piece. ``buffer``: the buffer's name, ``pool.tensors[buffer]``.
     """
 
     shape: tuple[int, ...]
@@ -163,13 +157,9 @@ class Mamba:
     *state_shape); granularity per buffer is one slot, prod(shape[1:])*itemsize of that buffer's
     dtype. Zero-element buffers (a zero in a state shape) are allowed and not registered.
 
-    Dtypes, named as in SGLang's ``Mamba2StateDType(conv=..., temporal=...)`` and its host pool's
-    ``temporal_dtype`` / ``conv_dtype``: ``temporal_dtype`` is the temporal (SSM) state's,
-    ``conv_dtype`` every conv state's; ``dtype`` is the default for whichever is not given
-    (``Mamba(L, t, c, torch.bfloat16)`` keeps every state in bf16;
-    ``Mamba(L, t, c, temporal_dtype=torch.float32, conv_dtype=torch.bfloat16)`` mixes them).
-    After construction ``temporal_dtype`` and ``conv_dtype`` hold the dtypes in use
-    (``conv_dtype`` stays ``None`` only for a pool with no conv states and no dtype for them).
+    ``temporal_dtype`` (the SSM state's) and ``conv_dtype`` (every conv state's), as SGLang's
+    ``Mamba2StateDType`` names them, default to ``dtype``; after construction they hold the dtypes
+    in use (``conv_dtype`` stays ``None`` only without conv states and a dtype for them).
     """
 
     num_mamba_layers: int
