@@ -30,10 +30,10 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
     from . import layouts as layouts
     from ._pin.outcome import PoolState as PoolState
     from ._plan.chunks import Chunk as Chunk
-    from ._pool.alloc import empty as empty
     from ._pool.budget import Shares as Shares
     from ._pool.budget import host_budget as host_budget
     from ._pool.budget import share as share
+    from ._pool.pin import empty as empty
     from ._pool.pin import pin as pin
     from ._pool.pool import PinnedPool as PinnedPool
     from ._shared.memory import SharedMemory as SharedMemory
@@ -72,7 +72,7 @@ __all__ = [
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
 _LAZY = {
-    "empty": "._pool.alloc",
+    "empty": "._pool.pin",
     "Chunk": "._plan.chunks",
     "PinnedPool": "._pool.pool",
     "PoolState": "._pin.outcome",

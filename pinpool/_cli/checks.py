@@ -21,7 +21,7 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._host.facts import HostFacts
-from .._plan.duty import duty_cycle
+from .._plan.calls import duty_cycle
 from .._plan.plan import default_populate_workers, pool_cpus
 from .._plan.preflight import (
     FAIL,

@@ -25,7 +25,7 @@ from typing import Any, TypeAlias
 import torch
 
 from .._errors import AllocationError, ConfigError, RuntimeCallError
-from .._plan.preflight import hugetlb_check, hugetlb_fix, raise_first, thp_check
+from .._plan.preflight import huge_pages_check, hugetlb_fix, raise_first
 from .._units import format_bytes, hugetlb_page_size
 from . import libc as _libc
 
@@ -61,20 +61,6 @@ def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRIT
         )  # fmt: skip
 
 
-def check_huge_pages_available() -> None:
-    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode (read now: the
-    pre-flight's check, against the host as it is when the memory is mapped)."""
-    raise_first([thp_check(_libc.transparent_huge_pages_mode(), wanted=True)])
-
-
-def check_hugetlb_available(nbytes: int, huge_pages: str) -> None:
-    """huge_pages='hugetlb' (or 'hugetlb:2MiB', 'hugetlb:1GiB') needs enough free hugetlb pages
-    of that size reserved (read now)."""
-    page = hugetlb_page_size(huge_pages)
-    free, total = _libc.hugetlb_free_pages(page)
-    raise_first([hugetlb_check(nbytes, free=free, total=total, huge_page_size=page, wanted=True, value=huge_pages)])
-
-
 def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
     """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
     whatever it has mapped at that address since is its own."""
@@ -96,14 +82,13 @@ class HostMapping:
     """
 
     def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
-        if huge_pages is True:
-            check_huge_pages_available()
         hugetlb = hugetlb_page_size(huge_pages)
         align = hugetlb or (_libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE)
         length = -(-nbytes // align) * align
+        # The pre-flight's huge-page check again, against the host as it is now.
+        check = huge_pages_check(huge_pages, length, _libc.transparent_huge_pages_mode, _libc.hugetlb_free_pages)
+        raise_first([check] if check else [])
         if hugetlb:
-            assert isinstance(huge_pages, str)
-            check_hugetlb_available(length, huge_pages)
             address, err = _libc.mmap_hugetlb(length, hugetlb)  # hugetlb mappings come aligned to their page
             if err:
                 raise AllocationError(

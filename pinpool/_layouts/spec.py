@@ -1,9 +1,5 @@
-"""What a layout is: the Layout protocol, one buffer's BufferSpec, the checks every family's
-constructor shares (so each family's ConfigError names its field and the fix the same way), and
-the checks of what a custom layout promises (so its mistakes are ConfigErrors, not failures deep
-in the plan).
-
-Private: ``pinpool.layouts`` is the public module and re-exports these.
+"""What a layout is (the Layout protocol, BufferSpec), the checks every family's constructor shares,
+and :func:`check_layout`, what a custom layout promises. ``pinpool.layouts`` re-exports them.
 """
 
 from __future__ import annotations
@@ -24,12 +20,10 @@ class BufferSpec:
     """One buffer of a pool: its tensor ``shape`` and ``dtype``, and its ``granularity`` in bytes
     (``None``: any page-aligned split is safe).
 
-    ``page_runs`` says where page *i* lives, so a pool pinning in the background can say which
-    leading pages ``[0, k)`` are usable: the buffer is ``page_runs`` equal runs back to back,
-    and in each run page *i* is the *i*-th equal slice (1 for page-major shapes such as
-    ``(pages, ...)``, ``layer_num`` for layer_first shapes, 2 more-fold for a combined K/V
-    buffer). ``None`` (a custom layout that does not say): the buffer's pages are usable only
-    once all of it is pinned.
+    ``page_runs``: the buffer is that many equal runs back to back, page *i* the *i*-th slice of
+    each (1 for ``(pages, ...)`` shapes, ``layer_num`` for layer_first, twice that for a combined
+    K/V buffer), so a background pool knows which leading pages are usable; ``None``: only once
+    all of it is pinned.
     """
 
     name: str
@@ -101,7 +95,7 @@ def check_shape(family: str, name: str, value: object) -> tuple[int, ...]:
     return dims
 
 
-# -- custom layouts: what the Layout protocol promises, checked, so every mistake is a ConfigError --
+# -- custom layouts: what the Layout protocol promises, so every mistake is a ConfigError -----------
 
 _PAGE_BYTES_FIX = "a layout's page_bytes must be a positive int: the bytes one page occupies across all its buffers"
 _BUFFERS_FIX = "a layout's buffers(num_pages) must return a tuple of pinpool.layouts.BufferSpec"
@@ -118,7 +112,7 @@ def _describe_layout(layout: object) -> str:
 
 
 def is_layout(layout: object) -> bool:
-    """``isinstance(layout, Layout)``, which reads the protocol's properties and so raises what they raise."""
+    """``isinstance(layout, Layout)``; what reading its properties raises becomes a ConfigError naming it."""
     try:
         return isinstance(layout, Layout)
     except Exception as exc:
@@ -129,8 +123,34 @@ def is_layout(layout: object) -> bool:
         raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
 
 
+def require_layout(layout: object) -> None:
+    """``layout`` is a :class:`Layout` (its properties read as one), else a ConfigError."""
+    if not is_layout(layout):
+        raise ConfigError(f"layout={layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
+
+
+def check_layout(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
+    """Check what a layout promises, as a pool will, and return its buffers for ``num_pages`` pages.
+
+    A custom layout's mistakes (a ``name`` that is not a non-empty str, a ``page_bytes`` that is not
+    a positive int, ``buffers()`` returning no, repeated or malformed BufferSpecs, or
+    raising) become a :class:`pinpool.ConfigError` naming the layout, the field and the fix, the
+    error ``PinnedPool(layout=...)`` would raise. Call it in your layout's tests::
+
+        from pinpool import layouts
+
+        specs = layouts.check_layout(MyLayout(layer_num=32), num_pages=1000)
+        assert sum(spec.nbytes for spec in specs) == 1000 * MyLayout(layer_num=32).page_bytes
+    """
+    if not positive_int(num_pages):
+        raise ConfigError(f"check_layout(num_pages={num_pages!r}): give a positive int number of pages")
+    require_layout(layout)
+    layout_page_bytes(layout)
+    return layout_buffers(layout, num_pages)
+
+
 def layout_page_bytes(layout: Layout) -> int:
-    """Check the layout's name and page_bytes (what PinnedPool reads of it besides its buffers); return page_bytes."""
+    """The layout's page_bytes, checked with its name."""
     what = _describe_layout(layout)
     name = _layout_value(what, "name", lambda: layout.name, "fix its name")
     if not isinstance(name, str) or not name:
@@ -144,10 +164,9 @@ def layout_page_bytes(layout: Layout) -> int:
 
 
 def layout_buffers(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
-    """Check the layout's ``buffers(num_pages)``: a non-empty tuple of valid, distinct BufferSpecs holding bytes."""
+    """``buffers(num_pages)``, checked: a non-empty tuple of valid, distinct BufferSpecs holding bytes."""
     what = _describe_layout(layout)
-    # An absurd size (10**5000) is refused later as beyond the address space; its page count must
-    # still print (str() of an int that long raises).
+    # An absurd size is refused later (the address space); its page count must still print.
     call = f"buffers({num_pages if num_pages.bit_length() <= 128 else f'~2**{num_pages.bit_length() - 1}'})"
     specs = _layout_value(what, call, lambda: layout.buffers(num_pages), _BUFFERS_FIX)
     if isinstance(specs, str | bytes) or not isinstance(specs, tuple | list):
@@ -180,7 +199,6 @@ def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: st
 
 
 def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:
-    """One BufferSpec of a layout: the fields the plan and the tensor views use, of the right types."""
     if not isinstance(spec, BufferSpec):
         raise ConfigError(f"{where} holds {spec!r}, not a BufferSpec; {_BUFFERS_FIX}")
     if not isinstance(spec.name, str) or not spec.name or spec.name in seen:

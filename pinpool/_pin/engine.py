@@ -33,11 +33,9 @@ from .._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls
 from .._host.libc import MADV_POPULATE_WRITE, lower_this_thread
 from .._host.mapping import populate_range
 from .._observe import Observer
+from .._plan.calls import CallSizer, Pacer, retry_splitter
 from .._plan.chunks import Chunk
-from .._plan.cutter import retry_splitter
-from .._plan.duty import Pacer
 from .._plan.prefix import PrefixTracker
-from .._plan.stall import CallSizer
 from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
@@ -70,7 +68,7 @@ class _Op:
     # one call per piece, and the longest-call gauge is about single calls). Register and populate
     # report theirs with the call's outcome, with the attempt it was.
     took: Callable[[float], None] | None = None
-    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/duty.py)
+    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
 
 
 class _Result(Protocol):

@@ -1,12 +1,6 @@
-"""The vocabulary every layer shares: chunks, spans, their lazy tables, chunk plans and pipeline orders.
-
-A :class:`Chunk` is one registration call's range; a :class:`Span` one populate call's. The
-tables (:class:`ChunkTable`, :class:`SpanTable`) are sequences computed arithmetically from a
-few runs of equal, back-to-back items, so a table of 2**35 chunks costs what one of 3 does.
-:class:`ChunkPlan` is how one buffer is registered, :class:`Order` how pre-faulting and
-registration are ordered. Plain values with no policy: the planner (:mod:`pinpool._plan.plan`) makes
-them, the pipeline, the ledger, the prefix tracker and the errors read them. This module imports
-nothing of pinpool's, so every other module may import it.
+"""The vocabulary every layer shares: a :class:`Chunk` (one registration call's range), a :class:`Span`
+(one populate call's), their lazy tables, :class:`ChunkPlan` and :class:`Order`. Plain values that
+import nothing of pinpool's, so every module may import them.
 """
 
 from __future__ import annotations
@@ -17,8 +11,6 @@ from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
-
-__all__ = ["Chunk", "ChunkPlan", "ChunkTable", "Order", "Run", "Span", "SpanTable"]
 
 
 @dataclass(frozen=True, order=True)
@@ -35,11 +27,9 @@ class Chunk:
 
 _T = TypeVar("_T")
 
-# Lazy tables keep recently used items in blocks, so the few lookups each chunk gets while it
-# is pinned (claim, call, record, report, teardown) cost a dict hit and a tuple index, not a
-# bisection and a new object each; a bounded number of blocks keeps memory O(1) in the length.
-# Small on purpose (8 blocks of 16): items that die young never reach the collector's oldest
-# generation, whose full passes otherwise grow the per-chunk cost with the pool (measured).
+# Recently used items are kept in a few small blocks: a chunk's lookups while pinned cost a dict
+# hit, not a bisection and a new object each. Small on purpose (8 of 16): items that die young never
+# reach the collector's oldest generation, whose full passes otherwise grow per-chunk cost (measured).
 _BLOCK_SHIFT = 4
 _BLOCK_MASK = (1 << _BLOCK_SHIFT) - 1
 _CACHED_BLOCKS = 8
@@ -55,12 +45,8 @@ def _fast_chunk(offset: int, nbytes: int) -> Chunk:
 
 
 class _LazyTable(Sequence[_T]):
-    """A read-only sequence whose items are computed from a few numbers, with a small block cache.
-
-    Subclasses set ``_len`` and implement ``_make(lo, hi)`` (items lo..hi-1, in order) and
-    ``_slice(lo, hi)`` (a contiguous slice). Indices, negative indices and slices behave as a
-    tuple's do.
-    """
+    """A read-only sequence computed from a few numbers: subclasses set ``_len`` and implement
+    ``_make(lo, hi)`` (items lo..hi-1) and ``_slice(lo, hi)``; it indexes and slices as a tuple."""
 
     __slots__ = ("_cache", "_len")
 
@@ -128,15 +114,8 @@ Run = tuple[int, int, int]
 
 
 class ChunkTable(_LazyTable[Chunk]):
-    """An immutable sequence of chunks, stored as runs of equal, back-to-back chunks.
-
-    A buffer's plan is at most three runs (a short head for unaligned memory, the full chunks,
-    a short tail), so a table costs O(runs) memory whatever its length; indexing finds the run
-    by bisection (recently used chunks come from a small cache), iteration makes each
-    :class:`Chunk` as it goes. It behaves as a tuple of chunks does: ``len``, indices
-    (negative too), slices (a contiguous slice is a ChunkTable), ``in``, ``index``, ``count``,
-    and equality with tuples and other tables.
-    """
+    """An immutable tuple-like sequence of chunks stored as runs of equal, back-to-back chunks: a
+    buffer's plan is at most three runs, so a table costs O(runs) whatever its length."""
 
     __slots__ = ("_runs", "_starts")
 
@@ -262,12 +241,7 @@ class Span:
 
 
 class SpanTable(_LazyTable[Span]):
-    """Every chunk of a table cut into spans of at most ``span_bytes``, computed lazily.
-
-    Span boundaries are each chunk's start plus multiples of ``span_bytes`` (the last span of a
-    chunk may be shorter); a span never crosses chunks. O(runs of the chunk table) memory.
-    Slices are tuples.
-    """
+    """Every chunk cut into spans of at most ``span_bytes`` from its start (never crossing chunks), lazily."""
 
     __slots__ = ("_runs", "_starts", "chunks", "span_bytes")
 
@@ -291,10 +265,6 @@ class SpanTable(_LazyTable[Span]):
         self._starts = tuple(starts)
         self._len = total
         self._cache = {}
-
-    def spans_in(self, nbytes: int) -> int:
-        """How many spans a chunk of ``nbytes`` is cut into."""
-        return -(-nbytes // self.span_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -329,20 +299,13 @@ class SpanTable(_LazyTable[Span]):
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """How one buffer of ``nbytes`` is registered.
+    """How one buffer of ``nbytes`` is registered: chunks of ``chunk_bytes`` (the last maybe shorter),
+    boundaries on multiples of ``unit`` (lcm of the copy-page ``granularity`` and the OS page).
 
-    ``granularity`` is the layout's copy-page size (``None``: no constraint), ``unit`` the
-    step every chunk boundary is a multiple of (lcm of granularity and OS page), and
-    ``chunk_bytes`` the size of every chunk but possibly the last.
-
-    ``origin`` is where the grid of allowed boundaries starts: every boundary (planned, or
-    cut later by a retry or the stall budget) is ``origin + k * unit`` bytes from the
-    buffer's start. 0 for page-aligned memory; for memory starting mid-page, the first
-    multiple of the granularity on an OS page, or 0 again where there is none and
-    neighbours may share their boundary page (``shared_pages``); ``None`` where there is
-    none and they may not, so the buffer is never cut (it must fit one call).
-    ``shared_pages``: the boundaries fall inside OS pages, each page shared by the two
-    chunks around it (only planned for runtimes that track exact byte ranges).
+    ``origin``: every boundary, planned or cut later (a retry, the stall budget), is ``origin + k *
+    unit`` from the buffer's start: 0 for page-aligned memory; mid-page, the first multiple of the
+    granularity on a page, else 0 where neighbours may share pages (``shared_pages``: boundaries
+    inside OS pages), else None: the buffer is never cut.
     """
 
     nbytes: int

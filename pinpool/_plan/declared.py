@@ -1,22 +1,7 @@
-"""A pool's options, declared once: names, types, defaults, help, and where each is taken.
-
-:data:`OPTIONS` is the one list of what a user may ask of a pool. Everything that spells the
-options is derived from it, or checked against it by a test, so none can drift:
-
-- ``PinnedPool.__init__`` and ``pinpool.pin()`` keep explicit typed signatures (for IDEs and
-  mypy); ``tests/core/test_options_declared.py`` asserts with :func:`inspect.signature` that their
-  parameter names, kinds, defaults and annotations are exactly the declared ones, in this
-  order, that ``PoolOptions.create`` takes exactly the options marked ``create``, and that
-  ``PinnedPool``'s docstring ``Options:`` section lists every pool option.
-- Both go through one construction path, ``PinnedPool._configure``, which reads the options
-  by these names.
-- The command line (``pinpool/_cli.py``) builds the pool flags of ``pinpool pin``, ``plan``
-  and ``doctor`` by looping over :data:`OPTIONS` (:class:`Flag`), and reads them back the
-  same way.
-- ``docs/options.md``'s table is rendered from :data:`OPTIONS` by
-  ``docs/_ext/options_table.py`` (``--check`` in a test: the page cannot drift either).
-
-Standard library only: the command line imports this module, and must not import torch.
+"""A pool's options, declared once: :data:`OPTIONS` (names, types, defaults, help, flags). PinnedPool's
+and pin()'s typed signatures, ``PoolOptions.create``, PinnedPool's docstring, the command line's
+flags and docs/options.md's table are derived from it or held to it by tests. Standard library only:
+the command line imports it, and must not import torch.
 """
 
 from __future__ import annotations
@@ -24,21 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = [
-    "DEFAULT_MAX_RETRIES",
-    "DEFAULT_REGISTRY",
-    "KINDS",
-    "OPTIONS",
-    "PER_BUFFER",
-    "Flag",
-    "Option",
-    "option",
-    "pin_options",
-    "pool_options",
-]
-
-# How many times one planned registration may be halved, level after level: 32 levels reach one
-# 4 KiB page from 16 TiB, so the floor (min_chunk_bytes, else one alignment unit) ends halving first.
+# 32 halvings reach one 4 KiB page from 16 TiB: the floor (min_chunk_bytes) ends halving first.
 DEFAULT_MAX_RETRIES = 32
 # chunk_bytes= that asks for one registration per buffer (ROCm kernels address a pool from one base).
 PER_BUFFER = "buffer"
@@ -76,14 +47,8 @@ KINDS = {
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option.
-
-    ``kind``: how its text is read (a key of :data:`KINDS`). ``commands``: the subcommands
-    that take it. ``default``: the command line's own default for ``pin`` and ``plan``, as
-    text, where it differs from Python's (``doctor`` takes none: what it is not given, it does
-    not check). An option left off the command line gets the Python default. ``note``: what
-    the command line adds to the option's help.
-    """
+    """How the command line spells an option: ``kind`` (a key of :data:`KINDS`), the ``commands``
+    taking it, its own ``default`` for pin and plan where it differs from Python's, a help ``note``."""
 
     flag: str
     kind: str
@@ -99,16 +64,9 @@ class Flag:
 
 @dataclass(frozen=True)
 class Option:
-    """One pool option.
-
-    ``type``: the annotation text ``PinnedPool`` (and ``pin()``) declare it with, as the docs
-    show it. ``default``: the Python default. ``help``: one line. ``flag``: how the command
-    line spells it, or None with ``no_flag`` saying why not. ``pool`` / ``pin``: whether
-    ``PinnedPool(...)`` / ``pin(tensor, ...)`` take it (``no_pin``: why pin() does not);
-    ``pin_default``: pin()'s default where it differs. ``create``: whether
-    ``PoolOptions.create`` takes it (the options it validates and keeps).
-    ``shown_default``: how the docs show the default where ``repr`` does not say it well.
-    """
+    """One pool option: ``type`` is its annotation text; ``flag`` None needs ``no_flag`` (why);
+    ``pool`` / ``pin`` / ``create``: whether PinnedPool, pin() (else ``no_pin``, why) and
+    ``PoolOptions.create`` take it; ``shown_default``: the docs' spelling where ``repr``'s is poor."""
 
     name: str
     type: str
@@ -133,7 +91,6 @@ class Option:
         return self.default if self.pin_default is _SAME else self.pin_default
 
     def shown(self, value: object = _SAME) -> str:
-        """A default as the docs show it: Python's spelling."""
         value = self.default if value is _SAME else value
         if value is self.default and self.shown_default is not None:
             return self.shown_default

@@ -1,52 +1,46 @@
-"""A pool's options, validated once: the one spelling PinnedPool and pin() share.
-
-:class:`PoolOptions` holds what a user chose about a pool (not the host's facts, nor the
-runtime object): :meth:`PoolOptions.create` takes the user's spellings (``size="64GiB"``,
-``chunk_bytes=None`` meaning the environment's limit, ``layout=None``) and normalises them;
-the constructor itself checks every field, so no invalid options value exists. Both raise
-:class:`ConfigError` naming the value and the fix. The chunk limit a user's ``chunk_bytes=None``
-means (``PINPOOL_REGISTER_CHUNK_GB``, else 256 GiB) is resolved here too. :func:`pinpool._plan.plan.plan_pool`
-turns options plus host facts into a plan.
+"""A pool's options: :meth:`PoolOptions.create` turns a user's spellings into values, the dataclass
+checks every field once (so no invalid options value exists), each failure a :class:`ConfigError`
+naming the value and the fix. :func:`pinpool._plan.plan.plan_pool` turns options plus host facts into a plan.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Collection
 from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 from .._errors import ConfigError
-from .._layouts.spec import is_layout, layout_buffers, layout_page_bytes, positive_int
+from .._layouts.spec import check_layout, is_layout, layout_page_bytes, positive_int, require_layout
 from .._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size, shown
 from ..layouts import BufferSpec, Layout, Raw
-from .declared import DEFAULT_MAX_RETRIES, PER_BUFFER
-
-__all__ = [
-    "BACKGROUND_MAX_CALL_SECONDS",
-    "CHUNK_ENV",
-    "DEFAULT_CHUNK_GIB",
-    "DEFAULT_MAX_RETRIES",
-    "PoolOptions",
-    "chunk_limit_from_env",
-    "min_num_pages",
-    "resolve_chunk_limit",
-    "resolve_max_call_seconds",
-    "resolve_pin_nice",
-]
+from .declared import DEFAULT_MAX_RETRIES, OPTIONS, PER_BUFFER
 
 # ``pin_nice="auto"``: a background pool's pin workers run this much nicer than the process.
 # Measured in docs/performance.md ("Serving: pinning leaves serving its CPU (pin_nice)"): the
 # /healthz tail moved most at 10; 3-5 left it in place, 19 and SCHED_IDLE held locks 0.7-2.2 s.
 BACKGROUND_PIN_NICE = 10
 MAX_NICE = 19  # Linux's lowest priority
-
+# max_call_seconds="auto" for a background pool: under mlock each populate call holds mmap_lock,
+# which the serving loop's own allocations wait behind (measured: it stalled for the whole pin).
+BACKGROUND_MAX_CALL_SECONDS = 0.05
 HUGE_PAGES = (False, True, *HUGETLB_PAGE_SIZES)
-
-
 # The per-call limit when chunk_bytes= and max_chunk_bytes= are not given: the environment's, else 256 GiB.
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
 DEFAULT_CHUNK_GIB = 256
+# The most threads of one role: a typo (10**6) fails here, not in thread starts.
+MAX_WORKERS = 1024
+# One call may hold the driver or mmap lock at most an hour: beyond that a budget bounds nothing,
+# and the sizer's arithmetic (bytes = seconds / seconds-per-byte) would leave the numbers a size can be.
+MAX_CALL_SECONDS = 3600.0
+# Linux numbers NUMA nodes below MAX_NUMNODES, at most 1 << 10 (CONFIG_NODES_SHIFT <= 10).
+MAX_NUMA_NODES = 1024
+# max_retries above this is meaningless: 64 halvings reach one byte from 2**64 bytes.
+MAX_RETRIES = 64
+# A runtime's error codes (cudaError_t, hipError_t) are positive C ints; 0 is success.
+MAX_ERROR_CODE = 2**31 - 1
 
 
 def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = None) -> int:
@@ -58,65 +52,14 @@ def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = Non
     return parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
 
 
-def resolve_chunk_limit(chunk_bytes: int | str | None) -> int:
-    """``chunk_bytes=`` when given (int or size string), else the environment, else 256 GiB."""
-    if chunk_bytes is None:
-        return chunk_limit_from_env()
-    return parse_size(chunk_bytes, what="chunk_bytes")
-
-
-# The most threads of one role a pool may start: far more than any host has cores for (the
-# defaults are CPUs, up to 16 or 8), few enough that a typo (10**6) fails here, not in thread starts.
-MAX_WORKERS = 1024
-# The longest stall budget: one call may hold the driver or mmap lock at most an hour. A budget
-# is meant to be tens of milliseconds; beyond this it bounds nothing, and the sizer's arithmetic
-# (bytes = seconds / seconds-per-byte) would leave the numbers a call size can be.
-MAX_CALL_SECONDS = 3600.0
-# Linux numbers NUMA nodes below MAX_NUMNODES, at most 1 << 10 (CONFIG_NODES_SHIFT <= 10).
-MAX_NUMA_NODES = 1024
-
-
-def _check_workers(option: str, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{option}={shown(value)} must be a positive int (or None for the default)")
-    if value is not None and value > MAX_WORKERS:
-        raise ConfigError(
-            f"{option}={shown(value)} is more than {MAX_WORKERS} threads; give at most {MAX_WORKERS} "
-            "(a few per core is plenty), or None for the default (sized from the CPUs)"
-        )
-
-
-def _check_fits_a_page(
-    layout: Layout, budget: int, given: object, *, num_pages: int | None = None
-) -> tuple[BufferSpec, ...]:
-    """A pool must hold at least one page, and one copy page of every buffer; returns the buffers
-    it holds, checked (a pool's one ``layout.buffers(num_pages)`` call: the placement reads them).
-
-    ``num_pages``: the pool was asked for by page count (``budget`` is that many pages), so the
-    message names it. The layout is checked on the way (:func:`layout_page_bytes`,
-    :func:`layout_buffers`): a custom layout's mistakes are ConfigErrors here, before anything
-    is mapped, not a ZeroDivisionError in the plan."""
-    page_bytes, one_page, smallest = _smallest_pool(layout)
-    if budget < smallest and num_pages is not None:
-        pages = -(-smallest // page_bytes)
-        raise ConfigError(
-            f"num_pages={shown(num_pages)} ({shown(budget)} B) is smaller than one copy page of a buffer of layout "
-            f"{layout.name!r} ({shown(smallest)} B = {format_bytes(smallest)}); give num_pages={shown(pages)} or more"
-        )
-    if budget < smallest:
-        raise ConfigError(
-            f"size={shown(given)} ({shown(budget)} B) is smaller than one page of layout {layout.name!r} "
-            f"({shown(smallest)} B = {format_bytes(smallest)}); give a size of at least {shown(smallest)} bytes"
-        )
-    pages = budget // page_bytes
-    return one_page if pages == 1 else layout_buffers(layout, pages)  # the buffers this pool will have
+def _bytes(value: object, what: str) -> Any:  # a size string parsed; anything else is the dataclass's to check
+    return parse_size(value, what=what) if isinstance(value, str) else value
 
 
 def _smallest_pool(layout: Layout) -> tuple[int, tuple[BufferSpec, ...], int]:
-    """The layout's page_bytes, its buffers for one page, and the fewest bytes a pool of it holds:
-    one page, and one copy page of every buffer (the layout checked on the way)."""
-    page_bytes = layout_page_bytes(layout)
-    one_page = layout_buffers(layout, 1)  # how small is too small, and a custom layout's mistakes, named for 1 page
+    """page_bytes, one page's buffers, and the fewest bytes a pool holds: a page, a copy page of each buffer."""
+    one_page = check_layout(layout, 1)
+    page_bytes = layout.page_bytes
     return page_bytes, one_page, max([page_bytes, *(s.granularity or 0 for s in one_page)])
 
 
@@ -126,70 +69,26 @@ def min_num_pages(layout: Layout) -> int:
     return -(-smallest // page_bytes)
 
 
-# max_call_seconds="auto" for a background pool: its body is serving while it pins; under mlock
-# each populate call holds mmap_lock, which the event loop's own allocations wait behind
-# (measured: the loop stalled for the whole pin without a budget).
-BACKGROUND_MAX_CALL_SECONDS = 0.05
-
 _SIZE_OR_PAGES_FIX = (
     'give exactly one of size= (a byte budget such as "64GiB": the pool holds the whole pages that fit) or '
     "num_pages= (a page count: the pool holds exactly that many pages, e.g. to pair an MLA pool with its "
     "Indexer pool)"
 )
-
-
-def _check_num_pages(num_pages: object) -> int:
-    """``num_pages=``: a positive int (never a bool, a float or a string)."""
-    if not positive_int(num_pages):
-        raise ConfigError(
-            f"num_pages={shown(num_pages)} must be a positive int number of layout pages (pool.num_pages of a pool "
-            "to pair with), or None to size the pool by size= instead"
-        )
-    return num_pages
-
-
-def _budget_of(layout: Layout, size: int | str | None, num_pages: object) -> tuple[int, int | None]:
-    """The byte budget and page count that ``size=`` or ``num_pages=`` asks for: exactly one of them."""
-    if (size is None) == (num_pages is None):
-        both = f"both were given (size={shown(size)}, num_pages={shown(num_pages)})"
-        given = "neither was given" if size is None else both
-        raise ConfigError(f"size= or num_pages=: {given}; {_SIZE_OR_PAGES_FIX}")
-    if size is not None:
-        return parse_size(size, what="size"), None
-    pages = _check_num_pages(num_pages)
-    return pages * layout_page_bytes(layout), pages
+_CREATE = tuple(o for o in OPTIONS if o.create)
 
 
 @dataclass(frozen=True)
 class PoolOptions:
-    """What a pool is asked to be. Sizes are bytes.
+    """What a pool is asked to be (not the host's facts, nor the runtime object). Sizes are bytes;
+    each field means what its option in :mod:`pinpool._plan.declared` says, and these are derived:
 
-    layout: what the memory holds. size: the byte budget (the pool holds the largest whole
-    number of layout pages that fits). num_pages: set when the pool was asked for by page count
-    (:meth:`create` with ``num_pages=``): then ``size`` is exactly ``num_pages *
-    layout.page_bytes``, so the pool holds exactly that many pages. chunk_bytes: an explicit
-    chunk size (None: the limit is ``chunk_limit`` and chunks may be split further for the
-    workers). max_chunk_bytes: an upper bound given as a keyword (``chunk_bytes``, if also
-    given, must not exceed it). chunk_limit: the per-call limit: ``chunk_bytes`` when given,
-    else ``max_chunk_bytes``, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it
-    (default 256 GiB). per_buffer: one registration per buffer (``chunk_bytes="buffer"``),
-    never cut (no split for workers, no stall-budget pieces, no retry halves). populate:
-    pre-fault (None: where supported). *_workers: threads per role (None: the default).
-    huge_pages: False, True (THP), "hugetlb" (or "hugetlb:2MiB") or "hugetlb:1GiB". numa_node: bind the
-    memory to this node.
-    name: the pool's name in logs, metrics and errors.
-    min_chunk_bytes / max_retries / retry_codes: the retry policy: a registration failing with
-    one of ``retry_codes`` (None: its runtime's retryable codes) is retried as aligned halves,
-    down to ``min_chunk_bytes`` (None: one alignment unit), at most ``max_retries`` halvings
-    below its planned chunk (per chunk lineage, not per pool; 0: never retry).
-    max_call_seconds: the stall budget: every registration and populate call is sized from
-    the rate of the previous ones so it should not take longer (None: no budget).
-    budget_yields_to: the explicit chunk option (``"chunk_bytes"``, ``"max_chunk_bytes"``) an
-    ``"auto"`` budget yields to for registrations (populate calls still fit it), else None.
-    pin_nice: how much nicer than the process the pin worker threads run (0: as nice as it;
-    :func:`resolve_pin_nice` turns the user's ``"auto"`` / None into this number).
-    background: the pool pins in the background (:meth:`create` resolves ``"auto"`` budgets
-    and niceness from it).
+    size: the byte budget (the pool holds the whole layout pages that fit); with ``num_pages``
+    exactly ``num_pages * layout.page_bytes``. chunk_limit: the per-call limit: ``chunk_bytes``,
+    else ``max_chunk_bytes``, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it.
+    per_buffer: ``chunk_bytes="buffer"`` (one registration per buffer, never cut).
+    max_call_seconds / pin_nice: ``"auto"`` resolved for ``background``. budget_yields_to: the
+    explicit chunk option an ``"auto"`` budget yields to for registrations, else None.
+    buffers: the layout's buffers for this size, checked once here; the placement reads them.
     """
 
     size: int
@@ -213,117 +112,95 @@ class PoolOptions:
     background: bool = False
     retry_codes: frozenset[int] | None = None
     budget_yields_to: str | None = None
-    # The layout's buffers for this size, checked: computed once, here; the placement reads them.
     buffers: tuple[BufferSpec, ...] = field(init=False, repr=False, compare=False)
-    # create() checked the buffers already (before the options it parses after them, so errors
-    # come in the order users have always seen them): they are handed over, not read again.
-    checked_buffers: InitVar[tuple[BufferSpec, ...] | None] = None
+    spelled: InitVar[object] = None  # size= as create was given it ("1KiB"), for messages
 
     @classmethod
-    def create(
-        cls,
-        *,
-        layout: Layout | None = None,
-        size: int | str | None = None,
-        num_pages: int | None = None,
-        chunk_bytes: int | str | None = None,
-        max_chunk_bytes: int | str | None = None,
-        populate: bool | None = None,
-        populate_workers: int | None = None,
-        register_workers: int | None = None,
-        unpin_workers: int | None = None,
-        huge_pages: bool | str = False,
-        numa_node: int | None = None,
-        name: str = "default",
-        min_chunk_bytes: int | str | None = None,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        retry_codes: Collection[int] | None = None,
-        max_call_seconds: float | str | None = "auto",
-        background: bool = False,
-        pin_nice: int | str | None = "auto",
-    ) -> PoolOptions:
-        """Options from a user's spellings (the parameters are pinpool._plan.declared's, with the same
-        defaults as PinnedPool's): sizes as ints or strings (``"64GiB"``), ``layout=None`` for
-        :class:`Raw`, ``chunk_bytes=None`` for the limit of ``max_chunk_bytes``, else
-        ``PINPOOL_REGISTER_CHUNK_GB`` (read now), ``chunk_bytes="buffer"`` for one registration
-        per buffer, ``"auto"`` budgets and niceness resolved for ``background``. Exactly one of
-        ``size`` (a byte budget) and ``num_pages`` (a page count: ``size`` becomes ``num_pages *
-        layout.page_bytes``)."""
-        if not isinstance(background, bool):
-            raise ConfigError(f"background={background!r} must be True or False")
-        resolved = Raw() if layout is None else layout
-        _check_plain(resolved, layout, populate, populate_workers, register_workers, unpin_workers, huge_pages,
-                     numa_node, name)  # fmt: skip
-        budget, pages = _budget_of(resolved, size, num_pages)
-        per_buffer = isinstance(chunk_bytes, str) and chunk_bytes == PER_BUFFER
-        bound = None if max_chunk_bytes is None else parse_size(max_chunk_bytes, what="max_chunk_bytes")
-        if per_buffer:
-            exact, limit = None, budget if bound is None else bound
-        elif chunk_bytes is not None:
-            exact = limit = resolve_chunk_limit(chunk_bytes)
-        else:
-            exact, limit = None, resolve_chunk_limit(None) if bound is None else bound
-        specs = _check_fits_a_page(resolved, budget, size, num_pages=pages)
-        stall = resolve_max_call_seconds(max_call_seconds, background=background, per_buffer=per_buffer)
-        # An "auto" budget yields to an explicit chunk option for registrations (the user said how
-        # to chunk; "auto" is only a default); a number given with exact chunks is refused below.
+    def create(cls, **given: Any) -> PoolOptions:
+        """Options from a user's spellings, the options :mod:`pinpool._plan.declared` marks ``create``
+        with their defaults (its signature is theirs): sizes as ints or strings (``"64GiB"``),
+        ``layout=None`` for :class:`Raw`, ``chunk_bytes=None`` for ``max_chunk_bytes``'s limit, else
+        ``PINPOOL_REGISTER_CHUNK_GB`` (read now), ``chunk_bytes="buffer"``, ``"auto"`` budgets and
+        niceness resolved for ``background``; exactly one of ``size`` and ``num_pages``."""
+        for name in given.keys() - {o.name for o in _CREATE}:
+            raise TypeError(f"PoolOptions.create() got an unexpected keyword argument {name!r}")
+        o = {option.name: given.get(option.name, option.default) for option in _CREATE}
+        layout, size, pages, chunk, stall, background = (
+            o["layout"], o["size"], o["num_pages"], o["chunk_bytes"], o["max_call_seconds"], o["background"] is True
+        )  # fmt: skip
+        layout = Raw() if layout is None else layout
+        if (size is None) == (pages is None):
+            both = f"both were given (size={shown(size)}, num_pages={shown(pages)})"
+            what = "neither was given" if size is None else both
+            raise ConfigError(f"size= or num_pages=: {what}; {_SIZE_OR_PAGES_FIX}")
+        if pages is None:
+            size = _bytes(size, "size")
+        elif positive_int(pages) and is_layout(layout):  # else the dataclass names what is wrong
+            size = pages * layout_page_bytes(layout)
+        per_buffer = isinstance(chunk, str) and chunk == PER_BUFFER
+        bound = _bytes(o["max_chunk_bytes"], "max_chunk_bytes")
+        exact = None if per_buffer or chunk is None else _bytes(chunk, "chunk_bytes")
+        limit = exact or bound or (size if per_buffer else chunk_limit_from_env())
         yields_to = None
-        if stall is not None and isinstance(max_call_seconds, str):
-            yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
-        floor = None if min_chunk_bytes is None else parse_size(min_chunk_bytes, what="min_chunk_bytes")
+        if isinstance(stall, str):
+            if stall != "auto":
+                raise ConfigError(
+                    f"max_call_seconds={stall!r} must be a number of seconds, None (no budget) or "
+                    '"auto" (the default: 50 ms for a background pool, none otherwise)'
+                )
+            stall = BACKGROUND_MAX_CALL_SECONDS if background and not per_buffer else None
+            # An "auto" budget yields to an explicit chunk option for registrations (the user said
+            # how to chunk; "auto" is only a default); a number given with exact chunks is refused.
+            if stall is not None:
+                yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
+        nice = o["pin_nice"]
+        if isinstance(nice, str) and nice != "auto":
+            raise ConfigError(f"pin_nice={shown(nice)}: {_PIN_NICE_FIX}")
+        nice = (BACKGROUND_PIN_NICE if background else 0) if nice == "auto" else 0 if nice is None else nice
         return cls(
-            size=budget, layout=resolved, chunk_bytes=exact, chunk_limit=limit,
-            populate=populate, populate_workers=populate_workers, register_workers=register_workers,
-            unpin_workers=unpin_workers, huge_pages=huge_pages, numa_node=numa_node, name=name,
-            min_chunk_bytes=floor, max_retries=max_retries, max_call_seconds=stall,
-            num_pages=pages, pin_nice=resolve_pin_nice(pin_nice, background=background), max_chunk_bytes=bound,
-            per_buffer=per_buffer, background=background, retry_codes=_retry_codes(retry_codes),
-            budget_yields_to=yields_to, checked_buffers=specs,
+            size=size, layout=layout, chunk_bytes=exact, chunk_limit=limit, populate=o["populate"],
+            populate_workers=o["populate_workers"], register_workers=o["register_workers"],
+            unpin_workers=o["unpin_workers"], huge_pages=o["huge_pages"], numa_node=o["numa_node"], name=o["name"],
+            min_chunk_bytes=_bytes(o["min_chunk_bytes"], "min_chunk_bytes"), max_retries=o["max_retries"],
+            max_call_seconds=stall, num_pages=pages, pin_nice=nice, max_chunk_bytes=bound, per_buffer=per_buffer,
+            background=o["background"], retry_codes=o["retry_codes"], budget_yields_to=yields_to,
+            spelled=o["size"],
         )  # fmt: skip
 
-    def __post_init__(self, checked_buffers: tuple[BufferSpec, ...] | None) -> None:
-        _check_plain(self.layout, self.layout, self.populate, self.populate_workers, self.register_workers,
-                     self.unpin_workers, self.huge_pages, self.numa_node, self.name)  # fmt: skip
-        if isinstance(self.size, str):
-            raise ConfigError(f"size={self.size!r}: PoolOptions takes bytes; use PoolOptions.create for size strings")
-        parse_size(self.size, what="size")
-        if self.chunk_bytes is not None:
-            if isinstance(self.chunk_bytes, str):
-                raise ConfigError(
-                    f"chunk_bytes={self.chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
-                )
-            parse_size(self.chunk_bytes, what="chunk_bytes")
-        self._check_chunk_options()
-        limit = self.chunk_limit
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
-            raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
+    def __post_init__(self, spelled: object) -> None:
+        if not isinstance(self.background, bool):
+            raise ConfigError(f"background={self.background!r} must be True or False")
+        _check_plain(self)
         if self.num_pages is not None:
-            pages, page_bytes = _check_num_pages(self.num_pages), layout_page_bytes(self.layout)
+            if not positive_int(self.num_pages):
+                raise ConfigError(
+                    f"num_pages={shown(self.num_pages)} must be a positive int number of layout pages (pool.num_pages "
+                    "of a pool to pair with), or None to size the pool by size= instead"
+                )
+            pages, page_bytes = self.num_pages, layout_page_bytes(self.layout)
             if self.size != pages * page_bytes:
                 raise ConfigError(
                     f"PoolOptions(size={self.size!r}, num_pages={pages}): size must be num_pages * layout.page_bytes "
                     f"({pages} * {page_bytes}); give one of them (PoolOptions.create computes the size)"
                 )
-        if checked_buffers is None:
-            checked_buffers = _check_fits_a_page(self.layout, self.size, self.size, num_pages=self.num_pages)
-        object.__setattr__(self, "buffers", checked_buffers)
-        self._check_retry_policy()
-        _check_max_call_seconds(self.max_call_seconds)
-        if self.per_buffer and self.max_call_seconds is not None:
-            raise ConfigError(_per_buffer_budget(self.max_call_seconds))
-        self._check_budget_yields()
-        _check_pin_nice(self.pin_nice)
-        if not isinstance(self.background, bool):
-            raise ConfigError(f"background={self.background!r} must be True or False")
-
-    def _check_retry_policy(self) -> None:
-        """min_chunk_bytes, max_retries, retry_codes: each valid (retry_codes normalised to a frozenset)."""
-        if isinstance(self.min_chunk_bytes, str):
-            raise ConfigError(
-                f"min_chunk_bytes={self.min_chunk_bytes!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
-            )
-        if self.min_chunk_bytes is not None:
-            parse_size(self.min_chunk_bytes, what="min_chunk_bytes")
+        for option in ("size", "max_chunk_bytes", "chunk_bytes"):
+            value = getattr(self, option)
+            if isinstance(value, str):
+                raise ConfigError(f"{option}={value!r}: PoolOptions takes bytes; use PoolOptions.create for strings")
+            if value is not None:
+                parse_size(value, what=option)
+        self._check_chunk_options()
+        object.__setattr__(self, "buffers", self._fits_a_page(self.size if spelled is None else spelled))
+        self._check_stall_budget()
+        floor = self.min_chunk_bytes
+        if isinstance(floor, str):
+            raise ConfigError(f"min_chunk_bytes={floor!r}: PoolOptions takes bytes; use PoolOptions.create for strings")
+        if floor is not None:
+            parse_size(floor, what="min_chunk_bytes")
+        nice = self.pin_nice
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
+            raise ConfigError(f"pin_nice={shown(nice)}: {_PIN_NICE_FIX}")
+        object.__setattr__(self, "retry_codes", _retry_codes(self.retry_codes))
         retries = self.max_retries
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_RETRIES:
             raise ConfigError(
@@ -332,34 +209,10 @@ class PoolOptions:
                 f"{DEFAULT_MAX_RETRIES} lets halving reach one 4 KiB page from 16 TiB; {MAX_RETRIES} halvings "
                 "already reach one byte from any size an address space holds)"
             )
-        object.__setattr__(self, "retry_codes", _retry_codes(self.retry_codes))
-
-    def _check_budget_yields(self) -> None:
-        """chunk_bytes is exact: a stall budget may not cut it, unless the budget was "auto" and yields."""
-        yields = self.budget_yields_to
-        if yields not in (None, "chunk_bytes", "max_chunk_bytes") or (yields and getattr(self, yields) is None):
-            raise ConfigError(
-                f"budget_yields_to={yields!r}: None, or the chunk option given; PoolOptions.create sets it"
-            )
-        if self.chunk_bytes is not None and self.max_call_seconds is not None and yields is None:
-            raise ConfigError(
-                f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) makes every registration "
-                f"exactly that size, and max_call_seconds={shown(self.max_call_seconds)} would cut them into pieces "
-                "that fit the stall budget; give max_chunk_bytes= instead of chunk_bytes= (an upper bound the budget "
-                'may cut further), or max_call_seconds=None (or "auto": the budget then yields to chunk_bytes for '
-                "registrations)"
-            )
 
     def _check_chunk_options(self) -> None:
-        """chunk_bytes, max_chunk_bytes, per_buffer: each valid, and not contradicting each
-        other; the chunk limit follows from them (an explicit chunk size is the limit)."""
+        """per_buffer, chunk_bytes and max_chunk_bytes agree; the chunk limit follows from them."""
         bound = self.max_chunk_bytes
-        if bound is not None:
-            if isinstance(bound, str):
-                raise ConfigError(
-                    f"max_chunk_bytes={bound!r}: PoolOptions takes bytes; use PoolOptions.create for strings"
-                )
-            parse_size(bound, what="max_chunk_bytes")
         if not isinstance(self.per_buffer, bool):
             raise ConfigError(f"per_buffer={self.per_buffer!r} must be True or False")
         if self.per_buffer and self.chunk_bytes is not None:
@@ -367,23 +220,81 @@ class PoolOptions:
                 f"per_buffer=True with chunk_bytes={self.chunk_bytes!r}: one registration per buffer has no chunk "
                 "size; give one of them"
             )
-        if self.chunk_bytes is not None:
-            if bound is not None and self.chunk_bytes > bound:
-                raise ConfigError(
-                    f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) is more than "
-                    f"max_chunk_bytes={shown(bound)} ({format_bytes(bound)}): chunk_bytes is the exact size of every "
-                    "registration call and max_chunk_bytes its upper bound; give chunk_bytes <= max_chunk_bytes, or "
-                    "only one of them"
-                )
-            object.__setattr__(self, "chunk_limit", self.chunk_bytes)
-        elif bound is not None:
-            object.__setattr__(self, "chunk_limit", bound)
+        if self.chunk_bytes is not None and bound is not None and self.chunk_bytes > bound:
+            raise ConfigError(
+                f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) is more than "
+                f"max_chunk_bytes={shown(bound)} ({format_bytes(bound)}): chunk_bytes is the exact size of every "
+                "registration call and max_chunk_bytes its upper bound; give chunk_bytes <= max_chunk_bytes, or "
+                "only one of them"
+            )
+        if self.chunk_bytes is not None or bound is not None:
+            object.__setattr__(self, "chunk_limit", self.chunk_bytes or bound)
+        limit = self.chunk_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
+            raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
+
+    def _fits_a_page(self, given: object) -> tuple[BufferSpec, ...]:
+        """The buffers, checked: at least one page, and one copy page of every buffer."""
+        layout, budget = self.layout, self.size
+        page_bytes, one_page, smallest = _smallest_pool(layout)
+        if budget < smallest and self.num_pages is not None:
+            raise ConfigError(
+                f"num_pages={shown(self.num_pages)} ({shown(budget)} B) is smaller than one copy page of a buffer of "
+                f"layout {layout.name!r} ({shown(smallest)} B = {format_bytes(smallest)}); give "
+                f"num_pages={shown(-(-smallest // page_bytes))} or more"
+            )
+        if budget < smallest:
+            raise ConfigError(
+                f"size={shown(given)} ({shown(budget)} B) is smaller than one page of layout {layout.name!r} "
+                f"({shown(smallest)} B = {format_bytes(smallest)}); give a size of at least {shown(smallest)} bytes"
+            )
+        pages = budget // page_bytes
+        return one_page if pages == 1 else check_layout(layout, pages)
+
+    def _check_stall_budget(self) -> None:
+        """None, or seconds in (0, MAX_CALL_SECONDS], which neither per-buffer nor exact chunks
+        (unless an "auto" budget yields) can be cut to."""
+        budget, yields = self.max_call_seconds, self.budget_yields_to
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf
+        ):
+            raise ConfigError(
+                f"max_call_seconds={shown(budget)} must be a positive number of seconds, at most {MAX_CALL_SECONDS:g} "
+                "(e.g. 0.02: no registration or populate call may hold the driver or mmap lock longer than 20 ms), "
+                "or None for no budget"
+            )
+        if budget is not None and budget > MAX_CALL_SECONDS:
+            raise ConfigError(
+                f"max_call_seconds={shown(budget)} is more than {MAX_CALL_SECONDS:g} seconds: a stall budget bounds "
+                "how long one call may hold the driver or mmap lock (e.g. 0.02 for 20 ms); give at most "
+                f"{MAX_CALL_SECONDS:g}, or None for no budget"
+            )
+        if self.per_buffer and budget is not None:
+            raise ConfigError(
+                f'max_call_seconds={shown(budget)} with chunk_bytes="{PER_BUFFER}": one registration per buffer cannot '
+                'be cut to fit a stall budget; give max_call_seconds=None (or "auto", which gives such a pool none), '
+                "or chunk sizes that may be cut (chunk_bytes= or max_chunk_bytes=)"
+            )
+        if yields not in (None, "chunk_bytes", "max_chunk_bytes") or (yields and getattr(self, yields) is None):
+            raise ConfigError(
+                f"budget_yields_to={yields!r}: None, or the chunk option given; PoolOptions.create sets it"
+            )
+        if self.chunk_bytes is not None and budget is not None and yields is None:
+            raise ConfigError(
+                f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) makes every registration "
+                f"exactly that size, and max_call_seconds={shown(budget)} would cut them into pieces "
+                "that fit the stall budget; give max_chunk_bytes= instead of chunk_bytes= (an upper bound the budget "
+                'may cut further), or max_call_seconds=None (or "auto": the budget then yields to chunk_bytes for '
+                "registrations)"
+            )
 
 
-# max_retries above this is meaningless: 64 halvings reach one byte from 2**64 bytes.
-MAX_RETRIES = 64
-# A runtime's error codes (cudaError_t, hipError_t) are positive C ints; 0 is success.
-MAX_ERROR_CODE = 2**31 - 1
+# create's signature, for help() and the declaration's test: the declared options, keyword-only.
+PoolOptions.create.__func__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
+    + [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in _CREATE],
+    return_annotation="PoolOptions",
+)
 
 
 def _retry_codes(codes: object) -> frozenset[int] | None:
@@ -410,102 +321,31 @@ _PIN_NICE_FIX = (
 )
 
 
-def _check_pin_nice(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NICE:
-        raise ConfigError(f"pin_nice={shown(value)}: {_PIN_NICE_FIX}")
-    return value
-
-
-def resolve_pin_nice(value: object, *, background: bool) -> int:
-    """``pin_nice=`` as the user spells it (``"auto"``, None or an int) → the nice increment of
-    the pin worker threads: ``"auto"`` lowers a background pool's pin workers (its body serves
-    while it pins), and leaves a foreground pool's alone (nothing else runs while it pins)."""
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        if value != "auto":
-            raise ConfigError(f"pin_nice={shown(value)}: {_PIN_NICE_FIX}")
-        return BACKGROUND_PIN_NICE if background else 0
-    return _check_pin_nice(value)
-
-
-def resolve_max_call_seconds(value: object, *, background: bool, per_buffer: bool = False) -> float | None:
-    """``max_call_seconds=`` as the user spells it → the stall budget: ``"auto"`` is
-    :data:`BACKGROUND_MAX_CALL_SECONDS` for a background pool (its body serves while it pins)
-    and none for a pool entered before its body runs, or whose registrations cannot be cut
-    (``per_buffer``); a number is checked (and refused for ``per_buffer``)."""
-    if isinstance(value, str):
-        if value != "auto":
-            raise ConfigError(
-                f"max_call_seconds={value!r} must be a number of seconds, None (no budget) or "
-                '"auto" (the default: 50 ms for a background pool, none otherwise)'
-            )
-        return BACKGROUND_MAX_CALL_SECONDS if background and not per_buffer else None
-    _check_max_call_seconds(value)
-    if per_buffer and value is not None:
-        raise ConfigError(_per_buffer_budget(value))
-    return value  # type: ignore[return-value]  # checked: None or a number
-
-
-def _per_buffer_budget(value: object) -> str:
-    return (
-        f'max_call_seconds={shown(value)} with chunk_bytes="{PER_BUFFER}": one registration per buffer cannot be '
-        'cut to fit a stall budget; give max_call_seconds=None (or "auto", which gives such a pool none), or '
-        "chunk sizes that may be cut (chunk_bytes= or max_chunk_bytes=)"
-    )
-
-
-def _check_max_call_seconds(budget: object) -> None:
-    """The stall budget: None, or a finite number of seconds in (0, MAX_CALL_SECONDS] (never a bool)."""
-    if budget is None:
-        return
-    if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf:
-        raise ConfigError(
-            f"max_call_seconds={shown(budget)} must be a positive number of seconds, at most {MAX_CALL_SECONDS:g} "
-            "(e.g. 0.02: no registration or populate call may hold the driver or mmap lock longer than 20 ms), "
-            "or None for no budget"
-        )
-    if budget > MAX_CALL_SECONDS:
-        raise ConfigError(
-            f"max_call_seconds={shown(budget)} is more than {MAX_CALL_SECONDS:g} seconds: a stall budget bounds how "
-            "long one call may hold the driver or mmap lock (e.g. 0.02 for 20 ms); give at most "
-            f"{MAX_CALL_SECONDS:g}, or None for no budget"
-        )
-
-
-def _check_plain(
-    layout: object,
-    given_layout: object,
-    populate: object,
-    populate_workers: int | None,
-    register_workers: int | None,
-    unpin_workers: int | None,
-    huge_pages: object,
-    numa_node: object,
-    name: object,
-) -> None:
+def _check_plain(o: PoolOptions) -> None:
     """The checks that need neither parsing nor the host, in the order users have always seen them."""
-    if not is_layout(layout):
-        raise ConfigError(f"layout={given_layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"name={name!r} must be a non-empty str (it labels the pool's logs and metrics)")
-    if populate is not None and not isinstance(populate, bool):
-        raise ConfigError(f"populate={populate!r} must be True, False or None (the default: on where supported)")
-    if not isinstance(huge_pages, bool | str) or huge_pages not in HUGE_PAGES:
+    require_layout(o.layout)
+    if not isinstance(o.name, str) or not o.name:
+        raise ConfigError(f"name={o.name!r} must be a non-empty str (it labels the pool's logs and metrics)")
+    if o.populate is not None and not isinstance(o.populate, bool):
+        raise ConfigError(f"populate={o.populate!r} must be True, False or None (the default: on where supported)")
+    if not isinstance(o.huge_pages, bool | str) or o.huge_pages not in HUGE_PAGES:
         raise ConfigError(
-            f"huge_pages={huge_pages!r} must be False, True (transparent huge pages) or 'hugetlb' "
+            f"huge_pages={o.huge_pages!r} must be False, True (transparent huge pages) or 'hugetlb' "
             "(2 MiB pages reserved in vm.nr_hugepages; also spelled 'hugetlb:2MiB'), or 'hugetlb:1GiB' "
             "(1 GiB pages reserved with hugepagesz=1G hugepages=N on the kernel command line)"
         )
-    for option, value in (
-        ("populate_workers", populate_workers), ("register_workers", register_workers),
-        ("unpin_workers", unpin_workers),
-    ):  # fmt: skip
-        _check_workers(option, value)
-    if numa_node is not None and (
-        isinstance(numa_node, bool) or not isinstance(numa_node, int) or not 0 <= numa_node < MAX_NUMA_NODES
-    ):
+    for option in ("populate_workers", "register_workers", "unpin_workers"):
+        value = getattr(o, option)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{option}={shown(value)} must be a positive int (or None for the default)")
+        if value is not None and value > MAX_WORKERS:
+            raise ConfigError(
+                f"{option}={shown(value)} is more than {MAX_WORKERS} threads; give at most {MAX_WORKERS} "
+                "(a few per core is plenty), or None for the default (sized from the CPUs)"
+            )
+    numa = o.numa_node
+    if numa is not None and (isinstance(numa, bool) or not isinstance(numa, int) or not 0 <= numa < MAX_NUMA_NODES):
         raise ConfigError(
-            f"numa_node={shown(numa_node)} is not a NUMA node number; give a node's int id, from 0 to "
+            f"numa_node={shown(numa)} is not a NUMA node number; give a node's int id, from 0 to "
             f"{MAX_NUMA_NODES - 1} (numactl -H lists them), or None to let the kernel place the memory"
         )

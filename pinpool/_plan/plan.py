@@ -1,17 +1,7 @@
-"""Planning policy: pure arithmetic that decides everything about a pool before anything is mapped.
-
-:func:`plan_chunks` splits one buffer into registration calls; the worker policy
-(:func:`default_register_workers` and friends, :func:`span_bytes_for`, :func:`parallel_limit`)
-sizes the threads and the populate spans; :func:`plan_pool` takes a pool's options, the host's
-facts and the runtime's capabilities and decides the rest: pages, buffers and where they sit in
-the mapping (:mod:`pinpool._plan.placement`), the chunk table, workers per role, the pipeline order,
-populate spans and lookahead. Nothing here touches memory, a runtime or the host: host facts
-arrive as a value (:class:`pinpool._host.facts.HostFacts`), the runtime as its declared
-:class:`~pinpool.runtimes.Capabilities`, and the host checks a plan depends on are the
-pre-flight's (:mod:`pinpool._plan.preflight`), so every rule is property-tested with hand-made hosts.
-
-The values it plans with (chunks, spans, their lazy tables, orders) are :mod:`pinpool._plan.chunks`;
-where chunks may be cut later (retries, the stall budget) is :mod:`pinpool._plan.cutter`.
+"""The plan: pure arithmetic over a pool's options, the host's facts (a :class:`HostFacts` value) and
+the runtime's declared :class:`Capabilities` that decides everything before anything is mapped: chunks
+(:func:`plan_chunks`), workers, the pipeline order, populate spans and lookahead (:func:`plan_pool`).
+Touching nothing, every rule is property-tested with hand-made hosts.
 """
 
 from __future__ import annotations
@@ -28,12 +18,11 @@ from .._errors import ConfigError
 from .._types import Capabilities
 from .._units import format_bytes, hugetlb_page_size
 from ..layouts import BufferSpec
+from .calls import duty_cycle
 from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
-from .duty import duty_cycle
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB
-from .placement import Placement, place
 from .prefix import PageRun, page_runs, pin_order
-from .preflight import bytes_text, placement_checks, raise_first
+from .preflight import Placement, bytes_text, place
 
 if TYPE_CHECKING:
     from .._host.facts import HostFacts
@@ -49,26 +38,15 @@ def plan_chunks(
     start: int = 0,
     shared_boundary_pages: bool = False,
 ) -> ChunkPlan:
-    """Split ``nbytes`` into registration chunks.
+    """Split ``nbytes`` into contiguous registration chunks of at most ``limit``, covering it exactly.
 
-    Rules: boundaries are multiples of ``granularity`` (so no copy page straddles two
-    registrations) and of ``page_size`` (so no OS page belongs to two chunks, which would let
-    unlocking one chunk unlock its neighbour's page); no chunk exceeds ``limit``; chunks are
-    contiguous and cover ``[0, nbytes)`` exactly. Without a granularity, the whole buffer is
-    one registration unless it exceeds ``limit``, then it is split at page boundaries.
-
-    ``start`` is the buffer's address modulo ``page_size`` (non-zero only for memory pinpool
-    did not allocate): boundaries are then page-aligned in absolute terms, so the first chunk
-    ends at the first multiple of the granularity that falls on a page boundary.
-
-    Where no multiple of the granularity falls on a page boundary (torch's allocator returns
-    memory 64 B into a page, and a KV granularity is usually a multiple of the page), there
-    is no such plan: ``ConfigError``, unless ``shared_boundary_pages`` says the runtime
-    tracks registrations by exact byte range (CUDA; mlock through its shared-page counts).
-    Then the buffer is planned as if it were page-aligned, boundaries on multiples of
-    lcm(granularity, page) from its start, and each boundary's OS page is shared by the
-    two chunks around it (no byte is in two chunks; the copy-page rule, the one batched
-    copies need, still holds). Page-aligned memory never gets such a plan.
+    Boundaries are multiples of ``granularity`` (no copy page straddles two registrations) and
+    of ``page_size`` (no OS page in two chunks, where unlocking one would unlock its neighbour's
+    page), counted in absolute terms from ``start`` (the address modulo the page: non-zero only for
+    a caller's tensor). Where no multiple of the granularity falls on a page (torch's memory starts
+    64 B into one), that is a ``ConfigError`` unless ``shared_boundary_pages`` (the runtime tracks
+    exact byte ranges): then boundaries are multiples of lcm(granularity, page) from the start,
+    each boundary's page shared by the two chunks around it (the copy-page rule still holds).
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise ConfigError(f"buffer size {nbytes!r} must be a positive integer number of bytes")
@@ -86,9 +64,7 @@ def plan_chunks(
     else:
         unit = page_size
     misalignment = start % page_size
-    # The grid later cuts (a retry's halves, the stall budget's pieces) sit on: the first
-    # page-aligned multiple of the granularity, else the buffer's start where neighbours may
-    # share a page, else none (see ChunkPlan.origin).
+    # The grid later cuts sit on (see ChunkPlan.origin).
     aligned = _aligned_boundary(granularity or 1, page_size, misalignment, unit)
     origin = aligned if aligned is not None else (0 if shared_boundary_pages else None)
     if granularity is None and nbytes <= limit:
@@ -106,10 +82,8 @@ def plan_chunks(
         )
     chunk_bytes = (limit // unit) * unit
     if nbytes <= limit:
-        # A buffer that fits one call needs no boundary at all, aligned or not. Page-aligned
-        # memory (or where pages may be shared) is still cut into chunk_bytes steps from its
-        # start, as the reference does; unaligned memory whose pages may not be shared is not
-        # cut, since those steps would fall inside OS pages.
+        # Fits one call: still cut in chunk_bytes steps from its start (as the reference does),
+        # unless those steps would fall inside OS pages nobody may share.
         if misalignment and not shared_boundary_pages:
             return ChunkPlan(nbytes, granularity, page_size, limit, unit, nbytes, ChunkTable([(0, nbytes, 1)]), origin)
         first = 0
@@ -121,8 +95,7 @@ def plan_chunks(
         head = first + (limit - first) // unit * unit  # first <= unit <= limit
     else:
         head = 0
-    # Chunks start at 0, then at head + k * chunk_bytes (head = 0: no short head chunk); the
-    # last ends at nbytes. Computed as runs, never listed: a plan of 2**35 chunks is three runs.
+    # Runs, never listed: a plan of 2**35 chunks is three runs (a short head, full chunks, a tail).
     full, tail = divmod(nbytes - head, chunk_bytes)
     chunks = ChunkTable(
         [(0, head, 1 if head else 0), (head, chunk_bytes, full), (head + full * chunk_bytes, tail, 1 if tail else 0)]
@@ -133,11 +106,9 @@ def plan_chunks(
 
 def _aligned_boundary(granularity: int, page_size: int, misalignment: int, unit: int) -> int | None:
     """The smallest B > 0 with B % granularity == 0 and (misalignment + B) % page_size == 0; 0 if
-    aligned; None if there is none."""
+    aligned; None if there is none (solvable iff gcd(granularity, page) divides the misalignment)."""
     if misalignment == 0:
         return 0
-    # B = k * granularity with k * granularity = -misalignment (mod page): solvable iff
-    # gcd(granularity, page) divides the misalignment; k is then unique modulo page / gcd.
     step = math.gcd(granularity, page_size)
     if misalignment % step:
         return None
@@ -158,43 +129,29 @@ def _no_aligned_boundary(granularity: int, misalignment: int) -> ConfigError:
     )
 
 
-def _first_boundary(granularity: int, page_size: int, misalignment: int, unit: int) -> int:
-    """The smallest B > 0 with B % granularity == 0 and (misalignment + B) % page_size == 0; 0 if aligned."""
-    boundary = _aligned_boundary(granularity, page_size, misalignment, unit)
-    if boundary is None:
-        raise _no_aligned_boundary(granularity, misalignment)
-    return boundary
-
-
 # -- the pool plan ------------------------------------------------------------------------------
 
 MAX_DEFAULT_WORKERS = 8
 MAX_DEFAULT_POPULATE_WORKERS = 16
-# With several workers, chunks are split further so each worker gets a few of them (and the
-# pipeline has chunks to overlap), but never below this: smaller chunks only add calls, and
-# the reference plans stay as they are.
+# The default limit is split so each worker gets a few chunks to overlap, never below 1 GiB
+# (smaller chunks only add calls).
 MIN_PARALLEL_CHUNK_BYTES = 1 << 30
 CHUNKS_PER_WORKER = 4
-# One populate call faults at most this much, so mmap_lock is never held long (a registration
-# or munmap elsewhere in the process waits for it), and every populate worker has spans to take.
+# One populate call holds mmap_lock for at most this much, and every populate worker has spans.
 MAX_SPAN_BYTES = 512 << 20
 LOOKAHEAD_CHUNKS = 64  # per populate worker, when chunks are smaller than a span
 MIN_SPAN_BYTES = 16 << 20
-# Default worker counts shrink for small pools: below ~256 MiB a worker saves little time and
-# costs a thread start and contention for the GIL.
+# Below ~256 MiB a worker saves little and costs a thread start and GIL contention.
 MIN_BYTES_PER_DEFAULT_WORKER = 256 << 20
 
 
 def pool_cpus(cpu_budget: int, *, background: bool) -> int:
-    """The CPUs a pool's default worker counts are sized to. A background pool pins while its
-    process serves, so it leaves the serving threads one CPU of the budget (at least one worker
-    remains); a pool entered before its body runs has nothing else to run for and takes it all."""
+    """The CPUs default worker counts are sized to: a background pool leaves its server one CPU."""
     return max(1, cpu_budget - 1) if background else max(1, cpu_budget)
 
 
 def default_register_workers(caps: Capabilities, cpus: int) -> int:
-    """A runtime that serialises registration (the CUDA driver's lock) gets one; mlock (and the
-    fake) scale with cores, up to a bound."""
+    """One where registration is serial (the CUDA driver's lock); else scaled with cores, bounded."""
     if caps.serial_registration:
         return 1
     return max(1, min(MAX_DEFAULT_WORKERS, cpus))
@@ -237,12 +194,9 @@ class BufferPlan:
 
 @dataclass(frozen=True)
 class SourceRanges:
-    """The byte ranges of a caller's tensor that :func:`pinpool.pin` registers instead of all of
-    it: the rows of a strided view, or ``ranges=``. ``ranges``: sorted, disjoint, non-empty
-    ``(offset, nbytes)`` from the first range's start (where the pool's memory starts: a group of
-    ranges is claimed, and unregistered, by its first byte); ``extent``: the last range's end;
-    ``run``: where the tensor's pages (rows along its first dimension) lie, the bytes between
-    the ranges as its holes; ``first``: the first range's offset from the tensor's start."""
+    """What :func:`pinpool.pin` registers of a strided view or ``ranges=``: sorted, disjoint
+    ``(offset, nbytes)`` from the first range's start (``first`` bytes into the tensor), to
+    ``extent``; ``run``: the tensor's pages (rows), the bytes between the ranges its holes."""
 
     ranges: tuple[tuple[int, int], ...]
     extent: int
@@ -252,10 +206,7 @@ class SourceRanges:
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """Everything decided about a pool before anything is mapped or pinned (see :func:`plan_pool`).
-
-    Sizes and offsets are bytes; chunk and span offsets are relative to the pool's start.
-    """
+    """Everything decided about a pool before anything is mapped (bytes; offsets from the pool's start)."""
 
     nbytes: int  # the bytes the pool holds (all buffers)
     num_pages: int
@@ -279,15 +230,13 @@ class PoolPlan:
     threads: int  # worker threads pinning starts (each takes either role)
     cpu_budget: int  # the host's CPU budget the default worker counts were sized from (HostFacts.cpu_budget)
     cpu_quota: float | None  # the CPU quota in CPUs that bounded it, None without one
-    duty_cycle: float  # the share of their time pin workers spend in calls (1: no rest; see _plan/duty.py)
+    duty_cycle: float  # the share of their time pin workers spend in calls (1: no rest; see _plan/calls.py)
     span_bytes: int  # 0 without pre-faulting
     spans: Sequence[Span]  # pin_chunks cut into populate calls (a SpanTable), or () without pre-faulting
     lookahead_bytes: int
-    # The chunks in the order they are pinned: offset order, interleaved across page runs so
-    # the pinned page prefix grows from the start (see _plan/prefix.py); and those runs.
+    # The chunks in pin order, interleaved across page runs so the page prefix grows early (_plan/prefix.py).
     pin_chunks: ChunkTable
     page_runs: tuple[PageRun, ...]
-    # How many registration calls the plan makes (len(chunks)), and why that many, in words.
     registrations: int
     registrations_reason: str
 
@@ -296,21 +245,13 @@ def plan_pool(
     options: PoolOptions, host: HostFacts, caps: Capabilities, *, source_start: int = 0,
     placement: Placement | None = None, ranges: SourceRanges | None = None,
 ) -> PoolPlan:  # fmt: skip
-    """Plan a pool: a pure function of its options, the host's facts and the runtime's abilities.
+    """Plan a pool; :class:`ConfigError` for what the host cannot do or the options cannot satisfy.
 
-    ``source_start`` is the memory's start modulo the OS page: 0 for memory pinpool maps
-    (page-aligned), a caller's tensor's ``data_ptr() % page_size`` for :func:`pinpool.pin`.
-    ``placement``: the pool's placement on this host, made and checked already by the caller's
-    pre-flight (so it is computed and checked once); without it, it is made and checked here.
-    ``ranges``: pin() of a strided view or of ranges= (one layout buffer): each range is laid out
-    as a buffer of its own, chunked on its own grid, so no chunk crosses a gap between ranges.
-    Raises :class:`ConfigError` for anything the host cannot do (NUMA node, THP, hugetlb pages,
-    MADV_POPULATE_WRITE, a size beyond the address space) or the options cannot satisfy.
+    ``source_start``: the memory's start modulo the OS page (non-zero only for a caller's tensor).
+    ``placement``: the caller's, already checked (else placed here). ``ranges``: each range of
+    pin()'s one buffer becomes a buffer of its own, so no chunk crosses a gap between ranges.
     """
-    if placement is None:
-        placement = place(options, host)
-        raise_first(placement_checks(options, host, placement))
-    where = placement
+    where = placement or place(options, host)
     populate = options.populate
     if populate is None:
         populate = caps.populates or host.populate_write
@@ -320,34 +261,28 @@ def plan_pool(
             "use populate=False (registration then faults the pages itself)"
         )
     huge_pages = options.huge_pages
-    # Lock-on-fault then fault is one pass over 4 KiB pages, but on huge pages the kernel's
-    # on-fault locking is several times slower than faulting first and locking after
-    # (measured: 2.5 vs 21 GB/s on THP), so huge pages are faulted first.
+    # On huge pages the kernel's on-fault locking is far slower than faulting first (measured: 2.5 vs 21 GB/s on THP).
     if not populate:
         order = Order.REGISTER_ONLY
     elif caps.locks_on_fault and not huge_pages:
         order = Order.REGISTER_FIRST
     else:
         order = Order.POPULATE_FIRST
-    # Chunk boundaries on whole hugetlb pages, as on whole OS pages otherwise: no page is shared by
-    # two registrations (a hugetlb page is faulted, pinned and freed whole; no retry could split one).
+    # Boundaries on whole hugetlb pages (faulted, pinned and freed whole; no retry could split one).
     page_size = hugetlb_page_size(huge_pages) or host.page_size
     placed: list[tuple[BufferSpec, int]] = list(zip(where.specs, where.offsets, strict=True))
     if ranges is not None:
         placed = _range_buffers(placed, ranges, source_start, page_size, caps)
     total = sum(spec.nbytes for spec, _ in placed)
     by_size = max(1, total // MIN_BYTES_PER_DEFAULT_WORKER)
-    # Sized to the CPU budget (affinity bounded by the cgroup's CPU quota), not the affinity alone:
-    # workers beyond the quota only spend it sooner, and the kernel then stalls every thread of the
-    # cgroup, the server's too, until the next period.
+    # The CPU budget, not the affinity: workers beyond the quota only spend it sooner, and the
+    # kernel then stalls every thread of the cgroup, the server's too, until the next period.
     cpus = pool_cpus(host.cpu_budget, background=options.background)
     quota_cpus = None if host.cpu_quota is None else host.cpu_quota.cpus
     wanted_register = options.register_workers or min(by_size, default_register_workers(caps, cpus))
     wanted_populate = (options.populate_workers or min(by_size, default_populate_workers(cpus))) if populate else 0
-    # An explicit chunk_bytes= is the chunk size, and an explicit max_chunk_bytes= asks for as few
-    # calls as it allows (on ROCm each registration is a device alias of its own: the count
-    # matters); only the default (or the environment's) limit is split further so the workers
-    # have chunks to share and overlap.
+    # Only the default limit is split for the workers: explicit ones ask for exact or fewest calls
+    # (on ROCm each registration is a device alias of its own: the count matters).
     limit = options.chunk_limit
     workers = max(wanted_register, wanted_populate)
     explicit = options.chunk_bytes is not None or options.max_chunk_bytes is not None
@@ -387,17 +322,14 @@ def plan_pool(
     spans: Sequence[Span] = SpanTable(pin_chunks, span_bytes) if populate else ()
     populate_workers = min(wanted_populate, len(spans))
     unpin_workers = max(1, min(options.unpin_workers or default_unpin_workers(host.cpu_budget), len(chunks)))
-    # Workers take either role. Faulting first (CUDA), registration is the serial bottleneck,
-    # so it gets threads of its own; registering first (mlock on-fault) or not faulting, a
-    # registration is quick or is the fault, so the roles share threads.
+    # Faulting first, registration is the serial bottleneck and gets threads of its own; else
+    # a registration is quick or is the fault, and the roles share threads.
     if order is Order.POPULATE_FIRST:
         threads = populate_workers + register_workers
     else:
         threads = max(populate_workers, register_workers)
-    # Faulting may run this far ahead of registration (whole chunks; the front chunk always may).
-    # A span never crosses a chunk, so with tiny chunks a worker's real span is a chunk: the
-    # lookahead is then a few batches of chunks, not span_bytes each (thousands of chunks ahead
-    # of registration cost every chunk more as the pool grew: measured at 100k chunks).
+    # How far faulting may run ahead of registration: with tiny chunks a few batches of chunks,
+    # not span_bytes each (thousands of chunks ahead cost every chunk more: measured at 100k).
     lookahead_bytes = max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS))
     return PoolPlan(
         nbytes=total, num_pages=where.num_pages, page_bytes=options.layout.page_bytes, chunk_limit=limit,
@@ -439,8 +371,7 @@ def _registrations_reason(options: PoolOptions, count: int, limit: int, split_li
 def _range_buffers(
     placed: list[tuple[BufferSpec, int]], ranges: SourceRanges, source_start: int, page_size: int, caps: Capabilities
 ) -> list[tuple[BufferSpec, int]]:
-    """The ranges of pin()'s one buffer as buffers of their own (``data[i]``: range *i*, in bytes).
-    Two ranges on one OS page need a runtime that tracks registrations by exact byte range."""
+    """The ranges of pin()'s one buffer as buffers of their own (``data[i]``: range *i*, in bytes)."""
     ((spec, base),) = placed
     for (offset, nbytes), (after, _) in itertools.pairwise(ranges.ranges):
         last_page = (source_start + offset + nbytes - 1) // page_size
@@ -459,8 +390,7 @@ def _range_buffers(
 
 
 def _one_call(spec: BufferSpec, page_size: int, bound: int | None) -> ChunkPlan:
-    """``chunk_bytes="buffer"``: the buffer is one registration, never cut: no grid
-    (``origin=None``), so neither a retry nor the stall budget can split it."""
+    """``chunk_bytes="buffer"``: one registration with no grid (``origin=None``): never cut."""
     if bound is not None and spec.nbytes > bound:
         raise ConfigError(
             f'chunk_bytes="buffer": buffer {spec.name!r} holds {bytes_text(spec.nbytes)}, more than '

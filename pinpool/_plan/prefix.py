@@ -1,17 +1,9 @@
 """Which leading pages of a pool are pinned, and the chunk order that makes them grow early.
 
-A server that starts while its pool pins uses pages ``[0, k)`` as they become pinned. Page *i*
-is not always one byte range: a combined K/V buffer holds page *i* in its K half and in its V
-half, a layer_first buffer in every layer's run. A buffer is therefore described as
-``page_runs`` equal runs (:class:`~pinpool.layouts.BufferSpec`), and page *i* is usable once
-its slice of every run of every buffer is pinned.
-
-Two pure pieces, both driven under the pinning session's lock:
-
-* :func:`pin_order` orders a pool's chunks so every run advances together (the chunk that
-  finishes the smallest fraction of its run first), instead of buffer after buffer.
-* :class:`PrefixTracker` is told each range as it becomes pinned (in any order) and says how
-  many leading pages are pinned.
+Page *i* is not one byte range (a K/V buffer holds it in both halves, a layer_first one in every
+layer's run): a buffer is ``page_runs`` equal runs, and page *i* is usable once its slice of every
+run is pinned. :func:`pin_order` advances every run together; :class:`PrefixTracker` counts the
+leading pages pinned, told each range as it is pinned, in any order.
 """
 
 from __future__ import annotations
@@ -23,8 +15,7 @@ from dataclasses import dataclass
 
 from .chunks import Chunk, ChunkTable
 
-# Interleaving materialises the order (one run per chunk); beyond this many chunks the
-# pool keeps offset order, and only its first run's pages grow before the end.
+# Interleaving materialises the order: beyond this many chunks the pool keeps offset order.
 MAX_INTERLEAVED_CHUNKS = 1 << 20
 
 
@@ -90,11 +81,8 @@ def _chunks_in(chunks: ChunkTable, run: PageRun) -> Iterator[Chunk]:
 
 
 class PrefixTracker:
-    """How many leading pages are pinned, told each range as it becomes pinned, in any order.
-
-    Per run it keeps the covered prefix and the pinned ranges beyond it (few: pinning runs in
-    order, a few calls in parallel), merging them in as the prefix reaches them.
-    """
+    """How many leading pages are pinned: per run, the covered prefix and the few pinned ranges
+    beyond it, merged in as the prefix reaches them."""
 
     def __init__(self, runs: Sequence[PageRun], num_pages: int) -> None:
         self.runs = tuple(sorted(runs, key=lambda r: r.start))

@@ -1,57 +1,25 @@
-"""The pre-flight: every check of a pool against the host, as structured results, before anything is mapped.
-
-Each check is a pure function of values (numbers, :class:`pinpool._host.facts.HostFacts`) that returns
-a :class:`Check`: a name, a status (ok / warn / fail; the doctor's own checks add skip), what it
-found and the one fix. A pool raises the first failure as :class:`ConfigError`
-(:func:`raise_first`); ``pinpool doctor`` (:mod:`pinpool._cli.checks`) renders them all. So "will this
-pool fit here?" has one answer, and each piece of advice one text.
-
-What is checked, in order: the placement (NUMA node, transparent huge pages, the address space,
-hugetlb pages: :func:`placement_checks`), then what pinning costs the host (:func:`pinning_checks`):
-the memory the pool makes resident against what the process may still make resident (memory
-cgroup, MemAvailable, page tables included) and, where the runtime's registrations are charged to
-it, RLIMIT_MEMLOCK. Which of those apply is the runtime's declared
-:class:`~pinpool.runtimes.Capabilities` (``resident``, ``charges_memlock``), never its name.
+"""The pre-flight: every check of a pool against the host, before anything is mapped, each a pure
+function of values returning a :class:`Check` (status, what it found, the one fix). A pool raises
+the first failure (:func:`raise_first`); ``pinpool doctor`` renders them all. In order: the
+placement (:func:`placement_checks`), then what pinning costs (:func:`pinning_checks`: resident
+memory, RLIMIT_MEMLOCK), as the runtime's declared :class:`Capabilities` say, never its name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._errors import RAISE_MEMLOCK, ConfigError
 from .._types import Capabilities
 from .._units import format_bytes, hugetlb_page_size
-from .placement import Placement, place
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: the pre-flight, and with it pinpool doctor, stays torch-free
     from .._host.facts import HostFacts
+    from ..layouts import BufferSpec
     from .options import PoolOptions
 
-__all__ = [
-    "FAIL",
-    "OK",
-    "RAISE_MEMLOCK",
-    "SKIP",
-    "STATUSES",
-    "WARN",
-    "Check",
-    "address_space_check",
-    "bytes_text",
-    "check_host",
-    "check_pinning",
-    "hugetlb_check",
-    "hugetlb_fix",
-    "memlock_check",
-    "memory_check",
-    "numa_check",
-    "pinning_checks",
-    "placement_checks",
-    "raise_first",
-    "resident_fit",
-    "thp_check",
-]
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 STATUSES = (OK, WARN, FAIL, SKIP)
@@ -76,8 +44,7 @@ class Check:
     fix: str = ""
 
     def error(self) -> ConfigError:
-        """The pool's error for this failed check: what was found, the fix (a new sentence after a
-        detail that ends one), and that nothing was done yet (the pre-flight runs before mapping)."""
+        """The pool's error for this failed check: what was found, the fix, and that nothing was done yet."""
         if self.detail.endswith("."):
             text = f"{self.detail} {self.fix[:1].upper()}{self.fix[1:]}"
         else:
@@ -102,7 +69,40 @@ def bytes_text(nbytes: int) -> str:
     return f"{nbytes} B = {format_bytes(nbytes)}" if nbytes.bit_length() <= 128 else human(nbytes)
 
 
-# -- the placement: NUMA node, huge pages, address space ----------------------------------------------
+# -- the placement: where the buffers sit in the one mapping; its NUMA node, huge pages, address space --
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The buffers' offsets in the one mapping, each aligned to ``align`` (the OS or huge page);
+    ``mapping_bytes``: every buffer rounded up to ``align``, at least one OS page."""
+
+    num_pages: int
+    specs: tuple[BufferSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    align: int
+    mapping_bytes: int
+
+
+def place(options: PoolOptions, host: HostFacts, *, check: bool = True) -> Placement:
+    """Lay the options' buffers out in one mapping on ``host``'s page sizes: the pre-flight and the
+    planner's one placement of a pool. ``check``: raise the first failure of its
+    :func:`placement_checks` (off only for arithmetic such as :func:`pinpool.share`)."""
+    # hugetlb pages: the mapping's page (2 MiB or 1 GiB); THP: 2 MiB-aligned 4 KiB pages.
+    align = hugetlb_page_size(options.huge_pages) or (host.huge_page_size if options.huge_pages else host.page_size)
+    offsets: list[int] = []
+    offset = 0
+    for spec in options.buffers:
+        offsets.append(offset)
+        offset += -(-spec.nbytes // align) * align
+    placement = Placement(
+        num_pages=options.size // options.layout.page_bytes, specs=options.buffers, offsets=tuple(offsets),
+        nbytes=sum(spec.nbytes for spec in options.buffers), align=align, mapping_bytes=max(offset, host.page_size),
+    )  # fmt: skip
+    if check:
+        raise_first(placement_checks(options, host, placement))
+    return placement
 
 
 def numa_check(node: int | None, nodes: Sequence[int]) -> Check:
@@ -142,9 +142,8 @@ def thp_check(mode: str | None, *, wanted: bool, defrag: str | None = None) -> C
 
 
 def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
-    """How to reserve ``pages`` hugetlb pages of ``huge_page_size`` in all: 2 MiB pages at run time
-    (vm.nr_hugepages); 1 GiB pages on the kernel command line (at run time the kernel rarely finds
-    1 GiB of contiguous free memory per page)."""
+    """How to reserve ``pages`` hugetlb pages: 2 MiB ones at run time, 1 GiB ones at boot (at run
+    time the kernel rarely finds 1 GiB of contiguous free memory per page)."""
     if huge_page_size == 1 << 30:
         return (
             f"hugepagesz=1G hugepages={pages} on the kernel command line and reboot; echo {pages} > "
@@ -177,8 +176,7 @@ def hugetlb_check(
 
 
 def address_space_check(mapping_bytes: int, *, size: int, address_space: int) -> Check:
-    """A pool bigger than the process's address space can never be mapped: refused now, in
-    microseconds, rather than failing in mmap (or running out of memory planning it)."""
+    """A pool bigger than the address space is refused now, not in mmap (or planning it)."""
     if mapping_bytes > address_space:
         return Check(
             "address space", FAIL,
@@ -189,23 +187,32 @@ def address_space_check(mapping_bytes: int, *, size: int, address_space: int) ->
     return Check("address space", OK, f"{human(mapping_bytes)} of {human(address_space)} of address space")
 
 
+def huge_pages_check(
+    huge_pages: bool | str, nbytes: int, thp_mode: Callable[[], str | None],
+    hugetlb_pages: Callable[[int], tuple[int, int]],
+) -> Check | None:  # fmt: skip
+    """``huge_pages=`` against the host: THP's mode for True, enough free hugetlb pages of its size
+    (``hugetlb_pages(page)``: free, total) for ``nbytes``; None without huge pages. At construction
+    from :class:`HostFacts`, and again when the mapping is made, against the host as it is then."""
+    if huge_pages is True:
+        return thp_check(thp_mode(), wanted=True)
+    page = hugetlb_page_size(huge_pages)
+    if not page:
+        return None
+    free, total = hugetlb_pages(page)
+    return hugetlb_check(nbytes, free=free, total=total, huge_page_size=page, wanted=True, value=str(huge_pages))
+
+
 def placement_checks(options: PoolOptions, host: HostFacts, placement: Placement) -> list[Check]:
     """The checks a placement needs and no runtime: NUMA node, THP, address space, hugetlb pages."""
-    checks = [numa_check(options.numa_node, host.numa_nodes)]
-    if options.huge_pages is True:
-        checks.append(thp_check(host.thp_mode, wanted=True))
-    checks.append(
-        address_space_check(placement.mapping_bytes, size=options.size, address_space=host.address_space_bytes)
-    )
-    page = hugetlb_page_size(options.huge_pages)
-    if page:
-        free, total = host.hugetlb_pages(page)
-        checks.append(
-            hugetlb_check(
-                placement.mapping_bytes, free=free, total=total, huge_page_size=page, wanted=True,
-                value=str(options.huge_pages),
-            )
-        )  # fmt: skip
+    mapped = placement.mapping_bytes
+    checks = [
+        numa_check(options.numa_node, host.numa_nodes),
+        address_space_check(mapped, size=options.size, address_space=host.address_space_bytes),
+    ]
+    huge = huge_pages_check(options.huge_pages, mapped, lambda: host.thp_mode, host.hugetlb_pages)
+    if huge is not None:  # THP is judged before the address space, hugetlb pages after it
+        checks.insert(1 if options.huge_pages is True else 2, huge)
     return checks
 
 
@@ -241,14 +248,10 @@ def resident_fit(available: int, page_size: int) -> int:
 
 
 def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
-    """``nbytes`` of new memory (and its page tables) against what the process may still make
-    resident: the memory cgroup's room (limit - usage + reclaimable page cache) and MemAvailable,
-    the smaller. ``nbytes`` None: only what is available.
-
-    Pinned pages stay resident, so past the cgroup's limit the kernel cannot reclaim them and
-    OOM-kills the process (exit 137) instead of failing a call that could be rolled back. Unknown
-    figures are not guessed at: a warning, which stops no pool.
-    """
+    """``nbytes`` of new memory and its page tables against what may still become resident (the
+    cgroup's room or MemAvailable, the smaller; ``nbytes`` None: only what is). Pinned pages cannot
+    be reclaimed: past the cgroup's limit the process is OOM-killed (exit 137) instead of failing
+    a call that could be rolled back. Unknown figures are a warning, which stops no pool."""
     available = host.memory_available
     if available is None:
         return Check(
@@ -318,9 +321,7 @@ def pinning_checks(
     new_memory: bool = True,
 ) -> list[Check]:  # fmt: skip
     """What pinning costs the host, as ``caps`` declares it: ``new_bytes`` of new resident memory
-    (None: none, e.g. hugetlb pages, which are reserved, or a caller's tensor, which may be
-    resident already) against what may still become resident, and ``locked_bytes`` against
-    RLIMIT_MEMLOCK where registrations are charged to it. ``size``: the pool's, for messages."""
+    (None: none) and ``locked_bytes`` against RLIMIT_MEMLOCK where registrations are charged to it."""
     if caps is None or not caps.resident:
         return []
     subject = f"size={bytes_text(size)}" if new_memory else f"pin(tensor) of {bytes_text(size)}"
@@ -336,15 +337,10 @@ def check_pinning(
     options: PoolOptions, host: HostFacts, caps: Capabilities | None, *, mapping_bytes: int,
     buffer_bytes: Iterable[int], new_memory: bool = True, new_bytes: int | None = None,
 ) -> None:  # fmt: skip
-    """The memory pre-flight of a pool already placed (its placement checked): ``mapping_bytes``
-    mapped, buffers of ``buffer_bytes``. Run again right before mapping, against host figures read
-    then, since they change between construction and entry. Raises the first failure.
-
-    New memory: the mapping (none for hugetlb pages, which are reserved, nor for a caller's
-    tensor, ``new_memory=False``, which may be resident already); ``new_bytes``: a shared file's
-    pool needs only the pages the file does not hold yet, and locks all of them all the same.
-    mlock charges the pages each chunk covers: every buffer rounded out to pages (a caller's
-    tensor may start mid-page: one page more)."""
+    """The memory pre-flight of a placed pool, raising the first failure; again right before mapping,
+    since the figures change. New memory: the mapping, or ``new_bytes`` (the pages a shared file does
+    not hold yet); none for hugetlb pages (reserved) or a caller's tensor (``new_memory=False``).
+    Locked: every buffer rounded out to pages (a tensor starting mid-page: one page more)."""
     new = (
         (mapping_bytes if new_bytes is None else new_bytes)
         if new_memory and not hugetlb_page_size(options.huge_pages)
@@ -362,14 +358,9 @@ def check_host(
     options: PoolOptions, host: HostFacts, caps: Capabilities | None = None, *, new_memory: bool = True,
     new_bytes: int | None = None,
 ) -> None:  # fmt: skip
-    """The whole pre-flight in one call, before a pool is planned: its placement's checks, then
-    (with ``caps``: the runtime's declared capabilities, see
-    :func:`pinpool.runtimes._registry.pinning_capabilities`, which reads them from a runtime's class
-    without building it) what pinning it costs. Callable before a runtime is resolved, since
-    resolving one (CUDA) may initialise a GPU driver, which a doomed configuration should not wait
-    for. Raises the first failure as :class:`ConfigError`."""
+    """The whole pre-flight, raising the first failure: the placement's checks, then (with ``caps``,
+    read from a runtime's class without building it, so no GPU driver starts) what pinning costs."""
     placement = place(options, host)
-    raise_first(placement_checks(options, host, placement))
     check_pinning(
         options, host, caps, mapping_bytes=placement.mapping_bytes,
         buffer_bytes=[spec.nbytes for spec in placement.specs], new_memory=new_memory, new_bytes=new_bytes,

@@ -1,19 +1,6 @@
-"""One byte budget for paired pools, and the budget this host or container can give a rank.
-
-SGLang sizes the host pools that belong together (the KV cache, the DSA indexer, the speculative
-draft model's KV cache) from one per-rank byte budget with one page count, so page *i* of each
-belongs with page *i* of the others. :func:`share` does that: the largest page count whose pools,
-together, map no more than the budget. What a pool maps is its placement's ``mapping_bytes``
-(:func:`pinpool._plan.placement.place`: every buffer rounded up to the OS page, or to the huge page
-with ``huge_pages``), the very figure the pool maps, so "never above the budget" holds for real
-mapped bytes, not for ``page_bytes`` arithmetic.
-
-:func:`host_budget` is the budget when none is given: a fraction of what this process may still
-make resident after a reserve (the pre-flight's figure, :attr:`pinpool._host.facts.HostFacts.memory_available`:
-the memory cgroup's room or MemAvailable, whichever is smaller), split evenly across the ranks
-of one machine, less the page tables the pre-flight charges, and within RLIMIT_MEMLOCK where the
-runtime's registrations are charged to it. So pools sized from it pass their own pre-flight on
-the same host facts, all ranks' together included.
+"""One byte budget for paired pools (:func:`share`: the most pages whose pools' mapped bytes, as
+their placements map them, fit it together), and the budget this host gives a rank
+(:func:`host_budget`: the pre-flight's own figures, so pools sized from it pass their pre-flight).
 """
 
 from __future__ import annotations
@@ -30,8 +17,7 @@ from .._layouts.spec import is_layout
 from .._node.config import parse_fraction
 from .._plan.declared import OPTIONS
 from .._plan.options import PoolOptions, min_num_pages
-from .._plan.placement import place
-from .._plan.preflight import bytes_text, human, resident_fit
+from .._plan.preflight import bytes_text, human, place, resident_fit
 from .._units import decimal_to_int, parse_size, shown
 from ..runtimes._registry import pinning_capabilities
 
@@ -51,12 +37,8 @@ _POOL_OPTIONS = frozenset(o.name for o in OPTIONS if o.create) - _SHAPING
 
 @dataclass(frozen=True)
 class Shares:
-    """Pools sized together from one byte budget (:func:`share`).
-
-    budget: the byte budget. num_pages: the one page count of every pool. layouts: each pool's
-    layout, by name. bytes: each pool's mapped bytes at ``num_pages`` (buffers rounded up to the
-    OS or huge page). options: the pool options they were sized with (``huge_pages``, ...).
-    """
+    """Pools sized together from one byte ``budget`` (:func:`share`): one ``num_pages`` for every
+    pool, each pool's ``layouts`` and mapped ``bytes`` by name, the ``options`` they were sized with."""
 
     budget: int
     num_pages: int
@@ -94,13 +76,10 @@ class Shares:
 
 
 def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts | None = None, **options: Any) -> Shares:
-    """Size pools that belong together from one byte ``budget`` with one page count: the most
-    pages for which every pool of ``layouts`` (a name per pool) together maps at most ``budget``.
-
-    ``options``: pool options the pools will share that decide what they map (``huge_pages=``);
-    :meth:`Shares.pool` passes them on. ``host``: the page sizes to round to (probed by
-    default). Pure arithmetic: nothing is mapped. A budget below one page of every pool
-    together is a :class:`ConfigError` naming what one page set maps."""
+    """Size pools that belong together from one byte ``budget``: the most pages for which every pool
+    of ``layouts`` (by name) together maps at most ``budget``. ``options``: the pool options that
+    decide what they map (``huge_pages=``), passed on by :meth:`Shares.pool`; ``host``: the page
+    sizes to round to (probed by default). Pure arithmetic: nothing is mapped."""
     nbytes = parse_size(budget, what="budget")
     if not isinstance(layouts, Mapping) or not layouts:
         raise ConfigError(
@@ -126,7 +105,7 @@ def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts |
 
     def mapped(pages: int) -> dict[str, int]:
         return {
-            key: place(PoolOptions.create(layout=layout, num_pages=pages, **options), facts).mapping_bytes
+            key: place(PoolOptions.create(layout=layout, num_pages=pages, **options), facts, check=False).mapping_bytes
             for key, layout in named.items()
         }
 

@@ -1,7 +1,12 @@
-"""``pin(tensor)``: a caller's tensor pinned with PinnedPool's chunking and guarantees."""
+"""``pin(tensor)``: a caller's tensor pinned with PinnedPool's chunking and guarantees; ``empty()``: a
+tensor to pin whose memory starts on an OS page. torch's allocator returns memory 64 B into a page
+(for 128 KiB or more), so a torch tensor's neighbouring chunks must share pages (CUDA, mlock) or,
+on runtimes that track no exact byte ranges (ROCm), it cannot be pinned in several chunks at all."""
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -9,8 +14,9 @@ import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from .._errors import ConfigError
-from .._host.mapping import alias_of
-from .._plan.options import DEFAULT_MAX_RETRIES
+from .._host.mapping import HostMapping, alias_of
+from .._plan.declared import DEFAULT_MAX_RETRIES
+from .._units import hugetlb_page_size
 from ..runtimes import Runtime
 from .pool import PinnedPool, ProgressCallback
 
@@ -45,36 +51,26 @@ def pin(
     """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees.
 
     Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
-    views ``t``'s memory, with its shape and dtype (``pinned.tensors["data"]``). It takes every
-    option of :class:`PinnedPool` with the same meaning and default (``name`` excepted:
-    ``"tensor"``), background pinning, the stall budget, node pacing and retries included,
-    but not those the tensor decides (``layout``, ``size``, ``num_pages``, ``memory``,
-    ``huge_pages``, ``numa_node``). Its pages are the tensor's rows along its first dimension
-    (``pinned.num_pages == t.shape[0]``), so with ``background=True`` ``pinned.pinned_pages``
-    and ``wait_ready(...)`` tell which leading rows are pinned. Chunk
-    boundaries are multiples of ``granularity_bytes`` from the tensor's start, and on OS page
-    boundaries where one of those multiples falls on a page; where none does (torch.empty's
-    memory starts 64 B into a page), they are counted from the start and neighbouring chunks
-    share the page around each boundary, on runtimes that track exact byte ranges (CUDA,
-    mlock, FakeRuntime); elsewhere that is a :class:`ConfigError` (allocate with
+    views ``t``'s memory. It takes every option of :class:`PinnedPool` with the same meaning and
+    default (``name`` excepted: ``"tensor"``) but those the tensor decides (``layout``, ``size``,
+    ``num_pages``, ``memory``, ``huge_pages``, ``numa_node``). Its pages are its rows along the
+    first dimension (``pinned.num_pages == t.shape[0]``; ``pinned_pages``, ``wait_ready``). Chunk
+    boundaries are multiples of ``granularity_bytes`` from its start, on OS pages where such a
+    multiple falls on one; where none does (torch.empty's memory starts 64 B into a page),
+    neighbouring chunks share the page around each boundary on runtimes that track exact byte
+    ranges (CUDA, mlock, FakeRuntime), and elsewhere that is a :class:`ConfigError` (allocate with
     :func:`pinpool.empty`, which is page-aligned).
 
-    Not all of it, where it is given so (each range its own registrations, chunked within it by
-    the rule above from its own start, never merged with a neighbour; rolled back and unpinned
-    like chunks; two ranges may share an OS page only where neighbouring chunks may): a strided
-    view whose rows are contiguous (``region.view(rows, stride)[:, a:b]``: vLLM's worker slots)
-    pins each row, and ``ranges=[(offset, nbytes), ...]`` (byte offsets into a contiguous
-    tensor, any order, none overlapping) pins those ranges; ``pinned.tensor`` is the tensor as
-    given, ``pinned.nbytes`` the bytes registered, and pages are still its rows along the first
-    dimension (a row is pinned once every range in it is). A view whose rows are not contiguous,
-    or overlap one another, is a :class:`ConfigError`.
+    Part of it: a strided view whose rows are contiguous (``region.view(rows, stride)[:, a:b]``:
+    vLLM's worker slots) pins each row, ``ranges=[(offset, nbytes), ...]`` (byte offsets, any
+    order, none overlapping) pins those ranges: each range its own registrations, chunked by the
+    rule above from its own start; ``pinned.nbytes`` is the bytes registered, and a row is pinned
+    once every range in it is. Rows not contiguous, or overlapping, are a :class:`ConfigError`.
 
-    The caller's memory is never freed by pinpool, nor under it: pinpool holds ``t``'s storage
-    while pinned, and points ``t`` at a non-resizable alias of it, so growing ``t`` with
-    ``resize_`` raises instead of reallocating pinned memory; ``t`` gets its own storage back
-    when the pool lets go of the memory. A tensor that overlaps memory already pinned (by
-    pinpool, or locked by anyone under mlock) raises :class:`AlreadyPinnedError` on entry,
-    with nothing changed.
+    pinpool never frees the caller's memory, nor lets it go under it: ``t`` points at a
+    non-resizable alias while pinned (``resize_`` raises) and gets its storage back after. A
+    tensor overlapping memory already pinned (or mlock-ed by anyone) raises
+    :class:`AlreadyPinnedError` on entry, with nothing changed.
     """
     given = dict(locals())  # every option by its declared name (pinpool._plan.declared), for _configure
     del given["tensor"]
@@ -90,3 +86,60 @@ def pin(
     # nothing done to `tensor` from now on can change, and which keeps its storage alive.
     pool._configure(source=alias_of(tensor), **given)
     return pool
+
+
+def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
+    """``empty(2, 3)`` and ``empty((2, 3))`` alike, as torch.empty takes them."""
+    dims: object = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+    if isinstance(dims, torch.Size):
+        return tuple(dims)
+    if not isinstance(dims, Sequence) or isinstance(dims, str | bytes):
+        raise ConfigError(f"empty(size={dims!r}): give the sizes as ints, or one sequence of ints")
+    shape: list[int] = []
+    for dim in dims:
+        if isinstance(dim, bool):
+            raise ConfigError(f"empty(size={tuple(dims)!r}): {dim!r} is not a size")
+        try:
+            value = operator.index(dim)
+        except TypeError:
+            raise ConfigError(f"empty(size={tuple(dims)!r}): {dim!r} is not an int") from None
+        if value < 0:
+            raise ConfigError(f"empty(size={tuple(dims)!r}): sizes must be >= 0, not {value}")
+        shape.append(value)
+    return tuple(shape)
+
+
+def empty(
+    *size: int | Sequence[int],
+    dtype: torch.dtype | None = None,
+    huge_pages: bool | str = False,
+    numa_node: int | None = None,
+) -> torch.Tensor:
+    """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`.
+
+    Like ``torch.empty(*size, dtype=dtype)``, but the memory is a private anonymous ``mmap`` of
+    its own, zero-filled, faulted in as touched and unmapped with the last view, so it pins
+    exactly as a ``PinnedPool``'s own memory does (every chunk boundary on a page). ``huge_pages``
+    and ``numa_node`` as for :class:`pinpool.PinnedPool`; like a pool's memory it is not resizable
+    and ``MADV_DONTFORK`` (a forked child has nothing mapped there). Raises :class:`pinpool.ConfigError`
+    for a bad size, dtype or option, :class:`pinpool.AllocationError` where the OS refuses the mapping.
+    """
+    shape = _shape(size)
+    if dtype is None:
+        dtype = torch.get_default_dtype()
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"empty(dtype={dtype!r}): expected a torch.dtype, such as torch.uint8")
+    if not (isinstance(huge_pages, bool) or hugetlb_page_size(huge_pages)):
+        raise ConfigError(
+            f"empty(huge_pages={huge_pages!r}): use False, True (transparent), 'hugetlb' (2 MiB pages; also "
+            "'hugetlb:2MiB') or 'hugetlb:1GiB'"
+        )
+    if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < 0):
+        raise ConfigError(f"empty(numa_node={numa_node!r}): give a NUMA node number (>= 0), or None")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)  # nothing to map, and nothing to pin
+    mapping = HostMapping(nbytes, huge_pages=huge_pages, numa_node=numa_node)
+    # The view's storage holds a buffer object that holds the mapping: unmapped with the last view.
+    return mapping.view(0, nbytes).view(dtype).view(shape)

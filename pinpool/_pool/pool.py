@@ -31,11 +31,10 @@ from .._pin.outcome import PoolState, caller_outside_pinpool
 from .._pin.pipeline import Order
 from .._pin.steps import Steps
 from .._plan.chunks import Chunk, ChunkTable
-from .._plan.declared import OPTIONS
-from .._plan.options import DEFAULT_MAX_RETRIES, PoolOptions
-from .._plan.placement import place
+from .._plan.declared import DEFAULT_MAX_RETRIES, OPTIONS
+from .._plan.options import PoolOptions
 from .._plan.plan import BufferPlan, PoolPlan, plan_pool
-from .._plan.preflight import placement_checks, raise_first
+from .._plan.preflight import place
 from .._shared.memory import SharedMemory
 from .._units import format_bytes, parse_size
 from ..layouts import Layout
@@ -306,7 +305,6 @@ class PinnedPool:
             # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
             host = dataclasses.replace(host, page_size=memory.page_size)
         placement = place(options, host)
-        raise_first(placement_checks(options, host, placement))
         resolved = resolve_runtime(runtime)
         # Own memory is page-aligned; a caller's tensor starts where it starts (at its first range with ranges).
         source_ranges = None if tensor_layout is None else tensor_layout.ranges

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool import ConfigError, layouts
 from pinpool._host.facts import HostFacts
+from pinpool._plan.calls import retry_splitter
 from pinpool._plan.chunks import Chunk
-from pinpool._plan.cutter import retry_splitter
 from pinpool._plan.options import CHUNK_ENV, PoolOptions
 from pinpool._plan.plan import PoolPlan, plan_pool
 from pinpool._types import Capabilities

@@ -1,4 +1,4 @@
-"""Chunk planning (`plan_chunks`, `chunk_limit_from_env`, `resolve_chunk_limit`) and what its modules import."""
+"""Chunk planning (`plan_chunks`, `chunk_limit_from_env`, the options' chunk limit) and what its modules import."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pinpool import ConfigError
 from pinpool._plan.chunks import Chunk, ChunkPlan
-from pinpool._plan.options import CHUNK_ENV, DEFAULT_CHUNK_GIB, chunk_limit_from_env, resolve_chunk_limit
+from pinpool._plan.options import CHUNK_ENV, DEFAULT_CHUNK_GIB, PoolOptions, chunk_limit_from_env
 from pinpool._plan.plan import plan_chunks
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -327,7 +327,11 @@ def test_env_large_but_representable_is_exact() -> None:
     assert chunk_limit_from_env({CHUNK_ENV: "0." + "9" * 40}) == GiB - 1  # rounded down, exactly
 
 
-# -- resolve_chunk_limit -----------------------------------------------------------------------------
+# -- the chunk limit: chunk_bytes= when given, else the environment, else 256 GiB -------------------
+
+
+def resolve_chunk_limit(chunk_bytes: int | str | None) -> int:
+    return PoolOptions.create(size=4096, chunk_bytes=chunk_bytes).chunk_limit
 
 
 def test_resolve_explicit_values_win_over_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -385,6 +389,6 @@ def test_the_vocabulary_and_the_errors_import_nothing_of_pinpools() -> None:
 def test_planning_and_the_preflight_import_no_runtime_and_no_host_probe() -> None:
     """They receive HostFacts values and declared Capabilities, never read the host or name a runtime."""
     forbidden = {"runtimes", "_host", "_memlimits", "_libc", "testing"}
-    for module in ("_plan/plan", "_plan/placement", "_plan/preflight", "_plan/cutter"):
+    for module in ("_plan/plan", "_plan/preflight", "_plan/calls"):
         imported = {name.split(".")[0] for name in _pinpool_imports(module)}
         assert not imported & forbidden, (module, imported & forbidden)

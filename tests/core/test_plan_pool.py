@@ -25,7 +25,7 @@ from pinpool._host.limits import CpuQuota, read_mem_available, read_memory_limit
 from pinpool._pin.pipeline import split_spans
 from pinpool._plan.chunks import Chunk, ChunkTable, Order, Span, SpanTable
 from pinpool._plan.options import CHUNK_ENV, PoolOptions
-from pinpool._plan.plan import LOOKAHEAD_CHUNKS, PoolPlan, _first_boundary, plan_pool
+from pinpool._plan.plan import LOOKAHEAD_CHUNKS, PoolPlan, _aligned_boundary, _no_aligned_boundary, plan_pool
 from pinpool._plan.preflight import check_host
 from pinpool._types import Capabilities
 from pinpool.runtimes import capabilities_of
@@ -150,12 +150,10 @@ def reference_chunks(
             return [0], nbytes
         first = 0
     else:
-        try:
-            first = _first_boundary(granularity or 1, page, start % page, unit)
-        except ConfigError:
-            if not shared:
-                raise
-            first = 0
+        aligned = _aligned_boundary(granularity or 1, page, start % page, unit)
+        if aligned is None and not shared:
+            raise _no_aligned_boundary(granularity or 1, start % page)
+        first = aligned or 0
     if first:
         if first > limit:
             raise ConfigError(f"raise chunk_bytes= or {CHUNK_ENV} to at least {first} bytes")

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinnedPool, layouts
+from pinpool._plan.calls import MAX_GROWTH, PROBE_BYTES, CallSizer
 from pinpool._plan.chunks import Chunk, ChunkTable
 from pinpool._plan.prefix import PageRun, PrefixTracker, page_runs, pin_order
-from pinpool._plan.stall import MAX_GROWTH, PROBE_BYTES, CallSizer
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock

@@ -1,4 +1,4 @@
-"""A background pool's pin workers under a small CPU quota rest between calls (pinpool/_plan/duty.py):
+"""A background pool's pin workers under a small CPU quota rest between calls (pinpool/_plan/calls.py):
 the duty cycle the plan chooses, the rests the pacer takes, and a real pool that takes them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pinpool._plan.duty import MAX_REST, MIN_DUTY, Pacer, duty_cycle
+from pinpool._plan.calls import MAX_REST, MIN_DUTY, Pacer, duty_cycle
 
 
 def test_duty_cycle_is_half_a_quota_below_two_cpus_for_a_background_pool() -> None:

@@ -29,9 +29,8 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool._host import libc as _libc
 from pinpool._observe import Observer
-from pinpool._plan.cutter import RetrySplitter
+from pinpool._plan.calls import CallSizer, RetrySplitter
 from pinpool._plan.options import MAX_CALL_SECONDS, MAX_WORKERS
-from pinpool._plan.stall import CallSizer
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import OWN_LOCKS, SHARED_PAGES, _Pages

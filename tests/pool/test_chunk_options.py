@@ -19,7 +19,7 @@ from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20
 SIZE = 68 * MiB  # 8 calls of 8 MiB and a short one of 4 MiB with chunk_bytes="8MiB"
-PROBE = 16 * MiB  # the stall budget's first call, before any rate is known (pinpool._plan.stall.PROBE_BYTES)
+PROBE = 16 * MiB  # the stall budget's first call, before any rate is known (pinpool._plan.calls.PROBE_BYTES)
 CHUNKING: dict[str, dict[str, Any]] = {
     "chunk_bytes": {"chunk_bytes": "8MiB"},
     "max_chunk_bytes": {"max_chunk_bytes": "256GiB"},  # SGLang's limit

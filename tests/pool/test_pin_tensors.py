@@ -18,10 +18,10 @@ import pinpool
 from pinpool import layouts
 from pinpool._host import libc as _libc
 from pinpool._host.mapping import TensorMemory, alias_of
+from pinpool._plan.calls import retry_splitter
 from pinpool._plan.chunks import Chunk, ChunkPlan
-from pinpool._plan.cutter import retry_splitter
 from pinpool._plan.plan import plan_chunks
-from pinpool._pool.alloc import empty
+from pinpool._pool.pin import empty
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES
