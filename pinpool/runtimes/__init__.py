@@ -14,21 +14,21 @@ Runtime names (``runtime="..."``) live in one registry: :data:`RUNTIME_NAMES`,
 from __future__ import annotations
 
 from .._types import Capabilities as Capabilities
-from ._base import FindsPinned as FindsPinned
-from ._base import LocksOnFault as LocksOnFault
-from ._base import Populates as Populates
-from ._base import Runtime as Runtime
-from ._base import capabilities_of as capabilities_of
-from ._cuda import CudaRuntime as CudaRuntime
+from ._gpu import CudaRuntime as CudaRuntime
+from ._gpu import RocmRuntime as RocmRuntime
 from ._mlock import MlockRuntime as MlockRuntime
 from ._registry import RUNTIME_NAMES as RUNTIME_NAMES
+from ._registry import FindsPinned as FindsPinned
+from ._registry import LocksOnFault as LocksOnFault
+from ._registry import Populates as Populates
+from ._registry import Runtime as Runtime
 from ._registry import RuntimeInfo as RuntimeInfo
 from ._registry import auto_runtime_name as auto_runtime_name
+from ._registry import capabilities_of as capabilities_of
 from ._registry import resolve_runtime as resolve_runtime
 from ._registry import runtime_choices as runtime_choices
 from ._registry import runtime_info as runtime_info
 from ._registry import runtime_infos as runtime_infos
-from ._rocm import RocmRuntime as RocmRuntime
 
 __all__ = [
     "RUNTIME_NAMES",

@@ -1,22 +1,18 @@
-"""Host registration through torch's ``cudart`` binding: the logic CUDA and ROCm share.
+"""Host registration through torch's ``cudart`` binding: CudaRuntime and RocmRuntime, written once.
 
-``torch.cuda.cudart()`` is the same Python binding on both builds: on ROCm torch is
-hipified, so ``cudaHostRegister`` there calls ``hipHostRegister`` and returns a
-``hipError_t`` (the binding's names are kept as ``cuda*`` on purpose). What differs is the
-error table, the library that holds the calls the binding lacks (``cudaGetLastError`` /
-``hipGetLastError`` to clear a failure's sticky error, ``...GetErrorName`` to name an
-unknown code), and which torch build the runtime may run on. :class:`GpuApi` holds those
-differences; :class:`HostRegisterRuntime` is everything else, written once.
-
-The binding and the library can be given (``from_binding``, e.g. with
-:class:`pinpool.testing.FakeCudart`), so this logic runs in CI on CPU; the plain constructors
-find the real ones through torch.
+``torch.cuda.cudart()`` is the same binding on both builds: on ROCm torch is hipified, so
+``cudaHostRegister`` calls ``hipHostRegister`` and returns a ``hipError_t`` (the ``cuda*`` names
+are kept). What differs (the error table, the library holding the calls the binding lacks, the
+torch build each may run on) is a :class:`GpuApi`; :class:`HostRegisterRuntime` is the rest.
+``from_binding`` takes a binding and library (e.g. :class:`pinpool.testing.FakeCudart`), so this
+runs in CI on CPU. The CUDA driver's own facts, which ``pinpool doctor`` reports, are read here too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -25,7 +21,8 @@ from typing import Any, ClassVar, Protocol, Self, SupportsInt
 from .._errors import ConfigError, RuntimeCallError
 from .._types import Capabilities
 
-__all__ = ["CudartBinding", "DeviceContext", "GpuApi", "HostRegisterRuntime"]
+__all__ = ["CUDA", "HIP", "CudaRuntime", "CudartBinding", "DeviceContext", "GpuApi", "HostRegisterRuntime",
+           "RocmRuntime"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -43,6 +40,7 @@ class GpuApi:
     library: str  # file name stem of the shared library, as it appears in /proc/self/maps
     get_last_error: str  # its symbol that returns and clears the calling thread's last error
     get_error_name: str  # its symbol that names a code
+    wrong_build: str  # the error for the other build of torch: .format(version=, build=)
 
 
 class CudartBinding(Protocol):
@@ -213,7 +211,15 @@ class HostRegisterRuntime:
     @classmethod
     def _require_platform(cls, torch: Any) -> None:
         """Raise ConfigError unless this torch build and host can run this runtime."""
-        raise NotImplementedError
+        hip = torch.version.hip
+        build = f"HIP {hip}" if hip else f"CUDA build {torch.version.cuda}"
+        if bool(hip) != (cls._api.runtime == "rocm"):
+            raise ConfigError(cls._api.wrong_build.format(version=torch.__version__, build=build))
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"runtime={cls.name!r} needs a {cls._api.platform} device, but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, {build}); use runtime='mlock' on CPU hosts"
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, flags={self.flags})"
@@ -288,3 +294,142 @@ def _device_context() -> DeviceContext:
     if torch.cuda.is_available():
         return torch.cuda.device
     return contextlib.nullcontext
+
+
+# cudaError_t values worth a name and a hint; everything else gets cudaGetErrorName when
+# libcudart can be found, else "cudaError<code>".
+CUDA = GpuApi(
+    runtime="cuda", platform="CUDA", register_op="cudaHostRegister", unregister_op="cudaHostUnregister",
+    error_prefix="cudaError", unknown_code=999, unknown_name="cudaErrorUnknown",
+    library="libcudart", get_last_error="cudaGetLastError", get_error_name="cudaGetErrorName",
+    wrong_build="runtime='cuda' runs on NVIDIA CUDA builds of torch, but this is a ROCm build (torch {version}, "
+    "{build}), whose registration calls report HIP's codes; use runtime='rocm' (or 'auto')",
+    errors={
+        1: ("cudaErrorInvalidValue", "check that the range is valid host memory"),
+        2: ("cudaErrorMemoryAllocation",
+            "the driver could not pin this chunk: lower chunk_bytes= / PINPOOL_REGISTER_CHUNK_GB "
+            "(single registrations of 512 GiB or more fail on recent drivers), make the pool smaller, "
+            "or check RLIMIT_MEMLOCK"),
+        3: ("cudaErrorInitializationError", "the CUDA driver failed to initialise"),
+        100: ("cudaErrorNoDevice", "no CUDA device is visible (CUDA_VISIBLE_DEVICES?)"),
+        101: ("cudaErrorInvalidDevice", "the device index does not exist"),
+        712: ("cudaErrorHostMemoryAlreadyRegistered", "this range, or part of it, is already registered"),
+        713: ("cudaErrorHostMemoryNotRegistered", "this pointer is not the base of a registration"),
+        801: ("cudaErrorNotSupported", "host registration is not supported here (e.g. some virtualised GPUs)"),
+        999: ("cudaErrorUnknown", "an unknown CUDA error"),
+    },
+)  # fmt: skip
+
+# Current HIP numbers the common codes as CUDA does; the host-registration ones differ (1061/1062,
+# not 712/713). Codes missing here get hipGetErrorName from libamdhip64, else "hipError<code>".
+HIP = GpuApi(
+    runtime="rocm", platform="ROCm", register_op="hipHostRegister", unregister_op="hipHostUnregister",
+    error_prefix="hipError", unknown_code=999, unknown_name="hipErrorUnknown",
+    library="libamdhip64", get_last_error="hipGetLastError", get_error_name="hipGetErrorName",
+    wrong_build="runtime='rocm' needs a ROCm build of torch, but this is torch {version} ({build}); use "
+    "runtime='cuda' on NVIDIA GPUs or runtime='mlock' on CPU hosts",
+    errors={
+        1: ("hipErrorInvalidValue", "check that the range is valid host memory"),
+        2: ("hipErrorOutOfMemory",
+            "the driver could not pin this chunk: lower chunk_bytes= / PINPOOL_REGISTER_CHUNK_GB, "
+            "make the pool smaller, or check RLIMIT_MEMLOCK"),
+        3: ("hipErrorNotInitialized", "the HIP runtime failed to initialise"),
+        100: ("hipErrorNoDevice", "no ROCm device is visible (HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES?)"),
+        101: ("hipErrorInvalidDevice", "the device index does not exist"),
+        801: ("hipErrorNotSupported", "host registration is not supported here"),
+        999: ("hipErrorUnknown", "an unknown HIP error"),
+        1061: ("hipErrorHostMemoryAlreadyRegistered", "this range, or part of it, is already registered"),
+        1062: ("hipErrorHostMemoryNotRegistered", "this pointer is not the base of a registration"),
+    },
+)  # fmt: skip
+
+
+class CudaRuntime(HostRegisterRuntime):
+    """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()``, on NVIDIA builds of
+    torch only (on ROCm the binding calls HIP, whose codes differ: use :class:`RocmRuntime`).
+
+    ``device``: default torch's current device. Capabilities: the driver serialises registration
+    (one register worker is enough) and tracks registrations by exact byte range (neighbours may
+    share an OS page). Codes 1 and 2 are retried with a smaller chunk: drivers answer a registration
+    that is too large with either (SGLang saw 1 in production, for a 32 GiB call whose 4 KiB probe
+    at the same pointer succeeded); a truly invalid range fails again at one alignment unit. 713 on
+    unregister: released by someone else. Registered pages are resident; whether the driver charges
+    RLIMIT_MEMLOCK depends on the driver, so it is not declared.
+    """
+
+    name = "cuda"
+    capabilities = Capabilities(
+        serial_registration=True,
+        exact_ranges=True,
+        retryable_codes=frozenset({1, 2}),
+        not_registered_codes=frozenset({713}),
+        resident=True,
+        charges_memlock=False,
+    )
+    _api = CUDA
+
+
+class RocmRuntime(HostRegisterRuntime):
+    """``hipHostRegister``/``hipHostUnregister`` on AMD GPUs, through torch's hipified ``torch.cuda.cudart()``,
+    with HIP's error table. ``device`` is an index or ``"cuda:N"`` (torch calls ROCm GPUs ``cuda``).
+
+    Device pointers: separately registered adjacent ranges do **not** get adjacent device aliases
+    on ROCm, so never compute one as a chunk's device base plus an offset into another chunk; look
+    it up per chunk. Capabilities as CUDA's (1 and 2 retried, 1062 on unregister: released by
+    someone else; registration declared serial, not measured on ROCm), except exact byte ranges:
+    unverified for HIP, so neighbours never share an OS page.
+    """
+
+    name = "rocm"
+    capabilities = Capabilities(
+        serial_registration=True,
+        exact_ranges=False,
+        retryable_codes=frozenset({1, 2}),
+        not_registered_codes=frozenset({1062}),
+        resident=True,
+        charges_memlock=False,
+    )
+    _api = HIP
+
+
+# -- the CUDA driver's own facts (pinpool doctor) ---------------------------------------------------
+
+CAN_USE_HOST_POINTER_ATTR = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem, the same in the driver API
+
+
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel module's version (/proc/driver/nvidia/version); None without one."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else None
+
+
+def libcuda() -> Any | None:
+    """The driver library (libcuda.so.1), initialised; None where it cannot be loaded or initialised."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return lib if lib.cuInit(0) == 0 else None
+
+
+def driver_cuda_version(lib: Any) -> str | None:
+    """The CUDA version the driver supports (cuDriverGetVersion), e.g. ``12.4``."""
+    version = ctypes.c_int()
+    if lib is None or lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return f"{version.value // 1000}.{version.value % 1000 // 10}"
+
+
+def can_use_host_pointer(lib: Any, index: int) -> int | None:
+    """Device ``index``'s CanUseHostPointerForRegisteredMem; None when it cannot be read."""
+    device, value = ctypes.c_int(), ctypes.c_int()
+    if lib is None or lib.cuDeviceGet(ctypes.byref(device), index) != 0:
+        return None
+    if lib.cuDeviceGetAttribute(ctypes.byref(value), CAN_USE_HOST_POINTER_ATTR, device) != 0:
+        return None
+    return value.value
