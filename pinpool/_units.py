@@ -10,6 +10,7 @@ typo or a paste accident to report, not to guess at.
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation, localcontext
 
@@ -142,8 +143,8 @@ def decimal_to_int(number: Decimal, multiplier: int) -> int | None:
 
 
 def format_bytes(nbytes: int) -> str:
-    """Human-readable binary size for messages: ``2.5 GiB``, ``300 MiB``, ``17 B``; ``~2**N B``
-    for absurd sizes a float cannot hold."""
+    """A size for messages, in binary units: ``2.5 GiB``, ``300 MiB``, ``17 B``; ``~2**N B`` past
+    2**1000 B, which no float holds."""
     if nbytes.bit_length() > 1000:
         return f"~2**{nbytes.bit_length() - 1} B"
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -151,6 +152,25 @@ def format_bytes(nbytes: int) -> str:
             text = f"{nbytes / scale:.2f}".rstrip("0").rstrip(".")
             return f"{text} {unit}"
     return f"{nbytes} B"
+
+
+def human(nbytes: int) -> str:
+    """:func:`format_bytes` for a figure a message computed: past 2**128 B (no memory: an overflow),
+    ``about 2**N B``, never 39 digits."""
+    return format_bytes(nbytes) if nbytes.bit_length() <= 128 else f"about 2**{nbytes.bit_length() - 1} B"
+
+
+def bytes_text(nbytes: int) -> str:
+    """A size as a message names a value it was given: ``3221225472 B = 3 GiB`` (:func:`human` past 2**128)."""
+    return f"{nbytes} B = {format_bytes(nbytes)}" if nbytes.bit_length() <= 128 else human(nbytes)
+
+
+def format_rate(nbytes: float | None, seconds: float = 1.0) -> str:
+    """Decimal GB/s, as pinpool reports throughput (docs/performance.md): ``5.21 GB/s``; ``-- GB/s``
+    when unknown (None, no time, not finite)."""
+    if nbytes is None or seconds <= 0 or not math.isfinite(nbytes / seconds):
+        return "-- GB/s"
+    return f"{nbytes / seconds / 1e9:.2f} GB/s"
 
 
 # huge_pages= spellings that map hugetlb pages, and the page each maps: plain "hugetlb" keeps its

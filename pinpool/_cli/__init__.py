@@ -5,10 +5,10 @@
     pinpool pin    --size 64GiB [--hold forever]    pin it, show progress, report, unpin
 
 This module runs a command (:func:`main`): errors to exit statuses, signals, a closed stdout.
-The rest is one concept a module: parser.py (argparse), options.py and layout.py (flags to
-PinnedPool's keyword arguments), text.py (reading their text), plan.py, doctor.py and pin.py
-(the commands), report.py (what plan and pin print), status.py (notes on stderr),
-signals.py (SIGTERM and Ctrl-C), exits.py (the statuses, listed in ``pinpool --help``).
+parser.py builds argparse's parser; options.py reads flags, text and layouts into PinnedPool's
+keyword arguments; plan.py, doctor.py and pin.py are the commands (pin.py also owns SIGTERM
+and Ctrl-C); report.py renders what plan and pin print; progress.py is what a command says on
+stderr meanwhile, and the exit statuses.
 
 Only the standard library and pinpool's torch-free modules are imported at the top: torch
 (through pinpool.layouts and pinpool._pool.pool) costs seconds, so it is imported inside the
@@ -24,12 +24,10 @@ import sys
 from collections.abc import Sequence
 
 from .._errors import ConfigError, PinError, PinpoolError, UnpinError
-from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIN_FAILED, EXIT_PIPE
-from .layout import LAYOUT_FILE_MAX_BYTES, layout_from_file
-from .options import pool_options
+from .options import LAYOUT_FILE_MAX_BYTES, cli_size, layout_from_file, pool_options
 from .parser import build_parser, glue_negative_values, value_options
-from .signals import sigterm_as_interrupt
-from .text import cli_size
+from .pin import sigterm_as_interrupt
+from .progress import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIN_FAILED, EXIT_PIPE
 
 __all__ = [
     "LAYOUT_FILE_MAX_BYTES",

@@ -1,7 +1,7 @@
 """The command line's argparse parser: the commands, their flags and their help.
 
 Building it imports no torch (``pinpool --help`` answers at once); the pool and layout flags
-come from pinpool._plan.declared through options.py and layout.py.
+come from pinpool._plan.declared through options.py.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from .doctor import run_doctor
-from .exits import EXIT_CODES
 from .options import add_pool_options
 from .pin import METRICS_PORT, run_pin
 from .plan import run_plan
+from .progress import EXIT_CODES
 
 DESCRIPTION = "Plan, check and pin page-locked host-memory pools (KV-cache offload) for LLM inference servers."
 

@@ -1,43 +1,47 @@
-"""What ``pinpool pin`` shows people while it pins and after: progress, and per-call latency.
+"""What a command tells people: status lines and notes on stderr, pin's progress and per-call
+latency, and the exit statuses. stdout carries only the report, so pipes and ``--json`` are
+unaffected.
 
-Rendering is pure (:func:`render_bar`, :func:`render_line`, :func:`format_eta`,
-:func:`percentile`), so tests check it without a terminal or a clock. :class:`ProgressReporter`
-is the ``on_progress`` callback: PinnedPool calls it with ``(pinned, total, chunks_done,
-chunks_total)`` on the waiting thread about every 0.1 s. A callback that raises interrupts
-pinning and rolls it back, so the reporter never raises an ``Exception``: a stream that fails
-(closed, a broken pipe) only ends the display. It shows the current rate (over the last
-:data:`RATE_WINDOW_SECONDS`), not the average since the start, and reads faulted bytes at each
-update, so the display moves within a chunk; :class:`ResidentGrowth` is such a reading that
-moves page by page (the kernel's resident count), where the pool's own counters move a whole
-span (up to 512 MiB) at a time. :class:`EventLog` is a structlog-shaped logger for
-``PinnedPool(logger=...)`` that keeps each registration call's duration for the summary.
-
-Nothing here imports torch: the CLI's help must stay fast.
+Rendering is pure (:func:`render_bar`, :func:`render_line`, :func:`format_eta`, :func:`percentile`),
+so tests check it without a terminal or a clock. :class:`ProgressReporter` is the ``on_progress``
+callback (PinnedPool calls it on the waiting thread about every 0.1 s); a callback that raises
+rolls pinning back, so it never raises an ``Exception``: a failing stream only ends the display.
+It shows the rate over the last :data:`RATE_WINDOW_SECONDS` and reads faulted bytes at each
+update, so the display moves within a chunk. Nothing here imports torch: ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
-from .._units import format_bytes
+from .._units import format_bytes, format_rate
 
-__all__ = [
-    "EventLog",
-    "ProgressReporter",
-    "ResidentGrowth",
-    "format_eta",
-    "format_rate",
-    "percentile",
-    "render_bar",
-    "render_line",
-]
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_PIN_FAILED = 3
+EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141
+
+EXIT_CODES = """\
+exit status:
+  0    success; for pin --hold, also when Ctrl-C or SIGTERM ends the hold (the pool is unpinned first)
+  1    doctor: a check failed; pin: unpinning failed
+  2    bad input: usage error, ConfigError (size, layout, option, environment variable),
+       or a metrics address that cannot be served
+  3    pinning failed and was rolled back (PinError), or the memory could not be mapped or is already pinned
+  130  interrupted (Ctrl-C or SIGTERM) and rolled back, or interrupted while the pool was unpinned
+       at the end (it finishes unpinning first): nothing stays pinned
+  141  stdout was closed early (e.g. piped into head)"""
 
 # Plain lines in a log at most this often: often enough to show life, rare enough for a TiB pin.
 LINE_INTERVAL_SECONDS = 2.0
@@ -45,20 +49,6 @@ LINE_INTERVAL_SECONDS = 2.0
 # enough that chunk-sized steps do not make it flicker.
 RATE_WINDOW_SECONDS = 2.0
 _BAR_MIN, _BAR_MAX = 10, 40
-
-
-def format_rate(nbytes: int, seconds: float) -> str:
-    """Decimal GB/s, as the summary and docs/performance.md report throughput."""
-    if seconds <= 0:
-        return "-- GB/s"
-    return format_speed(nbytes / seconds)
-
-
-def format_speed(bytes_per_second: float | None) -> str:
-    """``5.21 GB/s`` (decimal, as :func:`format_rate`); ``-- GB/s`` when unknown."""
-    if bytes_per_second is None or not math.isfinite(bytes_per_second):
-        return "-- GB/s"
-    return f"{bytes_per_second / 1e9:.2f} GB/s"
 
 
 def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = None) -> float | None:
@@ -74,7 +64,7 @@ def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = No
 
 
 def _speed(pinned: int, elapsed: float, rate: float | None) -> str:
-    return format_speed(rate) if rate is not None else format_rate(pinned, elapsed)
+    return format_rate(rate) if rate is not None else format_rate(pinned, elapsed)
 
 
 def format_eta(seconds: float | None) -> str:
@@ -353,3 +343,36 @@ class EventLog:
             self.stream.flush()
         except Exception:
             pass  # stderr is gone; the summary and exit status still say what happened
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """A status line on stderr (progress and notes go there; the report goes to stdout)."""
+    print(text, file=sys.stderr if stream is None else stream, flush=True)
+
+
+def _isatty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(callable(isatty) and isatty())
+
+
+@contextlib.contextmanager
+def while_loading(what: str, stream: TextIO | None = None) -> Iterator[None]:
+    """On a terminal, ``pinpool: <what>...`` for as long as the block runs, then taken off the
+    line so the output starts clean; elsewhere (a pipe, a log) nothing: a log keeps no note
+    that only said "wait". A failing stream never fails the command."""
+    out = sys.stderr if stream is None else stream
+    note = f"pinpool: {what}..."
+    shown = False
+    if _isatty(out):
+        with contextlib.suppress(OSError, ValueError):
+            out.write(note)
+            out.flush()
+            shown = True
+    try:
+        yield
+    finally:
+        if shown:
+            # Padding over the note, not an escape sequence: works on any terminal.
+            with contextlib.suppress(OSError, ValueError):
+                out.write("\r" + " " * len(note) + "\r")
+                out.flush()

@@ -26,14 +26,14 @@ import torch
 
 from .._errors import ConfigError
 from .._types import Capabilities
-from .._units import format_bytes, hugetlb_page_size
+from .._units import bytes_text, format_bytes, hugetlb_page_size
 from ..layouts import BufferSpec
 from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from .duty import duty_cycle
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB
 from .placement import Placement, place
 from .prefix import PageRun, page_runs, pin_order
-from .preflight import bytes_text, placement_checks, raise_first
+from .preflight import placement_checks, raise_first
 
 if TYPE_CHECKING:
     from .._host.facts import HostFacts

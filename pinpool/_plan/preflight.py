@@ -3,7 +3,7 @@
 Each check is a pure function of values (numbers, :class:`pinpool._host.facts.HostFacts`) that returns
 a :class:`Check`: a name, a status (ok / warn / fail; the doctor's own checks add skip), what it
 found and the one fix. A pool raises the first failure as :class:`ConfigError`
-(:func:`raise_first`); ``pinpool doctor`` (:mod:`pinpool._cli.checks`) renders them all. So "will this
+(:func:`raise_first`); ``pinpool doctor`` (:mod:`pinpool._cli.doctor`) renders them all. So "will this
 pool fit here?" has one answer, and each piece of advice one text.
 
 What is checked, in order: the placement (NUMA node, transparent huge pages, the address space,
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from .._errors import RAISE_MEMLOCK, ConfigError
 from .._types import Capabilities
-from .._units import format_bytes, hugetlb_page_size
+from .._units import bytes_text, format_bytes, hugetlb_page_size, human
 from .placement import Placement, place
 
 if TYPE_CHECKING:
@@ -38,7 +38,6 @@ __all__ = [
     "WARN",
     "Check",
     "address_space_check",
-    "bytes_text",
     "check_host",
     "check_pinning",
     "hugetlb_check",
@@ -90,16 +89,6 @@ def raise_first(checks: Iterable[Check]) -> None:
     for check in checks:
         if check.status == FAIL:
             raise check.error()
-
-
-def human(nbytes: int) -> str:
-    """``format_bytes``, safe for absurd values (no float overflow, no int-to-str digit limit)."""
-    return format_bytes(nbytes) if nbytes.bit_length() <= 128 else f"about 2**{nbytes.bit_length() - 1} B"
-
-
-def bytes_text(nbytes: int) -> str:
-    """A size as messages name the value given: exact bytes, then readable."""
-    return f"{nbytes} B = {format_bytes(nbytes)}" if nbytes.bit_length() <= 128 else human(nbytes)
 
 
 # -- the placement: NUMA node, huge pages, address space ----------------------------------------------
