@@ -1,14 +1,8 @@
 """Runtimes: what "pin this range" means. CUDA or ROCm registration, Linux mlock, or your own.
 
-A runtime is anything with a ``name`` and two thread-safe calls, ``register(ptr, nbytes)``
-and ``unregister(ptr)`` (the base of an earlier registration), that raise
-:class:`pinpool.RuntimeCallError` carrying the runtime's code and message. What it can do
-beyond that it declares as ``capabilities`` (a :class:`Capabilities`): its own
-``populate``, ``lock_on_fault`` or ``find_pinned``, serial registration, exact byte ranges,
-retryable codes. :func:`capabilities_of` reads and checks the declaration.
-
-Runtime names (``runtime="..."``) live in one registry: :data:`RUNTIME_NAMES`,
-:func:`runtime_infos`, :func:`resolve_runtime`.
+A runtime is anything with a ``name`` and two thread-safe calls, ``register(ptr, nbytes)`` and
+``unregister(ptr)``, raising :class:`pinpool.RuntimeCallError`; what more it can do it declares as
+``capabilities`` (:func:`capabilities_of` checks it). Names live in one registry: :data:`RUNTIME_NAMES`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class GpuApi:
     """What differs between CUDA and HIP behind torch's one binding."""
 
     runtime: str  # the runtime's name, as in runtime="..."
-    platform: str  # for messages: "CUDA", "ROCm (HIP)"
+    platform: str  # for messages: "CUDA", "ROCm"
     register_op: str  # the C call the binding's cudaHostRegister really makes
     unregister_op: str
     error_prefix: str  # "cudaError": names of unknown codes are f"{prefix}{code}"
@@ -56,18 +56,14 @@ class CudartBinding(Protocol):
     def cudaError(self) -> Callable[[int], Any]: ...
 
 
-# Makes a device current in the calling thread for the duration of a with block
-# (torch.cuda.device).
+# Makes a device current in the calling thread for a with block (torch.cuda.device).
 DeviceContext = Callable[[int], AbstractContextManager[object]]
 
 
 def load_library(api: GpuApi) -> Any | None:
-    """The runtime library torch already loaded, for the calls torch's binding does not offer.
-
-    Found in /proc/self/maps and opened by path, which hands back the very library torch
-    uses (the same handle, so the same error state). A torch build that linked the runtime
-    statically may still export it from the process. None where neither is found.
-    """
+    """The runtime library torch loaded, for the calls its binding lacks: opened by its path in
+    /proc/self/maps (the same handle, so the same error state), else the process's own exports
+    (a static link); None where neither has it."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if api.library in line}
@@ -112,14 +108,10 @@ def device_index(torch: Any, device: int | str, runtime: str) -> int:
 class HostRegisterRuntime:
     """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table.
 
-    ``device``: the GPU the registration is made on, made current in the calling (worker)
-    thread for the duration of each call. ``flags``: the register flags (0 = default,
-    1 = portable, 2 = mapped, 8 = read-only; the same values under HIP).
-
-    A failed call leaves a sticky "last error" in the calling thread; it is cleared at once
-    (the library's ``...GetLastError``, in that thread), so the next, unrelated GPU call does
-    not misreport it. That needs the library's own symbol, found in the library torch loaded
-    or in the process; ``clears_sticky_errors`` says whether it was.
+    ``device``: made current in the calling worker thread for each call. ``flags``: 0 = default,
+    1 = portable, 2 = mapped, 8 = read-only (the same under HIP). A failed call's sticky "last
+    error" is cleared at once in that thread, so the next, unrelated GPU call does not misreport
+    it; that needs the library's ``...GetLastError`` (``clears_sticky_errors``: whether found).
     """
 
     name: str
@@ -155,17 +147,12 @@ class HostRegisterRuntime:
     def from_binding(
         cls, binding: CudartBinding, *, library: Any | None = None, device: int = 0, flags: int = 0
     ) -> Self:
-        """This runtime on a binding shaped like ``torch.cuda.cudart()``, without asking torch for it.
-
-        For tests on hosts without a GPU (:class:`pinpool.testing.FakeCudart`) and for a binding
-        of your own. ``library``: what holds ``<prefix>GetLastError()`` and
-        ``<prefix>GetErrorName(code) -> bytes`` (the loaded libcudart / libamdhip64); None: the
-        binding itself where it has ``cudaGetLastError`` (FakeCudart has; torch's binding has
-        not, so a failure's sticky error is then not cleared: ``clears_sticky_errors``).
-        ``device``: the device index each call is made on, made current with
-        ``torch.cuda.device`` where torch sees a GPU, and a no-op without one. The platform
-        checks of the plain constructor are skipped; a binding that names its platform (FakeCudart's
-        ``platform``) must name this runtime's.
+        """This runtime on a binding shaped like ``torch.cuda.cudart()`` (e.g. :class:`pinpool.testing.FakeCudart`
+        on a host without a GPU), skipping the plain constructor's platform checks; a binding that
+        names its ``platform`` must name this runtime's. ``library``: what holds
+        ``<prefix>GetLastError()`` and ``<prefix>GetErrorName(code) -> bytes``; None: the binding
+        itself where it has ``cudaGetLastError`` (torch's has not: ``clears_sticky_errors``).
+        ``device`` is made current with ``torch.cuda.device`` where torch sees a GPU.
         """
         _check_flags(flags, cls._api)
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:

@@ -43,13 +43,9 @@ __all__ = [
 
 @runtime_checkable
 class Runtime(Protocol):
-    """What PinnedPool needs from a runtime. Both calls are made from worker threads.
-
-    ``register(ptr, nbytes)`` pins ``[ptr, ptr+nbytes)``; ``unregister(ptr)`` undoes the
-    registration whose base is ``ptr``. Both are thread-safe and raise
-    :class:`pinpool.RuntimeCallError` carrying the runtime's own code and message. A runtime
-    may also declare ``capabilities`` (a :class:`Capabilities`; none declared means none).
-    """
+    """What PinnedPool needs from a runtime: ``register(ptr, nbytes)`` pins ``[ptr, ptr+nbytes)``,
+    ``unregister(ptr)`` undoes the registration based at ``ptr``; both thread-safe (worker threads
+    call them), raising :class:`pinpool.RuntimeCallError`. ``capabilities``: optional (none: none)."""
 
     name: str
 
@@ -88,14 +84,8 @@ _ABILITIES: tuple[tuple[str, str, str], ...] = (
 
 
 def capabilities_of(runtime: Runtime) -> Capabilities:
-    """The abilities ``runtime`` declares, checked against the methods it has.
-
-    A runtime without a ``capabilities`` attribute (a user's object written against the two
-    required calls) gets ``Capabilities()``: nothing optional is used. Raises
-    :class:`pinpool.ConfigError` when the declaration is not a ``Capabilities`` or names an
-    ability whose method is missing or not callable, since the pool would otherwise fail on
-    its first chunk.
-    """
+    """The abilities ``runtime`` declares (none declared: ``Capabilities()``), checked against its
+    methods: a false declaration raises :class:`pinpool.ConfigError` here, not on the first chunk."""
     declared = getattr(runtime, "capabilities", None)
     if declared is None:
         return Capabilities()
@@ -116,12 +106,8 @@ def capabilities_of(runtime: Runtime) -> Capabilities:
 
 @dataclass(frozen=True)
 class RuntimeInfo:
-    """One registered runtime name.
-
-    ``factory()`` builds the runtime with its defaults (raising :class:`pinpool.ConfigError`
-    where it cannot run); ``available()`` says, without building it, whether it can run on
-    this host; ``description`` is one line for help texts and docs.
-    """
+    """One registered name: ``factory()`` builds it (ConfigError where it cannot run), ``available()``
+    says without building it whether it can run here, ``description`` is one line for help and docs."""
 
     name: str
     description: str
@@ -139,12 +125,8 @@ def _gpu_build() -> str | None:
 
 
 def auto_runtime_name() -> str:
-    """The runtime ``"auto"`` picks here: ``"rocm"`` on a ROCm build of torch with a GPU, else
-    ``"cuda"`` with a GPU, else ``"mlock"``.
-
-    On ROCm, ``torch.cuda.is_available()`` is true as well; only ``torch.version.hip`` tells
-    the builds apart, and CUDA's error table would misname HIP's codes.
-    """
+    """``"auto"`` here: ``"rocm"`` on a ROCm build with a GPU, else ``"cuda"`` with one, else ``"mlock"``
+    (``torch.cuda.is_available()`` is true on ROCm too; only ``torch.version.hip`` tells them apart)."""
     return _gpu_build() or "mlock"
 
 
@@ -205,11 +187,8 @@ def runtime_choices() -> tuple[str, ...]:
 
 
 def resolve_runtime(runtime: str | Runtime) -> Runtime:
-    """A registered name (see :data:`RUNTIME_NAMES`) built with its defaults, or a runtime object as is.
-
-    Either way the runtime's declared capabilities are checked (:func:`capabilities_of`), so
-    a runtime that declares an ability it lacks fails here, before anything is mapped.
-    """
+    """A registered name built with its defaults, or a runtime object as is; either way its declared
+    capabilities are checked (:func:`capabilities_of`) before anything is mapped."""
     if isinstance(runtime, str):
         resolved = runtime_info(runtime).factory()
     elif isinstance(runtime, Runtime) and isinstance(getattr(runtime, "name", None), str):
@@ -225,15 +204,11 @@ def resolve_runtime(runtime: str | Runtime) -> Runtime:
 
 def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | None:
     """The declared capabilities that say what pinning with ``runtime`` costs the host: a runtime
-    object's, a :class:`Capabilities` as given, or those of the runtime a registered name
-    (``"auto"``, ``"mlock"``, ``"cuda"``, ``"rocm"``) resolves to, read from its class without
-    building it. None when there is no runtime to judge: None (not said) or an unknown name
-    (resolving it raises the ConfigError).
-
-    ``"auto"`` is judged from the host facts, without starting a GPU driver: mlock unless torch
-    was built for CUDA with the NVIDIA driver loaded, or for ROCm with /dev/kfd. A GPU stack with
-    no visible device resolves to mlock after all; its memlock shortfall then surfaces as mlock's
-    own ENOMEM, in a PinError after a full rollback.
+    object's, a :class:`Capabilities` as given, or a registered name's, read from its class without
+    building it; None for None or an unknown name (resolving it raises). ``"auto"`` is judged from
+    the host facts without starting a GPU driver: mlock unless torch was built for CUDA with the
+    NVIDIA driver loaded, or for ROCm with /dev/kfd (a GPU stack with no visible device resolves to
+    mlock after all: its memlock shortfall surfaces as mlock's ENOMEM, after a full rollback).
     """
     if runtime is None or isinstance(runtime, Capabilities):
         return runtime
