@@ -10,9 +10,8 @@ keyword arguments; plan.py, doctor.py and pin.py are the commands (pin.py also o
 and Ctrl-C); report.py renders what plan and pin print; progress.py is what a command says on
 stderr meanwhile, and the exit statuses.
 
-Only the standard library and pinpool's torch-free modules are imported at the top: torch
-(through pinpool.layouts and pinpool._pool.pool) costs seconds, so it is imported inside the
-commands, after each has said what it is doing, and ``pinpool --help`` answers at once.
+Only torch-free modules are imported at the top: torch costs seconds, so the commands import it
+after saying what they do, and ``pinpool --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -63,8 +62,8 @@ def _exit_code_of(error: PinpoolError) -> int:
 
 
 def _stdout_gone() -> int:
-    """stdout's reader went away: point stdout at /dev/null so the interpreter's final flush is
-    quiet (the Python docs' recipe for SIGPIPE), and exit as a tool killed by SIGPIPE would."""
+    """stdout's reader went away: stdout to /dev/null so the final flush is quiet (the Python docs'
+    SIGPIPE recipe), and exit as a tool killed by SIGPIPE would."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     with contextlib.suppress(OSError, ValueError):
         os.dup2(devnull, sys.stdout.fileno())

@@ -42,24 +42,6 @@ from .progress import while_loading
 if TYPE_CHECKING:
     from .._shared.memory import HalfMade, RegionInfo
 
-__all__ = [
-    "FAIL",
-    "OK",
-    "SKIP",
-    "STATUSES",
-    "WARN",
-    "Check",
-    "CudaDevice",
-    "CudaFacts",
-    "DoctorFacts",
-    "check_region",
-    "exit_code",
-    "read_facts",
-    "render_text",
-    "run_checks",
-    "run_doctor",
-    "to_json",
-]
 
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the same as pinpool._plan.options.CHUNK_ENV (a test holds them equal)
 # Every environment variable pinpool reads, with what it means (a test greps the package for

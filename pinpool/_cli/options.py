@@ -30,8 +30,8 @@ if TYPE_CHECKING:
 
 
 def cli_size(option: str, text: str) -> int:
-    """A size from the command line, stricter than :func:`parse_size`: a number without a unit
-    counts bytes, so it must be whole (``1.5`` is a typo for ``1.5GiB``, not one byte)."""
+    """:func:`parse_size`, stricter: a number without a unit counts bytes, so it must be whole
+    (``1.5`` is a typo for ``1.5GiB``, not one byte)."""
     stripped = text.strip()
     example = f"e.g. {option} 64GiB"
     if stripped.startswith("-"):
@@ -181,8 +181,7 @@ def _dtype(where: str, value: object) -> Any:
 
 
 def _field_value(field: Field, where: str, value: object, *, from_text: bool) -> object:
-    """The constructor value of a field given as command-line text or as a JSON value. Range and
-    type checks beyond parsing are the layout class's (its ConfigError names the field)."""
+    """A field's constructor value from command-line text or JSON; checks beyond parsing are the layout class's."""
     if field.kind == "dtype":
         return _dtype(where, value)
     if field.kind == "bytes":
@@ -216,12 +215,8 @@ def family_fields(family: str) -> tuple[str, ...]:
 
 
 def build_layout(family: str, given: dict[str, object], *, source: str, from_text: bool) -> Layout:
-    """A layout of ``family`` from field values keyed by the constructor's field names.
-
-    ``source`` names where they came from in messages (``--layout mha`` or the file's path).
-    Raises ConfigError for an unknown family, a field the family lacks, a missing field, or
-    whatever the layout class rejects.
-    """
+    """A layout of ``family`` from constructor field values; ``source`` names where they came from in
+    messages (``--layout mha``, the file's path)."""
     if family not in FAMILIES:
         raise ConfigError(f"{source}: unknown layout family {family!r}; choose one of {', '.join(FAMILIES)}")
     cls = family_class(family)
@@ -260,8 +255,8 @@ LAYOUT_FILE_MAX_BYTES = 1 << 20  # a layout is a few hundred bytes; more is the 
 
 
 def _read_layout_file(path: str) -> bytes:
-    """The file's bytes, refusing what is not a regular file (a FIFO would block for ever,
-    /dev/zero would be read until the OOM killer stops it) and anything over the size limit."""
+    """The file's bytes; not a regular file (a FIFO blocks for ever, /dev/zero reads until the OOM
+    killer) nor over the limit."""
     try:
         # O_NONBLOCK: opening a FIFO would wait for a writer (a regular file's reads ignore the flag).
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
@@ -292,8 +287,7 @@ def _file_kind(mode: int) -> str:
 
 
 def layout_from_file(path: str) -> Layout:
-    """A layout from a JSON object ``{"family": "mha", "layout": "page_first", "layer_num": 32, ...}``
-    in a regular file of at most LAYOUT_FILE_MAX_BYTES."""
+    """A layout from a JSON object ``{"family": "mha", "layout": "page_first", "layer_num": 32, ...}``."""
     data = _read_layout_file(path)
     try:
         spec = json.loads(data)
@@ -344,7 +338,7 @@ def flags(command: str) -> list[tuple[Option, Flag]]:
 
 
 def _flag_value(flag: Flag, value: Any) -> Any:
-    """The Python value of a flag's argparse value, by its declared kind (pinpool._plan.declared.KINDS)."""
+    """A flag's Python value, by its declared kind."""
     if flag.kind == "size":
         return cli_size(flag.flag, value)
     if flag.kind == "chunk":
@@ -381,10 +375,9 @@ def takes_layout(command: str) -> bool:
 
 
 def pool_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
-    """PinnedPool keyword arguments from the command line, validated as far as text goes: every
-    declared option given as a flag, and the command line's own defaults (``--size 4GiB`` unless
-    ``--num-pages``, ``--name cli``); what is not given is left to the Python default. The
-    layout last: it imports torch, so a typo elsewhere fails before that."""
+    """PinnedPool keyword arguments from the flags given and the command line's own defaults
+    (``--size 4GiB`` unless ``--num-pages``, ``--name cli``); the layout last: it imports torch,
+    so a typo elsewhere fails first."""
     given = text_options(args, command)
     if takes_layout(command):
         given["layout"] = layout_from_args(args)
@@ -401,8 +394,7 @@ def runtime_arg(name: str) -> Any:
 
 
 def plan_runtime(name: str) -> tuple[str, Capabilities, bool]:
-    """(name, declared capabilities, available here) without building the runtime: a plan for a
-    GPU host can be made anywhere, and no GPU driver is started for it."""
+    """(name, declared capabilities, available here) without building the runtime or starting a driver."""
     from ..runtimes import auto_runtime_name, capabilities_of, runtime_info
 
     if name == "fake":
@@ -421,9 +413,7 @@ def _flag_help(opt: Option, flag: Flag) -> str:
 
 
 def add_pool_options(parser: argparse.ArgumentParser, command: str) -> None:
-    """Every declared option ``command`` takes (pinpool._plan.declared), as a flag of its kind. Each
-    defaults to None, "not given": :func:`pool_options` then leaves it to the Python default,
-    or to the command line's own (``Flag.default``)."""
+    """Every declared option ``command`` takes, as a flag of its kind, defaulting to None ("not given")."""
     pool = parser.add_argument_group("pool", "the options of PinnedPool(...) of the same names (docs/options.md)")
     layout_flag = False
     for opt, flag in flags(command):

@@ -47,12 +47,11 @@ def signal_name(what: str) -> str:
 class Interrupts:
     """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it).
 
-    The first signal raises KeyboardInterrupt in the main thread, so pinning stops and rolls back
-    as for Ctrl-C (a container's stop, systemd, kill). After that, and from the moment the pool
-    starts to exit (:meth:`defer`), a signal only is recorded: an exception raised inside the
-    pool's teardown would land in whatever runs there, and one raised in the finalizer that
-    unmaps the memory is printed as "Exception ignored" and lost (the command then exited 0).
-    ``main`` turns a recorded signal into the interrupted status once the pool is gone.
+    The first signal raises KeyboardInterrupt in the main thread, so pinning rolls back as for
+    Ctrl-C (a container's stop, systemd, kill). After that, and once the pool starts to exit
+    (:meth:`defer`), a signal is only recorded: raised in the teardown it would land in whatever
+    runs there, and in the unmapping finalizer it is printed as "Exception ignored" and lost (the
+    command then exited 0). ``main`` turns a recorded signal into the interrupted status.
     """
 
     def __init__(self) -> None:
@@ -76,7 +75,7 @@ _interrupts: Interrupts | None = None  # the running command's, while main() run
 
 
 def current() -> Interrupts | None:
-    """The running command's :class:`Interrupts`; None off the main thread or outside main()."""
+    """The running command's :class:`Interrupts` (None off the main thread or outside main())."""
     return _interrupts
 
 
@@ -87,8 +86,8 @@ def defer_interrupts() -> None:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
-    """Install :class:`Interrupts` for SIGTERM, and for SIGINT unless someone else handles it; the
-    previous handlers are restored after. Off the main thread, signals are left alone."""
+    """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block
+    ends; off the main thread, signals are left alone."""
     global _interrupts
     if threading.current_thread() is not threading.main_thread():
         yield None
@@ -137,8 +136,7 @@ def _serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[A
 
 
 def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
-    """Keep the pool pinned; ``"time"`` when the hold ran out, else the signal that ended it
-    (``"SIGINT"``, ``"SIGTERM"``)."""
+    """Keep the pool pinned; ``"time"`` when the hold ran out, else the signal that ended it."""
     until = "until Ctrl-C or SIGTERM" if seconds == float("inf") else f"for {seconds:g} s (Ctrl-C or SIGTERM ends it)"
     try:
         say(f"pinpool: holding {format_bytes(pool.nbytes)} pinned {until}" + (f"; metrics at {url}" if url else ""))
@@ -156,8 +154,7 @@ def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
 
 
 def _wait_ready(pool: PinnedPool, progress: ProgressReporter) -> None:
-    """Wait for a background pool, drawing progress: its worker threads report to nobody,
-    so the command reads the pool, as a server would. A failure raises its PinError."""
+    """Wait for a background pool, drawing progress from it (its threads report to nobody)."""
     while True:
         try:
             pool.wait_ready_sync(timeout=PROGRESS_SECONDS)
@@ -199,9 +196,8 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
 
 
 def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
-    """Bytes faulted in so far, for the progress display: the pool's populated counter (whole
-    spans, up to 512 MiB each) or the process's resident growth (page by page), whichever is
-    further. Chunks count as pinned whole; this is what moves the display within one."""
+    """Bytes faulted so far, to move the display within a chunk: the pool's populated counter (whole
+    spans) or the process's resident growth (page by page), whichever is further."""
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
     resident = ResidentGrowth()  # from now: the pool is constructed, its memory not yet faulted
 

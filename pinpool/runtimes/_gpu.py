@@ -21,9 +21,6 @@ from typing import Any, ClassVar, Protocol, Self, SupportsInt
 from .._errors import ConfigError, RuntimeCallError
 from .._types import Capabilities
 
-__all__ = ["CUDA", "HIP", "CudaRuntime", "CudartBinding", "DeviceContext", "GpuApi", "HostRegisterRuntime",
-           "RocmRuntime"]  # fmt: skip
-
 
 @dataclass(frozen=True)
 class GpuApi:

@@ -24,22 +24,6 @@ from ._mlock import MlockRuntime
 if TYPE_CHECKING:
     from .._host.facts import HostFacts
 
-__all__ = [
-    "RUNTIME_NAMES",
-    "Capabilities",
-    "FindsPinned",
-    "LocksOnFault",
-    "Populates",
-    "Runtime",
-    "RuntimeInfo",
-    "auto_runtime_name",
-    "capabilities_of",
-    "resolve_runtime",
-    "runtime_choices",
-    "runtime_info",
-    "runtime_infos",
-]
-
 
 @runtime_checkable
 class Runtime(Protocol):
