@@ -35,7 +35,7 @@ from .._plan.preflight import (
     thp_check,
 )
 from .._units import format_bytes
-from ..runtimes import _gpu
+from ..runtimes._gpu import CudaFacts, read_cuda_facts
 from .options import pool_options
 from .progress import while_loading
 
@@ -56,27 +56,6 @@ KNOWN_ENV: Mapping[str, str] = {
 # Linux 6.11 to 6.13 cap one pin_user_pages call, so one cudaHostRegister, at 2 GB.
 CAPPED_KERNELS = ((6, 11), (6, 14))
 KERNEL_PIN_CAP_BYTES = 2 * 10**9
-
-
-@dataclass(frozen=True)
-class CudaDevice:
-    index: int
-    name: str
-    can_use_host_pointer: int | None  # the attribute's value; None when it could not be read
-
-
-@dataclass(frozen=True)
-class CudaFacts:
-    """What torch and the driver say. ``skip_reason`` set: nothing was probed (no torch, no GPU)."""
-
-    skip_reason: str | None = None
-    error: str | None = None  # torch sees a GPU but asking about it failed
-    build: str = "cuda"  # "cuda" or "rocm"
-    torch_version: str | None = None
-    torch_cuda: str | None = None  # torch.version.cuda (or .hip)
-    driver_version: str | None = None  # the kernel module's (/proc/driver/nvidia/version)
-    driver_cuda: str | None = None  # the CUDA version the driver supports (cuDriverGetVersion)
-    devices: tuple[CudaDevice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -268,15 +247,10 @@ def check_env(env: Mapping[str, str]) -> list[Check]:
         checks.append(Check(f"env {name}", OK, f"{name}={value!r}: {means} ({meaning})"))
     known = ", ".join(KNOWN_ENV)
     checks.extend(
-        Check(
-            f"env {name}",
-            WARN,
-            f"{name} is set but pinpool reads no such variable (known: {known})",
-            f"unset {name}, or correct its name",
-        )
-        for name in sorted(env)
-        if name.startswith("PINPOOL_") and name not in KNOWN_ENV
-    )
+        Check(f"env {name}", WARN, f"{name} is set but pinpool reads no such variable (known: {known})",
+              f"unset {name}, or correct its name")
+        for name in sorted(env) if name.startswith("PINPOOL_") and name not in KNOWN_ENV
+    )  # fmt: skip
     return checks
 
 
@@ -342,19 +316,17 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
         check_cgroup(host),
         check_cpu(host),
         thp_check(host.thp_mode, wanted=False, defrag=host.thp_defrag),
-        hugetlb_check(
-            size, free=host.hugetlb_free, total=host.hugetlb_total, huge_page_size=host.huge_page_size, wanted=False
-        ),
-        hugetlb_check(
-            size, free=host.hugetlb_1g_free, total=host.hugetlb_1g_total, huge_page_size=1 << 30, wanted=False
-        ),
+        hugetlb_check(size, free=host.hugetlb_free, total=host.hugetlb_total, huge_page_size=host.huge_page_size,
+                      wanted=False),
+        hugetlb_check(size, free=host.hugetlb_1g_free, total=host.hugetlb_1g_total, huge_page_size=1 << 30,
+                      wanted=False),
         check_kernel(host.kernel_release, host.populate_write, env_chunk_limit(facts.env)),
         numa_check(None, host.numa_nodes),
         check_cuda(facts.cuda),
         *check_env(facts.env),
         *(check_region(region) for region in facts.regions),
         *(check_half_made(half) for half in facts.half_made),
-    ]
+    ]  # fmt: skip
 
 
 def exit_code(checks: Sequence[Check]) -> int:
@@ -390,32 +362,6 @@ def to_json(checks: Sequence[Check], size: int | None, version: str) -> dict[str
 
 
 # -- reading the facts ----------------------------------------------------------------------------
-
-
-def read_cuda_facts() -> CudaFacts:
-    """Ask torch (and the driver library) about GPUs, only when torch is importable and sees one."""
-    try:
-        import torch
-    except ImportError:
-        return CudaFacts(skip_reason="torch is not importable")
-    hip = getattr(torch.version, "hip", None)
-    built = hip or getattr(torch.version, "cuda", None)
-    if not torch.cuda.is_available():
-        build = f"HIP {hip}" if hip else f"CUDA {built}" if built else "CPU only"
-        return CudaFacts(skip_reason=f"torch {torch.__version__} sees no GPU (build: {build})")
-    try:
-        lib = None if hip else _gpu.libcuda()
-        devices = tuple(
-            CudaDevice(i, torch.cuda.get_device_name(i), None if hip else _gpu.can_use_host_pointer(lib, i))
-            for i in range(torch.cuda.device_count())
-        )
-        return CudaFacts(
-            build="rocm" if hip else "cuda", torch_version=torch.__version__, torch_cuda=str(built),
-            driver_version=_gpu.nvidia_driver_version(), driver_cuda=None if hip else _gpu.driver_cuda_version(lib),
-            devices=devices,
-        )  # fmt: skip
-    except Exception as exc:  # a broken driver is a finding, not a crash of the doctor
-        return CudaFacts(error=f"{type(exc).__name__}: {exc}")
 
 
 def read_facts(*, cuda: bool = True) -> DoctorFacts:

@@ -151,15 +151,8 @@ FIELDS: dict[str, Field] = {
 }
 
 # --layout FAMILY -> the class in pinpool.layouts; its fields are the dataclass's own.
-FAMILIES: dict[str, str] = {
-    "raw": "Raw",
-    "mha": "MHA",
-    "mla": "MLA",
-    "mamba": "Mamba",
-    "indexer": "Indexer",
-    "paged": "PagedBytes",
-    "dense": "Dense",
-}
+FAMILIES: dict[str, str] = {"raw": "Raw", "mha": "MHA", "mla": "MLA", "mamba": "Mamba", "indexer": "Indexer",
+                             "paged": "PagedBytes", "dense": "Dense"}  # fmt: skip
 
 # Short names engines use (SGLang's --kv-cache-dtype, vLLM's) for torch's dtypes.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
@@ -313,12 +306,8 @@ def add_layout_group(parser: argparse.ArgumentParser) -> None:
         "layout", "what the pool holds: --layout FAMILY with its dimensions, or --layout-file (default: raw bytes)"
     )
     layout.add_argument("--layout", choices=list(FAMILIES), help="layout family (default raw)")
-    layout.add_argument(
-        "--layout-file",
-        metavar="PATH",
-        help='a regular file (at most 1 MiB) holding a JSON object: {"family": "mha", "layout": "page_first", '
-        '"layer_num": 32, ...}',
-    )
+    layout.add_argument("--layout-file", metavar="PATH", help='a regular file (at most 1 MiB) holding a JSON object: '
+                        '{"family": "mha", "layout": "page_first", "layer_num": 32, ...}')  # fmt: skip
     for field in FIELDS.values():
         if field.kind == "flag":
             layout.add_argument(field.flag, action="store_true", default=None, help=field.help)

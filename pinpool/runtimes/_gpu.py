@@ -132,13 +132,8 @@ class HostRegisterRuntime:
             raise ConfigError(f"device={device!r} is not one of the {count} visible {self._api.platform} devices")
         library = load_library(self._api)
         getters = (None, None) if library is None else _library_calls(library, self._api)
-        self._bind(
-            torch.cuda.cudart(),  # type: ignore[no-untyped-call]
-            getters,
-            device_context=torch.cuda.device,
-            device=int(index),
-            flags=flags,
-        )
+        binding = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        self._bind(binding, getters, device_context=torch.cuda.device, device=int(index), flags=flags)
 
     @classmethod
     def from_binding(
@@ -342,14 +337,8 @@ class CudaRuntime(HostRegisterRuntime):
     """
 
     name = "cuda"
-    capabilities = Capabilities(
-        serial_registration=True,
-        exact_ranges=True,
-        retryable_codes=frozenset({1, 2}),
-        not_registered_codes=frozenset({713}),
-        resident=True,
-        charges_memlock=False,
-    )
+    capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2}),
+                                not_registered_codes=frozenset({713}), resident=True)  # fmt: skip
     _api = CUDA
 
 
@@ -365,14 +354,8 @@ class RocmRuntime(HostRegisterRuntime):
     """
 
     name = "rocm"
-    capabilities = Capabilities(
-        serial_registration=True,
-        exact_ranges=False,
-        retryable_codes=frozenset({1, 2}),
-        not_registered_codes=frozenset({1062}),
-        resident=True,
-        charges_memlock=False,
-    )
+    capabilities = Capabilities(serial_registration=True, retryable_codes=frozenset({1, 2}),
+                                not_registered_codes=frozenset({1062}), resident=True)  # fmt: skip
     _api = HIP
 
 
@@ -381,7 +364,28 @@ class RocmRuntime(HostRegisterRuntime):
 CAN_USE_HOST_POINTER_ATTR = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem, the same in the driver API
 
 
-def nvidia_driver_version() -> str | None:
+@dataclass(frozen=True)
+class CudaDevice:
+    index: int
+    name: str
+    can_use_host_pointer: int | None  # the attribute's value; None when it could not be read
+
+
+@dataclass(frozen=True)
+class CudaFacts:
+    """What torch and the driver say. ``skip_reason`` set: nothing was probed (no torch, no GPU)."""
+
+    skip_reason: str | None = None
+    error: str | None = None  # torch sees a GPU but asking about it failed
+    build: str = "cuda"  # "cuda" or "rocm"
+    torch_version: str | None = None
+    torch_cuda: str | None = None  # torch.version.cuda (or .hip)
+    driver_version: str | None = None  # the kernel module's (/proc/driver/nvidia/version)
+    driver_cuda: str | None = None  # the CUDA version the driver supports (cuDriverGetVersion)
+    devices: tuple[CudaDevice, ...] = ()
+
+
+def _nvidia_driver_version() -> str | None:
     """The NVIDIA kernel module's version (/proc/driver/nvidia/version); None without one."""
     try:
         with open("/proc/driver/nvidia/version") as f:
@@ -392,28 +396,45 @@ def nvidia_driver_version() -> str | None:
     return match.group(1) if match else None
 
 
-def libcuda() -> Any | None:
-    """The driver library (libcuda.so.1), initialised; None where it cannot be loaded or initialised."""
+def _libcuda_facts(count: int) -> tuple[str | None, list[int | None]]:
+    """From libcuda.so.1: the CUDA version the driver supports (cuDriverGetVersion) and each device's
+    CanUseHostPointerForRegisteredMem; None for what cannot be loaded, initialised or read."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return None
-    return lib if lib.cuInit(0) == 0 else None
+        return None, [None] * count
+    if lib.cuInit(0) != 0:
+        return None, [None] * count
+    version, device, value = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    cuda = None
+    if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
+        cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    can_use: list[int | None] = []
+    for index in range(count):
+        ok = lib.cuDeviceGet(ctypes.byref(device), index) == 0
+        ok = ok and lib.cuDeviceGetAttribute(ctypes.byref(value), CAN_USE_HOST_POINTER_ATTR, device) == 0
+        can_use.append(value.value if ok else None)
+    return cuda, can_use
 
 
-def driver_cuda_version(lib: Any) -> str | None:
-    """The CUDA version the driver supports (cuDriverGetVersion), e.g. ``12.4``."""
-    version = ctypes.c_int()
-    if lib is None or lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
-        return None
-    return f"{version.value // 1000}.{version.value % 1000 // 10}"
-
-
-def can_use_host_pointer(lib: Any, index: int) -> int | None:
-    """Device ``index``'s CanUseHostPointerForRegisteredMem; None when it cannot be read."""
-    device, value = ctypes.c_int(), ctypes.c_int()
-    if lib is None or lib.cuDeviceGet(ctypes.byref(device), index) != 0:
-        return None
-    if lib.cuDeviceGetAttribute(ctypes.byref(value), CAN_USE_HOST_POINTER_ATTR, device) != 0:
-        return None
-    return value.value
+def read_cuda_facts() -> CudaFacts:
+    """What ``pinpool doctor`` reports of the GPUs: asked of torch and the driver, when torch sees one."""
+    try:
+        import torch
+    except ImportError:
+        return CudaFacts(skip_reason="torch is not importable")
+    hip = getattr(torch.version, "hip", None)
+    built = hip or getattr(torch.version, "cuda", None)
+    if not torch.cuda.is_available():
+        build = f"HIP {hip}" if hip else f"CUDA {built}" if built else "CPU only"
+        return CudaFacts(skip_reason=f"torch {torch.__version__} sees no GPU (build: {build})")
+    try:
+        count = torch.cuda.device_count()
+        driver_cuda, can_use = (None, [None] * count) if hip else _libcuda_facts(count)
+        devices = tuple(CudaDevice(i, torch.cuda.get_device_name(i), can_use[i]) for i in range(count))
+        return CudaFacts(
+            build="rocm" if hip else "cuda", torch_version=torch.__version__, torch_cuda=str(built),
+            driver_version=_nvidia_driver_version(), driver_cuda=driver_cuda, devices=devices,
+        )  # fmt: skip
+    except Exception as exc:  # a broken driver is a finding, not a crash of the doctor
+        return CudaFacts(error=f"{type(exc).__name__}: {exc}")

@@ -124,25 +124,13 @@ def _always() -> bool:
 
 _INFOS = (
     RuntimeInfo("auto", "rocm on ROCm builds of torch with a GPU, else cuda with a GPU, else mlock", _auto, _always),
-    RuntimeInfo(
-        "cuda",
-        "cudaHostRegister through torch.cuda.cudart(), on torch's current CUDA device",
-        CudaRuntime,
-        lambda: _gpu_build() == "cuda",
-    ),
-    RuntimeInfo(
-        "rocm",
-        "hipHostRegister through torch's hipified cudart binding, on torch's current ROCm device",
-        RocmRuntime,
-        lambda: _gpu_build() == "rocm",
-    ),
-    RuntimeInfo(
-        "mlock",
-        "Linux mlock: real page-locking for CPU-only hosts, tests and benchmarks; not GPU pinning",
-        MlockRuntime,
-        _always,
-    ),
-)
+    RuntimeInfo("cuda", "cudaHostRegister through torch.cuda.cudart(), on torch's current CUDA device",
+                CudaRuntime, lambda: _gpu_build() == "cuda"),
+    RuntimeInfo("rocm", "hipHostRegister through torch's hipified cudart binding, on torch's current ROCm device",
+                RocmRuntime, lambda: _gpu_build() == "rocm"),
+    RuntimeInfo("mlock", "Linux mlock: real page-locking for CPU-only hosts, tests and benchmarks; not GPU pinning",
+                MlockRuntime, _always),
+)  # fmt: skip
 _REGISTRY: dict[str, RuntimeInfo] = {info.name: info for info in _INFOS}
 
 RUNTIME_NAMES: tuple[str, ...] = tuple(_REGISTRY)

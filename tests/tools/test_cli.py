@@ -27,8 +27,9 @@ from pinpool._cli import pin as cli_pin
 from pinpool._cli import progress as _progress
 from pinpool._cli import progress as cli_status
 from pinpool._cli import report as cli_report
-from pinpool._cli.doctor import FAIL, OK, SKIP, WARN, CudaDevice, CudaFacts
+from pinpool._cli.doctor import FAIL, OK, SKIP, WARN
 from pinpool._host.facts import HostFacts
+from pinpool.runtimes._gpu import CudaDevice, CudaFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
