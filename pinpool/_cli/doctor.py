@@ -75,8 +75,7 @@ class DoctorFacts:
 
 
 def check_cgroup(host: HostFacts) -> Check:
-    """The memory cgroup that binds, as found. Whether a pool fits it is the memory check's answer
-    (its room is one of the figures that check charges a pool against)."""
+    """The memory cgroup that binds, as found (whether a pool fits it is the memory check's answer)."""
     version, limit, usage, reclaimable = (
         host.cgroup_version, host.cgroup_memory_limit, host.cgroup_memory_usage, host.cgroup_memory_reclaimable,
     )  # fmt: skip
@@ -92,9 +91,8 @@ def check_cgroup(host: HostFacts) -> Check:
 
 
 def check_cpu(host: HostFacts) -> Check:
-    """The CPU budget worker counts derive from (the affinity bounded by the cgroup's CPU quota),
-    and the pin threads a pool of several GiB starts on it by default, in the foreground and the
-    background (which leaves the serving threads one CPU of the budget)."""
+    """The CPU budget worker counts derive from (affinity bounded by the CPU quota), and the pin
+    threads a large pool starts on it by default, in the foreground and the background."""
     from .._plan.plan import default_populate_workers, pool_cpus  # torch: only once the doctor runs
 
     quota = host.cpu_quota
@@ -129,9 +127,7 @@ def kernel_version(release: str) -> tuple[int, int] | None:
 
 def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) -> Check:
     """6.11–6.13 cap one pin call at 2 GB; before 5.14 there is no MADV_POPULATE_WRITE to pre-fault with.
-
-    ``chunk_limit``: pinpool's per-call limit from the environment (None: the variable is invalid).
-    """
+    ``chunk_limit``: pinpool's per-call limit from the environment (None: the variable is invalid)."""
     version = kernel_version(release)
     if version is None:
         return Check("kernel", WARN, f"cannot parse the kernel release {release!r}", "none needed if pins succeed")
@@ -229,8 +225,7 @@ def env_chunk_limit(env: Mapping[str, str]) -> int | None:
 
 
 def check_env(env: Mapping[str, str]) -> list[Check]:
-    """One check per pinpool variable that is set, one for the unset ones, and one per unknown
-    PINPOOL_ variable (a typo?)."""
+    """One check per pinpool variable set, one for the unset ones, one per unknown PINPOOL_ (a typo?)."""
     checks: list[Check] = []
     unset = [name for name in KNOWN_ENV if name not in env]
     if unset:
@@ -264,9 +259,8 @@ def _age(seconds: float | None) -> str:
 
 
 def check_region(region: RegionInfo) -> Check:
-    """One pinpool shared memory region: what it holds and who made it. Listing it is the point: a
-    region kept for a warm restart, or left behind by a process that died, holds its memory until
-    an operator removes it. Left behind (its creator is gone and did not mean to keep it): warn."""
+    """One pinpool shared memory region, what it holds and who made it: it holds its memory until
+    removed, so one left behind (its creator gone, not meant to be kept) warns."""
     record = region.record  # its text is printable ASCII (the trailer's parser refuses anything else)
     path = region.path if region.path.isprintable() else ascii(region.path)  # a file name reaches a terminal
     layout = f", layout {record['layout']}" if "layout" in record else ""
@@ -291,8 +285,7 @@ def check_region(region: RegionInfo) -> Check:
 
 
 def check_half_made(half: HalfMade) -> Check:
-    """A region's temporary file: fine while its creator is at work; left by a creator that died
-    (killed while creating), it holds its memory until removed: warn."""
+    """A region's temporary file: fine while its creator is at work; left by one that died: warn."""
     path = half.path if half.path.isprintable() else ascii(half.path)
     if half.in_progress:
         return Check("region", OK, f"{path}: a region being created now", "")
@@ -305,8 +298,7 @@ def check_half_made(half: HalfMade) -> Check:
 
 
 def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
-    """Every check, in the order they are printed. The pre-flight's checks are asked about a pool
-    of ``size`` bytes of new memory, each buffer rounded out to pages as a pool's are."""
+    """Every check, in print order; the pre-flight's asked about ``size`` bytes of new memory in pages."""
     host = facts.host
     nbytes = None if size is None else -(-size // host.page_size) * host.page_size
     subject = "" if size is None else f"--size {format_bytes(size)}"

@@ -21,7 +21,7 @@ from .._errors import ConfigError
 from .._host import libc as _libc
 from .._units import format_bytes
 from .options import hold_seconds, layout_from_args, runtime_arg, text_options
-from .progress import EXIT_OK, EventLog, ProgressReporter, ResidentGrowth, say
+from .progress import EXIT_OK, EventLog, ProgressReporter, ResidentGrowth, isatty, say
 from .report import pin_report, pin_text
 
 if TYPE_CHECKING:
@@ -107,10 +107,7 @@ def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
 
 def progress_mode(choice: str, stream: Any) -> str:
     """``auto``: a redrawn bar on a terminal, plain lines in a log or a pipe."""
-    if choice != "auto":
-        return choice
-    isatty = getattr(stream, "isatty", None)
-    return "bar" if callable(isatty) and isatty() else "lines"
+    return choice if choice != "auto" else "bar" if isatty(stream) else "lines"
 
 
 def first_line(kwargs: dict[str, Any]) -> str:

@@ -329,7 +329,7 @@ def say(text: str, stream: TextIO | None = None) -> None:
     print(text, file=sys.stderr if stream is None else stream, flush=True)
 
 
-def _isatty(stream: TextIO) -> bool:
+def isatty(stream: TextIO) -> bool:
     isatty = getattr(stream, "isatty", None)
     return bool(callable(isatty) and isatty())
 
@@ -341,7 +341,7 @@ def while_loading(what: str, stream: TextIO | None = None) -> Iterator[None]:
     out = sys.stderr if stream is None else stream
     note = f"pinpool: {what}..."
     shown = False
-    if _isatty(out):
+    if isatty(out):
         with contextlib.suppress(OSError, ValueError):
             out.write(note)
             out.flush()
