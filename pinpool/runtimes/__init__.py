@@ -25,23 +25,10 @@ from ._registry import runtime_info as runtime_info
 from ._registry import runtime_infos as runtime_infos
 
 __all__ = [
-    "RUNTIME_NAMES",
-    "Capabilities",
-    "CudaRuntime",
-    "FindsPinned",
-    "LocksOnFault",
-    "MlockRuntime",
-    "Populates",
-    "RocmRuntime",
-    "Runtime",
-    "RuntimeInfo",
-    "auto_runtime_name",
-    "capabilities_of",
-    "resolve_runtime",
-    "runtime_choices",
-    "runtime_info",
-    "runtime_infos",
-]
+    "RUNTIME_NAMES", "Capabilities", "CudaRuntime", "FindsPinned", "LocksOnFault", "MlockRuntime", "Populates",
+    "RocmRuntime", "Runtime", "RuntimeInfo", "auto_runtime_name", "capabilities_of", "resolve_runtime",
+    "runtime_choices", "runtime_info", "runtime_infos"
+]  # fmt: skip
 
 # Public names report this module, as pinpool's top level does, so reprs and docs say
 # pinpool.runtimes.X.
