@@ -1,15 +1,13 @@
-"""Byte sizes as users write them: ``4096``, ``"64GiB"``, ``"512MB"``, ``"1.5TiB"``; numbers from
-environment variables.
+"""Byte sizes as users write them (``4096``, ``"64GiB"``, ``"1.5TiB"``), numbers from environment
+variables, and sizes and rates as messages and reports print them.
 
-Only ASCII spellings are accepted. Python's own parsers are generous: ``int()`` and ``Decimal()``
-take ``"1_0"``, Arabic-Indic ``"١٠"`` and fullwidth ``"１０"`` digits, and ``str.strip()`` and a
-regular expression's whitespace class match non-breaking and other Unicode spaces. A size is
-something an operator types into a config file or a shell; anything but ASCII digits there is a
-typo or a paste accident to report, not to guess at.
+Only ASCII spellings are accepted: ``int()`` and ``Decimal()`` take ``"1_0"``, Arabic-Indic and
+fullwidth digits, and Unicode spaces; in a config file or a shell those are typos to report.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import Decimal, InvalidOperation, localcontext
 
@@ -37,11 +35,7 @@ _HINT = (
 
 
 def parse_size(value: object, *, what: str = "size") -> int:
-    """Return ``value`` as a positive whole number of bytes, or raise :class:`ConfigError`.
-
-    Fractions are allowed when they come out to whole bytes' worth after rounding down
-    (``"1.5GiB"``); the result must be at least one byte.
-    """
+    """``value`` as a positive whole number of bytes (fractions round down: ``"1.5GiB"``), or :class:`ConfigError`."""
     if isinstance(value, bool):
         raise ConfigError(f"{what}={value!r} is a bool, not a size; give {_HINT}")
     if isinstance(value, int):
@@ -70,16 +64,14 @@ def parse_size(value: object, *, what: str = "size") -> int:
 
 
 def shown(value: object) -> str:
-    """``repr(value)`` for messages, also for ints too long for ``str()`` (``repr(10**5000)`` raises
-    ValueError under Python's int-to-str digit limit): those are shown as ``~2**N``."""
+    """``repr(value)`` for messages; ints too long for ``str()`` (its digit limit) as ``~2**N``."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"{'-' if value < 0 else ''}~2**{value.bit_length() - 1}"
     return repr(value)
 
 
 def _oddity(text: str) -> str:
-    """Why a rejected string may have looked right to its author: a non-ASCII character, a digit
-    separator, a sign. Empty when there is nothing unusual to point at."""
+    """Why a rejected string may have looked right: a non-ASCII character or a digit separator."""
     odd = next((c for c in text if not c.isascii() or (not c.isprintable() and c not in " \t\n")), None)
     if odd is not None:
         return f" ({odd!r}, U+{ord(odd):04X}, is not an ASCII digit, letter or space)"
@@ -89,13 +81,9 @@ def _oddity(text: str) -> str:
 
 
 def ascii_decimal(raw: str, *, what: str, fix: str, given: object = None) -> Decimal:
-    """``raw`` (an environment variable's value) as a non-negative Decimal, or :class:`ConfigError`.
-
-    Accepted: ASCII digits with at most one point and an optional exponent (``64``, ``0.5``,
-    ``2.5E1``), ASCII whitespace around them. Rejected, each with ``what=value``, the reason and
-    ``fix``: signs, ``nan``/``inf``, digit separators, non-ASCII digits and spaces. ``given``: the
-    value to name in messages when ``raw`` is a part of it (``"80"`` of ``"80%"``).
-    """
+    """An environment variable's ASCII number (``64``, ``0.5``, ``2.5E1``) as a non-negative Decimal, or a
+    :class:`ConfigError` naming ``what=value``, why and ``fix``. ``given``: the whole value when ``raw``
+    is a part of it (``"80"`` of ``"80%"``)."""
     shown = raw if given is None else given
     if not _NUMBER_RE.fullmatch(raw):
         word = raw.strip(" \t\n\r\f\v").lower()
@@ -109,11 +97,7 @@ def ascii_decimal(raw: str, *, what: str, fix: str, given: object = None) -> Dec
 
 
 def parse_env_gib(name: str, raw: str, *, default_gib: int) -> int:
-    """An environment variable holding GiB (fractions allowed) as whole bytes, rounded down.
-
-    Raises :class:`ConfigError` naming the variable, its value, why, and the fix (a positive
-    number of GiB, or unset it for ``default_gib``).
-    """
+    """An environment variable holding GiB (fractions allowed) as whole bytes, rounded down, or :class:`ConfigError`."""
     fix = f"set {name} to a positive number of GiB (e.g. 64 or 0.5), or unset it for the default {default_gib}"
     gib = ascii_decimal(raw, what=name, fix=fix)
     if gib <= 0:
@@ -142,8 +126,8 @@ def decimal_to_int(number: Decimal, multiplier: int) -> int | None:
 
 
 def format_bytes(nbytes: int) -> str:
-    """Human-readable binary size for messages: ``2.5 GiB``, ``300 MiB``, ``17 B``; ``~2**N B``
-    for absurd sizes a float cannot hold."""
+    """A size for messages, in binary units: ``2.5 GiB``, ``300 MiB``, ``17 B``; ``~2**N B`` past
+    2**1000 B, which no float holds."""
     if nbytes.bit_length() > 1000:
         return f"~2**{nbytes.bit_length() - 1} B"
     for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
@@ -151,6 +135,25 @@ def format_bytes(nbytes: int) -> str:
             text = f"{nbytes / scale:.2f}".rstrip("0").rstrip(".")
             return f"{text} {unit}"
     return f"{nbytes} B"
+
+
+def human(nbytes: int) -> str:
+    """:func:`format_bytes` for a figure a message computed: past 2**128 B (no memory: an overflow),
+    ``about 2**N B``, never 39 digits."""
+    return format_bytes(nbytes) if nbytes.bit_length() <= 128 else f"about 2**{nbytes.bit_length() - 1} B"
+
+
+def bytes_text(nbytes: int) -> str:
+    """A size as a message names a value it was given: ``3221225472 B = 3 GiB`` (:func:`human` past 2**128)."""
+    return f"{nbytes} B = {format_bytes(nbytes)}" if nbytes.bit_length() <= 128 else human(nbytes)
+
+
+def format_rate(nbytes: float | None, seconds: float = 1.0) -> str:
+    """Decimal GB/s, as pinpool reports throughput (docs/performance.md): ``5.21 GB/s``; ``-- GB/s``
+    when unknown (None, no time, not finite)."""
+    if nbytes is None or seconds <= 0 or not math.isfinite(nbytes / seconds):
+        return "-- GB/s"
+    return f"{nbytes / seconds / 1e9:.2f} GB/s"
 
 
 # huge_pages= spellings that map hugetlb pages, and the page each maps: plain "hugetlb" keeps its

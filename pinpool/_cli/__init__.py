@@ -5,14 +5,13 @@
     pinpool pin    --size 64GiB [--hold forever]    pin it, show progress, report, unpin
 
 This module runs a command (:func:`main`): errors to exit statuses, signals, a closed stdout.
-The rest is one concept a module: parser.py (argparse), options.py and layout.py (flags to
-PinnedPool's keyword arguments), text.py (reading their text), plan.py, doctor.py and pin.py
-(the commands), report.py (what plan and pin print), status.py (notes on stderr),
-signals.py (SIGTERM and Ctrl-C), exits.py (the statuses, listed in ``pinpool --help``).
+parser.py builds argparse's parser; options.py reads flags, text and layouts into PinnedPool's
+keyword arguments; plan.py, doctor.py and pin.py are the commands (pin.py also owns SIGTERM
+and Ctrl-C); report.py renders what plan and pin print; progress.py is what a command says on
+stderr meanwhile, and the exit statuses.
 
-Only the standard library and pinpool's torch-free modules are imported at the top: torch
-(through pinpool.layouts and pinpool._pool.pool) costs seconds, so it is imported inside the
-commands, after each has said what it is doing, and ``pinpool --help`` answers at once.
+Only torch-free modules are imported at the top: torch costs seconds, so the commands import it
+after saying what they do, and ``pinpool --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -24,12 +23,10 @@ import sys
 from collections.abc import Sequence
 
 from .._errors import ConfigError, PinError, PinpoolError, UnpinError
-from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIN_FAILED, EXIT_PIPE
-from .layout import LAYOUT_FILE_MAX_BYTES, layout_from_file
-from .options import pool_options
+from .options import LAYOUT_FILE_MAX_BYTES, cli_size, layout_from_file, pool_options
 from .parser import build_parser, glue_negative_values, value_options
-from .signals import sigterm_as_interrupt
-from .text import cli_size
+from .pin import sigterm_as_interrupt
+from .progress import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIN_FAILED, EXIT_PIPE
 
 __all__ = [
     "LAYOUT_FILE_MAX_BYTES",
@@ -65,8 +62,8 @@ def _exit_code_of(error: PinpoolError) -> int:
 
 
 def _stdout_gone() -> int:
-    """stdout's reader went away: point stdout at /dev/null so the interpreter's final flush is
-    quiet (the Python docs' recipe for SIGPIPE), and exit as a tool killed by SIGPIPE would."""
+    """stdout's reader went away: stdout to /dev/null so the final flush is quiet (the Python docs'
+    SIGPIPE recipe), and exit as a tool killed by SIGPIPE would."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     with contextlib.suppress(OSError, ValueError):
         os.dup2(devnull, sys.stdout.fileno())

@@ -1,18 +1,319 @@
-"""The pool options of ``plan``, ``doctor`` and ``pin`` as flags: pinpool._plan.declared's options,
-added to a parser by their declared kind and read back as PinnedPool keyword arguments."""
+"""The command line's pool options: pinpool._plan.declared's options as flags, read back as PinnedPool
+keyword arguments; the layout as ``--layout FAMILY`` with one flag per field or ``--layout-file``
+(JSON); and the text readers (sizes, integers, shapes, seconds, nice levels), each failure a
+ConfigError naming the flag and the fix.
+
+Which fields a layout family has, and which are required, is read from its class in
+:mod:`pinpool.layouts` when a layout is built; :data:`FIELDS` only says how each is spelled and
+read here (tests/tools/test_cli.py holds every field of every class to an entry). Torch-free at
+import, like everything ``--help`` imports: torch comes with the layout.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import stat
+from dataclasses import MISSING, dataclass, fields
+from decimal import Decimal, InvalidOperation
 from typing import TYPE_CHECKING, Any
 
+from .._errors import ConfigError
 from .._plan.declared import OPTIONS, PER_BUFFER, Flag, Option
+from .._units import format_bytes, parse_size
 from ..runtimes import runtime_choices
-from .layout import add_layout_group, layout_from_args
-from .text import cli_size, codes_text, nice_text, seconds_text
 
 if TYPE_CHECKING:
+    from ..layouts import Layout
     from ..runtimes import Capabilities
+
+
+def cli_size(option: str, text: str) -> int:
+    """:func:`parse_size`, stricter: a number without a unit counts bytes, so it must be whole
+    (``1.5`` is a typo for ``1.5GiB``, not one byte)."""
+    stripped = text.strip()
+    example = f"e.g. {option} 64GiB"
+    if stripped.startswith("-"):
+        raise ConfigError(f"{option} {text}: a size must be positive; give {example}")
+    number = stripped[:-1].rstrip() if stripped[-1:] in ("b", "B") else stripped
+    try:
+        value = Decimal(number)
+    except InvalidOperation:
+        return parse_size(text, what=option)  # has a unit (or is not a size): parse_size explains
+    if value.is_finite() and value != value.to_integral_value():
+        raise ConfigError(
+            f"{option} {text} is not a whole number of bytes: a size without a unit counts bytes; "
+            f"add a unit, e.g. {option} {number}GiB"
+        )
+    return parse_size(text, what=option)
+
+
+def int_text(where: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{where} {text!r} is not an integer") from None
+
+
+def shape_text(where: str, text: str) -> tuple[int, ...]:
+    """``8,64,128`` as a shape."""
+    return tuple(int_text(where, part) for part in text.split(",") if part.strip())
+
+
+def codes_text(flag: str, text: str) -> tuple[int, ...]:
+    """``--retry-codes``: ``1,2`` (checked by the pool), or ``none`` for no retry."""
+    if text.strip().lower() == "none":
+        return ()
+    return tuple(int_text(flag, part.strip()) for part in text.split(",") if part.strip())
+
+
+def seconds_text(flag: str, text: str) -> float | str | None:
+    """``--max-call-seconds``: a number (checked by the pool), ``auto`` or ``none``."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return "auto" if word == "auto" else None
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: give a number of seconds (e.g. 0.02), auto or none") from None
+
+
+def nice_text(flag: str, text: str) -> int | str:
+    """``--pin-nice``: an integer (checked by the pool) or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text}: give an integer from 0 to 19, or auto") from None
+
+
+def hold_seconds(text: str | None) -> float | None:
+    """``--hold``: None for no hold, ``math.inf`` for forever, else seconds >= 0."""
+    if text is None:
+        return None
+    if text.strip().lower() == "forever":
+        return float("inf")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise ConfigError(f"--hold {text}: give a number of seconds >= 0, or 'forever' (until Ctrl-C or SIGTERM)")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Field:
+    """One layout constructor field: its command-line option and how its text is read."""
+
+    flag: str
+    kind: str  # int, bytes, dtype, shape, shapes, choice, text, flag
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+
+# Every field of every class in FAMILIES, by its constructor name.
+FIELDS: dict[str, Field] = {
+    "layout": Field(
+        "--kv-layout",
+        "choice",
+        "layout kind: layer_first, page_first, page_first_direct, page_head, page_unified or page_first_kv_split",
+    ),
+    "layer_num": Field("--layer-num", "int", "layers"),
+    "page_size": Field("--page-size", "int", "tokens per page"),
+    "head_num": Field("--head-num", "int", "KV heads (mha)"),
+    "head_dim": Field("--head-dim", "int", "head dimension (mha)"),
+    "v_head_dim": Field("--v-head-dim", "int", "V head dimension when it differs from --head-dim (mha)"),
+    "k_only": Field("--k-only", "flag", "K without V (mha)"),
+    "head_group_num": Field("--head-group-num", "int", "kv-head groups a page_unified page is cut into (mha)"),
+    "kv_cache_dim": Field("--kv-cache-dim", "int", "latent dimension per token and layer (mla)"),
+    "qk_rope_head_dim": Field("--qk-rope-head-dim", "int", "V (rope) width; K gets the rest (mla page_first_kv_split)"),
+    "index_layer_num": Field("--index-layer-num", "int", "indexer layers (mla page_first_kv_split)"),
+    "index_scales": Field("--index-scales", "flag", "fp32 indexer scales (mla page_first_kv_split)"),
+    "dtype": Field("--dtype", "dtype", "element type, e.g. bfloat16, float16, float8_e4m3fn"),
+    "temporal_dtype": Field("--temporal-dtype", "dtype", "temporal state dtype, default --dtype (mamba)"),
+    "conv_dtype": Field("--conv-dtype", "dtype", "conv state dtype, default --dtype (mamba)"),
+    "num_mamba_layers": Field("--num-mamba-layers", "int", "Mamba layers (mamba)"),
+    "temporal_shape": Field("--temporal-shape", "shape", "temporal state shape, e.g. 8,64,128 (mamba)"),
+    "conv_shapes": Field("--conv-shapes", "shapes", "conv state shapes, e.g. '4,8192;4,512' (mamba)"),
+    "index_head_dim": Field("--index-head-dim", "int", "indexer head dimension (indexer, mla page_first_kv_split)"),
+    "quant_block_size": Field("--quant-block-size", "int", "elements per fp32 scale (indexer)"),
+    "item_bytes": Field("--item-bytes", "bytes", "bytes per page and layer (paged)"),
+    "granularity_bytes": Field("--granularity", "bytes", "copy-page size chunk boundaries align to (raw, dense)"),
+    "shape": Field("--shape", "shape", "the tensor of a one-page pool, e.g. 2,64,32,8,128 (dense)"),
+    "page_dim": Field("--page-dim", "int", "the dimension pages stack along, default 0 (dense)"),
+    "buffer": Field("--buffer-name", "text", "the buffer's name, pool.tensors[NAME], default data (dense)"),
+}
+
+# --layout FAMILY -> the class in pinpool.layouts; its fields are the dataclass's own.
+FAMILIES: dict[str, str] = {"raw": "Raw", "mha": "MHA", "mla": "MLA", "mamba": "Mamba", "indexer": "Indexer",
+                             "paged": "PagedBytes", "dense": "Dense"}  # fmt: skip
+
+# Short names engines use (SGLang's --kv-cache-dtype, vLLM's) for torch's dtypes.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
+                 "fp8_e5m2": "float8_e5m2"}  # fmt: skip
+
+
+def _dtype(where: str, value: object) -> Any:
+    import torch
+
+    name = value.removeprefix("torch.") if isinstance(value, str) else value
+    name = DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(
+            f"{where} {value!r} is not a torch dtype; give one such as bfloat16, float16, float32, float8_e4m3fn, "
+            "uint8 (or bf16, fp16, fp8_e4m3)"
+        )
+    return dtype
+
+
+def _field_value(field: Field, where: str, value: object, *, from_text: bool) -> object:
+    """A field's constructor value from command-line text or JSON; checks beyond parsing are the layout class's."""
+    if field.kind == "dtype":
+        return _dtype(where, value)
+    if field.kind == "bytes":
+        return cli_size(field.flag if from_text else where, value) if isinstance(value, str) else value
+    if from_text and isinstance(value, str):
+        if field.kind == "int":
+            return int_text(where, value)
+        if field.kind == "shape":
+            return shape_text(where, value)
+        if field.kind == "shapes":
+            return tuple(shape_text(where, shape) for shape in value.split(";") if shape.strip())
+        return value
+    if field.kind == "shape" and isinstance(value, list):
+        return tuple(value)
+    if field.kind == "shapes" and isinstance(value, list):
+        return tuple(tuple(shape) if isinstance(shape, list) else shape for shape in value)
+    return value
+
+
+def family_class(family: str) -> type[Any]:
+    """The layout class of ``--layout family`` (imports pinpool.layouts, so torch)."""
+    from .. import layouts
+
+    cls: type[Any] = getattr(layouts, FAMILIES[family])
+    return cls
+
+
+def family_fields(family: str) -> tuple[str, ...]:
+    """The constructor fields of ``family``'s class, in declaration order."""
+    return tuple(f.name for f in fields(family_class(family)))
+
+
+def build_layout(family: str, given: dict[str, object], *, source: str, from_text: bool) -> Layout:
+    """A layout of ``family`` from constructor field values; ``source`` names where they came from in
+    messages (``--layout mha``, the file's path)."""
+    if family not in FAMILIES:
+        raise ConfigError(f"{source}: unknown layout family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cls = family_class(family)
+    names = family_fields(family)
+    label = (lambda n: FIELDS[n].flag) if from_text else (lambda n: n)
+    extra = sorted(set(given) - set(names))
+    if extra:
+        raise ConfigError(
+            f"{source} has no {', '.join(map(label, extra))}; its fields are {', '.join(map(label, names))}"
+        )
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [name for name in required if name not in given]
+    if missing:
+        raise ConfigError(f"{source} also needs {', '.join(map(label, missing))}")
+    kwargs = {
+        name: _field_value(FIELDS[name], label(name) if from_text else f"{source}: {name}", value, from_text=from_text)
+        for name, value in given.items()
+    }
+    layout: Layout = cls(**kwargs)
+    return layout
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    """The layout the command line asks for: ``--layout-file`` or ``--layout`` with its dims."""
+    given = {name: getattr(args, f.dest) for name, f in FIELDS.items() if getattr(args, f.dest) is not None}
+    if args.layout_file is not None:
+        if args.layout is not None or given:
+            flags = [*(["--layout"] if args.layout is not None else []), *(FIELDS[n].flag for n in given)]
+            raise ConfigError(f"--layout-file {args.layout_file} takes no {', '.join(flags)}: put them in the file")
+        return layout_from_file(args.layout_file)
+    family = args.layout or "raw"
+    return build_layout(family, given, source=f"--layout {family}", from_text=True)
+
+
+LAYOUT_FILE_MAX_BYTES = 1 << 20  # a layout is a few hundred bytes; more is the wrong file
+
+
+def _read_layout_file(path: str) -> bytes:
+    """The file's bytes; not a regular file (a FIFO blocks for ever, /dev/zero reads until the OOM
+    killer) nor over the limit."""
+    try:
+        # O_NONBLOCK: opening a FIFO would wait for a writer (a regular file's reads ignore the flag).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise ConfigError(
+                    f"--layout-file {path} is {_file_kind(mode)}, not a regular file: give a regular JSON file"
+                )
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(LAYOUT_FILE_MAX_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"--layout-file {path}: cannot read it ({exc.strerror})") from None
+    if len(data) > LAYOUT_FILE_MAX_BYTES:
+        raise ConfigError(
+            f"--layout-file {path} is larger than {format_bytes(LAYOUT_FILE_MAX_BYTES)}, the limit for a layout "
+            "file: give the JSON file that describes the layout"
+        )
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]  # fmt: skip
+    return next((kind for test, kind in kinds if test(mode)), "a special file")
+
+
+def layout_from_file(path: str) -> Layout:
+    """A layout from a JSON object ``{"family": "mha", "layout": "page_first", "layer_num": 32, ...}``."""
+    data = _read_layout_file(path)
+    try:
+        spec = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--layout-file {path}: not JSON ({exc})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("family"), str):
+        raise ConfigError(
+            f'--layout-file {path}: give a JSON object with a "family" ({", ".join(FAMILIES)}) and the '
+            'layout\'s fields, e.g. {"family": "mha", "layout": "page_first", "layer_num": 32, "page_size": 64, '
+            '"head_num": 8, "head_dim": 128, "dtype": "bfloat16"}'
+        )
+    family = spec.pop("family")
+    return build_layout(family, spec, source=f"--layout-file {path} ({family})", from_text=False)
+
+
+METAVARS = {"int": "N", "bytes": "SIZE", "dtype": "DTYPE", "shape": "SHAPE", "shapes": "SHAPES", "choice": "KIND",
+            "text": "NAME"}  # fmt: skip
+
+
+def add_layout_group(parser: argparse.ArgumentParser) -> None:
+    """``--layout``, ``--layout-file`` and one flag per field of :data:`FIELDS`."""
+    layout = parser.add_argument_group(
+        "layout", "what the pool holds: --layout FAMILY with its dimensions, or --layout-file (default: raw bytes)"
+    )
+    layout.add_argument("--layout", choices=list(FAMILIES), help="layout family (default raw)")
+    layout.add_argument("--layout-file", metavar="PATH", help='a regular file (at most 1 MiB) holding a JSON object: '
+                        '{"family": "mha", "layout": "page_first", "layer_num": 32, ...}')  # fmt: skip
+    for field in FIELDS.values():
+        if field.kind == "flag":
+            layout.add_argument(field.flag, action="store_true", default=None, help=field.help)
+        else:
+            layout.add_argument(field.flag, metavar=METAVARS[field.kind], help=field.help)
+
 
 HUGE_PAGES: dict[str, bool | str] = {
     "off": False, "thp": True, "hugetlb": "hugetlb", "hugetlb:2MiB": "hugetlb:2MiB", "hugetlb:1GiB": "hugetlb:1GiB",
@@ -26,7 +327,7 @@ def flags(command: str) -> list[tuple[Option, Flag]]:
 
 
 def _flag_value(flag: Flag, value: Any) -> Any:
-    """The Python value of a flag's argparse value, by its declared kind (pinpool._plan.declared.KINDS)."""
+    """A flag's Python value, by its declared kind."""
     if flag.kind == "size":
         return cli_size(flag.flag, value)
     if flag.kind == "chunk":
@@ -63,10 +364,9 @@ def takes_layout(command: str) -> bool:
 
 
 def pool_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
-    """PinnedPool keyword arguments from the command line, validated as far as text goes: every
-    declared option given as a flag, and the command line's own defaults (``--size 4GiB`` unless
-    ``--num-pages``, ``--name cli``); what is not given is left to the Python default. The
-    layout last: it imports torch, so a typo elsewhere fails before that."""
+    """PinnedPool keyword arguments from the flags given and the command line's own defaults
+    (``--size 4GiB`` unless ``--num-pages``, ``--name cli``); the layout last: it imports torch,
+    so a typo elsewhere fails first."""
     given = text_options(args, command)
     if takes_layout(command):
         given["layout"] = layout_from_args(args)
@@ -83,8 +383,7 @@ def runtime_arg(name: str) -> Any:
 
 
 def plan_runtime(name: str) -> tuple[str, Capabilities, bool]:
-    """(name, declared capabilities, available here) without building the runtime: a plan for a
-    GPU host can be made anywhere, and no GPU driver is started for it."""
+    """(name, declared capabilities, available here) without building the runtime or starting a driver."""
     from ..runtimes import auto_runtime_name, capabilities_of, runtime_info
 
     if name == "fake":
@@ -103,9 +402,7 @@ def _flag_help(opt: Option, flag: Flag) -> str:
 
 
 def add_pool_options(parser: argparse.ArgumentParser, command: str) -> None:
-    """Every declared option ``command`` takes (pinpool._plan.declared), as a flag of its kind. Each
-    defaults to None, "not given": :func:`pool_options` then leaves it to the Python default,
-    or to the command line's own (``Flag.default``)."""
+    """Every declared option ``command`` takes, as a flag of its kind, defaulting to None ("not given")."""
     pool = parser.add_argument_group("pool", "the options of PinnedPool(...) of the same names (docs/options.md)")
     layout_flag = False
     for opt, flag in flags(command):

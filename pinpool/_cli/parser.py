@@ -1,7 +1,7 @@
 """The command line's argparse parser: the commands, their flags and their help.
 
 Building it imports no torch (``pinpool --help`` answers at once); the pool and layout flags
-come from pinpool._plan.declared through options.py and layout.py.
+come from pinpool._plan.declared through options.py.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from .doctor import run_doctor
-from .exits import EXIT_CODES
 from .options import add_pool_options
 from .pin import METRICS_PORT, run_pin
 from .plan import run_plan
+from .progress import EXIT_CODES
 
 DESCRIPTION = "Plan, check and pin page-locked host-memory pools (KV-cache offload) for LLM inference servers."
 
@@ -49,12 +49,8 @@ def _wrap(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pinpool",
-        description=_wrap(DESCRIPTION),
-        epilog=EXIT_CODES,
-        formatter_class=_formatter,
-    )
+    parser = argparse.ArgumentParser(prog="pinpool", description=_wrap(DESCRIPTION), epilog=EXIT_CODES,
+                                     formatter_class=_formatter)  # fmt: skip
     parser.add_argument("--version", action=_VersionAction, help="print pinpool's version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{plan,doctor,pin}")
 
@@ -82,12 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Check this host for pinning a pool, each check ok / warn / fail / skip with a one-line fix. Exits 1 when "
         "a check fails (warnings do not).",
     )  # fmt: skip
-    doctor.add_argument(
-        "--cuda",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="ask torch and the driver about GPUs (default: yes, when torch sees one)",
-    )
+    doctor.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=True,
+                        help="ask torch and the driver about GPUs (default: yes, when torch sees one)")  # fmt: skip
     doctor.set_defaults(run=run_doctor)
 
     pin = command(
@@ -102,18 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--metrics-port", type=int, metavar="PORT",
                      help=f"serve the pool's Prometheus metrics on this port while pinning and holding "
                      f"({METRICS_PORT} is pinpool's usual; 0 picks a free one)")  # fmt: skip
-    pin.add_argument(
-        "--metrics-host",
-        default="127.0.0.1",
-        metavar="ADDR",
-        help="address to serve metrics on (default 127.0.0.1, this machine only; 0.0.0.0 for all)",
-    )
-    pin.add_argument(
-        "--progress",
-        choices=("auto", "bar", "lines", "none"),
-        default="auto",
-        help="auto (default): a bar on a terminal, a plain line every 2 s otherwise",
-    )
+    pin.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR", help="address to serve metrics on "
+                     "(default 127.0.0.1, this machine only; 0.0.0.0 for all)")  # fmt: skip
+    pin.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+                     help="auto (default): a bar on a terminal, a plain line every 2 s otherwise")  # fmt: skip
     pin.set_defaults(run=run_pin)
     return parser
 

@@ -1,25 +1,28 @@
 """``pinpool pin``: pin a pool with progress on stderr, hold it if asked (serving its metrics),
-report to stdout how it was pinned and how fast, unpin it (the report is report.py's)."""
+report to stdout how it was pinned and how fast, unpin it (the report is report.py's); and how
+the command line takes SIGTERM and Ctrl-C (:func:`sigterm_as_interrupt`, for any command): the
+first one interrupts, later ones wait.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .._errors import ConfigError
 from .._host import libc as _libc
 from .._units import format_bytes
-from .exits import EXIT_OK
-from .layout import layout_from_args
-from .options import runtime_arg, text_options
-from .progress import EventLog, ProgressReporter, ResidentGrowth
+from .options import hold_seconds, layout_from_args, runtime_arg, text_options
+from .progress import EXIT_OK, EventLog, ProgressReporter, ResidentGrowth, isatty, say
 from .report import pin_report, pin_text
-from .signals import current, defer_interrupts, signal_name
-from .status import say
-from .text import hold_seconds
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -32,12 +35,79 @@ UNPINNED_NOTE = "the pool was unpinned before exit"
 PROGRESS_SECONDS = 0.1  # how often a background pool's progress is drawn while pin waits for it
 
 
+CTRL_C = "Ctrl-C"
+SIGTERM = "SIGTERM"
+
+
+def signal_name(what: str) -> str:
+    """The signal's own name for an interruption's label (``Ctrl-C`` is SIGINT)."""
+    return "SIGINT" if what == CTRL_C else what
+
+
+class Interrupts:
+    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it).
+
+    The first signal raises KeyboardInterrupt in the main thread, so pinning rolls back as for
+    Ctrl-C (a container's stop, systemd, kill). After that, and once the pool starts to exit
+    (:meth:`defer`), a signal is only recorded: raised in the teardown it would land in whatever
+    runs there, and in the unmapping finalizer it is printed as "Exception ignored" and lost (the
+    command then exited 0). ``main`` turns a recorded signal into the interrupted status.
+    """
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.pending: str | None = None  # the signal that arrived while deferred ("SIGTERM", "Ctrl-C")
+        self.stopping = False  # a signal ended a hold: later ones repeat that request
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        what = SIGTERM if signum == signal.SIGTERM else CTRL_C
+        if self.armed:
+            self.armed = False  # before raising: whatever the exception unwinds through is not interrupted again
+            raise KeyboardInterrupt(what)
+        if self.pending is None and not self.stopping:
+            self.pending = what
+
+    def defer(self) -> None:
+        self.armed = False
+
+
+_interrupts: Interrupts | None = None  # the running command's, while main() runs on the main thread
+
+
+def current() -> Interrupts | None:
+    """The running command's :class:`Interrupts` (None off the main thread or outside main())."""
+    return _interrupts
+
+
+def defer_interrupts() -> None:
+    if _interrupts is not None:
+        _interrupts.defer()
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
+    """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block
+    ends; off the main thread, signals are left alone."""
+    global _interrupts
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    interrupts = Interrupts()
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupts.handle)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupts.handle)
+    outer, _interrupts = _interrupts, interrupts
+    try:
+        yield interrupts
+    finally:
+        _interrupts = outer
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def progress_mode(choice: str, stream: Any) -> str:
     """``auto``: a redrawn bar on a terminal, plain lines in a log or a pipe."""
-    if choice != "auto":
-        return choice
-    isatty = getattr(stream, "isatty", None)
-    return "bar" if callable(isatty) and isatty() else "lines"
+    return choice if choice != "auto" else "bar" if isatty(stream) else "lines"
 
 
 def first_line(kwargs: dict[str, Any]) -> str:
@@ -63,8 +133,7 @@ def _serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[A
 
 
 def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
-    """Keep the pool pinned; ``"time"`` when the hold ran out, else the signal that ended it
-    (``"SIGINT"``, ``"SIGTERM"``)."""
+    """Keep the pool pinned; ``"time"`` when the hold ran out, else the signal that ended it."""
     until = "until Ctrl-C or SIGTERM" if seconds == float("inf") else f"for {seconds:g} s (Ctrl-C or SIGTERM ends it)"
     try:
         say(f"pinpool: holding {format_bytes(pool.nbytes)} pinned {until}" + (f"; metrics at {url}" if url else ""))
@@ -82,8 +151,7 @@ def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
 
 
 def _wait_ready(pool: PinnedPool, progress: ProgressReporter) -> None:
-    """Wait for a background pool, drawing progress: its worker threads report to nobody,
-    so the command reads the pool, as a server would. A failure raises its PinError."""
+    """Wait for a background pool, drawing progress from it (its threads report to nobody)."""
     while True:
         try:
             pool.wait_ready_sync(timeout=PROGRESS_SECONDS)
@@ -125,9 +193,8 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
 
 
 def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
-    """Bytes faulted in so far, for the progress display: the pool's populated counter (whole
-    spans, up to 512 MiB each) or the process's resident growth (page by page), whichever is
-    further. Chunks count as pinned whole; this is what moves the display within one."""
+    """Bytes faulted so far, to move the display within a chunk: the pool's populated counter (whole
+    spans) or the process's resident growth (page by page), whichever is further."""
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
     resident = ResidentGrowth()  # from now: the pool is constructed, its memory not yet faulted
 

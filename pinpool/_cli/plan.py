@@ -8,10 +8,9 @@ import json
 
 from .._errors import ConfigError
 from .._plan.declared import option
-from .exits import EXIT_OK
 from .options import plan_runtime, pool_options
+from .progress import EXIT_OK, while_loading
 from .report import plan_report, plan_text
-from .status import while_loading
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -1,69 +1,55 @@
-"""What ``pinpool pin`` shows people while it pins and after: progress, and per-call latency.
+"""What a command tells people: status lines and notes on stderr, pin's progress and per-call
+latency, and the exit statuses. stdout carries only the report, so pipes and ``--json`` are
+unaffected.
 
-Rendering is pure (:func:`render_bar`, :func:`render_line`, :func:`format_eta`,
-:func:`percentile`), so tests check it without a terminal or a clock. :class:`ProgressReporter`
-is the ``on_progress`` callback: PinnedPool calls it with ``(pinned, total, chunks_done,
-chunks_total)`` on the waiting thread about every 0.1 s. A callback that raises interrupts
-pinning and rolls it back, so the reporter never raises an ``Exception``: a stream that fails
-(closed, a broken pipe) only ends the display. It shows the current rate (over the last
-:data:`RATE_WINDOW_SECONDS`), not the average since the start, and reads faulted bytes at each
-update, so the display moves within a chunk; :class:`ResidentGrowth` is such a reading that
-moves page by page (the kernel's resident count), where the pool's own counters move a whole
-span (up to 512 MiB) at a time. :class:`EventLog` is a structlog-shaped logger for
-``PinnedPool(logger=...)`` that keeps each registration call's duration for the summary.
-
-Nothing here imports torch: the CLI's help must stay fast.
+Rendering is pure (:func:`render_bar`, :func:`render_line`, :func:`format_eta`, :func:`percentile`),
+so tests check it without a terminal or a clock. :class:`ProgressReporter` is the ``on_progress``
+callback (PinnedPool calls it on the waiting thread about every 0.1 s); a callback that raises
+rolls pinning back, so it never raises an ``Exception``: a failing stream only ends the display.
+It shows the rate over the last :data:`RATE_WINDOW_SECONDS` and reads faulted bytes at each
+update, so the display moves within a chunk. Nothing here imports torch: ``--help`` stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
-from .._units import format_bytes
+from .._units import format_bytes, format_rate
 
-__all__ = [
-    "EventLog",
-    "ProgressReporter",
-    "ResidentGrowth",
-    "format_eta",
-    "format_rate",
-    "percentile",
-    "render_bar",
-    "render_line",
-]
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_PIN_FAILED = 3
+EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141
 
-# Plain lines in a log at most this often: often enough to show life, rare enough for a TiB pin.
-LINE_INTERVAL_SECONDS = 2.0
-# The rate shown is over about this long: recent enough to show a stall or a speed-up, long
-# enough that chunk-sized steps do not make it flicker.
-RATE_WINDOW_SECONDS = 2.0
+EXIT_CODES = """\
+exit status:
+  0    success; for pin --hold, also when Ctrl-C or SIGTERM ends the hold (the pool is unpinned first)
+  1    doctor: a check failed; pin: unpinning failed
+  2    bad input: usage error, ConfigError (size, layout, option, environment variable),
+       or a metrics address that cannot be served
+  3    pinning failed and was rolled back (PinError), or the memory could not be mapped or is already pinned
+  130  interrupted (Ctrl-C or SIGTERM) and rolled back, or interrupted while the pool was unpinned
+       at the end (it finishes unpinning first): nothing stays pinned
+  141  stdout was closed early (e.g. piped into head)"""
+
+LINE_INTERVAL_SECONDS = 2.0  # plain log lines: often enough to show life, rare enough for a TiB pin
+RATE_WINDOW_SECONDS = 2.0  # shows a stall or a speed-up, yet chunk-sized steps do not make it flicker
 _BAR_MIN, _BAR_MAX = 10, 40
 
 
-def format_rate(nbytes: int, seconds: float) -> str:
-    """Decimal GB/s, as the summary and docs/performance.md report throughput."""
-    if seconds <= 0:
-        return "-- GB/s"
-    return format_speed(nbytes / seconds)
-
-
-def format_speed(bytes_per_second: float | None) -> str:
-    """``5.21 GB/s`` (decimal, as :func:`format_rate`); ``-- GB/s`` when unknown."""
-    if bytes_per_second is None or not math.isfinite(bytes_per_second):
-        return "-- GB/s"
-    return f"{bytes_per_second / 1e9:.2f} GB/s"
-
-
 def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = None) -> float | None:
-    """Seconds left at ``rate`` (bytes/s), or at the average rate so far when None; None while
-    no rate is known yet (or the rate is 0: stalled)."""
+    """Seconds left at ``rate`` (bytes/s; None: the average so far); None while unknown or stalled."""
     if total > 0 and pinned >= total:
         return 0.0
     if rate is not None:
@@ -74,7 +60,7 @@ def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = No
 
 
 def _speed(pinned: int, elapsed: float, rate: float | None) -> str:
-    return format_speed(rate) if rate is not None else format_rate(pinned, elapsed)
+    return format_rate(rate) if rate is not None else format_rate(pinned, elapsed)
 
 
 def format_eta(seconds: float | None) -> str:
@@ -109,10 +95,8 @@ def render_bar(
 ) -> str:
     """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s  ETA 0:01  6/16 chunks``.
 
-    ``#`` is pinned; ``+`` is faulted in but not yet counted as pinned (``faulted``: bytes pre-faulted
-    so far), which moves within a chunk while whole chunks are what gets counted as pinned.
-    ``rate``: the current rate in bytes/s, shown and used for the ETA; None: the average so far.
-    The bar takes what ``width`` leaves after the figures (between 10 and 40 cells).
+    ``#`` is pinned, ``+`` faulted but not yet counted (whole chunks count; faulting moves within
+    one). ``rate``: bytes/s now (None: the average so far). The bar gets what ``width`` leaves (10-40).
     """
     ahead = _ahead(pinned, faulted)
     figures = (
@@ -151,7 +135,7 @@ def render_line(
 
 
 class RecentRate:
-    """Bytes per second over about the last ``window`` seconds, from (time, bytes so far) samples."""
+    """Bytes per second over about the last ``window`` seconds."""
 
     def __init__(self, window: float = RATE_WINDOW_SECONDS) -> None:
         self.window = window
@@ -162,8 +146,7 @@ class RecentRate:
         self._samples.append((now, 0))
 
     def __call__(self, now: float, moved: int) -> float | None:
-        """Record ``moved`` at ``now``; the rate since the newest sample at least ``window`` old
-        (the oldest while none is), or None before any time has passed."""
+        """Record ``moved`` at ``now``; the rate since the newest sample ``window`` old (else the oldest)."""
         samples = self._samples
         samples.append((now, moved))
         while len(samples) > 2 and now - samples[1][0] >= self.window:
@@ -175,12 +158,9 @@ class RecentRate:
 
 
 class ResidentGrowth:
-    """Bytes this process's resident memory grew by since :meth:`restart` (or construction),
-    read from /proc/self/statm: while a pool pins, its pages become resident as they are
-    faulted, page by page, where ``pinpool_populated_bytes_total`` counts whole spans. Other
-    allocations meanwhile are noise of a few MiB; memory that was resident before pinning
-    (an existing tensor, shared memory already touched) does not move it. None where
-    /proc is not readable."""
+    """Bytes this process's resident memory grew by since :meth:`restart` (/proc/self/statm; None
+    where unreadable): it moves page by page as a pool faults, where the populated counter moves a
+    whole span. Other allocations are noise of a few MiB; memory resident before does not move it."""
 
     def __init__(self, path: str = "/proc/self/statm") -> None:
         self.path = path
@@ -206,13 +186,8 @@ class ResidentGrowth:
 
 class ProgressReporter:
     """The ``on_progress`` callback: a bar redrawn with ``\\r`` (``mode="bar"``), plain lines every
-    ``interval`` seconds (``mode="lines"``), or nothing (``mode="none"``).
-
-    ``faulted``: None, or a callable returning the bytes pre-faulted so far (None when unknown),
-    read at each update. The rate shown is over the last ``window`` seconds of progress (pinned,
-    or faulted where that runs ahead). ``clock`` and ``width`` are injectable for tests; the
-    width defaults to the terminal's.
-    """
+    ``interval`` seconds (``"lines"``), or nothing (``"none"``). ``faulted``: a callable returning
+    the bytes pre-faulted so far, read at each update. ``width`` defaults to the terminal's."""
 
     def __init__(
         self,
@@ -289,8 +264,7 @@ class ProgressReporter:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``: always one of the values,
-    so p99 of a few calls is an observed call, not an interpolation. ``values`` must not be empty."""
+    """The nearest-rank ``q``-th percentile (0 < q <= 100): an observed value, never an interpolation."""
     if not values:
         raise ValueError("percentile of no values")
     ordered = sorted(values)
@@ -306,14 +280,9 @@ def format_seconds(seconds: float) -> str:
 
 
 class EventLog:
-    """A structlog-compatible logger for ``PinnedPool(logger=...)`` in the CLI.
-
-    Keeps the ``seconds`` of every ``chunk.registered`` event (one per registration call, see
-    pinpool/_observe.py) and prints warnings and errors as one readable line with the pool's
-    name (pinpool's unconfigured default would go through the stdlib's last-resort handler).
-    ``quiet`` events are kept out of stderr: the CLI reports those outcomes itself.
-    Worker threads call it; ``list.append`` and the counter's lock make that safe.
-    """
+    """A structlog-shaped logger for ``PinnedPool(logger=...)``: keeps each ``chunk.registered``
+    event's ``seconds`` and prints warnings and errors as one line with the pool's name (``quiet``
+    ones not: the CLI reports those itself). Worker threads call it: ``list.append`` and a lock."""
 
     def __init__(self, stream: TextIO, *, quiet: frozenset[str] = frozenset({"pool.rollback"})) -> None:
         self.stream = stream
@@ -353,3 +322,35 @@ class EventLog:
             self.stream.flush()
         except Exception:
             pass  # stderr is gone; the summary and exit status still say what happened
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """A status line on stderr."""
+    print(text, file=sys.stderr if stream is None else stream, flush=True)
+
+
+def isatty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(callable(isatty) and isatty())
+
+
+@contextlib.contextmanager
+def while_loading(what: str, stream: TextIO | None = None) -> Iterator[None]:
+    """On a terminal, ``pinpool: <what>...`` while the block runs (torch takes seconds to import: a
+    blank screen that long looks like a hang), then wiped; in a log nothing. Never fails the command."""
+    out = sys.stderr if stream is None else stream
+    note = f"pinpool: {what}..."
+    shown = False
+    if isatty(out):
+        with contextlib.suppress(OSError, ValueError):
+            out.write(note)
+            out.flush()
+            shown = True
+    try:
+        yield
+    finally:
+        if shown:
+            # Padding over the note, not an escape sequence: works on any terminal.
+            with contextlib.suppress(OSError, ValueError):
+                out.write("\r" + " " * len(note) + "\r")
+                out.flush()

@@ -8,8 +8,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._units import format_bytes
-from .progress import EventLog, format_rate, format_seconds, percentile
+from .._units import format_bytes, format_rate
+from .progress import EventLog, format_seconds, percentile
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -16,13 +16,13 @@ import torch
 
 from .._errors import ConfigError
 from .._types import Capabilities
-from .._units import format_bytes, hugetlb_page_size
+from .._units import bytes_text, format_bytes, hugetlb_page_size
 from ..layouts import BufferSpec
 from .calls import duty_cycle
 from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB
 from .prefix import PageRun, page_runs, pin_order
-from .preflight import Placement, bytes_text, place
+from .preflight import Placement, place
 
 if TYPE_CHECKING:
     from .._host.facts import HostFacts

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .._errors import RAISE_MEMLOCK, ConfigError
 from .._types import Capabilities
-from .._units import format_bytes, hugetlb_page_size
+from .._units import bytes_text, format_bytes, hugetlb_page_size, human
 
 if TYPE_CHECKING:  # types only: the pre-flight, and with it pinpool doctor, stays torch-free
     from .._host.facts import HostFacts
@@ -57,16 +57,6 @@ def raise_first(checks: Iterable[Check]) -> None:
     for check in checks:
         if check.status == FAIL:
             raise check.error()
-
-
-def human(nbytes: int) -> str:
-    """``format_bytes``, safe for absurd values (no float overflow, no int-to-str digit limit)."""
-    return format_bytes(nbytes) if nbytes.bit_length() <= 128 else f"about 2**{nbytes.bit_length() - 1} B"
-
-
-def bytes_text(nbytes: int) -> str:
-    """A size as messages name the value given: exact bytes, then readable."""
-    return f"{nbytes} B = {format_bytes(nbytes)}" if nbytes.bit_length() <= 128 else human(nbytes)
 
 
 # -- the placement: where the buffers sit in the one mapping; its NUMA node, huge pages, address space --

@@ -17,8 +17,8 @@ from .._layouts.spec import is_layout
 from .._node.config import parse_fraction
 from .._plan.declared import OPTIONS
 from .._plan.options import PoolOptions, min_num_pages
-from .._plan.preflight import bytes_text, human, place, resident_fit
-from .._units import decimal_to_int, parse_size, shown
+from .._plan.preflight import place, resident_fit
+from .._units import bytes_text, decimal_to_int, human, parse_size, shown
 from ..runtimes._registry import pinning_capabilities
 
 if TYPE_CHECKING:

@@ -1,53 +1,34 @@
 """Runtimes: what "pin this range" means. CUDA or ROCm registration, Linux mlock, or your own.
 
-A runtime is anything with a ``name`` and two thread-safe calls, ``register(ptr, nbytes)``
-and ``unregister(ptr)`` (the base of an earlier registration), that raise
-:class:`pinpool.RuntimeCallError` carrying the runtime's code and message. What it can do
-beyond that it declares as ``capabilities`` (a :class:`Capabilities`): its own
-``populate``, ``lock_on_fault`` or ``find_pinned``, serial registration, exact byte ranges,
-retryable codes. :func:`capabilities_of` reads and checks the declaration.
-
-Runtime names (``runtime="..."``) live in one registry: :data:`RUNTIME_NAMES`,
-:func:`runtime_infos`, :func:`resolve_runtime`.
+A runtime is anything with a ``name`` and two thread-safe calls, ``register(ptr, nbytes)`` and
+``unregister(ptr)``, raising :class:`pinpool.RuntimeCallError`; what more it can do it declares as
+``capabilities`` (:func:`capabilities_of` checks it). Names live in one registry: :data:`RUNTIME_NAMES`.
 """
 
 from __future__ import annotations
 
 from .._types import Capabilities as Capabilities
-from ._base import FindsPinned as FindsPinned
-from ._base import LocksOnFault as LocksOnFault
-from ._base import Populates as Populates
-from ._base import Runtime as Runtime
-from ._base import capabilities_of as capabilities_of
-from ._cuda import CudaRuntime as CudaRuntime
+from ._gpu import CudaRuntime as CudaRuntime
+from ._gpu import RocmRuntime as RocmRuntime
 from ._mlock import MlockRuntime as MlockRuntime
 from ._registry import RUNTIME_NAMES as RUNTIME_NAMES
+from ._registry import FindsPinned as FindsPinned
+from ._registry import LocksOnFault as LocksOnFault
+from ._registry import Populates as Populates
+from ._registry import Runtime as Runtime
 from ._registry import RuntimeInfo as RuntimeInfo
 from ._registry import auto_runtime_name as auto_runtime_name
+from ._registry import capabilities_of as capabilities_of
 from ._registry import resolve_runtime as resolve_runtime
 from ._registry import runtime_choices as runtime_choices
 from ._registry import runtime_info as runtime_info
 from ._registry import runtime_infos as runtime_infos
-from ._rocm import RocmRuntime as RocmRuntime
 
 __all__ = [
-    "RUNTIME_NAMES",
-    "Capabilities",
-    "CudaRuntime",
-    "FindsPinned",
-    "LocksOnFault",
-    "MlockRuntime",
-    "Populates",
-    "RocmRuntime",
-    "Runtime",
-    "RuntimeInfo",
-    "auto_runtime_name",
-    "capabilities_of",
-    "resolve_runtime",
-    "runtime_choices",
-    "runtime_info",
-    "runtime_infos",
-]
+    "RUNTIME_NAMES", "Capabilities", "CudaRuntime", "FindsPinned", "LocksOnFault", "MlockRuntime", "Populates",
+    "RocmRuntime", "Runtime", "RuntimeInfo", "auto_runtime_name", "capabilities_of", "resolve_runtime",
+    "runtime_choices", "runtime_info", "runtime_infos"
+]  # fmt: skip
 
 # Public names report this module, as pinpool's top level does, so reprs and docs say
 # pinpool.runtimes.X.

@@ -1,22 +1,18 @@
-"""Host registration through torch's ``cudart`` binding: the logic CUDA and ROCm share.
+"""Host registration through torch's ``cudart`` binding: CudaRuntime and RocmRuntime, written once.
 
-``torch.cuda.cudart()`` is the same Python binding on both builds: on ROCm torch is
-hipified, so ``cudaHostRegister`` there calls ``hipHostRegister`` and returns a
-``hipError_t`` (the binding's names are kept as ``cuda*`` on purpose). What differs is the
-error table, the library that holds the calls the binding lacks (``cudaGetLastError`` /
-``hipGetLastError`` to clear a failure's sticky error, ``...GetErrorName`` to name an
-unknown code), and which torch build the runtime may run on. :class:`GpuApi` holds those
-differences; :class:`HostRegisterRuntime` is everything else, written once.
-
-The binding and the library can be given (``from_binding``, e.g. with
-:class:`pinpool.testing.FakeCudart`), so this logic runs in CI on CPU; the plain constructors
-find the real ones through torch.
+``torch.cuda.cudart()`` is the same binding on both builds: on ROCm torch is hipified, so
+``cudaHostRegister`` calls ``hipHostRegister`` and returns a ``hipError_t`` (the ``cuda*`` names
+are kept). What differs (the error table, the library holding the calls the binding lacks, the
+torch build each may run on) is a :class:`GpuApi`; :class:`HostRegisterRuntime` is the rest.
+``from_binding`` takes a binding and library (e.g. :class:`pinpool.testing.FakeCudart`), so this
+runs in CI on CPU. The CUDA driver's own facts, which ``pinpool doctor`` reports, are read here too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -25,15 +21,13 @@ from typing import Any, ClassVar, Protocol, Self, SupportsInt
 from .._errors import ConfigError, RuntimeCallError
 from .._types import Capabilities
 
-__all__ = ["CudartBinding", "DeviceContext", "GpuApi", "HostRegisterRuntime"]
-
 
 @dataclass(frozen=True)
 class GpuApi:
     """What differs between CUDA and HIP behind torch's one binding."""
 
     runtime: str  # the runtime's name, as in runtime="..."
-    platform: str  # for messages: "CUDA", "ROCm (HIP)"
+    platform: str  # for messages: "CUDA", "ROCm"
     register_op: str  # the C call the binding's cudaHostRegister really makes
     unregister_op: str
     error_prefix: str  # "cudaError": names of unknown codes are f"{prefix}{code}"
@@ -43,6 +37,7 @@ class GpuApi:
     library: str  # file name stem of the shared library, as it appears in /proc/self/maps
     get_last_error: str  # its symbol that returns and clears the calling thread's last error
     get_error_name: str  # its symbol that names a code
+    wrong_build: str  # the error for the other build of torch: .format(version=, build=)
 
 
 class CudartBinding(Protocol):
@@ -58,18 +53,14 @@ class CudartBinding(Protocol):
     def cudaError(self) -> Callable[[int], Any]: ...
 
 
-# Makes a device current in the calling thread for the duration of a with block
-# (torch.cuda.device).
+# Makes a device current in the calling thread for a with block (torch.cuda.device).
 DeviceContext = Callable[[int], AbstractContextManager[object]]
 
 
 def load_library(api: GpuApi) -> Any | None:
-    """The runtime library torch already loaded, for the calls torch's binding does not offer.
-
-    Found in /proc/self/maps and opened by path, which hands back the very library torch
-    uses (the same handle, so the same error state). A torch build that linked the runtime
-    statically may still export it from the process. None where neither is found.
-    """
+    """The runtime library torch loaded, for the calls its binding lacks: opened by its path in
+    /proc/self/maps (the same handle, so the same error state), else the process's own exports
+    (a static link); None where neither has it."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if api.library in line}
@@ -114,14 +105,10 @@ def device_index(torch: Any, device: int | str, runtime: str) -> int:
 class HostRegisterRuntime:
     """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table.
 
-    ``device``: the GPU the registration is made on, made current in the calling (worker)
-    thread for the duration of each call. ``flags``: the register flags (0 = default,
-    1 = portable, 2 = mapped, 8 = read-only; the same values under HIP).
-
-    A failed call leaves a sticky "last error" in the calling thread; it is cleared at once
-    (the library's ``...GetLastError``, in that thread), so the next, unrelated GPU call does
-    not misreport it. That needs the library's own symbol, found in the library torch loaded
-    or in the process; ``clears_sticky_errors`` says whether it was.
+    ``device``: made current in the calling worker thread for each call. ``flags``: 0 = default,
+    1 = portable, 2 = mapped, 8 = read-only (the same under HIP). A failed call's sticky "last
+    error" is cleared at once in that thread, so the next, unrelated GPU call does not misreport
+    it; that needs the library's ``...GetLastError`` (``clears_sticky_errors``: whether found).
     """
 
     name: str
@@ -145,29 +132,19 @@ class HostRegisterRuntime:
             raise ConfigError(f"device={device!r} is not one of the {count} visible {self._api.platform} devices")
         library = load_library(self._api)
         getters = (None, None) if library is None else _library_calls(library, self._api)
-        self._bind(
-            torch.cuda.cudart(),  # type: ignore[no-untyped-call]
-            getters,
-            device_context=torch.cuda.device,
-            device=int(index),
-            flags=flags,
-        )
+        binding = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        self._bind(binding, getters, device_context=torch.cuda.device, device=int(index), flags=flags)
 
     @classmethod
     def from_binding(
         cls, binding: CudartBinding, *, library: Any | None = None, device: int = 0, flags: int = 0
     ) -> Self:
-        """This runtime on a binding shaped like ``torch.cuda.cudart()``, without asking torch for it.
-
-        For tests on hosts without a GPU (:class:`pinpool.testing.FakeCudart`) and for a binding
-        of your own. ``library``: what holds ``<prefix>GetLastError()`` and
-        ``<prefix>GetErrorName(code) -> bytes`` (the loaded libcudart / libamdhip64); None: the
-        binding itself where it has ``cudaGetLastError`` (FakeCudart has; torch's binding has
-        not, so a failure's sticky error is then not cleared: ``clears_sticky_errors``).
-        ``device``: the device index each call is made on, made current with
-        ``torch.cuda.device`` where torch sees a GPU, and a no-op without one. The platform
-        checks of the plain constructor are skipped; a binding that names its platform (FakeCudart's
-        ``platform``) must name this runtime's.
+        """This runtime on a binding shaped like ``torch.cuda.cudart()`` (e.g. :class:`pinpool.testing.FakeCudart`
+        on a host without a GPU), skipping the plain constructor's platform checks; a binding that
+        names its ``platform`` must name this runtime's. ``library``: what holds
+        ``<prefix>GetLastError()`` and ``<prefix>GetErrorName(code) -> bytes``; None: the binding
+        itself where it has ``cudaGetLastError`` (torch's has not: ``clears_sticky_errors``).
+        ``device`` is made current with ``torch.cuda.device`` where torch sees a GPU.
         """
         _check_flags(flags, cls._api)
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
@@ -213,7 +190,15 @@ class HostRegisterRuntime:
     @classmethod
     def _require_platform(cls, torch: Any) -> None:
         """Raise ConfigError unless this torch build and host can run this runtime."""
-        raise NotImplementedError
+        hip = torch.version.hip
+        build = f"HIP {hip}" if hip else f"CUDA build {torch.version.cuda}"
+        if bool(hip) != (cls._api.runtime == "rocm"):
+            raise ConfigError(cls._api.wrong_build.format(version=torch.__version__, build=build))
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"runtime={cls.name!r} needs a {cls._api.platform} device, but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, {build}); use runtime='mlock' on CPU hosts"
+            )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, flags={self.flags})"
@@ -288,3 +273,168 @@ def _device_context() -> DeviceContext:
     if torch.cuda.is_available():
         return torch.cuda.device
     return contextlib.nullcontext
+
+
+# cudaError_t values worth a name and a hint; everything else gets cudaGetErrorName when
+# libcudart can be found, else "cudaError<code>".
+CUDA = GpuApi(
+    runtime="cuda", platform="CUDA", register_op="cudaHostRegister", unregister_op="cudaHostUnregister",
+    error_prefix="cudaError", unknown_code=999, unknown_name="cudaErrorUnknown",
+    library="libcudart", get_last_error="cudaGetLastError", get_error_name="cudaGetErrorName",
+    wrong_build="runtime='cuda' runs on NVIDIA CUDA builds of torch, but this is a ROCm build (torch {version}, "
+    "{build}), whose registration calls report HIP's codes; use runtime='rocm' (or 'auto')",
+    errors={
+        1: ("cudaErrorInvalidValue", "check that the range is valid host memory"),
+        2: ("cudaErrorMemoryAllocation",
+            "the driver could not pin this chunk: lower chunk_bytes= / PINPOOL_REGISTER_CHUNK_GB "
+            "(single registrations of 512 GiB or more fail on recent drivers), make the pool smaller, "
+            "or check RLIMIT_MEMLOCK"),
+        3: ("cudaErrorInitializationError", "the CUDA driver failed to initialise"),
+        100: ("cudaErrorNoDevice", "no CUDA device is visible (CUDA_VISIBLE_DEVICES?)"),
+        101: ("cudaErrorInvalidDevice", "the device index does not exist"),
+        712: ("cudaErrorHostMemoryAlreadyRegistered", "this range, or part of it, is already registered"),
+        713: ("cudaErrorHostMemoryNotRegistered", "this pointer is not the base of a registration"),
+        801: ("cudaErrorNotSupported", "host registration is not supported here (e.g. some virtualised GPUs)"),
+        999: ("cudaErrorUnknown", "an unknown CUDA error"),
+    },
+)  # fmt: skip
+
+# Current HIP numbers the common codes as CUDA does; the host-registration ones differ (1061/1062,
+# not 712/713). Codes missing here get hipGetErrorName from libamdhip64, else "hipError<code>".
+HIP = GpuApi(
+    runtime="rocm", platform="ROCm", register_op="hipHostRegister", unregister_op="hipHostUnregister",
+    error_prefix="hipError", unknown_code=999, unknown_name="hipErrorUnknown",
+    library="libamdhip64", get_last_error="hipGetLastError", get_error_name="hipGetErrorName",
+    wrong_build="runtime='rocm' needs a ROCm build of torch, but this is torch {version} ({build}); use "
+    "runtime='cuda' on NVIDIA GPUs or runtime='mlock' on CPU hosts",
+    errors={
+        1: ("hipErrorInvalidValue", "check that the range is valid host memory"),
+        2: ("hipErrorOutOfMemory",
+            "the driver could not pin this chunk: lower chunk_bytes= / PINPOOL_REGISTER_CHUNK_GB, "
+            "make the pool smaller, or check RLIMIT_MEMLOCK"),
+        3: ("hipErrorNotInitialized", "the HIP runtime failed to initialise"),
+        100: ("hipErrorNoDevice", "no ROCm device is visible (HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES?)"),
+        101: ("hipErrorInvalidDevice", "the device index does not exist"),
+        801: ("hipErrorNotSupported", "host registration is not supported here"),
+        999: ("hipErrorUnknown", "an unknown HIP error"),
+        1061: ("hipErrorHostMemoryAlreadyRegistered", "this range, or part of it, is already registered"),
+        1062: ("hipErrorHostMemoryNotRegistered", "this pointer is not the base of a registration"),
+    },
+)  # fmt: skip
+
+
+class CudaRuntime(HostRegisterRuntime):
+    """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()``, on NVIDIA builds of
+    torch only (on ROCm the binding calls HIP, whose codes differ: use :class:`RocmRuntime`).
+
+    ``device``: default torch's current device. Capabilities: the driver serialises registration
+    (one register worker is enough) and tracks registrations by exact byte range (neighbours may
+    share an OS page). Codes 1 and 2 are retried with a smaller chunk: drivers answer a registration
+    that is too large with either (SGLang saw 1 in production, for a 32 GiB call whose 4 KiB probe
+    at the same pointer succeeded); a truly invalid range fails again at one alignment unit. 713 on
+    unregister: released by someone else. Registered pages are resident; whether the driver charges
+    RLIMIT_MEMLOCK depends on the driver, so it is not declared.
+    """
+
+    name = "cuda"
+    capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2}),
+                                not_registered_codes=frozenset({713}), resident=True)  # fmt: skip
+    _api = CUDA
+
+
+class RocmRuntime(HostRegisterRuntime):
+    """``hipHostRegister``/``hipHostUnregister`` on AMD GPUs, through torch's hipified ``torch.cuda.cudart()``,
+    with HIP's error table. ``device`` is an index or ``"cuda:N"`` (torch calls ROCm GPUs ``cuda``).
+
+    Device pointers: separately registered adjacent ranges do **not** get adjacent device aliases
+    on ROCm, so never compute one as a chunk's device base plus an offset into another chunk; look
+    it up per chunk. Capabilities as CUDA's (1 and 2 retried, 1062 on unregister: released by
+    someone else; registration declared serial, not measured on ROCm), except exact byte ranges:
+    unverified for HIP, so neighbours never share an OS page.
+    """
+
+    name = "rocm"
+    capabilities = Capabilities(serial_registration=True, retryable_codes=frozenset({1, 2}),
+                                not_registered_codes=frozenset({1062}), resident=True)  # fmt: skip
+    _api = HIP
+
+
+# -- the CUDA driver's own facts (pinpool doctor) ---------------------------------------------------
+
+CAN_USE_HOST_POINTER_ATTR = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem, the same in the driver API
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    index: int
+    name: str
+    can_use_host_pointer: int | None  # the attribute's value; None when it could not be read
+
+
+@dataclass(frozen=True)
+class CudaFacts:
+    """What torch and the driver say. ``skip_reason`` set: nothing was probed (no torch, no GPU)."""
+
+    skip_reason: str | None = None
+    error: str | None = None  # torch sees a GPU but asking about it failed
+    build: str = "cuda"  # "cuda" or "rocm"
+    torch_version: str | None = None
+    torch_cuda: str | None = None  # torch.version.cuda (or .hip)
+    driver_version: str | None = None  # the kernel module's (/proc/driver/nvidia/version)
+    driver_cuda: str | None = None  # the CUDA version the driver supports (cuDriverGetVersion)
+    devices: tuple[CudaDevice, ...] = ()
+
+
+def _nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel module's version (/proc/driver/nvidia/version); None without one."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else None
+
+
+def _libcuda_facts(count: int) -> tuple[str | None, list[int | None]]:
+    """From libcuda.so.1: the CUDA version the driver supports (cuDriverGetVersion) and each device's
+    CanUseHostPointerForRegisteredMem; None for what cannot be loaded, initialised or read."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None, [None] * count
+    if lib.cuInit(0) != 0:
+        return None, [None] * count
+    version, device, value = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    cuda = None
+    if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
+        cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
+    can_use: list[int | None] = []
+    for index in range(count):
+        ok = lib.cuDeviceGet(ctypes.byref(device), index) == 0
+        ok = ok and lib.cuDeviceGetAttribute(ctypes.byref(value), CAN_USE_HOST_POINTER_ATTR, device) == 0
+        can_use.append(value.value if ok else None)
+    return cuda, can_use
+
+
+def read_cuda_facts() -> CudaFacts:
+    """What ``pinpool doctor`` reports of the GPUs: asked of torch and the driver, when torch sees one."""
+    try:
+        import torch
+    except ImportError:
+        return CudaFacts(skip_reason="torch is not importable")
+    hip = getattr(torch.version, "hip", None)
+    built = hip or getattr(torch.version, "cuda", None)
+    if not torch.cuda.is_available():
+        build = f"HIP {hip}" if hip else f"CUDA {built}" if built else "CPU only"
+        return CudaFacts(skip_reason=f"torch {torch.__version__} sees no GPU (build: {build})")
+    try:
+        count = torch.cuda.device_count()
+        driver_cuda, can_use = (None, [None] * count) if hip else _libcuda_facts(count)
+        devices = tuple(CudaDevice(i, torch.cuda.get_device_name(i), can_use[i]) for i in range(count))
+        return CudaFacts(
+            build="rocm" if hip else "cuda", torch_version=torch.__version__, torch_cuda=str(built),
+            driver_version=_nvidia_driver_version(), driver_cuda=driver_cuda, devices=devices,
+        )  # fmt: skip
+    except Exception as exc:  # a broken driver is a finding, not a crash of the doctor
+        return CudaFacts(error=f"{type(exc).__name__}: {exc}")

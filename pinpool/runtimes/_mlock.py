@@ -21,17 +21,12 @@ __all__ = ["MlockRuntime", "lock_range", "mlock_error_message", "unlock_range"]
 
 
 class _SharedPages:
-    """Holders of every OS page that some registration covers only in part, process-wide.
+    """Holders of every OS page some registration covers only in part, process-wide.
 
-    mlock and munlock work on whole pages and count nothing: ``munlock`` of one range unlocks
-    every page it touches, whoever else still needs it. Chunks of a caller's tensor that
-    starts mid-page share the page around each boundary (see ``Capabilities.exact_ranges``),
-    and the tensor's first and last pages are shared with whatever lies around it. So a page a
-    registration covers only in part is locked (by itself, one page) when its first holder
-    registers and unlocked when its last holder unregisters; the whole pages in between belong
-    to one registration alone (the runtime's books refuse overlapping bytes) and are locked
-    and unlocked with it in one call. One table for the process, because locks are the
-    process's: two runtimes must not unlock each other's shared pages.
+    mlock counts nothing: ``munlock`` of one range unlocks every page it touches, whoever else
+    needs it, and chunks of a tensor that starts mid-page share the page at each boundary. So a
+    shared page is locked alone by its first holder and unlocked by its last; whole pages belong
+    to one registration. One table per process, as locks are the process's.
     """
 
     def __init__(self) -> None:
@@ -39,8 +34,7 @@ class _SharedPages:
         self._holders: dict[int, int] = {}
 
     def hold(self, pages: tuple[int, ...], call: Callable[[int, int], int]) -> tuple[int, int] | None:
-        """Count one more holder of each page, locking those that had none with ``call``; on a
-        failure, undo this call's holds and return ``(page, errno)``."""
+        """One more holder of each page, locking those that had none; on failure undo, return ``(page, errno)``."""
         page_size = _libc.PAGE_SIZE
         with self._lock:
             held: list[int] = []
@@ -55,9 +49,8 @@ class _SharedPages:
         return None
 
     def release(self, pages: tuple[int, ...]) -> tuple[int, int] | None:
-        """Count one holder less of each page, unlocking those it was the last holder of; on a
-        munlock failure nothing is counted down (a retry redoes it all) and ``(page, errno)`` is
-        returned."""
+        """One holder less of each page, unlocking the last; on a munlock failure nothing is counted
+        down (a retry redoes it all) and ``(page, errno)`` is returned."""
         with self._lock:
             for page in pages:
                 if self._holders.get(page, 0) <= 1:
@@ -88,14 +81,10 @@ SHARED_PAGES = _SharedPages()
 
 
 class _OwnLocks:
-    """The pages every MlockRuntime of this process holds locked, for telling pinpool's own locks
-    from foreign ones in /proc/self/smaps (which only says how much of a mapping is locked).
-
-    A registration's pages (its whole pages and those it shares) are recorded *before* they are
-    locked and forgotten only *after* they are unlocked, so the record always covers what
-    pinpool has locked. A :meth:`scan` (reading smaps while pools on other threads lock and
-    unlock) also keeps every range forgotten while it runs: what it gets at its end covers every
-    page pinpool held locked at any moment of the read.
+    """The pages every MlockRuntime here holds locked, to tell pinpool's locks from foreign ones in
+    /proc/self/smaps. Recorded *before* locking and forgotten *after* unlocking, so the record covers
+    what pinpool locked; a :meth:`scan` also keeps what is forgotten while it reads, so its answer
+    covers every page pinpool held at any moment of the read.
     """
 
     def __init__(self) -> None:
@@ -120,8 +109,7 @@ class _OwnLocks:
 
     @contextlib.contextmanager
     def scan(self) -> Iterator[Callable[[], _Pages]]:
-        """While reading smaps: yields ``owned()``, which, called at the end of the read, answers the
-        pages pinpool held locked at any moment since the scan began."""
+        """Yields ``owned()``: at the end of a read, the pages pinpool held at any moment since the scan began."""
         forgotten: list[tuple[int, int]] = []
         with self._lock:
             key = next(self._scan_ids)
@@ -193,9 +181,8 @@ def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
 
 
 def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.mlock) -> int:
-    """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): its whole pages in one call, each
-    page it covers in part through :data:`SHARED_PAGES` (locked by its first holder). Returns 0,
-    or the errno of a failure, after which nothing this call locked stays locked."""
+    """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): whole pages in one call, partial ones
+    through :data:`SHARED_PAGES`. Returns 0, or an errno after which nothing this call locked stays."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
     if not err:
@@ -208,8 +195,7 @@ def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.ml
 
 
 def unlock_range(ptr: int, nbytes: int) -> int:
-    """Undo :func:`lock_range`: munlock the whole pages, and each page covered in part once its
-    last holder lets go. Returns 0, or the errno of a munlock that failed."""
+    """Undo :func:`lock_range`; 0, or the errno of a munlock that failed."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = _libc.munlock(lo, hi - lo) if hi > lo else 0
     if not err:
@@ -221,18 +207,10 @@ def unlock_range(ptr: int, nbytes: int) -> int:
 class MlockRuntime:
     """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts.
 
-    mlock is not CUDA pinning (a GPU copies from it at pageable speed), but it faults, locks
-    and accounts pages against RLIMIT_MEMLOCK exactly as pinning does, so tests, demos and
-    benchmarks on CPU hosts exercise the real kernel path.
-
-    Capabilities: ``lock_on_fault`` (mlock2 MLOCK_ONFAULT, so pre-faulting also locks) and
-    ``find_pinned`` (/proc/self/smaps). Locking is per page, but registrations are kept by
-    exact byte range and a page that registrations cover only in part is counted: it is
-    locked while any of them is registered and unlocked with the last (``exact_ranges``), so
-    neighbouring chunks may share a page as under CUDA. No errno is worth retrying with a
-    smaller chunk: the limit counts the whole pool, however it is split. Every locked page is
-    resident and charged to RLIMIT_MEMLOCK (``resident``, ``charges_memlock``): the pre-flight
-    checks both.
+    Not CUDA pinning (a GPU copies from it at pageable speed), but it faults, locks and charges
+    RLIMIT_MEMLOCK as pinning does, so tests and benchmarks exercise the real kernel path.
+    Registrations are kept by exact byte range, partial pages counted (``exact_ranges``). No errno
+    is worth retrying smaller: the limit counts the whole pool, however it is split.
     """
 
     name = "mlock"
@@ -257,12 +235,8 @@ class MlockRuntime:
         self._lock(ptr, nbytes, _libc.mlock, "mlock")
 
     def lock_on_fault(self, ptr: int, nbytes: int) -> None:
-        """mlock2(MLOCK_ONFAULT): lock the range's resident pages now and the rest as they are faulted in.
-
-        Charged against RLIMIT_MEMLOCK in full at once, like mlock. PinnedPool uses it when it
-        pre-faults: it registers each chunk this way first and then faults the chunk on several
-        threads, so each page is faulted and locked in one pass.
-        """
+        """mlock2(MLOCK_ONFAULT): resident pages now, the rest as faulted (charged in full at once), so
+        the pool's populate threads fault and lock each page in one pass."""
         self._lock(ptr, nbytes, _libc.mlock_on_fault, "mlock2(MLOCK_ONFAULT)")
 
     def _lock(self, ptr: int, nbytes: int, call: Callable[[int, int], int], op: str) -> None:
@@ -283,15 +257,11 @@ class MlockRuntime:
             )  # fmt: skip
 
     def find_pinned(self, ptr: int, nbytes: int) -> str | None:
-        """Describe memory in ``[ptr, ptr+nbytes)`` that is locked by someone else than pinpool, or None.
-
-        pinpool's own locks there are no obstacle: a neighbour pinned before (``a, b = buf[:cut],
-        buf[cut:]``) shares the page around the cut, which its registration locked."""
+        """Memory in the range locked by someone else than pinpool, or None (pinpool's own locks, e.g. a
+        neighbour's shared page, are no obstacle)."""
         return _locked_in_smaps(ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
-        """munlock the range's whole pages, and each page it covers in part once no other
-        registration holds it."""
         nbytes = self._book.pop(ptr)
         if nbytes is None:
             raise RuntimeCallError(
@@ -310,16 +280,12 @@ class MlockRuntime:
 
 
 def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
-    """The first mapping of this process overlapping the range that is locked by someone else
-    than pinpool, per /proc/self/smaps, or None.
+    """The first mapping overlapping the range locked by someone else than pinpool, per /proc/self/smaps.
 
-    smaps tells per mapping (VMA) how much is locked (``Locked:``, resident pages) and whether
-    the mapping is locked at all (``lo`` in ``VmFlags``; mlock splits mappings at what it locks,
-    so a locked mapping is exactly a run of locked pages). pinpool's own locks (:data:`OWN_LOCKS`,
-    each page counted once, however many registrations share it) are subtracted: a mapping is
-    locked by someone else if it has more ``Locked:`` than pinpool's pages in it, or if it is
-    locked and reaches pages pinpool does not hold. A foreign lock of a page pinpool holds too
-    cannot be told from pinpool's own (the kernel keeps no count).
+    Per mapping, smaps gives ``Locked:`` (resident locked pages) and ``lo`` in ``VmFlags`` (mlock
+    splits mappings, so a locked mapping is a run of locked pages). Foreign: more ``Locked:`` than
+    pinpool's own pages (:data:`OWN_LOCKS`) there, or locked beyond them. A foreign lock of a page
+    pinpool holds too cannot be told apart (the kernel keeps no count).
     """
     end = ptr + nbytes
     mappings: list[_Mapping] = []
@@ -356,8 +322,6 @@ def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
 
 @dataclasses.dataclass
 class _Mapping:
-    """One mapping of /proc/self/smaps: its range, its ``Locked:`` kB, whether ``VmFlags`` has ``lo``."""
-
     lo: int
     hi: int
     locked_kb: int = 0
@@ -381,8 +345,7 @@ def mlock_error_message(err: int, nbytes: int) -> str:
             )
         return (
             f"{os.strerror(err)}: locking {format_bytes(nbytes)} more would exceed the locked-memory limit "
-            f"({limits}); "
-            f"{raise_limit}"
+            f"({limits}); {raise_limit}"
         )
     if err == errno.EPERM:
         return f"{os.strerror(err)}: locking is not permitted ({limits}); {raise_limit}"

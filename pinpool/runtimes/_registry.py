@@ -1,46 +1,97 @@
-"""The one registry of runtime names: what ``runtime="..."`` accepts, the CLI offers and the docs list.
+"""What a runtime is, and the one registry of runtime names.
 
-Each name maps to a factory, a one-line description and a check of whether it can run on
-this host. ``resolve_runtime``, ``RUNTIME_NAMES``, ``runtime_choices()`` and the table in
-docs/operations.md all come from here (a test holds the docs to it), so adding a runtime is
-one entry, not five edits that drift apart.
+A runtime's abilities are *declared* (its ``capabilities``), never guessed from which attributes it
+happens to have: an inherited method, a mock's auto-attribute or a forwarding wrapper would switch
+on a code path nobody asked for. The declaration is checked once, when the runtime is resolved, so
+a false one fails at construction with a message, not midway through pinning a terabyte.
+
+Each registered name maps to a factory, a one-line description and a check of whether it can run
+here. ``resolve_runtime``, ``RUNTIME_NAMES``, ``runtime_choices()`` and the table in
+docs/operations.md all come from here (a test holds the docs to it): adding a runtime is one entry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._errors import ConfigError
 from .._types import Capabilities
-from ._base import Runtime, capabilities_of
-from ._cuda import CudaRuntime
+from ._gpu import CudaRuntime, RocmRuntime
 from ._mlock import MlockRuntime
-from ._rocm import RocmRuntime
 
 if TYPE_CHECKING:
     from .._host.facts import HostFacts
 
-__all__ = [
-    "RUNTIME_NAMES",
-    "RuntimeInfo",
-    "auto_runtime_name",
-    "resolve_runtime",
-    "runtime_choices",
-    "runtime_info",
-    "runtime_infos",
-]
+
+@runtime_checkable
+class Runtime(Protocol):
+    """What PinnedPool needs from a runtime: ``register(ptr, nbytes)`` pins ``[ptr, ptr+nbytes)``,
+    ``unregister(ptr)`` undoes the registration based at ``ptr``; both thread-safe (worker threads
+    call them), raising :class:`pinpool.RuntimeCallError`. ``capabilities``: optional (none: none)."""
+
+    name: str
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+
+@runtime_checkable
+class Populates(Protocol):
+    """``Capabilities.populates``: pre-faults a span itself, instead of MADV_POPULATE_WRITE."""
+
+    def populate(self, ptr: int, nbytes: int) -> None: ...
+
+
+@runtime_checkable
+class LocksOnFault(Protocol):
+    """``Capabilities.locks_on_fault``: registers a range before it is faulted, so faulting it also locks it."""
+
+    def lock_on_fault(self, ptr: int, nbytes: int) -> None: ...
+
+
+@runtime_checkable
+class FindsPinned(Protocol):
+    """``Capabilities.finds_pinned``: describes memory in a range that is already pinned outside pinpool."""
+
+    def find_pinned(self, ptr: int, nbytes: int) -> str | None: ...
+
+
+# Each ability, the method it promises and the signature to name in an error.
+_ABILITIES: tuple[tuple[str, str, str], ...] = (
+    ("populates", "populate", "populate(ptr, nbytes)"),
+    ("locks_on_fault", "lock_on_fault", "lock_on_fault(ptr, nbytes)"),
+    ("finds_pinned", "find_pinned", "find_pinned(ptr, nbytes) -> str | None"),
+)
+
+
+def capabilities_of(runtime: Runtime) -> Capabilities:
+    """The abilities ``runtime`` declares (none declared: ``Capabilities()``), checked against its
+    methods: a false declaration raises :class:`pinpool.ConfigError` here, not on the first chunk."""
+    declared = getattr(runtime, "capabilities", None)
+    if declared is None:
+        return Capabilities()
+    name = getattr(runtime, "name", type(runtime).__name__)
+    if not isinstance(declared, Capabilities):
+        raise ConfigError(
+            f"runtime {name!r} ({type(runtime).__qualname__}) declares capabilities={declared!r}, which is not a "
+            "pinpool.runtimes.Capabilities; declare Capabilities(...) or leave the attribute out (nothing optional)"
+        )
+    for flag, method, signature in _ABILITIES:
+        if getattr(declared, flag) and not callable(getattr(runtime, method, None)):
+            raise ConfigError(
+                f"runtime {name!r} ({type(runtime).__qualname__}) declares {flag}=True but has no callable "
+                f"{method}; define {signature} or declare {flag}=False"
+            )
+    return declared
 
 
 @dataclass(frozen=True)
 class RuntimeInfo:
-    """One registered runtime name.
-
-    ``factory()`` builds the runtime with its defaults (raising :class:`pinpool.ConfigError`
-    where it cannot run); ``available()`` says, without building it, whether it can run on
-    this host; ``description`` is one line for help texts and docs.
-    """
+    """One registered name: ``factory()`` builds it (ConfigError where it cannot run), ``available()``
+    says without building it whether it can run here, ``description`` is one line for help and docs."""
 
     name: str
     description: str
@@ -58,12 +109,8 @@ def _gpu_build() -> str | None:
 
 
 def auto_runtime_name() -> str:
-    """The runtime ``"auto"`` picks here: ``"rocm"`` on a ROCm build of torch with a GPU, else
-    ``"cuda"`` with a GPU, else ``"mlock"``.
-
-    On ROCm, ``torch.cuda.is_available()`` is true as well; only ``torch.version.hip`` tells
-    the builds apart, and CUDA's error table would misname HIP's codes.
-    """
+    """``"auto"`` here: ``"rocm"`` on a ROCm build with a GPU, else ``"cuda"`` with one, else ``"mlock"``
+    (``torch.cuda.is_available()`` is true on ROCm too; only ``torch.version.hip`` tells them apart)."""
     return _gpu_build() or "mlock"
 
 
@@ -77,25 +124,13 @@ def _always() -> bool:
 
 _INFOS = (
     RuntimeInfo("auto", "rocm on ROCm builds of torch with a GPU, else cuda with a GPU, else mlock", _auto, _always),
-    RuntimeInfo(
-        "cuda",
-        "cudaHostRegister through torch.cuda.cudart(), on torch's current CUDA device",
-        CudaRuntime,
-        lambda: _gpu_build() == "cuda",
-    ),
-    RuntimeInfo(
-        "rocm",
-        "hipHostRegister through torch's hipified cudart binding, on torch's current ROCm device",
-        RocmRuntime,
-        lambda: _gpu_build() == "rocm",
-    ),
-    RuntimeInfo(
-        "mlock",
-        "Linux mlock: real page-locking for CPU-only hosts, tests and benchmarks; not GPU pinning",
-        MlockRuntime,
-        _always,
-    ),
-)
+    RuntimeInfo("cuda", "cudaHostRegister through torch.cuda.cudart(), on torch's current CUDA device",
+                CudaRuntime, lambda: _gpu_build() == "cuda"),
+    RuntimeInfo("rocm", "hipHostRegister through torch's hipified cudart binding, on torch's current ROCm device",
+                RocmRuntime, lambda: _gpu_build() == "rocm"),
+    RuntimeInfo("mlock", "Linux mlock: real page-locking for CPU-only hosts, tests and benchmarks; not GPU pinning",
+                MlockRuntime, _always),
+)  # fmt: skip
 _REGISTRY: dict[str, RuntimeInfo] = {info.name: info for info in _INFOS}
 
 RUNTIME_NAMES: tuple[str, ...] = tuple(_REGISTRY)
@@ -124,11 +159,8 @@ def runtime_choices() -> tuple[str, ...]:
 
 
 def resolve_runtime(runtime: str | Runtime) -> Runtime:
-    """A registered name (see :data:`RUNTIME_NAMES`) built with its defaults, or a runtime object as is.
-
-    Either way the runtime's declared capabilities are checked (:func:`capabilities_of`), so
-    a runtime that declares an ability it lacks fails here, before anything is mapped.
-    """
+    """A registered name built with its defaults, or a runtime object as is; either way its declared
+    capabilities are checked (:func:`capabilities_of`) before anything is mapped."""
     if isinstance(runtime, str):
         resolved = runtime_info(runtime).factory()
     elif isinstance(runtime, Runtime) and isinstance(getattr(runtime, "name", None), str):
@@ -144,15 +176,11 @@ def resolve_runtime(runtime: str | Runtime) -> Runtime:
 
 def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | None:
     """The declared capabilities that say what pinning with ``runtime`` costs the host: a runtime
-    object's, a :class:`Capabilities` as given, or those of the runtime a registered name
-    (``"auto"``, ``"mlock"``, ``"cuda"``, ``"rocm"``) resolves to, read from its class without
-    building it. None when there is no runtime to judge: None (not said) or an unknown name
-    (resolving it raises the ConfigError).
-
-    ``"auto"`` is judged from the host facts, without starting a GPU driver: mlock unless torch
-    was built for CUDA with the NVIDIA driver loaded, or for ROCm with /dev/kfd. A GPU stack with
-    no visible device resolves to mlock after all; its memlock shortfall then surfaces as mlock's
-    own ENOMEM, in a PinError after a full rollback.
+    object's, a :class:`Capabilities` as given, or a registered name's, read from its class without
+    building it; None for None or an unknown name (resolving it raises). ``"auto"`` is judged from
+    the host facts without starting a GPU driver: mlock unless torch was built for CUDA with the
+    NVIDIA driver loaded, or for ROCm with /dev/kfd (a GPU stack with no visible device resolves to
+    mlock after all: its memlock shortfall surfaces as mlock's ENOMEM, after a full rollback).
     """
     if runtime is None or isinstance(runtime, Capabilities):
         return runtime

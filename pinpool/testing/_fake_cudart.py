@@ -12,10 +12,8 @@ from typing import Any
 
 from .._errors import ConfigError
 from .._ranges import RangeBook
-from ..runtimes._cuda import CUDA
-from ..runtimes._gpu import GpuApi
+from ..runtimes._gpu import CUDA, HIP, GpuApi
 from ..runtimes._mlock import lock_range, unlock_range
-from ..runtimes._rocm import HIP
 
 __all__ = ["FakeCudart"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from pinpool import ConfigError
-from pinpool._cli import checks as _doctor
-from pinpool._cli.checks import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
+from pinpool._cli import doctor as _doctor
+from pinpool._cli.doctor import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
 from pinpool._host.facts import HostFacts
 from pinpool._host.limits import V2_SOURCE, CpuQuota
 from pinpool._plan import preflight
@@ -218,4 +218,4 @@ def test_one_text_per_piece_of_advice() -> None:
     """The RLIMIT_MEMLOCK advice is written once, in the pre-flight; the doctor has no copy."""
     sources = "\n".join(path.read_text() for path in (ROOT / "pinpool").rglob("*.py"))
     assert sources.count("LimitMEMLOCK=infinity") == 1
-    assert "def read_memory_limits" not in (ROOT / "pinpool" / "_cli" / "checks.py").read_text()
+    assert "def read_memory_limits" not in (ROOT / "pinpool" / "_cli" / "doctor.py").read_text()

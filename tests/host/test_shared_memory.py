@@ -30,7 +30,7 @@ import torch
 
 import pinpool
 from pinpool import layouts
-from pinpool._cli import checks as _doctor
+from pinpool._cli import doctor as _doctor
 from pinpool._host import libc as _libc
 from pinpool._shared.format import MAGIC, TRAILER_BYTES, find_regions, layout_record, read_region
 from pinpool._shared.mapping import SharedMapping

@@ -21,14 +21,15 @@ import pytest
 
 import pinpool
 from pinpool import _cli
-from pinpool._cli import checks as _doctor
-from pinpool._cli import layout as cli_layout
+from pinpool._cli import doctor as _doctor
+from pinpool._cli import options as cli_layout
 from pinpool._cli import pin as cli_pin
 from pinpool._cli import progress as _progress
+from pinpool._cli import progress as cli_status
 from pinpool._cli import report as cli_report
-from pinpool._cli import status as cli_status
-from pinpool._cli.checks import FAIL, OK, SKIP, WARN, CudaDevice, CudaFacts
+from pinpool._cli.doctor import FAIL, OK, SKIP, WARN
 from pinpool._host.facts import HostFacts
+from pinpool.runtimes._gpu import CudaDevice, CudaFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -790,7 +791,7 @@ def cli_gaps(cls: type) -> list[str]:
     for f in dataclasses.fields(cls):
         spelled = cli_layout.FIELDS.get(f.name)
         if spelled is None:
-            gaps.append(f"{cls.__name__}.{f.name}: no flag in pinpool/_cli/layout.py FIELDS")
+            gaps.append(f"{cls.__name__}.{f.name}: no flag in pinpool/_cli/options.py FIELDS")
         elif f.type not in FLAG_TYPES[spelled.kind]:
             gaps.append(f"{cls.__name__}.{f.name}: {f.type} read as a {spelled.kind} flag ({spelled.flag})")
     return gaps
@@ -824,7 +825,7 @@ def test_a_layout_field_without_a_flag_is_found() -> None:
 
     assert cli_gaps(Wider) == [
         "Wider.dtype: str read as a dtype flag (--dtype)",
-        "Wider.rope_dim: no flag in pinpool/_cli/layout.py FIELDS",
+        "Wider.rope_dim: no flag in pinpool/_cli/options.py FIELDS",
     ]
 
 
