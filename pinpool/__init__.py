@@ -103,7 +103,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted(__all__)  # not the helpers and private modules the globals also hold
 
 
 for _name in __all__:

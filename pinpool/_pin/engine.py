@@ -56,9 +56,11 @@ RECORD_INTERVAL_SECONDS = 0.01
 
 
 class Memory(Protocol):
-    """What the engine needs of the pool's memory: where it starts."""
+    """The pool's memory: its own mapping, or a caller's tensor (pin()). The engine reads only where it starts."""
 
     address: int
+
+    def keep_forever(self) -> None: ...
 
 
 @dataclass(frozen=True)

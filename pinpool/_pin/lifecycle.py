@@ -42,7 +42,7 @@ from .._ranges import PINNED_RANGES
 from .._units import format_bytes
 from .admission import PoolAdmission
 from .close_gate import CloseGate
-from .engine import PinSession
+from .engine import Memory, PinSession
 from .ledger import Phase, StopCause
 from .outcome import (
     Outcome,
@@ -65,17 +65,9 @@ if TYPE_CHECKING:
     from .._types import Capabilities
     from ..runtimes import Runtime
 
-__all__ = ["Lifecycle", "Memory", "MemorySource", "PoolState"]
+__all__ = ["Lifecycle", "MemorySource", "PoolState", "ProgressCallback"]
 
 ProgressCallback = Callable[[int, int, int, int], object]
-
-
-class Memory(Protocol):
-    """The pool's memory: its own mapping, or a caller's tensor (pin())."""
-
-    address: int
-
-    def keep_forever(self) -> None: ...
 
 
 class MemorySource(Protocol):
@@ -140,7 +132,7 @@ class Lifecycle:
         self.memory: Memory | None = None
         self.tensors: Mapping[str, Any] | None = None
         self.error: BaseException | None = None  # why background pinning ended early (state FAILED)
-        self.error_delivered = False  # a waiter (or pool.error) has handed it to the user
+        self._error_seen = False  # a waiter (or pool.error) has handed it to the user
         self._lock = threading.RLock()
         self._closed = threading.Event()  # set once CLOSED: an exit waits for the finalizer's teardown
         self.gate = CloseGate()  # one caller at a time enters or closes; close() from anywhere
@@ -451,9 +443,7 @@ class Lifecycle:
             interrupts: list[BaseException] = []
             if self.background:
                 interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
-            failed = self.error if self.state is PoolState.FAILED and not self.error_delivered else None
-            if failed is not None:
-                self.error_delivered = True
+            failed = self.take_error(unseen=True) if self.state is PoolState.FAILED else None
             self._move(PoolState.CLOSING)
             failures, more = yield from self._teardown(session)
             interrupts += more
@@ -480,6 +470,14 @@ class Lifecycle:
 
     # -- readiness ---------------------------------------------------------------------------------
 
+    def take_error(self, *, unseen: bool = False) -> BaseException | None:
+        """Hand the background failure to the user, marking it seen (exit then does not raise it
+        again); ``unseen``: only if nobody has seen it yet."""
+        error = None if unseen and self._error_seen else self.error
+        if error is not None:
+            self._error_seen = True
+        return error
+
     @property
     def pinned_pages(self) -> int:
         """Pages ``[0, k)`` pinned now in every buffer (kept as they were when background pinning
@@ -500,9 +498,9 @@ class Lifecycle:
             return True
         if state is PoolState.PINNING:
             return pages is not None and self.pinned_pages >= pages
-        if state is PoolState.FAILED and self.error is not None:
-            self.error_delivered = True
-            raise self.error
+        error = self.take_error() if state is PoolState.FAILED else None
+        if error is not None:
+            raise error
         if state is PoolState.NEW:
             raise PoolStateError(f"pool {self.name!r} is new: enter it (async with / with) before waiting for it")
         raise PoolStateError(f"pool {self.name!r} is {state.value}: it was exited before it was ready")
@@ -583,7 +581,7 @@ class Lifecycle:
             session.stop(StopCause.COLLECTED)
             warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
             return
-        unseen = self.error if state is PoolState.FAILED and not self.error_delivered else None
+        unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
         try:
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call

@@ -25,7 +25,7 @@ from .._types import Capabilities
 from .._units import shown
 from ..layouts import BufferSpec, Raw
 from ..runtimes import FindsPinned, Runtime
-from .lifecycle import Memory
+from .engine import Memory
 
 _Mapped = HostMapping | TensorMemory | SharedMapping
 

@@ -10,9 +10,10 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from .._errors import ConfigError
 from .._host.mapping import alias_of
+from .._pin.lifecycle import ProgressCallback
 from .._plan.options import DEFAULT_MAX_RETRIES
 from ..runtimes import Runtime
-from .pool import PinnedPool, ProgressCallback
+from .pool import PinnedPool
 
 
 def pin(

@@ -306,7 +306,7 @@ def test_background_failure_keeps_every_registered_chunk_until_exit() -> None:
     life = pool._lifecycle
     conductor.join()  # pins chunks 0-2, the 4th call fails
     assert life.state is PoolState.FAILED and len(fake.registered) == 3 and fake.unregister_calls == []
-    assert life.pinned_pages == 3 * MiB // pool.page_bytes  # frozen, not 0: the body may use them
+    assert life.pinned_pages == 3 * MiB // pool.plan.page_bytes  # frozen, not 0: the body may use them
     assert isinstance(life.error, PinError) and "stay pinned" in str(life.error)
     assert logs.of("pool.rollback") == ["failure"] and logs.of("pool.rollback", "kept_bytes") == [3 * MiB]
     assert logs.of("pool.failed", "log_level") == ["error"]

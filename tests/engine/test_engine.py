@@ -31,7 +31,7 @@ class Where:
 def session_of(fake: FakeRuntime, **options: Any) -> PinSession:
     pool = pinpool.PinnedPool(runtime=fake, registry=None, **options)
     return PinSession(
-        pool._plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
+        pool.plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
     )
 
 
@@ -205,10 +205,10 @@ def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(monkeypat
 def test_the_pipeline_walks_the_plans_spans_computed_once() -> None:
     pool = pinpool.PinnedPool(runtime=FakeRuntime(), registry=None, size=64 * MiB, chunk_bytes=16 * MiB, populate=True)
     session = PinSession(
-        pool._plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
+        pool.plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
     )
-    assert len(pool._plan.spans) > 1
-    assert session.pipeline.spans is pool._plan.spans  # cut once, in planning; not again by the pipeline
+    assert len(pool.plan.spans) > 1
+    assert session.pipeline.spans is pool.plan.spans  # cut once, in planning; not again by the pipeline
     assert pin(session) is Phase.PINNED
 
 

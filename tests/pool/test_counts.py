@@ -51,7 +51,7 @@ def assert_counts_agree(pool: PinnedPool, registry: CollectorRegistry, runtime_b
     registered = sum(c.nbytes for c in registrations)
     assert pool.pinned_bytes <= registered
     assert (gauge(registry, pool) or 0) == pool.pinned_bytes
-    assert pool.page_bytes == 1  # raw: pages are bytes, so the prefix is a byte count
+    assert pool.plan.page_bytes == 1  # raw: pages are bytes, so the prefix is a byte count
     assert pool.pinned_pages <= pool.pinned_bytes
 
 
