@@ -79,7 +79,8 @@ class Bench:
         self.runtime_kind = probe.runtime.name
         self.default_chunks = probe.plan.chunks
         self.default_description = (
-            f"{len(probe.plan.chunks)} chunks of <= {format_bytes(probe.plan.chunk_bytes)}, order {probe.plan.order.value}, "
+            f"{len(probe.plan.chunks)} chunks of <= {format_bytes(probe.plan.chunk_bytes)}, "
+            f"order {probe.plan.order.value}, "
             f"{probe.plan.populate_workers} populate + {probe.plan.register_workers} register threads, "
             f"{probe.plan.unpin_workers} unpin threads"
         )
