@@ -1,38 +1,246 @@
 """The drivers: run a lifecycle's steps with ``async with`` (anyio), ``with``, or inline (the finalizer).
 
-A lifecycle (``_pin/lifecycle.py``) is a generator that yields only the steps that need waiting,
-each a :class:`RunThreads`, and takes back a :class:`Ran`. A driver's whole job is to run
-those bodies on tracked threads and wait for *every one* of them, whatever arrives meanwhile:
+A lifecycle yields only the steps that need waiting (:class:`RunThreads`, :class:`Detach`) and
+takes back a :class:`Ran`. A driver runs those bodies on tracked threads and waits for *every
+one* of them, whatever arrives meanwhile: the first interruption (cancellation, ``Task.cancel()``,
+``KeyboardInterrupt``, ``SystemExit``, an exception from ``on_tick``) calls the step's
+``on_interrupt`` and is reported back with any later ones; waiting goes on, shielded, until every
+thread is done, and the lifecycle re-raises once its books are closed.
 
-* the first interruption (anyio or trio cancellation, asyncio's own ``Task.cancel()``,
-  ``KeyboardInterrupt``, ``SystemExit``, an exception from ``on_tick``) calls the step's
-  ``on_interrupt`` (pinning: stop after the current call) and is reported back, with any
-  later ones;
-* waiting goes on, shielded from anyio cancellation and absorbing native cancellations,
-  until every thread is done. The lifecycle re-raises the interruption once its books are
-  closed.
+Threads are on the books *before* ``Thread.start`` (a Ctrl-C can land inside it once the OS thread
+exists) and pass a gate the starter can close, so "started" is decided under a lock, never
+guessed; completion is an Event, not ``Thread.join`` (on 3.11 an interrupted join can mark a
+running thread stopped, bpo-45274). A body that raises is recorded, never printed.
 
-A Ctrl-C never lands inside a driver's own book-keeping: each driver runs under
-:func:`pinpool._pin.ki.guard` and is :func:`~pinpool._pin.ki.protected`, so a SIGINT is deferred
-everywhere except at the safe point, the wait for pinning threads (which stops pinning), and is
-replayed there or when the driver is done. An entry that completes with a Ctrl-C deferred is
-undone (``undo``: the pool is exited) before the ``KeyboardInterrupt`` is raised: a ``with``
-statement whose ``__enter__`` raises never calls ``__exit__``.
+Ctrl-C: Python delivers ``KeyboardInterrupt`` between any two bytecodes of the main thread, so
+while a driver runs (:func:`guard`) SIGINT goes to :func:`_handler`, which looks at the frames it
+landed in, as trio's KI protection does: in :func:`protected` code (the drivers and all they call)
+it is recorded and replayed when the driver is done or at the next safe point; in :func:`safe`
+code (the wait for pinning threads, which stops pinning) and anywhere else it goes to the replaced
+handler. Only the main thread's guard does anything; ``SIG_IGN``/``SIG_DFL`` are left alone. An
+entry that completes with a Ctrl-C deferred is undone (``undo``) before it is raised: a ``with``
+whose ``__enter__`` raises never calls ``__exit__``.
 """
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import TypeVar
+from types import CodeType, FrameType
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 
-from .ki import guard, protected, replay, safe
 from .steps import Detach, Ran, RunThreads, Step
-from .threads import PROGRESS_INTERVAL_SECONDS, Threads
+
+# -- Ctrl-C: deferred in pinpool's own code, delivered at safe points ----------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_PROTECTED: set[CodeType] = set()
+_SAFE: set[CodeType] = set()
+
+
+def protected(fn: F) -> F:
+    """Mark ``fn`` (a function, generator or coroutine function): a SIGINT landing in it, or in
+    anything it calls, is deferred while a guard is installed."""
+    _PROTECTED.add(fn.__code__)
+    return fn
+
+
+def safe(fn: F) -> F:
+    """Mark ``fn`` a safe point: a SIGINT landing in it, or in what it calls, is delivered at once."""
+    _SAFE.add(fn.__code__)
+    return fn
+
+
+class _Guard:
+    """The one installed handler's state (only the main thread touches it)."""
+
+    depth = 0  # nested guards (an async driver awaiting while another task's driver runs)
+    previous: Callable[[int, FrameType | None], Any] | None = None
+    pending = 0  # SIGINTs recorded in protected code and not yet replayed
+
+
+def _deferring(frame: FrameType | None) -> bool:
+    while frame is not None:
+        code = frame.f_code
+        if code in _SAFE:
+            return False
+        if code in _PROTECTED:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    if _deferring(frame):
+        _Guard.pending += 1  # one store: this handler itself runs between two bytecodes
+        return
+    previous = _Guard.previous
+    if previous is not None:
+        previous(signum, frame)
+
+
+def replay() -> None:
+    """Deliver a deferred SIGINT now, through the replaced handler (raises ``KeyboardInterrupt``
+    under Python's default one, cancels the main task under ``asyncio.run``'s). Call it where the
+    caller catches what it raises."""
+    previous = _Guard.previous
+    if _Guard.pending and previous is not None and threading.current_thread() is threading.main_thread():
+        _Guard.pending = 0
+        previous(signal.SIGINT, sys._getframe(1))
+
+
+class guard:
+    """Install the deferring handler for the block (main thread only; nested guards share it).
+
+    Enter it from :func:`protected` code: its own lines then defer a signal too. On leaving the
+    outermost guard the replaced handler is put back first, then a signal deferred meanwhile is
+    replayed. A signal landing between the two is delivered by the replaced handler itself, at the
+    block's end: nothing is lost, and nothing of the block is left half done. If the block is
+    already raising ``KeyboardInterrupt`` a deferred one is dropped (it was delivered).
+
+    A class, not a generator: ``__enter__`` installs in its last step, so nothing can land between
+    the install and the block, where ``__exit__`` would not run."""
+
+    installed = False
+
+    def __init__(self, *, drop: bool = False) -> None:
+        # drop: a signal deferred until the outermost guard ends is dropped, not replayed (a
+        # finalizer: Python ignores what one raises, and would print it as "Exception ignored").
+        self.drop = drop
+
+    def __enter__(self) -> None:
+        self.installed = _install()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if not self.installed:
+            return
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            _Guard.pending = 0
+        _leave(drop=self.drop)
+
+
+def _install() -> bool:
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _Guard.depth:
+        _Guard.depth += 1
+        return True
+    try:
+        current = signal.getsignal(signal.SIGINT)
+    except (ValueError, TypeError):  # the signal module at interpreter shutdown
+        return False
+    if not callable(current) or current is _handler:
+        return False  # SIG_IGN / SIG_DFL / None: nothing to defer; ours (a stale install): leave it
+    _Guard.previous = current
+    _Guard.pending = 0
+    try:
+        _Guard.depth = 1
+        signal.signal(signal.SIGINT, _handler)
+    except BaseException:
+        _Guard.depth = 0
+        raise
+    return True
+
+
+def _leave(*, drop: bool = False) -> None:
+    _Guard.depth -= 1
+    if _Guard.depth:
+        return  # a signal deferred meanwhile stays for the outer guard
+    if drop:
+        _Guard.pending = 0
+    previous = _Guard.previous
+    if signal.getsignal(signal.SIGINT) is _handler and previous is not None:
+        signal.signal(signal.SIGINT, previous)
+    replay()
+
+
+# -- worker threads: tracked before they can run, waited for through one Event -------------------
+
+_POLL_SECONDS = 0.05
+PROGRESS_INTERVAL_SECONDS = 0.1
+
+
+_OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
+
+
+class Threads:
+    """A set of worker threads; ``all_done`` is set once every thread on the books is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0  # on the books and not done: passed its gate, or may still pass it
+        self.started = 0  # threads whose body ran (or runs)
+        self.errors: list[BaseException] = []
+        self.all_done = threading.Event()
+        self.all_done.set()
+
+    def start(self, fn: Callable[[], object], *, name: str) -> None:
+        """Start ``fn`` on a new thread. If this raises (no thread could be made, or an interrupt
+        landed inside ``Thread.start``), the thread is accounted for already: it either runs
+        ``fn`` and is waited for, or never runs it."""
+        gate = [_OPEN]
+
+        def run() -> None:
+            with self._lock:
+                if gate[0] is _CLOSED:
+                    return  # its start was given up: it must not touch anything
+                gate[0] = _PASSED
+                self.started += 1
+            try:
+                fn()
+            except BaseException as exc:  # recorded for the lifecycle; a worker has no caller to raise to
+                with self._lock:
+                    self.errors.append(exc)
+            finally:
+                self._one_done()
+
+        with self._lock:
+            self._running += 1
+            self.all_done.clear()
+        try:
+            threading.Thread(target=run, name=name, daemon=False).start()
+        except BaseException:
+            with self._lock:
+                closed = gate[0] is _OPEN
+                gate[0] = _CLOSED if closed else gate[0]
+            if closed:  # else its body already began: it is waited for like any other
+                self._one_done()
+            raise
+
+    def _one_done(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self.all_done.set()
+
+    def join(self) -> None:
+        """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
+        self.all_done.wait()
+
+    @property
+    def done(self) -> bool:
+        return self.all_done.is_set()
+
+    def wait(self, on_tick: Callable[[], object] | None = None) -> None:
+        """Wait until every thread is done; interruptible (timed waits, so Ctrl-C is seen promptly).
+
+        ``on_tick`` runs on the waiting thread about every PROGRESS_INTERVAL_SECONDS.
+        """
+        last_tick = time.monotonic()
+        while not self.all_done.wait(_POLL_SECONDS):
+            if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
+                last_tick = time.monotonic()
+                on_tick()
+
+
+# -- the drivers ----------------------------------------------------------------------------------
 
 # The longest sleep between two looks at the threads while an async driver waits.
 ASYNC_POLL_SECONDS = 0.02

@@ -1,20 +1,14 @@
 """The pinning engine: the runtime calls worker threads make, shared by both drivers.
 
-It owns the calls, and only the calls: one :class:`PinSession` per entered pool, built from
-the pool's plan and options whole. Every runtime call (register, populate, unregister) goes
-through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer as
-:func:`~pinpool._pin.untrusted.untrusted_call` reads it: a register that failed other than with the
-runtime's typed error lands as "may be registered", for teardown to undo); every worker,
-pinning or unpinning, runs one batch loop,
-:meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did
-is one :class:`~pinpool._pin.pipeline.Landing`, which the pipeline puts on the books
-(:meth:`~pinpool._pin.pipeline.Pipeline.land`); which item comes next, and what a landing means,
-are the pipeline's and the ledger's.
+One :class:`PinSession` per entered pool, built from its plan and options whole. Every runtime
+call goes through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer
+as :func:`untrusted_call` reads it); every worker, pinning or unpinning, runs one batch loop,
+:meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did is
+one :class:`~pinpool._pin.pipeline.Landing`, which the pipeline puts on the books.
 
-Workers are long-lived calls of :meth:`PinSession.work` that pull batches from the pipeline
-until it says stop, so a pool pays one thread hop per worker, not per chunk. Every outcome is
-recorded in the ledger inside the worker, under the session lock, so a host that was cancelled
-while waiting still knows exactly what to roll back.
+Workers are long-lived calls of :meth:`PinSession.work` that pull batches until the pipeline says
+stop (one thread hop per worker, not per chunk). Every outcome is booked inside the worker, under
+the session lock, so a host cancelled while waiting still knows exactly what to roll back.
 """
 
 from __future__ import annotations
@@ -23,13 +17,21 @@ import collections
 import functools
 import math
 import os
+import reprlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
-from .._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls_error
+from .._errors import (
+    ChunkFailure,
+    LedgerError,
+    RuntimeCallError,
+    UnexpectedReturn,
+    as_runtime_error,
+    between_calls_error,
+)
 from .._host.libc import MADV_POPULATE_WRITE
 from .._host.mapping import populate_range
 from .._host.priority import lower_this_thread
@@ -44,7 +46,6 @@ from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
 from .pipeline import WAIT, Landing, Order, Pipeline, Span, _Wait
 from .unpin import Unpinning
-from .untrusted import Answer, untrusted_call
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
@@ -53,6 +54,52 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # Within a long batch of small calls, outcomes are put on the books at least this often.
 RECORD_INTERVAL_SECONDS = 0.01
+
+
+# -- a runtime is untrusted ------------------------------------------------------------------------
+# A runtime returns None or raises RuntimeCallError, its typed "nothing was done". Anything else (a
+# binding's RuntimeError, SystemExit or KeyboardInterrupt in the driver wrapper, a return value)
+# says nothing about what the call did first: a register may have registered, and booked as failed
+# it would stay pinned after close() unseen. So it is "may be registered", booked for teardown.
+
+# A runtime's garbage return value goes into an error message and a log line: bounded.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One runtime call's answer. ``error``: the call failed (None: it returned None). ``maybe``:
+    the failure is not the runtime's typed "nothing was done", so the call may have done its work
+    (a register may have registered). ``raised``: what the runtime raised, when that was not an
+    ``Exception`` (``SystemExit``, ``KeyboardInterrupt``): recorded so it is raised again where
+    someone can handle it, never swallowed on a worker thread."""
+
+    error: RuntimeCallError | None = None
+    maybe: bool = False
+    raised: BaseException | None = None
+
+
+_DONE = Answer()
+
+
+def untrusted_call(call: Callable[[int, int], object], op: str, ptr: int, nbytes: int) -> Answer:
+    """Make one runtime call and classify its answer; never raises (a worker thread has no caller)."""
+    try:
+        returned = call(ptr, nbytes)
+    except RuntimeCallError as exc:  # the runtime's own typed failure: it did nothing
+        return Answer(exc)
+    except Exception as exc:
+        return Answer(as_runtime_error(exc, op, ptr, nbytes), maybe=True)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt, GeneratorExit: booked, then raised again
+        return Answer(as_runtime_error(exc, op, ptr, nbytes), maybe=True, raised=exc)
+    if returned is None:
+        return _DONE
+    try:
+        shown = _REPR.repr(returned)
+    except Exception as exc:  # a garbage object whose __repr__ raises too
+        shown = f"a {type(returned).__name__} (whose repr raised {type(exc).__name__})"
+    return Answer(UnexpectedReturn(op=op, ptr=ptr, nbytes=nbytes, returned=shown), maybe=True)
 
 
 class Memory(Protocol):
@@ -209,7 +256,7 @@ class PinSession(Unpinning):
 
     def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[Answer, float]:
         """One runtime call at ``offset`` from the pool's start, classified by
-        :func:`~pinpool._pin.untrusted.untrusted_call`: anything it raises, BaseException included, is
+        :func:`untrusted_call`: anything it raises, BaseException included, is
         that call's failure (a worker thread has no caller to raise to); a BaseException is also
         kept in :attr:`raised`, for the pool's caller to raise again once teardown is done."""
         ptr = self.base_ptr + offset

@@ -59,7 +59,7 @@ class Ledger:
         # Registrations (chunks or pieces) found released by someone else at teardown: their
         # chunks count as unregistered, never as leaked (Capabilities.not_registered_codes).
         self.released_elsewhere: list[Chunk] = []
-        # Ranges whose register call failed untrusted (pinpool._pin.untrusted): they may be registered,
+        # Ranges whose register call failed untrusted (engine.untrusted_call): they may be registered,
         # so teardown unregisters them with the chunk's pieces; never counted as pinned.
         self.maybe: set[Chunk] = set()
         self._next = 0

@@ -1,30 +1,19 @@
 """A pool's life, written once: pin → (body) → teardown, or pin → rollback.
 
-:class:`Lifecycle` is synchronous and has no threads or awaits of its own, and imports no
-driver: its :meth:`enter`, :meth:`exit` and :meth:`finalize` are generators that do the quick,
-synchronous steps themselves (map the memory, open and close the books, report) and yield only
-the steps that need waiting or a thread (``_pin/steps.py``: :class:`RunThreads`, :class:`Detach`).
-The drivers (``_pin/drivers.py``: ``async with``, ``with``, and the finalizer's inline one) run
-those and send back what happened. So every rule below holds for every driver, because there
-is only one copy of it:
+:class:`Lifecycle` has no threads or awaits and imports no driver: :meth:`enter`, :meth:`exit`
+and :meth:`finalize` are generators that do the quick steps themselves (map, book, report) and
+yield only those that need waiting or a thread (``steps``), which a driver runs. So every rule
+holds for every driver, because there is one copy of it:
 
-* the pinning step ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in one place
-  (:meth:`Lifecycle._end_pinning`); the foreground delivers it by rolling back and raising,
-  the background by keeping what is pinned and telling the waiters;
-* once a page was reported pinned (the pool is ready, or the page is below ``pinned_pages``),
-  only the caller's exit or close, or the finalizer of a pool nobody can exit any more,
-  unpins it: a background failure never rolls back under a running body;
-* once a teardown or rollback starts, it finishes before control returns, whatever arrives
-  meanwhile; the interruption is re-raised after the books are closed;
-* the finalizer never starts a teardown while a driver is running one (or is pinning);
-* every state change goes through :func:`~pinpool._pin.outcome.check_move` (one table);
-* a worker that crashed, or threads that could not be started, end in a typed
-  :class:`PinError` / :class:`UnpinError`; internal invariant errors never reach users.
-
-It owns the pool's state and the order of its steps, nothing below them: it is given the
-pool's plan and options whole, and builds the engine (``_pin/engine.py``) from them; the memory
-comes from a :class:`MemorySource` (``_pool/pool.py``), node pacing from ``_pin/admission.py``, and the
-pure rules and error texts from ``_pin/outcome.py``.
+* pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`;
+  the foreground rolls back and raises, the background keeps what is pinned and tells waiters;
+* a page reported pinned is unpinned only by the caller's exit or close, or by the finalizer of
+  a pool nobody can exit: a background failure never rolls back under a running body;
+* a started teardown or rollback finishes before control returns; an interruption meanwhile is
+  re-raised after the books are closed;
+* the finalizer never tears down while a driver does (or pins);
+* every state change goes through :func:`~pinpool._pin.outcome.check_move`;
+* a crashed worker or unstartable threads end in a typed :class:`PinError` / :class:`UnpinError`.
 """
 
 from __future__ import annotations
@@ -40,9 +29,8 @@ from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._ranges import PINNED_RANGES
 from .._units import format_bytes
-from .admission import PoolAdmission
-from .close_gate import CloseGate
 from .engine import Memory, PinSession
+from .gates import CloseGate, PoolAdmission
 from .ledger import Phase, StopCause
 from .outcome import (
     Outcome,
@@ -71,32 +59,19 @@ ProgressCallback = Callable[[int, int, int, int], object]
 
 
 class MemorySource(Protocol):
-    """Where a pool's memory comes from (``_pool/pool.py``): the one collaborator that knows mappings,
-    files and tensors. It holds values, never the façade."""
+    """Where a pool's memory comes from (``memory_source.PoolMemory``): it holds values, never the façade."""
 
-    def acquire(self) -> Memory:
-        """Map the memory (or take the caller's tensor) and claim its address range."""
-        ...
+    def acquire(self) -> Memory: ...  # map the memory (or take the caller's tensor) and claim its range
 
-    def views(self, memory: Memory) -> Mapping[str, Any]:
-        """The layout's tensors over the memory."""
-        ...
+    def views(self, memory: Memory) -> Mapping[str, Any]: ...  # the layout's tensors over it
 
-    def release(self) -> None:
-        """Let go of whatever the pool was given to pin (a caller's tensor), once closed."""
-        ...
+    def release(self) -> None: ...  # let go of a caller's tensor, once closed
 
 
 class Lifecycle:
-    """One pool's state and its pin / rollback / teardown sequence.
-
-    It holds no reference to the :class:`PinnedPool` façade (the finalizer runs it after the
-    façade is gone), only what the sequence needs: the pool's plan and options, whole; the
-    runtime (and the capabilities it declares), the observer, and the memory ``source``;
-    node pacing (``admission``), the user's ``on_progress``, and where the pool was made.
-    With ``options.background`` entering returns once pinning has started; a conductor (a
-    detached sequence on its own thread) runs the rest of the pinning step, and exit stops it.
-    """
+    """One pool's state and its pin / rollback / teardown sequence. It holds no reference to the
+    façade (the finalizer runs it after the façade is gone). With ``options.background`` entering
+    returns once pinning has started; a conductor (a :class:`Detach`-ed sequence) runs the rest."""
 
     def __init__(
         self,
@@ -406,7 +381,7 @@ class Lifecycle:
         self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
     ) -> Steps[BaseException | None]:
         """Leave the pool: stop background pinning, unpin everything, close the books. Idempotent,
-        from any thread (``_pin/close_gate.py``); ``closing`` (``pool.close()``): a pool never entered is
+        from any thread (``gates.CloseGate``); ``closing`` (``pool.close()``): a pool never entered is
         closed too, one being entered stops, rolls back and raises. ``raise_errors=False`` (a
         destructor): an unseen pinning or unpinning error is returned instead of raised (logged and
         counted all the same); interruptions are always re-raised."""

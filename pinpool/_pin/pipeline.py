@@ -70,7 +70,7 @@ class Landing:
     every failed call of a chunk that failed, its last one included (empty: just ``error``).
     ``partial``: progress, not a landing: ``pieces`` of the item are pinned now (registered,
     or faulted under lock-on-fault) and it stays in flight. ``maybe``: ranges of a failed chunk
-    whose register call failed untrusted (:mod:`pinpool._pin.untrusted`), so they may be registered:
+    whose register call failed untrusted (:func:`~pinpool._pin.engine.untrusted_call`), so they may be registered:
     undone by the rollback like ``pieces``, never counted as pinned. ``seconds``: how long its
     one call took, for the observer; NaN when its calls were observed one by one.
     """

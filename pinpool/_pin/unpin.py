@@ -3,7 +3,7 @@
 A part of :class:`~pinpool._pin.engine.PinSession` (a mixin, so the session stays one object with
 one lock): teardown claims chunks from one reverse-order queue in batches, unregisters each
 chunk piece by piece, and lands the results. A piece that only *may* be registered (its
-register call failed untrusted, see :mod:`pinpool._pin.untrusted`) is unregistered like any other;
+register call failed untrusted, see :func:`pinpool._pin.engine.untrusted_call`) is unregistered like any other;
 a "not registered" answer for it means that call never registered it.
 """
 
@@ -23,9 +23,8 @@ if TYPE_CHECKING:
     import threading
 
     from .._observe import Observer
-    from .engine import _Op
+    from .engine import Answer, _Op
     from .ledger import Ledger, RegistrationBook
-    from .untrusted import Answer
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,5 @@
-"""PinnedPool: a façade of read-only properties over the pure plan and the lifecycle.
-
-The constructor validates the options and asks ``plan_pool`` for every decision; entering
-and exiting only run the pool's :class:`~pinpool._pin.lifecycle.Lifecycle` with the async or the
-sync driver (``_pin/drivers.py``). Nothing here decides what to register, what to undo, or what
-an interruption means.
-"""
+"""PinnedPool: a façade over the plan and the lifecycle; entering and exiting only run the
+:class:`~pinpool._pin.lifecycle.Lifecycle` with a driver. Nothing here decides what to register or undo."""
 
 from __future__ import annotations
 
@@ -303,14 +298,10 @@ class PinnedPool:
         return None
 
     async def wait_ready(self, *, min_bytes: int | str | None = None, fraction: float | None = None) -> int:
-        """Wait until the pool is ready, or until its first ``min_bytes`` (bytes or ``"1GiB"``)
-        or ``fraction`` of its pages are pinned; returns ``pinned_pages``.
-
-        Raises the :class:`PinError` of a failed background pinning (every waiter gets it), or
-        :class:`PoolStateError` if the pool is not entered or was exited first. Cancellable:
-        waiting has no effect on the pinning. It polls (at most every 20 ms): no thread is
-        held per waiter, under asyncio or trio.
-        """
+        """Wait until the pool is ready, or its first ``min_bytes`` or ``fraction`` of its pages are
+        pinned; returns ``pinned_pages``. Raises a failed background pinning's :class:`PinError` (to
+        every waiter), :class:`PoolStateError` if not entered or exited first. Cancellable; it polls
+        (at most every 20 ms), so no thread is held per waiter."""
         pages = self._pages_for(min_bytes, fraction)
         delay = 0.001
         while not self._lifecycle.reached(pages):
@@ -364,56 +355,39 @@ class PinnedPool:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes pinned right now, moving within a chunk where the runtime locks as pages fault
-        in (mlock); 0 before entering and after exit. After a background failure, what stays
-        pinned until exit: every registered range (a failed chunk's pieces included), under
-        lock-on-fault its faulted part; the error text and the gauge say the same figure."""
+        """Bytes pinned right now (moving within a chunk under lock-on-fault); 0 before entry and
+        after exit; after a background failure, what stays pinned until exit (docs/serving.md)."""
         session = self._lifecycle.session
         return 0 if session is None else session.pipeline.pinned_bytes
 
     @property
     def registrations(self) -> tuple[Chunk, ...]:
-        """What the runtime has registered right now: one :class:`pinpool.Chunk` per live
-        registration call, offsets from the pool's start (``pool.data_ptr``), sorted by offset.
-
-        A planned chunk (``pool.chunks``) may be several registrations: pieces sized by the
-        stall budget, or aligned halves after a retry. Lock-on-fault chunks (mlock) are listed
-        from their registration, before their pages are faulted. Each range appears as its
-        register call returns and goes as its unregister call succeeds (teardown, rollback); one
-        whose unregister failed stays listed (it may still be registered). Empty before entry
-        and after a clean exit, and in a forked child. Safe to read from any thread at any time;
-        a call in flight while you read may or may not be listed. Reading costs O(registrations)
-        (plus a C scan of one byte per chunk); pinning pays one store per call for it.
-        """
+        """What the runtime holds right now: one :class:`pinpool.Chunk` per live registration call,
+        offsets from ``pool.data_ptr``, sorted; a planned chunk may be several (stall-budget pieces,
+        retry halves). Safe from any thread (docs/concepts.md, "Chunks and registrations")."""
         session = self._lifecycle.session
         return () if session is None else session.registrations()
 
     @property
     def pin_seconds(self) -> float:
-        """Wall time the last pinning took."""
         session = self._lifecycle.session
         return 0.0 if session is None else session.pin_seconds
 
     @property
     def retries(self) -> int:
-        """Registrations this pool retried as aligned halves (see ``max_retries``)."""
+        """Registrations retried as aligned halves (see ``max_retries``)."""
         session = self._lifecycle.session
         return 0 if session is None else session.retries
 
     @property
     def populated_bytes(self) -> int:
-        """Bytes pre-faulted so far (populate calls that succeeded). Under CUDA a chunk counts as
-        pinned only when its registration returns, so within a chunk this is what moves: the
-        faulting runs ahead of registration (with ``max_call_seconds`` the registration itself
-        is in pieces, and ``pinned_bytes`` moves piece by piece too)."""
+        """Bytes pre-faulted so far: under CUDA what moves within a chunk, whose registration counts at its end."""
         session = self._lifecycle.session
         return 0 if session is None else session.pipeline.populated_bytes
 
     @property
     def longest_call_seconds(self) -> Mapping[str, float]:
-        """The longest single runtime call so far, by op (``register``, ``populate``,
-        ``unregister``; 0.0 for none): the stall a serving process felt. The same figure as the
-        ``pinpool_call_seconds_max`` gauge, which is removed when the pool closes; this stays."""
+        """The longest single runtime call so far, by op: ``pinpool_call_seconds_max``, kept after close."""
         return MappingProxyType(dict(self._observer.longest))
 
     @property
@@ -451,28 +425,17 @@ class PinnedPool:
         drive_sync(self._lifecycle.exit(exc))
 
     def open(self) -> PinnedPool:
-        """Enter the pool and return it: for owners that hold a pool from a constructor to a
-        destructor (a server's host KV pool) instead of a ``with`` block. Pair it with
-        :meth:`close`; ``with`` / ``async with`` stay the recommended form. Same as ``__enter__``
-        (with ``background=True`` it returns once pinning has started). A :meth:`close` meanwhile
-        stops the pinning and rolls it back; ``open()`` then raises :class:`PoolStateError`."""
+        """``__enter__`` for owners that hold a pool from a constructor to a destructor; pair it with
+        :meth:`close`. A :meth:`close` meanwhile rolls it back and it raises :class:`PoolStateError`."""
         return self.__enter__()
 
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
         """Exit the pool: stop background pinning, unpin every chunk, let go of the memory.
 
-        From any thread, at any moment, more than once; never :class:`PoolStateError`. A closed pool
-        is left alone, one never entered is closed. While another thread closes it (or enters it:
-        pinning stops and rolls back, and that entry raises), it waits and returns None. On the
-        thread already entering or closing it (a signal handler, ``loop.add_signal_handler``, another
-        task of the loop) it returns None at once: that entry or teardown finishes the job (see
-        docs/serving.md). Afterwards the pool refers to none of the memory (a caller's tensor, its
-        storage, the views), so the caller may free it or close its mmap at once.
-
-        Raises :class:`UnpinError` when a chunk could not be unregistered (it stays pinned and
-        mapped), or the unseen :class:`PinError` of a failed background pinning. A destructor
-        passes ``raise_errors=False``: that error is then returned instead of raised (it is
-        logged as ``pool.unpin.failed`` / ``pool.failed`` and counted all the same).
-        ``KeyboardInterrupt`` and other interruptions are always re-raised, after the teardown.
+        From any thread, at any moment, more than once; never :class:`PoolStateError`. On the thread
+        already entering or closing it (a signal handler) it returns None at once and that entry or
+        teardown finishes the job (docs/serving.md). Raises :class:`UnpinError` (a chunk stays
+        pinned) or an unseen background :class:`PinError`; ``raise_errors=False`` (a destructor)
+        returns it instead. Interruptions are always re-raised, after the teardown.
         """
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
