@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.lowlevel
 
-from .steps import Detach, Ran, RunThreads, Step
+from .outcome import Detach, Ran, RunThreads, Step
 
 # -- Ctrl-C: deferred in pinpool's own code, delivered at safe points ----------------------------
 

@@ -25,8 +25,7 @@ from typing import Protocol, TypeVar
 from .._errors import NodeBusyError, NodeWaitCancelled, PoolStateError
 from .._node.pacing import BudgetHold, NodeAdmission, SlotHold
 from .._observe import Observer
-from .outcome import admission_thread_error, closed_during_open
-from .steps import Ran, RunThreads, Steps
+from .outcome import Ran, RunThreads, Steps, admission_thread_error, closed_during_open
 
 T = TypeVar("T")
 

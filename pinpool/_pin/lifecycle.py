@@ -2,7 +2,7 @@
 
 :class:`Lifecycle` has no threads or awaits and imports no driver: :meth:`enter`, :meth:`exit`
 and :meth:`finalize` are generators that do the quick steps themselves (map, book, report) and
-yield only those that need waiting or a thread (``steps``), which a driver runs. So every rule
+yield only those that need waiting or a thread (``outcome.RunThreads``, ``Detach``), which a driver runs. So every rule
 holds for every driver, because there is one copy of it:
 
 * pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`;
@@ -33,8 +33,13 @@ from .engine import Memory, PinSession
 from .gates import CloseGate, PoolAdmission
 from .ledger import Phase, StopCause
 from .outcome import (
+    Detach,
+    Joinable,
     Outcome,
     PoolState,
+    Ran,
+    RunThreads,
+    Steps,
     check_move,
     closed_during_open,
     decide,
@@ -45,7 +50,6 @@ from .outcome import (
     unpin_error,
     warn_unclosed,
 )
-from .steps import Detach, Joinable, Ran, RunThreads, Steps
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions

@@ -1,13 +1,8 @@
-"""How a pool's pinning ends, and where a pool may go from where it is: pure rules, no threads.
-
-* :class:`PoolState` and :data:`TRANSITIONS`: every state change of a pool goes through
-  :func:`check_move`, so the table below is the whole truth (docs/concepts.md shows it).
-* :class:`Outcome` and :func:`decide`: the pinning step ends in exactly one outcome, decided
-  here from what the step reported. The foreground and background modes only *deliver* it
-  differently (``_pin/lifecycle.py``): the foreground rolls back and raises; the background keeps
-  what is pinned and tells the waiters. :func:`deliver_exit`: what leaving a pool raises.
-* The texts of the errors a pool raises when pinning or unpinning fails, built in one place,
-  and the warning for a pool never exited, pointed at the code that made it.
+"""A pool's rules, pure (no threads): where it may go (:data:`TRANSITIONS`, :func:`check_move`), how
+pinning ends (:func:`decide`: one :class:`Outcome`, which foreground and background only deliver
+differently), what leaving raises (:func:`deliver_exit`), the error texts and the unclosed warning;
+and the steps a lifecycle yields to its driver (:class:`RunThreads`, :class:`Detach`) and gets back
+(:class:`Ran`), so the lifecycle is written, and tested with scripted results, with no driver.
 """
 
 from __future__ import annotations
@@ -16,7 +11,9 @@ import enum
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from .._errors import ChunkFailure, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
 from .._plan.chunks import Chunk
@@ -27,12 +24,9 @@ from .ledger import StopCause
 class PoolState(enum.Enum):
     """Where a pool is in its life (``pool.state``).
 
-    NEW: constructed, not entered. PINNING: entered, chunks being pinned (with
-    ``background=True`` the body already runs; pages ``[0, pool.pinned_pages)`` are usable).
-    READY: every chunk pinned. FAILED: pinning in the background ended early (a runtime call
-    failed, or ``on_progress`` raised); ``pool.error`` says why and every waiter raises it.
-    Nothing is unpinned then: pages ``[0, pool.pinned_pages)`` stay pinned and usable until the
-    pool is exited or closed. CLOSING: unpinning (on exit, close, or a foreground rollback).
+    NEW: not entered. PINNING: entered, pinning (in the background pages ``[0, pool.pinned_pages)``
+    are usable). READY: every chunk pinned. FAILED: background pinning ended early; ``pool.error``
+    says why, and pages ``[0, pool.pinned_pages)`` stay pinned until exit. CLOSING: unpinning.
     CLOSED: nothing pinned.
     """
 
@@ -97,13 +91,9 @@ _CAUSES = {
 
 
 def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orphaned: bool) -> Outcome:
-    """The one outcome of a pinning step.
-
-    ``interrupted``: the driver saw an interruption (or ``on_progress`` raised) while the
-    threads ran, or opening the pool raised; ``pinned``: the books say every chunk registered
-    and nothing asked to stop; ``stop_cause``: why the books stopped handing out chunks (the
-    first cause wins); ``orphaned``: a background pool's façade was collected meanwhile.
-    """
+    """The one outcome of a pinning step. ``interrupted``: the driver saw an interruption (or
+    ``on_progress`` or opening raised); ``pinned``: every chunk registered and nothing asked to stop;
+    ``stop_cause``: why the books stopped (first wins); ``orphaned``: the façade was collected."""
     if interrupted:
         return Outcome.INTERRUPTED
     if pinned:
@@ -282,3 +272,65 @@ def warn_unclosed(name: str, created_at: tuple[str, int], what: str) -> None:
         warnings.warn(message, UnclosedPoolWarning, stacklevel=2)
         return
     warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)
+
+
+# -- the steps a lifecycle yields to its driver --------------------------------------------------
+
+T = TypeVar("T")
+
+
+class Joinable(Protocol):
+    """A detached sequence running on its own thread (see :class:`Detach`)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def join(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunThreads:
+    """Run each body on its own thread and wait for all of them.
+
+    ``interruptible``: an interruption is expected to stop the work early (``on_interrupt``)
+    and, under anyio, cancellation of the caller is noticed while the threads run; otherwise
+    (teardown) the wait is shielded from the start. ``on_tick`` runs on the waiting thread
+    about every 0.1 s while the threads run.
+    """
+
+    bodies: tuple[Callable[[], object], ...]
+    name: str
+    interruptible: bool = False
+    on_interrupt: Callable[[], None] = lambda: None
+    on_tick: Callable[[], None] | None = None
+    on_started: Callable[[], None] = lambda: None  # every thread is started (or no more will be)
+
+
+@dataclass(frozen=True)
+class Detach:
+    """Run ``steps`` (a lifecycle sub-sequence) with the sync driver on a new thread, and return
+    at once: the :class:`Ran` carries its handle (``Ran.detached``), which the lifecycle later
+    waits for with a ``RunThreads`` step over ``handle.join``. ``stop`` asks the sequence to end
+    soon; the driver calls it when the interpreter starts to exit (before Python waits for its
+    threads), so exiting never waits for a whole pool to pin."""
+
+    steps: Generator[RunThreads | Detach, Ran, None]
+    name: str
+    stop: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Ran:
+    """What happened while a step ran: interruptions that arrived (first first), bodies that raised,
+    errors from starting threads (e.g. the host is out of threads), and for :class:`Detach` the
+    handle of the thread (accounted for even when starting it was interrupted)."""
+
+    interrupts: list[BaseException] = field(default_factory=list)
+    crashed: list[BaseException] = field(default_factory=list)
+    start_errors: list[BaseException] = field(default_factory=list)
+    started: int = 0
+    detached: Joinable | None = None
+
+
+Step = RunThreads | Detach
+Steps = Generator[Step, Ran, T]

@@ -22,8 +22,7 @@ from .._observe import Observer
 from .._pin.drivers import drive_async, drive_sync, finalize_lifecycle
 from .._pin.lifecycle import Lifecycle, ProgressCallback
 from .._pin.memory_source import PoolMemory, TensorLayout, check_memory_source
-from .._pin.outcome import PoolState, caller_outside_pinpool
-from .._pin.steps import Steps
+from .._pin.outcome import PoolState, Steps, caller_outside_pinpool
 from .._plan.chunks import Chunk
 from .._plan.declared import OPTIONS
 from .._plan.options import DEFAULT_MAX_RETRIES, PoolOptions

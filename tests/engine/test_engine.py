@@ -223,7 +223,7 @@ def test_a_second_interrupt_inside_the_stop_is_recorded_and_the_stop_asked_again
     import anyio
 
     from pinpool._pin.drivers import run_async, run_sync
-    from pinpool._pin.steps import RunThreads
+    from pinpool._pin.outcome import RunThreads
 
     stopped, asked, ticks = threading.Event(), [], []
 
