@@ -1,14 +1,9 @@
 """Prometheus metrics for pinpool, and helpers to expose them.
 
-Metric names and labels are a contract (docs/metrics.md): dashboards and alerts are built on
-them. They are created once per :class:`prometheus_client.CollectorRegistry` and shared by
-every pool using that registry. Labels are bounded: ``pool`` (the pool's ``name=``),
-``runtime``, and ``phase``/``reason``/``cause`` where stated; never a chunk index.
-
-A pool's gauge series (``pinpool_pinned_bytes``, ``_pool_bytes``, ``_chunks_in_flight``,
-``_pools_open``, ``_pools_ready``, ``_call_seconds_max``, ``_pool_info``) are removed when the
-last open pool with its labels closes, so pool names that come and go do not pile up series;
-counters and histograms are cumulative and stay.
+Names and labels are a contract (docs/metrics.md); created once per ``CollectorRegistry`` and
+shared by its pools. Labels are bounded (``pool``, ``runtime``, ``phase``/``reason``/``cause``),
+never a chunk index. A pool's gauge series go when the last open pool with its labels closes, so
+names that come and go do not pile up; counters and histograms stay.
 """
 
 from __future__ import annotations
@@ -40,12 +35,8 @@ def _multiprocess() -> bool:
 
 
 class PoolMetrics:
-    """The metric families of one registry, and which pools hold its gauge series.
-
-    :meth:`pool_opened` and :meth:`pool_closed` count the open pools per label tuple (two open
-    pools with the same ``name=`` and runtime share their series); when the last one closes, its
-    gauge series are removed. Thread-safe.
-    """
+    """The metric families of one registry, and how many open pools hold each label tuple's gauge
+    series (same ``name=`` and runtime: shared), removed with the last. Thread-safe."""
 
     # The instance dict holds the metric families and nothing else (the clean-up below
     # unregisters all of it); the open-pool bookkeeping lives in a slot beside it.
@@ -65,17 +56,15 @@ class PoolMetrics:
         self._series = _OpenPools()
 
     def pool_opened(self, labels: tuple[str, ...], info_labels: tuple[str, ...]) -> None:
-        """A pool with these ``(pool, runtime)`` labels and ``pool_info`` labels starts pinning:
-        call before its first gauge update (so a closing namesake cannot remove a series under it)."""
+        """A pool starts pinning: before its first gauge update (a closing namesake keeps off its series)."""
         book = self._series
         with book.lock:
             book.open[labels] = book.open.get(labels, 0) + 1
             book.open_info[info_labels] = book.open_info.get(info_labels, 0) + 1
 
     def pool_closed(self, labels: tuple[str, ...], info_labels: tuple[str, ...], *, leaked_bytes: int = 0) -> None:
-        """A pool opened with :meth:`pool_opened` closed: call after its last gauge update. The last
-        open pool of its labels takes their gauge series with it, except ``pinned_bytes`` while
-        bytes of a pool with those labels may still be pinned (a failed unregistration)."""
+        """A pool closed, after its last gauge update: the last of its labels takes their series, except
+        ``pinned_bytes`` while bytes with those labels may still be pinned (a failed unregistration)."""
         keep = _multiprocess()  # prometheus_client cannot remove a series there; livesum drops dead processes
         book = self._series
         with book.lock:
@@ -210,9 +199,6 @@ def metrics_for(registry: CollectorRegistry) -> PoolMetrics:
 
 
 def serve(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> Any:
-    """Serve ``registry`` at ``http://addr:port/metrics`` from a daemon thread (loopback by default).
-
-    Returns what prometheus_client's ``start_http_server`` returns (server and thread). For an
-    ASGI application, mount ``make_asgi_app(registry=...)`` instead (see docs/observability.md).
-    """
+    """Serve ``registry`` at ``http://addr:port/metrics`` from a daemon thread (loopback by default);
+    returns ``start_http_server``'s result. ASGI: mount ``make_asgi_app(registry=...)`` instead."""
     return start_http_server(port, addr=addr, registry=registry)

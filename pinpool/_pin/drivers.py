@@ -1,25 +1,18 @@
 """The drivers: run a lifecycle's steps with ``async with`` (anyio), ``with``, or inline (the finalizer).
 
-A lifecycle yields only the steps that need waiting (:class:`RunThreads`, :class:`Detach`) and
-takes back a :class:`Ran`. A driver runs those bodies on tracked threads and waits for *every
-one* of them, whatever arrives meanwhile: the first interruption (cancellation, ``Task.cancel()``,
-``KeyboardInterrupt``, ``SystemExit``, an exception from ``on_tick``) calls the step's
-``on_interrupt`` and is reported back with any later ones; waiting goes on, shielded, until every
-thread is done, and the lifecycle re-raises once its books are closed.
+A driver runs a step's bodies on tracked threads and waits for *every one*, whatever arrives: the
+first interruption (cancellation, ``KeyboardInterrupt``, ``SystemExit``, ``on_tick`` raising) calls
+the step's ``on_interrupt``, all are reported back, and the lifecycle re-raises once its books close.
 
-Threads are on the books *before* ``Thread.start`` (a Ctrl-C can land inside it once the OS thread
-exists) and pass a gate the starter can close, so "started" is decided under a lock, never
-guessed; completion is an Event, not ``Thread.join`` (on 3.11 an interrupted join can mark a
-running thread stopped, bpo-45274). A body that raises is recorded, never printed.
+Threads are on the books *before* ``Thread.start`` (a Ctrl-C can land inside it) and pass a gate
+the starter can close, so "started" is decided under a lock; completion is an Event, not
+``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
 
-Ctrl-C: Python delivers ``KeyboardInterrupt`` between any two bytecodes of the main thread, so
-while a driver runs (:func:`guard`) SIGINT goes to :func:`_handler`, which looks at the frames it
-landed in, as trio's KI protection does: in :func:`protected` code (the drivers and all they call)
-it is recorded and replayed when the driver is done or at the next safe point; in :func:`safe`
-code (the wait for pinning threads, which stops pinning) and anywhere else it goes to the replaced
-handler. Only the main thread's guard does anything; ``SIG_IGN``/``SIG_DFL`` are left alone. An
-entry that completes with a Ctrl-C deferred is undone (``undo``) before it is raised: a ``with``
-whose ``__enter__`` raises never calls ``__exit__``.
+Ctrl-C lands between any two bytecodes of the main thread, so under :func:`guard` SIGINT goes to
+:func:`_handler`, which looks at its frames as trio's KI protection does: in :func:`protected` code
+it is recorded and replayed at the next safe point or the driver's end; in :func:`safe` code (the
+wait for pinning threads) and elsewhere it goes to the replaced handler. An entry completing with a
+Ctrl-C deferred is undone (``undo``) first: a ``with`` whose ``__enter__`` raises never exits.
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ _SAFE: set[CodeType] = set()
 
 
 def protected(fn: F) -> F:
-    """Mark ``fn`` (a function, generator or coroutine function): a SIGINT landing in it, or in
-    anything it calls, is deferred while a guard is installed."""
+    """Mark ``fn``: a SIGINT landing in it, or in anything it calls, is deferred while a guard is installed."""
     _PROTECTED.add(fn.__code__)
     return fn
 
@@ -87,9 +79,8 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 def replay() -> None:
-    """Deliver a deferred SIGINT now, through the replaced handler (raises ``KeyboardInterrupt``
-    under Python's default one, cancels the main task under ``asyncio.run``'s). Call it where the
-    caller catches what it raises."""
+    """Deliver a deferred SIGINT now through the replaced handler (``KeyboardInterrupt``, or under
+    ``asyncio.run`` a cancelled main task), where the caller catches what it raises."""
     previous = _Guard.previous
     if _Guard.pending and previous is not None and threading.current_thread() is threading.main_thread():
         _Guard.pending = 0
@@ -99,13 +90,10 @@ def replay() -> None:
 class guard:
     """Install the deferring handler for the block (main thread only; nested guards share it).
 
-    Enter it from :func:`protected` code: its own lines then defer a signal too. On leaving the
-    outermost guard the replaced handler is put back first, then a signal deferred meanwhile is
-    replayed. A signal landing between the two is delivered by the replaced handler itself, at the
-    block's end: nothing is lost, and nothing of the block is left half done. If the block is
-    already raising ``KeyboardInterrupt`` a deferred one is dropped (it was delivered).
-
-    A class, not a generator: ``__enter__`` installs in its last step, so nothing can land between
+    Enter it from :func:`protected` code. Leaving the outermost guard puts the replaced handler
+    back first, then replays a deferred signal (one landing between the two is delivered by that
+    handler: nothing lost, nothing half done); a block already raising ``KeyboardInterrupt`` drops
+    it. A class, not a generator: ``__enter__`` installs in its last step, so nothing lands between
     the install and the block, where ``__exit__`` would not run."""
 
     installed = False
@@ -182,9 +170,8 @@ class Threads:
         self.all_done.set()
 
     def start(self, fn: Callable[[], object], *, name: str) -> None:
-        """Start ``fn`` on a new thread. If this raises (no thread could be made, or an interrupt
-        landed inside ``Thread.start``), the thread is accounted for already: it either runs
-        ``fn`` and is waited for, or never runs it."""
+        """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
+        either runs ``fn`` and is waited for, or never runs it."""
         gate = [_OPEN]
 
         def run() -> None:
@@ -229,10 +216,7 @@ class Threads:
         return self.all_done.is_set()
 
     def wait(self, on_tick: Callable[[], object] | None = None) -> None:
-        """Wait until every thread is done; interruptible (timed waits, so Ctrl-C is seen promptly).
-
-        ``on_tick`` runs on the waiting thread about every PROGRESS_INTERVAL_SECONDS.
-        """
+        """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
         last_tick = time.monotonic()
         while not self.all_done.wait(_POLL_SECONDS):
             if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
@@ -251,17 +235,15 @@ Lifecycle = Generator[Step, Ran, T]
 
 
 def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
-    """Start the step's threads; returns them, the report, and what to call on an interruption
-    (the first one also calls the step's ``on_interrupt``). Both drivers begin a step this way."""
+    """Start the step's threads; returns them, the report, and what to call on an interruption."""
     threads, ran = Threads(), Ran()
 
     def interrupted(exc: BaseException) -> None:
         ran.interrupts.append(exc)
         if len(ran.interrupts) > 1:
             return
-        # A second Ctrl-C can land inside on_interrupt (seen under trio, whose handler raises at
-        # once outside its own code): it is recorded like any other, and the stop is asked again
-        # (it is idempotent), so the interruption never leaves the driver's wait.
+        # A second Ctrl-C can land inside on_interrupt (seen under trio): recorded, and the stop
+        # (idempotent) asked again, so the interruption never leaves the driver's wait.
         while True:
             try:
                 step.on_interrupt()
@@ -337,8 +319,7 @@ def _wait_interruptibly(threads: Threads, on_tick: Callable[[], object] | None) 
 
 @protected
 def drive_sync(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle on the calling thread. ``undo``: what undoes it if a Ctrl-C was deferred
-    until it completed (entry: the exit)."""
+    """Run a lifecycle on the calling thread; ``undo`` undoes it if a Ctrl-C was deferred until it completed."""
     with guard():
         result = _drive(lifecycle, run_sync)
         try:
@@ -384,11 +365,9 @@ async def run_async(step: Step) -> Ran:
     if isinstance(step, Detach):
         return _detach(step)  # starting a thread does not wait
     threads, ran, interrupted = _launch(step)
-    # The wait polls (sleeps of 1 ms growing to ASYNC_POLL_SECONDS) instead of waiting on a
-    # worker thread: a thread-pool wait abandoned by a cancellation outlives the event loop when
-    # a second Ctrl-C aborts asyncio.run, and anyio's non-daemon worker then hangs interpreter
-    # exit (seen: 1 run in ~25 of the real-signal test). Until the first interruption the sleep
-    # is not shielded, so a cancellation of the caller lands here while the threads run.
+    # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
+    # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
+    # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
     delay = 0.001
     last_tick = time.monotonic()
     while not threads.done:
@@ -415,9 +394,8 @@ async def run_async(step: Step) -> Ran:
 
 @protected
 async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle from a task of an anyio event loop (asyncio or trio); ``undo`` as for
-    :func:`drive_sync`. While it awaits, a Ctrl-C goes to the loop's own handler (its frames are
-    not on the stack then): asyncio.run cancels the main task, trio raises at a checkpoint."""
+    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`. While it awaits, a
+    Ctrl-C goes to the loop's own handler (asyncio.run cancels the main task, trio raises)."""
     with guard():
         result = await _drive_async(lifecycle)
         try:
@@ -448,8 +426,7 @@ _hooked = False
 
 
 def _detach(step: Detach) -> Ran:
-    """Start ``step.steps`` with the sync driver on a tracked thread. If this is interrupted, or no
-    thread can be made, the thread is accounted for all the same (see Threads.start)."""
+    """Start ``step.steps`` with the sync driver on a tracked thread (accounted for even if interrupted)."""
     global _hooked
     threads, ran = Threads(), Ran()
     ran.detached = threads
@@ -480,8 +457,7 @@ def _detach(step: Detach) -> Ran:
 
 
 def _hook_interpreter_exit() -> bool:
-    """Before Python waits for non-daemon threads at exit, stop every detached sequence (pinning
-    stops after the current calls; what is pinned stays until the pool's finalizer unpins it)."""
+    """Before Python waits for non-daemon threads at exit, stop every detached sequence's pinning."""
     register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
     if register is None:
         return True  # without it, exit waits for background pinning to finish, then unpins
@@ -504,8 +480,7 @@ def _stop_running() -> None:
 
 @protected
 def finalize_lifecycle(lifecycle: object) -> None:
-    """A pool's finalizer: run its lifecycle's ``finalize`` sequence inline (no threads). A Ctrl-C
-    landing in it is deferred until the unpinning is done, then ignored, as Python ignores any
-    exception raised in a finalizer (inside a driver, the driver delivers it)."""
+    """A pool's finalizer: its lifecycle's ``finalize`` inline (no threads); a Ctrl-C meanwhile is
+    deferred, then dropped, as Python ignores what a finalizer raises."""
     with guard(drop=True):
         drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]

@@ -1,18 +1,12 @@
-"""Who may drive a pool: one caller at a time enters or closes it (:class:`CloseGate`), and the
-node's pacing admits it (:class:`PoolAdmission`).
+"""Who may drive a pool: one caller at a time enters or closes it (:class:`CloseGate`), and node
+pacing admits it (:class:`PoolAdmission`).
 
-``close()`` may come from any thread at any moment, even from a signal handler or another task
-on the very thread already entering or closing the pool. Whoever holds the gate does the work;
-a caller on another thread waits until it lets go (a close during an entry asks it to stop and
-roll back first); a caller on the holder's own thread cannot wait for itself, so it asks for
-the close and returns at once, and the entry or teardown in progress finishes it. Taking the
-gate is one C-level ``dict.setdefault`` inside the ``try`` whose ``finally`` lets it go, so a
-signal handler sees no holder or a whole one, and a ``KeyboardInterrupt`` leaves none behind.
-
-Node pacing: a pool holds a pinning slot while it pins and a share of the node's byte budget
-while anything of it is pinned; the wait is a thread step, so the drivers' interrupt rules apply.
-The files, locks and arithmetic are ``_node/pacing.py``'s; here is only when holds are taken and
-let go, and what a failed wait raises.
+``close()`` may come from any thread, even a signal handler on the thread already entering or
+closing: a caller on another thread waits for the holder to let go (an entry is asked to stop
+first); one on the holder's own thread asks for the close and returns, and the work in progress
+finishes it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go,
+so a signal handler sees no holder or a whole one. Node pacing: a slot while pinning, a budget
+share while anything is pinned (``_node/pacing.py`` keeps the files); the wait is a thread step.
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ class Driver:
 
 
 class Exit(Protocol):
-    """The lifecycle's exit, which an entry that a close() asked to stop runs if it opened anyway."""
+    """The lifecycle's exit (an entry a close() asked to stop runs it if it opened anyway)."""
 
     def __call__(
         self, body_error: BaseException | None, *, closing: bool = ..., raise_errors: bool = ...
@@ -48,8 +42,7 @@ class Exit(Protocol):
 
 
 class CloseGate:
-    """One pool's gate. ``close_requested``: a ``close()`` was called; an entry in progress reads
-    it to stop pinning, roll back and raise instead of opening a pool nobody wants any more."""
+    """One pool's gate. ``close_requested``: a ``close()`` was called (an entry then rolls back and raises)."""
 
     def __init__(self) -> None:
         self._held: dict[str, Driver] = {}
@@ -62,8 +55,7 @@ class CloseGate:
         driver.done.set()
 
     def enter(self, name: str, describe: str, enter: Callable[[], Steps[None]], exit: Exit) -> Steps[None]:
-        """Run ``enter`` holding the gate. A ``close()`` meanwhile asked it to stop (it rolls back and
-        raises); if it opened all the same, ``exit`` closes it here, and the entry raises."""
+        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` closes it here."""
         mine = Driver(threading.get_ident(), "enter")
         try:
             if self._held.setdefault("driver", mine) is not mine:  # atomic: no handler lands inside it
@@ -85,10 +77,8 @@ class CloseGate:
     def close(
         self, name: str, close: Callable[[], Steps[T]], *, closing: bool, stop_entry: Callable[[], None]
     ) -> Steps[T | None]:
-        """Run ``close`` (an exit, or ``closing``: ``close()``) holding the gate, once another thread
-        that holds it lets go (an entry is asked to stop first); None at once where this very thread
-        holds it: a signal handler, or another task of this thread's event loop, cannot wait for
-        itself, and the entry or teardown in progress on this thread finishes the pool."""
+        """Run ``close`` (an exit, or ``closing``: ``close()``) holding the gate, once another holder lets
+        go (an entry is asked to stop first); None at once where this very thread holds it."""
         if closing:
             self.close_requested = True  # before looking: an entry that ends now still sees it
         mine = Driver(threading.get_ident(), "close")
@@ -130,8 +120,7 @@ class PoolAdmission:
         self.budget: BudgetHold | None = None
 
     def admit(self) -> Generator[RunThreads, Ran, None]:
-        """Wait for this host's pacing to admit the pool: a share of the node budget, then a
-        pinning slot. A wait that fails lets go of whatever it got, and raises."""
+        """Wait for a share of the node budget, then a pinning slot; a failed wait lets go of both and raises."""
         admission = self.admission
         if admission is None:
             return
@@ -174,8 +163,7 @@ class PoolAdmission:
             budget.release()
 
     def keep_budget(self) -> None:
-        """Chunks leaked (their unregister failed): those bytes may still be pinned, so the pool's
-        budget share stays counted while this process lives."""
+        """Chunks leaked (may still be pinned): the budget share stays counted while this process lives."""
         budget, self.budget = self.budget, None
         if budget is not None:
             _KEPT_HOLDS.append(budget)

@@ -155,13 +155,9 @@ class Lifecycle:
             self._driven = False
 
     def _enter(self) -> Steps[None]:
-        if not self.background:
-            try:
-                yield from self.pacing.admit()
-            except BaseException:
-                self._close_empty()
-                raise
         try:
+            if not self.background:
+                yield from self.pacing.admit()
             memory = self.source.acquire()
         except BaseException:
             self._close_empty()
@@ -229,8 +225,8 @@ class Lifecycle:
     # -- how pinning ends: one outcome ----------------------------------------------------------
 
     def _end_pinning(self, session: PinSession, ran: Ran) -> tuple[Outcome, BaseException | None]:
-        """Every pinning thread is done: decide the outcome, open the pool if it is ready, and
-        report an early end. Returns the outcome and the interruption to raise, if any."""
+        """Every pinning thread is done: decide the outcome, open the pool if ready, report an early end;
+        returns the outcome and the interruption to raise, if any."""
         crashed = bool(ran.crashed) or ran.started == 0
         if crashed:
             session.stop(StopCause.FAILURE)
@@ -332,10 +328,8 @@ class Lifecycle:
     def _deliver_in_background(
         self, session: PinSession, outcome: Outcome, error: BaseException | None, ran: Ran
     ) -> Steps[None]:
-        """Background delivery: nothing is unpinned under the body. A failure keeps every registered
-        chunk (the pages below ``pinned_pages`` are in use) until exit; an exit or the entering
-        thread that stopped pinning tears down itself; only a pool nobody can exit (orphaned) is
-        torn down here."""
+        """Background delivery: nothing is unpinned under the body (a failure keeps it all until exit;
+        an exit tears down itself); only a pool nobody can exit (orphaned) is torn down here."""
         if outcome is Outcome.FAILED and error is None:
             # The pool's own figures, from the books at rest (no call in flight): the text and
             # pool.pinned_pages / pinned_bytes / registrations say the same.
@@ -364,8 +358,7 @@ class Lifecycle:
             self._close(session, failures)
 
     def _stop_for_shutdown(self, session: PinSession) -> None:
-        """The interpreter is exiting: stop pinning after the current calls. What is pinned stays
-        pinned for threads still running; the pool's finalizer unpins it once they are done."""
+        """The interpreter is exiting: stop pinning after the current calls (the finalizer unpins)."""
         self.pacing.cancel.set()
         session.stop(StopCause.EXIT)
 
@@ -384,11 +377,9 @@ class Lifecycle:
     def exit(
         self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
     ) -> Steps[BaseException | None]:
-        """Leave the pool: stop background pinning, unpin everything, close the books. Idempotent,
-        from any thread (``gates.CloseGate``); ``closing`` (``pool.close()``): a pool never entered is
-        closed too, one being entered stops, rolls back and raises. ``raise_errors=False`` (a
-        destructor): an unseen pinning or unpinning error is returned instead of raised (logged and
-        counted all the same); interruptions are always re-raised."""
+        """Leave the pool: stop background pinning, unpin everything, close the books; idempotent, from
+        any thread. ``closing`` (``pool.close()``): a new pool is closed too, one being entered rolls
+        back; ``raise_errors=False``: an unseen error is returned, not raised (interruptions are)."""
         if self._pid is not None and os.getpid() != self._pid:
             self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
             return None
@@ -432,9 +423,8 @@ class Lifecycle:
             self._driven = False
 
     def _let_go_in_child(self) -> None:
-        """A forked child exits or closes its copy of the parent's pool: the registrations, the
-        conductor and the worker threads are the parent's (none exists here), so nothing is
-        unregistered or waited for; the child only drops its references."""
+        """A forked child exits or closes its copy of the parent's pool: it only drops its references
+        (the registrations, conductor and workers are the parent's)."""
         session = self.session
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
@@ -496,10 +486,9 @@ class Lifecycle:
         return session.end_teardown(ran.crashed), [*ran.interrupts, *session.take_raised()]
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
-        """Close the books after teardown, and let the memory go unless a chunk leaked (then it is
-        kept mapped and its range stays claimed: part of it may still be pinned). Returns the
-        UnpinError of a pool that had been handed out (after a rollback, unpin failures are
-        reported by the PinError that follows, in its ``leaked``)."""
+        """Close the books after teardown and let the memory go, unless a chunk leaked (then it stays
+        mapped and claimed). Returns the UnpinError of a pool that had been handed out (after a
+        rollback, the PinError that follows reports them in ``leaked``)."""
         memory = self.memory
         handed_out = self._handed_out
         self.tensors = None

@@ -67,8 +67,7 @@ def check_move(current: PoolState, to: PoolState) -> None:
 
 
 class Outcome(enum.Enum):
-    """How one pinning step ended. ``cause`` is the label of ``pinpool_rollbacks_total`` and the
-    ``cause`` field of the ``pool.rollback`` event; only ``failure`` is a failure."""
+    """How one pinning step ended; ``cause``: the ``pinpool_rollbacks_total`` label and ``pool.rollback`` field."""
 
     READY = "ready"  # every chunk pinned: the pool opens
     FAILED = "failed"  # a runtime call failed, a worker crashed, or no thread could be started
@@ -78,16 +77,8 @@ class Outcome(enum.Enum):
 
     @property
     def cause(self) -> str:
-        return _CAUSES[self]
-
-
-_CAUSES = {
-    Outcome.READY: "",
-    Outcome.FAILED: "failure",
-    Outcome.INTERRUPTED: "cancelled",
-    Outcome.EXITED: "exit",
-    Outcome.ORPHANED: "collected",
-}
+        by_value = {"ready": "", "failed": "failure", "interrupted": "cancelled", "exited": "exit"}
+        return by_value.get(self.value, "collected")  # ORPHANED
 
 
 def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orphaned: bool) -> Outcome:
@@ -112,9 +103,9 @@ def deliver_exit(
     interrupts: list[BaseException],
     raise_errors: bool,
 ) -> BaseException | None:
-    """What leaving a pool raises: an interruption first (the errors as notes), else the unseen
-    background failure (the unpin error as a note), else the unpin error; a body's own error
-    gets them as notes instead. ``raise_errors=False`` returns the error instead of raising it."""
+    """What leaving a pool raises: an interruption first, else the unseen background failure, else the
+    unpin error, the others as notes (a body's own error gets them all as notes); ``raise_errors=False``
+    returns it."""
     notes = [f"pinpool: pinning in the background had failed: {failed}"] if failed is not None else []
     notes += [f"pinpool: {unpinned}"] if unpinned is not None else []
     target = interrupts[0] if interrupts else body_error
@@ -149,9 +140,7 @@ def pin_error(
     crashed: bool,
     kept: str | None,
 ) -> PinError:
-    """The PinError of a failed pinning. ``kept``: background pinning keeps what it pinned (the
-    text says which pages); None: the foreground rolled everything back (``leaked``: what could
-    not be unregistered)."""
+    """The PinError of a failed pinning; ``kept``: what a background pool keeps (None: rolled back)."""
     if kept is not None:
         ending = f"; {kept}"
     elif leaked:
@@ -189,10 +178,8 @@ def pin_error(
 def kept_text(
     pages: int, num_pages: int, pinned_bytes: int, registrations: Sequence[Chunk], maybe_bytes: int = 0
 ) -> str:
-    """What a background pool keeps after a failure, in the figures the pool reports: ``pinned_pages``,
-    ``pinned_bytes`` and ``registrations`` (whose bytes exceed the pinned ones by lock-on-fault
-    ranges never faulted: registered, not yet pinned; and by ``maybe_bytes``, ranges whose register
-    call failed untrusted: they may be registered, and are never counted as pinned)."""
+    """What a background pool keeps after a failure, in the pool's own figures (registrations exceed the
+    pinned bytes by lock-on-fault ranges never faulted, and by ``maybe_bytes`` that failed untrusted)."""
     registered = sum(chunk.nbytes for chunk in registrations)
     held = f"{format_bytes(pinned_bytes)} pinned, {len(registrations)} registration(s) of {format_bytes(registered)}"
     unfaulted = registered - pinned_bytes - maybe_bytes
@@ -290,13 +277,9 @@ class Joinable(Protocol):
 
 @dataclass(frozen=True)
 class RunThreads:
-    """Run each body on its own thread and wait for all of them.
-
-    ``interruptible``: an interruption is expected to stop the work early (``on_interrupt``)
-    and, under anyio, cancellation of the caller is noticed while the threads run; otherwise
-    (teardown) the wait is shielded from the start. ``on_tick`` runs on the waiting thread
-    about every 0.1 s while the threads run.
-    """
+    """Run each body on its own thread and wait for all of them. ``interruptible``: an interruption
+    stops the work early (``on_interrupt``); otherwise (teardown) the wait is shielded from the start.
+    ``on_tick`` runs on the waiting thread about every 0.1 s."""
 
     bodies: tuple[Callable[[], object], ...]
     name: str
@@ -308,11 +291,9 @@ class RunThreads:
 
 @dataclass(frozen=True)
 class Detach:
-    """Run ``steps`` (a lifecycle sub-sequence) with the sync driver on a new thread, and return
-    at once: the :class:`Ran` carries its handle (``Ran.detached``), which the lifecycle later
-    waits for with a ``RunThreads`` step over ``handle.join``. ``stop`` asks the sequence to end
-    soon; the driver calls it when the interpreter starts to exit (before Python waits for its
-    threads), so exiting never waits for a whole pool to pin."""
+    """Run ``steps`` with the sync driver on a new thread and return at once (``Ran.detached`` is its
+    handle, joined later with a ``RunThreads``); ``stop``, called as the interpreter starts to exit,
+    asks it to end soon, so exiting never waits for a whole pool to pin."""
 
     steps: Generator[RunThreads | Detach, Ran, None]
     name: str
@@ -321,9 +302,8 @@ class Detach:
 
 @dataclass
 class Ran:
-    """What happened while a step ran: interruptions that arrived (first first), bodies that raised,
-    errors from starting threads (e.g. the host is out of threads), and for :class:`Detach` the
-    handle of the thread (accounted for even when starting it was interrupted)."""
+    """What happened while a step ran: interruptions (first first), bodies that raised, errors starting
+    threads, and for :class:`Detach` the thread's handle (even when starting it was interrupted)."""
 
     interrupts: list[BaseException] = field(default_factory=list)
     crashed: list[BaseException] = field(default_factory=list)

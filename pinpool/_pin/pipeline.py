@@ -77,6 +77,21 @@ class _Out:
     left: int
 
 
+def take_batch(take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
+    """Consecutive items up to BATCH_BYTES / BATCH_ITEMS and this worker's ``share`` of what waits,
+    pinning or unpinning, so tiny chunks cost one lock hand-off per batch, not per chunk."""
+    items: list[T] = []
+    nbytes = 0
+    most = min(BATCH_ITEMS, max(1, share))
+    while nbytes < BATCH_BYTES and len(items) < most:
+        item = take()
+        if item is None or item is WAIT:
+            break
+        items.append(item)
+        nbytes += size(item)
+    return items
+
+
 def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> SpanTable:
     """Every chunk cut into spans of at most ``span_bytes`` from its start, lazily (a :class:`SpanTable`)."""
     return SpanTable(chunks, span_bytes)
@@ -152,13 +167,13 @@ class Pipeline:
         if self._register_batches < self.register_workers:
             waiting = len(self._ready) if self.order is Order.POPULATE_FIRST else self.ledger.pending
             share = -(-waiting // self.register_workers)
-            indices = self._batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
+            indices = take_batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
             if indices:
                 self._register_batches += 1
                 return self._hand_out("register", indices)
         if self._populate_batches < self.populate_workers:
             share = -(-(len(self.spans) - self._next_span) // self.populate_workers)
-            spans = self._batch(self.next_populate, lambda span: span.nbytes, share)
+            spans = take_batch(self.next_populate, lambda span: span.nbytes, share)
             if spans:
                 self._populate_batches += 1
                 return self._hand_out("populate", spans)
@@ -169,19 +184,6 @@ class Pipeline:
         for item in items:
             self._out[item] = out
         return Batch(role, tuple(items))
-
-    def _batch(self, take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
-        """Consecutive items up to BATCH_BYTES / BATCH_ITEMS and this worker's ``share`` of what waits."""
-        items: list[T] = []
-        nbytes = 0
-        most = min(BATCH_ITEMS, max(1, share))
-        while nbytes < BATCH_BYTES and len(items) < most:
-            item = take()
-            if item is None or item is WAIT:
-                break
-            items.append(item)
-            nbytes += size(item)
-        return items
 
     def next_populate(self) -> Span | _Wait | None:
         """The next span to fault, ``None`` when this role is done, or ``WAIT``."""

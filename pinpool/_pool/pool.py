@@ -173,7 +173,6 @@ class PinnedPool:
             given["size"] = source.numel() * source.element_size()
         options = PoolOptions.create(**{name: given[name] for name in _CREATE if name in given})
         pacing = NodePacing.from_options(**{name: given[name] for name in _PACING if name in given})
-        background = options.background
         check_memory_source(memory, options)
         host = HostFacts.probe()
         if memory is not None:
@@ -212,20 +211,15 @@ class PinnedPool:
             admission = NodeAdmission(pacing, label=name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
         self._memory_source = memory
-        self._lifecycle = self._make_lifecycle(background, admission, source, on_progress)
+        self._lifecycle = self._make_lifecycle(admission, source, on_progress)
         # The finalizer holds the lifecycle, never the façade, so an unexited pool can be collected.
         self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
 
     def _make_lifecycle(
-        self,
-        background: bool,
-        admission: NodeAdmission | None,
-        source: torch.Tensor | None,
-        on_progress: ProgressCallback | None,
+        self, admission: NodeAdmission | None, source: torch.Tensor | None, on_progress: ProgressCallback | None
     ) -> Lifecycle:
         """The lifecycle holds values, never ``self``: the finalizer runs it after the façade is gone."""
         options = self._options
-        assert background is options.background, (background, options.background)
         memory = PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
         return Lifecycle(
             self._plan, options, runtime=self._runtime, caps=self._caps, observer=self._observer, source=memory,
@@ -265,14 +259,12 @@ class PinnedPool:
 
     @property
     def error(self) -> BaseException | None:
-        """Why background pinning failed (state ``failed``), else None. Reading it counts as
-        having seen it: leaving the block then does not raise it again."""
+        """Why background pinning failed (state ``failed``), else None; once read, exit does not raise it."""
         return self._lifecycle.take_error()
 
     @property
     def pinned_pages(self) -> int:
-        """Layout pages ``[0, k)`` pinned now in every buffer: what a server may use while the
-        pool pins in the background (``num_pages`` once ready, 0 before entering and after exit)."""
+        """Layout pages ``[0, k)`` pinned now in every buffer: what a background pool's body may use."""
         return self._lifecycle.pinned_pages
 
     def _pages_for(self, min_bytes: int | str | None, fraction: float | None) -> int | None:
