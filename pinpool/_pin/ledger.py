@@ -56,15 +56,15 @@ class Ledger:
         self.released_elsewhere: list[Chunk] = []  # found released by someone else: unregistered, not leaked
         self.maybe: set[Chunk] = set()  # failed untrusted (engine.untrusted_call): undone at teardown, never pinned
         self._next = 0
-        self._in_flight = 0
-        self._registered_bytes = 0
-        self._registered_chunks = 0  # counted, not summed: progress is read every tick
+        self.in_flight = 0
+        self.registered_bytes = 0  # chunks that count whole now, and leaked ones (maybe still pinned)
+        self.chunks_done = 0  # counted, not summed: progress is read every tick
         # Bytes pinned of chunks that do not count whole (yet, or ever): registered pieces, faulted
         # spans under lock-on-fault. Pinned as surely as a whole chunk, they count until it is
         # unregistered, also when it failed or stopped part-way (pinned_bytes).
         self._part_bytes: dict[int, int] = {}
         self._part_total = 0
-        self._pending = len(self.chunks)
+        self.pending = len(self.chunks)  # not yet handed out (nor failed before their registration)
 
     # -- pinning ---------------------------------------------------------------------------
 
@@ -79,8 +79,8 @@ class Ledger:
         index = self._next
         self._next += 1
         self.states[index] = ChunkState.IN_FLIGHT
-        self._in_flight += 1
-        self._pending -= 1
+        self.in_flight += 1
+        self.pending -= 1
         return index
 
     def claim_index(self, index: int) -> None:
@@ -90,16 +90,16 @@ class Ledger:
         if self.states[index] is not ChunkState.PENDING:
             raise LedgerError(f"claim of chunk {index}, which is {self.states[index].value}")
         self.states[index] = ChunkState.IN_FLIGHT
-        self._in_flight += 1
-        self._pending -= 1
+        self.in_flight += 1
+        self.pending -= 1
 
     def unclaim(self, index: int) -> None:
         """A claimed chunk whose call was never made (its worker's batch stopped): pending again."""
         if self.states[index] is not ChunkState.IN_FLIGHT:
             raise LedgerError(f"unclaim of chunk {index}, which is {self.states[index].value}")
         self.states[index] = ChunkState.PENDING
-        self._in_flight -= 1
-        self._pending += 1
+        self.in_flight -= 1
+        self.pending += 1
         self._next = min(self._next, index)
 
     def registered(self, index: int, *, faulting: bool = False) -> None:
@@ -120,8 +120,8 @@ class Ledger:
 
     def _count_whole(self, index: int) -> None:
         self._drop_part(index)  # from here the chunk counts whole
-        self._registered_bytes += self.chunks[index].nbytes
-        self._registered_chunks += 1
+        self.registered_bytes += self.chunks[index].nbytes
+        self.chunks_done += 1
 
     def pinned_part(self, index: int, nbytes: int) -> None:
         """``nbytes`` more of chunk ``index`` are pinned, before (or without) the chunk counting whole."""
@@ -173,7 +173,7 @@ class Ledger:
         state = self.states[index]
         if state is ChunkState.PENDING:
             self.states[index] = ChunkState.FAILED
-            self._pending -= 1
+            self.pending -= 1
         elif state not in (ChunkState.FAULTING, ChunkState.FAILED):  # FAILED: another of its spans failed too
             raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
         self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
@@ -193,39 +193,21 @@ class Ledger:
         if self.states[index] is not ChunkState.IN_FLIGHT:
             raise LedgerError(f"chunk {index} landed as {state.value} but was {self.states[index].value}")
         self.states[index] = state
-        self._in_flight -= 1
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    @property
-    def pending(self) -> int:
-        """Chunks not yet handed out (nor failed before their registration)."""
-        return self._pending
-
-    @property
-    def registered_bytes(self) -> int:
-        """Bytes of the chunks that count whole now, and of leaked ones (maybe still pinned)."""
-        return self._registered_bytes
+        self.in_flight -= 1
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes pinned now: the one figure of ``pool.pinned_bytes``, the gauge and a failure's text
         (whole chunks plus the parts of others); the page prefix is told of the same ranges."""
-        return self._registered_bytes + self._part_total
-
-    @property
-    def chunks_done(self) -> int:
-        return self._registered_chunks
+        return self.registered_bytes + self._part_total
 
     def finish_pinning(self) -> Phase:
         """Close the pinning phase once no call is in flight; PINNED only if every chunk registered."""
         if self.phase is not Phase.PINNING:
             raise LedgerError(f"finish_pinning in phase {self.phase.value}")
-        if self._in_flight:
-            raise LedgerError(f"finish_pinning with {self._in_flight} chunks still in flight")
-        complete = self._registered_chunks == len(self.chunks)
+        if self.in_flight:
+            raise LedgerError(f"finish_pinning with {self.in_flight} chunks still in flight")
+        complete = self.chunks_done == len(self.chunks)
         # A cancellation after the last chunk landed still wins: quick workers don't open the body.
         self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK
         return self.phase
@@ -238,7 +220,7 @@ class Ledger:
         for index, state in enumerate(self.states):
             if state is ChunkState.IN_FLIGHT:
                 self.states[index] = ChunkState.FAILED
-        self._in_flight = 0
+        self.in_flight = 0
         if self.stop_cause is None:
             self.stop_cause = StopCause.FAILURE
         self.phase = Phase.ROLLED_BACK
@@ -270,12 +252,12 @@ class Ledger:
         self.states[index] = state
         nbytes = self.chunks[index].nbytes
         if was is ChunkState.REGISTERED:
-            self._registered_chunks -= 1
+            self.chunks_done -= 1
         if state is ChunkState.UNREGISTERED and was is ChunkState.REGISTERED:
-            self._registered_bytes -= nbytes
+            self.registered_bytes -= nbytes
         elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:
             # A leaked chunk may well still be pinned: count all it registered.
-            self._registered_bytes += sum(piece.nbytes for piece in self.pieces.get(index, (self.chunks[index],)))
+            self.registered_bytes += sum(piece.nbytes for piece in self.pieces.get(index, (self.chunks[index],)))
         self._drop_part(index)  # unregistered: nothing of it pinned; leaked: counted above
 
     def close(self) -> None:

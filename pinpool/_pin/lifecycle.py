@@ -187,9 +187,7 @@ class Lifecycle:
             self._handed_out = True
             return
         # Foreground delivery: the body never ran, so everything is rolled back, then raised.
-        self._move(PoolState.CLOSING)
-        failures, interrupts = yield from self._teardown(session)
-        self._close(session, failures)
+        _, interrupts = yield from self._unpin_all(session)
         if outcome is Outcome.FAILED:
             failed = self._failure(session, ran, kept=None)
             if interrupts:  # an interruption during the rollback still propagates: it was asked for
@@ -254,7 +252,7 @@ class Lifecycle:
             if outcome is Outcome.READY:
                 self._move(PoolState.READY)
                 return outcome, None
-        kept = session.pipeline.pinned_bytes if self.background and outcome is not Outcome.ORPHANED else 0
+        kept = session.ledger.pinned_bytes if self.background and outcome is not Outcome.ORPHANED else 0
         self.observer.rollback(cause=outcome.cause, registered_chunks=session.ledger.chunks_done, kept_bytes=kept)
         return outcome, interruption
 
@@ -276,9 +274,7 @@ class Lifecycle:
             self.tensors = self.source.views(self.memory)  # pages [0, pinned_pages) are usable at once
         except BaseException:
             session.stop(StopCause.CANCELLED)
-            self._move(PoolState.CLOSING)
-            failures, _ = yield from self._teardown(session)
-            self._close(session, failures)
+            yield from self._unpin_all(session)
             raise
         self._conducting = True
         ran = yield Detach(
@@ -290,18 +286,14 @@ class Lifecycle:
         if not problems:
             self._handed_out = True
             return
-        # The conductor could not be started, or an interrupt landed in Thread.start: it either
-        # never runs or runs (maybe waiting for node pacing) and is stopped and waited for; then
-        # whatever it pinned is undone (the body never ran).
-        # Nothing else closes the pool meanwhile: while it is being entered, exit refuses and the
-        # finalizer keeps off (``_driven``), so the conductor cannot have been orphaned.
+        # The conductor could not start, or an interrupt landed in Thread.start: it is stopped and
+        # waited for, and what it pinned undone. It cannot be orphaned: exit refuses and the
+        # finalizer keeps off (``_driven``) while the pool is being entered.
         first = problems[0]
         yield from self._stop_conductor(session, StopCause.CANCELLED)
         with self._lock:
             self._conducting = False
-        self._move(PoolState.CLOSING)
-        failures, _ = yield from self._teardown(session)
-        self._close(session, failures)
+        yield from self._unpin_all(session)
         if isinstance(first, Exception):
             raise thread_start_error(self.describe, first)
         raise first
@@ -333,7 +325,7 @@ class Lifecycle:
         if outcome is Outcome.FAILED and error is None:
             # The pool's own figures, from the books at rest (no call in flight): the text and
             # pool.pinned_pages / pinned_bytes / registrations say the same.
-            pages, pinned = session.prefix.pages, session.pipeline.pinned_bytes
+            pages, pinned = session.prefix.pages, session.ledger.pinned_bytes
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
             error = self._failure(session, ran, kept=kept)
@@ -353,9 +345,7 @@ class Lifecycle:
             assert error is not None
             self.observer.failed_in_background(error)
         elif action == "teardown":
-            self._move(PoolState.CLOSING)
-            failures, _ = yield from self._teardown(session)
-            self._close(session, failures)
+            yield from self._unpin_all(session)
 
     def _stop_for_shutdown(self, session: PinSession) -> None:
         """The interpreter is exiting: stop pinning after the current calls (the finalizer unpins)."""
@@ -414,10 +404,8 @@ class Lifecycle:
             if self.background:
                 interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
             failed = self.take_error(unseen=True) if self.state is PoolState.FAILED else None
-            self._move(PoolState.CLOSING)
-            failures, more = yield from self._teardown(session)
+            unpinned, more = yield from self._unpin_all(session)
             interrupts += more
-            unpinned = self._close(session, failures)
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
             self._driven = False
@@ -476,14 +464,17 @@ class Lifecycle:
 
     # -- teardown ----------------------------------------------------------------------------------
 
-    def _teardown(
-        self, session: PinSession
-    ) -> Generator[RunThreads, Ran, tuple[tuple[ChunkFailure, ...], list[BaseException]]]:
-        bodies = session.begin_teardown()
-        ran = yield RunThreads(bodies=bodies, name=f"pinpool-{self.name}-unpin")
-        # What the runtime raised on a worker that is no Exception (SystemExit, KeyboardInterrupt)
-        # is raised as itself once the books are closed, as an interruption here would be.
-        return session.end_teardown(ran.crashed), [*ran.interrupts, *session.take_raised()]
+    def _unpin_all(
+        self, session: PinSession, *, move: bool = True
+    ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
+        """Teardown or rollback: unregister everything, then :meth:`_close`; returns its UnpinError and
+        the interruptions, with what the runtime raised that is no Exception (raised as itself later)."""
+        if move:
+            self._move(PoolState.CLOSING)
+        ran = yield RunThreads(bodies=session.begin_teardown(), name=f"pinpool-{self.name}-unpin")
+        failures = session.end_teardown(ran.crashed)
+        interrupts = [*ran.interrupts, *session.take_raised()]
+        return self._close(session, failures), interrupts
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books after teardown and let the memory go, unless a chunk leaked (then it stays
@@ -519,7 +510,7 @@ class Lifecycle:
             session.stop(StopCause.CANCELLED)
         if self.on_progress is not None and session is not None:
             ledger = session.ledger
-            self.on_progress(session.pipeline.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
+            self.on_progress(session.ledger.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
 
     # -- the finalizer -------------------------------------------------------------------------------
 
@@ -553,10 +544,9 @@ class Lifecycle:
         try:
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
-            pinned = session.pipeline.pinned_bytes
+            pinned = session.ledger.pinned_bytes
             # Unpin first: a warning turned into an error must not keep memory pinned.
-            failures, _interrupts = yield from self._teardown(session)
-            self._close(session, failures)  # nobody to raise to: logged and counted
+            yield from self._unpin_all(session, move=False)  # nobody to raise to: logged and counted
         finally:
             self._driven = False
         if unseen is not None:

@@ -355,18 +355,10 @@ class Pipeline:
         if self.prefix is not None:
             self.prefix.cover(pinned.offset, pinned.end)
 
-    @property
-    def pinned_bytes(self) -> int:
-        """:attr:`Ledger.pinned_bytes`."""
-        return self.ledger.pinned_bytes
-
     def _leave_window(self, index: int) -> None:
         if index in self._window:
             self._window.remove(index)
             self._window_bytes -= self.ledger.chunks[index].nbytes
-
-    def cancel(self) -> None:
-        self.ledger.cancel()
 
     def finish(self) -> Phase:
         """Close pinning once nothing is in flight; PINNED only if every chunk is registered and faulted."""

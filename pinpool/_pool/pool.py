@@ -66,16 +66,12 @@ class PinnedPool:
       huge_pages: ``True``: transparent huge pages; ``"hugetlb"``: pages from the hugetlb pool.
       numa_node: bind the memory to this NUMA node (mbind) before any of it is faulted.
       name: the pool's name in logs, metrics and errors.
-      min_chunk_bytes, max_retries, retry_codes: a registration failing with one of ``retry_codes``
-        is retried as aligned halves, down to ``min_chunk_bytes``, at most ``max_retries`` levels.
-      max_call_seconds: the stall budget: no registration or populate call longer than this
-        (``"auto"``: 50 ms for a background pool, none otherwise); docs/serving.md.
+      min_chunk_bytes, max_retries, retry_codes: retry a failed registration as aligned halves.
+      max_call_seconds: the stall budget: no registration or populate call longer (docs/serving.md).
       background: the body runs while the pool pins (lowest pages first); ``pool.pinned_pages``
         and ``await pool.wait_ready(...)`` tell what is usable, ``pool.error`` why it failed.
-      pin_nice: how much nicer than the process the pin workers run (``"auto"``: 10 in the
-        background, else 0); docs/serving.md.
-      node_slots, node_budget, node_dir, node_wait: node pacing across the processes of one
-        host: at most ``node_slots`` pin at once, all together hold at most ``node_budget``.
+      pin_nice: how much nicer than the process the pin workers run (docs/serving.md).
+      node_slots, node_budget, node_dir, node_wait: pacing the processes of one host (slots, a byte budget).
       registry: the prometheus_client ``CollectorRegistry`` for the pool's metrics (None: none).
       logger: a structlog bound logger for the pool's events.
       on_progress: ``callable(pinned_bytes, total_bytes, chunks_done, chunks_total)``, about every 100 ms.
@@ -349,7 +345,7 @@ class PinnedPool:
         """Bytes pinned right now (moving within a chunk under lock-on-fault); 0 before entry and
         after exit; after a background failure, what stays pinned until exit (docs/serving.md)."""
         session = self._lifecycle.session
-        return 0 if session is None else session.pipeline.pinned_bytes
+        return 0 if session is None else session.ledger.pinned_bytes
 
     @property
     def registrations(self) -> tuple[Chunk, ...]:

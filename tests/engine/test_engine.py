@@ -100,14 +100,14 @@ def test_a_paced_span_under_lock_on_fault_counts_each_part_as_it_is_locked() -> 
 
     def before(op: str, _ptr: int, _nbytes: int) -> None:
         if op == "populate":
-            seen.append(box[0].pipeline.pinned_bytes)
+            seen.append(box[0].ledger.pinned_bytes)
 
     fake = FakeRuntime(lock_on_fault=True, before_call=before)
     box.append(session_of(fake, **PACED))
     session = box[0]
     assert pin(session) is Phase.PINNED
     assert len(seen) >= 3 and seen[:2] == [0, 16 * MiB] and seen == sorted(set(seen))  # part by part, as locked
-    assert session.pipeline.pinned_bytes == 256 * MiB and session.prefix.pages == session.prefix.num_pages
+    assert session.ledger.pinned_bytes == 256 * MiB and session.prefix.pages == session.prefix.num_pages
     assert unpin(session) == () and fake.registered == {}
 
 

@@ -154,7 +154,7 @@ def test_finish_raises_while_a_populate_is_in_flight() -> None:
             pipeline.land(Landing(pipeline.next_register()))  # type: ignore[arg-type]
         span = pipeline.next_populate()
         assert isinstance(span, Span)
-        pipeline.cancel()  # not even a stopped pipeline may close with a call out
+        pipeline.ledger.cancel()  # not even a stopped pipeline may close with a call out
         with pytest.raises(LedgerError, match="populate calls in flight"):
             pipeline.finish()
         assert pipeline.ledger.phase is Phase.PINNING
@@ -242,7 +242,7 @@ def test_cancel_stops_every_role_and_rolls_back() -> None:
         pipeline = Pipeline(make_chunks([4, 4]), order=order, span_bytes=2, lookahead_bytes=8)
         index = pipeline.next_register() if order is not Order.POPULATE_FIRST else None
         assert index in (0, None)
-        pipeline.cancel()
+        pipeline.ledger.cancel()
         assert pipeline.stopped
         assert pipeline.next_register() is None and pipeline.next_populate() is None
         if isinstance(index, int):
@@ -275,19 +275,19 @@ def test_a_chunk_stopped_between_its_pieces_is_undone_and_is_not_a_failure() -> 
     assert pipeline.next_register() == 0
     pipeline.land(Landing(0, pieces=(Chunk(0, 2),), partial=True))  # progress: pinned before it lands
     pipeline.land(Landing(0, pieces=(Chunk(2, 3),), partial=True))
-    assert pipeline.pinned_bytes == 5
-    pipeline.cancel()
+    assert pipeline.ledger.pinned_bytes == 5
+    pipeline.ledger.cancel()
     pipeline.land(Landing(0, stopped=True, pieces=(Chunk(0, 2), Chunk(2, 3))))
     assert pipeline.in_flight == 0 and pipeline.ledger.failures == []
     assert pipeline.ledger.states == [ChunkState.FAULTING, ChunkState.PENDING]  # to undo, never pinned
     assert pipeline.ledger.pieces == {0: (Chunk(0, 2), Chunk(2, 3))}
-    assert pipeline.pinned_bytes == 5  # still registered, so still pinned
+    assert pipeline.ledger.pinned_bytes == 5  # still registered, so still pinned
     assert pipeline.ledger.registered_bytes == 0 and pipeline.ledger.chunks_done == 0  # never whole
     assert pipeline.finish() is Phase.ROLLED_BACK
-    assert pipeline.pinned_bytes == 5
+    assert pipeline.ledger.pinned_bytes == 5
     assert pipeline.ledger.teardown_order() == [0]
     pipeline.ledger.unregistered(0)
-    assert pipeline.pinned_bytes == 0
+    assert pipeline.ledger.pinned_bytes == 0
 
 
 @pytest.mark.parametrize("stopped", [False, True])
@@ -304,19 +304,19 @@ def test_pieces_of_a_chunk_that_failed_count_all_of_them_until_unregistered(stop
     halves = (Chunk(offset, 3 * UNIT), Chunk(offset + 3 * UNIT, UNIT))  # never reported as progress
     failure = RuntimeCallError(op="register", code=2, reason="oom", message="injected", ptr=0, nbytes=1)
     if stopped:
-        pipeline.cancel()
+        pipeline.ledger.cancel()
         pipeline.land(Landing(1, stopped=True, pieces=halves))
     else:
         pipeline.land(Landing(1, failure, pieces=halves))
-    assert pipeline.pinned_bytes == 12 * UNIT
+    assert pipeline.ledger.pinned_bytes == 12 * UNIT
     assert covered.units == set(range(12))
     pipeline.finish()
-    assert pipeline.pinned_bytes == 12 * UNIT  # a background pool keeps them until it is exited
+    assert pipeline.ledger.pinned_bytes == 12 * UNIT  # a background pool keeps them until it is exited
     for index in pipeline.ledger.teardown_order():
         pipeline.ledger.unregistered(index)
-    assert pipeline.pinned_bytes == 0
+    assert pipeline.ledger.pinned_bytes == 0
     pipeline.ledger.close()
-    assert pipeline.pinned_bytes == 0
+    assert pipeline.ledger.pinned_bytes == 0
 
 
 def test_a_leaked_chunk_of_pieces_counts_the_pieces_it_registered() -> None:
@@ -326,9 +326,9 @@ def test_a_leaked_chunk_of_pieces_counts_the_pieces_it_registered() -> None:
     pipeline.land(Landing(0, failure, pieces=(Chunk(0, 3),)))
     pipeline.finish()
     pipeline.ledger.unregister_failed(0, failure)
-    assert pipeline.pinned_bytes == 3  # may still be pinned: counted, once
+    assert pipeline.ledger.pinned_bytes == 3  # may still be pinned: counted, once
     pipeline.ledger.close()
-    assert pipeline.pinned_bytes == 3
+    assert pipeline.ledger.pinned_bytes == 3
 
 
 def test_finishing_before_anything_ran_rolls_back() -> None:
@@ -513,7 +513,7 @@ class Simulation:
                 )
                 return
             if cancel_at is not None and steps == cancel_at:
-                self.pipeline.cancel()
+                self.pipeline.ledger.cancel()
                 self.stop(StopCause.CANCELLED)
                 self.wake()
             worker = self.data.draw(st.sampled_from(actionable), label="who acts")
@@ -752,10 +752,10 @@ class Simulation:
         assert pipeline.in_flight == out, "in_flight counts every handed-out item not yet landed"
         pinned = sum(self.chunks[i].nbytes for i in self.pinned())
         ahead = sum(len(u) for i, u in self.progress.items() if i not in self.pinned()) * UNIT
-        assert pipeline.pinned_bytes == pinned + ahead
+        assert pipeline.ledger.pinned_bytes == pinned + ahead
         # One source of truth (issue 22): until teardown, what is counted pinned is exactly what the
         # prefix was told of, however pinning ended (a failure or stop mid-chunk included).
-        assert pipeline.pinned_bytes == len(self.pinned_units) * UNIT
+        assert pipeline.ledger.pinned_bytes == len(self.pinned_units) * UNIT
         if self.covered is not None:
             assert self.covered.units == self.pinned_units, "the prefix hears of every pinned range, and nothing else"
 
@@ -802,18 +802,18 @@ class Simulation:
         ledger = self.pipeline.ledger
         leaked = 0
         for index in ledger.teardown_order():
-            before = self.pipeline.pinned_bytes
+            before = self.pipeline.ledger.pinned_bytes
             counted = self.chunks[index].nbytes if index in self.pinned() else len(self.progress.get(index, ())) * UNIT
             if self.data.draw(st.integers(0, 9), label="unregister fails") == 0:
                 ledger.unregister_failed(index, error("unregister"))
                 registered = self.pieces.get(index, (self.chunks[index],))
                 leaked += sum(piece.nbytes for piece in registered)
-                assert self.pipeline.pinned_bytes == before - counted + sum(piece.nbytes for piece in registered)
+                assert self.pipeline.ledger.pinned_bytes == before - counted + sum(piece.nbytes for piece in registered)
             else:
                 ledger.unregistered(index)
-                assert self.pipeline.pinned_bytes == before - counted
+                assert self.pipeline.ledger.pinned_bytes == before - counted
         ledger.close()
-        assert self.pipeline.pinned_bytes == leaked
+        assert self.pipeline.ledger.pinned_bytes == leaked
 
 
 @pytest.mark.parametrize("mode", ["roles", "work"])
