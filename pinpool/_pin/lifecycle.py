@@ -22,7 +22,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Generator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnpinError
 from .._node.pacing import NodeAdmission
@@ -56,20 +56,11 @@ if TYPE_CHECKING:
     from .._plan.plan import PoolPlan
     from .._types import Capabilities
     from ..runtimes import Runtime
+    from .memory_source import PoolMemory
 
-__all__ = ["Lifecycle", "MemorySource", "PoolState", "ProgressCallback"]
+__all__ = ["Lifecycle", "PoolState", "ProgressCallback"]
 
 ProgressCallback = Callable[[int, int, int, int], object]
-
-
-class MemorySource(Protocol):
-    """Where a pool's memory comes from (``memory_source.PoolMemory``): it holds values, never the façade."""
-
-    def acquire(self) -> Memory: ...  # map the memory (or take the caller's tensor) and claim its range
-
-    def views(self, memory: Memory) -> Mapping[str, Any]: ...  # the layout's tensors over it
-
-    def release(self) -> None: ...  # let go of a caller's tensor, once closed
 
 
 class Lifecycle:
@@ -85,7 +76,7 @@ class Lifecycle:
         runtime: Runtime,
         caps: Capabilities,
         observer: Observer,
-        source: MemorySource,
+        source: PoolMemory,
         admission: NodeAdmission | None = None,
         on_progress: ProgressCallback | None = None,
         created_at: tuple[str, int] = ("<unknown>", 0),

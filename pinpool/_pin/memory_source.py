@@ -84,8 +84,8 @@ def claim(
 
 
 class PoolMemory:
-    """The lifecycle's :class:`~pinpool._pin.lifecycle.MemorySource`. A caller's tensor is held only
-    here, and let go once the pool is closed, so after ``close()`` the caller's mmap can close."""
+    """A pool's memory for its lifecycle; it holds values, never the façade. A caller's tensor is held
+    only here, and let go once the pool is closed, so after ``close()`` the caller's mmap can close."""
 
     def __init__(
         self, plan: PoolPlan, options: PoolOptions, runtime: Runtime, caps: Capabilities, *,

@@ -292,10 +292,6 @@ class SpanTable(_LazyTable[Span]):
         self._len = total
         self._cache = {}
 
-    def spans_in(self, nbytes: int) -> int:
-        """How many spans a chunk of ``nbytes`` is cut into."""
-        return -(-nbytes // self.span_bytes)
-
     @property
     def nbytes(self) -> int:
         """The bytes of all spans together (those of all chunks)."""
