@@ -121,7 +121,7 @@ def child(args: argparse.Namespace) -> None:
         time.sleep(min(max(args.idle_seconds, pin_end - pin_start), 4 * args.idle_seconds))
         stop.set()
         server.join()
-        workers = (pool.populate_workers, pool.register_workers, pool.threads)
+        workers = (pool.plan.populate_workers, pool.plan.register_workers, pool.plan.threads)
     after = pin_end + 0.2  # the pool's last books and the workers' exit
     idle = [s for t0, s in latencies if (t0 + s <= idle_end) or t0 >= after]
     pinning = [s for t0, s in latencies if t0 >= pin_start and t0 + s <= pin_end]

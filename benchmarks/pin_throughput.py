@@ -77,11 +77,12 @@ class Bench:
         self.cpus = available_cpus()
         probe = pinpool.PinnedPool(size=size, runtime=runtime, registry=None)  # planned, never entered
         self.runtime_kind = probe.runtime.name
-        self.default_chunks = probe.chunks
+        self.default_chunks = probe.plan.chunks
         self.default_description = (
-            f"{len(probe.chunks)} chunks of <= {format_bytes(probe.chunk_bytes)}, order {probe.order.value}, "
-            f"{probe.populate_workers} populate + {probe.register_workers} register threads, "
-            f"{probe.unpin_workers} unpin threads"
+            f"{len(probe.plan.chunks)} chunks of <= {format_bytes(probe.plan.chunk_bytes)}, "
+            f"order {probe.plan.order.value}, "
+            f"{probe.plan.populate_workers} populate + {probe.plan.register_workers} register threads, "
+            f"{probe.plan.unpin_workers} unpin threads"
         )
         self.configs = self._configs(huge_pages)
         if only:
@@ -255,8 +256,8 @@ def stalls(size: int, runtime: str, chunk_sizes: Sequence[int]) -> list[dict[str
         with pool:
             pass
         rows.append({
-            "chunk_bytes": pool.chunk_bytes,
-            "chunks": len(pool.chunks),
+            "chunk_bytes": pool.plan.chunk_bytes,
+            "chunks": len(pool.plan.chunks),
             "longest_register_s": max(timed.register_seconds),
             "median_register_s": statistics.median(timed.register_seconds),
             "pin_gbps": size / pool.pin_seconds / 1e9,

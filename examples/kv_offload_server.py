@@ -154,7 +154,7 @@ class KVOffload:
         self.slices = page_slices(pool.layout, pool.num_pages)
         # One page on the device: a request's bytes land here before they go to the pool, and a
         # page read from the pool passes through here (as a GPU KV cache page would).
-        self.staging = torch.empty(pool.page_bytes, dtype=torch.uint8, device=device)
+        self.staging = torch.empty(pool.plan.page_bytes, dtype=torch.uint8, device=device)
 
     def _host_page(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(pool slice, staging slice) pairs of page ``i`` as contiguous bytes, one per run of
@@ -192,7 +192,7 @@ def pool_status(pool: pinpool.PinnedPool) -> dict[str, Any]:
         "pinned_pages": pool.pinned_pages,
         "num_pages": pool.num_pages,
         "nbytes": pool.nbytes,
-        "page_bytes": pool.page_bytes,
+        "page_bytes": pool.plan.page_bytes,
     }
 
 
@@ -250,7 +250,7 @@ def create_app(
                 stopping.refused = error
                 raise
             log(
-                f"pinning {pool.nbytes} bytes ({pool.num_pages} pages of {pool.page_bytes} bytes, "
+                f"pinning {pool.nbytes} bytes ({pool.num_pages} pages of {pool.plan.page_bytes} bytes, "
                 f"layout {pool.layout.name}, runtime {pool.runtime.name}, device {device}) in the background"
             )
             async with anyio.create_task_group() as tg:
@@ -299,12 +299,12 @@ def create_app(
         i = request.path_params["i"]
         if (refusal := refuse(i, writing=True)) is not None:
             return refusal
-        body = await read_body(request, pool.page_bytes, stopping)
+        body = await read_body(request, pool.plan.page_bytes, stopping)
         if isinstance(body, Response):
             return body
-        if len(body) != pool.page_bytes:
+        if len(body) != pool.plan.page_bytes:
             return JSONResponse(
-                {"error": f"the body must be exactly one page: {pool.page_bytes} bytes", "got": len(body)},
+                {"error": f"the body must be exactly one page: {pool.plan.page_bytes} bytes", "got": len(body)},
                 status_code=400,
             )
         if (refusal := refuse(i, writing=True)) is not None:  # the pool may have failed or closed meanwhile

@@ -44,9 +44,9 @@ def vm_locked_bytes() -> int:
 
 def report(what: str, tensor: torch.Tensor, pinned: pinpool.PinnedPool, locked: int) -> None:
     print(
-        f"{what}: pinned {pinned.pinned_bytes} bytes in {len(pinned.chunks)} chunk(s) with runtime "
+        f"{what}: pinned {pinned.pinned_bytes} bytes in {len(pinned.plan.chunks)} chunk(s) with runtime "
         f"{pinned.runtime.name!r}; the tensor starts {tensor.data_ptr() % PAGE} B into an OS page; "
-        f"granularity {pinned.granularity}; VmLck +{locked} bytes"
+        f"granularity {pinned.plan.granularity}; VmLck +{locked} bytes"
     )
 
 
@@ -73,7 +73,7 @@ def pin_page_aligned_kv(nbytes: int, runtime: str) -> None:
         kv, granularity_bytes=layer_num * page_bytes, runtime=runtime, chunk_bytes=nbytes // 4, name="kv"
     ) as pinned:
         assert pinned.tensor.shape == kv.shape and pinned.tensor.data_ptr() == kv.data_ptr()
-        assert all(chunk.offset % (layer_num * page_bytes) == 0 for chunk in pinned.chunks)  # whole copy pages
+        assert all(chunk.offset % (layer_num * page_bytes) == 0 for chunk in pinned.plan.chunks)  # whole copy pages
         kv[-1].fill_(7)  # use it while pinned
         report("page-aligned kv", kv, pinned, vm_locked_bytes() - before)
     print(f"page-aligned kv: unpinned, tensor kept; VmLck back to +{vm_locked_bytes() - before} bytes")

@@ -46,10 +46,11 @@ async def main(size: str, runtime: str) -> None:
         assert int(host[::4096].sum()) == 7 * len(host[::4096])
         pinned = vm_locked_bytes()
         print(
-            f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) in {len(pool.chunks)} chunk(s) "
+            f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) "
+            f"in {len(pool.plan.chunks)} chunk(s) "
             f"with runtime {pool.runtime.name!r} in {pool.pin_seconds:.3f} s"
         )
-        for chunk in pool.chunks:  # one registration call each; offsets are multiples of 2 MiB
+        for chunk in pool.plan.chunks:  # one registration call each; offsets are multiples of 2 MiB
             print(f"  chunk at +{chunk.offset / MiB:.0f} MiB, {chunk.nbytes / MiB:.0f} MiB")
         print(f"wrote:  {host.numel()} bytes through pool.tensor")
     # Leaving the block unregistered every chunk, whatever happened inside it.

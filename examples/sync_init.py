@@ -112,11 +112,13 @@ def main(size: str, runtime: str) -> None:
         pool = host.pool
         pinned = vm_locked_bytes()
         print(
-            f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) in {len(pool.chunks)} chunk(s) "
+            f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) "
+            f"in {len(pool.plan.chunks)} chunk(s) "
             f"with runtime {pool.runtime.name!r} in {pool.pin_seconds:.3f} s"
         )
         print(
-            f"layout: {pool.layout.name}, {host.num_pages} pages of {pool.page_bytes} bytes, kv {tuple(host.kv.shape)}"
+            f"layout: {pool.layout.name}, {host.num_pages} pages of {pool.plan.page_bytes} bytes, "
+            f"kv {tuple(host.kv.shape)}"
         )
         k, v = host.page(host.num_pages - 1)  # write the last page, read it back
         k.fill_(1.5)

@@ -98,7 +98,7 @@ async def test_an_error_in_the_body_unpins_and_propagates(
 ) -> None:
     with pytest.raises(KeyError):
         async with pinned_pool_factory(size=4 * MiB, chunk_bytes="1MiB") as pool:  # on fake_runtime
-            assert len(fake_runtime.registered) == len(pool.chunks) == 4
+            assert len(fake_runtime.registered) == len(pool.plan.chunks) == 4
             raise KeyError("request 17 failed")
     assert fake_runtime.registered == {}
 

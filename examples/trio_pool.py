@@ -48,7 +48,7 @@ async def main(size: str, runtime: str, deadline_s: float) -> None:
                 beats_while_pinning = len(beats)
                 pinned = vm_locked_bytes()
                 print(
-                    f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) in {len(pool.chunks)} "
+                    f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) in {len(pool.plan.chunks)} "
                     f"chunk(s) with runtime {pool.runtime.name!r} in {pool.pin_seconds:.3f} s"
                 )
                 print(f"trio:   {beats_while_pinning} heartbeat(s) ran while the pool was pinning")

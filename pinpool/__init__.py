@@ -40,53 +40,20 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AllocationError",
-    "AlreadyPinnedError",
-    "Chunk",
-    "ChunkFailure",
-    "ConfigError",
-    "NodeBusyError",
-    "PinError",
-    "PinnedPool",
-    "PinpoolError",
-    "PoolState",
-    "PoolStateError",
-    "RuntimeCallError",
-    "SharedMemory",
-    "Shares",
-    "UnclosedPoolWarning",
-    "UnexpectedReturn",
-    "UnpinError",
-    "__version__",
-    "empty",
-    "host_budget",
-    "layouts",
-    "parse_size",
-    "pin",
-    "runtimes",
-    "share",
-    "testing",
-]
+__all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "NodeBusyError",
+    "PinError", "PinnedPool", "PinpoolError", "PoolState", "PoolStateError", "RuntimeCallError", "SharedMemory",
+    "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError", "__version__", "empty", "host_budget",
+    "layouts", "parse_size", "pin", "runtimes", "share", "testing"]  # fmt: skip
 
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
-_LAZY = {
-    "empty": "._pool.pin",
-    "Chunk": "._plan.chunks",
-    "PinnedPool": "._pool.pool",
-    "PoolState": "._pin.outcome",
-    "layouts": ".layouts",
-    "pin": "._pool.pin",
-    "SharedMemory": "._shared.memory",
-    "Shares": "._pool.budget",
-    "host_budget": "._pool.budget",
-    "share": "._pool.budget",
-}
+_LAZY = {"empty": "._pool.pin", "Chunk": "._plan.chunks", "PinnedPool": "._pool.pool", "PoolState": "._pin.outcome",
+         "layouts": ".layouts", "pin": "._pool.pin", "SharedMemory": "._shared.memory", "Shares": "._pool.budget",
+         "host_budget": "._pool.budget", "share": "._pool.budget"}  # fmt: skip
 
 
 def _public(obj: Any) -> Any:
-    """Public names report the public module, as anyio does, so reprs and docs say pinpool.X."""
+    """Public names report the public module, as anyio does: reprs and docs say pinpool.X."""
     if isinstance(obj, type) and obj.__module__.startswith("pinpool._"):
         obj.__module__ = __name__
     return obj
@@ -103,7 +70,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted(__all__)  # not the helpers and private modules the globals also hold
 
 
 for _name in __all__:

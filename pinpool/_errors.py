@@ -35,6 +35,11 @@ RAISE_MEMLOCK = (
 class PinpoolError(Exception):
     """Base class of every error pinpool raises."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Unpickled without ``__init__`` (which takes more than the message): ``__new__`` sets ``args``,
+        # then pickle restores the attributes from ``__dict__``.
+        return (_restore_error, (type(self), self.args), self.__dict__)
+
 
 class ConfigError(PinpoolError, ValueError):
     """Bad input (size, layout, option, environment variable), raised before anything is pinned."""
@@ -49,28 +54,18 @@ class AllocationError(PinpoolError, MemoryError):
 
 
 class LedgerError(RuntimeError):
-    """A driver asked the ledger for a transition its state does not allow (a pinpool bug).
-
-    Deliberately not a :class:`PinpoolError`: an internal invariant failed, which no caller
-    should handle as one of pinpool's documented failures."""
+    """A transition the ledger's state does not allow: a pinpool bug, so deliberately no :class:`PinpoolError`."""
 
 
 class AlreadyPinnedError(PinpoolError, RuntimeError):
-    """The memory to pin overlaps memory that is already pinned; nothing was changed.
-
-    Also a ``RuntimeError``: the reference implementation surfaces the same condition as the
-    runtime's "already registered" failure (CUDA error 712), a ``RuntimeError``.
-    """
+    """The memory to pin overlaps memory already pinned; nothing was changed. A ``RuntimeError``, as
+    the reference implementation's "already registered" (CUDA error 712) is."""
 
 
 class RuntimeCallError(PinpoolError, RuntimeError):
-    """One runtime call (populate, register or unregister of one range) failed.
-
-    Also a ``RuntimeError``, as a failed registration is in the reference implementation.
-    ``code`` is the runtime's own number (errno for mlock, ``cudaError_t`` for CUDA),
-    ``reason`` its short, bounded name (``ENOMEM``, ``cudaErrorMemoryAllocation``), and
-    ``message`` the runtime's text plus what to do about it.
-    """
+    """One runtime call (populate, register or unregister of one range) failed. ``code``: the
+    runtime's number (errno, ``cudaError_t``); ``reason`` its bounded name; ``message`` its text
+    and what to do. A ``RuntimeError``, as a failed registration is in the reference implementation."""
 
     def __init__(self, *, op: str, code: int, reason: str, message: str, ptr: int, nbytes: int) -> None:
         self.op = op
@@ -81,24 +76,10 @@ class RuntimeCallError(PinpoolError, RuntimeError):
         self.nbytes = nbytes
         super().__init__(f"{op}(ptr={ptr:#x}, nbytes={nbytes}) failed: {reason} (code {code}): {message}")
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_runtime_call_error, (self.op, self.code, self.reason, self.message, self.ptr, self.nbytes))
-
-
-def _rebuild_runtime_call_error(
-    op: str, code: int, reason: str, message: str, ptr: int, nbytes: int
-) -> RuntimeCallError:
-    return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
-
 
 class UnexpectedReturn(RuntimeCallError):
-    """A runtime call returned something other than ``None``, which no runtime's contract allows.
-
-    The runtime is not following its contract, so nothing it did can be assumed: a register
-    call that answers this is treated as "may be registered" (booked, undone at teardown), like
-    one that raised something other than :class:`RuntimeCallError`. ``returned`` is a bounded
-    ``repr`` of what came back.
-    """
+    """A runtime call returned something other than ``None``: nothing it did can be assumed (a
+    register is "may be registered"). ``returned`` is a bounded ``repr`` of what came back."""
 
     def __init__(self, *, op: str, ptr: int, nbytes: int, returned: str) -> None:
         self.returned = returned
@@ -107,9 +88,6 @@ class UnexpectedReturn(RuntimeCallError):
             message=f"the runtime returned {returned} where None was expected (a runtime's calls return None and "
             "raise pinpool.RuntimeCallError on failure); fix the runtime",
         )  # fmt: skip
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_restore_error, (type(self), self.args), self.__dict__)
 
 
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
@@ -142,22 +120,16 @@ class ChunkFailure:
 
 
 def _restore_error(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
-    """Unpickle an error whose ``__init__`` takes more than its message: ``__new__`` sets ``args``,
-    and pickle then restores its attributes from ``__dict__``."""
     return cls.__new__(cls, *args)
 
 
 class PinError(PinpoolError, RuntimeError):
-    """Pinning a pool failed; everything that was registered has been rolled back.
+    """Pinning a pool failed; everything registered was rolled back. A ``RuntimeError``, as the
+    reference implementation's is, so ``except RuntimeError`` handlers catch it.
 
-    Also a ``RuntimeError``: the reference implementation raises ``RuntimeError`` when a
-    registration fails, so ``except RuntimeError`` handlers written against it catch this.
-
-    ``offset``, ``nbytes`` and ``code`` describe the first failed chunk (lowest offset);
-    ``failures`` lists every failed chunk; ``leaked`` lists the chunks that rollback could
-    not unregister (normally empty: anything here is still pinned). When no runtime call
-    failed (no worker thread could be started), ``failures`` is empty, ``phase`` is
-    ``"start"`` and ``offset``/``nbytes``/``code`` are None; ``__cause__`` says why.
+    ``offset``, ``nbytes``, ``code`` describe the first failed chunk; ``failures`` every one;
+    ``leaked`` what rollback could not unregister (still pinned). With no failed call (no worker
+    thread could start) ``phase`` is ``"start"``, the rest None, and ``__cause__`` says why.
     """
 
     def __init__(
@@ -177,23 +149,14 @@ class PinError(PinpoolError, RuntimeError):
         self.leaked = leaked
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_restore_error, (type(self), self.args), self.__dict__)
-
 
 class UnpinError(PinpoolError, RuntimeError):
-    """Unregistering one or more chunks failed at teardown; ``leaked`` may still be pinned.
-
-    Also a ``RuntimeError``, like :class:`PinError`.
-    """
+    """Unregistering one or more chunks failed at teardown; ``leaked`` may still be pinned (a ``RuntimeError``)."""
 
     def __init__(self, message: str, *, failures: tuple[ChunkFailure, ...], leaked: tuple[Chunk, ...]) -> None:
         self.failures = failures
         self.leaked = leaked
         super().__init__(message)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_restore_error, (type(self), self.args), self.__dict__)
 
 
 class UnclosedPoolWarning(RuntimeWarning):
@@ -206,8 +169,7 @@ Kind = Literal["slots", "budget"]
 
 
 class NodeHolderLike(Protocol):
-    """What an error says of a holder (``pinpool._node.pacing.NodeHolder``, typed here by shape so
-    that this module imports nothing of pinpool's)."""
+    """A holder (``pinpool._node.pacing.NodeHolder``) by shape: this module imports nothing of pinpool's."""
 
     @property
     def pid(self) -> int | None: ...
@@ -216,13 +178,9 @@ class NodeHolderLike(Protocol):
 
 
 class NodeBusyError(PinpoolError, RuntimeError):
-    """Node pacing with ``node_wait=False``: every slot is taken, or the request does not fit the
-    node's byte budget now. Nothing was pinned and nothing is held.
-
-    Not a :class:`ConfigError`: the input is fine, the node is busy. ``kind`` is ``"slots"`` or
-    ``"budget"``; ``limit`` the slot count or budget in bytes; ``requested`` the bytes asked for
-    (budget) or None; ``in_use`` the slots taken or bytes held; ``holders`` who holds them.
-    """
+    """``node_wait=False`` and every slot is taken, or the request does not fit the node's byte
+    budget now; nothing is held. ``kind``: ``"slots"`` or ``"budget"``; ``limit``, ``in_use``:
+    slots or bytes; ``requested``: the bytes asked for (budget); ``holders``: who holds them."""
 
     def __init__(
         self,
@@ -243,10 +201,6 @@ class NodeBusyError(PinpoolError, RuntimeError):
         self.holders = holders
         super().__init__(message)
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_restore_error, (type(self), self.args), self.__dict__)
-
 
 class NodeWaitCancelled(PinpoolError):
-    """A synchronous admission wait was given up because its ``cancelled()`` callback returned True.
-    Nothing is held."""
+    """A synchronous admission wait was given up (its ``cancelled()`` returned True); nothing is held."""

@@ -1,16 +1,12 @@
-"""What a pool reports while it works: Prometheus metrics and structlog events, in one place.
+"""What a pool reports while it works: Prometheus metrics and structlog events, one method per transition.
 
-The engine and drivers call one method per transition; this module decides what each means
-for metrics and logs. Worker threads call the chunk methods (prometheus_client and structlog's
-sync methods are thread-safe); never the async logging methods, which break under trio.
-
-No method of :class:`Observer` raises an ``Exception``, whatever the user's logger, its
-processors or the metrics do: the engine calls them between recording outcomes, and a raising
-logger must never cost a chunk or a range claim. Like ``logging.Handler.handleError``, a failed
-log call is swallowed, counted (``Observer.log_errors``, ``pinpool_log_errors_total``) and
-reported once per pool, as one line on ``sys.stderr``; a failed metrics call likewise
-(``Observer.metric_errors``). A ``BaseException`` that is not an ``Exception``
-(``KeyboardInterrupt``, ``SystemExit``) propagates, on whichever thread it was raised.
+Worker threads call the chunk methods (prometheus_client and structlog's sync methods are
+thread-safe; the async logging methods break under trio). No method of :class:`Observer` raises
+an ``Exception``, whatever the user's logger or the metrics do: the engine calls them between
+recording outcomes, and a raising logger must never cost a chunk or a range claim. As
+``logging.Handler.handleError`` does, a failure is swallowed, counted (``log_errors``,
+``metric_errors``, ``pinpool_log_errors_total``) and reported once per pool on ``sys.stderr``;
+``KeyboardInterrupt`` and ``SystemExit`` propagate.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -33,12 +29,9 @@ if TYPE_CHECKING:
 
 
 def default_logger() -> Any:
-    """structlog's logger where the application configured structlog; otherwise one that goes
-    through the stdlib ``pinpool`` logger, so an unconfigured application sees no per-chunk
-    lines (structlog's own unconfigured default prints every level to stdout), and what it does
-    see (WARNING and above, through logging's last-resort handler) is one readable line with the
-    pool, the cause and every field, never a bare event name. The fields also go to ``extra``
-    for handlers that format records themselves."""
+    """structlog's logger where the application configured structlog; else the stdlib ``pinpool``
+    logger (structlog's unconfigured default prints every level to stdout), whose WARNING lines
+    read as one line with every field (also in ``extra``), never a bare event name."""
     if structlog.is_configured():
         return structlog.get_logger("pinpool")
     return structlog.wrap_logger(
@@ -49,8 +42,7 @@ def default_logger() -> Any:
 
 
 def _render_line_for_stdlib(_logger: Any, _method: str, event_dict: Any) -> dict[str, Any]:
-    """``pinpool: pool.rollback pool='kv' runtime='mlock' cause='failure' registered_chunks=3``
-    as the record's message, the fields as its ``extra`` (structlog's render_to_log_kwargs shape)."""
+    """``pinpool: pool.rollback pool='kv' cause='failure' ...`` as the message, the fields as ``extra``."""
     kwargs = dict(structlog.stdlib.render_to_log_kwargs(_logger, _method, event_dict))
     fields = kwargs.get("extra", {})
     shown = " ".join(f"{key}={value!r}" for key, value in fields.items())
@@ -59,11 +51,7 @@ def _render_line_for_stdlib(_logger: Any, _method: str, event_dict: Any) -> dict
 
 
 class Observer:
-    """Metrics and logs of one pool. ``registry=None`` disables metrics.
-
-    The constructor may raise (``ConfigError`` for a registry that clashes, or whatever the
-    logger's ``bind`` raises); no other method raises an ``Exception`` (see the module doc).
-    """
+    """Metrics and logs of one pool (``registry=None``: no metrics). Only the constructor may raise."""
 
     def __init__(
         self, *, pool: str, runtime: str, layout: str, registry: CollectorRegistry | None, logger: Any | None
@@ -101,12 +89,17 @@ class Observer:
     def _log_failed(self, event: str, exc: Exception) -> None:
         with self._errors_lock:
             self.log_errors += 1
+        self._metric("log_errors", lambda m: m.log_errors.labels(*self._labels).inc())
+        self._report_once("log", f"logging event {event!r} raised", exc)
+
+    def _metric(self, what: str, *updates: Callable[[PoolMetrics], None]) -> None:
+        """Each ``update(self.metrics)`` where there are metrics; an ``Exception`` is counted and reported."""
         if self.metrics:
             try:
-                self.metrics.log_errors.labels(*self._labels).inc()
-            except Exception as metric_exc:
-                self._metric_failed("log_errors", metric_exc)
-        self._report_once("log", f"logging event {event!r} raised", exc)
+                for update in updates:
+                    update(self.metrics)
+            except Exception as exc:
+                self._metric_failed(what, exc)
 
     def _metric_failed(self, what: str, exc: Exception) -> None:
         with self._errors_lock:
@@ -114,8 +107,7 @@ class Observer:
         self._report_once("metrics", f"updating metrics ({what}) raised", exc)
 
     def _report_once(self, kind: str, what: str, exc: Exception) -> None:
-        """One line on ``sys.stderr`` for the first failure of this kind in this pool, as
-        ``logging.Handler.handleError`` reports (not ``warnings``: a filter may turn it into an error)."""
+        """One line on ``sys.stderr`` for the first failure of a kind (not ``warnings``: a filter may make it raise)."""
         with self._errors_lock:
             if kind in self._reported:
                 return
@@ -141,51 +133,33 @@ class Observer:
     # -- chunks (worker threads) -------------------------------------------------------------
 
     def call_started(self) -> None:
-        if self.metrics:
-            try:
-                self.metrics.chunks_in_flight.labels(*self._labels).inc()
-            except Exception as exc:
-                self._metric_failed("call_started", exc)
+        self._metric("call_started", lambda m: m.chunks_in_flight.labels(*self._labels).inc())
 
     def call_ended(self) -> None:
-        if self.metrics:
-            try:
-                self.metrics.chunks_in_flight.labels(*self._labels).dec()
-            except Exception as exc:
-                self._metric_failed("call_ended", exc)
+        self._metric("call_ended", lambda m: m.chunks_in_flight.labels(*self._labels).dec())
 
     def unregister_call_took(self, seconds: float) -> None:
-        """One unregister call ended: a chunk registered in pieces is unregistered one call per
-        piece, and the longest-call gauge is about single calls (the stall), not chunks."""
+        """One unregister call (of a piece): the longest-call gauge is about single calls, not chunks."""
         self._call_took("unregister", seconds)
 
     def _call_took(self, op: str, seconds: float) -> None:
         if seconds <= self.longest[op]:
             return
         self.longest[op] = seconds
-        if self.metrics:
-            try:
-                self.metrics.call_seconds_max.labels(*self._labels, op).set(seconds)
-            except Exception as exc:
-                self._metric_failed("call_seconds_max", exc)
+        self._metric("call_seconds_max", lambda m: m.call_seconds_max.labels(*self._labels, op).set(seconds))
 
     def span_populated(self, nbytes: int, seconds: float) -> None:
         self._call_took("populate", seconds)
-        if self.metrics:
-            try:
-                self.metrics.chunk_populate_seconds.labels(*self._labels).observe(seconds)
-                self.metrics.populated_bytes.labels(*self._labels).inc(nbytes)
-            except Exception as exc:
-                self._metric_failed("span_populated", exc)
+        self._metric(
+            "span_populated",
+            lambda m: m.chunk_populate_seconds.labels(*self._labels).observe(seconds),
+            lambda m: m.populated_bytes.labels(*self._labels).inc(nbytes),
+        )
 
     def chunk_registered(self, chunk: Chunk, seconds: float, attempt: int = 1) -> None:
         """A registration call returned (lock-on-fault: the chunk is pinned once faulted, see chunk_pinned)."""
         self._call_took("register", seconds)
-        if self.metrics:
-            try:
-                self.metrics.chunk_register_seconds.labels(*self._labels).observe(seconds)
-            except Exception as exc:
-                self._metric_failed("chunk_registered", exc)
+        self._metric("chunk_registered", lambda m: m.chunk_register_seconds.labels(*self._labels).observe(seconds))
         if self._chunk_debug:
             self._emit(
                 "debug", "chunk.registered", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6),
@@ -193,11 +167,7 @@ class Observer:
             )  # fmt: skip
 
     def chunk_failed(self, chunk: Chunk, phase: str, error: RuntimeCallError, seconds: float, attempt: int = 1) -> None:
-        if self.metrics:
-            try:
-                self.metrics.chunk_failures.labels(*self._labels, phase, error.reason).inc()
-            except Exception as exc:
-                self._metric_failed("chunk_failed", exc)
+        self._metric("chunk_failed", lambda m: m.chunk_failures.labels(*self._labels, phase, error.reason).inc())
         self._emit(
             "debug", "chunk.failed", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6),
             attempt=attempt, phase=phase, code=error.code, reason=error.reason, error=error.message,
@@ -205,11 +175,7 @@ class Observer:
 
     def chunk_retried(self, chunk: Chunk, error: RuntimeCallError, halves: tuple[Chunk, Chunk], attempt: int) -> None:
         """A registration failed with a retryable code: ``chunk`` is retried as two aligned halves."""
-        if self.metrics:
-            try:
-                self.metrics.retries.labels(*self._labels).inc()
-            except Exception as exc:
-                self._metric_failed("chunk_retried", exc)
+        self._metric("chunk_retried", lambda m: m.retries.labels(*self._labels).inc())
         self._emit(
             "info", "chunk.retry", offset=chunk.offset, nbytes=chunk.nbytes, code=error.code, reason=error.reason,
             halves=[halves[0].nbytes, halves[1].nbytes], attempt=attempt,
@@ -217,49 +183,32 @@ class Observer:
 
     def chunk_pinned(self, chunk: Chunk) -> None:
         """A chunk is registered and all its pages are in: it counts as pinned whole."""
-        if self.metrics:
-            m, labels = self.metrics, self._labels
-            try:
-                m.chunks_registered.labels(*labels).inc()
-                m.registered_bytes.labels(*labels).inc(chunk.nbytes)
-            except Exception as exc:
-                self._metric_failed("chunk_pinned", exc)
+        labels = self._labels
+        self._metric(
+            "chunk_pinned",
+            lambda m: m.chunks_registered.labels(*labels).inc(),
+            lambda m: m.registered_bytes.labels(*labels).inc(chunk.nbytes),
+        )
 
     def pinned_moved(self, nbytes: int) -> None:
-        """``pool.pinned_bytes`` moved by ``nbytes`` (negative: unpinned): the gauge follows the
-        ledger's one figure, piece by piece and span by span, so the two never disagree."""
-        if self.metrics and nbytes:
-            try:
-                self.metrics.pinned_bytes.labels(*self._labels).inc(nbytes)
-            except Exception as exc:
-                self._metric_failed("pinned_moved", exc)
+        """``pool.pinned_bytes`` moved by ``nbytes`` (negative: unpinned): the gauge follows the ledger's figure."""
+        if nbytes:
+            self._metric("pinned_moved", lambda m: m.pinned_bytes.labels(*self._labels).inc(nbytes))
 
     def chunk_unregistered(self, chunk: Chunk, seconds: float) -> None:
         """A chunk is unregistered (``seconds``: all its calls; see :meth:`unregister_call_took`)."""
-        if self.metrics:
-            try:
-                self.metrics.chunk_unregister_seconds.labels(*self._labels).observe(seconds)
-            except Exception as exc:
-                self._metric_failed("chunk_unregistered", exc)
+        self._metric("chunk_unregistered", lambda m: m.chunk_unregister_seconds.labels(*self._labels).observe(seconds))
 
     def released_elsewhere(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
-        """Unregistering ``piece`` (at address ``ptr``) found no registration there: someone else
-        released it (a server's own clean-up). Not a failure; worth a warning, since that clean-up
-        also undid pinning pinpool owned, perhaps while the pool was still in use."""
-        if self.metrics:
-            try:
-                self.metrics.released_elsewhere.labels(*self._labels).inc()
-            except Exception as exc:
-                self._metric_failed("released_elsewhere", exc)
+        """Unregistering ``piece`` found no registration: someone else released it (a warning: perhaps in use)."""
+        self._metric("released_elsewhere", lambda m: m.released_elsewhere.labels(*self._labels).inc())
         self._emit(
             "warning", "chunk.released_elsewhere", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
             code=answer.code, reason=answer.reason,
         )  # fmt: skip
 
     def not_registered(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
-        """``piece`` only may have been registered (its register call failed untrusted) and the
-        runtime says it is not: that call never registered it. Nothing to undo, nothing leaked;
-        logged so the runtime's misbehaviour is on record next to its ``chunk.failed``."""
+        """A "may be registered" ``piece`` is not: nothing to undo; logged next to its ``chunk.failed``."""
         self._emit(
             "info", "chunk.not_registered", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
             code=answer.code, reason=answer.reason,
@@ -306,15 +255,9 @@ class Observer:
         )
 
     def rollback(self, *, cause: str, registered_chunks: int, kept_bytes: int = 0) -> None:
-        """Pinning ended before the pool was ready, for ``cause`` (failure, cancelled, exit,
-        collected: see ``_outcome.Outcome``). ``kept_bytes``: what a background pool keeps pinned
-        until it is exited (its body may be using it); the rest is rolled back now. Only a
-        failure is a warning: an exit during a background pin is a normal shutdown."""
-        if self.metrics:
-            try:
-                self.metrics.rollbacks.labels(*self._labels, cause).inc()
-            except Exception as exc:
-                self._metric_failed("rollback", exc)
+        """Pinning ended before ready, for ``cause`` (``Outcome.cause``); ``kept_bytes``: what a background
+        pool keeps pinned until exit. An exit during a background pin is a normal shutdown (info)."""
+        self._metric("rollback", lambda m: m.rollbacks.labels(*self._labels, cause).inc())
         level = "info" if cause == "exit" else "warning"
         fields: dict[str, Any] = {"cause": cause, "registered_chunks": registered_chunks}
         if kept_bytes:
@@ -323,31 +266,21 @@ class Observer:
 
     def node_admitted(self, *, kind: str, seconds: float) -> None:
         """Node pacing admitted the pool after ``seconds`` of waiting (kind: slot or budget)."""
-        if self.metrics:
-            try:
-                self.metrics.node_wait_seconds.labels(*self._labels, kind).observe(seconds)
-            except Exception as exc:
-                self._metric_failed("node_admitted", exc)
+        self._metric("node_admitted", lambda m: m.node_wait_seconds.labels(*self._labels, kind).observe(seconds))
         self._emit("info" if seconds >= 1 else "debug", "node.admitted", kind=kind, seconds=round(seconds, 6))
 
     def node_busy(self, *, kind: str) -> None:
         """Node pacing refused the pool at once (node_wait=False)."""
-        if self.metrics:
-            try:
-                self.metrics.node_busy.labels(*self._labels, kind).inc()
-            except Exception as exc:
-                self._metric_failed("node_busy", exc)
+        self._metric("node_busy", lambda m: m.node_busy.labels(*self._labels, kind).inc())
         self._emit("warning", "node.busy", kind=kind)
 
     def node_waiting(self, kind: str, holders: Sequence[NodeHolder], waited_seconds: float) -> None:
-        """Node pacing has kept the pool waiting ``waited_seconds`` (after 10 s, then every 60 s):
-        whom for, each ``NodeHolder.describe()``d with its state (``[stopped]``: SIGSTOPped)."""
+        """Node pacing has kept the pool waiting (after 10 s, then every 60 s), and whom for."""
         described = [h.describe() for h in holders]
         self._emit("warning", "node.waiting", kind=kind, seconds=round(waited_seconds, 3), holders=described)
 
     def failed_in_background(self, error: BaseException) -> None:
-        """Pinning in the background ended early; waiters will raise ``error``. What was pinned
-        stays pinned until the pool is exited."""
+        """Background pinning ended early; waiters raise ``error``; what is pinned stays until exit."""
         self._emit("error", "pool.failed", error=str(error), error_type=type(error).__name__)
 
     def _release_series(self, metrics: PoolMetrics, leaked_bytes: int) -> None:

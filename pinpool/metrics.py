@@ -1,14 +1,9 @@
 """Prometheus metrics for pinpool, and helpers to expose them.
 
-Metric names and labels are a contract (docs/metrics.md): dashboards and alerts are built on
-them. They are created once per :class:`prometheus_client.CollectorRegistry` and shared by
-every pool using that registry. Labels are bounded: ``pool`` (the pool's ``name=``),
-``runtime``, and ``phase``/``reason``/``cause`` where stated; never a chunk index.
-
-A pool's gauge series (``pinpool_pinned_bytes``, ``_pool_bytes``, ``_chunks_in_flight``,
-``_pools_open``, ``_pools_ready``, ``_call_seconds_max``, ``_pool_info``) are removed when the
-last open pool with its labels closes, so pool names that come and go do not pile up series;
-counters and histograms are cumulative and stay.
+Names and labels are a contract (docs/metrics.md); created once per ``CollectorRegistry`` and
+shared by its pools. Labels are bounded (``pool``, ``runtime``, ``phase``/``reason``/``cause``),
+never a chunk index. A pool's gauge series go when the last open pool with its labels closes, so
+names that come and go do not pile up; counters and histograms stay.
 """
 
 from __future__ import annotations
@@ -40,12 +35,8 @@ def _multiprocess() -> bool:
 
 
 class PoolMetrics:
-    """The metric families of one registry, and which pools hold its gauge series.
-
-    :meth:`pool_opened` and :meth:`pool_closed` count the open pools per label tuple (two open
-    pools with the same ``name=`` and runtime share their series); when the last one closes, its
-    gauge series are removed. Thread-safe.
-    """
+    """The metric families of one registry, and how many open pools hold each label tuple's gauge
+    series (same ``name=`` and runtime: shared), removed with the last. Thread-safe."""
 
     # The instance dict holds the metric families and nothing else (the clean-up below
     # unregisters all of it); the open-pool bookkeeping lives in a slot beside it.
@@ -65,17 +56,15 @@ class PoolMetrics:
         self._series = _OpenPools()
 
     def pool_opened(self, labels: tuple[str, ...], info_labels: tuple[str, ...]) -> None:
-        """A pool with these ``(pool, runtime)`` labels and ``pool_info`` labels starts pinning:
-        call before its first gauge update (so a closing namesake cannot remove a series under it)."""
+        """A pool starts pinning: before its first gauge update (a closing namesake keeps off its series)."""
         book = self._series
         with book.lock:
             book.open[labels] = book.open.get(labels, 0) + 1
             book.open_info[info_labels] = book.open_info.get(info_labels, 0) + 1
 
     def pool_closed(self, labels: tuple[str, ...], info_labels: tuple[str, ...], *, leaked_bytes: int = 0) -> None:
-        """A pool opened with :meth:`pool_opened` closed: call after its last gauge update. The last
-        open pool of its labels takes their gauge series with it, except ``pinned_bytes`` while
-        bytes of a pool with those labels may still be pinned (a failed unregistration)."""
+        """A pool closed, after its last gauge update: the last of its labels takes their series, except
+        ``pinned_bytes`` while bytes with those labels may still be pinned (a failed unregistration)."""
         keep = _multiprocess()  # prometheus_client cannot remove a series there; livesum drops dead processes
         book = self._series
         with book.lock:
@@ -94,87 +83,67 @@ class PoolMetrics:
 
     def _create(self, registry: CollectorRegistry) -> None:
         kw: dict[str, Any] = {"registry": registry}
+        calls, pools = {"buckets": REGISTER_BUCKETS, **kw}, {"buckets": POOL_BUCKETS, **kw}
+        live = {"multiprocess_mode": "livesum", **kw}
         self.chunk_register_seconds = Histogram(
             "pinpool_chunk_register_seconds", "Duration of one chunk's registration call (the driver-lock hold).",
-            _BASE, buckets=REGISTER_BUCKETS, **kw,
-        )  # fmt: skip
+            _BASE, **calls)  # fmt: skip
         self.chunk_unregister_seconds = Histogram(
             "pinpool_chunk_unregister_seconds", "Duration of one chunk's unregistration call.",
-            _BASE, buckets=REGISTER_BUCKETS, **kw,
-        )  # fmt: skip
+            _BASE, **calls)  # fmt: skip
         self.chunk_populate_seconds = Histogram(
             "pinpool_chunk_populate_seconds",
             "Duration of one populate call: pre-faulting one span (<= 512 MiB) of a chunk with MADV_POPULATE_WRITE.",
-            _BASE, buckets=REGISTER_BUCKETS, **kw,
-        )  # fmt: skip
+            _BASE, **calls)  # fmt: skip
         self.populated_bytes = Counter(
-            "pinpool_populated_bytes_total", "Bytes pre-faulted by populate calls that succeeded.", _BASE, **kw
-        )
+            "pinpool_populated_bytes_total", "Bytes pre-faulted by populate calls that succeeded.",
+            _BASE, **kw)  # fmt: skip
         self.chunks_registered = Counter(
-            "pinpool_chunks_registered_total", "Chunks registered successfully.", _BASE, **kw
-        )
+            "pinpool_chunks_registered_total", "Chunks registered successfully.", _BASE, **kw)  # fmt: skip
         self.registered_bytes = Counter("pinpool_registered_bytes_total", "Bytes registered successfully.", _BASE, **kw)
         self.chunk_failures = Counter(
             "pinpool_chunk_failures_total",
             "Failed runtime calls, by phase (populate, register, unregister) and reason.",
-            (*_BASE, "phase", "reason"), **kw,
-        )  # fmt: skip
+            (*_BASE, "phase", "reason"), **kw)  # fmt: skip
         self.rollbacks = Counter(
-            "pinpool_rollbacks_total", "Pinnings rolled back, by cause (failure, cancelled).", (*_BASE, "cause"), **kw
-        )
+            "pinpool_rollbacks_total", "Pinnings rolled back, by cause (failure, cancelled).",
+            (*_BASE, "cause"), **kw)  # fmt: skip
         self.retries = Counter("pinpool_retries_total", "Chunk registrations retried.", _BASE, **kw)
         self.released_elsewhere = Counter(
             "pinpool_released_elsewhere_total",
             "Registrations found already released by someone else when pinpool unregistered them (CUDA 713, "
-            "HIP 1062): counted as unregistered, not as failures.",
-            _BASE, **kw,
-        )  # fmt: skip
+            "HIP 1062): counted as unregistered, not as failures.", _BASE, **kw)  # fmt: skip
         self.log_errors = Counter(
             "pinpool_log_errors_total",
             "Log calls that raised (in a logger or structlog processor); swallowed, reported once per pool on stderr.",
-            _BASE, **kw,
-        )  # fmt: skip
-        self.pinned_bytes = Gauge("pinpool_pinned_bytes", "Bytes pinned now.", _BASE, multiprocess_mode="livesum", **kw)
-        self.pool_bytes = Gauge(
-            "pinpool_pool_bytes", "Target size of open pools, in bytes.", _BASE, multiprocess_mode="livesum", **kw
-        )
-        self.chunks_in_flight = Gauge(
-            "pinpool_chunks_in_flight", "Runtime calls in progress.", _BASE, multiprocess_mode="livesum", **kw
-        )
+            _BASE, **kw)  # fmt: skip
+        self.pinned_bytes = Gauge("pinpool_pinned_bytes", "Bytes pinned now.", _BASE, **live)
+        self.pool_bytes = Gauge("pinpool_pool_bytes", "Target size of open pools, in bytes.", _BASE, **live)
+        self.chunks_in_flight = Gauge("pinpool_chunks_in_flight", "Runtime calls in progress.", _BASE, **live)
         self.call_seconds_max = Gauge(
             "pinpool_call_seconds_max",
             "Longest single runtime call of the pool's pinning or unpinning so far, by op (register, populate, "
             "unregister): the stall a serving process felt (see max_call_seconds).",
-            (*_BASE, "op"), multiprocess_mode="livemax", **kw,
-        )  # fmt: skip
+            (*_BASE, "op"), multiprocess_mode="livemax", **kw)  # fmt: skip
         self.node_wait_seconds = Histogram(
             "pinpool_node_wait_seconds",
             "Time a pool waited for node pacing before pinning, by kind (slot: a pinning slot; budget: a share "
-            "of the host's byte budget).",
-            (*_BASE, "kind"), buckets=POOL_BUCKETS, **kw,
-        )  # fmt: skip
+            "of the host's byte budget).", (*_BASE, "kind"), **pools)  # fmt: skip
         self.node_busy = Counter(
             "pinpool_node_busy_total",
             "Pools refused at once by node pacing (node_wait=False), by kind (slots, budget).",
-            (*_BASE, "kind"), **kw,
-        )  # fmt: skip
+            (*_BASE, "kind"), **kw)  # fmt: skip
         self.pools_ready = Gauge(
             "pinpool_pools_ready", "Pools fully pinned now (a pool pinning in the background is open, not ready).",
-            _BASE, multiprocess_mode="livesum", **kw,
-        )  # fmt: skip
-        self.pools_open = Gauge(
-            "pinpool_pools_open", "Pools pinning or pinned now.", _BASE, multiprocess_mode="livesum", **kw
-        )
+            _BASE, **live)  # fmt: skip
+        self.pools_open = Gauge("pinpool_pools_open", "Pools pinning or pinned now.", _BASE, **live)
         self.pool_pin_seconds = Histogram(
-            "pinpool_pool_pin_seconds", "Duration of pinning a whole pool.", _BASE, buckets=POOL_BUCKETS, **kw
-        )
+            "pinpool_pool_pin_seconds", "Duration of pinning a whole pool.", _BASE, **pools)  # fmt: skip
         self.pool_unpin_seconds = Histogram(
-            "pinpool_pool_unpin_seconds", "Duration of unpinning a whole pool.", _BASE, buckets=POOL_BUCKETS, **kw
-        )
+            "pinpool_pool_unpin_seconds", "Duration of unpinning a whole pool.", _BASE, **pools)  # fmt: skip
         self.pool_info = Gauge(
             "pinpool_pool_info", "Configuration of open pools (value 1).",
-            (*_BASE, "layout", "granularity_bytes", "chunk_bytes"), multiprocess_mode="liveall", **kw,
-        )  # fmt: skip
+            (*_BASE, "layout", "granularity_bytes", "chunk_bytes"), multiprocess_mode="liveall", **kw)  # fmt: skip
 
 
 class _OpenPools:
@@ -210,9 +179,6 @@ def metrics_for(registry: CollectorRegistry) -> PoolMetrics:
 
 
 def serve(port: int, addr: str = "127.0.0.1", registry: CollectorRegistry = REGISTRY) -> Any:
-    """Serve ``registry`` at ``http://addr:port/metrics`` from a daemon thread (loopback by default).
-
-    Returns what prometheus_client's ``start_http_server`` returns (server and thread). For an
-    ASGI application, mount ``make_asgi_app(registry=...)`` instead (see docs/observability.md).
-    """
+    """Serve ``registry`` at ``http://addr:port/metrics`` from a daemon thread (loopback by default);
+    returns ``start_http_server``'s result. ASGI: mount ``make_asgi_app(registry=...)`` instead."""
     return start_http_server(port, addr=addr, registry=registry)

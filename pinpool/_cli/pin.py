@@ -156,9 +156,9 @@ def _wait_ready(pool: PinnedPool, progress: ProgressReporter) -> None:
         try:
             pool.wait_ready_sync(timeout=PROGRESS_SECONDS)
         except TimeoutError:
-            progress(pool.pinned_bytes, pool.nbytes, 0, len(pool.chunks))
+            progress(pool.pinned_bytes, pool.nbytes, 0, len(pool.plan.chunks))
             continue
-        progress(pool.nbytes, pool.nbytes, len(pool.chunks), len(pool.chunks))
+        progress(pool.nbytes, pool.nbytes, len(pool.plan.chunks), len(pool.plan.chunks))
         return
 
 
@@ -209,8 +209,8 @@ def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: Progre
                     registry: CollectorRegistry, hold_for: float | None, url: str | None) -> int:  # fmt: skip
     if progress.mode != "none":
         say(
-            f"pinpool: pinning {format_bytes(pool.nbytes)} in {len(pool.chunks)} chunk(s) of <= "
-            f"{format_bytes(pool.chunk_bytes)} with runtime {pool.runtime.name!r} (pool {pool.name!r})",
+            f"pinpool: pinning {format_bytes(pool.nbytes)} in {len(pool.plan.chunks)} chunk(s) of <= "
+            f"{format_bytes(pool.plan.chunk_bytes)} with runtime {pool.runtime.name!r} (pool {pool.name!r})",
             progress.stream,
         )
     held: tuple[float, str] | None = None

@@ -253,6 +253,7 @@ def pin_report(pool: PinnedPool, events: EventLog, registry: CollectorRegistry, 
                hold: tuple[float, str] | None) -> dict[str, Any]:  # fmt: skip
     """``hold``: (seconds held, how it ended: a key of :data:`HOLD_ENDINGS`), or None without ``--hold``."""
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
+    plan = pool.plan
     spans = registry.get_sample_value("pinpool_chunk_populate_seconds_count", labels) or 0
     span_seconds = registry.get_sample_value("pinpool_chunk_populate_seconds_sum", labels) or 0.0
     gbps = pool.nbytes / pool.pin_seconds / 1e9 if pool.pin_seconds else None
@@ -262,15 +263,15 @@ def pin_report(pool: PinnedPool, events: EventLog, registry: CollectorRegistry, 
         "runtime": pool.runtime.name,
         "layout": pool.layout.name,
         "bytes": pool.nbytes,
-        "chunks": len(pool.chunks),
-        "chunk_bytes": pool.chunk_bytes,
-        "granularity_bytes": pool.granularity,
-        "order": pool.order.value,
-        "populate_workers": pool.populate_workers,
-        "register_workers": pool.register_workers,
-        "unpin_workers": pool.unpin_workers,
-        "populate": pool.populate,
-        "huge_pages": pool.huge_pages,
+        "chunks": len(plan.chunks),
+        "chunk_bytes": plan.chunk_bytes,
+        "granularity_bytes": plan.granularity,
+        "order": plan.order.value,
+        "populate_workers": plan.populate_workers,
+        "register_workers": plan.register_workers,
+        "unpin_workers": plan.unpin_workers,
+        "populate": plan.populate,
+        "huge_pages": plan.huge_pages,
         "pin_seconds": round(pool.pin_seconds, 6),
         "pin_gb_per_s": None if gbps is None else round(gbps, 3),
         "unpin_seconds": round(pool.unpin_seconds, 6),

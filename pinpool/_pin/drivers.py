@@ -1,38 +1,230 @@
 """The drivers: run a lifecycle's steps with ``async with`` (anyio), ``with``, or inline (the finalizer).
 
-A lifecycle (``_pin/lifecycle.py``) is a generator that yields only the steps that need waiting,
-each a :class:`RunThreads`, and takes back a :class:`Ran`. A driver's whole job is to run
-those bodies on tracked threads and wait for *every one* of them, whatever arrives meanwhile:
+A driver runs a step's bodies on tracked threads and waits for *every one*, whatever arrives: the
+first interruption (cancellation, ``KeyboardInterrupt``, ``SystemExit``, ``on_tick`` raising) calls
+the step's ``on_interrupt``, all are reported back, and the lifecycle re-raises once its books close.
 
-* the first interruption (anyio or trio cancellation, asyncio's own ``Task.cancel()``,
-  ``KeyboardInterrupt``, ``SystemExit``, an exception from ``on_tick``) calls the step's
-  ``on_interrupt`` (pinning: stop after the current call) and is reported back, with any
-  later ones;
-* waiting goes on, shielded from anyio cancellation and absorbing native cancellations,
-  until every thread is done. The lifecycle re-raises the interruption once its books are
-  closed.
+Threads are on the books *before* ``Thread.start`` (a Ctrl-C can land inside it) and pass a gate
+the starter can close, so "started" is decided under a lock; completion is an Event, not
+``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
 
-A Ctrl-C never lands inside a driver's own book-keeping: each driver runs under
-:func:`pinpool._pin.ki.guard` and is :func:`~pinpool._pin.ki.protected`, so a SIGINT is deferred
-everywhere except at the safe point, the wait for pinning threads (which stops pinning), and is
-replayed there or when the driver is done. An entry that completes with a Ctrl-C deferred is
-undone (``undo``: the pool is exited) before the ``KeyboardInterrupt`` is raised: a ``with``
-statement whose ``__enter__`` raises never calls ``__exit__``.
+Ctrl-C lands between any two bytecodes of the main thread, so under :func:`guard` SIGINT goes to
+:func:`_handler`, which looks at its frames as trio's KI protection does: in :func:`protected` code
+it is recorded and replayed at the next safe point or the driver's end; in :func:`safe` code (the
+wait for pinning threads) and elsewhere it goes to the replaced handler. An entry completing with a
+Ctrl-C deferred is undone (``undo``) first: a ``with`` whose ``__enter__`` raises never exits.
 """
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator
-from typing import TypeVar
+from types import CodeType, FrameType
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 
-from .ki import guard, protected, replay, safe
-from .steps import Detach, Ran, RunThreads, Step
-from .threads import PROGRESS_INTERVAL_SECONDS, Threads
+from .outcome import Detach, Ran, RunThreads, Step
+
+# -- Ctrl-C: deferred in pinpool's own code, delivered at safe points ----------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_PROTECTED: set[CodeType] = set()
+_SAFE: set[CodeType] = set()
+
+
+def protected(fn: F) -> F:
+    """Mark ``fn``: a SIGINT landing in it, or in anything it calls, is deferred while a guard is installed."""
+    _PROTECTED.add(fn.__code__)
+    return fn
+
+
+def safe(fn: F) -> F:
+    """Mark ``fn`` a safe point: a SIGINT landing in it, or in what it calls, is delivered at once."""
+    _SAFE.add(fn.__code__)
+    return fn
+
+
+class _Guard:
+    """The one installed handler's state (only the main thread touches it)."""
+
+    depth = 0  # nested guards (an async driver awaiting while another task's driver runs)
+    previous: Callable[[int, FrameType | None], Any] | None = None
+    pending = 0  # SIGINTs recorded in protected code and not yet replayed
+
+
+def _deferring(frame: FrameType | None) -> bool:
+    while frame is not None:
+        code = frame.f_code
+        if code in _SAFE:
+            return False
+        if code in _PROTECTED:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    if _deferring(frame):
+        _Guard.pending += 1  # one store: this handler itself runs between two bytecodes
+        return
+    previous = _Guard.previous
+    if previous is not None:
+        previous(signum, frame)
+
+
+def replay() -> None:
+    """Deliver a deferred SIGINT now through the replaced handler (``KeyboardInterrupt``, or under
+    ``asyncio.run`` a cancelled main task), where the caller catches what it raises."""
+    previous = _Guard.previous
+    if _Guard.pending and previous is not None and threading.current_thread() is threading.main_thread():
+        _Guard.pending = 0
+        previous(signal.SIGINT, sys._getframe(1))
+
+
+class guard:
+    """Install the deferring handler for the block (main thread only; nested guards share it).
+
+    Enter it from :func:`protected` code. Leaving the outermost guard puts the replaced handler
+    back first, then replays a deferred signal (one landing between the two is delivered by that
+    handler: nothing lost, nothing half done); a block already raising ``KeyboardInterrupt`` drops
+    it. A class, not a generator: ``__enter__`` installs in its last step, so nothing lands between
+    the install and the block, where ``__exit__`` would not run."""
+
+    installed = False
+
+    def __init__(self, *, drop: bool = False) -> None:
+        # drop: a signal deferred until the outermost guard ends is dropped, not replayed (a
+        # finalizer: Python ignores what one raises, and would print it as "Exception ignored").
+        self.drop = drop
+
+    def __enter__(self) -> None:
+        self.installed = _install()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if not self.installed:
+            return
+        if kind is not None and issubclass(kind, KeyboardInterrupt):
+            _Guard.pending = 0
+        _leave(drop=self.drop)
+
+
+def _install() -> bool:
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if _Guard.depth:
+        _Guard.depth += 1
+        return True
+    try:
+        current = signal.getsignal(signal.SIGINT)
+    except (ValueError, TypeError):  # the signal module at interpreter shutdown
+        return False
+    if not callable(current) or current is _handler:
+        return False  # SIG_IGN / SIG_DFL / None: nothing to defer; ours (a stale install): leave it
+    _Guard.previous = current
+    _Guard.pending = 0
+    try:
+        _Guard.depth = 1
+        signal.signal(signal.SIGINT, _handler)
+    except BaseException:
+        _Guard.depth = 0
+        raise
+    return True
+
+
+def _leave(*, drop: bool = False) -> None:
+    _Guard.depth -= 1
+    if _Guard.depth:
+        return  # a signal deferred meanwhile stays for the outer guard
+    if drop:
+        _Guard.pending = 0
+    previous = _Guard.previous
+    if signal.getsignal(signal.SIGINT) is _handler and previous is not None:
+        signal.signal(signal.SIGINT, previous)
+    replay()
+
+
+# -- worker threads: tracked before they can run, waited for through one Event -------------------
+
+_POLL_SECONDS = 0.05
+PROGRESS_INTERVAL_SECONDS = 0.1
+
+
+_OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
+
+
+class Threads:
+    """A set of worker threads; ``all_done`` is set once every thread on the books is done."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0  # on the books and not done: passed its gate, or may still pass it
+        self.started = 0  # threads whose body ran (or runs)
+        self.errors: list[BaseException] = []
+        self.all_done = threading.Event()
+        self.all_done.set()
+
+    def start(self, fn: Callable[[], object], *, name: str) -> None:
+        """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
+        either runs ``fn`` and is waited for, or never runs it."""
+        gate = [_OPEN]
+
+        def run() -> None:
+            with self._lock:
+                if gate[0] is _CLOSED:
+                    return  # its start was given up: it must not touch anything
+                gate[0] = _PASSED
+                self.started += 1
+            try:
+                fn()
+            except BaseException as exc:  # recorded for the lifecycle; a worker has no caller to raise to
+                with self._lock:
+                    self.errors.append(exc)
+            finally:
+                self._one_done()
+
+        with self._lock:
+            self._running += 1
+            self.all_done.clear()
+        try:
+            threading.Thread(target=run, name=name, daemon=False).start()
+        except BaseException:
+            with self._lock:
+                closed = gate[0] is _OPEN
+                gate[0] = _CLOSED if closed else gate[0]
+            if closed:  # else its body already began: it is waited for like any other
+                self._one_done()
+            raise
+
+    def _one_done(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self.all_done.set()
+
+    def join(self) -> None:
+        """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
+        self.all_done.wait()
+
+    @property
+    def done(self) -> bool:
+        return self.all_done.is_set()
+
+    def wait(self, on_tick: Callable[[], object] | None = None) -> None:
+        """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
+        last_tick = time.monotonic()
+        while not self.all_done.wait(_POLL_SECONDS):
+            if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
+                last_tick = time.monotonic()
+                on_tick()
+
+
+# -- the drivers ----------------------------------------------------------------------------------
 
 # The longest sleep between two looks at the threads while an async driver waits.
 ASYNC_POLL_SECONDS = 0.02
@@ -43,17 +235,15 @@ Lifecycle = Generator[Step, Ran, T]
 
 
 def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
-    """Start the step's threads; returns them, the report, and what to call on an interruption
-    (the first one also calls the step's ``on_interrupt``). Both drivers begin a step this way."""
+    """Start the step's threads; returns them, the report, and what to call on an interruption."""
     threads, ran = Threads(), Ran()
 
     def interrupted(exc: BaseException) -> None:
         ran.interrupts.append(exc)
         if len(ran.interrupts) > 1:
             return
-        # A second Ctrl-C can land inside on_interrupt (seen under trio, whose handler raises at
-        # once outside its own code): it is recorded like any other, and the stop is asked again
-        # (it is idempotent), so the interruption never leaves the driver's wait.
+        # A second Ctrl-C can land inside on_interrupt (seen under trio): recorded, and the stop
+        # (idempotent) asked again, so the interruption never leaves the driver's wait.
         while True:
             try:
                 step.on_interrupt()
@@ -129,8 +319,7 @@ def _wait_interruptibly(threads: Threads, on_tick: Callable[[], object] | None) 
 
 @protected
 def drive_sync(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle on the calling thread. ``undo``: what undoes it if a Ctrl-C was deferred
-    until it completed (entry: the exit)."""
+    """Run a lifecycle on the calling thread; ``undo`` undoes it if a Ctrl-C was deferred until it completed."""
     with guard():
         result = _drive(lifecycle, run_sync)
         try:
@@ -176,11 +365,9 @@ async def run_async(step: Step) -> Ran:
     if isinstance(step, Detach):
         return _detach(step)  # starting a thread does not wait
     threads, ran, interrupted = _launch(step)
-    # The wait polls (sleeps of 1 ms growing to ASYNC_POLL_SECONDS) instead of waiting on a
-    # worker thread: a thread-pool wait abandoned by a cancellation outlives the event loop when
-    # a second Ctrl-C aborts asyncio.run, and anyio's non-daemon worker then hangs interpreter
-    # exit (seen: 1 run in ~25 of the real-signal test). Until the first interruption the sleep
-    # is not shielded, so a cancellation of the caller lands here while the threads run.
+    # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
+    # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
+    # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
     delay = 0.001
     last_tick = time.monotonic()
     while not threads.done:
@@ -207,9 +394,8 @@ async def run_async(step: Step) -> Ran:
 
 @protected
 async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle from a task of an anyio event loop (asyncio or trio); ``undo`` as for
-    :func:`drive_sync`. While it awaits, a Ctrl-C goes to the loop's own handler (its frames are
-    not on the stack then): asyncio.run cancels the main task, trio raises at a checkpoint."""
+    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`. While it awaits, a
+    Ctrl-C goes to the loop's own handler (asyncio.run cancels the main task, trio raises)."""
     with guard():
         result = await _drive_async(lifecycle)
         try:
@@ -240,8 +426,7 @@ _hooked = False
 
 
 def _detach(step: Detach) -> Ran:
-    """Start ``step.steps`` with the sync driver on a tracked thread. If this is interrupted, or no
-    thread can be made, the thread is accounted for all the same (see Threads.start)."""
+    """Start ``step.steps`` with the sync driver on a tracked thread (accounted for even if interrupted)."""
     global _hooked
     threads, ran = Threads(), Ran()
     ran.detached = threads
@@ -272,8 +457,7 @@ def _detach(step: Detach) -> Ran:
 
 
 def _hook_interpreter_exit() -> bool:
-    """Before Python waits for non-daemon threads at exit, stop every detached sequence (pinning
-    stops after the current calls; what is pinned stays until the pool's finalizer unpins it)."""
+    """Before Python waits for non-daemon threads at exit, stop every detached sequence's pinning."""
     register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
     if register is None:
         return True  # without it, exit waits for background pinning to finish, then unpins
@@ -296,8 +480,7 @@ def _stop_running() -> None:
 
 @protected
 def finalize_lifecycle(lifecycle: object) -> None:
-    """A pool's finalizer: run its lifecycle's ``finalize`` sequence inline (no threads). A Ctrl-C
-    landing in it is deferred until the unpinning is done, then ignored, as Python ignores any
-    exception raised in a finalizer (inside a driver, the driver delivers it)."""
+    """A pool's finalizer: its lifecycle's ``finalize`` inline (no threads); a Ctrl-C meanwhile is
+    deferred, then dropped, as Python ignores what a finalizer raises."""
     with guard(drop=True):
         drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]

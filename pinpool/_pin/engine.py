@@ -1,20 +1,14 @@
 """The pinning engine: the runtime calls worker threads make, shared by both drivers.
 
-It owns the calls, and only the calls: one :class:`PinSession` per entered pool, built from
-the pool's plan and options whole. Every runtime call (register, populate, unregister) goes
-through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer as
-:func:`~pinpool._pin.untrusted.untrusted_call` reads it: a register that failed other than with the
-runtime's typed error lands as "may be registered", for teardown to undo); every worker,
-pinning or unpinning, runs one batch loop,
-:meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did
-is one :class:`~pinpool._pin.pipeline.Landing`, which the pipeline puts on the books
-(:meth:`~pinpool._pin.pipeline.Pipeline.land`); which item comes next, and what a landing means,
-are the pipeline's and the ledger's.
+One :class:`PinSession` per entered pool, built from its plan and options whole. Every runtime
+call goes through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer
+as :func:`untrusted_call` reads it); every worker, pinning or unpinning, runs one batch loop,
+:meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did is
+one :class:`~pinpool._pin.pipeline.Landing`, which the pipeline puts on the books.
 
-Workers are long-lived calls of :meth:`PinSession.work` that pull batches from the pipeline
-until it says stop, so a pool pays one thread hop per worker, not per chunk. Every outcome is
-recorded in the ledger inside the worker, under the session lock, so a host that was cancelled
-while waiting still knows exactly what to roll back.
+Workers are long-lived calls of :meth:`PinSession.work` that pull batches until the pipeline says
+stop (one thread hop per worker, not per chunk). Every outcome is booked inside the worker, under
+the session lock, so a host cancelled while waiting still knows exactly what to roll back.
 """
 
 from __future__ import annotations
@@ -23,13 +17,21 @@ import collections
 import functools
 import math
 import os
+import reprlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
-from .._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls_error
+from .._errors import (
+    ChunkFailure,
+    LedgerError,
+    RuntimeCallError,
+    UnexpectedReturn,
+    as_runtime_error,
+    between_calls_error,
+)
 from .._host.libc import MADV_POPULATE_WRITE, lower_this_thread
 from .._host.mapping import populate_range
 from .._observe import Observer
@@ -41,7 +43,6 @@ from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
 from .pipeline import WAIT, Landing, Order, Pipeline, Span, _Wait
 from .unpin import Unpinning
-from .untrusted import Answer, untrusted_call
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
@@ -52,10 +53,55 @@ T = TypeVar("T")
 RECORD_INTERVAL_SECONDS = 0.01
 
 
+# -- a runtime is untrusted ------------------------------------------------------------------------
+# A runtime returns None or raises RuntimeCallError, its typed "nothing was done". Anything else (a
+# binding's RuntimeError, SystemExit or KeyboardInterrupt in the driver wrapper, a return value)
+# says nothing about what the call did first: a register may have registered, and booked as failed
+# it would stay pinned after close() unseen. So it is "may be registered", booked for teardown.
+
+# A runtime's garbage return value goes into an error message and a log line: bounded.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One runtime call's answer: ``error`` (None: it returned None); ``maybe``: the call may have done
+    its work; ``raised``: a non-``Exception`` it raised, to raise again where someone can handle it."""
+
+    error: RuntimeCallError | None = None
+    maybe: bool = False
+    raised: BaseException | None = None
+
+
+_DONE = Answer()
+
+
+def untrusted_call(call: Callable[[int, int], object], op: str, ptr: int, nbytes: int) -> Answer:
+    """Make one runtime call and classify its answer; never raises (a worker thread has no caller)."""
+    try:
+        returned = call(ptr, nbytes)
+    except RuntimeCallError as exc:  # the runtime's own typed failure: it did nothing
+        return Answer(exc)
+    except Exception as exc:
+        return Answer(as_runtime_error(exc, op, ptr, nbytes), maybe=True)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt, GeneratorExit: booked, then raised again
+        return Answer(as_runtime_error(exc, op, ptr, nbytes), maybe=True, raised=exc)
+    if returned is None:
+        return _DONE
+    try:
+        shown = _REPR.repr(returned)
+    except Exception as exc:  # a garbage object whose __repr__ raises too
+        shown = f"a {type(returned).__name__} (whose repr raised {type(exc).__name__})"
+    return Answer(UnexpectedReturn(op=op, ptr=ptr, nbytes=nbytes, returned=shown), maybe=True)
+
+
 class Memory(Protocol):
-    """What the engine needs of the pool's memory: where it starts."""
+    """The pool's memory: its own mapping, or a caller's tensor (pin()). The engine reads only where it starts."""
 
     address: int
+
+    def keep_forever(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -64,10 +110,7 @@ class _Op:
 
     name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
     call: Callable[[int, int], object]  # (ptr, nbytes); anything but None is the runtime's fault
-    # Every call's time, failed or not (unregister: a chunk registered in pieces is unregistered in
-    # one call per piece, and the longest-call gauge is about single calls). Register and populate
-    # report theirs with the call's outcome, with the attempt it was.
-    took: Callable[[float], None] | None = None
+    took: Callable[[float], None] | None = None  # every call's time, failed or not
     before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
 
 
@@ -140,10 +183,8 @@ class PinSession(Unpinning):
         self._register = _Op("register", register, pacer.took, pacer.before)
         self._unregister = _Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
-        # Retry with halving: the pool's retry codes (else the runtime's), down to the floor (else one
-        # unit), at most max_retries levels below each planned chunk. A bound per lineage, not per
-        # pool: a pool of many chunks that all meet a size limit needs every one halved (SGLang's
-        # degradation), while one chunk that fails at every level costs one call per level.
+        # Retry by halving, at most max_retries levels below each planned chunk: a bound per lineage,
+        # not per pool, since many chunks meeting a size limit each need halving (SGLang's degradation).
         self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
         self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
         self._not_registered = caps.not_registered_codes
@@ -173,13 +214,10 @@ class PinSession(Unpinning):
     def _run(self, work: _Work[T, R]) -> None:
         """One worker's batches, pinning or unpinning, until ``work.take`` has none left.
 
-        A batch's results go on the books together, under one lock hold (its items stay in
-        flight or claimed until then, so a rollback waits for them): when the batch ends, and
-        every RECORD_INTERVAL_SECONDS within a long one, so the pinned prefix and progress move
-        while a batch of many small chunks runs. Pinning (``work.stops``) ends a batch at a
-        failure, so the other workers hear of it after one call, not one batch, and once pinning
-        stopped. The items not started when the batch ends, or when something raises, go to
-        ``work.land`` too (pinning lands them as stopped; unpinning queues them again).
+        Results go on the books under one lock hold at a batch's end and every
+        RECORD_INTERVAL_SECONDS within a long one (so progress moves). Pinning (``work.stops``)
+        ends a batch at a failure or a stop, so others hear of it after one call; unstarted items
+        go to ``work.land`` too (pinning lands them stopped; unpinning queues them again).
         """
         while items := work.take():
             results: list[R] = []
@@ -203,10 +241,8 @@ class PinSession(Unpinning):
                 work.land(results, items[started:])
 
     def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[Answer, float]:
-        """One runtime call at ``offset`` from the pool's start, classified by
-        :func:`~pinpool._pin.untrusted.untrusted_call`: anything it raises, BaseException included, is
-        that call's failure (a worker thread has no caller to raise to); a BaseException is also
-        kept in :attr:`raised`, for the pool's caller to raise again once teardown is done."""
+        """One runtime call at ``offset``, classified by :func:`untrusted_call`; a non-``Exception`` it
+        raised is kept in :attr:`raised`, for the pool's caller to raise again after teardown."""
         ptr = self.base_ptr + offset
         observer = self.observer
         if op.before is not None:
@@ -281,10 +317,8 @@ class PinSession(Unpinning):
         if sizer is None:
             answer, seconds = self._call(self._populate, span.offset, span.nbytes)
             return Landing(span, answer.error, seconds=seconds)
-        # Under a stall budget the span is faulted in calls sized to fit it (page multiples). As
-        # for a chunk's pieces, anything raised between the calls (a pinpool bug) is the span's
-        # failure, landed on the books with its progress, never an exception that escapes the
-        # worker with the span still in flight.
+        # Under a stall budget, in calls sized to fit it; anything raised between them (a pinpool
+        # bug) is the span's failure, landed with its progress, never escaping with it in flight.
         try:
             return self._paced_populate(span, sizer)
         except BaseException as exc:  # a worker thread has no caller to raise to
@@ -349,17 +383,13 @@ class PinSession(Unpinning):
         *,
         paced: bool = False,
     ) -> Landing:
-        """Register ``chunk`` as several calls: the halves of a failed call (``todo``), or, under
-        the stall budget (``paced``), pieces sized to fit it as the calls go; each piece with its
-        depth (halvings below ``chunk``). A piece that fails retryably is halved again. Every
-        failed attempt is kept, so a final failure lists them all (a real out-of-memory is never
-        hidden). Each call is observed as it ends.
+        """Register ``chunk`` as several calls: the halves of a failed call (``todo``, each with its
+        depth below ``chunk``), or under the stall budget (``paced``) pieces sized as the calls go.
+        A retryable failure is halved again; every failed attempt is kept for the final error.
 
-        The pieces registered so far exist only in ``done`` until the chunk lands, so nothing may
-        take them away: a piece joins ``done`` as soon as its call returns, before anything else
-        runs, and anything raised between calls (the sizer, the cutter, the observer, the books:
-        a pinpool bug, never the runtime's) becomes this chunk's failure, landed with the pieces
-        registered so the rollback undoes them, instead of escaping the worker with them."""
+        Registered pieces exist only in ``done`` until the chunk lands: a piece joins it as its call
+        returns, and anything raised between calls (a pinpool bug) becomes this chunk's failure,
+        landed with ``done`` so the rollback undoes them."""
         done: list[Chunk] = []
         maybe: list[Chunk] = []  # a piece whose call failed untrusted: it may be registered (never retried)
         try:
@@ -424,8 +454,7 @@ class PinSession(Unpinning):
         return Landing(index, pieces=tuple(done))  # nan: observed call by call
 
     def registrations(self) -> tuple[Chunk, ...]:
-        """Every registration call live now, sorted by offset (see :class:`RegistrationBook`);
-        none in a forked child, whose parent holds them."""
+        """Every registration call live now, sorted (none in a forked child: the parent holds them)."""
         return self.book.snapshot() if os.getpid() == self.pid else ()
 
     def _observe(self, landing: Landing) -> None:
@@ -460,9 +489,8 @@ class PinSession(Unpinning):
 
     def stop(self, cause: StopCause) -> None:
         """Tell workers to stop after their current call, for ``cause`` (the first cause wins)."""
-        # The plain lock, not the Condition: Condition.__enter__ is Python code, and an interrupt
-        # landing between its acquire and the with block (a second Ctrl-C while the first one
-        # stops the workers) would leave the lock held for good. A C lock's with is not split.
+        # The plain lock: Condition.__enter__ is Python code, and an interrupt between its acquire
+        # and the block (a second Ctrl-C) would leave the lock held for good; a C lock's is atomic.
         with self.lock:
             self.ledger.stop(cause)
             self._changed.notify_all()
@@ -489,9 +517,8 @@ class PinSession(Unpinning):
             return self.ledger.abort()
 
     def begin_teardown(self) -> tuple[Callable[[], None], ...]:
-        """What the unpin threads run: unregister every registered chunk base, claimed from one
-        queue in reverse offset order. Empty when there is nothing to undo, once closed
-        (teardown is idempotent), and in a forked child (the registrations are the parent's)."""
+        """What the unpin threads run: every registered chunk, from one queue in reverse offset order.
+        Empty with nothing to undo, once closed, and in a forked child (the parent's registrations)."""
         ledger = self.ledger
         with self._changed:
             if ledger.phase is Phase.PINNING:
@@ -513,9 +540,7 @@ class PinSession(Unpinning):
 
     def end_teardown(self, crashed: Sequence[BaseException] = ()) -> tuple[ChunkFailure, ...]:
         """Close the books once every unpin thread is done; returns this teardown's unregister failures.
-
-        A chunk still registered here means an unpin worker crashed before reaching it (a pinpool
-        bug): it is reported as leaked, never left silently registered."""
+        A chunk still registered here (an unpin worker crashed: a pinpool bug) is reported leaked."""
         ledger = self.ledger
         with self._changed:
             if ledger.phase is Phase.CLOSED:

@@ -1,9 +1,6 @@
-"""The ledger: which chunks are registered, and what rollback or teardown must undo.
-
-A pure state machine (no threads, no I/O). Drivers call it under their own lock; every
-decision a driver makes (hand out the next chunk, stop, what to unregister and in which
-order, what leaked) is a transition here, so every path is unit-testable.
-"""
+"""The ledger: which chunks are registered, and what rollback or teardown must undo. A pure state
+machine called under the session's lock: every decision (next chunk, stop, what to unregister in
+which order, what leaked) is a transition here, so every path is unit-testable."""
 
 from __future__ import annotations
 
@@ -56,23 +53,18 @@ class Ledger:
         self.stop_cause: StopCause | None = None
         self.failures: list[ChunkFailure] = []
         self.pieces: dict[int, tuple[Chunk, ...]] = {}  # chunks registered as several calls (retries)
-        # Registrations (chunks or pieces) found released by someone else at teardown: their
-        # chunks count as unregistered, never as leaked (Capabilities.not_registered_codes).
-        self.released_elsewhere: list[Chunk] = []
-        # Ranges whose register call failed untrusted (pinpool._pin.untrusted): they may be registered,
-        # so teardown unregisters them with the chunk's pieces; never counted as pinned.
-        self.maybe: set[Chunk] = set()
+        self.released_elsewhere: list[Chunk] = []  # found released by someone else: unregistered, not leaked
+        self.maybe: set[Chunk] = set()  # failed untrusted (engine.untrusted_call): undone at teardown, never pinned
         self._next = 0
-        self._in_flight = 0
-        self._registered_bytes = 0
-        self._registered_chunks = 0  # counted, not summed: progress is read every tick
-        # Bytes pinned of chunks that do not count whole (yet, or ever): pieces registered of a
-        # chunk registered in several calls, faulted spans of a lock-on-fault chunk. They are
-        # pinned as surely as a whole chunk and stay so until that chunk is unregistered, also
-        # when it failed or stopped part-way, so they count until then (pinned_bytes).
+        self.in_flight = 0
+        self.registered_bytes = 0  # chunks that count whole now, and leaked ones (maybe still pinned)
+        self.chunks_done = 0  # counted, not summed: progress is read every tick
+        # Bytes pinned of chunks that do not count whole (yet, or ever): registered pieces, faulted
+        # spans under lock-on-fault. Pinned as surely as a whole chunk, they count until it is
+        # unregistered, also when it failed or stopped part-way (pinned_bytes).
         self._part_bytes: dict[int, int] = {}
         self._part_total = 0
-        self._pending = len(self.chunks)
+        self.pending = len(self.chunks)  # not yet handed out (nor failed before their registration)
 
     # -- pinning ---------------------------------------------------------------------------
 
@@ -87,8 +79,8 @@ class Ledger:
         index = self._next
         self._next += 1
         self.states[index] = ChunkState.IN_FLIGHT
-        self._in_flight += 1
-        self._pending -= 1
+        self.in_flight += 1
+        self.pending -= 1
         return index
 
     def claim_index(self, index: int) -> None:
@@ -98,16 +90,16 @@ class Ledger:
         if self.states[index] is not ChunkState.PENDING:
             raise LedgerError(f"claim of chunk {index}, which is {self.states[index].value}")
         self.states[index] = ChunkState.IN_FLIGHT
-        self._in_flight += 1
-        self._pending -= 1
+        self.in_flight += 1
+        self.pending -= 1
 
     def unclaim(self, index: int) -> None:
         """A claimed chunk whose call was never made (its worker's batch stopped): pending again."""
         if self.states[index] is not ChunkState.IN_FLIGHT:
             raise LedgerError(f"unclaim of chunk {index}, which is {self.states[index].value}")
         self.states[index] = ChunkState.PENDING
-        self._in_flight -= 1
-        self._pending += 1
+        self.in_flight -= 1
+        self.pending += 1
         self._next = min(self._next, index)
 
     def registered(self, index: int, *, faulting: bool = False) -> None:
@@ -128,8 +120,8 @@ class Ledger:
 
     def _count_whole(self, index: int) -> None:
         self._drop_part(index)  # from here the chunk counts whole
-        self._registered_bytes += self.chunks[index].nbytes
-        self._registered_chunks += 1
+        self.registered_bytes += self.chunks[index].nbytes
+        self.chunks_done += 1
 
     def pinned_part(self, index: int, nbytes: int) -> None:
         """``nbytes`` more of chunk ``index`` are pinned, before (or without) the chunk counting whole."""
@@ -155,12 +147,9 @@ class Ledger:
         pinned: bool = True,
         maybe: Sequence[Chunk] = (),
     ) -> None:
-        """A chunk failed or stopped with ``pieces`` of it registered: teardown undoes them, every
-        failed attempt is recorded, and pinning stops. The chunk never counts whole, but its
-        pieces are pinned until teardown (``pinned``; False under lock-on-fault, where a piece is
-        pinned only once faulted, and these never are): :attr:`pinned_bytes` counts them.
-        ``maybe``: ranges that may be registered (their call failed untrusted): undone by
-        teardown after the pieces, never counted as pinned."""
+        """A chunk failed or stopped with ``pieces`` of it registered: teardown undoes them (and the
+        ``maybe`` ranges after them), every attempt is recorded, pinning stops. The pieces count as
+        pinned until teardown unless ``pinned`` is False (lock-on-fault: never faulted)."""
         self._land(index, ChunkState.FAULTING)  # undone by teardown, never counted whole
         self.pieces[index] = (*pieces, *maybe)
         self.maybe.update(maybe)
@@ -179,12 +168,12 @@ class Ledger:
             self.stop_cause = StopCause.FAILURE
 
     def populate_failed(self, index: int, error: RuntimeCallError) -> None:
-        """Pre-faulting part of a chunk failed, before its registration (the chunk is then never
-        registered) or after it (lock-on-fault: the chunk stays registered, so rollback undoes it)."""
+        """Pre-faulting part of a chunk failed: before its registration (never registered then) or
+        after it (lock-on-fault: rollback undoes it)."""
         state = self.states[index]
         if state is ChunkState.PENDING:
             self.states[index] = ChunkState.FAILED
-            self._pending -= 1
+            self.pending -= 1
         elif state not in (ChunkState.FAULTING, ChunkState.FAILED):  # FAILED: another of its spans failed too
             raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
         self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
@@ -204,57 +193,34 @@ class Ledger:
         if self.states[index] is not ChunkState.IN_FLIGHT:
             raise LedgerError(f"chunk {index} landed as {state.value} but was {self.states[index].value}")
         self.states[index] = state
-        self._in_flight -= 1
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    @property
-    def pending(self) -> int:
-        """Chunks not yet handed out (nor failed before their registration)."""
-        return self._pending
-
-    @property
-    def registered_bytes(self) -> int:
-        """Bytes of the chunks that count whole now, and of leaked ones (their unregister failed:
-        maybe still pinned)."""
-        return self._registered_bytes
+        self.in_flight -= 1
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes pinned now, the one figure ``pool.pinned_bytes``, the pinned-bytes gauge and a
-        failure's text report: chunks that count whole, plus what is pinned of the others (their
-        registered pieces; their faulted spans under lock-on-fault) until they are unregistered.
-        The pinned page prefix is told of exactly these ranges (``Pipeline.land``)."""
-        return self._registered_bytes + self._part_total
-
-    @property
-    def chunks_done(self) -> int:
-        return self._registered_chunks
+        """Bytes pinned now: the one figure of ``pool.pinned_bytes``, the gauge and a failure's text
+        (whole chunks plus the parts of others); the page prefix is told of the same ranges."""
+        return self.registered_bytes + self._part_total
 
     def finish_pinning(self) -> Phase:
         """Close the pinning phase once no call is in flight; PINNED only if every chunk registered."""
         if self.phase is not Phase.PINNING:
             raise LedgerError(f"finish_pinning in phase {self.phase.value}")
-        if self._in_flight:
-            raise LedgerError(f"finish_pinning with {self._in_flight} chunks still in flight")
-        complete = self._registered_chunks == len(self.chunks)
-        # A cancellation that arrived after the last chunk landed still wins: the caller
-        # must not enter its body just because the workers were quick.
+        if self.in_flight:
+            raise LedgerError(f"finish_pinning with {self.in_flight} chunks still in flight")
+        complete = self.chunks_done == len(self.chunks)
+        # A cancellation after the last chunk landed still wins: quick workers don't open the body.
         self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK
         return self.phase
 
     def abort(self) -> Phase:
-        """End pinning although the books say calls are in flight: every thread is known to be done,
-        so a worker crashed between a call and its record (a pinpool bug). A chunk left in flight
-        was never seen to register: it is recorded as failed, and rollback undoes the rest."""
+        """End pinning with calls in flight on the books though every thread is done (a worker crashed
+        between a call and its record, a pinpool bug): those chunks count as failed."""
         if self.phase is not Phase.PINNING:
             raise LedgerError(f"abort in phase {self.phase.value}")
         for index, state in enumerate(self.states):
             if state is ChunkState.IN_FLIGHT:
                 self.states[index] = ChunkState.FAILED
-        self._in_flight = 0
+        self.in_flight = 0
         if self.stop_cause is None:
             self.stop_cause = StopCause.FAILURE
         self.phase = Phase.ROLLED_BACK
@@ -286,12 +252,12 @@ class Ledger:
         self.states[index] = state
         nbytes = self.chunks[index].nbytes
         if was is ChunkState.REGISTERED:
-            self._registered_chunks -= 1
+            self.chunks_done -= 1
         if state is ChunkState.UNREGISTERED and was is ChunkState.REGISTERED:
-            self._registered_bytes -= nbytes
+            self.registered_bytes -= nbytes
         elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:
             # A leaked chunk may well still be pinned: count all it registered.
-            self._registered_bytes += sum(piece.nbytes for piece in self.pieces.get(index, (self.chunks[index],)))
+            self.registered_bytes += sum(piece.nbytes for piece in self.pieces.get(index, (self.chunks[index],)))
         self._drop_part(index)  # unregistered: nothing of it pinned; leaked: counted above
 
     def close(self) -> None:
@@ -324,17 +290,11 @@ _BY_OFFSET = operator.attrgetter("offset")
 class RegistrationBook:
     """What the runtime has registered right now, call by call: ``pool.registrations``.
 
-    The ledger counts chunks; this counts registration calls, which differ where a chunk is
-    registered as several calls (the stall budget's pieces, retry halves). The worker that made
-    a call writes it here as soon as the call returns (a register) or succeeds (an unregister):
-    one byte store for a whole chunk, one dict store for a piece, O(1) and without the session
-    lock, so the hot path takes no lock it did not take before and the books never lag the
-    runtime by a batch. Each write is a single operation on a bytearray or dict, which CPython
-    makes atomic (the GIL; under free-threading, each object's own lock), and :meth:`snapshot`
-    copies each in one operation, so a reader on any thread sees every call that returned
-    before it read, and none that was undone; a call still in flight may or may not be seen.
-
-    A failed unregister leaves its range here (the runtime may still hold it: leaked).
+    The worker that made a call writes it as the call returns (register) or succeeds (unregister):
+    one byte store per whole chunk, one dict store per piece, without the session lock, so the
+    books never lag by a batch. Each write is one atomic operation on a bytearray or dict (the GIL;
+    free-threading: the object's lock) and :meth:`snapshot` copies each in one, so a reader sees
+    every call that returned before it read. A failed unregister leaves its range here.
     """
 
     __slots__ = ("_chunks", "_pieces", "_whole")
@@ -363,8 +323,7 @@ class RegistrationBook:
             self._pieces.pop(piece.offset, None)
 
     def snapshot(self) -> tuple[Chunk, ...]:
-        """Every range registered now, sorted by offset: O(chunks) in C to find the runs of
-        whole chunks, then O(registrations)."""
+        """Every range registered now, sorted by offset: O(chunks) in C, then O(registrations)."""
         whole = bytes(self._whole)  # one copy each: a consistent view of either structure
         pieces = self._pieces.copy()
         chunks = self._chunks

@@ -1,30 +1,19 @@
 """A pool's life, written once: pin → (body) → teardown, or pin → rollback.
 
-:class:`Lifecycle` is synchronous and has no threads or awaits of its own, and imports no
-driver: its :meth:`enter`, :meth:`exit` and :meth:`finalize` are generators that do the quick,
-synchronous steps themselves (map the memory, open and close the books, report) and yield only
-the steps that need waiting or a thread (``_pin/steps.py``: :class:`RunThreads`, :class:`Detach`).
-The drivers (``_pin/drivers.py``: ``async with``, ``with``, and the finalizer's inline one) run
-those and send back what happened. So every rule below holds for every driver, because there
-is only one copy of it:
+:class:`Lifecycle` has no threads or awaits and imports no driver: :meth:`enter`, :meth:`exit`
+and :meth:`finalize` are generators that do the quick steps themselves (map, book, report) and
+yield only those that need waiting or a thread (``outcome.RunThreads``, ``Detach``), which a driver runs. So every rule
+holds for every driver, because there is one copy of it:
 
-* the pinning step ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in one place
-  (:meth:`Lifecycle._end_pinning`); the foreground delivers it by rolling back and raising,
-  the background by keeping what is pinned and telling the waiters;
-* once a page was reported pinned (the pool is ready, or the page is below ``pinned_pages``),
-  only the caller's exit or close, or the finalizer of a pool nobody can exit any more,
-  unpins it: a background failure never rolls back under a running body;
-* once a teardown or rollback starts, it finishes before control returns, whatever arrives
-  meanwhile; the interruption is re-raised after the books are closed;
-* the finalizer never starts a teardown while a driver is running one (or is pinning);
-* every state change goes through :func:`~pinpool._pin.outcome.check_move` (one table);
-* a worker that crashed, or threads that could not be started, end in a typed
-  :class:`PinError` / :class:`UnpinError`; internal invariant errors never reach users.
-
-It owns the pool's state and the order of its steps, nothing below them: it is given the
-pool's plan and options whole, and builds the engine (``_pin/engine.py``) from them; the memory
-comes from a :class:`MemorySource` (``_pool/pool.py``), node pacing from ``_pin/admission.py``, and the
-pure rules and error texts from ``_pin/outcome.py``.
+* pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`;
+  the foreground rolls back and raises, the background keeps what is pinned and tells waiters;
+* a page reported pinned is unpinned only by the caller's exit or close, or by the finalizer of
+  a pool nobody can exit: a background failure never rolls back under a running body;
+* a started teardown or rollback finishes before control returns; an interruption meanwhile is
+  re-raised after the books are closed;
+* the finalizer never tears down while a driver does (or pins);
+* every state change goes through :func:`~pinpool._pin.outcome.check_move`;
+* a crashed worker or unstartable threads end in a typed :class:`PinError` / :class:`UnpinError`.
 """
 
 from __future__ import annotations
@@ -33,20 +22,24 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Generator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnpinError
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._ranges import PINNED_RANGES
 from .._units import format_bytes
-from .admission import PoolAdmission
-from .close_gate import CloseGate
-from .engine import PinSession
+from .engine import Memory, PinSession
+from .gates import CloseGate, PoolAdmission
 from .ledger import Phase, StopCause
 from .outcome import (
+    Detach,
+    Joinable,
     Outcome,
     PoolState,
+    Ran,
+    RunThreads,
+    Steps,
     check_move,
     closed_during_open,
     decide,
@@ -57,54 +50,23 @@ from .outcome import (
     unpin_error,
     warn_unclosed,
 )
-from .steps import Detach, Joinable, Ran, RunThreads, Steps
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
     from .._plan.plan import PoolPlan
     from .._types import Capabilities
     from ..runtimes import Runtime
+    from .memory_source import PoolMemory
 
-__all__ = ["Lifecycle", "Memory", "MemorySource", "PoolState"]
+__all__ = ["Lifecycle", "PoolState", "ProgressCallback"]
 
 ProgressCallback = Callable[[int, int, int, int], object]
 
 
-class Memory(Protocol):
-    """The pool's memory: its own mapping, or a caller's tensor (pin())."""
-
-    address: int
-
-    def keep_forever(self) -> None: ...
-
-
-class MemorySource(Protocol):
-    """Where a pool's memory comes from (``_pool/pool.py``): the one collaborator that knows mappings,
-    files and tensors. It holds values, never the façade."""
-
-    def acquire(self) -> Memory:
-        """Map the memory (or take the caller's tensor) and claim its address range."""
-        ...
-
-    def views(self, memory: Memory) -> Mapping[str, Any]:
-        """The layout's tensors over the memory."""
-        ...
-
-    def release(self) -> None:
-        """Let go of whatever the pool was given to pin (a caller's tensor), once closed."""
-        ...
-
-
 class Lifecycle:
-    """One pool's state and its pin / rollback / teardown sequence.
-
-    It holds no reference to the :class:`PinnedPool` façade (the finalizer runs it after the
-    façade is gone), only what the sequence needs: the pool's plan and options, whole; the
-    runtime (and the capabilities it declares), the observer, and the memory ``source``;
-    node pacing (``admission``), the user's ``on_progress``, and where the pool was made.
-    With ``options.background`` entering returns once pinning has started; a conductor (a
-    detached sequence on its own thread) runs the rest of the pinning step, and exit stops it.
-    """
+    """One pool's state and its pin / rollback / teardown sequence. It holds no reference to the
+    façade (the finalizer runs it after the façade is gone). With ``options.background`` entering
+    returns once pinning has started; a conductor (a :class:`Detach`-ed sequence) runs the rest."""
 
     def __init__(
         self,
@@ -114,7 +76,7 @@ class Lifecycle:
         runtime: Runtime,
         caps: Capabilities,
         observer: Observer,
-        source: MemorySource,
+        source: PoolMemory,
         admission: NodeAdmission | None = None,
         on_progress: ProgressCallback | None = None,
         created_at: tuple[str, int] = ("<unknown>", 0),
@@ -140,7 +102,7 @@ class Lifecycle:
         self.memory: Memory | None = None
         self.tensors: Mapping[str, Any] | None = None
         self.error: BaseException | None = None  # why background pinning ended early (state FAILED)
-        self.error_delivered = False  # a waiter (or pool.error) has handed it to the user
+        self._error_seen = False  # a waiter (or pool.error) has handed it to the user
         self._lock = threading.RLock()
         self._closed = threading.Event()  # set once CLOSED: an exit waits for the finalizer's teardown
         self.gate = CloseGate()  # one caller at a time enters or closes; close() from anywhere
@@ -184,13 +146,9 @@ class Lifecycle:
             self._driven = False
 
     def _enter(self) -> Steps[None]:
-        if not self.background:
-            try:
-                yield from self.pacing.admit()
-            except BaseException:
-                self._close_empty()
-                raise
         try:
+            if not self.background:
+                yield from self.pacing.admit()
             memory = self.source.acquire()
         except BaseException:
             self._close_empty()
@@ -220,9 +178,7 @@ class Lifecycle:
             self._handed_out = True
             return
         # Foreground delivery: the body never ran, so everything is rolled back, then raised.
-        self._move(PoolState.CLOSING)
-        failures, interrupts = yield from self._teardown(session)
-        self._close(session, failures)
+        _, interrupts = yield from self._unpin_all(session)
         if outcome is Outcome.FAILED:
             failed = self._failure(session, ran, kept=None)
             if interrupts:  # an interruption during the rollback still propagates: it was asked for
@@ -258,8 +214,8 @@ class Lifecycle:
     # -- how pinning ends: one outcome ----------------------------------------------------------
 
     def _end_pinning(self, session: PinSession, ran: Ran) -> tuple[Outcome, BaseException | None]:
-        """Every pinning thread is done: decide the outcome, open the pool if it is ready, and
-        report an early end. Returns the outcome and the interruption to raise, if any."""
+        """Every pinning thread is done: decide the outcome, open the pool if ready, report an early end;
+        returns the outcome and the interruption to raise, if any."""
         crashed = bool(ran.crashed) or ran.started == 0
         if crashed:
             session.stop(StopCause.FAILURE)
@@ -287,7 +243,7 @@ class Lifecycle:
             if outcome is Outcome.READY:
                 self._move(PoolState.READY)
                 return outcome, None
-        kept = session.pipeline.pinned_bytes if self.background and outcome is not Outcome.ORPHANED else 0
+        kept = session.ledger.pinned_bytes if self.background and outcome is not Outcome.ORPHANED else 0
         self.observer.rollback(cause=outcome.cause, registered_chunks=session.ledger.chunks_done, kept_bytes=kept)
         return outcome, interruption
 
@@ -309,9 +265,7 @@ class Lifecycle:
             self.tensors = self.source.views(self.memory)  # pages [0, pinned_pages) are usable at once
         except BaseException:
             session.stop(StopCause.CANCELLED)
-            self._move(PoolState.CLOSING)
-            failures, _ = yield from self._teardown(session)
-            self._close(session, failures)
+            yield from self._unpin_all(session)
             raise
         self._conducting = True
         ran = yield Detach(
@@ -323,18 +277,14 @@ class Lifecycle:
         if not problems:
             self._handed_out = True
             return
-        # The conductor could not be started, or an interrupt landed in Thread.start: it either
-        # never runs or runs (maybe waiting for node pacing) and is stopped and waited for; then
-        # whatever it pinned is undone (the body never ran).
-        # Nothing else closes the pool meanwhile: while it is being entered, exit refuses and the
-        # finalizer keeps off (``_driven``), so the conductor cannot have been orphaned.
+        # The conductor could not start, or an interrupt landed in Thread.start: it is stopped and
+        # waited for, and what it pinned undone. It cannot be orphaned: exit refuses and the
+        # finalizer keeps off (``_driven``) while the pool is being entered.
         first = problems[0]
         yield from self._stop_conductor(session, StopCause.CANCELLED)
         with self._lock:
             self._conducting = False
-        self._move(PoolState.CLOSING)
-        failures, _ = yield from self._teardown(session)
-        self._close(session, failures)
+        yield from self._unpin_all(session)
         if isinstance(first, Exception):
             raise thread_start_error(self.describe, first)
         raise first
@@ -361,14 +311,12 @@ class Lifecycle:
     def _deliver_in_background(
         self, session: PinSession, outcome: Outcome, error: BaseException | None, ran: Ran
     ) -> Steps[None]:
-        """Background delivery: nothing is unpinned under the body. A failure keeps every registered
-        chunk (the pages below ``pinned_pages`` are in use) until exit; an exit or the entering
-        thread that stopped pinning tears down itself; only a pool nobody can exit (orphaned) is
-        torn down here."""
+        """Background delivery: nothing is unpinned under the body (a failure keeps it all until exit;
+        an exit tears down itself); only a pool nobody can exit (orphaned) is torn down here."""
         if outcome is Outcome.FAILED and error is None:
             # The pool's own figures, from the books at rest (no call in flight): the text and
             # pool.pinned_pages / pinned_bytes / registrations say the same.
-            pages, pinned = session.prefix.pages, session.pipeline.pinned_bytes
+            pages, pinned = session.prefix.pages, session.ledger.pinned_bytes
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
             error = self._failure(session, ran, kept=kept)
@@ -388,13 +336,10 @@ class Lifecycle:
             assert error is not None
             self.observer.failed_in_background(error)
         elif action == "teardown":
-            self._move(PoolState.CLOSING)
-            failures, _ = yield from self._teardown(session)
-            self._close(session, failures)
+            yield from self._unpin_all(session)
 
     def _stop_for_shutdown(self, session: PinSession) -> None:
-        """The interpreter is exiting: stop pinning after the current calls. What is pinned stays
-        pinned for threads still running; the pool's finalizer unpins it once they are done."""
+        """The interpreter is exiting: stop pinning after the current calls (the finalizer unpins)."""
         self.pacing.cancel.set()
         session.stop(StopCause.EXIT)
 
@@ -413,11 +358,9 @@ class Lifecycle:
     def exit(
         self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
     ) -> Steps[BaseException | None]:
-        """Leave the pool: stop background pinning, unpin everything, close the books. Idempotent,
-        from any thread (``_pin/close_gate.py``); ``closing`` (``pool.close()``): a pool never entered is
-        closed too, one being entered stops, rolls back and raises. ``raise_errors=False`` (a
-        destructor): an unseen pinning or unpinning error is returned instead of raised (logged and
-        counted all the same); interruptions are always re-raised."""
+        """Leave the pool: stop background pinning, unpin everything, close the books; idempotent, from
+        any thread. ``closing`` (``pool.close()``): a new pool is closed too, one being entered rolls
+        back; ``raise_errors=False``: an unseen error is returned, not raised (interruptions are)."""
         if self._pid is not None and os.getpid() != self._pid:
             self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
             return None
@@ -451,21 +394,16 @@ class Lifecycle:
             interrupts: list[BaseException] = []
             if self.background:
                 interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
-            failed = self.error if self.state is PoolState.FAILED and not self.error_delivered else None
-            if failed is not None:
-                self.error_delivered = True
-            self._move(PoolState.CLOSING)
-            failures, more = yield from self._teardown(session)
+            failed = self.take_error(unseen=True) if self.state is PoolState.FAILED else None
+            unpinned, more = yield from self._unpin_all(session)
             interrupts += more
-            unpinned = self._close(session, failures)
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
             self._driven = False
 
     def _let_go_in_child(self) -> None:
-        """A forked child exits or closes its copy of the parent's pool: the registrations, the
-        conductor and the worker threads are the parent's (none exists here), so nothing is
-        unregistered or waited for; the child only drops its references."""
+        """A forked child exits or closes its copy of the parent's pool: it only drops its references
+        (the registrations, conductor and workers are the parent's)."""
         session = self.session
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
@@ -479,6 +417,14 @@ class Lifecycle:
             self._closed.set()
 
     # -- readiness ---------------------------------------------------------------------------------
+
+    def take_error(self, *, unseen: bool = False) -> BaseException | None:
+        """Hand the background failure to the user, marking it seen (exit then does not raise it
+        again); ``unseen``: only if nobody has seen it yet."""
+        error = None if unseen and self._error_seen else self.error
+        if error is not None:
+            self._error_seen = True
+        return error
 
     @property
     def pinned_pages(self) -> int:
@@ -500,29 +446,31 @@ class Lifecycle:
             return True
         if state is PoolState.PINNING:
             return pages is not None and self.pinned_pages >= pages
-        if state is PoolState.FAILED and self.error is not None:
-            self.error_delivered = True
-            raise self.error
+        error = self.take_error() if state is PoolState.FAILED else None
+        if error is not None:
+            raise error
         if state is PoolState.NEW:
             raise PoolStateError(f"pool {self.name!r} is new: enter it (async with / with) before waiting for it")
         raise PoolStateError(f"pool {self.name!r} is {state.value}: it was exited before it was ready")
 
     # -- teardown ----------------------------------------------------------------------------------
 
-    def _teardown(
-        self, session: PinSession
-    ) -> Generator[RunThreads, Ran, tuple[tuple[ChunkFailure, ...], list[BaseException]]]:
-        bodies = session.begin_teardown()
-        ran = yield RunThreads(bodies=bodies, name=f"pinpool-{self.name}-unpin")
-        # What the runtime raised on a worker that is no Exception (SystemExit, KeyboardInterrupt)
-        # is raised as itself once the books are closed, as an interruption here would be.
-        return session.end_teardown(ran.crashed), [*ran.interrupts, *session.take_raised()]
+    def _unpin_all(
+        self, session: PinSession, *, move: bool = True
+    ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
+        """Teardown or rollback: unregister everything, then :meth:`_close`; returns its UnpinError and
+        the interruptions, with what the runtime raised that is no Exception (raised as itself later)."""
+        if move:
+            self._move(PoolState.CLOSING)
+        ran = yield RunThreads(bodies=session.begin_teardown(), name=f"pinpool-{self.name}-unpin")
+        failures = session.end_teardown(ran.crashed)
+        interrupts = [*ran.interrupts, *session.take_raised()]
+        return self._close(session, failures), interrupts
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
-        """Close the books after teardown, and let the memory go unless a chunk leaked (then it is
-        kept mapped and its range stays claimed: part of it may still be pinned). Returns the
-        UnpinError of a pool that had been handed out (after a rollback, unpin failures are
-        reported by the PinError that follows, in its ``leaked``)."""
+        """Close the books after teardown and let the memory go, unless a chunk leaked (then it stays
+        mapped and claimed). Returns the UnpinError of a pool that had been handed out (after a
+        rollback, the PinError that follows reports them in ``leaked``)."""
         memory = self.memory
         handed_out = self._handed_out
         self.tensors = None
@@ -553,7 +501,7 @@ class Lifecycle:
             session.stop(StopCause.CANCELLED)
         if self.on_progress is not None and session is not None:
             ledger = session.ledger
-            self.on_progress(session.pipeline.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
+            self.on_progress(session.ledger.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
 
     # -- the finalizer -------------------------------------------------------------------------------
 
@@ -583,14 +531,13 @@ class Lifecycle:
             session.stop(StopCause.COLLECTED)
             warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
             return
-        unseen = self.error if state is PoolState.FAILED and not self.error_delivered else None
+        unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
         try:
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
-            pinned = session.pipeline.pinned_bytes
+            pinned = session.ledger.pinned_bytes
             # Unpin first: a warning turned into an error must not keep memory pinned.
-            failures, _interrupts = yield from self._teardown(session)
-            self._close(session, failures)  # nobody to raise to: logged and counted
+            yield from self._unpin_all(session, move=False)  # nobody to raise to: logged and counted
         finally:
             self._driven = False
         if unseen is not None:

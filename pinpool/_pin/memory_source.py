@@ -1,7 +1,5 @@
-"""Where a pool's memory comes from, for its lifecycle: a new private mapping, a shared file's
-mapping, or a caller's tensor (``pin()``), claimed against every other pool of this process
-and checked against the host right before mapping; and the layout's tensors over it.
-"""
+"""Where a pool's memory comes from (:class:`PoolMemory`): a private mapping, a shared file's, or a
+caller's tensor (``pin()``), claimed against every other pool of this process; and pin()'s layout."""
 
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ from .._types import Capabilities
 from .._units import shown
 from ..layouts import BufferSpec, Raw
 from ..runtimes import FindsPinned, Runtime
-from .lifecycle import Memory
+from .engine import Memory
 
 _Mapped = HostMapping | TensorMemory | SharedMapping
 
@@ -88,11 +86,8 @@ def claim(
 
 
 class PoolMemory:
-    """Where a pool's memory comes from, for its lifecycle: a new private mapping, a shared
-    file's mapping, or a caller's tensor (pin()); and the layout's tensors over it.
-
-    Holds values, never the façade. A caller's tensor is held only here, and let go once the
-    pool is closed: after ``close()`` nothing of the caller's is referenced (their mmap can close)."""
+    """A pool's memory for its lifecycle; it holds values, never the façade. A caller's tensor is held
+    only here, and let go once the pool is closed, so after ``close()`` the caller's mmap can close."""
 
     def __init__(
         self, plan: PoolPlan, options: PoolOptions, runtime: Runtime, caps: Capabilities, *,
@@ -106,9 +101,8 @@ class PoolMemory:
 
     def acquire(self) -> HostMapping | TensorMemory | SharedMapping:
         plan, name, shared = self._plan, self._options.name, self._shared
-        # The memory pre-flight (memory cgroup, MemAvailable, RLIMIT_MEMLOCK) against figures read
-        # now, right before mapping: they change between construction and entry. Pages a shared
-        # file already holds are memory in use, not new memory.
+        # The memory pre-flight against figures read right before mapping (they change after
+        # construction); pages a shared file already holds are memory in use, not new memory.
         new_bytes = None if shared is None else shared.new_bytes(plan.mapping_bytes)
         check_pinning(
             self._options, HostFacts.probe(), self._caps, mapping_bytes=plan.mapping_bytes,
@@ -153,12 +147,9 @@ TENSOR_BUFFER = "data"  # pin()'s one buffer: pool.tensors["data"] is pool.tenso
 
 
 class TensorLayout:
-    """The layout of a caller's tensor: one buffer of exactly its bytes, whose pages are its
-    rows along the first dimension (row-major: page *i* is row *i*), so a background pool can
-    say which leading rows are pinned. A 0-d tensor is one page.
-
-    ``ranges``: what is registered where not all of it (:func:`source_ranges`): the contiguous
-    rows of a strided view, or ``ranges=``; None for a contiguous tensor pinned whole."""
+    """The layout of a caller's tensor: one buffer of its bytes whose pages are its rows along the
+    first dimension (a 0-d tensor is one page), so a background pool says which rows are pinned.
+    ``ranges``: what is registered when not all of it (:func:`source_ranges`)."""
 
     def __init__(self, tensor: torch.Tensor, granularity_bytes: int | None, ranges: object = None) -> None:
         self._raw = Raw(granularity_bytes=granularity_bytes)
@@ -181,11 +172,9 @@ class TensorLayout:
 
 
 def source_ranges(tensor: torch.Tensor, given: object, row_bytes: int) -> SourceRanges | None:
-    """The byte ranges pin() registers: ``given`` (``ranges=``, of a contiguous tensor), else the
-    contiguous rows of a strided view; None for a contiguous tensor pinned whole. Page *i* (row
-    *i* along the first dimension) lies in ``[i * pitch, (i + 1) * pitch)``: ``row_bytes`` for a
-    contiguous tensor, the first stride for a view whose first-dimension slices do not interleave
-    (else its pages are usable once all of it is pinned). Raises ConfigError naming the fix."""
+    """The byte ranges pin() registers: ``ranges=`` of a contiguous tensor, else a strided view's
+    contiguous rows; None for a contiguous tensor pinned whole. Page *i* lies in ``[i * pitch,
+    (i + 1) * pitch)``; a view whose first-dimension slices interleave has no pitch (usable once all pinned)."""
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     if given is not None:
         if not tensor.is_contiguous():

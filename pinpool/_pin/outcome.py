@@ -1,13 +1,8 @@
-"""How a pool's pinning ends, and where a pool may go from where it is: pure rules, no threads.
-
-* :class:`PoolState` and :data:`TRANSITIONS`: every state change of a pool goes through
-  :func:`check_move`, so the table below is the whole truth (docs/concepts.md shows it).
-* :class:`Outcome` and :func:`decide`: the pinning step ends in exactly one outcome, decided
-  here from what the step reported. The foreground and background modes only *deliver* it
-  differently (``_pin/lifecycle.py``): the foreground rolls back and raises; the background keeps
-  what is pinned and tells the waiters. :func:`deliver_exit`: what leaving a pool raises.
-* The texts of the errors a pool raises when pinning or unpinning fails, built in one place,
-  and the warning for a pool never exited, pointed at the code that made it.
+"""A pool's rules, pure (no threads): where it may go (:data:`TRANSITIONS`, :func:`check_move`), how
+pinning ends (:func:`decide`: one :class:`Outcome`, which foreground and background only deliver
+differently), what leaving raises (:func:`deliver_exit`), the error texts and the unclosed warning;
+and the steps a lifecycle yields to its driver (:class:`RunThreads`, :class:`Detach`) and gets back
+(:class:`Ran`), so the lifecycle is written, and tested with scripted results, with no driver.
 """
 
 from __future__ import annotations
@@ -16,7 +11,9 @@ import enum
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from .._errors import ChunkFailure, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
 from .._plan.chunks import Chunk
@@ -27,12 +24,9 @@ from .ledger import StopCause
 class PoolState(enum.Enum):
     """Where a pool is in its life (``pool.state``).
 
-    NEW: constructed, not entered. PINNING: entered, chunks being pinned (with
-    ``background=True`` the body already runs; pages ``[0, pool.pinned_pages)`` are usable).
-    READY: every chunk pinned. FAILED: pinning in the background ended early (a runtime call
-    failed, or ``on_progress`` raised); ``pool.error`` says why and every waiter raises it.
-    Nothing is unpinned then: pages ``[0, pool.pinned_pages)`` stay pinned and usable until the
-    pool is exited or closed. CLOSING: unpinning (on exit, close, or a foreground rollback).
+    NEW: not entered. PINNING: entered, pinning (in the background pages ``[0, pool.pinned_pages)``
+    are usable). READY: every chunk pinned. FAILED: background pinning ended early; ``pool.error``
+    says why, and pages ``[0, pool.pinned_pages)`` stay pinned until exit. CLOSING: unpinning.
     CLOSED: nothing pinned.
     """
 
@@ -73,8 +67,7 @@ def check_move(current: PoolState, to: PoolState) -> None:
 
 
 class Outcome(enum.Enum):
-    """How one pinning step ended. ``cause`` is the label of ``pinpool_rollbacks_total`` and the
-    ``cause`` field of the ``pool.rollback`` event; only ``failure`` is a failure."""
+    """How one pinning step ended; ``cause``: the ``pinpool_rollbacks_total`` label and ``pool.rollback`` field."""
 
     READY = "ready"  # every chunk pinned: the pool opens
     FAILED = "failed"  # a runtime call failed, a worker crashed, or no thread could be started
@@ -84,27 +77,14 @@ class Outcome(enum.Enum):
 
     @property
     def cause(self) -> str:
-        return _CAUSES[self]
-
-
-_CAUSES = {
-    Outcome.READY: "",
-    Outcome.FAILED: "failure",
-    Outcome.INTERRUPTED: "cancelled",
-    Outcome.EXITED: "exit",
-    Outcome.ORPHANED: "collected",
-}
-STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)
+        by_value = {"ready": "", "failed": "failure", "interrupted": "cancelled", "exited": "exit"}
+        return by_value.get(self.value, "collected")  # ORPHANED
 
 
 def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orphaned: bool) -> Outcome:
-    """The one outcome of a pinning step.
-
-    ``interrupted``: the driver saw an interruption (or ``on_progress`` raised) while the
-    threads ran, or opening the pool raised; ``pinned``: the books say every chunk registered
-    and nothing asked to stop; ``stop_cause``: why the books stopped handing out chunks (the
-    first cause wins); ``orphaned``: a background pool's façade was collected meanwhile.
-    """
+    """The one outcome of a pinning step. ``interrupted``: the driver saw an interruption (or
+    ``on_progress`` or opening raised); ``pinned``: every chunk registered and nothing asked to stop;
+    ``stop_cause``: why the books stopped (first wins); ``orphaned``: the façade was collected."""
     if interrupted:
         return Outcome.INTERRUPTED
     if pinned:
@@ -123,9 +103,9 @@ def deliver_exit(
     interrupts: list[BaseException],
     raise_errors: bool,
 ) -> BaseException | None:
-    """What leaving a pool raises: an interruption first (the errors as notes), else the unseen
-    background failure (the unpin error as a note), else the unpin error; a body's own error
-    gets them as notes instead. ``raise_errors=False`` returns the error instead of raising it."""
+    """What leaving a pool raises: an interruption first, else the unseen background failure, else the
+    unpin error, the others as notes (a body's own error gets them all as notes); ``raise_errors=False``
+    returns it."""
     notes = [f"pinpool: pinning in the background had failed: {failed}"] if failed is not None else []
     notes += [f"pinpool: {unpinned}"] if unpinned is not None else []
     target = interrupts[0] if interrupts else body_error
@@ -160,9 +140,7 @@ def pin_error(
     crashed: bool,
     kept: str | None,
 ) -> PinError:
-    """The PinError of a failed pinning. ``kept``: background pinning keeps what it pinned (the
-    text says which pages); None: the foreground rolled everything back (``leaked``: what could
-    not be unregistered)."""
+    """The PinError of a failed pinning; ``kept``: what a background pool keeps (None: rolled back)."""
     if kept is not None:
         ending = f"; {kept}"
     elif leaked:
@@ -200,10 +178,8 @@ def pin_error(
 def kept_text(
     pages: int, num_pages: int, pinned_bytes: int, registrations: Sequence[Chunk], maybe_bytes: int = 0
 ) -> str:
-    """What a background pool keeps after a failure, in the figures the pool reports: ``pinned_pages``,
-    ``pinned_bytes`` and ``registrations`` (whose bytes exceed the pinned ones by lock-on-fault
-    ranges never faulted: registered, not yet pinned; and by ``maybe_bytes``, ranges whose register
-    call failed untrusted: they may be registered, and are never counted as pinned)."""
+    """What a background pool keeps after a failure, in the pool's own figures (registrations exceed the
+    pinned bytes by lock-on-fault ranges never faulted, and by ``maybe_bytes`` that failed untrusted)."""
     registered = sum(chunk.nbytes for chunk in registrations)
     held = f"{format_bytes(pinned_bytes)} pinned, {len(registrations)} registration(s) of {format_bytes(registered)}"
     unfaulted = registered - pinned_bytes - maybe_bytes
@@ -283,3 +259,58 @@ def warn_unclosed(name: str, created_at: tuple[str, int], what: str) -> None:
         warnings.warn(message, UnclosedPoolWarning, stacklevel=2)
         return
     warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)
+
+
+# -- the steps a lifecycle yields to its driver --------------------------------------------------
+
+T = TypeVar("T")
+
+
+class Joinable(Protocol):
+    """A detached sequence running on its own thread (see :class:`Detach`)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def join(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RunThreads:
+    """Run each body on its own thread and wait for all of them. ``interruptible``: an interruption
+    stops the work early (``on_interrupt``); otherwise (teardown) the wait is shielded from the start.
+    ``on_tick`` runs on the waiting thread about every 0.1 s."""
+
+    bodies: tuple[Callable[[], object], ...]
+    name: str
+    interruptible: bool = False
+    on_interrupt: Callable[[], None] = lambda: None
+    on_tick: Callable[[], None] | None = None
+    on_started: Callable[[], None] = lambda: None  # every thread is started (or no more will be)
+
+
+@dataclass(frozen=True)
+class Detach:
+    """Run ``steps`` with the sync driver on a new thread and return at once (``Ran.detached`` is its
+    handle, joined later with a ``RunThreads``); ``stop``, called as the interpreter starts to exit,
+    asks it to end soon, so exiting never waits for a whole pool to pin."""
+
+    steps: Generator[RunThreads | Detach, Ran, None]
+    name: str
+    stop: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Ran:
+    """What happened while a step ran: interruptions (first first), bodies that raised, errors starting
+    threads, and for :class:`Detach` the thread's handle (even when starting it was interrupted)."""
+
+    interrupts: list[BaseException] = field(default_factory=list)
+    crashed: list[BaseException] = field(default_factory=list)
+    start_errors: list[BaseException] = field(default_factory=list)
+    started: int = 0
+    detached: Joinable | None = None
+
+
+Step = RunThreads | Detach
+Steps = Generator[Step, Ran, T]

@@ -1,22 +1,11 @@
-"""The pinning pipeline: which populate span or which chunk registration a worker does next.
+"""The pinning pipeline: which populate span or chunk registration a worker does next.
 
-Pure and synchronous like the ledger it drives: the engine calls it under one lock and
-sleeps on a condition when it says ``WAIT``. Three orders:
-
-* ``POPULATE_FIRST`` (CUDA): populate workers pre-fault spans of the next chunks while
-  register workers register chunks that are fully faulted, so the driver's serial
-  registration overlaps parallel faulting. Faulting runs at most ``lookahead_bytes`` of
-  whole chunks ahead of registration (the chunk at the front is always allowed, so a
-  chunk larger than the lookahead still progresses).
-* ``REGISTER_FIRST`` (mlock): each chunk is registered lock-on-fault (cheap: no page is
-  touched), then populate workers fault its spans in parallel and the kernel locks each
-  page as it is faulted in: one pass over the memory instead of fault, then lock.
-* ``REGISTER_ONLY`` (no pre-faulting): register workers take chunks in order and the
-  registration call faults the pages itself.
-
-How each handed-out item ended comes back as one record, a :class:`Landing`, through one
-method, :meth:`Pipeline.land`: it owns what a landing means for the books (the ledger's
-states, the pinned bytes and prefix, the lookahead window, a batch's end).
+Pure, like the ledger it drives: the engine calls it under one lock and sleeps when it says
+``WAIT``. ``POPULATE_FIRST`` (CUDA): spans are faulted at most ``lookahead_bytes`` of whole chunks
+ahead of the serial registration (the front chunk always may, however large); ``REGISTER_FIRST``
+(mlock): each chunk is registered lock-on-fault, then faulted in parallel, one pass instead of
+two; ``REGISTER_ONLY``: the registration faults the pages itself (docs/concepts.md, "The
+pipeline"). How each item ended comes back as one :class:`Landing` through :meth:`Pipeline.land`.
 """
 
 from __future__ import annotations
@@ -60,19 +49,14 @@ class Batch:
 
 @dataclass(frozen=True)
 class Landing:
-    """What the calls on one handed-out item did: the one record the engine gives :meth:`Pipeline.land`.
+    """What the calls on one handed-out item (a chunk index or a span) did.
 
-    ``item``: a chunk index (registration) or a span (populate). ``error``: the call that failed
-    (pinning stops). ``stopped``: pinning stopped before the item was done, or before it was
-    called at all. ``pieces``: a chunk registered in several calls (retries, the stall budget),
-    the pieces registered, in call order; empty (or the chunk itself) for one whole call;
-    registered pieces of a failed or stopped chunk are undone by the rollback. ``attempts``:
-    every failed call of a chunk that failed, its last one included (empty: just ``error``).
-    ``partial``: progress, not a landing: ``pieces`` of the item are pinned now (registered,
-    or faulted under lock-on-fault) and it stays in flight. ``maybe``: ranges of a failed chunk
-    whose register call failed untrusted (:mod:`pinpool._pin.untrusted`), so they may be registered:
-    undone by the rollback like ``pieces``, never counted as pinned. ``seconds``: how long its
-    one call took, for the observer; NaN when its calls were observed one by one.
+    ``error``: the call that failed (pinning stops); ``stopped``: pinning stopped before it was
+    done or called. ``pieces``: what was registered, in call order, of a chunk registered in
+    several calls (empty or the chunk itself: one call); rollback undoes those of a failed chunk.
+    ``attempts``: every failed call (empty: just ``error``). ``partial``: progress, ``pieces`` are
+    pinned and the item stays in flight. ``maybe``: ranges that failed untrusted, undone like
+    ``pieces``, never pinned. ``seconds``: its one call's time (NaN: observed call by call).
     """
 
     item: int | Span
@@ -93,13 +77,23 @@ class _Out:
     left: int
 
 
-def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> SpanTable:
-    """Every chunk cut into spans of at most ``span_bytes`` (the last of each chunk may be shorter).
+def take_batch(take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
+    """Consecutive items up to BATCH_BYTES / BATCH_ITEMS and this worker's ``share`` of what waits,
+    pinning or unpinning, so tiny chunks cost one lock hand-off per batch, not per chunk."""
+    items: list[T] = []
+    nbytes = 0
+    most = min(BATCH_ITEMS, max(1, share))
+    while nbytes < BATCH_BYTES and len(items) < most:
+        item = take()
+        if item is None or item is WAIT:
+            break
+        items.append(item)
+        nbytes += size(item)
+    return items
 
-    Span boundaries are the chunk's start plus multiples of ``span_bytes``, so with an aligned
-    ``span_bytes`` every span but a chunk's first starts aligned; a span never crosses chunks.
-    The result is lazy (a :class:`SpanTable`, equal to the tuple of its spans).
-    """
+
+def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> SpanTable:
+    """Every chunk cut into spans of at most ``span_bytes`` from its start, lazily (a :class:`SpanTable`)."""
     return SpanTable(chunks, span_bytes)
 
 
@@ -145,11 +139,8 @@ class Pipeline:
         self._window: set[int] = set()  # POPULATE_FIRST: chunks faulting or faulted, registration not landed
         self._window_bytes = 0
         self.populated_bytes = 0
-        # Pinned-page bookkeeping for pools used while they pin: each range is reported as it
-        # becomes pinned (a registered chunk; a faulted span of a lock-on-fault chunk).
-        self.prefix = prefix
-        # What is pinned of chunks not (yet) whole is counted in the ledger (Ledger.pinned_part);
-        # this only remembers the parts of spans faulted in several calls, not to count them twice.
+        self.prefix = prefix  # told of each range as it becomes pinned (pools used while they pin)
+        # Parts of spans faulted in several calls (counted in Ledger.pinned_part), not to count twice.
         self._span_parts: dict[tuple[int, int], int] = {}  # REGISTER_FIRST: bytes of spans faulted in parts
 
     # -- what workers ask for ------------------------------------------------------------------
@@ -165,28 +156,24 @@ class Pipeline:
         return self._populating + self.ledger.in_flight
 
     def next_work(self) -> Batch | _Wait | None:
-        """For a worker that can do either: a batch ``("register", [index, ...])`` or
-        ``("populate", [span, ...])`` within each role's concurrency, ``WAIT``, or ``None``
-        once nothing is left to hand out.
+        """A batch for a worker of either role, ``WAIT``, or ``None`` once nothing is left.
 
-        Registration comes first: it is the serial bottleneck under CUDA, and under
-        lock-on-fault it is what lets faulting start. A batch holds consecutive items until
-        they add up to ``BATCH_BYTES`` (a big chunk or span is a batch of one) and at most its
-        share of the waiting items, so tiny chunks cost one hand-off per batch, not per chunk.
-        The batch ends when the last of its items lands (:meth:`land`, called or not).
+        Registration first: the serial bottleneck under CUDA, and under lock-on-fault what lets
+        faulting start. A batch is consecutive items up to ``BATCH_BYTES`` and this worker's share,
+        so tiny chunks cost one hand-off per batch; it ends when its last item lands.
         """
         if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
             return None
         if self._register_batches < self.register_workers:
             waiting = len(self._ready) if self.order is Order.POPULATE_FIRST else self.ledger.pending
             share = -(-waiting // self.register_workers)
-            indices = self._batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
+            indices = take_batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
             if indices:
                 self._register_batches += 1
                 return self._hand_out("register", indices)
         if self._populate_batches < self.populate_workers:
             share = -(-(len(self.spans) - self._next_span) // self.populate_workers)
-            spans = self._batch(self.next_populate, lambda span: span.nbytes, share)
+            spans = take_batch(self.next_populate, lambda span: span.nbytes, share)
             if spans:
                 self._populate_batches += 1
                 return self._hand_out("populate", spans)
@@ -197,20 +184,6 @@ class Pipeline:
         for item in items:
             self._out[item] = out
         return Batch(role, tuple(items))
-
-    def _batch(self, take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
-        """Consecutive items up to BATCH_BYTES / BATCH_ITEMS, and no more than this worker's
-        ``share`` of what is waiting, so a batch never takes work another worker could overlap."""
-        items: list[T] = []
-        nbytes = 0
-        most = min(BATCH_ITEMS, max(1, share))
-        while nbytes < BATCH_BYTES and len(items) < most:
-            item = take()
-            if item is None or item is WAIT:
-                break
-            items.append(item)
-            nbytes += size(item)
-        return items
 
     def next_populate(self) -> Span | _Wait | None:
         """The next span to fault, ``None`` when this role is done, or ``WAIT``."""
@@ -349,9 +322,8 @@ class Pipeline:
             return None
         self._leave_window(index)
         error = landing.error
-        # A chunk that failed or stopped part-way keeps the pieces it registered until teardown:
-        # pinned (not under lock-on-fault: never faulted), so counted and in the prefix, all of
-        # them (progress told of some; retry halves of none).
+        # A chunk that failed or stopped part-way keeps its registered pieces until teardown: pinned
+        # (not under lock-on-fault), so all of them go in the prefix (progress told of some).
         pinned = self.order is not Order.REGISTER_FIRST
         if pieces and (error is not None or landing.stopped) and pinned:
             for piece in pieces:
@@ -383,20 +355,10 @@ class Pipeline:
         if self.prefix is not None:
             self.prefix.cover(pinned.offset, pinned.end)
 
-    @property
-    def pinned_bytes(self) -> int:
-        """Bytes pinned now (:attr:`Ledger.pinned_bytes`): whole chunks, pieces registered, and
-        under lock-on-fault faulted spans, until teardown unregisters them, also after pinning
-        stopped early (a background pool keeps them until it is exited)."""
-        return self.ledger.pinned_bytes
-
     def _leave_window(self, index: int) -> None:
         if index in self._window:
             self._window.remove(index)
             self._window_bytes -= self.ledger.chunks[index].nbytes
-
-    def cancel(self) -> None:
-        self.ledger.cancel()
 
     def finish(self) -> Phase:
         """Close pinning once nothing is in flight; PINNED only if every chunk is registered and faulted."""

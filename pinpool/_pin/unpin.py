@@ -1,11 +1,5 @@
-"""Unpinning: the calls an unpin worker makes, and how their outcomes go on the books.
-
-A part of :class:`~pinpool._pin.engine.PinSession` (a mixin, so the session stays one object with
-one lock): teardown claims chunks from one reverse-order queue in batches, unregisters each
-chunk piece by piece, and lands the results. A piece that only *may* be registered (its
-register call failed untrusted, see :mod:`pinpool._pin.untrusted`) is unregistered like any other;
-a "not registered" answer for it means that call never registered it.
-"""
+"""Unpinning, a mixin of :class:`~pinpool._pin.engine.PinSession` (one object, one lock): batches from
+one reverse-order queue, each chunk unregistered piece by piece, the results landed on the books."""
 
 from __future__ import annotations
 
@@ -17,15 +11,14 @@ from typing import TYPE_CHECKING
 
 from .._errors import RuntimeCallError
 from .._plan.chunks import Chunk
-from .pipeline import BATCH_BYTES, BATCH_ITEMS
+from .pipeline import take_batch
 
 if TYPE_CHECKING:
     import threading
 
     from .._observe import Observer
-    from .engine import _Op
+    from .engine import Answer, _Op
     from .ledger import Ledger, RegistrationBook
-    from .untrusted import Answer
 
 
 @dataclass(frozen=True)
@@ -35,12 +28,8 @@ class _Unpinned:
     index: int
     error: RuntimeCallError | None
     seconds: float
-    # Pieces the runtime said were not registered any more (someone else released them), each
-    # with that answer: unregistered all the same, never a failure (Capabilities.not_registered_codes).
-    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()
-    # Pieces that only may have been registered (their register call failed untrusted) and that the
-    # runtime says are not: that call never registered them, so there was nothing to undo.
-    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()
+    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # someone else released them: not a failure
+    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # "maybe" pieces never registered: nothing to undo
 
 
 class Unpinning:
@@ -59,23 +48,14 @@ class Unpinning:
         raise NotImplementedError  # PinSession's one call wrapper
 
     def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[int]:
-        """The next chunks to unregister, claimed from the shared reverse-order queue: a batch of
-        consecutive chunks, as pinning does (up to BATCH_BYTES or BATCH_ITEMS, and no more than
-        this worker's share), so tiny chunks cost one lock hand-off per batch, not two per chunk."""
-        ledger = self.ledger
+        """The next chunks to unregister, a batch from the shared reverse-order queue."""
+        chunks = self.ledger.chunks
         with self.lock:
             share = -(-len(pending) // max(1, self.unpin_workers))
-            batch: list[int] = []
-            nbytes = 0
-            while pending and nbytes < BATCH_BYTES and len(batch) < min(BATCH_ITEMS, max(1, share)):
-                index = pending.popleft()
-                batch.append(index)
-                nbytes += ledger.chunks[index].nbytes
-        return batch
+            return take_batch(lambda: pending.popleft() if pending else None, lambda i: chunks[i].nbytes, share)
 
     def _unregister_chunk(self, index: int) -> _Unpinned:
-        """Unregister one chunk; a chunk registered in pieces (retries, the stall budget) is
-        unregistered piece by piece, each by its own base."""
+        """Unregister one chunk, piece by piece where it was registered in pieces, each by its own base."""
         chunk = self.ledger.chunks[index]
         error: RuntimeCallError | None = None
         released: list[tuple[Chunk, RuntimeCallError]] = []
@@ -85,10 +65,8 @@ class Unpinning:
             answer, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
             failure = answer.error
             if failure is not None and failure.code in self._not_registered:
-                # The runtime holds no registration at this base: the register call that failed
-                # untrusted never made one (absent), or someone else released it (a server's
-                # clean-up unregistering the buffer's base). Nothing is pinned there, so keeping
-                # the memory mapped would only leak it; every other piece still goes.
+                # No registration at this base (never made, or released by someone else): nothing is
+                # pinned there, so keeping the memory mapped would only leak it.
                 (absent if piece in self.ledger.maybe else released).append((piece, failure))
                 failure = None
             if failure is None:

@@ -15,10 +15,11 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from .._errors import ConfigError
 from .._host.mapping import HostMapping, alias_of
+from .._pin.lifecycle import ProgressCallback
 from .._plan.declared import DEFAULT_MAX_RETRIES
 from .._units import hugetlb_page_size
 from ..runtimes import Runtime
-from .pool import PinnedPool, ProgressCallback
+from .pool import PinnedPool
 
 
 def pin(

@@ -1,9 +1,5 @@
-"""PinnedPool: a façade of read-only properties over the pure plan and the lifecycle.
-
-The constructor validates the options and asks ``plan_pool`` for every decision; entering and exiting
-only run the pool's :class:`~pinpool._pin.lifecycle.Lifecycle` with the async or the sync driver
-(``_pin/drivers.py``). Nothing here decides what to register, what to undo, or what an interruption means.
-"""
+"""PinnedPool: a façade over the plan and the lifecycle; entering and exiting only run the
+:class:`~pinpool._pin.lifecycle.Lifecycle` with a driver. Nothing here decides what to register or undo."""
 
 from __future__ import annotations
 
@@ -11,9 +7,9 @@ import dataclasses
 import math
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import torch
@@ -25,24 +21,18 @@ from .._node.config import NodePacing
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._pin.drivers import drive_async, drive_sync, finalize_lifecycle
-from .._pin.lifecycle import Lifecycle
+from .._pin.lifecycle import Lifecycle, ProgressCallback
 from .._pin.memory_source import PoolMemory, TensorLayout, check_memory_source
-from .._pin.outcome import PoolState, caller_outside_pinpool
-from .._pin.pipeline import Order
-from .._pin.steps import Steps
-from .._plan.chunks import Chunk, ChunkTable
+from .._pin.outcome import PoolState, Steps, caller_outside_pinpool
+from .._plan.chunks import Chunk
 from .._plan.declared import DEFAULT_MAX_RETRIES, OPTIONS
 from .._plan.options import PoolOptions
-from .._plan.plan import BufferPlan, PoolPlan, plan_pool
+from .._plan.plan import PoolPlan, plan_pool
 from .._plan.preflight import place
 from .._shared.memory import SharedMemory
 from .._units import format_bytes, parse_size
 from ..layouts import Layout
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
-
-T = TypeVar("T")
-
-ProgressCallback = Callable[[int, int, int, int], object]
 
 _WAIT_POLL_SECONDS = 0.02
 # What _configure reads besides PoolOptions.create's options (pinpool._plan.declared names them all).
@@ -57,92 +47,34 @@ class PinnedPool:
     (or ``pool = PinnedPool(...).open()`` ... ``pool.close()`` for an owner without a block).
     Everything is validated in the constructor (:class:`ConfigError`), before any memory is
     mapped or pinned. Inside the block ``pool.tensor`` is a zero-copy torch view of the pinned
-    memory; on exit every chunk is unregistered, whatever the block did.
+    memory; on exit every chunk is unregistered, whatever the block did. ``pool.plan`` is every
+    decision made before pinning; ``pool.registrations`` what the runtime holds right now.
 
-    ``pool.chunks`` is the plan: one range per planned registration call. ``pool.registrations``
-    is what the runtime holds right now, one :class:`pinpool.Chunk` per live registration
-    (offsets from ``pool.data_ptr``, sorted): with a stall budget or after a retry one chunk is
-    several registrations. Code that needs one address per registration (device pointers on
-    ROCm, whose adjacent registrations get no adjacent device aliases) takes it from there.
-
-    The options are declared once, in ``pinpool._plan.declared``; ``pin()``, the command line and
-    docs/options.md follow it, and a test holds this signature and the list below to it.
+    The options are declared once (``pinpool._plan.declared``), which docs/options.md, ``pin()``
+    and the command line follow; a test holds this signature and the list below to it.
 
     Options:
       layout: what the memory holds (default :class:`pinpool.layouts.Raw`).
-      size: byte budget, int or string (``"64GiB"``); the pool holds the largest whole number of
-        layout pages that fits.
-      num_pages: instead of ``size``, a page count: the pool holds exactly that many layout pages
-        (``pool.num_pages == num_pages``, ``size = num_pages * layout.page_bytes``), so paired pools
-        (an MLA KV pool and its Indexer pool, MHA and Mamba) get the same count. Give exactly one
-        of ``size`` and ``num_pages``.
-      memory: where the memory comes from: None (the default) maps private anonymous memory; a
-        :class:`pinpool.SharedMemory` maps a shared file several processes may attach to.
+      size: byte budget, int or string (``"64GiB"``): the pool holds the whole layout pages that fit.
+      num_pages: instead of ``size``, exactly this many layout pages (paired pools get the same count).
+      memory: None maps private anonymous memory; a :class:`pinpool.SharedMemory` maps a shared file.
       runtime: ``"auto"`` (CUDA if available, else mlock), ``"cuda"``, ``"mlock"`` or a runtime object.
-      chunk_bytes: the exact size of every registration call (rounded down to the alignment
-        unit; a buffer's last one shorter; only a failed call's retry halves differ). Without
-        it or ``max_chunk_bytes`` the limit is ``PINPOOL_REGISTER_CHUNK_GB`` GiB, else 256 GiB,
-        split further (not below 1 GiB) so every worker has a few. ``"buffer"``: one
-        registration per buffer, never cut: for kernels that address a pool from one base per
-        registration (ROCm).
-      max_chunk_bytes: an upper bound of one registration call (SGLang's 256 GiB, vLLM's 64
-        GiB): as few calls as it and the alignment allow. Neither chunk option is split for the
-        workers; an ``"auto"`` stall budget yields to them (docs/concepts.md, "Chunking").
-      populate: pre-fault the memory on ``populate_workers`` threads (MADV_POPULATE_WRITE, in
-        spans of <= 512 MiB), pipelined with registration. Default: on where the kernel has
-        MADV_POPULATE_WRITE (Linux 5.14+). CUDA: spans are faulted ahead of the serial
-        registrations (at most a couple of chunks ahead); mlock: each chunk is locked
-        on-fault first, so faulting it also locks it.
-      populate_workers: pre-fault threads (default: CPUs, up to 16).
-      register_workers: registration threads (default: 1 for CUDA, whose driver serialises
-        registration; CPUs up to 8 otherwise).
-      unpin_workers: unregistration threads at exit and rollback (default: CPUs, up to 8).
-      huge_pages: ``True``: 2 MiB-aligned memory with MADV_HUGEPAGE (transparent huge pages);
-        ``"hugetlb"``: 2 MiB pages from the hugetlb pool (vm.nr_hugepages must have enough free).
+      chunk_bytes: the exact size of every registration call; ``"buffer"``: one per buffer, never cut.
+      max_chunk_bytes: an upper bound of one registration call (docs/concepts.md, "Chunking").
+      populate: pre-fault the memory (MADV_POPULATE_WRITE) pipelined with registration.
+      populate_workers, register_workers, unpin_workers: threads per role (default: from the CPUs).
+      huge_pages: ``True``: transparent huge pages; ``"hugetlb"``: pages from the hugetlb pool.
       numa_node: bind the memory to this NUMA node (mbind) before any of it is faulted.
       name: the pool's name in logs, metrics and errors.
-      min_chunk_bytes, max_retries, retry_codes: a registration failing with one of
-        ``retry_codes`` (default: the runtime's; CUDA, ROCm: 1 and 2) is retried as halves in
-        whole alignment units, down to ``min_chunk_bytes`` (default: one unit), at most
-        ``max_retries`` levels below its chunk (default 32; 0: never). Others fail at once.
-      max_call_seconds: the stall budget. A registration call holds the CUDA driver lock (every
-        other CUDA call of the process waits) or, under mlock, the process's mmap lock; a
-        server already serving feels the longest one. With a budget (e.g. ``0.02``) every
-        registration and populate call is sized, from the rate the previous calls reached,
-        to take no longer (in whole alignment units, never above the chunk), and the
-        longest call is exported as ``pinpool_call_seconds_max``. Default (``"auto"``): 50 ms
-        for a background pool, whose body is already serving; none for a pool entered before
-        its body runs. ``None``: no budget.
-      background: ``async with`` / ``with`` returns as soon as pinning has started, and the
-        body runs while the pool pins (lowest pages first): ``pool.state``,
-        ``pool.pinned_pages`` and ``await pool.wait_ready(...)`` tell what is usable. A failure
-        is kept (``pool.error``), raised by every waiter and on exit; nothing is unpinned under
-        the body: pages ``[0, pinned_pages)`` stay pinned until the pool is exited or closed.
-        See docs/serving.md.
-      pin_nice: how much nicer (lower CPU priority) than the rest of the process the pin
-        worker threads run: the populate and register calls, which are CPU work in the kernel
-        (faulting and zeroing every page), so the serving threads of the same process get the
-        CPU first and pinning takes what they leave. Default ``"auto"``: 10 for a background
-        pool (its body serves while it pins), 0 for a pool entered before its body runs.
-        An int from 0 to 19 sets it (added to the process's own nice value, capped at 19);
-        ``0`` or ``None`` opts out (pin workers at the process's priority, as before this
-        option). Linux only (per-thread nice; no privilege needed); where the kernel refuses
-        it (a seccomp filter), pinning goes on at the process's priority, logged once at
-        debug. Unpin workers (exit, rollback) always run at the process's priority. See
-        docs/serving.md.
-      node_slots, node_budget, node_dir, node_wait: node pacing across the processes of one
-        host (tensor-parallel ranks), with no server: at most ``node_slots`` processes pin at
-        once (env ``PINPOOL_NODE_SLOTS``), and all cooperating pools together hold at most
-        ``node_budget`` pinned (bytes, ``"512GiB"``, or a fraction of MemTotal such as 0.8; env
-        ``PINPOOL_NODE_BUDGET``). Kept in flock-ed files in ``node_dir`` (env
-        ``PINPOOL_NODE_DIR``, default ``/dev/shm/pinpool-<uid>``), released by the kernel when a
-        holder dies. ``node_wait=False`` raises :class:`NodeBusyError` instead of waiting.
-      registry: the prometheus_client ``CollectorRegistry`` the pool's metrics go to (default:
-        the global ``REGISTRY``); None: no metrics.
-      logger: a structlog bound logger for the pool's events (default: structlog's if
-        configured, else the stdlib ``pinpool`` logger).
-      on_progress: ``callable(pinned_bytes, total_bytes, chunks_done, chunks_total)``, called
-        about every 100 ms while pinning and once at the end.
+      min_chunk_bytes, max_retries, retry_codes: retry a failed registration as aligned halves.
+      max_call_seconds: the stall budget: no registration or populate call longer (docs/serving.md).
+      background: the body runs while the pool pins (lowest pages first); ``pool.pinned_pages``
+        and ``await pool.wait_ready(...)`` tell what is usable, ``pool.error`` why it failed.
+      pin_nice: how much nicer than the process the pin workers run (docs/serving.md).
+      node_slots, node_budget, node_dir, node_wait: pacing the processes of one host (slots, a byte budget).
+      registry: the prometheus_client ``CollectorRegistry`` for the pool's metrics (None: none).
+      logger: a structlog bound logger for the pool's events.
+      on_progress: ``callable(pinned_bytes, total_bytes, chunks_done, chunks_total)``, about every 100 ms.
     """
 
     def __init__(
@@ -179,7 +111,12 @@ class PinnedPool:
         # Every option, by its declared name: the one construction path pin() shares.
         self._configure(source=None, **{name: value for name, value in locals().items() if name != "self"})
 
-    # -- the plan, read-only: every value below comes from plan_pool ---------------------------
+    # -- what the pool is ---------------------------------------------------------------------
+
+    @property
+    def plan(self) -> PoolPlan:
+        """Everything decided before pinning: sizes, chunks, order, workers (what ``pinpool plan --json`` shows)."""
+        return self._plan
 
     @property
     def layout(self) -> Layout:
@@ -200,72 +137,6 @@ class PinnedPool:
     @property
     def num_pages(self) -> int:
         return self._plan.num_pages
-
-    @property
-    def page_bytes(self) -> int:
-        return self._plan.page_bytes
-
-    @property
-    def chunks(self) -> ChunkTable:
-        """Every registration call's range, offsets from the pool's start (a lazy sequence)."""
-        return self._plan.chunks
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self._plan.chunk_bytes
-
-    @property
-    def chunk_limit(self) -> int:
-        return self._plan.chunk_limit
-
-    @property
-    def chunking_reason(self) -> str:
-        """How many registration calls the plan makes (``len(pool.chunks)``) and why, in words."""
-        return self._plan.registrations_reason
-
-    @property
-    def granularity(self) -> int | None:
-        return self._plan.granularity
-
-    @property
-    def order(self) -> Order:
-        return self._plan.order
-
-    @property
-    def register_workers(self) -> int:
-        return self._plan.register_workers
-
-    @property
-    def populate_workers(self) -> int:
-        return self._plan.populate_workers
-
-    @property
-    def unpin_workers(self) -> int:
-        return self._plan.unpin_workers
-
-    @property
-    def threads(self) -> int:
-        return self._plan.threads
-
-    @property
-    def span_bytes(self) -> int:
-        return self._plan.span_bytes
-
-    @property
-    def lookahead_bytes(self) -> int:
-        return self._plan.lookahead_bytes
-
-    @property
-    def populate(self) -> bool:
-        return self._plan.populate
-
-    @property
-    def huge_pages(self) -> bool | str:
-        return self._plan.huge_pages
-
-    @property
-    def numa_node(self) -> int | None:
-        return self._plan.numa_node
 
     def _configure(
         self,
@@ -298,7 +169,6 @@ class PinnedPool:
             given["size"] = source.numel() * source.element_size()
         options = PoolOptions.create(**{name: given[name] for name in _CREATE if name in given})
         pacing = NodePacing.from_options(**{name: given[name] for name in _PACING if name in given})
-        background = options.background
         check_memory_source(memory, options)
         host = HostFacts.probe()
         if memory is not None:
@@ -317,8 +187,6 @@ class PinnedPool:
         self._plan: PoolPlan = plan_pool(
             options, host, self._caps, source_start=start, placement=placement, ranges=source_ranges
         )
-        self._buffers: tuple[BufferPlan, ...] = self._plan.buffers
-        self._mapping_bytes = self._plan.mapping_bytes
         name = options.name
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise ConfigError(f"registry={registry!r} must be a prometheus_client CollectorRegistry, or None")
@@ -329,7 +197,6 @@ class PinnedPool:
             )
         if on_progress is not None and not callable(on_progress):
             raise ConfigError(f"on_progress={on_progress!r} must be callable(pinned, total, done, chunks)")
-        self.on_progress = on_progress
         self._observer = Observer(
             pool=name, runtime=self.runtime.name, layout=self.layout.name, registry=registry, logger=logger
         )
@@ -339,29 +206,28 @@ class PinnedPool:
             admission = NodeAdmission(pacing, label=name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
         self._memory_source = memory
-        self._lifecycle = self._make_lifecycle(background, admission, source)
+        self._lifecycle = self._make_lifecycle(admission, source, on_progress)
         # The finalizer holds the lifecycle, never the façade, so an unexited pool can be collected.
         self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
 
     def _make_lifecycle(
-        self, background: bool, admission: NodeAdmission | None, source: torch.Tensor | None
+        self, admission: NodeAdmission | None, source: torch.Tensor | None, on_progress: ProgressCallback | None
     ) -> Lifecycle:
-        """The pool's lifecycle, over values (not ``self``): the finalizer runs it after the façade
-        is gone. It gets the plan and the options whole; ``background`` is ``options.background``."""
+        """The lifecycle holds values, never ``self``: the finalizer runs it after the façade is gone."""
         options = self._options
-        assert background is options.background, (background, options.background)
         memory = PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
         return Lifecycle(
             self._plan, options, runtime=self._runtime, caps=self._caps, observer=self._observer, source=memory,
-            admission=admission, on_progress=self.on_progress, created_at=caller_outside_pinpool(),
+            admission=admission, on_progress=on_progress, created_at=caller_outside_pinpool(),
         )  # fmt: skip
 
     def __repr__(self) -> str:
+        plan = self._plan
         return (
             f"<PinnedPool {self.name!r} {self._lifecycle.state.value} {format_bytes(self.nbytes)} "
             f"layout={self.layout.name} runtime={self.runtime.name} "
-            f"chunks={len(self.chunks)}x<={format_bytes(self.chunk_bytes)} order={self.order.value} "
-            f"workers=populate:{self.populate_workers},register:{self.register_workers}>"
+            f"chunks={len(plan.chunks)}x<={format_bytes(plan.chunk_bytes)} order={plan.order.value} "
+            f"workers=populate:{plan.populate_workers},register:{plan.register_workers}>"
         )
 
     # -- what users read ---------------------------------------------------------------------
@@ -388,17 +254,12 @@ class PinnedPool:
 
     @property
     def error(self) -> BaseException | None:
-        """Why background pinning failed (state ``failed``), else None. Reading it counts as
-        having seen it: leaving the block then does not raise it again."""
-        lifecycle = self._lifecycle
-        if lifecycle.error is not None:
-            lifecycle.error_delivered = True
-        return lifecycle.error
+        """Why background pinning failed (state ``failed``), else None; once read, exit does not raise it."""
+        return self._lifecycle.take_error()
 
     @property
     def pinned_pages(self) -> int:
-        """Layout pages ``[0, k)`` pinned now in every buffer: what a server may use while the
-        pool pins in the background (``num_pages`` once ready, 0 before entering and after exit)."""
+        """Layout pages ``[0, k)`` pinned now in every buffer: what a background pool's body may use."""
         return self._lifecycle.pinned_pages
 
     def _pages_for(self, min_bytes: int | str | None, fraction: float | None) -> int | None:
@@ -407,7 +268,7 @@ class PinnedPool:
             raise ConfigError(
                 "wait_ready(min_bytes=..., fraction=...): give one of them, or neither for the whole pool"
             )
-        num_pages, page_bytes = self.num_pages, self.page_bytes
+        num_pages, page_bytes = self.num_pages, self._plan.page_bytes
         if min_bytes is not None:
             nbytes = parse_size(min_bytes, what="min_bytes")
             if nbytes > self.nbytes:
@@ -423,14 +284,10 @@ class PinnedPool:
         return None
 
     async def wait_ready(self, *, min_bytes: int | str | None = None, fraction: float | None = None) -> int:
-        """Wait until the pool is ready, or until its first ``min_bytes`` (bytes or ``"1GiB"``)
-        or ``fraction`` of its pages are pinned; returns ``pinned_pages``.
-
-        Raises the :class:`PinError` of a failed background pinning (every waiter gets it), or
-        :class:`PoolStateError` if the pool is not entered or was exited first. Cancellable:
-        waiting has no effect on the pinning. It polls (at most every 20 ms): no thread is
-        held per waiter, under asyncio or trio.
-        """
+        """Wait until the pool is ready, or its first ``min_bytes`` or ``fraction`` of its pages are
+        pinned; returns ``pinned_pages``. Raises a failed background pinning's :class:`PinError` (to
+        every waiter), :class:`PoolStateError` if not entered or exited first. Cancellable; it polls
+        (at most every 20 ms), so no thread is held per waiter."""
         pages = self._pages_for(min_bytes, fraction)
         delay = 0.001
         while not self._lifecycle.reached(pages):
@@ -484,56 +341,39 @@ class PinnedPool:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes pinned right now, moving within a chunk where the runtime locks as pages fault
-        in (mlock); 0 before entering and after exit. After a background failure, what stays
-        pinned until exit: every registered range (a failed chunk's pieces included), under
-        lock-on-fault its faulted part; the error text and the gauge say the same figure."""
+        """Bytes pinned right now (moving within a chunk under lock-on-fault); 0 before entry and
+        after exit; after a background failure, what stays pinned until exit (docs/serving.md)."""
         session = self._lifecycle.session
-        return 0 if session is None else session.pipeline.pinned_bytes
+        return 0 if session is None else session.ledger.pinned_bytes
 
     @property
     def registrations(self) -> tuple[Chunk, ...]:
-        """What the runtime has registered right now: one :class:`pinpool.Chunk` per live
-        registration call, offsets from the pool's start (``pool.data_ptr``), sorted by offset.
-
-        A planned chunk (``pool.chunks``) may be several registrations: pieces sized by the
-        stall budget, or aligned halves after a retry. Lock-on-fault chunks (mlock) are listed
-        from their registration, before their pages are faulted. Each range appears as its
-        register call returns and goes as its unregister call succeeds (teardown, rollback); one
-        whose unregister failed stays listed (it may still be registered). Empty before entry
-        and after a clean exit, and in a forked child. Safe to read from any thread at any time;
-        a call in flight while you read may or may not be listed. Reading costs O(registrations)
-        (plus a C scan of one byte per chunk); pinning pays one store per call for it.
-        """
+        """What the runtime holds right now: one :class:`pinpool.Chunk` per live registration call,
+        offsets from ``pool.data_ptr``, sorted; a planned chunk may be several (stall-budget pieces,
+        retry halves). Safe from any thread (docs/concepts.md, "Chunks and registrations")."""
         session = self._lifecycle.session
         return () if session is None else session.registrations()
 
     @property
     def pin_seconds(self) -> float:
-        """Wall time the last pinning took."""
         session = self._lifecycle.session
         return 0.0 if session is None else session.pin_seconds
 
     @property
     def retries(self) -> int:
-        """Registrations this pool retried as aligned halves (see ``max_retries``)."""
+        """Registrations retried as aligned halves (see ``max_retries``)."""
         session = self._lifecycle.session
         return 0 if session is None else session.retries
 
     @property
     def populated_bytes(self) -> int:
-        """Bytes pre-faulted so far (populate calls that succeeded). Under CUDA a chunk counts as
-        pinned only when its registration returns, so within a chunk this is what moves: the
-        faulting runs ahead of registration (with ``max_call_seconds`` the registration itself
-        is in pieces, and ``pinned_bytes`` moves piece by piece too)."""
+        """Bytes pre-faulted so far: under CUDA what moves within a chunk, whose registration counts at its end."""
         session = self._lifecycle.session
         return 0 if session is None else session.pipeline.populated_bytes
 
     @property
     def longest_call_seconds(self) -> Mapping[str, float]:
-        """The longest single runtime call so far, by op (``register``, ``populate``,
-        ``unregister``; 0.0 for none): the stall a serving process felt. The same figure as the
-        ``pinpool_call_seconds_max`` gauge, which is removed when the pool closes; this stays."""
+        """The longest single runtime call so far, by op: ``pinpool_call_seconds_max``, kept after close."""
         return MappingProxyType(dict(self._observer.longest))
 
     @property
@@ -571,28 +411,17 @@ class PinnedPool:
         drive_sync(self._lifecycle.exit(exc))
 
     def open(self) -> PinnedPool:
-        """Enter the pool and return it: for owners that hold a pool from a constructor to a
-        destructor (a server's host KV pool) instead of a ``with`` block. Pair it with
-        :meth:`close`; ``with`` / ``async with`` stay the recommended form. Same as ``__enter__``
-        (with ``background=True`` it returns once pinning has started). A :meth:`close` meanwhile
-        stops the pinning and rolls it back; ``open()`` then raises :class:`PoolStateError`."""
+        """``__enter__`` for owners that hold a pool from a constructor to a destructor; pair it with
+        :meth:`close`. A :meth:`close` meanwhile rolls it back and it raises :class:`PoolStateError`."""
         return self.__enter__()
 
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
         """Exit the pool: stop background pinning, unpin every chunk, let go of the memory.
 
-        From any thread, at any moment, more than once; never :class:`PoolStateError`. A closed pool
-        is left alone, one never entered is closed. While another thread closes it (or enters it:
-        pinning stops and rolls back, and that entry raises), it waits and returns None. On the
-        thread already entering or closing it (a signal handler, ``loop.add_signal_handler``, another
-        task of the loop) it returns None at once: that entry or teardown finishes the job (see
-        docs/serving.md). Afterwards the pool refers to none of the memory (a caller's tensor, its
-        storage, the views), so the caller may free it or close its mmap at once.
-
-        Raises :class:`UnpinError` when a chunk could not be unregistered (it stays pinned and
-        mapped), or the unseen :class:`PinError` of a failed background pinning. A destructor
-        passes ``raise_errors=False``: that error is then returned instead of raised (it is
-        logged as ``pool.unpin.failed`` / ``pool.failed`` and counted all the same).
-        ``KeyboardInterrupt`` and other interruptions are always re-raised, after the teardown.
+        From any thread, at any moment, more than once; never :class:`PoolStateError`. On the thread
+        already entering or closing it (a signal handler) it returns None at once and that entry or
+        teardown finishes the job (docs/serving.md). Raises :class:`UnpinError` (a chunk stays
+        pinned) or an unseen background :class:`PinError`; ``raise_errors=False`` (a destructor)
+        returns it instead. Interruptions are always re-raised, after the teardown.
         """
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))

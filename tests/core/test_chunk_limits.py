@@ -184,7 +184,7 @@ def test_a_per_buffer_pool_makes_one_call_per_buffer_even_in_the_background() ->
     with pool:
         pool.wait_ready_sync(timeout=60)
         assert len(fake.registered) == 2
-    assert [n for _ptr, n in fake.register_calls] == [b.spec.nbytes for b in pool._buffers]
+    assert [n for _ptr, n in fake.register_calls] == [b.spec.nbytes for b in pool.plan.buffers]
 
 
 def test_a_failed_per_buffer_registration_is_not_halved() -> None:
@@ -207,7 +207,7 @@ def test_pin_one_registration_for_an_unaligned_tensor() -> None:
     t = backing[start : start + 8 * MiB]
     fake = FakeRuntime(exact_ranges=False)
     with pinpool.pin(t, runtime=fake, registry=None, chunk_bytes="buffer", granularity_bytes=MiB) as p:
-        assert list(p.chunks) == [Chunk(0, 8 * MiB)] and len(fake.registered) == 1
+        assert list(p.plan.chunks) == [Chunk(0, 8 * MiB)] and len(fake.registered) == 1
 
 
 def test_the_command_line_plans_one_registration_per_buffer(capsys: pytest.CaptureFixture[str]) -> None:

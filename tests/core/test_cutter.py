@@ -164,7 +164,7 @@ def test_retried_tables_keep_every_planning_invariant(
     assert all(a.end == b.offset for a, b in itertools.pairwise(table))  # contiguous, no overlap
     assert all(c.offset % unit == 0 for c in table)  # every boundary on the aligned grid
     assert all(c.nbytes <= min(chunk_mib, cap_mib) * MiB for c in table)
-    assert len(table) == len(pool.chunks) + pool.retries  # each retry turns one range into two
+    assert len(table) == len(pool.plan.chunks) + pool.retries  # each retry turns one range into two
     assert fake.registered == {}
 
 

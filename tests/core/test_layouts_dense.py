@@ -87,9 +87,9 @@ def test_a_background_pool_of_a_dense_layout_tracks_pages_as_its_family_does() -
         pinpool.PinnedPool(layout=lay, num_pages=300, chunk_bytes="256KiB", runtime=FakeRuntime(), background=True)
         for lay in (mha, dense)
     ]
-    assert plans[0]._plan.page_runs == plans[1]._plan.page_runs  # K's pages and V's: two runs
-    assert len(plans[1]._plan.page_runs) == 2
-    assert list(plans[0].chunks) == list(plans[1].chunks)
+    assert plans[0].plan.page_runs == plans[1].plan.page_runs  # K's pages and V's: two runs
+    assert len(plans[1].plan.page_runs) == 2
+    assert list(plans[0].plan.chunks) == list(plans[1].plan.chunks)
 
 
 @needs_mlock
@@ -114,7 +114,7 @@ def test_a_real_mlock_pool_of_sglangs_shape_is_the_hand_reshaped_raw_pool(vmlck_
         assert t.shape == by_hand.shape == torch.Size(shape)
         assert t.dtype == torch.bfloat16 and t.stride() == by_hand.stride() == torch.empty(shape).stride()
         assert t.data_ptr() == pool.data_ptr and t.nbytes == nbytes == pool.nbytes
-        assert [(c.offset, c.nbytes) for c in pool.chunks] == [(c.offset, c.nbytes) for c in raw.chunks]
+        assert [(c.offset, c.nbytes) for c in pool.plan.chunks] == [(c.offset, c.nbytes) for c in raw.plan.chunks]
         data = torch.randn(shape, dtype=torch.float32).to(torch.bfloat16)
         t.copy_(data)
         by_hand.copy_(data)
@@ -178,9 +178,9 @@ def test_dense_refuses_bad_input(make: Any, message: str) -> None:
 )
 def test_sensible_granularities_are_accepted_and_chunk_the_pool(dense: layouts.Dense, granularity: int) -> None:
     pool = pinpool.PinnedPool(layout=dense, size="1MiB", chunk_bytes="64KiB", runtime=FakeRuntime())
-    assert pool.granularity == granularity
-    assert all(c.offset % math.lcm(granularity, 4096) == 0 for c in pool.chunks)
-    assert sum(c.nbytes for c in pool.chunks) == pool.nbytes == pool.num_pages * dense.page_bytes
+    assert pool.plan.granularity == granularity
+    assert all(c.offset % math.lcm(granularity, 4096) == 0 for c in pool.plan.chunks)
+    assert sum(c.nbytes for c in pool.plan.chunks) == pool.nbytes == pool.num_pages * dense.page_bytes
 
 
 def test_dense_defaults_and_name() -> None:

@@ -262,16 +262,16 @@ CASES: dict[str, Callable[[], st.SearchStrategy[Build]]] = {
 def assert_chunk_invariants(pool: pinpool.PinnedPool, base: int, expected: list[Expected]) -> None:
     """Chunks: sorted, disjoint, contiguous within each buffer, covering each non-empty buffer
     exactly, aligned to the buffer's granularity, page-aligned (no OS page in two chunks)."""
-    chunks = list(pool.chunks)
+    chunks = list(pool.plan.chunks)
     assert chunks == sorted(chunks, key=lambda c: c.offset)
     assert all(c.nbytes > 0 for c in chunks)
     for a, b in itertools.pairwise(chunks):
         assert a.end <= b.offset
         assert (base + a.end - 1) // OS_PAGE < (base + b.offset) // OS_PAGE  # no shared OS page
     assert base % OS_PAGE == 0
-    assert len(pool._buffers) == len(expected)
+    assert len(pool.plan.buffers) == len(expected)
     claimed = 0
-    for buf, exp in zip(pool._buffers, expected, strict=True):
+    for buf, exp in zip(pool.plan.buffers, expected, strict=True):
         assert buf.offset % OS_PAGE == 0
         mine = [c for c in chunks if buf.offset <= c.offset < buf.offset + exp.nbytes]
         if exp.nbytes == 0:
@@ -286,10 +286,10 @@ def assert_chunk_invariants(pool: pinpool.PinnedPool, base: int, expected: list[
         # As large as the limit allows: every chunk but the last is the largest multiple of
         # lcm(granularity, OS page) that fits in chunk_bytes.
         step = math.lcm(exp.granularity, OS_PAGE)
-        assert all(c.nbytes == pool.chunk_limit // step * step for c in mine[:-1])
-        assert 0 < mine[-1].nbytes <= pool.chunk_limit // step * step
+        assert all(c.nbytes == pool.plan.chunk_limit // step * step for c in mine[:-1])
+        assert 0 < mine[-1].nbytes <= pool.plan.chunk_limit // step * step
         for c in mine:
-            assert c.nbytes <= pool.chunk_limit
+            assert c.nbytes <= pool.plan.chunk_limit
             assert (base + c.offset) % OS_PAGE == 0
             assert c.end == buf.offset + exp.nbytes or (base + c.end) % OS_PAGE == 0
             assert (c.offset - buf.offset) % exp.granularity == 0
@@ -297,7 +297,7 @@ def assert_chunk_invariants(pool: pinpool.PinnedPool, base: int, expected: list[
         claimed += len(mine)
     assert claimed == len(chunks)  # every chunk lies inside exactly one non-empty buffer
     # Buffers do not overlap in the mapping.
-    live = sorted((b.offset, b.offset + e.nbytes) for b, e in zip(pool._buffers, expected, strict=True) if e.nbytes)
+    live = sorted((b.offset, b.offset + e.nbytes) for b, e in zip(pool.plan.buffers, expected, strict=True) if e.nbytes)
     for (_, end), (start, _) in itertools.pairwise(live):
         assert end <= start
 
@@ -340,24 +340,24 @@ def check_layout_in_pool(build: Build, data: st.DataObject) -> None:
     expected = expect(num_pages)
 
     # (a) shapes and dtype, (b) granularity per buffer, as the pool planned them.
-    specs = [b.spec for b in pool._buffers]
+    specs = [b.spec for b in pool.plan.buffers]
     assert [s.name for s in specs] == [e.name for e in expected]
     assert [s.shape for s in specs] == [e.shape for e in expected]
     assert [s.dtype for s in specs] == [e.dtype for e in expected]
-    for buf, e in zip(pool._buffers, expected, strict=True):
+    for buf, e in zip(pool.plan.buffers, expected, strict=True):
         if e.nbytes:
             assert e.granularity is not None and buf.plan is not None
             assert buf.spec.granularity == e.granularity
             assert buf.plan.unit == math.lcm(e.granularity, OS_PAGE)
     assert sum(s.nbytes for s in specs) == pool.nbytes
 
-    event(f"chunks: {min(len(pool.chunks), 9)}{'+' if len(pool.chunks) >= 9 else ''}")
+    event(f"chunks: {min(len(pool.plan.chunks), 9)}{'+' if len(pool.plan.chunks) >= 9 else ''}")
     big = max(range(len(expected)), key=lambda i: expected[i].nbytes)
-    assert len(pool._buffers[big].chunks) >= 2  # the pool really is split
+    assert len(pool.plan.buffers[big].chunks) >= 2  # the pool really is split
     with pool as p:
         base = p.data_ptr
         assert_chunk_invariants(p, base, expected)
-        assert fake.registered == {base + c.offset: c.nbytes for c in p.chunks}
+        assert fake.registered == {base + c.offset: c.nbytes for c in p.plan.chunks}
         tensors = p.tensors
         assert list(tensors) == [e.name for e in expected]
         if len(expected) == 1:
@@ -365,10 +365,10 @@ def check_layout_in_pool(build: Build, data: st.DataObject) -> None:
         else:
             with pytest.raises(pinpool.PoolStateError):
                 _ = p.tensor
-        starts = [c.offset for c in p.chunks]
-        ends = [c.end for c in p.chunks]
+        starts = [c.offset for c in p.plan.chunks]
+        ends = [c.end for c in p.plan.chunks]
         # (c) no copy unit straddles two chunks, checked on the tensors the pool hands out.
-        for buf, exp in zip(p._buffers, expected, strict=True):
+        for buf, exp in zip(p.plan.buffers, expected, strict=True):
             t = tensors[exp.name]
             assert tuple(t.shape) == exp.shape and t.dtype == exp.dtype and t.is_contiguous()
             if not exp.nbytes:
@@ -421,7 +421,7 @@ def test_mamba_zero_element_buffer_is_not_registered(
     fake = FakeRuntime()
     num_pages = 3000
     pool = pinpool.PinnedPool(layout=mamba, size=num_pages * mamba.page_bytes, chunk_bytes=64 * KiB, runtime=fake)
-    buffers = {b.spec.name: b for b in pool._buffers}
+    buffers = {b.spec.name: b for b in pool.plan.buffers}
     assert list(buffers) == list(states)
     for name, b in buffers.items():
         assert b.spec.shape == (num_pages, Lm, 1, *states[name])
@@ -432,13 +432,13 @@ def test_mamba_zero_element_buffer_is_not_registered(
             assert b.chunks and all((c.offset - b.offset) % slots[name] == 0 for c in b.chunks)
     # Every chunk lies inside a non-empty buffer; together they cover exactly the non-empty bytes.
     live = [(b.offset, b.offset + b.spec.nbytes) for name, b in buffers.items() if name not in empty]
-    assert all(any(lo <= c.offset and c.end <= hi for lo, hi in live) for c in pool.chunks)
-    assert sum(c.nbytes for c in pool.chunks) == num_pages * mamba.page_bytes
+    assert all(any(lo <= c.offset and c.end <= hi for lo, hi in live) for c in pool.plan.chunks)
+    assert sum(c.nbytes for c in pool.plan.chunks) == num_pages * mamba.page_bytes
     with pool as p:
         base = p.data_ptr
-        assert fake.registered == {base + c.offset: c.nbytes for c in p.chunks}
-        assert len(fake.register_calls) == len(p.chunks) > len(live)
-        starts, ends = [c.offset for c in p.chunks], [c.end for c in p.chunks]
+        assert fake.registered == {base + c.offset: c.nbytes for c in p.plan.chunks}
+        assert len(fake.register_calls) == len(p.plan.chunks) > len(live)
+        starts, ends = [c.offset for c in p.plan.chunks], [c.end for c in p.plan.chunks]
         for name in states:
             t = p.tensors[name]
             assert tuple(t.shape) == (num_pages, Lm, 1, *states[name])
@@ -462,10 +462,10 @@ def test_sglang_vector_mla_page_first_direct_granularity_60() -> None:
     # 60 is not a multiple of the OS page: boundaries fall on lcm(60, 4096) = 61440.
     pool = pinpool.PinnedPool(layout=mla, size=5000 * 60 + 59, chunk_bytes=2 * 61440 + 100, runtime=FakeRuntime())
     assert pool.num_pages == 5000
-    assert pool._buffers[0].plan.unit == 61440
-    assert [c.nbytes for c in pool.chunks] == [122880, 122880, 300000 - 2 * 122880]
-    assert all(c.offset % 60 == 0 and c.offset % OS_PAGE == 0 for c in pool.chunks)
-    assert pool.granularity == 60
+    assert pool.plan.buffers[0].plan.unit == 61440
+    assert [c.nbytes for c in pool.plan.chunks] == [122880, 122880, 300000 - 2 * 122880]
+    assert all(c.offset % 60 == 0 and c.offset % OS_PAGE == 0 for c in pool.plan.chunks)
+    assert pool.plan.granularity == 60
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -504,8 +504,8 @@ def test_sglang_vector_asymmetric_k_v(layout: str) -> None:
         assert k.shape == (3, L, P, H, D) and v.shape == (3, L, P, H, Dv)
     assert mha.page_bytes == P * L * H * (D + Dv) * 2
     pool = pinpool.PinnedPool(layout=mha, size=40 * mha.page_bytes, chunk_bytes=4 * MiB, runtime=FakeRuntime())
-    assert pool.granularity is None  # two different granularities
-    kb, vb = pool._buffers
+    assert pool.plan.granularity is None  # two different granularities
+    kb, vb = pool.plan.buffers
     assert all((c.offset - kb.offset) % k.granularity == 0 for c in kb.chunks)
     assert all((c.offset - vb.offset) % v.granularity == 0 for c in vb.chunks)
 
@@ -569,8 +569,8 @@ def test_sglang_vector_raw_900_900_700(register_workers: int | None) -> None:
     pool = pinpool.PinnedPool(
         layout=layouts.Raw(300 * MiB), size=2500 * MiB, chunk_bytes=GiB, runtime=fake, register_workers=register_workers
     )
-    assert [c.nbytes for c in pool.chunks] == [900 * MiB, 900 * MiB, 700 * MiB]
-    assert [c.offset for c in pool.chunks] == [0, 900 * MiB, 1800 * MiB]
+    assert [c.nbytes for c in pool.plan.chunks] == [900 * MiB, 900 * MiB, 700 * MiB]
+    assert [c.offset for c in pool.plan.chunks] == [0, 900 * MiB, 1800 * MiB]
     with pool as p:  # FakeRuntime touches nothing: the 2.5 GiB stay virtual
         base = p.data_ptr
         assert fake.registered == {base: 900 * MiB, base + 900 * MiB: 900 * MiB, base + 1800 * MiB: 700 * MiB}
@@ -636,7 +636,7 @@ def test_size_buys_the_largest_whole_number_of_pages(layout: layouts.Layout, pag
     budget = pages * layout.page_bytes + int(extra * layout.page_bytes)
     pool = pinpool.PinnedPool(layout=layout, size=budget, runtime=FakeRuntime(), chunk_bytes=64 * MiB)
     assert pool.num_pages == budget // layout.page_bytes == pages
-    assert pool.page_bytes == layout.page_bytes
+    assert pool.plan.page_bytes == layout.page_bytes
     assert pool.nbytes == pages * layout.page_bytes <= budget < (pages + 1) * layout.page_bytes
 
 
@@ -895,7 +895,7 @@ async def test_multi_buffer_pool_tensor_is_a_state_error(case: str) -> None:
             _ = p.tensor
         assert all(name in str(info.value) for name in names)
         assert "pool.tensors[name]" in str(info.value)
-        for b in p._buffers:
+        for b in p.plan.buffers:
             assert tuple(p.tensors[b.spec.name].shape) == b.spec.shape
 
 
@@ -918,7 +918,7 @@ def test_tensors_are_zero_copy_views_into_the_pool(case: str) -> None:
     pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=FakeRuntime())
     with pool as p:
         base = p.data_ptr
-        for i, b in enumerate(p._buffers):
+        for i, b in enumerate(p.plan.buffers):
             t = p.tensors[b.spec.name]
             if t.numel() == 0:
                 continue
@@ -944,12 +944,12 @@ def test_tensors_are_zero_copy_views_into_the_pool(case: str) -> None:
 def test_buffers_sit_at_page_aligned_offsets_in_one_mapping() -> None:
     layout, names = MULTI["mamba"]
     pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=FakeRuntime())
-    offsets = [b.offset for b in pool._buffers]
+    offsets = [b.offset for b in pool.plan.buffers]
     assert offsets[0] == 0 and all(o % OS_PAGE == 0 for o in offsets)
     assert offsets == sorted(offsets)
     with pool as p:
         ptrs = {name: p.tensors[name].data_ptr() for name in names if p.tensors[name].numel()}
-        for b in p._buffers:
+        for b in p.plan.buffers:
             if b.spec.nbytes:
                 assert ptrs[b.spec.name] == p.data_ptr + b.offset
                 assert b.offset + b.spec.nbytes <= p._lifecycle.memory.length  # type: ignore[attr-defined]

@@ -267,6 +267,6 @@ def test_page_unified_pool_sizes_like_sglang_page_bytes() -> None:
     mha = layouts.MHA("page_unified", 32, 64, 8, 128, torch.bfloat16, head_group_num=2)
     pool = pinpool.PinnedPool(layout=mha, size="64MiB", chunk_bytes="16MiB", runtime=FakeRuntime())
     assert mha.page_bytes == 8 * 2**20
-    assert pool.num_pages == 8 and pool.granularity == 8 * 2**20
-    assert [c.nbytes for c in pool.chunks] == [16 * 2**20] * 4  # two whole pages per chunk
+    assert pool.num_pages == 8 and pool.plan.granularity == 8 * 2**20
+    assert [c.nbytes for c in pool.plan.chunks] == [16 * 2**20] * 4  # two whole pages per chunk
     assert math.prod(mha.buffers(8)[0].shape) * 2 == 64 * 2**20

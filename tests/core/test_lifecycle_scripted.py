@@ -22,8 +22,17 @@ import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnclosedPoolWarning, UnpinError
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
 from pinpool._pin.ledger import StopCause
-from pinpool._pin.outcome import TRANSITIONS, Outcome, TransitionError, check_move, decide
-from pinpool._pin.steps import Detach, Ran, RunThreads, Step
+from pinpool._pin.outcome import (
+    TRANSITIONS,
+    Detach,
+    Outcome,
+    Ran,
+    RunThreads,
+    Step,
+    TransitionError,
+    check_move,
+    decide,
+)
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 
@@ -306,7 +315,7 @@ def test_background_failure_keeps_every_registered_chunk_until_exit() -> None:
     life = pool._lifecycle
     conductor.join()  # pins chunks 0-2, the 4th call fails
     assert life.state is PoolState.FAILED and len(fake.registered) == 3 and fake.unregister_calls == []
-    assert life.pinned_pages == 3 * MiB // pool.page_bytes  # frozen, not 0: the body may use them
+    assert life.pinned_pages == 3 * MiB // pool.plan.page_bytes  # frozen, not 0: the body may use them
     assert isinstance(life.error, PinError) and "stay pinned" in str(life.error)
     assert logs.of("pool.rollback") == ["failure"] and logs.of("pool.rollback", "kept_bytes") == [3 * MiB]
     assert logs.of("pool.failed", "log_level") == ["error"]

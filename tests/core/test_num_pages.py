@@ -58,9 +58,9 @@ def test_a_pool_holds_exactly_num_pages(name: str, num_pages: int) -> None:
     layout = LAYOUTS[name]
     p = pool(layout=layout, num_pages=num_pages)
     assert p.num_pages == num_pages
-    assert p.page_bytes == layout.page_bytes
-    assert sum(b.spec.nbytes for b in p._buffers) == num_pages * layout.page_bytes
-    assert [b.spec for b in p._buffers] == list(layout.buffers(num_pages))
+    assert p.plan.page_bytes == layout.page_bytes
+    assert sum(b.spec.nbytes for b in p.plan.buffers) == num_pages * layout.page_bytes
+    assert [b.spec for b in p.plan.buffers] == list(layout.buffers(num_pages))
 
 
 def test_a_byte_pool_by_page_count_holds_whole_copy_pages() -> None:
@@ -74,7 +74,7 @@ def test_the_same_page_count_as_a_byte_budget_of_exactly_that_many_pages() -> No
     by_bytes = pool(layout=MLA, size=300 * MLA.page_bytes)
     assert by_pages.num_pages == by_bytes.num_pages == 300
     assert by_pages.nbytes == by_bytes.nbytes
-    assert by_pages.chunks == by_bytes.chunks
+    assert by_pages.plan.chunks == by_bytes.plan.chunks
 
 
 def test_paired_mla_and_indexer_pools_get_the_same_page_count() -> None:

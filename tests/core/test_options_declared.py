@@ -169,7 +169,7 @@ def test_every_flag_reaches_pinned_pool(tmp_path: Path) -> None:
     assert kwargs["populate"] is False and kwargs["node_wait"] is True and kwargs["node_budget"] == "0.5"
     kwargs["runtime"] = FakeRuntime()
     pool = pinpool.PinnedPool(**kwargs, registry=None)
-    assert pool.name == "every" and pool.num_pages == 4 * MiB and pool.granularity == 64 << 10
+    assert pool.name == "every" and pool.num_pages == 4 * MiB and pool.plan.granularity == 64 << 10
     assert pool._options.max_call_seconds == 0.05 and pool._options.pin_nice == 3 and pool._options.background
     assert pool._options.budget_yields_to == "chunk_bytes" and pool._options.retry_codes == {1, 2, 719}
 

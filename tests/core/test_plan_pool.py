@@ -673,16 +673,18 @@ def test_pool_attributes_are_the_plan_and_read_only() -> None:
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, name="p", registry=None)
     plan = plan_pool(pool._options, pool._host, capabilities_of(fake))
-    assert pool._plan == plan
+    assert pool.plan == plan
     for name in PLAN_ATTRIBUTES:
-        assert getattr(pool, name) == getattr(plan, name), name
+        assert getattr(pool.plan, name) == getattr(plan, name), name
         with pytest.raises(AttributeError):
-            setattr(pool, name, 1)
+            setattr(pool.plan, name, 1)
+    with pytest.raises(AttributeError):
+        pool.plan = plan  # type: ignore[misc]
     assert (pool.name, pool.runtime, pool.layout) == ("p", fake, layouts.Raw())
-    assert isinstance(pool.chunks, ChunkTable) and len(pool.chunks) == 16
-    assert pool._mapping_bytes == plan.mapping_bytes and pool._buffers == plan.buffers
+    assert isinstance(pool.plan.chunks, ChunkTable) and len(pool.plan.chunks) == 16
+    assert pool.plan.mapping_bytes == plan.mapping_bytes and pool.plan.buffers == plan.buffers
     with pool:
-        assert fake.registered == {pool.data_ptr + c.offset: c.nbytes for c in pool.chunks}
+        assert fake.registered == {pool.data_ptr + c.offset: c.nbytes for c in pool.plan.chunks}
 
 
 def test_pin_plans_from_the_tensor_start() -> None:
@@ -691,17 +693,17 @@ def test_pin_plans_from_the_tensor_start() -> None:
     skew = (-storage.data_ptr() + 100) % page  # start 100 B into a page
     tensor = storage[skew : skew + 2 * MiB]
     pinned = pinpool.pin(tensor, chunk_bytes=MiB, runtime=FakeRuntime(), registry=None)
-    assert pinned._plan.source_start == tensor.data_ptr() % page == 100
-    assert all((tensor.data_ptr() + c.offset) % page == 0 for c in pinned.chunks[1:])
-    assert pinned.chunks.nbytes == 2 * MiB
+    assert pinned.plan.source_start == tensor.data_ptr() % page == 100
+    assert all((tensor.data_ptr() + c.offset) % page == 0 for c in pinned.plan.chunks[1:])
+    assert pinned.plan.chunks.nbytes == 2 * MiB
 
 
 def test_construction_is_constant_time_in_the_chunk_count() -> None:
     started = time.perf_counter()
     pool = pinpool.PinnedPool(size=100 * TiB, chunk_bytes=4096, runtime=FakeRuntime(), registry=None)
     assert time.perf_counter() - started < 1.0
-    assert len(pool.chunks) == 100 * TiB // 4096
-    assert pool.chunks[-1] == Chunk(100 * TiB - 4096, 4096)
+    assert len(pool.plan.chunks) == 100 * TiB // 4096
+    assert pool.plan.chunks[-1] == Chunk(100 * TiB - 4096, 4096)
 
 
 # -- host facts -------------------------------------------------------------------------------------------

@@ -256,7 +256,7 @@ def test_progress_moves_within_a_chunk_registered_in_pieces() -> None:
                 break
             time.sleep(0.001)
         pool.wait_ready_sync(timeout=30)
-    assert len(pool.chunks) == 1
+    assert len(pool.plan.chunks) == 1
     assert any(0 < pages < pool.num_pages for pages in seen), seen[:20]
     assert seen == sorted(seen)
 
@@ -297,8 +297,8 @@ def test_workers_begin_only_once_all_are_started(monkeypatch: pytest.MonkeyPatch
     )  # fmt: skip
     with pool:
         pass
-    assert pool.threads >= 4
-    assert at_first_call == [pool.threads]
+    assert pool.plan.threads >= 4
+    assert at_first_call == [pool.plan.threads]
 
 
 def test_lock_on_fault_pieces_follow_the_faulting_rate() -> None:

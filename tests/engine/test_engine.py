@@ -31,7 +31,7 @@ class Where:
 def session_of(fake: FakeRuntime, **options: Any) -> PinSession:
     pool = pinpool.PinnedPool(runtime=fake, registry=None, **options)
     return PinSession(
-        pool._plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
+        pool.plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
     )
 
 
@@ -100,14 +100,14 @@ def test_a_paced_span_under_lock_on_fault_counts_each_part_as_it_is_locked() -> 
 
     def before(op: str, _ptr: int, _nbytes: int) -> None:
         if op == "populate":
-            seen.append(box[0].pipeline.pinned_bytes)
+            seen.append(box[0].ledger.pinned_bytes)
 
     fake = FakeRuntime(lock_on_fault=True, before_call=before)
     box.append(session_of(fake, **PACED))
     session = box[0]
     assert pin(session) is Phase.PINNED
     assert len(seen) >= 3 and seen[:2] == [0, 16 * MiB] and seen == sorted(set(seen))  # part by part, as locked
-    assert session.pipeline.pinned_bytes == 256 * MiB and session.prefix.pages == session.prefix.num_pages
+    assert session.ledger.pinned_bytes == 256 * MiB and session.prefix.pages == session.prefix.num_pages
     assert unpin(session) == () and fake.registered == {}
 
 
@@ -205,10 +205,10 @@ def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(monkeypat
 def test_the_pipeline_walks_the_plans_spans_computed_once() -> None:
     pool = pinpool.PinnedPool(runtime=FakeRuntime(), registry=None, size=64 * MiB, chunk_bytes=16 * MiB, populate=True)
     session = PinSession(
-        pool._plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
+        pool.plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
     )
-    assert len(pool._plan.spans) > 1
-    assert session.pipeline.spans is pool._plan.spans  # cut once, in planning; not again by the pipeline
+    assert len(pool.plan.spans) > 1
+    assert session.pipeline.spans is pool.plan.spans  # cut once, in planning; not again by the pipeline
     assert pin(session) is Phase.PINNED
 
 
@@ -223,7 +223,7 @@ def test_a_second_interrupt_inside_the_stop_is_recorded_and_the_stop_asked_again
     import anyio
 
     from pinpool._pin.drivers import run_async, run_sync
-    from pinpool._pin.steps import RunThreads
+    from pinpool._pin.outcome import RunThreads
 
     stopped, asked, ticks = threading.Event(), [], []
 

@@ -154,7 +154,7 @@ def test_finish_raises_while_a_populate_is_in_flight() -> None:
             pipeline.land(Landing(pipeline.next_register()))  # type: ignore[arg-type]
         span = pipeline.next_populate()
         assert isinstance(span, Span)
-        pipeline.cancel()  # not even a stopped pipeline may close with a call out
+        pipeline.ledger.cancel()  # not even a stopped pipeline may close with a call out
         with pytest.raises(LedgerError, match="populate calls in flight"):
             pipeline.finish()
         assert pipeline.ledger.phase is Phase.PINNING
@@ -242,7 +242,7 @@ def test_cancel_stops_every_role_and_rolls_back() -> None:
         pipeline = Pipeline(make_chunks([4, 4]), order=order, span_bytes=2, lookahead_bytes=8)
         index = pipeline.next_register() if order is not Order.POPULATE_FIRST else None
         assert index in (0, None)
-        pipeline.cancel()
+        pipeline.ledger.cancel()
         assert pipeline.stopped
         assert pipeline.next_register() is None and pipeline.next_populate() is None
         if isinstance(index, int):
@@ -275,19 +275,19 @@ def test_a_chunk_stopped_between_its_pieces_is_undone_and_is_not_a_failure() -> 
     assert pipeline.next_register() == 0
     pipeline.land(Landing(0, pieces=(Chunk(0, 2),), partial=True))  # progress: pinned before it lands
     pipeline.land(Landing(0, pieces=(Chunk(2, 3),), partial=True))
-    assert pipeline.pinned_bytes == 5
-    pipeline.cancel()
+    assert pipeline.ledger.pinned_bytes == 5
+    pipeline.ledger.cancel()
     pipeline.land(Landing(0, stopped=True, pieces=(Chunk(0, 2), Chunk(2, 3))))
     assert pipeline.in_flight == 0 and pipeline.ledger.failures == []
     assert pipeline.ledger.states == [ChunkState.FAULTING, ChunkState.PENDING]  # to undo, never pinned
     assert pipeline.ledger.pieces == {0: (Chunk(0, 2), Chunk(2, 3))}
-    assert pipeline.pinned_bytes == 5  # still registered, so still pinned
+    assert pipeline.ledger.pinned_bytes == 5  # still registered, so still pinned
     assert pipeline.ledger.registered_bytes == 0 and pipeline.ledger.chunks_done == 0  # never whole
     assert pipeline.finish() is Phase.ROLLED_BACK
-    assert pipeline.pinned_bytes == 5
+    assert pipeline.ledger.pinned_bytes == 5
     assert pipeline.ledger.teardown_order() == [0]
     pipeline.ledger.unregistered(0)
-    assert pipeline.pinned_bytes == 0
+    assert pipeline.ledger.pinned_bytes == 0
 
 
 @pytest.mark.parametrize("stopped", [False, True])
@@ -304,19 +304,19 @@ def test_pieces_of_a_chunk_that_failed_count_all_of_them_until_unregistered(stop
     halves = (Chunk(offset, 3 * UNIT), Chunk(offset + 3 * UNIT, UNIT))  # never reported as progress
     failure = RuntimeCallError(op="register", code=2, reason="oom", message="injected", ptr=0, nbytes=1)
     if stopped:
-        pipeline.cancel()
+        pipeline.ledger.cancel()
         pipeline.land(Landing(1, stopped=True, pieces=halves))
     else:
         pipeline.land(Landing(1, failure, pieces=halves))
-    assert pipeline.pinned_bytes == 12 * UNIT
+    assert pipeline.ledger.pinned_bytes == 12 * UNIT
     assert covered.units == set(range(12))
     pipeline.finish()
-    assert pipeline.pinned_bytes == 12 * UNIT  # a background pool keeps them until it is exited
+    assert pipeline.ledger.pinned_bytes == 12 * UNIT  # a background pool keeps them until it is exited
     for index in pipeline.ledger.teardown_order():
         pipeline.ledger.unregistered(index)
-    assert pipeline.pinned_bytes == 0
+    assert pipeline.ledger.pinned_bytes == 0
     pipeline.ledger.close()
-    assert pipeline.pinned_bytes == 0
+    assert pipeline.ledger.pinned_bytes == 0
 
 
 def test_a_leaked_chunk_of_pieces_counts_the_pieces_it_registered() -> None:
@@ -326,9 +326,9 @@ def test_a_leaked_chunk_of_pieces_counts_the_pieces_it_registered() -> None:
     pipeline.land(Landing(0, failure, pieces=(Chunk(0, 3),)))
     pipeline.finish()
     pipeline.ledger.unregister_failed(0, failure)
-    assert pipeline.pinned_bytes == 3  # may still be pinned: counted, once
+    assert pipeline.ledger.pinned_bytes == 3  # may still be pinned: counted, once
     pipeline.ledger.close()
-    assert pipeline.pinned_bytes == 3
+    assert pipeline.ledger.pinned_bytes == 3
 
 
 def test_finishing_before_anything_ran_rolls_back() -> None:
@@ -513,7 +513,7 @@ class Simulation:
                 )
                 return
             if cancel_at is not None and steps == cancel_at:
-                self.pipeline.cancel()
+                self.pipeline.ledger.cancel()
                 self.stop(StopCause.CANCELLED)
                 self.wake()
             worker = self.data.draw(st.sampled_from(actionable), label="who acts")
@@ -752,10 +752,10 @@ class Simulation:
         assert pipeline.in_flight == out, "in_flight counts every handed-out item not yet landed"
         pinned = sum(self.chunks[i].nbytes for i in self.pinned())
         ahead = sum(len(u) for i, u in self.progress.items() if i not in self.pinned()) * UNIT
-        assert pipeline.pinned_bytes == pinned + ahead
+        assert pipeline.ledger.pinned_bytes == pinned + ahead
         # One source of truth (issue 22): until teardown, what is counted pinned is exactly what the
         # prefix was told of, however pinning ended (a failure or stop mid-chunk included).
-        assert pipeline.pinned_bytes == len(self.pinned_units) * UNIT
+        assert pipeline.ledger.pinned_bytes == len(self.pinned_units) * UNIT
         if self.covered is not None:
             assert self.covered.units == self.pinned_units, "the prefix hears of every pinned range, and nothing else"
 
@@ -802,18 +802,18 @@ class Simulation:
         ledger = self.pipeline.ledger
         leaked = 0
         for index in ledger.teardown_order():
-            before = self.pipeline.pinned_bytes
+            before = self.pipeline.ledger.pinned_bytes
             counted = self.chunks[index].nbytes if index in self.pinned() else len(self.progress.get(index, ())) * UNIT
             if self.data.draw(st.integers(0, 9), label="unregister fails") == 0:
                 ledger.unregister_failed(index, error("unregister"))
                 registered = self.pieces.get(index, (self.chunks[index],))
                 leaked += sum(piece.nbytes for piece in registered)
-                assert self.pipeline.pinned_bytes == before - counted + sum(piece.nbytes for piece in registered)
+                assert self.pipeline.ledger.pinned_bytes == before - counted + sum(piece.nbytes for piece in registered)
             else:
                 ledger.unregistered(index)
-                assert self.pipeline.pinned_bytes == before - counted
+                assert self.pipeline.ledger.pinned_bytes == before - counted
         ledger.close()
-        assert self.pipeline.pinned_bytes == leaked
+        assert self.pipeline.ledger.pinned_bytes == leaked
 
 
 @pytest.mark.parametrize("mode", ["roles", "work"])
@@ -859,15 +859,15 @@ def assert_rolled_back(fake: FakeRuntime, failed_register_calls: frozenset[int] 
 
 
 def chunk_of(pool: pinpool.PinnedPool, base: int, ptr: int) -> int:
-    (index,) = [i for i, c in enumerate(pool.chunks) if base + c.offset <= ptr < base + c.end]
+    (index,) = [i for i, c in enumerate(pool.plan.chunks) if base + c.offset <= ptr < base + c.end]
     return index
 
 
 def test_populate_is_on_by_default_for_the_fake() -> None:
     fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=2)
-    assert pool.populate is True and pool.order is Order.POPULATE_FIRST
-    assert pool.span_bytes == 16 * MiB and pool.populate_workers == 2
+    assert pool.plan.populate is True and pool.plan.order is Order.POPULATE_FIRST
+    assert pool.plan.span_bytes == 16 * MiB and pool.plan.populate_workers == 2
     with pool as p:
         base = p.data_ptr
     assert sorted(fake.populate_calls) == [(base + k * 16 * MiB, 16 * MiB) for k in range(4)]
@@ -880,15 +880,15 @@ async def test_populate_first_registers_each_chunk_after_all_its_spans(mode: str
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=4, register_workers=2
     )
-    assert pool.order is Order.POPULATE_FIRST and pool.span_bytes == 16 * MiB
+    assert pool.plan.order is Order.POPULATE_FIRST and pool.plan.span_bytes == 16 * MiB
     seen: dict[str, int] = {}
     await pin_and_run(pool, mode, lambda p: seen.update(base=p.data_ptr, registered=len(fake.registered)))
     base = seen["base"]
-    assert seen["registered"] == len(pool.chunks) == 8
+    assert seen["registered"] == len(pool.plan.chunks) == 8
     # The spans tile every chunk exactly.
-    assert sorted(fake.populate_calls) == [(base + s.offset, s.nbytes) for s in split_spans(pool.chunks, 16 * MiB)]
+    assert sorted(fake.populate_calls) == [(base + s.offset, s.nbytes) for s in split_spans(pool.plan.chunks, 16 * MiB)]
     events = fake.events
-    for index, chunk in enumerate(pool.chunks):
+    for index, chunk in enumerate(pool.plan.chunks):
         (register_at,) = [
             i for i, (kind, ptr) in enumerate(events) if kind == "register" and ptr == base + chunk.offset
         ]
@@ -906,7 +906,7 @@ async def test_lock_on_fault_registers_each_chunk_before_faulting_it(mode: str) 
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=4, register_workers=2
     )
-    assert pool.order is Order.REGISTER_FIRST
+    assert pool.plan.order is Order.REGISTER_FIRST
     seen: dict[str, int] = {}
     await pin_and_run(pool, mode, lambda p: seen.update(base=p.data_ptr, registered=len(fake.registered)))
     base = seen["base"]
@@ -916,7 +916,7 @@ async def test_lock_on_fault_registers_each_chunk_before_faulting_it(mode: str) 
     register_at = {ptr: i for i, (kind, ptr) in enumerate(events) if kind == "register"}
     for i, (kind, ptr) in enumerate(events):
         if kind == "populate":
-            chunk = pool.chunks[chunk_of(pool, base, ptr)]
+            chunk = pool.plan.chunks[chunk_of(pool, base, ptr)]
             assert register_at[base + chunk.offset] < i, f"span at {ptr - base} faulted before its chunk registered"
     assert_rolled_back(fake)
 
@@ -924,7 +924,7 @@ async def test_lock_on_fault_registers_each_chunk_before_faulting_it(mode: str) 
 @pytest.mark.skipif(_libc.transparent_huge_pages_mode() not in ("always", "madvise"), reason="needs THP")
 def test_huge_pages_fault_first_even_under_lock_on_fault() -> None:
     pool = pinpool.PinnedPool(size=8 * MiB, runtime=FakeRuntime(lock_on_fault=True), huge_pages=True)
-    assert pool.order is Order.POPULATE_FIRST
+    assert pool.plan.order is Order.POPULATE_FIRST
 
 
 @pytest.mark.parametrize("lock_on_fault", [False, True])
@@ -932,8 +932,8 @@ def test_huge_pages_fault_first_even_under_lock_on_fault() -> None:
 async def test_populate_false_only_registers(mode: str, lock_on_fault: bool) -> None:
     fake = FakeRuntime(lock_on_fault=lock_on_fault)
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, populate=False, register_workers=2)
-    assert pool.populate is False and pool.order is Order.REGISTER_ONLY
-    assert pool.populate_workers == 0 and pool.span_bytes == 0
+    assert pool.plan.populate is False and pool.plan.order is Order.REGISTER_ONLY
+    assert pool.plan.populate_workers == 0 and pool.plan.span_bytes == 0
     await pin_and_run(pool, mode, lambda p: None)
     assert fake.populate_calls == []
     assert [kind for kind, _ptr in fake.events if kind != "unregister"] == ["register"] * 8
@@ -948,8 +948,8 @@ async def test_populate_failure_rolls_back_in_both_orders(mode: str, lock_on_fau
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=4, register_workers=2
     )
-    assert len(split_spans(pool.chunks, pool.span_bytes)) == 32
-    assert pool.order is (Order.REGISTER_FIRST if lock_on_fault else Order.POPULATE_FIRST)
+    assert len(split_spans(pool.plan.chunks, pool.plan.span_bytes)) == 32
+    assert pool.plan.order is (Order.REGISTER_FIRST if lock_on_fault else Order.POPULATE_FIRST)
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
     error = info.value
@@ -961,7 +961,7 @@ async def test_populate_failure_rolls_back_in_both_orders(mode: str, lock_on_fau
     # the fake's registrations all succeed; the failed chunk is the one holding the failed span
     bases = {ptr for ptr, _n in fake.register_calls}
     base = min(p for p, _n in fake.populate_calls)  # the first span (chunk 0's start) is always faulted
-    failed_chunk = pool.chunks[chunk_of(pool, base, failed_ptr)]
+    failed_chunk = pool.plan.chunks[chunk_of(pool, base, failed_ptr)]
     assert error.offset == failed_chunk.offset
     if lock_on_fault:
         assert base + failed_chunk.offset in fake.unregister_calls  # registered first, so rolled back
@@ -984,7 +984,7 @@ async def test_two_spans_failing_at_once_are_both_reported(mode: str, lock_on_fa
 
     fake = Together(fail_populate_on={1, 2}, lock_on_fault=lock_on_fault)
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=2)
-    assert len(pool.chunks) == 1 and pool.span_bytes == 32 * MiB and pool.populate_workers == 2
+    assert len(pool.plan.chunks) == 1 and pool.plan.span_bytes == 32 * MiB and pool.plan.populate_workers == 2
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
     assert [(f.chunk.offset, f.phase) for f in info.value.failures] == [(0, "populate")] * 2
@@ -998,7 +998,7 @@ async def test_cancellation_while_faulting_rolls_back(lock_on_fault: bool) -> No
     pool = pinpool.PinnedPool(
         size=2048 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=2, register_workers=2
     )
-    spans = len(split_spans(pool.chunks, pool.span_bytes))
+    spans = len(split_spans(pool.plan.chunks, pool.plan.span_bytes))
     assert spans == 128
     with anyio.move_on_after(0.1) as scope:
         async with pool:
@@ -1029,7 +1029,7 @@ async def test_cancellation_from_inside_a_populate_call_rolls_back(lock_on_fault
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=1, register_workers=1
     )
-    assert len(pool.chunks) == 16 and pool.span_bytes == 32 * MiB  # a span per chunk
+    assert len(pool.plan.chunks) == 16 and pool.plan.span_bytes == 32 * MiB  # a span per chunk
     with scope:
         async with pool:
             pytest.fail("body must not run")
@@ -1048,7 +1048,7 @@ async def test_a_failure_ends_a_batch_at_once(mode: str) -> None:
     fake = FakeRuntime(fail_register_on=5)
     # One worker, 64 one-page chunks: they go out as one batch, called one by one.
     pool = pinpool.PinnedPool(size=64 * 4096, chunk_bytes=4096, runtime=fake, populate=False, register_workers=1)
-    assert len(pool.chunks) == 64 and pool.threads == 1
+    assert len(pool.plan.chunks) == 64 and pool.plan.threads == 1
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
     assert info.value.offset == 4 * 4096 and info.value.phase == "register"
@@ -1143,8 +1143,8 @@ async def test_faulting_runs_ahead_of_registration_by_at_most_the_lookahead(mode
     pool = pinpool.PinnedPool(
         size=768 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=2, register_workers=1
     )
-    assert pool.order is Order.POPULATE_FIRST and len(pool.chunks) == 12
-    assert pool.span_bytes == 32 * MiB and pool.lookahead_bytes == 128 * MiB
+    assert pool.plan.order is Order.POPULATE_FIRST and len(pool.plan.chunks) == 12
+    assert pool.plan.span_bytes == 32 * MiB and pool.plan.lookahead_bytes == 128 * MiB
     seen: dict[str, int] = {}
     await pin_and_run(pool, mode, lambda p: seen.update(base=p.data_ptr))
     base = seen["base"]
@@ -1158,12 +1158,14 @@ async def test_faulting_runs_ahead_of_registration_by_at_most_the_lookahead(mode
         index = chunk_of(pool, base, ptr)
         if kind == "populate":
             window.add(index)
-            nbytes = sum(pool.chunks[i].nbytes for i in window)
-            assert nbytes <= pool.lookahead_bytes or len(window) == 1, f"window {sorted(window)} over the lookahead"
+            nbytes = sum(pool.plan.chunks[i].nbytes for i in window)
+            assert nbytes <= pool.plan.lookahead_bytes or len(window) == 1, (
+                f"window {sorted(window)} over the lookahead"
+            )
             largest = max(largest, len(window))
         else:
             window.discard(index)
-    assert largest == pool.lookahead_bytes // pool.chunk_bytes == 2  # it ran ahead, as far as allowed
+    assert largest == pool.plan.lookahead_bytes // pool.plan.chunk_bytes == 2  # it ran ahead, as far as allowed
     assert len(fake.populate_calls) == 24
     assert_rolled_back(fake)
 
@@ -1185,11 +1187,11 @@ async def test_parallel_teardown_unregisters_every_chunk_once(mode: str) -> None
 
     fake = Overlapping(unregister_delay=0.02)
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, unpin_workers=4, populate=False)
-    assert pool.unpin_workers == 4 and len(pool.chunks) == 8
+    assert pool.plan.unpin_workers == 4 and len(pool.plan.chunks) == 8
     seen: dict[str, int] = {}
     await pin_and_run(pool, mode, lambda p: seen.update(base=p.data_ptr))
     assert 2 <= fake.max_concurrent_unregisters <= 4
-    assert sorted(fake.unregister_calls) == [seen["base"] + c.offset for c in pool.chunks]
+    assert sorted(fake.unregister_calls) == [seen["base"] + c.offset for c in pool.plan.chunks]
     assert_rolled_back(fake)
     assert pool.pinned_bytes == 0
 
@@ -1198,17 +1200,17 @@ async def test_parallel_teardown_unregisters_every_chunk_once(mode: str) -> None
 async def test_one_unpin_worker_unregisters_in_reverse_offset_order(mode: str) -> None:
     fake = Logging(unregister_delay=0.002)
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, unpin_workers=1, register_workers=3)
-    assert pool.unpin_workers == 1
+    assert pool.plan.unpin_workers == 1
     seen: dict[str, int] = {}
     await pin_and_run(pool, mode, lambda p: seen.update(base=p.data_ptr))
-    assert fake.unregister_calls == [seen["base"] + c.offset for c in reversed(pool.chunks)]
+    assert fake.unregister_calls == [seen["base"] + c.offset for c in reversed(pool.plan.chunks)]
     assert fake.max_concurrent_unregisters == 1
     assert_rolled_back(fake)
 
 
 def test_unpin_workers_are_capped_by_the_chunk_count() -> None:
     pool = pinpool.PinnedPool(size=3 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), unpin_workers=8)
-    assert pool.unpin_workers == 3
+    assert pool.plan.unpin_workers == 3
 
 
 # -- configuration errors --------------------------------------------------------------------------------------
@@ -1316,7 +1318,7 @@ def test_lock_on_fault_chunks_count_as_pinned_only_once_faulted() -> None:
         size=64 * MiB, chunk_bytes=16 * MiB, runtime=fake, populate_workers=1, register_workers=4, name="lof",
         registry=registry, on_progress=lambda pinned, total, done, chunks: seen.append((pinned, done)),
     )  # fmt: skip
-    assert pool.order is Order.REGISTER_FIRST and pool.span_bytes == 16 * MiB
+    assert pool.plan.order is Order.REGISTER_FIRST and pool.plan.span_bytes == 16 * MiB
     with pool:
         assert pool.pinned_bytes == 64 * MiB
         assert _gauge(registry, "pinpool_pinned_bytes") == 64 * MiB

@@ -21,7 +21,7 @@ pytestmark = [
 def test_pool_is_cuda_pinned_and_copies_round_trip() -> None:
     runtime = CudaRuntime()
     with pinpool.PinnedPool(size=256 * MiB, chunk_bytes=64 * MiB, runtime=runtime, register_workers=2) as pool:
-        assert pool.runtime.name == "cuda" and len(pool.chunks) == 4
+        assert pool.runtime.name == "cuda" and len(pool.plan.chunks) == 4
         assert pool.tensor.is_pinned()
         pool.tensor[: 16 * MiB].fill_(7)
         device = pool.tensor[: 16 * MiB].to("cuda", non_blocking=True)
@@ -39,7 +39,7 @@ def test_double_registration_is_named_and_not_sticky() -> None:
         torch.zeros(1, device="cuda").add_(1)  # the failed call's error must not leak into this one
         torch.cuda.synchronize()
     with pytest.raises(pinpool.RuntimeCallError) as info:
-        runtime.unregister(pool.chunks[0].offset + 4096)
+        runtime.unregister(pool.plan.chunks[0].offset + 4096)
     assert info.value.code in (1, 713)
 
 
@@ -52,9 +52,9 @@ def test_auto_picks_cuda_here() -> None:
 def test_default_pipeline_faults_ahead_and_registers_every_chunk(huge_pages: bool) -> None:
     """CUDA's order: populate workers fault spans ahead, one register worker registers whole chunks."""
     pool = pinpool.PinnedPool(size=512 * MiB, chunk_bytes=64 * MiB, runtime=CudaRuntime(), huge_pages=huge_pages)
-    assert pool.order.value == "populate_first" and pool.register_workers == 1 and pool.populate
+    assert pool.plan.order.value == "populate_first" and pool.plan.register_workers == 1 and pool.plan.populate
     with pool:
-        for chunk in pool.chunks:
+        for chunk in pool.plan.chunks:
             assert pool.tensor[chunk.offset : chunk.offset + chunk.nbytes].is_pinned()
         pool.tensor[-MiB:].fill_(3)
         device = pool.tensor[-MiB:].to("cuda", non_blocking=True)
@@ -68,6 +68,6 @@ def test_parallel_teardown_unregisters_every_chunk() -> None:
     with pool:
         kept = pool.tensor  # a view outlives the pool (it keeps the memory mapped), merely unpinned
         assert kept.is_pinned()
-    assert pool.unpin_workers == 4 and pool.pinned_bytes == 0
-    for chunk in pool.chunks:  # every chunk was unregistered by one of the unpin workers
+    assert pool.plan.unpin_workers == 4 and pool.pinned_bytes == 0
+    for chunk in pool.plan.chunks:  # every chunk was unregistered by one of the unpin workers
         assert not kept[chunk.offset : chunk.offset + chunk.nbytes].is_pinned()

@@ -58,7 +58,7 @@ async def test_vmlck_grows_by_pool_size_and_returns(mode: str, vmlck_baseline: i
             during = _libc.vm_locked_bytes()
             pool.tensor.fill_(1)
     assert during - vmlck_baseline == 96 * MiB
-    assert len(pool.chunks) == 6
+    assert len(pool.plan.chunks) == 6
     assert _libc.vm_locked_bytes() == vmlck_baseline
 
 
@@ -70,7 +70,7 @@ def test_unaligned_granularity_locks_exactly_the_pool(granularity: int, vmlck_ba
         layout=layout, size=64 * MiB, chunk_bytes=8 * MiB, runtime="mlock", register_workers=2
     ) as pool:
         assert _libc.vm_locked_bytes() - vmlck_baseline == -(-pool.nbytes // 4096) * 4096
-        assert all(c.offset % granularity == 0 and c.offset % 4096 == 0 for c in pool.chunks)
+        assert all(c.offset % granularity == 0 and c.offset % 4096 == 0 for c in pool.plan.chunks)
     assert _libc.vm_locked_bytes() == vmlck_baseline
 
 
@@ -219,7 +219,7 @@ def _smaps_locked_kb(address: int) -> int:
 async def test_default_pipeline_locks_every_page_on_fault(mode: str, vmlck_baseline: int) -> None:
     """mlock's default order: lock-on-fault first, then parallel faulting locks each page."""
     pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", populate_workers=2)
-    assert pool.order.value == "register_first" and pool.populate
+    assert pool.plan.order.value == "register_first" and pool.plan.populate
     seen: list[int] = []
     await pin_and_run(pool, mode, lambda p: seen.extend((_libc.vm_locked_bytes(), _smaps_locked_kb(p.data_ptr))))
     during, locked_kb = seen
@@ -230,7 +230,7 @@ async def test_default_pipeline_locks_every_page_on_fault(mode: str, vmlck_basel
 
 def test_huge_pages_fault_first_then_lock(vmlck_baseline: int) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=16 * MiB, runtime="mlock", huge_pages=True)
-    assert pool.order.value == "populate_first"
+    assert pool.plan.order.value == "populate_first"
     with pool:
         assert _smaps_locked_kb(pool.data_ptr) * 1024 == 64 * MiB
     assert _libc.vm_locked_bytes() == vmlck_baseline

@@ -24,7 +24,7 @@ import structlog
 
 import pinpool
 from pinpool._host import libc as _libc
-from pinpool._pin.untrusted import untrusted_call
+from pinpool._pin.engine import untrusted_call
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime

@@ -145,7 +145,7 @@ def test_a_hugetlb_2mib_pool_pins_whole_reserved_pages_and_returns_them(vmlck_ba
     try:
         free_before = _libc.hugetlb_free_pages()[0]
         pool = pinpool.PinnedPool(size=7 * MiB, chunk_bytes=4 * MiB, runtime="mlock", huge_pages="hugetlb:2MiB")
-        assert pool.huge_pages == "hugetlb:2MiB"
+        assert pool.plan.huge_pages == "hugetlb:2MiB"
         with pool:
             assert free_before - _libc.hugetlb_free_pages()[0] == 4  # 7 MiB on four 2 MiB pages
             assert [(c.offset, c.nbytes) for c in pool.registrations] == [(0, 4 * MiB), (4 * MiB, 3 * MiB)]

@@ -115,7 +115,9 @@ async def test_a_background_failure_keeps_the_pinned_prefix_until_exit_and_every
             # Nothing is unpinned under the body: pages [0, pinned_pages) stay registered.
             base = pool.data_ptr
             assert pool.pinned_pages >= in_use
-            assert all(base + off in fake.registered for off in range(0, pool.pinned_pages * pool.page_bytes, 1 << 20))
+            assert all(
+                base + off in fake.registered for off in range(0, pool.pinned_pages * pool.plan.page_bytes, 1 << 20)
+            )
             assert len(fake.registered) == 5 and fake.unregister_calls == []
             assert "stay pinned" in str(first.value) and first.value.leaked == ()
             pool.tensor[: pool.pinned_bytes].fill_(7)  # the views stay usable
@@ -266,7 +268,7 @@ async def test_kv_pages_grow_in_k_and_v_together() -> None:
         registered = {base - pool.data_ptr for base in fake.registered}
         # Both halves have their first quarter registered, long before either half is done.
         assert {0, half} <= registered
-        assert pages * pool.page_bytes < pool.nbytes
+        assert pages * pool.plan.page_bytes < pool.nbytes
     assert fake.registered == {}
 
 
@@ -299,7 +301,7 @@ def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
         max_call_seconds=0.005, on_progress=lambda pinned, total, done, chunks: values.append(pinned),
     )  # fmt: skip
     with pool:
-        assert len(pool.chunks) == 1
+        assert len(pool.plan.chunks) == 1
     assert any(0 < v < 512 * MiB for v in values), values
     assert values == sorted(values) and values[-1] == 512 * MiB
     assert _libc.vm_locked_bytes() == vmlck_baseline
@@ -392,7 +394,7 @@ def test_mlock_background_failure_keeps_the_prefix_locked_until_exit(vmlck_basel
         with pytest.raises(PinError, match="ENOMEM"):
             pool.wait_ready_sync(timeout=30)  # seen here, so exit does not raise it again
         assert pool.state is PoolState.FAILED
-        kept = pool.pinned_pages * pool.page_bytes
+        kept = pool.pinned_pages * pool.plan.page_bytes
         assert kept >= MiB
         locked = _libc.vm_locked_bytes() - vmlck_baseline
         assert locked >= kept  # the pages reported pinned are still locked while the body runs

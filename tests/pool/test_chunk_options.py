@@ -61,16 +61,16 @@ def test_registration_sizes_for_every_combination(background: bool, budget: obje
     sizes, pool, start = pin_and_record(background, budget, chunking)
     assert sum(sizes) == SIZE and pool.retries == 0
     if chunking == "chunk_bytes":
-        assert sizes == [8 * MiB] * 8 + [4 * MiB] and len(pool.chunks) == 9  # exact, the budget or not
+        assert sizes == [8 * MiB] * 8 + [4 * MiB] and len(pool.plan.chunks) == 9  # exact, the budget or not
     elif effective and not (budget == "auto" and chunking == "max_chunk_bytes"):
         assert sizes[0] == PROBE and len(sizes) > 1  # the budget cuts the one planned chunk as it goes
-        assert len(pool.chunks) == 1
+        assert len(pool.plan.chunks) == 1
     else:
-        assert sizes == [SIZE] and len(pool.chunks) == 1  # one call, as SGLang makes, 8 workers or not
+        assert sizes == [SIZE] and len(pool.plan.chunks) == 1  # one call, as SGLang makes, 8 workers or not
     yields = "chunk_bytes" if chunking == "chunk_bytes" else "max_chunk_bytes" if chunking != "neither" else None
     expected = yields if budget == "auto" and background else None
     assert start["budget_yields_to"] == expected and pool._options.budget_yields_to == expected
-    assert pool.chunking_reason.startswith(f"{len(pool.chunks)} registration")
+    assert pool.plan.registrations_reason.startswith(f"{len(pool.plan.chunks)} registration")
 
 
 def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_workers() -> None:
@@ -83,7 +83,7 @@ def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_
         assert [n for _, n in fake.register_calls] == [pool.nbytes]
     default = pinpool.PinnedPool(size=8 << 30, runtime=FakeRuntime(), registry=None, populate=False,
                                  register_workers=8)  # fmt: skip
-    assert len(default.chunks) == 8 and "split to 1 GiB so 8 workers" in default.chunking_reason
+    assert len(default.plan.chunks) == 8 and "split to 1 GiB so 8 workers" in default.plan.registrations_reason
 
 
 def test_a_retry_under_chunk_bytes_is_a_failure_not_a_plan() -> None:
@@ -92,7 +92,7 @@ def test_a_retry_under_chunk_bytes_is_a_failure_not_a_plan() -> None:
     with pinpool.PinnedPool(size=16 * MiB, chunk_bytes="8MiB", runtime=fake, registry=None, populate=False,
                             register_workers=1) as pool:  # fmt: skip
         assert [n for _, n in fake.register_calls] == [8 * MiB, 4 * MiB, 4 * MiB] * 2
-        assert len(pool.chunks) == 2 and pool.retries == 2
+        assert len(pool.plan.chunks) == 2 and pool.retries == 2
 
 
 def _locked_kib() -> int:
@@ -106,13 +106,13 @@ def test_a_real_mlock_background_pool_registers_exact_chunks() -> None:
     seen: list[int] = []
     pool = pinpool.PinnedPool(size=36 * MiB, chunk_bytes="8MiB", runtime="mlock", registry=None, background=True)
     runtime = pool.runtime
-    lock = runtime.lock_on_fault if pool.order.value == "register_first" else runtime.register
+    lock = runtime.lock_on_fault if pool.plan.order.value == "register_first" else runtime.register
 
     def recording(ptr: int, nbytes: int, call: Any = lock) -> None:
         seen.append(nbytes)
         call(ptr, nbytes)
 
-    if pool.order.value == "register_first":
+    if pool.plan.order.value == "register_first":
         runtime.lock_on_fault = recording  # type: ignore[method-assign]
     else:
         runtime.register = recording  # type: ignore[method-assign]

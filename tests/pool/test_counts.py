@@ -51,7 +51,7 @@ def assert_counts_agree(pool: PinnedPool, registry: CollectorRegistry, runtime_b
     registered = sum(c.nbytes for c in registrations)
     assert pool.pinned_bytes <= registered
     assert (gauge(registry, pool) or 0) == pool.pinned_bytes
-    assert pool.page_bytes == 1  # raw: pages are bytes, so the prefix is a byte count
+    assert pool.plan.page_bytes == 1  # raw: pages are bytes, so the prefix is a byte count
     assert pool.pinned_pages <= pool.pinned_bytes
 
 
@@ -120,7 +120,7 @@ async def test_foreground_failure_on_a_piece_rolls_back_every_count(mode: str, f
 
     def before_unregister(op: str, ptr: int, nbytes: int) -> None:
         if op == "unregister" and not seen:  # the rollback's first call: the books before it
-            seen.append((pool._lifecycle.session.pipeline.pinned_bytes, sum(fake.registered.values()),  # type: ignore[union-attr]
+            seen.append((pool._lifecycle.session.ledger.pinned_bytes, sum(fake.registered.values()),  # type: ignore[union-attr]
                          int(gauge(registry, pool) or 0)))  # fmt: skip
 
     fake.before_call = before_unregister

@@ -44,8 +44,8 @@ async def test_pin_locks_the_callers_tensor_and_never_frees_it(mode: str, vmlck_
     # every page the tensor touches is locked: one more than its size in pages, as it is unaligned
     assert locked == (32 * MiB // PAGE + 1) * PAGE
     assert _libc.vm_locked_bytes() == vmlck_baseline
-    assert len(pinned.chunks) == 5  # a short head chunk up to the first page boundary, then 8 MiB steps
-    assert all((t.data_ptr() + c.offset) % PAGE == 0 for c in pinned.chunks[1:])
+    assert len(pinned.plan.chunks) == 5  # a short head chunk up to the first page boundary, then 8 MiB steps
+    assert all((t.data_ptr() + c.offset) % PAGE == 0 for c in pinned.plan.chunks[1:])
     assert int(t.sum()) == 5 * 32 * MiB  # the caller's memory is intact and still usable
 
 
@@ -55,7 +55,7 @@ def test_pin_keeps_tensor_shape_and_dtype(vmlck_baseline: int) -> None:
     with pinpool.pin(t, runtime="mlock", granularity_bytes=256 * 4) as p:
         assert p.tensor.shape == (4, 1024, 256) and p.tensor.dtype == torch.float32
         p.tensor[1, 2, 3] = 7.0
-        assert p.granularity == 1024
+        assert p.plan.granularity == 1024
     assert float(t[1, 2, 3]) == 7.0
 
 
@@ -116,7 +116,7 @@ def test_pin_populate_on_unaligned_tensor() -> None:
     t = unaligned_tensor(8 * MiB)
     fake = FakeRuntime()
     with pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, populate=True) as p:
-        assert len(fake.registered) == len(p.chunks) == 5
+        assert len(fake.registered) == len(p.plan.chunks) == 5
 
 
 @pytest.mark.parametrize(
@@ -139,10 +139,10 @@ def test_unaligned_tensor_with_impossible_granularity_is_a_config_error_without_
     with pytest.raises(pinpool.ConfigError, match=r"allocate it page-aligned \(pinpool.empty"):
         pinpool.pin(t, runtime=FakeRuntime(exact_ranges=False), granularity_bytes=PAGE, chunk_bytes=4 * MiB)
     single = pinpool.pin(t, runtime=FakeRuntime(exact_ranges=False), granularity_bytes=PAGE)  # one call: no boundary
-    assert len(single.chunks) == 1
+    assert len(single.plan.chunks) == 1
     # exact byte ranges (CUDA, mlock, the default fake): the same tensor is cut from its start
     shared = pinpool.pin(t, runtime=FakeRuntime(), granularity_bytes=PAGE, chunk_bytes=4 * MiB)
-    assert [c.nbytes for c in shared.chunks] == [4 * MiB] * 4
+    assert [c.nbytes for c in shared.plan.chunks] == [4 * MiB] * 4
 
 
 @settings(max_examples=300, deadline=None)

@@ -51,9 +51,9 @@ def test_pin_goes_through_pinned_pools_construction_path() -> None:
 
 def test_pins_pages_are_the_tensors_rows() -> None:
     pinned = pinpool.pin(rows(8, 4096), runtime=FakeRuntime(), registry=None)
-    assert (pinned.num_pages, pinned.page_bytes, pinned.nbytes) == (8, 4096, 8 * 4096)
+    assert (pinned.num_pages, pinned.plan.page_bytes, pinned.nbytes) == (8, 4096, 8 * 4096)
     scalar = pinpool.pin(torch.zeros((), dtype=torch.float64), runtime=FakeRuntime(), registry=None)
-    assert (scalar.num_pages, scalar.page_bytes) == (1, 8)
+    assert (scalar.num_pages, scalar.plan.page_bytes) == (1, 8)
 
 
 @each_driver

@@ -63,8 +63,8 @@ async def test_reference_vector_on_a_torch_empty_buffer(mode: str) -> None:
     t = torch.empty(2500 << 20, dtype=torch.uint8)  # torch's allocator: 64 B into an OS page (glibc mmap)
     fake = FakeRuntime()
     pinned = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=fake, registry=None)
-    assert sizes(pinned.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
-    plan = pinned._plan.buffers[0].plan
+    assert sizes(pinned.plan.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
+    plan = pinned.plan.buffers[0].plan
     assert plan is not None and plan.shared_pages == (t.data_ptr() % PAGE != 0)
     if mode == "async":
         async with pinned as p:
@@ -72,8 +72,8 @@ async def test_reference_vector_on_a_torch_empty_buffer(mode: str) -> None:
     else:
         with pinned as p:
             registered = dict(fake.registered)
-    assert p.granularity == 300 << 20
-    assert registered == {t.data_ptr() + c.offset: c.nbytes for c in pinned.chunks}
+    assert p.plan.granularity == 300 << 20
+    assert registered == {t.data_ptr() + c.offset: c.nbytes for c in pinned.plan.chunks}
     assert fake.registered == {} and t.data_ptr() not in PINNED_RANGES.snapshot()
 
 
@@ -128,11 +128,11 @@ def test_shared_pages_under_mlock_keep_vmlck_exact(populate: bool, misalignment:
         t, granularity_bytes=3 * MiB, chunk_bytes=10 * MiB, runtime=runtime, populate=populate,
         register_workers=1, populate_workers=1, unpin_workers=1, registry=None,
     )  # fmt: skip
-    assert sizes(pinned.chunks) == [9 * MiB, 9 * MiB, 7 * MiB]
+    assert sizes(pinned.plan.chunks) == [9 * MiB, 9 * MiB, 7 * MiB]
     with pinned as p:
         # every page the tensor touches is locked: its size in pages plus one (it starts mid-page)
         assert _libc.vm_locked_bytes() - vmlck_baseline == (25 * MiB // PAGE + 1) * PAGE
-        boundaries = [t.data_ptr() + c.offset for c in p.chunks[1:]]
+        boundaries = [t.data_ptr() + c.offset for c in p.plan.chunks[1:]]
         assert [SHARED_PAGES.holders(b - b % PAGE) for b in boundaries] == [2, 2]  # each page held by both
         assert int(p.tensor.sum()) == 7 * 25 * MiB
     assert runtime.checked == 6 and runtime.shared_page_outlived_neighbour
@@ -262,7 +262,7 @@ def test_retries_cut_a_shared_page_plan_on_its_own_grid() -> None:
     fake = FakeRuntime(fail_register_larger_than=10 * MiB)
     pinned = pinpool.pin(t, granularity_bytes=PAGE, chunk_bytes=32 * MiB, runtime=fake, populate=False,
                          min_chunk_bytes=MiB, registry=None)  # fmt: skip
-    splitter = retry_splitter(pinned._plan, MiB)
+    splitter = retry_splitter(pinned.plan, MiB)
     halves = splitter.split(Chunk(0, 32 * MiB))
     assert halves == (Chunk(0, 16 * MiB), Chunk(16 * MiB, 16 * MiB))
     with pinned as p:
@@ -331,13 +331,13 @@ def test_pin_of_empty_keeps_the_page_aligned_plan() -> None:
     pinned = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=fake, registry=None)
     pool = pinpool.PinnedPool(layout=layouts.Raw(300 << 20), size=2500 << 20, chunk_bytes="1GiB",
                               runtime=FakeRuntime(), registry=None)  # fmt: skip
-    assert pinned.chunks == pool.chunks and sizes(pinned.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
-    plan = pinned._plan.buffers[0].plan
-    assert plan is not None and not plan.shared_pages and pinned._plan.source_start == 0
+    assert pinned.plan.chunks == pool.plan.chunks and sizes(pinned.plan.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
+    plan = pinned.plan.buffers[0].plan
+    assert plan is not None and not plan.shared_pages and pinned.plan.source_start == 0
     # and on a runtime that pins whole pages, where a torch.empty buffer is refused
     strict = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=FakeRuntime(exact_ranges=False))
     with strict:
-        assert all((t.data_ptr() + c.offset) % PAGE == 0 for c in strict.chunks)
+        assert all((t.data_ptr() + c.offset) % PAGE == 0 for c in strict.plan.chunks)
 
 
 @needs_mlock
@@ -345,7 +345,7 @@ def test_pin_of_empty_under_mlock(vmlck_baseline: int) -> None:
     t = empty(4, 4 * MiB, dtype=torch.uint8)
     with pinpool.pin(t, runtime="mlock", granularity_bytes=4 * MiB, chunk_bytes=8 * MiB) as p:
         assert _libc.vm_locked_bytes() - vmlck_baseline == 16 * MiB  # not one page more: it starts on a page
-        assert sizes(p.chunks) == [8 * MiB, 8 * MiB]
+        assert sizes(p.plan.chunks) == [8 * MiB, 8 * MiB]
     assert _libc.vm_locked_bytes() == vmlck_baseline
 
 
@@ -393,7 +393,7 @@ async def test_changing_the_tensor_inside_the_block_never_frees_pinned_memory(ho
             gc.collect()
             assert int(p.tensor[:4096].sum()) == 3 * 4096
     assert fake.registered == {} and address not in PINNED_RANGES.snapshot()
-    assert sorted(fake.unregister_calls) == sorted(address + c.offset for c in pinned.chunks)  # the original bytes
+    assert sorted(fake.unregister_calls) == sorted(address + c.offset for c in pinned.plan.chunks)  # the original bytes
     if how != "set_()":  # the tensor has its own storage back, resizable again
         assert _cdata(t) == own and t.untyped_storage().resizable()
         t.resize_(16 * MiB)
@@ -552,8 +552,8 @@ def test_cuda_pins_a_torch_empty_tensor_in_shared_page_chunks() -> None:
     t = tensor_at(250 * MiB, 64)
     t.fill_(1)
     with pinpool.pin(t, granularity_bytes=30 * MiB, chunk_bytes=100 * MiB, runtime=CudaRuntime()) as p:
-        assert sizes(p.chunks) == [90 * MiB, 90 * MiB, 70 * MiB]
-        for c in p.chunks:
+        assert sizes(p.plan.chunks) == [90 * MiB, 90 * MiB, 70 * MiB]
+        for c in p.plan.chunks:
             piece = p.tensor[c.offset : c.end]
             assert piece.is_pinned()
             assert int(piece.to("cuda", non_blocking=True).sum()) == c.nbytes

@@ -20,7 +20,7 @@ import pytest
 import pinpool
 from pinpool import layouts
 from pinpool._host.mapping import HostMapping
-from pinpool._pin import ki as _ki
+from pinpool._pin import drivers as _ki
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
@@ -39,7 +39,7 @@ class CtrlC:
     so it lands in that call's step however loaded the machine is: a timer's fixed delay did not
     (under parallel workers a late one fired after the pool was done, outside pytest.raises, and
     ended the whole run). ``taken`` counts the interrupts the main thread's handler took; one that
-    lands in pinpool's own code is deferred by it (``pinpool._pin.ki``) and counts as landed then."""
+    lands in pinpool's own code is deferred by it (``pinpool._pin.drivers``) and counts as landed then."""
 
     def __init__(self, fake: FakeRuntime, at: set[tuple[str, int]], send: Callable[[], None] | None = None) -> None:
         main = threading.main_thread().ident
@@ -91,6 +91,10 @@ def assert_rolled_back(fake: FakeRuntime, failed_calls: set[int] = frozenset(), 
         assert fake.unregister_calls == sorted(fake.unregister_calls, reverse=True)
 
 
+def test_dir_of_the_package_is_its_public_names() -> None:
+    assert dir(pinpool) == sorted(pinpool.__all__)
+
+
 @each_driver
 async def test_pins_every_chunk_and_unpins_on_exit(mode: str) -> None:
     fake = FakeRuntime()
@@ -109,9 +113,9 @@ async def test_pins_every_chunk_and_unpins_on_exit(mode: str) -> None:
     await pin_and_run(pool, mode, body)
     base = seen["base"]
     assert isinstance(base, int)
-    assert seen["registered"] == {base + c.offset: c.nbytes for c in pool.chunks}
+    assert seen["registered"] == {base + c.offset: c.nbytes for c in pool.plan.chunks}
     assert seen["pinned"] == 64 * MiB
-    assert len(pool.chunks) == 8 and pool.chunk_bytes == 8 * MiB and pool.register_workers == 3
+    assert len(pool.plan.chunks) == 8 and pool.plan.chunk_bytes == 8 * MiB and pool.plan.register_workers == 3
     assert_rolled_back(fake, in_order=True)
     assert pool.pinned_bytes == 0
 
@@ -121,9 +125,9 @@ async def test_reference_plan_900_900_700_mib() -> None:
     pool = pinpool.PinnedPool(
         layout=layouts.Raw(granularity_bytes=300 * MiB), size=2500 * MiB, chunk_bytes=GiB, runtime=fake
     )
-    assert [c.nbytes for c in pool.chunks] == [900 * MiB, 900 * MiB, 700 * MiB]
-    assert all(c.offset % (300 * MiB) == 0 for c in pool.chunks)
-    assert pool.granularity == 300 * MiB and pool.chunk_bytes == 900 * MiB
+    assert [c.nbytes for c in pool.plan.chunks] == [900 * MiB, 900 * MiB, 700 * MiB]
+    assert all(c.offset % (300 * MiB) == 0 for c in pool.plan.chunks)
+    assert pool.plan.granularity == 300 * MiB and pool.plan.chunk_bytes == 900 * MiB
     async with pool:
         assert sorted(fake.registered.values()) == [700 * MiB, 900 * MiB, 900 * MiB]
     assert fake.registered == {}

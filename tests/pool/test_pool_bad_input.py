@@ -55,22 +55,22 @@ def test_bad_chunk_env_var_is_a_config_error(monkeypatch: pytest.MonkeyPatch, va
 def test_chunk_env_var_sets_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PINPOOL_REGISTER_CHUNK_GB", "0.25")
     pool = pinpool.PinnedPool(size="1GiB", runtime=FakeRuntime(), register_workers=1)
-    assert pool.chunk_bytes == 256 * MiB and len(pool.chunks) == 4
+    assert pool.plan.chunk_bytes == 256 * MiB and len(pool.plan.chunks) == 4
     explicit = pinpool.PinnedPool(size="1GiB", runtime=FakeRuntime(), register_workers=1, chunk_bytes="512MiB")
-    assert explicit.chunk_bytes == 512 * MiB  # chunk_bytes= wins over the environment
+    assert explicit.plan.chunk_bytes == 512 * MiB  # chunk_bytes= wins over the environment
 
 
 def test_default_workers_split_chunks_but_never_below_one_gib() -> None:
     pool = pinpool.PinnedPool(size="16GiB", runtime=FakeRuntime(), register_workers=2, populate=False)
-    assert pool.chunk_bytes == 2 << 30 and len(pool.chunks) == 8  # 4 per worker
+    assert pool.plan.chunk_bytes == 2 << 30 and len(pool.plan.chunks) == 8  # 4 per worker
     small = pinpool.PinnedPool(size="3GiB", runtime=FakeRuntime(), register_workers=4, populate=False)
-    assert small.chunk_bytes == 1 << 30 and small.register_workers == 3
+    assert small.plan.chunk_bytes == 1 << 30 and small.plan.register_workers == 3
     single = pinpool.PinnedPool(size="16GiB", runtime=FakeRuntime(), register_workers=1, populate=False)
-    assert len(single.chunks) == 1  # one worker: the reference's single registration
+    assert len(single.plan.chunks) == 1  # one worker: the reference's single registration
     # Pre-faulting on 4 threads splits for them too: the pipeline needs chunks to overlap.
     piped = pinpool.PinnedPool(size="16GiB", runtime=FakeRuntime(), register_workers=1, populate_workers=4)
-    assert piped.chunk_bytes == 1 << 30 and len(piped.chunks) == 16 and piped.register_workers == 1
-    assert piped.populate_workers == 4 and piped.span_bytes == 256 << 20
+    assert piped.plan.chunk_bytes == 1 << 30 and len(piped.plan.chunks) == 16 and piped.plan.register_workers == 1
+    assert piped.plan.populate_workers == 4 and piped.plan.span_bytes == 256 << 20
 
 
 def test_auto_runtime_is_the_gpu_stack_or_mlock() -> None:

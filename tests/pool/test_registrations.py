@@ -148,8 +148,8 @@ async def test_equal_to_the_fakes_books_at_every_call_and_it_shrinks_in_teardown
     assert_tiles(regs, 64 * MiB)
     assert pool.retries == 1
     assert regs[:2] == [(0, 8 * MiB), (8 * MiB, 8 * MiB)]  # the failed 16 MiB piece's halves
-    assert len(regs) > len(pool.chunks)  # the budget cut each chunk into several calls
-    assert all(any(c.offset <= o and o + n <= c.end for c in pool.chunks) for o, n in regs)
+    assert len(regs) > len(pool.plan.chunks)  # the budget cut each chunk into several calls
+    assert all(any(c.offset <= o and o + n <= c.end for c in pool.plan.chunks) for o, n in regs)
     # Teardown: one registration fewer at each unregister call, down to none.
     counts = [n for op, n in seen if op == "unregister"]
     assert counts == list(range(len(regs), 0, -1))
@@ -164,7 +164,7 @@ async def test_lock_on_fault_chunks_are_listed_before_their_pages_fault() -> Non
         size=64 * MiB, chunk_bytes=16 * MiB, runtime=fake, registry=None, register_workers=1, populate_workers=1,
         max_call_seconds=None,
     )  # fmt: skip
-    assert pool.order is pinpool._pin.pipeline.Order.REGISTER_FIRST
+    assert pool.plan.order is pinpool._pin.pipeline.Order.REGISTER_FIRST
     uncovered: list[int] = []
     populates = 0
 
@@ -180,7 +180,7 @@ async def test_lock_on_fault_chunks_are_listed_before_their_pages_fault() -> Non
 
     fake.before_call = check
     async with pool:
-        assert listed(pool) == [(c.offset, c.nbytes) for c in pool.chunks]
+        assert listed(pool) == [(c.offset, c.nbytes) for c in pool.plan.chunks]
     assert populates >= 4 and not uncovered
     assert pool.registrations == ()
 
@@ -264,7 +264,7 @@ async def test_on_progress_sees_exactly_the_fakes_books(mode: str) -> None:
     )  # fmt: skip
     await pin_and_run(pool, mode, lambda p: samples.append(listed(p)))
     assert [len(s) for s in samples[:2]] == [1, 4]
-    assert len(pool.chunks) == 1 and len(samples[2]) > 1  # one chunk, several registrations
+    assert len(pool.plan.chunks) == 1 and len(samples[2]) > 1  # one chunk, several registrations
     assert_tiles(samples[2], 64 * MiB)
     assert pool.registrations == ()
 
@@ -363,7 +363,7 @@ def test_a_leaked_registration_stays_listed(budget: float | None) -> None:
     assert after == [before[-1]]  # the highest registration is unregistered first, and failed
     assert leaked.offset <= after[0][0] and after[0][0] + after[0][1] <= leaked.end
     if budget is not None:
-        assert len(before) > len(pool.chunks)
+        assert len(before) > len(pool.plan.chunks)
     else:
         assert after == [(leaked.offset, leaked.nbytes)]
     # What stays locked stays mapped for the process's life (a fake registered nothing real).
@@ -396,7 +396,7 @@ async def test_mlock_lists_its_locks_in_pieces_while_a_background_pool_pins(vmlc
         size=128 * MiB, max_chunk_bytes=64 * MiB, runtime=runtime, registry=None, background=True,
         register_workers=1, max_call_seconds=0.002,
     )  # fmt: skip
-    assert pool.order is pinpool._pin.pipeline.Order.REGISTER_FIRST
+    assert pool.plan.order is pinpool._pin.pipeline.Order.REGISTER_FIRST
     samples: list[list[tuple[int, int]]] = []
     async with pool:
         while len(samples) < 2:
@@ -411,7 +411,7 @@ async def test_mlock_lists_its_locks_in_pieces_while_a_background_pool_pins(vmlc
         assert _libc.vm_locked_bytes() - vmlck_baseline >= 128 * MiB
     assert [len(s) for s in samples] == [1, 2]  # registered lock-on-fault, listed before they fault
     assert_tiles(ready, 128 * MiB)
-    assert len(ready) > len(pool.chunks)  # the first piece is a 16 MiB probe: at least 2 per 64 MiB chunk
+    assert len(ready) > len(pool.plan.chunks)  # the first piece is a 16 MiB probe: at least 2 per 64 MiB chunk
     assert pool.registrations == () and runtime.registered == {}
     assert _libc.vm_locked_bytes() == vmlck_baseline
 
@@ -420,7 +420,7 @@ async def test_mlock_lists_its_locks_in_pieces_while_a_background_pool_pins(vmlc
 def test_mlock_string_runtime_lists_whole_chunks(vmlck_baseline: int) -> None:
     with pinpool.PinnedPool(size=64 * MiB, chunk_bytes=16 * MiB, runtime="mlock", registry=None) as pool:
         assert isinstance(pool.runtime, MlockRuntime)
-        assert listed(pool) == [(c.offset, c.nbytes) for c in pool.chunks]
+        assert listed(pool) == [(c.offset, c.nbytes) for c in pool.plan.chunks]
         assert listed(pool) == books(pool.runtime.registered, pool.data_ptr)
     assert pool.registrations == ()
     assert _libc.vm_locked_bytes() == vmlck_baseline

@@ -21,11 +21,12 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinError, PoolState, UnclosedPoolWarning
-from pinpool._pin.outcome import STOP_CAUSES
+from pinpool._pin.outcome import Outcome
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20
 BACKENDS = ("asyncio", "trio")
+STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)
 
 
 class Run:
@@ -133,7 +134,7 @@ def failure_bg(run: Run, driver: str) -> None:
 def cancelled_fg(run: Run, driver: str) -> None:
     assert run.pool is not None
     if driver == "sync":  # on_progress raising is the sync twin's interruption (Ctrl-C is in test_signals_mlock)
-        run.pool.on_progress = run.pool._lifecycle.on_progress = raising_progress()
+        run.pool._lifecycle.on_progress = raising_progress()
         with pytest.raises(LookupError), run.pool:
             pass
         return
@@ -149,7 +150,7 @@ def cancelled_fg(run: Run, driver: str) -> None:
 
 def cancelled_bg(run: Run, driver: str) -> None:
     assert run.pool is not None
-    run.pool.on_progress = run.pool._lifecycle.on_progress = raising_progress()
+    run.pool._lifecycle.on_progress = raising_progress()
     if driver == "sync":
         with pytest.raises(LookupError), run.pool:
             wait_for_sync(run, PoolState.FAILED)

@@ -7,8 +7,8 @@ its fence (invisible once rendered; indent it like the fence inside a list item)
 - no marker: **runs**, as a script in a fresh process (``__name__ == "__main__"``). Top-level
   ``await`` / ``async with`` are allowed, as in ``python -m asyncio``: such a block runs in an
   event loop (``anyio.run``). A top-level expression whose comment starts with a Python
-  literal is checked against it: ``len(pool.chunks)  # 1029; the last chunk ...`` fails the
-  test unless ``len(pool.chunks) == 1029``. The block must leave VmLck as it found it and
+  literal is checked against it: ``len(pool.plan.chunks)  # 1029; the last chunk ...`` fails the
+  test unless ``len(pool.plan.chunks) == 1029``. The block must leave VmLck as it found it and
   emit no warning. Use small sizes: these run with the default runtime (mlock on a host
   without a GPU), so they need CAP_IPC_LOCK or a memlock limit above their size.
 - ``<!-- continue -->``: runs after the blocks before it in the same file, in their namespace

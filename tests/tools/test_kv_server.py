@@ -394,7 +394,7 @@ def test_page_bytes_are_the_layouts_page(example: ModuleType, kv_layout: str) ->
     )
     with pool:
         kv = example.KVOffload(pool, torch.device("cpu"))
-        data = {i: bytes((i * 7 + k) % 256 for k in range(pool.page_bytes)) for i in range(pool.num_pages)}
+        data = {i: bytes((i * 7 + k) % 256 for k in range(pool.plan.page_bytes)) for i in range(pool.num_pages)}
         for i in range(pool.num_pages):
             kv.put(i, bytearray(data[i]))
         t = pool.tensors["kv"]

@@ -1,0 +1,169 @@
+"""Who may drive a pool: one caller at a time enters or closes it (:class:`CloseGate`), and node
+pacing admits it (:class:`PoolAdmission`).
+
+``close()`` may come from any thread, even a signal handler on the thread already entering or
+closing: a caller on another thread waits for the holder to let go (an entry is asked to stop
+first); one on the holder's own thread asks for the close and returns, and the work in progress
+finishes it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go,
+so a signal handler sees no holder or a whole one. Node pacing: a slot while pinning, a budget
+share while anything is pinned (``_node/pacing.py`` keeps the files); the wait is a thread step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from .._errors import NodeBusyError, NodeWaitCancelled, PoolStateError
+from .._node.pacing import BudgetHold, NodeAdmission, SlotHold
+from .._observe import Observer
+from .outcome import Ran, RunThreads, Steps, admission_thread_error, closed_during_open
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, eq=False)
+class Driver:
+    """The caller that holds the gate: its thread, what it does, and an event set when it lets go."""
+
+    thread: int
+    role: str  # "enter" or "close"
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Exit(Protocol):
+    """The lifecycle's exit (an entry a close() asked to stop runs it if it opened anyway)."""
+
+    def __call__(
+        self, body_error: BaseException | None, *, closing: bool = ..., raise_errors: bool = ...
+    ) -> Steps[BaseException | None]: ...
+
+
+class CloseGate:
+    """One pool's gate. ``close_requested``: a ``close()`` was called (an entry then rolls back and raises)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Driver] = {}
+        self.close_requested = False
+
+    def release(self, driver: Driver) -> None:
+        """Let go, if ``driver`` holds the gate (an interrupt may have landed before it took it)."""
+        if self._held.get("driver") is driver:  # no other thread changes a held gate: only its holder
+            del self._held["driver"]
+        driver.done.set()
+
+    def enter(self, name: str, describe: str, enter: Callable[[], Steps[None]], exit: Exit) -> Steps[None]:
+        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` closes it here."""
+        mine = Driver(threading.get_ident(), "enter")
+        try:
+            if self._held.setdefault("driver", mine) is not mine:  # atomic: no handler lands inside it
+                raise PoolStateError(
+                    f"pool {name!r} is being entered or closed by another caller: a PinnedPool is entered once; "
+                    "create a new PinnedPool to pin again"
+                )
+            yield from enter()
+        except NodeWaitCancelled as exc:  # a foreground node-pacing wait that a close() cancelled
+            if not self.close_requested:
+                raise
+            raise closed_during_open(describe) from exc
+        finally:
+            self.release(mine)
+        if self.close_requested:  # read after letting go: a close from here on closes the pool itself
+            unpinned = yield from exit(None, closing=True, raise_errors=False)
+            raise closed_during_open(describe, unpinned)
+
+    def close(
+        self, name: str, close: Callable[[], Steps[T]], *, closing: bool, stop_entry: Callable[[], None]
+    ) -> Steps[T | None]:
+        """Run ``close`` (an exit, or ``closing``: ``close()``) holding the gate, once another holder lets
+        go (an entry is asked to stop first); None at once where this very thread holds it."""
+        if closing:
+            self.close_requested = True  # before looking: an entry that ends now still sees it
+        mine = Driver(threading.get_ident(), "close")
+        try:
+            while (holder := self._held.setdefault("driver", mine)) is not mine:
+                if holder.thread == mine.thread:
+                    return None
+                if holder.role == "enter":
+                    if not closing:  # an exit (the end of a with block) of a pool whose entry has not returned
+                        raise PoolStateError(f"pool {name!r} is being entered on another thread: exit it once entered")
+                    stop_entry()
+                ran = yield RunThreads(bodies=(holder.done.wait,), name=f"pinpool-{name}-close")
+                if ran.interrupts:
+                    raise ran.interrupts[0]
+            return (yield from close())
+        finally:
+            self.release(mine)
+
+
+# -- node pacing ------------------------------------------------------------------------------------
+
+# Budget shares of pools whose chunks leaked: never released while this process lives.
+_KEPT_HOLDS: list[BudgetHold] = []
+
+
+class PoolAdmission:
+    """The node pacing of one pool (``admission`` None: none, every call is a no-op)."""
+
+    def __init__(
+        self, admission: NodeAdmission | None, *, name: str, nbytes: int, describe: str, observer: Observer
+    ) -> None:
+        self.admission = admission
+        self.name = name
+        self.nbytes = nbytes
+        self.describe = describe
+        self.observer = observer
+        self.cancel = threading.Event()  # set: give up the wait (exit, collection, interpreter exit)
+        self.slot: SlotHold | None = None
+        self.budget: BudgetHold | None = None
+
+    def admit(self) -> Generator[RunThreads, Ran, None]:
+        """Wait for a share of the node budget, then a pinning slot; a failed wait lets go of both and raises."""
+        admission = self.admission
+        if admission is None:
+            return
+        cancel = self.cancel
+
+        def admit() -> None:
+            if admission.pacing.budget_bytes is not None:
+                self.budget = admission.reserve_budget_sync(self.nbytes, cancelled=cancel.is_set)
+            self.slot = admission.acquire_slot_sync(cancelled=cancel.is_set)
+
+        ran = yield RunThreads(
+            bodies=(admit,), name=f"pinpool-{self.name}-admit", interruptible=True, on_interrupt=cancel.set
+        )
+        if not (ran.interrupts or ran.crashed or ran.start_errors):
+            for kind, hold in (("budget", self.budget), ("slot", self.slot)):
+                if hold is not None and not hold.released:
+                    self.observer.node_admitted(kind=kind, seconds=hold.waited_seconds)
+            return
+        self.release_slot()
+        self.release_budget()
+        if ran.interrupts:
+            raise ran.interrupts[0]
+        if ran.crashed:
+            error = ran.crashed[0]
+            if isinstance(error, NodeBusyError):
+                self.observer.node_busy(kind=error.kind)
+            raise error
+        raise admission_thread_error(self.describe, ran.start_errors[0])
+
+    def release_slot(self) -> None:
+        """Pinning is over (or never began): another rank may start pinning."""
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            slot.release()
+
+    def release_budget(self) -> None:
+        """Nothing of the pool is pinned any more."""
+        budget, self.budget = self.budget, None
+        if budget is not None:
+            budget.release()
+
+    def keep_budget(self) -> None:
+        """Chunks leaked (may still be pinned): the budget share stays counted while this process lives."""
+        budget, self.budget = self.budget, None
+        if budget is not None:
+            _KEPT_HOLDS.append(budget)
