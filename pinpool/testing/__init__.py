@@ -18,22 +18,31 @@ a pool would retry a failed chunk of two alignment units or more as halves, down
 registration books (712, 713, the sticky last error) and really locks pages, so pinpool's own
 CUDA runtime code (``CudaRuntime.from_binding(FakeCudart())``) and a server's own pinning code
 run on CPU side by side (see docs/testing.md).
+
+:func:`host_facts` builds a hand-made host for planning tests; :func:`assert_released` checks a
+closed pool left nothing behind; :func:`locked_bytes` reads this process's locked memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError, RuntimeCallError
 from .._host import libc as _libc
-from .._ranges import RangeBook
+from .._host.facts import HostFacts
+from .._ranges import PINNED_RANGES, RangeBook
 from .._types import Capabilities
 from .._units import parse_size
 from ._fake_cudart import FakeCudart
 
-__all__ = ["CallHook", "FakeCudart", "FakeRuntime"]
+if TYPE_CHECKING:
+    from .._pool.pool import PinnedPool
+
+__all__ = ["CallHook", "FakeCudart", "FakeRuntime", "assert_released", "host_facts", "locked_bytes"]
 
 # CUDA's codes, so code written against the fake sees what it would see on a GPU host.
 _ALLOCATION_FAILED = (2, "cudaErrorMemoryAllocation")
@@ -308,3 +317,63 @@ def _page_extent(ptr: int, nbytes: int) -> tuple[int, int]:
     """``[ptr, +nbytes)`` rounded out to whole OS pages."""
     page = _libc.PAGE_SIZE
     return ptr - ptr % page, -(-(ptr + max(nbytes, 1)) // page) * page
+
+
+_HOST = HostFacts(
+    cpus=8, page_size=4096, huge_page_size=2 << 20, thp_mode="madvise", populate_write=True, memlock_soft=None,
+    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=64 << 30, hugetlb_free=0,
+    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
+    nvidia_driver=False, amd_kfd=False,
+)  # fmt: skip
+
+
+def host_facts(**changes: Any) -> HostFacts:
+    """A healthy Linux host, with ``changes`` (HostFacts fields): 8 CPUs, 4 KiB pages, THP on
+    madvise, MADV_POPULATE_WRITE, CAP_IPC_LOCK, no memory cgroup, 64 GiB available, one NUMA
+    node, no hugetlb pages, no GPU driver. For planning and pre-flight tests that must not
+    depend on the machine they run on."""
+    return dataclasses.replace(_HOST, **changes)
+
+
+def locked_bytes() -> int:
+    """This process's locked memory (``VmLck`` in /proc/self/status), in bytes."""
+    return _libc.vm_locked_bytes()
+
+
+def assert_released(
+    pool: PinnedPool,
+    fake: FakeRuntime | None = None,
+    *,
+    claims_before: Mapping[int, int] | None = None,
+    locked_before: int | None = None,
+    timeout: float = 5.0,
+) -> None:
+    """Assert that ``pool`` is closed and left nothing behind.
+
+    Checks that ``fake`` (when given) has nothing registered; that pinpool's process-wide claims
+    are ``claims_before`` (the claims before the test; without it, that no claim holds a range the
+    fake was asked to register); that the pool is closed; that none of its threads
+    (``pinpool-<name>...``) is alive, waiting up to ``timeout`` seconds for one that is returning;
+    and, with ``locked_before`` (:func:`locked_bytes` before the pool), that VmLck is back to it.
+    """
+    if fake is not None:
+        assert fake.registered == {}, f"still registered: {fake.registered}"
+    claims = PINNED_RANGES.snapshot()
+    if claims_before is not None:
+        assert claims == claims_before, "a range claim left behind"
+    elif fake is not None:
+        held = [(b, n) for b, n in claims.items() if any(b <= ptr < b + n for ptr, _ in fake.register_calls)]
+        assert not held, f"range claims left behind: {held}"
+    assert pool.state.value == "closed", f"pool {pool.name!r} is {pool.state.value}"
+    prefix = f"pinpool-{pool.name}"
+
+    def alive() -> list[str]:
+        names = (t.name for t in threading.enumerate())
+        return [n for n in names if n == prefix or n.startswith(prefix + "-")]
+
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert not alive(), f"pinpool threads still alive: {alive()}"
+    if locked_before is not None:
+        assert locked_bytes() == locked_before, f"VmLck is {locked_bytes()} bytes, was {locked_before}"

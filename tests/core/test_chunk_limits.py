@@ -16,22 +16,16 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host.facts import HostFacts
 from pinpool._plan.chunks import Chunk
 from pinpool._plan.cutter import retry_splitter
 from pinpool._plan.options import CHUNK_ENV, PoolOptions
 from pinpool._plan.plan import PoolPlan, plan_pool
 from pinpool._types import Capabilities
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, host_facts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=None,
-    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=64 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts()
 CUDA_LIKE = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({2}))
 # Two buffers of different sizes: K (head_dim 16) and V (v_head_dim 8), page_first.
 TWO_BUFFERS = layouts.MHA("page_first", 2, 4, 2, 16, torch.float16, v_head_dim=8)

@@ -32,7 +32,7 @@ from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._registry import pinning_capabilities
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, host_facts
 
 
 def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
@@ -93,12 +93,7 @@ def doc_rows() -> list[Row]:
 
 # -- the cases: one per row, keyed by the row's Example cell ---------------------------------------------------
 
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=None,
-    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=16 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0, 1), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts(mem_available=16 * GiB, numa_nodes=(0, 1))
 CONTAINER = dataclasses.replace(
     HOST, cgroup_memory_limit=2 * GiB, cgroup_memory_usage=300 * MiB, cgroup_version=2, cgroup_path="/pod/c1"
 )

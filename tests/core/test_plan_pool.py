@@ -29,19 +29,14 @@ from pinpool._plan.plan import LOOKAHEAD_CHUNKS, PoolPlan, _first_boundary, plan
 from pinpool._plan.preflight import check_host
 from pinpool._types import Capabilities
 from pinpool.runtimes import capabilities_of
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, host_facts
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB
 MODEL_CHUNKS = 3000  # plans the materialising model may build; larger ones are checked by sampling
 FULL_COMPARE = 5000  # tables compared item by item in full; longer ones by sampling
 
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=HUGE, thp_mode="madvise", populate_write=True, memlock_soft=None,
-    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=64 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0, 1), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts(huge_page_size=HUGE, numa_nodes=(0, 1))
 CUDA_LIKE = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({2}))
 MLOCK_LIKE = Capabilities(locks_on_fault=True, finds_pinned=True)
 

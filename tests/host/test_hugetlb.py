@@ -25,17 +25,13 @@ from pinpool._plan import preflight
 from pinpool._plan.options import PoolOptions
 from pinpool._plan.plan import plan_pool
 from pinpool.runtimes._registry import pinning_capabilities
+from pinpool.testing import host_facts
 from tests.conftest import hugetlb_pages
 from tests.engine.test_runtime_mlock import _reserve_hugetlb, _set_hugetlb
 
 MiB, GiB = 1 << 20, 1 << 30
 
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=None,
-    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=64 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts()
 MLOCK = pinning_capabilities("mlock", HOST)
 
 

@@ -32,7 +32,7 @@ from pinpool._plan.options import PoolOptions
 from pinpool._types import Capabilities
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._registry import pinning_capabilities
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, host_facts
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -47,12 +47,7 @@ KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB
 
 # A CPU-only host with 16 GiB available and no cgroup limit, root-like (CAP_IPC_LOCK).
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=HUGE, thp_mode="madvise", populate_write=True, memlock_soft=8 * MiB,
-    memlock_hard=8 * MiB, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=16 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts(huge_page_size=HUGE, memlock_soft=8 * MiB, memlock_hard=8 * MiB, mem_available=16 * GiB)
 CONTAINER = dataclasses.replace(
     HOST, cgroup_memory_limit=2 * GiB, cgroup_memory_usage=300 * MiB, cgroup_memory_reclaimable=12 * MiB,
     cgroup_version=2, cgroup_path="/kubepods/pod1/c1",

@@ -15,7 +15,7 @@ import torch
 import pinpool
 from pinpool import PinError, PinnedPool, PoolState, PoolStateError, layouts
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, assert_released
 
 from ..conftest import needs_mlock
 
@@ -41,12 +41,6 @@ async def until_pinning_ends(pool: PinnedPool) -> None:
     raise AssertionError("pinning did not end within 10 s")
 
 
-def assert_books_clean(fake: FakeRuntime, pool: PinnedPool) -> None:
-    assert fake.registered == {}
-    assert pool.state is PoolState.CLOSED
-    assert not [t for t in threading.enumerate() if t.name.startswith(f"pinpool-{pool.name}")]
-
-
 @pytest.mark.anyio
 async def test_enter_returns_while_pinning_and_pages_grow_from_the_start() -> None:
     fake = FakeRuntime(register_delay=0.02)
@@ -64,7 +58,7 @@ async def test_enter_returns_while_pinning_and_pages_grow_from_the_start() -> No
         assert await pool.wait_ready() == pool.num_pages
         assert pool.state is PoolState.READY
         assert pool.pinned_bytes == pool.nbytes
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     assert 4 * MiB <= seen[0] < 16 * MiB
 
 
@@ -90,7 +84,7 @@ async def test_leaving_while_pinning_stops_and_rolls_back() -> None:
     pool = slow_pool(fake, name="bg-leave")
     async with pool:
         await pool.wait_ready(min_bytes=2 * MiB)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     assert len(fake.register_calls) < 16  # stopped after the calls in flight
     assert pool.pinned_bytes == 0 and pool.pinned_pages == 0
     assert PINNED_RANGES.snapshot() == claimed
@@ -124,7 +118,7 @@ async def test_a_background_failure_keeps_the_pinned_prefix_until_exit_and_every
             assert first.value is second.value is pool.error
             raise first.value  # the body lets it propagate: exit does not raise it twice
     assert not getattr(raised.value, "__notes__", None)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 @pytest.mark.anyio
@@ -134,7 +128,7 @@ async def test_an_unseen_background_failure_is_raised_on_exit() -> None:
     with pytest.raises(PinError, match="register"):
         async with pool:
             await until_pinning_ends(pool)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 @pytest.mark.anyio
@@ -144,7 +138,7 @@ async def test_a_seen_failure_is_not_raised_again_and_a_body_error_gets_a_note()
     async with pool:
         await until_pinning_ends(pool)
         assert isinstance(pool.error, PinError)  # read: delivered
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
     fake = FakeRuntime(fail_register_on=2)
     pool = slow_pool(fake, name="bg-note", max_retries=0)
@@ -153,7 +147,7 @@ async def test_a_seen_failure_is_not_raised_again_and_a_body_error_gets_a_note()
             await until_pinning_ends(pool)
             raise KeyError("the body's own error")
     assert any("pinning in the background had failed" in note for note in raised.value.__notes__)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 def test_the_sync_twin() -> None:
@@ -165,7 +159,7 @@ def test_the_sync_twin() -> None:
         assert pool.wait_ready_sync(min_bytes=MiB) >= MiB
         assert pool.wait_ready_sync(timeout=30) == pool.num_pages
         assert pool.state is PoolState.READY
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     with pytest.raises(PoolStateError, match="exited before it was ready"):
         pool.wait_ready_sync()
     with pytest.raises(PoolStateError, match="enter it"):
@@ -190,7 +184,7 @@ async def test_a_foreground_pool_can_be_waited_for_from_another_task() -> None:
         tg.start_soon(waiter)
         async with pool:
             assert pool.state is PoolState.READY
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 def test_native_task_cancel_while_leaving_a_pinning_pool_still_rolls_back() -> None:
@@ -219,7 +213,7 @@ def test_native_task_cancel_while_leaving_a_pinning_pool_still_rolls_back() -> N
             await task
 
     asyncio.run(main())
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 def test_a_collected_pinning_pool_is_unpinned_by_its_conductor() -> None:
@@ -352,7 +346,7 @@ def test_ctrl_c_inside_the_conductors_thread_start(
         monkeypatch.undo()
         if paced:  # its wait for the slot was cancelled, not sat out until the holder was done
             assert holder.state is PoolState.PINNING and fake.register_calls == []
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     assert PINNED_RANGES.snapshot() == claimed
 
 
