@@ -10,6 +10,7 @@ import pytest
 
 import pinpool
 from pinpool._host import libc as _libc
+from pinpool.testing import locked_bytes
 
 # pinpool's own pytest plugin (the gpu marker's skip, the fixtures), loaded from here rather than
 # through its installed pytest11 entry point, which pyproject's addopts turn off (-p no:pinpool):
@@ -88,7 +89,7 @@ needs_mlock = pytest.mark.skipif(
 def vmlck_baseline() -> int:
     """VmLck before the test; the test asserts it comes back to this."""
     gc.collect()
-    return _libc.vm_locked_bytes()
+    return locked_bytes()
 
 
 async def pin_and_run(

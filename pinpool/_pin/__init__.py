@@ -1,1 +1,13 @@
-"""pinpool._pin"""
+"""pinpool._pin: pinning. Tests import from here (see pinpool._types.lazy_exports)."""
+
+from .._types import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "drivers": "finalize_lifecycle run_async run_sync",
+    "engine": "PinSession",
+    "ledger": "ChunkState Ledger Phase RegistrationBook StopCause",
+    "outcome": "STOP_CAUSES TRANSITIONS Outcome TransitionError check_move decide",
+    "pipeline": "WAIT Batch Landing Pipeline split_spans",
+    "steps": "Detach Ran RunThreads Step",
+    "untrusted": "untrusted_call",
+})  # fmt: skip

@@ -16,10 +16,7 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._plan.chunks import Chunk
-from pinpool._plan.cutter import retry_splitter
-from pinpool._plan.options import CHUNK_ENV, PoolOptions
-from pinpool._plan.plan import PoolPlan, plan_pool
+from pinpool._plan import CHUNK_ENV, Chunk, PoolOptions, PoolPlan, plan_pool, retry_splitter
 from pinpool._types import Capabilities
 from pinpool.testing import FakeRuntime, host_facts
 

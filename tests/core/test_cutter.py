@@ -13,8 +13,7 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import layouts
-from pinpool._plan.chunks import Chunk
-from pinpool._plan.cutter import RetryGrid, RetrySplitter
+from pinpool._plan import Chunk, RetryGrid, RetrySplitter
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, pin_and_run

@@ -23,11 +23,9 @@ import torch
 
 import pinpool
 from pinpool import layouts
+from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
-from pinpool._plan.options import CHUNK_ENV, PoolOptions, chunk_limit_from_env
-from pinpool._plan.plan import plan_pool
+from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env, plan_pool, preflight
 from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime
@@ -572,8 +570,8 @@ def test_every_exception_class_has_a_row() -> None:
 def test_ledger_error_is_said_to_never_reach_users() -> None:
     text = DOC.read_text()
     assert "LedgerError" in text and "never reach" in text
-    from pinpool._pin.ledger import LedgerError
-    from pinpool._pin.outcome import TransitionError
+    from pinpool._errors import LedgerError
+    from pinpool._pin import TransitionError
 
     assert not issubclass(LedgerError, pinpool.PinpoolError)  # an invariant breach, not an error to handle
     assert not issubclass(TransitionError, pinpool.PinpoolError)

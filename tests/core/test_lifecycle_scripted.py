@@ -21,9 +21,18 @@ import structlog.testing
 import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnclosedPoolWarning, UnpinError
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._pin.ledger import StopCause
-from pinpool._pin.outcome import TRANSITIONS, Outcome, TransitionError, check_move, decide
-from pinpool._pin.steps import Detach, Ran, RunThreads, Step
+from pinpool._pin import (
+    TRANSITIONS,
+    Detach,
+    Outcome,
+    Ran,
+    RunThreads,
+    Step,
+    StopCause,
+    TransitionError,
+    check_move,
+    decide,
+)
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 

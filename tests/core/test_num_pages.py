@@ -16,7 +16,7 @@ import torch
 
 import pinpool
 from pinpool import layouts
-from pinpool._plan.options import PoolOptions
+from pinpool._plan import PoolOptions
 from pinpool.layouts import BufferSpec, Layout
 from pinpool.testing import FakeRuntime
 

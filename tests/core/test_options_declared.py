@@ -18,8 +18,7 @@ from prometheus_client import REGISTRY
 
 import pinpool
 from pinpool import _cli
-from pinpool._plan.declared import DEFAULT_REGISTRY, OPTIONS, Option, pin_options, pool_options
-from pinpool._plan.options import PoolOptions
+from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PoolOptions, pin_options, pool_options
 from pinpool.testing import FakeRuntime
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,13 +20,22 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host.cpulimits import CpuQuota
-from pinpool._host.facts import HostFacts, address_space_bytes, cgroup_memory_limit, mem_available
-from pinpool._pin.pipeline import split_spans
-from pinpool._plan.chunks import Chunk, ChunkTable, Order, Span, SpanTable
-from pinpool._plan.options import CHUNK_ENV, PoolOptions
-from pinpool._plan.plan import LOOKAHEAD_CHUNKS, PoolPlan, _first_boundary, plan_pool
-from pinpool._plan.preflight import check_host
+from pinpool._host import CpuQuota, HostFacts, address_space_bytes, cgroup_memory_limit, mem_available
+from pinpool._pin import split_spans
+from pinpool._plan import (
+    CHUNK_ENV,
+    LOOKAHEAD_CHUNKS,
+    Chunk,
+    ChunkTable,
+    Order,
+    PoolOptions,
+    PoolPlan,
+    Span,
+    SpanTable,
+    _first_boundary,
+    check_host,
+    plan_pool,
+)
 from pinpool._types import Capabilities
 from pinpool.runtimes import capabilities_of
 from pinpool.testing import FakeRuntime, host_facts

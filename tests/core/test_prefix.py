@@ -12,10 +12,18 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinnedPool, layouts
-from pinpool._plan.chunks import Chunk, ChunkTable
-from pinpool._plan.prefix import PageRun, PrefixTracker, page_runs, pin_order
-from pinpool._plan.stall import MAX_GROWTH, PROBE_BYTES, CallSizer
-from pinpool.testing import FakeRuntime
+from pinpool._plan import (
+    MAX_GROWTH,
+    PROBE_BYTES,
+    CallSizer,
+    Chunk,
+    ChunkTable,
+    PageRun,
+    PrefixTracker,
+    page_runs,
+    pin_order,
+)
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -210,18 +218,17 @@ def test_max_call_seconds_is_validated() -> None:
 
 @needs_mlock
 def test_mlock_populate_calls_fit_the_budget(vmlck_baseline: int) -> None:
-    from pinpool._host import libc as _libc
 
     registry = CollectorRegistry()
     with PinnedPool(size=512 * MiB, runtime="mlock", registry=registry, max_call_seconds=0.02, name="budget"):
-        assert _libc.vm_locked_bytes() - vmlck_baseline >= 512 * MiB
+        assert locked_bytes() - vmlck_baseline >= 512 * MiB
         populate = registry.get_sample_value(  # read while open: a closed pool's gauges are removed
             "pinpool_call_seconds_max", {"pool": "budget", "runtime": "mlock", "op": "populate"}
         )
     # The first call is a 16 MiB probe; later calls follow the measured rate. A shared 2-core
     # machine can stall any call, so the bound is loose: far below one 256 MiB span's time.
     assert populate is not None and populate < 0.25
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_leaving_stops_between_the_pieces_of_one_chunk() -> None:

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool._pin.engine import PinSession
-from pinpool._pin.ledger import ChunkState, Phase, StopCause
+from pinpool._pin import ChunkState, Phase, PinSession, StopCause
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20
@@ -222,8 +221,7 @@ def test_a_second_interrupt_inside_the_stop_is_recorded_and_the_stop_asked_again
 
     import anyio
 
-    from pinpool._pin.drivers import run_async, run_sync
-    from pinpool._pin.steps import RunThreads
+    from pinpool._pin import RunThreads, run_async, run_sync
 
     stopped, asked, ticks = threading.Event(), [], []
 

@@ -29,13 +29,11 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool._host import libc as _libc
 from pinpool._observe import Observer
-from pinpool._plan.cutter import RetrySplitter
-from pinpool._plan.options import MAX_CALL_SECONDS, MAX_WORKERS
-from pinpool._plan.stall import CallSizer
+from pinpool._plan import MAX_CALL_SECONDS, MAX_WORKERS, CallSizer, RetrySplitter
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import OWN_LOCKS, SHARED_PAGES, _Pages
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock, pin_and_run
 
@@ -159,7 +157,7 @@ def test_under_mlock_a_fault_between_pieces_leaves_nothing_locked(
     assert calls[0] >= nth
     assert info.value.leaked == ()
     assert runtime.registered == {}
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -168,7 +166,7 @@ def test_max_call_seconds_1e300_is_refused_before_anything_is_locked(vmlck_basel
     left 16 MiB locked behind a PinError saying nothing leaked."""
     with pytest.raises(pinpool.ConfigError, match=r"max_call_seconds=1e\+300 is more than 3600 seconds"):
         pinpool.PinnedPool(size=64 * MiB, runtime="mlock", max_call_seconds=1e300, registry=None)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_the_sizer_survives_a_budget_past_any_int() -> None:
@@ -271,7 +269,7 @@ def construct_only(option: str, value: object) -> None:
     if option.startswith("node_"):
         kwargs["node_dir"] = "/nonexistent-pinpool-test-dir"  # constructing never touches it
     fake = FakeRuntime()
-    locked = _libc.vm_locked_bytes()
+    locked = locked_bytes()
     try:
         pool = pinpool.PinnedPool(runtime=fake, registry=None, **kwargs)  # type: ignore[arg-type]
     except pinpool.ConfigError as exc:
@@ -280,7 +278,7 @@ def construct_only(option: str, value: object) -> None:
     else:
         check_accepted(pool._options)
     assert fake.register_calls == [] and fake.populate_calls == [] and fake.registered == {}
-    assert _libc.vm_locked_bytes() == locked
+    assert locked_bytes() == locked
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -378,8 +376,8 @@ def test_k_and_v_halves_of_one_buffer_pin_one_after_the_other(alloc: str, first:
         a, b = buf[:cut], buf[cut:]
         outer, inner = (a, b) if first == "a" else (b, a)
         with pinpool.pin(outer, runtime="mlock", registry=None), pinpool.pin(inner, runtime="mlock", registry=None):
-            assert _libc.vm_locked_bytes() - vmlck_baseline == pages * PAGE, cut
-        assert _libc.vm_locked_bytes() == vmlck_baseline, cut
+            assert locked_bytes() - vmlck_baseline == pages * PAGE, cut
+        assert locked_bytes() == vmlck_baseline, cut
     assert int(buf.sum()) == 3 * nbytes  # the caller's bytes, intact
     assert_nothing_of_pinpool_locked(buf.data_ptr(), nbytes)
 
@@ -405,8 +403,8 @@ def test_small_malloc_tensors_pin_while_their_neighbours_are_pinned(vmlck_baseli
             except pinpool.AlreadyPinnedError as exc:
                 refused.append((i, str(exc)))
         assert refused == []
-        assert _libc.vm_locked_bytes() > vmlck_baseline
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() > vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     for t in tensors:
         assert_nothing_of_pinpool_locked(t.data_ptr(), t.numel())
 
@@ -439,8 +437,8 @@ def test_a_foreign_lock_is_still_found(vmlck_baseline: int) -> None:
             finally:
                 assert _libc.munlock(base + 2 * PAGE, PAGE) == 0
             with pinpool.pin(b, runtime="mlock", registry=None):  # once unlocked, b pins beside a
-                assert _libc.vm_locked_bytes() - vmlck_baseline == 16 * PAGE
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+                assert locked_bytes() - vmlck_baseline == 16 * PAGE
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -462,7 +460,7 @@ def test_a_foreign_lock_on_fault_of_pages_not_yet_faulted_is_found(vmlck_baselin
         gc.collect()
     finally:
         region.close()
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -505,7 +503,7 @@ def test_neighbours_pin_while_other_threads_lock_and_unlock_the_pages_around(vml
         for thread in threads:
             thread.join()
     assert errors == [] and churned[0] > 0
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert_nothing_of_pinpool_locked(base, 64 * PAGE)
 
 

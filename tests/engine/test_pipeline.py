@@ -18,11 +18,10 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import Chunk, RuntimeCallError
-from pinpool._errors import ChunkFailure
+from pinpool._errors import ChunkFailure, LedgerError
 from pinpool._host import libc as _libc
-from pinpool._pin.ledger import ChunkState, LedgerError, Phase, StopCause
-from pinpool._pin.pipeline import WAIT, Batch, Landing, Order, Pipeline, Span, split_spans
-from pinpool._plan.prefix import PrefixTracker
+from pinpool._pin import WAIT, Batch, ChunkState, Landing, Phase, Pipeline, StopCause, split_spans
+from pinpool._plan import Order, PrefixTracker, Span
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, hugetlb_pages, pin_and_run

@@ -17,7 +17,7 @@ import pytest
 import pinpool
 from pinpool import ConfigError
 from pinpool._host import priority as _priority
-from pinpool._plan.options import BACKGROUND_PIN_NICE
+from pinpool._plan import BACKGROUND_PIN_NICE
 from pinpool.testing import FakeRuntime
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
@@ -152,7 +152,7 @@ def test_bad_values_are_config_errors_naming_value_and_fix(bad: object) -> None:
 
 
 def test_pool_options_check_the_resolved_value() -> None:
-    from pinpool._plan.options import PoolOptions
+    from pinpool._plan import PoolOptions
 
     with pytest.raises(ConfigError, match="pin_nice=25"):
         PoolOptions(size=1 << 20, pin_nice=25)

@@ -13,13 +13,10 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host import libc as _libc
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
-from pinpool._plan.options import PoolOptions
-from pinpool._plan.placement import place
+from pinpool._host import HostFacts
+from pinpool._plan import PoolOptions, place, preflight
 from pinpool.runtimes._registry import pinning_capabilities
-from pinpool.testing import host_facts
+from pinpool.testing import host_facts, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -273,7 +270,7 @@ def test_real_pools_sized_from_one_budget_map_and_lock_no_more_than_it(vmlck_bas
     assert shares.num_pages == 153  # 22560768 + 2588672 (153 * 16896 = 2585088, rounded up to 4 KiB)
     with shares.pool("kv", runtime="mlock") as kv, shares.pool("indexer", runtime="mlock") as index:
         assert kv.num_pages == index.num_pages == 153
-        locked = _libc.vm_locked_bytes() - vmlck_baseline
+        locked = locked_bytes() - vmlck_baseline
         real = mapped_vmas([kv.data_ptr, index.data_ptr])
         assert locked == real == shares.total_bytes == 25149440 <= budget
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline

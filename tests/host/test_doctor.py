@@ -15,11 +15,9 @@ import pytest
 from pinpool import ConfigError
 from pinpool._cli import checks as _doctor
 from pinpool._cli.checks import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
-from pinpool._host.cpulimits import V2_SOURCE, CpuQuota
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
+from pinpool._host import V2_SOURCE, CpuQuota, HostFacts
+from pinpool._plan import PoolOptions, preflight
 from pinpool._plan import preflight as _preflight
-from pinpool._plan.options import PoolOptions
 from pinpool.runtimes._registry import pinning_capabilities
 from pinpool.testing import host_facts
 

@@ -28,13 +28,11 @@ import structlog
 
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
+from pinpool._node import NodeAdmission, NodeHolder, NodePacing, holder_state
 from pinpool._node import config as _node_config
 from pinpool._node import directory as _node_dir
 from pinpool._node import locks as _node_lock
 from pinpool._node import pacing as _node
-from pinpool._node.config import NodePacing
-from pinpool._node.locks import NodeHolder, holder_state
-from pinpool._node.pacing import NodeAdmission
 from pinpool._observe import Observer
 from pinpool.testing import FakeRuntime
 
@@ -337,7 +335,7 @@ spec = json.loads(sys.argv[1])
 package = types.ModuleType("pinpool")
 package.__path__ = [spec["package"]]
 sys.modules["pinpool"] = package  # pinpool._node.pacing without pinpool/__init__ (and torch)
-from pinpool._node.pacing import NodeAdmission, NodePacing
+from pinpool._node import NodeAdmission, NodePacing
 
 if spec["kind"] == "lock":  # a rank stopped while admitting: it holds budget.lock itself
     fd = os.open(os.path.join(spec["dir"], "budget.lock"), os.O_RDWR | os.O_CREAT, 0o600)

@@ -25,11 +25,9 @@ import pytest
 
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
+from pinpool._node import BudgetHold, NodeAdmission, NodeHolder, NodePacing, SlotHold
 from pinpool._node import config as _node_config
 from pinpool._node import pacing as _node
-from pinpool._node.config import NodePacing
-from pinpool._node.locks import BudgetHold, NodeHolder, SlotHold
-from pinpool._node.pacing import NodeAdmission
 
 from .. import preloaded
 
@@ -42,7 +40,8 @@ spec = json.loads(sys.argv[1])
 package = types.ModuleType("pinpool")
 package.__path__ = [spec["package"]]
 sys.modules["pinpool"] = package  # pinpool._node.pacing without pinpool/__init__ (and torch)
-from pinpool._node.pacing import NodeAdmission, NodeBusyError, NodePacing
+from pinpool._errors import NodeBusyError
+from pinpool._node import NodeAdmission, NodePacing
 
 def now():
     return time.clock_gettime(time.CLOCK_MONOTONIC)

@@ -25,14 +25,13 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, layouts
+from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
-from pinpool._plan.options import PoolOptions
+from pinpool._plan import PoolOptions, preflight
 from pinpool._types import Capabilities
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._registry import pinning_capabilities
-from pinpool.testing import FakeRuntime, host_facts
+from pinpool.testing import FakeRuntime, host_facts, locked_bytes
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -342,7 +341,7 @@ def test_fake_enomem_in_populate_is_a_pin_error_with_full_rollback() -> None:
 @pytest.fixture
 def vmlck() -> int:
     gc.collect()
-    return _libc.vm_locked_bytes()
+    return locked_bytes()
 
 
 def _enter(pool: pinpool.PinnedPool) -> pinpool.PinError:
@@ -373,7 +372,7 @@ def test_enomem_from_populate_names_memory_and_rolls_back(monkeypatch: pytest.Mo
     error = _enter(pool)
     assert (error.reason, error.phase) == ("ENOMEM", "populate")
     assert "the kernel could not fault in" in str(error) and "the host is probably short of memory" in str(error)
-    assert runtime.registered == {} and _libc.vm_locked_bytes() == vmlck
+    assert runtime.registered == {} and locked_bytes() == vmlck
 
 
 @needs_mlock
@@ -407,7 +406,7 @@ def test_enomem_and_eagain_from_mlock_roll_back(
     error = _enter(pool)
     assert (error.reason, error.phase, error.code) == (errno.errorcode[err], "register", err)
     assert says in str(error) and "every registered chunk was rolled back" in str(error)
-    assert runtime.registered == {} and _libc.vm_locked_bytes() == vmlck
+    assert runtime.registered == {} and locked_bytes() == vmlck
 
 
 # -- a real memory cgroup ---------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 import pinpool
-from pinpool._host.facts import HostFacts
+from pinpool._host import HostFacts
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded

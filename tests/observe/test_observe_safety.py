@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 import pinpool
 from pinpool._errors import RuntimeCallError
 from pinpool._observe import Observer
-from pinpool._plan.chunks import Chunk
+from pinpool._plan import Chunk
 from pinpool._ranges import PINNED_RANGES
 from pinpool.metrics import PoolMetrics
 from pinpool.testing import FakeRuntime

@@ -15,7 +15,7 @@ import torch
 import pinpool
 from pinpool import PinError, PinnedPool, PoolState, PoolStateError, layouts
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime, assert_released
+from pinpool.testing import FakeRuntime, assert_released, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -267,7 +267,6 @@ async def test_kv_pages_grow_in_k_and_v_together() -> None:
 @needs_mlock
 @pytest.mark.anyio
 async def test_mlock_background_pool_locks_while_the_body_runs(vmlck_baseline: int) -> None:
-    from pinpool._host import libc as _libc
 
     pool = PinnedPool(size=512 * MiB, runtime="mlock", registry=None, background=True, name="bg-mlock")
     async with pool:
@@ -276,16 +275,15 @@ async def test_mlock_background_pool_locks_while_the_body_runs(vmlck_baseline: i
             page_counts.append(pool.pinned_pages)
             await anyio.sleep(0.002)
         await pool.wait_ready()
-        assert _libc.vm_locked_bytes() - vmlck_baseline >= 512 * MiB
+        assert locked_bytes() - vmlck_baseline >= 512 * MiB
         assert page_counts == sorted(page_counts)  # the prefix only grows
         pool.tensor[: 4 * MiB] = 7
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
 def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
     """Lock-on-fault locks each span as it faults: progress moves inside a single-chunk pool."""
-    from pinpool._host import libc as _libc
 
     values: list[int] = []
     pool = PinnedPool(
@@ -296,7 +294,7 @@ def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
         assert len(pool.chunks) == 1
     assert any(0 < v < 512 * MiB for v in values), values
     assert values == sorted(values) and values[-1] == 512 * MiB
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_populated_bytes_move_ahead_of_registration_in_cuda_order() -> None:
@@ -375,7 +373,6 @@ class _MlockFailingOn(pinpool.runtimes.MlockRuntime):
 
 @needs_mlock
 def test_mlock_background_failure_keeps_the_prefix_locked_until_exit(vmlck_baseline: int) -> None:
-    from pinpool._host import libc as _libc
 
     runtime = _MlockFailingOn(6)
     pool = PinnedPool(
@@ -388,9 +385,9 @@ def test_mlock_background_failure_keeps_the_prefix_locked_until_exit(vmlck_basel
         assert pool.state is PoolState.FAILED
         kept = pool.pinned_pages * pool.page_bytes
         assert kept >= MiB
-        locked = _libc.vm_locked_bytes() - vmlck_baseline
+        locked = locked_bytes() - vmlck_baseline
         assert locked >= kept  # the pages reported pinned are still locked while the body runs
         time.sleep(0.05)
-        assert _libc.vm_locked_bytes() - vmlck_baseline == locked  # and nothing unlocks them meanwhile
+        assert locked_bytes() - vmlck_baseline == locked  # and nothing unlocks them meanwhile
         pool.tensor[:kept].fill_(1)
-    assert _libc.vm_locked_bytes() == vmlck_baseline  # exit unpinned everything
+    assert locked_bytes() == vmlck_baseline  # exit unpinned everything

@@ -15,7 +15,7 @@ import pytest
 import structlog
 
 import pinpool
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 MiB = 1 << 20
 SIZE = 68 * MiB  # 8 calls of 8 MiB and a short one of 4 MiB with chunk_bytes="8MiB"
@@ -96,8 +96,7 @@ def test_a_retry_under_chunk_bytes_is_a_failure_not_a_plan() -> None:
 
 
 def _locked_kib() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmLck:"))
+    return locked_bytes() // 1024
 
 
 def test_a_real_mlock_background_pool_registers_exact_chunks() -> None:

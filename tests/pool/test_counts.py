@@ -13,10 +13,9 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import Chunk, PinError, PinnedPool, PoolState
-from pinpool._host import libc as _libc
-from pinpool._host.mapping import populate_range
+from pinpool._host import populate_range
 from pinpool._units import format_bytes
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -226,7 +225,7 @@ def test_mlock_background_failure_counts_agree_with_vmlck(
         assert registered > 0
         # The kernel counts a lock-on-fault range in VmLck whole from its mlock2 call; only its
         # faulted pages are pinned (pinned_bytes), and the text tells the two apart.
-        assert _libc.vm_locked_bytes() - vmlck_baseline == registered
+        assert locked_bytes() - vmlck_baseline == registered
         assert pool.pinned_bytes == pool.populated_bytes
         text = str(raised.value)
         assert f"({format_bytes(pool.pinned_bytes)} pinned, {len(pool.registrations)} registration(s) of " in text
@@ -234,4 +233,4 @@ def test_mlock_background_failure_counts_agree_with_vmlck(
             assert f"{format_bytes(registered - pool.pinned_bytes)} of them locked on fault but not faulted in" in text
         pool.tensor[: pool.pinned_pages].fill_(1)
     assert pool.pinned_bytes == 0 and pool.pinned_pages == 0 and pool.registrations == ()
-    assert _libc.vm_locked_bytes() == vmlck_baseline and gauge(registry, pool) is None
+    assert locked_bytes() == vmlck_baseline and gauge(registry, pool) is None

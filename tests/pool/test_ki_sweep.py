@@ -51,8 +51,8 @@ import torch
 import trio
 
 import pinpool
+from pinpool._pin import finalize_lifecycle
 from pinpool._pin import ki as _ki
-from pinpool._pin.drivers import finalize_lifecycle
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 

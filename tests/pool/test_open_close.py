@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import torch
 import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnpinError
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -25,10 +24,7 @@ MiB = 1 << 20
 
 
 def vmlck_kb() -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(r"VmLck:\s+(\d+)", f.read())
-    assert match is not None
-    return int(match.group(1))
+    return locked_bytes() // 1024
 
 
 def pool_of(fake: FakeRuntime | str, **kw: Any) -> pinpool.PinnedPool:

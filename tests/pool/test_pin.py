@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool._host import libc as _libc
-from pinpool._plan.plan import plan_chunks
-from pinpool.testing import FakeRuntime
+from pinpool._plan import plan_chunks
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -35,15 +35,15 @@ async def test_pin_locks_the_callers_tensor_and_never_frees_it(mode: str, vmlck_
     pinned = pinpool.pin(t, runtime="mlock", chunk_bytes=8 * MiB, register_workers=2)
     if mode == "async":
         async with pinned as p:
-            locked = _libc.vm_locked_bytes() - vmlck_baseline
+            locked = locked_bytes() - vmlck_baseline
             assert p.tensor.data_ptr() == t.data_ptr() and p.tensor.shape == t.shape
     else:
         with pinned as p:
-            locked = _libc.vm_locked_bytes() - vmlck_baseline
+            locked = locked_bytes() - vmlck_baseline
             assert p.tensor.data_ptr() == t.data_ptr()
     # every page the tensor touches is locked: one more than its size in pages, as it is unaligned
     assert locked == (32 * MiB // PAGE + 1) * PAGE
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert len(pinned.chunks) == 5  # a short head chunk up to the first page boundary, then 8 MiB steps
     assert all((t.data_ptr() + c.offset) % PAGE == 0 for c in pinned.chunks[1:])
     assert int(t.sum()) == 5 * 32 * MiB  # the caller's memory is intact and still usable
@@ -69,8 +69,8 @@ def test_pinning_a_range_pinpool_already_pins_changes_nothing(vmlck_baseline: in
         ):
             pytest.fail("must not enter")
         assert fake.register_calls == []
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 8 * MiB
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() - vmlck_baseline == 8 * MiB
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -80,11 +80,11 @@ def test_pinning_memory_locked_outside_pinpool_changes_nothing(vmlck_baseline: i
     try:
         with pytest.raises(pinpool.AlreadyPinnedError, match="outside pinpool"), pinpool.pin(t, runtime="mlock"):
             pytest.fail("must not enter")
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 4 * MiB
+        assert locked_bytes() - vmlck_baseline == 4 * MiB
     finally:
         _libc.munlock(t.data_ptr(), t.numel())
     with pinpool.pin(t, runtime="mlock"):  # and once unlocked, it can be pinned
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 4 * MiB
+        assert locked_bytes() - vmlck_baseline == 4 * MiB
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 4])

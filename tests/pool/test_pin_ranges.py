@@ -17,7 +17,7 @@ import pinpool
 from pinpool._host import libc as _libc
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -200,13 +200,13 @@ def test_mlock_locks_exactly_the_rows_pages_and_unlocks_them(slot: int, vmlck_ba
     expected = vllm_pin_mmap_region_ranges(ROWS, stride, slot, 1, PAGE, worker_slot_only=True)
     view = worker_view(base, ROWS, stride, slot, 1)
     with pinpool.pin(view, runtime=MlockRuntime(), registry=None) as pinned:
-        assert _libc.vm_locked_bytes() - vmlck_baseline == sum(n for _, n in expected)  # vLLM's pages, no more
+        assert locked_bytes() - vmlck_baseline == sum(n for _, n in expected)  # vLLM's pages, no more
         pinned.tensor.fill_(7)
         assert int(base.view(ROWS, stride)[:, slot : 2 * slot].sum()) == 7 * ROWS * slot
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     with pinpool.pin(base, ranges=expected, runtime=MlockRuntime(), registry=None):
-        assert _libc.vm_locked_bytes() - vmlck_baseline == sum(n for _, n in expected)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() - vmlck_baseline == sum(n for _, n in expected)
+    assert locked_bytes() == vmlck_baseline
     del pinned, view, base
     gc.collect()
     region.close()

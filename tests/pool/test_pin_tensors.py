@@ -16,16 +16,14 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import layouts
+from pinpool._host import TensorMemory, alias_of
 from pinpool._host import libc as _libc
-from pinpool._host.mapping import TensorMemory, alias_of
-from pinpool._plan.chunks import Chunk, ChunkPlan
-from pinpool._plan.cutter import retry_splitter
-from pinpool._plan.plan import plan_chunks
-from pinpool._pool.alloc import empty
+from pinpool._plan import Chunk, ChunkPlan, plan_chunks, retry_splitter
+from pinpool._pool import empty
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -94,7 +92,7 @@ class _Recording(MlockRuntime):
 
     def _check(self) -> None:
         registered = self.registered
-        assert _libc.vm_locked_bytes() - self.baseline == pages_of(registered)
+        assert locked_bytes() - self.baseline == pages_of(registered)
         self.checked += 1
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -131,12 +129,12 @@ def test_shared_pages_under_mlock_keep_vmlck_exact(populate: bool, misalignment:
     assert sizes(pinned.chunks) == [9 * MiB, 9 * MiB, 7 * MiB]
     with pinned as p:
         # every page the tensor touches is locked: its size in pages plus one (it starts mid-page)
-        assert _libc.vm_locked_bytes() - vmlck_baseline == (25 * MiB // PAGE + 1) * PAGE
+        assert locked_bytes() - vmlck_baseline == (25 * MiB // PAGE + 1) * PAGE
         boundaries = [t.data_ptr() + c.offset for c in p.chunks[1:]]
         assert [SHARED_PAGES.holders(b - b % PAGE) for b in boundaries] == [2, 2]  # each page held by both
         assert int(p.tensor.sum()) == 7 * 25 * MiB
     assert runtime.checked == 6 and runtime.shared_page_outlived_neighbour
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert runtime.registered == {} and t.data_ptr() not in PINNED_RANGES.snapshot()
     assert all(SHARED_PAGES.holders(page) == 0 for page in range(t.data_ptr() - PAGE, t.data_ptr() + 26 * MiB, PAGE))
     assert int(t.sum()) == 7 * 25 * MiB  # the caller's bytes, intact
@@ -149,16 +147,16 @@ def test_mlock_counts_a_page_two_registrations_share(vmlck_baseline: int) -> Non
     runtime, other = MlockRuntime(), MlockRuntime()  # one table for the process: runtimes share it
     runtime.register(base, PAGE + 100)  # pages 0 (whole) and 1 (in part)
     other.register(base + PAGE + 100, 2 * PAGE)  # pages 1 (in part), 2 (whole) and 3 (in part)
-    assert _libc.vm_locked_bytes() - vmlck_baseline == 4 * PAGE
+    assert locked_bytes() - vmlck_baseline == 4 * PAGE
     assert SHARED_PAGES.holders(base + PAGE) == 2
     runtime.unregister(base)
-    assert _libc.vm_locked_bytes() - vmlck_baseline == 3 * PAGE  # page 1 stays: `other` holds it
+    assert locked_bytes() - vmlck_baseline == 3 * PAGE  # page 1 stays: `other` holds it
     assert SHARED_PAGES.holders(base + PAGE) == 1
     with pytest.raises(pinpool.RuntimeCallError, match="already locked"):
         other.register(base + PAGE + 100, 1)  # a byte of its own range: refused, nothing changes
     assert SHARED_PAGES.holders(base + PAGE) == 1
     other.unregister(base + PAGE + 100)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert SHARED_PAGES.holders(base + PAGE) == SHARED_PAGES.holders(base + 3 * PAGE) == 0
 
 
@@ -177,7 +175,7 @@ def test_a_failed_mlock_of_a_shared_page_undoes_the_whole_registration(
     with pytest.raises(pinpool.RuntimeCallError) as info:
         runtime.register(t.data_ptr(), 3 * PAGE)
     assert info.value.reason == "EAGAIN" and runtime.registered == {}
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert SHARED_PAGES.holders(t.data_ptr() - 64) == 0
 
 
@@ -344,9 +342,9 @@ def test_pin_of_empty_keeps_the_page_aligned_plan() -> None:
 def test_pin_of_empty_under_mlock(vmlck_baseline: int) -> None:
     t = empty(4, 4 * MiB, dtype=torch.uint8)
     with pinpool.pin(t, runtime="mlock", granularity_bytes=4 * MiB, chunk_bytes=8 * MiB) as p:
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 16 * MiB  # not one page more: it starts on a page
+        assert locked_bytes() - vmlck_baseline == 16 * MiB  # not one page more: it starts on a page
         assert sizes(p.chunks) == [8 * MiB, 8 * MiB]
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 # -- item 3: the pinned tensor's storage is held, and guarded, while pinned ------------------------------------------
@@ -405,16 +403,16 @@ def test_changing_the_tensor_under_mlock_unlocks_everything(how: str, vmlck_base
     t = torch.empty(16 * MiB, dtype=torch.uint8)
     address = t.data_ptr()
     with pinpool.pin(t, runtime="mlock", granularity_bytes=PAGE, chunk_bytes=4 * MiB, registry=None) as p:
-        locked = _libc.vm_locked_bytes() - vmlck_baseline
+        locked = locked_bytes() - vmlck_baseline
         if how == "del":
             del t
         else:
             _change(t, how)
         gc.collect()
-        assert _libc.vm_locked_bytes() - vmlck_baseline == locked  # nothing freed or unlocked under the pool
+        assert locked_bytes() - vmlck_baseline == locked  # nothing freed or unlocked under the pool
         p.tensor.fill_(1)
     assert locked == pages_of({address: 16 * MiB})
-    assert _libc.vm_locked_bytes() == vmlck_baseline and address not in PINNED_RANGES.snapshot()
+    assert locked_bytes() == vmlck_baseline and address not in PINNED_RANGES.snapshot()
 
 
 def test_a_tensor_reallocated_between_pin_and_entry_is_refused_with_nothing_pinned() -> None:

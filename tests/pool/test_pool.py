@@ -19,7 +19,7 @@ import pytest
 
 import pinpool
 from pinpool import layouts
-from pinpool._host.mapping import HostMapping
+from pinpool._host import HostMapping
 from pinpool._pin import ki as _ki
 from pinpool.testing import FakeRuntime
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinError, PoolState, UnclosedPoolWarning
-from pinpool._pin.outcome import STOP_CAUSES
+from pinpool._pin import STOP_CAUSES
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20

@@ -28,7 +28,7 @@ from pinpool._cli import progress as _progress
 from pinpool._cli import report as cli_report
 from pinpool._cli import status as cli_status
 from pinpool._cli.checks import FAIL, OK, SKIP, WARN, CudaDevice, CudaFacts
-from pinpool._host.facts import HostFacts
+from pinpool._host import HostFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
