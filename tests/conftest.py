@@ -10,7 +10,7 @@ import pytest
 
 import pinpool
 from pinpool._host import libc as _libc
-from pinpool.testing import locked_bytes
+from pinpool.testing import FakeRuntime, locked_bytes
 
 # pinpool's own pytest plugin (the gpu marker's skip, the fixtures), loaded from here rather than
 # through its installed pytest11 entry point, which pyproject's addopts turn off (-p no:pinpool):
@@ -83,6 +83,12 @@ needs_mlock = pytest.mark.skipif(
     _mlock_budget() < (256 << 20),
     reason="needs CAP_IPC_LOCK or RLIMIT_MEMLOCK >= 256 MiB to lock real pools (run as root or raise ulimit -l)",
 )
+
+
+@pytest.fixture
+def fake(fake_runtime: FakeRuntime) -> FakeRuntime:
+    """The plugin's leak-checked ``fake_runtime``: the test errors if it leaves a range registered."""
+    return fake_runtime
 
 
 @pytest.fixture

@@ -410,7 +410,7 @@ def test_every_family_and_layout_is_covered() -> None:
     ],
 )
 def test_mamba_zero_element_buffer_is_not_registered(
-    layout: str, temporal: tuple[int, ...], convs: tuple[tuple[int, ...], ...], empty: set[str]
+    fake: FakeRuntime, layout: str, temporal: tuple[int, ...], convs: tuple[tuple[int, ...], ...], empty: set[str]
 ) -> None:
     Lm, it = 2, 4
     mamba = layouts.Mamba(Lm, temporal, convs, torch.float32, layout=layout)
@@ -418,7 +418,6 @@ def test_mamba_zero_element_buffer_is_not_registered(
     slots = {name: Lm * math.prod(shape) * it for name, shape in states.items()}
     assert {name for name, slot in slots.items() if slot == 0} == empty
     assert mamba.page_bytes == sum(slots.values())
-    fake = FakeRuntime()
     num_pages = 3000
     pool = pinpool.PinnedPool(layout=mamba, size=num_pages * mamba.page_bytes, chunk_bytes=64 * KiB, runtime=fake)
     buffers = {b.spec.name: b for b in pool._buffers}
@@ -564,8 +563,7 @@ def test_sglang_vector_paged_and_state() -> None:
 
 
 @pytest.mark.parametrize("register_workers", [1, None])
-def test_sglang_vector_raw_900_900_700(register_workers: int | None) -> None:
-    fake = FakeRuntime()
+def test_sglang_vector_raw_900_900_700(fake: FakeRuntime, register_workers: int | None) -> None:
     pool = pinpool.PinnedPool(
         layout=layouts.Raw(300 * MiB), size=2500 * MiB, chunk_bytes=GiB, runtime=fake, register_workers=register_workers
     )
@@ -580,8 +578,7 @@ def test_sglang_vector_raw_900_900_700(register_workers: int | None) -> None:
 
 @pytest.mark.anyio
 @each_driver
-async def test_sglang_vector_teardown_order_and_second_exit(mode: str) -> None:
-    fake = FakeRuntime()
+async def test_sglang_vector_teardown_order_and_second_exit(fake: FakeRuntime, mode: str) -> None:
     pool = pinpool.PinnedPool(
         layout=layouts.Raw(), size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, register_workers=1
     )

@@ -127,7 +127,7 @@ def test_a_zero_element_state_in_its_own_dtype_is_not_registered() -> None:
 )
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 def test_a_mixed_dtype_pool_pins_with_each_buffer_in_its_dtype(
-    layout: str, temporal_dtype: torch.dtype, conv_dtype: torch.dtype
+    fake: FakeRuntime, layout: str, temporal_dtype: torch.dtype, conv_dtype: torch.dtype
 ) -> None:
     Lm, temporal_shape, conv_shapes = 4, (8, 16, 16), ((96, 3), (32, 3))
     mamba = layouts.Mamba(
@@ -139,7 +139,6 @@ def test_a_mixed_dtype_pool_pins_with_each_buffer_in_its_dtype(
         "conv1": Lm * 32 * 3 * ITEMSIZE[conv_dtype],
     }
     assert mamba.page_bytes == sum(slots.values())
-    fake = FakeRuntime()
     num_pages = 200
     with pinpool.PinnedPool(
         layout=mamba, num_pages=num_pages, chunk_bytes=256 * KiB, runtime=fake, registry=None

@@ -675,8 +675,7 @@ PLAN_ATTRIBUTES = (
 )  # fmt: skip
 
 
-def test_pool_attributes_are_the_plan_and_read_only() -> None:
-    fake = FakeRuntime()
+def test_pool_attributes_are_the_plan_and_read_only(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, name="p", registry=None)
     plan = plan_pool(pool._options, pool._host, capabilities_of(fake))
     assert pool._plan == plan

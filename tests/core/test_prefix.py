@@ -186,8 +186,7 @@ def pool_base(calls: list[tuple[int, int]]) -> int:
     return min(ptr for ptr, _n in calls)
 
 
-def test_without_a_budget_calls_are_whole_chunks() -> None:
-    fake = FakeRuntime()
+def test_without_a_budget_calls_are_whole_chunks(fake: FakeRuntime) -> None:
     with PinnedPool(size=64 * MiB, chunk_bytes=16 * MiB, runtime=fake, registry=None, populate=False):
         pass
     assert [n for _p, n in fake.register_calls] == [16 * MiB] * 4
@@ -280,7 +279,7 @@ def test_calls_never_shrink_below_what_is_sampled() -> None:
     assert len(sizes) <= 64
 
 
-def test_workers_begin_only_once_all_are_started(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_begin_only_once_all_are_started(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """A populate call holds mmap_lock and starting a thread maps its stack: no runtime call may
     begin while pinning threads are still being started."""
     import threading
@@ -295,7 +294,6 @@ def test_workers_begin_only_once_all_are_started(monkeypatch: pytest.MonkeyPatch
             time.sleep(0.01)  # a slow start: a worker that did not wait would call meanwhile
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    fake = FakeRuntime()
     at_first_call: list[int] = []
     fake.before_call = lambda op, ptr, n: at_first_call.append(len(started)) if not at_first_call else None
     pool = PinnedPool(

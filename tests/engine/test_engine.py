@@ -125,8 +125,7 @@ def test_a_chunk_stopped_between_its_pieces_is_undone_piece_by_piece() -> None:
     assert fake.registered == {} and fake.unregister_calls == sorted((p for p, _ in fake.register_calls), reverse=True)
 
 
-def test_a_scheduling_bug_stops_every_worker_and_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRuntime()
+def test_a_scheduling_bug_stops_every_worker_and_is_raised(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     session = session_of(fake, size=4 * MiB, chunk_bytes=MiB, populate=False)
 
     def next_work() -> Any:
@@ -140,8 +139,7 @@ def test_a_scheduling_bug_stops_every_worker_and_is_raised(monkeypatch: pytest.M
     assert session.finish_pinning() is Phase.ROLLED_BACK and fake.register_calls == []
 
 
-def test_books_that_disagree_with_every_worker_done_are_rolled_back() -> None:
-    fake = FakeRuntime()
+def test_books_that_disagree_with_every_worker_done_are_rolled_back(fake: FakeRuntime) -> None:
     session = session_of(fake, size=4 * MiB, chunk_bytes=MiB, populate=False)
     with session.lock:
         batch = session.pipeline.next_work()  # handed out, and the worker that took it died
@@ -178,8 +176,9 @@ def test_teardown_is_idempotent_and_a_crashed_unpin_worker_leaks_loudly() -> Non
     assert session.begin_teardown() == () and session.end_teardown() == ()  # closed: nothing more to do
 
 
-def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRuntime()
+def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(
+    fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     session = session_of(fake, size=8 * MiB, chunk_bytes=MiB, populate=False, unpin_workers=1)
     assert pin(session) is Phase.PINNED
     real = session.observer.call_started

@@ -86,11 +86,10 @@ BETWEEN_PIECES = {
 @pytest.mark.parametrize("exc", [OverflowError("cannot convert float infinity to integer"), Interrupt("stop")])
 @each_driver
 async def test_a_fault_between_pieces_rolls_back_the_pieces_registered(
-    monkeypatch: pytest.MonkeyPatch, where: str, exc: BaseException, mode: str
+    fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch, where: str, exc: BaseException, mode: str
 ) -> None:
     owner, name, nth = BETWEEN_PIECES[where]
     calls = raise_on_call(monkeypatch, owner, name, nth, exc)
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(
         size=256 * MiB, runtime=fake, populate=False, register_workers=1, max_call_seconds=0.02, registry=None
     )
@@ -110,10 +109,10 @@ async def test_a_fault_between_pieces_rolls_back_the_pieces_registered(
 
 
 async def test_a_fault_before_any_piece_fails_the_chunk_with_nothing_registered(
+    fake: FakeRuntime,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     raise_on_call(monkeypatch, CallSizer, "next_bytes", 1, Boom("first"))
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=16 * MiB, runtime=fake, populate=False, max_call_seconds=0.02, registry=None)
     with pytest.raises(pinpool.PinError, match=r"Boom\): first") as info:
         run_sync(pool)

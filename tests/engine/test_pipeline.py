@@ -862,8 +862,7 @@ def chunk_of(pool: pinpool.PinnedPool, base: int, ptr: int) -> int:
     return index
 
 
-def test_populate_is_on_by_default_for_the_fake() -> None:
-    fake = FakeRuntime()
+def test_populate_is_on_by_default_for_the_fake(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=2)
     assert pool.populate is True and pool.order is Order.POPULATE_FIRST
     assert pool.span_bytes == 16 * MiB and pool.populate_workers == 2
@@ -1232,15 +1231,16 @@ def test_unpin_workers_are_capped_by_the_chunk_count() -> None:
         ("populate", "yes"),
     ],
 )
-def test_bad_options_are_config_errors_before_anything_is_registered(option: str, value: object) -> None:
-    fake = FakeRuntime()
+def test_bad_options_are_config_errors_before_anything_is_registered(
+    fake: FakeRuntime, option: str, value: object
+) -> None:
     with pytest.raises(pinpool.ConfigError, match=re.escape(f"{option}={value!r}")):
         pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, **{option: value})  # type: ignore[arg-type]
     assert fake.register_calls == [] and fake.populate_calls == [] and fake.events == []
 
 
 @hugetlb_pages
-def test_hugetlb_without_free_pages_is_a_config_error() -> None:
+def test_hugetlb_without_free_pages_is_a_config_error(fake: FakeRuntime) -> None:
     free = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
     try:
         free_pages = int(free.read_text())
@@ -1248,7 +1248,6 @@ def test_hugetlb_without_free_pages_is_a_config_error() -> None:
         pytest.skip("no 2 MiB hugetlb pool on this kernel")
     if free_pages != 0:
         pytest.skip(f"{free_pages} free hugetlb pages: the pool might fit")
-    fake = FakeRuntime()
     with pytest.raises(pinpool.ConfigError, match="nr_hugepages") as info:
         pinpool.PinnedPool(size=8 * MiB, chunk_bytes=2 * MiB, runtime=fake, huge_pages="hugetlb")
     assert "hugetlb" in str(info.value)

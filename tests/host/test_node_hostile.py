@@ -301,12 +301,11 @@ def test_a_node_dir_made_unwritable_later_is_a_config_error_at_acquire() -> None
 
 
 def test_a_pool_with_an_unwritable_node_dir_fails_in_its_constructor(
-    node_dir: Path, monkeypatch: pytest.MonkeyPatch
+    fake: FakeRuntime, node_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What PinnedPool does when the kernel says the directory is not writable (os.access, as
     for a non-root owner of a mode-0500 directory: root passes every permission check)."""
     node_dir.mkdir(mode=0o700)
-    fake = FakeRuntime()
     monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)
     with pytest.raises(pinpool.ConfigError, match=r"is not writable by this process \(EACCES"):
         pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, node_slots=1, node_dir=str(node_dir))

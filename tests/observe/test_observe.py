@@ -267,8 +267,7 @@ def test_multiprocess_mode_sums_live_pools(tmp_path: Any) -> None:
 
 
 @each_driver
-async def test_progress_error_on_the_final_call_rolls_back(mode: str) -> None:
-    fake = FakeRuntime()
+async def test_progress_error_on_the_final_call_rolls_back(fake: FakeRuntime, mode: str) -> None:
 
     def broken(*_: Any) -> None:
         raise LookupError("dashboard down")

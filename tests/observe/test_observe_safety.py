@@ -299,10 +299,9 @@ def raising_logger() -> RaisingLogger:
     return RaisingLogger(ValueError("logger down"))
 
 
-def test_a_pool_with_a_raising_logger_pins_and_unpins(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_pool_with_a_raising_logger_pins_and_unpins(fake: FakeRuntime, capsys: pytest.CaptureFixture[str]) -> None:
     before = PINNED_RANGES.snapshot()
     registry = CollectorRegistry()
-    fake = FakeRuntime()
     logger = raising_logger()
     pool = pinpool.PinnedPool(size="64MiB", chunk_bytes="4MiB", runtime=fake, logger=logger, registry=registry)
     with pool:
@@ -316,9 +315,8 @@ def test_a_pool_with_a_raising_logger_pins_and_unpins(capsys: pytest.CaptureFixt
     assert PINNED_RANGES.snapshot() == before  # the process-wide range claim was released
 
 
-def test_a_pool_whose_logger_raises_only_at_start_and_end_releases_its_claim() -> None:
+def test_a_pool_whose_logger_raises_only_at_start_and_end_releases_its_claim(fake: FakeRuntime) -> None:
     before = PINNED_RANGES.snapshot()
-    fake = FakeRuntime()
     logger = RaisingLogger(ValueError("logger down"), levels=("info",))
     with pinpool.PinnedPool(size="64MiB", chunk_bytes="4MiB", runtime=fake, logger=logger, registry=None):
         pass

@@ -73,10 +73,9 @@ def test_registration_sizes_for_every_combination(background: bool, budget: obje
     assert pool.chunking_reason.startswith(f"{len(pool.chunks)} registration")
 
 
-def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_workers() -> None:
+def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_workers(fake: FakeRuntime) -> None:
     """A 1.1 GB pool under SGLang's 256 GiB limit was 2 registrations "for the workers"; now 1.
     The default still splits for throughput, and says so."""
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=1_100_000_000, runtime=fake, registry=None, populate=False,
                               max_chunk_bytes="256GiB", register_workers=8)  # fmt: skip
     with pool:

@@ -173,15 +173,13 @@ def test_a_close_during_open_stops_pinning_and_open_raises_a_pool_state_error() 
     assert "close()" in str(raised.value)
 
 
-def test_close_inside_the_body_then_the_with_exit_is_a_no_op() -> None:
-    fake = FakeRuntime()
+def test_close_inside_the_body_then_the_with_exit_is_a_no_op(fake: FakeRuntime) -> None:
     with pool_of(fake) as pool:
         assert pool.close() is None and pool.state is PoolState.CLOSED
     assert fake.registered == {} and len(fake.unregister_calls) == 16
 
 
-def test_exit_while_another_thread_stops_a_background_pinning_waits_instead_of_raising() -> None:
-    fake = FakeRuntime()
+def test_exit_while_another_thread_stops_a_background_pinning_waits_instead_of_raising(fake: FakeRuntime) -> None:
     pool = pool_of(fake, background=True)
     in_register, release = threading.Event(), threading.Event()
 

@@ -202,8 +202,7 @@ def test_keyboard_interrupt_before_the_thread_exists(monkeypatch: pytest.MonkeyP
     assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
-def test_no_thread_can_be_started_is_a_pin_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRuntime()
+def test_no_thread_can_be_started_is_a_pin_error(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None)
 
     def refuse(self: threading.Thread) -> None:
@@ -219,9 +218,8 @@ def test_no_thread_can_be_started_is_a_pin_error(monkeypatch: pytest.MonkeyPatch
     assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
-def test_teardown_without_threads_runs_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_teardown_without_threads_runs_inline(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """At interpreter shutdown no thread can be started: teardown still happens, on the caller's thread."""
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None)
     with pool:
 
@@ -287,11 +285,10 @@ async def test_register_raising_base_exception_is_raised_after_the_rollback(mode
 
 @each_driver
 async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
-    mode: str, monkeypatch: pytest.MonkeyPatch
+    fake: FakeRuntime, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pinpool._pin import engine as _engine
 
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=False)
     real = _engine.PinSession._observe
     calls = 0

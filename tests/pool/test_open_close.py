@@ -46,8 +46,7 @@ def _nothing_claimed() -> Iterator[None]:
 # -- open() / close() ------------------------------------------------------------------------------
 
 
-def test_open_returns_the_pool_and_close_is_idempotent() -> None:
-    fake = FakeRuntime()
+def test_open_returns_the_pool_and_close_is_idempotent(fake: FakeRuntime) -> None:
     pool = pool_of(fake)
     assert pool.open() is pool and pool.state is PoolState.READY and len(fake.registered) == 8
     assert pool.close() is None

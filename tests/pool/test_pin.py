@@ -112,9 +112,8 @@ async def test_pin_cancellation_rolls_back() -> None:
     assert 0 < len(fake.register_calls) < 64
 
 
-def test_pin_populate_on_unaligned_tensor() -> None:
+def test_pin_populate_on_unaligned_tensor(fake: FakeRuntime) -> None:
     t = unaligned_tensor(8 * MiB)
-    fake = FakeRuntime()
     with pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, populate=True) as p:
         assert len(fake.registered) == len(p.chunks) == 5
 

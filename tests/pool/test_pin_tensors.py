@@ -56,10 +56,9 @@ def sizes(chunks: object) -> list[int]:
 
 
 @each_driver
-async def test_reference_vector_on_a_torch_empty_buffer(mode: str) -> None:
+async def test_reference_vector_on_a_torch_empty_buffer(fake: FakeRuntime, mode: str) -> None:
     """2.5 GiB, 300 MiB copy pages, 1 GiB calls: 900 + 900 + 700 MiB, as on page-aligned memory."""
     t = torch.empty(2500 << 20, dtype=torch.uint8)  # torch's allocator: 64 B into an OS page (glibc mmap)
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=fake, registry=None)
     assert sizes(pinned.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
     plan = pinned._plan.buffers[0].plan
@@ -322,10 +321,9 @@ def test_empty_memory_is_unmapped_with_its_last_view() -> None:
     gc.collect()
 
 
-def test_pin_of_empty_keeps_the_page_aligned_plan() -> None:
+def test_pin_of_empty_keeps_the_page_aligned_plan(fake: FakeRuntime) -> None:
     """The reference vector on pinpool.empty memory: exactly PinnedPool's own plan, nothing shared."""
     t = empty(2500 << 20, dtype=torch.uint8)
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=fake, registry=None)
     pool = pinpool.PinnedPool(layout=layouts.Raw(300 << 20), size=2500 << 20, chunk_bytes="1GiB",
                               runtime=FakeRuntime(), registry=None)  # fmt: skip
@@ -374,11 +372,12 @@ CHANGES = ["resize_(0)", "set_()", "resize_(larger)", "storage.resize_(0)"]
 
 @pytest.mark.parametrize("how", CHANGES)
 @each_driver
-async def test_changing_the_tensor_inside_the_block_never_frees_pinned_memory(how: str, mode: str) -> None:
+async def test_changing_the_tensor_inside_the_block_never_frees_pinned_memory(
+    fake: FakeRuntime, how: str, mode: str
+) -> None:
     t = torch.empty(8 * MiB, dtype=torch.uint8)
     t.fill_(3)
     own, address = _cdata(t), t.data_ptr()
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, registry=None)
     if mode == "async":
         async with pinned as p:
@@ -415,9 +414,8 @@ def test_changing_the_tensor_under_mlock_unlocks_everything(how: str, vmlck_base
     assert locked_bytes() == vmlck_baseline and address not in PINNED_RANGES.snapshot()
 
 
-def test_a_tensor_reallocated_between_pin_and_entry_is_refused_with_nothing_pinned() -> None:
+def test_a_tensor_reallocated_between_pin_and_entry_is_refused_with_nothing_pinned(fake: FakeRuntime) -> None:
     t = torch.empty(8 * MiB, dtype=torch.uint8)
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, registry=None)
     t.resize_(64 * MiB)  # reallocates: the bytes pin() planned for are gone
     with pytest.raises(pinpool.ConfigError, match="reallocated after pin"), pinned:
@@ -427,11 +425,10 @@ def test_a_tensor_reallocated_between_pin_and_entry_is_refused_with_nothing_pinn
         assert p.nbytes == 64 * MiB
 
 
-def test_set_before_entry_still_pins_the_memory_pin_was_given() -> None:
+def test_set_before_entry_still_pins_the_memory_pin_was_given(fake: FakeRuntime) -> None:
     t = torch.empty(8 * MiB, dtype=torch.uint8)
     t.fill_(9)
     address = t.data_ptr()
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, registry=None)
     t.set_()  # the caller lets go of the storage: pin() holds it
     gc.collect()

@@ -37,8 +37,9 @@ MiB = 1 << 20
         ({"size": "8GiB", "chunk_bytes": 100}, "OS page"),
     ],
 )
-def test_bad_input_is_a_config_error_before_anything_is_pinned(kwargs: dict[str, object], match: str) -> None:
-    fake = FakeRuntime()
+def test_bad_input_is_a_config_error_before_anything_is_pinned(
+    fake: FakeRuntime, kwargs: dict[str, object], match: str
+) -> None:
     kwargs.setdefault("runtime", fake)
     with pytest.raises(pinpool.ConfigError, match=match):
         pinpool.PinnedPool(**kwargs)  # type: ignore[arg-type]

@@ -425,10 +425,9 @@ def test_mlock_string_runtime_lists_whole_chunks(vmlck_baseline: int) -> None:
     assert locked_bytes() == vmlck_baseline
 
 
-def test_registrations_are_sorted_by_offset_for_an_interleaved_layout() -> None:
+def test_registrations_are_sorted_by_offset_for_an_interleaved_layout(fake: FakeRuntime) -> None:
     from pinpool import layouts
 
-    fake = FakeRuntime()
     layout = layouts.MHA("layer_first", layer_num=4, page_size=16, head_num=4, head_dim=64, dtype=torch.float16)
     with pinpool.PinnedPool(layout=layout, size="16MiB", chunk_bytes="1MiB", runtime=fake, registry=None) as pool:
         offsets = [r.offset for r in pool.registrations]
