@@ -5,6 +5,7 @@ import gc
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -108,3 +109,18 @@ async def pin_and_run(
     else:
         with pool as entered:
             body(entered)
+
+
+def config_error(make: Callable[[], object]) -> str:
+    """The message of the ConfigError ``make()`` raises."""
+    with pytest.raises(pinpool.ConfigError) as info:
+        make()
+    return str(info.value)
+
+
+def check_host(options: Any, host: Any, runtime: object = None, **kwargs: Any) -> None:
+    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
+    from pinpool._plan import check_host as check
+    from pinpool.runtimes._registry import pinning_capabilities
+
+    check(options, host, pinning_capabilities(runtime, host), **kwargs)

@@ -15,7 +15,6 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -23,20 +22,14 @@ import torch
 
 import pinpool
 from pinpool import layouts
-from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
-from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env, plan_pool, preflight
+from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env, plan_pool
 from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime
-from pinpool.runtimes._registry import pinning_capabilities
 from pinpool.testing import FakeRuntime, host_facts
 
-
-def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
-    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
-    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
-
+from ..conftest import check_host
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "errors.md"

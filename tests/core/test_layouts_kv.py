@@ -25,7 +25,7 @@ import pinpool
 from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
-from ..conftest import each_driver
+from ..conftest import config_error, each_driver
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -679,12 +679,6 @@ def test_budget_below_one_page_names_the_page_size() -> None:
 
 
 # -- validation ----------------------------------------------------------------------------------------
-
-
-def config_error(fn: Callable[[], object]) -> str:
-    with pytest.raises(pinpool.ConfigError) as info:
-        fn()
-    return str(info.value)
 
 
 def choices_of(message: str) -> set[str]:

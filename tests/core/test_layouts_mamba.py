@@ -21,17 +21,13 @@ import pinpool
 from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
+from ..conftest import config_error
+
 KiB = 1 << 10
 MiB = 1 << 20
 
 # Itemsizes written down here, not read from torch, so a wrong dtype shows up as a wrong size.
 ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float8_e4m3fn: 1}
-
-
-def config_error(make: Any) -> str:
-    with pytest.raises(pinpool.ConfigError) as info:
-        make()
-    return str(info.value)
 
 
 # -- the reference's vectors -----------------------------------------------------------------------

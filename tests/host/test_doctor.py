@@ -15,17 +15,12 @@ import pytest
 from pinpool import ConfigError
 from pinpool._cli import checks as _doctor
 from pinpool._cli.checks import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
-from pinpool._host import V2_SOURCE, CpuQuota, HostFacts
-from pinpool._plan import PoolOptions, preflight
+from pinpool._host import V2_SOURCE, CpuQuota
+from pinpool._plan import PoolOptions
 from pinpool._plan import preflight as _preflight
-from pinpool.runtimes._registry import pinning_capabilities
 from pinpool.testing import host_facts
 
-
-def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
-    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
-    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
-
+from ..conftest import check_host
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB, GiB = 1 << 20, 1 << 30

@@ -28,7 +28,7 @@ import structlog
 
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._node import NodeAdmission, NodeHolder, NodePacing, holder_state
+from pinpool._node import NodeAdmission, NodeHolder, holder_state
 from pinpool._node import config as _node_config
 from pinpool._node import directory as _node_dir
 from pinpool._node import locks as _node_lock
@@ -37,6 +37,7 @@ from pinpool._observe import Observer
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
+from .conftest import admission, in_thread, open_fds
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -44,30 +45,10 @@ PACKAGE_DIR = str(Path(pinpool.__file__).parent)
 DEADLINE = 5.0
 
 
-@pytest.fixture
-def node_dir(tmp_path: Path) -> Path:
-    return tmp_path / "node"
-
-
-def admission(directory: Path, *, slots: int | None = None, budget: int | None = None, wait: bool = False,
-              label: str = "test", on_waiting: _node.OnWaiting | None = None) -> NodeAdmission:  # fmt: skip
-    pacing = NodePacing(directory=str(directory), slots=slots, budget_bytes=budget, wait=wait)
-    return NodeAdmission(pacing, label=label, on_waiting=on_waiting)
-
-
 def within(seconds: float, target: Callable[[], object], unblock: Callable[[], None] = lambda: None) -> object:
     """``target()``'s result or exception, or a test failure if it has not returned after ``seconds``
     (then ``unblock()`` is called so the daemon thread can end)."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(target())
-        except BaseException as exc:  # handed to the test
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, out = in_thread(target)
     thread.join(seconds)
     if thread.is_alive():
         unblock()
@@ -77,10 +58,6 @@ def within(seconds: float, target: Callable[[], object], unblock: Callable[[], N
     if isinstance(result, BaseException) and not isinstance(result, Exception):
         raise result
     return result
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def release_fifo(path: Path) -> Callable[[], None]:

@@ -17,7 +17,6 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -27,20 +26,14 @@ import pinpool
 from pinpool import ConfigError, layouts
 from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
-from pinpool._plan import PoolOptions, preflight
+from pinpool._plan import PoolOptions
 from pinpool._types import Capabilities
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._registry import pinning_capabilities
 from pinpool.testing import FakeRuntime, host_facts, locked_bytes
 
 from .. import preloaded
-from ..conftest import needs_mlock
-
-
-def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
-    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
-    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
-
+from ..conftest import check_host, needs_mlock
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB

@@ -17,7 +17,7 @@ from pinpool._host import populate_range
 from pinpool._units import format_bytes
 from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, needs_mlock
+from ..conftest import each_driver, needs_mlock, pin_and_run
 
 MiB = 1 << 20
 
@@ -98,12 +98,7 @@ async def test_background_failure_on_a_piece_keeps_and_counts_what_is_registered
         if kept:
             pool.tensor[: pool.pinned_pages].fill_(3)  # the pages said pinned are usable
 
-    if mode == "async":
-        async with pool as entered:
-            body(entered)
-    else:
-        with pool as entered:
-            body(entered)
+    await pin_and_run(pool, mode, body)
     assert error is not None
     assert pool.pinned_bytes == 0 and pool.pinned_pages == 0 and pool.registrations == ()
     assert fake.registered == {} and gauge(registry, pool) is None
