@@ -6,7 +6,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "drivers": "finalize_lifecycle run_async run_sync",
     "engine": "PinSession",
     "ledger": "ChunkState Ledger Phase RegistrationBook StopCause",
-    "outcome": "STOP_CAUSES TRANSITIONS Outcome TransitionError check_move decide",
+    "outcome": "TRANSITIONS Outcome TransitionError check_move decide",
     "pipeline": "WAIT Batch Landing Pipeline split_spans",
     "steps": "Detach Ran RunThreads Step",
     "untrusted": "untrusted_call",

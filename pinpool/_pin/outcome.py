@@ -94,7 +94,6 @@ _CAUSES = {
     Outcome.EXITED: "exit",
     Outcome.ORPHANED: "collected",
 }
-STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)
 
 
 def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orphaned: bool) -> Outcome:

@@ -158,14 +158,6 @@ def _no_aligned_boundary(granularity: int, misalignment: int) -> ConfigError:
     )
 
 
-def _first_boundary(granularity: int, page_size: int, misalignment: int, unit: int) -> int:
-    """The smallest B > 0 with B % granularity == 0 and (misalignment + B) % page_size == 0; 0 if aligned."""
-    boundary = _aligned_boundary(granularity, page_size, misalignment, unit)
-    if boundary is None:
-        raise _no_aligned_boundary(granularity, misalignment)
-    return boundary
-
-
 # -- the pool plan ------------------------------------------------------------------------------
 
 MAX_DEFAULT_WORKERS = 8

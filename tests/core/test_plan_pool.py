@@ -32,7 +32,8 @@ from pinpool._plan import (
     PoolPlan,
     Span,
     SpanTable,
-    _first_boundary,
+    _aligned_boundary,
+    _no_aligned_boundary,
     check_host,
     plan_pool,
 )
@@ -155,7 +156,9 @@ def reference_chunks(
         first = 0
     else:
         try:
-            first = _first_boundary(granularity or 1, page, start % page, unit)
+            first = _aligned_boundary(granularity or 1, page, start % page, unit)
+            if first is None:
+                raise _no_aligned_boundary(granularity or 1, start % page)
         except ConfigError:
             if not shared:
                 raise
