@@ -89,9 +89,9 @@ def test_chunk_bytes_must_not_exceed_max_chunk_bytes() -> None:
 @pytest.mark.parametrize(("value", "match"), [("abc", "max_chunk_bytes='abc' is not a size"),
                                               (0, "max_chunk_bytes=0 is not positive"),
                                               (True, "max_chunk_bytes=True is a bool")])  # fmt: skip
-def test_bad_max_chunk_bytes(value: object, match: str) -> None:
+def test_bad_max_chunk_bytes(fake: FakeRuntime, value: object, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, max_chunk_bytes=value)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, max_chunk_bytes=value)  # type: ignore[arg-type]
 
 
 def test_a_granularity_over_max_chunk_bytes_names_it() -> None:

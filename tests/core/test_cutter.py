@@ -119,14 +119,14 @@ async def test_max_retries_zero_never_retries() -> None:
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
-def test_max_retries_is_validated(bad: object) -> None:
+def test_max_retries_is_validated(fake: FakeRuntime, bad: object) -> None:
     with pytest.raises(pinpool.ConfigError, match="max_retries"):
-        pinpool.PinnedPool(size="64MiB", runtime=FakeRuntime(), max_retries=bad)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size="64MiB", runtime=fake, max_retries=bad)  # type: ignore[arg-type]
 
 
-def test_min_chunk_bytes_is_validated() -> None:
+def test_min_chunk_bytes_is_validated(fake: FakeRuntime) -> None:
     with pytest.raises(pinpool.ConfigError, match="min_chunk_bytes"):
-        pinpool.PinnedPool(size="64MiB", runtime=FakeRuntime(), min_chunk_bytes="-5MiB")
+        pinpool.PinnedPool(size="64MiB", runtime=fake, min_chunk_bytes="-5MiB")
 
 
 @settings(max_examples=60, deadline=None)

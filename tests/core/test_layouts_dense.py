@@ -175,8 +175,10 @@ def test_dense_refuses_bad_input(make: Any, message: str) -> None:
         (layouts.Dense((1, 1, 64), torch.bfloat16, page_dim=2, granularity_bytes=256), 256),  # one piece per page
     ],
 )
-def test_sensible_granularities_are_accepted_and_chunk_the_pool(dense: layouts.Dense, granularity: int) -> None:
-    pool = pinpool.PinnedPool(layout=dense, size="1MiB", chunk_bytes="64KiB", runtime=FakeRuntime())
+def test_sensible_granularities_are_accepted_and_chunk_the_pool(
+    fake: FakeRuntime, dense: layouts.Dense, granularity: int
+) -> None:
+    pool = pinpool.PinnedPool(layout=dense, size="1MiB", chunk_bytes="64KiB", runtime=fake)
     assert pool.granularity == granularity
     assert all(c.offset % math.lcm(granularity, 4096) == 0 for c in pool.chunks)
     assert sum(c.nbytes for c in pool.chunks) == pool.nbytes == pool.num_pages * dense.page_bytes

@@ -104,10 +104,10 @@ def test_no_conv_states_need_no_conv_dtype() -> None:
     assert mamba.buffers(4) == (layouts.BufferSpec("temporal", (4, 1, 1, 8), torch.float32, 32, 1),)
 
 
-def test_a_zero_element_state_in_its_own_dtype_is_not_registered() -> None:
+def test_a_zero_element_state_in_its_own_dtype_is_not_registered(fake: FakeRuntime) -> None:
     mamba = layouts.Mamba(2, (3, 5), ((0, 4), (6, 3)), temporal_dtype=torch.float32, conv_dtype=torch.bfloat16)
     assert mamba.page_bytes == 2 * 15 * 4 + 2 * 18 * 2
-    pool = pinpool.PinnedPool(layout=mamba, num_pages=100, runtime=FakeRuntime(), registry=None)
+    pool = pinpool.PinnedPool(layout=mamba, num_pages=100, runtime=fake, registry=None)
     buffers = {b.spec.name: b for b in pool._buffers}
     assert buffers["conv0"].spec.granularity is None and buffers["conv0"].chunks == ()
     assert buffers["conv0"].spec.dtype is torch.bfloat16

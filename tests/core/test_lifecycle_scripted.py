@@ -266,8 +266,8 @@ def test_an_entry_step_that_raises_leaves_nothing_claimed(fake: FakeRuntime) -> 
     assert life.state is PoolState.CLOSED and life.memory is None and fake.register_calls == []
 
 
-def test_exit_of_a_pool_never_entered_is_an_error_and_close_is_not() -> None:
-    life = pool_of(FakeRuntime())._lifecycle
+def test_exit_of_a_pool_never_entered_is_an_error_and_close_is_not(fake: FakeRuntime) -> None:
+    life = pool_of(fake)._lifecycle
     with pytest.raises(PoolStateError, match="only after it was entered"):
         drive(life.exit(None))
     assert drive(life.exit(None, closing=True)) is None
@@ -450,8 +450,8 @@ def test_a_background_pool_that_pins_everything_is_ready_and_waits_are_answered(
     assert fake.registered == {} and life.pinned_pages == 0
 
 
-def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error() -> None:
-    life = pool_of(FakeRuntime())._lifecycle
+def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error(fake: FakeRuntime) -> None:
+    life = pool_of(fake)._lifecycle
     assert life.pinned_pages == 0
     with pytest.raises(PoolStateError, match="is new: enter it"):
         life.reached(None)
@@ -493,9 +493,10 @@ def test_an_interrupt_while_the_conductor_starts_is_raised_after_the_rollback(fa
 
 
 def test_an_entry_whose_memory_cannot_be_had_closes_and_a_forked_child_has_nothing_to_let_go(
+    fake: FakeRuntime,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    life = pool_of(FakeRuntime())._lifecycle
+    life = pool_of(fake)._lifecycle
 
     def acquire() -> Any:
         raise OSError("mmap")

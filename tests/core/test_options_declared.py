@@ -154,7 +154,7 @@ EVERY_FLAG = [
 ]  # fmt: skip
 
 
-def test_every_flag_reaches_pinned_pool(tmp_path: Path) -> None:
+def test_every_flag_reaches_pinned_pool(fake: FakeRuntime, tmp_path: Path) -> None:
     args = _cli.build_parser().parse_args(["pin", *EVERY_FLAG, "--node-dir", str(tmp_path)])
     kwargs = _cli.pool_options(args, "pin")
     expected = {
@@ -167,7 +167,7 @@ def test_every_flag_reaches_pinned_pool(tmp_path: Path) -> None:
     assert kwargs["max_call_seconds"] == "auto" and kwargs["pin_nice"] == 3 and kwargs["background"] is True
     assert kwargs["retry_codes"] == (1, 2, 719)
     assert kwargs["populate"] is False and kwargs["node_wait"] is True and kwargs["node_budget"] == "0.5"
-    kwargs["runtime"] = FakeRuntime()
+    kwargs["runtime"] = fake
     pool = pinpool.PinnedPool(**kwargs, registry=None)
     assert pool.name == "every" and pool.num_pages == 4 * MiB and pool.granularity == 64 << 10
     assert pool._options.max_call_seconds == 0.05 and pool._options.pin_nice == 3 and pool._options.background

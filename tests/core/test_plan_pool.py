@@ -552,10 +552,10 @@ def test_span_table_equals_the_materialised_split(
     ids=["2**63", "1e30", "2**200", "10**5000", "100PiB", "2**47+1"],
 )
 @pytest.mark.parametrize("runtime", ["auto", "fake"])
-def test_absurd_sizes_are_config_errors_at_once(size: int | str, runtime: str) -> None:
+def test_absurd_sizes_are_config_errors_at_once(fake: FakeRuntime, size: int | str, runtime: str) -> None:
     started = time.perf_counter()
     with pytest.raises(ConfigError, match="of address space") as info:
-        pinpool.PinnedPool(size=size, runtime=FakeRuntime() if runtime == "fake" else runtime)
+        pinpool.PinnedPool(size=size, runtime=fake if runtime == "fake" else runtime)
     assert time.perf_counter() - started < 1.0  # microseconds in practice; bound loose against CI noise
     assert "give a size that fits" in str(info.value)
 
@@ -693,20 +693,20 @@ def test_pool_attributes_are_the_plan_and_read_only(fake: FakeRuntime) -> None:
         assert fake.registered == {pool.data_ptr + c.offset: c.nbytes for c in pool.chunks}
 
 
-def test_pin_plans_from_the_tensor_start() -> None:
+def test_pin_plans_from_the_tensor_start(fake: FakeRuntime) -> None:
     storage = torch.empty(3 * MiB, dtype=torch.uint8)
     page = HostFacts.probe().page_size
     skew = (-storage.data_ptr() + 100) % page  # start 100 B into a page
     tensor = storage[skew : skew + 2 * MiB]
-    pinned = pinpool.pin(tensor, chunk_bytes=MiB, runtime=FakeRuntime(), registry=None)
+    pinned = pinpool.pin(tensor, chunk_bytes=MiB, runtime=fake, registry=None)
     assert pinned._plan.source_start == tensor.data_ptr() % page == 100
     assert all((tensor.data_ptr() + c.offset) % page == 0 for c in pinned.chunks[1:])
     assert pinned.chunks.nbytes == 2 * MiB
 
 
-def test_construction_is_constant_time_in_the_chunk_count() -> None:
+def test_construction_is_constant_time_in_the_chunk_count(fake: FakeRuntime) -> None:
     started = time.perf_counter()
-    pool = pinpool.PinnedPool(size=100 * TiB, chunk_bytes=4096, runtime=FakeRuntime(), registry=None)
+    pool = pinpool.PinnedPool(size=100 * TiB, chunk_bytes=4096, runtime=fake, registry=None)
     assert time.perf_counter() - started < 1.0
     assert len(pool.chunks) == 100 * TiB // 4096
     assert pool.chunks[-1] == Chunk(100 * TiB - 4096, 4096)

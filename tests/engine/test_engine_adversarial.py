@@ -328,9 +328,9 @@ def pin_only(option: str, value: object) -> None:
         ({"chunk_bytes": -(10**5000)}, "chunk_bytes=-~2**16609 is not positive"),
     ],
 )
-def test_odd_values_name_the_value_and_the_fix(kwargs: dict[str, object], fragment: str) -> None:
+def test_odd_values_name_the_value_and_the_fix(fake: FakeRuntime, kwargs: dict[str, object], fragment: str) -> None:
     with pytest.raises(pinpool.ConfigError) as info:
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, **kwargs)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, **kwargs)  # type: ignore[arg-type]
     assert fragment in str(info.value)
 
 

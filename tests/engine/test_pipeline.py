@@ -1204,8 +1204,8 @@ async def test_one_unpin_worker_unregisters_in_reverse_offset_order(mode: str) -
     assert_rolled_back(fake)
 
 
-def test_unpin_workers_are_capped_by_the_chunk_count() -> None:
-    pool = pinpool.PinnedPool(size=3 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), unpin_workers=8)
+def test_unpin_workers_are_capped_by_the_chunk_count(fake: FakeRuntime) -> None:
+    pool = pinpool.PinnedPool(size=3 * MiB, chunk_bytes=MiB, runtime=fake, unpin_workers=8)
     assert pool.unpin_workers == 3
 
 

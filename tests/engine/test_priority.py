@@ -144,9 +144,9 @@ def test_the_increment_is_relative_and_capped_at_19() -> None:
 
 
 @pytest.mark.parametrize("bad", [-1, 20, 1.5, True, "10", "high", [5]])
-def test_bad_values_are_config_errors_naming_value_and_fix(bad: object) -> None:
+def test_bad_values_are_config_errors_naming_value_and_fix(fake: FakeRuntime, bad: object) -> None:
     with pytest.raises(ConfigError) as caught:
-        pinpool.PinnedPool(size="64MiB", runtime=FakeRuntime(), registry=None, background=True, pin_nice=bad)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size="64MiB", runtime=fake, registry=None, background=True, pin_nice=bad)  # type: ignore[arg-type]
     message = str(caught.value)
     assert f"pin_nice={bad!r}" in message and "0 to 19" in message and '"auto"' in message
 

@@ -607,9 +607,9 @@ def test_fail_next_populate_is_enomem(fake: FakeRuntime) -> None:
 
 @pytest.mark.parametrize(("k", "op", "match"), [(1, "mlock", "op='mlock' is not a FakeRuntime call"),
                                                 (-1, "register", "k=-1"), (True, "register", "k=True")])  # fmt: skip
-def test_bad_fail_next_is_a_config_error(k: int, op: str, match: str) -> None:
+def test_bad_fail_next_is_a_config_error(fake: FakeRuntime, k: int, op: str, match: str) -> None:
     with pytest.raises(pinpool.ConfigError, match=match):
-        FakeRuntime().fail_next(k, op)
+        fake.fail_next(k, op)
 
 
 def test_fail_next_counts_exactly_under_concurrency() -> None:

@@ -134,10 +134,10 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
         pass
 
 
-def test_a_pool_entering_with_a_fifo_as_hold_file_fails_within_a_deadline(node_dir: Path) -> None:
+def test_a_pool_entering_with_a_fifo_as_hold_file_fails_within_a_deadline(fake: FakeRuntime, node_dir: Path) -> None:
     """End to end: the pool raises ConfigError from its entry instead of hanging in the admission thread."""
     pool = pinpool.PinnedPool(
-        size=MiB, runtime=FakeRuntime(), registry=None, node_budget=GiB, node_dir=str(node_dir), node_wait=False
+        size=MiB, runtime=fake, registry=None, node_budget=GiB, node_dir=str(node_dir), node_wait=False
     )
     fifo = node_dir / "hold-4242-planted"
     os.mkfifo(fifo, 0o600)
@@ -178,13 +178,15 @@ def test_a_hard_link_in_place_of_a_lock_file_is_refused_and_its_target_is_untouc
     assert precious.read_bytes() == b"do not overwrite\n" and os.stat(precious).st_nlink == 1
 
 
-def test_a_hard_link_already_there_is_refused_by_the_constructor(node_dir: Path, precious: Path) -> None:
+def test_a_hard_link_already_there_is_refused_by_the_constructor(
+    fake: FakeRuntime, node_dir: Path, precious: Path
+) -> None:
     node_dir.mkdir(mode=0o700)
     os.link(precious, node_dir / "slot-1")
     with pytest.raises(pinpool.ConfigError, match=r"slot-1' has 2 hard links"):
         admission(node_dir, slots=2)
     with pytest.raises(pinpool.ConfigError, match=r"slot-1' has 2 hard links"):
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, node_slots=2, node_dir=str(node_dir))
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, node_slots=2, node_dir=str(node_dir))
     admission(node_dir, slots=1)  # slot-1 is no file of a one-slot pacing
     assert precious.read_bytes() == b"do not overwrite\n"
 

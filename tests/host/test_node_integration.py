@@ -88,11 +88,11 @@ def test_the_budget_is_held_while_pinned_and_released_on_exit(tmp_path: Path) ->
         assert again.state is PoolState.READY
 
 
-def test_a_pool_larger_than_the_whole_budget_is_refused_in_the_constructor(tmp_path: Path) -> None:
+def test_a_pool_larger_than_the_whole_budget_is_refused_in_the_constructor(fake: FakeRuntime, tmp_path: Path) -> None:
     from pinpool import ConfigError
 
     with pytest.raises(ConfigError):
-        paced(tmp_path, FakeRuntime(), node_budget=4 * MiB)
+        paced(tmp_path, fake, node_budget=4 * MiB)
 
 
 @pytest.mark.anyio

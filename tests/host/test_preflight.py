@@ -110,10 +110,10 @@ def test_unknown_figures_are_not_guessed_at() -> None:
 
 
 @pytest.mark.parametrize("runtime", [None, "fake", "no-such-runtime"])
-def test_no_memory_check_without_a_runtime_that_pins_for_real(runtime: str | None) -> None:
+def test_no_memory_check_without_a_runtime_that_pins_for_real(fake: FakeRuntime, runtime: str | None) -> None:
     """FakeRuntime touches no memory: tests plan pools far beyond the host. An unknown name is left
     to resolve_runtime's own ConfigError; None keeps the old, runtime-free check_host."""
-    spec: object = FakeRuntime() if runtime == "fake" else runtime
+    spec: object = fake if runtime == "fake" else runtime
     check_host(PoolOptions(size=64 * GiB), CONTAINER, spec)
     check_host(PoolOptions(size=64 * GiB), NO_CAP, spec)
 
@@ -312,8 +312,8 @@ def test_pin_checks_the_memlock_budget_but_not_residency() -> None:
                 pytest.fail("the body must not run")
 
 
-def test_fake_pools_beyond_this_host_still_plan() -> None:
-    pinpool.PinnedPool(size="100TiB", chunk_bytes="1TiB", runtime=FakeRuntime(), registry=None)
+def test_fake_pools_beyond_this_host_still_plan(fake: FakeRuntime) -> None:
+    pinpool.PinnedPool(size="100TiB", chunk_bytes="1TiB", runtime=fake, registry=None)
 
 
 # -- what cannot be known in advance: ENOMEM / EAGAIN while pinning are PinErrors, rolled back ---------------------

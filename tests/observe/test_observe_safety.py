@@ -269,7 +269,7 @@ def test_log_errors_series_exists_at_zero_once_pinning_starts() -> None:
     assert log_errors(registry) == 0
 
 
-def test_a_clashing_registry_is_a_config_error_and_leaves_the_registry_as_it_was() -> None:
+def test_a_clashing_registry_is_a_config_error_and_leaves_the_registry_as_it_was(fake: FakeRuntime) -> None:
     from prometheus_client import Gauge
 
     registry = CollectorRegistry()
@@ -281,7 +281,7 @@ def test_a_clashing_registry_is_a_config_error_and_leaves_the_registry_as_it_was
     registry.unregister(clash)
     PoolMetrics(registry)
     with pytest.raises(pinpool.ConfigError):
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=_clashing_registry())
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=_clashing_registry())
 
 
 def _clashing_registry() -> CollectorRegistry:

@@ -56,8 +56,8 @@ def test_open_returns_the_pool_and_close_is_idempotent(fake: FakeRuntime) -> Non
         pool.open()
 
 
-def test_close_of_a_pool_never_opened_closes_it() -> None:
-    pool = pool_of(FakeRuntime())
+def test_close_of_a_pool_never_opened_closes_it(fake: FakeRuntime) -> None:
+    pool = pool_of(fake)
     pool.close()
     assert pool.state is PoolState.CLOSED
     with pytest.raises(PoolStateError):

@@ -127,9 +127,9 @@ def test_pin_populate_on_unaligned_tensor(fake: FakeRuntime) -> None:
         (torch.zeros(4, device="meta"), "only CPU tensors"),
     ],
 )
-def test_pin_rejects_bad_tensors(tensor: object, match: str) -> None:
+def test_pin_rejects_bad_tensors(fake: FakeRuntime, tensor: object, match: str) -> None:
     with pytest.raises(pinpool.ConfigError, match=match):
-        pinpool.pin(tensor, runtime=FakeRuntime())  # type: ignore[arg-type]
+        pinpool.pin(tensor, runtime=fake)  # type: ignore[arg-type]
 
 
 def test_unaligned_tensor_with_impossible_granularity_is_a_config_error_without_exact_ranges() -> None:

@@ -439,7 +439,7 @@ def test_set_before_entry_still_pins_the_memory_pin_was_given(fake: FakeRuntime)
 
 
 @pytest.mark.parametrize("kind", ["view", "requires_grad", "inference", "float_rows"])
-def test_tensors_of_every_kind_are_guarded_and_given_back(kind: str) -> None:
+def test_tensors_of_every_kind_are_guarded_and_given_back(fake: FakeRuntime, kind: str) -> None:
     base: torch.Tensor | None = None
     if kind == "view":
         base = torch.empty(9 * MiB, dtype=torch.uint8)
@@ -453,7 +453,7 @@ def test_tensors_of_every_kind_are_guarded_and_given_back(kind: str) -> None:
         base = torch.zeros(8, MiB)
         t = base[2:6]
     own, shape, stride, offset = _cdata(t), t.shape, t.stride(), t.storage_offset()
-    with pinpool.pin(t, runtime=FakeRuntime(), chunk_bytes=MiB, registry=None) as p:
+    with pinpool.pin(t, runtime=fake, chunk_bytes=MiB, registry=None) as p:
         assert p.tensor.data_ptr() == t.data_ptr() and p.tensor.shape == t.shape
         assert not t.untyped_storage().resizable()  # pointed at the alias while pinned
     assert _cdata(t) == own and (t.shape, t.stride(), t.storage_offset()) == (shape, stride, offset)

@@ -377,8 +377,8 @@ async def test_many_chunks_one_thread_hop_per_worker(fake: FakeRuntime) -> None:
     assert_rolled_back(fake)
 
 
-def test_zero_copy_tensor_is_the_pool_memory() -> None:
-    with pinpool.PinnedPool(size=3 * 4096, runtime=FakeRuntime()) as pool:
+def test_zero_copy_tensor_is_the_pool_memory(fake: FakeRuntime) -> None:
+    with pinpool.PinnedPool(size=3 * 4096, runtime=fake) as pool:
         pool.tensor[5] = 42
         assert ctypes.c_uint8.from_address(pool.data_ptr + 5).value == 42
         ctypes.c_uint8.from_address(pool.data_ptr + 4097).value = 7
@@ -534,8 +534,8 @@ def test_pinned_bytes_counts_leaked_chunks() -> None:
 
 
 @pytest.mark.parametrize("populate", [False, True])
-def test_memory_is_unmapped_at_exit_when_no_view_is_kept(populate: bool) -> None:
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), populate=populate)
+def test_memory_is_unmapped_at_exit_when_no_view_is_kept(fake: FakeRuntime, populate: bool) -> None:
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, populate=populate)
     with pool:
         assert pool._lifecycle.memory is not None
         unmap = pool._lifecycle.memory._finalizer  # type: ignore[attr-defined]
@@ -554,7 +554,9 @@ def test_leaked_chunk_keeps_its_memory_mapped() -> None:
     assert unmap.alive  # freeing memory that may still be registered would be undefined
 
 
-def test_huge_pages_without_thp_is_a_config_error_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_huge_pages_without_thp_is_a_config_error_in_the_constructor(
+    fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(pinpool._host.libc, "transparent_huge_pages_mode", lambda: "never")
     with pytest.raises(pinpool.ConfigError, match=r"transparent huge pages.*never"):
-        pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), huge_pages=True)
+        pinpool.PinnedPool(size=4 * MiB, runtime=fake, huge_pages=True)

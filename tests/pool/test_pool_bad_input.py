@@ -47,10 +47,10 @@ def test_bad_input_is_a_config_error_before_anything_is_pinned(
 
 
 @pytest.mark.parametrize("value", ["", "abc", "0", "-2", "nan", "inf"])
-def test_bad_chunk_env_var_is_a_config_error(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+def test_bad_chunk_env_var_is_a_config_error(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("PINPOOL_REGISTER_CHUNK_GB", value)
     with pytest.raises(pinpool.ConfigError, match="PINPOOL_REGISTER_CHUNK_GB"):
-        pinpool.PinnedPool(size="1GiB", runtime=FakeRuntime())
+        pinpool.PinnedPool(size="1GiB", runtime=fake)
 
 
 def test_chunk_env_var_sets_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
