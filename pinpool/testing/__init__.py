@@ -72,55 +72,31 @@ def _check_hook(hook: object, what: str) -> None:
 
 
 class FakeRuntime:
-    """A thread-safe stand-in for a pinning runtime, with fault injection.
+    """A thread-safe stand-in for a pinning runtime, with fault injection (docs/testing.md has the tables).
 
-    ``fail_register_on`` / ``fail_unregister_on``: 1-based indices (an int or a set) of the
-    register / unregister calls that fail, counted over this runtime's lifetime.
-    ``fail_register_larger_than``: a size (bytes or a string like ``"64GiB"``); register calls
-    for more bytes than that fail, as a driver's per-call cap does.
-    :meth:`fail_next` ``(k, op)``: the next ``k`` calls of one op fail, whenever they come.
-    ``register_delay`` / ``unregister_delay``: seconds each call sleeps (outside the lock, so
-    concurrent calls really overlap).
+    ``fail_register_on`` / ``fail_unregister_on`` / ``fail_populate_on``: 1-based indices (an int
+    or a set) of the calls that fail, counted over this runtime's lifetime; :meth:`fail_next`
+    fails the next ``k`` calls of one op, whenever they come. ``fail_register_larger_than``: a
+    size over which register calls fail, as a driver's per-call cap does. ``*_delay``: seconds
+    each call sleeps, outside the lock, so concurrent calls really overlap.
 
-    Like CUDA, registering a range that overlaps a registered one fails with
-    ``cudaErrorHostMemoryAlreadyRegistered`` (712), and unregistering anything but a
-    registered base fails with ``cudaErrorHostMemoryNotRegistered`` (713). Injected register
-    and unregister failures report ``cudaErrorMemoryAllocation`` (2), which the fake declares
-    retryable, as CUDA does; a failed register leaves nothing registered, a failed unregister
-    leaves the range registered.
+    CUDA's rules: registering over a registered byte fails with 712, unregistering anything but
+    a registered base with 713; injected failures report 2 (retryable, as on CUDA; populate:
+    ENOMEM); a failed register leaves nothing registered, a failed unregister leaves it
+    registered. ``exact_ranges=False`` books whole pages instead (as ROCm is treated), so a
+    register sharing an OS page with a registered one fails with 712. ``lock_on_fault=True``
+    declares ``locks_on_fault`` (as mlock): chunks are registered before they are faulted.
+    Populate touches no memory and ``resident`` is False, so the pre-flight charges nothing.
 
-    Attributes: ``registered`` (base → nbytes now registered), ``register_calls`` (every
-    ``(ptr, nbytes)`` asked, failed ones included), ``unregister_calls`` (every ptr asked),
-    ``max_concurrent_registers`` (most register calls seen in flight at once).
+    ``before_call`` / ``after_call``: None or ``hook(op, ptr, nbytes)`` (nbytes 0 for
+    unregister), run in the calling thread outside the lock around every call; ``before_call``
+    runs before the call is recorded (raising, it prevents the call), ``after_call`` once the
+    books are updated, failed or not (raising after a successful register, it leaves the range
+    registered, as an interrupt just after the driver returned would). Plain attributes.
 
-    Pre-faulting (``populate=``, on by default) goes through :meth:`populate`, which touches no
-    memory: ``fail_populate_on`` / ``populate_delay`` inject failures (reported as ENOMEM, as
-    MADV_POPULATE_WRITE does) and latency; ``populate_calls`` records every ``(ptr, nbytes)``.
-    ``lock_on_fault=True`` makes the fake behave like mlock: it declares ``locks_on_fault``, so
-    chunks are registered (through :meth:`lock_on_fault`, which counts as a register call)
-    before they are faulted, instead of after (CUDA). ``capabilities`` is the declaration:
-    populates, retryable code 2, "not registered" code 713, locks_on_fault and exact_ranges as
-    asked, and not ``resident``
-    (it touches no memory, so the memory pre-flight charges nothing).
-    ``events`` is every call in the order it started: ``("populate" | "register" |
-    "unregister", ptr)``.
-
-    Hooks, to act at exact moments (an interrupt mid-pinning, a check of the books):
-    ``before_call`` and ``after_call``, each None or ``hook(op, ptr, nbytes)``, run in the
-    calling thread, outside the fake's lock, around every populate / register / unregister
-    call (nbytes is 0 for unregister, which takes only a base). ``before_call`` runs before
-    the call is recorded; if it raises, the call never happens. ``after_call`` runs once the
-    books are updated, whether the call failed or not. An exception a hook raises propagates
-    out of the runtime call: raised by ``after_call`` of a successful register, it leaves the
-    range registered, as an interrupt just after the driver returned would. Both are plain
-    attributes, so a test may set them after construction.
-
-    ``exact_ranges`` (default True, as CUDA): registrations are kept by exact byte range, so
-    two may share an OS page as long as no byte is in both. ``exact_ranges=False`` makes the
-    fake a runtime that pins whole pages and does not count them (as ROCm is treated, or a
-    runtime of your own that declares nothing): it declares ``exact_ranges=False``, so a
-    caller's tensor is planned without shared pages, and a register whose range shares an
-    OS page with a registered one fails with 712, as overlapping bytes do.
+    Books: ``registered`` (base → nbytes), ``register_calls`` / ``populate_calls`` (every
+    ``(ptr, nbytes)`` asked, failed ones included), ``unregister_calls`` (every ptr),
+    ``events`` (``(op, ptr)`` in the order calls started), ``max_concurrent_registers``.
     """
 
     name = "fake"
