@@ -406,31 +406,17 @@ class _ErrorValue:
 
 
 class FakeCudart:
-    """Stands in for ``torch.cuda.cudart()`` and for the runtime library torch loaded.
+    """Stands in for ``torch.cuda.cudart()`` and for the runtime library torch loaded (docs/testing.md).
 
-    It keeps the books CUDA keeps for host registration, by exact byte range: two
-    registrations may share an OS page as long as no byte is in both; a register call that
-    overlaps a registered range returns 712 (``cudaErrorHostMemoryAlreadyRegistered``; 1061
-    under ``platform="rocm"``), an unregister of anything but the base of a live registration
-    returns 713 (``cudaErrorHostMemoryNotRegistered``; 1062). A size of 0 returns 1
-    (``cudaErrorInvalidValue``). Every failed call sets the calling thread's sticky last error,
-    which :meth:`cudaGetLastError` returns and clears, as the runtime does.
-
-    ``lock=True`` (default) really page-locks what is registered, with mlock (a page shared by
-    neighbouring registrations, theirs or an MlockRuntime's, is counted and stays locked until
-    its last holder goes), so ``VmLck`` in /proc/self/status moves as it would; a lock the
-    kernel refuses (RLIMIT_MEMLOCK) returns 2 (``cudaErrorMemoryAllocation``) and registers
-    nothing. ``lock=False`` keeps the books only, for addresses that are not this process's memory.
-
-    Fault injection: :meth:`refuse_above` (a driver's per-call cap, as SGLang's degradation
-    tests use) and :meth:`fail` (the next calls of one op, optionally only those matching a
-    predicate). An injected failure registers nothing, or leaves the registration in place.
-
-    Records: :attr:`registered` (base → nbytes, live), :attr:`calls` (every ``(op, ptr,
-    nbytes, rc)``; unregister's nbytes is the registration's size, 0 when there was none).
-    Thread-safe. Build pinpool's runtime on it with
-    ``pinpool.runtimes.CudaRuntime.from_binding(FakeCudart())`` (``RocmRuntime`` for
-    ``platform="rocm"``), or answer a server's own ``torch.cuda.cudart()`` with it.
+    CUDA's books, by exact byte range: registering over a registered byte returns 712 (1061 under
+    ``platform="rocm"``), unregistering anything but a live base 713 (1062), a size of 0 returns 1;
+    every failed call sets the calling thread's sticky last error (:meth:`cudaGetLastError`).
+    ``lock=True`` (default) really mlocks what is registered, so VmLck moves as it would (a page
+    shared with a neighbour, its or an MlockRuntime's, stays locked until its last holder goes); a
+    lock the kernel refuses returns 2 and registers nothing. ``lock=False`` keeps the books only.
+    Faults: :meth:`refuse_above` (a per-call cap) and :meth:`fail`; an injected failure changes no
+    books. Records: :attr:`registered`, :attr:`calls`. Thread-safe. Use it as
+    ``CudaRuntime.from_binding(FakeCudart())`` or to answer a server's own ``torch.cuda.cudart()``.
     """
 
     def __init__(self, *, platform: str = "cuda", lock: bool = True) -> None:
