@@ -1,24 +1,13 @@
 """pytest plugin for code built on pinpool: leak-checked fixtures and the ``gpu`` marker.
 
-Installing pinpool registers it with pytest (entry point ``pinpool`` in the ``pytest11``
-group), so a project that depends on pinpool gets, with no configuration:
-
-- ``fake_runtime``: a fresh :class:`pinpool.testing.FakeRuntime` per test. At teardown the
-  test errors if the fake still has a range registered, naming every range.
-- ``pinned_pool_factory``: ``pinned_pool_factory(size=..., **options)`` builds a
-  :class:`pinpool.PinnedPool` on the test's ``fake_runtime`` and a fresh per-test
-  ``CollectorRegistry`` (``pinned_pool_factory.registry``) unless the call says otherwise;
-  ``pinned_pool_factory.pin(tensor, **options)`` does the same for :func:`pinpool.pin`. At
-  teardown the test errors if a pool it built is still open (it is exited first, so nothing
-  stays pinned), or if a fake runtime it used still has a range registered.
-- the ``gpu`` marker: ``@pytest.mark.gpu`` tests are skipped, with the reason, where
-  ``torch.cuda.is_available()`` is false. Registering the marker again is harmless: a
-  project's own ``markers = ["gpu: ..."]`` line is kept and no second one is added.
-
-The plugin imports pinpool and torch only when a fixture or a ``gpu``-marked test needs
-them. Without the entry point (a checkout that is not installed), load it with
-``-p pinpool.pytest_plugin`` or ``pytest_plugins = ["pinpool.pytest_plugin"]``; with it,
-those are no-ops (see :data:`entry_point`). docs/testing.md is the guide.
+Installing pinpool registers it (entry point ``pinpool`` in the ``pytest11`` group):
+``fake_runtime`` (a fresh :class:`pinpool.testing.FakeRuntime`; the test errors at teardown if it
+still holds a range), ``pinned_pool_factory`` (pools on that fake and a per-test registry; the
+test errors if one is left open, after the fixture exited it) and the ``gpu`` marker (skipped,
+with the reason, where ``torch.cuda.is_available()`` is false; a project's own ``gpu`` marker line
+is kept). pinpool and torch are imported only when a fixture or a ``gpu`` test needs them. Without
+the entry point, load it with ``-p pinpool.pytest_plugin`` (see :data:`entry_point`); docs/testing.md
+is the guide.
 """
 
 from __future__ import annotations
@@ -152,7 +141,7 @@ class PinnedPoolFactory:
 
         problems: list[str] = []
         for pool in self.pools:
-            if not _entered_and_not_exited(pool, pinpool.PoolStateError):
+            if pool.state.value in ("new", "closed"):
                 continue
             problems.append(f"pool {pool.name!r} was entered and never exited; the fixture exited it: {pool!r}")
             try:
@@ -174,17 +163,6 @@ class PinnedPoolFactory:
 
     def _names_on(self, runtime: object) -> str:
         return ", ".join(repr(pool.name) for pool in self.pools if pool.runtime is runtime)
-
-
-def _entered_and_not_exited(pool: PinnedPool, not_open: type[Exception]) -> bool:
-    state = getattr(pool, "state", None)  # pinpool.PoolState: new, pinning, ready, failed, closing, closed
-    if state is not None:
-        return str(state.value) not in ("new", "closed")
-    try:
-        _ = pool.tensors  # without pool.state: only an open pool has tensors
-    except not_open:
-        return False
-    return True
 
 
 @pytest.fixture

@@ -5,11 +5,13 @@ import gc
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 import pinpool
 from pinpool._host import libc as _libc
+from pinpool.testing import FakeRuntime, locked_bytes
 
 # pinpool's own pytest plugin (the gpu marker's skip, the fixtures), loaded from here rather than
 # through its installed pytest11 entry point, which pyproject's addopts turn off (-p no:pinpool):
@@ -85,10 +87,16 @@ needs_mlock = pytest.mark.skipif(
 
 
 @pytest.fixture
+def fake(fake_runtime: FakeRuntime) -> FakeRuntime:
+    """The plugin's leak-checked ``fake_runtime``: the test errors if it leaves a range registered."""
+    return fake_runtime
+
+
+@pytest.fixture
 def vmlck_baseline() -> int:
     """VmLck before the test; the test asserts it comes back to this."""
     gc.collect()
-    return _libc.vm_locked_bytes()
+    return locked_bytes()
 
 
 async def pin_and_run(
@@ -101,3 +109,18 @@ async def pin_and_run(
     else:
         with pool as entered:
             body(entered)
+
+
+def config_error(make: Callable[[], object]) -> str:
+    """The message of the ConfigError ``make()`` raises."""
+    with pytest.raises(pinpool.ConfigError) as info:
+        make()
+    return str(info.value)
+
+
+def check_host(options: Any, host: Any, runtime: object = None, **kwargs: Any) -> None:
+    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
+    from pinpool._plan import check_host as check
+    from pinpool.runtimes._registry import pinning_capabilities
+
+    check(options, host, pinning_capabilities(runtime, host), **kwargs)

@@ -1,1 +1,11 @@
-"""pinpool._pin"""
+"""pinpool._pin: pinning. Tests import from here (see pinpool._types.lazy_exports)."""
+
+from .._types import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "drivers": "finalize_lifecycle run_async run_sync",
+    "engine": "PinSession untrusted_call",
+    "ledger": "ChunkState Ledger Phase RegistrationBook StopCause",
+    "outcome": "TRANSITIONS Detach Outcome Ran RunThreads Step TransitionError check_move decide",
+    "pipeline": "WAIT Batch Landing Pipeline split_spans",
+})  # fmt: skip

@@ -276,8 +276,3 @@ def option(name: str) -> Option:
 def pool_options() -> Iterator[Option]:
     """What ``PinnedPool(...)`` takes, in its signature's order."""
     return (o for o in OPTIONS if o.pool)
-
-
-def pin_options() -> Iterator[Option]:
-    """What ``pin(tensor, ...)`` takes after the tensor, in its signature's order."""
-    return (o for o in OPTIONS if o.pin)

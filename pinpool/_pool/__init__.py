@@ -1,1 +1,8 @@
-"""pinpool._pool"""
+"""pinpool._pool: the façade. Tests import from here (see pinpool._types.lazy_exports)."""
+
+from .._types import lazy_exports
+
+__getattr__, __all__ = lazy_exports(__name__, {
+    "pin": "empty",
+    "pool": "PinnedPool",
+})  # fmt: skip

@@ -16,22 +16,13 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host.facts import HostFacts
-from pinpool._plan.calls import retry_splitter
-from pinpool._plan.chunks import Chunk
-from pinpool._plan.options import CHUNK_ENV, PoolOptions
-from pinpool._plan.plan import PoolPlan, plan_pool
+from pinpool._plan import CHUNK_ENV, Chunk, PoolOptions, PoolPlan, plan_pool, retry_splitter
 from pinpool._types import Capabilities
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, host_facts
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=None,
-    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=64 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts()
 CUDA_LIKE = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({2}))
 # Two buffers of different sizes: K (head_dim 16) and V (v_head_dim 8), page_first.
 TWO_BUFFERS = layouts.MHA("page_first", 2, 4, 2, 16, torch.float16, v_head_dim=8)
@@ -98,9 +89,9 @@ def test_chunk_bytes_must_not_exceed_max_chunk_bytes() -> None:
 @pytest.mark.parametrize(("value", "match"), [("abc", "max_chunk_bytes='abc' is not a size"),
                                               (0, "max_chunk_bytes=0 is not positive"),
                                               (True, "max_chunk_bytes=True is a bool")])  # fmt: skip
-def test_bad_max_chunk_bytes(value: object, match: str) -> None:
+def test_bad_max_chunk_bytes(fake: FakeRuntime, value: object, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, max_chunk_bytes=value)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, max_chunk_bytes=value)  # type: ignore[arg-type]
 
 
 def test_a_granularity_over_max_chunk_bytes_names_it() -> None:

@@ -13,8 +13,7 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import layouts
-from pinpool._plan.calls import RetryGrid, RetrySplitter
-from pinpool._plan.chunks import Chunk
+from pinpool._plan import Chunk, RetryGrid, RetrySplitter
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, pin_and_run
@@ -120,14 +119,14 @@ async def test_max_retries_zero_never_retries() -> None:
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
-def test_max_retries_is_validated(bad: object) -> None:
+def test_max_retries_is_validated(fake: FakeRuntime, bad: object) -> None:
     with pytest.raises(pinpool.ConfigError, match="max_retries"):
-        pinpool.PinnedPool(size="64MiB", runtime=FakeRuntime(), max_retries=bad)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size="64MiB", runtime=fake, max_retries=bad)  # type: ignore[arg-type]
 
 
-def test_min_chunk_bytes_is_validated() -> None:
+def test_min_chunk_bytes_is_validated(fake: FakeRuntime) -> None:
     with pytest.raises(pinpool.ConfigError, match="min_chunk_bytes"):
-        pinpool.PinnedPool(size="64MiB", runtime=FakeRuntime(), min_chunk_bytes="-5MiB")
+        pinpool.PinnedPool(size="64MiB", runtime=fake, min_chunk_bytes="-5MiB")
 
 
 @settings(max_examples=60, deadline=None)

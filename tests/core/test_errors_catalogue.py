@@ -15,7 +15,6 @@ import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -24,21 +23,13 @@ import torch
 import pinpool
 from pinpool import layouts
 from pinpool._host import libc as _libc
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
-from pinpool._plan.options import CHUNK_ENV, PoolOptions, chunk_limit_from_env
-from pinpool._plan.plan import plan_pool
+from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env, plan_pool
 from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime
-from pinpool.runtimes._registry import pinning_capabilities
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, host_facts
 
-
-def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
-    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
-    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
-
+from ..conftest import check_host
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "errors.md"
@@ -93,12 +84,7 @@ def doc_rows() -> list[Row]:
 
 # -- the cases: one per row, keyed by the row's Example cell ---------------------------------------------------
 
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=None,
-    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=16 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0, 1), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts(mem_available=16 * GiB, numa_nodes=(0, 1))
 CONTAINER = dataclasses.replace(
     HOST, cgroup_memory_limit=2 * GiB, cgroup_memory_usage=300 * MiB, cgroup_version=2, cgroup_path="/pod/c1"
 )
@@ -577,8 +563,8 @@ def test_every_exception_class_has_a_row() -> None:
 def test_ledger_error_is_said_to_never_reach_users() -> None:
     text = DOC.read_text()
     assert "LedgerError" in text and "never reach" in text
-    from pinpool._pin.ledger import LedgerError
-    from pinpool._pin.outcome import TransitionError
+    from pinpool._errors import LedgerError
+    from pinpool._pin import TransitionError
 
     assert not issubclass(LedgerError, pinpool.PinpoolError)  # an invariant breach, not an error to handle
     assert not issubclass(TransitionError, pinpool.PinpoolError)

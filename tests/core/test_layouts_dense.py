@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import layouts
-from pinpool._host import libc as _libc
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import needs_mlock
 from .test_layouts_kv import PROPERTY_SETTINGS, dims_D, dims_L, dims_P, dtypes
@@ -107,7 +106,7 @@ def test_a_real_mlock_pool_of_sglangs_shape_is_the_hand_reshaped_raw_pool(vmlck_
         pinpool.PinnedPool(layout=dense, num_pages=pages, name="dense", **options) as pool,
         pinpool.PinnedPool(layout=layouts.Raw(granularity), size=nbytes, name="raw", **options) as raw,
     ):
-        assert _libc.vm_locked_bytes() - vmlck_baseline >= 2 * nbytes  # both really locked
+        assert locked_bytes() - vmlck_baseline >= 2 * nbytes  # both really locked
         t = pool.tensor
         assert t is pool.tensors["kv"]
         by_hand = raw.tensor.view(torch.bfloat16).view(shape)  # what the adopter wrote before
@@ -122,7 +121,7 @@ def test_a_real_mlock_pool_of_sglangs_shape_is_the_hand_reshaped_raw_pool(vmlck_
         # SGLang's per-layer views (page_first: k_buffer.transpose(0, 1)[i]) work on it as they are.
         k_layer = t[0].transpose(0, 1)[3]
         assert k_layer.shape == (pages * P, H, D) and torch.equal(k_layer, data[0, :, 3])
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @pytest.mark.parametrize(
@@ -176,8 +175,10 @@ def test_dense_refuses_bad_input(make: Any, message: str) -> None:
         (layouts.Dense((1, 1, 64), torch.bfloat16, page_dim=2, granularity_bytes=256), 256),  # one piece per page
     ],
 )
-def test_sensible_granularities_are_accepted_and_chunk_the_pool(dense: layouts.Dense, granularity: int) -> None:
-    pool = pinpool.PinnedPool(layout=dense, size="1MiB", chunk_bytes="64KiB", runtime=FakeRuntime())
+def test_sensible_granularities_are_accepted_and_chunk_the_pool(
+    fake: FakeRuntime, dense: layouts.Dense, granularity: int
+) -> None:
+    pool = pinpool.PinnedPool(layout=dense, size="1MiB", chunk_bytes="64KiB", runtime=fake)
     assert pool.plan.granularity == granularity
     assert all(c.offset % math.lcm(granularity, 4096) == 0 for c in pool.plan.chunks)
     assert sum(c.nbytes for c in pool.plan.chunks) == pool.nbytes == pool.num_pages * dense.page_bytes

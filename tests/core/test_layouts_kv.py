@@ -25,7 +25,7 @@ import pinpool
 from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
-from ..conftest import each_driver
+from ..conftest import config_error, each_driver
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -410,7 +410,7 @@ def test_every_family_and_layout_is_covered() -> None:
     ],
 )
 def test_mamba_zero_element_buffer_is_not_registered(
-    layout: str, temporal: tuple[int, ...], convs: tuple[tuple[int, ...], ...], empty: set[str]
+    fake: FakeRuntime, layout: str, temporal: tuple[int, ...], convs: tuple[tuple[int, ...], ...], empty: set[str]
 ) -> None:
     Lm, it = 2, 4
     mamba = layouts.Mamba(Lm, temporal, convs, torch.float32, layout=layout)
@@ -418,7 +418,6 @@ def test_mamba_zero_element_buffer_is_not_registered(
     slots = {name: Lm * math.prod(shape) * it for name, shape in states.items()}
     assert {name for name, slot in slots.items() if slot == 0} == empty
     assert mamba.page_bytes == sum(slots.values())
-    fake = FakeRuntime()
     num_pages = 3000
     pool = pinpool.PinnedPool(layout=mamba, size=num_pages * mamba.page_bytes, chunk_bytes=64 * KiB, runtime=fake)
     buffers = {b.spec.name: b for b in pool.plan.buffers}
@@ -453,14 +452,14 @@ def test_mamba_zero_element_buffer_is_not_registered(
 # -- SGLang's worked numbers, against pinpool's API --------------------------------------------------
 
 
-def test_sglang_vector_mla_page_first_direct_granularity_60() -> None:
+def test_sglang_vector_mla_page_first_direct_granularity_60(fake: FakeRuntime) -> None:
     mla = layouts.MLA("page_first_direct", layer_num=3, page_size=2, kv_cache_dim=5, dtype=torch.float16)
     (spec,) = mla.buffers(7)
     assert spec.granularity == 2 * 3 * 5 * 2 == 60
     assert spec.shape == (7, 3, 2, 1, 5)
     assert mla.page_bytes == 60
     # 60 is not a multiple of the OS page: boundaries fall on lcm(60, 4096) = 61440.
-    pool = pinpool.PinnedPool(layout=mla, size=5000 * 60 + 59, chunk_bytes=2 * 61440 + 100, runtime=FakeRuntime())
+    pool = pinpool.PinnedPool(layout=mla, size=5000 * 60 + 59, chunk_bytes=2 * 61440 + 100, runtime=fake)
     assert pool.num_pages == 5000
     assert pool.plan.buffers[0].plan.unit == 61440
     assert [c.nbytes for c in pool.plan.chunks] == [122880, 122880, 300000 - 2 * 122880]
@@ -492,7 +491,7 @@ def test_sglang_vector_k_only() -> None:
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_sglang_vector_asymmetric_k_v(layout: str) -> None:
+def test_sglang_vector_asymmetric_k_v(fake: FakeRuntime, layout: str) -> None:
     P, L, H, D, Dv = 32, 2, 4, 192, 128
     mha = layouts.MHA(layout, L, P, H, D, torch.bfloat16, v_head_dim=Dv)
     k, v = mha.buffers(3)
@@ -503,7 +502,7 @@ def test_sglang_vector_asymmetric_k_v(layout: str) -> None:
     else:
         assert k.shape == (3, L, P, H, D) and v.shape == (3, L, P, H, Dv)
     assert mha.page_bytes == P * L * H * (D + Dv) * 2
-    pool = pinpool.PinnedPool(layout=mha, size=40 * mha.page_bytes, chunk_bytes=4 * MiB, runtime=FakeRuntime())
+    pool = pinpool.PinnedPool(layout=mha, size=40 * mha.page_bytes, chunk_bytes=4 * MiB, runtime=fake)
     assert pool.plan.granularity is None  # two different granularities
     kb, vb = pool.plan.buffers
     assert all((c.offset - kb.offset) % k.granularity == 0 for c in kb.chunks)
@@ -564,8 +563,7 @@ def test_sglang_vector_paged_and_state() -> None:
 
 
 @pytest.mark.parametrize("register_workers", [1, None])
-def test_sglang_vector_raw_900_900_700(register_workers: int | None) -> None:
-    fake = FakeRuntime()
+def test_sglang_vector_raw_900_900_700(fake: FakeRuntime, register_workers: int | None) -> None:
     pool = pinpool.PinnedPool(
         layout=layouts.Raw(300 * MiB), size=2500 * MiB, chunk_bytes=GiB, runtime=fake, register_workers=register_workers
     )
@@ -580,8 +578,7 @@ def test_sglang_vector_raw_900_900_700(register_workers: int | None) -> None:
 
 @pytest.mark.anyio
 @each_driver
-async def test_sglang_vector_teardown_order_and_second_exit(mode: str) -> None:
-    fake = FakeRuntime()
+async def test_sglang_vector_teardown_order_and_second_exit(fake: FakeRuntime, mode: str) -> None:
     pool = pinpool.PinnedPool(
         layout=layouts.Raw(), size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, register_workers=1
     )
@@ -644,16 +641,16 @@ def test_size_buys_the_largest_whole_number_of_pages(layout: layouts.Layout, pag
     ("size", "budget"), [("64MiB", 64 * MiB), ("1.5MiB", 3 * MiB // 2), ("5MB", 5_000_000), (" 2 GiB ", 2 * GiB)]
 )
 @pytest.mark.parametrize("layout", BUDGET_LAYOUTS, ids=lambda lay: lay.name)
-def test_size_strings(layout: layouts.Layout, size: str, budget: int) -> None:
-    pool = pinpool.PinnedPool(layout=layout, size=size, runtime=FakeRuntime(), chunk_bytes=GiB)
+def test_size_strings(fake: FakeRuntime, layout: layouts.Layout, size: str, budget: int) -> None:
+    pool = pinpool.PinnedPool(layout=layout, size=size, runtime=fake, chunk_bytes=GiB)
     assert pool.num_pages == budget // layout.page_bytes >= 1
     assert pool.nbytes == pool.num_pages * layout.page_bytes
 
 
-def test_size_string_pool_shapes() -> None:
+def test_size_string_pool_shapes(fake: FakeRuntime) -> None:
     mha = BUDGET_LAYOUTS[0]  # page_bytes 2*16*2*4*96*2 = 49152: 64 MiB is 1365 and a third pages
     assert mha.page_bytes == 49152
-    pool = pinpool.PinnedPool(layout=mha, size="64MiB", runtime=FakeRuntime(), chunk_bytes="1MiB")
+    pool = pinpool.PinnedPool(layout=mha, size="64MiB", runtime=fake, chunk_bytes="1MiB")
     assert pool.num_pages == 1365
     with pool as p:
         assert p.tensor.shape == (2, 1365 * 16, 2, 4, 96)
@@ -673,21 +670,15 @@ def test_budget_below_one_page_is_a_config_error(layout: layouts.Layout) -> None
     assert exact.num_pages == 1
 
 
-def test_budget_below_one_page_names_the_page_size() -> None:
+def test_budget_below_one_page_names_the_page_size(fake: FakeRuntime) -> None:
     mla = layouts.MLA("page_first", 61, 64, 576, torch.bfloat16)  # ~4.3 MiB per page
     page = 61 * 64 * 576 * 2
     with pytest.raises(pinpool.ConfigError, match=rf"smaller than one page.*\({page} B = 4\.29 MiB\)") as info:
-        pinpool.PinnedPool(layout=mla, size="4MiB", runtime=FakeRuntime())
+        pinpool.PinnedPool(layout=mla, size="4MiB", runtime=fake)
     assert "mla/page_first" in str(info.value)
 
 
 # -- validation ----------------------------------------------------------------------------------------
-
-
-def config_error(fn: Callable[[], object]) -> str:
-    with pytest.raises(pinpool.ConfigError) as info:
-        fn()
-    return str(info.value)
 
 
 def choices_of(message: str) -> set[str]:
@@ -886,9 +877,9 @@ SINGLE = {
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", list(MULTI))
-async def test_multi_buffer_pool_tensor_is_a_state_error(case: str) -> None:
+async def test_multi_buffer_pool_tensor_is_a_state_error(fake: FakeRuntime, case: str) -> None:
     layout, names = MULTI[case]
-    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=FakeRuntime())
+    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=fake)
     async with pool as p:
         assert list(p.tensors) == names
         with pytest.raises(pinpool.PoolStateError) as info:
@@ -901,9 +892,9 @@ async def test_multi_buffer_pool_tensor_is_a_state_error(case: str) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("case", list(SINGLE))
-async def test_single_buffer_pool_tensor(case: str) -> None:
+async def test_single_buffer_pool_tensor(fake: FakeRuntime, case: str) -> None:
     layout, name = SINGLE[case]
-    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=FakeRuntime())
+    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=fake)
     async with pool as p:
         assert list(p.tensors) == [name]
         assert p.tensor is p.tensors[name]
@@ -913,9 +904,9 @@ async def test_single_buffer_pool_tensor(case: str) -> None:
 
 
 @pytest.mark.parametrize("case", [*MULTI, *SINGLE])
-def test_tensors_are_zero_copy_views_into_the_pool(case: str) -> None:
+def test_tensors_are_zero_copy_views_into_the_pool(fake: FakeRuntime, case: str) -> None:
     layout = MULTI[case][0] if case in MULTI else SINGLE[case][0]
-    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=FakeRuntime())
+    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=fake)
     with pool as p:
         base = p.data_ptr
         for i, b in enumerate(p.plan.buffers):
@@ -941,9 +932,9 @@ def test_tensors_are_zero_copy_views_into_the_pool(case: str) -> None:
                 assert ctypes.string_at(addr, struct.calcsize(fmt)) == struct.pack(fmt, 1.5)
 
 
-def test_buffers_sit_at_page_aligned_offsets_in_one_mapping() -> None:
+def test_buffers_sit_at_page_aligned_offsets_in_one_mapping(fake: FakeRuntime) -> None:
     layout, names = MULTI["mamba"]
-    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=FakeRuntime())
+    pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=fake)
     offsets = [b.offset for b in pool.plan.buffers]
     assert offsets[0] == 0 and all(o % OS_PAGE == 0 for o in offsets)
     assert offsets == sorted(offsets)

@@ -21,17 +21,13 @@ import pinpool
 from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
+from ..conftest import config_error
+
 KiB = 1 << 10
 MiB = 1 << 20
 
 # Itemsizes written down here, not read from torch, so a wrong dtype shows up as a wrong size.
 ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4, torch.float8_e4m3fn: 1}
-
-
-def config_error(make: Any) -> str:
-    with pytest.raises(pinpool.ConfigError) as info:
-        make()
-    return str(info.value)
 
 
 # -- the reference's vectors -----------------------------------------------------------------------
@@ -108,10 +104,10 @@ def test_no_conv_states_need_no_conv_dtype() -> None:
     assert mamba.buffers(4) == (layouts.BufferSpec("temporal", (4, 1, 1, 8), torch.float32, 32, 1),)
 
 
-def test_a_zero_element_state_in_its_own_dtype_is_not_registered() -> None:
+def test_a_zero_element_state_in_its_own_dtype_is_not_registered(fake: FakeRuntime) -> None:
     mamba = layouts.Mamba(2, (3, 5), ((0, 4), (6, 3)), temporal_dtype=torch.float32, conv_dtype=torch.bfloat16)
     assert mamba.page_bytes == 2 * 15 * 4 + 2 * 18 * 2
-    pool = pinpool.PinnedPool(layout=mamba, num_pages=100, runtime=FakeRuntime(), registry=None)
+    pool = pinpool.PinnedPool(layout=mamba, num_pages=100, runtime=fake, registry=None)
     buffers = {b.spec.name: b for b in pool.plan.buffers}
     assert buffers["conv0"].spec.granularity is None and buffers["conv0"].chunks == ()
     assert buffers["conv0"].spec.dtype is torch.bfloat16
@@ -127,7 +123,7 @@ def test_a_zero_element_state_in_its_own_dtype_is_not_registered() -> None:
 )
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
 def test_a_mixed_dtype_pool_pins_with_each_buffer_in_its_dtype(
-    layout: str, temporal_dtype: torch.dtype, conv_dtype: torch.dtype
+    fake: FakeRuntime, layout: str, temporal_dtype: torch.dtype, conv_dtype: torch.dtype
 ) -> None:
     Lm, temporal_shape, conv_shapes = 4, (8, 16, 16), ((96, 3), (32, 3))
     mamba = layouts.Mamba(
@@ -139,7 +135,6 @@ def test_a_mixed_dtype_pool_pins_with_each_buffer_in_its_dtype(
         "conv1": Lm * 32 * 3 * ITEMSIZE[conv_dtype],
     }
     assert mamba.page_bytes == sum(slots.values())
-    fake = FakeRuntime()
     num_pages = 200
     with pinpool.PinnedPool(
         layout=mamba, num_pages=num_pages, chunk_bytes=256 * KiB, runtime=fake, registry=None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pinpool import ConfigError, layouts
-from pinpool._plan.plan import plan_chunks
+from pinpool._plan import plan_chunks
 from pinpool.layouts import BufferSpec, Raw
 
 

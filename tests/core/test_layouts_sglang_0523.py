@@ -131,12 +131,12 @@ def test_mla_page_first_kv_split_is_sglangs() -> None:
     assert plain.page_bytes == P * L * (rank + rope) * 2
 
 
-def test_kv_split_per_layer_views_are_sglangs_on_the_pool() -> None:
+def test_kv_split_per_layer_views_are_sglangs_on_the_pool(fake: FakeRuntime) -> None:
     """SGLang's data_refs (``k_buffer.transpose(0, 1)[i]``) and get_contiguous_buf_infos' lengths on
     the pool's own tensors: same strides as a torch.empty of the shape, no copy."""
     P, L, rank, rope = 4, 3, 32, 16
     mla = layouts.MLA("page_first_kv_split", L, P, rank + rope, torch.float16, qk_rope_head_dim=rope)
-    with pinpool.PinnedPool(layout=mla, num_pages=50, runtime=FakeRuntime()) as pool:
+    with pinpool.PinnedPool(layout=mla, num_pages=50, runtime=fake) as pool:
         k, v = pool.tensors["k"], pool.tensors["v"]
         assert k.stride() == torch.empty(50, L, P, 1, rank).stride()
         refs = [k.transpose(0, 1)[i] for i in range(L)]
@@ -263,9 +263,9 @@ def test_a_huge_head_num_is_refused_at_once() -> None:
         layouts.MHA("page_unified", 1, 1, 1_000_000_007, 16, torch.bfloat16, head_group_num=2)
 
 
-def test_page_unified_pool_sizes_like_sglang_page_bytes() -> None:
+def test_page_unified_pool_sizes_like_sglang_page_bytes(fake: FakeRuntime) -> None:
     mha = layouts.MHA("page_unified", 32, 64, 8, 128, torch.bfloat16, head_group_num=2)
-    pool = pinpool.PinnedPool(layout=mha, size="64MiB", chunk_bytes="16MiB", runtime=FakeRuntime())
+    pool = pinpool.PinnedPool(layout=mha, size="64MiB", chunk_bytes="16MiB", runtime=fake)
     assert mha.page_bytes == 8 * 2**20
     assert pool.num_pages == 8 and pool.plan.granularity == 8 * 2**20
     assert [c.nbytes for c in pool.plan.chunks] == [16 * 2**20] * 4  # two whole pages per chunk

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pinpool import Chunk, ChunkFailure, RuntimeCallError
 from pinpool._errors import LedgerError
-from pinpool._pin.ledger import ChunkState, Ledger, Phase, StopCause
+from pinpool._pin import ChunkState, Ledger, Phase, StopCause
 
 SIZES = (100, 200, 300, 400, 500)  # distinct, so registered_bytes tells which chunks count
 

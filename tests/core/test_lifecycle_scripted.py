@@ -21,14 +21,14 @@ import structlog.testing
 import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnclosedPoolWarning, UnpinError
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._pin.ledger import StopCause
-from pinpool._pin.outcome import (
+from pinpool._pin import (
     TRANSITIONS,
     Detach,
     Outcome,
     Ran,
     RunThreads,
     Step,
+    StopCause,
     TransitionError,
     check_move,
     decide,
@@ -168,8 +168,7 @@ def _no_claims_left() -> Any:
 # -- foreground ------------------------------------------------------------------------------------
 
 
-def test_foreground_ready_then_exit_then_exit_again_is_a_no_op() -> None:
-    fake = FakeRuntime()
+def test_foreground_ready_then_exit_then_exit_again_is_a_no_op(fake: FakeRuntime) -> None:
     pool = pool_of(fake)
     life = pool._lifecycle
     drive(life.enter())
@@ -191,8 +190,9 @@ def test_foreground_failure_rolls_back_then_raises_a_pin_error() -> None:
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit, ValueError])
-def test_foreground_interruption_rolls_back_and_is_raised_as_itself(interrupt: type[BaseException]) -> None:
-    fake = FakeRuntime()
+def test_foreground_interruption_rolls_back_and_is_raised_as_itself(
+    fake: FakeRuntime, interrupt: type[BaseException]
+) -> None:
     logs = Events()
     life = pool_of(fake, logs)._lifecycle
     first = interrupt("stop")
@@ -226,8 +226,7 @@ def test_an_interrupt_during_the_rollback_of_a_failure_propagates_with_the_failu
     assert life.state is PoolState.CLOSED and fake.registered == {}
 
 
-def test_a_crashed_worker_and_no_threads_are_pin_errors_after_a_full_rollback() -> None:
-    fake = FakeRuntime()
+def test_a_crashed_worker_and_no_threads_are_pin_errors_after_a_full_rollback(fake: FakeRuntime) -> None:
     life = pool_of(fake)._lifecycle
 
     def crashed(step: Step) -> Ran:
@@ -245,8 +244,7 @@ def test_a_crashed_worker_and_no_threads_are_pin_errors_after_a_full_rollback() 
     assert life.state is PoolState.CLOSED and fake.registered == {}
 
 
-def test_on_progress_raising_at_the_final_report_is_raised_as_itself() -> None:
-    fake = FakeRuntime()
+def test_on_progress_raising_at_the_final_report_is_raised_as_itself(fake: FakeRuntime) -> None:
     calls: list[int] = []
 
     def on_progress(pinned: int, total: int, done: int, chunks: int) -> None:
@@ -259,8 +257,7 @@ def test_on_progress_raising_at_the_final_report_is_raised_as_itself() -> None:
     assert calls == [8] and life.state is PoolState.CLOSED and fake.registered == {}
 
 
-def test_an_entry_step_that_raises_leaves_nothing_claimed() -> None:
-    fake = FakeRuntime()
+def test_an_entry_step_that_raises_leaves_nothing_claimed(fake: FakeRuntime) -> None:
     pool = pool_of(fake)
     life = pool._lifecycle
     life._open_session = lambda _memory: (_ for _ in ()).throw(KeyboardInterrupt())  # type: ignore[method-assign]
@@ -269,8 +266,8 @@ def test_an_entry_step_that_raises_leaves_nothing_claimed() -> None:
     assert life.state is PoolState.CLOSED and life.memory is None and fake.register_calls == []
 
 
-def test_exit_of_a_pool_never_entered_is_an_error_and_close_is_not() -> None:
-    life = pool_of(FakeRuntime())._lifecycle
+def test_exit_of_a_pool_never_entered_is_an_error_and_close_is_not(fake: FakeRuntime) -> None:
+    life = pool_of(fake)._lifecycle
     with pytest.raises(PoolStateError, match="only after it was entered"):
         drive(life.exit(None))
     assert drive(life.exit(None, closing=True)) is None
@@ -335,8 +332,7 @@ def test_background_unseen_failure_is_raised_on_exit_after_unpinning() -> None:
     assert fake.registered == {} and pool.state is PoolState.CLOSED
 
 
-def test_background_exit_while_pinning_is_a_normal_shutdown_not_a_failure() -> None:
-    fake = FakeRuntime()
+def test_background_exit_while_pinning_is_a_normal_shutdown_not_a_failure(fake: FakeRuntime) -> None:
     logs = Events()
     pool, conductor = enter_background(fake, logs)
     assert drive(pool._lifecycle.exit(None)) is None  # its join step runs the conductor: stopped at once
@@ -345,8 +341,7 @@ def test_background_exit_while_pinning_is_a_normal_shutdown_not_a_failure() -> N
     assert logs.of("pool.failed") == []
 
 
-def test_background_on_progress_error_is_kept_as_itself_and_counted_as_cancelled() -> None:
-    fake = FakeRuntime()
+def test_background_on_progress_error_is_kept_as_itself_and_counted_as_cancelled(fake: FakeRuntime) -> None:
     logs = Events()
     pool, conductor = enter_background(fake, logs, on_progress=lambda *_: None)
     error = OverflowError("callback")
@@ -365,8 +360,7 @@ def test_background_on_progress_error_is_kept_as_itself_and_counted_as_cancelled
     assert fake.registered == {}
 
 
-def test_collected_while_pinning_the_conductor_unpins_and_says_collected() -> None:
-    fake = FakeRuntime()
+def test_collected_while_pinning_the_conductor_unpins_and_says_collected(fake: FakeRuntime) -> None:
     logs = Events()
     pool, conductor = enter_background(fake, logs)
     life = pool._lifecycle
@@ -388,8 +382,7 @@ def test_collected_after_a_background_failure_unpins_in_the_finalizer_and_warns_
     assert pool.state is PoolState.CLOSED and fake.registered == {}
 
 
-def test_the_interpreter_exit_hook_stops_pinning_and_keeps_the_prefix_for_the_finalizer() -> None:
-    fake = FakeRuntime()
+def test_the_interpreter_exit_hook_stops_pinning_and_keeps_the_prefix_for_the_finalizer(fake: FakeRuntime) -> None:
     logs = Events()
     pool, conductor = enter_background(fake, logs)
     life = pool._lifecycle
@@ -414,8 +407,7 @@ def test_exit_after_a_failure_raced_by_exit_keeps_the_first_cause() -> None:
         drive(life.exit(None))
 
 
-def test_a_conductor_that_cannot_start_rolls_back_at_entry() -> None:
-    fake = FakeRuntime()
+def test_a_conductor_that_cannot_start_rolls_back_at_entry(fake: FakeRuntime) -> None:
     pool = pool_of(fake, background=True)
     life = pool._lifecycle
 
@@ -446,8 +438,7 @@ def test_a_forked_child_lets_go_without_touching_the_parents_registrations(monke
         fake.registered.clear()  # the parent's books, for this test's sake
 
 
-def test_a_background_pool_that_pins_everything_is_ready_and_waits_are_answered() -> None:
-    fake = FakeRuntime()
+def test_a_background_pool_that_pins_everything_is_ready_and_waits_are_answered(fake: FakeRuntime) -> None:
     pool, conductor = enter_background(fake)
     life = pool._lifecycle
     assert life.pinned_pages == 0 and not life.reached(1) and not life.reached(None)  # nothing pinned yet
@@ -459,8 +450,8 @@ def test_a_background_pool_that_pins_everything_is_ready_and_waits_are_answered(
     assert fake.registered == {} and life.pinned_pages == 0
 
 
-def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error() -> None:
-    life = pool_of(FakeRuntime())._lifecycle
+def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error(fake: FakeRuntime) -> None:
+    life = pool_of(fake)._lifecycle
     assert life.pinned_pages == 0
     with pytest.raises(PoolStateError, match="is new: enter it"):
         life.reached(None)
@@ -470,8 +461,7 @@ def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error() -> None:
         life.reached(1)
 
 
-def test_background_views_that_raise_undo_the_pin_at_entry(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRuntime()
+def test_background_views_that_raise_undo_the_pin_at_entry(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     life = pool_of(fake, background=True)._lifecycle
 
     def views(_memory: Any) -> Any:
@@ -487,8 +477,7 @@ def test_background_views_that_raise_undo_the_pin_at_entry(monkeypatch: pytest.M
     assert life.state is PoolState.CLOSED and fake.register_calls == [] and life.memory is None
 
 
-def test_an_interrupt_while_the_conductor_starts_is_raised_after_the_rollback() -> None:
-    fake = FakeRuntime()
+def test_an_interrupt_while_the_conductor_starts_is_raised_after_the_rollback(fake: FakeRuntime) -> None:
     life = pool_of(fake, background=True)._lifecycle
     box: list[Conductor] = []
 
@@ -504,9 +493,10 @@ def test_an_interrupt_while_the_conductor_starts_is_raised_after_the_rollback() 
 
 
 def test_an_entry_whose_memory_cannot_be_had_closes_and_a_forked_child_has_nothing_to_let_go(
+    fake: FakeRuntime,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    life = pool_of(FakeRuntime())._lifecycle
+    life = pool_of(fake)._lifecycle
 
     def acquire() -> Any:
         raise OSError("mmap")
@@ -537,8 +527,7 @@ def on_another_thread(call: Callable[[], object]) -> object:
     return out[0]
 
 
-def test_exit_while_another_thread_enters_is_refused() -> None:
-    fake = FakeRuntime()
+def test_exit_while_another_thread_enters_is_refused(fake: FakeRuntime) -> None:
     life = pool_of(fake)._lifecycle
 
     def exit_meanwhile(step: Step) -> Ran:
@@ -551,8 +540,7 @@ def test_exit_while_another_thread_enters_is_refused() -> None:
     drive(life.exit(None))
 
 
-def test_a_close_on_the_entering_thread_returns_at_once_and_the_entry_rolls_back_and_raises() -> None:
-    fake = FakeRuntime()
+def test_a_close_on_the_entering_thread_returns_at_once_and_the_entry_rolls_back_and_raises(fake: FakeRuntime) -> None:
     life = pool_of(fake)._lifecycle
     returned: list[object] = []
 
@@ -565,8 +553,7 @@ def test_a_close_on_the_entering_thread_returns_at_once_and_the_entry_rolls_back
     assert returned == [None] and life.state is PoolState.CLOSED and fake.registered == {}
 
 
-def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raised() -> None:
-    fake = FakeRuntime()
+def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raised(fake: FakeRuntime) -> None:
     life = pool_of(fake)._lifecycle
     drive(life.enter())
     waiters: list[threading.Thread] = []
@@ -591,8 +578,7 @@ def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raise
     assert len(fake.unregister_calls) == 8  # unpinned once
 
 
-def test_a_finalizer_warning_without_a_file_to_point_at_is_still_a_warning() -> None:
-    fake = FakeRuntime()
+def test_a_finalizer_warning_without_a_file_to_point_at_is_still_a_warning(fake: FakeRuntime) -> None:
     life = pool_of(fake)._lifecycle
     drive(life.enter())
     life.created_at = ("<stdin>", 1)  # made by `python -c` or a REPL

@@ -16,9 +16,11 @@ import torch
 
 import pinpool
 from pinpool import layouts
-from pinpool._plan.options import PoolOptions
+from pinpool._plan import PoolOptions
 from pinpool.layouts import BufferSpec, Layout
 from pinpool.testing import FakeRuntime
+
+from ..conftest import config_error
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -40,12 +42,6 @@ LAYOUTS: dict[str, Layout] = {
     "paged-lf": layouts.PagedBytes("layer_first", 3, 1000),
     "state-pf": layouts.PagedBytes.state("page_first", 2, 2, 300),
 }
-
-
-def config_error(make: Any) -> str:
-    with pytest.raises(pinpool.ConfigError) as info:
-        make()
-    return str(info.value)
 
 
 def pool(**kwargs: Any) -> pinpool.PinnedPool:

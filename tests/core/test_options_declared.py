@@ -18,8 +18,7 @@ from prometheus_client import REGISTRY
 
 import pinpool
 from pinpool import _cli
-from pinpool._plan.declared import DEFAULT_REGISTRY, OPTIONS, Option, pin_options, pool_options
-from pinpool._plan.options import PoolOptions
+from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PoolOptions, pool_options
 from pinpool.testing import FakeRuntime
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +48,9 @@ def test_pin_signature_is_the_declaration() -> None:
     tensor, *_ = inspect.signature(pinpool.pin).parameters.values()
     assert tensor.name == "tensor" and tensor.kind is P.POSITIONAL_OR_KEYWORD and tensor.default is P.empty
     parameters = keyword_parameters(pinpool.pin, skip=1)
-    assert [p.name for p in parameters] == [o.name for o in pin_options()]
-    for p, o in zip(parameters, pin_options(), strict=True):
+    declared = [o for o in OPTIONS if o.pin]  # in pin()'s signature's order
+    assert [p.name for p in parameters] == [o.name for o in declared]
+    for p, o in zip(parameters, declared, strict=True):
         assert p.default is python_default(o.default_for_pin) or p.default == o.default_for_pin, o.name
         assert p.annotation == o.type, o.name
 
@@ -154,7 +154,7 @@ EVERY_FLAG = [
 ]  # fmt: skip
 
 
-def test_every_flag_reaches_pinned_pool(tmp_path: Path) -> None:
+def test_every_flag_reaches_pinned_pool(fake: FakeRuntime, tmp_path: Path) -> None:
     args = _cli.build_parser().parse_args(["pin", *EVERY_FLAG, "--node-dir", str(tmp_path)])
     kwargs = _cli.pool_options(args, "pin")
     expected = {
@@ -167,7 +167,7 @@ def test_every_flag_reaches_pinned_pool(tmp_path: Path) -> None:
     assert kwargs["max_call_seconds"] == "auto" and kwargs["pin_nice"] == 3 and kwargs["background"] is True
     assert kwargs["retry_codes"] == (1, 2, 719)
     assert kwargs["populate"] is False and kwargs["node_wait"] is True and kwargs["node_budget"] == "0.5"
-    kwargs["runtime"] = FakeRuntime()
+    kwargs["runtime"] = fake
     pool = pinpool.PinnedPool(**kwargs, registry=None)
     assert pool.name == "every" and pool.num_pages == 4 * MiB and pool.plan.granularity == 64 << 10
     assert pool._options.max_call_seconds == 0.05 and pool._options.pin_nice == 3 and pool._options.background

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from pinpool import ConfigError, parse_size
-from pinpool._plan.options import CHUNK_ENV, PoolOptions, chunk_limit_from_env
+from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env
 from pinpool._units import format_bytes, parse_env_gib
 from pinpool.layouts import BufferSpec
 

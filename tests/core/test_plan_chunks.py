@@ -13,9 +13,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pinpool import ConfigError
-from pinpool._plan.chunks import Chunk, ChunkPlan
-from pinpool._plan.options import CHUNK_ENV, DEFAULT_CHUNK_GIB, PoolOptions, chunk_limit_from_env
-from pinpool._plan.plan import plan_chunks
+from pinpool._plan import (
+    CHUNK_ENV,
+    DEFAULT_CHUNK_GIB,
+    Chunk,
+    ChunkPlan,
+    PoolOptions,
+    chunk_limit_from_env,
+    plan_chunks,
+)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE_SIZES = (4096, 16384, 65536)

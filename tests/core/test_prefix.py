@@ -12,10 +12,18 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinnedPool, layouts
-from pinpool._plan.calls import MAX_GROWTH, PROBE_BYTES, CallSizer
-from pinpool._plan.chunks import Chunk, ChunkTable
-from pinpool._plan.prefix import PageRun, PrefixTracker, page_runs, pin_order
-from pinpool.testing import FakeRuntime
+from pinpool._plan import (
+    MAX_GROWTH,
+    PROBE_BYTES,
+    CallSizer,
+    Chunk,
+    ChunkTable,
+    PageRun,
+    PrefixTracker,
+    page_runs,
+    pin_order,
+)
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -178,8 +186,7 @@ def pool_base(calls: list[tuple[int, int]]) -> int:
     return min(ptr for ptr, _n in calls)
 
 
-def test_without_a_budget_calls_are_whole_chunks() -> None:
-    fake = FakeRuntime()
+def test_without_a_budget_calls_are_whole_chunks(fake: FakeRuntime) -> None:
     with PinnedPool(size=64 * MiB, chunk_bytes=16 * MiB, runtime=fake, registry=None, populate=False):
         pass
     assert [n for _p, n in fake.register_calls] == [16 * MiB] * 4
@@ -210,18 +217,17 @@ def test_max_call_seconds_is_validated() -> None:
 
 @needs_mlock
 def test_mlock_populate_calls_fit_the_budget(vmlck_baseline: int) -> None:
-    from pinpool._host import libc as _libc
 
     registry = CollectorRegistry()
     with PinnedPool(size=512 * MiB, runtime="mlock", registry=registry, max_call_seconds=0.02, name="budget"):
-        assert _libc.vm_locked_bytes() - vmlck_baseline >= 512 * MiB
+        assert locked_bytes() - vmlck_baseline >= 512 * MiB
         populate = registry.get_sample_value(  # read while open: a closed pool's gauges are removed
             "pinpool_call_seconds_max", {"pool": "budget", "runtime": "mlock", "op": "populate"}
         )
     # The first call is a 16 MiB probe; later calls follow the measured rate. A shared 2-core
     # machine can stall any call, so the bound is loose: far below one 256 MiB span's time.
     assert populate is not None and populate < 0.25
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_leaving_stops_between_the_pieces_of_one_chunk() -> None:
@@ -273,7 +279,7 @@ def test_calls_never_shrink_below_what_is_sampled() -> None:
     assert len(sizes) <= 64
 
 
-def test_workers_begin_only_once_all_are_started(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_begin_only_once_all_are_started(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """A populate call holds mmap_lock and starting a thread maps its stack: no runtime call may
     begin while pinning threads are still being started."""
     import threading
@@ -288,7 +294,6 @@ def test_workers_begin_only_once_all_are_started(monkeypatch: pytest.MonkeyPatch
             time.sleep(0.01)  # a slow start: a worker that did not wait would call meanwhile
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    fake = FakeRuntime()
     at_first_call: list[int] = []
     fake.before_call = lambda op, ptr, n: at_first_call.append(len(started)) if not at_first_call else None
     pool = PinnedPool(

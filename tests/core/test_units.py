@@ -10,7 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pinpool import ConfigError, parse_size
-from pinpool._plan.options import CHUNK_ENV, chunk_limit_from_env
+from pinpool._plan import CHUNK_ENV, chunk_limit_from_env
 from pinpool._units import format_bytes, parse_env_gib
 
 KiB, MiB, GiB, TiB, PiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40, 1 << 50

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pinpool._plan.calls import MAX_REST, MIN_DUTY, Pacer, duty_cycle
+from pinpool._plan import MAX_REST, MIN_DUTY, Pacer, duty_cycle
 
 
 def test_duty_cycle_is_half_a_quota_below_two_cpus_for_a_background_pool() -> None:

@@ -15,8 +15,7 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool._pin.engine import PinSession
-from pinpool._pin.ledger import ChunkState, Phase, StopCause
+from pinpool._pin import ChunkState, Phase, PinSession, StopCause
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20
@@ -126,8 +125,7 @@ def test_a_chunk_stopped_between_its_pieces_is_undone_piece_by_piece() -> None:
     assert fake.registered == {} and fake.unregister_calls == sorted((p for p, _ in fake.register_calls), reverse=True)
 
 
-def test_a_scheduling_bug_stops_every_worker_and_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRuntime()
+def test_a_scheduling_bug_stops_every_worker_and_is_raised(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     session = session_of(fake, size=4 * MiB, chunk_bytes=MiB, populate=False)
 
     def next_work() -> Any:
@@ -141,8 +139,7 @@ def test_a_scheduling_bug_stops_every_worker_and_is_raised(monkeypatch: pytest.M
     assert session.finish_pinning() is Phase.ROLLED_BACK and fake.register_calls == []
 
 
-def test_books_that_disagree_with_every_worker_done_are_rolled_back() -> None:
-    fake = FakeRuntime()
+def test_books_that_disagree_with_every_worker_done_are_rolled_back(fake: FakeRuntime) -> None:
     session = session_of(fake, size=4 * MiB, chunk_bytes=MiB, populate=False)
     with session.lock:
         batch = session.pipeline.next_work()  # handed out, and the worker that took it died
@@ -179,8 +176,9 @@ def test_teardown_is_idempotent_and_a_crashed_unpin_worker_leaks_loudly() -> Non
     assert session.begin_teardown() == () and session.end_teardown() == ()  # closed: nothing more to do
 
 
-def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRuntime()
+def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(
+    fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     session = session_of(fake, size=8 * MiB, chunk_bytes=MiB, populate=False, unpin_workers=1)
     assert pin(session) is Phase.PINNED
     real = session.observer.call_started
@@ -222,8 +220,7 @@ def test_a_second_interrupt_inside_the_stop_is_recorded_and_the_stop_asked_again
 
     import anyio
 
-    from pinpool._pin.drivers import run_async, run_sync
-    from pinpool._pin.outcome import RunThreads
+    from pinpool._pin import RunThreads, run_async, run_sync
 
     stopped, asked, ticks = threading.Event(), [], []
 

@@ -29,12 +29,11 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool._host import libc as _libc
 from pinpool._observe import Observer
-from pinpool._plan.calls import CallSizer, RetrySplitter
-from pinpool._plan.options import MAX_CALL_SECONDS, MAX_WORKERS
+from pinpool._plan import MAX_CALL_SECONDS, MAX_WORKERS, CallSizer, RetrySplitter
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import OWN_LOCKS, SHARED_PAGES, _Pages
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock, pin_and_run
 
@@ -87,11 +86,10 @@ BETWEEN_PIECES = {
 @pytest.mark.parametrize("exc", [OverflowError("cannot convert float infinity to integer"), Interrupt("stop")])
 @each_driver
 async def test_a_fault_between_pieces_rolls_back_the_pieces_registered(
-    monkeypatch: pytest.MonkeyPatch, where: str, exc: BaseException, mode: str
+    fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch, where: str, exc: BaseException, mode: str
 ) -> None:
     owner, name, nth = BETWEEN_PIECES[where]
     calls = raise_on_call(monkeypatch, owner, name, nth, exc)
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(
         size=256 * MiB, runtime=fake, populate=False, register_workers=1, max_call_seconds=0.02, registry=None
     )
@@ -111,10 +109,10 @@ async def test_a_fault_between_pieces_rolls_back_the_pieces_registered(
 
 
 async def test_a_fault_before_any_piece_fails_the_chunk_with_nothing_registered(
+    fake: FakeRuntime,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     raise_on_call(monkeypatch, CallSizer, "next_bytes", 1, Boom("first"))
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=16 * MiB, runtime=fake, populate=False, max_call_seconds=0.02, registry=None)
     with pytest.raises(pinpool.PinError, match=r"Boom\): first") as info:
         run_sync(pool)
@@ -158,7 +156,7 @@ def test_under_mlock_a_fault_between_pieces_leaves_nothing_locked(
     assert calls[0] >= nth
     assert info.value.leaked == ()
     assert runtime.registered == {}
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -167,7 +165,7 @@ def test_max_call_seconds_1e300_is_refused_before_anything_is_locked(vmlck_basel
     left 16 MiB locked behind a PinError saying nothing leaked."""
     with pytest.raises(pinpool.ConfigError, match=r"max_call_seconds=1e\+300 is more than 3600 seconds"):
         pinpool.PinnedPool(size=64 * MiB, runtime="mlock", max_call_seconds=1e300, registry=None)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_the_sizer_survives_a_budget_past_any_int() -> None:
@@ -270,7 +268,7 @@ def construct_only(option: str, value: object) -> None:
     if option.startswith("node_"):
         kwargs["node_dir"] = "/nonexistent-pinpool-test-dir"  # constructing never touches it
     fake = FakeRuntime()
-    locked = _libc.vm_locked_bytes()
+    locked = locked_bytes()
     try:
         pool = pinpool.PinnedPool(runtime=fake, registry=None, **kwargs)  # type: ignore[arg-type]
     except pinpool.ConfigError as exc:
@@ -279,7 +277,7 @@ def construct_only(option: str, value: object) -> None:
     else:
         check_accepted(pool._options)
     assert fake.register_calls == [] and fake.populate_calls == [] and fake.registered == {}
-    assert _libc.vm_locked_bytes() == locked
+    assert locked_bytes() == locked
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -330,9 +328,9 @@ def pin_only(option: str, value: object) -> None:
         ({"chunk_bytes": -(10**5000)}, "chunk_bytes=-~2**16609 is not positive"),
     ],
 )
-def test_odd_values_name_the_value_and_the_fix(kwargs: dict[str, object], fragment: str) -> None:
+def test_odd_values_name_the_value_and_the_fix(fake: FakeRuntime, kwargs: dict[str, object], fragment: str) -> None:
     with pytest.raises(pinpool.ConfigError) as info:
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, **kwargs)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, **kwargs)  # type: ignore[arg-type]
     assert fragment in str(info.value)
 
 
@@ -377,8 +375,8 @@ def test_k_and_v_halves_of_one_buffer_pin_one_after_the_other(alloc: str, first:
         a, b = buf[:cut], buf[cut:]
         outer, inner = (a, b) if first == "a" else (b, a)
         with pinpool.pin(outer, runtime="mlock", registry=None), pinpool.pin(inner, runtime="mlock", registry=None):
-            assert _libc.vm_locked_bytes() - vmlck_baseline == pages * PAGE, cut
-        assert _libc.vm_locked_bytes() == vmlck_baseline, cut
+            assert locked_bytes() - vmlck_baseline == pages * PAGE, cut
+        assert locked_bytes() == vmlck_baseline, cut
     assert int(buf.sum()) == 3 * nbytes  # the caller's bytes, intact
     assert_nothing_of_pinpool_locked(buf.data_ptr(), nbytes)
 
@@ -404,8 +402,8 @@ def test_small_malloc_tensors_pin_while_their_neighbours_are_pinned(vmlck_baseli
             except pinpool.AlreadyPinnedError as exc:
                 refused.append((i, str(exc)))
         assert refused == []
-        assert _libc.vm_locked_bytes() > vmlck_baseline
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() > vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     for t in tensors:
         assert_nothing_of_pinpool_locked(t.data_ptr(), t.numel())
 
@@ -438,8 +436,8 @@ def test_a_foreign_lock_is_still_found(vmlck_baseline: int) -> None:
             finally:
                 assert _libc.munlock(base + 2 * PAGE, PAGE) == 0
             with pinpool.pin(b, runtime="mlock", registry=None):  # once unlocked, b pins beside a
-                assert _libc.vm_locked_bytes() - vmlck_baseline == 16 * PAGE
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+                assert locked_bytes() - vmlck_baseline == 16 * PAGE
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -461,7 +459,7 @@ def test_a_foreign_lock_on_fault_of_pages_not_yet_faulted_is_found(vmlck_baselin
         gc.collect()
     finally:
         region.close()
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -504,7 +502,7 @@ def test_neighbours_pin_while_other_threads_lock_and_unlock_the_pages_around(vml
         for thread in threads:
             thread.join()
     assert errors == [] and churned[0] > 0
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert_nothing_of_pinpool_locked(base, 64 * PAGE)
 
 

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 import pinpool
-from pinpool._host import libc as _libc
 from pinpool.runtimes import CudaRuntime, RocmRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES
-from pinpool.testing import FakeCudart
+from pinpool.testing import FakeCudart, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -25,7 +24,7 @@ MiB = 1 << 20
 
 
 def vmlck_kb() -> int:
-    return _libc.vm_locked_bytes() // 1024
+    return locked_bytes() // 1024
 
 
 @pytest.fixture

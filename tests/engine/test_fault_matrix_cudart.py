@@ -11,9 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 import pinpool
-from pinpool._host import libc as _libc
 from pinpool.runtimes import CudaRuntime
-from pinpool.testing import FakeCudart
+from pinpool.testing import FakeCudart, locked_bytes
 
 from ..conftest import each_driver, needs_mlock, pin_and_run
 
@@ -29,7 +28,7 @@ def fake(vmlck_baseline: int) -> Iterator[FakeCudart]:
     yield fake
     assert fake.registered == {}
     assert fake.cudaGetLastError() == 0  # the runtime cleared every failure it saw in this thread
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def pool_on(fake: FakeCudart, **options: object) -> pinpool.PinnedPool:

@@ -18,11 +18,10 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import Chunk, RuntimeCallError
-from pinpool._errors import ChunkFailure
+from pinpool._errors import ChunkFailure, LedgerError
 from pinpool._host import libc as _libc
-from pinpool._pin.ledger import ChunkState, LedgerError, Phase, StopCause
-from pinpool._pin.pipeline import WAIT, Batch, Landing, Order, Pipeline, Span, split_spans
-from pinpool._plan.prefix import PrefixTracker
+from pinpool._pin import WAIT, Batch, ChunkState, Landing, Phase, Pipeline, StopCause, split_spans
+from pinpool._plan import Order, PrefixTracker, Span
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, hugetlb_pages, pin_and_run
@@ -863,8 +862,7 @@ def chunk_of(pool: pinpool.PinnedPool, base: int, ptr: int) -> int:
     return index
 
 
-def test_populate_is_on_by_default_for_the_fake() -> None:
-    fake = FakeRuntime()
+def test_populate_is_on_by_default_for_the_fake(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=2)
     assert pool.plan.populate is True and pool.plan.order is Order.POPULATE_FIRST
     assert pool.plan.span_bytes == 16 * MiB and pool.plan.populate_workers == 2
@@ -1208,8 +1206,8 @@ async def test_one_unpin_worker_unregisters_in_reverse_offset_order(mode: str) -
     assert_rolled_back(fake)
 
 
-def test_unpin_workers_are_capped_by_the_chunk_count() -> None:
-    pool = pinpool.PinnedPool(size=3 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), unpin_workers=8)
+def test_unpin_workers_are_capped_by_the_chunk_count(fake: FakeRuntime) -> None:
+    pool = pinpool.PinnedPool(size=3 * MiB, chunk_bytes=MiB, runtime=fake, unpin_workers=8)
     assert pool.plan.unpin_workers == 3
 
 
@@ -1235,15 +1233,16 @@ def test_unpin_workers_are_capped_by_the_chunk_count() -> None:
         ("populate", "yes"),
     ],
 )
-def test_bad_options_are_config_errors_before_anything_is_registered(option: str, value: object) -> None:
-    fake = FakeRuntime()
+def test_bad_options_are_config_errors_before_anything_is_registered(
+    fake: FakeRuntime, option: str, value: object
+) -> None:
     with pytest.raises(pinpool.ConfigError, match=re.escape(f"{option}={value!r}")):
         pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, **{option: value})  # type: ignore[arg-type]
     assert fake.register_calls == [] and fake.populate_calls == [] and fake.events == []
 
 
 @hugetlb_pages
-def test_hugetlb_without_free_pages_is_a_config_error() -> None:
+def test_hugetlb_without_free_pages_is_a_config_error(fake: FakeRuntime) -> None:
     free = Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
     try:
         free_pages = int(free.read_text())
@@ -1251,7 +1250,6 @@ def test_hugetlb_without_free_pages_is_a_config_error() -> None:
         pytest.skip("no 2 MiB hugetlb pool on this kernel")
     if free_pages != 0:
         pytest.skip(f"{free_pages} free hugetlb pages: the pool might fit")
-    fake = FakeRuntime()
     with pytest.raises(pinpool.ConfigError, match="nr_hugepages") as info:
         pinpool.PinnedPool(size=8 * MiB, chunk_bytes=2 * MiB, runtime=fake, huge_pages="hugetlb")
     assert "hugetlb" in str(info.value)

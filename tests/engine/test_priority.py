@@ -17,7 +17,7 @@ import pytest
 import pinpool
 from pinpool import ConfigError
 from pinpool._host import libc as _libc
-from pinpool._plan.options import BACKGROUND_PIN_NICE, MAX_NICE
+from pinpool._plan import BACKGROUND_PIN_NICE, MAX_NICE
 from pinpool.testing import FakeRuntime
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
@@ -144,15 +144,15 @@ def test_the_increment_is_relative_and_capped_at_19() -> None:
 
 
 @pytest.mark.parametrize("bad", [-1, 20, 1.5, True, "10", "high", [5]])
-def test_bad_values_are_config_errors_naming_value_and_fix(bad: object) -> None:
+def test_bad_values_are_config_errors_naming_value_and_fix(fake: FakeRuntime, bad: object) -> None:
     with pytest.raises(ConfigError) as caught:
-        pinpool.PinnedPool(size="64MiB", runtime=FakeRuntime(), registry=None, background=True, pin_nice=bad)  # type: ignore[arg-type]
+        pinpool.PinnedPool(size="64MiB", runtime=fake, registry=None, background=True, pin_nice=bad)  # type: ignore[arg-type]
     message = str(caught.value)
     assert f"pin_nice={bad!r}" in message and "0 to 19" in message and '"auto"' in message
 
 
 def test_pool_options_check_the_resolved_value() -> None:
-    from pinpool._plan.options import PoolOptions
+    from pinpool._plan import PoolOptions
 
     with pytest.raises(ConfigError, match="pin_nice=25"):
         PoolOptions(size=1 << 20, pin_nice=25)

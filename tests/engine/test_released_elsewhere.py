@@ -12,9 +12,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 import pinpool
-from pinpool._host import libc as _libc
 from pinpool.runtimes import CudaRuntime, RocmRuntime
-from pinpool.testing import FakeCudart, FakeRuntime
+from pinpool.testing import FakeCudart, FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock, pin_and_run
 
@@ -70,7 +69,7 @@ async def test_a_peer_releases_first_then_pinpool_closes_cleanly(mode: str, peer
     del pool
     gc.collect()
     assert not mapped(address)  # nothing kept mapped
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -88,7 +87,7 @@ async def test_pinpool_closes_first_then_the_peer_finds_nothing(mode: str, vmlck
     assert fake.cudaHostUnregister(bases[0]) == 713  # the server's destroy(), after pinpool's close
     assert fake.cudaGetLastError() == 713  # the peer's failure is the peer's to clear
     assert fake.registered == {} and released_count(registry, "cuda") == 0
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_rocm_declares_its_own_code() -> None:

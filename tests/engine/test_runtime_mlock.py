@@ -13,6 +13,7 @@ import pytest
 import pinpool
 from pinpool._host import libc as _libc
 from pinpool.runtimes import MlockRuntime
+from pinpool.testing import locked_bytes
 
 from .. import preloaded
 from ..conftest import each_driver, hugetlb_pages, needs_mlock, pin_and_run
@@ -51,15 +52,15 @@ async def test_vmlck_grows_by_pool_size_and_returns(mode: str, vmlck_baseline: i
     pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", register_workers=2)
     if mode == "async":
         async with pool:
-            during = _libc.vm_locked_bytes()
+            during = locked_bytes()
             pool.tensor.fill_(1)
     else:
         with pool:
-            during = _libc.vm_locked_bytes()
+            during = locked_bytes()
             pool.tensor.fill_(1)
     assert during - vmlck_baseline == 96 * MiB
     assert len(pool.plan.chunks) == 6
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @pytest.mark.parametrize("granularity", [60, 300 * 1024, 6000])
@@ -69,9 +70,9 @@ def test_unaligned_granularity_locks_exactly_the_pool(granularity: int, vmlck_ba
     with pinpool.PinnedPool(
         layout=layout, size=64 * MiB, chunk_bytes=8 * MiB, runtime="mlock", register_workers=2
     ) as pool:
-        assert _libc.vm_locked_bytes() - vmlck_baseline == -(-pool.nbytes // 4096) * 4096
+        assert locked_bytes() - vmlck_baseline == -(-pool.nbytes // 4096) * 4096
         assert all(c.offset % granularity == 0 and c.offset % 4096 == 0 for c in pool.plan.chunks)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @each_driver
@@ -87,7 +88,7 @@ async def test_failure_rolls_back_real_locks(mode: str, vmlck_baseline: int) -> 
                 pytest.fail("body must not run")
     assert info.value.offset == 24 * MiB and info.value.reason == "ENOMEM"
     assert runtime.registered == {}
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @pytest.mark.parametrize("populate", [False, True])
@@ -112,15 +113,15 @@ async def test_cancellation_rolls_back_real_locks(vmlck_baseline: int, populate:
             pytest.fail("body must not run")
     assert scope.cancelled_caught
     assert runtime.registered == {}
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_populate_and_huge_pages_lock_for_real(vmlck_baseline: int) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=16 * MiB, runtime="mlock", populate=True, huge_pages=True)
     with pool:
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 64 * MiB
+        assert locked_bytes() - vmlck_baseline == 64 * MiB
         assert pool.data_ptr % (2 * MiB) == 0
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_mlock_runtime_refuses_overlap_and_unknown_base() -> None:
@@ -140,7 +141,7 @@ _LIMITED_CHILD = textwrap.dedent(
     import dataclasses, json, resource
     import pinpool
     from pinpool._host import libc as _libc
-    from pinpool._host.facts import HostFacts
+    from pinpool._host import HostFacts
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     out = {"cap": _libc.has_cap_ipc_lock(), "soft": soft, "before": _libc.vm_locked_bytes()}
     # The pre-flight refuses the pool before anything is mapped...
@@ -221,11 +222,11 @@ async def test_default_pipeline_locks_every_page_on_fault(mode: str, vmlck_basel
     pool = pinpool.PinnedPool(size=96 * MiB, chunk_bytes=16 * MiB, runtime="mlock", populate_workers=2)
     assert pool.plan.order.value == "register_first" and pool.plan.populate
     seen: list[int] = []
-    await pin_and_run(pool, mode, lambda p: seen.extend((_libc.vm_locked_bytes(), _smaps_locked_kb(p.data_ptr))))
+    await pin_and_run(pool, mode, lambda p: seen.extend((locked_bytes(), _smaps_locked_kb(p.data_ptr))))
     during, locked_kb = seen
     assert during - vmlck_baseline == 96 * MiB
     assert locked_kb * 1024 == 96 * MiB  # every page resident and locked, not just marked
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_huge_pages_fault_first_then_lock(vmlck_baseline: int) -> None:
@@ -233,7 +234,7 @@ def test_huge_pages_fault_first_then_lock(vmlck_baseline: int) -> None:
     assert pool.plan.order.value == "populate_first"
     with pool:
         assert _smaps_locked_kb(pool.data_ptr) * 1024 == 64 * MiB
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_numa_node_binds_the_pool(vmlck_baseline: int) -> None:
@@ -243,7 +244,7 @@ def test_numa_node_binds_the_pool(vmlck_baseline: int) -> None:
             line = next(x for x in numa_maps if int(x.split()[0], 16) == pool.data_ptr)
         assert f"bind:{node}" in line
         assert _smaps_locked_kb(pool.data_ptr) * 1024 == 8 * MiB
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 NR_HUGEPAGES = "/proc/sys/vm/nr_hugepages"
@@ -290,7 +291,7 @@ async def test_hugetlb_pool_uses_reserved_pages_and_returns_them(mode: str, vmlc
 
         gc.collect()
         assert _libc.hugetlb_free_pages()[0] == free_before  # unmapped: the pages went back
-        assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() == vmlck_baseline
     finally:
         _set_hugetlb(old)
 

@@ -69,8 +69,7 @@ def test_unknown_name_is_a_config_error_listing_the_names() -> None:
         runtime_info("tpu")
 
 
-def test_objects_resolve_as_themselves_and_non_runtimes_are_rejected() -> None:
-    fake = FakeRuntime()
+def test_objects_resolve_as_themselves_and_non_runtimes_are_rejected(fake: FakeRuntime) -> None:
     assert resolve_runtime(fake) is fake
     assert isinstance(resolve_runtime("mlock"), MlockRuntime)
     with pytest.raises(pinpool.ConfigError, match="neither a runtime name"):
@@ -586,8 +585,7 @@ def test_fail_next_register() -> None:
     fake.register(8192, 4096)
 
 
-def test_fail_next_unregister_keeps_the_range_registered() -> None:
-    fake = FakeRuntime()
+def test_fail_next_unregister_keeps_the_range_registered(fake: FakeRuntime) -> None:
     fake.register(0, 4096)
     fake.fail_next(1, op="unregister")
     with pytest.raises(pinpool.RuntimeCallError) as info:
@@ -598,8 +596,7 @@ def test_fail_next_unregister_keeps_the_range_registered() -> None:
     assert fake.registered == {} and fake.unregister_calls == [0, 0]
 
 
-def test_fail_next_populate_is_enomem() -> None:
-    fake = FakeRuntime()
+def test_fail_next_populate_is_enomem(fake: FakeRuntime) -> None:
     fake.fail_next(1, op="populate")
     with pytest.raises(pinpool.RuntimeCallError) as info:
         fake.populate(0, MiB)
@@ -610,9 +607,9 @@ def test_fail_next_populate_is_enomem() -> None:
 
 @pytest.mark.parametrize(("k", "op", "match"), [(1, "mlock", "op='mlock' is not a FakeRuntime call"),
                                                 (-1, "register", "k=-1"), (True, "register", "k=True")])  # fmt: skip
-def test_bad_fail_next_is_a_config_error(k: int, op: str, match: str) -> None:
+def test_bad_fail_next_is_a_config_error(fake: FakeRuntime, k: int, op: str, match: str) -> None:
     with pytest.raises(pinpool.ConfigError, match=match):
-        FakeRuntime().fail_next(k, op)
+        fake.fail_next(k, op)
 
 
 def test_fail_next_counts_exactly_under_concurrency() -> None:
@@ -636,9 +633,8 @@ def test_fail_next_counts_exactly_under_concurrency() -> None:
     assert len(failures) == 5 and len(fake.registered) == 15 and len(fake.register_calls) == 20
 
 
-def test_hooks_run_around_every_call_and_after_sees_the_books() -> None:
+def test_hooks_run_around_every_call_and_after_sees_the_books(fake: FakeRuntime) -> None:
     seen: list[tuple[str, str, int, int, bool]] = []
-    fake = FakeRuntime()
 
     def before(op: str, ptr: int, nbytes: int) -> None:
         seen.append(("before", op, ptr, nbytes, ptr in fake.registered))

@@ -23,11 +23,10 @@ import pytest
 import structlog
 
 import pinpool
-from pinpool._host import libc as _libc
-from pinpool._pin.engine import untrusted_call
+from pinpool._pin import untrusted_call
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver
 
@@ -297,7 +296,7 @@ class MlocksThenRaises(MlockRuntime):
 @pytest.mark.parametrize("kind", [RuntimeError, SystemExit, KeyboardInterrupt])
 def test_mlock_a_range_locked_then_raised_is_unlocked_at_close(kind: type[BaseException]) -> None:
     """The finding: 64 MiB stayed locked (VmLck) after close(), with leaked=[]."""
-    baseline = _libc.vm_locked_bytes()
+    baseline = locked_bytes()
     runtime = MlocksThenRaises(kind)
     pool = pinpool.PinnedPool(size=128 * MiB, chunk_bytes=64 * MiB, runtime=runtime, registry=None)
     with pytest.raises(pinpool.PinError if issubclass(kind, Exception) else kind) as info:
@@ -305,8 +304,8 @@ def test_mlock_a_range_locked_then_raised_is_unlocked_at_close(kind: type[BaseEx
     if issubclass(kind, Exception):
         assert info.value.leaked == ()  # type: ignore[attr-defined]
     assert runtime.registered == {}
-    assert _libc.vm_locked_bytes() == baseline
+    assert locked_bytes() == baseline
     with pinpool.PinnedPool(size=8 * MiB, runtime=MlockRuntime(), registry=None) as again:
-        assert _libc.vm_locked_bytes() - baseline == 8 * MiB
+        assert locked_bytes() - baseline == 8 * MiB
         assert again.pinned_bytes == 8 * MiB
-    assert _libc.vm_locked_bytes() == baseline
+    assert locked_bytes() == baseline

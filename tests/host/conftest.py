@@ -1,14 +1,18 @@
-"""Fixtures of the host tests."""
+"""Fixtures and helpers of the host tests."""
 
 from __future__ import annotations
 
 import gc
+import os
 import shutil
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from pinpool._node import NodeAdmission, NodePacing
 
 
 @pytest.fixture
@@ -21,3 +25,34 @@ def shm_dir() -> Iterator[Path]:
     finally:
         gc.collect()
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node_dir(tmp_path: Path) -> Path:
+    return tmp_path / "node"
+
+
+def admission(directory: Path, *, slots: int | None = None, budget: int | None = None, wait: bool = False,
+              label: str = "test", on_waiting: Callable[..., object] | None = None) -> NodeAdmission:  # fmt: skip
+    """A node admission over a fresh pacing config of ``directory``."""
+    pacing = NodePacing(directory=str(directory), slots=slots, budget_bytes=budget, wait=wait)
+    return NodeAdmission(pacing, label=label, on_waiting=on_waiting)  # type: ignore[arg-type]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``target`` on a daemon thread; its result or exception lands in the list."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(target())
+        except BaseException as exc:  # handed to the test
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out

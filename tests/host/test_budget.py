@@ -13,24 +13,17 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host import libc as _libc
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
-from pinpool._plan.options import PoolOptions
-from pinpool._plan.preflight import place
+from pinpool._host import HostFacts
+from pinpool._plan import PoolOptions, place, preflight
 from pinpool.runtimes._registry import pinning_capabilities
+from pinpool.testing import host_facts, locked_bytes
 
 from ..conftest import needs_mlock
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 # 16 GiB available, no cgroup limit, CAP_IPC_LOCK (RLIMIT_MEMLOCK does not apply).
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=8 * MiB,
-    memlock_hard=8 * MiB, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=16 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts(memlock_soft=8 * MiB, memlock_hard=8 * MiB, mem_available=16 * GiB)
 # A container whose cgroup is tighter than MemAvailable: room = 2 GiB - (300 MiB - 12 MiB page cache) = 1760 MiB.
 CONTAINER = dataclasses.replace(
     HOST, cgroup_memory_limit=2 * GiB, cgroup_memory_usage=300 * MiB, cgroup_memory_reclaimable=12 * MiB,
@@ -277,7 +270,7 @@ def test_real_pools_sized_from_one_budget_map_and_lock_no_more_than_it(vmlck_bas
     assert shares.num_pages == 153  # 22560768 + 2588672 (153 * 16896 = 2585088, rounded up to 4 KiB)
     with shares.pool("kv", runtime="mlock") as kv, shares.pool("indexer", runtime="mlock") as index:
         assert kv.num_pages == index.num_pages == 153
-        locked = _libc.vm_locked_bytes() - vmlck_baseline
+        locked = locked_bytes() - vmlck_baseline
         real = mapped_vmas([kv.data_ptr, index.data_ptr])
         assert locked == real == shares.total_bytes == 25149440 <= budget
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline

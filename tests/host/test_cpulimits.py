@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pinpool._host.facts import HostFacts
-from pinpool._host.limits import V1_SOURCE, V2_SOURCE, CpuQuota, cpu_budget, read_cpu_quota
+from pinpool._host import V1_SOURCE, V2_SOURCE, CpuQuota, HostFacts, cpu_budget, read_cpu_quota
 
 from .test_memlimits import tree
 
@@ -216,7 +215,7 @@ def test_the_probe_reads_this_hosts_quota() -> None:
 
 PROBE = """
 import structlog, pinpool
-from pinpool._host.facts import HostFacts
+from pinpool._host import HostFacts
 h = HostFacts.probe(torch_build=False)
 with structlog.testing.capture_logs() as logs:
     for background in (False, True):

@@ -15,30 +15,27 @@ import pytest
 from pinpool import ConfigError
 from pinpool._cli import doctor as _doctor
 from pinpool._cli.doctor import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
-from pinpool._host.facts import HostFacts
-from pinpool._host.limits import V2_SOURCE, CpuQuota
-from pinpool._plan import preflight
+from pinpool._host import V2_SOURCE, CpuQuota
+from pinpool._plan import PoolOptions
 from pinpool._plan import preflight as _preflight
-from pinpool._plan.options import PoolOptions
-from pinpool.runtimes._registry import pinning_capabilities
+from pinpool.testing import host_facts
 
-
-def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
-    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
-    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
-
+from ..conftest import check_host
 
 ROOT = Path(__file__).resolve().parents[2]
 MiB, GiB = 1 << 20, 1 << 30
 
 # A roomy host, root-like (CAP_IPC_LOCK), no cgroup limit.
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=8 * MiB,
-    memlock_hard=8 * MiB, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=100 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False, cgroup_memory_usage=GiB, cgroup_version=2, cgroup_path="/",
-    thp_defrag="madvise", kernel_release="6.8.0-45",
-)  # fmt: skip
+HOST = host_facts(
+    memlock_soft=8 * MiB,
+    memlock_hard=8 * MiB,
+    mem_available=100 * GiB,
+    cgroup_memory_usage=GiB,
+    cgroup_version=2,
+    cgroup_path="/",
+    thp_defrag="madvise",
+    kernel_release="6.8.0-45",
+)
 
 
 def facts(**host_changes: Any) -> DoctorFacts:

@@ -18,24 +18,18 @@ import torch
 
 import pinpool
 from pinpool._errors import ConfigError
+from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
 from pinpool._host import mapping as _memory
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
-from pinpool._plan.options import PoolOptions
-from pinpool._plan.plan import plan_pool
+from pinpool._plan import PoolOptions, plan_pool, preflight
 from pinpool.runtimes._registry import pinning_capabilities
+from pinpool.testing import host_facts, locked_bytes
 from tests.conftest import hugetlb_pages
 from tests.engine.test_runtime_mlock import _reserve_hugetlb, _set_hugetlb
 
 MiB, GiB = 1 << 20, 1 << 30
 
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=2 * MiB, thp_mode="madvise", populate_write=True, memlock_soft=None,
-    memlock_hard=None, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=64 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts()
 MLOCK = pinning_capabilities("mlock", HOST)
 
 
@@ -155,7 +149,7 @@ def test_a_hugetlb_2mib_pool_pins_whole_reserved_pages_and_returns_them(vmlck_ba
         del pool
         gc.collect()
         assert _libc.hugetlb_free_pages()[0] == free_before  # unmapped: the pages went back
-        assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() == vmlck_baseline
         tensor = pinpool.empty(3 * MiB, dtype=torch.uint8, huge_pages="hugetlb:2MiB")
         tensor.fill_(1)  # hugetlb pages leave the free count as they are faulted
         assert tensor.data_ptr() % (2 * MiB) == 0 and free_before - _libc.hugetlb_free_pages()[0] == 2
@@ -179,4 +173,4 @@ def test_a_1gib_pool_where_the_host_has_1gib_pages(vmlck_baseline: int) -> None:
     del pool
     gc.collect()
     assert _libc.hugetlb_free_pages(GiB)[0] == free_before  # unmapped in whole pages: the page went back
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pinpool._host.facts import HostFacts
-from pinpool._host.limits import MemoryLimits, effective_available, read_mem_available, read_memory_limits
+from pinpool._host import HostFacts, MemoryLimits, effective_available, read_mem_available, read_memory_limits
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 V1_UNLIMITED = "9223372036854771712"  # what v1 reads back after `echo -1 > memory.limit_in_bytes`

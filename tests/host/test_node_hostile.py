@@ -28,14 +28,14 @@ import structlog
 
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
+from pinpool._node import NodeAdmission, NodeHolder, holder_state
 from pinpool._node import config as _node_config
 from pinpool._node import pacing as _node
-from pinpool._node.config import NodePacing
-from pinpool._node.pacing import NodeAdmission, NodeHolder, holder_state
 from pinpool._observe import Observer
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
+from .conftest import admission, in_thread, open_fds
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -43,30 +43,10 @@ PACKAGE_DIR = str(Path(pinpool.__file__).parent)
 DEADLINE = 5.0
 
 
-@pytest.fixture
-def node_dir(tmp_path: Path) -> Path:
-    return tmp_path / "node"
-
-
-def admission(directory: Path, *, slots: int | None = None, budget: int | None = None, wait: bool = False,
-              label: str = "test", on_waiting: _node.OnWaiting | None = None) -> NodeAdmission:  # fmt: skip
-    pacing = NodePacing(directory=str(directory), slots=slots, budget_bytes=budget, wait=wait)
-    return NodeAdmission(pacing, label=label, on_waiting=on_waiting)
-
-
 def within(seconds: float, target: Callable[[], object], unblock: Callable[[], None] = lambda: None) -> object:
     """``target()``'s result or exception, or a test failure if it has not returned after ``seconds``
     (then ``unblock()`` is called so the daemon thread can end)."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(target())
-        except BaseException as exc:  # handed to the test
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, out = in_thread(target)
     thread.join(seconds)
     if thread.is_alive():
         unblock()
@@ -76,10 +56,6 @@ def within(seconds: float, target: Callable[[], object], unblock: Callable[[], N
     if isinstance(result, BaseException) and not isinstance(result, Exception):
         raise result
     return result
-
-
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def release_fifo(path: Path) -> Callable[[], None]:
@@ -156,10 +132,10 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
         pass
 
 
-def test_a_pool_entering_with_a_fifo_as_hold_file_fails_within_a_deadline(node_dir: Path) -> None:
+def test_a_pool_entering_with_a_fifo_as_hold_file_fails_within_a_deadline(fake: FakeRuntime, node_dir: Path) -> None:
     """End to end: the pool raises ConfigError from its entry instead of hanging in the admission thread."""
     pool = pinpool.PinnedPool(
-        size=MiB, runtime=FakeRuntime(), registry=None, node_budget=GiB, node_dir=str(node_dir), node_wait=False
+        size=MiB, runtime=fake, registry=None, node_budget=GiB, node_dir=str(node_dir), node_wait=False
     )
     fifo = node_dir / "hold-4242-planted"
     os.mkfifo(fifo, 0o600)
@@ -200,13 +176,15 @@ def test_a_hard_link_in_place_of_a_lock_file_is_refused_and_its_target_is_untouc
     assert precious.read_bytes() == b"do not overwrite\n" and os.stat(precious).st_nlink == 1
 
 
-def test_a_hard_link_already_there_is_refused_by_the_constructor(node_dir: Path, precious: Path) -> None:
+def test_a_hard_link_already_there_is_refused_by_the_constructor(
+    fake: FakeRuntime, node_dir: Path, precious: Path
+) -> None:
     node_dir.mkdir(mode=0o700)
     os.link(precious, node_dir / "slot-1")
     with pytest.raises(pinpool.ConfigError, match=r"slot-1' has 2 hard links"):
         admission(node_dir, slots=2)
     with pytest.raises(pinpool.ConfigError, match=r"slot-1' has 2 hard links"):
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, node_slots=2, node_dir=str(node_dir))
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, node_slots=2, node_dir=str(node_dir))
     admission(node_dir, slots=1)  # slot-1 is no file of a one-slot pacing
     assert precious.read_bytes() == b"do not overwrite\n"
 
@@ -300,12 +278,11 @@ def test_a_node_dir_made_unwritable_later_is_a_config_error_at_acquire() -> None
 
 
 def test_a_pool_with_an_unwritable_node_dir_fails_in_its_constructor(
-    node_dir: Path, monkeypatch: pytest.MonkeyPatch
+    fake: FakeRuntime, node_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What PinnedPool does when the kernel says the directory is not writable (os.access, as
     for a non-root owner of a mode-0500 directory: root passes every permission check)."""
     node_dir.mkdir(mode=0o700)
-    fake = FakeRuntime()
     monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)
     with pytest.raises(pinpool.ConfigError, match=r"is not writable by this process \(EACCES"):
         pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, node_slots=1, node_dir=str(node_dir))
@@ -334,7 +311,7 @@ spec = json.loads(sys.argv[1])
 package = types.ModuleType("pinpool")
 package.__path__ = [spec["package"]]
 sys.modules["pinpool"] = package  # pinpool._node.pacing without pinpool/__init__ (and torch)
-from pinpool._node.pacing import NodeAdmission, NodePacing
+from pinpool._node import NodeAdmission, NodePacing
 
 if spec["kind"] == "lock":  # a rank stopped while admitting: it holds budget.lock itself
     fd = os.open(os.path.join(spec["dir"], "budget.lock"), os.O_RDWR | os.O_CREAT, 0o600)

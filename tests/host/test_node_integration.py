@@ -63,8 +63,7 @@ def test_a_second_pool_waits_for_the_slot_while_the_first_pins(tmp_path: Path) -
     assert slow.registered == {}
 
 
-def test_fail_fast_raises_node_busy_with_nothing_pinned(tmp_path: Path) -> None:
-    fake = FakeRuntime()
+def test_fail_fast_raises_node_busy_with_nothing_pinned(fake: FakeRuntime, tmp_path: Path) -> None:
     first = paced(tmp_path, FakeRuntime(register_delay=0.05), node_slots=1, name="holder", background=True)
     with first:
         first.wait_ready_sync(min_bytes=1, timeout=5)
@@ -89,11 +88,11 @@ def test_the_budget_is_held_while_pinned_and_released_on_exit(tmp_path: Path) ->
         assert again.state is PoolState.READY
 
 
-def test_a_pool_larger_than_the_whole_budget_is_refused_in_the_constructor(tmp_path: Path) -> None:
+def test_a_pool_larger_than_the_whole_budget_is_refused_in_the_constructor(fake: FakeRuntime, tmp_path: Path) -> None:
     from pinpool import ConfigError
 
     with pytest.raises(ConfigError):
-        paced(tmp_path, FakeRuntime(), node_budget=4 * MiB)
+        paced(tmp_path, fake, node_budget=4 * MiB)
 
 
 @pytest.mark.anyio

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,12 @@ import pytest
 
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
+from pinpool._node import BudgetHold, NodeHolder, NodePacing, SlotHold
 from pinpool._node import config as _node_config
 from pinpool._node import pacing as _node
-from pinpool._node.config import NodePacing
-from pinpool._node.pacing import BudgetHold, NodeAdmission, NodeHolder, SlotHold
 
 from .. import preloaded
+from .conftest import admission, in_thread, open_fds
 
 GiB = 1 << 30
 PACKAGE_DIR = str(Path(pinpool.__file__).parent)
@@ -41,7 +41,8 @@ spec = json.loads(sys.argv[1])
 package = types.ModuleType("pinpool")
 package.__path__ = [spec["package"]]
 sys.modules["pinpool"] = package  # pinpool._node.pacing without pinpool/__init__ (and torch)
-from pinpool._node.pacing import NodeAdmission, NodeBusyError, NodePacing
+from pinpool._errors import NodeBusyError
+from pinpool._node import NodeAdmission, NodePacing
 
 def now():
     return time.clock_gettime(time.CLOCK_MONOTONIC)
@@ -151,17 +152,8 @@ def max_overlap(intervals: list[tuple[float, float, int]]) -> int:
     return best
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def hold_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("hold-"))
-
-
-@pytest.fixture
-def node_dir(tmp_path: Path) -> Path:
-    return tmp_path / "node"
 
 
 @pytest.fixture
@@ -172,12 +164,6 @@ def kill_children() -> Iterator[list[subprocess.Popen[bytes]]]:
         if p.poll() is None:
             p.kill()
         p.communicate()  # reaps it and closes its pipes
-
-
-def admission(
-    directory: Path, *, slots: int | None = None, budget: int | None = None, wait: bool = False, label: str = "test"
-) -> NodeAdmission:
-    return NodeAdmission(NodePacing(directory=str(directory), slots=slots, budget_bytes=budget, wait=wait), label=label)
 
 
 # -- real processes -----------------------------------------------------------------------------
@@ -510,21 +496,6 @@ def test_node_busy_error_pickles_with_its_attributes() -> None:
 
 
 # -- a waiting thread: cancellation leaves nothing held ----------------------------------------------
-
-
-def in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    """Run ``target`` on a daemon thread; its result or exception lands in the list."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(target())
-        except BaseException as exc:  # handed to the test
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def test_cancelling_a_waiting_slot_acquire_holds_nothing(node_dir: Path) -> None:

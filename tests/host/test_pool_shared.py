@@ -11,7 +11,7 @@ import pytest
 
 import pinpool
 from pinpool import ConfigError, PoolState, layouts
-from pinpool._host.libc import vm_locked_bytes
+from pinpool.testing import locked_bytes
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -32,9 +32,9 @@ def test_a_shared_pool_pins_locks_and_its_creator_removes_the_file(region: Path,
     shared = pinpool.SharedMemory(region, create=True)
     with pinpool.PinnedPool(size=32 * MiB, runtime="mlock", memory=shared, registry=None, name="shm") as pool:
         assert pool.state is PoolState.READY and region.exists()
-        assert vm_locked_bytes() - vmlck_baseline >= 32 * MiB
+        assert locked_bytes() - vmlck_baseline >= 32 * MiB
         pool.tensor[:4] = 9
-    assert vm_locked_bytes() == vmlck_baseline and not region.exists()
+    assert locked_bytes() == vmlck_baseline and not region.exists()
 
 
 def test_a_kept_region_is_reattached_with_its_bytes_and_a_mismatch_is_refused(
@@ -46,7 +46,7 @@ def test_a_kept_region_is_reattached_with_its_bytes_and_a_mismatch_is_refused(
         memory=pinpool.SharedMemory(region, create=True, keep=True),
     ) as pool:  # fmt: skip
         pool.tensor[: 1 << 10] = 42
-    assert region.exists() and vm_locked_bytes() == vmlck_baseline
+    assert region.exists() and locked_bytes() == vmlck_baseline
     again = pinpool.PinnedPool(
         layout=layout, size=16 * MiB, runtime="mlock", registry=None, memory=pinpool.SharedMemory(region, create=False)
     )
@@ -59,7 +59,7 @@ def test_a_kept_region_is_reattached_with_its_bytes_and_a_mismatch_is_refused(
     with pytest.raises(ConfigError) as raised, wrong:
         pass
     assert "16" in str(raised.value) and "32" in str(raised.value)  # names what the file holds and what was asked
-    assert vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_a_background_shared_pool_and_close(region: Path, vmlck_baseline: int) -> None:
@@ -70,7 +70,7 @@ def test_a_background_shared_pool_and_close(region: Path, vmlck_baseline: int) -
     pool.wait_ready_sync(timeout=60)
     assert pool.registrations and sum(r.nbytes for r in pool.registrations) == 64 * MiB
     pool.close()
-    assert vm_locked_bytes() == vmlck_baseline and not region.exists()
+    assert locked_bytes() == vmlck_baseline and not region.exists()
 
 
 @pytest.mark.parametrize(

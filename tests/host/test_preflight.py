@@ -17,7 +17,6 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from unittest import mock
 
 import pytest
@@ -25,34 +24,22 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, layouts
+from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
-from pinpool._host.facts import HostFacts
-from pinpool._plan import preflight
-from pinpool._plan.options import PoolOptions
+from pinpool._plan import PoolOptions
 from pinpool._types import Capabilities
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._registry import pinning_capabilities
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, host_facts, locked_bytes
 
 from .. import preloaded
-from ..conftest import needs_mlock
-
-
-def check_host(options: PoolOptions, host: HostFacts, runtime: object = None, **kwargs: Any) -> None:
-    """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
-    preflight.check_host(options, host, pinning_capabilities(runtime, host), **kwargs)
-
+from ..conftest import check_host, needs_mlock
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB
 
 # A CPU-only host with 16 GiB available and no cgroup limit, root-like (CAP_IPC_LOCK).
-HOST = HostFacts(
-    cpus=8, page_size=4096, huge_page_size=HUGE, thp_mode="madvise", populate_write=True, memlock_soft=8 * MiB,
-    memlock_hard=8 * MiB, cap_ipc_lock=True, cgroup_memory_limit=None, mem_available=16 * GiB, hugetlb_free=0,
-    hugetlb_total=0, numa_nodes=(0,), address_space_bytes=1 << 47, torch_cuda=None, torch_hip=None,
-    nvidia_driver=False, amd_kfd=False,
-)  # fmt: skip
+HOST = host_facts(huge_page_size=HUGE, memlock_soft=8 * MiB, memlock_hard=8 * MiB, mem_available=16 * GiB)
 CONTAINER = dataclasses.replace(
     HOST, cgroup_memory_limit=2 * GiB, cgroup_memory_usage=300 * MiB, cgroup_memory_reclaimable=12 * MiB,
     cgroup_version=2, cgroup_path="/kubepods/pod1/c1",
@@ -123,10 +110,10 @@ def test_unknown_figures_are_not_guessed_at() -> None:
 
 
 @pytest.mark.parametrize("runtime", [None, "fake", "no-such-runtime"])
-def test_no_memory_check_without_a_runtime_that_pins_for_real(runtime: str | None) -> None:
+def test_no_memory_check_without_a_runtime_that_pins_for_real(fake: FakeRuntime, runtime: str | None) -> None:
     """FakeRuntime touches no memory: tests plan pools far beyond the host. An unknown name is left
     to resolve_runtime's own ConfigError; None keeps the old, runtime-free check_host."""
-    spec: object = FakeRuntime() if runtime == "fake" else runtime
+    spec: object = fake if runtime == "fake" else runtime
     check_host(PoolOptions(size=64 * GiB), CONTAINER, spec)
     check_host(PoolOptions(size=64 * GiB), NO_CAP, spec)
 
@@ -325,8 +312,8 @@ def test_pin_checks_the_memlock_budget_but_not_residency() -> None:
                 pytest.fail("the body must not run")
 
 
-def test_fake_pools_beyond_this_host_still_plan() -> None:
-    pinpool.PinnedPool(size="100TiB", chunk_bytes="1TiB", runtime=FakeRuntime(), registry=None)
+def test_fake_pools_beyond_this_host_still_plan(fake: FakeRuntime) -> None:
+    pinpool.PinnedPool(size="100TiB", chunk_bytes="1TiB", runtime=fake, registry=None)
 
 
 # -- what cannot be known in advance: ENOMEM / EAGAIN while pinning are PinErrors, rolled back ---------------------
@@ -347,7 +334,7 @@ def test_fake_enomem_in_populate_is_a_pin_error_with_full_rollback() -> None:
 @pytest.fixture
 def vmlck() -> int:
     gc.collect()
-    return _libc.vm_locked_bytes()
+    return locked_bytes()
 
 
 def _enter(pool: pinpool.PinnedPool) -> pinpool.PinError:
@@ -378,7 +365,7 @@ def test_enomem_from_populate_names_memory_and_rolls_back(monkeypatch: pytest.Mo
     error = _enter(pool)
     assert (error.reason, error.phase) == ("ENOMEM", "populate")
     assert "the kernel could not fault in" in str(error) and "the host is probably short of memory" in str(error)
-    assert runtime.registered == {} and _libc.vm_locked_bytes() == vmlck
+    assert runtime.registered == {} and locked_bytes() == vmlck
 
 
 @needs_mlock
@@ -412,7 +399,7 @@ def test_enomem_and_eagain_from_mlock_roll_back(
     error = _enter(pool)
     assert (error.reason, error.phase, error.code) == (errno.errorcode[err], "register", err)
     assert says in str(error) and "every registered chunk was rolled back" in str(error)
-    assert runtime.registered == {} and _libc.vm_locked_bytes() == vmlck
+    assert runtime.registered == {} and locked_bytes() == vmlck
 
 
 # -- a real memory cgroup ---------------------------------------------------------------------------------------

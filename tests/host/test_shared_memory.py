@@ -32,10 +32,9 @@ import pinpool
 from pinpool import layouts
 from pinpool._cli import doctor as _doctor
 from pinpool._host import libc as _libc
-from pinpool._shared.format import MAGIC, TRAILER_BYTES, find_regions, layout_record, read_region
-from pinpool._shared.mapping import SharedMapping
-from pinpool._shared.memory import SharedMemory
+from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMapping, SharedMemory, find_regions, layout_record, read_region
 from pinpool.runtimes import MlockRuntime
+from pinpool.testing import locked_bytes
 
 from .. import preloaded
 from ..conftest import hugetlb_pages, needs_mlock
@@ -393,8 +392,7 @@ def test_attach_waits_for_a_creation_in_progress(shm_dir: Path) -> None:
 
 CHILD_ATTACH = """
 import sys, gc
-from pinpool._shared.format import layout_record
-from pinpool._shared.memory import SharedMemory
+from pinpool._shared import SharedMemory, layout_record
 from pinpool import layouts
 fd, nbytes = int(sys.argv[1]), int(sys.argv[2])
 m = SharedMemory(fd=fd, create=False).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes))
@@ -510,14 +508,13 @@ def test_resident_bytes_counts_what_the_file_holds(shm_dir: Path) -> None:
 
 
 def vmlck_kb() -> int:
-    return _libc.vm_locked_bytes() // 1024
+    return locked_bytes() // 1024
 
 
 SECOND_PROCESS = """
 import sys
 from pinpool._host import libc as _libc
-from pinpool._shared.format import layout_record
-from pinpool._shared.memory import SharedMemory
+from pinpool._shared import SharedMemory, layout_record
 from pinpool import layouts
 from pinpool.runtimes import MlockRuntime
 path, nbytes = sys.argv[1], int(sys.argv[2])
@@ -540,7 +537,7 @@ def test_two_processes_map_one_region_each_locks_it_and_bytes_cross(shm_dir: Pat
     mapping = shared.open_mapping(nbytes, record(nbytes))
     runtime = MlockRuntime()
     runtime.register(mapping.address, mapping.length)
-    assert _libc.vm_locked_bytes() - vmlck_baseline == nbytes
+    assert locked_bytes() - vmlck_baseline == nbytes
     mapping.view(nbytes - 1, 1).fill_(211)
     result = preloaded.run(
         [sys.executable, "-c", SECOND_PROCESS, str(path), str(nbytes)], capture_output=True, text=True, timeout=120,
@@ -550,9 +547,9 @@ def test_two_processes_map_one_region_each_locks_it_and_bytes_cross(shm_dir: Pat
     assert f"CHILD_VMLCK {nbytes} CHILD_SAW 211" in result.stdout  # locked in its own mapping, too
     assert "CHILD_VMLCK_AFTER 0" in result.stdout
     assert int(mapping.view(0, 1)[0]) == 123
-    assert _libc.vm_locked_bytes() - vmlck_baseline == nbytes  # the child's munlock left ours locked
+    assert locked_bytes() - vmlck_baseline == nbytes  # the child's munlock left ours locked
     runtime.unregister(mapping.address)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     del mapping
     collect()
     assert not path.exists()
@@ -564,10 +561,10 @@ def test_mlock_of_a_shared_mapping_locks_its_pages_in_smaps(shm_dir: Path, vmlck
     mapping = shared.open_mapping(16 * MiB, record(16 * MiB))
     assert _libc.mlock(mapping.address, mapping.length) == 0
     locked = smaps_field(mapping.address, "Locked")
-    assert locked == 16 * MiB // 1024 and _libc.vm_locked_bytes() - vmlck_baseline == 16 * MiB
+    assert locked == 16 * MiB // 1024 and locked_bytes() - vmlck_baseline == 16 * MiB
     assert smaps_field(mapping.address, "Rss") == 16 * MiB // 1024
     assert _libc.munlock(mapping.address, mapping.length) == 0
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def smaps_field(address: int, field: str) -> int:
@@ -595,8 +592,7 @@ def _at_the_very_end():
 atexit.register(_at_the_very_end)  # first registered: runs after every finalizer
 import sys
 from pinpool._host import libc as _libc
-from pinpool._shared.format import layout_record
-from pinpool._shared.memory import SharedMemory
+from pinpool._shared import SharedMemory, layout_record
 from pinpool import layouts
 path = sys.argv[1]
 m = SharedMemory(path).open_mapping(8 << 20, layout_record(layouts.Raw(), 8 << 20))

@@ -31,8 +31,7 @@ import pinpool
 from pinpool import layouts
 from pinpool._cli import doctor as _doctor
 from pinpool._host import libc as _libc
-from pinpool._shared.format import MAGIC, TRAILER_BYTES, find_half_made, find_regions, layout_record, read_region
-from pinpool._shared.memory import SharedMemory
+from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMemory, find_half_made, find_regions, layout_record, read_region
 
 from ..conftest import needs_mlock
 
@@ -122,8 +121,7 @@ def test_ten_thousand_empty_files_sorted_first_hide_no_region(shm_dir: Path) -> 
 TRUNCATE = """
 import gc, os, sys
 import pinpool
-from pinpool._shared.format import layout_record
-from pinpool._shared.memory import SharedMemory
+from pinpool._shared import SharedMemory, layout_record
 from pinpool import layouts
 path, size = sys.argv[1], sys.argv[2]
 nbytes = 4 << 20
@@ -157,7 +155,7 @@ def test_a_region_truncated_by_another_process_is_a_config_error_not_sigbus(shm_
 MAPPED_STORE = """
 import os, sys
 from pinpool import ConfigError
-from pinpool._shared.format import TRAILER_BYTES, store
+from pinpool._shared import TRAILER_BYTES, store
 path, huge = sys.argv[1], 2 << 20
 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 os.ftruncate(fd, 2 * huge)
@@ -245,8 +243,7 @@ def small_tmpfs() -> Iterator[Path]:
 
 FILL_THEN_WRITE = """
 import gc, os, sys
-from pinpool._shared.format import layout_record
-from pinpool._shared.memory import SharedMemory
+from pinpool._shared import SharedMemory, layout_record
 from pinpool import layouts
 path, filler = sys.argv[1], sys.argv[2]
 nbytes = 4 << 20
@@ -275,7 +272,7 @@ def test_a_region_the_tmpfs_has_no_room_for_is_a_config_error_before_anything_is
 
 
 def test_pages_the_tmpfs_cannot_reserve_are_a_config_error_naming_the_fix(small_tmpfs: Path) -> None:
-    from pinpool._shared.mapping import _reserve
+    from pinpool._shared import _reserve
 
     fd = os.open(small_tmpfs / "kv", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -429,7 +426,7 @@ def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_re
 def test_a_name_taken_while_a_region_was_being_made_is_never_replaced(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch, renameat2: bool
 ) -> None:
-    from pinpool._shared.files import publish
+    from pinpool._shared import publish
 
     if not renameat2:
         monkeypatch.setattr(_libc, "rename_noreplace", lambda *args: errno.ENOSYS)

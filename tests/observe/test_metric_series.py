@@ -148,10 +148,10 @@ class OtherFake(FakeRuntime):
     name = "other"
 
 
-def test_a_runtime_is_part_of_the_series_key() -> None:
+def test_a_runtime_is_part_of_the_series_key(fake: FakeRuntime) -> None:
     registry = CollectorRegistry()
     with pinpool.PinnedPool(size=MiB, runtime=OtherFake(), name="kv", registry=registry) as other:
-        with pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), name="kv", registry=registry):
+        with pinpool.PinnedPool(size=MiB, runtime=fake, name="kv", registry=registry):
             assert gauge(registry, "pinpool_pools_open", "kv") == 1
         assert gauge(registry, "pinpool_pools_open", "kv") is None  # the fake's series are gone
         assert registry.get_sample_value("pinpool_pools_open", {"pool": "kv", "runtime": "other"}) == 1
@@ -207,9 +207,9 @@ async def test_a_failed_background_pool_keeps_its_series_until_exit() -> None:
     assert gauges_of(registry, "bg") == {}
 
 
-def test_the_finalizer_removes_an_unexited_pools_series() -> None:
+def test_the_finalizer_removes_an_unexited_pools_series(fake: FakeRuntime) -> None:
     registry = CollectorRegistry()
-    pool = pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), name="forgotten", registry=registry)
+    pool = pinpool.PinnedPool(size=MiB, runtime=fake, name="forgotten", registry=registry)
     pool.__enter__()
     assert gauge(registry, "pinpool_pools_open", "forgotten") == 1
     with pytest.warns(pinpool.UnclosedPoolWarning):
@@ -218,12 +218,12 @@ def test_the_finalizer_removes_an_unexited_pools_series() -> None:
     assert gauges_of(registry, "forgotten") == {}
 
 
-def test_multiprocess_mode_keeps_the_series(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_multiprocess_mode_keeps_the_series(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     # prometheus_client cannot remove a series in multiprocess mode (it only warns, and the
     # value stays in the process's file): pinpool leaves them, at 0, and warns nothing.
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     registry = CollectorRegistry()
-    with pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), name="mp", registry=registry):
+    with pinpool.PinnedPool(size=MiB, runtime=fake, name="mp", registry=registry):
         pass
     assert gauge(registry, "pinpool_pools_open", "mp") == 0
     assert gauge(registry, "pinpool_pinned_bytes", "mp") == 0

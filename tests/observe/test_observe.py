@@ -14,7 +14,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 import pinpool
-from pinpool._host.facts import HostFacts
+from pinpool._host import HostFacts
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
@@ -35,10 +35,10 @@ def base(pool: str = "obs") -> dict[str, str]:
 
 
 @each_driver
-async def test_metrics_follow_a_pool_through_pin_and_unpin(mode: str) -> None:
+async def test_metrics_follow_a_pool_through_pin_and_unpin(fake: FakeRuntime, mode: str) -> None:
     registry = CollectorRegistry()
     pool = pinpool.PinnedPool(
-        size=8 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), name="obs", registry=registry,
+        size=8 * MiB, chunk_bytes=MiB, runtime=fake, name="obs", registry=registry,
         layout=pinpool.layouts.Raw(granularity_bytes=4096),
     )  # fmt: skip
     during: dict[str, float] = {}
@@ -121,9 +121,9 @@ def test_pools_share_a_registry_and_none_disables_metrics() -> None:
         pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry="global")  # type: ignore[arg-type]
 
 
-def test_log_events_with_bound_context() -> None:
+def test_log_events_with_bound_context(fake: FakeRuntime) -> None:
     with structlog.testing.capture_logs() as logs:
-        with pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), name="logs", registry=None):
+        with pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, name="logs", registry=None):
             pass
     events = [e["event"] for e in logs]
     assert events == ["pool.pin.start", *["chunk.registered"] * 4, "pool.pinned", "pool.unpinned"]
@@ -161,10 +161,10 @@ def test_failure_log_events() -> None:
     assert unpin_failed["failures"] == 1 and unpin_failed["leaked_bytes"] == MiB
 
 
-def test_logger_option_receives_the_events() -> None:
+def test_logger_option_receives_the_events(fake: FakeRuntime) -> None:
     captured = structlog.testing.CapturingLogger()
     logger = structlog.wrap_logger(captured, processors=[lambda _logger, _name, event: ((), event)])
-    with pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None, logger=logger, name="mine"):
+    with pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, logger=logger, name="mine"):
         pass
     names = [call.kwargs["event"] for call in captured.calls]
     assert names[0] == "pool.pin.start" and names[-1] == "pool.unpinned"
@@ -267,8 +267,7 @@ def test_multiprocess_mode_sums_live_pools(tmp_path: Any) -> None:
 
 
 @each_driver
-async def test_progress_error_on_the_final_call_rolls_back(mode: str) -> None:
-    fake = FakeRuntime()
+async def test_progress_error_on_the_final_call_rolls_back(fake: FakeRuntime, mode: str) -> None:
 
     def broken(*_: Any) -> None:
         raise LookupError("dashboard down")
@@ -284,9 +283,9 @@ async def test_progress_error_on_the_final_call_rolls_back(mode: str) -> None:
     assert fake.registered == {} and len(fake.register_calls) == 4
 
 
-def test_finalizer_closes_the_pool_metrics() -> None:
+def test_finalizer_closes_the_pool_metrics(fake: FakeRuntime) -> None:
     registry = CollectorRegistry()
-    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), name="obs", registry=registry)
+    pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, name="obs", registry=registry)
     pool.__enter__()
     assert sample(registry, "pinpool_pools_open", **base()) == 1
     with pytest.warns(pinpool.UnclosedPoolWarning):
@@ -314,18 +313,18 @@ def test_rollback_that_leaks_logs_unpin_failed() -> None:
     assert len(info.value.leaked) == 1
 
 
-def test_logger_must_be_a_structlog_logger() -> None:
+def test_logger_must_be_a_structlog_logger(fake: FakeRuntime) -> None:
     import logging
 
     with pytest.raises(pinpool.ConfigError, match="logger="):
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), logger=logging.getLogger("x"))
+        pinpool.PinnedPool(size=MiB, runtime=fake, logger=logging.getLogger("x"))
 
 
-async def test_asgi_app_serves_the_pool_metrics() -> None:
+async def test_asgi_app_serves_the_pool_metrics(fake: FakeRuntime) -> None:
     from pinpool.metrics import make_asgi_app
 
     registry = CollectorRegistry()
-    with pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), name="asgi", registry=registry):
+    with pinpool.PinnedPool(size=MiB, runtime=fake, name="asgi", registry=registry):
         app = make_asgi_app(registry=registry)
         sent: list[dict[str, Any]] = []
 

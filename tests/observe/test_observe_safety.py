@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 import pinpool
 from pinpool._errors import RuntimeCallError
 from pinpool._observe import Observer
-from pinpool._plan.chunks import Chunk
+from pinpool._plan import Chunk
 from pinpool._ranges import PINNED_RANGES
 from pinpool.metrics import PoolMetrics
 from pinpool.testing import FakeRuntime
@@ -269,7 +269,7 @@ def test_log_errors_series_exists_at_zero_once_pinning_starts() -> None:
     assert log_errors(registry) == 0
 
 
-def test_a_clashing_registry_is_a_config_error_and_leaves_the_registry_as_it_was() -> None:
+def test_a_clashing_registry_is_a_config_error_and_leaves_the_registry_as_it_was(fake: FakeRuntime) -> None:
     from prometheus_client import Gauge
 
     registry = CollectorRegistry()
@@ -281,7 +281,7 @@ def test_a_clashing_registry_is_a_config_error_and_leaves_the_registry_as_it_was
     registry.unregister(clash)
     PoolMetrics(registry)
     with pytest.raises(pinpool.ConfigError):
-        pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=_clashing_registry())
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=_clashing_registry())
 
 
 def _clashing_registry() -> CollectorRegistry:
@@ -299,10 +299,9 @@ def raising_logger() -> RaisingLogger:
     return RaisingLogger(ValueError("logger down"))
 
 
-def test_a_pool_with_a_raising_logger_pins_and_unpins(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_pool_with_a_raising_logger_pins_and_unpins(fake: FakeRuntime, capsys: pytest.CaptureFixture[str]) -> None:
     before = PINNED_RANGES.snapshot()
     registry = CollectorRegistry()
-    fake = FakeRuntime()
     logger = raising_logger()
     pool = pinpool.PinnedPool(size="64MiB", chunk_bytes="4MiB", runtime=fake, logger=logger, registry=registry)
     with pool:
@@ -316,9 +315,8 @@ def test_a_pool_with_a_raising_logger_pins_and_unpins(capsys: pytest.CaptureFixt
     assert PINNED_RANGES.snapshot() == before  # the process-wide range claim was released
 
 
-def test_a_pool_whose_logger_raises_only_at_start_and_end_releases_its_claim() -> None:
+def test_a_pool_whose_logger_raises_only_at_start_and_end_releases_its_claim(fake: FakeRuntime) -> None:
     before = PINNED_RANGES.snapshot()
-    fake = FakeRuntime()
     logger = RaisingLogger(ValueError("logger down"), levels=("info",))
     with pinpool.PinnedPool(size="64MiB", chunk_bytes="4MiB", runtime=fake, logger=logger, registry=None):
         pass

@@ -15,7 +15,7 @@ import torch
 import pinpool
 from pinpool import PinError, PinnedPool, PoolState, PoolStateError, layouts
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, assert_released, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -41,12 +41,6 @@ async def until_pinning_ends(pool: PinnedPool) -> None:
     raise AssertionError("pinning did not end within 10 s")
 
 
-def assert_books_clean(fake: FakeRuntime, pool: PinnedPool) -> None:
-    assert fake.registered == {}
-    assert pool.state is PoolState.CLOSED
-    assert not [t for t in threading.enumerate() if t.name.startswith(f"pinpool-{pool.name}")]
-
-
 @pytest.mark.anyio
 async def test_enter_returns_while_pinning_and_pages_grow_from_the_start() -> None:
     fake = FakeRuntime(register_delay=0.02)
@@ -64,7 +58,7 @@ async def test_enter_returns_while_pinning_and_pages_grow_from_the_start() -> No
         assert await pool.wait_ready() == pool.num_pages
         assert pool.state is PoolState.READY
         assert pool.pinned_bytes == pool.nbytes
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     assert 4 * MiB <= seen[0] < 16 * MiB
 
 
@@ -90,7 +84,7 @@ async def test_leaving_while_pinning_stops_and_rolls_back() -> None:
     pool = slow_pool(fake, name="bg-leave")
     async with pool:
         await pool.wait_ready(min_bytes=2 * MiB)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     assert len(fake.register_calls) < 16  # stopped after the calls in flight
     assert pool.pinned_bytes == 0 and pool.pinned_pages == 0
     assert PINNED_RANGES.snapshot() == claimed
@@ -126,7 +120,7 @@ async def test_a_background_failure_keeps_the_pinned_prefix_until_exit_and_every
             assert first.value is second.value is pool.error
             raise first.value  # the body lets it propagate: exit does not raise it twice
     assert not getattr(raised.value, "__notes__", None)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 @pytest.mark.anyio
@@ -136,7 +130,7 @@ async def test_an_unseen_background_failure_is_raised_on_exit() -> None:
     with pytest.raises(PinError, match="register"):
         async with pool:
             await until_pinning_ends(pool)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 @pytest.mark.anyio
@@ -146,7 +140,7 @@ async def test_a_seen_failure_is_not_raised_again_and_a_body_error_gets_a_note()
     async with pool:
         await until_pinning_ends(pool)
         assert isinstance(pool.error, PinError)  # read: delivered
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
     fake = FakeRuntime(fail_register_on=2)
     pool = slow_pool(fake, name="bg-note", max_retries=0)
@@ -155,7 +149,7 @@ async def test_a_seen_failure_is_not_raised_again_and_a_body_error_gets_a_note()
             await until_pinning_ends(pool)
             raise KeyError("the body's own error")
     assert any("pinning in the background had failed" in note for note in raised.value.__notes__)
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 def test_the_sync_twin() -> None:
@@ -167,7 +161,7 @@ def test_the_sync_twin() -> None:
         assert pool.wait_ready_sync(min_bytes=MiB) >= MiB
         assert pool.wait_ready_sync(timeout=30) == pool.num_pages
         assert pool.state is PoolState.READY
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     with pytest.raises(PoolStateError, match="exited before it was ready"):
         pool.wait_ready_sync()
     with pytest.raises(PoolStateError, match="enter it"):
@@ -192,7 +186,7 @@ async def test_a_foreground_pool_can_be_waited_for_from_another_task() -> None:
         tg.start_soon(waiter)
         async with pool:
             assert pool.state is PoolState.READY
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 def test_native_task_cancel_while_leaving_a_pinning_pool_still_rolls_back() -> None:
@@ -221,7 +215,7 @@ def test_native_task_cancel_while_leaving_a_pinning_pool_still_rolls_back() -> N
             await task
 
     asyncio.run(main())
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
 
 
 def test_a_collected_pinning_pool_is_unpinned_by_its_conductor() -> None:
@@ -275,7 +269,6 @@ async def test_kv_pages_grow_in_k_and_v_together() -> None:
 @needs_mlock
 @pytest.mark.anyio
 async def test_mlock_background_pool_locks_while_the_body_runs(vmlck_baseline: int) -> None:
-    from pinpool._host import libc as _libc
 
     pool = PinnedPool(size=512 * MiB, runtime="mlock", registry=None, background=True, name="bg-mlock")
     async with pool:
@@ -284,16 +277,15 @@ async def test_mlock_background_pool_locks_while_the_body_runs(vmlck_baseline: i
             page_counts.append(pool.pinned_pages)
             await anyio.sleep(0.002)
         await pool.wait_ready()
-        assert _libc.vm_locked_bytes() - vmlck_baseline >= 512 * MiB
+        assert locked_bytes() - vmlck_baseline >= 512 * MiB
         assert page_counts == sorted(page_counts)  # the prefix only grows
         pool.tensor[: 4 * MiB] = 7
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
 def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
     """Lock-on-fault locks each span as it faults: progress moves inside a single-chunk pool."""
-    from pinpool._host import libc as _libc
 
     values: list[int] = []
     pool = PinnedPool(
@@ -304,7 +296,7 @@ def test_mlock_progress_moves_within_one_chunk(vmlck_baseline: int) -> None:
         assert len(pool.plan.chunks) == 1
     assert any(0 < v < 512 * MiB for v in values), values
     assert values == sorted(values) and values[-1] == 512 * MiB
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_populated_bytes_move_ahead_of_registration_in_cuda_order() -> None:
@@ -354,7 +346,7 @@ def test_ctrl_c_inside_the_conductors_thread_start(
         monkeypatch.undo()
         if paced:  # its wait for the slot was cancelled, not sat out until the holder was done
             assert holder.state is PoolState.PINNING and fake.register_calls == []
-    assert_books_clean(fake, pool)
+    assert_released(pool, fake)
     assert PINNED_RANGES.snapshot() == claimed
 
 
@@ -383,7 +375,6 @@ class _MlockFailingOn(pinpool.runtimes.MlockRuntime):
 
 @needs_mlock
 def test_mlock_background_failure_keeps_the_prefix_locked_until_exit(vmlck_baseline: int) -> None:
-    from pinpool._host import libc as _libc
 
     runtime = _MlockFailingOn(6)
     pool = PinnedPool(
@@ -396,9 +387,9 @@ def test_mlock_background_failure_keeps_the_prefix_locked_until_exit(vmlck_basel
         assert pool.state is PoolState.FAILED
         kept = pool.pinned_pages * pool.plan.page_bytes
         assert kept >= MiB
-        locked = _libc.vm_locked_bytes() - vmlck_baseline
+        locked = locked_bytes() - vmlck_baseline
         assert locked >= kept  # the pages reported pinned are still locked while the body runs
         time.sleep(0.05)
-        assert _libc.vm_locked_bytes() - vmlck_baseline == locked  # and nothing unlocks them meanwhile
+        assert locked_bytes() - vmlck_baseline == locked  # and nothing unlocks them meanwhile
         pool.tensor[:kept].fill_(1)
-    assert _libc.vm_locked_bytes() == vmlck_baseline  # exit unpinned everything
+    assert locked_bytes() == vmlck_baseline  # exit unpinned everything

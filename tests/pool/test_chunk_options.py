@@ -15,7 +15,7 @@ import pytest
 import structlog
 
 import pinpool
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 MiB = 1 << 20
 SIZE = 68 * MiB  # 8 calls of 8 MiB and a short one of 4 MiB with chunk_bytes="8MiB"
@@ -73,10 +73,9 @@ def test_registration_sizes_for_every_combination(background: bool, budget: obje
     assert pool.plan.registrations_reason.startswith(f"{len(pool.plan.chunks)} registration")
 
 
-def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_workers() -> None:
+def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_workers(fake: FakeRuntime) -> None:
     """A 1.1 GB pool under SGLang's 256 GiB limit was 2 registrations "for the workers"; now 1.
     The default still splits for throughput, and says so."""
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=1_100_000_000, runtime=fake, registry=None, populate=False,
                               max_chunk_bytes="256GiB", register_workers=8)  # fmt: skip
     with pool:
@@ -96,8 +95,7 @@ def test_a_retry_under_chunk_bytes_is_a_failure_not_a_plan() -> None:
 
 
 def _locked_kib() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmLck:"))
+    return locked_bytes() // 1024
 
 
 def test_a_real_mlock_background_pool_registers_exact_chunks() -> None:

@@ -23,9 +23,8 @@ import pytest
 
 import pinpool
 from pinpool import PoolState, PoolStateError
-from pinpool._host import libc as _libc
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import needs_mlock
 from .test_open_close import pool_of as owned_pool
@@ -88,7 +87,7 @@ def test_closes_on_2_to_7_threads_while_a_background_pool_pins_all_return_and_no
 
 @needs_mlock
 def test_closes_on_many_threads_of_a_real_mlock_background_pool_unlock_everything() -> None:
-    baseline = _libc.vm_locked_bytes()
+    baseline = locked_bytes()
     for run in range(4):
         pool = pool_of("mlock", background=True, size=64 * MiB, name=f"mlock{run}", unpin_workers=2).open()
         time.sleep(0.002 * run)
@@ -96,7 +95,7 @@ def test_closes_on_many_threads_of_a_real_mlock_background_pool_unlock_everythin
         outcomes = pool.outcomes  # type: ignore[attr-defined]
         assert [o[0] for o in outcomes] == ["returned"] * (2 + run), outcomes
         assert pool.state is PoolState.CLOSED and pool.registrations == ()
-        assert _libc.vm_locked_bytes() == baseline
+        assert locked_bytes() == baseline
 
 
 # -- finding 5: close() racing open() ------------------------------------------------------------
@@ -143,7 +142,7 @@ def test_close_racing_open_never_raises_and_leaves_nothing(background: bool) -> 
 @needs_mlock
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 def test_close_racing_open_of_a_real_mlock_pool_unlocks_everything(background: bool) -> None:
-    baseline = _libc.vm_locked_bytes()
+    baseline = locked_bytes()
     for run in range(4):
         pool = pool_of("mlock", background=background, size=64 * MiB, name=f"mlockrace{run}", unpin_workers=2)
         opener, result = start_opening(pool)
@@ -152,7 +151,7 @@ def test_close_racing_open_of_a_real_mlock_pool_unlocks_everything(background: b
         assert [o[0:2] for o in pool.outcomes] == [("returned", None)] * 2, pool.outcomes  # type: ignore[attr-defined]
         assert result[0] is pool or isinstance(result[0], PoolStateError), result
         assert pool.state is PoolState.CLOSED and pool.registrations == ()
-        assert _libc.vm_locked_bytes() == baseline
+        assert locked_bytes() == baseline
 
 
 def test_a_close_during_open_stops_pinning_and_open_raises_a_pool_state_error() -> None:
@@ -174,15 +173,13 @@ def test_a_close_during_open_stops_pinning_and_open_raises_a_pool_state_error() 
     assert "close()" in str(raised.value)
 
 
-def test_close_inside_the_body_then_the_with_exit_is_a_no_op() -> None:
-    fake = FakeRuntime()
+def test_close_inside_the_body_then_the_with_exit_is_a_no_op(fake: FakeRuntime) -> None:
     with pool_of(fake) as pool:
         assert pool.close() is None and pool.state is PoolState.CLOSED
     assert fake.registered == {} and len(fake.unregister_calls) == 16
 
 
-def test_exit_while_another_thread_stops_a_background_pinning_waits_instead_of_raising() -> None:
-    fake = FakeRuntime()
+def test_exit_while_another_thread_stops_a_background_pinning_waits_instead_of_raising(fake: FakeRuntime) -> None:
     pool = pool_of(fake, background=True)
     in_register, release = threading.Event(), threading.Event()
 

@@ -13,12 +13,11 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import Chunk, PinError, PinnedPool, PoolState
-from pinpool._host import libc as _libc
-from pinpool._host.mapping import populate_range
+from pinpool._host import populate_range
 from pinpool._units import format_bytes
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, needs_mlock
+from ..conftest import each_driver, needs_mlock, pin_and_run
 
 MiB = 1 << 20
 
@@ -99,12 +98,7 @@ async def test_background_failure_on_a_piece_keeps_and_counts_what_is_registered
         if kept:
             pool.tensor[: pool.pinned_pages].fill_(3)  # the pages said pinned are usable
 
-    if mode == "async":
-        async with pool as entered:
-            body(entered)
-    else:
-        with pool as entered:
-            body(entered)
+    await pin_and_run(pool, mode, body)
     assert error is not None
     assert pool.pinned_bytes == 0 and pool.pinned_pages == 0 and pool.registrations == ()
     assert fake.registered == {} and gauge(registry, pool) is None
@@ -226,7 +220,7 @@ def test_mlock_background_failure_counts_agree_with_vmlck(
         assert registered > 0
         # The kernel counts a lock-on-fault range in VmLck whole from its mlock2 call; only its
         # faulted pages are pinned (pinned_bytes), and the text tells the two apart.
-        assert _libc.vm_locked_bytes() - vmlck_baseline == registered
+        assert locked_bytes() - vmlck_baseline == registered
         assert pool.pinned_bytes == pool.populated_bytes
         text = str(raised.value)
         assert f"({format_bytes(pool.pinned_bytes)} pinned, {len(pool.registrations)} registration(s) of " in text
@@ -234,4 +228,4 @@ def test_mlock_background_failure_counts_agree_with_vmlck(
             assert f"{format_bytes(registered - pool.pinned_bytes)} of them locked on fault but not faulted in" in text
         pool.tensor[: pool.pinned_pages].fill_(1)
     assert pool.pinned_bytes == 0 and pool.pinned_pages == 0 and pool.registrations == ()
-    assert _libc.vm_locked_bytes() == vmlck_baseline and gauge(registry, pool) is None
+    assert locked_bytes() == vmlck_baseline and gauge(registry, pool) is None

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import pinpool
+from pinpool._host import HostMapping
 from pinpool._host import libc as _libc
-from pinpool._host.mapping import HostMapping
 from tests import preloaded
 from tests.pool.test_open_close import in_forked_child
 

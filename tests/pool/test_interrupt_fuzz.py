@@ -23,9 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool._pin.lifecycle import PoolState
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, assert_released
 
 MiB = 1 << 20
 EXAMPLES = int(os.environ.get("PINPOOL_FUZZ_EXAMPLES", "40"))  # more for a deeper search
@@ -153,20 +152,6 @@ def drain(caught: list[BaseException], seconds: float = 0.1) -> None:
     KEPT.clear()
 
 
-def pinpool_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("pinpool-")]
-
-
-def check_books(pool: pinpool.PinnedPool, fake: Trap) -> None:
-    assert fake.registered == {}, "chunks left registered"
-    assert PINNED_RANGES.snapshot() == fake.claims_before, "a range claim left behind"
-    assert pool._lifecycle.state is PoolState.CLOSED
-    deadline = time.monotonic() + 5
-    while pinpool_threads() and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert pinpool_threads() == [], "a pinpool thread is still alive"
-
-
 @pytest.fixture
 def sigterm_raises_system_exit() -> Iterator[None]:
     def handler(signum: int, frame: object) -> None:
@@ -207,7 +192,7 @@ def test_sync_driver(moment: Moment, shape: dict[str, object], kind: str, sigter
     drain(caught)
     if fake.fired.is_set():
         assert caught and isinstance(caught[0], expected), caught
-    check_books(pool, fake)
+    assert_released(pool, fake, claims_before=fake.claims_before)
 
 
 # -- asyncio: Task.cancel() once or twice, asyncio.timeout, anyio cancel scope, Ctrl-C via asyncio.run ------
@@ -255,7 +240,7 @@ def test_asyncio_driver(moment: Moment, shape: dict[str, object], kind: str) -> 
                 assert timeout.expired()
             outcome.append("timeout" if timeout.expired() else "scope" if scope.cancelled_caught else "normal")
         finally:
-            check_books(pool, fake)
+            assert_released(pool, fake, claims_before=fake.claims_before)
             outcome.append("books ok")
 
     caught: list[BaseException] = []
@@ -304,7 +289,7 @@ def test_trio_driver(moment: Moment, shape: dict[str, object], kind: str) -> Non
                 await trio.sleep(0.05 if fake.fired.is_set() else 0)
             outcome.append("scope" if scope.cancelled_caught else "normal")
         finally:
-            check_books(pool, fake)
+            assert_released(pool, fake, claims_before=fake.claims_before)
             outcome.append("books ok")
 
     caught: list[BaseException] = []

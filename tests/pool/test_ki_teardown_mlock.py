@@ -59,7 +59,7 @@ CHILD = textwrap.dedent(
         closer = threading.Thread(target=pool.close, daemon=True)
         closer.start()
         closer.join(5)
-        state = pool._lifecycle.state.value
+        state = pool.state.value
         del pool
         gc.collect()
         print(at, caught, "hung" if closer.is_alive() else "returned", state, _libc.vm_locked_bytes(),

@@ -17,29 +17,13 @@ import pytest
 import trio
 
 import pinpool
-from pinpool._pin.lifecycle import PoolState
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, assert_released
 
 from ..conftest import each_driver, pin_and_run
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
-
-
-def pinpool_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("pinpool-")]
-
-
-def assert_clean(pool: pinpool.PinnedPool, fake: FakeRuntime) -> None:
-    """Nothing registered, no range claim, pool closed, no pinpool thread left."""
-    assert fake.registered == {}
-    assert PINNED_RANGES.snapshot() == CLAIMS_BEFORE  # other tests' deliberate leaks stay claimed
-    assert pool._lifecycle.state is PoolState.CLOSED
-    deadline = time.monotonic() + 5
-    while pinpool_threads() and time.monotonic() < deadline:  # a gated thread may still be returning
-        time.sleep(0.005)
-    assert pinpool_threads() == []
 
 
 CLAIMS_BEFORE: dict[int, int] = {}
@@ -99,7 +83,7 @@ def test_native_task_cancel_during_exit_finishes_teardown_first(cancels: int) ->
         assert len(fake.unregister_calls) == 16  # every chunk, although the task was cancelled
 
     asyncio.run(main())
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
     assert pool.state is pinpool.PoolState.CLOSED  # closed, not stuck in "closing"
 
 
@@ -115,7 +99,7 @@ def test_asyncio_timeout_during_exit_finishes_teardown_first() -> None:
 
     asyncio.run(main())
     assert len(fake.unregister_calls) == 16
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
 def test_native_cancel_during_pinning_rolls_back_and_never_enters() -> None:
@@ -139,7 +123,7 @@ def test_native_cancel_during_pinning_rolls_back_and_never_enters() -> None:
     asyncio.run(main())
     assert entered == []
     assert 0 < len(fake.register_calls) < 32
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
 def test_finalizer_never_races_a_running_teardown() -> None:
@@ -154,7 +138,7 @@ def test_finalizer_never_races_a_running_teardown() -> None:
     pool._lifecycle.finalize()  # as weakref.finalize would, while the driver unpins
     exiting.join()
     assert len(fake.unregister_calls) == 8  # each base once: no second teardown, no 713
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
 # -- 2. KeyboardInterrupt inside Thread.start ------------------------------------------------------
@@ -192,7 +176,7 @@ def test_keyboard_interrupt_inside_thread_start(monkeypatch: pytest.MonkeyPatch,
                 monkeypatch.setattr(threading.Thread, "start", interrupted_start)
         assert len(fake.unregister_calls) == 32
     monkeypatch.undo()
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
 def test_keyboard_interrupt_before_the_thread_exists(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,11 +199,10 @@ def test_keyboard_interrupt_before_the_thread_exists(monkeypatch: pytest.MonkeyP
         with pool:
             pytest.fail("body must not run")
     monkeypatch.undo()
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
-def test_no_thread_can_be_started_is_a_pin_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRuntime()
+def test_no_thread_can_be_started_is_a_pin_error(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None)
 
     def refuse(self: threading.Thread) -> None:
@@ -232,12 +215,11 @@ def test_no_thread_can_be_started_is_a_pin_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.undo()
     assert info.value.phase == "start" and info.value.failures == ()
     assert isinstance(info.value.__cause__, RuntimeError)
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
-def test_teardown_without_threads_runs_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_teardown_without_threads_runs_inline(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
     """At interpreter shutdown no thread can be started: teardown still happens, on the caller's thread."""
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, registry=None)
     with pool:
 
@@ -247,7 +229,7 @@ def test_teardown_without_threads_runs_inline(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(threading.Thread, "start", refuse)
     monkeypatch.undo()
     assert len(fake.unregister_calls) == 4
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
 # -- 4. a runtime raising BaseException ---------------------------------------------------------------
@@ -295,7 +277,7 @@ async def test_register_raising_base_exception_is_raised_after_the_rollback(mode
     with pytest.raises(KeyboardInterrupt) as info:
         await pin_and_run(pool, mode)
     assert any("rc=-1 (KeyboardInterrupt)" in note for note in info.value.__notes__)
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
 # -- crashed workers and internal errors ----------------------------------------------------------------
@@ -303,11 +285,10 @@ async def test_register_raising_base_exception_is_raised_after_the_rollback(mode
 
 @each_driver
 async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
-    mode: str, monkeypatch: pytest.MonkeyPatch
+    fake: FakeRuntime, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pinpool._pin import engine as _engine
 
-    fake = FakeRuntime()
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=False)
     real = _engine.PinSession._observe
     calls = 0
@@ -323,7 +304,7 @@ async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
     with pytest.raises(pinpool.PinError, match="pinpool bug") as info:
         await pin_and_run(pool, mode)
     assert isinstance(info.value.__cause__, AssertionError)
-    assert_clean(pool, fake)  # the chunk registered just before the crash was not lost
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)  # the chunk registered just before the crash was not lost
 
 
 # -- anyio and trio: cancellation during exit is absorbed until teardown ends ---------------------------
@@ -339,7 +320,7 @@ async def test_anyio_cancel_during_exit_finishes_teardown() -> None:
         pytest.fail("the cancellation must not be lost")
     assert scope.cancel_called
     assert len(fake.unregister_calls) == 16
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
 
 
 def test_trio_keyboard_interrupt_during_pin_rolls_back() -> None:
@@ -358,4 +339,4 @@ def test_trio_keyboard_interrupt_during_pin_rolls_back() -> None:
 
     with pytest.raises((KeyboardInterrupt, BaseExceptionGroup)):
         trio.run(main)
-    assert_clean(pool, fake)
+    assert_released(pool, fake, claims_before=CLAIMS_BEFORE)

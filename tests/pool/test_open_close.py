@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import torch
 import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnpinError
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -25,10 +24,7 @@ MiB = 1 << 20
 
 
 def vmlck_kb() -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(r"VmLck:\s+(\d+)", f.read())
-    assert match is not None
-    return int(match.group(1))
+    return locked_bytes() // 1024
 
 
 def pool_of(fake: FakeRuntime | str, **kw: Any) -> pinpool.PinnedPool:
@@ -50,8 +46,7 @@ def _nothing_claimed() -> Iterator[None]:
 # -- open() / close() ------------------------------------------------------------------------------
 
 
-def test_open_returns_the_pool_and_close_is_idempotent() -> None:
-    fake = FakeRuntime()
+def test_open_returns_the_pool_and_close_is_idempotent(fake: FakeRuntime) -> None:
     pool = pool_of(fake)
     assert pool.open() is pool and pool.state is PoolState.READY and len(fake.registered) == 8
     assert pool.close() is None
@@ -61,8 +56,8 @@ def test_open_returns_the_pool_and_close_is_idempotent() -> None:
         pool.open()
 
 
-def test_close_of_a_pool_never_opened_closes_it() -> None:
-    pool = pool_of(FakeRuntime())
+def test_close_of_a_pool_never_opened_closes_it(fake: FakeRuntime) -> None:
+    pool = pool_of(fake)
     pool.close()
     assert pool.state is PoolState.CLOSED
     with pytest.raises(PoolStateError):

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool._host import libc as _libc
-from pinpool._plan.plan import plan_chunks
-from pinpool.testing import FakeRuntime
+from pinpool._plan import plan_chunks
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -35,15 +35,15 @@ async def test_pin_locks_the_callers_tensor_and_never_frees_it(mode: str, vmlck_
     pinned = pinpool.pin(t, runtime="mlock", chunk_bytes=8 * MiB, register_workers=2)
     if mode == "async":
         async with pinned as p:
-            locked = _libc.vm_locked_bytes() - vmlck_baseline
+            locked = locked_bytes() - vmlck_baseline
             assert p.tensor.data_ptr() == t.data_ptr() and p.tensor.shape == t.shape
     else:
         with pinned as p:
-            locked = _libc.vm_locked_bytes() - vmlck_baseline
+            locked = locked_bytes() - vmlck_baseline
             assert p.tensor.data_ptr() == t.data_ptr()
     # every page the tensor touches is locked: one more than its size in pages, as it is unaligned
     assert locked == (32 * MiB // PAGE + 1) * PAGE
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert len(pinned.plan.chunks) == 5  # a short head chunk up to the first page boundary, then 8 MiB steps
     assert all((t.data_ptr() + c.offset) % PAGE == 0 for c in pinned.plan.chunks[1:])
     assert int(t.sum()) == 5 * 32 * MiB  # the caller's memory is intact and still usable
@@ -69,8 +69,8 @@ def test_pinning_a_range_pinpool_already_pins_changes_nothing(vmlck_baseline: in
         ):
             pytest.fail("must not enter")
         assert fake.register_calls == []
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 8 * MiB
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() - vmlck_baseline == 8 * MiB
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -80,11 +80,11 @@ def test_pinning_memory_locked_outside_pinpool_changes_nothing(vmlck_baseline: i
     try:
         with pytest.raises(pinpool.AlreadyPinnedError, match="outside pinpool"), pinpool.pin(t, runtime="mlock"):
             pytest.fail("must not enter")
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 4 * MiB
+        assert locked_bytes() - vmlck_baseline == 4 * MiB
     finally:
         _libc.munlock(t.data_ptr(), t.numel())
     with pinpool.pin(t, runtime="mlock"):  # and once unlocked, it can be pinned
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 4 * MiB
+        assert locked_bytes() - vmlck_baseline == 4 * MiB
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 4])
@@ -112,9 +112,8 @@ async def test_pin_cancellation_rolls_back() -> None:
     assert 0 < len(fake.register_calls) < 64
 
 
-def test_pin_populate_on_unaligned_tensor() -> None:
+def test_pin_populate_on_unaligned_tensor(fake: FakeRuntime) -> None:
     t = unaligned_tensor(8 * MiB)
-    fake = FakeRuntime()
     with pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, populate=True) as p:
         assert len(fake.registered) == len(p.plan.chunks) == 5
 
@@ -128,9 +127,9 @@ def test_pin_populate_on_unaligned_tensor() -> None:
         (torch.zeros(4, device="meta"), "only CPU tensors"),
     ],
 )
-def test_pin_rejects_bad_tensors(tensor: object, match: str) -> None:
+def test_pin_rejects_bad_tensors(fake: FakeRuntime, tensor: object, match: str) -> None:
     with pytest.raises(pinpool.ConfigError, match=match):
-        pinpool.pin(tensor, runtime=FakeRuntime())  # type: ignore[arg-type]
+        pinpool.pin(tensor, runtime=fake)  # type: ignore[arg-type]
 
 
 def test_unaligned_tensor_with_impossible_granularity_is_a_config_error_without_exact_ranges() -> None:

@@ -12,10 +12,9 @@ import torch
 
 import pinpool
 from pinpool import PoolState
-from pinpool._host import libc as _libc
-from pinpool._node.pacing import NodeBusyError
-from pinpool._pool.pool import PinnedPool
-from pinpool.testing import FakeRuntime
+from pinpool._errors import NodeBusyError
+from pinpool._pool import PinnedPool
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -87,13 +86,13 @@ async def test_pin_in_the_background_under_mlock(mode: str, vmlck_baseline: int)
     if mode == "async":
         async with pinned as p:
             assert await p.wait_ready() == 32
-            locked = _libc.vm_locked_bytes() - vmlck_baseline
+            locked = locked_bytes() - vmlck_baseline
     else:
         with pinned as p:
             assert p.wait_ready_sync(timeout=60) == 32
-            locked = _libc.vm_locked_bytes() - vmlck_baseline
+            locked = locked_bytes() - vmlck_baseline
     assert locked == 32 * MiB
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 def test_a_failed_background_pin_keeps_what_it_pinned_until_exit() -> None:

@@ -17,7 +17,7 @@ import pinpool
 from pinpool._host import libc as _libc
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -117,10 +117,9 @@ def test_a_worker_view_registers_what_vllm_registers(slot: int, rank: int) -> No
     region.close()  # pinpool let go of the mapping: vLLM's cleanup() can close it
 
 
-def test_vllm_whole_region_mode_is_pin_of_the_region() -> None:
+def test_vllm_whole_region_mode_is_pin_of_the_region(fake: FakeRuntime) -> None:
     region, base, stride = vllm_region(ROWS, WORKERS, MiB)
     expected = vllm_pin_mmap_region_ranges(ROWS, stride, MiB, 0, PAGE, worker_slot_only=False)
-    fake = FakeRuntime()
     with pinpool.pin(base, chunk_bytes=VLLM_MAX_HOST_REGISTER_CHUNK_BYTES, runtime=fake, registry=None):
         assert sorted(fake.registered.items()) == [(base.data_ptr() + o, n) for o, n in expected]
     del base
@@ -128,10 +127,9 @@ def test_vllm_whole_region_mode_is_pin_of_the_region() -> None:
     region.close()
 
 
-def test_every_workers_view_pins_at_once_in_one_process() -> None:
+def test_every_workers_view_pins_at_once_in_one_process(fake: FakeRuntime) -> None:
     """Each range is claimed on its own, so the gaps between one view's rows stay free for the others."""
     _region, base, stride = vllm_region(8, WORKERS, MiB)
-    fake = FakeRuntime()
     pools = [pinpool.pin(worker_view(base, 8, stride, MiB, w), runtime=fake, registry=None) for w in range(WORKERS)]
     for pool in pools:
         pool.__enter__()
@@ -149,11 +147,10 @@ def test_every_workers_view_pins_at_once_in_one_process() -> None:
 # -- chunking within a row ----------------------------------------------------------------------------------
 
 
-def test_rows_are_chunked_on_their_own_grid_and_never_merged_across_gaps() -> None:
+def test_rows_are_chunked_on_their_own_grid_and_never_merged_across_gaps(fake: FakeRuntime) -> None:
     rows, stride, row = 6, 3 * MiB, 2 * MiB + 512 * KiB  # 2.5 MiB rows: two 1 MiB chunks and a 512 KiB tail
     region = pinpool.empty(rows * stride, dtype=torch.uint8)
     view = region.view(rows, stride)[:, 256 * KiB : 256 * KiB + row]
-    fake = FakeRuntime()
     pool = pinpool.pin(view, granularity_bytes=256 * KiB, chunk_bytes=MiB, runtime=fake, registry=None)
     per_row = [(0, MiB), (MiB, MiB), (2 * MiB, 512 * KiB)]
     expected = [(r * stride + o, n) for r in range(rows) for o, n in per_row]  # from the view's start
@@ -163,11 +160,10 @@ def test_rows_are_chunked_on_their_own_grid_and_never_merged_across_gaps() -> No
         assert sorted(fake.registered.items()) == [(view.data_ptr() + o, n) for o, n in expected]
 
 
-def test_an_n_d_view_pins_each_contiguous_row_and_counts_pages_along_its_first_dimension() -> None:
+def test_an_n_d_view_pins_each_contiguous_row_and_counts_pages_along_its_first_dimension(fake: FakeRuntime) -> None:
     """(2, 3, 4 KiB) rows out of a (2, 4, 8 KiB) block: 6 rows, page i = the first dimension's slice i."""
     block = pinpool.empty(2 * 4 * 8 * KiB, dtype=torch.uint8).view(2, 4, 8 * KiB)
     view = block[:, 1:, 2 * KiB : 6 * KiB]
-    fake = FakeRuntime()
     with pinpool.pin(view, runtime=fake, registry=None) as pinned:
         rows = sorted(fake.registered.items())
         assert pinned.num_pages == pinned.pinned_pages == 2 and pinned.tensor.stride() == view.stride()
@@ -200,13 +196,13 @@ def test_mlock_locks_exactly_the_rows_pages_and_unlocks_them(slot: int, vmlck_ba
     expected = vllm_pin_mmap_region_ranges(ROWS, stride, slot, 1, PAGE, worker_slot_only=True)
     view = worker_view(base, ROWS, stride, slot, 1)
     with pinpool.pin(view, runtime=MlockRuntime(), registry=None) as pinned:
-        assert _libc.vm_locked_bytes() - vmlck_baseline == sum(n for _, n in expected)  # vLLM's pages, no more
+        assert locked_bytes() - vmlck_baseline == sum(n for _, n in expected)  # vLLM's pages, no more
         pinned.tensor.fill_(7)
         assert int(base.view(ROWS, stride)[:, slot : 2 * slot].sum()) == 7 * ROWS * slot
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     with pinpool.pin(base, ranges=expected, runtime=MlockRuntime(), registry=None):
-        assert _libc.vm_locked_bytes() - vmlck_baseline == sum(n for _, n in expected)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+        assert locked_bytes() - vmlck_baseline == sum(n for _, n in expected)
+    assert locked_bytes() == vmlck_baseline
     del pinned, view, base
     gc.collect()
     region.close()
@@ -306,8 +302,9 @@ def bad_views() -> Iterator[tuple[torch.Tensor, str]]:
 
 
 @pytest.mark.parametrize(("view", "message"), list(bad_views()))
-def test_views_that_are_not_disjoint_contiguous_rows_are_refused(view: torch.Tensor, message: str) -> None:
-    fake = FakeRuntime()
+def test_views_that_are_not_disjoint_contiguous_rows_are_refused(
+    fake: FakeRuntime, view: torch.Tensor, message: str
+) -> None:
     with pytest.raises(pinpool.ConfigError, match=message):
         pinpool.pin(view, runtime=fake)
     assert fake.register_calls == []

@@ -16,16 +16,14 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import layouts
+from pinpool._host import TensorMemory, alias_of
 from pinpool._host import libc as _libc
-from pinpool._host.mapping import TensorMemory, alias_of
-from pinpool._plan.calls import retry_splitter
-from pinpool._plan.chunks import Chunk, ChunkPlan
-from pinpool._plan.plan import plan_chunks
-from pinpool._pool.pin import empty
+from pinpool._plan import Chunk, ChunkPlan, plan_chunks, retry_splitter
+from pinpool._pool import empty
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import SHARED_PAGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
 
@@ -58,10 +56,9 @@ def sizes(chunks: object) -> list[int]:
 
 
 @each_driver
-async def test_reference_vector_on_a_torch_empty_buffer(mode: str) -> None:
+async def test_reference_vector_on_a_torch_empty_buffer(fake: FakeRuntime, mode: str) -> None:
     """2.5 GiB, 300 MiB copy pages, 1 GiB calls: 900 + 900 + 700 MiB, as on page-aligned memory."""
     t = torch.empty(2500 << 20, dtype=torch.uint8)  # torch's allocator: 64 B into an OS page (glibc mmap)
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=fake, registry=None)
     assert sizes(pinned.plan.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
     plan = pinned.plan.buffers[0].plan
@@ -94,7 +91,7 @@ class _Recording(MlockRuntime):
 
     def _check(self) -> None:
         registered = self.registered
-        assert _libc.vm_locked_bytes() - self.baseline == pages_of(registered)
+        assert locked_bytes() - self.baseline == pages_of(registered)
         self.checked += 1
 
     def register(self, ptr: int, nbytes: int) -> None:
@@ -131,12 +128,12 @@ def test_shared_pages_under_mlock_keep_vmlck_exact(populate: bool, misalignment:
     assert sizes(pinned.plan.chunks) == [9 * MiB, 9 * MiB, 7 * MiB]
     with pinned as p:
         # every page the tensor touches is locked: its size in pages plus one (it starts mid-page)
-        assert _libc.vm_locked_bytes() - vmlck_baseline == (25 * MiB // PAGE + 1) * PAGE
+        assert locked_bytes() - vmlck_baseline == (25 * MiB // PAGE + 1) * PAGE
         boundaries = [t.data_ptr() + c.offset for c in p.plan.chunks[1:]]
         assert [SHARED_PAGES.holders(b - b % PAGE) for b in boundaries] == [2, 2]  # each page held by both
         assert int(p.tensor.sum()) == 7 * 25 * MiB
     assert runtime.checked == 6 and runtime.shared_page_outlived_neighbour
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert runtime.registered == {} and t.data_ptr() not in PINNED_RANGES.snapshot()
     assert all(SHARED_PAGES.holders(page) == 0 for page in range(t.data_ptr() - PAGE, t.data_ptr() + 26 * MiB, PAGE))
     assert int(t.sum()) == 7 * 25 * MiB  # the caller's bytes, intact
@@ -149,16 +146,16 @@ def test_mlock_counts_a_page_two_registrations_share(vmlck_baseline: int) -> Non
     runtime, other = MlockRuntime(), MlockRuntime()  # one table for the process: runtimes share it
     runtime.register(base, PAGE + 100)  # pages 0 (whole) and 1 (in part)
     other.register(base + PAGE + 100, 2 * PAGE)  # pages 1 (in part), 2 (whole) and 3 (in part)
-    assert _libc.vm_locked_bytes() - vmlck_baseline == 4 * PAGE
+    assert locked_bytes() - vmlck_baseline == 4 * PAGE
     assert SHARED_PAGES.holders(base + PAGE) == 2
     runtime.unregister(base)
-    assert _libc.vm_locked_bytes() - vmlck_baseline == 3 * PAGE  # page 1 stays: `other` holds it
+    assert locked_bytes() - vmlck_baseline == 3 * PAGE  # page 1 stays: `other` holds it
     assert SHARED_PAGES.holders(base + PAGE) == 1
     with pytest.raises(pinpool.RuntimeCallError, match="already locked"):
         other.register(base + PAGE + 100, 1)  # a byte of its own range: refused, nothing changes
     assert SHARED_PAGES.holders(base + PAGE) == 1
     other.unregister(base + PAGE + 100)
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert SHARED_PAGES.holders(base + PAGE) == SHARED_PAGES.holders(base + 3 * PAGE) == 0
 
 
@@ -177,7 +174,7 @@ def test_a_failed_mlock_of_a_shared_page_undoes_the_whole_registration(
     with pytest.raises(pinpool.RuntimeCallError) as info:
         runtime.register(t.data_ptr(), 3 * PAGE)
     assert info.value.reason == "EAGAIN" and runtime.registered == {}
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
     assert SHARED_PAGES.holders(t.data_ptr() - 64) == 0
 
 
@@ -324,10 +321,9 @@ def test_empty_memory_is_unmapped_with_its_last_view() -> None:
     gc.collect()
 
 
-def test_pin_of_empty_keeps_the_page_aligned_plan() -> None:
+def test_pin_of_empty_keeps_the_page_aligned_plan(fake: FakeRuntime) -> None:
     """The reference vector on pinpool.empty memory: exactly PinnedPool's own plan, nothing shared."""
     t = empty(2500 << 20, dtype=torch.uint8)
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=fake, registry=None)
     pool = pinpool.PinnedPool(layout=layouts.Raw(300 << 20), size=2500 << 20, chunk_bytes="1GiB",
                               runtime=FakeRuntime(), registry=None)  # fmt: skip
@@ -344,9 +340,9 @@ def test_pin_of_empty_keeps_the_page_aligned_plan() -> None:
 def test_pin_of_empty_under_mlock(vmlck_baseline: int) -> None:
     t = empty(4, 4 * MiB, dtype=torch.uint8)
     with pinpool.pin(t, runtime="mlock", granularity_bytes=4 * MiB, chunk_bytes=8 * MiB) as p:
-        assert _libc.vm_locked_bytes() - vmlck_baseline == 16 * MiB  # not one page more: it starts on a page
+        assert locked_bytes() - vmlck_baseline == 16 * MiB  # not one page more: it starts on a page
         assert sizes(p.plan.chunks) == [8 * MiB, 8 * MiB]
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 # -- item 3: the pinned tensor's storage is held, and guarded, while pinned ------------------------------------------
@@ -376,11 +372,12 @@ CHANGES = ["resize_(0)", "set_()", "resize_(larger)", "storage.resize_(0)"]
 
 @pytest.mark.parametrize("how", CHANGES)
 @each_driver
-async def test_changing_the_tensor_inside_the_block_never_frees_pinned_memory(how: str, mode: str) -> None:
+async def test_changing_the_tensor_inside_the_block_never_frees_pinned_memory(
+    fake: FakeRuntime, how: str, mode: str
+) -> None:
     t = torch.empty(8 * MiB, dtype=torch.uint8)
     t.fill_(3)
     own, address = _cdata(t), t.data_ptr()
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, registry=None)
     if mode == "async":
         async with pinned as p:
@@ -405,21 +402,20 @@ def test_changing_the_tensor_under_mlock_unlocks_everything(how: str, vmlck_base
     t = torch.empty(16 * MiB, dtype=torch.uint8)
     address = t.data_ptr()
     with pinpool.pin(t, runtime="mlock", granularity_bytes=PAGE, chunk_bytes=4 * MiB, registry=None) as p:
-        locked = _libc.vm_locked_bytes() - vmlck_baseline
+        locked = locked_bytes() - vmlck_baseline
         if how == "del":
             del t
         else:
             _change(t, how)
         gc.collect()
-        assert _libc.vm_locked_bytes() - vmlck_baseline == locked  # nothing freed or unlocked under the pool
+        assert locked_bytes() - vmlck_baseline == locked  # nothing freed or unlocked under the pool
         p.tensor.fill_(1)
     assert locked == pages_of({address: 16 * MiB})
-    assert _libc.vm_locked_bytes() == vmlck_baseline and address not in PINNED_RANGES.snapshot()
+    assert locked_bytes() == vmlck_baseline and address not in PINNED_RANGES.snapshot()
 
 
-def test_a_tensor_reallocated_between_pin_and_entry_is_refused_with_nothing_pinned() -> None:
+def test_a_tensor_reallocated_between_pin_and_entry_is_refused_with_nothing_pinned(fake: FakeRuntime) -> None:
     t = torch.empty(8 * MiB, dtype=torch.uint8)
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, registry=None)
     t.resize_(64 * MiB)  # reallocates: the bytes pin() planned for are gone
     with pytest.raises(pinpool.ConfigError, match="reallocated after pin"), pinned:
@@ -429,11 +425,10 @@ def test_a_tensor_reallocated_between_pin_and_entry_is_refused_with_nothing_pinn
         assert p.nbytes == 64 * MiB
 
 
-def test_set_before_entry_still_pins_the_memory_pin_was_given() -> None:
+def test_set_before_entry_still_pins_the_memory_pin_was_given(fake: FakeRuntime) -> None:
     t = torch.empty(8 * MiB, dtype=torch.uint8)
     t.fill_(9)
     address = t.data_ptr()
-    fake = FakeRuntime()
     pinned = pinpool.pin(t, runtime=fake, chunk_bytes=2 * MiB, registry=None)
     t.set_()  # the caller lets go of the storage: pin() holds it
     gc.collect()
@@ -444,7 +439,7 @@ def test_set_before_entry_still_pins_the_memory_pin_was_given() -> None:
 
 
 @pytest.mark.parametrize("kind", ["view", "requires_grad", "inference", "float_rows"])
-def test_tensors_of_every_kind_are_guarded_and_given_back(kind: str) -> None:
+def test_tensors_of_every_kind_are_guarded_and_given_back(fake: FakeRuntime, kind: str) -> None:
     base: torch.Tensor | None = None
     if kind == "view":
         base = torch.empty(9 * MiB, dtype=torch.uint8)
@@ -458,7 +453,7 @@ def test_tensors_of_every_kind_are_guarded_and_given_back(kind: str) -> None:
         base = torch.zeros(8, MiB)
         t = base[2:6]
     own, shape, stride, offset = _cdata(t), t.shape, t.stride(), t.storage_offset()
-    with pinpool.pin(t, runtime=FakeRuntime(), chunk_bytes=MiB, registry=None) as p:
+    with pinpool.pin(t, runtime=fake, chunk_bytes=MiB, registry=None) as p:
         assert p.tensor.data_ptr() == t.data_ptr() and p.tensor.shape == t.shape
         assert not t.untyped_storage().resizable()  # pointed at the alias while pinned
     assert _cdata(t) == own and (t.shape, t.stride(), t.storage_offset()) == (shape, stride, offset)

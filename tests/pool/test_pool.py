@@ -19,7 +19,7 @@ import pytest
 
 import pinpool
 from pinpool import layouts
-from pinpool._host.mapping import HostMapping
+from pinpool._host import HostMapping
 from pinpool._pin import drivers as _ki
 from pinpool.testing import FakeRuntime
 
@@ -96,8 +96,7 @@ def test_dir_of_the_package_is_its_public_names() -> None:
 
 
 @each_driver
-async def test_pins_every_chunk_and_unpins_on_exit(mode: str) -> None:
-    fake = FakeRuntime()
+async def test_pins_every_chunk_and_unpins_on_exit(fake: FakeRuntime, mode: str) -> None:
     pool = pinpool.PinnedPool(
         size=64 * MiB, chunk_bytes=8 * MiB, runtime=fake, register_workers=3, unpin_workers=1, name="t"
     )
@@ -120,8 +119,7 @@ async def test_pins_every_chunk_and_unpins_on_exit(mode: str) -> None:
     assert pool.pinned_bytes == 0
 
 
-async def test_reference_plan_900_900_700_mib() -> None:
-    fake = FakeRuntime()
+async def test_reference_plan_900_900_700_mib(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(
         layout=layouts.Raw(granularity_bytes=300 * MiB), size=2500 * MiB, chunk_bytes=GiB, runtime=fake
     )
@@ -133,8 +131,7 @@ async def test_reference_plan_900_900_700_mib() -> None:
     assert fake.registered == {}
 
 
-def test_teardown_order_and_second_exit_is_a_no_op() -> None:
-    fake = FakeRuntime()
+def test_teardown_order_and_second_exit_is_a_no_op(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=2 * GiB + 17, chunk_bytes=GiB, runtime=fake, register_workers=1)
     with pool as p:
         base = p.data_ptr
@@ -237,8 +234,7 @@ async def test_body_exception_propagates_unchanged_with_unpin_failure_as_note(mo
 
 
 @each_driver
-async def test_body_exception_unpins_everything(mode: str) -> None:
-    fake = FakeRuntime()
+async def test_body_exception_unpins_everything(fake: FakeRuntime, mode: str) -> None:
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake)
     boom = KeyError("x")
 
@@ -251,8 +247,7 @@ async def test_body_exception_unpins_everything(mode: str) -> None:
     assert_rolled_back(fake)
 
 
-async def test_cancelled_before_entry_pins_nothing_and_never_enters() -> None:
-    fake = FakeRuntime()
+async def test_cancelled_before_entry_pins_nothing_and_never_enters(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
     with anyio.CancelScope() as scope:
         scope.cancel()
@@ -376,8 +371,7 @@ async def test_workers_are_bounded_and_long_lived() -> None:
     assert len(idents) <= 4
 
 
-async def test_many_chunks_one_thread_hop_per_worker() -> None:
-    fake = FakeRuntime()
+async def test_many_chunks_one_thread_hop_per_worker(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=2000 * 4096, chunk_bytes=4096, runtime=fake, register_workers=2)
     started = time.perf_counter()
     async with pool:
@@ -387,16 +381,15 @@ async def test_many_chunks_one_thread_hop_per_worker() -> None:
     assert_rolled_back(fake)
 
 
-def test_zero_copy_tensor_is_the_pool_memory() -> None:
-    with pinpool.PinnedPool(size=3 * 4096, runtime=FakeRuntime()) as pool:
+def test_zero_copy_tensor_is_the_pool_memory(fake: FakeRuntime) -> None:
+    with pinpool.PinnedPool(size=3 * 4096, runtime=fake) as pool:
         pool.tensor[5] = 42
         assert ctypes.c_uint8.from_address(pool.data_ptr + 5).value == 42
         ctypes.c_uint8.from_address(pool.data_ptr + 4097).value = 7
         assert int(pool.tensor[4097]) == 7
 
 
-async def test_state_errors() -> None:
-    fake = FakeRuntime()
+async def test_state_errors(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=MiB, runtime=fake)
     with pytest.raises(pinpool.PoolStateError, match="enter it first"):
         _ = pool.tensor
@@ -417,8 +410,7 @@ async def test_state_errors() -> None:
     assert fake.registered == {} and len(fake.register_calls) == 1
 
 
-def test_tensor_kept_past_exit_stays_valid_memory() -> None:
-    fake = FakeRuntime()
+def test_tensor_kept_past_exit_stays_valid_memory(fake: FakeRuntime) -> None:
     with pinpool.PinnedPool(size=8 * MiB, runtime=fake) as pool:
         kept = pool.tensor[MiB : 2 * MiB]
         kept.fill_(3)
@@ -436,16 +428,14 @@ def test_tensor_kept_past_exit_stays_valid_memory() -> None:
     assert not unmap.alive
 
 
-def test_populate_and_huge_pages_options() -> None:
-    fake = FakeRuntime()
+def test_populate_and_huge_pages_options(fake: FakeRuntime) -> None:
     with pinpool.PinnedPool(size=8 * MiB, chunk_bytes=2 * MiB, runtime=fake, populate=True, huge_pages=True) as pool:
         assert pool.data_ptr % (2 * MiB) == 0
         assert len(fake.registered) == 4
     assert fake.registered == {}
 
 
-def test_unclosed_pool_is_unpinned_by_finalizer_with_warning() -> None:
-    fake = FakeRuntime()
+def test_unclosed_pool_is_unpinned_by_finalizer_with_warning(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, name="forgotten")
     pool.__enter__()
     assert len(fake.registered) == 4
@@ -475,8 +465,7 @@ print("entered", flush=True)
     assert "UnclosedPoolWarning" in result.stderr
 
 
-def test_forked_child_never_unregisters_parents_chunks() -> None:
-    fake = FakeRuntime()
+def test_forked_child_never_unregisters_parents_chunks(fake: FakeRuntime) -> None:
     with pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1) as pool:
         read_end, write_end = os.pipe()
         pid = os.fork()
@@ -506,8 +495,7 @@ async def test_pin_seconds_is_measured_even_when_cancelled() -> None:
     assert 0.04 < pool.pin_seconds < 5
 
 
-def test_finalizer_unpins_even_when_warnings_are_errors() -> None:
-    fake = FakeRuntime()
+def test_finalizer_unpins_even_when_warnings_are_errors(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake)
     pool.__enter__()
     finalizer = pool._finalizer
@@ -550,8 +538,8 @@ def test_pinned_bytes_counts_leaked_chunks() -> None:
 
 
 @pytest.mark.parametrize("populate", [False, True])
-def test_memory_is_unmapped_at_exit_when_no_view_is_kept(populate: bool) -> None:
-    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), populate=populate)
+def test_memory_is_unmapped_at_exit_when_no_view_is_kept(fake: FakeRuntime, populate: bool) -> None:
+    pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, populate=populate)
     with pool:
         assert pool._lifecycle.memory is not None
         unmap = pool._lifecycle.memory._finalizer  # type: ignore[attr-defined]
@@ -570,7 +558,9 @@ def test_leaked_chunk_keeps_its_memory_mapped() -> None:
     assert unmap.alive  # freeing memory that may still be registered would be undefined
 
 
-def test_huge_pages_without_thp_is_a_config_error_in_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_huge_pages_without_thp_is_a_config_error_in_the_constructor(
+    fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(pinpool._host.libc, "transparent_huge_pages_mode", lambda: "never")
     with pytest.raises(pinpool.ConfigError, match=r"transparent huge pages.*never"):
-        pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), huge_pages=True)
+        pinpool.PinnedPool(size=4 * MiB, runtime=fake, huge_pages=True)

@@ -37,8 +37,9 @@ MiB = 1 << 20
         ({"size": "8GiB", "chunk_bytes": 100}, "OS page"),
     ],
 )
-def test_bad_input_is_a_config_error_before_anything_is_pinned(kwargs: dict[str, object], match: str) -> None:
-    fake = FakeRuntime()
+def test_bad_input_is_a_config_error_before_anything_is_pinned(
+    fake: FakeRuntime, kwargs: dict[str, object], match: str
+) -> None:
     kwargs.setdefault("runtime", fake)
     with pytest.raises(pinpool.ConfigError, match=match):
         pinpool.PinnedPool(**kwargs)  # type: ignore[arg-type]
@@ -46,10 +47,10 @@ def test_bad_input_is_a_config_error_before_anything_is_pinned(kwargs: dict[str,
 
 
 @pytest.mark.parametrize("value", ["", "abc", "0", "-2", "nan", "inf"])
-def test_bad_chunk_env_var_is_a_config_error(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+def test_bad_chunk_env_var_is_a_config_error(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("PINPOOL_REGISTER_CHUNK_GB", value)
     with pytest.raises(pinpool.ConfigError, match="PINPOOL_REGISTER_CHUNK_GB"):
-        pinpool.PinnedPool(size="1GiB", runtime=FakeRuntime())
+        pinpool.PinnedPool(size="1GiB", runtime=fake)
 
 
 def test_chunk_env_var_sets_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,11 +18,10 @@ import torch
 
 import pinpool
 from pinpool import layouts
-from pinpool._host import libc as _libc
-from pinpool._pin.ledger import RegistrationBook
-from pinpool._plan.chunks import Chunk, ChunkTable
+from pinpool._pin import RegistrationBook
+from pinpool._plan import Chunk, ChunkTable
 from pinpool.runtimes import MlockRuntime
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock, pin_and_run
 
@@ -408,12 +407,12 @@ async def test_mlock_lists_its_locks_in_pieces_while_a_background_pool_pins(vmlc
         await pool.wait_ready()
         ready = listed(pool)
         assert ready == books(runtime.registered, pool.data_ptr)
-        assert _libc.vm_locked_bytes() - vmlck_baseline >= 128 * MiB
+        assert locked_bytes() - vmlck_baseline >= 128 * MiB
     assert [len(s) for s in samples] == [1, 2]  # registered lock-on-fault, listed before they fault
     assert_tiles(ready, 128 * MiB)
     assert len(ready) > len(pool.plan.chunks)  # the first piece is a 16 MiB probe: at least 2 per 64 MiB chunk
     assert pool.registrations == () and runtime.registered == {}
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
 @needs_mlock
@@ -423,13 +422,12 @@ def test_mlock_string_runtime_lists_whole_chunks(vmlck_baseline: int) -> None:
         assert listed(pool) == [(c.offset, c.nbytes) for c in pool.plan.chunks]
         assert listed(pool) == books(pool.runtime.registered, pool.data_ptr)
     assert pool.registrations == ()
-    assert _libc.vm_locked_bytes() == vmlck_baseline
+    assert locked_bytes() == vmlck_baseline
 
 
-def test_registrations_are_sorted_by_offset_for_an_interleaved_layout() -> None:
+def test_registrations_are_sorted_by_offset_for_an_interleaved_layout(fake: FakeRuntime) -> None:
     from pinpool import layouts
 
-    fake = FakeRuntime()
     layout = layouts.MHA("layer_first", layer_num=4, page_size=16, head_num=4, head_dim=64, dtype=torch.float16)
     with pinpool.PinnedPool(layout=layout, size="16MiB", chunk_bytes="1MiB", runtime=fake, registry=None) as pool:
         offsets = [r.offset for r in pool.registrations]

@@ -57,7 +57,7 @@ CHILD = textwrap.dedent(
 
     def report(caught):
         print("caught", ",".join(caught) or "-", "vmlck", _libc.vm_locked_bytes(), "state",
-              pool._lifecycle.state.value, flush=True)
+              pool.state.value, flush=True)
 
     print("ready", flush=True)
     caught = []

@@ -21,12 +21,14 @@ from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool import PinError, PoolState, UnclosedPoolWarning
-from pinpool._pin.outcome import Outcome
+from pinpool._pin import Outcome
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20
 BACKENDS = ("asyncio", "trio")
 STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)
+
+STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)  # every rollback cause
 
 
 class Run:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pinpool._host.facts import HostFacts
+from pinpool._host import HostFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock

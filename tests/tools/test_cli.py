@@ -28,7 +28,7 @@ from pinpool._cli import progress as _progress
 from pinpool._cli import progress as cli_status
 from pinpool._cli import report as cli_report
 from pinpool._cli.doctor import FAIL, OK, SKIP, WARN
-from pinpool._host.facts import HostFacts
+from pinpool._host import HostFacts
 from pinpool.runtimes._gpu import CudaDevice, CudaFacts
 
 from .. import preloaded

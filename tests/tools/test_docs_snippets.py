@@ -213,14 +213,6 @@ def _doc_check(actual: object, expected: object, where: str, text: str) -> None:
         raise AssertionError(f"{where}: {text} is {actual!r}, but the doc says {expected!r}")
 
 
-def _vm_locked_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmLck:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 async def _await_code(code: types.CodeType, namespace: dict[str, Any]) -> None:
     await eval(code, namespace)
 
@@ -229,8 +221,10 @@ def _run_blocks(blocks: list[Block]) -> None:
     """In the child: run the blocks in one namespace, then check locked memory and warnings."""
     import anyio
 
+    from pinpool.testing import locked_bytes
+
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins, "__doc_check__": _doc_check}
-    before = _vm_locked_bytes()
+    before = locked_bytes()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for block in blocks:
@@ -243,7 +237,7 @@ def _run_blocks(blocks: list[Block]) -> None:
         namespace.clear()
         gc.collect()
     problems = [f"warning: {w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]
-    after = _vm_locked_bytes()
+    after = locked_bytes()
     if after != before:
         problems.append(f"VmLck was {before} bytes before the block and is {after} after: it left memory locked")
     if problems:

@@ -15,7 +15,7 @@ import torch
 
 import pinpool
 from pinpool.runtimes import CudaRuntime
-from pinpool.testing import FakeCudart
+from pinpool.testing import FakeCudart, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -34,24 +34,19 @@ def load(name: str, fake: FakeCudart) -> ModuleType:
     return module
 
 
-def vmlck() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmLck:"))
-
-
 def test_sglang_shim_records_pinpools_ranges_and_their_unregister_then_pinpools_close_leak_nothing() -> None:
     fake = FakeCudart()
     shim = load("sglang_host_register", fake)
     g = 16 * 4 * 4 * 64 * 2  # page_size * layout_dim, as SGLang passes it for page_first
     buffer = pinpool.empty((2, 64, 4, 4, 64), dtype=torch.bfloat16)
-    before = vmlck()
+    before = locked_bytes()
     shim._cuda_host_register(buffer, g)
     ranges = buffer._sglang_cuda_host_registered_ranges
     assert sorted(fake.registered.items()) == sorted(ranges) and sum(n for _, n in ranges) == buffer.nbytes
     for ptr, _ in reversed(ranges):  # what SGLang's own _cuda_host_unregister does in destroy()
         assert fake.cudaHostUnregister(ptr) == 0
     shim._cuda_host_unregister(buffer)  # pinpool's close: 713 is "released elsewhere", not an error
-    assert fake.registered == {} and vmlck() == before and buffer._pinpool_pool.state == pinpool.PoolState.CLOSED
+    assert fake.registered == {} and locked_bytes() == before and buffer._pinpool_pool.state == pinpool.PoolState.CLOSED
 
 
 def test_sglang_alloc_with_host_register_has_their_dims_and_one_call_without_a_granularity() -> None:
@@ -99,7 +94,7 @@ def test_vllm_pin_mmap_region_both_modes_and_the_recipes_order(worker_slot_only:
         _base=torch.frombuffer(memoryview(mm), dtype=torch.int8), pinned_addresses=[], is_pinned=False,
     )  # fmt: skip
     region.iter_worker_slot_ranges = lambda: ((r * workers * slot + slot, slot) for r in range(rows))
-    before = vmlck()
+    before = locked_bytes()
     shim.pin_mmap_region(region, worker_slot_only=worker_slot_only)
     assert region.is_pinned and sorted(region.pinned_addresses) == sorted(fake.registered)
     expected = rows * slot if worker_slot_only else rows * workers * slot
@@ -107,7 +102,7 @@ def test_vllm_pin_mmap_region_both_modes_and_the_recipes_order(worker_slot_only:
     if worker_slot_only:
         assert len(fake.registered) == rows
     shim.unpin_mmap_region(region)
-    assert not region.is_pinned and region.pinned_addresses == [] and fake.registered == {} and vmlck() == before
+    assert not region.is_pinned and region.pinned_addresses == [] and fake.registered == {} and locked_bytes() == before
     region._base = None
     mm.close()  # pinpool no longer holds the mapping's buffer
 
@@ -115,12 +110,12 @@ def test_vllm_pin_mmap_region_both_modes_and_the_recipes_order(worker_slot_only:
 def test_lmcache_allocate_cpu_memory_pins_and_a_failing_pin_hands_out_nothing() -> None:
     fake = FakeCudart()
     shim = load("lmcache_pinned_memory", fake)
-    before = vmlck()
+    before = locked_bytes()
     arena = shim._allocate_cpu_memory(8 * MiB)
     assert arena.dtype == torch.uint8 and arena.numel() == 8 * MiB and sum(fake.registered.values()) == 8 * MiB
     shim._free_cpu_memory(arena, 8 * MiB)
-    assert fake.registered == {} and vmlck() == before
+    assert fake.registered == {} and locked_bytes() == before
     fake.fail("register", 2, times=100)
     with pytest.raises(pinpool.PinError):
         shim._allocate_cpu_memory(8 * MiB)
-    assert fake.registered == {} and shim._POOLS == {} and vmlck() == before
+    assert fake.registered == {} and shim._POOLS == {} and locked_bytes() == before

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from pinpool import PinnedPool  # noqa: F401  (loaded before pytester's in-process runs, which would unload it)
+
 pytest_plugins = ["pytester"]
 
 PLUGIN = ("-p", "pinpool.pytest_plugin")
