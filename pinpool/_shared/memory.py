@@ -1,17 +1,6 @@
-"""Shared, file-backed pool memory: :class:`SharedMemory`, the source object a pool is given: its
-arguments, what its region holds now, and which way :meth:`SharedMemory.open_mapping` goes
-(create or attach; a path, a memfd or a descriptor). The file's format is
-:mod:`pinpool._shared.format`, its trust :mod:`pinpool._shared.files`, the mapping
-:mod:`pinpool._shared.mapping`.
-
-**Lifetime.** The mapping is unmapped and its descriptor closed when nothing refers to it any
-more (the pool lets go after unpinning, and every tensor view is gone), never at interpreter
-exit. The *creator* (the process whose SharedMemory created the file) removes it unless ``keep``:
-when the mapping is released or at interpreter exit, whichever comes first (removing a name
-unmaps nothing, so this is safe while still pinned). A process that attached never removes the
-file, nor does a forked child of the creator. A file a killed process left behind is listed by
-``pinpool doctor`` and removed with ``rm``. A memfd lives while a descriptor or a mapping refers
-to it.
+"""Shared, file-backed pool memory: :class:`SharedMemory`, its arguments, what its region holds
+now, and which way :meth:`SharedMemory.open_mapping` goes (create or attach; a path, a memfd or a
+descriptor). Lifetime and removal: docs/shared-memory.md ("When the file is removed").
 """
 
 from __future__ import annotations
@@ -23,6 +12,7 @@ import stat
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from .._errors import ConfigError, PoolStateError
 from .._host import libc as _libc
@@ -53,6 +43,8 @@ from .format import (
     write_field,
 )
 from .mapping import SharedMapping, Unlinker, attach_mapping, create_mapping
+
+T = TypeVar("T")
 
 
 class SharedMemory:
@@ -247,22 +239,12 @@ class SharedMemory:
         return fd, True
 
     def _held(self) -> os.stat_result | None:
-        opened = self._open_region_file()
-        if opened is None:
-            return None
-        fd, close = opened
-        try:
-            return os.fstat(fd)
-        finally:
-            if close:
-                os.close(fd)
+        return self._read_file(os.fstat)
 
     def resident_bytes(self, nbytes: int) -> int:
-        """Bytes of a pool of ``nbytes`` that the region's file already holds in memory (resident,
-        or swapped out on tmpfs): pages that mapping it will not newly take. 0 when there is no
-        file yet (``create=True`` before the pool maps it; a memfd). Read from ``st_blocks``, the
-        trailer's page not counted; for a region of this size it is exact, for another file an
-        estimate (attaching to one is refused anyway)."""
+        """Bytes of a pool of ``nbytes`` the region's file already holds in memory (resident, or
+        swapped out on tmpfs; 0 without a file yet), from ``st_blocks`` less the trailer's page:
+        exact for a region of this size, an estimate for another (attaching to one is refused)."""
         data = align(self._check_nbytes(nbytes), self._page_size)
         st = self._held()
         if st is None:
@@ -271,32 +253,39 @@ class SharedMemory:
         return min(data, max(0, st.st_blocks * 512 - beyond))
 
     def new_bytes(self, nbytes: int) -> int:
-        """Memory that mapping and faulting the region for a pool of ``nbytes`` takes that is not
-        taken yet: the file's size (data and trailer page) less what it already holds."""
+        """Memory that mapping and faulting the region for ``nbytes`` newly takes: file size less held."""
         total = region_file_bytes(self._check_nbytes(nbytes), self._page_size)
         st = self._held()
         return total if st is None else max(0, total - st.st_blocks * 512)
 
     def _region(self) -> RegionInfo | None:
         """What the region's file holds now (from its trailer), or None when there is no region yet."""
+
+        def info(fd: int) -> RegionInfo:
+            st = os.fstat(fd)
+            return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
+
+        try:
+            return self._read_file(info)
+        except (OSError, NotRegion):
+            return None
+
+    def _read_file(self, read: Callable[[int], T]) -> T | None:
+        """``read`` of a descriptor of the region's file as it is now, or None without one."""
         opened = self._open_region_file()
         if opened is None:
             return None
         fd, close = opened
         try:
-            st = os.fstat(fd)
-            return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
-        except (OSError, NotRegion):
-            return None
+            return read(fd)
         finally:
             if close:
                 os.close(fd)
 
     @property
     def generation(self) -> int:
-        """The region's generation number: 0 when created, then whatever the server stores with
-        :meth:`set_generation`. Read from the file (the live mapping's descriptor, else the path).
-        :class:`ConfigError` when there is no region to read, or it was truncated."""
+        """The region's generation number: 0 when created, then whatever :meth:`set_generation`
+        stored. :class:`ConfigError` when there is no region to read, or it was truncated."""
         mapping = self._mapping
         if mapping is not None:
             return mapping.generation
@@ -319,8 +308,7 @@ class SharedMemory:
         return info
 
     def set_generation(self, value: int) -> None:
-        """Store ``value`` as the region's generation, in the file's trailer (through the live
-        mapping's descriptor, else the path's). Every process attached sees it at once."""
+        """Store ``value`` as the region's generation in the file's trailer: every process sees it at once."""
         value = check_generation(value)
         mapping = self._mapping
         if mapping is not None:
