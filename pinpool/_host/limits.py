@@ -114,12 +114,9 @@ class _Level:
 # (v1 has hierarchical total_* keys, which count child cgroups as usage_in_bytes does).
 _FILES = {
     2: ("memory.max", "memory.current", (("active_file", "inactive_file"),)),
-    1: (
-        "memory.limit_in_bytes",
-        "memory.usage_in_bytes",
-        (("total_active_file", "total_inactive_file"), ("active_file", "inactive_file")),
-    ),
-}
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes",
+        (("total_active_file", "total_inactive_file"), ("active_file", "inactive_file"))),
+}  # fmt: skip
 
 
 def _binding_level(proc_cgroup: str | None, mount: str) -> _Level | None:
