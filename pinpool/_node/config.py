@@ -250,6 +250,10 @@ def _check_writable(fd: int, path: str) -> None:
 def open_directory(path: str) -> int:
     """Create ``path`` (0700) if missing, check it, and return an ``O_DIRECTORY | O_NOFOLLOW`` descriptor."""
     fix_env = f"or set node_dir= / {DIR_ENV} to a directory this user owns"
+
+    def failed(doing: str, exc: OSError) -> ConfigError:
+        return ConfigError(f"node pacing directory {path!r} {doing}: {exc.strerror or exc}; {fix_env}")
+
     created = False
     try:
         os.mkdir(path, 0o700)
@@ -262,15 +266,11 @@ def open_directory(path: str) -> int:
             f"create the parent (pinpool creates only the last component), {fix_env}"
         ) from None
     except OSError as exc:
-        raise ConfigError(
-            f"node pacing directory {path!r} cannot be created: {exc.strerror or exc}; {fix_env}"
-        ) from None
+        raise failed("cannot be created", exc) from None
     try:
         st = os.lstat(path)
     except OSError as exc:
-        raise ConfigError(
-            f"node pacing directory {path!r} cannot be inspected: {exc.strerror or exc}; {fix_env}"
-        ) from None
+        raise failed("cannot be inspected", exc) from None
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(
             f"node pacing directory {path!r} is a symbolic link; pinpool never follows links to its lock files. "
@@ -281,9 +281,7 @@ def open_directory(path: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(
-            f"node pacing directory {path!r} cannot be opened: {exc.strerror or exc}; {fix_env}"
-        ) from None
+        raise failed("cannot be opened", exc) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode):  # replaced between lstat and open

@@ -29,7 +29,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Literal, Self, TypeVar, cast
 
 from .._errors import ConfigError, Kind, NodeBusyError, NodeWaitCancelled
@@ -181,9 +180,7 @@ class _Hold:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
     def __del__(self) -> None:
