@@ -63,12 +63,8 @@ def _process_start(pid: int | str = "self") -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])  # field 22 counts from 1 and starts 2 fields before the ")"
-    except (IndexError, ValueError):
+        return int(text[text.rfind(b")") + 2 :].split()[19])  # field 22 counts from 1, 2 before the ")"
+    except (OSError, IndexError, ValueError):
         return None
 
 

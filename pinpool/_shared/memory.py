@@ -18,19 +18,7 @@ from .._errors import ConfigError, PoolStateError
 from .._host import libc as _libc
 from .._host.files import FILE_FLAGS
 from .._units import format_bytes, parse_size
-from .files import (
-    HUGE_PAGE_SIZES,
-    check_directory,
-    create_temp_file,
-    names_file,
-    new_memfd,
-    open_region_directory,
-    open_region_file,
-    page_size_of,
-    publish,
-    region_file_problem,
-    remove_file,
-)
+from . import files as _files
 from .format import (
     GENERATION_AT,
     NotRegion,
@@ -48,19 +36,13 @@ T = TypeVar("T")
 
 
 class SharedMemory:
-    """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs
-    (``/dev/shm``), on hugetlbfs (2 MiB or 1 GiB pages), or of a memfd, that several processes map
-    and pin, and that may outlive its creator (docs/shared-memory.md).
+    """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs or hugetlbfs,
+    or of a memfd, that several processes map and pin, and that may outlive its creator
+    (docs/shared-memory.md explains every argument).
 
-    ``path``: the region's file (its directory ours or root's, not a symbolic link, not writable by
-    others unless sticky); ``None``: a new memfd, shared by descriptor (:attr:`fd`: ``pass_fds=``,
-    ``socket.send_fds``); ``fd``: a descriptor another process handed on (it stays the caller's;
-    pinpool maps a duplicate). ``create=True`` makes the region exclusively (with ``fd=``, in an
-    empty file); ``create=False`` attaches to one, refusing another size or layout. ``keep``: the
-    creator leaves the file in place (a warm restart); settable, e.g. at shutdown. ``mode``: of a
-    file this creates (never group- or world-writable). ``huge_page_size``: a hugetlb memfd's page
-    (2 MiB or 1 GiB), or the page a path's or fd's file system must have.
-
+    ``path``: the region's file; ``None``: a new memfd, shared by descriptor (:attr:`fd`); ``fd``: a
+    descriptor another process handed on (pinpool maps a duplicate). ``create=False`` attaches,
+    refusing another size or layout. ``keep``: the creator leaves the file in place (settable).
     Constructing checks the arguments and the directory only; the file is created or opened when a
     pool maps it (:meth:`open_mapping`), one pool at a time.
     """
@@ -114,7 +96,7 @@ class SharedMemory:
             if not stat.S_ISREG(st.st_mode):
                 raise ConfigError(f"SharedMemory(fd={fd}): the descriptor is not a regular file (mode {st.st_mode:#o})")
             self._given_fd = fd
-            self._page_size = page_size_of(f_type, f_bsize, f"fd {fd}")
+            self._page_size = _files.page_size_of(f_type, f_bsize, f"fd {fd}")
         elif path is not None:
             if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
                 raise ConfigError(f"SharedMemory(path={path!r}): must be a str or os.PathLike path, or None")
@@ -125,9 +107,9 @@ class SharedMemory:
             self._directory, self._name = os.path.split(self._path)
             if not self._name or text.endswith("/"):
                 raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
-            check_directory(self._path)
+            _files.check_directory(self._path)
             f_type, f_bsize = _libc.statfs(self._directory)
-            self._page_size = page_size_of(f_type, f_bsize, f"path {self._path!r}")
+            self._page_size = _files.page_size_of(f_type, f_bsize, f"path {self._path!r}")
         else:
             if not create:
                 raise ConfigError(
@@ -142,7 +124,7 @@ class SharedMemory:
             self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
             self._page_size = _libc.PAGE_SIZE
             if huge is not None:
-                size_flag = HUGE_PAGE_SIZES.get(huge)
+                size_flag = _files.HUGE_PAGE_SIZES.get(huge)
                 if size_flag is None:
                     raise ConfigError(
                         f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
@@ -165,8 +147,7 @@ class SharedMemory:
 
     @property
     def fd(self) -> int | None:
-        """The descriptor to hand on: the ``fd=`` given; else the open region's own (``O_CLOEXEC``)
-        while a pool maps it; else None."""
+        """The descriptor to hand on: the ``fd=`` given, else the region's own while a pool maps it."""
         if self._given_fd is not None:
             return self._given_fd
         mapping = self._mapping
@@ -191,8 +172,7 @@ class SharedMemory:
 
     @property
     def page_size(self) -> int:
-        """The page the region is made of: 4096 on tmpfs and memfds, the huge page size on hugetlbfs
-        (2 MiB or 1 GiB). Chunk boundaries and buffer placement align to it."""
+        """The page the region is made of (the huge page on hugetlbfs): chunks and buffers align to it."""
         return self._page_size
 
     @property
@@ -214,9 +194,7 @@ class SharedMemory:
     # -- the region as it is now ----------------------------------------------------------------------
 
     def _open_region_file(self, *, write: bool = False) -> tuple[int, bool] | None:
-        """A descriptor of the region's file as it is now, and whether the caller must close it;
-        None when there is none yet (or the name is no file pinpool would use). The path is
-        walked as creating and attaching walk it (:class:`ConfigError` where it cannot be trusted)."""
+        """A descriptor of the region's file as it is now and whether the caller must close it, or None."""
         mapping = self._mapping
         if mapping is not None:
             return mapping.fd, False
@@ -224,16 +202,16 @@ class SharedMemory:
             return self._given_fd, False
         if self._path is None:
             return None
-        dir_fd = open_region_directory(self._path)
+        dir_fd = _files.open_region_directory(self._path)
         try:
-            if region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
+            if _files.region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
                 return None
             fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
             return None
         finally:
             os.close(dir_fd)
-        if region_file_problem(os.fstat(fd)) is not None:
+        if _files.region_file_problem(os.fstat(fd)) is not None:
             os.close(fd)
             return None
         return fd, True
@@ -337,11 +315,8 @@ class SharedMemory:
         return nbytes
 
     def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
-        """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (see
-        :func:`~pinpool._shared.format.layout_record`: attaching refuses another one, naming both)
-        and map all of it ``MAP_SHARED``, unfaulted. :class:`PoolStateError` while another pool maps
-        this SharedMemory; :class:`~pinpool.AllocationError` when the kernel refuses the mapping.
-        """
+        """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (attaching
+        refuses another one) and map all of it ``MAP_SHARED``, unfaulted, for one pool at a time."""
         self._check_nbytes(nbytes)
         if not isinstance(record, Mapping):
             raise ConfigError(f"record={record!r} must be a mapping of JSON values (see layout_record)")
@@ -356,7 +331,7 @@ class SharedMemory:
                     "pool at a time (make another SharedMemory(path, create=False) to map the region twice)"
                 )
             if self._path is None:
-                fd = os.dup(self._given_fd) if self._given_fd is not None else new_memfd(self._memfd_flags)
+                fd = os.dup(self._given_fd) if self._given_fd is not None else _files.new_memfd(self._memfd_flags)
                 where = f"fd {self._given_fd}" if self._given_fd is not None else "memfd"
                 try:
                     mapping = self._map(self._create, fd, nbytes, record_json, where, None)
@@ -371,28 +346,28 @@ class SharedMemory:
     def _open_path(self, nbytes: int, record_json: str) -> SharedMapping:
         assert self._path is not None
         where = repr(self._path)
-        dir_fd = open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
+        dir_fd = _files.open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
         try:
-            if self._create and not names_file(dir_fd, self._path, self._made):
+            if self._create and not _files.names_file(dir_fd, self._path, self._made):
                 # Made whole under a temporary name, then linked into place: an attacher never sees a
                 # half-made region, and a creator killed midway leaves only a temporary file.
-                fd, temp = create_temp_file(dir_fd, self._path, self._mode)
+                fd, temp = _files.create_temp_file(dir_fd, self._path, self._mode)
                 path = self._path
                 try:
                     st = os.fstat(fd)
                     identity = (st.st_dev, st.st_ino)
-                    publishing = functools.partial(publish, dir_fd, path, temp)
+                    publishing = functools.partial(_files.publish, dir_fd, path, temp)
                     unlink = self._unlinker_for(dir_fd, identity)
                     mapping = self._map(True, fd, nbytes, record_json, where, unlink, publishing)
                 except BaseException:  # an interrupt too: no temporary file, no half-made region left
                     st = os.fstat(fd)
                     os.close(fd)
-                    remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
-                    remove_file(dir_fd, self._name, (st.st_dev, st.st_ino))
+                    _files.remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
+                    _files.remove_file(dir_fd, self._name, (st.st_dev, st.st_ino))
                     raise
                 self._made = identity
                 return mapping
-            fd = open_region_file(dir_fd, self._path)
+            fd = _files.open_region_file(dir_fd, self._path)
             try:
                 st = os.fstat(fd)
                 # This object made it and kept it (a pool opened again): it is still the creator.
