@@ -216,15 +216,12 @@ class SharedMemory:
             return None
         return fd, True
 
-    def _held(self) -> os.stat_result | None:
-        return self._read_file(os.fstat)
-
     def resident_bytes(self, nbytes: int) -> int:
         """Bytes of a pool of ``nbytes`` the region's file already holds in memory (resident, or
         swapped out on tmpfs; 0 without a file yet), from ``st_blocks`` less the trailer's page:
         exact for a region of this size, an estimate for another (attaching to one is refused)."""
         data = align(self._check_nbytes(nbytes), self._page_size)
-        st = self._held()
+        st = self._read_file(os.fstat)
         if st is None:
             return 0
         beyond = max(0, st.st_size - data) // self._page_size * self._page_size
@@ -233,7 +230,7 @@ class SharedMemory:
     def new_bytes(self, nbytes: int) -> int:
         """Memory that mapping and faulting the region for ``nbytes`` newly takes: file size less held."""
         total = region_file_bytes(self._check_nbytes(nbytes), self._page_size)
-        st = self._held()
+        st = self._read_file(os.fstat)
         return total if st is None else max(0, total - st.st_blocks * 512)
 
     def _region(self) -> RegionInfo | None:
@@ -248,9 +245,9 @@ class SharedMemory:
         except (OSError, NotRegion):
             return None
 
-    def _read_file(self, read: Callable[[int], T]) -> T | None:
+    def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
         """``read`` of a descriptor of the region's file as it is now, or None without one."""
-        opened = self._open_region_file()
+        opened = self._open_region_file(write=write)
         if opened is None:
             return None
         fd, close = opened
@@ -292,20 +289,18 @@ class SharedMemory:
         if mapping is not None:
             mapping.set_generation(value)
             return
-        opened = self._open_region_file(write=True)
-        if opened is None:
-            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
-        fd, close = opened
-        try:
+
+        def store(fd: int) -> bool:
             size = os.fstat(fd).st_size
-            read_trailer(fd, size)  # refuse a file that holds no region
-            data = value.to_bytes(8, "little")
-            write_field(fd, size, GENERATION_AT, data, self._where(), page_size=self._page_size)
-        except NotRegion as exc:
-            raise ConfigError(f"shared memory {self._where()} {exc.problem}") from None
-        finally:
-            if close:
-                os.close(fd)
+            try:
+                read_trailer(fd, size)  # refuse a file that holds no region
+            except NotRegion as exc:
+                raise ConfigError(f"shared memory {self._where()} {exc.problem}") from None
+            write_field(fd, size, GENERATION_AT, value.to_bytes(8, "little"), self._where(), page_size=self._page_size)
+            return True
+
+        if self._read_file(store, write=True) is None:
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
 
     # -- mapping it -------------------------------------------------------------------------------------
 
