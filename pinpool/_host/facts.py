@@ -1,12 +1,6 @@
-"""What pinpool knows about the host, probed in one place into one frozen value.
-
-:class:`HostFacts` is pinpool's one model of the host: the planner and the pre-flight take it as
-an argument and ``pinpool doctor`` reads the host through it, so planning is a pure function,
-"will this pool fit here?" has one answer, and tests build HostFacts by hand for any host.
-:meth:`HostFacts.probe` reads facts that cannot change while the process runs (page size,
-madvise support, address space, torch build) once per process, the rest on every probe; it never
-initialises CUDA (it reads ``torch.version`` and checks for driver files).
-"""
+"""What pinpool knows about the host, in one frozen value: the planner and the pre-flight take it as
+an argument (planning is a pure function; tests build HostFacts by hand for any host) and ``pinpool
+doctor`` reads the host through it. Probing never initialises CUDA."""
 
 from __future__ import annotations
 
@@ -16,29 +10,17 @@ import os
 from dataclasses import dataclass
 
 from . import libc as _libc
-from .limits import (
-    CpuQuota,
-    cgroup_room,
-    cpu_budget,
-    effective_available,
-    read_cpu_quota,
-    read_memory_limits,
-)
+from .limits import CpuQuota, cgroup_room, cpu_budget, effective_available, read_cpu_quota, read_memory_limits
 
-# Largest user address space a process gets without asking for more (an mmap hint above it):
-# x86-64 4-level paging gives user space [0, 2**47); 5-level paging (LA57) widens it to 2**56
-# only for mmap calls with a hint address above 2**47, which pinpool never passes. arm64 likewise
-# hands out addresses below 2**48 unless asked (52-bit VA). These are upper bounds: the binary,
-# its libraries, the heap and the stack live in the same space, so a little less is mappable.
+# User address space without an mmap hint above it (pinpool never passes one): x86-64 [0, 2**47)
+# even with LA57, arm64 below 2**48 even with 52-bit VA. Upper bounds: the binary, heap and stack
+# share it. Any other 64-bit architecture stays below 2**57; 32-bit: the pointer width.
 _USER_ADDRESS_BITS = {"x86_64": 47, "amd64": 47, "aarch64": 48, "arm64": 48}
-# Any other 64-bit Linux architecture: no user address space reaches 2**57 (riscv sv57 and
-# x86-64 LA57 top out at 2**56, ppc64 and s390x below that). 32-bit: the pointer width.
 _OTHER_64_BIT_ADDRESS_BITS = 57
 
 
 @functools.cache
 def address_space_bytes(machine: str | None = None) -> int:
-    """An upper bound on the bytes one process can map (see ``_USER_ADDRESS_BITS``)."""
     pointer_bits = ctypes.sizeof(ctypes.c_void_p) * 8
     if pointer_bits < 64:
         return 1 << pointer_bits
@@ -58,28 +40,14 @@ def available_cpus() -> int:
 class HostFacts:
     """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
 
-    cpus: CPUs in this process's affinity mask.
-    cpu_quota: the CPU cgroup quota that binds (:func:`~pinpool._host.limits.read_cpu_quota`); None
-        when not read (a hand-made host). Worker counts derive from :attr:`cpu_budget`.
-    page_size: the OS page.
-    huge_page_size: the huge page pinpool maps with (``huge_pages=True`` alignment, hugetlb pages): 2 MiB.
-    thp_mode: transparent huge pages mode ("always", "madvise", "never"), None without THP.
-    populate_write: the kernel accepts MADV_POPULATE_WRITE (Linux 5.14+).
-    memlock_soft, memlock_hard: RLIMIT_MEMLOCK (None: unlimited).
-    cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK.
-    cgroup_memory_limit, cgroup_memory_usage, cgroup_memory_reclaimable, cgroup_version, cgroup_path,
-        mem_available: the fields of :class:`~pinpool._host.limits.MemoryLimits`.
-    locked_bytes: memory this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
-    hugetlb_free, hugetlb_total: 2 MiB hugetlb pages free and reserved (vm.nr_hugepages).
-    hugetlb_1g_free, hugetlb_1g_total: 1 GiB hugetlb pages free and reserved (``hugepagesz=1G
-        hugepages=N`` on the kernel command line; /sys/kernel/mm/hugepages/hugepages-1048576kB).
-    numa_nodes: NUMA nodes with memory (``(0,)`` without NUMA).
-    address_space_bytes: an upper bound on what one process can map (see :func:`address_space_bytes`).
-    torch_cuda, torch_hip: ``torch.version.cuda`` / ``torch.version.hip`` (build facts, no GPU touched).
-    nvidia_driver: the NVIDIA kernel driver is loaded (/proc/driver/nvidia/version).
-    amd_kfd: the ROCm kernel driver's device exists (/dev/kfd).
-    thp_defrag: the transparent huge pages defrag mode ("always", "defer+madvise", ...), None without THP.
-    kernel_release: ``uname -r``.
+    cpus: CPUs in this process's affinity mask; cpu_quota: the binding CPU cgroup quota (None: not
+        read); worker counts derive from :attr:`cpu_budget`.
+    huge_page_size: the huge page pinpool maps with (2 MiB); thp_mode, thp_defrag: None without THP.
+    cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK (memlock_soft, memlock_hard).
+    cgroup_memory_*, cgroup_version, cgroup_path, mem_available: :class:`~pinpool._host.limits.MemoryLimits`.
+    locked_bytes: what this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
+    hugetlb_free, hugetlb_total (2 MiB), hugetlb_1g_free, hugetlb_1g_total: free and reserved pages.
+    torch_cuda, torch_hip: ``torch.version`` build facts; nvidia_driver, amd_kfd: the kernel drivers.
     """
 
     cpus: int
@@ -147,35 +115,21 @@ class HostFacts:
         torch_cuda, torch_hip = _torch_build() if torch_build else (None, None)
         memory = read_memory_limits()
         return cls(
-            cpus=available_cpus(),
-            page_size=_libc.PAGE_SIZE,
-            huge_page_size=_libc.HUGE_PAGE_SIZE,
-            thp_mode=_libc.transparent_huge_pages_mode(),
-            populate_write=_libc.populate_write_supported(),
+            cpus=available_cpus(), page_size=_libc.PAGE_SIZE, huge_page_size=_libc.HUGE_PAGE_SIZE,
+            thp_mode=_libc.transparent_huge_pages_mode(), populate_write=_libc.populate_write_supported(),
             memlock_soft=None if soft == _libc.RLIM_INFINITY else soft,
             memlock_hard=None if hard == _libc.RLIM_INFINITY else hard,
-            cap_ipc_lock=_libc.has_cap_ipc_lock(),
-            cgroup_memory_limit=memory.cgroup_limit_bytes,
-            mem_available=memory.mem_available_bytes,
-            hugetlb_free=free,
-            hugetlb_total=total,
-            numa_nodes=_libc.numa_nodes(),
-            address_space_bytes=address_space_bytes(),
-            torch_cuda=torch_cuda,
-            torch_hip=torch_hip,
-            nvidia_driver=os.path.exists("/proc/driver/nvidia/version"),
-            amd_kfd=os.path.exists("/dev/kfd"),
-            cgroup_memory_usage=memory.cgroup_usage_bytes,
-            cgroup_memory_reclaimable=memory.cgroup_reclaimable_bytes,
-            cgroup_version=memory.cgroup_version,
-            cgroup_path=memory.cgroup_path,
-            locked_bytes=_locked_bytes(),
+            cap_ipc_lock=_libc.has_cap_ipc_lock(), cgroup_memory_limit=memory.cgroup_limit_bytes,
+            mem_available=memory.mem_available_bytes, hugetlb_free=free, hugetlb_total=total,
+            numa_nodes=_libc.numa_nodes(), address_space_bytes=address_space_bytes(),
+            torch_cuda=torch_cuda, torch_hip=torch_hip,
+            nvidia_driver=os.path.exists("/proc/driver/nvidia/version"), amd_kfd=os.path.exists("/dev/kfd"),
+            cgroup_memory_usage=memory.cgroup_usage_bytes, cgroup_memory_reclaimable=memory.cgroup_reclaimable_bytes,
+            cgroup_version=memory.cgroup_version, cgroup_path=memory.cgroup_path, locked_bytes=_locked_bytes(),
             thp_defrag=_libc.sysfs_choice("/sys/kernel/mm/transparent_hugepage/defrag"),
-            kernel_release=os.uname().release,
-            hugetlb_1g_free=free_1g,
-            hugetlb_1g_total=total_1g,
+            kernel_release=os.uname().release, hugetlb_1g_free=free_1g, hugetlb_1g_total=total_1g,
             cpu_quota=read_cpu_quota(),
-        )
+        )  # fmt: skip
 
 
 @functools.cache

@@ -1,6 +1,6 @@
-"""The trust pinpool places in a file or directory it keeps (node pacing's lock files, shared memory's
-region files): a regular file of ours with one link, not writable by others, opened without
-following links and without waiting on a FIFO."""
+"""The trust pinpool places in a file it keeps (node pacing's lock files, shared memory's region
+files): a regular file of ours with one link, not writable by others, opened without following
+links and without waiting on a FIFO."""
 
 from __future__ import annotations
 
@@ -33,9 +33,7 @@ _KINDS = (
 
 
 def regular_file_problem(st: os.stat_result, *, files: str, linked: str) -> str | None:
-    """What makes a file pinpool keeps (``lstat`` or ``fstat``) unusable, or None: only a regular
-    file of ours with one link, not writable by others, will do. ``files``: what the file is, for
-    the symbolic-link message; ``linked``: why a second name matters, for the hard-link one."""
+    """What makes a file pinpool keeps unusable, or None. ``files``, ``linked``: for the messages."""
     mode = st.st_mode
     if stat.S_ISLNK(mode):
         return f"is a symbolic link (pinpool never follows links to {files})"

@@ -80,36 +80,27 @@ def _check(rc: int) -> int:
     return 0 if rc == 0 else ctypes.get_errno()
 
 
-def mmap_anonymous(length: int) -> tuple[int, int]:
-    """Map ``length`` bytes of private anonymous memory; returns ``(address, errno)``."""
+def _map(length: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> tuple[int, int]:
+    """``mmap``; returns ``(address, 0)`` or ``(0, errno)``."""
     ctypes.set_errno(0)
-    address = _mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    address = _mmap(None, length, prot, flags, fd, offset)
     if address is None or address == MAP_FAILED:
         return 0, ctypes.get_errno()
     return int(address), 0
+
+
+def mmap_anonymous(length: int) -> tuple[int, int]:
+    return _map(length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS)
 
 
 def mmap_hugetlb(length: int, page_size: int = HUGE_PAGE_SIZE) -> tuple[int, int]:
-    """Map ``length`` bytes (a multiple of ``page_size``) from the hugetlb pool of ``page_size``
-    pages (2 MiB or 1 GiB; the mapping comes aligned to it); ``(address, errno)``."""
-    ctypes.set_errno(0)
-    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | _MAP_HUGE[page_size]
-    address = _mmap(None, length, PROT_READ | PROT_WRITE, flags, -1, 0)
-    if address is None or address == MAP_FAILED:
-        return 0, ctypes.get_errno()
-    return int(address), 0
+    """Map ``length`` bytes from the hugetlb pool of ``page_size`` pages (the mapping comes aligned to it)."""
+    return _map(length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB | _MAP_HUGE[page_size])
 
 
 def mmap_shared(length: int, fd: int, offset: int = 0, *, writable: bool = True) -> tuple[int, int]:
-    """Map ``length`` bytes of the file ``fd`` from ``offset`` (MAP_SHARED); ``(address, errno)``.
-
-    On hugetlbfs the length and offset are whole huge pages and the mapping comes huge-page-aligned."""
-    ctypes.set_errno(0)
-    prot = PROT_READ | (PROT_WRITE if writable else 0)
-    address = _mmap(None, length, prot, MAP_SHARED, fd, offset)
-    if address is None or address == MAP_FAILED:
-        return 0, ctypes.get_errno()
-    return int(address), 0
+    """``MAP_SHARED`` of the file ``fd``; on hugetlbfs, whole huge pages, huge-page-aligned."""
+    return _map(length, PROT_READ | (PROT_WRITE if writable else 0), MAP_SHARED, fd, offset)
 
 
 def _statfs_result(rc: int, buffer: ctypes.Array[ctypes.c_char]) -> tuple[int, int]:
@@ -121,16 +112,13 @@ def _statfs_result(rc: int, buffer: ctypes.Array[ctypes.c_char]) -> tuple[int, i
 
 
 def statfs(path: str) -> tuple[int, int]:
-    """``(f_type, f_bsize)`` of the file system holding ``path`` (follows links); OSError on failure.
-
-    ``f_bsize`` is the huge page size on hugetlbfs."""
+    """``(f_type, f_bsize)`` of the file system holding ``path`` (f_bsize: the huge page on hugetlbfs)."""
     buffer = ctypes.create_string_buffer(_STATFS_BYTES)
     ctypes.set_errno(0)
     return _statfs_result(_statfs(os.fsencode(path), buffer), buffer)
 
 
 def fstatfs(fd: int) -> tuple[int, int]:
-    """``(f_type, f_bsize)`` of the file system holding the open file ``fd``; OSError on failure."""
     buffer = ctypes.create_string_buffer(_STATFS_BYTES)
     ctypes.set_errno(0)
     return _statfs_result(_fstatfs(fd, buffer), buffer)
@@ -144,9 +132,7 @@ if _renameat2 is not None:
 
 
 def rename_noreplace(dir_fd: int, old: str, new: str) -> int:
-    """``renameat2(RENAME_NOREPLACE)`` of ``old`` to ``new``, both in the directory ``dir_fd``:
-    0, or the errno (EEXIST when ``new`` exists; ENOSYS without the call, EINVAL where the file
-    system lacks the flag)."""
+    """``renameat2(RENAME_NOREPLACE)`` within ``dir_fd``: 0 or the errno (ENOSYS, EINVAL: unsupported)."""
     if _renameat2 is None:
         return errno.ENOSYS
     ctypes.set_errno(0)
@@ -194,8 +180,7 @@ def numa_nodes() -> tuple[int, ...]:
 
 
 def hugetlb_free_pages(page_size: int = HUGE_PAGE_SIZE) -> tuple[int, int]:
-    """``(free, total)`` hugetlb pages of ``page_size`` (2 MiB: vm.nr_hugepages; 1 GiB: reserved
-    with ``hugepagesz=1G hugepages=N``), from /sys/kernel/mm/hugepages; ``(0, 0)`` without them."""
+    """``(free, total)`` hugetlb pages of ``page_size`` from /sys/kernel/mm/hugepages; ``(0, 0)`` without."""
     free = total = 0
     folder = f"/sys/kernel/mm/hugepages/hugepages-{page_size >> 10}kB"
     try:
@@ -293,27 +278,19 @@ def transparent_huge_pages_mode() -> str | None:
 
 
 # -- pin workers' priority -------------------------------------------------------------------------
-#
-# A background pool pins while its process serves, and pinning is CPU work (the kernel faults and
-# zeroes every page): at the process's own priority the workers took the serving threads' CPU
-# (the example server's /healthz p99 rose 4x while a 4 GiB pool pinned on 2 cores). So a pin
-# worker raises its own nice value when it starts. setpriority(PRIO_PROCESS, tid) changes one
-# thread on Linux; raising nice needs no privilege but lowering it again does, so only threads
-# whose one job is pinning are niced (fresh workers each pinning; never the caller's thread, nor
-# unpin workers, which a server waits for at shutdown). Nice, not SCHED_IDLE: an idle-class
-# thread may wait for ever on a busy server while holding what serving needs (the GIL, mmap_lock,
-# the CUDA driver's lock); a niced one gets its weighted share (nice 10: about a tenth). Where
-# the priority cannot be changed, pinning goes on at the inherited one, logged once at debug.
-# See docs/serving.md and docs/performance.md.
+# Pinning is CPU work: at the process's priority pin workers took the serving threads' CPU (the
+# example server's /healthz p99 rose 4x while a 4 GiB pool pinned on 2 cores). Lowering nice again
+# needs privilege, so only fresh pin workers are niced, never the caller's thread nor unpin workers.
+# Nice, not SCHED_IDLE: an idle-class thread may starve while holding what serving needs (the GIL,
+# mmap_lock, the CUDA driver's lock). See docs/serving.md and docs/performance.md.
 
 _log = logging.getLogger("pinpool")
 _nice_reported = threading.Event()
 
 
 def lower_this_thread(increment: int) -> int | None:
-    """Add ``increment`` to the calling thread's nice value (capped at 19); return the nice value
-    now in effect, or None when nothing changed (``increment <= 0``, not Linux, or the kernel
-    refused). Only at the start of a thread pinpool owns: it cannot be undone without privileges."""
+    """Add ``increment`` to the calling thread's nice value (capped); the value now in effect, or None
+    when nothing changed (``increment <= 0``, not Linux, or refused: logged once at debug)."""
     if increment <= 0:
         return None
     if not sys.platform.startswith("linux"):

@@ -1,26 +1,17 @@
 """What this process's cgroups (v1 or v2) leave it: memory that may still become resident, and CPU time.
 
-**Memory.** Pinned pages are resident and can be neither swapped out nor reclaimed; pinning more
-than the memory cgroup has left does not fail a call pinpool could roll back: the OOM killer
-ends the process (exit 137). So the pre-flight compares a pool with :func:`read_memory_limits`
-(the limit, usage and page cache of the binding cgroup, and MemAvailable) before anything is mapped.
+**Memory.** Pinning more than the memory cgroup has left does not fail a call pinpool could roll
+back: the OOM killer ends the process (exit 137). So the pre-flight reads :func:`read_memory_limits`.
 
-**CPU.** A container's CPU limit (Kubernetes ``limits.cpu``, ``docker run --cpus``, systemd's
-``CPUQuota=``) is a CFS quota: ``quota`` microseconds per ``period`` across all the cgroup's
-threads, after which the kernel stops every one of them until the next period. The affinity mask
-does not show it (a pod limited to 16 CPUs on a 192-core node may run on all 192), and sizing pin
-workers from the affinity alone stalls the server's own threads (measured: a 2 ms serving task's
-p99 at 12x its idle value under a 1-CPU quota). So workers are sized by :func:`cpu_budget`: the
-affinity bounded by :func:`read_cpu_quota` (v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` /
-``cpu.cfs_period_us``). Mount points come from ``/proc/self/mountinfo``, whose root field maps a
-cgroup path onto a mount that shows only the container's subtree.
+**CPU.** A container's CPU limit is a CFS quota the affinity mask does not show (a pod limited to
+16 CPUs on a 192-core node may run on all 192); sizing pin workers from the affinity alone stalled
+the server's threads (measured: a 2 ms task's p99 at 12x idle under a 1-CPU quota). So workers are
+sized by :func:`cpu_budget` (docs/operations.md, "Sizing workers"). Mount points come from
+``/proc/self/mountinfo``, whose root field maps a cgroup path onto a mount showing only a subtree.
 
-A parent's limit binds its children, so every level from the process's cgroup up is read; the
-tightest wins. Best effort by design: any file may be missing, unreadable or garbage (another
-kernel, no cgroup filesystem, a namespace, a fixture): unknown is ``None`` and nothing raises. A
-quota file holding what the kernel never writes is ignored for sizing but named in
-:attr:`CpuQuota.ignored` (``pinpool doctor`` warns). ``root`` points a reader at a fixture tree
-laid out like ``/``.
+Every level from the process's cgroup up is read; the tightest wins. Best effort: any file may be
+missing or garbage, read as ``None``, and nothing raises; a quota file holding what the kernel
+never writes is named in :attr:`CpuQuota.ignored`. ``root`` points a reader at a fixture tree.
 """
 
 from __future__ import annotations
@@ -42,18 +33,9 @@ _DIGITS = re.compile(r"[0-9]{1,20}", re.ASCII)  # int() would also take "1_0", "
 @dataclass(frozen=True)
 class MemoryLimits:
     """This process's memory figures, in bytes; ``None`` where unknown (or, for the limit, unlimited).
-
-    cgroup_version: 1 or 2, the hierarchy holding the memory controller.
-    cgroup_limit_bytes: of this process's cgroup and its ancestors, the limit with the least room left
-        (v2 ``memory.max``, v1 ``memory.limit_in_bytes``).
-    cgroup_usage_bytes: that cgroup's usage (v2 ``memory.current``, v1 ``memory.usage_in_bytes``);
-        without a limit, the process's own cgroup's.
-    cgroup_reclaimable_bytes: that cgroup's file page cache (memory.stat), counted in its usage but
-        reclaimed before the OOM killer runs.
-    cgroup_path: the binding cgroup's path (``/`` inside a cgroup namespace), for messages.
-    mem_available_bytes: ``MemAvailable`` of /proc/meminfo (host-wide, not per container).
-    effective_available_bytes: :func:`effective_available` of the above.
-    """
+    ``cgroup_limit_bytes``: of its cgroup and ancestors, the limit with the least room left; usage,
+    page cache (``cgroup_reclaimable_bytes``) and path are that cgroup's (without a limit, its own).
+    ``mem_available_bytes`` is host-wide, not per container."""
 
     cgroup_version: int | None = None
     cgroup_limit_bytes: int | None = None
@@ -65,11 +47,8 @@ class MemoryLimits:
 
 
 def cgroup_room(limit: int | None, usage: int | None, reclaimable: int | None) -> int | None:
-    """Bytes a cgroup can still charge before its limit: ``limit - (usage - reclaimable page cache)``.
-
-    Page cache counts in a cgroup's usage but is dropped before the OOM killer runs, so it is
-    room too (docker and the kubelet subtract it the same way). Unknown usage: the limit is all
-    we know, an upper bound."""
+    """``limit - (usage - reclaimable page cache)``: page cache is dropped before the OOM killer runs
+    (docker and the kubelet subtract it too). Unknown usage: the limit, an upper bound."""
     if limit is None:
         return None
     if usage is None:
@@ -87,7 +66,6 @@ def effective_available(
 
 
 def read_memory_limits(root: str = "/") -> MemoryLimits:
-    """Read this process's memory cgroup and MemAvailable (under ``root``). Never raises."""
     try:
         level = _binding_level(_read(os.path.join(root, "proc/self/cgroup")), os.path.join(root, "sys/fs/cgroup"))
         available = read_mem_available(os.path.join(root, "proc/meminfo"))
@@ -136,12 +114,9 @@ class _Level:
 # (v1 has hierarchical total_* keys, which count child cgroups as usage_in_bytes does).
 _FILES = {
     2: ("memory.max", "memory.current", (("active_file", "inactive_file"),)),
-    1: (
-        "memory.limit_in_bytes",
-        "memory.usage_in_bytes",
-        (("total_active_file", "total_inactive_file"), ("active_file", "inactive_file")),
-    ),
-}
+    1: ("memory.limit_in_bytes", "memory.usage_in_bytes",
+        (("total_active_file", "total_inactive_file"), ("active_file", "inactive_file"))),
+}  # fmt: skip
 
 
 def _binding_level(proc_cgroup: str | None, mount: str) -> _Level | None:
@@ -154,9 +129,8 @@ def _binding_level(proc_cgroup: str | None, mount: str) -> _Level | None:
 
 
 def _cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
-    """Each line of ``/proc/self/cgroup`` (``id:controllers:path``) as its controllers ("" for v2)
-    and its path's parts. Skipped: a path outside this cgroup namespace (a ``..`` part: nothing
-    visible here is an ancestor) and one longer than the kernel writes."""
+    """Each ``id:controllers:path`` line of ``/proc/self/cgroup`` as its controllers ("" for v2) and
+    path parts; skipped: a path outside this cgroup namespace (``..``) or longer than the kernel writes."""
     for line in (proc_cgroup or "").splitlines():
         fields = line.split(":", 2)
         if len(fields) != 3 or len(fields[2]) > _PATH_MAX:
@@ -167,8 +141,7 @@ def _cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
 
 
 def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
-    """Every cgroup of this process that has memory files, deepest first, per hierarchy: v2 at
-    /sys/fs/cgroup (or /sys/fs/cgroup/unified on hybrid hosts), v1 at its ``memory`` mount. In a
+    """Every cgroup of this process that has memory files, deepest first, per hierarchy. In a
     container without a cgroup namespace the path names the host's cgroup, which the container
     sees as its mount root: the walk up finds the root's files."""
     for controllers, parts in _cgroup_paths(proc_cgroup):
@@ -229,8 +202,7 @@ def _to_int(text: str | None) -> int | None:
 
 
 def _read(path: str, cap: int = _READ_CAP) -> str | None:
-    """A small text file's contents (its first ``cap`` bytes), or None when it is missing, unreadable,
-    not UTF-8 or not a file."""
+    """A small text file's first ``cap`` bytes, or None when missing, unreadable or not UTF-8."""
     try:
         with open(path, "rb") as f:
             data = f.read(cap)
@@ -251,8 +223,7 @@ V1_SOURCE = "cgroup v1 cpu.cfs_quota_us/cpu.cfs_period_us"
 @dataclass(frozen=True)
 class CpuQuota:
     """The CPU quota that binds this process: ``quota_us`` per ``period_us`` (None: no quota known),
-    from ``source`` (:data:`V2_SOURCE`, :data:`V1_SOURCE`) at the cgroup ``path``; ``ignored``: quota
-    files that held what the kernel never writes (``"file: 'text'"``), left out of the figures."""
+    from ``source`` at the cgroup ``path``; ``ignored``: garbage quota files (``"file: 'text'"``)."""
 
     quota_us: int | None = None
     period_us: int | None = None
@@ -261,17 +232,14 @@ class CpuQuota:
     ignored: tuple[str, ...] = ()
 
     @property
-    def cpus(self) -> float | None:
-        """The quota in CPUs (``quota / period``), None without one."""
+    def cpus(self) -> float | None:  # quota / period
         if self.quota_us is None or not self.period_us:
             return None
         return self.quota_us / self.period_us
 
 
 def cpu_budget(affinity_cpus: int, quota: CpuQuota | None) -> int:
-    """Threads this process can keep busy: the CPUs it may run on, bounded by the CPU time its
-    cgroup may use (``floor(quota / period)``: a 1.5-CPU quota keeps one thread busy, not two);
-    at least 1."""
+    """Threads this process can keep busy: its CPUs, bounded by ``floor(quota / period)``; at least 1."""
     budget = max(1, affinity_cpus)
     cpus = None if quota is None else quota.cpus
     if cpus is not None:
@@ -280,8 +248,7 @@ def cpu_budget(affinity_cpus: int, quota: CpuQuota | None) -> int:
 
 
 def read_cpu_quota(root: str = "/") -> CpuQuota:
-    """The tightest CPU quota on this process's cgroup path (v2 and v1), read under ``root``.
-    Never raises."""
+    """The tightest CPU quota on this process's cgroup path (v2 and v1), read under ``root``."""
     try:
         proc_cgroup = _read(os.path.join(root, "proc/self/cgroup"))
         mounts = _cgroup_mounts(_read(os.path.join(root, "proc/self/mountinfo"), _MOUNTINFO_CAP), root)
@@ -345,12 +312,8 @@ def _cgroup_mounts(mountinfo: str | None, root: str) -> list[_Mount]:
 
 
 def _cpu_levels(proc_cgroup: str | None, mounts: list[_Mount]) -> Iterator[_CpuLevel]:
-    """Every cgroup on this process's path that has CPU quota files, deepest first, per mount.
-
-    ``/proc/self/cgroup`` lines are ``id:controllers:path``: ``0::/path`` for v2,
-    ``N:cpu,cpuacct:/path`` for v1. A mount whose root is not on the path (another subtree
-    bind-mounted here) shows nothing of this process's cgroups and is skipped.
-    """
+    """Every cgroup on this process's path that has CPU quota files, deepest first, per mount; a mount
+    whose root is not on the path (another subtree bind-mounted here) is skipped."""
     for controllers, parts in _cgroup_paths(proc_cgroup):
         version = 2 if controllers == "" else 1 if "cpu" in controllers.split(",") else None
         if version is None:

@@ -195,13 +195,9 @@ def _geometry(tensor: torch.Tensor) -> _Geometry:
 
 
 def alias_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor over exactly ``tensor``'s bytes (same dtype, shape, strides) whose storage
-    cannot be resized and keeps ``tensor``'s storage alive, as :func:`pinpool.pin` pins it.
-
-    Its address and size never change whatever is done to ``tensor`` afterwards (``resize_``,
-    ``set_``, ``del``), so the plan made from it still describes the memory at entry; an alias
-    of an alias aliases the same original storage.
-    """
+    """A tensor over exactly ``tensor``'s bytes whose storage cannot be resized and keeps ``tensor``'s
+    alive (see the module doc), so the plan made from it still describes the memory at entry; an
+    alias of an alias aliases the same original storage."""
     info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
     original = info.original if isinstance(info, _Alias) else tensor.untyped_storage()
     nbytes = original.nbytes()
@@ -232,11 +228,9 @@ def _point(tensor: torch.Tensor, storage: torch.UntypedStorage, geometry: _Geome
 
 def _give_back(owner: weakref.ref[torch.Tensor], alias: torch.UntypedStorage, original: torch.UntypedStorage,
                geometry: _Geometry, thread: int) -> None:  # fmt: skip
-    """Point the caller's tensor back at its own storage, if it still views the alias: as it is
-    now, or, out of the storage's bounds, as it was when pinned (torch sets a refused ``resize_``'s
-    sizes before it tries the storage). Only in the thread that pointed it at the alias: a pool
-    closed elsewhere (a failed background pinning, a finalizer) must not change a tensor another
-    thread may be using; it then keeps the alias (the same bytes, which cannot be resized)."""
+    """Point the caller's tensor back at its own storage if it still views the alias: as it is now,
+    else as when pinned (torch sets a refused ``resize_``'s sizes first). Only in the thread that
+    pointed it at the alias: elsewhere another thread may be using it, and it keeps the alias."""
     if threading.get_ident() != thread:
         return
     tensor = owner()
@@ -251,13 +245,9 @@ _GiveBack: TypeAlias = "weakref.finalize[..., TensorMemory]"  # gives the caller
 class TensorMemory:
     """A caller's CPU tensor as pool memory: same interface as HostMapping, never freed.
 
-    ``tensor`` is the alias :func:`alias_of` made when ``pin()`` was called (a plain tensor is
-    aliased here), referenced until the pool is closed (forever if a chunk leaked). On entry the
-    caller's tensor is pointed at the alias (see the module doc); once pinpool lets go it gets its
-    own storage back (:func:`_give_back`). Unpinning unregisters the addresses recorded here, never
-    reading the caller's tensor. :class:`ConfigError` when the caller's storage was reallocated
-    between ``pin()`` and entry. ``span``: the bytes ``[start, end)`` from the tensor's start that
-    the pool's memory is (a strided view's or ranges=': first range to last); default all of it.
+    ``tensor``: the alias :func:`alias_of` made at ``pin()``. On entry the caller's tensor is
+    pointed at it (see the module doc), and gets its own storage back once pinpool lets go.
+    ``span``: the bytes ``[start, end)`` from the tensor's start that the pool's memory is.
     """
 
     def __init__(self, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> None:
@@ -292,22 +282,19 @@ class TensorMemory:
                 self._finalizer.atexit = False
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A flat uint8 tensor over ``[offset, offset+nbytes)`` of the pinned bytes (the alias's
-        storage, whatever the caller's tensor views now)."""
+        """A flat uint8 tensor over ``[offset, offset+nbytes)`` of the pinned bytes (the alias's storage)."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise ValueError(f"view [{offset}, +{nbytes}) outside the tensor's {self.nbytes} bytes")
         flat = torch.empty(0, dtype=torch.uint8)
         return flat.set_(self._storage, self._offset + offset, (nbytes,), (1,))
 
     def as_given(self) -> torch.Tensor:
-        """The caller's tensor as it was given (dtype, shape, strides, a strided view's too) over
-        the pinned bytes (the alias's storage, whatever the caller's tensor views now)."""
+        """The caller's tensor as it was given (dtype, shape, strides) over the pinned bytes."""
         t = self.tensor
         return torch.empty(0, dtype=t.dtype).set_(self._storage, t.storage_offset(), t.size(), t.stride())
 
     def keep_forever(self) -> None:
-        """Never free: part of this memory may still be registered. The caller's tensor keeps
-        viewing the alias (same bytes, cannot be grown away from under the registration)."""
+        """Never free: part of this memory may still be registered (the caller's tensor keeps the alias)."""
         if self._finalizer is not None:
             self._finalizer.detach()
         with _kept_lock:

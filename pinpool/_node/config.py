@@ -1,21 +1,11 @@
-"""Node pacing's configuration and the directory it trusts.
+"""Node pacing's configuration (``node_slots``, ``node_budget``, ``node_dir``, each falling back to
+its environment variable: docs/serving.md, "Pacing 8 ranks on one host") and the directory it trusts.
 
-Options (each falls back to its environment variable; an argument wins): ``node_slots`` /
-``PINPOOL_NODE_SLOTS``, how many processes may *pin* at once (1 to :data:`MAX_SLOTS`);
-``node_budget`` / ``PINPOOL_NODE_BUDGET``, the bytes every cooperating pool may hold pinned
-together (bytes, a size such as ``"512GiB"``, or a fraction of MemTotal: ``0.8``, ``"0.8"``,
-``"80%"``); ``node_dir`` / ``PINPOOL_NODE_DIR``, the absolute directory of the lock files, shared by
-every rank (default :func:`default_directory`). Every rank must agree on all three and run as the
-same user. :class:`NodePacing` is the checked result.
-
-The directory: created mode 0700 when missing; an existing one must be a real directory of our
-euid, not group- or world-writable, and writable by us; pinpool never changes the mode of one
-it did not create. It is opened ``O_DIRECTORY | O_NOFOLLOW`` and each lock file relative to it
-(:func:`open_file`) with :data:`~pinpool._host.files.FILE_FLAGS`, mode 0600, never ``O_TRUNC``:
-``lstat`` before the open and ``fstat`` after must show a regular file of ours with one link (a
-hard link would make pinpool write into the file it names), so a FIFO, device or link planted
-under a lock file's name is refused and the open never waits for a writer. Every refusal is a
-:class:`ConfigError` naming the path, the problem and the fix.
+The directory: created 0700 when missing; an existing one must be ours, not group- or
+world-writable, and writable; pinpool never changes the mode of one it did not create. Lock files
+are opened relative to it and checked before (``lstat``) and after (``fstat``) the open: a regular
+file of ours with one link (a hard link would make pinpool write into the file it names), so a
+FIFO, device or link planted under a lock file's name is refused and the open never waits.
 """
 
 from __future__ import annotations
@@ -93,10 +83,8 @@ def _in_range(fraction: Decimal, given: object, what: str, of: str, hint: str) -
 
 
 def parse_fraction(value: object, *, what: str, of: str, hint: str) -> Decimal | None:
-    """A fraction in (0, 1] as a Decimal, from a float (``0.8``) or a string (``"0.8"``, ``"80%"``);
-    None for a value not spelled as a fraction (an int, a size such as ``"512GiB"``). ASCII only,
-    like every pinpool number: ``"١٠%"``, ``"８０%"`` or a non-breaking space are errors. ``of``
-    names the whole in messages, ``hint`` the spellings accepted."""
+    """A fraction in (0, 1] from a float (``0.8``) or a string (``"0.8"``, ``"80%"``; ASCII only),
+    None for a value not spelled as one (an int, ``"512GiB"``). ``of``, ``hint``: for messages."""
     if isinstance(value, float):
         return _in_range(Decimal(repr(value)), value, what, of, hint)
     if not isinstance(value, str):
@@ -117,7 +105,6 @@ def parse_fraction(value: object, *, what: str, of: str, hint: str) -> Decimal |
 
 
 def _parse_budget(value: object, *, what: str, mem_total: int | None) -> int:
-    """Bytes from an int, a size string, a float fraction, ``"0.8"`` or ``"80%"``."""
     if isinstance(value, bool):
         raise ConfigError(f"{what}={value!r} is a bool; give {_BUDGET_HINT}")
     fraction = parse_fraction(value, what=what, of="MemTotal", hint=_BUDGET_HINT)
@@ -137,10 +124,8 @@ def _parse_budget(value: object, *, what: str, mem_total: int | None) -> int:
 
 @dataclass(frozen=True)
 class NodePacing:
-    """How the pools of one host pace each other: the lock files' ``directory``, ``slots`` (None:
-    unlimited) and ``budget_bytes`` (None: no budget), at least one of them set ("no pacing" is
-    None, as :meth:`from_options` returns it); ``wait``: False raises :class:`NodeBusyError` at once.
-    """
+    """How the pools of one host pace each other: ``slots`` and/or ``budget_bytes`` (None: not paced;
+    no pacing at all is None), in ``directory``; ``wait=False`` raises NodeBusyError at once."""
 
     directory: str
     slots: int | None = None
@@ -180,8 +165,7 @@ class NodePacing:
         mem_total: int | None = None,
     ) -> NodePacing | None:
         """Pacing from a pool's options, each falling back to its environment variable; None when
-        neither slots nor a budget is asked for. No file is touched. ``mem_total`` replaces
-        /proc/meminfo's MemTotal for fractional budgets."""
+        neither slots nor a budget is asked for. ``mem_total`` replaces /proc/meminfo's."""
         env = os.environ if environ is None else environ
         if node_slots is not None:
             slots: int | None = _parse_slots(node_slots, what="node_slots")
@@ -221,8 +205,6 @@ class NodePacing:
 
 
 def file_problem(st: os.stat_result) -> str | None:
-    """What makes a lock file unusable, or None: pinpool reads, writes, truncates and locks only a
-    regular file of ours with one link."""
     return regular_file_problem(
         st, files="its lock files",
         linked="another name refers to the same file, and pinpool writes into its lock files",
@@ -241,7 +223,6 @@ def _reason(code: int) -> str:
 
 
 def _unwritable(directory: str, code: int, doing: str = "") -> ConfigError:
-    """The directory refused a file (EACCES, EPERM, EROFS): the errno, and what to do."""
     reason = _reason(code)
     if code == errno.EROFS:
         fix = f"set node_dir= / {DIR_ENV} to a directory on a writable file system (such as {default_directory()!r})"
@@ -257,7 +238,6 @@ def _unwritable(directory: str, code: int, doing: str = "") -> ConfigError:
 
 
 def _check_writable(fd: int, path: str) -> None:
-    """:class:`ConfigError` unless this process may create files in the directory ``fd``."""
     if os.access(".", os.W_OK | os.X_OK, dir_fd=fd, effective_ids=True):
         return
     try:
@@ -268,9 +248,12 @@ def _check_writable(fd: int, path: str) -> None:
 
 
 def open_directory(path: str) -> int:
-    """Create ``path`` (mode 0700) if missing, check it, and return an ``O_DIRECTORY | O_NOFOLLOW``
-    descriptor to it; :class:`ConfigError` naming the path, the problem and the fix otherwise."""
+    """Create ``path`` (0700) if missing, check it, and return an ``O_DIRECTORY | O_NOFOLLOW`` descriptor."""
     fix_env = f"or set node_dir= / {DIR_ENV} to a directory this user owns"
+
+    def failed(doing: str, exc: OSError) -> ConfigError:
+        return ConfigError(f"node pacing directory {path!r} {doing}: {exc.strerror or exc}; {fix_env}")
+
     created = False
     try:
         os.mkdir(path, 0o700)
@@ -283,15 +266,11 @@ def open_directory(path: str) -> int:
             f"create the parent (pinpool creates only the last component), {fix_env}"
         ) from None
     except OSError as exc:
-        raise ConfigError(
-            f"node pacing directory {path!r} cannot be created: {exc.strerror or exc}; {fix_env}"
-        ) from None
+        raise failed("cannot be created", exc) from None
     try:
         st = os.lstat(path)
     except OSError as exc:
-        raise ConfigError(
-            f"node pacing directory {path!r} cannot be inspected: {exc.strerror or exc}; {fix_env}"
-        ) from None
+        raise failed("cannot be inspected", exc) from None
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(
             f"node pacing directory {path!r} is a symbolic link; pinpool never follows links to its lock files. "
@@ -302,9 +281,7 @@ def open_directory(path: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(
-            f"node pacing directory {path!r} cannot be opened: {exc.strerror or exc}; {fix_env}"
-        ) from None
+        raise failed("cannot be opened", exc) from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode):  # replaced between lstat and open
@@ -343,11 +320,8 @@ def open_error(directory: str, name: str, exc: OSError, *, existed: bool) -> Con
 
 
 def open_file(dir_fd: int, directory: str, name: str, flags: int) -> int:
-    """Open ``name`` in the directory (O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode 0600 if created)
-    and check it: a regular file of ours with one link, else :class:`ConfigError`. ``lstat``
-    first, so a FIFO or a device is refused without being opened; ``fstat`` after, for a file
-    swapped in between. :class:`FileNotFoundError` when the file is missing or was removed
-    meanwhile, unless ``flags`` has O_CREAT."""
+    """Open ``name`` in the directory (mode 0600 if created), checked before and after the open;
+    :class:`FileNotFoundError` when missing or removed meanwhile, unless ``flags`` has O_CREAT."""
     for _attempt in range(8):
         try:
             problem = file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))

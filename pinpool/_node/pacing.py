@@ -1,31 +1,20 @@
-"""Node-level pacing: ranks (processes) on one host share pin slots and a byte budget through
-``flock(2)``-ed files in one directory (:mod:`pinpool._node.config`), with no server. A flock goes
-with the last descriptor of its open file description, so a crashed (even SIGKILLed) rank's
-locks go with it.
+"""Node pacing: ranks on one host share pin slots and a byte budget through ``flock(2)``-ed files in
+one directory, with no server (docs/serving.md). A flock goes with the last descriptor of its open
+file description, so a crashed (even SIGKILLed) rank's locks go with it.
 
-**Slots**: ``LOCK_EX`` on the first free of ``slot-0 .. slot-{N-1}``. **Budget**: each holder
-keeps ``hold-<pid>-<random>``, holding its byte count, locked for as long as it holds the bytes.
-Admission runs under ``LOCK_EX`` on ``budget.lock``: it sums the hold files whose lock is held
-(one whose lock can be taken is a dead holder's, and is removed), and if the request fits,
-creates its own hold file, written and locked, before letting ``budget.lock`` go. Slot files and
-``budget.lock`` are never removed (removing a file others hold open would split the lock). Slot
-and hold files record their holder's pid and label, for others' messages only.
+**Slots**: ``LOCK_EX`` on the first free ``slot-N``. **Budget**: each holder keeps a locked
+``hold-<pid>-<random>`` holding its byte count. Admission, under ``LOCK_EX`` on ``budget.lock``,
+sums the locked hold files (an unlocked one is a dead holder's, removed) and, if the request fits,
+creates its own, written and locked, before letting ``budget.lock`` go. Slot files and
+``budget.lock`` are never removed (removing a file others hold open would split the lock).
 
-**Waiting** polls (``LOCK_NB`` and a sleep) on the calling thread, which the pool runs apart and
-stops with ``cancelled()``. The interval is 5 % of the time waited (from 5 ms, jittered, at most
-``poll``): a slot freed after a short pin is taken within milliseconds, a long wait polls a few
-times a second, the hand-over costs at most ~5 % of the wait. Not FIFO. After 10 s, then every
-60 s, ``on_waiting(kind, holders, waited_seconds)`` names whom the rank waits for and whether each
-runs, is stopped (``T`` in ``/proc/<pid>/stat``) or is not found here.
+**Waiting** polls on the calling thread every 5 % of the time waited (from 5 ms, jittered, at most
+``poll``): a slot freed after a short pin is taken within milliseconds, and the hand-over costs at
+most ~5 % of the wait. Not FIFO.
 
-**Fork**: descriptors are ``O_CLOEXEC``, but a child forked without ``exec`` shares the parent's
-open file descriptions and would keep its slot locked after the parent released it. So at fork
-the child closes its copies (which never releases the parent's lock) and marks every inherited
-hold released; ``release()`` in any process but the acquiring one does nothing.
-
-Containers: ranks in separate containers cooperate only through a directory they all mount
-(``/dev/shm`` is private to each by default), named by ``PINPOOL_NODE_DIR``. Pids in file names
-and messages are in the writer's pid namespace.
+**Fork**: a child forked without ``exec`` shares the parent's open file descriptions and would keep
+its slot locked after the parent released it, so the child closes its copies (which never releases
+the parent's lock) and ``release()`` does nothing in any process but the acquiring one.
 """
 
 from __future__ import annotations
@@ -40,7 +29,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Literal, Self, TypeVar, cast
 
 from .._errors import ConfigError, Kind, NodeBusyError, NodeWaitCancelled
@@ -61,9 +49,8 @@ _RECORD_LIMIT = 512  # bytes read back from a slot or hold file
 
 @dataclass(frozen=True)
 class NodeHolder:
-    """Who holds a slot or part of the budget, as its file says: pid (None if unreadable), bytes
-    (budget only) and the holder's label (its pool's name). ``state`` is None unless looked up
-    (what a waiting rank reports, see :func:`holder_state`)."""
+    """Who holds a slot or part of the budget, as its file says (``nbytes``: budget only; ``label``:
+    its pool's name); ``state`` is None unless looked up (:func:`holder_state`)."""
 
     pid: int | None
     nbytes: int | None = None
@@ -80,9 +67,7 @@ class NodeHolder:
 
 
 def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
-    """Whether ``pid`` runs (or sleeps), is stopped (``T``/``t``: SIGSTOP, a debugger), is a zombie,
-    is not found here (gone, or in another pid namespace), or cannot be told: one read of
-    ``/proc/<pid>/stat``."""
+    """``pid``'s state, from one read of ``/proc/<pid>/stat`` ("not found": gone, or another pid namespace)."""
     if pid is None or pid <= 0:
         return "unknown"
     try:
@@ -104,8 +89,7 @@ def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
 
 
 def _flock_holders(st: os.stat_result, locks: str = "/proc/locks") -> tuple[int, ...]:
-    """The pids holding a flock on the file ``st`` describes, as ``/proc/locks`` says (pids of
-    this pid namespace; empty when unreadable). Read only when a wait is reported."""
+    """The pids (of this namespace) holding a flock on the file ``st`` describes, per ``/proc/locks``."""
     want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
     pids: list[int] = []
     try:
@@ -150,12 +134,8 @@ _LIVE: weakref.WeakSet[_Hold] = weakref.WeakSet()
 
 class _Hold:
     """A lock file's descriptor, released once (also when collected), in the acquiring process only.
-
-    A hold exists before anything is opened and owns each descriptor from the one store that keeps
-    it (``hold._fd = os.open(...)``), so whatever is raised afterwards (a ``KeyboardInterrupt``
-    too) is undone by :meth:`release`; the only window is between ``open`` and that store, when the
-    descriptor holds no lock yet.
-    """
+    It exists before anything is opened and owns each descriptor from the store that keeps it, so
+    whatever is raised afterwards (a ``KeyboardInterrupt`` too) is undone by :meth:`release`."""
 
     def __init__(self, *, directory: str, name: str | None, waited_seconds: float) -> None:
         self._fd = self._dir_fd = -1  # the budget's: the directory, to remove its hold file by name
@@ -167,12 +147,10 @@ class _Hold:
         self.waited_seconds = waited_seconds
 
     @property
-    def released(self) -> bool:
-        """True once released (and from the start for a hold of no pacing, or in a forked child)."""
+    def released(self) -> bool:  # from the start for a hold of no pacing, or in a forked child
         return self._fd < 0
 
     def release(self) -> None:
-        """Give the hold back (idempotent; a no-op in any process but the one that acquired it)."""
         if os.getpid() != self._pid:
             return
         with self._lock:
@@ -186,7 +164,7 @@ class _Hold:
                     os.close(fd)  # drops the flock: the last descriptor of its open file description
 
     def _undo(self, *, owned: bool) -> None:
-        """What to do before the descriptor is closed (the budget removes its hold file)."""
+        """Before the descriptor is closed (the budget removes its hold file)."""
 
     def _forget_in_child(self) -> None:
         """In a forked child: close the inherited copies (never releases the parent's lock)."""
@@ -202,9 +180,7 @@ class _Hold:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
     def __del__(self) -> None:
@@ -288,11 +264,10 @@ OnWaiting = Callable[[Kind, tuple[NodeHolder, ...], float], object]
 class NodeAdmission:
     """Admission to a node's pin slots and byte budget, for one pool (``label``: its name).
 
-    The constructor checks the directory and the lock files already in it (:class:`ConfigError`
-    before anything is mapped); every acquisition checks them again. Holds from a NodeAdmission of
-    no slots (or no budget) are free and released already. ``on_waiting`` (see the module doc;
-    ``kind`` is ``"slots"`` or ``"budget"``, each holder's :attr:`NodeHolder.state` looked up) is
-    called from the waiting thread; an ``Exception`` it raises is ignored.
+    The constructor checks the directory and the lock files in it (a ConfigError before anything is
+    mapped); every acquisition checks them again. Holds of what is not paced are released already.
+    ``on_waiting(kind, holders, waited_seconds)`` is called from the waiting thread after 10 s, then
+    every 60 s, naming whom the rank waits for and their states; an ``Exception`` it raises is ignored.
     """
 
     def __init__(self, pacing: NodePacing, *, label: str = "", on_waiting: OnWaiting | None = None) -> None:
@@ -310,8 +285,7 @@ class NodeAdmission:
             os.close(dir_fd)
 
     def _check_present(self, dir_fd: int) -> None:
-        """:class:`ConfigError` for a lock file of this pacing that is there and unusable (``lstat``:
-        nothing is opened). Acquisition checks each file it opens again, with ``fstat``."""
+        """:class:`ConfigError` for a lock file of this pacing that is unusable (``lstat``: nothing opened)."""
         p = self.pacing
         for name in os.listdir(dir_fd):
             if name.startswith(_SLOT_PREFIX):
@@ -373,8 +347,7 @@ class NodeAdmission:
         )  # fmt: skip
 
     def check_request(self, nbytes: int) -> None:
-        """:class:`ConfigError` unless ``nbytes`` is a positive int that fits the whole budget (call it
-        at construction: a pool larger than the budget could never be admitted)."""
+        """:class:`ConfigError` unless ``nbytes`` is a positive int that fits the whole budget."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigError(f"reserve_budget(nbytes={nbytes!r}): give a positive int number of bytes")
         budget = self.pacing.budget_bytes
@@ -475,9 +448,8 @@ class NodeAdmission:
         poll: float = DEFAULT_POLL_SECONDS,
         on_wait: Callable[[NodeBusyError], object] | None = None,
     ) -> SlotHold:
-        """A pin slot, waiting on this thread if ``wait`` (polling at most ``poll`` s apart): else
-        :class:`NodeBusyError` at once. :class:`NodeWaitCancelled` once ``cancelled()`` is True
-        (checked before every sleep); ``on_wait(busy)`` is called once, when the wait begins."""
+        """A pin slot, waiting on this thread if ``wait``, else :class:`NodeBusyError` at once;
+        :class:`NodeWaitCancelled` once ``cancelled()``; ``on_wait(busy)`` once, when the wait begins."""
         return self._wait("slots", lambda waited: self._attempt_slot(waited), cancelled, poll, on_wait)
 
     def reserve_budget_sync(
@@ -487,13 +459,12 @@ class NodeAdmission:
         poll: float = DEFAULT_POLL_SECONDS,
         on_wait: Callable[[NodeBusyError], object] | None = None,
     ) -> BudgetHold:
-        """``nbytes`` of the node budget, as :meth:`acquire_slot_sync` waits for a slot.
-        :class:`ConfigError` at once when ``nbytes`` exceeds the whole budget."""
+        """``nbytes`` of the node budget, as :meth:`acquire_slot_sync` waits for a slot."""
         self.check_request(nbytes)
         return self._wait("budget", lambda waited: self._attempt_budget(nbytes, waited), cancelled, poll, on_wait)
 
     def _next_delay(self, result: object, poll: float, started: float) -> float:
-        """After a failed attempt: how long to sleep (see the module doc), or raise when not waiting."""
+        """After a failed attempt: how long to sleep, or raise when not waiting."""
         if isinstance(result, _Contended):
             if not self.pacing.wait and time.monotonic() - started > _LOCK_GIVE_UP_SECONDS:
                 raise NodeBusyError(
@@ -542,7 +513,6 @@ class NodeAdmission:
             time.sleep(delay)
 
     def _report_waiting(self, kind: Kind, result: NodeBusyError | _Contended, waited: float) -> None:
-        """``on_waiting`` with whom this rank waits for and their states (a few reads of /proc)."""
         on_waiting = self.on_waiting
         if on_waiting is None:
             return

@@ -1,11 +1,6 @@
-"""Where a shared memory region lives, and the trust placed in it: its file system (tmpfs or
-hugetlbfs only), a new memfd, its directory (reached from ``/`` without following anything
-another user controls, see :func:`_walk`) and its file, trusted as node pacing's lock files are
-(:mod:`pinpool._host.files`). A region is made under a temporary name, exclusively, and linked
-into place once complete (:func:`publish`). Files are opened by name relative to the directory's
-descriptor, never by a path that could be swapped. Every refusal is a :class:`ConfigError`
-naming the path, the problem and the fix.
-"""
+"""Where a shared memory region lives and the trust placed in it (docs/shared-memory.md, "Trust"):
+its file system, a memfd, its directory (walked from ``/``) and its file, opened relative to the
+directory's descriptor, never by a path that could be swapped."""
 
 from __future__ import annotations
 
@@ -57,9 +52,7 @@ def new_memfd(flags: int) -> int:
 
 
 def _dir_problem(st: os.stat_result) -> str | None:
-    """What makes a region's directory untrustworthy, or None. Ours or root's, and not writable by
-    others unless sticky (``/dev/shm``, ``/tmp``: others may add names there, but may not remove or
-    replace ours; the file itself is checked when opened)."""
+    """What makes a region's directory untrustworthy, or None (sticky: others may add names, not replace ours)."""
     if stat.S_ISLNK(st.st_mode):
         return "is a symbolic link (pinpool never follows a link to a region's directory)"
     if not stat.S_ISDIR(st.st_mode):
@@ -75,8 +68,6 @@ def _dir_problem(st: os.stat_result) -> str | None:
 
 
 def region_file_problem(st: os.stat_result) -> str | None:
-    """What makes an existing region file unusable, or None: the same rules as node pacing's lock
-    files (a regular file of ours with one link, not writable by others)."""
     return regular_file_problem(st, files="a region's file", linked="another name refers to the same memory")
 
 
@@ -101,10 +92,9 @@ def _refuse_ancestor(path: str, at: str, problem: str) -> ConfigError:
 
 
 def _walk(path: str) -> int:
-    """The directory of ``path`` opened (``O_RDONLY | O_DIRECTORY``), reached one component at a
-    time from ``/`` with ``openat(O_NOFOLLOW)``: every directory on the way must pass
-    :func:`_dir_problem`, and a symbolic link is followed only where it is owned by root or this
-    user and is not the region's own directory. So nothing another user controls redirects it."""
+    """The directory of ``path`` opened, reached one component at a time from ``/`` with
+    ``openat(O_NOFOLLOW)``, each directory passing :func:`_dir_problem`, a link followed only when
+    root's or ours and not the region's own directory: nothing another user controls redirects it."""
     directory = os.path.dirname(path)
     todo = [c for c in directory.split("/") if c][::-1]  # a stack: the next component last
     stack = [os.open("/", _WALK_FLAGS)]
@@ -172,14 +162,11 @@ def _refuse_ancestor_st(path: str, at: str, st: os.stat_result) -> None:
 
 
 def check_directory(path: str) -> None:
-    """:class:`ConfigError` unless the directory of the region's file ``path``, and every
-    directory and link on the way to it, can be trusted (see :func:`_walk`)."""
     os.close(_walk(path))
 
 
 def open_region_directory(path: str) -> int:
-    """The directory of ``path``, reached without following anything another user controls
-    (:func:`_walk`) and checked again once open (it may have changed)."""
+    """The directory of ``path`` (:func:`_walk`), checked again once open (it may have changed)."""
     dir_fd = _walk(path)
     try:
         _refuse_directory(path, os.fstat(dir_fd))
@@ -198,7 +185,6 @@ def _file_error(path: str, problem: str, fix: str = "") -> ConfigError:
 
 
 def open_region_file(dir_fd: int, path: str) -> int:
-    """Open the region's file to attach (``O_RDWR``), checked before and after the open."""
     name = os.path.basename(path)
     try:
         problem = region_file_problem(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
@@ -232,7 +218,6 @@ def _temp_prefix(name: str) -> str:
 
 
 def _refuse_existing(dir_fd: int, path: str) -> None:
-    """:class:`ConfigError` saying what holds the name of ``path`` already, if anything does."""
     name = os.path.basename(path)
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -252,8 +237,7 @@ def _refuse_existing(dir_fd: int, path: str) -> None:
 
 
 def remove_stale_temps(dir_fd: int, name: str) -> int:
-    """Remove what creators of ``name`` that died left half-made (a temporary file nobody holds
-    ``LOCK_EX`` on, of this user); returns how many. A creation in progress holds its lock."""
+    """Remove temporary files of ``name`` whose creators died (no ``LOCK_EX`` held); returns how many."""
     prefix, removed = _temp_prefix(name), 0
     try:
         names = [n for n in os.listdir(dir_fd) if n.startswith(prefix)]
@@ -278,10 +262,8 @@ def remove_stale_temps(dir_fd: int, name: str) -> int:
 
 
 def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
-    """Start a region at ``path``: refuse a name that exists, clean up what dead creators left,
-    and create a temporary file beside it exclusively (never following a link), with ``mode``,
-    locked ``LOCK_EX``; :func:`publish` links it into place once complete. Returns its descriptor
-    and its name."""
+    """Refuse a name that exists, clean up what dead creators left, and create a temporary file
+    beside it exclusively, locked ``LOCK_EX``, for :func:`publish`: ``(fd, temporary name)``."""
     name = os.path.basename(path)
     _refuse_existing(dir_fd, path)
     remove_stale_temps(dir_fd, name)
@@ -302,9 +284,7 @@ def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
 
 
 def publish(dir_fd: int, path: str, temp: str) -> None:
-    """Give the complete region ``temp`` its name, atomically and never replacing a file that took
-    the name meanwhile (``renameat2(RENAME_NOREPLACE)``; ``linkat`` then ``unlink`` where the
-    file system lacks it). An attacher sees no file, or a whole region."""
+    """Give the complete region ``temp`` its name, never replacing a file that took it meanwhile."""
     name = os.path.basename(path)
     err = _libc.rename_noreplace(dir_fd, temp, name)
     if err in (errno.ENOSYS, errno.EINVAL):
@@ -322,7 +302,7 @@ def publish(dir_fd: int, path: str, temp: str) -> None:
 
 
 def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool:
-    """Whether the name of ``path`` still refers to the file ``identity`` (``(st_dev, st_ino)``) describes."""
+    """Whether the name of ``path`` still refers to the file ``(st_dev, st_ino)``."""
     if identity is None:
         return False
     try:
@@ -333,8 +313,7 @@ def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool
 
 
 def remove_file(dir_fd: int, name: str, identity: tuple[int, int]) -> None:
-    """Remove a file this process created, if the name still refers to it (already gone, or the
-    directory with it: nothing to do)."""
+    """Remove a file this process created, if the name still refers to it."""
     try:
         if names_file(dir_fd, name, identity):
             os.unlink(name, dir_fd=dir_fd)

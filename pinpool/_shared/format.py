@@ -1,35 +1,12 @@
-"""A shared memory region's on-disk format, and reading regions without mapping them.
+"""A shared memory region's on-disk format (data from offset 0, a 4 KiB trailer in the file's last
+page: the table is in docs/shared-memory.md), and reading regions without mapping them.
 
-**The file.** ``[0, data)`` holds the pool's bytes, ``data = nbytes`` rounded up to the file
-system's page (4 KiB on tmpfs, the huge page on hugetlbfs); one more page follows, whose last
-4 KiB are the *trailer* that says what the file holds. The pool's memory starts at file offset 0
-(another program that maps the file sees the pool's bytes at its start). On hugetlbfs the
-trailer costs a whole huge page: ``mlock`` cannot split a huge page between a pinned range and
-the trailer.
-
-**The trailer** (little-endian; hugetlbfs files are written through a mapping, never ``write()``)::
-
-    offset  size  field
-    0       8     magic b"pinpoolR"          written last: a file without it is not (yet) a region
-    8       4     format version (1)         a newer one is refused, not guessed at
-    12      4     body length                bytes of the JSON body at offset 40
-    16      4     CRC-32 of the body
-    20      4     flags                      bit 0: the creator keeps the file (keep=True)
-    24      8     generation                 the server's own counter (set_generation); not in the CRC
-    32      8     reserved (0)
-    40      ...   body: UTF-8 JSON {"nbytes", "page_size", "region_id", "record", "created": {"uid",
-                  "pid", "start", "unix", "host"}}; "record" is the pool's description (layout_record())
-
-``region_id``: 128 random bits, new at each creation, so an index saved against one region never
-matches a later one at the same path (whose generation starts again at 0); a region made before
-it existed reads as the hash of its body (the creator's pid and times: also new each time).
-
-The trailer is *untrusted input* (any process of the owner, or a file another user planted, may
-have written it): bounded nesting, integers where integers belong, finite numbers, printable
-ASCII only, so a bad one is :class:`NotRegion`, never a RecursionError, an OverflowError or an
-escape sequence on an operator's terminal. Nothing that reads a region (:func:`read_region`,
-:func:`find_regions`, for ``pinpool doctor``) raises for a bad file, follows a symbolic link or
-blocks on a FIFO.
+``region_id`` is new at each creation, so an index saved against one region never matches a later
+one at the same path; a region made before it existed reads as the hash of its body. The trailer
+is *untrusted input* (any process of the owner, or another user's planted file, may have written
+it): a bad one is :class:`NotRegion`, never a RecursionError, an OverflowError or an escape
+sequence on a terminal; nothing that reads regions (for ``pinpool doctor``) raises for a bad file,
+follows a symbolic link or blocks on a FIFO.
 """
 
 from __future__ import annotations
@@ -86,19 +63,13 @@ def _process_start(pid: int | str = "self") -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])  # field 22 counts from 1 and starts 2 fields before the ")"
-    except (IndexError, ValueError):
+        return int(text[text.rfind(b")") + 2 :].split()[19])  # field 22 counts from 1, 2 before the ")"
+    except (OSError, IndexError, ValueError):
         return None
 
 
 def layout_record(layout: Layout, num_pages: int) -> dict[str, object]:
-    """What a region records about the pool it holds, to refuse a re-attach with another layout:
-    the layout's name, page size, page count and each buffer's name, shape, dtype and granularity
-    (JSON values, compared as JSON)."""
+    """What a region records about its pool (JSON values), to refuse a re-attach with another layout."""
     return {
         "layout": layout.name,
         "page_bytes": int(layout.page_bytes),
@@ -140,10 +111,8 @@ def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
         "uid": os.geteuid(), "pid": os.getpid(), "start": _process_start(), "unix": round(time.time(), 3),
         "host": socket.gethostname(),
     }  # fmt: skip
-    fields = {
-        "nbytes": nbytes, "page_size": page_size, "region_id": new_region_id(), "record": json.loads(record_json),
-        "created": created,
-    }  # fmt: skip
+    fields = {"nbytes": nbytes, "page_size": page_size, "region_id": secrets.token_hex(16),  # 128 random bits
+              "record": json.loads(record_json), "created": created}  # fmt: skip
     problem = _untrusted_problem(fields, 1)
     if problem is not None:
         raise ConfigError(f"the pool's description cannot be kept in a shared memory trailer: {problem}")
@@ -156,23 +125,15 @@ def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
     return body
 
 
-def new_region_id() -> str:
-    """A region's identity: 128 random bits, new at each creation."""
-    return secrets.token_hex(16)
-
-
-def _printable(text: str) -> bool:
-    return text.isprintable() and text.isascii()
-
-
 def _untrusted_problem(value: object, depth: int) -> str | None:
-    """Why a parsed (or to be written) body is not one pinpool reads, or None: nesting beyond
-    :data:`_MAX_DEPTH`, a number that is not finite, or text that is not printable ASCII (which
-    would reach terminals and logs)."""
+    """Why a parsed (or to be written) body is not one pinpool reads (too deep, not finite, not
+    printable ASCII: it reaches terminals and logs), or None."""
     if depth > _MAX_DEPTH:
         return f"it nests more than {_MAX_DEPTH} deep"
     if isinstance(value, str):
-        return None if _printable(value) else f"the text {ascii(value)[:60]} is not printable ASCII"
+        return (
+            None if value.isprintable() and value.isascii() else f"the text {ascii(value)[:60]} is not printable ASCII"
+        )
     if isinstance(value, float):
         return None if math.isfinite(value) else "a number is not finite"
     if isinstance(value, dict):
@@ -308,7 +269,6 @@ def read_field(fd: int, file_bytes: int, at: int, size: int, where: str) -> byte
 
 
 def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
-    """:func:`store` after checking the file's size (a truncation is a :class:`ConfigError`, never SIGBUS)."""
     _checked_size(fd, file_bytes, where)
     store(fd, file_bytes, at, data, where, page_size=page_size)
 
@@ -330,9 +290,8 @@ def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_si
 
 
 def _write_mapped(address: int, data: bytes, where: str) -> None:
-    """Store into our own mapping through ``/proc/self/mem``: the kernel answers a page beyond the
-    file's end (another process truncated it since the size check) with EIO, not SIGBUS. Where
-    ``/proc`` is not there or is closed to us, a plain store (the one SIGBUS window left)."""
+    """Store through ``/proc/self/mem``: a page past the file's end (truncated since the size check)
+    is EIO, not SIGBUS. Without ``/proc``, a plain store (the one SIGBUS window left)."""
     try:
         mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
     except OSError:
@@ -395,10 +354,8 @@ def is_temp_name(name: str) -> bool:
 
 @dataclass(frozen=True)
 class RegionInfo:
-    """What a region file holds, from its trailer and its ``stat``. ``held_bytes``: memory the file
-    holds now (resident, or swapped out on tmpfs), trailer included. ``creator_alive``: whether the
-    creating pid still runs with the same start time; None when made on another host (a container
-    with its own hostname)."""
+    """What a region file holds, from its trailer and its ``stat``. ``held_bytes``: memory it holds
+    now, trailer included. ``creator_alive``: None when made on another host (its own hostname)."""
 
     path: str
     file_bytes: int
@@ -477,9 +434,8 @@ def region_directories(mounts: str = "/proc/mounts") -> list[str]:
 
 @dataclass(frozen=True)
 class HalfMade:
-    """A region's temporary file (``.NAME.pinpool-new-*``): ``in_progress`` while its creator
-    holds its lock, else left by a creator that died, holding ``held_bytes`` of memory until
-    removed (the next creation of that name removes it)."""
+    """A region's temporary file: ``in_progress`` while its creator holds its lock, else left by a
+    creator that died (the next creation of that name removes it)."""
 
     path: str
     held_bytes: int
@@ -488,7 +444,7 @@ class HalfMade:
 
 def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
     """Regular files in ``directories`` (default :func:`region_directories`) and their immediate
-    subdirectories, never through a link; at most :data:`_SCAN_LIMIT` entries looked at in all."""
+    subdirectories, never through a link; at most :data:`_SCAN_LIMIT` entries in all."""
     budget = _SCAN_LIMIT
     pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
     while pending and budget > 0:
@@ -513,11 +469,9 @@ def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
 
 
 def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
-    """Every pinpool region in ``directories`` (default :func:`region_directories`) and their
-    immediate subdirectories, by path. Bounded per file, not by how many entries come first: a
-    file too small for a trailer is skipped on its ``lstat`` (10,000 empty files planted to sort
-    first hide nothing), a larger one costs one 4 KiB ``pread``. Temporary names are
-    :func:`find_half_made`'s."""
+    """Every pinpool region in ``directories`` and their subdirectories, by path. Bounded per file:
+    one too small for a trailer is skipped on its ``lstat`` (10,000 empty files planted to sort
+    first hide nothing), a larger one costs one 4 KiB ``pread``."""
     regions: list[RegionInfo] = []
     for entry in _files(directories):
         try:
@@ -532,8 +486,7 @@ def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
 
 
 def find_half_made(directories: Iterable[str] | None = None) -> list[HalfMade]:
-    """Every region's temporary file in ``directories``, as :func:`find_regions` looks: being
-    made now (its creator holds ``LOCK_EX``), or left by a creator that died."""
+    """Every region's temporary file in ``directories``, as :func:`find_regions` looks."""
     found: list[HalfMade] = []
     for entry in _files(directories):
         if not is_temp_name(entry.name):

@@ -1,10 +1,5 @@
-"""A region mapped in this process (:class:`SharedMapping`) and the two ways a descriptor becomes
-one: :func:`create_mapping` (under ``LOCK_EX``, held from the exclusive open: size the empty
-file, reserve its pages, write the trailer with its magic last, link it into place, then map)
-and :func:`attach_mapping` (under ``LOCK_SH``, waiting up to :data:`ATTACH_WAIT_SECONDS` for a
-creation in progress: check the trailer against what the pool asks for, then map). On tmpfs
-both refuse a region the file system has no room for: a fault past its size is SIGBUS.
-"""
+"""A region mapped in this process (:class:`SharedMapping`), made from a descriptor by creating
+(under ``LOCK_EX``) or attaching (under ``LOCK_SH``): docs/shared-memory.md ("Creating atomically")."""
 
 from __future__ import annotations
 
@@ -31,7 +26,6 @@ from .format import (
     NotRegion,
     Trailer,
     align,
-    check_generation,
     describe,
     differences,
     encode_body,
@@ -101,14 +95,9 @@ _kept_lock = threading.Lock()
 
 
 class SharedMapping:
-    """A region mapped ``MAP_SHARED`` in this process, with the interface of
-    :class:`~pinpool._host.mapping.HostMapping` plus the region's ``fd``, ``path``, ``page_size``,
-    ``file_bytes``, ``created``, ``region_id`` and ``generation``. ``address`` is the pool's data
-    (file offset 0), ``length`` the data rounded up to ``page_size``; the trailer's page follows in
-    the same mapping, never part of the pool, and is read and written only through
-    :func:`~pinpool._shared.format.read_field` / ``write_field`` (a truncation is a
-    :class:`ConfigError`, never SIGBUS). Lifetime: see :mod:`pinpool._shared.memory`.
-    """
+    """A region mapped ``MAP_SHARED``, with :class:`~pinpool._host.mapping.HostMapping`'s interface.
+    ``length`` is the data rounded up to ``page_size``; the trailer's page follows in the mapping but
+    is read and written only with ``pread``/``pwrite`` (a truncation is a ConfigError, never SIGBUS)."""
 
     def __init__(
         self, *, base: int, file_bytes: int, nbytes: int, page_size: int, fd: int, path: str | None,
@@ -150,8 +139,7 @@ class SharedMapping:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
     def keep_forever(self) -> None:
-        """Never unmap: part of this memory may still be registered with the runtime. (A creator
-        that does not keep the file still removes its name at exit.)"""
+        """Never unmap: part of this memory may still be registered (the name still goes at exit)."""
         with _kept_lock:
             _KEPT_FOREVER.append(self)
 
@@ -165,8 +153,7 @@ class SharedMapping:
 
     @property
     def populate(self) -> Callable[[int, int], None]:
-        """A pool's populate step for this region (holding its figures, not the mapping, which
-        the pool lets go of when it closes): see :func:`_populate`."""
+        """A pool's populate step for this region (holding its figures, not the mapping)."""
         return functools.partial(_populate, self.fd, self.file_bytes, self._where, self.populate_advice)
 
     def check_size(self) -> None:
@@ -181,8 +168,7 @@ class SharedMapping:
         return int.from_bytes(read_field(self.fd, self.file_bytes, GENERATION_AT, 8, self._where), "little")
 
     def set_generation(self, value: int) -> None:
-        """Store ``value`` as the region's generation (one aligned 8-byte write, seen by every process at once)."""
-        value = check_generation(value)
+        """Store ``value`` (checked by SharedMemory) as the region's generation: one aligned 8-byte write."""
         self._check_mapped()
         self._write(GENERATION_AT, value.to_bytes(8, "little"))
 
@@ -202,8 +188,7 @@ class SharedMapping:
 
 
 def _populate(fd: int, file_bytes: int, where: str, advice: int, ptr: int, nbytes: int) -> None:
-    """Pre-fault ``[ptr, +nbytes)`` of a region. A fault the kernel refuses because another
-    process truncated the file is said to be that, naming the region, not host memory."""
+    """Pre-fault ``[ptr, +nbytes)``; a fault refused because the file was truncated says so."""
     from .._host.mapping import populate_range  # loads torch: only once a pool pins
 
     try:
@@ -263,9 +248,7 @@ def _map(fd: int, file_bytes: int, where: str, *, page_size: int) -> int:
 
 
 def _reserve(fd: int, file_bytes: int, where: str, *, page_size: int, directory: str) -> None:
-    """Allocate the region's pages now (``posix_fallocate``) on a tmpfs with a size limit, so a
-    full one is a :class:`ConfigError` here, before anything is pinned, never SIGBUS at a later
-    fault. hugetlbfs reserves its pages when mapping (ENOMEM then); a memfd's mount has no limit."""
+    """Allocate the pages now on a size-limited tmpfs: a full one is a ConfigError, never a later SIGBUS."""
     if page_size > _libc.PAGE_SIZE or os.fstatvfs(fd).f_blocks == 0:
         return
     try:
@@ -284,10 +267,8 @@ def create_mapping(
     path: str | None, directory: str, unlinker: Callable[[], Unlinker] | None,
     publish: Callable[[], None] | None = None,
 ) -> SharedMapping:  # fmt: skip
-    """Size a new (empty) file, reserve its pages, write its trailer, then map it, under LOCK_EX.
-    ``seal``: a memfd, sealed against shrinking, growing and further seals. ``publish``: called
-    once the file is complete, before mapping it (links a file made under a temporary name into
-    place). ``directory``: where the file lives ("" for a descriptor), for messages."""
+    """Size a new (empty) file, reserve its pages, write its trailer, ``publish`` it (link it into
+    place), then map it, under LOCK_EX. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
     body = encode_body(nbytes, page_size, record_json)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -364,8 +345,7 @@ def attach_mapping(
     fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, path: str | None, directory: str,
     unlinker: Callable[[], Unlinker] | None,
 ) -> SharedMapping:  # fmt: skip
-    """Map the region the file already holds, once its trailer says it holds ``nbytes`` described
-    by ``record_json`` in pages of ``page_size`` (:class:`ConfigError` naming both otherwise)."""
+    """Map the region the file holds once its trailer matches ``nbytes``, ``record_json`` and ``page_size``."""
     st, trailer = _locked_trailer(fd, where)
     if trailer.page_size != page_size:
         raise ConfigError(

@@ -1,17 +1,6 @@
-"""Shared, file-backed pool memory: :class:`SharedMemory`, the source object a pool is given: its
-arguments, what its region holds now, and which way :meth:`SharedMemory.open_mapping` goes
-(create or attach; a path, a memfd or a descriptor). The file's format is
-:mod:`pinpool._shared.format`, its trust :mod:`pinpool._shared.files`, the mapping
-:mod:`pinpool._shared.mapping`.
-
-**Lifetime.** The mapping is unmapped and its descriptor closed when nothing refers to it any
-more (the pool lets go after unpinning, and every tensor view is gone), never at interpreter
-exit. The *creator* (the process whose SharedMemory created the file) removes it unless ``keep``:
-when the mapping is released or at interpreter exit, whichever comes first (removing a name
-unmaps nothing, so this is safe while still pinned). A process that attached never removes the
-file, nor does a forked child of the creator. A file a killed process left behind is listed by
-``pinpool doctor`` and removed with ``rm``. A memfd lives while a descriptor or a mapping refers
-to it.
+"""Shared, file-backed pool memory: :class:`SharedMemory`, its arguments, what its region holds
+now, and which way :meth:`SharedMemory.open_mapping` goes (create or attach; a path, a memfd or a
+descriptor). Lifetime and removal: docs/shared-memory.md ("When the file is removed").
 """
 
 from __future__ import annotations
@@ -23,24 +12,13 @@ import stat
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from .._errors import ConfigError, PoolStateError
 from .._host import libc as _libc
 from .._host.files import FILE_FLAGS
 from .._units import format_bytes, parse_size
-from .files import (
-    HUGE_PAGE_SIZES,
-    check_directory,
-    create_temp_file,
-    names_file,
-    new_memfd,
-    open_region_directory,
-    open_region_file,
-    page_size_of,
-    publish,
-    region_file_problem,
-    remove_file,
-)
+from . import files as _files
 from .format import (
     GENERATION_AT,
     NotRegion,
@@ -54,21 +32,17 @@ from .format import (
 )
 from .mapping import SharedMapping, Unlinker, attach_mapping, create_mapping
 
+T = TypeVar("T")
+
 
 class SharedMemory:
-    """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs
-    (``/dev/shm``), on hugetlbfs (2 MiB or 1 GiB pages), or of a memfd, that several processes map
-    and pin, and that may outlive its creator (docs/shared-memory.md).
+    """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs or hugetlbfs,
+    or of a memfd, that several processes map and pin, and that may outlive its creator
+    (docs/shared-memory.md explains every argument).
 
-    ``path``: the region's file (its directory ours or root's, not a symbolic link, not writable by
-    others unless sticky); ``None``: a new memfd, shared by descriptor (:attr:`fd`: ``pass_fds=``,
-    ``socket.send_fds``); ``fd``: a descriptor another process handed on (it stays the caller's;
-    pinpool maps a duplicate). ``create=True`` makes the region exclusively (with ``fd=``, in an
-    empty file); ``create=False`` attaches to one, refusing another size or layout. ``keep``: the
-    creator leaves the file in place (a warm restart); settable, e.g. at shutdown. ``mode``: of a
-    file this creates (never group- or world-writable). ``huge_page_size``: a hugetlb memfd's page
-    (2 MiB or 1 GiB), or the page a path's or fd's file system must have.
-
+    ``path``: the region's file; ``None``: a new memfd, shared by descriptor (:attr:`fd`); ``fd``: a
+    descriptor another process handed on (pinpool maps a duplicate). ``create=False`` attaches,
+    refusing another size or layout. ``keep``: the creator leaves the file in place (settable).
     Constructing checks the arguments and the directory only; the file is created or opened when a
     pool maps it (:meth:`open_mapping`), one pool at a time.
     """
@@ -122,7 +96,7 @@ class SharedMemory:
             if not stat.S_ISREG(st.st_mode):
                 raise ConfigError(f"SharedMemory(fd={fd}): the descriptor is not a regular file (mode {st.st_mode:#o})")
             self._given_fd = fd
-            self._page_size = page_size_of(f_type, f_bsize, f"fd {fd}")
+            self._page_size = _files.page_size_of(f_type, f_bsize, f"fd {fd}")
         elif path is not None:
             if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
                 raise ConfigError(f"SharedMemory(path={path!r}): must be a str or os.PathLike path, or None")
@@ -133,9 +107,9 @@ class SharedMemory:
             self._directory, self._name = os.path.split(self._path)
             if not self._name or text.endswith("/"):
                 raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
-            check_directory(self._path)
+            _files.check_directory(self._path)
             f_type, f_bsize = _libc.statfs(self._directory)
-            self._page_size = page_size_of(f_type, f_bsize, f"path {self._path!r}")
+            self._page_size = _files.page_size_of(f_type, f_bsize, f"path {self._path!r}")
         else:
             if not create:
                 raise ConfigError(
@@ -150,7 +124,7 @@ class SharedMemory:
             self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
             self._page_size = _libc.PAGE_SIZE
             if huge is not None:
-                size_flag = HUGE_PAGE_SIZES.get(huge)
+                size_flag = _files.HUGE_PAGE_SIZES.get(huge)
                 if size_flag is None:
                     raise ConfigError(
                         f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
@@ -173,8 +147,7 @@ class SharedMemory:
 
     @property
     def fd(self) -> int | None:
-        """The descriptor to hand on: the ``fd=`` given; else the open region's own (``O_CLOEXEC``)
-        while a pool maps it; else None."""
+        """The descriptor to hand on: the ``fd=`` given, else the region's own while a pool maps it."""
         if self._given_fd is not None:
             return self._given_fd
         mapping = self._mapping
@@ -199,8 +172,7 @@ class SharedMemory:
 
     @property
     def page_size(self) -> int:
-        """The page the region is made of: 4096 on tmpfs and memfds, the huge page size on hugetlbfs
-        (2 MiB or 1 GiB). Chunk boundaries and buffer placement align to it."""
+        """The page the region is made of (the huge page on hugetlbfs): chunks and buffers align to it."""
         return self._page_size
 
     @property
@@ -222,9 +194,7 @@ class SharedMemory:
     # -- the region as it is now ----------------------------------------------------------------------
 
     def _open_region_file(self, *, write: bool = False) -> tuple[int, bool] | None:
-        """A descriptor of the region's file as it is now, and whether the caller must close it;
-        None when there is none yet (or the name is no file pinpool would use). The path is
-        walked as creating and attaching walk it (:class:`ConfigError` where it cannot be trusted)."""
+        """A descriptor of the region's file as it is now and whether the caller must close it, or None."""
         mapping = self._mapping
         if mapping is not None:
             return mapping.fd, False
@@ -232,71 +202,65 @@ class SharedMemory:
             return self._given_fd, False
         if self._path is None:
             return None
-        dir_fd = open_region_directory(self._path)
+        dir_fd = _files.open_region_directory(self._path)
         try:
-            if region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
+            if _files.region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
                 return None
             fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
             return None
         finally:
             os.close(dir_fd)
-        if region_file_problem(os.fstat(fd)) is not None:
+        if _files.region_file_problem(os.fstat(fd)) is not None:
             os.close(fd)
             return None
         return fd, True
 
-    def _held(self) -> os.stat_result | None:
-        opened = self._open_region_file()
-        if opened is None:
-            return None
-        fd, close = opened
-        try:
-            return os.fstat(fd)
-        finally:
-            if close:
-                os.close(fd)
-
     def resident_bytes(self, nbytes: int) -> int:
-        """Bytes of a pool of ``nbytes`` that the region's file already holds in memory (resident,
-        or swapped out on tmpfs): pages that mapping it will not newly take. 0 when there is no
-        file yet (``create=True`` before the pool maps it; a memfd). Read from ``st_blocks``, the
-        trailer's page not counted; for a region of this size it is exact, for another file an
-        estimate (attaching to one is refused anyway)."""
+        """Bytes of a pool of ``nbytes`` the region's file already holds in memory (resident, or
+        swapped out on tmpfs; 0 without a file yet), from ``st_blocks`` less the trailer's page:
+        exact for a region of this size, an estimate for another (attaching to one is refused)."""
         data = align(self._check_nbytes(nbytes), self._page_size)
-        st = self._held()
+        st = self._read_file(os.fstat)
         if st is None:
             return 0
         beyond = max(0, st.st_size - data) // self._page_size * self._page_size
         return min(data, max(0, st.st_blocks * 512 - beyond))
 
     def new_bytes(self, nbytes: int) -> int:
-        """Memory that mapping and faulting the region for a pool of ``nbytes`` takes that is not
-        taken yet: the file's size (data and trailer page) less what it already holds."""
+        """Memory that mapping and faulting the region for ``nbytes`` newly takes: file size less held."""
         total = region_file_bytes(self._check_nbytes(nbytes), self._page_size)
-        st = self._held()
+        st = self._read_file(os.fstat)
         return total if st is None else max(0, total - st.st_blocks * 512)
 
     def _region(self) -> RegionInfo | None:
         """What the region's file holds now (from its trailer), or None when there is no region yet."""
-        opened = self._open_region_file()
+
+        def info(fd: int) -> RegionInfo:
+            st = os.fstat(fd)
+            return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
+
+        try:
+            return self._read_file(info)
+        except (OSError, NotRegion):
+            return None
+
+    def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
+        """``read`` of a descriptor of the region's file as it is now, or None without one."""
+        opened = self._open_region_file(write=write)
         if opened is None:
             return None
         fd, close = opened
         try:
-            st = os.fstat(fd)
-            return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
-        except (OSError, NotRegion):
-            return None
+            return read(fd)
         finally:
             if close:
                 os.close(fd)
 
     @property
     def generation(self) -> int:
-        """The region's generation number: 0 when created, then whatever the server stores with
-        :meth:`set_generation`. Read from the file (the live mapping's descriptor, else the path).
-        :class:`ConfigError` when there is no region to read, or it was truncated."""
+        """The region's generation number: 0 when created, then whatever :meth:`set_generation`
+        stored. :class:`ConfigError` when there is no region to read, or it was truncated."""
         mapping = self._mapping
         if mapping is not None:
             return mapping.generation
@@ -319,27 +283,24 @@ class SharedMemory:
         return info
 
     def set_generation(self, value: int) -> None:
-        """Store ``value`` as the region's generation, in the file's trailer (through the live
-        mapping's descriptor, else the path's). Every process attached sees it at once."""
+        """Store ``value`` as the region's generation in the file's trailer: every process sees it at once."""
         value = check_generation(value)
         mapping = self._mapping
         if mapping is not None:
             mapping.set_generation(value)
             return
-        opened = self._open_region_file(write=True)
-        if opened is None:
-            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
-        fd, close = opened
-        try:
+
+        def store(fd: int) -> bool:
             size = os.fstat(fd).st_size
-            read_trailer(fd, size)  # refuse a file that holds no region
-            data = value.to_bytes(8, "little")
-            write_field(fd, size, GENERATION_AT, data, self._where(), page_size=self._page_size)
-        except NotRegion as exc:
-            raise ConfigError(f"shared memory {self._where()} {exc.problem}") from None
-        finally:
-            if close:
-                os.close(fd)
+            try:
+                read_trailer(fd, size)  # refuse a file that holds no region
+            except NotRegion as exc:
+                raise ConfigError(f"shared memory {self._where()} {exc.problem}") from None
+            write_field(fd, size, GENERATION_AT, value.to_bytes(8, "little"), self._where(), page_size=self._page_size)
+            return True
+
+        if self._read_file(store, write=True) is None:
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
 
     # -- mapping it -------------------------------------------------------------------------------------
 
@@ -349,11 +310,8 @@ class SharedMemory:
         return nbytes
 
     def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
-        """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (see
-        :func:`~pinpool._shared.format.layout_record`: attaching refuses another one, naming both)
-        and map all of it ``MAP_SHARED``, unfaulted. :class:`PoolStateError` while another pool maps
-        this SharedMemory; :class:`~pinpool.AllocationError` when the kernel refuses the mapping.
-        """
+        """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (attaching
+        refuses another one) and map all of it ``MAP_SHARED``, unfaulted, for one pool at a time."""
         self._check_nbytes(nbytes)
         if not isinstance(record, Mapping):
             raise ConfigError(f"record={record!r} must be a mapping of JSON values (see layout_record)")
@@ -368,7 +326,7 @@ class SharedMemory:
                     "pool at a time (make another SharedMemory(path, create=False) to map the region twice)"
                 )
             if self._path is None:
-                fd = os.dup(self._given_fd) if self._given_fd is not None else new_memfd(self._memfd_flags)
+                fd = os.dup(self._given_fd) if self._given_fd is not None else _files.new_memfd(self._memfd_flags)
                 where = f"fd {self._given_fd}" if self._given_fd is not None else "memfd"
                 try:
                     mapping = self._map(self._create, fd, nbytes, record_json, where, None)
@@ -383,28 +341,28 @@ class SharedMemory:
     def _open_path(self, nbytes: int, record_json: str) -> SharedMapping:
         assert self._path is not None
         where = repr(self._path)
-        dir_fd = open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
+        dir_fd = _files.open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
         try:
-            if self._create and not names_file(dir_fd, self._path, self._made):
+            if self._create and not _files.names_file(dir_fd, self._path, self._made):
                 # Made whole under a temporary name, then linked into place: an attacher never sees a
                 # half-made region, and a creator killed midway leaves only a temporary file.
-                fd, temp = create_temp_file(dir_fd, self._path, self._mode)
+                fd, temp = _files.create_temp_file(dir_fd, self._path, self._mode)
                 path = self._path
                 try:
                     st = os.fstat(fd)
                     identity = (st.st_dev, st.st_ino)
-                    publishing = functools.partial(publish, dir_fd, path, temp)
+                    publishing = functools.partial(_files.publish, dir_fd, path, temp)
                     unlink = self._unlinker_for(dir_fd, identity)
                     mapping = self._map(True, fd, nbytes, record_json, where, unlink, publishing)
                 except BaseException:  # an interrupt too: no temporary file, no half-made region left
                     st = os.fstat(fd)
                     os.close(fd)
-                    remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
-                    remove_file(dir_fd, self._name, (st.st_dev, st.st_ino))
+                    _files.remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
+                    _files.remove_file(dir_fd, self._name, (st.st_dev, st.st_ino))
                     raise
                 self._made = identity
                 return mapping
-            fd = open_region_file(dir_fd, self._path)
+            fd = _files.open_region_file(dir_fd, self._path)
             try:
                 st = os.fstat(fd)
                 # This object made it and kept it (a pool opened again): it is still the creator.

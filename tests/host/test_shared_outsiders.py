@@ -404,7 +404,7 @@ KILLS = int(os.environ.get("PINPOOL_KILLS", "40"))  # SIGKILLed creators; more f
 def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_renameat2_links(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pinpool._shared import memory as _shared
+    from pinpool._shared import files as _shared
 
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
