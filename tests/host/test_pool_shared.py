@@ -90,13 +90,13 @@ def test_two_processes_attach_one_region_and_see_each_others_bytes(region: Path)
     child = textwrap.dedent(
         f"""
         import pinpool
-        from pinpool._host.libc import vm_locked_bytes
+        from pinpool.testing import locked_bytes
         memory = pinpool.SharedMemory({str(region)!r}, create=False)
         with pinpool.PinnedPool(size={16 * MiB}, runtime="mlock", memory=memory, registry=None) as pool:
             assert int(pool.tensor[123]) == 77, int(pool.tensor[123])
             pool.tensor[456] = 88
-            print("child VmLck", vm_locked_bytes())
-        print("child after", vm_locked_bytes())
+            print("child VmLck", locked_bytes())
+        print("child after", locked_bytes())
         """
     )
     with pinpool.PinnedPool(

@@ -205,8 +205,8 @@ try:
         print("USED", pool.pinned_pages, flush=True)
 except pinpool.PinpoolError as exc:
     print("REFUSED", type(exc).__name__, exc, flush=True)
-from pinpool._host.libc import vm_locked_bytes
-print("VMLCK", vm_locked_bytes(), flush=True)
+from pinpool.testing import locked_bytes
+print("VMLCK", locked_bytes(), flush=True)
 """
 
 
