@@ -442,7 +442,7 @@ class NodeAdmission:
 
     # -- waiting ---------------------------------------------------------------------------------
 
-    def acquire_slot_sync(
+    def acquire_slot(
         self,
         cancelled: Callable[[], bool] | None = None,
         poll: float = DEFAULT_POLL_SECONDS,
@@ -452,14 +452,14 @@ class NodeAdmission:
         :class:`NodeWaitCancelled` once ``cancelled()``; ``on_wait(busy)`` once, when the wait begins."""
         return self._wait("slots", lambda waited: self._attempt_slot(waited), cancelled, poll, on_wait)
 
-    def reserve_budget_sync(
+    def reserve_budget(
         self,
         nbytes: int,
         cancelled: Callable[[], bool] | None = None,
         poll: float = DEFAULT_POLL_SECONDS,
         on_wait: Callable[[NodeBusyError], object] | None = None,
     ) -> BudgetHold:
-        """``nbytes`` of the node budget, as :meth:`acquire_slot_sync` waits for a slot."""
+        """``nbytes`` of the node budget, as :meth:`acquire_slot` waits for a slot."""
         self.check_request(nbytes)
         return self._wait("budget", lambda waited: self._attempt_budget(nbytes, waited), cancelled, poll, on_wait)
 

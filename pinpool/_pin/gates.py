@@ -128,8 +128,8 @@ class PoolAdmission:
 
         def admit() -> None:
             if admission.pacing.budget_bytes is not None:
-                self.budget = admission.reserve_budget_sync(self.nbytes, cancelled=cancel.is_set)
-            self.slot = admission.acquire_slot_sync(cancelled=cancel.is_set)
+                self.budget = admission.reserve_budget(self.nbytes, cancelled=cancel.is_set)
+            self.slot = admission.acquire_slot(cancelled=cancel.is_set)
 
         ran = yield RunThreads(
             bodies=(admit,), name=f"pinpool-{self.name}-admit", interruptible=True, on_interrupt=cancel.set

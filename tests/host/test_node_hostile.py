@@ -71,8 +71,8 @@ def release_fifo(path: Path) -> Callable[[], None]:
 
 def acquire(ours: NodeAdmission, kind: str) -> Any:
     if kind == "slot":
-        return ours.acquire_slot_sync()
-    return ours.reserve_budget_sync(GiB)
+        return ours.acquire_slot()
+    return ours.reserve_budget(GiB)
 
 
 # -- 1. a FIFO under a lock file's name never blocks admission ----------------------------------------
@@ -91,7 +91,7 @@ def test_a_fifo_named_like_a_lock_file_is_refused_at_once(node_dir: Path, kind: 
     assert f"{str(fifo)!r} is not a regular file (a FIFO); remove it" in str(result)
     assert open_fds() == before
     fifo.unlink()
-    with ours.acquire_slot_sync(), ours.reserve_budget_sync(GiB):  # nothing stayed locked (budget.lock)
+    with ours.acquire_slot(), ours.reserve_budget(GiB):  # nothing stayed locked (budget.lock)
         pass
 
 
@@ -128,7 +128,7 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
     assert isinstance(result, pinpool.ConfigError), result
     assert "is not a regular file (a FIFO)" in str(result)
     fifo.unlink()
-    with ours.acquire_slot_sync(), ours.reserve_budget_sync(GiB):
+    with ours.acquire_slot(), ours.reserve_budget(GiB):
         pass
 
 
@@ -171,7 +171,7 @@ def test_a_hard_link_in_place_of_a_lock_file_is_refused_and_its_target_is_untouc
     assert precious.read_bytes() == b"do not overwrite\n"
     assert (node_dir / name).exists()  # not even unlinked as a stale hold
     (node_dir / name).unlink()
-    with ours.acquire_slot_sync(), ours.reserve_budget_sync(GiB):
+    with ours.acquire_slot(), ours.reserve_budget(GiB):
         pass
     assert precious.read_bytes() == b"do not overwrite\n" and os.stat(precious).st_nlink == 1
 
@@ -204,7 +204,7 @@ def test_a_hard_link_swapped_in_after_the_lstat_is_refused_before_any_write(
 
     monkeypatch.setattr(_node_config, "file_problem", lstat_saw_one_link)
     with pytest.raises(pinpool.ConfigError, match="has 2 hard links"):
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
     assert calls == 2
     assert precious.read_bytes() == b"do not overwrite\n"
 
@@ -271,7 +271,7 @@ def test_a_node_dir_made_unwritable_later_is_a_config_error_at_acquire() -> None
         directory.chmod(0o700)
         ours = admission(directory, slots=1)
         directory.chmod(0o500)
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
 
     report = in_unprivileged_owner(later)
     assert report.startswith("ConfigError: ") and "(EACCES: Permission denied)" in report, report
@@ -319,7 +319,7 @@ if spec["kind"] == "lock":  # a rank stopped while admitting: it holds budget.lo
 else:
     pacing = NodePacing(directory=spec["dir"], slots=1, budget_bytes=spec["budget"])
     admission = NodeAdmission(pacing, label="stuck")
-    hold = admission.acquire_slot_sync() if spec["kind"] == "slot" else admission.reserve_budget_sync(spec["budget"])
+    hold = admission.acquire_slot() if spec["kind"] == "slot" else admission.reserve_budget(spec["budget"])
 open(spec["ready"], "w").close()
 time.sleep(600)
 """
@@ -360,7 +360,7 @@ Report = tuple[str, tuple[NodeHolder, ...], float]
 
 def wait_for_reports(ours: NodeAdmission, kind: str, reports: list[Report], count: int) -> object:
     """Wait (on a thread, cancelled once ``count`` reports came) and return how the wait ended."""
-    attempt = ours.acquire_slot_sync if kind == "slot" else lambda **kw: ours.reserve_budget_sync(GiB, **kw)
+    attempt = ours.acquire_slot if kind == "slot" else lambda **kw: ours.reserve_budget(GiB, **kw)
     return within(DEADLINE, lambda: attempt(cancelled=lambda: len(reports) >= count, poll=0.02))
 
 
@@ -400,7 +400,7 @@ def test_a_running_holder_is_reported_running_and_a_short_wait_not_at_all(
         calls += 1
         return calls > 5
 
-    ended = within(DEADLINE, lambda: ours.acquire_slot_sync(cancelled=after_a_few, poll=0.02))
+    ended = within(DEADLINE, lambda: ours.acquire_slot(cancelled=after_a_few, poll=0.02))
     assert isinstance(ended, NodeWaitCancelled) and reports == []  # the default: first after 10 s
     monkeypatch.setattr(_node, "_WAITING_FIRST_SECONDS", 0.0)
     ended = wait_for_reports(ours, "slot", reports, 1)
@@ -419,8 +419,8 @@ def test_a_report_that_raises_does_not_change_the_wait(node_dir: Path, monkeypat
         raise RuntimeError("a broken log handler")
 
     ours = admission(node_dir, slots=1, wait=True, on_waiting=broken)
-    with ours.acquire_slot_sync():
-        ended = within(DEADLINE, lambda: ours.acquire_slot_sync(cancelled=lambda: len(calls) >= 3, poll=0.01))
+    with ours.acquire_slot():
+        ended = within(DEADLINE, lambda: ours.acquire_slot(cancelled=lambda: len(calls) >= 3, poll=0.01))
     assert isinstance(ended, NodeWaitCancelled) and len(calls) >= 3
     with pytest.raises(pinpool.ConfigError, match="on_waiting=3 must be callable"):
         admission(node_dir, slots=1, on_waiting=3)  # type: ignore[arg-type]
@@ -431,8 +431,8 @@ def test_the_observer_logs_node_waiting_with_the_holders(node_dir: Path, fast_re
     with structlog.testing.capture_logs() as logs:
         observer = Observer(pool="kv", runtime="fake", layout="raw", registry=None, logger=None)
         ours = admission(node_dir, budget=GiB, wait=True, on_waiting=observer.node_waiting)
-        with ours.reserve_budget_sync(GiB):
-            ended = within(DEADLINE, lambda: ours.reserve_budget_sync(GiB, cancelled=lambda: bool(logs), poll=0.02))
+        with ours.reserve_budget(GiB):
+            ended = within(DEADLINE, lambda: ours.reserve_budget(GiB, cancelled=lambda: bool(logs), poll=0.02))
     assert isinstance(ended, NodeWaitCancelled)
     (event,) = logs
     assert event["event"] == "node.waiting" and event["log_level"] == "warning" and event["pool"] == "kv"
@@ -494,7 +494,7 @@ def test_busy_errors_still_compare_without_a_state() -> None:
 
 
 def test_node_admission_has_one_wait_loop_and_no_async_api() -> None:
-    for gone in ("acquire_slot", "reserve_budget", "_wait_async", "_wait_sync"):
+    for gone in ("acquire_slot_sync", "reserve_budget_sync", "_wait_async", "_wait_sync"):
         assert not hasattr(NodeAdmission, gone), gone
     sleepers: list[str] = []
     for module in (_node, _node_config):
@@ -513,7 +513,7 @@ def test_node_admission_has_one_wait_loop_and_no_async_api() -> None:
 def test_fifo_checks_leave_lock_files_regular(node_dir: Path) -> None:
     """The files pinpool makes itself pass its own checks: regular, one link, mode 0600."""
     ours = admission(node_dir, slots=1, budget=GiB)
-    with ours.acquire_slot_sync(), ours.reserve_budget_sync(GiB) as hold:
+    with ours.acquire_slot(), ours.reserve_budget(GiB) as hold:
         for name in ("slot-0", "budget.lock", str(hold.name)):
             st = os.lstat(node_dir / name)
             assert stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and stat.S_IMODE(st.st_mode) == 0o600

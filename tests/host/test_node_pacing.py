@@ -60,9 +60,9 @@ while not os.path.exists(spec["go"]):
 record = {"pid": os.getpid(), "label": spec["label"], "asked": now()}
 try:
     if spec["kind"] == "slot":
-        hold = admission.acquire_slot_sync(poll=0.01)
+        hold = admission.acquire_slot(poll=0.01)
     else:
-        hold = admission.reserve_budget_sync(spec["nbytes"], poll=0.01)
+        hold = admission.reserve_budget(spec["nbytes"], poll=0.01)
 except NodeBusyError as exc:
     record["busy"] = str(exc)
     record["holders"] = [h.pid for h in exc.holders]
@@ -191,7 +191,7 @@ def test_a_sigkilled_slot_holder_frees_its_slot_at_once(
     wait_for(rank.held, rank.proc)
     ours = admission(node_dir, slots=1, label="survivor")
     with pytest.raises(NodeBusyError) as raised:  # wait=False: one attempt
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
     busy = raised.value
     assert isinstance(busy, NodeBusyError)
     assert busy.kind == "slots" and busy.limit == 1 and busy.in_use == 1
@@ -200,7 +200,7 @@ def test_a_sigkilled_slot_holder_frees_its_slot_at_once(
     os.kill(rank.proc.pid, signal.SIGKILL)
     rank.proc.wait()
     started = time.monotonic()
-    with ours.acquire_slot_sync() as hold:  # wait=False: must be free now, not after a timeout
+    with ours.acquire_slot() as hold:  # wait=False: must be free now, not after a timeout
         assert not hold.released and hold.index == 0
     assert time.monotonic() - started < 0.5
     assert hold.released
@@ -248,7 +248,7 @@ def test_a_sigkilled_budget_holder_frees_its_bytes_and_its_file_is_removed(
     assert stale.startswith(f"hold-{rank.proc.pid}-")
     ours = admission(node_dir, budget=2 * GiB)
     with pytest.raises(NodeBusyError) as raised:  # wait=False: one attempt
-        ours.reserve_budget_sync(GiB)
+        ours.reserve_budget(GiB)
     busy = raised.value
     assert isinstance(busy, NodeBusyError)
     assert busy.in_use == 2 * GiB and busy.requested == GiB
@@ -256,7 +256,7 @@ def test_a_sigkilled_budget_holder_frees_its_bytes_and_its_file_is_removed(
     os.kill(rank.proc.pid, signal.SIGKILL)
     rank.proc.wait()
     assert hold_files(node_dir) == [stale]  # the file outlives its holder; its lock does not
-    with ours.reserve_budget_sync(2 * GiB) as hold:
+    with ours.reserve_budget(2 * GiB) as hold:
         assert hold_files(node_dir) == [hold.name]  # the stale one is gone, ours is there
     assert hold_files(node_dir) == []
 
@@ -273,15 +273,15 @@ def test_waiting_ranks_all_get_in_with_one_slot(tmp_path: Path, node_dir: Path) 
 
 def test_slots_are_held_per_hold_and_released_once(node_dir: Path) -> None:
     ours = admission(node_dir, slots=2)
-    first = ours.acquire_slot_sync()
-    second = ours.acquire_slot_sync()
+    first = ours.acquire_slot()
+    second = ours.acquire_slot()
     assert {first.index, second.index} == {0, 1}
     with pytest.raises(NodeBusyError, match="all 2 pin slot"):
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
     first.release()
     first.release()  # idempotent
     assert first.released
-    third = ours.acquire_slot_sync()
+    third = ours.acquire_slot()
     assert third.index == first.index
     second.release()
     third.release()
@@ -289,10 +289,10 @@ def test_slots_are_held_per_hold_and_released_once(node_dir: Path) -> None:
 
 def test_no_pacing_of_a_kind_gives_free_holds(node_dir: Path) -> None:
     budget_only = admission(node_dir, budget=GiB)
-    slot = budget_only.acquire_slot_sync()
+    slot = budget_only.acquire_slot()
     assert isinstance(slot, SlotHold) and slot.index is None and slot.released and slot.waited_seconds == 0
     slots_only = admission(node_dir, slots=1)
-    hold = slots_only.reserve_budget_sync(10 * GiB)
+    hold = slots_only.reserve_budget(10 * GiB)
     assert isinstance(hold, BudgetHold) and hold.name is None and hold.released
     assert not any(p.name == "budget.lock" for p in node_dir.iterdir())
 
@@ -300,10 +300,10 @@ def test_no_pacing_of_a_kind_gives_free_holds(node_dir: Path) -> None:
 def test_a_request_larger_than_the_whole_budget_is_a_config_error_at_once(node_dir: Path) -> None:
     ours = admission(node_dir, budget=2 * GiB, wait=True)
     with pytest.raises(pinpool.ConfigError, match=r"can never fit the node budget of 2 GiB.*PINPOOL_NODE_BUDGET"):
-        ours.reserve_budget_sync(3 * GiB)
+        ours.reserve_budget(3 * GiB)
     for bad in (0, -1, True, 1.5):
         with pytest.raises(pinpool.ConfigError, match="positive int"):
-            ours.reserve_budget_sync(bad)  # type: ignore[arg-type]
+            ours.reserve_budget(bad)  # type: ignore[arg-type]
 
 
 def test_a_stale_hold_file_is_removed_by_the_next_admission(node_dir: Path) -> None:
@@ -311,15 +311,15 @@ def test_a_stale_hold_file_is_removed_by_the_next_admission(node_dir: Path) -> N
     fd = os.open(node_dir / "hold-999999-dead", os.O_CREAT | os.O_WRONLY, 0o600)
     os.write(fd, b"2147483648\n999999\nghost\n")
     os.close(fd)
-    with ours.reserve_budget_sync(2 * GiB):
+    with ours.reserve_budget(2 * GiB):
         assert "hold-999999-dead" not in hold_files(node_dir)
 
 
 def test_holds_of_one_process_count_against_each_other(node_dir: Path) -> None:
     ours = admission(node_dir, budget=3 * GiB)
-    with ours.reserve_budget_sync(2 * GiB), pytest.raises(NodeBusyError, match="2 GiB is held"):
-        ours.reserve_budget_sync(2 * GiB)
-    with ours.reserve_budget_sync(2 * GiB):
+    with ours.reserve_budget(2 * GiB), pytest.raises(NodeBusyError, match="2 GiB is held"):
+        ours.reserve_budget(2 * GiB)
+    with ours.reserve_budget(2 * GiB):
         pass
 
 
@@ -333,13 +333,13 @@ def test_sync_wait_gives_up_when_cancelled_and_holds_nothing(node_dir: Path) -> 
         calls += 1
         return calls >= 3
 
-    with ours.acquire_slot_sync():
+    with ours.acquire_slot():
         before = open_fds()
         with pytest.raises(NodeWaitCancelled, match="nothing is held"):
-            ours.acquire_slot_sync(cancelled=cancelled, poll=0.01, on_wait=seen.append)
+            ours.acquire_slot(cancelled=cancelled, poll=0.01, on_wait=seen.append)
         assert open_fds() == before
     assert len(seen) == 1 and seen[0].kind == "slots"  # told once, however long it waited
-    with ours.acquire_slot_sync():
+    with ours.acquire_slot():
         pass
 
 
@@ -352,16 +352,16 @@ def test_the_polling_interval_starts_short_and_grows_with_the_wait_up_to_poll(no
     assert 0.2 <= ours._next_delay(busy, 0.25, now - 600) <= 0.3  # capped at poll
     assert ours._next_delay(busy, 0.01, now - 600) <= 0.012
     with pytest.raises(pinpool.ConfigError, match="poll="):
-        ours.acquire_slot_sync(poll=0)
+        ours.acquire_slot(poll=0)
 
 
 def test_sync_wait_measures_the_time_it_waited(node_dir: Path) -> None:
     ours = admission(node_dir, budget=GiB, wait=True)
-    first = ours.reserve_budget_sync(GiB)
+    first = ours.reserve_budget(GiB)
     timer = threading.Timer(0.2, first.release)
     timer.start()
     try:
-        with ours.reserve_budget_sync(GiB, poll=0.01) as second:
+        with ours.reserve_budget(GiB, poll=0.01) as second:
             assert 0.15 <= second.waited_seconds < 5
     finally:
         timer.join()
@@ -372,8 +372,8 @@ def test_keyboard_interrupt_after_the_lock_is_taken_leaves_nothing_behind(
     node_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     ours = admission(node_dir, slots=1, budget=GiB)
-    ours.acquire_slot_sync().release()
-    ours.reserve_budget_sync(GiB).release()  # every file exists: only the acquisition opens descriptors
+    ours.acquire_slot().release()
+    ours.reserve_budget(GiB).release()  # every file exists: only the acquisition opens descriptors
     before = open_fds()
 
     def interrupted(*args: object) -> bytes:
@@ -382,14 +382,14 @@ def test_keyboard_interrupt_after_the_lock_is_taken_leaves_nothing_behind(
     monkeypatch.setattr(_node, "_record", interrupted)  # lands after flock, before the hold exists
     with pytest.raises(KeyboardInterrupt) as info:  # kept: the traceback keeps every frame alive
         if kind == "slot":
-            ours.acquire_slot_sync()
+            ours.acquire_slot()
         else:
-            ours.reserve_budget_sync(GiB)
+            ours.reserve_budget(GiB)
     monkeypatch.undo()
     assert open_fds() == before  # released on the way out, not later by a collected hold
     assert hold_files(node_dir) == []
     del info
-    with ours.acquire_slot_sync(), ours.reserve_budget_sync(GiB):  # nothing stayed locked
+    with ours.acquire_slot(), ours.reserve_budget(GiB):  # nothing stayed locked
         pass
 
 
@@ -408,35 +408,35 @@ def test_keyboard_interrupt_right_after_the_file_is_opened_leaves_nothing_behind
     node_dir: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     ours = admission(node_dir, slots=1, budget=GiB)
-    ours.acquire_slot_sync().release()
-    ours.reserve_budget_sync(GiB).release()
+    ours.acquire_slot().release()
+    ours.reserve_budget(GiB).release()
     before = open_fds()
     monkeypatch.setattr(_node, "_LIVE", _InterruptingRegistry())
     with pytest.raises(KeyboardInterrupt) as info:  # kept: the traceback keeps every frame alive
         if kind == "slot":
-            ours.acquire_slot_sync()
+            ours.acquire_slot()
         else:
-            ours.reserve_budget_sync(GiB)
+            ours.reserve_budget(GiB)
     monkeypatch.undo()
     assert open_fds() == before  # released on the way out, not later by a collected hold
     assert hold_files(node_dir) == []
     del info
-    with ours.acquire_slot_sync(), ours.reserve_budget_sync(GiB):
+    with ours.acquire_slot(), ours.reserve_budget(GiB):
         pass
 
 
 def test_an_unreleased_hold_is_released_when_collected(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1, budget=GiB)
     before = open_fds()
-    ours.acquire_slot_sync()  # dropped at once
-    ours.reserve_budget_sync(GiB)
+    ours.acquire_slot()  # dropped at once
+    ours.reserve_budget(GiB)
     assert open_fds() == before and hold_files(node_dir) == []
 
 
 def test_a_forked_child_neither_keeps_nor_releases_its_parents_holds(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1, budget=GiB)
-    slot = ours.acquire_slot_sync()
-    budget = ours.reserve_budget_sync(GiB)
+    slot = ours.acquire_slot()
+    budget = ours.reserve_budget(GiB)
     report_r, report_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -458,7 +458,7 @@ def test_a_forked_child_neither_keeps_nor_releases_its_parents_holds(node_dir: P
         assert json.loads(os.read(report_r, 100)) == [True, True]  # forgotten in the child at fork
         # The child's release changed nothing: the parent still holds both.
         assert not slot.released and not budget.released
-        for attempt in (ours.acquire_slot_sync, lambda: ours.reserve_budget_sync(GiB)):  # wait=False: one each
+        for attempt in (ours.acquire_slot, lambda: ours.reserve_budget(GiB)):  # wait=False: one each
             with pytest.raises(NodeBusyError) as raised:
                 attempt()
             assert isinstance(raised.value, NodeBusyError)
@@ -467,10 +467,10 @@ def test_a_forked_child_neither_keeps_nor_releases_its_parents_holds(node_dir: P
         # closed its inherited copies of the descriptors at fork).
         slot.release()
         budget.release()
-        other = ours.acquire_slot_sync()
+        other = ours.acquire_slot()
         assert isinstance(other, SlotHold)
         other.release()
-        other_budget = ours.reserve_budget_sync(GiB)
+        other_budget = ours.reserve_budget(GiB)
         assert isinstance(other_budget, BudgetHold)
         other_budget.release()
     finally:
@@ -500,10 +500,10 @@ def test_node_busy_error_pickles_with_its_attributes() -> None:
 
 def test_cancelling_a_waiting_slot_acquire_holds_nothing(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1, wait=True)
-    blocker = ours.acquire_slot_sync()
+    blocker = ours.acquire_slot()
     before = open_fds()
     stop = threading.Event()
-    thread, out = in_thread(lambda: ours.acquire_slot_sync(cancelled=stop.is_set, poll=0.01))
+    thread, out = in_thread(lambda: ours.acquire_slot(cancelled=stop.is_set, poll=0.01))
     time.sleep(0.2)
     stop.set()
     thread.join(5)
@@ -512,17 +512,17 @@ def test_cancelling_a_waiting_slot_acquire_holds_nothing(node_dir: Path) -> None
     assert isinstance(error, NodeWaitCancelled)
     assert open_fds() == before
     blocker.release()
-    hold = ours.acquire_slot_sync(poll=0.01)
+    hold = ours.acquire_slot(poll=0.01)
     assert hold.index == 0
     hold.release()
 
 
 def test_cancelling_a_waiting_budget_reservation_holds_nothing(node_dir: Path) -> None:
     ours = admission(node_dir, budget=GiB, wait=True)
-    blocker = ours.reserve_budget_sync(GiB)
+    blocker = ours.reserve_budget(GiB)
     before = open_fds()
     stop = threading.Event()
-    thread, out = in_thread(lambda: ours.reserve_budget_sync(GiB, cancelled=stop.is_set, poll=0.01))
+    thread, out = in_thread(lambda: ours.reserve_budget(GiB, cancelled=stop.is_set, poll=0.01))
     time.sleep(0.2)
     stop.set()
     thread.join(5)
@@ -532,7 +532,7 @@ def test_cancelling_a_waiting_budget_reservation_holds_nothing(node_dir: Path) -
     assert open_fds() == before
     assert hold_files(node_dir) == [blocker.name]
     blocker.release()
-    hold = ours.reserve_budget_sync(GiB, poll=0.01)
+    hold = ours.reserve_budget(GiB, poll=0.01)
     assert hold_files(node_dir) == [hold.name]
     hold.release()
     assert hold_files(node_dir) == []
@@ -540,9 +540,9 @@ def test_cancelling_a_waiting_budget_reservation_holds_nothing(node_dir: Path) -
 
 def test_a_waiter_gets_the_slot_when_it_is_released(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1, wait=True)
-    blocker = ours.acquire_slot_sync()
+    blocker = ours.acquire_slot()
     told: list[NodeBusyError] = []
-    thread, got = in_thread(lambda: ours.acquire_slot_sync(poll=0.01, on_wait=told.append))
+    thread, got = in_thread(lambda: ours.acquire_slot(poll=0.01, on_wait=told.append))
     time.sleep(0.15)
     assert not got and len(told) == 1
     blocker.release()
@@ -555,13 +555,13 @@ def test_a_waiter_gets_the_slot_when_it_is_released(node_dir: Path) -> None:
 
 def test_a_wait_cancelled_before_its_first_sleep_takes_nothing(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1, wait=True)
-    with ours.acquire_slot_sync():
+    with ours.acquire_slot():
         before = open_fds()
         started = time.monotonic()
         with pytest.raises(NodeWaitCancelled):
-            ours.acquire_slot_sync(cancelled=lambda: True)
+            ours.acquire_slot(cancelled=lambda: True)
         assert time.monotonic() - started < 1.0 and open_fds() == before
-    with ours.acquire_slot_sync():  # the slot is free
+    with ours.acquire_slot():  # the slot is free
         pass
 
 
@@ -577,7 +577,7 @@ def test_the_directory_is_created_private_whatever_the_umask(node_dir: Path) -> 
     st = os.lstat(node_dir)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
     ours = admission(node_dir, slots=1, budget=GiB)
-    with ours.acquire_slot_sync(), ours.reserve_budget_sync(GiB) as hold:
+    with ours.acquire_slot(), ours.reserve_budget(GiB) as hold:
         assert stat.S_IMODE(os.stat(node_dir / "slot-0").st_mode) & 0o077 == 0
         assert stat.S_IMODE(os.stat(node_dir / str(hold.name)).st_mode) & 0o077 == 0
 
@@ -603,7 +603,7 @@ def test_a_directory_made_unsafe_later_is_refused_at_acquire(node_dir: Path) -> 
     ours = admission(node_dir, slots=1)
     os.chmod(node_dir, 0o777)
     with pytest.raises(pinpool.ConfigError, match="world-writable"):
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
@@ -620,7 +620,7 @@ def test_a_lock_file_owned_by_another_user_is_refused(node_dir: Path) -> None:
     (node_dir / "slot-0").touch(mode=0o600)
     os.chown(node_dir / "slot-0", 65534, 65534)
     with pytest.raises(pinpool.ConfigError, match=r"slot-0' is owned by uid 65534"):
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
 
 
 def test_symlinked_lock_files_are_refused(node_dir: Path, tmp_path: Path) -> None:
@@ -629,10 +629,10 @@ def test_symlinked_lock_files_are_refused(node_dir: Path, tmp_path: Path) -> Non
     target.touch()
     (node_dir / "slot-0").symlink_to(target)
     with pytest.raises(pinpool.ConfigError, match=r"slot-0' is a symbolic link"):
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
     (node_dir / "hold-1-planted").symlink_to(target)
     with pytest.raises(pinpool.ConfigError, match=r"hold-1-planted' is a symbolic link"):
-        ours.reserve_budget_sync(GiB)
+        ours.reserve_budget(GiB)
     assert target.read_bytes() == b""
 
 
@@ -648,7 +648,7 @@ def test_a_directory_in_place_of_a_lock_file_is_refused(node_dir: Path) -> None:
     ours = admission(node_dir, slots=1)
     (node_dir / "slot-0").mkdir()
     with pytest.raises(pinpool.ConfigError, match="slot-0' is not a regular file"):
-        ours.acquire_slot_sync()
+        ours.acquire_slot()
 
 
 # -- options and the environment -------------------------------------------------------------------
