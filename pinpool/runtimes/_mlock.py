@@ -17,8 +17,6 @@ from .._ranges import RangeBook
 from .._types import Capabilities
 from .._units import format_bytes
 
-__all__ = ["MlockRuntime", "lock_range", "mlock_error_message", "unlock_range"]
-
 
 class _SharedPages:
     """Holders of every OS page some registration covers only in part, process-wide.
@@ -158,8 +156,8 @@ class _Pages:
 OWN_LOCKS = _OwnLocks()
 
 
-def _page_span(ptr: int, nbytes: int) -> tuple[int, int]:
-    """``[ptr, +nbytes)`` rounded out to whole pages: every page a registration of it locks or shares."""
+def page_span(ptr: int, nbytes: int) -> tuple[int, int]:
+    """``[ptr, +nbytes)`` rounded out to whole OS pages: every page a registration of it locks or shares."""
     page = _libc.PAGE_SIZE
     return ptr - ptr % page, -(-(ptr + max(nbytes, 1)) // page) * page
 
@@ -246,10 +244,10 @@ class MlockRuntime:
                 op=op, code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
-        OWN_LOCKS.add(*_page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
+        OWN_LOCKS.add(*page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
         err = lock_range(ptr, nbytes, call)
         if err:
-            OWN_LOCKS.remove(*_page_span(ptr, nbytes))
+            OWN_LOCKS.remove(*page_span(ptr, nbytes))
             self._book.pop(ptr)
             raise RuntimeCallError(
                 op=op, code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
@@ -270,7 +268,7 @@ class MlockRuntime:
             )  # fmt: skip
         err = unlock_range(ptr, nbytes)
         if not err:
-            OWN_LOCKS.remove(*_page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
+            OWN_LOCKS.remove(*page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
         if err:
             self._book.add(ptr, nbytes)  # still (partly) locked: keep it on the books
             raise RuntimeCallError(
