@@ -71,18 +71,14 @@ def check_cgroup(host: HostFacts) -> Check:
 
 
 def check_cpu(host: HostFacts) -> Check:
-    """The CPU budget worker counts derive from (affinity bounded by the CPU quota), and the pin
-    threads a large pool starts on it by default, in the foreground and the background."""
+    """The CPU budget worker counts derive from, and the pin threads a large pool starts on it by default."""
     from .._plan.plan import default_populate_workers, pool_cpus  # torch: only once the doctor runs
 
     quota = host.cpu_quota
     cpus = None if quota is None else quota.cpus
-    if quota is None or cpus is None:
-        limit = "no CPU quota"
-    else:
-        limit = (
-            f"quota {cpus:.2f} CPUs ({quota.quota_us}/{quota.period_us} us per period, {quota.source} of {quota.path})"
-        )
+    limit = "no CPU quota" if quota is None or cpus is None else (
+        f"quota {cpus:.2f} CPUs ({quota.quota_us}/{quota.period_us} us per period, {quota.source} of {quota.path})"
+    )  # fmt: skip
     budget = host.cpu_budget
     uses = [default_populate_workers(pool_cpus(budget, background=bg)) for bg in (False, True)]
     duty = duty_cycle(cpus, background=True)
@@ -168,8 +164,7 @@ def check_cuda(facts: CudaFacts) -> Check:
     return Check("cuda", OK, f"{found}; CanUseHostPointerForRegisteredMem=1")
 
 
-def _chunk_limit(value: str) -> int:
-    """The bytes ``PINPOOL_REGISTER_CHUNK_GB=value`` means (ConfigError when invalid), as the pool reads it."""
+def _chunk_limit(value: str) -> int:  # as the pool reads it
     from .._plan.options import chunk_limit_from_env  # torch: imported only when the variable is set
 
     return chunk_limit_from_env({CHUNK_ENV: value})
@@ -297,8 +292,7 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
     ]  # fmt: skip
 
 
-def exit_code(checks: Sequence[Check]) -> int:
-    """1 when any check failed, else 0 (warnings do not fail)."""
+def exit_code(checks: Sequence[Check]) -> int:  # warnings do not fail
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 

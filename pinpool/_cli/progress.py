@@ -135,9 +135,8 @@ class RecentRate:
 
 
 class ResidentGrowth:
-    """Bytes this process's resident memory grew by since :meth:`restart` (/proc/self/statm; None
-    where unreadable): it moves page by page as a pool faults, where the populated counter moves a
-    whole span. Other allocations are noise of a few MiB; memory resident before does not move it."""
+    """Bytes this process's resident memory grew by since :meth:`restart` (None where unreadable): it
+    moves page by page as a pool faults, where the populated counter moves a whole span."""
 
     def __init__(self, path: str = "/proc/self/statm") -> None:
         self.path = path
@@ -187,8 +186,7 @@ class ProgressReporter:
         self._finished_line = False
         self._broken = False
 
-    def restart(self) -> None:
-        """Count elapsed time from now (the pin starts after the pool is constructed)."""
+    def restart(self) -> None:  # the pin starts after the pool is constructed
         self._start = self._last_line = self._clock()
         self._rate.restart(self._start)
 
@@ -223,8 +221,7 @@ class ProgressReporter:
             self.stream.write(render_line(pinned, total, elapsed, done, chunks, faulted, rate) + "\n")
             self.stream.flush()
 
-    def finish(self) -> None:
-        """Take the bar off the screen, so what follows starts on a clean line. Never raises."""
+    def finish(self) -> None:  # the bar off the screen, so what follows starts on a clean line
         if self._drawn and not self._broken:
             try:
                 self.stream.write("\r" + " " * self._drawn + "\r")
