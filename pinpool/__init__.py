@@ -27,16 +27,13 @@ from ._errors import UnpinError as UnpinError
 from ._units import parse_size as parse_size
 
 if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and IDEs
-    from . import layouts as layouts
-    from ._pin.outcome import PoolState as PoolState
-    from ._plan.chunks import Chunk as Chunk
-    from ._pool.budget import Shares as Shares
-    from ._pool.budget import host_budget as host_budget
-    from ._pool.budget import share as share
-    from ._pool.pin import empty as empty
-    from ._pool.pin import pin as pin
-    from ._pool.pool import PinnedPool as PinnedPool
-    from ._shared.memory import SharedMemory as SharedMemory
+    from . import layouts
+    from ._pin.outcome import PoolState
+    from ._plan.chunks import Chunk
+    from ._pool.budget import Shares, host_budget, share
+    from ._pool.pin import empty, pin
+    from ._pool.pool import PinnedPool
+    from ._shared.memory import SharedMemory
 
 __version__ = "0.1.0"
 

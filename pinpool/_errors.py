@@ -58,14 +58,13 @@ class LedgerError(RuntimeError):
 
 
 class AlreadyPinnedError(PinpoolError, RuntimeError):
-    """The memory to pin overlaps memory already pinned; nothing was changed. A ``RuntimeError``, as
-    the reference implementation's "already registered" (CUDA error 712) is."""
+    """The memory to pin overlaps memory already pinned (as CUDA's 712 would say); nothing was changed."""
 
 
 class RuntimeCallError(PinpoolError, RuntimeError):
     """One runtime call (populate, register or unregister of one range) failed. ``code``: the
     runtime's number (errno, ``cudaError_t``); ``reason`` its bounded name; ``message`` its text
-    and what to do. A ``RuntimeError``, as a failed registration is in the reference implementation."""
+    and what to do."""
 
     def __init__(self, *, op: str, code: int, reason: str, message: str, ptr: int, nbytes: int) -> None:
         self.op = op
@@ -124,21 +123,14 @@ def _restore_error(cls: type[BaseException], args: tuple[object, ...]) -> BaseEx
 
 
 class PinError(PinpoolError, RuntimeError):
-    """Pinning a pool failed; everything registered was rolled back. A ``RuntimeError``, as the
-    reference implementation's is, so ``except RuntimeError`` handlers catch it.
+    """Pinning a pool failed; everything registered was rolled back.
 
     ``offset``, ``nbytes``, ``code`` describe the first failed chunk; ``failures`` every one;
     ``leaked`` what rollback could not unregister (still pinned). With no failed call (no worker
     thread could start) ``phase`` is ``"start"``, the rest None, and ``__cause__`` says why.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        failures: tuple[ChunkFailure, ...],
-        leaked: tuple[Chunk, ...] = (),
-    ) -> None:
+    def __init__(self, message: str, *, failures: tuple[ChunkFailure, ...], leaked: tuple[Chunk, ...] = ()) -> None:
         first = min(failures, key=lambda f: f.chunk.offset) if failures else None
         self.offset = None if first is None else first.chunk.offset
         self.nbytes = None if first is None else first.chunk.nbytes
@@ -151,7 +143,7 @@ class PinError(PinpoolError, RuntimeError):
 
 
 class UnpinError(PinpoolError, RuntimeError):
-    """Unregistering one or more chunks failed at teardown; ``leaked`` may still be pinned (a ``RuntimeError``)."""
+    """Unregistering one or more chunks failed at teardown; ``leaked`` may still be pinned."""
 
     def __init__(self, message: str, *, failures: tuple[ChunkFailure, ...], leaked: tuple[Chunk, ...]) -> None:
         self.failures = failures
@@ -182,17 +174,8 @@ class NodeBusyError(PinpoolError, RuntimeError):
     budget now; nothing is held. ``kind``: ``"slots"`` or ``"budget"``; ``limit``, ``in_use``:
     slots or bytes; ``requested``: the bytes asked for (budget); ``holders``: who holds them."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        directory: str,
-        kind: Kind,
-        limit: int,
-        in_use: int,
-        requested: int | None = None,
-        holders: tuple[NodeHolderLike, ...] = (),
-    ) -> None:
+    def __init__(self, message: str, *, directory: str, kind: Kind, limit: int, in_use: int,
+                 requested: int | None = None, holders: tuple[NodeHolderLike, ...] = ()) -> None:  # fmt: skip
         self.directory = directory
         self.kind = kind
         self.limit = limit

@@ -1,12 +1,9 @@
 """What a pool reports while it works: Prometheus metrics and structlog events, one method per transition.
 
-Worker threads call the chunk methods (prometheus_client and structlog's sync methods are
-thread-safe; the async logging methods break under trio). No method of :class:`Observer` raises
-an ``Exception``, whatever the user's logger or the metrics do: the engine calls them between
-recording outcomes, and a raising logger must never cost a chunk or a range claim. As
-``logging.Handler.handleError`` does, a failure is swallowed, counted (``log_errors``,
-``metric_errors``, ``pinpool_log_errors_total``) and reported once per pool on ``sys.stderr``;
-``KeyboardInterrupt`` and ``SystemExit`` propagate.
+Worker threads call the chunk methods (structlog's async methods break under trio). No method of
+:class:`Observer` raises an ``Exception``: the engine calls them between recording outcomes, and a
+raising logger must never cost a chunk or a range claim. As ``logging.Handler.handleError`` does, a
+failure is swallowed, counted and reported once per pool on ``sys.stderr``.
 """
 
 from __future__ import annotations
@@ -66,21 +63,16 @@ class Observer:
         # (structlog's processing of a filtered event is a third of a tiny chunk's cost).
         is_enabled_for = getattr(self.log, "isEnabledFor", None)
         self._chunk_debug = not callable(is_enabled_for) or bool(is_enabled_for(logging.DEBUG))
-        # Failures of the user's logger and of metrics calls: counted, reported once each.
-        # The lock is taken only on a failure, never on the hot path.
+        # Failures of the user's logger and of metrics calls; the lock is taken only on a failure.
         self.log_errors = 0
         self.metric_errors = 0
         self._errors_lock = threading.Lock()
         self._reported: set[str] = set()
-        # Longest call per op; updated without a lock (a lost race only delays a larger value
-        # to the next call, and the gauge is set from the local value each time it grows).
+        # Longest call per op, without a lock: a lost race only delays a larger value to the next call.
         self.longest: dict[str, float] = {"register": 0.0, "populate": 0.0, "unregister": 0.0}
         self._was_ready = False
 
-    # -- failure containment -------------------------------------------------------------------
-
-    def _emit(self, level: str, event: str, **fields: Any) -> None:
-        """``self.log.<level>(event, **fields)``; an ``Exception`` from it is counted and reported, never raised."""
+    def _emit(self, level: str, event: str, **fields: Any) -> None:  # self.log.<level>(event, **fields)
         try:
             getattr(self.log, level)(event, **fields)
         except Exception as exc:
@@ -93,7 +85,6 @@ class Observer:
         self._report_once("log", f"logging event {event!r} raised", exc)
 
     def _metric(self, what: str, *updates: Callable[[PoolMetrics], None]) -> None:
-        """Each ``update(self.metrics)`` where there are metrics; an ``Exception`` is counted and reported."""
         if self.metrics:
             try:
                 for update in updates:
@@ -129,8 +120,6 @@ class Observer:
                 stream.flush()
         except Exception:
             pass  # a closed or broken stderr: nothing more can be done, and raising is not allowed
-
-    # -- chunks (worker threads) -------------------------------------------------------------
 
     def call_started(self) -> None:
         self._metric("call_started", lambda m: m.chunks_in_flight.labels(*self._labels).inc())
@@ -181,8 +170,7 @@ class Observer:
             halves=[halves[0].nbytes, halves[1].nbytes], attempt=attempt,
         )  # fmt: skip
 
-    def chunk_pinned(self, chunk: Chunk) -> None:
-        """A chunk is registered and all its pages are in: it counts as pinned whole."""
+    def chunk_pinned(self, chunk: Chunk) -> None:  # registered and all its pages in: pinned whole
         labels = self._labels
         self._metric(
             "chunk_pinned",
@@ -213,8 +201,6 @@ class Observer:
             "info", "chunk.not_registered", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
             code=answer.code, reason=answer.reason,
         )  # fmt: skip
-
-    # -- the pool (event loop / calling thread) ----------------------------------------------------
 
     def pin_started(
         self, *, nbytes: int, chunks: int, chunk_bytes: int, granularity: int | None, order: str,
@@ -265,12 +251,10 @@ class Observer:
         self._emit(level, "pool.rollback", **fields)
 
     def node_admitted(self, *, kind: str, seconds: float) -> None:
-        """Node pacing admitted the pool after ``seconds`` of waiting (kind: slot or budget)."""
         self._metric("node_admitted", lambda m: m.node_wait_seconds.labels(*self._labels, kind).observe(seconds))
         self._emit("info" if seconds >= 1 else "debug", "node.admitted", kind=kind, seconds=round(seconds, 6))
 
-    def node_busy(self, *, kind: str) -> None:
-        """Node pacing refused the pool at once (node_wait=False)."""
+    def node_busy(self, *, kind: str) -> None:  # node_wait=False
         self._metric("node_busy", lambda m: m.node_busy.labels(*self._labels, kind).inc())
         self._emit("warning", "node.busy", kind=kind)
 

@@ -8,15 +8,12 @@ import threading
 
 
 class RangeBook:
-    """Registered bases → sizes, with CUDA's rules: no overlaps, unregister by base only.
+    """Registered bases → sizes, with CUDA's rules: no overlaps, unregister by base only. Thread-safe.
 
-    Bases are kept sorted, so an overlap check is a bisection, not a scan: a pool of 100k
-    chunks must not cost O(n²) in bookkeeping. Thread-safe.
-
-    Every change is one store (an insertion or deletion of one entry, or the swap of a whole new
-    list), so an exception that lands between two statements (a Ctrl-C outside a driver's guard,
-    a MemoryError) leaves the book as it was before or after, never half-changed: a base without
-    its size once made every later pool in the process fail with ``KeyError``.
+    Bases are kept sorted, so an overlap check is a bisection: 100k chunks must not cost O(n²). Every
+    change is one store (one entry, or a whole new list), so an exception between two statements (a
+    Ctrl-C, a MemoryError) never leaves it half-changed: a base without its size once made every
+    later pool in the process fail with ``KeyError``.
     """
 
     def __init__(self) -> None:
@@ -25,8 +22,7 @@ class RangeBook:
         # (on its first base; () elsewhere), so pop(first) removes the set whole.
         self._ranges: list[tuple[int, int, tuple[int, ...]]] = []
 
-    def _find(self, ptr: int) -> int:
-        """The index of the entry whose base is ``ptr``, or -1."""
+    def _find(self, ptr: int) -> int:  # the index of the entry whose base is ptr, or -1
         i = bisect.bisect_left(self._ranges, (ptr,))
         return i if i < len(self._ranges) and self._ranges[i][0] == ptr else -1
 
@@ -78,7 +74,6 @@ class RangeBook:
             return total
 
     def get(self, ptr: int) -> int | None:
-        """The size of the range whose base is ``ptr``, or None."""
         with self._lock:
             i = self._find(ptr)
             return None if i < 0 else self._ranges[i][1]

@@ -1,8 +1,6 @@
-"""Byte sizes as users write them (``4096``, ``"64GiB"``, ``"1.5TiB"``), numbers from environment
-variables, and sizes and rates as messages and reports print them.
-
-Only ASCII spellings are accepted: ``int()`` and ``Decimal()`` take ``"1_0"``, Arabic-Indic and
-fullwidth digits, and Unicode spaces; in a config file or a shell those are typos to report.
+"""Byte sizes as users write them (``"64GiB"``), numbers from environment variables, and sizes and
+rates as messages print them. Only ASCII spellings are accepted: ``int()`` and ``Decimal()`` take
+``"1_0"``, non-ASCII digits and Unicode spaces, which in a config file or a shell are typos to report.
 """
 
 from __future__ import annotations
@@ -138,8 +136,7 @@ def format_bytes(nbytes: int) -> str:
 
 
 def human(nbytes: int) -> str:
-    """:func:`format_bytes` for a figure a message computed: past 2**128 B (no memory: an overflow),
-    ``about 2**N B``, never 39 digits."""
+    """:func:`format_bytes` for a figure a message computed: ``about 2**N B`` past 2**128 B (an overflow)."""
     return format_bytes(nbytes) if nbytes.bit_length() <= 128 else f"about 2**{nbytes.bit_length() - 1} B"
 
 
@@ -149,8 +146,7 @@ def bytes_text(nbytes: int) -> str:
 
 
 def format_rate(nbytes: float | None, seconds: float = 1.0) -> str:
-    """Decimal GB/s, as pinpool reports throughput (docs/performance.md): ``5.21 GB/s``; ``-- GB/s``
-    when unknown (None, no time, not finite)."""
+    """Decimal GB/s, as pinpool reports throughput: ``5.21 GB/s``; ``-- GB/s`` when unknown."""
     if nbytes is None or seconds <= 0 or not math.isfinite(nbytes / seconds):
         return "-- GB/s"
     return f"{nbytes / seconds / 1e9:.2f} GB/s"

@@ -1,9 +1,6 @@
-"""Prometheus metrics for pinpool, and helpers to expose them.
-
-Names and labels are a contract (docs/metrics.md); created once per ``CollectorRegistry`` and
-shared by its pools. Labels are bounded (``pool``, ``runtime``, ``phase``/``reason``/``cause``),
-never a chunk index. A pool's gauge series go when the last open pool with its labels closes, so
-names that come and go do not pile up; counters and histograms stay.
+"""Prometheus metrics for pinpool, and helpers to expose them. Names and labels are a contract
+(docs/metrics.md); created once per ``CollectorRegistry`` and shared by its pools. A pool's gauge
+series go with the last open pool of its labels, so names that come and go do not pile up.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ _BASE = ("pool", "runtime")
 _CALL_OPS = ("register", "populate", "unregister")  # the ``op`` label of call_seconds_max
 
 
-def _multiprocess() -> bool:
-    """prometheus_client's multiprocess mode, where a series cannot be removed (it only warns)."""
+def _multiprocess() -> bool:  # prometheus_client's multiprocess mode: a series cannot be removed there
     return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
 
 
@@ -38,8 +34,7 @@ class PoolMetrics:
     """The metric families of one registry, and how many open pools hold each label tuple's gauge
     series (same ``name=`` and runtime: shared), removed with the last. Thread-safe."""
 
-    # The instance dict holds the metric families and nothing else (the clean-up below
-    # unregisters all of it); the open-pool bookkeeping lives in a slot beside it.
+    # The instance dict holds the metric families only (a failed __init__ unregisters all of it).
     __slots__ = ("__dict__", "_series")
 
     def __init__(self, registry: CollectorRegistry) -> None:

@@ -1,13 +1,9 @@
-"""pytest plugin for code built on pinpool: leak-checked fixtures and the ``gpu`` marker.
+"""pytest plugin for code built on pinpool: the leak-checked fixtures ``fake_runtime`` and
+``pinned_pool_factory``, and the ``gpu`` marker (skipped, with the reason, without a CUDA device).
 
-Installing pinpool registers it (entry point ``pinpool`` in the ``pytest11`` group):
-``fake_runtime`` (a fresh :class:`pinpool.testing.FakeRuntime`; the test errors at teardown if it
-still holds a range), ``pinned_pool_factory`` (pools on that fake and a per-test registry; the
-test errors if one is left open, after the fixture exited it) and the ``gpu`` marker (skipped,
-with the reason, where ``torch.cuda.is_available()`` is false; a project's own ``gpu`` marker line
-is kept). pinpool and torch are imported only when a fixture or a ``gpu`` test needs them. Without
-the entry point, load it with ``-p pinpool.pytest_plugin`` (see :data:`entry_point`); docs/testing.md
-is the guide.
+Installing pinpool registers it (entry point ``pinpool`` in ``pytest11``); otherwise load it with
+``-p pinpool.pytest_plugin``. pinpool and torch are imported only when a test needs them;
+docs/testing.md is the guide.
 """
 
 from __future__ import annotations
@@ -30,11 +26,9 @@ __all__ = ["GPU_MARKER", "PinnedPoolFactory", "entry_point", "fake_runtime", "pi
 
 GPU_MARKER = "gpu: needs a CUDA device; skipped cleanly without one"
 
-# The pytest11 entry point names this stub, not this module: pytest registers what an entry
-# point loads under the entry point's name ("pinpool"), and a module registered under two
-# names is an error. The stub only asks pytest for this module by its import name, the name
-# ``-p pinpool.pytest_plugin`` and ``pytest_plugins = ["pinpool.pytest_plugin"]`` use too,
-# so pytest loads it once whichever ways it is requested.
+# The pytest11 entry point names this stub, not this module: pytest registers an entry point's module
+# under the entry point's name ("pinpool"), and one module under two names is an error. The stub asks
+# for this module by its import name (as ``-p pinpool.pytest_plugin`` does), so it loads once.
 entry_point = types.ModuleType(f"{__name__}.entry_point", "Loads pinpool.pytest_plugin once (the pytest11 entry).")
 entry_point.__dict__["pytest_plugins"] = [__name__]
 
@@ -71,17 +65,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def _describe_ranges(registered: dict[int, int]) -> str:
-    return ", ".join(f"[{base:#x}, +{nbytes} B)" for base, nbytes in sorted(registered.items()))
-
-
 def _leak_message(fake: FakeRuntime, owner: str) -> str | None:
     registered = fake.registered
     if not registered:
         return None
+    ranges = ", ".join(f"[{base:#x}, +{nbytes} B)" for base, nbytes in sorted(registered.items()))
     return (
         f"{owner}: {len(registered)} range(s) still registered after the test, "
-        f"{sum(registered.values())} bytes: {_describe_ranges(registered)}. A pool or pin() was "
+        f"{sum(registered.values())} bytes: {ranges}. A pool or pin() was "
         "entered and never exited, or its teardown failed (UnpinError.leaked). A test that makes "
         "unregister fail on purpose unregisters the leftovers itself: "
         "for base in list(fake.registered): fake.unregister(base)"
@@ -101,13 +92,9 @@ def fake_runtime() -> Iterator[FakeRuntime]:
 
 
 class PinnedPoolFactory:
-    """Builds pools for one test and checks them at its end; the ``pinned_pool_factory`` fixture.
-
-    ``factory(size=..., **options)`` is :class:`pinpool.PinnedPool` with two defaults changed:
-    ``runtime`` is the test's ``fake_runtime`` and ``registry`` is :attr:`registry`, a
-    ``CollectorRegistry`` of this test alone. Pass either explicitly to override it
-    (``runtime="mlock"``, ``registry=None``). :meth:`pin` is :func:`pinpool.pin` with the same
-    defaults. :attr:`pools` lists what was built, in order.
+    """The ``pinned_pool_factory`` fixture: ``factory(size=..., **options)`` is :class:`pinpool.PinnedPool`
+    and :meth:`pin` is :func:`pinpool.pin`, with ``runtime`` the test's ``fake_runtime`` and ``registry``
+    a ``CollectorRegistry`` of this test alone unless given; :attr:`pools` lists what was built.
     """
 
     def __init__(self, fake: FakeRuntime, registry: CollectorRegistry) -> None:

@@ -4,14 +4,8 @@
     pinpool doctor --size 1.5TiB                    is this host ready, and what to change
     pinpool pin    --size 64GiB [--hold forever]    pin it, show progress, report, unpin
 
-This module runs a command (:func:`main`): errors to exit statuses, signals, a closed stdout.
-parser.py builds argparse's parser; options.py reads flags, text and layouts into PinnedPool's
-keyword arguments; plan.py, doctor.py and pin.py are the commands (pin.py also owns SIGTERM
-and Ctrl-C); report.py renders what plan and pin print; progress.py is what a command says on
-stderr meanwhile, and the exit statuses.
-
-Only torch-free modules are imported at the top: torch costs seconds, so the commands import it
-after saying what they do, and ``pinpool --help`` answers at once.
+:func:`main` runs one: errors to exit statuses, signals, a closed stdout. Only torch-free modules
+are imported at the top (torch costs seconds): ``pinpool --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -28,15 +22,8 @@ from .parser import build_parser, glue_negative_values, value_options
 from .pin import sigterm_as_interrupt
 from .progress import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIN_FAILED, EXIT_PIPE
 
-__all__ = [
-    "LAYOUT_FILE_MAX_BYTES",
-    "build_parser",
-    "cli_size",
-    "layout_from_file",
-    "main",
-    "pool_options",
-    "sigterm_as_interrupt",
-]
+__all__ = ["LAYOUT_FILE_MAX_BYTES", "build_parser", "cli_size", "layout_from_file", "main", "pool_options",
+           "sigterm_as_interrupt"]  # fmt: skip
 
 BENCH_MOVED = (
     "`pinpool bench` is no longer part of the installed package: the benchmark is benchmark code and lives "
@@ -62,8 +49,7 @@ def _exit_code_of(error: PinpoolError) -> int:
 
 
 def _stdout_gone() -> int:
-    """stdout's reader went away: stdout to /dev/null so the final flush is quiet (the Python docs'
-    SIGPIPE recipe), and exit as a tool killed by SIGPIPE would."""
+    """stdout's reader went away: stdout to /dev/null so the final flush is quiet (the Python docs' SIGPIPE recipe)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     with contextlib.suppress(OSError, ValueError):
         os.dup2(devnull, sys.stdout.fileno())

@@ -1,11 +1,8 @@
 """``pinpool doctor``: is this host ready to pin a pool of a given size, and if not, what to change.
 
-Facts are read once (:func:`read_facts`): the host as pools see it (:class:`HostFacts`), plus
-what only the doctor asks (GPUs, pinpool's environment variables, shared memory regions). The
-memory, memlock, huge page and NUMA checks are the pool's own pre-flight checks
-(:mod:`pinpool._plan.preflight`) asked about ``--size``: the same figures, the same advice. Every
-check is a pure function of facts returning a :class:`Check` (ok / warn / fail / skip, what it
-found, a one-line fix), so each rule is tested with hand-made facts.
+Facts are read once (:func:`read_facts`); every check is a pure function of them returning a
+:class:`Check`, so each rule is tested with hand-made facts. The memory, memlock, huge page and NUMA
+checks are the pool's own pre-flight checks asked about ``--size``: the same figures, the same advice.
 """
 
 from __future__ import annotations
@@ -20,20 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
 from .._host.facts import HostFacts
+from .._plan import preflight
 from .._plan.calls import duty_cycle
-from .._plan.preflight import (
-    FAIL,
-    OK,
-    SKIP,
-    STATUSES,
-    WARN,
-    Check,
-    hugetlb_check,
-    memlock_check,
-    memory_check,
-    numa_check,
-    thp_check,
-)
+from .._plan.preflight import FAIL, OK, SKIP, STATUSES, WARN, Check
 from .._units import format_bytes
 from ..runtimes._gpu import CudaFacts, read_cuda_facts
 from .options import pool_options
@@ -44,8 +30,7 @@ if TYPE_CHECKING:
 
 
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the same as pinpool._plan.options.CHUNK_ENV (a test holds them equal)
-# Every environment variable pinpool reads, with what it means (a test greps the package for
-# PINPOOL_, so a new one cannot be forgotten here). Each is checked by the code that reads it.
+# Every variable pinpool reads (a test greps the package for PINPOOL_), each checked by the code that reads it.
 KNOWN_ENV: Mapping[str, str] = {
     CHUNK_ENV: "the upper bound of one registration call, in GiB; unset: 256",
     "PINPOOL_NODE_SLOTS": "how many processes on this host may pin at once; unset: no limit",
@@ -65,13 +50,8 @@ class DoctorFacts:
     host: HostFacts
     cuda: CudaFacts
     env: Mapping[str, str]
-    # pinpool's shared memory regions in /dev/shm and hugetlbfs mounts (pinpool.SharedMemory)
-    regions: tuple[RegionInfo, ...] = ()
-    # regions' temporary files: being made now, or left by a creator that died
-    half_made: tuple[HalfMade, ...] = ()
-
-
-# -- the checks: pure functions of facts ---------------------------------------------------------
+    regions: tuple[RegionInfo, ...] = ()  # pinpool.SharedMemory regions in /dev/shm and hugetlbfs mounts
+    half_made: tuple[HalfMade, ...] = ()  # regions' temporary files: being made now, or left by a dead creator
 
 
 def check_cgroup(host: HostFacts) -> Check:
@@ -91,18 +71,14 @@ def check_cgroup(host: HostFacts) -> Check:
 
 
 def check_cpu(host: HostFacts) -> Check:
-    """The CPU budget worker counts derive from (affinity bounded by the CPU quota), and the pin
-    threads a large pool starts on it by default, in the foreground and the background."""
+    """The CPU budget worker counts derive from, and the pin threads a large pool starts on it by default."""
     from .._plan.plan import default_populate_workers, pool_cpus  # torch: only once the doctor runs
 
     quota = host.cpu_quota
     cpus = None if quota is None else quota.cpus
-    if quota is None or cpus is None:
-        limit = "no CPU quota"
-    else:
-        limit = (
-            f"quota {cpus:.2f} CPUs ({quota.quota_us}/{quota.period_us} us per period, {quota.source} of {quota.path})"
-        )
+    limit = "no CPU quota" if quota is None or cpus is None else (
+        f"quota {cpus:.2f} CPUs ({quota.quota_us}/{quota.period_us} us per period, {quota.source} of {quota.path})"
+    )  # fmt: skip
     budget = host.cpu_budget
     uses = [default_populate_workers(pool_cpus(budget, background=bg)) for bg in (False, True)]
     duty = duty_cycle(cpus, background=True)
@@ -120,15 +96,11 @@ def check_cpu(host: HostFacts) -> Check:
     return Check("cpu", OK, detail)
 
 
-def kernel_version(release: str) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", release)
-    return None if match is None else (int(match.group(1)), int(match.group(2)))
-
-
 def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) -> Check:
     """6.11–6.13 cap one pin call at 2 GB; before 5.14 there is no MADV_POPULATE_WRITE to pre-fault with.
     ``chunk_limit``: pinpool's per-call limit from the environment (None: the variable is invalid)."""
-    version = kernel_version(release)
+    match = re.match(r"(\d+)\.(\d+)", release)
+    version = None if match is None else (int(match.group(1)), int(match.group(2)))
     if version is None:
         return Check("kernel", WARN, f"cannot parse the kernel release {release!r}", "none needed if pins succeed")
     problems: list[tuple[str, str]] = []
@@ -192,8 +164,7 @@ def check_cuda(facts: CudaFacts) -> Check:
     return Check("cuda", OK, f"{found}; CanUseHostPointerForRegisteredMem=1")
 
 
-def _chunk_limit(value: str) -> int:
-    """The bytes ``PINPOOL_REGISTER_CHUNK_GB=value`` means (ConfigError when invalid), as the pool reads it."""
+def _chunk_limit(value: str) -> int:  # as the pool reads it
     from .._plan.options import chunk_limit_from_env  # torch: imported only when the variable is set
 
     return chunk_limit_from_env({CHUNK_ENV: value})
@@ -303,17 +274,17 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
     nbytes = None if size is None else -(-size // host.page_size) * host.page_size
     subject = "" if size is None else f"--size {format_bytes(size)}"
     return [
-        memlock_check(nbytes, host, subject=subject),
-        memory_check(nbytes, host, subject=subject),
+        preflight.memlock_check(nbytes, host, subject=subject),
+        preflight.memory_check(nbytes, host, subject=subject),
         check_cgroup(host),
         check_cpu(host),
-        thp_check(host.thp_mode, wanted=False, defrag=host.thp_defrag),
-        hugetlb_check(size, free=host.hugetlb_free, total=host.hugetlb_total, huge_page_size=host.huge_page_size,
-                      wanted=False),
-        hugetlb_check(size, free=host.hugetlb_1g_free, total=host.hugetlb_1g_total, huge_page_size=1 << 30,
-                      wanted=False),
+        preflight.thp_check(host.thp_mode, wanted=False, defrag=host.thp_defrag),
+        preflight.hugetlb_check(size, free=host.hugetlb_free, total=host.hugetlb_total,
+                                huge_page_size=host.huge_page_size, wanted=False),
+        preflight.hugetlb_check(size, free=host.hugetlb_1g_free, total=host.hugetlb_1g_total, huge_page_size=1 << 30,
+                                wanted=False),
         check_kernel(host.kernel_release, host.populate_write, env_chunk_limit(facts.env)),
-        numa_check(None, host.numa_nodes),
+        preflight.numa_check(None, host.numa_nodes),
         check_cuda(facts.cuda),
         *check_env(facts.env),
         *(check_region(region) for region in facts.regions),
@@ -321,8 +292,7 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
     ]  # fmt: skip
 
 
-def exit_code(checks: Sequence[Check]) -> int:
-    """1 when any check failed, else 0 (warnings do not fail)."""
+def exit_code(checks: Sequence[Check]) -> int:  # warnings do not fail
     return 1 if any(c.status == FAIL for c in checks) else 0
 
 
@@ -344,16 +314,8 @@ def render_text(checks: Sequence[Check], size: int | None) -> str:
 
 
 def to_json(checks: Sequence[Check], size: int | None, version: str) -> dict[str, Any]:
-    return {
-        "pinpool": version,
-        "size_bytes": size,
-        "ok": exit_code(checks) == 0,
-        "counts": counts(checks),
-        "checks": [asdict(c) for c in checks],
-    }
-
-
-# -- reading the facts ----------------------------------------------------------------------------
+    return {"pinpool": version, "size_bytes": size, "ok": exit_code(checks) == 0, "counts": counts(checks),
+            "checks": [asdict(c) for c in checks]}  # fmt: skip
 
 
 def read_facts(*, cuda: bool = True) -> DoctorFacts:

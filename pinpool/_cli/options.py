@@ -1,12 +1,8 @@
-"""The command line's pool options: pinpool._plan.declared's options as flags, read back as PinnedPool
-keyword arguments; the layout as ``--layout FAMILY`` with one flag per field or ``--layout-file``
-(JSON); and the text readers (sizes, integers, shapes, seconds, nice levels), each failure a
-ConfigError naming the flag and the fix.
-
-Which fields a layout family has, and which are required, is read from its class in
-:mod:`pinpool.layouts` when a layout is built; :data:`FIELDS` only says how each is spelled and
-read here (tests/tools/test_cli.py holds every field of every class to an entry). Torch-free at
-import, like everything ``--help`` imports: torch comes with the layout.
+"""The command line's pool options: the declared options as flags, read back as PinnedPool keyword
+arguments; the layout as ``--layout FAMILY`` with one flag per field, or ``--layout-file`` (JSON);
+and the text readers, each failure a ConfigError naming the flag and the fix. A family's fields
+come from its class in :mod:`pinpool.layouts` (:data:`FIELDS` only spells them). Torch-free at
+import: torch comes with the layout.
 """
 
 from __future__ import annotations
@@ -56,8 +52,7 @@ def int_text(where: str, text: str) -> int:
         raise ConfigError(f"{where} {text!r} is not an integer") from None
 
 
-def shape_text(where: str, text: str) -> tuple[int, ...]:
-    """``8,64,128`` as a shape."""
+def shape_text(where: str, text: str) -> tuple[int, ...]:  # 8,64,128
     return tuple(int_text(where, part) for part in text.split(",") if part.strip())
 
 
@@ -119,11 +114,8 @@ class Field:
 
 # Every field of every class in FAMILIES, by its constructor name.
 FIELDS: dict[str, Field] = {
-    "layout": Field(
-        "--kv-layout",
-        "choice",
-        "layout kind: layer_first, page_first, page_first_direct, page_head, page_unified or page_first_kv_split",
-    ),
+    "layout": Field("--kv-layout", "choice", "layout kind: layer_first, page_first, page_first_direct, page_head, "
+                    "page_unified or page_first_kv_split"),
     "layer_num": Field("--layer-num", "int", "layers"),
     "page_size": Field("--page-size", "int", "tokens per page"),
     "head_num": Field("--head-num", "int", "KV heads (mha)"),
@@ -148,7 +140,7 @@ FIELDS: dict[str, Field] = {
     "shape": Field("--shape", "shape", "the tensor of a one-page pool, e.g. 2,64,32,8,128 (dense)"),
     "page_dim": Field("--page-dim", "int", "the dimension pages stack along, default 0 (dense)"),
     "buffer": Field("--buffer-name", "text", "the buffer's name, pool.tensors[NAME], default data (dense)"),
-}
+}  # fmt: skip
 
 # --layout FAMILY -> the class in pinpool.layouts; its fields are the dataclass's own.
 FAMILIES: dict[str, str] = {"raw": "Raw", "mha": "MHA", "mla": "MLA", "mamba": "Mamba", "indexer": "Indexer",
@@ -194,16 +186,14 @@ def _field_value(field: Field, where: str, value: object, *, from_text: bool) ->
     return value
 
 
-def family_class(family: str) -> type[Any]:
-    """The layout class of ``--layout family`` (imports pinpool.layouts, so torch)."""
+def family_class(family: str) -> type[Any]:  # imports pinpool.layouts, so torch
     from .. import layouts
 
     cls: type[Any] = getattr(layouts, FAMILIES[family])
     return cls
 
 
-def family_fields(family: str) -> tuple[str, ...]:
-    """The constructor fields of ``family``'s class, in declaration order."""
+def family_fields(family: str) -> tuple[str, ...]:  # in declaration order
     return tuple(f.name for f in fields(family_class(family)))
 
 
@@ -248,8 +238,7 @@ LAYOUT_FILE_MAX_BYTES = 1 << 20  # a layout is a few hundred bytes; more is the 
 
 
 def _read_layout_file(path: str) -> bytes:
-    """The file's bytes; not a regular file (a FIFO blocks for ever, /dev/zero reads until the OOM
-    killer) nor over the limit."""
+    """The file's bytes; never a special file (a FIFO blocks for ever, /dev/zero reads until the OOM killer)."""
     try:
         # O_NONBLOCK: opening a FIFO would wait for a writer (a regular file's reads ignore the flag).
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
@@ -321,13 +310,11 @@ HUGE_PAGES: dict[str, bool | str] = {
 CLI_RUNTIMES = tuple(dict.fromkeys((*runtime_choices(), "fake")))
 
 
-def flags(command: str) -> list[tuple[Option, Flag]]:
-    """The declared options ``command`` takes as flags, in the declaration's order."""
+def flags(command: str) -> list[tuple[Option, Flag]]:  # in the declaration's order
     return [(o, o.flag) for o in OPTIONS if o.flag is not None and command in o.flag.commands]
 
 
 def _flag_value(flag: Flag, value: Any) -> Any:
-    """A flag's Python value, by its declared kind."""
     if flag.kind == "size":
         return cli_size(flag.flag, value)
     if flag.kind == "chunk":
@@ -359,16 +346,12 @@ def text_options(args: argparse.Namespace, command: str = "pin") -> dict[str, An
     return given
 
 
-def takes_layout(command: str) -> bool:
-    return any(flag.kind == "layout" for _opt, flag in flags(command))
-
-
 def pool_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
     """PinnedPool keyword arguments from the flags given and the command line's own defaults
     (``--size 4GiB`` unless ``--num-pages``, ``--name cli``); the layout last: it imports torch,
     so a typo elsewhere fails first."""
     given = text_options(args, command)
-    if takes_layout(command):
+    if any(flag.kind == "layout" for _opt, flag in flags(command)):
         given["layout"] = layout_from_args(args)
     return given
 
@@ -396,17 +379,12 @@ def plan_runtime(name: str) -> tuple[str, Capabilities, bool]:
     return resolved, capabilities_of(info.factory), info.available()  # type: ignore[arg-type]
 
 
-def _flag_help(opt: Option, flag: Flag) -> str:
-    """The declared one-line help, with what the command line adds (argparse formats ``%``)."""
-    return f"{opt.help} {flag.note}".strip().replace("%", "%%")
-
-
 def add_pool_options(parser: argparse.ArgumentParser, command: str) -> None:
     """Every declared option ``command`` takes, as a flag of its kind, defaulting to None ("not given")."""
     pool = parser.add_argument_group("pool", "the options of PinnedPool(...) of the same names (docs/options.md)")
     layout_flag = False
     for opt, flag in flags(command):
-        help_text = _flag_help(opt, flag)
+        help_text = f"{opt.help} {flag.note}".strip().replace("%", "%%")  # argparse formats %
         if flag.kind == "layout":
             layout_flag = True  # its own group, after this one
         elif flag.kind == "bool":

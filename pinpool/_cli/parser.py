@@ -1,8 +1,4 @@
-"""The command line's argparse parser: the commands, their flags and their help.
-
-Building it imports no torch (``pinpool --help`` answers at once); the pool and layout flags
-come from pinpool._plan.declared through options.py.
-"""
+"""The command line's argparse parser: the commands, their flags and their help (torch-free)."""
 
 from __future__ import annotations
 
@@ -21,21 +17,15 @@ from .progress import EXIT_CODES
 DESCRIPTION = "Plan, check and pin page-locked host-memory pools (KV-cache offload) for LLM inference servers."
 
 
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
-
-
-class _VersionAction(argparse.Action):
-    """``--version``, reading the version only when asked."""
-
+class _VersionAction(argparse.Action):  # --version, reading the version only when asked
     def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
         super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:  # fmt: skip
-        print(f"pinpool {_version()}")
+        from .. import __version__
+
+        print(f"pinpool {__version__}")
         parser.exit()
 
 

@@ -1,8 +1,5 @@
-"""``pinpool pin``: pin a pool with progress on stderr, hold it if asked (serving its metrics),
-report to stdout how it was pinned and how fast, unpin it (the report is report.py's); and how
-the command line takes SIGTERM and Ctrl-C (:func:`sigterm_as_interrupt`, for any command): the
-first one interrupts, later ones wait.
-"""
+"""``pinpool pin``: pin a pool with progress, hold it if asked (serving its metrics), report, unpin;
+and how every command takes SIGTERM and Ctrl-C (:func:`sigterm_as_interrupt`)."""
 
 from __future__ import annotations
 
@@ -33,15 +30,8 @@ METRICS_PORT = 9464  # the port every pinpool dashboard and doc uses
 ROLLED_BACK_NOTE = "pinning stopped and was rolled back: nothing is pinned"
 UNPINNED_NOTE = "the pool was unpinned before exit"
 PROGRESS_SECONDS = 0.1  # how often a background pool's progress is drawn while pin waits for it
-
-
 CTRL_C = "Ctrl-C"
 SIGTERM = "SIGTERM"
-
-
-def signal_name(what: str) -> str:
-    """The signal's own name for an interruption's label (``Ctrl-C`` is SIGINT)."""
-    return "SIGINT" if what == CTRL_C else what
 
 
 class Interrupts:
@@ -74,16 +64,6 @@ class Interrupts:
 _interrupts: Interrupts | None = None  # the running command's, while main() runs on the main thread
 
 
-def current() -> Interrupts | None:
-    """The running command's :class:`Interrupts` (None off the main thread or outside main())."""
-    return _interrupts
-
-
-def defer_interrupts() -> None:
-    if _interrupts is not None:
-        _interrupts.defer()
-
-
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
     """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block
@@ -103,11 +83,6 @@ def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
         _interrupts = outer
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-def progress_mode(choice: str, stream: Any) -> str:
-    """``auto``: a redrawn bar on a terminal, plain lines in a log or a pipe."""
-    return choice if choice != "auto" else "bar" if isatty(stream) else "lines"
 
 
 def first_line(kwargs: dict[str, Any]) -> str:
@@ -141,12 +116,11 @@ def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
         while (left := deadline - time.monotonic()) > 0:
             time.sleep(min(left, 3600.0))
     except KeyboardInterrupt as exc:  # the usual way to end a hold: unpin and exit 0
-        interrupts = current()
-        if interrupts is not None:
-            interrupts.stopping = True  # a second signal while unpinning asks the same: still exit 0
-        # Our handler names the signal; Python's own SIGINT handler (when someone else installed
-        # it, or off our watch) raises a bare KeyboardInterrupt, which is Ctrl-C.
-        return signal_name(str(exc.args[0]) if exc.args and exc.args[0] else "Ctrl-C")
+        if _interrupts is not None:
+            _interrupts.stopping = True  # a second signal while unpinning asks the same: still exit 0
+        # Our handler names the signal; Python's own SIGINT handler raises a bare KeyboardInterrupt (Ctrl-C).
+        what = str(exc.args[0]) if exc.args and exc.args[0] else CTRL_C
+        return "SIGINT" if what == CTRL_C else what
     return "time"
 
 
@@ -166,7 +140,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
     err = sys.stderr if stderr is None else stderr
     kwargs = text_options(args, "pin")
     hold_for = hold_seconds(args.hold)
-    mode = progress_mode(args.progress, err)
+    mode = args.progress if args.progress != "auto" else "bar" if isatty(err) else "lines"
     # Only when the wait is torch's import: a caller that has torch already (main() called in
     # process) gets at once what would follow, and nothing says "loading" that is not.
     if mode != "none" and "torch" not in sys.modules:
@@ -231,8 +205,9 @@ def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: Progre
                     ended_by = hold(hold_for, pool, url)
                     held = (time.monotonic() - started, ended_by)
             finally:
-                defer_interrupts()  # the pool unpins and unmaps uninterrupted; a signal now is recorded
-        interrupts = current()
+                if _interrupts is not None:  # the pool unpins and unmaps uninterrupted; a signal now is recorded
+                    _interrupts.defer()
+        interrupts = _interrupts
         if interrupts is not None and interrupts.pending is not None:
             raise KeyboardInterrupt(interrupts.pending)  # it arrived while the pool was unpinned
     except KeyboardInterrupt as exc:

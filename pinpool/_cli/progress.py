@@ -1,13 +1,5 @@
-"""What a command tells people: status lines and notes on stderr, pin's progress and per-call
-latency, and the exit statuses. stdout carries only the report, so pipes and ``--json`` are
-unaffected.
-
-Rendering is pure (:func:`render_bar`, :func:`render_line`, :func:`format_eta`, :func:`percentile`),
-so tests check it without a terminal or a clock. :class:`ProgressReporter` is the ``on_progress``
-callback (PinnedPool calls it on the waiting thread about every 0.1 s); a callback that raises
-rolls pinning back, so it never raises an ``Exception``: a failing stream only ends the display.
-It shows the rate over the last :data:`RATE_WINDOW_SECONDS` and reads faulted bytes at each
-update, so the display moves within a chunk. Nothing here imports torch: ``--help`` stays fast.
+"""What a command tells people on stderr (status lines, pin's progress, per-call latency), and the
+exit statuses; stdout carries only the report. Rendering is pure, so tests need no terminal or clock.
 """
 
 from __future__ import annotations
@@ -83,16 +75,8 @@ def _ahead(pinned: int, faulted: int | None) -> int | None:
     return faulted if faulted is not None and faulted > pinned else None
 
 
-def render_bar(
-    pinned: int,
-    total: int,
-    elapsed: float,
-    done: int,
-    chunks: int,
-    width: int = 80,
-    faulted: int | None = None,
-    rate: float | None = None,
-) -> str:
+def render_bar(pinned: int, total: int, elapsed: float, done: int, chunks: int, width: int = 80,
+               faulted: int | None = None, rate: float | None = None) -> str:  # fmt: skip
     """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s  ETA 0:01  6/16 chunks``.
 
     ``#`` is pinned, ``+`` faulted but not yet counted (whole chunks count; faulting moves within
@@ -115,15 +99,8 @@ def render_bar(
     return f"pinning [{'#' * hashes}{'+' * pluses}{'.' * (cells - hashes - pluses)}]{figures}"
 
 
-def render_line(
-    pinned: int,
-    total: int,
-    elapsed: float,
-    done: int,
-    chunks: int,
-    faulted: int | None = None,
-    rate: float | None = None,
-) -> str:
+def render_line(pinned: int, total: int, elapsed: float, done: int, chunks: int, faulted: int | None = None,
+                rate: float | None = None) -> str:  # fmt: skip
     """One plain log line, for stderr that is not a terminal (``rate`` as for :func:`render_bar`)."""
     ahead = _ahead(pinned, faulted)
     return (
@@ -158,9 +135,8 @@ class RecentRate:
 
 
 class ResidentGrowth:
-    """Bytes this process's resident memory grew by since :meth:`restart` (/proc/self/statm; None
-    where unreadable): it moves page by page as a pool faults, where the populated counter moves a
-    whole span. Other allocations are noise of a few MiB; memory resident before does not move it."""
+    """Bytes this process's resident memory grew by since :meth:`restart` (None where unreadable): it
+    moves page by page as a pool faults, where the populated counter moves a whole span."""
 
     def __init__(self, path: str = "/proc/self/statm") -> None:
         self.path = path
@@ -185,21 +161,15 @@ class ResidentGrowth:
 
 
 class ProgressReporter:
-    """The ``on_progress`` callback: a bar redrawn with ``\\r`` (``mode="bar"``), plain lines every
-    ``interval`` seconds (``"lines"``), or nothing (``"none"``). ``faulted``: a callable returning
-    the bytes pre-faulted so far, read at each update. ``width`` defaults to the terminal's."""
+    """The ``on_progress`` callback (about every 0.1 s): a bar redrawn with ``\\r`` (``mode="bar"``), plain
+    lines every ``interval`` seconds (``"lines"``), or nothing (``"none"``). ``faulted``: bytes pre-faulted
+    so far, read at each update so the display moves within a chunk. A raising callback rolls pinning
+    back, so this never raises an ``Exception``: a failing stream only ends the display."""
 
-    def __init__(
-        self,
-        stream: TextIO,
-        mode: str,
-        *,
-        interval: float = LINE_INTERVAL_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
-        width: int | None = None,
-        faulted: Callable[[], float | None] | None = None,
-        window: float = RATE_WINDOW_SECONDS,
-    ) -> None:
+    def __init__(self, stream: TextIO, mode: str, *, interval: float = LINE_INTERVAL_SECONDS,
+                 clock: Callable[[], float] = time.monotonic, width: int | None = None,
+                 faulted: Callable[[], float | None] | None = None,
+                 window: float = RATE_WINDOW_SECONDS) -> None:  # fmt: skip
         if mode not in ("bar", "lines", "none"):
             raise ValueError(f"mode={mode!r}: choose 'bar', 'lines' or 'none'")
         self.stream = stream
@@ -216,8 +186,7 @@ class ProgressReporter:
         self._finished_line = False
         self._broken = False
 
-    def restart(self) -> None:
-        """Count elapsed time from now (the pin starts after the pool is constructed)."""
+    def restart(self) -> None:  # the pin starts after the pool is constructed
         self._start = self._last_line = self._clock()
         self._rate.restart(self._start)
 
@@ -252,8 +221,7 @@ class ProgressReporter:
             self.stream.write(render_line(pinned, total, elapsed, done, chunks, faulted, rate) + "\n")
             self.stream.flush()
 
-    def finish(self) -> None:
-        """Take the bar off the screen, so what follows starts on a clean line. Never raises."""
+    def finish(self) -> None:  # the bar off the screen, so what follows starts on a clean line
         if self._drawn and not self._broken:
             try:
                 self.stream.write("\r" + " " * self._drawn + "\r")
@@ -292,8 +260,7 @@ class EventLog:
         self._context: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def bind(self, **context: Any) -> EventLog:
-        # One pool per log: binding adds the pool's labels to what warnings print.
+    def bind(self, **context: Any) -> EventLog:  # one pool per log: its labels go into what warnings print
         self._context.update(context)
         return self
 
@@ -324,8 +291,7 @@ class EventLog:
             pass  # stderr is gone; the summary and exit status still say what happened
 
 
-def say(text: str, stream: TextIO | None = None) -> None:
-    """A status line on stderr."""
+def say(text: str, stream: TextIO | None = None) -> None:  # a status line on stderr
     print(text, file=sys.stderr if stream is None else stream, flush=True)
 
 
@@ -349,8 +315,7 @@ def while_loading(what: str, stream: TextIO | None = None) -> Iterator[None]:
     try:
         yield
     finally:
-        if shown:
-            # Padding over the note, not an escape sequence: works on any terminal.
+        if shown:  # padding over the note, not an escape sequence: works on any terminal
             with contextlib.suppress(OSError, ValueError):
                 out.write("\r" + " " * len(note) + "\r")
                 out.flush()

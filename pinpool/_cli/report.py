@@ -105,34 +105,21 @@ def plan_report(plan: PoolPlan, *, pool: str, layout: str, size: int, runtime: s
         "populate": plan.populate,
         "huge_pages": plan.huge_pages,
         "numa_node": plan.numa_node,
-        "workers": {
-            "populate": plan.populate_workers,
-            "register": plan.register_workers,
-            "unpin": plan.unpin_workers,
-            "threads": plan.threads,
-        },
+        "workers": {"populate": plan.populate_workers, "register": plan.register_workers,
+                    "unpin": plan.unpin_workers, "threads": plan.threads},
         "span_bytes": plan.span_bytes,
         "spans": len(plan.spans),
         "lookahead_bytes": plan.lookahead_bytes,
         "buffers": [
-            {
-                "name": b.spec.name,
-                "shape": list(b.spec.shape),
-                "dtype": str(b.spec.dtype).removeprefix("torch."),
-                "nbytes": b.spec.nbytes,
-                "granularity_bytes": b.spec.granularity,
-                "offset": b.offset,
-                "chunks": len(b.chunks),
-            }
+            {"name": b.spec.name, "shape": list(b.spec.shape), "dtype": str(b.spec.dtype).removeprefix("torch."),
+             "nbytes": b.spec.nbytes, "granularity_bytes": b.spec.granularity, "offset": b.offset,
+             "chunks": len(b.chunks)}
             for b in plan.buffers
         ],
-        "chunks": {
-            "count": len(plan.chunks),
-            "runs": [{"offset": o, "nbytes": n, "count": c} for o, n, c in plan.chunks.runs],
-            "head": head,
-            "tail": tail,
-        },
-    }
+        "chunks": {"count": len(plan.chunks),
+                   "runs": [{"offset": o, "nbytes": n, "count": c} for o, n, c in plan.chunks.runs],
+                   "head": head, "tail": tail},
+    }  # fmt: skip
 
 
 def plan_text(report: dict[str, Any]) -> list[str]:
@@ -140,20 +127,10 @@ def plan_text(report: dict[str, Any]) -> list[str]:
     runtime = r["runtime"] + ("" if r["runtime_available"] else " (not available on this host)")
     buffers = _table(
         ("name", "shape", "dtype", "bytes", "granularity", "offset", "chunks"),
-        [
-            (
-                b["name"],
-                str(tuple(b["shape"])),
-                b["dtype"],
-                f"{format_bytes(b['nbytes'])} ({b['nbytes']} B)",
-                _gran(b["granularity_bytes"]),
-                str(b["offset"]),
-                str(b["chunks"]),
-            )
-            for b in r["buffers"]
-        ],
+        [(b["name"], str(tuple(b["shape"])), b["dtype"], f"{format_bytes(b['nbytes'])} ({b['nbytes']} B)",
+          _gran(b["granularity_bytes"]), str(b["offset"]), str(b["chunks"])) for b in r["buffers"]],
         right=frozenset({5, 6}),
-    )
+    )  # fmt: skip
     lines = [
         *fit(f"plan for pool {r['pool']!r}: {format_bytes(r['nbytes'])} of layout {r['layout']}, runtime {runtime}; "
              "nothing is allocated or pinned"),
@@ -228,12 +205,7 @@ def _latency(events: EventLog) -> dict[str, Any] | None:
     calls = list(events.register_seconds)
     if not calls:
         return None
-    return {
-        "calls": len(calls),
-        "p50_s": percentile(calls, 50),
-        "p99_s": percentile(calls, 99),
-        "max_s": max(calls),
-    }
+    return {"calls": len(calls), "p50_s": percentile(calls, 50), "p99_s": percentile(calls, 99), "max_s": max(calls)}
 
 
 _CALL_MEANS = {

@@ -30,8 +30,7 @@ __all__ = [
     "runtime_choices", "runtime_info", "runtime_infos"
 ]  # fmt: skip
 
-# Public names report this module, as pinpool's top level does, so reprs and docs say
-# pinpool.runtimes.X.
+# Public names report this module, as pinpool's top level does (reprs and docs say pinpool.runtimes.X).
 for _name in __all__:
     _obj = globals()[_name]
     if isinstance(_obj, type) and _obj.__module__.startswith(f"{__name__}._"):

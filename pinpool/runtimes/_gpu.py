@@ -1,11 +1,8 @@
 """Host registration through torch's ``cudart`` binding: CudaRuntime and RocmRuntime, written once.
 
-``torch.cuda.cudart()`` is the same binding on both builds: on ROCm torch is hipified, so
-``cudaHostRegister`` calls ``hipHostRegister`` and returns a ``hipError_t`` (the ``cuda*`` names
-are kept). What differs (the error table, the library holding the calls the binding lacks, the
-torch build each may run on) is a :class:`GpuApi`; :class:`HostRegisterRuntime` is the rest.
-``from_binding`` takes a binding and library (e.g. :class:`pinpool.testing.FakeCudart`), so this
-runs in CI on CPU. The CUDA driver's own facts, which ``pinpool doctor`` reports, are read here too.
+On ROCm torch is hipified: the binding's ``cudaHostRegister`` calls ``hipHostRegister`` and returns
+a ``hipError_t``. What differs is a :class:`GpuApi`. ``from_binding`` takes e.g.
+:class:`pinpool.testing.FakeCudart`, so this runs in CI on CPU. Also: the CUDA driver facts ``pinpool doctor`` reports.
 """
 
 from __future__ import annotations
@@ -106,9 +103,8 @@ class HostRegisterRuntime:
     """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table.
 
     ``device``: made current in the calling worker thread for each call. ``flags``: 0 = default,
-    1 = portable, 2 = mapped, 8 = read-only (the same under HIP). A failed call's sticky "last
-    error" is cleared at once in that thread, so the next, unrelated GPU call does not misreport
-    it; that needs the library's ``...GetLastError`` (``clears_sticky_errors``: whether found).
+    1 = portable, 2 = mapped, 8 = read-only. A failed call's sticky "last error" is cleared at once
+    in that thread, so the next, unrelated GPU call does not misreport it (``clears_sticky_errors``).
     """
 
     name: str
@@ -139,13 +135,9 @@ class HostRegisterRuntime:
     def from_binding(
         cls, binding: CudartBinding, *, library: Any | None = None, device: int = 0, flags: int = 0
     ) -> Self:
-        """This runtime on a binding shaped like ``torch.cuda.cudart()`` (e.g. :class:`pinpool.testing.FakeCudart`
-        on a host without a GPU), skipping the plain constructor's platform checks; a binding that
-        names its ``platform`` must name this runtime's. ``library``: what holds
-        ``<prefix>GetLastError()`` and ``<prefix>GetErrorName(code) -> bytes``; None: the binding
-        itself where it has ``cudaGetLastError`` (torch's has not: ``clears_sticky_errors``).
-        ``device`` is made current with ``torch.cuda.device`` where torch sees a GPU.
-        """
+        """This runtime on a binding shaped like ``torch.cuda.cudart()``, without the platform checks.
+        ``library``: what holds ``<prefix>GetLastError()`` and ``<prefix>GetErrorName(code) -> bytes``;
+        None: the binding itself where it has ``cudaGetLastError`` (torch's has not)."""
         _check_flags(flags, cls._api)
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
             raise ConfigError(f"device={device!r} must be a non-negative device index (int)")
@@ -179,7 +171,6 @@ class HostRegisterRuntime:
         device: int,
         flags: int,
     ) -> None:
-        """``getters``: the library's ``<prefix>GetLastError`` and ``<prefix>GetErrorName``, each or None."""
         self.device = device
         self.flags = flags
         self._binding = binding
@@ -189,7 +180,6 @@ class HostRegisterRuntime:
 
     @classmethod
     def _require_platform(cls, torch: Any) -> None:
-        """Raise ConfigError unless this torch build and host can run this runtime."""
         hip = torch.version.hip
         build = f"HIP {hip}" if hip else f"CUDA build {torch.version.cuda}"
         if bool(hip) != (cls._api.runtime == "rocm"):
@@ -219,8 +209,7 @@ class HostRegisterRuntime:
         if rc:
             raise self._error(self._api.unregister_op, rc, ptr, 0)
 
-    def _clear_last_error(self) -> None:
-        """Clear the failure's sticky error; called in the thread that made the failed call."""
+    def _clear_last_error(self) -> None:  # in the thread that made the failed call
         if self._get_last_error is not None:
             self._get_last_error()
 
@@ -234,11 +223,8 @@ class HostRegisterRuntime:
         return RuntimeCallError(op=op, code=rc, reason=name, message=message, ptr=ptr, nbytes=nbytes)
 
     def _error_name(self, rc: int) -> str:
-        """The library's name for a code missing from the table, if it really knows the code.
-
-        CUDA answers "unrecognized error code" and HIP "hipErrorUnknown" for codes they do not
-        know; neither is a name for *this* code, so those get ``<prefix><code>``.
-        """
+        """The library's name for a code missing from the table, if it really knows it (CUDA answers
+        "unrecognized error code" and HIP "hipErrorUnknown" for codes they do not: ``<prefix><code>``)."""
         fallback = f"{self._api.error_prefix}{rc}"
         if self._get_error_name is None:
             return fallback
@@ -260,7 +246,6 @@ _BINDING_CALLS = ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString"
 
 
 def _library_calls(library: Any, api: GpuApi) -> tuple[Callable[[], object] | None, Callable[[int], object] | None]:
-    """The library's ``<prefix>GetLastError`` and ``<prefix>GetErrorName`` (None where it lacks one)."""
     return getattr(library, api.get_last_error, None), getattr(library, api.get_error_name, None)
 
 
@@ -343,14 +328,11 @@ class CudaRuntime(HostRegisterRuntime):
 
 
 class RocmRuntime(HostRegisterRuntime):
-    """``hipHostRegister``/``hipHostUnregister`` on AMD GPUs, through torch's hipified ``torch.cuda.cudart()``,
-    with HIP's error table. ``device`` is an index or ``"cuda:N"`` (torch calls ROCm GPUs ``cuda``).
+    """``hipHostRegister``/``hipHostUnregister`` on AMD GPUs, through torch's hipified ``torch.cuda.cudart()``.
 
-    Device pointers: separately registered adjacent ranges do **not** get adjacent device aliases
-    on ROCm, so never compute one as a chunk's device base plus an offset into another chunk; look
-    it up per chunk. Capabilities as CUDA's (1 and 2 retried, 1062 on unregister: released by
-    someone else; registration declared serial, not measured on ROCm), except exact byte ranges:
-    unverified for HIP, so neighbours never share an OS page.
+    Separately registered adjacent ranges do **not** get adjacent device aliases on ROCm: look a
+    device pointer up per chunk. Capabilities as CUDA's (serial: declared, not measured on ROCm),
+    except exact byte ranges: unverified for HIP, so neighbours never share an OS page.
     """
 
     name = "rocm"

@@ -17,16 +17,13 @@ from .._ranges import RangeBook
 from .._types import Capabilities
 from .._units import format_bytes
 
-__all__ = ["MlockRuntime", "lock_range", "mlock_error_message", "unlock_range"]
-
 
 class _SharedPages:
-    """Holders of every OS page some registration covers only in part, process-wide.
+    """Holders of every OS page some registration covers only in part, process-wide (as locks are).
 
-    mlock counts nothing: ``munlock`` of one range unlocks every page it touches, whoever else
-    needs it, and chunks of a tensor that starts mid-page share the page at each boundary. So a
-    shared page is locked alone by its first holder and unlocked by its last; whole pages belong
-    to one registration. One table per process, as locks are the process's.
+    mlock counts nothing: ``munlock`` of one range unlocks every page it touches, whoever else needs
+    it, and chunks of a tensor that starts mid-page share the page at each boundary. So a shared page
+    is locked alone by its first holder and unlocked by its last.
     """
 
     def __init__(self) -> None:
@@ -72,7 +69,6 @@ class _SharedPages:
                 _libc.munlock(page, _libc.PAGE_SIZE)
 
     def holders(self, page: int) -> int:
-        """How many registrations hold the page starting at ``page`` (for tests)."""
         with self._lock:
             return self._holders.get(page, 0)
 
@@ -82,10 +78,8 @@ SHARED_PAGES = _SharedPages()
 
 class _OwnLocks:
     """The pages every MlockRuntime here holds locked, to tell pinpool's locks from foreign ones in
-    /proc/self/smaps. Recorded *before* locking and forgotten *after* unlocking, so the record covers
-    what pinpool locked; a :meth:`scan` also keeps what is forgotten while it reads, so its answer
-    covers every page pinpool held at any moment of the read.
-    """
+    /proc/self/smaps: recorded *before* locking, forgotten *after* unlocking, and a :meth:`scan` keeps
+    what is forgotten while it reads, so it covers every page pinpool held at any moment of the read."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -140,8 +134,7 @@ class _Pages:
         self._los = [lo for lo, _ in merged]
         self._his = [hi for _, hi in merged]
 
-    def bytes_in(self, lo: int, hi: int) -> int:
-        """How many bytes of ``[lo, hi)`` the union covers (each byte once)."""
+    def bytes_in(self, lo: int, hi: int) -> int:  # each byte once
         total = 0
         i = max(0, bisect.bisect_right(self._los, lo) - 1)
         while i < len(self._los) and self._los[i] < hi:
@@ -150,7 +143,6 @@ class _Pages:
         return total
 
     def covers(self, lo: int, hi: int) -> bool:
-        """Whether the union covers all of ``[lo, hi)``."""
         i = bisect.bisect_right(self._los, lo) - 1
         return i >= 0 and self._his[i] >= hi
 
@@ -158,8 +150,8 @@ class _Pages:
 OWN_LOCKS = _OwnLocks()
 
 
-def _page_span(ptr: int, nbytes: int) -> tuple[int, int]:
-    """``[ptr, +nbytes)`` rounded out to whole pages: every page a registration of it locks or shares."""
+def page_span(ptr: int, nbytes: int) -> tuple[int, int]:
+    """``[ptr, +nbytes)`` rounded out to whole OS pages: every page a registration of it locks or shares."""
     page = _libc.PAGE_SIZE
     return ptr - ptr % page, -(-(ptr + max(nbytes, 1)) // page) * page
 
@@ -205,12 +197,9 @@ def unlock_range(ptr: int, nbytes: int) -> int:
 
 
 class MlockRuntime:
-    """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts.
-
-    Not CUDA pinning (a GPU copies from it at pageable speed), but it faults, locks and charges
-    RLIMIT_MEMLOCK as pinning does, so tests and benchmarks exercise the real kernel path.
-    Registrations are kept by exact byte range, partial pages counted (``exact_ranges``). No errno
-    is worth retrying smaller: the limit counts the whole pool, however it is split.
+    """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts: not CUDA pinning (a GPU
+    copies from it at pageable speed), but it faults, locks and charges RLIMIT_MEMLOCK as pinning does.
+    No errno is worth retrying smaller: the limit counts the whole pool, however it is split.
     """
 
     name = "mlock"
@@ -226,12 +215,10 @@ class MlockRuntime:
         self._book = RangeBook()
 
     @property
-    def registered(self) -> dict[int, int]:
-        """Bases → sizes this runtime currently holds locked."""
+    def registered(self) -> dict[int, int]:  # bases → sizes held locked now
         return self._book.snapshot()
 
     def register(self, ptr: int, nbytes: int) -> None:
-        """mlock: fault in and lock every page of the range."""
         self._lock(ptr, nbytes, _libc.mlock, "mlock")
 
     def lock_on_fault(self, ptr: int, nbytes: int) -> None:
@@ -246,10 +233,10 @@ class MlockRuntime:
                 op=op, code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
-        OWN_LOCKS.add(*_page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
+        OWN_LOCKS.add(*page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
         err = lock_range(ptr, nbytes, call)
         if err:
-            OWN_LOCKS.remove(*_page_span(ptr, nbytes))
+            OWN_LOCKS.remove(*page_span(ptr, nbytes))
             self._book.pop(ptr)
             raise RuntimeCallError(
                 op=op, code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
@@ -270,7 +257,7 @@ class MlockRuntime:
             )  # fmt: skip
         err = unlock_range(ptr, nbytes)
         if not err:
-            OWN_LOCKS.remove(*_page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
+            OWN_LOCKS.remove(*page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
         if err:
             self._book.add(ptr, nbytes)  # still (partly) locked: keep it on the books
             raise RuntimeCallError(
@@ -280,13 +267,9 @@ class MlockRuntime:
 
 
 def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
-    """The first mapping overlapping the range locked by someone else than pinpool, per /proc/self/smaps.
-
-    Per mapping, smaps gives ``Locked:`` (resident locked pages) and ``lo`` in ``VmFlags`` (mlock
-    splits mappings, so a locked mapping is a run of locked pages). Foreign: more ``Locked:`` than
-    pinpool's own pages (:data:`OWN_LOCKS`) there, or locked beyond them. A foreign lock of a page
-    pinpool holds too cannot be told apart (the kernel keeps no count).
-    """
+    """The first mapping overlapping the range locked by someone else than pinpool, per /proc/self/smaps:
+    more ``Locked:`` than pinpool's own pages there, or ``lo`` in ``VmFlags`` beyond them (a foreign
+    lock of a page pinpool holds too cannot be told apart: the kernel keeps no count)."""
     end = ptr + nbytes
     mappings: list[_Mapping] = []
     current: _Mapping | None = None

@@ -1,13 +1,7 @@
-"""What a runtime is, and the one registry of runtime names.
-
-A runtime's abilities are *declared* (its ``capabilities``), never guessed from which attributes it
-happens to have: an inherited method, a mock's auto-attribute or a forwarding wrapper would switch
-on a code path nobody asked for. The declaration is checked once, when the runtime is resolved, so
-a false one fails at construction with a message, not midway through pinning a terabyte.
-
-Each registered name maps to a factory, a one-line description and a check of whether it can run
-here. ``resolve_runtime``, ``RUNTIME_NAMES``, ``runtime_choices()`` and the table in
-docs/operations.md all come from here (a test holds the docs to it): adding a runtime is one entry.
+"""What a runtime is, and the one registry of runtime names (docs/operations.md's table too: a test
+holds it to this one). Abilities are *declared*, never guessed from attributes (an inherited method
+or a mock's auto-attribute would switch on a path nobody asked for), and checked at resolution, so a
+false declaration fails at construction, not midway through pinning a terabyte.
 """
 
 from __future__ import annotations
@@ -133,8 +127,7 @@ _INFOS = (
 )  # fmt: skip
 _REGISTRY: dict[str, RuntimeInfo] = {info.name: info for info in _INFOS}
 
-RUNTIME_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-"""Every name ``runtime=`` accepts, ``"auto"`` first."""
+RUNTIME_NAMES: tuple[str, ...] = tuple(_REGISTRY)  # every name runtime= accepts, "auto" first
 
 
 def runtime_infos() -> tuple[RuntimeInfo, ...]:
@@ -175,12 +168,10 @@ def resolve_runtime(runtime: str | Runtime) -> Runtime:
 
 
 def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | None:
-    """The declared capabilities that say what pinning with ``runtime`` costs the host: a runtime
-    object's, a :class:`Capabilities` as given, or a registered name's, read from its class without
-    building it; None for None or an unknown name (resolving it raises). ``"auto"`` is judged from
-    the host facts without starting a GPU driver: mlock unless torch was built for CUDA with the
-    NVIDIA driver loaded, or for ROCm with /dev/kfd (a GPU stack with no visible device resolves to
-    mlock after all: its memlock shortfall surfaces as mlock's ENOMEM, after a full rollback).
+    """The declared capabilities that say what pinning with ``runtime`` costs the host, read from a
+    registered name's class without building it; None for None or an unknown name. ``"auto"`` is
+    judged from the host facts without starting a GPU driver (a GPU stack with no visible device
+    resolves to mlock after all: its memlock shortfall then surfaces as mlock's ENOMEM, after a rollback).
     """
     if runtime is None or isinstance(runtime, Capabilities):
         return runtime

@@ -1,26 +1,11 @@
-"""Test helpers for pinpool and for code built on it.
+"""Test helpers for pinpool and for code built on it (docs/testing.md is the guide).
 
-:class:`FakeRuntime` registers nothing for real; it keeps the books CUDA would keep, fails
-on request, and records every call, so you can test failure, rollback and cancellation
-paths of your own server without a GPU or locked memory::
-
-    fake = FakeRuntime(fail_register_on=3)
-    with pytest.raises(pinpool.PinError):
-        with pinpool.PinnedPool(size="1GiB", chunk_bytes="128MiB", runtime=fake, max_retries=0):
-            ...
-    assert fake.registered == {}
-
-Injected register failures report code 2, which the fake declares retryable as CUDA does, so
-a pool would retry a failed chunk of two alignment units or more as halves, down to one; pass
-``max_retries=0`` to test the plain failure path, or keep retries on to test them.
-
-:class:`FakeCudart` stands in for ``torch.cuda.cudart()`` instead: it keeps CUDA's
-registration books (712, 713, the sticky last error) and really locks pages, so pinpool's own
-CUDA runtime code (``CudaRuntime.from_binding(FakeCudart())``) and a server's own pinning code
-run on CPU side by side (see docs/testing.md).
-
-:func:`host_facts` builds a hand-made host for planning tests; :func:`assert_released` checks a
-closed pool left nothing behind; :func:`locked_bytes` reads this process's locked memory.
+:class:`FakeRuntime` pins nothing: it keeps the books CUDA would keep, fails on request and
+records every call, so a server's failure, rollback and cancellation paths run without a GPU or
+locked memory. :class:`FakeCudart` stands in for ``torch.cuda.cudart()`` and really locks pages,
+so CUDA runtime code (``CudaRuntime.from_binding(FakeCudart())``) runs on CPU. :func:`host_facts`
+builds a hand-made host, :func:`assert_released` checks a closed pool left nothing behind, and
+:func:`locked_bytes` reads this process's locked memory.
 """
 
 from __future__ import annotations
@@ -39,7 +24,7 @@ from .._ranges import PINNED_RANGES, RangeBook
 from .._types import Capabilities
 from .._units import parse_size
 from ..runtimes._gpu import CUDA, HIP, GpuApi
-from ..runtimes._mlock import lock_range, unlock_range
+from ..runtimes._mlock import lock_range, page_span, unlock_range
 
 if TYPE_CHECKING:
     from .._pool.pool import PinnedPool
@@ -74,27 +59,8 @@ def _check_hook(hook: object, what: str) -> None:
 
 
 class FakeRuntime:
-    """A thread-safe stand-in for a pinning runtime, with fault injection (docs/testing.md has the tables).
-
-    ``fail_register_on`` / ``fail_unregister_on`` / ``fail_populate_on``: 1-based indices (an int
-    or a set) of the calls that fail, counted over this runtime's lifetime; :meth:`fail_next`
-    fails the next ``k`` calls of one op, whenever they come. ``fail_register_larger_than``: a
-    size over which register calls fail, as a driver's per-call cap does. ``*_delay``: seconds
-    each call sleeps, outside the lock, so concurrent calls really overlap.
-
-    CUDA's rules: registering over a registered byte fails with 712, unregistering anything but
-    a registered base with 713; injected failures report 2 (retryable, as on CUDA; populate:
-    ENOMEM); a failed register leaves nothing registered, a failed unregister leaves it
-    registered. ``exact_ranges=False`` books whole pages instead (as ROCm is treated), so a
-    register sharing an OS page with a registered one fails with 712. ``lock_on_fault=True``
-    declares ``locks_on_fault`` (as mlock): chunks are registered before they are faulted.
-    Populate touches no memory and ``resident`` is False, so the pre-flight charges nothing.
-
-    ``before_call`` / ``after_call``: None or ``hook(op, ptr, nbytes)`` (nbytes 0 for
-    unregister), run in the calling thread outside the lock around every call; ``before_call``
-    runs before the call is recorded (raising, it prevents the call), ``after_call`` once the
-    books are updated, failed or not (raising after a successful register, it leaves the range
-    registered, as an interrupt just after the driver returned would). Plain attributes.
+    """A thread-safe stand-in for a pinning runtime, with fault injection; docs/testing.md has the
+    options, CUDA's rules it follows (712, 713, injected failures report retryable 2) and the hooks.
 
     Books: ``registered`` (base → nbytes), ``register_calls`` / ``populate_calls`` (every
     ``(ptr, nbytes)`` asked, failed ones included), ``unregister_calls`` (every ptr),
@@ -167,12 +133,8 @@ class FakeRuntime:
         return self._book.snapshot()
 
     def fail_next(self, k: int, op: str = "register") -> None:
-        """Make the next ``k`` calls of ``op`` fail, counted from now, whichever thread makes them.
-
-        ``op``: ``"register"`` (lock-on-fault calls included) or ``"unregister"``, failing with
-        ``cudaErrorMemoryAllocation`` (2), or ``"populate"``, failing with ENOMEM (12). Replaces
-        what is still pending for that op; ``k=0`` disarms it.
-        """
+        """Make the next ``k`` calls of ``op`` fail (register and unregister with 2, populate with
+        ENOMEM), whichever thread makes them; replaces what is pending for ``op``, ``k=0`` disarms."""
         if op not in _OPS:
             raise ConfigError(f"op={op!r} is not a FakeRuntime call; choose one of {', '.join(map(repr, _OPS))}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -180,15 +142,14 @@ class FakeRuntime:
         with self._lock:
             self._fail_next[op] = k
 
-    def _take_fail_next(self, op: str) -> bool:
-        """Under the lock: whether this call is one of the armed ones."""
+    def _take_fail_next(self, op: str) -> bool:  # under the lock
         if self._fail_next[op]:
             self._fail_next[op] -= 1
             return True
         return False
 
     def _around(self, op: str, ptr: int, nbytes: int, call: Callable[[], None]) -> None:
-        """Run ``call`` between the hooks, in the order the class docstring promises."""
+        """``before_call`` may prevent the call; ``after_call`` runs whether it failed or not."""
         before = self.before_call
         if before is not None:
             before(op, ptr, nbytes)
@@ -202,12 +163,10 @@ class FakeRuntime:
     def register(self, ptr: int, nbytes: int) -> None:
         self._around("register", ptr, nbytes, lambda: self._register(ptr, nbytes))
 
-    def lock_on_fault(self, ptr: int, nbytes: int) -> None:
-        """Register the range before it is faulted; used when ``lock_on_fault=True`` declares it."""
+    def lock_on_fault(self, ptr: int, nbytes: int) -> None:  # used when lock_on_fault=True declares it
         self.register(ptr, nbytes)
 
-    def populate(self, ptr: int, nbytes: int) -> None:
-        """Stand-in for pre-faulting ``[ptr, +nbytes)``; touches nothing."""
+    def populate(self, ptr: int, nbytes: int) -> None:  # touches nothing
         self._around("populate", ptr, nbytes, lambda: self._populate(ptr, nbytes))
 
     def unregister(self, ptr: int) -> None:
@@ -240,7 +199,7 @@ class FakeRuntime:
                 raise self._error("cudaHostRegister", _ALREADY_REGISTERED, ptr, nbytes,
                                   f"overlaps registered [{overlap[0]:#x}, +{overlap[1]})")  # fmt: skip
             if self._pages is not None:
-                lo, hi = _page_extent(ptr, nbytes)
+                lo, hi = page_span(ptr, nbytes)
                 shared = self._pages.add(lo, hi - lo)
                 if shared is not None:
                     self._book.pop(ptr)
@@ -283,18 +242,12 @@ class FakeRuntime:
             raise self._error("cudaHostUnregister", _NOT_REGISTERED, ptr, 0,
                               "not the base of a registered range")  # fmt: skip
         if self._pages is not None:
-            self._pages.pop(_page_extent(ptr, 1)[0])
+            self._pages.pop(page_span(ptr, 1)[0])
 
     @staticmethod
     def _error(op: str, code_name: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
         code, reason = code_name
         return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
-
-
-def _page_extent(ptr: int, nbytes: int) -> tuple[int, int]:
-    """``[ptr, +nbytes)`` rounded out to whole OS pages."""
-    page = _libc.PAGE_SIZE
-    return ptr - ptr % page, -(-(ptr + max(nbytes, 1)) // page) * page
 
 
 _HOST = HostFacts(
@@ -306,10 +259,8 @@ _HOST = HostFacts(
 
 
 def host_facts(**changes: Any) -> HostFacts:
-    """A healthy Linux host, with ``changes`` (HostFacts fields): 8 CPUs, 4 KiB pages, THP on
-    madvise, MADV_POPULATE_WRITE, CAP_IPC_LOCK, no memory cgroup, 64 GiB available, one NUMA
-    node, no hugetlb pages, no GPU driver. For planning and pre-flight tests that must not
-    depend on the machine they run on."""
+    """The healthy Linux host above (64 GiB available, one NUMA node, no GPU driver) with ``changes``
+    (HostFacts fields), for planning and pre-flight tests that must not depend on the machine."""
     return dataclasses.replace(_HOST, **changes)
 
 
@@ -326,14 +277,9 @@ def assert_released(
     locked_before: int | None = None,
     timeout: float = 5.0,
 ) -> None:
-    """Assert that ``pool`` is closed and left nothing behind.
-
-    Checks that ``fake`` (when given) has nothing registered; that pinpool's process-wide claims
-    are ``claims_before`` (the claims before the test; without it, that no claim holds a range the
-    fake was asked to register); that the pool is closed; that none of its threads
-    (``pinpool-<name>...``) is alive, waiting up to ``timeout`` seconds for one that is returning;
-    and, with ``locked_before`` (:func:`locked_bytes` before the pool), that VmLck is back to it.
-    """
+    """Assert that ``pool`` is closed and left nothing behind: ``fake`` (when given) holds nothing; the
+    range claims are ``claims_before`` (without it: none holds a range ``fake`` registered); no thread
+    ``pinpool-<name>...`` outlives ``timeout``; with ``locked_before``, VmLck is back to it."""
     if fake is not None:
         assert fake.registered == {}, f"still registered: {fake.registered}"
     claims = PINNED_RANGES.snapshot()
@@ -404,18 +350,9 @@ class _ErrorValue:
 
 
 class FakeCudart:
-    """Stands in for ``torch.cuda.cudart()`` and for the runtime library torch loaded (docs/testing.md).
-
-    CUDA's books, by exact byte range: registering over a registered byte returns 712 (1061 under
-    ``platform="rocm"``), unregistering anything but a live base 713 (1062), a size of 0 returns 1;
-    every failed call sets the calling thread's sticky last error (:meth:`cudaGetLastError`).
-    ``lock=True`` (default) really mlocks what is registered, so VmLck moves as it would (a page
-    shared with a neighbour, its or an MlockRuntime's, stays locked until its last holder goes); a
-    lock the kernel refuses returns 2 and registers nothing. ``lock=False`` keeps the books only.
-    Faults: :meth:`refuse_above` (a per-call cap) and :meth:`fail`; an injected failure changes no
-    books. Records: :attr:`registered`, :attr:`calls`. Thread-safe. Use it as
-    ``CudaRuntime.from_binding(FakeCudart())`` or to answer a server's own ``torch.cuda.cudart()``.
-    """
+    """Stands in for ``torch.cuda.cudart()`` and the runtime library torch loaded, thread-safe; its
+    books, codes (712/713, 1061/1062 under ``platform="rocm"``), sticky last error, page locking
+    (``lock=True``) and faults are in docs/testing.md. An injected failure changes no books."""
 
     def __init__(self, *, platform: str = "cuda", lock: bool = True) -> None:
         if platform not in _APIS:
@@ -436,11 +373,8 @@ class FakeCudart:
     def __repr__(self) -> str:
         return f"FakeCudart(platform={self.platform!r}, lock={self.lock})"
 
-    # -- the binding -------------------------------------------------------------------------------
-
     @property
-    def cudaError(self) -> Callable[[int], Any]:
-        """``code -> value`` accepted by :meth:`cudaGetErrorString`, as torch's binding's enum."""
+    def cudaError(self) -> Callable[[int], Any]:  # as torch's binding's enum
         return _ErrorValue
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
@@ -462,24 +396,18 @@ class FakeCudart:
         code = int(error)
         return _TEXTS.get(code, _UNKNOWN_TEXT[self.platform])
 
-    # -- the library (libcudart / libamdhip64) -----------------------------------------------------
-
-    def cudaGetLastError(self) -> int:
-        """The calling thread's sticky last error, cleared (0 when there is none)."""
+    def cudaGetLastError(self) -> int:  # the calling thread's sticky last error, cleared
         code: int = getattr(self._sticky, "code", 0)
         self._sticky.code = 0
         return code
 
     def cudaGetErrorName(self, code: int) -> bytes:
-        """The code's name (``cudaErrorMemoryAllocation``), or what the library answers for a code it does not know."""
         known = self._api.errors.get(int(code))
         return known[0].encode() if known else _UNKNOWN_NAME[self.platform]
 
     # The same calls under HIP's names, so the fake also stands in for libamdhip64 (library=fake).
     hipGetLastError = cudaGetLastError
     hipGetErrorName = cudaGetErrorName
-
-    # -- books and fault injection ---------------------------------------------------------------
 
     @property
     def registered(self) -> dict[int, int]:
@@ -501,9 +429,8 @@ class FakeCudart:
             self._cap = (nbytes, rc)
 
     def fail(self, op: str, rc: int, *, times: int = 1, when: When | None = None) -> None:
-        """The next ``times`` calls of ``op`` (``"register"`` or ``"unregister"``) for which
-        ``when(ptr, nbytes)`` is true (every call, for ``when=None``) return ``rc``. Rules are kept
-        in the order given; a call takes the first that matches."""
+        """The next ``times`` calls of ``op`` for which ``when(ptr, nbytes)`` holds (``None``: every call)
+        return ``rc``; a call takes the first matching rule, in the order given."""
         if op not in _CUDART_OPS:
             raise ConfigError(f"op={op!r} is not a FakeCudart call; choose 'register' or 'unregister'")
         _check_code(rc)
@@ -512,8 +439,6 @@ class FakeCudart:
             raise ConfigError(f"when={when!r} must be None or a callable when(ptr, nbytes) -> bool")
         with self._mutex:
             self._faults.append((op, rc, times, when))
-
-    # -- under the mutex ---------------------------------------------------------------------------
 
     def _injected(self, op: str, ptr: int, nbytes: int) -> int:
         for i, (fault_op, rc, left, when) in enumerate(self._faults):
