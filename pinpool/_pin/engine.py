@@ -32,12 +32,12 @@ from .._host.libc import MADV_POPULATE_WRITE, lower_this_thread
 from .._host.mapping import populate_range
 from .._observe import Observer
 from .._plan.calls import CallSizer, Pacer, retry_splitter
-from .._plan.chunks import Chunk
+from .._plan.chunks import Chunk, Order, Span
 from .._plan.prefix import PrefixTracker
 from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
-from .pipeline import WAIT, Landing, Order, Pipeline, Span, _Wait, take_batch
+from .pipeline import WAIT, Landing, Pipeline, _Wait, take_batch
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions

@@ -59,9 +59,8 @@ class Ledger:
         self.in_flight = 0
         self.registered_bytes = 0  # chunks that count whole now, and leaked ones (maybe still pinned)
         self.chunks_done = 0  # counted, not summed: progress is read every tick
-        # Bytes pinned of chunks that do not count whole (yet, or ever): registered pieces, faulted
-        # spans under lock-on-fault. Pinned as surely as a whole chunk, they count until it is
-        # unregistered, also when it failed or stopped part-way (pinned_bytes).
+        # Bytes pinned of chunks not counted whole (yet, or ever: failed or stopped part-way):
+        # registered pieces, faulted lock-on-fault spans; they count until unregistered.
         self._part_bytes: dict[int, int] = {}
         self._part_total = 0
         self.pending = len(self.chunks)  # not yet handed out (nor failed before their registration)
@@ -128,15 +127,8 @@ class Ledger:
         self._part_bytes[index] = self._part_bytes.get(index, 0) + nbytes
         self._part_total += nbytes
 
-    def _drop_part(self, index: int) -> int:
-        nbytes = self._part_bytes.pop(index, 0)
-        self._part_total -= nbytes
-        return nbytes
-
-    def registered_in_pieces(self, index: int, pieces: Sequence[Chunk], *, faulting: bool = False) -> None:
-        """A chunk registered as several calls after retries: teardown unregisters each piece's base."""
-        self.registered(index, faulting=faulting)
-        self.pieces[index] = tuple(pieces)
+    def _drop_part(self, index: int) -> None:
+        self._part_total -= self._part_bytes.pop(index, 0)
 
     def partly_registered(
         self,
@@ -290,12 +282,10 @@ _BY_OFFSET = operator.attrgetter("offset")
 class RegistrationBook:
     """What the runtime has registered right now, call by call: ``pool.registrations``.
 
-    The worker that made a call writes it as the call returns (register) or succeeds (unregister):
-    one byte store per whole chunk, one dict store per piece, without the session lock, so the
-    books never lag by a batch. Each write is one atomic operation on a bytearray or dict (the GIL;
-    free-threading: the object's lock) and :meth:`snapshot` copies each in one, so a reader sees
-    every call that returned before it read. A failed unregister leaves its range here.
-    """
+    The worker that made a call writes it as the call returns (register) or succeeds (unregister),
+    without the session lock, so the books never lag by a batch: each write is one atomic store on a
+    bytearray or dict (the GIL; free-threading: the object's lock) and :meth:`snapshot` copies each in
+    one, so a reader sees every call that returned before it read. A failed unregister stays here."""
 
     __slots__ = ("_chunks", "_pieces", "_whole")
 

@@ -1,12 +1,6 @@
-"""The pinning pipeline: which populate span or chunk registration a worker does next.
-
-Pure, like the ledger it drives: the engine calls it under one lock and sleeps when it says
-``WAIT``. ``POPULATE_FIRST`` (CUDA): spans are faulted at most ``lookahead_bytes`` of whole chunks
-ahead of the serial registration (the front chunk always may, however large); ``REGISTER_FIRST``
-(mlock): each chunk is registered lock-on-fault, then faulted in parallel, one pass instead of
-two; ``REGISTER_ONLY``: the registration faults the pages itself (docs/concepts.md, "The
-pipeline"). How each item ended comes back as one :class:`Landing` through :meth:`Pipeline.land`.
-"""
+"""The pinning pipeline: which populate span or chunk registration a worker does next, and how each
+ended (one :class:`Landing`). Pure, like the ledger it drives: the engine calls it under one lock and
+sleeps when it says ``WAIT``. The orders and the lookahead: docs/concepts.md, "The pipeline"."""
 
 from __future__ import annotations
 
@@ -21,8 +15,6 @@ from .._errors import ChunkFailure, LedgerError, RuntimeCallError
 from .._plan.chunks import Chunk, Order, Span, SpanTable
 from .._plan.prefix import PrefixTracker
 from .ledger import ChunkState, Ledger, Phase
-
-__all__ = ["WAIT", "Batch", "Landing", "Order", "Pipeline", "Span", "SpanTable", "split_spans"]
 
 T = TypeVar("T")
 
@@ -49,24 +41,16 @@ class Batch:
 
 @dataclass(frozen=True)
 class Landing:
-    """What the calls on one handed-out item (a chunk index or a span) did.
-
-    ``error``: the call that failed (pinning stops); ``stopped``: pinning stopped before it was
-    done or called. ``pieces``: what was registered, in call order, of a chunk registered in
-    several calls (empty or the chunk itself: one call); rollback undoes those of a failed chunk.
-    ``attempts``: every failed call (empty: just ``error``). ``partial``: progress, ``pieces`` are
-    pinned and the item stays in flight. ``maybe``: ranges that failed untrusted, undone like
-    ``pieces``, never pinned. ``seconds``: its one call's time (NaN: observed call by call).
-    """
+    """What the calls on one handed-out item (a chunk index or a span) did."""
 
     item: int | Span
-    error: RuntimeCallError | None = None
-    stopped: bool = False
-    pieces: tuple[Chunk, ...] = ()
-    attempts: tuple[ChunkFailure, ...] = ()
-    partial: bool = False
-    seconds: float = math.nan
-    maybe: tuple[Chunk, ...] = ()
+    error: RuntimeCallError | None = None  # the call that failed (pinning stops)
+    stopped: bool = False  # pinning stopped before the item was done or called
+    pieces: tuple[Chunk, ...] = ()  # registered, in call order, of a chunk in several calls (rollback undoes them)
+    attempts: tuple[ChunkFailure, ...] = ()  # every failed call (empty: just ``error``)
+    partial: bool = False  # progress: ``pieces`` are pinned and the item stays in flight
+    seconds: float = math.nan  # its one call's time (NaN: observed call by call)
+    maybe: tuple[Chunk, ...] = ()  # ranges that failed untrusted: undone like ``pieces``, never pinned
 
 
 @dataclass
@@ -101,17 +85,10 @@ class Pipeline:
     """Hands out populate spans and chunk registrations, and records how each ended."""
 
     def __init__(
-        self,
-        chunks: Sequence[Chunk],
-        *,
-        order: Order,
-        span_bytes: int = 1,
-        lookahead_bytes: int = 0,
-        register_workers: int = 1,
-        populate_workers: int = 1,
-        prefix: PrefixTracker | None = None,
+        self, chunks: Sequence[Chunk], *, order: Order, span_bytes: int = 1, lookahead_bytes: int = 0,
+        register_workers: int = 1, populate_workers: int = 1, prefix: PrefixTracker | None = None,
         spans: Sequence[Span] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if register_workers < 1 or (order is not Order.REGISTER_ONLY and populate_workers < 1):
             raise ValueError(
                 f"register_workers={register_workers}, populate_workers={populate_workers}: each role in use "
@@ -156,12 +133,9 @@ class Pipeline:
         return self._populating + self.ledger.in_flight
 
     def next_work(self) -> Batch | _Wait | None:
-        """A batch for a worker of either role, ``WAIT``, or ``None`` once nothing is left.
-
-        Registration first: the serial bottleneck under CUDA, and under lock-on-fault what lets
-        faulting start. A batch is consecutive items up to ``BATCH_BYTES`` and this worker's share,
-        so tiny chunks cost one hand-off per batch; it ends when its last item lands.
-        """
+        """A batch for a worker of either role (see :func:`take_batch`), ``WAIT``, or ``None`` once nothing
+        is left. Registration first: the serial bottleneck under CUDA, and under lock-on-fault what lets
+        faulting start."""
         if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
             return None
         if self._register_batches < self.register_workers:
@@ -217,8 +191,12 @@ class Pipeline:
 
     def _wait(self, what: str) -> _Wait:
         # Someone must be able to wake the waiter: a call in flight, or work the other role can take.
-        if self.in_flight == 0 and not self._ready and not self._span_available() and not self._claimable():
-            raise LedgerError(f"{what} would wait forever: nothing is in flight or ready")
+        if self.in_flight == 0 and not self._ready:
+            live = not self.stopped
+            span = live and self._next_span < len(self.spans) and self._blocked(self.spans[self._next_span]) is None
+            claimable = live and self.order is not Order.POPULATE_FIRST and self.ledger.pending > 0
+            if not span and not claimable:
+                raise LedgerError(f"{what} would wait forever: nothing is in flight or ready")
         return WAIT
 
     def _blocked(self, span: Span) -> str | None:
@@ -231,16 +209,6 @@ class Pipeline:
         if span.chunk in self._window or not self._window or self._window_bytes + nbytes <= self.lookahead_bytes:
             return None
         return "beyond the lookahead"
-
-    def _span_available(self) -> bool:
-        if self.stopped or self._next_span >= len(self.spans):
-            return False
-        return self._blocked(self.spans[self._next_span]) is None
-
-    def _claimable(self) -> bool:
-        if self.stopped or self.order is Order.POPULATE_FIRST:
-            return False
-        return self.ledger.pending > 0
 
     # -- how calls ended: one record, one method ---------------------------------------------------
 
@@ -342,10 +310,9 @@ class Pipeline:
                 ledger.unclaim(index)
             return None
         faulting = self.order is Order.REGISTER_FIRST
-        if pieces and pieces != (ledger.chunks[index],):
-            ledger.registered_in_pieces(index, pieces, faulting=faulting)
-        else:
-            ledger.registered(index, faulting=faulting)
+        ledger.registered(index, faulting=faulting)
+        if pieces and pieces != (ledger.chunks[index],):  # teardown unregisters each piece's base
+            ledger.pieces[index] = tuple(pieces)
         if faulting:
             return None
         self._cover(ledger.chunks[index])
