@@ -1,13 +1,11 @@
 """Who may drive a pool: one caller at a time enters or closes it (:class:`CloseGate`), and node
-pacing admits it (:class:`PoolAdmission`).
+pacing admits it (:class:`PoolAdmission`: a slot while pinning, a budget share while anything is pinned).
 
 ``close()`` may come from any thread, even a signal handler on the thread already entering or
-closing: a caller on another thread waits for the holder to let go (an entry is asked to stop
-first); one on the holder's own thread asks for the close and returns, and the work in progress
-finishes it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go,
-so a signal handler sees no holder or a whole one. Node pacing: a slot while pinning, a budget
-share while anything is pinned (``_node/pacing.py`` keeps the files); the wait is a thread step.
-"""
+closing: one on another thread waits for the holder to let go (an entry is asked to stop first);
+one on the holder's own thread asks for the close and returns, and the work in progress finishes
+it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go, so a
+signal handler sees no holder or a whole one."""
 
 from __future__ import annotations
 
@@ -110,11 +108,13 @@ class PoolAdmission:
     def __init__(
         self, admission: NodeAdmission | None, *, name: str, nbytes: int, describe: str, observer: Observer
     ) -> None:
-        self.admission = admission
-        self.name = name
-        self.nbytes = nbytes
-        self.describe = describe
-        self.observer = observer
+        self.admission, self.name, self.nbytes, self.describe, self.observer = (
+            admission,
+            name,
+            nbytes,
+            describe,
+            observer,
+        )
         self.cancel = threading.Event()  # set: give up the wait (exit, collection, interpreter exit)
         self.slot: SlotHold | None = None
         self.budget: BudgetHold | None = None
