@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from .._errors import NodeBusyError, NodeWaitCancelled, PoolStateError
 from .._node.pacing import BudgetHold, NodeAdmission, SlotHold
@@ -31,14 +31,6 @@ class Driver:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class Exit(Protocol):
-    """The lifecycle's exit (an entry a close() asked to stop runs it if it opened anyway)."""
-
-    def __call__(
-        self, body_error: BaseException | None, *, closing: bool = ..., raise_errors: bool = ...
-    ) -> Steps[BaseException | None]: ...
-
-
 class CloseGate:
     """One pool's gate. ``close_requested``: a ``close()`` was called (an entry then rolls back and raises)."""
 
@@ -52,8 +44,12 @@ class CloseGate:
             del self._held["driver"]
         driver.done.set()
 
-    def enter(self, name: str, describe: str, enter: Callable[[], Steps[None]], exit: Exit) -> Steps[None]:
-        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` closes it here."""
+    def enter(
+        self, name: str, describe: str, enter: Callable[[], Steps[None]],
+        exit: Callable[..., Steps[BaseException | None]],
+    ) -> Steps[None]:  # fmt: skip
+        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` (the
+        lifecycle's) closes it here."""
         mine = Driver(threading.get_ident(), "enter")
         try:
             if self._held.setdefault("driver", mine) is not mine:  # atomic: no handler lands inside it

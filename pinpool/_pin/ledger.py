@@ -149,15 +149,13 @@ class Ledger:
             self._drop_part(index)
             self.pinned_part(index, sum(piece.nbytes for piece in pieces))
         self.failures.extend(attempts)
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
 
     def failed(self, index: int, phase: str, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
         """A chunk's populate or register call failed: record it and stop handing out chunks."""
         self._land(index, ChunkState.FAILED)
         self.failures.extend(attempts or [ChunkFailure(self.chunks[index], phase, error)])
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
 
     def populate_failed(self, index: int, error: RuntimeCallError) -> None:
         """Pre-faulting part of a chunk failed: before its registration (never registered then) or
@@ -169,8 +167,7 @@ class Ledger:
         elif state not in (ChunkState.FAULTING, ChunkState.FAILED):  # FAILED: another of its spans failed too
             raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
         self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
 
     def cancel(self) -> None:
         """Stop handing out chunks because the caller was cancelled (first cause wins)."""
@@ -213,8 +210,7 @@ class Ledger:
             if state is ChunkState.IN_FLIGHT:
                 self.states[index] = ChunkState.FAILED
         self.in_flight = 0
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
         self.phase = Phase.ROLLED_BACK
         return self.phase
 

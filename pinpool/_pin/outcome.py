@@ -40,14 +40,9 @@ _S = PoolState
 # Every state change a pool may make; anything else is a pinpool bug (check_move raises).
 TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
     _S.NEW: frozenset({_S.PINNING, _S.CLOSED}),  # entered; or closed without ever being entered
-    _S.PINNING: frozenset(
-        {
-            _S.READY,  # every chunk pinned
-            _S.FAILED,  # background: pinning ended early; what is pinned stays pinned until exit
-            _S.CLOSING,  # foreground rollback; background exit or collection while pinning
-            _S.CLOSED,  # nothing was mapped or pinned (admission or mapping failed, or a forked child)
-        }
-    ),
+    # CLOSING: a foreground rollback, a background exit or collection; CLOSED: nothing was mapped or
+    # pinned (admission or mapping failed, or a forked child)
+    _S.PINNING: frozenset({_S.READY, _S.FAILED, _S.CLOSING, _S.CLOSED}),
     _S.READY: frozenset({_S.CLOSING, _S.CLOSED}),  # CLOSED: a forked child lets go of its parent's pool
     _S.FAILED: frozenset({_S.CLOSING, _S.CLOSED}),
     _S.CLOSING: frozenset({_S.CLOSED}),

@@ -221,22 +221,16 @@ class Pipeline:
         if landing.partial and (landing.error is not None or landing.stopped or not landing.pieces):
             raise LedgerError(f"progress of {landing.item!r} must name its pieces and nothing else: {landing}")
         item = landing.item
-        if not landing.partial:
-            self._end_item(item)
+        out = None if landing.partial else self._out.pop(item, None)  # None: handed out alone, not in a batch
+        if out is not None:
+            out.left -= 1
+            if out.left == 0 and out.role == "register":
+                self._register_batches -= 1
+            elif out.left == 0:
+                self._populate_batches -= 1
         if isinstance(item, Span):
             return self._land_span(landing, item)
         return self._land_chunk(landing, item)
-
-    def _end_item(self, item: int | Span) -> None:
-        out = self._out.pop(item, None)
-        if out is None:  # handed out alone (next_populate / next_register), not in a batch
-            return
-        out.left -= 1
-        if out.left == 0:
-            if out.role == "register":
-                self._register_batches -= 1
-            else:
-                self._populate_batches -= 1
 
     def _land_span(self, landing: Landing, span: Span) -> int | None:
         if landing.partial:
@@ -288,7 +282,9 @@ class Pipeline:
                     ledger.pinned_part(index, piece.nbytes)
                     self._cover(piece)
             return None
-        self._leave_window(index)
+        if index in self._window:
+            self._window.remove(index)
+            self._window_bytes -= self.ledger.chunks[index].nbytes
         error = landing.error
         # A chunk that failed or stopped part-way keeps its registered pieces until teardown: pinned
         # (not under lock-on-fault), so all of them go in the prefix (progress told of some).
@@ -321,11 +317,6 @@ class Pipeline:
     def _cover(self, pinned: Chunk) -> None:
         if self.prefix is not None:
             self.prefix.cover(pinned.offset, pinned.end)
-
-    def _leave_window(self, index: int) -> None:
-        if index in self._window:
-            self._window.remove(index)
-            self._window_bytes -= self.ledger.chunks[index].nbytes
 
     def finish(self) -> Phase:
         """Close pinning once nothing is in flight; PINNED only if every chunk is registered and faulted."""
