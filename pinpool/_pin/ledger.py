@@ -131,14 +131,9 @@ class Ledger:
         self._part_total -= self._part_bytes.pop(index, 0)
 
     def partly_registered(
-        self,
-        index: int,
-        pieces: Sequence[Chunk],
-        attempts: Sequence[ChunkFailure],
-        *,
-        pinned: bool = True,
+        self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure], *, pinned: bool = True,
         maybe: Sequence[Chunk] = (),
-    ) -> None:
+    ) -> None:  # fmt: skip
         """A chunk failed or stopped with ``pieces`` of it registered: teardown undoes them (and the
         ``maybe`` ranges after them), every attempt is recorded, pinning stops. The pieces count as
         pinned until teardown unless ``pinned`` is False (lock-on-fault: never faulted)."""

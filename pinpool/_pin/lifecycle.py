@@ -143,13 +143,9 @@ class Lifecycle:
             raise
         self.memory, self.session = memory, session
         pinning = RunThreads(
-            bodies=(session.work,) * self.plan.threads,  # pinning threads (each takes either role)
-            name=f"pinpool-{self.name}",
-            interruptible=True,
-            on_interrupt=session.cancel,
-            on_tick=self._tick,
-            on_started=session.go,
-        )
+            bodies=(session.work,) * self.plan.threads, name=f"pinpool-{self.name}", interruptible=True,
+            on_interrupt=session.cancel, on_tick=self._tick, on_started=session.go,
+        )  # fmt: skip
         if self.background:
             yield from self._enter_background(session, pinning)
             return

@@ -23,32 +23,19 @@ from .pool import PinnedPool
 
 
 def pin(
-    tensor: torch.Tensor,
-    *,
-    granularity_bytes: int | None = None,
-    ranges: Sequence[tuple[int, int]] | None = None,
+    tensor: torch.Tensor, *, granularity_bytes: int | None = None, ranges: Sequence[tuple[int, int]] | None = None,
     runtime: str | Runtime = "auto",
-    chunk_bytes: int | str | None = None,
-    max_chunk_bytes: int | str | None = None,
-    populate: bool | None = None,
-    populate_workers: int | None = None,
-    register_workers: int | None = None,
-    unpin_workers: int | None = None,
+    chunk_bytes: int | str | None = None, max_chunk_bytes: int | str | None = None, populate: bool | None = None,
+    populate_workers: int | None = None, register_workers: int | None = None, unpin_workers: int | None = None,
     name: str = "tensor",
-    min_chunk_bytes: int | str | None = None,
-    max_retries: int = DEFAULT_MAX_RETRIES,
-    retry_codes: Collection[int] | None = None,
-    max_call_seconds: float | str | None = "auto",
-    background: bool = False,
-    pin_nice: int | str | None = "auto",
-    node_slots: int | None = None,
-    node_budget: int | float | str | None = None,
-    node_dir: str | None = None,
+    min_chunk_bytes: int | str | None = None, max_retries: int = DEFAULT_MAX_RETRIES,
+    retry_codes: Collection[int] | None = None, max_call_seconds: float | str | None = "auto",
+    background: bool = False, pin_nice: int | str | None = "auto",
+    node_slots: int | None = None, node_budget: int | float | str | None = None, node_dir: str | None = None,
     node_wait: bool = True,
-    registry: CollectorRegistry | None = REGISTRY,
-    logger: Any | None = None,
+    registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
     on_progress: ProgressCallback | None = None,
-) -> PinnedPool:
+) -> PinnedPool:  # fmt: skip
     """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees.
 
     Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
@@ -111,11 +98,9 @@ def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
 
 
 def empty(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
-    huge_pages: bool | str = False,
+    *size: int | Sequence[int], dtype: torch.dtype | None = None, huge_pages: bool | str = False,
     numa_node: int | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`.
 
     Like ``torch.empty(*size, dtype=dtype)``, but the memory is a private anonymous ``mmap`` of

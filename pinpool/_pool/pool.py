@@ -79,36 +79,19 @@ class PinnedPool:
     """
 
     def __init__(
-        self,
-        *,
-        layout: Layout | None = None,
-        size: int | str | None = None,
-        num_pages: int | None = None,
-        memory: SharedMemory | None = None,
-        runtime: str | Runtime = "auto",
-        chunk_bytes: int | str | None = None,
-        max_chunk_bytes: int | str | None = None,
-        populate: bool | None = None,
-        populate_workers: int | None = None,
-        register_workers: int | None = None,
-        unpin_workers: int | None = None,
-        huge_pages: bool | str = False,
-        numa_node: int | None = None,
-        name: str = "default",
-        min_chunk_bytes: int | str | None = None,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        retry_codes: Collection[int] | None = None,
-        max_call_seconds: float | str | None = "auto",
-        background: bool = False,
-        pin_nice: int | str | None = "auto",
-        node_slots: int | None = None,
-        node_budget: int | float | str | None = None,
-        node_dir: str | None = None,
+        self, *, layout: Layout | None = None, size: int | str | None = None, num_pages: int | None = None,
+        memory: SharedMemory | None = None, runtime: str | Runtime = "auto",
+        chunk_bytes: int | str | None = None, max_chunk_bytes: int | str | None = None, populate: bool | None = None,
+        populate_workers: int | None = None, register_workers: int | None = None, unpin_workers: int | None = None,
+        huge_pages: bool | str = False, numa_node: int | None = None, name: str = "default",
+        min_chunk_bytes: int | str | None = None, max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_codes: Collection[int] | None = None, max_call_seconds: float | str | None = "auto",
+        background: bool = False, pin_nice: int | str | None = "auto",
+        node_slots: int | None = None, node_budget: int | float | str | None = None, node_dir: str | None = None,
         node_wait: bool = True,
-        registry: CollectorRegistry | None = REGISTRY,
-        logger: Any | None = None,
+        registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
         on_progress: ProgressCallback | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         # Every option, by its declared name: the one construction path pin() shares.
         self._configure(source=None, **{name: value for name, value in locals().items() if name != "self"})
 
@@ -140,16 +123,10 @@ class PinnedPool:
         return self._plan.num_pages
 
     def _configure(
-        self,
-        *,
-        source: torch.Tensor | None,
-        memory: SharedMemory | None = None,
-        runtime: str | Runtime = "auto",
-        registry: CollectorRegistry | None = REGISTRY,
-        logger: Any | None = None,
-        on_progress: ProgressCallback | None = None,
-        **given: Any,
-    ) -> None:
+        self, *, source: torch.Tensor | None, memory: SharedMemory | None = None, runtime: str | Runtime = "auto",
+        registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
+        on_progress: ProgressCallback | None = None, **given: Any,
+    ) -> None:  # fmt: skip
         """The one construction path of ``PinnedPool(...)`` and ``pin()`` (``source``: the caller's tensor,
         whose layout and size it gives): validate the options, probe the host once, place and check
         (before the runtime is resolved, so a doomed configuration fails before a GPU driver starts),
