@@ -152,14 +152,11 @@ class PoolAdmission:
         if slot is not None:
             slot.release()
 
-    def release_budget(self) -> None:
-        """Nothing of the pool is pinned any more."""
+    def release_budget(self, *, keep: bool = False) -> None:
+        """Nothing of the pool is pinned any more; ``keep``: chunks leaked (may still be pinned), so the
+        budget share stays counted while this process lives."""
         budget, self.budget = self.budget, None
-        if budget is not None:
-            budget.release()
-
-    def keep_budget(self) -> None:
-        """Chunks leaked (may still be pinned): the budget share stays counted while this process lives."""
-        budget, self.budget = self.budget, None
-        if budget is not None:
+        if budget is not None and keep:
             _KEPT_HOLDS.append(budget)
+        elif budget is not None:
+            budget.release()

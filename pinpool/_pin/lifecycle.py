@@ -457,11 +457,10 @@ class Lifecycle:
             leaked_bytes=sum(c.nbytes for c in leaked), pinned=handed_out,
         )  # fmt: skip
         if leaked:
-            memory.keep_forever()
-            self.pacing.keep_budget()  # those bytes may still be pinned: they stay counted
+            memory.keep_forever()  # its bytes may still be pinned: the budget share stays counted too
         else:
             PINNED_RANGES.pop(memory.address)
-            self.pacing.release_budget()
+        self.pacing.release_budget(keep=bool(leaked))
         del memory
         self.source.release()  # after this the pool holds nothing of the caller's
         self._move(PoolState.CLOSED)

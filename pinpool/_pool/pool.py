@@ -152,9 +152,7 @@ class PinnedPool:
         source_ranges = None if tensor_layout is None else tensor_layout.ranges
         start = 0 if source is None else (source.data_ptr() + (source_ranges.first if source_ranges else 0))
         start %= host.page_size
-        self._options = options
-        self._host = host
-        self._runtime: Runtime = resolved
+        self._options, self._host, self._runtime = options, host, resolved
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
         self._plan: PoolPlan = plan_pool(
             options, host, self._caps, source_start=start, placement=placement, ranges=source_ranges
@@ -195,22 +193,18 @@ class PinnedPool:
             f"workers=populate:{plan.populate_workers},register:{plan.register_workers}>"
         )
 
-    # -- what users read ---------------------------------------------------------------------
+    # -- state and readiness -------------------------------------------------------------------
 
     def _require_open(self, what: str) -> Mapping[str, torch.Tensor]:
-        lifecycle = self._lifecycle
-        tensors = lifecycle.tensors
+        tensors = self._lifecycle.tensors
         if tensors is None:
-            state = lifecycle.state
             hint = (
                 "enter it first (async with / with)"
-                if state in (PoolState.NEW, PoolState.PINNING)
+                if self._lifecycle.state in (PoolState.NEW, PoolState.PINNING)
                 else "it was exited and unpinned; create a new pool"
             )
             raise PoolStateError(f"pool {self.name!r}.{what} is only available while the pool is open: {hint}")
         return tensors
-
-    # -- state and readiness -------------------------------------------------------------------
 
     @property
     def state(self) -> PoolState:
