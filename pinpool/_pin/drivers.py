@@ -220,11 +220,8 @@ class Threads:
 
 # -- the drivers ----------------------------------------------------------------------------------
 
-# The longest sleep between two looks at the threads while an async driver waits.
-ASYNC_POLL_SECONDS = 0.02
-
+ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
 T = TypeVar("T")
-
 Lifecycle = Generator[Step, Ran, T]
 
 
@@ -268,8 +265,7 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
 
 
 def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
-    ran.crashed = list(threads.errors)
-    ran.started = threads.started
+    ran.crashed, ran.started = list(threads.errors), threads.started
     if ran.started == 0 and step.bodies and not step.interruptible:
         # Teardown must happen even when no thread can be had (interpreter shutdown): inline.
         _run_inline_bodies(step, ran)

@@ -44,8 +44,7 @@ if TYPE_CHECKING:
     from .._plan.plan import PoolPlan
 
 T = TypeVar("T")
-# Within a long batch of small calls, outcomes are put on the books at least this often.
-RECORD_INTERVAL_SECONDS = 0.01
+RECORD_INTERVAL_SECONDS = 0.01  # within a long batch of small calls, outcomes are booked at least this often
 
 
 # A runtime is untrusted: it returns None or raises RuntimeCallError, its typed "nothing was done".

@@ -94,8 +94,7 @@ class CloseGate:
 
 # -- node pacing ------------------------------------------------------------------------------------
 
-# Budget shares of pools whose chunks leaked: never released while this process lives.
-_KEPT_HOLDS: list[BudgetHold] = []
+_KEPT_HOLDS: list[BudgetHold] = []  # budget shares of pools whose chunks leaked: held while this process lives
 
 
 class PoolAdmission:
