@@ -1,22 +1,21 @@
 """The drivers: run a lifecycle's steps with ``async with`` (anyio), ``with``, or inline (the finalizer).
 
-A driver runs a step's bodies on tracked threads and waits for *every one*, whatever arrives: the
-first interruption (cancellation, ``KeyboardInterrupt``, ``SystemExit``, ``on_tick`` raising) calls
-the step's ``on_interrupt``, all are reported back, and the lifecycle re-raises once its books close.
+A driver runs a step's bodies on tracked threads and waits for *every one*: the first interruption
+(cancellation, Ctrl-C, ``SystemExit``, ``on_tick`` raising) calls ``on_interrupt``; all are reported
+back, and the lifecycle re-raises once its books close. Threads are on the books *before*
+``Thread.start`` (a Ctrl-C can land inside it) and pass a gate the starter can close; completion is
+an Event, not ``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
 
-Threads are on the books *before* ``Thread.start`` (a Ctrl-C can land inside it) and pass a gate
-the starter can close, so "started" is decided under a lock; completion is an Event, not
-``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
-
-Ctrl-C lands between any two bytecodes of the main thread, so under :func:`guard` SIGINT goes to
-:func:`_handler`, which looks at its frames as trio's KI protection does: in :func:`protected` code
-it is recorded and replayed at the next safe point or the driver's end; in :func:`safe` code (the
-wait for pinning threads) and elsewhere it goes to the replaced handler. An entry completing with a
-Ctrl-C deferred is undone (``undo``) first: a ``with`` whose ``__enter__`` raises never exits.
+Ctrl-C lands between any two bytecodes, so under :class:`guard` SIGINT goes to :func:`_handler`,
+which reads its frames as trio's KI protection does: in :func:`protected` code it is deferred to the
+next safe point or the driver's end; in :func:`safe` code (the wait for pinning threads) and elsewhere
+it goes to the replaced handler. An entry that completes with a Ctrl-C deferred is undone (``undo``)
+first: a ``with`` whose ``__enter__`` raises never exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -88,19 +87,16 @@ def replay() -> None:
 
 
 class guard:
-    """Install the deferring handler for the block (main thread only; nested guards share it).
-
-    Enter it from :func:`protected` code. Leaving the outermost guard puts the replaced handler
-    back first, then replays a deferred signal (one landing between the two is delivered by that
-    handler: nothing lost, nothing half done); a block already raising ``KeyboardInterrupt`` drops
-    it. A class, not a generator: ``__enter__`` installs in its last step, so nothing lands between
-    the install and the block, where ``__exit__`` would not run."""
+    """Install the deferring handler for the block (main thread only; nested guards share it), from
+    :func:`protected` code. Leaving the outermost guard restores the replaced handler, then replays a
+    deferred signal (one landing between the two goes to that handler: nothing lost); a block already
+    raising ``KeyboardInterrupt`` drops it, as does ``drop`` (a finalizer: Python would print what it
+    raises as "Exception ignored"). A class, not a generator: ``__enter__`` installs in its last step,
+    so nothing lands between the install and the block, where ``__exit__`` would not run."""
 
     installed = False
 
     def __init__(self, *, drop: bool = False) -> None:
-        # drop: a signal deferred until the outermost guard ends is dropped, not replayed (a
-        # finalizer: Python ignores what one raises, and would print it as "Exception ignored").
         self.drop = drop
 
     def __enter__(self) -> None:
@@ -153,8 +149,6 @@ def _leave(*, drop: bool = False) -> None:
 
 _POLL_SECONDS = 0.05
 PROGRESS_INTERVAL_SECONDS = 0.1
-
-
 _OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
 
 
@@ -226,11 +220,8 @@ class Threads:
 
 # -- the drivers ----------------------------------------------------------------------------------
 
-# The longest sleep between two looks at the threads while an async driver waits.
-ASYNC_POLL_SECONDS = 0.02
-
+ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
 T = TypeVar("T")
-
 Lifecycle = Generator[Step, Ran, T]
 
 
@@ -274,8 +265,7 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
 
 
 def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
-    ran.crashed = list(threads.errors)
-    ran.started = threads.started
+    ran.crashed, ran.started = list(threads.errors), threads.started
     if ran.started == 0 and step.bodies and not step.interruptible:
         # Teardown must happen even when no thread can be had (interpreter shutdown): inline.
         _run_inline_bodies(step, ran)
@@ -338,8 +328,7 @@ def drive_inline(lifecycle: Lifecycle[T]) -> T:
     def run(step: Step) -> Ran:
         ran = Ran()
         if isinstance(step, Detach):  # nothing can run beside it: the sequence runs here, to its end
-            done = Threads()
-            ran.detached = done
+            ran.detached = Threads()
             _drive(step.steps, run)
             return ran
         _run_inline_bodies(step, ran)
@@ -441,8 +430,13 @@ def _detach(step: Detach) -> Ran:
 
     with _running_lock:
         _RUNNING[key] = step.stop
-        if not _hooked:
-            _hooked = _hook_interpreter_exit()
+        # Before Python waits for non-daemon threads at exit, stop every detached sequence's pinning
+        # (without the hook, exit waits for background pinning to finish, then unpins).
+        register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
+        if not _hooked and register is not None:
+            with contextlib.suppress(RuntimeError):  # the interpreter is already shutting down
+                register(_stop_running)
+        _hooked = True
     try:
         threads.start(body, name=step.name)
         ran.started = 1
@@ -454,18 +448,6 @@ def _detach(step: Detach) -> Ran:
         with _running_lock:
             _RUNNING.pop(key, None)
     return ran
-
-
-def _hook_interpreter_exit() -> bool:
-    """Before Python waits for non-daemon threads at exit, stop every detached sequence's pinning."""
-    register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
-    if register is None:
-        return True  # without it, exit waits for background pinning to finish, then unpins
-    try:
-        register(_stop_running)
-    except RuntimeError:  # the interpreter is already shutting down
-        pass
-    return True
 
 
 def _stop_running() -> None:

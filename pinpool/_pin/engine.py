@@ -1,14 +1,10 @@
-"""The pinning engine: the runtime calls worker threads make, shared by both drivers.
+"""The pinning engine: the runtime calls worker threads make, pinning and unpinning, for both drivers.
 
-One :class:`PinSession` per entered pool, built from its plan and options whole. Every runtime
-call goes through one wrapper, :meth:`PinSession._call` (in-flight metric, timing, and the answer
-as :func:`untrusted_call` reads it); every worker, pinning or unpinning, runs one batch loop,
-:meth:`PinSession._run`, told by a :class:`_Work` what differs. What the calls on one item did is
-one :class:`~pinpool._pin.pipeline.Landing`, which the pipeline puts on the books.
-
-Workers are long-lived calls of :meth:`PinSession.work` that pull batches until the pipeline says
-stop (one thread hop per worker, not per chunk). Every outcome is booked inside the worker, under
-the session lock, so a host cancelled while waiting still knows exactly what to roll back.
+One :class:`PinSession` per entered pool. Every runtime call goes through :meth:`PinSession._call`
+(metrics, timing, :func:`untrusted_call`'s reading of the answer); every worker runs the one batch
+loop :meth:`PinSession._run`, told by a :class:`_Work` what differs, for one thread hop per worker,
+not per chunk. Every outcome is booked inside the worker, under the session lock, so a host
+cancelled while waiting still knows exactly what to roll back.
 """
 
 from __future__ import annotations
@@ -36,31 +32,26 @@ from .._host.libc import MADV_POPULATE_WRITE, lower_this_thread
 from .._host.mapping import populate_range
 from .._observe import Observer
 from .._plan.calls import CallSizer, Pacer, retry_splitter
-from .._plan.chunks import Chunk
+from .._plan.chunks import Chunk, Order, Span
 from .._plan.prefix import PrefixTracker
 from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
-from .pipeline import WAIT, Landing, Order, Pipeline, Span, _Wait
-from .unpin import Unpinning
+from .pipeline import WAIT, Landing, Pipeline, _Wait, take_batch
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
     from .._plan.plan import PoolPlan
 
 T = TypeVar("T")
-# Within a long batch of small calls, outcomes are put on the books at least this often.
-RECORD_INTERVAL_SECONDS = 0.01
+RECORD_INTERVAL_SECONDS = 0.01  # within a long batch of small calls, outcomes are booked at least this often
 
 
-# -- a runtime is untrusted ------------------------------------------------------------------------
-# A runtime returns None or raises RuntimeCallError, its typed "nothing was done". Anything else (a
-# binding's RuntimeError, SystemExit or KeyboardInterrupt in the driver wrapper, a return value)
-# says nothing about what the call did first: a register may have registered, and booked as failed
-# it would stay pinned after close() unseen. So it is "may be registered", booked for teardown.
-
-# A runtime's garbage return value goes into an error message and a log line: bounded.
-_REPR = reprlib.Repr()
+# A runtime is untrusted: it returns None or raises RuntimeCallError, its typed "nothing was done".
+# Anything else (a binding's RuntimeError, a KeyboardInterrupt in its wrapper, a return value) says
+# nothing of what the call did first: a register may have registered, and booked as failed it would
+# stay pinned after close() unseen. So it is "maybe", booked for teardown.
+_REPR = reprlib.Repr()  # a garbage return value, shown in a message and a log line: bounded
 _REPR.maxstring = _REPR.maxother = 80
 
 
@@ -133,23 +124,24 @@ class _Work(Generic[T, R]):
     stops: bool  # pinning: a failure, or pinning stopped, ends the batch after the current call
 
 
-def _nothing(_result: object) -> None:
-    return None
+@dataclass(frozen=True)
+class _Unpinned:
+    """What unregistering one chunk (all its pieces) did."""
+
+    index: int
+    error: RuntimeCallError | None
+    seconds: float
+    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # someone else released them: not a failure
+    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # "maybe" pieces never registered: nothing to undo
 
 
-class PinSession(Unpinning):
+class PinSession:
     """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
 
     def __init__(
-        self,
-        plan: PoolPlan,
-        options: PoolOptions,
-        *,
-        runtime: Runtime,
-        caps: Capabilities,
-        observer: Observer,
+        self, plan: PoolPlan, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
         memory: Memory,
-    ) -> None:
+    ) -> None:  # fmt: skip
         order = plan.order
         # Workers start calling only once all of them are started: a populate call holds mmap_lock,
         # and starting the next thread (its stack is an mmap) would wait behind it (measured: the
@@ -162,11 +154,9 @@ class PinSession(Unpinning):
             spans=plan.spans,
         )  # fmt: skip
         self.ledger = self.pipeline.ledger
-        # Every registration call live now (pool.registrations), written as each call returns.
-        self.book = RegistrationBook(self.ledger.chunks)
+        self.book = RegistrationBook(self.ledger.chunks)  # pool.registrations
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
-        self.runtime = runtime
         self.base_ptr = memory.address
         self.observer = observer
         self.unpin_workers = plan.unpin_workers
@@ -192,11 +182,8 @@ class PinSession(Unpinning):
         self.retries = 0
         # What the runtime raised that is no Exception (SystemExit, KeyboardInterrupt), in call order.
         self.raised: list[BaseException] = []
-        self._pin_started = time.perf_counter()
-        self.pin_seconds = 0.0
-        self.unpin_seconds = 0.0
-        self._failed_before = 0
-        self._teardown_started = 0.0
+        self._pin_started, self.pin_seconds, self.unpin_seconds = time.perf_counter(), 0.0, 0.0
+        self._failed_before, self._teardown_started = 0, 0.0
         # The stall budget: every register and populate call sized to fit max_call_seconds.
         # An "auto" budget that yields to an explicit chunk option leaves registrations as planned.
         budget = options.max_call_seconds
@@ -204,21 +191,15 @@ class PinSession(Unpinning):
         self._populate_sizer = CallSizer(budget) if budget else None
         self._pieces_follow_faulting = self._register_sizer is not None and order is Order.REGISTER_FIRST
         self._populate_unit = plan.align
-        # Pin workers run this much nicer than the process (pin_nice=, see _host/libc.py); never
-        # the thread that made the session (it entered the pool, and may go on serving).
-        self._pin_nice = options.pin_nice
-        self._owner_thread = threading.get_ident()
+        # pin_nice= (_host/libc.py), never on the thread that made the session: it may go on serving.
+        self._pin_nice, self._owner_thread = options.pin_nice, threading.get_ident()
 
     # -- the one batch loop and the one call wrapper -----------------------------------------------
 
     def _run(self, work: _Work[T, R]) -> None:
-        """One worker's batches, pinning or unpinning, until ``work.take`` has none left.
-
-        Results go on the books under one lock hold at a batch's end and every
-        RECORD_INTERVAL_SECONDS within a long one (so progress moves). Pinning (``work.stops``)
-        ends a batch at a failure or a stop, so others hear of it after one call; unstarted items
-        go to ``work.land`` too (pinning lands them stopped; unpinning queues them again).
-        """
+        """One worker's batches until ``work.take`` has none left, landed at a batch's end and every
+        RECORD_INTERVAL_SECONDS (so progress moves). Pinning (``work.stops``) ends a batch at a failure
+        or a stop, so others hear of it after one call; unstarted items are landed too."""
         while items := work.take():
             results: list[R] = []
             started = 0  # items whose calls were made
@@ -243,8 +224,7 @@ class PinSession(Unpinning):
     def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[Answer, float]:
         """One runtime call at ``offset``, classified by :func:`untrusted_call`; a non-``Exception`` it
         raised is kept in :attr:`raised`, for the pool's caller to raise again after teardown."""
-        ptr = self.base_ptr + offset
-        observer = self.observer
+        ptr, observer = self.base_ptr + offset, self.observer
         if op.before is not None:
             op.before()
         observer.call_started()
@@ -320,26 +300,23 @@ class PinSession(Unpinning):
         # Under a stall budget, in calls sized to fit it; anything raised between them (a pinpool
         # bug) is the span's failure, landed with its progress, never escaping with it in flight.
         try:
-            return self._paced_populate(span, sizer)
+            offset, end = span.offset, span.offset + span.nbytes
+            while offset < end:
+                if self.pipeline.stopped:  # stop between calls, not after the whole span
+                    return Landing(span, stopped=True)
+                nbytes = sizer.next_bytes(self._populate_unit, end - offset)
+                answer, seconds = self._call(self._populate, offset, nbytes)
+                sizer.record(nbytes, seconds)
+                if answer.error is not None:
+                    return Landing(span, answer.error, seconds=seconds)
+                self.observer.span_populated(nbytes, seconds)
+                if offset + nbytes < end:  # progress within the span (its landing records the rest)
+                    self._progress(span, Chunk(offset, nbytes))
+                offset += nbytes
+            return Landing(span)  # nan: observed call by call
         except BaseException as exc:  # a worker thread has no caller to raise to
             error = between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
             return Landing(span, error, seconds=0.0)  # 0.0, not nan: the worker observes it
-
-    def _paced_populate(self, span: Span, sizer: CallSizer) -> Landing:
-        offset, end = span.offset, span.offset + span.nbytes
-        while offset < end:
-            if self.pipeline.stopped:  # stop between calls, not after the whole span
-                return Landing(span, stopped=True)
-            nbytes = sizer.next_bytes(self._populate_unit, end - offset)
-            answer, seconds = self._call(self._populate, offset, nbytes)
-            sizer.record(nbytes, seconds)
-            if answer.error is not None:
-                return Landing(span, answer.error, seconds=seconds)
-            self.observer.span_populated(nbytes, seconds)
-            if offset + nbytes < end:  # progress within the span (its landing records the rest)
-                self._progress(span, Chunk(offset, nbytes))
-            offset += nbytes
-        return Landing(span)  # nan: observed call by call
 
     def _register_chunk(self, index: int) -> Landing:
         chunk = self.ledger.chunks[index]
@@ -375,83 +352,62 @@ class PinSession(Unpinning):
         return [(half, depth + 1) for half in halves]
 
     def _register_pieces(
-        self,
-        index: int,
-        chunk: Chunk,
-        todo: list[tuple[Chunk, int]],
-        attempts: list[ChunkFailure],
-        *,
+        self, index: int, chunk: Chunk, todo: list[tuple[Chunk, int]], attempts: list[ChunkFailure], *,
         paced: bool = False,
-    ) -> Landing:
+    ) -> Landing:  # fmt: skip
         """Register ``chunk`` as several calls: the halves of a failed call (``todo``, each with its
         depth below ``chunk``), or under the stall budget (``paced``) pieces sized as the calls go.
         A retryable failure is halved again; every failed attempt is kept for the final error.
-
-        Registered pieces exist only in ``done`` until the chunk lands: a piece joins it as its call
-        returns, and anything raised between calls (a pinpool bug) becomes this chunk's failure,
-        landed with ``done`` so the rollback undoes them."""
+        A registered piece joins ``done`` as its call returns; anything raised between calls (a
+        pinpool bug) becomes this chunk's failure, landed with ``done`` so the rollback undoes them."""
         done: list[Chunk] = []
         maybe: list[Chunk] = []  # a piece whose call failed untrusted: it may be registered (never retried)
         try:
-            return self._pieces_loop(index, chunk, todo, attempts, done, maybe, paced=paced)
+            sizer, cutter = self._register_sizer, self._cutter
+            offset = chunk.offset if paced else chunk.end  # where the pieces not yet cut begin
+            while todo or offset < chunk.end:
+                if todo:
+                    piece, depth = todo.pop(0)
+                else:
+                    depth = 0  # a piece the stall budget cut: a planned size, not a retry
+                    assert sizer is not None
+                    if self.pipeline.stopped:  # stop between calls: the rollback undoes the pieces
+                        return Landing(index, stopped=True, pieces=tuple(done))
+                    rest = Chunk(offset, chunk.end - offset)
+                    unit = cutter.unit_of(rest)
+                    at_most = sizer.next_bytes(unit, rest.nbytes)
+                    if self._pieces_follow_faulting:
+                        # A lock-on-fault piece is later unlocked in one munlock, holding mmap_lock for
+                        # writing as long as its faulting took: sized by the faulting rate, unpinning
+                        # stays within the budget too.
+                        at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
+                    piece = cutter.first_piece(rest, at_most)
+                    offset = piece.end
+                answer, took = self._call(self._register, piece.offset, piece.nbytes)
+                failure = answer.error
+                if failure is None or answer.maybe:
+                    # first: from here on the piece is on the books, whatever raises
+                    (done if failure is None else maybe).append(piece)
+                    self.book.registered(index, chunk, piece)
+                if sizer is not None:
+                    sizer.record(piece.nbytes, took)
+                if failure is None:
+                    self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
+                    if paced and (todo or offset < chunk.end):  # progress within the chunk
+                        self._progress(index, piece)
+                    continue
+                attempts.append(ChunkFailure(piece, "register", failure))
+                self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
+                again = None if answer.maybe else self._halves(piece, depth, failure, attempt=len(attempts))
+                if again is None:  # registered pieces are undone by the rollback, from the books
+                    return Landing(index, failure, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts))
+                todo[:0] = again
+            return Landing(index, pieces=tuple(done))  # nan: observed call by call
         except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
             error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
             attempts.append(ChunkFailure(chunk, "register", error))
             # 0.0, not nan: the worker observes this failure
             return Landing(index, error, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts), seconds=0.0)
-
-    def _pieces_loop(
-        self,
-        index: int,
-        chunk: Chunk,
-        todo: list[tuple[Chunk, int]],
-        attempts: list[ChunkFailure],
-        done: list[Chunk],
-        maybe: list[Chunk],
-        *,
-        paced: bool,
-    ) -> Landing:
-        """The calls of :meth:`_register_pieces`; every registered piece is in ``done`` at once."""
-        sizer, cutter = self._register_sizer, self._cutter
-        offset = chunk.offset if paced else chunk.end  # where the pieces not yet cut begin
-        while todo or offset < chunk.end:
-            if todo:
-                piece, depth = todo.pop(0)
-            else:
-                depth = 0  # a piece the stall budget cut: a planned size, not a retry
-                assert sizer is not None
-                if self.pipeline.stopped:  # stop between calls: the rollback undoes the pieces
-                    return Landing(index, stopped=True, pieces=tuple(done))
-                rest = Chunk(offset, chunk.end - offset)
-                unit = cutter.unit_of(rest)
-                at_most = sizer.next_bytes(unit, rest.nbytes)
-                if self._pieces_follow_faulting:
-                    # A lock-on-fault registration is quick, but its piece is later unlocked in one
-                    # call (munlock), which holds mmap_lock for writing as long as the faulting took:
-                    # pieces are sized by the faulting rate, so unpinning stays within the budget too.
-                    at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
-                piece = cutter.first_piece(rest, at_most)
-                offset = piece.end
-            answer, took = self._call(self._register, piece.offset, piece.nbytes)
-            failure = answer.error
-            if failure is None or answer.maybe:
-                # first: from here on the piece is on the books, whatever raises
-                (done if failure is None else maybe).append(piece)
-                self.book.registered(index, chunk, piece)
-            if sizer is not None:
-                sizer.record(piece.nbytes, took)
-            if failure is None:
-                self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
-                if paced and (todo or offset < chunk.end):  # progress within the chunk
-                    self._progress(index, piece)
-                continue
-            attempts.append(ChunkFailure(piece, "register", failure))
-            self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
-            again = None if answer.maybe else self._halves(piece, depth, failure, attempt=len(attempts))
-            if again is None:  # registered pieces are undone by the rollback, from the books
-                return Landing(index, failure, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts))
-            todo[:0] = again
-        return Landing(index, pieces=tuple(done))  # nan: observed call by call
 
     def registrations(self) -> tuple[Chunk, ...]:
         """Every registration call live now, sorted (none in a forked child: the parent holds them)."""
@@ -533,7 +489,7 @@ class PinSession(Unpinning):
         self._teardown_started = time.perf_counter()
         pending = collections.deque(order)
         unpinning = _Work(
-            take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk, keep=_nothing,
+            take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk, keep=lambda _: None,
             land=functools.partial(self._land_unpinned, pending), stops=False,
         )  # fmt: skip
         return tuple(functools.partial(self._run, unpinning) for _ in range(min(self.unpin_workers, len(order))))
@@ -561,3 +517,63 @@ class PinSession(Unpinning):
             moved = ledger.pinned_bytes - before
         self.observer.pinned_moved(moved)
         return failures
+
+    def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[int]:
+        """The next chunks to unregister, a batch from the shared reverse-order queue."""
+        chunks = self.ledger.chunks
+        with self.lock:
+            share = -(-len(pending) // max(1, self.unpin_workers))
+            return take_batch(lambda: pending.popleft() if pending else None, lambda i: chunks[i].nbytes, share)
+
+    def _unregister_chunk(self, index: int) -> _Unpinned:
+        """Unregister one chunk, piece by piece where it was registered in pieces, each by its own base."""
+        chunk = self.ledger.chunks[index]
+        error: RuntimeCallError | None = None
+        released: list[tuple[Chunk, RuntimeCallError]] = []
+        absent: list[tuple[Chunk, RuntimeCallError]] = []
+        started = time.perf_counter()
+        for piece in reversed(self.ledger.pieces.get(index, (chunk,))):
+            answer, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
+            failure = answer.error
+            if failure is not None and failure.code in self._not_registered:
+                # No registration at this base (never made, or released by someone else): nothing is
+                # pinned there, so keeping the memory mapped would only leak it.
+                (absent if piece in self.ledger.maybe else released).append((piece, failure))
+                failure = None
+            if failure is None:
+                self.book.unregistered(index, chunk, piece)  # a piece whose unregister failed stays listed
+            else:  # anything, SystemExit included, fails this chunk only
+                error = error or failure
+        return _Unpinned(index, error, time.perf_counter() - started, tuple(released), tuple(absent))
+
+    def _land_unpinned(
+        self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[int]
+    ) -> None:
+        """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
+        the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
+        ledger, observer = self.ledger, self.observer
+        if unstarted:
+            with self.lock:
+                pending.extendleft(reversed(unstarted))
+        if not done:
+            return
+        with self.lock:
+            before = ledger.pinned_bytes
+            for unpinned in done:
+                ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
+                if unpinned.error is None:
+                    ledger.unregistered(unpinned.index)
+                else:
+                    ledger.unregister_failed(unpinned.index, unpinned.error)
+            moved = ledger.pinned_bytes - before
+        observer.pinned_moved(moved)
+        for unpinned in done:
+            for piece, answer in unpinned.released:
+                observer.released_elsewhere(piece, self.base_ptr + piece.offset, answer)
+            for piece, answer in unpinned.absent:
+                observer.not_registered(piece, self.base_ptr + piece.offset, answer)
+            chunk = ledger.chunks[unpinned.index]
+            if unpinned.error is None:
+                observer.chunk_unregistered(chunk, unpinned.seconds)
+            else:
+                observer.chunk_failed(chunk, "unregister", unpinned.error, unpinned.seconds)

@@ -1,20 +1,18 @@
 """Who may drive a pool: one caller at a time enters or closes it (:class:`CloseGate`), and node
-pacing admits it (:class:`PoolAdmission`).
+pacing admits it (:class:`PoolAdmission`: a slot while pinning, a budget share while anything is pinned).
 
 ``close()`` may come from any thread, even a signal handler on the thread already entering or
-closing: a caller on another thread waits for the holder to let go (an entry is asked to stop
-first); one on the holder's own thread asks for the close and returns, and the work in progress
-finishes it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go,
-so a signal handler sees no holder or a whole one. Node pacing: a slot while pinning, a budget
-share while anything is pinned (``_node/pacing.py`` keeps the files); the wait is a thread step.
-"""
+closing: one on another thread waits for the holder to let go (an entry is asked to stop first);
+one on the holder's own thread asks for the close and returns, and the work in progress finishes
+it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go, so a
+signal handler sees no holder or a whole one."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from .._errors import NodeBusyError, NodeWaitCancelled, PoolStateError
 from .._node.pacing import BudgetHold, NodeAdmission, SlotHold
@@ -33,14 +31,6 @@ class Driver:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class Exit(Protocol):
-    """The lifecycle's exit (an entry a close() asked to stop runs it if it opened anyway)."""
-
-    def __call__(
-        self, body_error: BaseException | None, *, closing: bool = ..., raise_errors: bool = ...
-    ) -> Steps[BaseException | None]: ...
-
-
 class CloseGate:
     """One pool's gate. ``close_requested``: a ``close()`` was called (an entry then rolls back and raises)."""
 
@@ -54,8 +44,12 @@ class CloseGate:
             del self._held["driver"]
         driver.done.set()
 
-    def enter(self, name: str, describe: str, enter: Callable[[], Steps[None]], exit: Exit) -> Steps[None]:
-        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` closes it here."""
+    def enter(
+        self, name: str, describe: str, enter: Callable[[], Steps[None]],
+        exit: Callable[..., Steps[BaseException | None]],
+    ) -> Steps[None]:  # fmt: skip
+        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` (the
+        lifecycle's) closes it here."""
         mine = Driver(threading.get_ident(), "enter")
         try:
             if self._held.setdefault("driver", mine) is not mine:  # atomic: no handler lands inside it
@@ -100,8 +94,7 @@ class CloseGate:
 
 # -- node pacing ------------------------------------------------------------------------------------
 
-# Budget shares of pools whose chunks leaked: never released while this process lives.
-_KEPT_HOLDS: list[BudgetHold] = []
+_KEPT_HOLDS: list[BudgetHold] = []  # budget shares of pools whose chunks leaked: held while this process lives
 
 
 class PoolAdmission:
@@ -110,11 +103,13 @@ class PoolAdmission:
     def __init__(
         self, admission: NodeAdmission | None, *, name: str, nbytes: int, describe: str, observer: Observer
     ) -> None:
-        self.admission = admission
-        self.name = name
-        self.nbytes = nbytes
-        self.describe = describe
-        self.observer = observer
+        self.admission, self.name, self.nbytes, self.describe, self.observer = (
+            admission,
+            name,
+            nbytes,
+            describe,
+            observer,
+        )
         self.cancel = threading.Event()  # set: give up the wait (exit, collection, interpreter exit)
         self.slot: SlotHold | None = None
         self.budget: BudgetHold | None = None
@@ -156,14 +151,11 @@ class PoolAdmission:
         if slot is not None:
             slot.release()
 
-    def release_budget(self) -> None:
-        """Nothing of the pool is pinned any more."""
+    def release_budget(self, *, keep: bool = False) -> None:
+        """Nothing of the pool is pinned any more; ``keep``: chunks leaked (may still be pinned), so the
+        budget share stays counted while this process lives."""
         budget, self.budget = self.budget, None
-        if budget is not None:
-            budget.release()
-
-    def keep_budget(self) -> None:
-        """Chunks leaked (may still be pinned): the budget share stays counted while this process lives."""
-        budget, self.budget = self.budget, None
-        if budget is not None:
+        if budget is not None and keep:
             _KEPT_HOLDS.append(budget)
+        elif budget is not None:
+            budget.release()

@@ -59,9 +59,8 @@ class Ledger:
         self.in_flight = 0
         self.registered_bytes = 0  # chunks that count whole now, and leaked ones (maybe still pinned)
         self.chunks_done = 0  # counted, not summed: progress is read every tick
-        # Bytes pinned of chunks that do not count whole (yet, or ever): registered pieces, faulted
-        # spans under lock-on-fault. Pinned as surely as a whole chunk, they count until it is
-        # unregistered, also when it failed or stopped part-way (pinned_bytes).
+        # Bytes pinned of chunks not counted whole (yet, or ever: failed or stopped part-way):
+        # registered pieces, faulted lock-on-fault spans; they count until unregistered.
         self._part_bytes: dict[int, int] = {}
         self._part_total = 0
         self.pending = len(self.chunks)  # not yet handed out (nor failed before their registration)
@@ -128,25 +127,13 @@ class Ledger:
         self._part_bytes[index] = self._part_bytes.get(index, 0) + nbytes
         self._part_total += nbytes
 
-    def _drop_part(self, index: int) -> int:
-        nbytes = self._part_bytes.pop(index, 0)
-        self._part_total -= nbytes
-        return nbytes
-
-    def registered_in_pieces(self, index: int, pieces: Sequence[Chunk], *, faulting: bool = False) -> None:
-        """A chunk registered as several calls after retries: teardown unregisters each piece's base."""
-        self.registered(index, faulting=faulting)
-        self.pieces[index] = tuple(pieces)
+    def _drop_part(self, index: int) -> None:
+        self._part_total -= self._part_bytes.pop(index, 0)
 
     def partly_registered(
-        self,
-        index: int,
-        pieces: Sequence[Chunk],
-        attempts: Sequence[ChunkFailure],
-        *,
-        pinned: bool = True,
+        self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure], *, pinned: bool = True,
         maybe: Sequence[Chunk] = (),
-    ) -> None:
+    ) -> None:  # fmt: skip
         """A chunk failed or stopped with ``pieces`` of it registered: teardown undoes them (and the
         ``maybe`` ranges after them), every attempt is recorded, pinning stops. The pieces count as
         pinned until teardown unless ``pinned`` is False (lock-on-fault: never faulted)."""
@@ -157,15 +144,13 @@ class Ledger:
             self._drop_part(index)
             self.pinned_part(index, sum(piece.nbytes for piece in pieces))
         self.failures.extend(attempts)
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
 
     def failed(self, index: int, phase: str, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
         """A chunk's populate or register call failed: record it and stop handing out chunks."""
         self._land(index, ChunkState.FAILED)
         self.failures.extend(attempts or [ChunkFailure(self.chunks[index], phase, error)])
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
 
     def populate_failed(self, index: int, error: RuntimeCallError) -> None:
         """Pre-faulting part of a chunk failed: before its registration (never registered then) or
@@ -177,8 +162,7 @@ class Ledger:
         elif state not in (ChunkState.FAULTING, ChunkState.FAILED):  # FAILED: another of its spans failed too
             raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
         self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
 
     def cancel(self) -> None:
         """Stop handing out chunks because the caller was cancelled (first cause wins)."""
@@ -221,8 +205,7 @@ class Ledger:
             if state is ChunkState.IN_FLIGHT:
                 self.states[index] = ChunkState.FAILED
         self.in_flight = 0
-        if self.stop_cause is None:
-            self.stop_cause = StopCause.FAILURE
+        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
         self.phase = Phase.ROLLED_BACK
         return self.phase
 
@@ -290,12 +273,10 @@ _BY_OFFSET = operator.attrgetter("offset")
 class RegistrationBook:
     """What the runtime has registered right now, call by call: ``pool.registrations``.
 
-    The worker that made a call writes it as the call returns (register) or succeeds (unregister):
-    one byte store per whole chunk, one dict store per piece, without the session lock, so the
-    books never lag by a batch. Each write is one atomic operation on a bytearray or dict (the GIL;
-    free-threading: the object's lock) and :meth:`snapshot` copies each in one, so a reader sees
-    every call that returned before it read. A failed unregister leaves its range here.
-    """
+    The worker that made a call writes it as the call returns (register) or succeeds (unregister),
+    without the session lock, so the books never lag by a batch: each write is one atomic store on a
+    bytearray or dict (the GIL; free-threading: the object's lock) and :meth:`snapshot` copies each in
+    one, so a reader sees every call that returned before it read. A failed unregister stays here."""
 
     __slots__ = ("_chunks", "_pieces", "_whole")
 

@@ -1,9 +1,8 @@
 """A pool's life, written once: pin → (body) → teardown, or pin → rollback.
 
-:class:`Lifecycle` has no threads or awaits and imports no driver: :meth:`enter`, :meth:`exit`
-and :meth:`finalize` are generators that do the quick steps themselves (map, book, report) and
-yield only those that need waiting or a thread (``outcome.RunThreads``, ``Detach``), which a driver runs. So every rule
-holds for every driver, because there is one copy of it:
+:class:`Lifecycle` has no threads or awaits and imports no driver: its generators do the quick steps
+(map, book, report) and yield to a driver those that wait or need a thread (``RunThreads``,
+``Detach``). Every rule holds for every driver, because there is one copy of it:
 
 * pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`;
   the foreground rolls back and raises, the background keeps what is pinned and tells waiters;
@@ -58,8 +57,6 @@ if TYPE_CHECKING:
     from ..runtimes import Runtime
     from .memory_source import PoolMemory
 
-__all__ = ["Lifecycle", "PoolState", "ProgressCallback"]
-
 ProgressCallback = Callable[[int, int, int, int], object]
 
 
@@ -69,28 +66,13 @@ class Lifecycle:
     returns once pinning has started; a conductor (a :class:`Detach`-ed sequence) runs the rest."""
 
     def __init__(
-        self,
-        plan: PoolPlan,
-        options: PoolOptions,
-        *,
-        runtime: Runtime,
-        caps: Capabilities,
-        observer: Observer,
-        source: PoolMemory,
-        admission: NodeAdmission | None = None,
-        on_progress: ProgressCallback | None = None,
+        self, plan: PoolPlan, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
+        source: PoolMemory, admission: NodeAdmission | None = None, on_progress: ProgressCallback | None = None,
         created_at: tuple[str, int] = ("<unknown>", 0),
-    ) -> None:
-        self.plan = plan
-        self.options = options
-        self.runtime = runtime
-        self.caps = caps
-        self.observer = observer
-        self.source = source
-        self.on_progress = on_progress
-        self.name = options.name
-        self.nbytes = plan.nbytes
-        self.background = options.background
+    ) -> None:  # fmt: skip
+        self.plan, self.options, self.runtime, self.caps = plan, options, runtime, caps
+        self.observer, self.source, self.on_progress = observer, source, on_progress
+        self.name, self.nbytes, self.background = options.name, plan.nbytes, options.background
         # For messages: "pool 'x' (4 GiB, 16 chunks of <= 256 MiB, runtime mlock)".
         self.describe = (
             f"pool {self.name!r} ({format_bytes(plan.nbytes)}, {len(plan.chunks)} chunks of "
@@ -161,13 +143,9 @@ class Lifecycle:
             raise
         self.memory, self.session = memory, session
         pinning = RunThreads(
-            bodies=(session.work,) * self.plan.threads,  # pinning threads (each takes either role)
-            name=f"pinpool-{self.name}",
-            interruptible=True,
-            on_interrupt=session.cancel,
-            on_tick=self._tick,
-            on_started=session.go,
-        )
+            bodies=(session.work,) * self.plan.threads, name=f"pinpool-{self.name}", interruptible=True,
+            on_interrupt=session.cancel, on_tick=self._tick, on_started=session.go,
+        )  # fmt: skip
         if self.background:
             yield from self._enter_background(session, pinning)
             return
@@ -294,7 +272,10 @@ class Lifecycle:
         try:
             yield from self.pacing.admit()
         except NodeWaitCancelled:  # stopped by exit, collection or interpreter exit: nothing was pinned
-            outcome, error, ran = self._stopped_outcome(session), None, Ran()
+            error, ran = None, Ran()
+            outcome = decide(
+                interrupted=False, pinned=False, stop_cause=session.ledger.stop_cause, orphaned=self._orphaned
+            )
             self.observer.rollback(cause=outcome.cause, registered_chunks=0)
         except BaseException as exc:  # fail-fast pacing (NodeBusyError), or no thread for the wait
             outcome, error, ran = Outcome.FAILED, exc, Ran()
@@ -304,9 +285,6 @@ class Lifecycle:
             self.pacing.release_slot()
             outcome, error = self._end_pinning(session, ran)
         yield from self._deliver_in_background(session, outcome, error, ran)
-
-    def _stopped_outcome(self, session: PinSession) -> Outcome:
-        return decide(interrupted=False, pinned=False, stop_cause=session.ledger.stop_cause, orphaned=self._orphaned)
 
     def _deliver_in_background(
         self, session: PinSession, outcome: Outcome, error: BaseException | None, ran: Ran
@@ -428,8 +406,7 @@ class Lifecycle:
 
     @property
     def pinned_pages(self) -> int:
-        """Pages ``[0, k)`` pinned now in every buffer (kept as they were when background pinning
-        failed, until exit)."""
+        """Pages ``[0, k)`` pinned now in every buffer (after a background failure: kept until exit)."""
         state = self.state
         if state is PoolState.READY:
             return self.plan.num_pages
@@ -471,10 +448,8 @@ class Lifecycle:
         """Close the books after teardown and let the memory go, unless a chunk leaked (then it stays
         mapped and claimed). Returns the UnpinError of a pool that had been handed out (after a
         rollback, the PinError that follows reports them in ``leaked``)."""
-        memory = self.memory
-        handed_out = self._handed_out
-        self.tensors = None
-        self.memory = None
+        memory, handed_out = self.memory, self._handed_out
+        self.tensors = self.memory = None
         assert memory is not None
         leaked = session.ledger.leaked()
         self.observer.unpinned(
@@ -482,11 +457,10 @@ class Lifecycle:
             leaked_bytes=sum(c.nbytes for c in leaked), pinned=handed_out,
         )  # fmt: skip
         if leaked:
-            memory.keep_forever()
-            self.pacing.keep_budget()  # those bytes may still be pinned: they stay counted
+            memory.keep_forever()  # its bytes may still be pinned: the budget share stays counted too
         else:
             PINNED_RANGES.pop(memory.address)
-            self.pacing.release_budget()
+        self.pacing.release_budget(keep=bool(leaked))
         del memory
         self.source.release()  # after this the pool holds nothing of the caller's
         self._move(PoolState.CLOSED)

@@ -151,21 +151,13 @@ class TensorLayout:
     first dimension (a 0-d tensor is one page), so a background pool says which rows are pinned.
     ``ranges``: what is registered when not all of it (:func:`source_ranges`)."""
 
+    name = "tensor"
+
     def __init__(self, tensor: torch.Tensor, granularity_bytes: int | None, ranges: object = None) -> None:
         self._raw = Raw(granularity_bytes=granularity_bytes)
-        self._shape = tuple(tensor.shape)
-        self._dtype = tensor.dtype
-        self._nbytes = tensor.numel() * tensor.element_size()
-        self._rows = self._shape[0] if self._shape else 1
-        self.ranges = source_ranges(tensor, ranges, self._nbytes // self._rows)
-
-    @property
-    def name(self) -> str:
-        return "tensor"
-
-    @property
-    def page_bytes(self) -> int:
-        return self._nbytes // self._rows  # one row
+        self._shape, self._dtype = tuple(tensor.shape), tensor.dtype
+        self.page_bytes = tensor.numel() * tensor.element_size() // (self._shape[0] if self._shape else 1)  # a row
+        self.ranges = source_ranges(tensor, ranges, self.page_bytes)
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         return (BufferSpec(TENSOR_BUFFER, self._shape, self._dtype, self._raw.granularity_bytes, 1),)

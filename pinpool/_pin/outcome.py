@@ -1,9 +1,7 @@
-"""A pool's rules, pure (no threads): where it may go (:data:`TRANSITIONS`, :func:`check_move`), how
-pinning ends (:func:`decide`: one :class:`Outcome`, which foreground and background only deliver
-differently), what leaving raises (:func:`deliver_exit`), the error texts and the unclosed warning;
-and the steps a lifecycle yields to its driver (:class:`RunThreads`, :class:`Detach`) and gets back
-(:class:`Ran`), so the lifecycle is written, and tested with scripted results, with no driver.
-"""
+"""A pool's rules, pure (no threads): its states (:data:`TRANSITIONS`), how pinning ends (:func:`decide`:
+one :class:`Outcome`, delivered differently by foreground and background), what leaving raises
+(:func:`deliver_exit`), the error texts and the unclosed warning; and the steps a lifecycle yields to
+its driver and gets back (:class:`Ran`), so it is tested with scripted results, with no driver."""
 
 from __future__ import annotations
 
@@ -42,14 +40,9 @@ _S = PoolState
 # Every state change a pool may make; anything else is a pinpool bug (check_move raises).
 TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
     _S.NEW: frozenset({_S.PINNING, _S.CLOSED}),  # entered; or closed without ever being entered
-    _S.PINNING: frozenset(
-        {
-            _S.READY,  # every chunk pinned
-            _S.FAILED,  # background: pinning ended early; what is pinned stays pinned until exit
-            _S.CLOSING,  # foreground rollback; background exit or collection while pinning
-            _S.CLOSED,  # nothing was mapped or pinned (admission or mapping failed, or a forked child)
-        }
-    ),
+    # CLOSING: a foreground rollback, a background exit or collection; CLOSED: nothing was mapped or
+    # pinned (admission or mapping failed, or a forked child)
+    _S.PINNING: frozenset({_S.READY, _S.FAILED, _S.CLOSING, _S.CLOSED}),
     _S.READY: frozenset({_S.CLOSING, _S.CLOSED}),  # CLOSED: a forked child lets go of its parent's pool
     _S.FAILED: frozenset({_S.CLOSING, _S.CLOSED}),
     _S.CLOSING: frozenset({_S.CLOSED}),
@@ -97,12 +90,9 @@ def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orp
 
 
 def deliver_exit(
-    body_error: BaseException | None,
-    failed: BaseException | None,
-    unpinned: UnpinError | None,
-    interrupts: list[BaseException],
-    raise_errors: bool,
-) -> BaseException | None:
+    body_error: BaseException | None, failed: BaseException | None, unpinned: UnpinError | None,
+    interrupts: list[BaseException], raise_errors: bool,
+) -> BaseException | None:  # fmt: skip
     """What leaving a pool raises: an interruption first, else the unseen background failure, else the
     unpin error, the others as notes (a body's own error gets them all as notes); ``raise_errors=False``
     returns it."""
@@ -129,17 +119,9 @@ def deliver_exit(
 
 
 def pin_error(
-    *,
-    describe: str,
-    nbytes: int,
-    chunk_limit: int,
-    failures: Sequence[ChunkFailure],
-    leaked: tuple[Chunk, ...],
-    retries: int,
-    cause: BaseException | None,
-    crashed: bool,
-    kept: str | None,
-) -> PinError:
+    *, describe: str, nbytes: int, chunk_limit: int, failures: Sequence[ChunkFailure], leaked: tuple[Chunk, ...],
+    retries: int, cause: BaseException | None, crashed: bool, kept: str | None,
+) -> PinError:  # fmt: skip
     """The PinError of a failed pinning; ``kept``: what a background pool keeps (None: rolled back)."""
     if kept is not None:
         ending = f"; {kept}"
@@ -154,9 +136,7 @@ def pin_error(
             else f"no pinning thread could be started ({type(cause).__name__}: {cause}); "
             "the process is out of threads: lower the worker counts or raise the thread limit"
         )
-        error = PinError(f"pinning {describe} failed: {what}{ending}", failures=(), leaked=leaked)
-        error.__cause__ = cause
-        return error
+        return _caused(PinError(f"pinning {describe} failed: {what}{ending}", failures=(), leaked=leaked), cause)
     first = min(failures, key=lambda f: f.chunk.offset)
     message = (
         f"pinning {describe} failed at offset={first.chunk.offset} nbytes={first.chunk.nbytes} "
@@ -170,9 +150,7 @@ def pin_error(
             f" [after {retries} retries with aligned halves, down to min_chunk_bytes or the max_retries "
             "budget; every attempt is in .failures]"
         )
-    error = PinError(message + ending, failures=tuple(failures), leaked=leaked)
-    error.__cause__ = first.error
-    return error
+    return _caused(PinError(message + ending, failures=tuple(failures), leaked=leaked), first.error)
 
 
 def kept_text(
@@ -196,23 +174,22 @@ def kept_text(
     )
 
 
-def thread_start_error(describe: str, exc: BaseException) -> PinError:
-    error = PinError(
-        f"pinning {describe} in the background failed: its thread could not be started "
-        f"({type(exc).__name__}: {exc}); nothing is pinned. Lower the worker counts or raise the thread limit",
-        failures=(),
-        leaked=(),
-    )
-    error.__cause__ = exc
+def _caused(error: PinError, cause: BaseException | None) -> PinError:
+    error.__cause__ = cause
     return error
+
+
+def thread_start_error(describe: str, exc: BaseException) -> PinError:
+    message = (
+        f"pinning {describe} in the background failed: its thread could not be started "
+        f"({type(exc).__name__}: {exc}); nothing is pinned. Lower the worker counts or raise the thread limit"
+    )
+    return _caused(PinError(message, failures=(), leaked=()), exc)
 
 
 def admission_thread_error(describe: str, exc: BaseException) -> PinError:
-    error = PinError(
-        f"pinning {describe}: the node-pacing wait could not start a thread ({exc})", failures=(), leaked=()
-    )
-    error.__cause__ = exc
-    return error
+    message = f"pinning {describe}: the node-pacing wait could not start a thread ({exc})"
+    return _caused(PinError(message, failures=(), leaked=()), exc)
 
 
 def closed_during_open(describe: str, unpinned: BaseException | None = None) -> PoolStateError:

@@ -1,12 +1,6 @@
-"""The pinning pipeline: which populate span or chunk registration a worker does next.
-
-Pure, like the ledger it drives: the engine calls it under one lock and sleeps when it says
-``WAIT``. ``POPULATE_FIRST`` (CUDA): spans are faulted at most ``lookahead_bytes`` of whole chunks
-ahead of the serial registration (the front chunk always may, however large); ``REGISTER_FIRST``
-(mlock): each chunk is registered lock-on-fault, then faulted in parallel, one pass instead of
-two; ``REGISTER_ONLY``: the registration faults the pages itself (docs/concepts.md, "The
-pipeline"). How each item ended comes back as one :class:`Landing` through :meth:`Pipeline.land`.
-"""
+"""The pinning pipeline: which populate span or chunk registration a worker does next, and how each
+ended (one :class:`Landing`). Pure, like the ledger it drives: the engine calls it under one lock and
+sleeps when it says ``WAIT``. The orders and the lookahead: docs/concepts.md, "The pipeline"."""
 
 from __future__ import annotations
 
@@ -21,8 +15,6 @@ from .._errors import ChunkFailure, LedgerError, RuntimeCallError
 from .._plan.chunks import Chunk, Order, Span, SpanTable
 from .._plan.prefix import PrefixTracker
 from .ledger import ChunkState, Ledger, Phase
-
-__all__ = ["WAIT", "Batch", "Landing", "Order", "Pipeline", "Span", "SpanTable", "split_spans"]
 
 T = TypeVar("T")
 
@@ -49,24 +41,16 @@ class Batch:
 
 @dataclass(frozen=True)
 class Landing:
-    """What the calls on one handed-out item (a chunk index or a span) did.
-
-    ``error``: the call that failed (pinning stops); ``stopped``: pinning stopped before it was
-    done or called. ``pieces``: what was registered, in call order, of a chunk registered in
-    several calls (empty or the chunk itself: one call); rollback undoes those of a failed chunk.
-    ``attempts``: every failed call (empty: just ``error``). ``partial``: progress, ``pieces`` are
-    pinned and the item stays in flight. ``maybe``: ranges that failed untrusted, undone like
-    ``pieces``, never pinned. ``seconds``: its one call's time (NaN: observed call by call).
-    """
+    """What the calls on one handed-out item (a chunk index or a span) did."""
 
     item: int | Span
-    error: RuntimeCallError | None = None
-    stopped: bool = False
-    pieces: tuple[Chunk, ...] = ()
-    attempts: tuple[ChunkFailure, ...] = ()
-    partial: bool = False
-    seconds: float = math.nan
-    maybe: tuple[Chunk, ...] = ()
+    error: RuntimeCallError | None = None  # the call that failed (pinning stops)
+    stopped: bool = False  # pinning stopped before the item was done or called
+    pieces: tuple[Chunk, ...] = ()  # registered, in call order, of a chunk in several calls (rollback undoes them)
+    attempts: tuple[ChunkFailure, ...] = ()  # every failed call (empty: just ``error``)
+    partial: bool = False  # progress: ``pieces`` are pinned and the item stays in flight
+    seconds: float = math.nan  # its one call's time (NaN: observed call by call)
+    maybe: tuple[Chunk, ...] = ()  # ranges that failed untrusted: undone like ``pieces``, never pinned
 
 
 @dataclass
@@ -101,17 +85,10 @@ class Pipeline:
     """Hands out populate spans and chunk registrations, and records how each ended."""
 
     def __init__(
-        self,
-        chunks: Sequence[Chunk],
-        *,
-        order: Order,
-        span_bytes: int = 1,
-        lookahead_bytes: int = 0,
-        register_workers: int = 1,
-        populate_workers: int = 1,
-        prefix: PrefixTracker | None = None,
+        self, chunks: Sequence[Chunk], *, order: Order, span_bytes: int = 1, lookahead_bytes: int = 0,
+        register_workers: int = 1, populate_workers: int = 1, prefix: PrefixTracker | None = None,
         spans: Sequence[Span] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if register_workers < 1 or (order is not Order.REGISTER_ONLY and populate_workers < 1):
             raise ValueError(
                 f"register_workers={register_workers}, populate_workers={populate_workers}: each role in use "
@@ -156,12 +133,9 @@ class Pipeline:
         return self._populating + self.ledger.in_flight
 
     def next_work(self) -> Batch | _Wait | None:
-        """A batch for a worker of either role, ``WAIT``, or ``None`` once nothing is left.
-
-        Registration first: the serial bottleneck under CUDA, and under lock-on-fault what lets
-        faulting start. A batch is consecutive items up to ``BATCH_BYTES`` and this worker's share,
-        so tiny chunks cost one hand-off per batch; it ends when its last item lands.
-        """
+        """A batch for a worker of either role (see :func:`take_batch`), ``WAIT``, or ``None`` once nothing
+        is left. Registration first: the serial bottleneck under CUDA, and under lock-on-fault what lets
+        faulting start."""
         if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
             return None
         if self._register_batches < self.register_workers:
@@ -217,8 +191,12 @@ class Pipeline:
 
     def _wait(self, what: str) -> _Wait:
         # Someone must be able to wake the waiter: a call in flight, or work the other role can take.
-        if self.in_flight == 0 and not self._ready and not self._span_available() and not self._claimable():
-            raise LedgerError(f"{what} would wait forever: nothing is in flight or ready")
+        if self.in_flight == 0 and not self._ready:
+            live = not self.stopped
+            span = live and self._next_span < len(self.spans) and self._blocked(self.spans[self._next_span]) is None
+            claimable = live and self.order is not Order.POPULATE_FIRST and self.ledger.pending > 0
+            if not span and not claimable:
+                raise LedgerError(f"{what} would wait forever: nothing is in flight or ready")
         return WAIT
 
     def _blocked(self, span: Span) -> str | None:
@@ -232,16 +210,6 @@ class Pipeline:
             return None
         return "beyond the lookahead"
 
-    def _span_available(self) -> bool:
-        if self.stopped or self._next_span >= len(self.spans):
-            return False
-        return self._blocked(self.spans[self._next_span]) is None
-
-    def _claimable(self) -> bool:
-        if self.stopped or self.order is Order.POPULATE_FIRST:
-            return False
-        return self.ledger.pending > 0
-
     # -- how calls ended: one record, one method ---------------------------------------------------
 
     def land(self, landing: Landing) -> int | None:
@@ -253,22 +221,16 @@ class Pipeline:
         if landing.partial and (landing.error is not None or landing.stopped or not landing.pieces):
             raise LedgerError(f"progress of {landing.item!r} must name its pieces and nothing else: {landing}")
         item = landing.item
-        if not landing.partial:
-            self._end_item(item)
+        out = None if landing.partial else self._out.pop(item, None)  # None: handed out alone, not in a batch
+        if out is not None:
+            out.left -= 1
+            if out.left == 0 and out.role == "register":
+                self._register_batches -= 1
+            elif out.left == 0:
+                self._populate_batches -= 1
         if isinstance(item, Span):
             return self._land_span(landing, item)
         return self._land_chunk(landing, item)
-
-    def _end_item(self, item: int | Span) -> None:
-        out = self._out.pop(item, None)
-        if out is None:  # handed out alone (next_populate / next_register), not in a batch
-            return
-        out.left -= 1
-        if out.left == 0:
-            if out.role == "register":
-                self._register_batches -= 1
-            else:
-                self._populate_batches -= 1
 
     def _land_span(self, landing: Landing, span: Span) -> int | None:
         if landing.partial:
@@ -320,7 +282,9 @@ class Pipeline:
                     ledger.pinned_part(index, piece.nbytes)
                     self._cover(piece)
             return None
-        self._leave_window(index)
+        if index in self._window:
+            self._window.remove(index)
+            self._window_bytes -= self.ledger.chunks[index].nbytes
         error = landing.error
         # A chunk that failed or stopped part-way keeps its registered pieces until teardown: pinned
         # (not under lock-on-fault), so all of them go in the prefix (progress told of some).
@@ -342,10 +306,9 @@ class Pipeline:
                 ledger.unclaim(index)
             return None
         faulting = self.order is Order.REGISTER_FIRST
-        if pieces and pieces != (ledger.chunks[index],):
-            ledger.registered_in_pieces(index, pieces, faulting=faulting)
-        else:
-            ledger.registered(index, faulting=faulting)
+        ledger.registered(index, faulting=faulting)
+        if pieces and pieces != (ledger.chunks[index],):  # teardown unregisters each piece's base
+            ledger.pieces[index] = tuple(pieces)
         if faulting:
             return None
         self._cover(ledger.chunks[index])
@@ -354,11 +317,6 @@ class Pipeline:
     def _cover(self, pinned: Chunk) -> None:
         if self.prefix is not None:
             self.prefix.cover(pinned.offset, pinned.end)
-
-    def _leave_window(self, index: int) -> None:
-        if index in self._window:
-            self._window.remove(index)
-            self._window_bytes -= self.ledger.chunks[index].nbytes
 
     def finish(self) -> Phase:
         """Close pinning once nothing is in flight; PINNED only if every chunk is registered and faulted."""

@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from ..layouts import Layout
     from .pool import PinnedPool
 
-__all__ = ["RANKS_ENV", "Shares", "host_budget", "share"]
-
 # torchrun (and torch.distributed.elastic) sets it in every worker: the ranks started on this machine.
 RANKS_ENV = "LOCAL_WORLD_SIZE"
 _FRACTION_HINT = 'a number in (0, 1] such as 0.8, or the strings "0.8" or "80%"'

@@ -1,7 +1,5 @@
 """``pin(tensor)``: a caller's tensor pinned with PinnedPool's chunking and guarantees; ``empty()``: a
-tensor to pin whose memory starts on an OS page. torch's allocator returns memory 64 B into a page
-(for 128 KiB or more), so a torch tensor's neighbouring chunks must share pages (CUDA, mlock) or,
-on runtimes that track no exact byte ranges (ROCm), it cannot be pinned in several chunks at all."""
+tensor to pin whose memory starts on an OS page (torch's allocator returns memory 64 B into one)."""
 
 from __future__ import annotations
 
@@ -23,55 +21,34 @@ from .pool import PinnedPool
 
 
 def pin(
-    tensor: torch.Tensor,
-    *,
-    granularity_bytes: int | None = None,
-    ranges: Sequence[tuple[int, int]] | None = None,
+    tensor: torch.Tensor, *, granularity_bytes: int | None = None, ranges: Sequence[tuple[int, int]] | None = None,
     runtime: str | Runtime = "auto",
-    chunk_bytes: int | str | None = None,
-    max_chunk_bytes: int | str | None = None,
-    populate: bool | None = None,
-    populate_workers: int | None = None,
-    register_workers: int | None = None,
-    unpin_workers: int | None = None,
+    chunk_bytes: int | str | None = None, max_chunk_bytes: int | str | None = None, populate: bool | None = None,
+    populate_workers: int | None = None, register_workers: int | None = None, unpin_workers: int | None = None,
     name: str = "tensor",
-    min_chunk_bytes: int | str | None = None,
-    max_retries: int = DEFAULT_MAX_RETRIES,
-    retry_codes: Collection[int] | None = None,
-    max_call_seconds: float | str | None = "auto",
-    background: bool = False,
-    pin_nice: int | str | None = "auto",
-    node_slots: int | None = None,
-    node_budget: int | float | str | None = None,
-    node_dir: str | None = None,
+    min_chunk_bytes: int | str | None = None, max_retries: int = DEFAULT_MAX_RETRIES,
+    retry_codes: Collection[int] | None = None, max_call_seconds: float | str | None = "auto",
+    background: bool = False, pin_nice: int | str | None = "auto",
+    node_slots: int | None = None, node_budget: int | float | str | None = None, node_dir: str | None = None,
     node_wait: bool = True,
-    registry: CollectorRegistry | None = REGISTRY,
-    logger: Any | None = None,
+    registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
     on_progress: ProgressCallback | None = None,
-) -> PinnedPool:
-    """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees.
+) -> PinnedPool:  # fmt: skip
+    """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees (docs/concepts.md,
+    "Pinning memory you already own").
 
     Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
     views ``t``'s memory. It takes every option of :class:`PinnedPool` with the same meaning and
     default (``name`` excepted: ``"tensor"``) but those the tensor decides (``layout``, ``size``,
     ``num_pages``, ``memory``, ``huge_pages``, ``numa_node``). Its pages are its rows along the
-    first dimension (``pinned.num_pages == t.shape[0]``; ``pinned_pages``, ``wait_ready``). Chunk
-    boundaries are multiples of ``granularity_bytes`` from its start, on OS pages where such a
-    multiple falls on one; where none does (torch.empty's memory starts 64 B into a page),
-    neighbouring chunks share the page around each boundary on runtimes that track exact byte
-    ranges (CUDA, mlock, FakeRuntime), and elsewhere that is a :class:`ConfigError` (allocate with
-    :func:`pinpool.empty`, which is page-aligned).
-
-    Part of it: a strided view whose rows are contiguous (``region.view(rows, stride)[:, a:b]``:
-    vLLM's worker slots) pins each row, ``ranges=[(offset, nbytes), ...]`` (byte offsets, any
-    order, none overlapping) pins those ranges: each range its own registrations, chunked by the
-    rule above from its own start; ``pinned.nbytes`` is the bytes registered, and a row is pinned
-    once every range in it is. Rows not contiguous, or overlapping, are a :class:`ConfigError`.
-
-    pinpool never frees the caller's memory, nor lets it go under it: ``t`` points at a
-    non-resizable alias while pinned (``resize_`` raises) and gets its storage back after. A
-    tensor overlapping memory already pinned (or mlock-ed by anyone) raises
-    :class:`AlreadyPinnedError` on entry, with nothing changed.
+    first dimension (``pinned.num_pages == t.shape[0]``). Chunk boundaries are multiples of
+    ``granularity_bytes`` from its start; where none falls on an OS page (torch.empty's memory
+    starts 64 B into one), neighbouring chunks share the page on runtimes that track exact byte
+    ranges (CUDA, mlock, FakeRuntime), elsewhere that is a :class:`ConfigError` (allocate with
+    :func:`pinpool.empty`). A strided view whose rows are contiguous pins each row;
+    ``ranges=[(offset, nbytes), ...]`` pins those byte ranges of a contiguous tensor. pinpool never
+    frees the caller's memory: while pinned ``t`` points at a non-resizable alias. Memory already
+    pinned (or mlock-ed by anyone) raises :class:`AlreadyPinnedError` on entry, with nothing changed.
     """
     given = dict(locals())  # every option by its declared name (pinpool._plan.declared), for _configure
     del given["tensor"]
@@ -111,11 +88,9 @@ def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
 
 
 def empty(
-    *size: int | Sequence[int],
-    dtype: torch.dtype | None = None,
-    huge_pages: bool | str = False,
+    *size: int | Sequence[int], dtype: torch.dtype | None = None, huge_pages: bool | str = False,
     numa_node: int | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`.
 
     Like ``torch.empty(*size, dtype=dtype)``, but the memory is a private anonymous ``mmap`` of

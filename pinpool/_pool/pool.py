@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import weakref
@@ -23,7 +24,7 @@ from .._observe import Observer
 from .._pin.drivers import drive_async, drive_sync, finalize_lifecycle
 from .._pin.lifecycle import Lifecycle, ProgressCallback
 from .._pin.memory_source import PoolMemory, TensorLayout, check_memory_source
-from .._pin.outcome import PoolState, Steps, caller_outside_pinpool
+from .._pin.outcome import PoolState, caller_outside_pinpool
 from .._plan.chunks import Chunk
 from .._plan.declared import DEFAULT_MAX_RETRIES, OPTIONS
 from .._plan.options import PoolOptions
@@ -78,36 +79,19 @@ class PinnedPool:
     """
 
     def __init__(
-        self,
-        *,
-        layout: Layout | None = None,
-        size: int | str | None = None,
-        num_pages: int | None = None,
-        memory: SharedMemory | None = None,
-        runtime: str | Runtime = "auto",
-        chunk_bytes: int | str | None = None,
-        max_chunk_bytes: int | str | None = None,
-        populate: bool | None = None,
-        populate_workers: int | None = None,
-        register_workers: int | None = None,
-        unpin_workers: int | None = None,
-        huge_pages: bool | str = False,
-        numa_node: int | None = None,
-        name: str = "default",
-        min_chunk_bytes: int | str | None = None,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        retry_codes: Collection[int] | None = None,
-        max_call_seconds: float | str | None = "auto",
-        background: bool = False,
-        pin_nice: int | str | None = "auto",
-        node_slots: int | None = None,
-        node_budget: int | float | str | None = None,
-        node_dir: str | None = None,
+        self, *, layout: Layout | None = None, size: int | str | None = None, num_pages: int | None = None,
+        memory: SharedMemory | None = None, runtime: str | Runtime = "auto",
+        chunk_bytes: int | str | None = None, max_chunk_bytes: int | str | None = None, populate: bool | None = None,
+        populate_workers: int | None = None, register_workers: int | None = None, unpin_workers: int | None = None,
+        huge_pages: bool | str = False, numa_node: int | None = None, name: str = "default",
+        min_chunk_bytes: int | str | None = None, max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_codes: Collection[int] | None = None, max_call_seconds: float | str | None = "auto",
+        background: bool = False, pin_nice: int | str | None = "auto",
+        node_slots: int | None = None, node_budget: int | float | str | None = None, node_dir: str | None = None,
         node_wait: bool = True,
-        registry: CollectorRegistry | None = REGISTRY,
-        logger: Any | None = None,
+        registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
         on_progress: ProgressCallback | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         # Every option, by its declared name: the one construction path pin() shares.
         self._configure(source=None, **{name: value for name, value in locals().items() if name != "self"})
 
@@ -139,26 +123,14 @@ class PinnedPool:
         return self._plan.num_pages
 
     def _configure(
-        self,
-        *,
-        source: torch.Tensor | None,
-        memory: SharedMemory | None = None,
-        runtime: str | Runtime = "auto",
-        registry: CollectorRegistry | None = REGISTRY,
-        logger: Any | None = None,
-        on_progress: ProgressCallback | None = None,
-        **given: Any,
-    ) -> None:
-        """The one construction path of ``PinnedPool(...)`` and ``pin()``: validate the options
-        (by their declared names, pinpool._plan.declared), then plan. ``source`` is a caller's tensor
-        to pin instead of own memory (pin(): its layout and size come from the tensor, with
-        ``granularity_bytes``); ``memory`` a memory source for the pool's own memory.
-
-        Every decision comes from :func:`pinpool._plan.plan.plan_pool` over the options and the host's
-        facts, probed once here. The placement is made and checked once (:mod:`pinpool._plan.preflight`),
-        before the runtime is resolved, so a doomed configuration (an absurd size, a missing NUMA
-        node) fails before a GPU driver starts; the plan is made from that same placement.
-        """
+        self, *, source: torch.Tensor | None, memory: SharedMemory | None = None, runtime: str | Runtime = "auto",
+        registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
+        on_progress: ProgressCallback | None = None, **given: Any,
+    ) -> None:  # fmt: skip
+        """The one construction path of ``PinnedPool(...)`` and ``pin()`` (``source``: the caller's tensor,
+        whose layout and size it gives): validate the options, probe the host once, place and check
+        (before the runtime is resolved, so a doomed configuration fails before a GPU driver starts),
+        plan from that placement."""
         granularity = given.pop("granularity_bytes", None)
         ranges = given.pop("ranges", None)
         unknown = set(given) - set(_CREATE) - set(_PACING)
@@ -180,9 +152,7 @@ class PinnedPool:
         source_ranges = None if tensor_layout is None else tensor_layout.ranges
         start = 0 if source is None else (source.data_ptr() + (source_ranges.first if source_ranges else 0))
         start %= host.page_size
-        self._options = options
-        self._host = host
-        self._runtime: Runtime = resolved
+        self._options, self._host, self._runtime = options, host, resolved
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
         self._plan: PoolPlan = plan_pool(
             options, host, self._caps, source_start=start, placement=placement, ranges=source_ranges
@@ -205,21 +175,14 @@ class PinnedPool:
             # The directory is checked (and made) now; a long wait is logged as node.waiting.
             admission = NodeAdmission(pacing, label=name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
-        self._memory_source = memory
-        self._lifecycle = self._make_lifecycle(admission, source, on_progress)
-        # The finalizer holds the lifecycle, never the façade, so an unexited pool can be collected.
-        self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
-
-    def _make_lifecycle(
-        self, admission: NodeAdmission | None, source: torch.Tensor | None, on_progress: ProgressCallback | None
-    ) -> Lifecycle:
-        """The lifecycle holds values, never ``self``: the finalizer runs it after the façade is gone."""
-        options = self._options
-        memory = PoolMemory(self._plan, options, self._runtime, self._caps, shared=self._memory_source, tensor=source)
-        return Lifecycle(
-            self._plan, options, runtime=self._runtime, caps=self._caps, observer=self._observer, source=memory,
+        # The lifecycle holds values, never the façade: the finalizer runs it after the façade is gone,
+        # so an unexited pool can be collected.
+        pool_memory = PoolMemory(self._plan, options, resolved, self._caps, shared=memory, tensor=source)
+        self._lifecycle = Lifecycle(
+            self._plan, options, runtime=resolved, caps=self._caps, observer=self._observer, source=pool_memory,
             admission=admission, on_progress=on_progress, created_at=caller_outside_pinpool(),
         )  # fmt: skip
+        self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
 
     def __repr__(self) -> str:
         plan = self._plan
@@ -230,22 +193,18 @@ class PinnedPool:
             f"workers=populate:{plan.populate_workers},register:{plan.register_workers}>"
         )
 
-    # -- what users read ---------------------------------------------------------------------
+    # -- state and readiness -------------------------------------------------------------------
 
     def _require_open(self, what: str) -> Mapping[str, torch.Tensor]:
-        lifecycle = self._lifecycle
-        tensors = lifecycle.tensors
+        tensors = self._lifecycle.tensors
         if tensors is None:
-            state = lifecycle.state
             hint = (
                 "enter it first (async with / with)"
-                if state in (PoolState.NEW, PoolState.PINNING)
+                if self._lifecycle.state in (PoolState.NEW, PoolState.PINNING)
                 else "it was exited and unpinned; create a new pool"
             )
             raise PoolStateError(f"pool {self.name!r}.{what} is only available while the pool is open: {hint}")
         return tensors
-
-    # -- state and readiness -------------------------------------------------------------------
 
     @property
     def state(self) -> PoolState:
@@ -384,7 +343,7 @@ class PinnedPool:
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 
     async def __aenter__(self) -> PinnedPool:
-        await drive_async(self._lifecycle.enter(), undo=self._undo_entry)
+        await drive_async(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
         return self
 
     async def __aexit__(
@@ -397,12 +356,8 @@ class PinnedPool:
             return
         await drive_async(self._lifecycle.exit(exc))
 
-    def _undo_entry(self) -> Steps[BaseException | None]:
-        """A Ctrl-C deferred until entry completed: the caller never gets the pool, so it is exited."""
-        return self._lifecycle.exit(None)
-
     def __enter__(self) -> PinnedPool:
-        drive_sync(self._lifecycle.enter(), undo=self._undo_entry)
+        drive_sync(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
         return self
 
     def __exit__(
