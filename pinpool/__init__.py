@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
     from . import layouts
     from ._pin.outcome import PoolState
     from ._plan.chunks import Chunk
+    from ._plan.plan import PoolPlan
     from ._pool.budget import Shares, host_budget, share
     from ._pool.pin import empty, pin
     from ._pool.pool import PinnedPool
@@ -38,13 +39,14 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
 __version__ = "0.1.0"
 
 __all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "NodeBusyError",
-    "PinError", "PinnedPool", "PinpoolError", "PoolState", "PoolStateError", "RuntimeCallError", "SharedMemory",
-    "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError", "__version__", "empty", "host_budget",
-    "layouts", "parse_size", "pin", "runtimes", "share", "testing"]  # fmt: skip
+    "PinError", "PinnedPool", "PinpoolError", "PoolPlan", "PoolState", "PoolStateError", "RuntimeCallError",
+    "SharedMemory", "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError", "__version__", "empty",
+    "host_budget", "layouts", "parse_size", "pin", "runtimes", "share", "testing"]  # fmt: skip
 
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
 _LAZY = {"empty": "._pool.pin", "Chunk": "._plan.chunks", "PinnedPool": "._pool.pool", "PoolState": "._pin.outcome",
+         "PoolPlan": "._plan.plan",
          "layouts": ".layouts", "pin": "._pool.pin", "SharedMemory": "._shared.memory", "Shares": "._pool.budget",
          "host_budget": "._pool.budget", "share": "._pool.budget"}  # fmt: skip
 
