@@ -26,6 +26,7 @@ from ._layouts.spec import (
     check_choice,
     check_dim,
     check_dtype,
+    check_granularity,
     check_layout,
     check_shape,
 )
@@ -33,7 +34,6 @@ from ._units import shown
 
 __all__ = ["MHA", "MLA", "BufferSpec", "Dense", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw", "check_layout"]
 
-# Defined in a private module; this is where users find them.
 for _public in (BufferSpec, Layout, check_layout):
     _public.__module__ = __name__
 
@@ -50,22 +50,11 @@ class Raw:
     """
 
     granularity_bytes: int | None = None
+    name = "raw"
+    page_bytes = 1
 
     def __post_init__(self) -> None:
-        g = self.granularity_bytes
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
-            raise ConfigError(
-                f"Raw(granularity_bytes={shown(g)}): the granularity must be a positive int number of bytes "
-                "(the size of one copy page), or None for no alignment constraint"
-            )
-
-    @property
-    def name(self) -> str:
-        return "raw"
-
-    @property
-    def page_bytes(self) -> int:
-        return 1
+        check_granularity("Raw", self.granularity_bytes)
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         return (BufferSpec("data", (num_pages * self.page_bytes,), torch.uint8, self.granularity_bytes, 1),)
@@ -87,9 +76,16 @@ class Dense:
     page_dim: int = field(default=0, kw_only=True)
     granularity_bytes: int | None = field(default=None, kw_only=True)
     buffer: str = field(default="data", kw_only=True)
+    name = "dense"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", _dense_shape(self.shape))
+        dims = tuple(self.shape) if isinstance(self.shape, Sequence) and not isinstance(self.shape, str) else None
+        if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
+            raise ConfigError(
+                f"Dense(shape={self.shape!r}): must be a non-empty tuple of positive ints, the tensor of a one-page "
+                "pool (e.g. (2, 64, 32, 8, 128) for SGLang's page_first MHA, paged along page_dim=1)"
+            )
+        object.__setattr__(self, "shape", dims)
         check_dtype("Dense", self.dtype)
         ndim, dim = len(self.shape), self.page_dim
         if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < ndim:
@@ -103,13 +99,9 @@ class Dense:
 
     def _check_granularity(self) -> None:
         g, it = self.granularity_bytes, self.dtype.itemsize
+        check_granularity("Dense", g)
         if g is None:
             return
-        if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
-            raise ConfigError(
-                f"Dense(granularity_bytes={shown(g)}): the granularity must be a positive int number of bytes "
-                "(the size of one copy page), or None for no alignment constraint"
-            )
         piece, runs = self.page_bytes // self.page_runs, self.page_runs
         if g % it == 0 and (piece % g == 0 or (runs == 1 and g % piece == 0)):
             return
@@ -119,10 +111,6 @@ class Dense:
             f"one page is {runs} contiguous piece(s) of {piece} B, so a copy unit of whole {it}-byte elements must "
             f"divide {piece}{whole}; give e.g. granularity_bytes={piece}"
         )
-
-    @property
-    def name(self) -> str:
-        return "dense"
 
     @property
     def page_runs(self) -> int:
@@ -137,16 +125,6 @@ class Dense:
         d = self.page_dim
         shape = (*self.shape[:d], self.shape[d] * num_pages, *self.shape[d + 1 :])
         return (BufferSpec(self.buffer, shape, self.dtype, self.granularity_bytes, self.page_runs),)
-
-
-def _dense_shape(value: object) -> tuple[int, ...]:
-    dims = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else None
-    if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in dims):
-        raise ConfigError(
-            f"Dense(shape={value!r}): must be a non-empty tuple of positive ints, the tensor of a one-page pool "
-            "(e.g. (2, 64, 32, 8, 128) for SGLang's page_first MHA, paged along page_dim=1)"
-        )
-    return dims
 
 
 @dataclass(frozen=True)
@@ -185,7 +163,6 @@ class Mamba:
             raise ConfigError("Mamba: every state shape has a zero dimension, so a slot holds no bytes")
 
     def _resolve_dtypes(self) -> tuple[torch.dtype, torch.dtype | None]:
-        """The temporal and conv dtypes in use: each one given, else ``dtype``; every one checked."""
         default = None if self.dtype is None else check_dtype("Mamba", self.dtype)
         temporal = (
             default if self.temporal_dtype is None else check_dtype("Mamba", self.temporal_dtype, "temporal_dtype")
@@ -374,7 +351,6 @@ class MHA:
         self._check_head_groups()
 
     def _check_head_groups(self) -> None:
-        """SGLang's PageUnifiedLayout: the page is cut into head_group_num groups of whole heads."""
         groups, heads = self.head_group_num, self.head_num
         if groups != 1 and self.layout != PAGE_UNIFIED:
             raise ConfigError(
@@ -398,25 +374,14 @@ class MHA:
         kind = "mha-k" if self.k_only else "mha-kv" if self.asymmetric else "mha"
         return f"{kind}/{self.layout}"
 
-    def _token_stride(self, head_dim: int) -> int:
-        return self.head_num * head_dim * self.dtype.itemsize
-
     @property
     def page_bytes(self) -> int:
-        per_layer = self._token_stride(self.head_dim)
-        if self.k_only:
-            kv = per_layer
-        elif self.asymmetric:
-            assert self.v_head_dim is not None
-            kv = per_layer + self._token_stride(self.v_head_dim)
-        else:
-            kv = 2 * per_layer
-        return self.page_size * self.layer_num * kv
+        return sum(spec.nbytes for spec in self.buffers(1))
 
     def _one(self, name: str, num_pages: int, head_dim: int, lead: tuple[int, ...]) -> BufferSpec:
         L, P, H, D = self.layer_num, self.page_size, self.head_num, head_dim
         size = num_pages * P
-        token_stride = self._token_stride(D)
+        token_stride = H * D * self.dtype.itemsize
         shape: tuple[int, ...]
         runs = math.prod(lead)  # a combined K/V buffer is K's pages, then V's
         if self.layout == LAYER_FIRST:
@@ -433,7 +398,7 @@ class MHA:
         if self.layout == PAGE_UNIFIED:  # one block per page: (head group, layer, K/V, token, head, dim)
             L, P, H, D, groups = self.layer_num, self.page_size, self.head_num, self.head_dim, self.head_group_num
             shape = (num_pages, groups, L, 2, P, H // groups, D)
-            return (BufferSpec("kv", shape, self.dtype, self.page_bytes, 1),)
+            return (BufferSpec("kv", shape, self.dtype, math.prod(shape[1:]) * self.dtype.itemsize, 1),)
         if self.k_only:
             return (self._one("k", num_pages, self.head_dim, ()),)
         if self.asymmetric:
@@ -513,8 +478,7 @@ class MLA:
     def name(self) -> str:
         return f"mla/{self.layout}"
 
-    def _split(self) -> tuple[tuple[str, int, int, torch.dtype], ...]:
-        """page_first_kv_split's buffers as (name, layers, width, dtype)."""
+    def _split(self) -> tuple[tuple[str, int, int, torch.dtype], ...]:  # (name, layers, width, dtype) each
         rope, L = self.qk_rope_head_dim, self.layer_num
         assert rope is not None  # checked by __post_init__
         parts = [("k", L, self.kv_cache_dim - rope, self.dtype), ("v", L, rope, self.dtype)]
@@ -526,9 +490,7 @@ class MLA:
 
     @property
     def page_bytes(self) -> int:
-        if self.layout == PAGE_FIRST_KV_SPLIT:
-            return sum(self.page_size * layers * width * dtype.itemsize for _, layers, width, dtype in self._split())
-        return self.page_size * self.layer_num * self.kv_cache_dim * self.dtype.itemsize
+        return sum(spec.nbytes for spec in self.buffers(1))
 
     def buffers(self, num_pages: int) -> tuple[BufferSpec, ...]:
         L, P, C = self.layer_num, self.page_size, self.kv_cache_dim

@@ -1,6 +1,5 @@
-"""What a layout is (the Layout protocol, BufferSpec), the checks every family's constructor shares,
-and :func:`check_layout`, what a custom layout promises. ``pinpool.layouts`` re-exports them.
-"""
+"""What a layout is (:class:`Layout`, :class:`BufferSpec`), the families' shared checks, and
+:func:`check_layout`; ``pinpool.layouts`` re-exports them."""
 
 from __future__ import annotations
 
@@ -13,18 +12,16 @@ from typing import Protocol, TypeGuard, runtime_checkable
 import torch
 
 from .._errors import ConfigError
+from .._units import shown
 
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """One buffer of a pool: its tensor ``shape`` and ``dtype``, and its ``granularity`` in bytes
-    (``None``: any page-aligned split is safe).
-
-    ``page_runs``: the buffer is that many equal runs back to back, page *i* the *i*-th slice of
-    each (1 for ``(pages, ...)`` shapes, ``layer_num`` for layer_first, twice that for a combined
-    K/V buffer), so a background pool knows which leading pages are usable; ``None``: only once
-    all of it is pinned.
-    """
+    """One buffer of a pool: tensor ``shape`` and ``dtype``, ``granularity`` in bytes (``None``: any
+    page-aligned split is safe), and ``page_runs``: the buffer is that many equal runs back to back,
+    page *i* the *i*-th slice of each (1 for ``(pages, ...)``, ``layer_num`` for layer_first, twice
+    that for combined K/V), so a background pool knows which leading pages are usable (``None``:
+    only once all of it is pinned)."""
 
     name: str
     shape: tuple[int, ...]
@@ -87,22 +84,27 @@ def check_dtype(family: str, value: object, name: str = "dtype") -> torch.dtype:
 
 
 def check_shape(family: str, name: str, value: object) -> tuple[int, ...]:
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise ConfigError(f"{family}({name}={value!r}): must be a tuple of non-negative ints")
-    dims = tuple(value)
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
+    dims = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else None
+    if dims is None or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims):
         raise ConfigError(f"{family}({name}={value!r}): must be a tuple of non-negative ints")
     return dims
 
 
-# -- custom layouts: what the Layout protocol promises, so every mistake is a ConfigError -----------
+def check_granularity(family: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ConfigError(
+            f"{family}(granularity_bytes={shown(value)}): the granularity must be a positive int number of bytes "
+            "(the size of one copy page), or None for no alignment constraint"
+        )
+
+
+# -- custom layouts: every broken promise of the Layout protocol is a ConfigError -------------------
 
 _PAGE_BYTES_FIX = "a layout's page_bytes must be a positive int: the bytes one page occupies across all its buffers"
 _BUFFERS_FIX = "a layout's buffers(num_pages) must return a tuple of pinpool.layouts.BufferSpec"
 
 
 def _describe_layout(layout: object) -> str:
-    """How messages name a layout: its name where it has a usable one, and always its class."""
     try:
         name = getattr(layout, "name", None)
     except Exception:  # a property that raises: the class is all there is to go by
@@ -112,7 +114,7 @@ def _describe_layout(layout: object) -> str:
 
 
 def is_layout(layout: object) -> bool:
-    """``isinstance(layout, Layout)``; what reading its properties raises becomes a ConfigError naming it."""
+    """``isinstance(layout, Layout)``; what reading it raises becomes a ConfigError naming it."""
     try:
         return isinstance(layout, Layout)
     except Exception as exc:
@@ -124,7 +126,6 @@ def is_layout(layout: object) -> bool:
 
 
 def require_layout(layout: object) -> None:
-    """``layout`` is a :class:`Layout` (its properties read as one), else a ConfigError."""
     if not is_layout(layout):
         raise ConfigError(f"layout={layout!r} is not a layout; use one from pinpool.layouts, e.g. layouts.Raw()")
 
@@ -150,7 +151,6 @@ def check_layout(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
 
 
 def layout_page_bytes(layout: Layout) -> int:
-    """The layout's page_bytes, checked with its name."""
     what = _describe_layout(layout)
     name = _layout_value(what, "name", lambda: layout.name, "fix its name")
     if not isinstance(name, str) or not name:
@@ -189,7 +189,6 @@ def positive_int(value: object) -> TypeGuard[int]:
 
 
 def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: str) -> object:
-    """``read()``; anything but a ConfigError it raises becomes one naming the layout and the fix."""
     try:
         return read()
     except ConfigError:

@@ -1,16 +1,7 @@
-"""How pinning's runtime calls are sized, cut and paced as they go. Pure policy, thread-safe.
-
-- The stall budget (:class:`CallSizer`): a registration holds the CUDA driver lock (every other
-  CUDA call of the process waits), under mlock the process's ``mmap_lock``; a populate call holds
-  ``mmap_lock`` for reading, which a waiting writer turns into a stall for everyone. With
-  ``max_call_seconds`` each call is sized from the rate the previous calls of its kind achieved.
-- The cutter (:class:`RetrySplitter`): a retry's halves and the stall budget's pieces fall on their
-  buffer's grid (``ChunkPlan.origin + k * unit``); a buffer planned with no grid is never cut.
-- The duty cycle (:class:`Pacer`): a background pool leaves its server one CPU of the budget, but
-  under a CPU quota below 2 CPUs there is none to leave, and once the cgroup has spent its quota
-  the kernel stops every thread in it, the server's too, until the next period. There each pin
-  worker rests before its next call, in proportion to its last, so together they use at most
-  half the quota (pinning takes at most twice as long; a stop waits for one rest at most).
+"""How pinning's runtime calls are sized (:class:`CallSizer`, the stall budget), cut on their buffer's
+grid (:class:`RetrySplitter`) and paced (:class:`Pacer`). Pure policy, thread-safe. Why a call must
+be short and why a quota below 2 CPUs needs rests (the quota stops every thread of the cgroup, the
+server's too): docs/performance.md, "background pinning and the stall budget", "under a CPU limit".
 """
 
 from __future__ import annotations
@@ -27,17 +18,13 @@ if TYPE_CHECKING:
     from .plan import PoolPlan
 
 
-# Calls aim at this share of the budget: rates vary (a slower NUMA node, a reclaim pass), and an
-# estimate at the budget itself would exceed it half the time.
+# Rates vary (a slower NUMA node, a reclaim pass): aiming at the budget itself would exceed it half the time.
 TARGET_SHARE = 0.6
 # The first call of a kind, before any rate is known: CUDA registers >= 4 GB/s, mlock faults >= 1 GB/s.
 PROBE_BYTES = 16 << 20
-# Growth per call: one fast call (a range faulted already) cannot produce a huge next one.
-MAX_GROWTH = 4
-# The rate is the slowest of the last few calls (conservative, and quick to follow a slowdown).
-WINDOW = 8
-# Smaller calls say more about per-call overhead than about the rate: not sampled.
-MIN_SAMPLE_BYTES = 1 << 20
+MAX_GROWTH = 4  # per call: one fast call (a range faulted already) cannot produce a huge next one
+WINDOW = 8  # the rate is the slowest of the last few calls (conservative, quick to follow a slowdown)
+MIN_SAMPLE_BYTES = 1 << 20  # smaller calls measure per-call overhead, not the rate: not sampled
 
 
 class CallSizer:
@@ -54,13 +41,13 @@ class CallSizer:
 
     def next_bytes(self, unit: int, at_most: int) -> int:
         """The next call's size: whole units, at least one, at most ``at_most`` (itself when below a unit)."""
-        size = self.hint(unit, at_most)
+        size = self.hint(unit, at_most)  # takes the lock itself
         with self._lock:
             self._last = size
         return size
 
     def hint(self, unit: int, at_most: int) -> int:
-        """:meth:`next_bytes`'s answer without counting as a call (another kind may borrow this rate)."""
+        """:meth:`next_bytes` without counting as a call (another kind may borrow this rate)."""
         if at_most <= unit:
             return at_most
         with self._lock:
@@ -77,7 +64,6 @@ class CallSizer:
         return max(unit, min(want, at_most) // unit * unit)
 
     def record(self, nbytes: int, seconds: float) -> None:
-        """A call of ``nbytes`` took ``seconds``."""
         with self._lock:
             self.longest = max(self.longest, seconds)
             if nbytes >= MIN_SAMPLE_BYTES and seconds > 0:
@@ -103,7 +89,7 @@ class RetrySplitter:
     floor_bytes: int
 
     def split(self, chunk: Chunk) -> tuple[Chunk, Chunk] | None:
-        grid = next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
+        grid = self._grid(chunk)
         if grid is None:
             return None
         floor = max(self.floor_bytes, grid.unit)
@@ -119,7 +105,7 @@ class RetrySplitter:
 
     def first_piece(self, chunk: Chunk, at_most: int) -> Chunk:
         """The first piece of at most ``at_most`` bytes (one unit when less), or the whole chunk where no cut fits."""
-        grid = next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
+        grid = self._grid(chunk)
         if grid is None or chunk.nbytes <= at_most:
             return chunk
         cut = grid.origin + (chunk.offset + at_most - grid.origin) // grid.unit * grid.unit
@@ -129,22 +115,21 @@ class RetrySplitter:
 
     def unit_of(self, chunk: Chunk) -> int:
         """The cut unit of ``chunk``'s buffer (lcm(granularity, OS page)); its size where it has none."""
-        grid = next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
+        grid = self._grid(chunk)
         return chunk.nbytes if grid is None else grid.unit
+
+    def _grid(self, chunk: Chunk) -> RetryGrid | None:
+        return next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
 
 
 def retry_splitter(plan: PoolPlan, min_chunk_bytes: int) -> RetrySplitter:
     """The cuts allowed in ``plan``'s buffers: each buffer's own grid (``ChunkPlan.origin``)."""
-    grids = []
-    for buffer in plan.buffers:
-        if buffer.plan is None or buffer.plan.origin is None:  # no aligned cut exists: never split
-            continue
-        grids.append(
-            RetryGrid(
-                buffer.offset, buffer.offset + buffer.spec.nbytes, buffer.plan.unit, buffer.offset + buffer.plan.origin
-            )
-        )
-    return RetrySplitter(tuple(grids), min_chunk_bytes)
+    grids = tuple(
+        RetryGrid(b.offset, b.offset + b.spec.nbytes, b.plan.unit, b.offset + b.plan.origin)
+        for b in plan.buffers
+        if b.plan is not None and b.plan.origin is not None  # no aligned cut exists: never split
+    )
+    return RetrySplitter(grids, min_chunk_bytes)
 
 
 MIN_DUTY = 0.1  # a tiny quota still pins, at a tenth of its time: a pin that never ends helps no one
@@ -171,7 +156,6 @@ class Pacer:
         self._thread = threading.local()
 
     def before(self) -> None:
-        """Rest what the calling thread's last call left owing (nothing before its first)."""
         if self._duty == 1:  # no rest, nothing to remember
             return
         rest = getattr(self._thread, "owed", 0.0)

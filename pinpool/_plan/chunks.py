@@ -1,11 +1,10 @@
-"""The vocabulary every layer shares: a :class:`Chunk` (one registration call's range), a :class:`Span`
-(one populate call's), their lazy tables, :class:`ChunkPlan` and :class:`Order`. Plain values that
-import nothing of pinpool's, so every module may import them.
-"""
+"""The vocabulary every layer shares: :class:`Chunk`, :class:`Span`, their lazy tables, :class:`ChunkPlan`,
+:class:`Order`. Plain values importing nothing of pinpool's."""
 
 from __future__ import annotations
 
 import enum
+import itertools
 import operator
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
@@ -38,15 +37,13 @@ _CACHED_BLOCKS = 8
 def _fast_chunk(offset: int, nbytes: int) -> Chunk:
     """``Chunk(offset, nbytes)`` in half the time (no frozen-dataclass ``__init__``; same object)."""
     chunk = object.__new__(Chunk)
-    fields = chunk.__dict__
-    fields["offset"] = offset
-    fields["nbytes"] = nbytes
+    chunk.__dict__.update(offset=offset, nbytes=nbytes)
     return chunk
 
 
 class _LazyTable(Sequence[_T]):
-    """A read-only sequence computed from a few numbers: subclasses set ``_len`` and implement
-    ``_make(lo, hi)`` (items lo..hi-1) and ``_slice(lo, hi)``; it indexes and slices as a tuple."""
+    """A read-only sequence computed from a few numbers, indexed and sliced as a tuple: subclasses set
+    ``_len`` and implement ``_make(lo, hi)``."""
 
     __slots__ = ("_cache", "_len")
 
@@ -63,9 +60,8 @@ class _LazyTable(Sequence[_T]):
         return self._len
 
     def _block(self, number: int) -> tuple[_T, ...]:
-        lo = number << _BLOCK_SHIFT
+        lo, cache = number << _BLOCK_SHIFT, self._cache
         block = tuple(self._make(lo, min(lo + _BLOCK_MASK + 1, self._len)))
-        cache = self._cache
         if len(cache) >= _CACHED_BLOCKS:
             try:
                 del cache[next(iter(cache))]  # the oldest block
@@ -114,8 +110,8 @@ Run = tuple[int, int, int]
 
 
 class ChunkTable(_LazyTable[Chunk]):
-    """An immutable tuple-like sequence of chunks stored as runs of equal, back-to-back chunks: a
-    buffer's plan is at most three runs, so a table costs O(runs) whatever its length."""
+    """Chunks stored as runs of equal, back-to-back chunks: a buffer's plan is at most three runs, so a
+    table costs O(runs) whatever its length."""
 
     __slots__ = ("_runs", "_starts")
 
@@ -130,20 +126,14 @@ class ChunkTable(_LazyTable[Chunk]):
                     merged[-1] = (last_offset, nbytes, last_count + count)
                     continue
             merged.append((offset, nbytes, count))
-        starts: list[int] = []
-        total = 0
-        for _offset, _nbytes, count in merged:
-            starts.append(total)
-            total += count
         # Maximal runs are unique for a given sequence, so equal tables have equal runs.
         self._runs = tuple(merged)
-        self._starts = tuple(starts)
-        self._len = total
+        self._starts = tuple(itertools.accumulate((count for _, _, count in merged), initial=0))[:-1]
+        self._len = sum(count for _, _, count in merged)
         self._cache = {}
 
     @classmethod
     def of(cls, chunks: Iterable[Chunk]) -> ChunkTable:
-        """A table of these chunks (consecutive equal, back-to-back ones share a run)."""
         return cls((c.offset, c.nbytes, 1) for c in chunks)
 
     @classmethod
@@ -152,16 +142,13 @@ class ChunkTable(_LazyTable[Chunk]):
 
     @property
     def runs(self) -> tuple[Run, ...]:
-        """``(offset, nbytes, count)`` per run, in sequence order."""
         return self._runs
 
     @property
     def nbytes(self) -> int:
-        """The bytes of all chunks together."""
         return sum(nbytes * count for _offset, nbytes, count in self._runs)
 
     def shifted(self, delta: int) -> ChunkTable:
-        """The same chunks with ``delta`` added to every offset."""
         return ChunkTable((offset + delta, nbytes, count) for offset, nbytes, count in self._runs)
 
     def _make(self, lo: int, hi: int) -> Iterator[Chunk]:
@@ -187,8 +174,7 @@ class ChunkTable(_LazyTable[Chunk]):
             for k in range(count - 1, -1, -1):
                 yield _fast_chunk(offset + k * nbytes, nbytes)
 
-    def _positions(self, value: object) -> Iterator[int]:
-        """Indices holding ``value``, in order, found arithmetically run by run."""
+    def _positions(self, value: object) -> Iterator[int]:  # found arithmetically run by run
         if not isinstance(value, Chunk):
             return
         for (offset, nbytes, count), first in zip(self._runs, self._starts, strict=True):
@@ -249,10 +235,8 @@ class SpanTable(_LazyTable[Span]):
         if isinstance(span_bytes, bool) or not isinstance(span_bytes, int) or span_bytes <= 0:
             raise ValueError(f"span_bytes={span_bytes} must be positive")
         table = chunks if isinstance(chunks, ChunkTable) else ChunkTable.of(chunks)
-        self.chunks = table
-        self.span_bytes = span_bytes
-        # Per chunk run: (first chunk index, offset, nbytes, count, spans per chunk).
-        runs: list[tuple[int, int, int, int, int]] = []
+        self.chunks, self.span_bytes = table, span_bytes
+        runs: list[tuple[int, int, int, int, int]] = []  # per chunk run: first index, offset, nbytes, count, spans each
         starts: list[int] = []
         total = 0
         for (offset, nbytes, count), first in zip(table.runs, table._starts, strict=True):
@@ -268,7 +252,6 @@ class SpanTable(_LazyTable[Span]):
 
     @property
     def nbytes(self) -> int:
-        """The bytes of all spans together (those of all chunks)."""
         return self.chunks.nbytes
 
     def _make(self, lo: int, hi: int) -> Iterator[Span]:
@@ -299,14 +282,10 @@ class SpanTable(_LazyTable[Span]):
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """How one buffer of ``nbytes`` is registered: chunks of ``chunk_bytes`` (the last maybe shorter),
-    boundaries on multiples of ``unit`` (lcm of the copy-page ``granularity`` and the OS page).
-
-    ``origin``: every boundary, planned or cut later (a retry, the stall budget), is ``origin + k *
-    unit`` from the buffer's start: 0 for page-aligned memory; mid-page, the first multiple of the
-    granularity on a page, else 0 where neighbours may share pages (``shared_pages``: boundaries
-    inside OS pages), else None: the buffer is never cut.
-    """
+    """How one buffer is registered: chunks of ``chunk_bytes`` (the last maybe shorter) on multiples of
+    ``unit`` (lcm(granularity, OS page)). Every boundary, planned or cut later, is ``origin + k * unit``:
+    0 page-aligned; mid-page, the first multiple of the granularity on a page, else 0 where chunks may
+    share pages (``shared_pages``), else None: never cut."""
 
     nbytes: int
     granularity: int | None

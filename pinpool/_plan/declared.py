@@ -1,8 +1,5 @@
-"""A pool's options, declared once: :data:`OPTIONS` (names, types, defaults, help, flags). PinnedPool's
-and pin()'s typed signatures, ``PoolOptions.create``, PinnedPool's docstring, the command line's
-flags and docs/options.md's table are derived from it or held to it by tests. Standard library only:
-the command line imports it, and must not import torch.
-"""
+"""A pool's options, declared once in :data:`OPTIONS`: signatures, ``PoolOptions.create``, the flags and
+docs/options.md derive from it or are tested against it. Standard library only (the CLI must not import torch)."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ class _Default:
 DEFAULT_REGISTRY = _Default("prometheus_client.REGISTRY")
 _SAME = _Default("the same")
 
-# How the command line reads an option's text (pinpool/_cli.py turns each into argparse arguments):
+# How the command line reads an option's text (pinpool._cli turns each into argparse arguments):
 KINDS = {
     "layout": "the layout group: --layout FAMILY with its dimensions, or --layout-file",
     "size": "a size: bytes, or a number with a unit (64GiB); a number without a unit must be whole",
@@ -100,169 +97,111 @@ class Option:
 _TENSOR = "the tensor decides"
 
 OPTIONS: tuple[Option, ...] = (
-    Option(
-        "granularity_bytes", "int | None", None,
+    Option("granularity_bytes", "int | None", None,
         "copy-page size of the tensor: chunk boundaries are multiples of it from the tensor's start",
         no_flag="pin() only: the command line pins memory of its own (--layout raw --granularity does the same)",
-        pool=False,
-    ),
-    Option(
-        "ranges", "Sequence[tuple[int, int]] | None", None,
+        pool=False),
+    Option("ranges", "Sequence[tuple[int, int]] | None", None,
         "pin only these (offset, nbytes) byte ranges of the tensor, each a registration of its own (None: all of it; "
         "a strided view: each of its contiguous rows)",
-        no_flag="pin() only: byte ranges of a tensor you give", pool=False,
-    ),
-    Option(
-        "layout", "Layout | None", None,
+        no_flag="pin() only: byte ranges of a tensor you give", pool=False),
+    Option("layout", "Layout | None", None,
         "what the memory holds: a layout from pinpool.layouts (None: Raw(), plain bytes)",
-        flag=Flag("--layout", "layout", "FAMILY"), pin=False, no_pin=_TENSOR, create=True,
-    ),
-    Option(
-        "size", "int | str | None", None,
+        flag=Flag("--layout", "layout", "FAMILY"), pin=False, no_pin=_TENSOR, create=True),
+    Option("size", "int | str | None", None,
         "byte budget, an int or a size string such as 64GiB, 1.5TiB, 512MB: the pool holds the whole pages that fit",
         flag=Flag("--size", "size", "SIZE", commands=("pin", "plan", "doctor"), default="4GiB",
                   note="(pin and plan: default 4GiB unless --num-pages; doctor: the size to check the host against)"),
-        pin=False, no_pin=_TENSOR, create=True,
-    ),
-    Option(
-        "num_pages", "int | None", None,
+        pin=False, no_pin=_TENSOR, create=True),
+    Option("num_pages", "int | None", None,
         "instead of size: exactly this many layout pages (paired pools, e.g. MLA and its Indexer, get the same count)",
-        flag=Flag("--num-pages", "int", "N"), pin=False, no_pin=_TENSOR, create=True,
-    ),
-    Option(
-        "memory", "SharedMemory | None", None,
+        flag=Flag("--num-pages", "int", "N"), pin=False, no_pin=_TENSOR, create=True),
+    Option("memory", "SharedMemory | None", None,
         "where the memory comes from: None maps private anonymous memory; a pinpool.SharedMemory maps a shared file",
-        no_flag="Python-only: a SharedMemory object", pin=False, no_pin="the tensor is the memory",
-    ),
-    Option(
-        "runtime", "str | Runtime", "auto",
+        no_flag="Python-only: a SharedMemory object", pin=False, no_pin="the tensor is the memory"),
+    Option("runtime", "str | Runtime", "auto",
         "what pins: auto (ROCm or CUDA with a GPU, else mlock), cuda, rocm, mlock, or a runtime object",
         flag=Flag("--runtime", "runtime", note="(names only: a runtime object is Python-only; fake is "
-                  "pinpool.testing.FakeRuntime, which pins nothing)"),
-    ),
-    Option(
-        "chunk_bytes", "int | str | None", None,
+                  "pinpool.testing.FakeRuntime, which pins nothing)")),
+    Option("chunk_bytes", "int | str | None", None,
         f"exact size of every registration call (a buffer's last one shorter), rounded down to the alignment unit, "
         f"never split for the workers nor cut by an 'auto' stall budget; {PER_BUFFER!r}: one registration per buffer, "
         "never cut; None: chunks up to the chunk limit, split for the workers",
-        flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer"), create=True,
-    ),
-    Option(
-        "max_chunk_bytes", "int | str | None", None,
+        flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer"), create=True),
+    Option("max_chunk_bytes", "int | str | None", None,
         "upper bound of one registration call, rounded down to the alignment unit: as few registrations as it allows, "
         "never split for the workers nor cut by an 'auto' stall budget (None: PINPOOL_REGISTER_CHUNK_GB GiB, else "
         "256 GiB, split for the workers)",
-        flag=Flag("--max-chunk-bytes", "size", "SIZE"), create=True,
-    ),
-    Option(
-        "populate", "bool | None", None,
+        flag=Flag("--max-chunk-bytes", "size", "SIZE"), create=True),
+    Option("populate", "bool | None", None,
         "pre-fault the memory on threads (MADV_POPULATE_WRITE), pipelined with registration (None: where it can)",
-        flag=Flag("--populate", "bool"), create=True,
-    ),
-    Option(
-        "populate_workers", "int | None", None, "pre-fault threads (None: CPUs, up to 16)",
-        flag=Flag("--populate-workers", "int", "N"), create=True,
-    ),
-    Option(
-        "register_workers", "int | None", None,
+        flag=Flag("--populate", "bool"), create=True),
+    Option("populate_workers", "int | None", None, "pre-fault threads (None: CPUs, up to 16)",
+        flag=Flag("--populate-workers", "int", "N"), create=True),
+    Option("register_workers", "int | None", None,
         "registration threads (None: 1 for CUDA, whose driver serialises registration; CPUs up to 8 otherwise)",
-        flag=Flag("--register-workers", "int", "N"), create=True,
-    ),
-    Option(
-        "unpin_workers", "int | None", None,
+        flag=Flag("--register-workers", "int", "N"), create=True),
+    Option("unpin_workers", "int | None", None,
         "unregistration threads, at exit and in a rollback (None: CPUs, up to 8)",
-        flag=Flag("--unpin-workers", "int", "N"), create=True,
-    ),
-    Option(
-        "huge_pages", "bool | str", False,
+        flag=Flag("--unpin-workers", "int", "N"), create=True),
+    Option("huge_pages", "bool | str", False,
         "True: transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE); 'hugetlb' (or 'hugetlb:2MiB'): 2 MiB pages "
         "from vm.nr_hugepages; 'hugetlb:1GiB': 1 GiB pages reserved at boot (hugepagesz=1G hugepages=N)",
         flag=Flag("--huge-pages", "huge_pages", note="(thp for True, also when given alone; hugetlb; off: False)"),
         pin=False, no_pin="pinpool.empty(..., huge_pages=) takes it",
-        create=True,
-    ),
-    Option(
-        "numa_node", "int | None", None,
+        create=True),
+    Option("numa_node", "int | None", None,
         "bind the memory to this NUMA node (mbind) before any of it is faulted (None: the kernel places it)",
-        flag=Flag("--numa-node", "int", "N"), pin=False, no_pin="pinpool.empty(..., numa_node=) takes it", create=True,
-    ),
-    Option(
-        "name", "str", "default",
+        flag=Flag("--numa-node", "int", "N"), pin=False, no_pin="pinpool.empty(..., numa_node=) takes it", create=True),
+    Option("name", "str", "default",
         "the pool's name in logs, metrics and errors (low-cardinality: one per pool role)",
-        flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor", create=True,
-    ),
-    Option(
-        "min_chunk_bytes", "int | str | None", None,
+        flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor", create=True),
+    Option("min_chunk_bytes", "int | str | None", None,
         "a registration retried as halves is never cut below this (None: one alignment unit, lcm(granularity, "
         "OS page))",
-        flag=Flag("--min-chunk-bytes", "size", "SIZE"), create=True,
-    ),
-    Option(
-        "max_retries", "int", DEFAULT_MAX_RETRIES,
+        flag=Flag("--min-chunk-bytes", "size", "SIZE"), create=True),
+    Option("max_retries", "int", DEFAULT_MAX_RETRIES,
         "how many times one planned registration may be halved, level after level, when a call fails with a retry "
         "code (0: never retry)",
-        flag=Flag("--max-retries", "int", "N"), create=True,
-    ),
-    Option(
-        "retry_codes", "Collection[int] | None", None,
+        flag=Flag("--max-retries", "int", "N"), create=True),
+    Option("retry_codes", "Collection[int] | None", None,
         "the runtime's error codes that make a registration retry as halves (None: the runtime's own; CUDA and "
         "ROCm: 1 and 2, what a registration too large gets; (): never retry)",
-        flag=Flag("--retry-codes", "codes", "CODE,..."), create=True,
-    ),
-    Option(
-        "max_call_seconds", "float | str | None", "auto",
+        flag=Flag("--retry-codes", "codes", "CODE,..."), create=True),
+    Option("max_call_seconds", "float | str | None", "auto",
         "the stall budget: every registration and populate call is sized to take at most this long ('auto': 50 ms "
         "for a background pool, none otherwise; None: no budget)",
-        flag=Flag("--max-call-seconds", "seconds", "SECONDS|auto|none", note="(here none for None)"), create=True,
-    ),
-    Option(
-        "background", "bool", False,
+        flag=Flag("--max-call-seconds", "seconds", "SECONDS|auto|none", note="(here none for None)"), create=True),
+    Option("background", "bool", False,
         "enter at once and pin in the background, lowest pages first (pool.state, pinned_pages, wait_ready)",
         flag=Flag("--background", "switch", note="(pin waits until the pool is ready before it reports or holds)"),
-        create=True,
-    ),
-    Option(
-        "pin_nice", "int | str | None", "auto",
+        create=True),
+    Option("pin_nice", "int | str | None", "auto",
         "how much nicer than the process the pin worker threads run, 0 to 19 ('auto': nicer for a background pool, "
         "unchanged otherwise; None: 0)",
-        flag=Flag("--pin-nice", "nice", "N|auto"), create=True,
-    ),
-    Option(
-        "node_slots", "int | None", None,
+        flag=Flag("--pin-nice", "nice", "N|auto"), create=True),
+    Option("node_slots", "int | None", None,
         "node pacing: at most this many processes of this host pin at once (None: PINPOOL_NODE_SLOTS, else no limit)",
-        flag=Flag("--node-slots", "int", "N"),
-    ),
-    Option(
-        "node_budget", "int | float | str | None", None,
+        flag=Flag("--node-slots", "int", "N")),
+    Option("node_budget", "int | float | str | None", None,
         "node pacing: bytes all cooperating pools may hold pinned, a size or a fraction of MemTotal such as 0.8 "
         "(None: env PINPOOL_NODE_BUDGET, else no budget)",
-        flag=Flag("--node-budget", "text", "SIZE|FRACTION"),
-    ),
-    Option(
-        "node_dir", "str | None", None,
+        flag=Flag("--node-budget", "text", "SIZE|FRACTION")),
+    Option("node_dir", "str | None", None,
         "node pacing's directory of flock-ed files (None: env PINPOOL_NODE_DIR, else /dev/shm/pinpool-<uid>)",
-        flag=Flag("--node-dir", "text", "PATH"),
-    ),
-    Option(
-        "node_wait", "bool", True,
+        flag=Flag("--node-dir", "text", "PATH")),
+    Option("node_wait", "bool", True,
         "node pacing: wait for admission (True), or raise NodeBusyError at once (False)",
-        flag=Flag("--node-wait", "bool"),
-    ),
-    Option(
-        "registry", "CollectorRegistry | None", DEFAULT_REGISTRY,
+        flag=Flag("--node-wait", "bool")),
+    Option("registry", "CollectorRegistry | None", DEFAULT_REGISTRY,
         "the prometheus_client registry the pool's metrics go to (None: no metrics)",
-        no_flag="Python-only: the command line keeps a registry of its own (pin --metrics-port serves it)",
-    ),
-    Option(
-        "logger", "Any | None", None,
+        no_flag="Python-only: the command line keeps a registry of its own (pin --metrics-port serves it)"),
+    Option("logger", "Any | None", None,
         "a structlog bound logger for the pool's events (None: structlog's if configured, else stdlib's)",
-        no_flag="Python-only: the command line prints the pool's events on stderr",
-    ),
-    Option(
-        "on_progress", "ProgressCallback | None", None,
+        no_flag="Python-only: the command line prints the pool's events on stderr"),
+    Option("on_progress", "ProgressCallback | None", None,
         "callable(pinned_bytes, total_bytes, chunks_done, chunks_total), called about every 100 ms and once at the end",
-        no_flag="Python-only: the command line draws progress itself (pin --progress)",
-    ),
+        no_flag="Python-only: the command line draws progress itself (pin --progress)"),
 )  # fmt: skip
 
 _BY_NAME = {o.name: o for o in OPTIONS}

@@ -1,7 +1,5 @@
-"""A pool's options: :meth:`PoolOptions.create` turns a user's spellings into values, the dataclass
-checks every field once (so no invalid options value exists), each failure a :class:`ConfigError`
-naming the value and the fix. :func:`pinpool._plan.plan.plan_pool` turns options plus host facts into a plan.
-"""
+"""A pool's options: :meth:`PoolOptions.create` turns spellings into values, the dataclass checks each
+field once, every failure a :class:`ConfigError` naming the value and the fix."""
 
 from __future__ import annotations
 
@@ -27,26 +25,19 @@ MAX_NICE = 19  # Linux's lowest priority
 # which the serving loop's own allocations wait behind (measured: it stalled for the whole pin).
 BACKGROUND_MAX_CALL_SECONDS = 0.05
 HUGE_PAGES = (False, True, *HUGETLB_PAGE_SIZES)
-# The per-call limit when chunk_bytes= and max_chunk_bytes= are not given: the environment's, else 256 GiB.
-CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"
+CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the per-call limit without chunk_bytes= or max_chunk_bytes=
 DEFAULT_CHUNK_GIB = 256
-# The most threads of one role: a typo (10**6) fails here, not in thread starts.
-MAX_WORKERS = 1024
-# One call may hold the driver or mmap lock at most an hour: beyond that a budget bounds nothing,
-# and the sizer's arithmetic (bytes = seconds / seconds-per-byte) would leave the numbers a size can be.
+MAX_WORKERS = 1024  # per role: a typo (10**6) fails here, not in thread starts
+# Beyond an hour a budget bounds nothing, and the sizer's bytes = seconds / seconds-per-byte outgrows any size.
 MAX_CALL_SECONDS = 3600.0
-# Linux numbers NUMA nodes below MAX_NUMNODES, at most 1 << 10 (CONFIG_NODES_SHIFT <= 10).
-MAX_NUMA_NODES = 1024
-# max_retries above this is meaningless: 64 halvings reach one byte from 2**64 bytes.
-MAX_RETRIES = 64
-# A runtime's error codes (cudaError_t, hipError_t) are positive C ints; 0 is success.
-MAX_ERROR_CODE = 2**31 - 1
+MAX_NUMA_NODES = 1024  # Linux's MAX_NUMNODES is at most 1 << 10 (CONFIG_NODES_SHIFT <= 10)
+MAX_RETRIES = 64  # 64 halvings reach one byte from 2**64 bytes
+MAX_ERROR_CODE = 2**31 - 1  # cudaError_t, hipError_t: positive C ints; 0 is success
 
 
 def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = None) -> int:
     """The per-call limit in bytes from ``PINPOOL_REGISTER_CHUNK_GB`` (GiB, fractions allowed)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(CHUNK_ENV)
+    raw = (os.environ if environ is None else environ).get(CHUNK_ENV)
     if raw is None:
         return DEFAULT_CHUNK_GIB << 30
     return parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
@@ -57,14 +48,13 @@ def _bytes(value: object, what: str) -> Any:  # a size string parsed; anything e
 
 
 def _smallest_pool(layout: Layout) -> tuple[int, tuple[BufferSpec, ...], int]:
-    """page_bytes, one page's buffers, and the fewest bytes a pool holds: a page, a copy page of each buffer."""
+    """page_bytes, one page's buffers, and the fewest bytes a pool holds (a page, a copy page of each)."""
     one_page = check_layout(layout, 1)
     page_bytes = layout.page_bytes
     return page_bytes, one_page, max([page_bytes, *(s.granularity or 0 for s in one_page)])
 
 
 def min_num_pages(layout: Layout) -> int:
-    """The fewest pages a pool of ``layout`` may hold (``num_pages=`` below it is refused)."""
     page_bytes, _, smallest = _smallest_pool(layout)
     return -(-smallest // page_bytes)
 
@@ -79,17 +69,11 @@ _CREATE = tuple(o for o in OPTIONS if o.create)
 
 @dataclass(frozen=True)
 class PoolOptions:
-    """What a pool is asked to be (not the host's facts, nor the runtime object). Sizes are bytes;
-    each field means what its option in :mod:`pinpool._plan.declared` says, and these are derived:
-
-    size: the byte budget (the pool holds the whole layout pages that fit); with ``num_pages``
-    exactly ``num_pages * layout.page_bytes``. chunk_limit: the per-call limit: ``chunk_bytes``,
-    else ``max_chunk_bytes``, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it.
-    per_buffer: ``chunk_bytes="buffer"`` (one registration per buffer, never cut).
-    max_call_seconds / pin_nice: ``"auto"`` resolved for ``background``. budget_yields_to: the
-    explicit chunk option an ``"auto"`` budget yields to for registrations, else None.
-    buffers: the layout's buffers for this size, checked once here; the placement reads them.
-    """
+    """What a pool is asked to be, in bytes; fields mean what :mod:`pinpool._plan.declared` says, except:
+    size (with ``num_pages``: ``num_pages * layout.page_bytes``); chunk_limit (``chunk_bytes``, else
+    ``max_chunk_bytes``, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it); per_buffer
+    (``chunk_bytes="buffer"``); max_call_seconds and pin_nice (``"auto"`` resolved); budget_yields_to
+    (the chunk option an ``"auto"`` budget yields to); buffers (the layout's, checked once here)."""
 
     size: int
     layout: Layout = field(default_factory=Raw)
@@ -117,11 +101,8 @@ class PoolOptions:
 
     @classmethod
     def create(cls, **given: Any) -> PoolOptions:
-        """Options from a user's spellings, the options :mod:`pinpool._plan.declared` marks ``create``
-        with their defaults (its signature is theirs): sizes as ints or strings (``"64GiB"``),
-        ``layout=None`` for :class:`Raw`, ``chunk_bytes=None`` for ``max_chunk_bytes``'s limit, else
-        ``PINPOOL_REGISTER_CHUNK_GB`` (read now), ``chunk_bytes="buffer"``, ``"auto"`` budgets and
-        niceness resolved for ``background``; exactly one of ``size`` and ``num_pages``."""
+        """Options from the spellings of the options :mod:`pinpool._plan.declared` marks ``create``:
+        size strings, ``layout=None``, ``chunk_bytes="buffer"``, ``"auto"``; reads the chunk env now."""
         for name in given.keys() - {o.name for o in _CREATE}:
             raise TypeError(f"PoolOptions.create() got an unexpected keyword argument {name!r}")
         o = {option.name: given.get(option.name, option.default) for option in _CREATE}
@@ -149,8 +130,7 @@ class PoolOptions:
                     '"auto" (the default: 50 ms for a background pool, none otherwise)'
                 )
             stall = BACKGROUND_MAX_CALL_SECONDS if background and not per_buffer else None
-            # An "auto" budget yields to an explicit chunk option for registrations (the user said
-            # how to chunk; "auto" is only a default); a number given with exact chunks is refused.
+            # "auto" is only a default: it yields to a chunk option the user gave (a number is refused).
             if stall is not None:
                 yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
         nice = o["pin_nice"]
@@ -184,19 +164,11 @@ class PoolOptions:
                     f"({pages} * {page_bytes}); give one of them (PoolOptions.create computes the size)"
                 )
         for option in ("size", "max_chunk_bytes", "chunk_bytes"):
-            value = getattr(self, option)
-            if isinstance(value, str):
-                raise ConfigError(f"{option}={value!r}: PoolOptions takes bytes; use PoolOptions.create for strings")
-            if value is not None:
-                parse_size(value, what=option)
+            _check_bytes(getattr(self, option), option)
         self._check_chunk_options()
         object.__setattr__(self, "buffers", self._fits_a_page(self.size if spelled is None else spelled))
         self._check_stall_budget()
-        floor = self.min_chunk_bytes
-        if isinstance(floor, str):
-            raise ConfigError(f"min_chunk_bytes={floor!r}: PoolOptions takes bytes; use PoolOptions.create for strings")
-        if floor is not None:
-            parse_size(floor, what="min_chunk_bytes")
+        _check_bytes(self.min_chunk_bytes, "min_chunk_bytes")
         nice = self.pin_nice
         if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= MAX_NICE:
             raise ConfigError(f"pin_nice={shown(nice)}: {_PIN_NICE_FIX}")
@@ -211,7 +183,6 @@ class PoolOptions:
             )
 
     def _check_chunk_options(self) -> None:
-        """per_buffer, chunk_bytes and max_chunk_bytes agree; the chunk limit follows from them."""
         bound = self.max_chunk_bytes
         if not isinstance(self.per_buffer, bool):
             raise ConfigError(f"per_buffer={self.per_buffer!r} must be True or False")
@@ -233,8 +204,7 @@ class PoolOptions:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
 
-    def _fits_a_page(self, given: object) -> tuple[BufferSpec, ...]:
-        """The buffers, checked: at least one page, and one copy page of every buffer."""
+    def _fits_a_page(self, given: object) -> tuple[BufferSpec, ...]:  # one page, one copy page of each buffer
         layout, budget = self.layout, self.size
         page_bytes, one_page, smallest = _smallest_pool(layout)
         if budget < smallest and self.num_pages is not None:
@@ -252,8 +222,6 @@ class PoolOptions:
         return one_page if pages == 1 else check_layout(layout, pages)
 
     def _check_stall_budget(self) -> None:
-        """None, or seconds in (0, MAX_CALL_SECONDS], which neither per-buffer nor exact chunks
-        (unless an "auto" budget yields) can be cut to."""
         budget, yields = self.max_call_seconds, self.budget_yields_to
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int | float) or not 0 < budget < math.inf
@@ -289,7 +257,7 @@ class PoolOptions:
             )
 
 
-# create's signature, for help() and the declaration's test: the declared options, keyword-only.
+# create's signature, for help(): the declared options, keyword-only.
 PoolOptions.create.__func__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
     + [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in _CREATE],
@@ -297,8 +265,14 @@ PoolOptions.create.__func__.__signature__ = inspect.Signature(  # type: ignore[a
 )
 
 
+def _check_bytes(value: object, option: str) -> None:
+    if isinstance(value, str):
+        raise ConfigError(f"{option}={value!r}: PoolOptions takes bytes; use PoolOptions.create for strings")
+    if value is not None:
+        parse_size(value, what=option)
+
+
 def _retry_codes(codes: object) -> frozenset[int] | None:
-    """``retry_codes=``: None (the runtime's own), or a collection of positive int error codes."""
     if codes is None:
         return None
     fix = (

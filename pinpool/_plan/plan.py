@@ -1,8 +1,5 @@
-"""The plan: pure arithmetic over a pool's options, the host's facts (a :class:`HostFacts` value) and
-the runtime's declared :class:`Capabilities` that decides everything before anything is mapped: chunks
-(:func:`plan_chunks`), workers, the pipeline order, populate spans and lookahead (:func:`plan_pool`).
-Touching nothing, every rule is property-tested with hand-made hosts.
-"""
+"""The plan: pure arithmetic over options, :class:`HostFacts` and :class:`Capabilities` deciding chunks,
+workers, pipeline order, spans and lookahead before anything is mapped (property-tested on made-up hosts)."""
 
 from __future__ import annotations
 
@@ -30,23 +27,16 @@ if TYPE_CHECKING:
 
 
 def plan_chunks(
-    nbytes: int,
-    *,
-    granularity: int | None,
-    limit: int,
-    page_size: int,
-    start: int = 0,
+    nbytes: int, *, granularity: int | None, limit: int, page_size: int, start: int = 0,
     shared_boundary_pages: bool = False,
-) -> ChunkPlan:
+) -> ChunkPlan:  # fmt: skip
     """Split ``nbytes`` into contiguous registration chunks of at most ``limit``, covering it exactly.
 
-    Boundaries are multiples of ``granularity`` (no copy page straddles two registrations) and
-    of ``page_size`` (no OS page in two chunks, where unlocking one would unlock its neighbour's
-    page), counted in absolute terms from ``start`` (the address modulo the page: non-zero only for
-    a caller's tensor). Where no multiple of the granularity falls on a page (torch's memory starts
-    64 B into one), that is a ``ConfigError`` unless ``shared_boundary_pages`` (the runtime tracks
-    exact byte ranges): then boundaries are multiples of lcm(granularity, page) from the start,
-    each boundary's page shared by the two chunks around it (the copy-page rule still holds).
+    Boundaries are multiples of ``granularity`` (no copy page straddles two registrations) and of
+    ``page_size`` (unlocking a chunk would unlock a shared page's neighbour), counted from ``start``
+    (the address modulo the page). Where no multiple of the granularity falls on a page (torch's
+    memory starts 64 B into one), a ``ConfigError`` unless ``shared_boundary_pages`` (the runtime
+    tracks exact ranges): then boundaries are lcm(granularity, page) apart, sharing pages.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
         raise ConfigError(f"buffer size {nbytes!r} must be a positive integer number of bytes")
@@ -54,17 +44,15 @@ def plan_chunks(
         raise ConfigError(f"page_size={page_size!r} must be a positive integer")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
         raise ConfigError(f"chunk limit {limit!r} must be a positive integer number of bytes")
-    if granularity is not None:
-        if isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0:
-            raise ConfigError(
-                f"registration granularity {granularity!r} must be a positive integer number of bytes "
-                "(the byte size of one copy page); use None for no alignment constraint"
-            )
-        unit = math.lcm(granularity, page_size)
-    else:
-        unit = page_size
+    if granularity is not None and (
+        isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0
+    ):
+        raise ConfigError(
+            f"registration granularity {granularity!r} must be a positive integer number of bytes "
+            "(the byte size of one copy page); use None for no alignment constraint"
+        )
+    unit = math.lcm(granularity or 1, page_size)
     misalignment = start % page_size
-    # The grid later cuts sit on (see ChunkPlan.origin).
     aligned = _aligned_boundary(granularity or 1, page_size, misalignment, unit)
     origin = aligned if aligned is not None else (0 if shared_boundary_pages else None)
     if granularity is None and nbytes <= limit:
@@ -91,10 +79,8 @@ def plan_chunks(
         raise _no_aligned_boundary(granularity or 1, misalignment)
     else:
         first = origin
-    if first:  # an unaligned start: the first chunk is cut short to reach an aligned boundary
-        head = first + (limit - first) // unit * unit  # first <= unit <= limit
-    else:
-        head = 0
+    # An unaligned start: the first chunk is cut short to reach an aligned boundary (first <= unit <= limit).
+    head = first + (limit - first) // unit * unit if first else 0
     # Runs, never listed: a plan of 2**35 chunks is three runs (a short head, full chunks, a tail).
     full, tail = divmod(nbytes - head, chunk_bytes)
     chunks = ChunkTable(
@@ -133,12 +119,9 @@ def _no_aligned_boundary(granularity: int, misalignment: int) -> ConfigError:
 
 MAX_DEFAULT_WORKERS = 8
 MAX_DEFAULT_POPULATE_WORKERS = 16
-# The default limit is split so each worker gets a few chunks to overlap, never below 1 GiB
-# (smaller chunks only add calls).
-MIN_PARALLEL_CHUNK_BYTES = 1 << 30
+MIN_PARALLEL_CHUNK_BYTES = 1 << 30  # the default limit's split for workers: smaller chunks only add calls
 CHUNKS_PER_WORKER = 4
-# One populate call holds mmap_lock for at most this much, and every populate worker has spans.
-MAX_SPAN_BYTES = 512 << 20
+MAX_SPAN_BYTES = 512 << 20  # what one populate call holds mmap_lock for, at most
 LOOKAHEAD_CHUNKS = 64  # per populate worker, when chunks are smaller than a span
 MIN_SPAN_BYTES = 16 << 20
 # Below ~256 MiB a worker saves little and costs a thread start and GIL contention.
@@ -150,21 +133,8 @@ def pool_cpus(cpu_budget: int, *, background: bool) -> int:
     return max(1, cpu_budget - 1) if background else max(1, cpu_budget)
 
 
-def default_register_workers(caps: Capabilities, cpus: int) -> int:
-    """One where registration is serial (the CUDA driver's lock); else scaled with cores, bounded."""
-    if caps.serial_registration:
-        return 1
-    return max(1, min(MAX_DEFAULT_WORKERS, cpus))
-
-
 def default_populate_workers(cpus: int) -> int:
-    """Page faulting scales across cores."""
     return max(1, min(MAX_DEFAULT_POPULATE_WORKERS, cpus))
-
-
-def default_unpin_workers(cpus: int) -> int:
-    """Unregistering scales across threads for CUDA too (Mooncake: 500 GB in 1.5 s on threads, 11.8 s in one)."""
-    return max(1, min(MAX_DEFAULT_WORKERS, cpus))
 
 
 def span_bytes_for(chunk_bytes: int, populate_workers: int, align: int) -> int:
@@ -194,9 +164,8 @@ class BufferPlan:
 
 @dataclass(frozen=True)
 class SourceRanges:
-    """What :func:`pinpool.pin` registers of a strided view or ``ranges=``: sorted, disjoint
-    ``(offset, nbytes)`` from the first range's start (``first`` bytes into the tensor), to
-    ``extent``; ``run``: the tensor's pages (rows), the bytes between the ranges its holes."""
+    """What :func:`pinpool.pin` registers of a strided view or ``ranges=``: sorted, disjoint ranges from
+    the first one's start (``first`` bytes into the tensor); ``run``: its pages, the gaps its holes."""
 
     ranges: tuple[tuple[int, int], ...]
     extent: int
@@ -245,12 +214,8 @@ def plan_pool(
     options: PoolOptions, host: HostFacts, caps: Capabilities, *, source_start: int = 0,
     placement: Placement | None = None, ranges: SourceRanges | None = None,
 ) -> PoolPlan:  # fmt: skip
-    """Plan a pool; :class:`ConfigError` for what the host cannot do or the options cannot satisfy.
-
-    ``source_start``: the memory's start modulo the OS page (non-zero only for a caller's tensor).
-    ``placement``: the caller's, already checked (else placed here). ``ranges``: each range of
-    pin()'s one buffer becomes a buffer of its own, so no chunk crosses a gap between ranges.
-    """
+    """Plan a pool (:class:`ConfigError` for what cannot be). ``placement``: the caller's, checked (else
+    placed here); ``ranges``: each becomes a buffer, so no chunk crosses a gap between ranges."""
     where = placement or place(options, host)
     populate = options.populate
     if populate is None:
@@ -262,12 +227,11 @@ def plan_pool(
         )
     huge_pages = options.huge_pages
     # On huge pages the kernel's on-fault locking is far slower than faulting first (measured: 2.5 vs 21 GB/s on THP).
-    if not populate:
-        order = Order.REGISTER_ONLY
-    elif caps.locks_on_fault and not huge_pages:
-        order = Order.REGISTER_FIRST
-    else:
-        order = Order.POPULATE_FIRST
+    order = (
+        Order.REGISTER_ONLY if not populate
+        else Order.REGISTER_FIRST if caps.locks_on_fault and not huge_pages
+        else Order.POPULATE_FIRST
+    )  # fmt: skip
     # Boundaries on whole hugetlb pages (faulted, pinned and freed whole; no retry could split one).
     page_size = hugetlb_page_size(huge_pages) or host.page_size
     placed: list[tuple[BufferSpec, int]] = list(zip(where.specs, where.offsets, strict=True))
@@ -279,7 +243,9 @@ def plan_pool(
     # kernel then stalls every thread of the cgroup, the server's too, until the next period.
     cpus = pool_cpus(host.cpu_budget, background=options.background)
     quota_cpus = None if host.cpu_quota is None else host.cpu_quota.cpus
-    wanted_register = options.register_workers or min(by_size, default_register_workers(caps, cpus))
+    # One where registration is serial (the CUDA driver's lock).
+    default_register = 1 if caps.serial_registration else max(1, min(MAX_DEFAULT_WORKERS, cpus))
+    wanted_register = options.register_workers or min(by_size, default_register)
     wanted_populate = (options.populate_workers or min(by_size, default_populate_workers(cpus))) if populate else 0
     # Only the default limit is split for the workers: explicit ones ask for exact or fewest calls
     # (on ROCm each registration is a device alias of its own: the count matters).
@@ -313,21 +279,19 @@ def plan_pool(
     granularity = granularities.pop() if len(granularities) == 1 else None
     register_workers = max(1, min(wanted_register, len(chunks)))
     span_bytes = span_bytes_for(chunk_bytes, wanted_populate, where.align) if populate else 0
-    if ranges is None:
-        runs = page_runs([(b.offset, b.spec.nbytes, b.spec.page_runs) for b in buffers], where.num_pages)
-    else:
-        runs = (ranges.run,)
+    runs = page_runs([(b.offset, b.spec.nbytes, b.spec.page_runs) for b in buffers], where.num_pages)
+    runs = runs if ranges is None else (ranges.run,)
     pin_chunks = pin_order(chunks, runs)
     # Spans index the chunks in the order they are pinned: the pipeline faults them in that order.
     spans: Sequence[Span] = SpanTable(pin_chunks, span_bytes) if populate else ()
     populate_workers = min(wanted_populate, len(spans))
-    unpin_workers = max(1, min(options.unpin_workers or default_unpin_workers(host.cpu_budget), len(chunks)))
+    # Unregistering scales across threads for CUDA too (Mooncake: 500 GB in 1.5 s on threads, 11.8 s in one).
+    default_unpin = max(1, min(MAX_DEFAULT_WORKERS, host.cpu_budget))
+    unpin_workers = max(1, min(options.unpin_workers or default_unpin, len(chunks)))
     # Faulting first, registration is the serial bottleneck and gets threads of its own; else
     # a registration is quick or is the fault, and the roles share threads.
-    if order is Order.POPULATE_FIRST:
-        threads = populate_workers + register_workers
-    else:
-        threads = max(populate_workers, register_workers)
+    pair = (populate_workers, register_workers)
+    threads = sum(pair) if order is Order.POPULATE_FIRST else max(pair)
     # How far faulting may run ahead of registration: with tiny chunks a few batches of chunks,
     # not span_bytes each (thousands of chunks ahead cost every chunk more: measured at 100k).
     lookahead_bytes = max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS))
@@ -347,7 +311,6 @@ def plan_pool(
 
 
 def _registrations_reason(options: PoolOptions, count: int, limit: int, split_limit: int, workers: int) -> str:
-    """Why the plan makes ``count`` registration calls, in words (pool.chunking_reason, pinpool plan)."""
     if options.per_buffer:
         why = 'one per buffer (chunk_bytes="buffer"), never cut'
     elif options.chunk_bytes is not None:
@@ -371,7 +334,7 @@ def _registrations_reason(options: PoolOptions, count: int, limit: int, split_li
 def _range_buffers(
     placed: list[tuple[BufferSpec, int]], ranges: SourceRanges, source_start: int, page_size: int, caps: Capabilities
 ) -> list[tuple[BufferSpec, int]]:
-    """The ranges of pin()'s one buffer as buffers of their own (``data[i]``: range *i*, in bytes)."""
+    """The ranges of pin()'s one buffer as buffers of their own, ``data[i]``."""
     ((spec, base),) = placed
     for (offset, nbytes), (after, _) in itertools.pairwise(ranges.ranges):
         last_page = (source_start + offset + nbytes - 1) // page_size
@@ -379,9 +342,8 @@ def _range_buffers(
             raise ConfigError(
                 f"pin(): the ranges ending at byte {ranges.first + offset + nbytes} and starting at byte "
                 f"{ranges.first + after} of the tensor share an OS page of {page_size} B, and this runtime does not "
-                "track registrations "
-                "by exact byte range (Capabilities.exact_ranges), so two registrations may not share a page; "
-                "round the ranges out to whole pages, or use a runtime that does (cuda, mlock)"
+                "track registrations by exact byte range (Capabilities.exact_ranges), so two registrations may not "
+                "share a page; round the ranges out to whole pages, or use a runtime that does (cuda, mlock)"
             )
     return [
         (BufferSpec(f"{spec.name}[{i}]", (nbytes,), torch.uint8, spec.granularity, None), base + offset)

@@ -1,10 +1,6 @@
-"""Which leading pages of a pool are pinned, and the chunk order that makes them grow early.
-
-Page *i* is not one byte range (a K/V buffer holds it in both halves, a layer_first one in every
-layer's run): a buffer is ``page_runs`` equal runs, and page *i* is usable once its slice of every
-run is pinned. :func:`pin_order` advances every run together; :class:`PrefixTracker` counts the
-leading pages pinned, told each range as it is pinned, in any order.
-"""
+"""Which leading pages of a pool are pinned (:class:`PrefixTracker`), and the chunk order that makes them
+grow early (:func:`pin_order`). A buffer is ``page_runs`` equal runs (a K/V buffer's halves, layer_first's
+layers); page *i* is usable once its slice of every run is pinned."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ class PageRun:
     start: int
     end: int
     page_bytes: int | None
-    # Bytes of the run nothing registers (between the rows of a strided view, or ranges=):
-    # they hold no page's data, so the tracker counts them pinned from the start.
+    # Bytes nothing registers (between a strided view's rows, or ranges=): counted pinned from the start.
     holes: tuple[tuple[int, int], ...] = ()
 
 
@@ -47,17 +42,16 @@ def page_runs(buffers: Sequence[tuple[int, int, int | None]], num_pages: int) ->
 
 
 def pin_order(chunks: ChunkTable, runs: Sequence[PageRun]) -> ChunkTable:
-    """``chunks`` (offset order) in the order to pin them so the pinned page prefix grows early.
-
-    With one run that is offset order itself (returned as is, still lazy). With several, each
-    chunk is keyed by the fraction of its run it completes, and the runs are merged by key.
-    """
+    """``chunks`` in pin order: with several runs, merged by the fraction of its run each completes."""
     if len(runs) <= 1 or len(chunks) > MAX_INTERLEAVED_CHUNKS:
         return chunks
 
     def keyed(run_index: int, run: PageRun) -> Iterator[tuple[float, int, Chunk]]:
         length = run.end - run.start
-        for chunk in _chunks_in(chunks, run):
+        first = bisect.bisect_right(chunks, run.start, key=lambda chunk: chunk.end)  # the first ending after it
+        for index in range(first, len(chunks)):
+            if (chunk := chunks[index]).offset >= run.end:
+                return
             yield (min(chunk.end, run.end) - run.start) / length, run_index, chunk
 
     merged = heapq.merge(*(keyed(i, run) for i, run in enumerate(runs)))
@@ -70,19 +64,8 @@ def pin_order(chunks: ChunkTable, runs: Sequence[PageRun]) -> ChunkTable:
     return ChunkTable.of(ordered)
 
 
-def _chunks_in(chunks: ChunkTable, run: PageRun) -> Iterator[Chunk]:
-    """The chunks overlapping ``run``, in offset order (the table is sorted by offset)."""
-    first = bisect.bisect_right(chunks, run.start, key=lambda chunk: chunk.end)  # the first ending after it
-    for index in range(first, len(chunks)):
-        chunk = chunks[index]
-        if chunk.offset >= run.end:
-            return
-        yield chunk
-
-
 class PrefixTracker:
-    """How many leading pages are pinned: per run, the covered prefix and the few pinned ranges
-    beyond it, merged in as the prefix reaches them."""
+    """Leading pages pinned: per run, the covered prefix and a heap of pinned ranges beyond it."""
 
     def __init__(self, runs: Sequence[PageRun], num_pages: int) -> None:
         self.runs = tuple(sorted(runs, key=lambda r: r.start))
@@ -96,7 +79,6 @@ class PrefixTracker:
                 self.cover(lo, hi)
 
     def cover(self, start: int, end: int) -> None:
-        """``[start, end)`` of the pool is pinned now."""
         index = max(0, bisect.bisect_right(self._starts, start) - 1)
         changed = False
         while index < len(self.runs) and self.runs[index].start < end:
@@ -130,5 +112,4 @@ class PrefixTracker:
 
     @property
     def pages(self) -> int:
-        """Pages ``[0, pages)`` are pinned in every run."""
         return self._pages

@@ -1,12 +1,10 @@
-"""The pre-flight: every check of a pool against the host, before anything is mapped, each a pure
-function of values returning a :class:`Check` (status, what it found, the one fix). A pool raises
-the first failure (:func:`raise_first`); ``pinpool doctor`` renders them all. In order: the
-placement (:func:`placement_checks`), then what pinning costs (:func:`pinning_checks`: resident
-memory, RLIMIT_MEMLOCK), as the runtime's declared :class:`Capabilities` say, never its name.
-"""
+"""The pre-flight: each check of a pool against the host a pure function returning a :class:`Check`; a
+pool raises the first failure, ``pinpool doctor`` renders them all. The placement's checks come first,
+then what pinning costs as the runtime's :class:`Capabilities` declare it (never its name)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,18 +23,15 @@ OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 STATUSES = (OK, WARN, FAIL, SKIP)
 
 THP = "/sys/kernel/mm/transparent_hugepage"
-# Less than this share of the available memory left over is a warning: the server needs some too.
-HEADROOM = 0.10
-# Every 4 KiB page mapped needs an 8-byte page-table entry, resident and charged to the memory
-# cgroup like the page itself: 0.2% of a pool, 2 GiB per TiB. THP keeps a deposited page table per
-# huge page as well (to split it later), so the estimate holds with huge_pages=True too.
+HEADROOM = 0.10  # less of the available memory left over is a warning: the server needs some too
+# Every 4 KiB page mapped needs an 8-byte page-table entry, resident and charged to the cgroup: 2 GiB
+# per TiB. THP deposits a page table per huge page too (to split it later), so this holds there as well.
 _PTE_BYTES = 8
 
 
 @dataclass(frozen=True)
 class Check:
-    """One check's outcome: ``status`` is ok / warn / fail (/ skip); ``detail`` what was found;
-    ``fix`` what to do about it (empty when there is nothing to do)."""
+    """One check's outcome: ``status`` (ok / warn / fail / skip), what was found, and the fix (or "")."""
 
     name: str
     status: str
@@ -44,28 +39,23 @@ class Check:
     fix: str = ""
 
     def error(self) -> ConfigError:
-        """The pool's error for this failed check: what was found, the fix, and that nothing was done yet."""
-        if self.detail.endswith("."):
-            text = f"{self.detail} {self.fix[:1].upper()}{self.fix[1:]}"
-        else:
-            text = f"{self.detail}; {self.fix}"
+        end = f" {self.fix[:1].upper()}{self.fix[1:]}" if self.detail.endswith(".") else f"; {self.fix}"
+        text = self.detail + end
         return ConfigError(f"{text}; nothing has been mapped or pinned")
 
 
 def raise_first(checks: Iterable[Check]) -> None:
-    """Raise the first failed check as :class:`ConfigError` (warnings do not stop a pool)."""
     for check in checks:
         if check.status == FAIL:
             raise check.error()
 
 
-# -- the placement: where the buffers sit in the one mapping; its NUMA node, huge pages, address space --
+# -- the placement --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The buffers' offsets in the one mapping, each aligned to ``align`` (the OS or huge page);
-    ``mapping_bytes``: every buffer rounded up to ``align``, at least one OS page."""
+    """The buffers' offsets in the one mapping, each aligned to ``align`` (the OS or huge page)."""
 
     num_pages: int
     specs: tuple[BufferSpec, ...]
@@ -76,18 +66,14 @@ class Placement:
 
 
 def place(options: PoolOptions, host: HostFacts, *, check: bool = True) -> Placement:
-    """Lay the options' buffers out in one mapping on ``host``'s page sizes: the pre-flight and the
-    planner's one placement of a pool. ``check``: raise the first failure of its
-    :func:`placement_checks` (off only for arithmetic such as :func:`pinpool.share`)."""
+    """The one placement of a pool's buffers on ``host``'s page sizes; ``check``: raise its first failed
+    check (off only for arithmetic such as :func:`pinpool.share`)."""
     # hugetlb pages: the mapping's page (2 MiB or 1 GiB); THP: 2 MiB-aligned 4 KiB pages.
     align = hugetlb_page_size(options.huge_pages) or (host.huge_page_size if options.huge_pages else host.page_size)
-    offsets: list[int] = []
-    offset = 0
-    for spec in options.buffers:
-        offsets.append(offset)
-        offset += -(-spec.nbytes // align) * align
+    ends = tuple(itertools.accumulate((-(-spec.nbytes // align) * align for spec in options.buffers), initial=0))
+    offsets, offset = ends[:-1], ends[-1]
     placement = Placement(
-        num_pages=options.size // options.layout.page_bytes, specs=options.buffers, offsets=tuple(offsets),
+        num_pages=options.size // options.layout.page_bytes, specs=options.buffers, offsets=offsets,
         nbytes=sum(spec.nbytes for spec in options.buffers), align=align, mapping_bytes=max(offset, host.page_size),
     )  # fmt: skip
     if check:
@@ -96,7 +82,6 @@ def place(options: PoolOptions, host: HostFacts, *, check: bool = True) -> Place
 
 
 def numa_check(node: int | None, nodes: Sequence[int]) -> Check:
-    """``numa_node=`` must name a node with memory; without one, the nodes there are."""
     listed = ", ".join(map(str, nodes))
     if node is None:
         if len(nodes) <= 1:
@@ -114,8 +99,7 @@ def numa_check(node: int | None, nodes: Sequence[int]) -> Check:
 
 
 def thp_check(mode: str | None, *, wanted: bool, defrag: str | None = None) -> Check:
-    """huge_pages=True needs transparent huge pages in 'always' or 'madvise' mode (a failure when
-    ``wanted``, a warning otherwise); defrag 'always' with 'always' stalls every fault on the host."""
+    """THP must be 'always' or 'madvise' (``wanted``: else a failure); defrag 'always' stalls every fault."""
     if mode not in ("always", "madvise"):
         return Check(
             "thp", FAIL if wanted else WARN,
@@ -132,8 +116,7 @@ def thp_check(mode: str | None, *, wanted: bool, defrag: str | None = None) -> C
 
 
 def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
-    """How to reserve ``pages`` hugetlb pages: 2 MiB ones at run time, 1 GiB ones at boot (at run
-    time the kernel rarely finds 1 GiB of contiguous free memory per page)."""
+    """How to reserve hugetlb pages: 1 GiB ones at boot (at run time contiguous 1 GiB is rarely free)."""
     if huge_page_size == 1 << 30:
         return (
             f"hugepagesz=1G hugepages={pages} on the kernel command line and reboot; echo {pages} > "
@@ -145,9 +128,8 @@ def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
 def hugetlb_check(
     nbytes: int | None, *, free: int, total: int, huge_page_size: int, wanted: bool, value: str | None = None
 ) -> Check:
-    """huge_pages='hugetlb' needs ``nbytes`` of free pages reserved in the hugetlb pool (vm.nr_hugepages),
-    'hugetlb:1GiB' in the 1 GiB pool: a failure when ``wanted``, a warning where pages are reserved
-    but too few, else what there is. ``value``: the huge_pages= asked for, for messages."""
+    """Free reserved hugetlb pages of ``huge_page_size`` for ``nbytes``: too few is a failure when
+    ``wanted``, a warning where some are reserved. ``value``: the huge_pages= asked for."""
     page = format_bytes(huge_page_size)
     value = value or ("hugetlb:1GiB" if huge_page_size == 1 << 30 else "hugetlb")
     name = "hugetlb" if huge_page_size == 2 << 20 else f"hugetlb:{page.replace(' ', '')}"
@@ -166,7 +148,6 @@ def hugetlb_check(
 
 
 def address_space_check(mapping_bytes: int, *, size: int, address_space: int) -> Check:
-    """A pool bigger than the address space is refused now, not in mmap (or planning it)."""
     if mapping_bytes > address_space:
         return Check(
             "address space", FAIL,
@@ -181,9 +162,8 @@ def huge_pages_check(
     huge_pages: bool | str, nbytes: int, thp_mode: Callable[[], str | None],
     hugetlb_pages: Callable[[int], tuple[int, int]],
 ) -> Check | None:  # fmt: skip
-    """``huge_pages=`` against the host: THP's mode for True, enough free hugetlb pages of its size
-    (``hugetlb_pages(page)``: free, total) for ``nbytes``; None without huge pages. At construction
-    from :class:`HostFacts`, and again when the mapping is made, against the host as it is then."""
+    """``huge_pages=`` against the host (None without huge pages): from :class:`HostFacts` at
+    construction, and again as the host is when the mapping is made."""
     if huge_pages is True:
         return thp_check(thp_mode(), wanted=True)
     page = hugetlb_page_size(huge_pages)
@@ -194,7 +174,6 @@ def huge_pages_check(
 
 
 def placement_checks(options: PoolOptions, host: HostFacts, placement: Placement) -> list[Check]:
-    """The checks a placement needs and no runtime: NUMA node, THP, address space, hugetlb pages."""
     mapped = placement.mapping_bytes
     checks = [
         numa_check(options.numa_node, host.numa_nodes),
@@ -206,11 +185,10 @@ def placement_checks(options: PoolOptions, host: HostFacts, placement: Placement
     return checks
 
 
-# -- what pinning costs: resident memory and RLIMIT_MEMLOCK -----------------------------------------------
+# -- what pinning costs ------------------------------------------------------------------------------------
 
 
 def _sources(host: HostFacts) -> tuple[str, str]:
-    """Where the available memory figure comes from, and the fix that makes more of it."""
     limit, usage, cache = host.cgroup_memory_limit, host.cgroup_memory_usage, host.cgroup_memory_reclaimable
     room, mem = host.cgroup_room, host.mem_available
     mem_text = "MemAvailable is unknown" if mem is None else f"MemAvailable is {human(mem)}"
@@ -232,16 +210,13 @@ def _sources(host: HostFacts) -> tuple[str, str]:
 
 
 def resident_fit(available: int, page_size: int) -> int:
-    """The most bytes (whole OS pages) that fit in ``available`` with their page tables, as
-    :func:`memory_check` charges them: the pool sizes it advises and :func:`pinpool.host_budget`."""
+    """The most whole OS pages' bytes that fit in ``available`` with their page tables."""
     return max(0, available) * page_size // (page_size + _PTE_BYTES) // page_size * page_size
 
 
 def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
-    """``nbytes`` of new memory and its page tables against what may still become resident (the
-    cgroup's room or MemAvailable, the smaller; ``nbytes`` None: only what is). Pinned pages cannot
-    be reclaimed: past the cgroup's limit the process is OOM-killed (exit 137) instead of failing
-    a call that could be rolled back. Unknown figures are a warning, which stops no pool."""
+    """``nbytes`` (None: report only) and its page tables against what may still become resident;
+    unknown figures are a warning. Why a failure: the message says (OOM-kill, not a rollback)."""
     available = host.memory_available
     if available is None:
         return Check(
@@ -276,9 +251,7 @@ def memory_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
 
 
 def memlock_check(nbytes: int | None, host: HostFacts, *, subject: str) -> Check:
-    """``nbytes`` to mlock against RLIMIT_MEMLOCK: without CAP_IPC_LOCK, the soft limit must cover
-    what this process has locked already (VmLck) plus the pool, or mlock fails part-way. ``nbytes``
-    None: what the limit allows."""
+    """``nbytes`` to mlock (None: report only) plus VmLck against RLIMIT_MEMLOCK, without CAP_IPC_LOCK."""
     soft, hard = host.memlock_soft, host.memlock_hard
     limits = f"RLIMIT_MEMLOCK soft {_limit_text(soft)}, hard {_limit_text(hard)}"
     if host.cap_ipc_lock:
@@ -310,14 +283,10 @@ def pinning_checks(
     *, size: int, locked_bytes: int, new_bytes: int | None, host: HostFacts, caps: Capabilities | None,
     new_memory: bool = True,
 ) -> list[Check]:  # fmt: skip
-    """What pinning costs the host, as ``caps`` declares it: ``new_bytes`` of new resident memory
-    (None: none) and ``locked_bytes`` against RLIMIT_MEMLOCK where registrations are charged to it."""
     if caps is None or not caps.resident:
         return []
     subject = f"size={bytes_text(size)}" if new_memory else f"pin(tensor) of {bytes_text(size)}"
-    checks = []
-    if new_bytes:
-        checks.append(memory_check(new_bytes, host, subject=subject))
+    checks = [memory_check(new_bytes, host, subject=subject)] if new_bytes else []
     if caps.charges_memlock:
         checks.append(memlock_check(locked_bytes, host, subject=subject))
     return checks
@@ -327,17 +296,13 @@ def check_pinning(
     options: PoolOptions, host: HostFacts, caps: Capabilities | None, *, mapping_bytes: int,
     buffer_bytes: Iterable[int], new_memory: bool = True, new_bytes: int | None = None,
 ) -> None:  # fmt: skip
-    """The memory pre-flight of a placed pool, raising the first failure; again right before mapping,
-    since the figures change. New memory: the mapping, or ``new_bytes`` (the pages a shared file does
-    not hold yet); none for hugetlb pages (reserved) or a caller's tensor (``new_memory=False``).
-    Locked: every buffer rounded out to pages (a tensor starting mid-page: one page more)."""
-    new = (
-        (mapping_bytes if new_bytes is None else new_bytes)
-        if new_memory and not hugetlb_page_size(options.huge_pages)
-        else 0
-    )
+    """The memory pre-flight, raising the first failure; again right before mapping (figures change).
+    New memory: the mapping, or ``new_bytes`` a shared file lacks; none for hugetlb pages (reserved) or
+    a caller's tensor. Locked: every buffer rounded out to pages (a tensor starting mid-page: one more)."""
+    new = mapping_bytes if new_bytes is None else new_bytes
     page = host.page_size
     locked = sum(-(-nbytes // page) * page for nbytes in buffer_bytes) + (0 if new_memory else page)
+    new = 0 if not new_memory or hugetlb_page_size(options.huge_pages) else new
     checks = pinning_checks(
         size=options.size, locked_bytes=locked, new_bytes=new, host=host, caps=caps, new_memory=new_memory
     )
