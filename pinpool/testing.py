@@ -17,17 +17,17 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ConfigError, RuntimeCallError
-from .._host import libc as _libc
-from .._host.facts import HostFacts
-from .._ranges import PINNED_RANGES, RangeBook
-from .._types import Capabilities
-from .._units import parse_size
-from ..runtimes._gpu import CUDA, HIP, GpuApi
-from ..runtimes._mlock import lock_range, page_span, unlock_range
+from ._errors import ConfigError, RuntimeCallError
+from ._host import libc as _libc
+from ._host.facts import HostFacts
+from ._ranges import PINNED_RANGES, RangeBook
+from ._types import Capabilities
+from ._units import parse_size
+from .runtimes._gpu import CUDA, HIP, GpuApi
+from .runtimes._mlock import lock_range, page_span, unlock_range
 
 if TYPE_CHECKING:
-    from .._pool.pool import PinnedPool
+    from ._pool.pool import PinnedPool
 
 __all__ = ["CallHook", "FakeCudart", "FakeRuntime", "assert_released", "host_facts", "locked_bytes"]
 
