@@ -111,6 +111,12 @@ async def pin_and_run(
             body(entered)
 
 
+def lifecycle_of(pool: pinpool.PinnedPool) -> Any:
+    """The sans-I/O lifecycle behind a pool: the one place tests reach past the façade (the
+    lifecycle's own tests, the engine's books, fault injection into a pool's mapping)."""
+    return pool._lifecycle
+
+
 def config_error(make: Callable[[], object]) -> str:
     """The message of the ConfigError ``make()`` raises."""
     with pytest.raises(pinpool.ConfigError) as info:

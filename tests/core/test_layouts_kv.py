@@ -25,7 +25,7 @@ import pinpool
 from pinpool import layouts
 from pinpool.testing import FakeRuntime
 
-from ..conftest import config_error, each_driver
+from ..conftest import config_error, each_driver, lifecycle_of
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -943,4 +943,4 @@ def test_buffers_sit_at_page_aligned_offsets_in_one_mapping(fake: FakeRuntime) -
         for b in p.plan.buffers:
             if b.spec.nbytes:
                 assert ptrs[b.spec.name] == p.data_ptr + b.offset
-                assert b.offset + b.spec.nbytes <= p._lifecycle.memory.length  # type: ignore[attr-defined]
+                assert b.offset + b.spec.nbytes <= lifecycle_of(p).memory.length  # type: ignore[attr-defined]

@@ -36,6 +36,8 @@ from pinpool._pin import (
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 
+from ..conftest import lifecycle_of
+
 MiB = 1 << 20
 Gen = Generator[Step, Ran, Any]
 
@@ -150,7 +152,7 @@ def pool_of(fake: FakeRuntime, logs: Events | None = None, **kw: Any) -> pinpool
     }  # fmt: skip
     options.update(kw)
     pool = pinpool.PinnedPool(**options)
-    assert pool._lifecycle.plan.threads == 1
+    assert lifecycle_of(pool).plan.threads == 1
     return pool
 
 
@@ -170,7 +172,7 @@ def _no_claims_left() -> Any:
 
 def test_foreground_ready_then_exit_then_exit_again_is_a_no_op(fake: FakeRuntime) -> None:
     pool = pool_of(fake)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     drive(life.enter())
     assert life.state is PoolState.READY and len(fake.registered) == 8 and life.pinned_pages == pool.num_pages
     assert drive(life.exit(None)) is None
@@ -181,7 +183,7 @@ def test_foreground_ready_then_exit_then_exit_again_is_a_no_op(fake: FakeRuntime
 def test_foreground_failure_rolls_back_then_raises_a_pin_error() -> None:
     fake = FakeRuntime(fail_register_on=4)
     logs = Events()
-    life = pool_of(fake, logs)._lifecycle
+    life = lifecycle_of(pool_of(fake, logs))
     with pytest.raises(PinError, match="rolled back") as raised:
         drive(life.enter())
     assert raised.value.failures[0].error.code == 2
@@ -194,7 +196,7 @@ def test_foreground_interruption_rolls_back_and_is_raised_as_itself(
     fake: FakeRuntime, interrupt: type[BaseException]
 ) -> None:
     logs = Events()
-    life = pool_of(fake, logs)._lifecycle
+    life = lifecycle_of(pool_of(fake, logs))
     first = interrupt("stop")
 
     def half_then_interrupted(step: Step) -> Ran:
@@ -213,7 +215,7 @@ def test_foreground_interruption_rolls_back_and_is_raised_as_itself(
 
 def test_an_interrupt_during_the_rollback_of_a_failure_propagates_with_the_failure_as_a_note() -> None:
     fake = FakeRuntime(fail_register_on=3)
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
 
     def teardown_interrupted(step: Step) -> Ran:
         ran = inline(step)  # the teardown completes...
@@ -227,7 +229,7 @@ def test_an_interrupt_during_the_rollback_of_a_failure_propagates_with_the_failu
 
 
 def test_a_crashed_worker_and_no_threads_are_pin_errors_after_a_full_rollback(fake: FakeRuntime) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
 
     def crashed(step: Step) -> Ran:
         ran = inline(step)
@@ -238,7 +240,7 @@ def test_a_crashed_worker_and_no_threads_are_pin_errors_after_a_full_rollback(fa
         drive(life.enter(), crashed)
     assert isinstance(raised.value.__cause__, RuntimeError) and fake.registered == {}
 
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
     with pytest.raises(PinError, match="out of threads"):
         drive(life.enter(), report(Ran(started=0, start_errors=[RuntimeError("can't start new thread")])))
     assert life.state is PoolState.CLOSED and fake.registered == {}
@@ -251,7 +253,7 @@ def test_on_progress_raising_at_the_final_report_is_raised_as_itself(fake: FakeR
         calls.append(done)
         raise LookupError("the callback's own error")
 
-    life = pool_of(fake, on_progress=on_progress)._lifecycle
+    life = lifecycle_of(pool_of(fake, on_progress=on_progress))
     with pytest.raises(LookupError, match="own error"):
         drive(life.enter())
     assert calls == [8] and life.state is PoolState.CLOSED and fake.registered == {}
@@ -259,7 +261,7 @@ def test_on_progress_raising_at_the_final_report_is_raised_as_itself(fake: FakeR
 
 def test_an_entry_step_that_raises_leaves_nothing_claimed(fake: FakeRuntime) -> None:
     pool = pool_of(fake)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     life._open_session = lambda _memory: (_ for _ in ()).throw(KeyboardInterrupt())  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         drive(life.enter())
@@ -267,7 +269,7 @@ def test_an_entry_step_that_raises_leaves_nothing_claimed(fake: FakeRuntime) -> 
 
 
 def test_exit_of_a_pool_never_entered_is_an_error_and_close_is_not(fake: FakeRuntime) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
     with pytest.raises(PoolStateError, match="only after it was entered"):
         drive(life.exit(None))
     assert drive(life.exit(None, closing=True)) is None
@@ -279,7 +281,7 @@ def test_exit_of_a_pool_never_entered_is_an_error_and_close_is_not(fake: FakeRun
 def test_an_unpin_failure_is_raised_on_exit_noted_on_a_body_error_or_returned() -> None:
     for mode in ("raise", "note", "return"):
         fake = FakeRuntime(fail_unregister_on=1)
-        life = pool_of(fake, name=f"unpin-{mode}")._lifecycle
+        life = lifecycle_of(pool_of(fake, name=f"unpin-{mode}"))
         drive(life.enter())
         if mode == "raise":
             with pytest.raises(UnpinError, match="failed to unregister"):
@@ -300,8 +302,8 @@ def test_an_unpin_failure_is_raised_on_exit_noted_on_a_body_error_or_returned() 
 def enter_background(fake: FakeRuntime, logs: Events | None = None, **kw: Any) -> tuple[pinpool.PinnedPool, Conductor]:
     pool = pool_of(fake, logs, background=True, **kw)
     box: list[Conductor] = []
-    drive(pool._lifecycle.enter(), detach_into(box))
-    assert pool.state is PoolState.PINNING and pool._lifecycle.tensors is not None
+    drive(lifecycle_of(pool).enter(), detach_into(box))
+    assert pool.state is PoolState.PINNING and lifecycle_of(pool).tensors is not None
     return pool, box[0]
 
 
@@ -309,7 +311,7 @@ def test_background_failure_keeps_every_registered_chunk_until_exit() -> None:
     fake = FakeRuntime(fail_register_on=4)
     logs = Events()
     pool, conductor = enter_background(fake, logs)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     conductor.join()  # pins chunks 0-2, the 4th call fails
     assert life.state is PoolState.FAILED and len(fake.registered) == 3 and fake.unregister_calls == []
     assert life.pinned_pages == 3 * MiB // pool.plan.page_bytes  # frozen, not 0: the body may use them
@@ -328,14 +330,14 @@ def test_background_unseen_failure_is_raised_on_exit_after_unpinning() -> None:
     pool, conductor = enter_background(fake)
     conductor.join()
     with pytest.raises(PinError, match="stay pinned"):
-        drive(pool._lifecycle.exit(None))
+        drive(lifecycle_of(pool).exit(None))
     assert fake.registered == {} and pool.state is PoolState.CLOSED
 
 
 def test_background_exit_while_pinning_is_a_normal_shutdown_not_a_failure(fake: FakeRuntime) -> None:
     logs = Events()
     pool, conductor = enter_background(fake, logs)
-    assert drive(pool._lifecycle.exit(None)) is None  # its join step runs the conductor: stopped at once
+    assert drive(lifecycle_of(pool).exit(None)) is None  # its join step runs the conductor: stopped at once
     assert conductor.done and fake.registered == {} and pool.state is PoolState.CLOSED
     assert logs.of("pool.rollback") == ["exit"] and logs.of("pool.rollback", "log_level") == ["info"]
     assert logs.of("pool.failed") == []
@@ -353,17 +355,17 @@ def test_background_on_progress_error_is_kept_as_itself_and_counted_as_cancelled
 
     conductor.script = [interrupted]
     conductor.join()
-    assert pool.state is PoolState.FAILED and pool._lifecycle.error is error and len(fake.registered) == 8
+    assert pool.state is PoolState.FAILED and lifecycle_of(pool).error is error and len(fake.registered) == 8
     assert logs.of("pool.rollback") == ["cancelled"]
     with pytest.raises(OverflowError):
-        drive(pool._lifecycle.exit(None))
+        drive(lifecycle_of(pool).exit(None))
     assert fake.registered == {}
 
 
 def test_collected_while_pinning_the_conductor_unpins_and_says_collected(fake: FakeRuntime) -> None:
     logs = Events()
     pool, conductor = enter_background(fake, logs)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     with pytest.warns(UnclosedPoolWarning, match="unpinning what it pinned"):
         drive(life.finalize())  # the façade is gone; the conductor still runs
     assert life._orphaned and life.state is PoolState.PINNING
@@ -377,7 +379,7 @@ def test_collected_after_a_background_failure_unpins_in_the_finalizer_and_warns_
     pool, conductor = enter_background(fake)
     conductor.join()
     with pytest.warns(UnclosedPoolWarning) as warned:
-        drive(pool._lifecycle.finalize())
+        drive(lifecycle_of(pool).finalize())
     assert any("nobody saw why" in str(w.message) for w in warned)
     assert pool.state is PoolState.CLOSED and fake.registered == {}
 
@@ -385,7 +387,7 @@ def test_collected_after_a_background_failure_unpins_in_the_finalizer_and_warns_
 def test_the_interpreter_exit_hook_stops_pinning_and_keeps_the_prefix_for_the_finalizer(fake: FakeRuntime) -> None:
     logs = Events()
     pool, conductor = enter_background(fake, logs)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     conductor.stop()
     conductor.join()
     assert life.state is PoolState.PINNING and not life._conducting  # nothing unpinned under live threads
@@ -398,7 +400,7 @@ def test_the_interpreter_exit_hook_stops_pinning_and_keeps_the_prefix_for_the_fi
 def test_exit_after_a_failure_raced_by_exit_keeps_the_first_cause() -> None:
     fake = FakeRuntime(fail_register_on=2)
     pool, conductor = enter_background(fake)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     assert life.session is not None
     conductor.join()  # the failure lands first...
     life.session.stop(StopCause.EXIT)  # ...an exit afterwards changes nothing
@@ -409,7 +411,7 @@ def test_exit_after_a_failure_raced_by_exit_keeps_the_first_cause() -> None:
 
 def test_a_conductor_that_cannot_start_rolls_back_at_entry(fake: FakeRuntime) -> None:
     pool = pool_of(fake, background=True)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
 
     class NeverRan:
         done = True
@@ -426,7 +428,7 @@ def test_a_forked_child_lets_go_without_touching_the_parents_registrations(monke
     for background in (False, True):
         fake = FakeRuntime()
         pool = pool_of(fake, background=background, name=f"fork-{background}")
-        life = pool._lifecycle
+        life = lifecycle_of(pool)
         drive(life.enter(), *([detach_into([])] if background else []))
         parent = os.getpid()
         monkeypatch.setattr(os, "getpid", lambda parent=parent: parent + 1)
@@ -440,7 +442,7 @@ def test_a_forked_child_lets_go_without_touching_the_parents_registrations(monke
 
 def test_a_background_pool_that_pins_everything_is_ready_and_waits_are_answered(fake: FakeRuntime) -> None:
     pool, conductor = enter_background(fake)
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     assert life.pinned_pages == 0 and not life.reached(1) and not life.reached(None)  # nothing pinned yet
     views = life.tensors
     conductor.join()
@@ -451,7 +453,7 @@ def test_a_background_pool_that_pins_everything_is_ready_and_waits_are_answered(
 
 
 def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error(fake: FakeRuntime) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
     assert life.pinned_pages == 0
     with pytest.raises(PoolStateError, match="is new: enter it"):
         life.reached(None)
@@ -462,7 +464,7 @@ def test_waiting_on_a_pool_that_is_new_or_was_exited_is_a_state_error(fake: Fake
 
 
 def test_background_views_that_raise_undo_the_pin_at_entry(fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch) -> None:
-    life = pool_of(fake, background=True)._lifecycle
+    life = lifecycle_of(pool_of(fake, background=True))
 
     def views(_memory: Any) -> Any:
         raise MemoryError("views")
@@ -478,7 +480,7 @@ def test_background_views_that_raise_undo_the_pin_at_entry(fake: FakeRuntime, mo
 
 
 def test_an_interrupt_while_the_conductor_starts_is_raised_after_the_rollback(fake: FakeRuntime) -> None:
-    life = pool_of(fake, background=True)._lifecycle
+    life = lifecycle_of(pool_of(fake, background=True))
     box: list[Conductor] = []
 
     def interrupted_in_thread_start(step: Step) -> Ran:
@@ -496,7 +498,7 @@ def test_an_entry_whose_memory_cannot_be_had_closes_and_a_forked_child_has_nothi
     fake: FakeRuntime,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
 
     def acquire() -> Any:
         raise OSError("mmap")
@@ -528,7 +530,7 @@ def on_another_thread(call: Callable[[], object]) -> object:
 
 
 def test_exit_while_another_thread_enters_is_refused(fake: FakeRuntime) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
 
     def exit_meanwhile(step: Step) -> Ran:
         refused = on_another_thread(lambda: drive(life.exit(None)))
@@ -541,7 +543,7 @@ def test_exit_while_another_thread_enters_is_refused(fake: FakeRuntime) -> None:
 
 
 def test_a_close_on_the_entering_thread_returns_at_once_and_the_entry_rolls_back_and_raises(fake: FakeRuntime) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
     returned: list[object] = []
 
     def close_meanwhile(step: Step) -> Ran:  # a signal handler's close() while this thread pins
@@ -554,7 +556,7 @@ def test_a_close_on_the_entering_thread_returns_at_once_and_the_entry_rolls_back
 
 
 def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raised(fake: FakeRuntime) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
     drive(life.enter())
     waiters: list[threading.Thread] = []
     returned: list[object] = []
@@ -579,7 +581,7 @@ def test_a_second_exit_waits_for_the_first_and_an_interrupt_of_the_wait_is_raise
 
 
 def test_a_finalizer_warning_without_a_file_to_point_at_is_still_a_warning(fake: FakeRuntime) -> None:
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
     drive(life.enter())
     life.created_at = ("<stdin>", 1)  # made by `python -c` or a REPL
     with pytest.warns(UnclosedPoolWarning, match="in a finalizer"):
@@ -592,7 +594,7 @@ def test_an_unseen_background_failure_raised_on_exit_carries_the_unpin_failure_a
     pool, conductor = enter_background(fake)
     conductor.join()  # chunks 0 and 1 pinned, the third call failed
     with pytest.raises(PinError, match="stay pinned") as raised:
-        drive(pool._lifecycle.exit(None))
+        drive(lifecycle_of(pool).exit(None))
     assert any("failed to unregister" in note for note in raised.value.__notes__)
     assert pool.state is PoolState.CLOSED and len(fake.registered) == 1  # chunk 1 leaked (unpinned first)
     PINNED_RANGES.pop(next(iter(fake.registered)) - MiB)  # kept claimed: part may be pinned
@@ -611,7 +613,7 @@ def test_an_admitted_pool_holds_a_slot_while_it_pins_and_its_budget_until_closed
     tmp_path: Path, budget: int | None
 ) -> None:
     fake, logs = FakeRuntime(), Events()
-    life = paced_pool(fake, tmp_path, logs, node_budget=budget)._lifecycle
+    life = lifecycle_of(paced_pool(fake, tmp_path, logs, node_budget=budget))
     drive(life.enter())
     assert sorted(logs.of("node.admitted", "kind")) == (["budget", "slot"] if budget else ["slot"])
     assert life.pacing.slot is None and (life.pacing.budget is not None) == bool(budget)  # let go once pinned
@@ -621,7 +623,7 @@ def test_an_admitted_pool_holds_a_slot_while_it_pins_and_its_budget_until_closed
 
 def test_a_rollback_that_cannot_unregister_a_chunk_says_so_in_the_pin_error() -> None:
     fake = FakeRuntime(fail_register_on=4, fail_unregister_on=1)
-    life = pool_of(fake)._lifecycle
+    life = lifecycle_of(pool_of(fake))
     with pytest.raises(PinError, match=r"rolled back, 1 chunk\(s\) could not be unregistered") as raised:
         drive(life.enter())
     assert len(raised.value.leaked) == 1 and len(fake.registered) == 1 and life.state is PoolState.CLOSED
@@ -638,7 +640,7 @@ def test_a_busy_node_an_interrupted_wait_and_no_thread_for_it_close_the_pool_wit
         (Ran(start_errors=[RuntimeError("can't start new thread")]), PinError),
     ):
         fake, logs = FakeRuntime(), Events()
-        life = paced_pool(fake, tmp_path, logs)._lifecycle
+        life = lifecycle_of(paced_pool(fake, tmp_path, logs))
         with pytest.raises(expected) as raised:
             drive(life.enter(), report(ran))
         assert life.state is PoolState.CLOSED and life.memory is None and fake.register_calls == []
@@ -651,7 +653,7 @@ def test_a_busy_node_an_interrupted_wait_and_no_thread_for_it_close_the_pool_wit
 def test_a_background_conductor_whose_admission_ends_early_pins_nothing(tmp_path: Path, given_up: bool) -> None:
     fake, logs = FakeRuntime(), Events()
     pool, conductor = enter_background(fake, logs, node_slots=1, node_dir=str(tmp_path / "node"))
-    life = pool._lifecycle
+    life = lifecycle_of(pool)
     busy = NodeBusyError("every slot is taken", directory=str(tmp_path), kind="slots", limit=1, in_use=1)
     conductor.script = [report(Ran(started=1, crashed=[NodeWaitCancelled("exit") if given_up else busy]))]
     if given_up:  # exit gives up the wait (and joins the conductor): a normal shutdown, not a failure

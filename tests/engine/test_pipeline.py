@@ -24,7 +24,7 @@ from pinpool._pin import WAIT, Batch, ChunkState, Landing, Phase, Pipeline, Stop
 from pinpool._plan import Order, PrefixTracker, Span
 from pinpool.testing import FakeRuntime
 
-from ..conftest import each_driver, hugetlb_pages, pin_and_run
+from ..conftest import each_driver, hugetlb_pages, lifecycle_of, pin_and_run
 
 MiB = 1 << 20
 
@@ -1018,7 +1018,7 @@ async def test_cancellation_from_inside_a_populate_call_rolls_back(lock_on_fault
             if len(self.populate_calls) == 5:
                 anyio.from_thread.run_sync(scope.cancel, token=token)
                 # Return only once the driver has told the workers to stop (it notifies the condition).
-                session = pool._lifecycle.session
+                session = lifecycle_of(pool).session
                 assert session is not None
                 with session._changed:
                     assert session._changed.wait_for(lambda: session.pipeline.stopped, timeout=10)
@@ -1063,7 +1063,7 @@ async def test_a_cancel_ends_a_batch_after_the_current_call() -> None:
             super().register(ptr, nbytes)
             if len(self.register_calls) == 5:
                 anyio.from_thread.run_sync(scope.cancel, token=token)
-                session = pool._lifecycle.session
+                session = lifecycle_of(pool).session
                 assert session is not None
                 with session._changed:
                     assert session._changed.wait_for(lambda: session.pipeline.stopped, timeout=10)

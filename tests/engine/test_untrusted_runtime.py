@@ -28,7 +28,7 @@ from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver
+from ..conftest import each_driver, lifecycle_of
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
@@ -160,7 +160,7 @@ async def test_a_misbehaving_runtime_call_is_never_forgotten(
     reported += [note for exc in seen for note in getattr(exc, "__notes__", ())]
     assert any(f"({reason})" in text for text in reported), f"the misbehaving call was not reported: {seen}"
 
-    leaked = {chunk.offset for chunk in pool._lifecycle.session.ledger.leaked()}  # type: ignore[union-attr]
+    leaked = {chunk.offset for chunk in lifecycle_of(pool).session.ledger.leaked()}  # type: ignore[union-attr]
     if call == "unregister":
         # It may still be registered (whatever the runtime did): reported as leaked, its claim kept.
         assert len(leaked) == 1

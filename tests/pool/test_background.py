@@ -17,7 +17,7 @@ from pinpool import PinError, PinnedPool, PoolState, PoolStateError, layouts
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime, assert_released, locked_bytes
 
-from ..conftest import needs_mlock
+from ..conftest import lifecycle_of, needs_mlock
 
 MiB = 1 << 20
 
@@ -222,7 +222,7 @@ def test_a_collected_pinning_pool_is_unpinned_by_its_conductor() -> None:
     fake = FakeRuntime(register_delay=0.02)
     pool = slow_pool(fake, name="bg-orphan")
     pool.__enter__()
-    lifecycle = pool._lifecycle
+    lifecycle = lifecycle_of(pool)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         del pool  # the last reference: the finalizer runs now

@@ -17,7 +17,7 @@ from pinpool._host import populate_range
 from pinpool._units import format_bytes
 from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, needs_mlock, pin_and_run
+from ..conftest import each_driver, lifecycle_of, needs_mlock, pin_and_run
 
 MiB = 1 << 20
 
@@ -114,7 +114,7 @@ async def test_foreground_failure_on_a_piece_rolls_back_every_count(mode: str, f
 
     def before_unregister(op: str, ptr: int, nbytes: int) -> None:
         if op == "unregister" and not seen:  # the rollback's first call: the books before it
-            seen.append((pool._lifecycle.session.ledger.pinned_bytes, sum(fake.registered.values()),  # type: ignore[union-attr]
+            seen.append((lifecycle_of(pool).session.ledger.pinned_bytes, sum(fake.registered.values()),  # type: ignore[union-attr]
                          int(gauge(registry, pool) or 0)))  # fmt: skip
 
     fake.before_call = before_unregister

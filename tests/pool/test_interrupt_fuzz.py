@@ -26,6 +26,8 @@ import pinpool
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime, assert_released
 
+from ..conftest import lifecycle_of
+
 MiB = 1 << 20
 EXAMPLES = int(os.environ.get("PINPOOL_FUZZ_EXAMPLES", "40"))  # more for a deeper search
 CHUNKS = 12
@@ -110,7 +112,7 @@ def make_pool(shape: dict[str, object], moment: Moment, fire: Callable[[], None]
     delay = shape["delay"]
 
     def keep_then_fire() -> None:
-        KEPT.append(pool._lifecycle.memory)
+        KEPT.append(lifecycle_of(pool).memory)
         fire()
 
     fake = Trap(

@@ -20,7 +20,7 @@ import pinpool
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime, assert_released
 
-from ..conftest import each_driver, pin_and_run
+from ..conftest import each_driver, lifecycle_of, pin_and_run
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
@@ -135,7 +135,7 @@ def test_finalizer_never_races_a_running_teardown() -> None:
     exiting.start()
     while not fake.unregister_calls:
         time.sleep(0.001)
-    pool._lifecycle.finalize()  # as weakref.finalize would, while the driver unpins
+    lifecycle_of(pool).finalize()  # as weakref.finalize would, while the driver unpins
     exiting.join()
     assert len(fake.unregister_calls) == 8  # each base once: no second teardown, no 713
     assert_released(pool, fake, claims_before=CLAIMS_BEFORE)
@@ -255,7 +255,7 @@ async def test_unregister_raising_base_exception_fails_that_chunk_only_and_is_ra
                for note in info.value.__notes__)  # fmt: skip
     assert len(fake.unregister_calls) == 16  # teardown went on with the other 15
     assert len(fake.registered) == 1  # the one that "failed" is reported as leaked
-    assert [c.nbytes for c in pool._lifecycle.session.ledger.leaked()] == [MiB]
+    assert [c.nbytes for c in lifecycle_of(pool).session.ledger.leaked()] == [MiB]
     leaked_claims = PINNED_RANGES.snapshot().keys() - CLAIMS_BEFORE.keys()
     assert len(leaked_claims) == 1  # a leaked chunk keeps its range claimed
     for base in leaked_claims:  # this test's leak, released by hand

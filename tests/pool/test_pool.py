@@ -24,7 +24,7 @@ from pinpool._pin import drivers as _ki
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
-from ..conftest import each_driver, pin_and_run
+from ..conftest import each_driver, lifecycle_of, pin_and_run
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -414,7 +414,7 @@ def test_tensor_kept_past_exit_stays_valid_memory(fake: FakeRuntime) -> None:
     with pinpool.PinnedPool(size=8 * MiB, runtime=fake) as pool:
         kept = pool.tensor[MiB : 2 * MiB]
         kept.fill_(3)
-        memory = pool._lifecycle.memory
+        memory = lifecycle_of(pool).memory
         assert isinstance(memory, HostMapping)
         unmap = memory._finalizer  # alive until the mapping is unmapped
         del memory
@@ -541,8 +541,8 @@ def test_pinned_bytes_counts_leaked_chunks() -> None:
 def test_memory_is_unmapped_at_exit_when_no_view_is_kept(fake: FakeRuntime, populate: bool) -> None:
     pool = pinpool.PinnedPool(size=4 * MiB, chunk_bytes=MiB, runtime=fake, populate=populate)
     with pool:
-        assert pool._lifecycle.memory is not None
-        unmap = pool._lifecycle.memory._finalizer  # type: ignore[attr-defined]
+        assert lifecycle_of(pool).memory is not None
+        unmap = lifecycle_of(pool).memory._finalizer  # type: ignore[attr-defined]
     gc.collect()
     assert not unmap.alive  # the pool object is alive, but nothing of it holds the memory
 
@@ -551,8 +551,8 @@ def test_leaked_chunk_keeps_its_memory_mapped() -> None:
     fake = FakeRuntime(fail_unregister_on=1)
     pool = pinpool.PinnedPool(size=2 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
     with pytest.raises(pinpool.UnpinError), pool:
-        assert pool._lifecycle.memory is not None
-        unmap = pool._lifecycle.memory._finalizer  # type: ignore[attr-defined]
+        assert lifecycle_of(pool).memory is not None
+        unmap = lifecycle_of(pool).memory._finalizer  # type: ignore[attr-defined]
     del pool
     gc.collect()
     assert unmap.alive  # freeing memory that may still be registered would be undefined

@@ -23,7 +23,7 @@ from pinpool._plan import Chunk, ChunkTable
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, needs_mlock, pin_and_run
+from ..conftest import each_driver, lifecycle_of, needs_mlock, pin_and_run
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
@@ -284,7 +284,7 @@ async def test_a_concurrent_reader_never_sees_a_range_the_runtime_does_not_hold(
 
     def reader() -> None:
         while not stop.is_set():
-            memory = pool._lifecycle.memory
+            memory = lifecycle_of(pool).memory
             if memory is None:
                 continue
             base, was = memory.address, phase[0]

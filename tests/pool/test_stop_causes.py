@@ -24,6 +24,8 @@ from pinpool import PinError, PoolState, UnclosedPoolWarning
 from pinpool._pin import Outcome
 from pinpool.testing import FakeRuntime
 
+from ..conftest import lifecycle_of
+
 MiB = 1 << 20
 BACKENDS = ("asyncio", "trio")
 STOP_CAUSES = tuple(o.cause for o in Outcome if o is not Outcome.READY)
@@ -136,7 +138,7 @@ def failure_bg(run: Run, driver: str) -> None:
 def cancelled_fg(run: Run, driver: str) -> None:
     assert run.pool is not None
     if driver == "sync":  # on_progress raising is the sync twin's interruption (Ctrl-C is in test_signals_mlock)
-        run.pool._lifecycle.on_progress = raising_progress()
+        lifecycle_of(run.pool).on_progress = raising_progress()
         with pytest.raises(LookupError), run.pool:
             pass
         return
@@ -152,7 +154,7 @@ def cancelled_fg(run: Run, driver: str) -> None:
 
 def cancelled_bg(run: Run, driver: str) -> None:
     assert run.pool is not None
-    run.pool._lifecycle.on_progress = raising_progress()
+    lifecycle_of(run.pool).on_progress = raising_progress()
     if driver == "sync":
         with pytest.raises(LookupError), run.pool:
             wait_for_sync(run, PoolState.FAILED)
@@ -186,7 +188,7 @@ def collected_bg(run: Run, driver: str) -> None:
     assert run.pool is not None
     run.pool.__enter__()
     run.pool.wait_ready_sync(min_bytes=MiB)
-    lifecycle = run.pool._lifecycle
+    lifecycle = lifecycle_of(run.pool)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnclosedPoolWarning)
         run.pool = None
