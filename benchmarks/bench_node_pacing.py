@@ -65,7 +65,7 @@ def rank_main(spec: dict[str, Any]) -> int:
                   "admitted": started + waited, "pinned": pinned,
                   # The slot goes back when the pinning threads are done, a moment before the
                   # body starts: that moment, not "pinned", bounds the pinning for "at once".
-                  "slot_released": started + waited + pool.pin_seconds}  # fmt: skip
+                  "slot_released": started + waited + pool.stats.pin_seconds}  # fmt: skip
         tmp = spec["out"] + ".tmp"
         with open(tmp, "w") as f:
             json.dump(record, f)

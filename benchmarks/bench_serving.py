@@ -24,7 +24,7 @@ running at all (the floor). mmap and munmap take the process's ``mmap_lock`` for
 every populate call (MADV_POPULATE_WRITE, reading) and lock call (mlock2, writing) holds, so the
 thread waits behind the pool's longest call. The pool's longest call per op comes from
 ``pinpool_call_seconds_max`` in a fresh ``CollectorRegistry`` per pool (unregister: from
-``pool.longest_call_seconds``, since a closed pool's gauges are removed). Teardown (munlock of
+``pool.stats.longest_call_seconds``, since a closed pool's gauges are removed). Teardown (munlock of
 each piece, then munmap of the pool) is reported apart.
 
 Configurations run interleaved (A B C A B C ...) so machine noise hits all alike; the first
@@ -190,7 +190,7 @@ def run_first(config: FirstConfig, size: int, first_bytes: int, *, verify: bool)
                     out["first_smaps_locked"] = smaps_locked()
                 await pool.wait_ready()
             out["full_s"] = time.perf_counter() - started
-            out["pin_seconds"] = pool.pin_seconds
+            out["pin_seconds"] = pool.stats.pin_seconds
             out["state"] = pool.state.value
             out["call_max"] = call_max(registry, name)
         out["vm_locked_after_exit"] = vm_locked()
@@ -352,13 +352,13 @@ def run_stall(
         end = time.perf_counter()
         try:
             pinned_max = call_max(registry, name)
-            pin_seconds = pool.pin_seconds
+            pin_seconds = pool.stats.pin_seconds
         finally:
             td_start = time.perf_counter()
             pool.__exit__(None, None, None)
             td_end = time.perf_counter()
         time.sleep(settle)
-    longest = pool.longest_call_seconds  # the gauge is gone once the pool closed
+    longest = pool.stats.longest_call_seconds  # the gauge is gone once the pool closed
     return {
         "pin_s": pin_seconds,
         "window_s": end - start,

@@ -119,7 +119,7 @@ class Bench:
             pool = pinpool.PinnedPool(size=self.size, runtime=runtime, registry=None, name="bench", **options)
             with pool:
                 pass
-            return Sample(pool.pin_seconds, pool.unpin_seconds, max(runtime.register_seconds))
+            return Sample(pool.stats.pin_seconds, pool.stats.unpin_seconds, max(runtime.register_seconds))
 
         return run
 
@@ -260,7 +260,7 @@ def stalls(size: int, runtime: str, chunk_sizes: Sequence[int]) -> list[dict[str
             "chunks": len(pool.plan.chunks),
             "longest_register_s": max(timed.register_seconds),
             "median_register_s": statistics.median(timed.register_seconds),
-            "pin_gbps": size / pool.pin_seconds / 1e9,
+            "pin_gbps": size / pool.stats.pin_seconds / 1e9,
         })  # fmt: skip
     return rows
 

@@ -258,7 +258,7 @@ def create_app(
                 yield  # serving
                 tg.cancel_scope.cancel()
             log(f"shutting down: leaving the pool in state {pool.state.value} ({pool.pinned_bytes} bytes pinned)")
-        log(f"pool {pool.state.value}; unpinned in {pool.unpin_seconds:.3f} s")
+        log(f"pool {pool.state.value}; unpinned in {pool.stats.unpin_seconds:.3f} s")
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok", "state": pool.state.value})

@@ -48,14 +48,14 @@ async def main(size: str, runtime: str) -> None:
         print(
             f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) "
             f"in {len(pool.plan.chunks)} chunk(s) "
-            f"with runtime {pool.runtime.name!r} in {pool.pin_seconds:.3f} s"
+            f"with runtime {pool.runtime.name!r} in {pool.stats.pin_seconds:.3f} s"
         )
         for chunk in pool.plan.chunks:  # one registration call each; offsets are multiples of 2 MiB
             print(f"  chunk at +{chunk.offset / MiB:.0f} MiB, {chunk.nbytes / MiB:.0f} MiB")
         print(f"wrote:  {host.numel()} bytes through pool.tensor")
     # Leaving the block unregistered every chunk, whatever happened inside it.
     after = vm_locked_bytes()
-    print(f"unpinned in {pool.unpin_seconds:.3f} s; pool.pinned_bytes is now {pool.pinned_bytes}")
+    print(f"unpinned in {pool.stats.unpin_seconds:.3f} s; pool.pinned_bytes is now {pool.pinned_bytes}")
     print(f"VmLck:  before={before} pinned={pinned} after={after} (bytes)")
 
 

@@ -114,7 +114,7 @@ def main(size: str, runtime: str) -> None:
         print(
             f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) "
             f"in {len(pool.plan.chunks)} chunk(s) "
-            f"with runtime {pool.runtime.name!r} in {pool.pin_seconds:.3f} s"
+            f"with runtime {pool.runtime.name!r} in {pool.stats.pin_seconds:.3f} s"
         )
         print(
             f"layout: {pool.layout.name}, {host.num_pages} pages of {pool.plan.page_bytes} bytes, "

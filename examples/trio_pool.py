@@ -49,7 +49,7 @@ async def main(size: str, runtime: str, deadline_s: float) -> None:
                 pinned = vm_locked_bytes()
                 print(
                     f"pinned: {pool.pinned_bytes} bytes ({pool.pinned_bytes / MiB:.0f} MiB) in {len(pool.plan.chunks)} "
-                    f"chunk(s) with runtime {pool.runtime.name!r} in {pool.pin_seconds:.3f} s"
+                    f"chunk(s) with runtime {pool.runtime.name!r} in {pool.stats.pin_seconds:.3f} s"
                 )
                 print(f"trio:   {beats_while_pinning} heartbeat(s) ran while the pool was pinning")
                 pool.tensor[::4096] = 1  # one byte per OS page
@@ -62,7 +62,7 @@ async def main(size: str, runtime: str, deadline_s: float) -> None:
         print(f"deadline: pinning took longer than {deadline_s} s; everything was rolled back")
         print(f"VmLck:  before={before} after={after} (bytes)")
         return
-    print(f"unpinned in {pool.unpin_seconds:.3f} s; pool.pinned_bytes is now {pool.pinned_bytes}")
+    print(f"unpinned in {pool.stats.unpin_seconds:.3f} s; pool.pinned_bytes is now {pool.pinned_bytes}")
     print(f"VmLck:  before={before} pinned={pinned} after={after} (bytes)")
 
 

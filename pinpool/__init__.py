@@ -33,20 +33,20 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
     from ._plan.plan import PoolPlan
     from ._pool.budget import Shares, host_budget, share
     from ._pool.pin import empty, pin
-    from ._pool.pool import PinnedPool
+    from ._pool.pool import PinnedPool, PoolStats
     from ._shared.memory import SharedMemory
 
 __version__ = "0.1.0"
 
 __all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "NodeBusyError",
-    "PinError", "PinnedPool", "PinpoolError", "PoolPlan", "PoolState", "PoolStateError", "RuntimeCallError",
-    "SharedMemory", "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError", "__version__", "empty",
-    "host_budget", "layouts", "parse_size", "pin", "runtimes", "share", "testing"]  # fmt: skip
+    "PinError", "PinnedPool", "PinpoolError", "PoolPlan", "PoolState", "PoolStateError", "PoolStats",
+    "RuntimeCallError", "SharedMemory", "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError",
+    "__version__", "empty", "host_budget", "layouts", "parse_size", "pin", "runtimes", "share", "testing"]  # fmt: skip
 
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
 _LAZY = {"empty": "._pool.pin", "Chunk": "._plan.chunks", "PinnedPool": "._pool.pool", "PoolState": "._pin.outcome",
-         "PoolPlan": "._plan.plan",
+         "PoolPlan": "._plan.plan", "PoolStats": "._pool.pool",
          "layouts": ".layouts", "pin": "._pool.pin", "SharedMemory": "._shared.memory", "Shares": "._pool.budget",
          "host_budget": "._pool.budget", "share": "._pool.budget"}  # fmt: skip
 

@@ -228,7 +228,7 @@ def pin_report(pool: PinnedPool, events: EventLog, registry: CollectorRegistry, 
     plan = pool.plan
     spans = registry.get_sample_value("pinpool_chunk_populate_seconds_count", labels) or 0
     span_seconds = registry.get_sample_value("pinpool_chunk_populate_seconds_sum", labels) or 0.0
-    gbps = pool.nbytes / pool.pin_seconds / 1e9 if pool.pin_seconds else None
+    gbps = pool.nbytes / pool.stats.pin_seconds / 1e9 if pool.stats.pin_seconds else None
     notes = [FIRST_TOUCH] if pool.runtime.name != "fake" else ["runtime 'fake' registers nothing and faults nothing"]
     return {
         "pool": pool.name,
@@ -244,11 +244,11 @@ def pin_report(pool: PinnedPool, events: EventLog, registry: CollectorRegistry, 
         "unpin_workers": plan.unpin_workers,
         "populate": plan.populate,
         "huge_pages": plan.huge_pages,
-        "pin_seconds": round(pool.pin_seconds, 6),
+        "pin_seconds": round(pool.stats.pin_seconds, 6),
         "pin_gb_per_s": None if gbps is None else round(gbps, 3),
-        "unpin_seconds": round(pool.unpin_seconds, 6),
+        "unpin_seconds": round(pool.stats.unpin_seconds, 6),
         "register_latency": _latency(events),
-        "retries": pool.retries,
+        "retries": pool.stats.retries,
         "populate_spans": int(spans),
         "populate_span_mean_s": span_seconds / spans if spans else None,
         "first_touch": pool.runtime.name != "fake",

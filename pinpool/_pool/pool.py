@@ -41,6 +41,28 @@ _CREATE = tuple(o.name for o in OPTIONS if o.create)
 _PACING = ("node_slots", "node_budget", "node_dir", "node_wait")
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    """What a pool's pinning and unpinning took, as ``pool.stats`` read it.
+
+    Attributes:
+        pin_seconds: wall time from just after the memory is mapped until the last pin worker
+            finished, pre-faulting included; 0.0 until pinning ends.
+        unpin_seconds: wall time of teardown (unregistering every chunk).
+        retries: registrations retried as aligned halves (see ``max_retries``).
+        populated_bytes: bytes pre-faulted so far (under CUDA what moves within a chunk, whose
+            registration counts at its end).
+        longest_call_seconds: the longest single runtime call so far, by op
+            (``pinpool_call_seconds_max``), kept after close.
+    """
+
+    pin_seconds: float
+    unpin_seconds: float
+    retries: int
+    populated_bytes: int
+    longest_call_seconds: Mapping[str, float]
+
+
 class PinnedPool:
     """A page-locked host-memory pool, pinned in granularity-aligned chunks on worker threads.
 
@@ -314,31 +336,14 @@ class PinnedPool:
         return () if session is None else session.registrations()
 
     @property
-    def pin_seconds(self) -> float:
+    def stats(self) -> PoolStats:
+        """What pinning and unpinning took so far, read now (all zero before entry)."""
         session = self._lifecycle.session
-        return 0.0 if session is None else session.pin_seconds
-
-    @property
-    def retries(self) -> int:
-        """Registrations retried as aligned halves (see ``max_retries``)."""
-        session = self._lifecycle.session
-        return 0 if session is None else session.retries
-
-    @property
-    def populated_bytes(self) -> int:
-        """Bytes pre-faulted so far: under CUDA what moves within a chunk, whose registration counts at its end."""
-        session = self._lifecycle.session
-        return 0 if session is None else session.pipeline.populated_bytes
-
-    @property
-    def longest_call_seconds(self) -> Mapping[str, float]:
-        """The longest single runtime call so far, by op: ``pinpool_call_seconds_max``, kept after close."""
-        return MappingProxyType(dict(self._observer.longest))
-
-    @property
-    def unpin_seconds(self) -> float:
-        session = self._lifecycle.session
-        return 0.0 if session is None else session.unpin_seconds
+        longest = MappingProxyType(dict(self._observer.longest))
+        if session is None:
+            return PoolStats(0.0, 0.0, 0, 0, longest)
+        return PoolStats(session.pin_seconds, session.unpin_seconds, session.retries, session.pipeline.populated_bytes,
+                         longest)  # fmt: skip
 
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 

@@ -187,7 +187,7 @@ def test_a_failed_per_buffer_registration_is_not_halved() -> None:
     chunked = pinpool.PinnedPool(size=16 * MiB, runtime=FakeRuntime(fail_register_larger_than="4MiB"), registry=None,
                                  chunk_bytes="16MiB", min_chunk_bytes="1MiB", populate=False)  # fmt: skip
     with chunked:
-        assert chunked.retries == 3  # the same pool with a chunk size is halved and pinned
+        assert chunked.stats.retries == 3  # the same pool with a chunk size is halved and pinned
 
 
 def test_pin_one_registration_for_an_unaligned_tensor() -> None:

@@ -42,7 +42,7 @@ async def test_a_capped_driver_gets_halves_and_the_pool_opens(mode: str) -> None
         )
         await pin_and_run(pool, mode, body)
     assert seen == [[Chunk(i * 256 * MiB, 256 * MiB) for i in range(4)]]
-    assert pool.retries == 2
+    assert pool.stats.retries == 2
     assert registry.get_sample_value("pinpool_retries_total", {"pool": "retry", "runtime": "fake"}) == 2
     retries = [e for e in logs if e["event"] == "chunk.retry"]
     assert sorted(e["offset"] for e in retries) == [0, 512 * MiB]
@@ -61,7 +61,7 @@ async def test_the_floor_ends_retries_and_the_error_lists_every_attempt() -> Non
             pytest.fail("body must not run")
     sizes = [f.chunk.nbytes for f in info.value.failures]
     assert sizes == [512 * MiB, 256 * MiB, 128 * MiB, 64 * MiB]  # 64 MiB cannot halve above the 64 MiB floor
-    assert pool.retries == 3
+    assert pool.stats.retries == 3
     assert fake.registered == {}
 
 
@@ -103,7 +103,7 @@ async def test_non_retryable_codes_fail_at_once() -> None:
     with pytest.raises(pinpool.PinError) as info:
         with pool:
             pass
-    assert len(info.value.failures) == 1 and pool.retries == 0
+    assert len(info.value.failures) == 1 and pool.stats.retries == 0
     assert len(fake.register_calls) == 1
 
 
@@ -115,7 +115,7 @@ async def test_max_retries_zero_never_retries() -> None:
     with pytest.raises(pinpool.PinError):
         with pool:
             pass
-    assert len(fake.register_calls) == 1 and pool.retries == 0
+    assert len(fake.register_calls) == 1 and pool.stats.retries == 0
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
@@ -156,14 +156,14 @@ def test_retried_tables_keep_every_planning_invariant(
             table = registered_table(fake, pool.data_ptr)
     except pinpool.PinError as error:
         assert fake.registered == {}
-        assert pool.retries <= 64
+        assert pool.stats.retries <= 64
         assert all(f.error.code == 2 for f in error.failures)
         return
     assert table[0].offset == 0 and table[-1].end == pool.nbytes
     assert all(a.end == b.offset for a, b in itertools.pairwise(table))  # contiguous, no overlap
     assert all(c.offset % unit == 0 for c in table)  # every boundary on the aligned grid
     assert all(c.nbytes <= min(chunk_mib, cap_mib) * MiB for c in table)
-    assert len(table) == len(pool.plan.chunks) + pool.retries  # each retry turns one range into two
+    assert len(table) == len(pool.plan.chunks) + pool.stats.retries  # each retry turns one range into two
     assert fake.registered == {}
 
 

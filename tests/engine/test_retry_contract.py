@@ -75,7 +75,7 @@ def test_a_registration_above_the_drivers_limit_degrades_in_whole_granularity_un
     with pool:
         base = pool.data_ptr
         assert_degraded(binding, pool, base, unit, units * unit)
-        assert pool.pinned_bytes == units * unit and pool.retries > 0
+        assert pool.pinned_bytes == units * unit and pool.stats.retries > 0
         refused = [nbytes for _, nbytes, code in register_calls(binding) if code]
         assert refused and all(nbytes > LIMIT and code == rc for _, nbytes, code in register_calls(binding) if code)
     assert binding.registered == {}
@@ -151,10 +151,10 @@ def test_retry_codes_replace_the_runtimes_own() -> None:
         with pytest.raises(pinpool.PinError):
             with pool:
                 pytest.fail("the body must not run")
-        assert [nbytes for _, nbytes, _ in register_calls(binding)] == [32 * MiB] and pool.retries == 0
+        assert [nbytes for _, nbytes, _ in register_calls(binding)] == [32 * MiB] and pool.stats.retries == 0
     binding = refusing(719)  # a code of the adopter's choosing
     with pool_of(binding, granularity=None, size=32 * MiB, chunk_bytes="32MiB", retry_codes=[719]) as pool:
-        assert pool.retries == 3 and sorted(binding.registered.values()) == [LIMIT] * 4
+        assert pool.stats.retries == 3 and sorted(binding.registered.values()) == [LIMIT] * 4
 
 
 def test_min_chunk_bytes_is_the_floor_of_halving() -> None:
@@ -172,7 +172,7 @@ def test_max_retries_bounds_the_depth_of_one_chunks_halving_not_the_pool() -> No
     binding = refusing(2)
     with pool_of(binding, granularity=None, size=256 * MiB, chunk_bytes="64MiB", max_retries=3,
                  register_workers=1) as pool:  # fmt: skip
-        assert pool.retries == 4 * 7 and sorted(binding.registered.values()) == [LIMIT] * 32
+        assert pool.stats.retries == 4 * 7 and sorted(binding.registered.values()) == [LIMIT] * 32
     binding = refusing(2)
     pool = pool_of(binding, granularity=None, size=64 * MiB, chunk_bytes="64MiB", max_retries=2)
     with pytest.raises(pinpool.PinError):

@@ -309,12 +309,12 @@ def test_populated_bytes_move_ahead_of_registration_in_cuda_order() -> None:
     seen: list[tuple[int, int]] = []
     with pool:
         for _ in range(5000):
-            seen.append((pool.pinned_bytes, pool.populated_bytes))
+            seen.append((pool.pinned_bytes, pool.stats.populated_bytes))
             if pool.state is not PoolState.PINNING:
                 break
             time.sleep(0.001)
         pool.wait_ready_sync(timeout=30)
-        assert pool.populated_bytes == pool.nbytes
+        assert pool.stats.populated_bytes == pool.nbytes
     assert any(populated > pinned for pinned, populated in seen)
     assert fake.registered == {}
 

@@ -59,7 +59,7 @@ def test_registration_sizes_for_every_combination(background: bool, budget: obje
             pin_and_record(background, budget, chunking)
         return
     sizes, pool, start = pin_and_record(background, budget, chunking)
-    assert sum(sizes) == SIZE and pool.retries == 0
+    assert sum(sizes) == SIZE and pool.stats.retries == 0
     if chunking == "chunk_bytes":
         assert sizes == [8 * MiB] * 8 + [4 * MiB] and len(pool.plan.chunks) == 9  # exact, the budget or not
     elif effective and not (budget == "auto" and chunking == "max_chunk_bytes"):
@@ -91,7 +91,7 @@ def test_a_retry_under_chunk_bytes_is_a_failure_not_a_plan() -> None:
     with pinpool.PinnedPool(size=16 * MiB, chunk_bytes="8MiB", runtime=fake, registry=None, populate=False,
                             register_workers=1) as pool:  # fmt: skip
         assert [n for _, n in fake.register_calls] == [8 * MiB, 4 * MiB, 4 * MiB] * 2
-        assert len(pool.plan.chunks) == 2 and pool.retries == 2
+        assert len(pool.plan.chunks) == 2 and pool.stats.retries == 2
 
 
 def _locked_kib() -> int:

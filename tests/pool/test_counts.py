@@ -148,7 +148,7 @@ async def test_a_fault_failing_after_registration_counts_only_what_is_faulted(mo
             with pytest.raises(PinError) as raised:
                 pool.wait_ready_sync(timeout=30)
             assert_counts_agree(pool, registry, fake.registered)
-            assert pool.pinned_bytes == pool.populated_bytes == 32 * MiB  # two chunks faulted, so locked
+            assert pool.pinned_bytes == pool.stats.populated_bytes == 32 * MiB  # two chunks faulted, so locked
             assert pool.pinned_pages == 32 * MiB
             registered = sum(c.nbytes for c in pool.registrations)
             assert registered >= 48 * MiB  # the failed chunk's registration at least: kept until exit
@@ -221,7 +221,7 @@ def test_mlock_background_failure_counts_agree_with_vmlck(
         # The kernel counts a lock-on-fault range in VmLck whole from its mlock2 call; only its
         # faulted pages are pinned (pinned_bytes), and the text tells the two apart.
         assert locked_bytes() - vmlck_baseline == registered
-        assert pool.pinned_bytes == pool.populated_bytes
+        assert pool.pinned_bytes == pool.stats.populated_bytes
         text = str(raised.value)
         assert f"({format_bytes(pool.pinned_bytes)} pinned, {len(pool.registrations)} registration(s) of " in text
         if registered > pool.pinned_bytes:

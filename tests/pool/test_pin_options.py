@@ -127,7 +127,7 @@ def test_pin_retries_and_min_chunk_bytes_apply() -> None:
     fake = FakeRuntime(fail_register_larger_than="2MiB")
     with pinpool.pin(rows(8), runtime=fake, registry=None, chunk_bytes="8MiB", min_chunk_bytes="1MiB",
                      max_retries=4, populate=False) as p:  # fmt: skip
-        assert p.retries == 3  # 8 -> 4 + 4 -> 2 + 2 + 4 -> ... each half of <= 2 MiB registers
+        assert p.stats.retries == 3  # 8 -> 4 + 4 -> 2 + 2 + 4 -> ... each half of <= 2 MiB registers
     with pytest.raises(pinpool.PinError), pinpool.pin(rows(8), runtime=FakeRuntime(fail_register_larger_than="2MiB"),
                                                       registry=None, chunk_bytes="8MiB", max_retries=0):  # fmt: skip
         pass

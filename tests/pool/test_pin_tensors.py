@@ -264,7 +264,7 @@ def test_retries_cut_a_shared_page_plan_on_its_own_grid() -> None:
     assert halves == (Chunk(0, 16 * MiB), Chunk(16 * MiB, 16 * MiB))
     with pinned as p:
         got = sorted(fake.registered.items())
-        assert p.retries > 0
+        assert p.stats.retries > 0
     assert all((ptr - t.data_ptr()) % PAGE == 0 for ptr, _ in got)  # multiples of the copy page from the start
     assert sum(n for _, n in got) == 64 * MiB and fake.registered == {}
 

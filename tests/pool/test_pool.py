@@ -488,11 +488,11 @@ def test_forked_child_never_unregisters_parents_chunks(fake: FakeRuntime) -> Non
 async def test_pin_seconds_is_measured_even_when_cancelled() -> None:
     fake = FakeRuntime(register_delay=0.01)
     pool = pinpool.PinnedPool(size=50 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=1)
-    assert pool.pin_seconds == 0.0
+    assert pool.stats.pin_seconds == 0.0
     with anyio.move_on_after(0.05):
         async with pool:
             pytest.fail("body must not run")
-    assert 0.04 < pool.pin_seconds < 5
+    assert 0.04 < pool.stats.pin_seconds < 5
 
 
 def test_finalizer_unpins_even_when_warnings_are_errors(fake: FakeRuntime) -> None:

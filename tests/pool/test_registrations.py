@@ -145,7 +145,7 @@ async def test_equal_to_the_fakes_books_at_every_call_and_it_shrinks_in_teardown
     assert not mismatches, mismatches
     regs = inside[0]
     assert_tiles(regs, 64 * MiB)
-    assert pool.retries == 1
+    assert pool.stats.retries == 1
     assert regs[:2] == [(0, 8 * MiB), (8 * MiB, 8 * MiB)]  # the failed 16 MiB piece's halves
     assert len(regs) > len(pool.plan.chunks)  # the budget cut each chunk into several calls
     assert all(any(c.offset <= o and o + n <= c.end for c in pool.plan.chunks) for o, n in regs)
