@@ -21,6 +21,8 @@ from pinpool import _cli
 from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PoolOptions, pool_options
 from pinpool.testing import FakeRuntime
 
+from ..conftest import lifecycle_of
+
 ROOT = Path(__file__).resolve().parents[2]
 P = inspect.Parameter
 MiB, GiB = 1 << 20, 1 << 30
@@ -170,8 +172,9 @@ def test_every_flag_reaches_pinned_pool(fake: FakeRuntime, tmp_path: Path) -> No
     kwargs["runtime"] = fake
     pool = pinpool.PinnedPool(**kwargs, registry=None)
     assert pool.name == "every" and pool.num_pages == 4 * MiB and pool.plan.granularity == 64 << 10
-    assert pool._options.max_call_seconds == 0.05 and pool._options.pin_nice == 3 and pool._options.background
-    assert pool._options.budget_yields_to == "chunk_bytes" and pool._options.retry_codes == {1, 2, 719}
+    options = lifecycle_of(pool).options
+    assert options.max_call_seconds == 0.05 and options.pin_nice == 3 and options.background
+    assert options.budget_yields_to == "chunk_bytes" and options.retry_codes == {1, 2, 719}
 
 
 def test_flags_left_off_get_the_python_defaults_and_the_command_lines_own() -> None:

@@ -41,6 +41,8 @@ from pinpool._types import Capabilities
 from pinpool.runtimes import capabilities_of
 from pinpool.testing import FakeRuntime, host_facts
 
+from ..conftest import lifecycle_of
+
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB
 MODEL_CHUNKS = 3000  # plans the materialising model may build; larger ones are checked by sampling
@@ -680,7 +682,7 @@ PLAN_ATTRIBUTES = (
 
 def test_pool_attributes_are_the_plan_and_read_only(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, name="p", registry=None)
-    plan = plan_pool(pool._options, pool._host, capabilities_of(fake))
+    plan = plan_pool(lifecycle_of(pool).options, pool._host, capabilities_of(fake))
     assert pool.plan == plan
     for name in PLAN_ATTRIBUTES:
         assert getattr(pool.plan, name) == getattr(plan, name), name

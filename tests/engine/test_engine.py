@@ -18,6 +18,8 @@ import pinpool
 from pinpool._pin import ChunkState, Phase, PinSession, StopCause
 from pinpool.testing import FakeRuntime
 
+from ..conftest import lifecycle_of
+
 MiB = 1 << 20
 
 
@@ -30,7 +32,12 @@ class Where:
 def session_of(fake: FakeRuntime, **options: Any) -> PinSession:
     pool = pinpool.PinnedPool(runtime=fake, registry=None, **options)
     return PinSession(
-        pool.plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
+        pool.plan,
+        lifecycle_of(pool).options,
+        runtime=pool._runtime,
+        caps=pool._caps,
+        observer=pool._observer,
+        memory=Where(),
     )
 
 
@@ -203,7 +210,12 @@ def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(
 def test_the_pipeline_walks_the_plans_spans_computed_once() -> None:
     pool = pinpool.PinnedPool(runtime=FakeRuntime(), registry=None, size=64 * MiB, chunk_bytes=16 * MiB, populate=True)
     session = PinSession(
-        pool.plan, pool._options, runtime=pool._runtime, caps=pool._caps, observer=pool._observer, memory=Where()
+        pool.plan,
+        lifecycle_of(pool).options,
+        runtime=pool._runtime,
+        caps=pool._caps,
+        observer=pool._observer,
+        memory=Where(),
     )
     assert len(pool.plan.spans) > 1
     assert session.pipeline.spans is pool.plan.spans  # cut once, in planning; not again by the pipeline

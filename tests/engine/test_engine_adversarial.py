@@ -35,7 +35,7 @@ from pinpool.runtimes import MlockRuntime
 from pinpool.runtimes._mlock import OWN_LOCKS, SHARED_PAGES, _Pages
 from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, needs_mlock, pin_and_run
+from ..conftest import each_driver, lifecycle_of, needs_mlock, pin_and_run
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = _libc.PAGE_SIZE
@@ -275,7 +275,7 @@ def construct_only(option: str, value: object) -> None:
         message = str(exc)
         assert option in message or "size" in message or "NUMA" in message or "layout" in message
     else:
-        check_accepted(pool._options)
+        check_accepted(lifecycle_of(pool).options)
     assert fake.register_calls == [] and fake.populate_calls == [] and fake.registered == {}
     assert locked_bytes() == locked
 
@@ -304,7 +304,7 @@ def pin_only(option: str, value: object) -> None:
     except pinpool.ConfigError as exc:
         assert str(exc)
     else:
-        check_accepted(pool._options)
+        check_accepted(lifecycle_of(pool).options)
     assert fake.register_calls == [] and fake.registered == {}
 
 

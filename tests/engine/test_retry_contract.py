@@ -21,6 +21,8 @@ from pinpool.runtimes import CudaRuntime, RocmRuntime
 from pinpool.runtimes._gpu import HostRegisterRuntime
 from pinpool.testing import FakeCudart
 
+from ..conftest import lifecycle_of
+
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = 4096
 LIMIT = 8 * MiB
@@ -184,4 +186,4 @@ def test_max_retries_bounds_the_depth_of_one_chunks_halving_not_the_pool() -> No
 def test_the_default_depth_reaches_one_unit_from_a_256_gib_chunk() -> None:
     """256 GiB halved to 2 MiB units is 17 levels; 4 KiB pages, 26: the default (32) reaches both."""
     assert (256 << 30) // (2 * MiB) == 1 << 17 and (256 << 30) // PAGE == 1 << 26
-    assert pinpool.PinnedPool(size=MiB, runtime=runtime_on(refusing(2)))._options.max_retries == 32
+    assert lifecycle_of(pinpool.PinnedPool(size=MiB, runtime=runtime_on(refusing(2)))).options.max_retries == 32

@@ -17,6 +17,8 @@ import structlog
 import pinpool
 from pinpool.testing import FakeRuntime, locked_bytes
 
+from ..conftest import lifecycle_of
+
 MiB = 1 << 20
 SIZE = 68 * MiB  # 8 calls of 8 MiB and a short one of 4 MiB with chunk_bytes="8MiB"
 PROBE = 16 * MiB  # the stall budget's first call, before any rate is known (pinpool._plan.calls.PROBE_BYTES)
@@ -69,7 +71,7 @@ def test_registration_sizes_for_every_combination(background: bool, budget: obje
         assert sizes == [SIZE] and len(pool.plan.chunks) == 1  # one call, as SGLang makes, 8 workers or not
     yields = "chunk_bytes" if chunking == "chunk_bytes" else "max_chunk_bytes" if chunking != "neither" else None
     expected = yields if budget == "auto" and background else None
-    assert start["budget_yields_to"] == expected and pool._options.budget_yields_to == expected
+    assert start["budget_yields_to"] == expected and lifecycle_of(pool).options.budget_yields_to == expected
     assert pool.plan.registrations_reason.startswith(f"{len(pool.plan.chunks)} registration")
 
 
@@ -118,5 +120,5 @@ def test_a_real_mlock_background_pool_registers_exact_chunks() -> None:
         pool.wait_ready_sync(timeout=60)
         assert sorted(seen) == [4 * MiB] + [8 * MiB] * 4
         assert _locked_kib() - before >= 36 * 1024
-        assert pool._options.budget_yields_to == "chunk_bytes"
+        assert lifecycle_of(pool).options.budget_yields_to == "chunk_bytes"
     assert _locked_kib() == before

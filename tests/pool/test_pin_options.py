@@ -16,7 +16,7 @@ from pinpool._errors import NodeBusyError
 from pinpool._pool import PinnedPool
 from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, needs_mlock
+from ..conftest import each_driver, lifecycle_of, needs_mlock
 
 MiB = 1 << 20
 
@@ -34,8 +34,8 @@ def test_pin_has_pinned_pools_stall_budget_default() -> None:
     for background, budget in ((False, None), (True, 0.05)):
         pinned = pinpool.pin(t, runtime=FakeRuntime(), registry=None, background=background)
         pool = pinpool.PinnedPool(size=t.nbytes, runtime=FakeRuntime(), registry=None, background=background)
-        assert pinned._options.max_call_seconds == pool._options.max_call_seconds == budget
-        assert pinned._options.pin_nice == pool._options.pin_nice
+        assert lifecycle_of(pinned).options.max_call_seconds == lifecycle_of(pool).options.max_call_seconds == budget
+        assert lifecycle_of(pinned).options.pin_nice == lifecycle_of(pool).options.pin_nice
 
 
 def test_pin_goes_through_pinned_pools_construction_path() -> None:
