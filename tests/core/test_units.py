@@ -400,18 +400,6 @@ def test_env_gib_rejected_naming_the_variable_the_value_and_the_fix(raw: str, wh
     )
 
 
-def _chunk_env_is_strict() -> bool:
-    try:
-        chunk_limit_from_env({CHUNK_ENV: "1_0"})
-    except ConfigError:
-        return True
-    return False
-
-
-@pytest.mark.skipif(
-    not _chunk_env_is_strict(),
-    reason="pinpool/_plan/plan.py chunk_limit_from_env does not delegate to _units.parse_env_gib yet (see the report)",
-)
 @pytest.mark.parametrize(("raw", "why"), ENV_REJECTED)
 def test_the_chunk_env_var_is_parsed_strictly(raw: str, why: str) -> None:
     with pytest.raises(ConfigError) as info:
