@@ -105,9 +105,18 @@ def test_pin_rolls_back_on_failure(fail_at: int) -> None:
 async def test_pin_cancellation_rolls_back() -> None:
     t = unaligned_tensor(64 * MiB, misalignment=0)
     fake = FakeRuntime(register_delay=0.01)
-    with anyio.move_on_after(0.05) as scope:
-        async with pinpool.pin(t, runtime=fake, chunk_bytes=MiB, register_workers=2):
-            pytest.fail("must not enter")
+
+    async def cancel_once_registering(scope: anyio.CancelScope) -> None:
+        # Once a registration is in, not after a fixed time: a loaded host may not have started one.
+        while not fake.register_calls:  # noqa: ASYNC110 - the call lands on a pin worker thread
+            await anyio.sleep(0.001)
+        scope.cancel()
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(cancel_once_registering, scope)
+            async with pinpool.pin(t, runtime=fake, chunk_bytes=MiB, register_workers=2):
+                pytest.fail("must not enter")
     assert scope.cancelled_caught and fake.registered == {}
     assert 0 < len(fake.register_calls) < 64
 
