@@ -197,13 +197,14 @@ def run_once(scenario: str, at: int) -> tuple[Trace, BaseException | None]:
     run = make(pools, runtime, background)
     trace = Trace(at)
     outcome: BaseException | None = None
+    previous = sys.gettrace()  # coverage's tracer, under --cov: put back, or the worker stops measuring
     sys.settrace(trace.calls)
     try:
         run()
     except BaseException as exc:
         outcome = exc
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     where = f"{scenario}, Ctrl-C at line event {at} of {trace.count}"
     assert outcome is None or isinstance(outcome, KeyboardInterrupt), f"{where}: {outcome!r}"
     # asyncio.run may absorb a late cancel; a finalizer's Ctrl-C is ignored, as Python ignores what one raises

@@ -40,13 +40,14 @@ def test_a_raise_inside_a_range_book_update_leaves_it_whole_and_later_pools_work
                         raise KeyboardInterrupt
                 return trace
 
+            previous = sys.gettrace()  # coverage's tracer, under --cov: put back, or the worker stops measuring
             sys.settrace(trace)
             try:
                 getattr(book, method)(*args)
             except KeyboardInterrupt:
                 pass
             finally:
-                sys.settrace(None)
+                sys.settrace(previous)
             if count[0] < k:
                 break  # this k was past the update's last line: every line was hit
             lines += 1
