@@ -33,6 +33,7 @@ with a raise from the trace function in ``test_range_book.py``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import random
@@ -197,6 +198,9 @@ def run_once(scenario: str, at: int) -> tuple[Trace, BaseException | None]:
     run = make(pools, runtime, background)
     trace = Trace(at)
     outcome: BaseException | None = None
+    # A pool of an earlier life collected now, not while this one is traced: its finalizer would shift
+    # this life's line events (event k would be other code than in the counting run).
+    gc.collect()
     previous = sys.gettrace()  # coverage's tracer, under --cov: put back, or the worker stops measuring
     sys.settrace(trace.calls)
     try:
