@@ -202,6 +202,13 @@ class Observer:
             code=answer.code, reason=answer.reason,
         )  # fmt: skip
 
+    def registered_despite_code(self, piece: Chunk, ptr: int, error: RuntimeCallError) -> None:
+        """A register that answered ``error`` had registered ``piece`` (a stale code): unregistered again."""
+        self._emit(
+            "warning", "chunk.registered_despite_code", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
+            code=error.code, reason=error.reason,
+        )  # fmt: skip
+
     def pin_started(
         self, *, nbytes: int, chunks: int, chunk_bytes: int, granularity: int | None, order: str,
         register_workers: int, populate_workers: int, pin_nice: int = 0, max_call_seconds: float | None = None,

@@ -178,6 +178,8 @@ class PinSession:
         self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
         self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
         self._not_registered = caps.not_registered_codes
+        self._check_codes = caps.stale_codes
+        self._already_registered = caps.already_registered_codes
         self._max_depth = options.max_retries
         self.retries = 0
         # What the runtime raised that is no Exception (SystemExit, KeyboardInterrupt), in call order.
@@ -322,7 +324,7 @@ class PinSession:
         chunk = self.ledger.chunks[index]
         if self._register_sizer is not None:
             return self._register_pieces(index, chunk, [], [], paced=True)
-        answer, seconds = self._call(self._register, chunk.offset, chunk.nbytes)
+        answer, seconds = self._register_call(chunk)
         error = answer.error
         if error is None or answer.maybe:  # maybe: booked for teardown too (never retried)
             self.book.chunk_registered(index)
@@ -335,6 +337,21 @@ class PinSession:
             return Landing(index, error, seconds=seconds)
         self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
         return self._register_pieces(index, chunk, halves, [ChunkFailure(chunk, "register", error)])
+
+    def _register_call(self, piece: Chunk) -> tuple[Answer, float]:
+        """One register call. Under a runtime whose codes may be stale, a register that failed may
+        have registered: unregistering it tells (before a retry's halves meet "already registered");
+        an answer that tells nothing leaves it "maybe", undone at teardown."""
+        answer, seconds = self._call(self._register, piece.offset, piece.nbytes)
+        error = answer.error
+        if error is None or answer.maybe or not self._check_codes or error.code in self._already_registered:
+            return answer, seconds
+        check, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
+        if check.error is None:  # it was registered despite its code, and is not now
+            self.observer.registered_despite_code(piece, self.base_ptr + piece.offset, error)
+        elif check.maybe or check.error.code not in self._not_registered:
+            return Answer(error, maybe=True), seconds
+        return answer, seconds
 
     def _halves(
         self, piece: Chunk, depth: int, error: RuntimeCallError, attempt: int
@@ -383,7 +400,7 @@ class PinSession:
                         at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
                     piece = cutter.first_piece(rest, at_most)
                     offset = piece.end
-                answer, took = self._call(self._register, piece.offset, piece.nbytes)
+                answer, took = self._register_call(piece)
                 failure = answer.error
                 if failure is None or answer.maybe:
                     # first: from here on the piece is on the books, whatever raises

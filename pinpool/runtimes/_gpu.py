@@ -317,13 +317,15 @@ class CudaRuntime(HostRegisterRuntime):
     share an OS page). Codes 1 and 2 are retried with a smaller chunk: drivers answer a registration
     that is too large with either (SGLang saw 1 in production, for a 32 GiB call whose 4 KiB probe
     at the same pointer succeeded); a truly invalid range fails again at one alignment unit. 713 on
-    unregister: released by someone else. Registered pages are resident; whether the driver charges
+    unregister: released by someone else. A code may be stale (CUDA: "may also return error codes
+    from previous, asynchronous launches"): a failed register is checked by unregistering it. Registered pages are resident; whether the driver charges
     RLIMIT_MEMLOCK depends on the driver, so it is not declared.
     """
 
     name = "cuda"
     capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2}),
-                                not_registered_codes=frozenset({713}), resident=True)  # fmt: skip
+                                not_registered_codes=frozenset({713}), already_registered_codes=frozenset({712}),
+                                stale_codes=True, resident=True)  # fmt: skip
     _api = CUDA
 
 
@@ -337,7 +339,8 @@ class RocmRuntime(HostRegisterRuntime):
 
     name = "rocm"
     capabilities = Capabilities(serial_registration=True, retryable_codes=frozenset({1, 2}),
-                                not_registered_codes=frozenset({1062}), resident=True)  # fmt: skip
+                                not_registered_codes=frozenset({1062}), already_registered_codes=frozenset({1061}),
+                                stale_codes=True, resident=True)  # fmt: skip
     _api = HIP
 
 
