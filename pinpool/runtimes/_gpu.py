@@ -318,8 +318,9 @@ class CudaRuntime(HostRegisterRuntime):
     that is too large with either (SGLang saw 1 in production, for a 32 GiB call whose 4 KiB probe
     at the same pointer succeeded); a truly invalid range fails again at one alignment unit. 713 on
     unregister: released by someone else. A code may be stale (CUDA: "may also return error codes
-    from previous, asynchronous launches"): a failed register is checked by unregistering it. Registered pages are resident; whether the driver charges
-    RLIMIT_MEMLOCK depends on the driver, so it is not declared.
+    from previous, asynchronous launches"): a failed register is checked by unregistering it.
+    Registered pages are resident; whether the driver charges RLIMIT_MEMLOCK depends on the driver,
+    so it is not declared.
     """
 
     name = "cuda"
