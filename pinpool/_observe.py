@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ._errors import RuntimeCallError
+from ._errors import RuntimeCallError, class_name, foreign_text
 from .metrics import PoolMetrics, metrics_for
 
 if TYPE_CHECKING:
@@ -104,10 +104,7 @@ class Observer:
                 return
             self._reported.add(kind)
         try:
-            try:
-                message = f"{type(exc).__name__}: {exc}"
-            except Exception:
-                message = f"{type(exc).__name__}: <unprintable>"
+            message = f"{class_name(exc)}: {foreign_text(exc)}"
             stream = sys.stderr
             if stream is not None:  # None under pythonw, or at interpreter shutdown
                 counted = (
@@ -272,7 +269,8 @@ class Observer:
 
     def failed_in_background(self, error: BaseException) -> None:
         """Background pinning ended early; waiters raise ``error``; what is pinned stays until exit."""
-        self._emit("error", "pool.failed", error=str(error), error_type=type(error).__name__)
+        # A failure of on_progress is the user's exception: its text may raise, or be any length.
+        self._emit("error", "pool.failed", error=foreign_text(error, limit=4000), error_type=class_name(error))
 
     def _release_series(self, metrics: PoolMetrics, leaked_bytes: int) -> None:
         """After the pool's last gauge update: its gauge series go with the last open pool of its labels."""

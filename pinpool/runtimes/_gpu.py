@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Self, SupportsInt
 
-from .._errors import ConfigError, RuntimeCallError
+from .._errors import ConfigError, RuntimeCallError, foreign_text
 from .._types import Capabilities
 
 
@@ -216,7 +216,7 @@ class HostRegisterRuntime:
     def _error(self, op: str, rc: int, ptr: int, nbytes: int) -> RuntimeCallError:
         name, hint = self._api.errors.get(rc, (self._error_name(rc), ""))
         try:
-            text = str(self._binding.cudaGetErrorString(self._binding.cudaError(rc)))
+            text = foreign_text(self._binding.cudaGetErrorString(self._binding.cudaError(rc)))
         except Exception:  # an enum value the binding does not accept
             text = f"{self._api.platform} error {rc}"
         message = f"{text} (device {self.device})" + (f"; {hint}" if hint else "")
@@ -232,7 +232,7 @@ class HostRegisterRuntime:
         name = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
         if not isinstance(name, str) or not name.isidentifier() or not name.startswith(self._api.error_prefix):
             return fallback
-        if name == self._api.unknown_name and rc != self._api.unknown_code:
+        if len(name) > 100 or (name == self._api.unknown_name and rc != self._api.unknown_code):
             return fallback
         return name
 
