@@ -18,7 +18,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from ._errors import RuntimeCallError, class_name, foreign_text
-from .metrics import PoolMetrics, metrics_for
+from .metrics import OTHER_REASON, PoolMetrics, metrics_for
 
 if TYPE_CHECKING:
     from ._node.pacing import NodeHolder
@@ -51,12 +51,14 @@ class Observer:
     """Metrics and logs of one pool (``registry=None``: no metrics). Only the constructor may raise."""
 
     def __init__(
-        self, *, pool: str, runtime: str, layout: str, registry: CollectorRegistry | None, logger: Any | None
-    ) -> None:
+        self, *, pool: str, runtime: str, layout: str, registry: CollectorRegistry | None, logger: Any | None,
+        reasons: frozenset[str] = frozenset(),
+    ) -> None:  # fmt: skip
         self.metrics: PoolMetrics | None = None if registry is None else metrics_for(registry)
         self._pool = pool
         self._labels = (pool, runtime)
         self._layout = layout
+        self._reasons = reasons  # the failure reasons a metric label may take; any other is OTHER_REASON
         self.log = (default_logger() if logger is None else logger).bind(pool=pool, runtime=runtime, layout=layout)
         self._info_labels: tuple[str, ...] | None = None
         # Per-chunk events are DEBUG; skip building them when the logger would drop them anyway
@@ -153,7 +155,8 @@ class Observer:
             )  # fmt: skip
 
     def chunk_failed(self, chunk: Chunk, phase: str, error: RuntimeCallError, seconds: float, attempt: int = 1) -> None:
-        self._metric("chunk_failed", lambda m: m.chunk_failures.labels(*self._labels, phase, error.reason).inc())
+        reason = error.reason if error.reason in self._reasons else OTHER_REASON  # bounded: one series each
+        self._metric("chunk_failed", lambda m: m.chunk_failures.labels(*self._labels, phase, reason).inc())
         self._emit(
             "debug", "chunk.failed", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6),
             attempt=attempt, phase=phase, code=error.code, reason=error.reason, error=error.message,
