@@ -18,7 +18,7 @@ class Capabilities:
     charges_memlock: registrations are charged to RLIMIT_MEMLOCK (mlock), so the pre-flight checks
         the limit; not declared by CUDA and ROCm, whose drivers differ.
 
-    And one what a failed register's code is worth:
+    One says what a failed register's code is worth:
 
     stale_codes: a call may answer a code left by earlier asynchronous work (CUDA and ROCm document
         it), so a register that failed may have registered: pinpool unregisters the range, expecting
