@@ -9,6 +9,7 @@ catching them. Every error pickles (to cross process boundaries) with its attrib
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -89,11 +90,36 @@ class UnexpectedReturn(RuntimeCallError):
         )  # fmt: skip
 
 
+TEXT_LIMIT = 400  # characters pinpool keeps of a foreign object's text
+_NAME = type.__dict__["__name__"]  # a class's name as type keeps it (a metaclass's __name__ may raise or lie)
+
+
+def foreign_text(obj: object, show: Callable[[object], object] = str, limit: int = TEXT_LIMIT) -> str:
+    """``show(obj)`` of an object pinpool does not own (a runtime's exception or answer, a logger's
+    error): never raises an ``Exception`` (a driver message that fails to decode), and keeps at most
+    ``limit`` characters, noting the length of the rest (a 64 MiB message is not copied into every
+    chunk's failure)."""
+    try:
+        text = str.__str__(show(obj))  # an exact str: a subclass's methods are the object's too
+    except Exception as exc:
+        return f"<{class_name(obj)} whose {getattr(show, '__name__', 'text')} raised {class_name(exc)}>"
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def class_name(obj: object) -> str:
+    """The name of ``obj``'s class, bounded, from the class itself (no code of the object's runs)."""
+    return foreign_text(type(obj), _NAME.__get__, limit=100)
+
+
 def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
     """A runtime that raised something other than RuntimeCallError still gets a typed record."""
     if isinstance(exc, RuntimeCallError):
         return exc
-    error = RuntimeCallError(op=op, code=-1, reason=type(exc).__name__, message=str(exc), ptr=ptr, nbytes=nbytes)
+    error = RuntimeCallError(
+        op=op, code=-1, reason=class_name(exc), message=foreign_text(exc), ptr=ptr, nbytes=nbytes
+    )  # fmt: skip
     error.__cause__ = exc
     return error
 
@@ -101,9 +127,9 @@ def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> Runt
 def between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
     """Something pinpool itself raised between a chunk's runtime calls, as that chunk's failure."""
     error = RuntimeCallError(
-        op=op, code=-1, reason=type(exc).__name__, ptr=ptr, nbytes=nbytes,
-        message=f"{exc} (raised by pinpool between runtime calls, not by the runtime; this is a pinpool bug, "
-        "please report it)",
+        op=op, code=-1, reason=class_name(exc), ptr=ptr, nbytes=nbytes,
+        message=f"{foreign_text(exc)} (raised by pinpool between runtime calls, not by the runtime; this is a "
+        "pinpool bug, please report it)",
     )  # fmt: skip
     error.__cause__ = exc
     return error

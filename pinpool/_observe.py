@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ._errors import RuntimeCallError
-from .metrics import PoolMetrics, metrics_for
+from ._errors import RuntimeCallError, class_name, foreign_text
+from .metrics import OTHER_REASON, PoolMetrics, metrics_for
 
 if TYPE_CHECKING:
     from ._node.pacing import NodeHolder
@@ -51,12 +51,14 @@ class Observer:
     """Metrics and logs of one pool (``registry=None``: no metrics). Only the constructor may raise."""
 
     def __init__(
-        self, *, pool: str, runtime: str, layout: str, registry: CollectorRegistry | None, logger: Any | None
-    ) -> None:
+        self, *, pool: str, runtime: str, layout: str, registry: CollectorRegistry | None, logger: Any | None,
+        reasons: frozenset[str] = frozenset(),
+    ) -> None:  # fmt: skip
         self.metrics: PoolMetrics | None = None if registry is None else metrics_for(registry)
         self._pool = pool
         self._labels = (pool, runtime)
         self._layout = layout
+        self._reasons = reasons  # the failure reasons a metric label may take; any other is OTHER_REASON
         self.log = (default_logger() if logger is None else logger).bind(pool=pool, runtime=runtime, layout=layout)
         self._info_labels: tuple[str, ...] | None = None
         # Per-chunk events are DEBUG; skip building them when the logger would drop them anyway
@@ -104,10 +106,7 @@ class Observer:
                 return
             self._reported.add(kind)
         try:
-            try:
-                message = f"{type(exc).__name__}: {exc}"
-            except Exception:
-                message = f"{type(exc).__name__}: <unprintable>"
+            message = f"{class_name(exc)}: {foreign_text(exc)}"
             stream = sys.stderr
             if stream is not None:  # None under pythonw, or at interpreter shutdown
                 counted = (
@@ -156,7 +155,8 @@ class Observer:
             )  # fmt: skip
 
     def chunk_failed(self, chunk: Chunk, phase: str, error: RuntimeCallError, seconds: float, attempt: int = 1) -> None:
-        self._metric("chunk_failed", lambda m: m.chunk_failures.labels(*self._labels, phase, error.reason).inc())
+        reason = error.reason if error.reason in self._reasons else OTHER_REASON  # bounded: one series each
+        self._metric("chunk_failed", lambda m: m.chunk_failures.labels(*self._labels, phase, reason).inc())
         self._emit(
             "debug", "chunk.failed", offset=chunk.offset, nbytes=chunk.nbytes, seconds=round(seconds, 6),
             attempt=attempt, phase=phase, code=error.code, reason=error.reason, error=error.message,
@@ -200,6 +200,13 @@ class Observer:
         self._emit(
             "info", "chunk.not_registered", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
             code=answer.code, reason=answer.reason,
+        )  # fmt: skip
+
+    def registered_despite_code(self, piece: Chunk, ptr: int, error: RuntimeCallError) -> None:
+        """A register that answered ``error`` had registered ``piece`` (a stale code): unregistered again."""
+        self._emit(
+            "warning", "chunk.registered_despite_code", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
+            code=error.code, reason=error.reason,
         )  # fmt: skip
 
     def pin_started(
@@ -265,7 +272,8 @@ class Observer:
 
     def failed_in_background(self, error: BaseException) -> None:
         """Background pinning ended early; waiters raise ``error``; what is pinned stays until exit."""
-        self._emit("error", "pool.failed", error=str(error), error_type=type(error).__name__)
+        # A failure of on_progress is the user's exception: its text may raise, or be any length.
+        self._emit("error", "pool.failed", error=foreign_text(error, limit=4000), error_type=class_name(error))
 
     def _release_series(self, metrics: PoolMetrics, leaked_bytes: int) -> None:
         """After the pool's last gauge update: its gauge series go with the last open pool of its labels."""

@@ -17,6 +17,13 @@ class Capabilities:
         tests may plan pools far beyond the host).
     charges_memlock: registrations are charged to RLIMIT_MEMLOCK (mlock), so the pre-flight checks
         the limit; not declared by CUDA and ROCm, whose drivers differ.
+
+    One says what a failed register's code is worth:
+
+    stale_codes: a call may answer a code left by earlier asynchronous work (CUDA and ROCm document
+        it), so a register that failed may have registered: pinpool unregisters the range, expecting
+        one of ``not_registered_codes``, unless the code is one of ``already_registered_codes`` (the
+        registration there is someone else's).
     """
 
     populates: bool = False
@@ -26,6 +33,8 @@ class Capabilities:
     exact_ranges: bool = False
     retryable_codes: frozenset[int] = field(default_factory=frozenset)
     not_registered_codes: frozenset[int] = field(default_factory=frozenset)
+    already_registered_codes: frozenset[int] = field(default_factory=frozenset)
+    stale_codes: bool = False
     resident: bool = True
     charges_memlock: bool = False
 

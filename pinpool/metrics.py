@@ -24,6 +24,7 @@ POOL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120
 _BASE = ("pool", "runtime")
 
 _CALL_OPS = ("register", "populate", "unregister")  # the ``op`` label of call_seconds_max
+OTHER_REASON = "other"  # the ``reason`` label of chunk_failures for a reason not documented
 
 
 def _multiprocess() -> bool:  # prometheus_client's multiprocess mode: a series cannot be removed there

@@ -366,7 +366,7 @@ class FakeCudart:
         self._book = RangeBook()
         self._calls: list[tuple[str, int, int, int]] = []
         self._cap: tuple[int, int] | None = None  # refuse_above: (nbytes, rc)
-        self._faults: list[tuple[str, int, int, When | None]] = []  # op, rc, times left, when
+        self._faults: list[tuple[str, int, int, When | None, bool]] = []  # op, rc, times left, when, applied
         self._sticky = threading.local()
         self._mutex = threading.Lock()
 
@@ -379,17 +379,17 @@ class FakeCudart:
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
         with self._mutex:  # held across the mlock: the books and the locks agree for every observer
-            rc = self._injected("register", ptr, nbytes)
-            if not rc:
-                rc = self._register(ptr, nbytes)
+            rc, applied = self._injected("register", ptr, nbytes)
+            if not rc or applied:
+                rc = self._register(ptr, nbytes) or rc
             return self._record("register", ptr, nbytes, rc)
 
     def cudaHostUnregister(self, ptr: int) -> int:
         with self._mutex:
             nbytes = self._book.get(ptr) or 0
-            rc = self._injected("unregister", ptr, nbytes)
-            if not rc:
-                rc = self._unregister(ptr)
+            rc, applied = self._injected("unregister", ptr, nbytes)
+            if not rc or applied:
+                rc = self._unregister(ptr) or rc
             return self._record("unregister", ptr, nbytes, rc)
 
     def cudaGetErrorString(self, error: Any) -> str:
@@ -428,29 +428,33 @@ class FakeCudart:
         with self._mutex:
             self._cap = (nbytes, rc)
 
-    def fail(self, op: str, rc: int, *, times: int = 1, when: When | None = None) -> None:
+    def fail(self, op: str, rc: int, *, times: int = 1, when: When | None = None, applied: bool = False) -> None:
         """The next ``times`` calls of ``op`` for which ``when(ptr, nbytes)`` holds (``None``: every call)
-        return ``rc``; a call takes the first matching rule, in the order given."""
+        return ``rc``; a call takes the first matching rule, in the order given. ``applied=True``: the
+        call does its work first (a code left by earlier asynchronous work, as CUDA documents)."""
         if op not in _CUDART_OPS:
             raise ConfigError(f"op={op!r} is not a FakeCudart call; choose 'register' or 'unregister'")
         _check_code(rc)
         _check_count(times, "times", minimum=1)
         if when is not None and not callable(when):
             raise ConfigError(f"when={when!r} must be None or a callable when(ptr, nbytes) -> bool")
+        if not isinstance(applied, bool):
+            raise ConfigError(f"applied={applied!r} must be True or False")
         with self._mutex:
-            self._faults.append((op, rc, times, when))
+            self._faults.append((op, rc, times, when, applied))
 
-    def _injected(self, op: str, ptr: int, nbytes: int) -> int:
-        for i, (fault_op, rc, left, when) in enumerate(self._faults):
+    def _injected(self, op: str, ptr: int, nbytes: int) -> tuple[int, bool]:
+        """The code to answer, and whether the call does its work anyway."""
+        for i, (fault_op, rc, left, when, applied) in enumerate(self._faults):
             if fault_op == op and (when is None or when(ptr, nbytes)):
                 if left > 1:
-                    self._faults[i] = (fault_op, rc, left - 1, when)
+                    self._faults[i] = (fault_op, rc, left - 1, when, applied)
                 else:
                     del self._faults[i]
-                return rc
+                return rc, applied
         if op == "register" and self._cap is not None and nbytes > self._cap[0]:
-            return self._cap[1]
-        return 0
+            return self._cap[1], False
+        return 0, False
 
     def _register(self, ptr: int, nbytes: int) -> int:
         if nbytes <= 0 or ptr <= 0:

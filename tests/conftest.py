@@ -111,6 +111,16 @@ async def pin_and_run(
             body(entered)
 
 
+def mapped(address: int) -> bool:
+    """Whether ``address`` is in one of this process's mappings (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
 def lifecycle_of(pool: pinpool.PinnedPool) -> Any:
     """The sans-I/O lifecycle behind a pool: the one place tests reach past the façade (the
     lifecycle's own tests, the engine's books, fault injection into a pool's mapping)."""

@@ -11,7 +11,7 @@ from typing import Protocol, TypeGuard, runtime_checkable
 
 import torch
 
-from .._errors import ConfigError
+from .._errors import ConfigError, class_name, foreign_text
 from .._units import shown
 
 
@@ -122,7 +122,7 @@ def is_layout(layout: object) -> bool:
         fixes = {"name": "fix its name", "page_bytes": _PAGE_BYTES_FIX, "buffers": _BUFFERS_FIX}
         for attribute, fix in fixes.items():  # which one raised, to name it
             _layout_value(what, attribute, functools.partial(getattr, layout, attribute), fix)
-        raise ConfigError(f"{what} raised {type(exc).__name__} ({exc}) when read as a layout") from exc
+        raise ConfigError(f"{what} raised {class_name(exc)} ({foreign_text(exc)}) when read as a layout") from exc
 
 
 def require_layout(layout: object) -> None:
@@ -194,7 +194,7 @@ def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: st
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(f"{what}: {attribute} raised {type(exc).__name__} ({exc}); {fix}") from exc
+        raise ConfigError(f"{what}: {attribute} raised {class_name(exc)} ({foreign_text(exc)}); {fix}") from exc
 
 
 def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:

@@ -4,8 +4,9 @@ from .._types import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "drivers": "finalize_lifecycle run_async run_sync",
-    "engine": "PinSession untrusted_call",
+    "engine": "PinSession",
     "ledger": "ChunkState Ledger Phase RegistrationBook StopCause",
     "outcome": "TRANSITIONS Detach Outcome Ran RunThreads Step TransitionError check_move decide",
     "pipeline": "WAIT Batch Landing Pipeline split_spans",
+    "untrusted": "untrusted_call",
 })  # fmt: skip

@@ -13,21 +13,13 @@ import collections
 import functools
 import math
 import os
-import reprlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
-from .._errors import (
-    ChunkFailure,
-    LedgerError,
-    RuntimeCallError,
-    UnexpectedReturn,
-    as_runtime_error,
-    between_calls_error,
-)
+from .._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls_error, foreign_text
 from .._host.libc import MADV_POPULATE_WRITE, lower_this_thread
 from .._host.mapping import populate_range
 from .._observe import Observer
@@ -38,6 +30,7 @@ from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
 from .pipeline import WAIT, Landing, Pipeline, _Wait, take_batch
+from .untrusted import Answer, untrusted_call
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
@@ -45,46 +38,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 RECORD_INTERVAL_SECONDS = 0.01  # within a long batch of small calls, outcomes are booked at least this often
-
-
-# A runtime is untrusted: it returns None or raises RuntimeCallError, its typed "nothing was done".
-# Anything else (a binding's RuntimeError, a KeyboardInterrupt in its wrapper, a return value) says
-# nothing of what the call did first: a register may have registered, and booked as failed it would
-# stay pinned after close() unseen. So it is "maybe", booked for teardown.
-_REPR = reprlib.Repr()  # a garbage return value, shown in a message and a log line: bounded
-_REPR.maxstring = _REPR.maxother = 80
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One runtime call's answer: ``error`` (None: it returned None); ``maybe``: the call may have done
-    its work; ``raised``: a non-``Exception`` it raised, to raise again where someone can handle it."""
-
-    error: RuntimeCallError | None = None
-    maybe: bool = False
-    raised: BaseException | None = None
-
-
-_DONE = Answer()
-
-
-def untrusted_call(call: Callable[[int, int], object], op: str, ptr: int, nbytes: int) -> Answer:
-    """Make one runtime call and classify its answer; never raises (a worker thread has no caller)."""
-    try:
-        returned = call(ptr, nbytes)
-    except RuntimeCallError as exc:  # the runtime's own typed failure: it did nothing
-        return Answer(exc)
-    except Exception as exc:
-        return Answer(as_runtime_error(exc, op, ptr, nbytes), maybe=True)
-    except BaseException as exc:  # SystemExit, KeyboardInterrupt, GeneratorExit: booked, then raised again
-        return Answer(as_runtime_error(exc, op, ptr, nbytes), maybe=True, raised=exc)
-    if returned is None:
-        return _DONE
-    try:
-        shown = _REPR.repr(returned)
-    except Exception as exc:  # a garbage object whose __repr__ raises too
-        shown = f"a {type(returned).__name__} (whose repr raised {type(exc).__name__})"
-    return Answer(UnexpectedReturn(op=op, ptr=ptr, nbytes=nbytes, returned=shown), maybe=True)
 
 
 class Memory(Protocol):
@@ -119,6 +72,7 @@ class _Work(Generic[T, R]):
 
     take: Callable[[], Sequence[T] | None]  # the next batch, claimed; None or empty: the worker is done
     do: Callable[[T], R]  # one item's calls
+    failed: Callable[[T, Exception], R]  # an item whose calls raised (a pinpool bug): its result, a failure
     keep: Callable[[R], None]  # right after an item's calls, once its result is kept
     land: Callable[[Sequence[R], Sequence[T]], None]  # results on the books; at a batch's end, its unstarted items
     stops: bool  # pinning: a failure, or pinning stopped, ends the batch after the current call
@@ -178,6 +132,8 @@ class PinSession:
         self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
         self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
         self._not_registered = caps.not_registered_codes
+        self._check_codes = caps.stale_codes
+        self._already_registered = caps.already_registered_codes
         self._max_depth = options.max_retries
         self.retries = 0
         # What the runtime raised that is no Exception (SystemExit, KeyboardInterrupt), in call order.
@@ -199,7 +155,9 @@ class PinSession:
     def _run(self, work: _Work[T, R]) -> None:
         """One worker's batches until ``work.take`` has none left, landed at a batch's end and every
         RECORD_INTERVAL_SECONDS (so progress moves). Pinning (``work.stops``) ends a batch at a failure
-        or a stop, so others hear of it after one call; unstarted items are landed too."""
+        or a stop, so others hear of it after one call; unstarted items are landed too. An item whose
+        calls raised is that item's failure: it never ends the worker's queue (the rest of the pool
+        would stay pinned); a non-``Exception`` (a Ctrl-C on the main thread) puts it back unstarted."""
         while items := work.take():
             results: list[R] = []
             started = 0  # items whose calls were made
@@ -208,7 +166,10 @@ class PinSession:
                 for item in items:
                     if started and work.stops and self.pipeline.stopped:  # another worker failed, or a cancel
                         break
-                    result = work.do(item)
+                    try:
+                        result = work.do(item)
+                    except Exception as exc:
+                        result = work.failed(item, exc)
                     results.append(result)  # on the books before anything else can go wrong
                     started += 1
                     work.keep(result)
@@ -262,7 +223,10 @@ class PinSession:
         if self._pin_nice > 0 and threading.get_ident() != self._owner_thread:
             lower_this_thread(self._pin_nice)  # a fresh thread that only pins: nothing to restore
         self._go.wait()
-        self._run(_Work(take=self._take_pinning, do=self._pin, keep=self._observe, land=self._land, stops=True))
+        self._run(_Work(
+            take=self._take_pinning, do=self._pin, failed=self._pin_failed, keep=self._observe, land=self._land,
+            stops=True,
+        ))  # fmt: skip
 
     def _take_pinning(self) -> tuple[int | Span, ...] | None:
         batch = self._next(self.pipeline.next_work)
@@ -270,6 +234,15 @@ class PinSession:
 
     def _pin(self, item: int | Span) -> Landing:
         return self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
+
+    def _pin_failed(self, item: int | Span, exc: Exception) -> Landing:
+        if isinstance(item, Span):
+            error = between_calls_error(exc, "populate", self.base_ptr + item.offset, item.nbytes)
+            return Landing(item, error, seconds=0.0)
+        chunk = self.ledger.chunks[item]
+        self.book.chunk_registered(item)  # its register call may have registered it: undone at teardown
+        error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
+        return Landing(item, error, maybe=(chunk,), seconds=0.0)
 
     def _land(self, landings: Sequence[Landing], unstarted: Sequence[int | Span]) -> None:
         """Put ``landings`` on the books, and ``unstarted`` items as stopped (their batch ended)."""
@@ -322,7 +295,7 @@ class PinSession:
         chunk = self.ledger.chunks[index]
         if self._register_sizer is not None:
             return self._register_pieces(index, chunk, [], [], paced=True)
-        answer, seconds = self._call(self._register, chunk.offset, chunk.nbytes)
+        answer, seconds = self._register_call(chunk)
         error = answer.error
         if error is None or answer.maybe:  # maybe: booked for teardown too (never retried)
             self.book.chunk_registered(index)
@@ -335,6 +308,21 @@ class PinSession:
             return Landing(index, error, seconds=seconds)
         self.observer.chunk_failed(chunk, "register", error, seconds, attempt=1)
         return self._register_pieces(index, chunk, halves, [ChunkFailure(chunk, "register", error)])
+
+    def _register_call(self, piece: Chunk) -> tuple[Answer, float]:
+        """One register call. Under a runtime whose codes may be stale, a register that failed may
+        have registered: unregistering it tells (before a retry's halves meet "already registered");
+        an answer that tells nothing leaves it "maybe", undone at teardown."""
+        answer, seconds = self._call(self._register, piece.offset, piece.nbytes)
+        error = answer.error
+        if error is None or answer.maybe or not self._check_codes or error.code in self._already_registered:
+            return answer, seconds
+        check, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
+        if check.error is None:  # it was registered despite its code, and is not now
+            self.observer.registered_despite_code(piece, self.base_ptr + piece.offset, error)
+        elif check.maybe or check.error.code not in self._not_registered:
+            return Answer(error, maybe=True), seconds
+        return answer, seconds
 
     def _halves(
         self, piece: Chunk, depth: int, error: RuntimeCallError, attempt: int
@@ -383,7 +371,7 @@ class PinSession:
                         at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
                     piece = cutter.first_piece(rest, at_most)
                     offset = piece.end
-                answer, took = self._call(self._register, piece.offset, piece.nbytes)
+                answer, took = self._register_call(piece)
                 failure = answer.error
                 if failure is None or answer.maybe:
                     # first: from here on the piece is on the books, whatever raises
@@ -489,8 +477,9 @@ class PinSession:
         self._teardown_started = time.perf_counter()
         pending = collections.deque(order)
         unpinning = _Work(
-            take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk, keep=lambda _: None,
-            land=functools.partial(self._land_unpinned, pending), stops=False,
+            take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk,
+            failed=self._unpin_failed, keep=lambda _: None, land=functools.partial(self._land_unpinned, pending),
+            stops=False,
         )  # fmt: skip
         return tuple(functools.partial(self._run, unpinning) for _ in range(min(self.unpin_workers, len(order))))
 
@@ -508,7 +497,8 @@ class PinSession:
                     index,
                     RuntimeCallError(
                         op="unregister", code=-1, reason="InternalError", ptr=self.base_ptr + chunk.offset,
-                        nbytes=chunk.nbytes, message=f"never unregistered: an unpin worker crashed ({crashed!r})",
+                        nbytes=chunk.nbytes,
+                        message=f"never unregistered: an unpin worker crashed ({foreign_text(crashed, repr)})",
                     ),
                 )  # fmt: skip
             ledger.close()
@@ -545,6 +535,10 @@ class PinSession:
             else:  # anything, SystemExit included, fails this chunk only
                 error = error or failure
         return _Unpinned(index, error, time.perf_counter() - started, tuple(released), tuple(absent))
+
+    def _unpin_failed(self, index: int, exc: Exception) -> _Unpinned:
+        chunk = self.ledger.chunks[index]
+        return _Unpinned(index, between_calls_error(exc, "unregister", self.base_ptr + chunk.offset, chunk.nbytes), 0.0)
 
     def _land_unpinned(
         self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[int]

@@ -34,6 +34,7 @@ from .._shared.memory import SharedMemory
 from .._units import format_bytes, parse_size
 from ..layouts import Layout
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
+from ..runtimes._registry import FAILURE_REASONS
 
 _WAIT_POLL_SECONDS = 0.02
 # What _configure reads besides PoolOptions.create's options (pinpool._plan.declared names them all).
@@ -190,8 +191,9 @@ class PinnedPool:
         if on_progress is not None and not callable(on_progress):
             raise ConfigError(f"on_progress={on_progress!r} must be callable(pinned, total, done, chunks)")
         self._observer = Observer(
-            pool=name, runtime=self.runtime.name, layout=self.layout.name, registry=registry, logger=logger
-        )
+            pool=name, runtime=self.runtime.name, layout=self.layout.name, registry=registry, logger=logger,
+            reasons=FAILURE_REASONS,
+        )  # fmt: skip
         admission = None
         if pacing is not None:
             # The directory is checked (and made) now; a long wait is logged as node.waiting.

@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Self, SupportsInt
 
-from .._errors import ConfigError, RuntimeCallError
+from .._errors import ConfigError, RuntimeCallError, foreign_text
 from .._types import Capabilities
 
 
@@ -216,7 +216,7 @@ class HostRegisterRuntime:
     def _error(self, op: str, rc: int, ptr: int, nbytes: int) -> RuntimeCallError:
         name, hint = self._api.errors.get(rc, (self._error_name(rc), ""))
         try:
-            text = str(self._binding.cudaGetErrorString(self._binding.cudaError(rc)))
+            text = foreign_text(self._binding.cudaGetErrorString(self._binding.cudaError(rc)))
         except Exception:  # an enum value the binding does not accept
             text = f"{self._api.platform} error {rc}"
         message = f"{text} (device {self.device})" + (f"; {hint}" if hint else "")
@@ -232,7 +232,7 @@ class HostRegisterRuntime:
         name = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
         if not isinstance(name, str) or not name.isidentifier() or not name.startswith(self._api.error_prefix):
             return fallback
-        if name == self._api.unknown_name and rc != self._api.unknown_code:
+        if len(name) > 100 or (name == self._api.unknown_name and rc != self._api.unknown_code):
             return fallback
         return name
 
@@ -317,13 +317,16 @@ class CudaRuntime(HostRegisterRuntime):
     share an OS page). Codes 1 and 2 are retried with a smaller chunk: drivers answer a registration
     that is too large with either (SGLang saw 1 in production, for a 32 GiB call whose 4 KiB probe
     at the same pointer succeeded); a truly invalid range fails again at one alignment unit. 713 on
-    unregister: released by someone else. Registered pages are resident; whether the driver charges
-    RLIMIT_MEMLOCK depends on the driver, so it is not declared.
+    unregister: released by someone else. A code may be stale (CUDA: "may also return error codes
+    from previous, asynchronous launches"): a failed register is checked by unregistering it.
+    Registered pages are resident; whether the driver charges RLIMIT_MEMLOCK depends on the driver,
+    so it is not declared.
     """
 
     name = "cuda"
     capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2}),
-                                not_registered_codes=frozenset({713}), resident=True)  # fmt: skip
+                                not_registered_codes=frozenset({713}), already_registered_codes=frozenset({712}),
+                                stale_codes=True, resident=True)  # fmt: skip
     _api = CUDA
 
 
@@ -337,7 +340,8 @@ class RocmRuntime(HostRegisterRuntime):
 
     name = "rocm"
     capabilities = Capabilities(serial_registration=True, retryable_codes=frozenset({1, 2}),
-                                not_registered_codes=frozenset({1062}), resident=True)  # fmt: skip
+                                not_registered_codes=frozenset({1062}), already_registered_codes=frozenset({1061}),
+                                stale_codes=True, resident=True)  # fmt: skip
     _api = HIP
 
 

@@ -39,6 +39,7 @@ class _SharedPages:
                 if not self._holders.get(page):
                     err = call(page, page_size)
                     if err:
+                        _libc.munlock(page, page_size)  # a failed mlock may have locked it (see lock_range)
                         self._drop(held)
                         return page, err
                 self._holders[page] = self._holders.get(page, 0) + 1
@@ -174,15 +175,16 @@ def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
 
 def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.mlock) -> int:
     """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): whole pages in one call, partial ones
-    through :data:`SHARED_PAGES`. Returns 0, or an errno after which nothing this call locked stays."""
+    through :data:`SHARED_PAGES`. Returns 0, or an errno after which nothing this call locked stays:
+    a failed mlock may have locked part of the range (the kernel marks the mappings locked before it
+    faults them, and stops at a hole), so the range is unlocked again (harmless where nothing is)."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
     if not err:
         failed = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
-        if failed is not None:
-            err = failed[1]
-            if hi > lo:
-                _libc.munlock(lo, hi - lo)
+        err = 0 if failed is None else failed[1]
+    if err and hi > lo:
+        _libc.munlock(lo, hi - lo)
     return err
 
 

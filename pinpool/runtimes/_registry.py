@@ -6,13 +6,15 @@ false declaration fails at construction, not midway through pinning a terabyte.
 
 from __future__ import annotations
 
+import builtins
+import errno
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._errors import ConfigError
 from .._types import Capabilities
-from ._gpu import CudaRuntime, RocmRuntime
+from ._gpu import CUDA, HIP, CudaRuntime, RocmRuntime
 from ._mlock import MlockRuntime
 
 if TYPE_CHECKING:
@@ -128,6 +130,16 @@ _INFOS = (
 _REGISTRY: dict[str, RuntimeInfo] = {info.name: info for info in _INFOS}
 
 RUNTIME_NAMES: tuple[str, ...] = tuple(_REGISTRY)  # every name runtime= accepts, "auto" first
+
+
+# The values pinpool_chunk_failures_total{reason} takes (docs/metrics.md); any other reason counts as
+# "other", so a binding answering garbage codes adds no series per code (log events keep the reason).
+FAILURE_REASONS = frozenset({
+    *(name for api in (CUDA, HIP) for name, _hint in api.errors.values()),
+    *errno.errorcode.values(),  # mlock's, populate's
+    *(name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)),
+    "UnexpectedReturn", "InternalError",  # a runtime call's garbage return, a crashed unpin worker
+})  # fmt: skip
 
 
 def runtime_infos() -> tuple[RuntimeInfo, ...]:

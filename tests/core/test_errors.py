@@ -7,6 +7,7 @@ import pickle
 import pytest
 
 import pinpool
+from pinpool._errors import TEXT_LIMIT, as_runtime_error, class_name, foreign_text
 from pinpool.testing import FakeRuntime
 
 MiB = 1 << 20
@@ -95,3 +96,37 @@ def test_already_pinned_error_is_a_runtime_error() -> None:
                 pass
     assert isinstance(caught.value, pinpool.AlreadyPinnedError)
     assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)
+
+
+def test_foreign_text_never_raises_and_is_bounded() -> None:
+    """Issue 33, item 6: the one way pinpool reads a foreign object's text (a runtime's exception)."""
+
+    class Undecodable(Exception):
+        def __str__(self) -> str:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    class NamedBadly(type):
+        @property
+        def __name__(cls) -> str:  # type: ignore[override]
+            raise RuntimeError("no name")
+
+    class Odd(Exception, metaclass=NamedBadly):
+        pass
+
+    class Sly(str):
+        def __len__(self) -> int:
+            raise RuntimeError("no length")
+
+    class SlyText(Exception):
+        def __str__(self) -> str:
+            return Sly("sly")
+
+    assert foreign_text(Undecodable()) == "<Undecodable whose str raised UnicodeDecodeError>"
+    assert class_name(Odd()) == "Odd" and foreign_text(Odd("odd")) == "odd"
+    assert foreign_text(SlyText()) == "sly" and type(foreign_text(SlyText())) is str
+    long = foreign_text(ValueError("y" * 10_000))
+    assert long == "y" * TEXT_LIMIT + "... (10000 characters)"
+    assert foreign_text([1, 2], repr, limit=3) == "[1,... (6 characters)"
+    error = as_runtime_error(Undecodable(), "unregister", 4096, 0)
+    assert error.reason == "Undecodable" and error.message == "<Undecodable whose str raised UnicodeDecodeError>"
+    assert isinstance(error.__cause__, Undecodable)

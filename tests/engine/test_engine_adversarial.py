@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool._host import libc as _libc
 from pinpool._observe import Observer
+from pinpool._pin import RegistrationBook
 from pinpool._plan import MAX_CALL_SECONDS, MAX_WORKERS, CallSizer, RetrySplitter
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
@@ -136,6 +137,40 @@ async def test_a_fault_between_paced_populate_calls_is_the_spans_failure(
     assert fake.populate_calls  # it failed after a populate call
     assert fake.registered == {} and info.value.leaked == ()
     assert any(f.phase == "populate" and f.error.reason == "Boom" for f in info.value.failures)
+
+
+@each_driver
+async def test_a_fault_while_unpinning_one_chunk_fails_that_chunk_only(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Issue 33, item 6: one item that raised ended its worker's queue (one unpin worker: every chunk
+    after it stayed registered). Now it is that chunk's failure and the worker goes on."""
+    raise_on_call(monkeypatch, RegistrationBook, "unregistered", 1, MemoryError())
+    fake = FakeRuntime()
+    claims = PINNED_RANGES.snapshot()
+    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, unpin_workers=1)
+    with pytest.raises(pinpool.UnpinError) as info:
+        await pin_and_run(pool, mode)
+    (failure,) = info.value.failures
+    assert failure.error.reason == "MemoryError" and "pinpool bug" in failure.error.message
+    assert fake.registered == {} and len(fake.unregister_calls) == 8  # every chunk's call was made
+    for base in PINNED_RANGES.snapshot().keys() - claims.keys():  # the chunk reported leaked keeps its claim
+        PINNED_RANGES.pop(base)
+
+
+@each_driver
+async def test_a_fault_after_a_register_call_is_that_chunks_failure(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """The same for pinning: a chunk whose register call returned, then something raised, may be
+    registered: undone by the rollback."""
+    raise_on_call(monkeypatch, RegistrationBook, "chunk_registered", 2, MemoryError())
+    fake = FakeRuntime()
+    pool = pinpool.PinnedPool(
+        size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, register_workers=1, populate=False
+    )
+    with pytest.raises(pinpool.PinError) as info:
+        await pin_and_run(pool, mode)
+    assert info.value.leaked == () and info.value.reason == "MemoryError"
+    assert fake.registered == {} and len(fake.register_calls) == 2
 
 
 @needs_mlock

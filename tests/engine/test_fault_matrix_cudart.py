@@ -6,15 +6,17 @@ with nothing on the fake's books, no sticky error left in this thread and VmLck 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
+import structlog
 
 import pinpool
 from pinpool.runtimes import CudaRuntime
 from pinpool.testing import FakeCudart, locked_bytes
 
-from ..conftest import each_driver, needs_mlock, pin_and_run
+from ..conftest import each_driver, mapped, needs_mlock, pin_and_run
 
 MiB = 1 << 20
 
@@ -87,3 +89,52 @@ async def test_a_background_failure_keeps_the_prefix_then_exit_releases_all(fake
                 await pool.wait_ready()
             assert len(fake.registered) == 2  # nothing is unpinned under the body
             raise pool.error  # type: ignore[misc]
+
+
+@each_driver
+@pytest.mark.parametrize("rc", [1, 999])
+async def test_a_registration_that_registered_then_returned_a_code_is_undone(
+    fake: FakeCudart, mode: str, rc: int
+) -> None:
+    """Issue 33 item 4: CUDA calls "may also return error codes from previous, asynchronous launches".
+    A register that registered, then answered a code, was believed: 8 MiB stayed registered and
+    locked after "every registered chunk was rolled back", leaked=()."""
+    calls = iter(range(1, 100))
+    fake.fail("register", rc, when=lambda _p, _n: next(calls) == 3, applied=True)
+    with structlog.testing.capture_logs() as logs:
+        pool = pool_on(fake, max_retries=0)
+        with pytest.raises(pinpool.PinError) as info:
+            await pin_and_run(pool, mode)
+    assert info.value.leaked == () and info.value.code == rc
+    (undone,) = [e for e in logs if e["event"] == "chunk.registered_despite_code"]
+    assert undone["log_level"] == "warning" and undone["code"] == rc and undone["offset"] == 16 * MiB
+    address = fake.calls[0][1]
+    del pool, info
+    gc.collect()
+    assert not mapped(address)  # nothing kept mapped: nothing may still be pinned
+    # the fixture: nothing on the binding's books, no sticky error, VmLck back
+
+
+@each_driver
+async def test_a_retried_registration_that_had_registered_is_undone_before_its_halves(
+    fake: FakeCudart, mode: str
+) -> None:
+    """A retryable code after the call registered: undone first, so the halves do not meet 712."""
+    calls = iter(range(1, 100))
+    fake.fail("register", 2, when=lambda _p, _n: next(calls) == 2, applied=True)
+    sizes: list[int] = []
+    await pin_and_run(pool_on(fake), mode, lambda pool: sizes.extend(sorted(fake.registered.values())))
+    assert sizes == [4 * MiB, 4 * MiB, 8 * MiB, 8 * MiB, 8 * MiB]
+    assert not [rc for op, _p, _n, rc in fake.calls if rc == 712]
+
+
+@each_driver
+async def test_a_registration_that_cannot_be_checked_is_undone_at_rollback(fake: FakeCudart, mode: str) -> None:
+    """The checking unregister fails too: the range may be registered, so the rollback undoes it."""
+    calls = iter(range(1, 100))
+    fake.fail("register", 1, when=lambda _p, _n: next(calls) == 3, applied=True)
+    fake.fail("unregister", 999)  # the first unregister is the check
+    with pytest.raises(pinpool.PinError) as info:
+        await pin_and_run(pool_on(fake, max_retries=0), mode)
+    assert info.value.leaked == ()
+    assert [rc for op, _p, _n, rc in fake.calls if op == "unregister"].count(0) == 3  # two pinned, one maybe

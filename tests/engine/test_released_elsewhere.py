@@ -15,20 +15,11 @@ import pinpool
 from pinpool.runtimes import CudaRuntime, RocmRuntime
 from pinpool.testing import FakeCudart, FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, needs_mlock, pin_and_run
+from ..conftest import each_driver, mapped, needs_mlock, pin_and_run
 
 MiB = 1 << 20
 
 pytestmark = pytest.mark.anyio
-
-
-def mapped(address: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
 
 
 def released_count(registry: CollectorRegistry, runtime: str) -> float:

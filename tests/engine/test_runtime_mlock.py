@@ -303,3 +303,23 @@ def test_hugetlb_without_enough_reserved_pages_is_a_config_error() -> None:
     with pytest.raises(pinpool.ConfigError, match=r"nr_hugepages") as info:
         pinpool.PinnedPool(size=size, runtime="mlock", huge_pages="hugetlb")
     assert f"needs {free + 1} free 2 MiB hugetlb pages" in str(info.value)
+
+
+@pytest.mark.parametrize("call", ["register", "lock_on_fault"])
+def test_a_failed_mlock_leaves_nothing_locked(call: str) -> None:
+    """Issue 33 item 4 for mlock: the kernel marks the mappings locked before it faults them and stops
+    at a hole with ENOMEM, so a failed mlock had locked what came before the hole (8 KiB here, kept
+    locked with nothing on the runtime's books)."""
+    page = _libc.PAGE_SIZE
+    address, err = _libc.mmap_anonymous(4 * page)
+    assert not err
+    try:
+        assert _libc.munmap(address + 2 * page, 2 * page) == 0  # a hole after two mapped pages
+        before = locked_bytes()
+        runtime = MlockRuntime()
+        with pytest.raises(pinpool.RuntimeCallError) as info:
+            getattr(runtime, call)(address, 4 * page)
+        assert info.value.reason == "ENOMEM" and runtime.registered == {}
+        assert locked_bytes() == before
+    finally:
+        _libc.munmap(address, 2 * page)

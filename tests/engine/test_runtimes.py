@@ -107,8 +107,11 @@ def test_declared_capabilities_of_the_built_in_runtimes() -> None:
         exact_ranges=True,
         retryable_codes=frozenset({1, 2}),
         not_registered_codes=frozenset({713}),
+        already_registered_codes=frozenset({712}),
+        stale_codes=True,  # a failed register is checked by unregistering it (issue 33 item 4)
     )
     assert RocmRuntime.capabilities.retryable_codes == frozenset({1, 2})
+    assert RocmRuntime.capabilities.stale_codes and RocmRuntime.capabilities.already_registered_codes == {1061}
     assert RocmRuntime.capabilities.serial_registration and not RocmRuntime.capabilities.exact_ranges
     cuda = CudaRuntime.from_binding(FakeCudart(lock=False))
     assert capabilities_of(cuda) is CudaRuntime.capabilities

@@ -16,6 +16,7 @@ leaked), no range claim is held, and a new pool in the same process works.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import pickle
 from collections.abc import Iterator
 
@@ -28,18 +29,38 @@ from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime, locked_bytes
 
-from ..conftest import each_driver, lifecycle_of
+from ..conftest import each_driver, lifecycle_of, needs_mlock
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
 
 CALLS = ("register", "lock_on_fault", "populate", "unregister")
+
+
+class Undecodable(Exception):
+    """A driver message that fails to decode: reading it raises (issue 33, item 6)."""
+
+    def __str__(self) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
+class Interrupt(KeyboardInterrupt):
+    pass
+
+
+class UndecodableInterrupt(KeyboardInterrupt):
+    def __str__(self) -> str:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
 # What the runtime does instead of returning None: raise one of these, or return garbage.
 KINDS: dict[str, type[BaseException] | None] = {
     "Exception": Exception,
     "RuntimeError": RuntimeError,
     "SystemExit": SystemExit,
     "KeyboardInterrupt": KeyboardInterrupt,
+    "Undecodable": Undecodable,
+    "UndecodableInterrupt": UndecodableInterrupt,
     "garbage": None,
 }
 ON_CALL = 2  # the misbehaving call: the second of its kind, so one before it went well
@@ -309,3 +330,77 @@ def test_mlock_a_range_locked_then_raised_is_unlocked_at_close(kind: type[BaseEx
         assert locked_bytes() - baseline == 8 * MiB
         assert again.pinned_bytes == 8 * MiB
     assert locked_bytes() == baseline
+
+
+class RaisesOnceAfterUnlocking(MlockRuntime):
+    """Real munlock; its first unregister raises ``exc`` once the range is unlocked."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc: BaseException | None = exc
+
+    def unregister(self, ptr: int) -> None:
+        super().unregister(ptr)
+        exc, self.exc = self.exc, None
+        if exc is not None:
+            raise exc
+
+
+@needs_mlock
+@each_driver
+@pytest.mark.parametrize("exc", [Undecodable(), Interrupt(), UndecodableInterrupt()], ids=type)
+async def test_mlock_a_hostile_exception_in_unregister_fails_that_chunk_only(
+    mode: str, exc: BaseException, vmlck_baseline: int
+) -> None:
+    """Issue 33, item 6: an exception whose __str__ raised ended the unpin worker (6 x 32 MiB never
+    unregistered, VmLck 192 MiB after close() and gc); a KeyboardInterrupt subclass likewise."""
+    runtime = RaisesOnceAfterUnlocking(exc)
+    pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=8 * MiB, runtime=runtime, registry=None, unpin_workers=1)
+    seen = await leave(pool, mode, background=False)
+    assert runtime.registered == {}  # every other chunk was unregistered
+    if isinstance(exc, Exception):
+        (error,) = failures_of(seen)  # that chunk alone failed, its text unreadable but typed
+        assert error.reason == "Undecodable" and error.message == "<Undecodable whose str raised UnicodeDecodeError>"
+    else:
+        assert seen == [exc]  # raised as itself once teardown is done
+    del pool, seen
+    gc.collect()
+    assert locked_bytes() == vmlck_baseline
+
+
+BIG = "x" * (64 << 20)
+
+
+class Verbose(FakeRuntime):
+    """Every call of ``op`` does its work, then raises an exception with a 64 MiB message."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        super().register(ptr, nbytes)
+        if self.op == "register":
+            raise RuntimeError(BIG)
+
+    def unregister(self, ptr: int) -> None:
+        super().unregister(ptr)
+        if self.op == "unregister":
+            raise RuntimeError(BIG)
+
+
+@pytest.mark.parametrize("op", ["register", "unregister"])
+def test_a_huge_exception_message_is_bounded_in_every_failure(op: str, claims: dict[int, int]) -> None:
+    """Issue 33, item 6: the runtime's 64 MiB message was copied into every chunk's failure."""
+    fake = Verbose(op)
+    pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, unpin_workers=1)
+    with pytest.raises(pinpool.PinError if op == "register" else pinpool.UnpinError) as info:
+        with pool:
+            pass
+    failures = info.value.failures
+    assert len(failures) == (1 if op == "register" else 8)
+    for failure in failures:
+        assert failure.error.reason == "RuntimeError" and failure.error.message.startswith("xxx")
+        assert len(failure.error.message) < 500 and len(str(failure.error)) < 1000
+        assert f"({64 << 20} characters)" in failure.error.message
+    assert len(str(info.value)) < 2000

@@ -18,8 +18,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 import pinpool
+from pinpool._ranges import PINNED_RANGES
 from pinpool.metrics import PoolMetrics, metrics_for
-from pinpool.testing import FakeRuntime
+from pinpool.runtimes import CudaRuntime
+from pinpool.testing import FakeCudart, FakeRuntime
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -292,3 +294,51 @@ async def test_async_pools_remove_their_series_too() -> None:
             assert gauge(registry, "pinpool_pools_open", "a") == 2
         assert gauge(registry, "pinpool_pools_open", "a") == 1
     assert gauges_of(registry, "a") == {}
+
+
+def failure_reasons(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+    return {
+        (s.labels["phase"], s.labels["reason"]): s.value
+        for s in samples(registry)
+        if s.name == "pinpool_chunk_failures_total"
+    }
+
+
+def test_garbage_codes_add_no_reason_series(claims_back: None) -> None:
+    """Issue 33, item 10: the reason label took the runtime's code name (or an exception's class name),
+    so a binding answering garbage codes added one series per code. Documented names plus "other"."""
+    fake = FakeCudart(lock=False)
+    registry = CollectorRegistry()
+    for rc in range(5000, 5100):  # 100 distinct codes no library knows: cudaError5000, ...
+        fake.fail("unregister", rc)
+    pool = pinpool.PinnedPool(
+        size=100 * MiB, chunk_bytes=MiB, runtime=CudaRuntime.from_binding(fake), registry=registry, name="garbage",
+        populate=False, unpin_workers=1,
+    )  # fmt: skip
+    with pytest.raises(pinpool.UnpinError) as info:
+        with pool:
+            pass
+    assert {failure.error.reason for failure in info.value.failures} == {f"cudaError{rc}" for rc in range(5000, 5100)}
+    assert failure_reasons(registry) == {("unregister", "other"): 100}
+    fake.fail("register", 2, when=lambda _p, nbytes: nbytes == MiB)  # a documented name keeps its own series
+    fake.fail("register", 5000)
+    for _ in range(2):
+        with pytest.raises(pinpool.PinError):
+            with pinpool.PinnedPool(
+                size=2 * MiB, chunk_bytes=MiB, runtime=CudaRuntime.from_binding(fake), registry=registry,
+                name="garbage", populate=False, max_retries=0,
+            ):  # fmt: skip
+                pass
+    assert set(failure_reasons(registry)) == {
+        ("unregister", "other"), ("register", "cudaErrorMemoryAllocation"), ("register", "other")
+    }  # fmt: skip
+    for base in list(fake.registered):  # the 100 chunks reported leaked, released by hand
+        assert fake.cudaHostUnregister(base) == 0
+
+
+@pytest.fixture
+def claims_back() -> Iterator[None]:
+    before = PINNED_RANGES.snapshot()
+    yield
+    for base in PINNED_RANGES.snapshot().keys() - before.keys():
+        PINNED_RANGES.pop(base)

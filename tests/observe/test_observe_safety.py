@@ -258,7 +258,7 @@ def test_an_unprintable_exception_is_still_reported(capsys: pytest.CaptureFixtur
     obs = observer(RaisingLogger(Unprintable()))
     obs.rollback(cause="failure", registered_chunks=0)
     (line,) = report_lines(capsys.readouterr().err)
-    assert "Unprintable: <unprintable>" in line
+    assert "Unprintable: <Unprintable whose str raised RuntimeError>" in line  # pinpool's one foreign_text
 
 
 def test_log_errors_series_exists_at_zero_once_pinning_starts() -> None:

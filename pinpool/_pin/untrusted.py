@@ -1,0 +1,60 @@
+"""A runtime's answers, untrusted: one call made and classified, never raising (worker threads have no caller)."""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .._errors import RuntimeCallError, UnexpectedReturn, as_runtime_error, class_name, foreign_text
+
+# A runtime is untrusted: it returns None or raises RuntimeCallError, its typed "nothing was done".
+# Anything else (a binding's RuntimeError, a KeyboardInterrupt in its wrapper, a return value) says
+# nothing of what the call did first: a register may have registered, and booked as failed it would
+# stay pinned after close() unseen. So it is "maybe", booked for teardown.
+_REPR = reprlib.Repr()  # a garbage return value, shown in a message and a log line: bounded
+_REPR.maxstring = _REPR.maxother = 80
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One runtime call's answer: ``error`` (None: it returned None); ``maybe``: the call may have done
+    its work; ``raised``: a non-``Exception`` it raised, to raise again where someone can handle it."""
+
+    error: RuntimeCallError | None = None
+    maybe: bool = False
+    raised: BaseException | None = None
+
+
+_DONE = Answer()
+
+
+def untrusted_call(call: Callable[[int, int], object], op: str, ptr: int, nbytes: int) -> Answer:
+    """Make one runtime call and classify its answer; never raises (a worker thread has no caller)."""
+    raised: BaseException | None = None
+    try:
+        returned = call(ptr, nbytes)
+    except RuntimeCallError as exc:  # the runtime's own typed failure: it did nothing
+        return Answer(exc)
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt, GeneratorExit: booked, then raised again
+        raised = exc
+    else:
+        if returned is None:
+            return _DONE
+    again: BaseException | None = None
+    try:
+        if raised is None:
+            error: RuntimeCallError = UnexpectedReturn(
+                op=op, ptr=ptr, nbytes=nbytes, returned=foreign_text(returned, _REPR.repr, limit=100)
+            )
+        else:
+            error = as_runtime_error(raised, op, ptr, nbytes)
+    except BaseException as exc:  # reading the answer raised what is no Exception (from a __str__)
+        again = exc
+        error = RuntimeCallError(
+            op=op, code=-1, reason=class_name(exc), ptr=ptr, nbytes=nbytes,
+            message=f"reading the runtime's answer raised {class_name(exc)}",
+        )  # fmt: skip
+    if raised is None or isinstance(raised, Exception):
+        raised = again
+    return Answer(error, maybe=True, raised=raised)
