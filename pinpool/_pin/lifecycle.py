@@ -381,13 +381,12 @@ class Lifecycle:
 
     def _let_go_in_child(self) -> None:
         """A forked child exits or closes its copy of the parent's pool: it only drops its references
-        (the registrations, conductor and workers are the parent's)."""
+        (the registrations, conductor and workers are the parent's). The child's book of pinned ranges
+        started empty, so the pool's claim is not in it: what is there at its address is the child's."""
         session = self.session
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
-        memory, self.memory, self.tensors = self.memory, None, None
-        if memory is not None:
-            PINNED_RANGES.pop(memory.address)
+        self.memory = self.tensors = None
         self.source.release()
         if self.state is not PoolState.CLOSED:
             check_move(self.state, PoolState.CLOSED)  # as _move does, without its lock

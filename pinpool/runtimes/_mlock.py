@@ -148,6 +148,10 @@ class _Pages:
 
 
 OWN_LOCKS = _OwnLocks()
+# A forked child holds no lock of its parent's (mlock is not inherited): its books start empty,
+# with new locks (a thread of the parent may have held one at the fork).
+os.register_at_fork(after_in_child=SHARED_PAGES.__init__)
+os.register_at_fork(after_in_child=OWN_LOCKS.__init__)
 
 
 def page_span(ptr: int, nbytes: int) -> tuple[int, int]:
@@ -212,7 +216,7 @@ class MlockRuntime:
     )  # fmt: skip
 
     def __init__(self) -> None:
-        self._book = RangeBook()
+        self._book = RangeBook(per_process=True)
 
     @property
     def registered(self) -> dict[int, int]:  # bases → sizes held locked now

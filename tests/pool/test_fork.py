@@ -172,3 +172,94 @@ def test_a_refused_madvise_dontfork_unmaps_and_raises_before_anything_is_faulted
     assert [advice for _, advice in advised] == [_libc.MADV_DONTFORK]  # first: nothing faulted or advised before
     address = advised[0][0]
     assert (address, 2 * MiB) in unmapped  # the mapping (2 MiB-aligned with THP) was given back
+
+
+# The parent holds a private mlock pool, a fake-runtime pool and a pinned torch tensor, then forks
+# (os.fork, and multiprocessing's fork context). Each child reports whether it could pin on its own:
+# a 16 MiB mlock pool (VmLck of its own), a fake pool, pin() of a fresh tensor and of its copy of the
+# parent's pinned one (copy-on-write, neither locked nor claimed in the child); then it claims the
+# address of the parent's pool itself (the kernel may map the child's memory there: the parent's is
+# MADV_DONTFORK) and closes the inherited pools, which must leave that claim alone.
+CHILD_PINS = r"""
+import json, multiprocessing, os, sys
+import torch
+import pinpool
+from pinpool._host import libc as _libc
+from pinpool._ranges import PINNED_RANGES
+from pinpool.testing import FakeRuntime
+
+SIZE = 16 << 20
+
+
+def child_pins(inherited, address):
+    report = {"book_at_start": len(PINNED_RANGES.snapshot()), "locked_at_start": _libc.vm_locked_bytes()}
+    try:
+        with pinpool.PinnedPool(size=SIZE, runtime="mlock", name="child-mlock"):
+            report["locked_while_pinned"] = _libc.vm_locked_bytes()
+        with pinpool.PinnedPool(size=SIZE, runtime=FakeRuntime(), name="child-fake"):
+            pass
+        with pinpool.pin(torch.empty(SIZE, dtype=torch.uint8), runtime="mlock"):
+            report["locked_tensor"] = _libc.vm_locked_bytes()
+        with pinpool.pin(inherited[-1].tensor, runtime="mlock", name="parents-tensor"):
+            report["locked_parents_tensor"] = _libc.vm_locked_bytes()
+        assert PINNED_RANGES.add(address, SIZE) is None
+        for pool in inherited:
+            pool.close()
+        report["own_claim_kept"] = PINNED_RANGES.get(address) == SIZE
+        PINNED_RANGES.pop(address)
+        report["locked_at_end"] = _libc.vm_locked_bytes()
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
+def in_mp_child(queue, inherited, address):
+    queue.put(child_pins(inherited, address))
+
+
+if __name__ == "__main__":
+    pool = pinpool.PinnedPool(size=SIZE, runtime="mlock", name="parent-mlock").open()
+    fake = pinpool.PinnedPool(size=SIZE, runtime=FakeRuntime(), name="parent-fake").open()
+    tensor = pinpool.pin(torch.empty(SIZE, dtype=torch.uint8), runtime="mlock").open()
+    inherited = [pool, fake, tensor]
+    reports = []
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, json.dumps(child_pins(inherited, pool.data_ptr)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        reports.append(json.loads(pipe.read()))
+    os.waitpid(pid, 0)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    process = context.Process(target=in_mp_child, args=(queue, inherited, pool.data_ptr))
+    process.start()
+    reports.append(queue.get(timeout=60))
+    process.join(60)
+    print(json.dumps({"reports": reports, "exitcode": process.exitcode, "parent_book": len(PINNED_RANGES.snapshot())}))
+    for each in inherited:
+        each.close()
+"""
+
+
+def test_a_forked_child_pins_on_its_own_whatever_its_parent_pins() -> None:
+    """Issue 33, finding 2: the child inherited the parent's book of pinned ranges, not its
+    MADV_DONTFORK memory, so its own pools landed in a range the book claimed: AlreadyPinnedError."""
+    result = preloaded.run([sys.executable, "-c", CHILD_PINS], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["exitcode"] == 0 and report["parent_book"] == 3
+    for child in report["reports"]:  # os.fork, then multiprocessing's fork context
+        assert "error" not in child, child["error"]
+        assert child["book_at_start"] == 0  # nothing pinned in the child: mlocks are not inherited
+        assert child["locked_at_start"] == 0
+        assert child["locked_while_pinned"] == 16 * MiB  # its own pool, really locked
+        assert child["locked_tensor"] >= 16 * MiB
+        # Its copy of the parent's tensor: every page locked, the two it shares in part included
+        # (the parent's holders of those pages are not the child's).
+        assert child["locked_parents_tensor"] == child["locked_tensor"]
+        assert child["own_claim_kept"] is True  # closing an inherited pool leaves the child's claims alone
+        assert child["locked_at_end"] == 0
