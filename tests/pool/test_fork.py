@@ -263,3 +263,75 @@ def test_a_forked_child_pins_on_its_own_whatever_its_parent_pins() -> None:
         assert child["locked_parents_tensor"] == child["locked_tensor"]
         assert child["own_claim_kept"] is True  # closing an inherited pool leaves the child's claims alone
         assert child["locked_at_end"] == 0
+
+
+# Threads open and close small pools (mlock and fake) while the main thread forks 100 children; each
+# child pins an mlock pool and a fake one. A child that hangs (a lock held at the fork by a thread
+# the child does not have) is killed after a minute and counted.
+FORK_STORM = r"""
+import json, os, sys, threading, time
+import pinpool
+from pinpool.testing import FakeRuntime
+
+MiB = 1 << 20
+stop = threading.Event()
+opened = [0]
+
+
+def churn(i):
+    while not stop.is_set():
+        runtime = FakeRuntime() if i % 2 else "mlock"
+        with pinpool.PinnedPool(size=MiB, chunk_bytes=256 << 10, runtime=runtime, name=f"churn-{i}"):
+            opened[0] += 1
+
+
+def child():
+    try:
+        with pinpool.PinnedPool(size=4 * MiB, runtime="mlock", name="child-mlock"):
+            pass
+        with pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), name="child-fake"):
+            pass
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+for thread in threads:
+    thread.start()
+while opened[0] < 20:
+    time.sleep(0.01)
+outcomes = []
+for _ in range(100):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, child().encode())
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+    with os.fdopen(read) as pipe:
+        outcomes.append(pipe.read() or "hung")
+stop.set()
+for thread in threads:
+    thread.join()
+print(json.dumps({"outcomes": outcomes, "opened": opened[0]}))
+"""
+
+
+def test_children_forked_while_other_threads_open_pools_all_pin() -> None:
+    """Issue 33, finding 2: with only other threads opening small pools at fork time, 77 of 100
+    children failed with AlreadyPinnedError (their book held the parent's threads' claims)."""
+    result = preloaded.run([sys.executable, "-c", FORK_STORM], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    failed = [outcome for outcome in report["outcomes"] if outcome != "ok"]
+    assert not failed, f"{len(failed)} of 100 children failed, the first: {failed[0]}"
+    assert report["opened"] > 20  # the threads kept opening pools across the forks
