@@ -335,3 +335,109 @@ def test_children_forked_while_other_threads_open_pools_all_pin() -> None:
     failed = [outcome for outcome in report["outcomes"] if outcome != "ok"]
     assert not failed, f"{len(failed)} of 100 children failed, the first: {failed[0]}"
     assert report["opened"] > 20  # the threads kept opening pools across the forks
+
+
+# A background pool pins in the parent; a thread holds its session's lock (as a pinning worker does
+# around each booking) while the main thread forks. The child just exits: its interpreter's exit ran
+# the parent's "stop background pinning" hooks, which waited on that lock for ever.
+CHILD_EXITS = r"""
+import os, sys, threading, time
+import pinpool
+from pinpool.testing import FakeRuntime
+from tests.conftest import lifecycle_of
+
+pool = pinpool.PinnedPool(
+    size=64 << 20, chunk_bytes=1 << 20, runtime=FakeRuntime(register_delay=0.05), background=True, name="slow"
+).open()
+pool.wait_ready_sync(min_bytes=1 << 20)
+session = lifecycle_of(pool).session
+held, forked = threading.Event(), threading.Event()
+
+
+def hold():
+    with session.lock:
+        held.set()
+        forked.wait()
+
+
+threading.Thread(target=hold).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+forked.set()
+deadline = time.monotonic() + 60
+while not os.waitpid(pid, os.WNOHANG)[0]:
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("the child hung at exit")
+        break
+    time.sleep(0.01)
+else:
+    print("the child exited")
+pool.close()
+"""
+
+
+def test_a_child_forked_while_its_parent_pins_in_the_background_exits() -> None:
+    result = preloaded.run([sys.executable, "-c", CHILD_EXITS], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "the child exited\n"
+
+
+# A worker thread forks while the main thread opens a pool (pinpool's Ctrl-C handler installed). The
+# child's only thread never leaves that guard: its handler must be Python's own again, so that
+# asyncio.run in the child installs its Ctrl-C handling (it does only over the default handler).
+CHILD_HANDLER = r"""
+import asyncio, json, os, signal
+import pinpool
+from pinpool.testing import FakeRuntime
+
+forked = []
+
+
+def name_of_handler():
+    handler = signal.getsignal(signal.SIGINT)
+    return getattr(getattr(handler, "func", handler), "__name__", None)  # asyncio's is a partial
+
+
+async def under_asyncio():
+    return name_of_handler()
+
+
+def child():
+    report = {"at_fork": name_of_handler()}
+    with pinpool.PinnedPool(size=4 << 20, chunk_bytes=1 << 20, runtime=FakeRuntime(), name="child"):
+        pass
+    report["after_a_pool"] = name_of_handler()
+    report["under_asyncio"] = asyncio.run(under_asyncio())
+    return report
+
+
+def fork_once(op, ptr, nbytes):
+    if op == "register" and not forked:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, json.dumps(child()).encode())
+            os._exit(0)
+        os.close(write)
+        forked.append((pid, read))
+
+
+with pinpool.PinnedPool(size=4 << 20, chunk_bytes=1 << 20, runtime=FakeRuntime(before_call=fork_once), name="parent"):
+    pass
+pid, read = forked[0]
+with os.fdopen(read) as pipe:
+    print(pipe.read())
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_child_forked_while_the_main_thread_opens_a_pool_has_pythons_ctrl_c_handler() -> None:
+    result = preloaded.run([sys.executable, "-c", CHILD_HANDLER], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "at_fork": "default_int_handler", "after_a_pool": "default_int_handler", "under_asyncio": "_on_sigint",
+    }  # fmt: skip
