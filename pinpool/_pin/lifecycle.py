@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnpinError
+from .._errors import ChunkFailure, MemoryGoneError, NodeWaitCancelled, PoolStateError, UnpinError
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._ranges import PINNED_RANGES
@@ -225,13 +225,13 @@ class Lifecycle:
         self.observer.rollback(cause=outcome.cause, registered_chunks=session.ledger.chunks_done, kept_bytes=kept)
         return outcome, interruption
 
-    def _failure(self, session: PinSession, ran: Ran, kept: str | None) -> BaseException:
+    def _failure(self, session: PinSession, ran: Ran, kept: str | None, gone: str | None = None) -> BaseException:
         ledger = session.ledger
         causes = ran.crashed or ran.start_errors
         return pin_error(
             describe=self.describe, nbytes=self.nbytes, chunk_limit=self.plan.chunk_limit,
             failures=ledger.failures_in("populate", "register"), leaked=ledger.leaked(), retries=session.retries,
-            cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept,
+            cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept, gone=gone,
         )  # fmt: skip
 
     # -- background pinning ----------------------------------------------------------------------
@@ -297,7 +297,8 @@ class Lifecycle:
             pages, pinned = session.prefix.pages, session.ledger.pinned_bytes
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
-            error = self._failure(session, ran, kept=kept)
+            # Pages a truncation took are SIGBUS to touch: then none is called usable (pinned_pages 0).
+            error = self._failure(session, ran, kept=kept, gone=self.source.gone(self.memory))
         with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
             self._conducting = False
             if outcome is Outcome.READY:
@@ -405,12 +406,15 @@ class Lifecycle:
 
     @property
     def pinned_pages(self) -> int:
-        """Pages ``[0, k)`` pinned now in every buffer (after a background failure: kept until exit)."""
+        """Pages ``[0, k)`` pinned now in every buffer (after a background failure: kept until exit,
+        unless the memory is gone)."""
         state = self.state
         if state is PoolState.READY:
             return self.plan.num_pages
         session = self.session
         if state not in (PoolState.PINNING, PoolState.FAILED) or session is None:
+            return 0
+        if state is PoolState.FAILED and isinstance(self.error, MemoryGoneError):
             return 0
         return session.prefix.pages
 
