@@ -148,10 +148,16 @@ class _Pages:
 
 
 OWN_LOCKS = _OwnLocks()
-# A forked child holds no lock of its parent's (mlock is not inherited): its books start empty,
-# with new locks (a thread of the parent may have held one at the fork).
-os.register_at_fork(after_in_child=SHARED_PAGES.__init__)
-os.register_at_fork(after_in_child=OWN_LOCKS.__init__)
+
+
+def _forget_in_child() -> None:
+    """A forked child holds none of its parent's mlocks (not inherited): its books start empty, with
+    new locks (a thread of the parent may have held one at the fork)."""
+    _SharedPages.__init__(SHARED_PAGES)
+    _OwnLocks.__init__(OWN_LOCKS)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def page_span(ptr: int, nbytes: int) -> tuple[int, int]:
