@@ -16,6 +16,7 @@ from ._errors import AllocationError as AllocationError
 from ._errors import AlreadyPinnedError as AlreadyPinnedError
 from ._errors import ChunkFailure as ChunkFailure
 from ._errors import ConfigError as ConfigError
+from ._errors import MemoryGoneError as MemoryGoneError
 from ._errors import NodeBusyError as NodeBusyError
 from ._errors import PinError as PinError
 from ._errors import PinpoolError as PinpoolError
@@ -38,8 +39,8 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
 
 __version__ = "0.1.0"
 
-__all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "NodeBusyError",
-    "PinError", "PinnedPool", "PinpoolError", "PoolPlan", "PoolState", "PoolStateError", "PoolStats",
+__all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "MemoryGoneError",
+    "NodeBusyError", "PinError", "PinnedPool", "PinpoolError", "PoolPlan", "PoolState", "PoolStateError", "PoolStats",
     "RuntimeCallError", "SharedMemory", "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError",
     "__version__", "empty", "host_budget", "layouts", "parse_size", "pin", "runtimes", "share", "testing"]  # fmt: skip
 

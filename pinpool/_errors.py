@@ -168,6 +168,11 @@ class PinError(PinpoolError, RuntimeError):
         super().__init__(message)
 
 
+class MemoryGoneError(PinError):
+    """Background pinning failed and the pool's memory is gone (another process truncated its shared
+    file): no page of the pool may be touched (a touch is SIGBUS), so ``pinned_pages`` is 0."""
+
+
 class UnpinError(PinpoolError, RuntimeError):
     """Unregistering one or more chunks failed at teardown; ``leaked`` may still be pinned."""
 

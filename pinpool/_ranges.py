@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
+import weakref
 
 
 class RangeBook:
@@ -14,13 +16,23 @@ class RangeBook:
     change is one store (one entry, or a whole new list), so an exception between two statements (a
     Ctrl-C, a MemoryError) never leaves it half-changed: a base without its size once made every
     later pool in the process fail with ``KeyError``.
+
+    ``per_process``: what it books is not inherited by a forked child (pins, mlocks), so the child's
+    copy starts empty.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_process: bool = False) -> None:
         self._lock = threading.Lock()
         # (base, size, group) sorted by base; group: every base of a range set recorded by add_all
         # (on its first base; () elsewhere), so pop(first) removes the set whole.
         self._ranges: list[tuple[int, int, tuple[int, ...]]] = []
+        if per_process:
+            _PER_PROCESS.add(self)
+
+    def _forget(self) -> None:
+        # A new lock too: a thread of the parent may have held this one at the fork, and is gone.
+        self._lock = threading.Lock()
+        self._ranges = []
 
     def _find(self, ptr: int) -> int:  # the index of the entry whose base is ptr, or -1
         i = bisect.bisect_left(self._ranges, (ptr,))
@@ -83,5 +95,15 @@ class RangeBook:
             return {base: nbytes for base, nbytes, _ in self._ranges}
 
 
+_PER_PROCESS: weakref.WeakSet[RangeBook] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    for book in list(_PER_PROCESS):
+        book._forget()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
 # Ranges pinned by pinpool in this process (pools and pinned tensors), so none is pinned twice.
-PINNED_RANGES = RangeBook()
+PINNED_RANGES = RangeBook(per_process=True)

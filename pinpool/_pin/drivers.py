@@ -16,6 +16,7 @@ first: a ``with`` whose ``__enter__`` raises never exits.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -55,6 +56,7 @@ class _Guard:
     depth = 0  # nested guards (an async driver awaiting while another task's driver runs)
     previous: Callable[[int, FrameType | None], Any] | None = None
     pending = 0  # SIGINTs recorded in protected code and not yet replayed
+    owner = 0  # the thread that installed it (a forked child may not have it)
 
 
 def _deferring(frame: FrameType | None) -> bool:
@@ -124,6 +126,7 @@ def _install() -> bool:
         return False  # SIG_IGN / SIG_DFL / None: nothing to defer; ours (a stale install): leave it
     _Guard.previous = current
     _Guard.pending = 0
+    _Guard.owner = threading.get_ident()
     try:
         _Guard.depth = 1
         signal.signal(signal.SIGINT, _handler)
@@ -458,6 +461,22 @@ def _stop_running() -> None:
             stop()
         except Exception:  # one pool's stop must not keep the others pinning
             pass
+
+
+def _forget_in_child() -> None:
+    """A forked child has only the thread that forked: the parent's conductors do not run in it (their
+    stops, run at its exit, could wait on a lock one of them held at the fork), and a guard that
+    another thread installed is never left there, so its handler would defer Ctrl-C for good."""
+    global _running_lock
+    _RUNNING.clear()
+    _running_lock = threading.Lock()
+    if _Guard.depth and _Guard.owner != threading.get_ident():
+        _Guard.depth = _Guard.pending = 0
+        if signal.getsignal(signal.SIGINT) is _handler and _Guard.previous is not None:
+            signal.signal(signal.SIGINT, _Guard.previous)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @protected

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Generator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._errors import ChunkFailure, NodeWaitCancelled, PoolStateError, UnpinError
+from .._errors import ChunkFailure, MemoryGoneError, NodeWaitCancelled, PoolStateError, UnpinError
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._ranges import PINNED_RANGES
@@ -225,13 +225,13 @@ class Lifecycle:
         self.observer.rollback(cause=outcome.cause, registered_chunks=session.ledger.chunks_done, kept_bytes=kept)
         return outcome, interruption
 
-    def _failure(self, session: PinSession, ran: Ran, kept: str | None) -> BaseException:
+    def _failure(self, session: PinSession, ran: Ran, kept: str | None, gone: str | None = None) -> BaseException:
         ledger = session.ledger
         causes = ran.crashed or ran.start_errors
         return pin_error(
             describe=self.describe, nbytes=self.nbytes, chunk_limit=self.plan.chunk_limit,
             failures=ledger.failures_in("populate", "register"), leaked=ledger.leaked(), retries=session.retries,
-            cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept,
+            cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept, gone=gone,
         )  # fmt: skip
 
     # -- background pinning ----------------------------------------------------------------------
@@ -297,7 +297,8 @@ class Lifecycle:
             pages, pinned = session.prefix.pages, session.ledger.pinned_bytes
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
-            error = self._failure(session, ran, kept=kept)
+            # Pages a truncation took are SIGBUS to touch: then none is called usable (pinned_pages 0).
+            error = self._failure(session, ran, kept=kept, gone=self.source.gone(self.memory))
         with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
             self._conducting = False
             if outcome is Outcome.READY:
@@ -381,13 +382,12 @@ class Lifecycle:
 
     def _let_go_in_child(self) -> None:
         """A forked child exits or closes its copy of the parent's pool: it only drops its references
-        (the registrations, conductor and workers are the parent's)."""
+        (the registrations, conductor and workers are the parent's). The child's book of pinned ranges
+        started empty, so the pool's claim is not in it: what is there at its address is the child's."""
         session = self.session
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
-        memory, self.memory, self.tensors = self.memory, None, None
-        if memory is not None:
-            PINNED_RANGES.pop(memory.address)
+        self.memory = self.tensors = None
         self.source.release()
         if self.state is not PoolState.CLOSED:
             check_move(self.state, PoolState.CLOSED)  # as _move does, without its lock
@@ -406,12 +406,15 @@ class Lifecycle:
 
     @property
     def pinned_pages(self) -> int:
-        """Pages ``[0, k)`` pinned now in every buffer (after a background failure: kept until exit)."""
+        """Pages ``[0, k)`` pinned now in every buffer (after a background failure: kept until exit,
+        unless the memory is gone)."""
         state = self.state
         if state is PoolState.READY:
             return self.plan.num_pages
         session = self.session
         if state not in (PoolState.PINNING, PoolState.FAILED) or session is None:
+            return 0
+        if state is PoolState.FAILED and isinstance(self.error, MemoryGoneError):
             return 0
         return session.prefix.pages
 

@@ -142,6 +142,16 @@ class PoolMemory:
     def release(self) -> None:
         self._tensor = None
 
+    @staticmethod
+    def gone(memory: Memory | None) -> str | None:
+        """Why the memory is gone (another process truncated its shared file), or None."""
+        if isinstance(memory, SharedMapping):
+            try:
+                memory.check_size()
+            except ConfigError as exc:
+                return str(exc)
+        return None
+
 
 TENSOR_BUFFER = "data"  # pin()'s one buffer: pool.tensors["data"] is pool.tensor
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from .._errors import ChunkFailure, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
+from .._errors import ChunkFailure, MemoryGoneError, PinError, PoolStateError, UnclosedPoolWarning, UnpinError
 from .._plan.chunks import Chunk
 from .._units import format_bytes
 from .ledger import StopCause
@@ -120,10 +120,18 @@ def deliver_exit(
 
 def pin_error(
     *, describe: str, nbytes: int, chunk_limit: int, failures: Sequence[ChunkFailure], leaked: tuple[Chunk, ...],
-    retries: int, cause: BaseException | None, crashed: bool, kept: str | None,
+    retries: int, cause: BaseException | None, crashed: bool, kept: str | None, gone: str | None = None,
 ) -> PinError:  # fmt: skip
-    """The PinError of a failed pinning; ``kept``: what a background pool keeps (None: rolled back)."""
-    if kept is not None:
+    """The PinError of a failed pinning; ``kept``: what a background pool keeps (None: rolled back);
+    ``gone``: why a background pool's memory is gone (a MemoryGoneError: none of it may be touched)."""
+    error_type = PinError if gone is None else MemoryGoneError
+    if gone is not None:  # said once: a failed pre-fault's message names the truncation already
+        why = "" if any(gone in f.error.message for f in failures) else f" ({gone})"
+        ending = (
+            f"; the pool's memory is gone{why}: no page of the pool may be touched (a touch is SIGBUS), so "
+            "pinned_pages is 0. Nothing was unpinned: stop using the pool, then exit or close it"
+        )
+    elif kept is not None:
         ending = f"; {kept}"
     elif leaked:
         ending = f"; rolled back, {len(leaked)} chunk(s) could not be unregistered and may still be pinned: {leaked}"
@@ -136,7 +144,7 @@ def pin_error(
             else f"no pinning thread could be started ({type(cause).__name__}: {cause}); "
             "the process is out of threads: lower the worker counts or raise the thread limit"
         )
-        return _caused(PinError(f"pinning {describe} failed: {what}{ending}", failures=(), leaked=leaked), cause)
+        return _caused(error_type(f"pinning {describe} failed: {what}{ending}", failures=(), leaked=leaked), cause)
     first = min(failures, key=lambda f: f.chunk.offset)
     message = (
         f"pinning {describe} failed at offset={first.chunk.offset} nbytes={first.chunk.nbytes} "
@@ -150,7 +158,7 @@ def pin_error(
             f" [after {retries} retries with aligned halves, down to min_chunk_bytes or the max_retries "
             "budget; every attempt is in .failures]"
         )
-    return _caused(PinError(message + ending, failures=tuple(failures), leaked=leaked), first.error)
+    return _caused(error_type(message + ending, failures=tuple(failures), leaked=leaked), first.error)
 
 
 def kept_text(

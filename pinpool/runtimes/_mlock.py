@@ -151,6 +151,16 @@ class _Pages:
 OWN_LOCKS = _OwnLocks()
 
 
+def _forget_in_child() -> None:
+    """A forked child holds none of its parent's mlocks (not inherited): its books start empty, with
+    new locks (a thread of the parent may have held one at the fork)."""
+    _SharedPages.__init__(SHARED_PAGES)
+    _OwnLocks.__init__(OWN_LOCKS)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def page_span(ptr: int, nbytes: int) -> tuple[int, int]:
     """``[ptr, +nbytes)`` rounded out to whole OS pages: every page a registration of it locks or shares."""
     page = _libc.PAGE_SIZE
@@ -214,7 +224,7 @@ class MlockRuntime:
     )  # fmt: skip
 
     def __init__(self) -> None:
-        self._book = RangeBook()
+        self._book = RangeBook(per_process=True)
 
     @property
     def registered(self) -> dict[int, int]:  # bases → sizes held locked now

@@ -32,6 +32,7 @@ from pinpool import layouts
 from pinpool._cli import doctor as _doctor
 from pinpool._host import libc as _libc
 from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMemory, find_half_made, find_regions, layout_record, read_region
+from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
 
@@ -220,6 +221,78 @@ def test_a_region_truncated_while_the_pool_pins_fails_the_pool_with_a_config_err
     assert re.search(r"REFUSED (PinError|ConfigError) .*another process truncated or resized it", done.stdout)
     assert "host is probably short of memory" not in done.stdout
     assert f"{path}" in done.stdout and "VMLCK 0" in done.stdout, done.stdout
+
+
+def _wait_failed(pool: pinpool.PinnedPool) -> None:
+    deadline = time.monotonic() + 60
+    while pool.state is pinpool.PoolState.PINNING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.state is pinpool.PoolState.FAILED, pool.state
+
+
+@needs_mlock
+def test_a_region_truncated_while_a_background_pool_pins_leaves_no_page_called_usable(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33, finding 5: the PinError named the truncation, then said pages [0, k) "stay pinned
+    and usable", and pinned_pages was k: a server that wrote page 0 died of SIGBUS. Real region,
+    real mlock; another process truncates the file (os.truncate by path) before the 5th pre-fault."""
+    from pinpool._host import mapping as host_mapping
+
+    path = shm_dir / "kv"
+    real, calls = host_mapping.populate_range, [0]
+
+    def populate_range(ptr: int, nbytes: int, advice: int) -> None:
+        calls[0] += 1
+        if calls[0] == 5:  # four 1 MiB chunks pinned and pre-faulted: pages [0, 4 MiB) were usable
+            os.truncate(path, 0)
+        real(ptr, nbytes, advice)
+
+    monkeypatch.setattr(host_mapping, "populate_range", populate_range)
+    locked = _libc.vm_locked_bytes()
+    pool = pinpool.PinnedPool(
+        size=16 * MiB, chunk_bytes=MiB, runtime="mlock", memory=SharedMemory(str(path)), background=True,
+        populate_workers=1, max_retries=0, registry=None, name="kv",
+    )  # fmt: skip
+    with pytest.raises(pinpool.MemoryGoneError) as raised:
+        with pool:
+            _wait_failed(pool)
+            assert pool.pinned_pages == 0 and pool.pinned_bytes == 4 * MiB  # the registrations stay until exit
+            with pytest.raises(pinpool.MemoryGoneError):
+                pool.wait_ready_sync(min_bytes=1)
+            raise pool.error  # type: ignore[misc]
+    text = str(raised.value)
+    assert isinstance(raised.value, pinpool.PinError)
+    assert "another process truncated or resized it" in text
+    assert "no page of the pool may be touched" in text and "pinned_pages is 0" in text
+    assert "usable" not in text
+    assert text.count("truncated") == 1  # the pre-fault's message names it; not said twice
+    assert pool.pinned_pages == 0 and _libc.vm_locked_bytes() == locked
+
+
+def test_memory_gone_is_found_whichever_call_failed(shm_dir: Path) -> None:
+    """A call that fails without naming the truncation (here an injected register failure, as a GPU
+    runtime's may be) still finds the memory gone: the file is asked, not the failure's text."""
+    path = shm_dir / "kv"
+    fake = FakeRuntime(fail_register_on=5, before_call=lambda op, ptr, n: op == "register" and truncate_once())
+    done: list[int] = []
+
+    def truncate_once() -> None:
+        if not done and len(fake.register_calls) == 3:
+            done.append(1)
+            os.truncate(path, 4 * MiB)  # the pages past 4 MiB are gone
+
+    pool = pinpool.PinnedPool(
+        size=16 * MiB, chunk_bytes=MiB, runtime=fake, memory=SharedMemory(str(path)), background=True,
+        register_workers=1, max_retries=0, registry=None, name="kv",
+    )  # fmt: skip
+    with pool:
+        _wait_failed(pool)
+        error = pool.error
+        assert isinstance(error, pinpool.MemoryGoneError) and pool.pinned_pages == 0
+        assert "injected failure" in str(error) and "another process truncated or resized it" in str(error)
+        assert "no page of the pool may be touched" in str(error)
+    assert fake.registered == {}
 
 
 # -- finding 11: a region's pages are reserved when it is created ---------------------------------------

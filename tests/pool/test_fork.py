@@ -172,3 +172,272 @@ def test_a_refused_madvise_dontfork_unmaps_and_raises_before_anything_is_faulted
     assert [advice for _, advice in advised] == [_libc.MADV_DONTFORK]  # first: nothing faulted or advised before
     address = advised[0][0]
     assert (address, 2 * MiB) in unmapped  # the mapping (2 MiB-aligned with THP) was given back
+
+
+# The parent holds a private mlock pool, a fake-runtime pool and a pinned torch tensor, then forks
+# (os.fork, and multiprocessing's fork context). Each child reports whether it could pin on its own:
+# a 16 MiB mlock pool (VmLck of its own), a fake pool, pin() of a fresh tensor and of its copy of the
+# parent's pinned one (copy-on-write, neither locked nor claimed in the child); then it claims the
+# address of the parent's pool itself (the kernel may map the child's memory there: the parent's is
+# MADV_DONTFORK) and closes the inherited pools, which must leave that claim alone.
+CHILD_PINS = r"""
+import json, multiprocessing, os, sys
+import torch
+import pinpool
+from pinpool._host import libc as _libc
+from pinpool._ranges import PINNED_RANGES
+from pinpool.testing import FakeRuntime
+
+SIZE = 16 << 20
+
+
+def child_pins(inherited, address):
+    report = {"book_at_start": len(PINNED_RANGES.snapshot()), "locked_at_start": _libc.vm_locked_bytes()}
+    try:
+        with pinpool.PinnedPool(size=SIZE, runtime="mlock", name="child-mlock"):
+            report["locked_while_pinned"] = _libc.vm_locked_bytes()
+        with pinpool.PinnedPool(size=SIZE, runtime=FakeRuntime(), name="child-fake"):
+            pass
+        with pinpool.pin(torch.empty(SIZE, dtype=torch.uint8), runtime="mlock"):
+            report["locked_tensor"] = _libc.vm_locked_bytes()
+        with pinpool.pin(inherited[-1].tensor, runtime="mlock", name="parents-tensor"):
+            report["locked_parents_tensor"] = _libc.vm_locked_bytes()
+        assert PINNED_RANGES.add(address, SIZE) is None
+        for pool in inherited:
+            pool.close()
+        report["own_claim_kept"] = PINNED_RANGES.get(address) == SIZE
+        PINNED_RANGES.pop(address)
+        report["locked_at_end"] = _libc.vm_locked_bytes()
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    return report
+
+
+def in_mp_child(queue, inherited, address):
+    queue.put(child_pins(inherited, address))
+
+
+if __name__ == "__main__":
+    pool = pinpool.PinnedPool(size=SIZE, runtime="mlock", name="parent-mlock").open()
+    fake = pinpool.PinnedPool(size=SIZE, runtime=FakeRuntime(), name="parent-fake").open()
+    tensor = pinpool.pin(torch.empty(SIZE, dtype=torch.uint8), runtime="mlock").open()
+    inherited = [pool, fake, tensor]
+    reports = []
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, json.dumps(child_pins(inherited, pool.data_ptr)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        reports.append(json.loads(pipe.read()))
+    os.waitpid(pid, 0)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    process = context.Process(target=in_mp_child, args=(queue, inherited, pool.data_ptr))
+    process.start()
+    reports.append(queue.get(timeout=60))
+    process.join(60)
+    print(json.dumps({"reports": reports, "exitcode": process.exitcode, "parent_book": len(PINNED_RANGES.snapshot())}))
+    for each in inherited:
+        each.close()
+"""
+
+
+def test_a_forked_child_pins_on_its_own_whatever_its_parent_pins() -> None:
+    """Issue 33, finding 2: the child inherited the parent's book of pinned ranges, not its
+    MADV_DONTFORK memory, so its own pools landed in a range the book claimed: AlreadyPinnedError."""
+    result = preloaded.run([sys.executable, "-c", CHILD_PINS], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["exitcode"] == 0 and report["parent_book"] == 3
+    for child in report["reports"]:  # os.fork, then multiprocessing's fork context
+        assert "error" not in child, child["error"]
+        assert child["book_at_start"] == 0  # nothing pinned in the child: mlocks are not inherited
+        assert child["locked_at_start"] == 0
+        assert child["locked_while_pinned"] == 16 * MiB  # its own pool, really locked
+        assert child["locked_tensor"] >= 16 * MiB
+        # Its copy of the parent's tensor: every page locked, the two it shares in part included
+        # (the parent's holders of those pages are not the child's).
+        assert child["locked_parents_tensor"] == child["locked_tensor"]
+        assert child["own_claim_kept"] is True  # closing an inherited pool leaves the child's claims alone
+        assert child["locked_at_end"] == 0
+
+
+# Threads open and close small pools (mlock and fake) while the main thread forks 100 children; each
+# child pins an mlock pool and a fake one. A child that hangs (a lock held at the fork by a thread
+# the child does not have) is killed after a minute and counted.
+FORK_STORM = r"""
+import json, os, sys, threading, time
+import pinpool
+from pinpool.testing import FakeRuntime
+
+MiB = 1 << 20
+stop = threading.Event()
+opened = [0]
+
+
+def churn(i):
+    while not stop.is_set():
+        runtime = FakeRuntime() if i % 2 else "mlock"
+        with pinpool.PinnedPool(size=MiB, chunk_bytes=256 << 10, runtime=runtime, name=f"churn-{i}"):
+            opened[0] += 1
+
+
+def child():
+    try:
+        with pinpool.PinnedPool(size=4 * MiB, runtime="mlock", name="child-mlock"):
+            pass
+        with pinpool.PinnedPool(size=4 * MiB, runtime=FakeRuntime(), name="child-fake"):
+            pass
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+for thread in threads:
+    thread.start()
+while opened[0] < 20:
+    time.sleep(0.01)
+outcomes = []
+for _ in range(100):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, child().encode())
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 60
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+    with os.fdopen(read) as pipe:
+        outcomes.append(pipe.read() or "hung")
+stop.set()
+for thread in threads:
+    thread.join()
+print(json.dumps({"outcomes": outcomes, "opened": opened[0]}))
+"""
+
+
+def test_children_forked_while_other_threads_open_pools_all_pin() -> None:
+    """Issue 33, finding 2: with only other threads opening small pools at fork time, 77 of 100
+    children failed with AlreadyPinnedError (their book held the parent's threads' claims)."""
+    result = preloaded.run([sys.executable, "-c", FORK_STORM], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    failed = [outcome for outcome in report["outcomes"] if outcome != "ok"]
+    assert not failed, f"{len(failed)} of 100 children failed, the first: {failed[0]}"
+    assert report["opened"] > 20  # the threads kept opening pools across the forks
+
+
+# A background pool pins in the parent; a thread holds its session's lock (as a pinning worker does
+# around each booking) while the main thread forks. The child just exits: its interpreter's exit ran
+# the parent's "stop background pinning" hooks, which waited on that lock for ever.
+CHILD_EXITS = r"""
+import os, sys, threading, time
+import pinpool
+from pinpool.testing import FakeRuntime
+from tests.conftest import lifecycle_of
+
+pool = pinpool.PinnedPool(
+    size=64 << 20, chunk_bytes=1 << 20, runtime=FakeRuntime(register_delay=0.05), background=True, name="slow"
+).open()
+pool.wait_ready_sync(min_bytes=1 << 20)
+session = lifecycle_of(pool).session
+held, forked = threading.Event(), threading.Event()
+
+
+def hold():
+    with session.lock:
+        held.set()
+        forked.wait()
+
+
+threading.Thread(target=hold).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+forked.set()
+deadline = time.monotonic() + 60
+while not os.waitpid(pid, os.WNOHANG)[0]:
+    if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        print("the child hung at exit")
+        break
+    time.sleep(0.01)
+else:
+    print("the child exited")
+pool.close()
+"""
+
+
+def test_a_child_forked_while_its_parent_pins_in_the_background_exits() -> None:
+    result = preloaded.run([sys.executable, "-c", CHILD_EXITS], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "the child exited\n"
+
+
+# A worker thread forks while the main thread opens a pool (pinpool's Ctrl-C handler installed). The
+# child's only thread never leaves that guard: its handler must be Python's own again, so that
+# asyncio.run in the child installs its Ctrl-C handling (it does only over the default handler).
+CHILD_HANDLER = r"""
+import asyncio, json, os, signal
+import pinpool
+from pinpool.testing import FakeRuntime
+
+forked = []
+
+
+def name_of_handler():
+    handler = signal.getsignal(signal.SIGINT)
+    return getattr(getattr(handler, "func", handler), "__name__", None)  # asyncio's is a partial
+
+
+async def under_asyncio():
+    return name_of_handler()
+
+
+def child():
+    report = {"at_fork": name_of_handler()}
+    with pinpool.PinnedPool(size=4 << 20, chunk_bytes=1 << 20, runtime=FakeRuntime(), name="child"):
+        pass
+    report["after_a_pool"] = name_of_handler()
+    report["under_asyncio"] = asyncio.run(under_asyncio())
+    return report
+
+
+def fork_once(op, ptr, nbytes):
+    if op == "register" and not forked:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, json.dumps(child()).encode())
+            os._exit(0)
+        os.close(write)
+        forked.append((pid, read))
+
+
+with pinpool.PinnedPool(size=4 << 20, chunk_bytes=1 << 20, runtime=FakeRuntime(before_call=fork_once), name="parent"):
+    pass
+pid, read = forked[0]
+with os.fdopen(read) as pipe:
+    print(pipe.read())
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_child_forked_while_the_main_thread_opens_a_pool_has_pythons_ctrl_c_handler() -> None:
+    result = preloaded.run([sys.executable, "-c", CHILD_HANDLER], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "at_fork": "default_int_handler", "after_a_pool": "default_int_handler", "under_asyncio": "_on_sigint",
+    }  # fmt: skip

@@ -287,6 +287,74 @@ def test_background_failure_answers_500_keeps_the_pinned_pages_for_reads_and_tak
         assert srv.logged_vmlck() == 0, srv.output
 
 
+# The example's app over a shared region that another process truncates while the pool pins (before
+# the 5th pre-fault: pages of the first chunks were pinned). Draining used to serve page 0 from
+# memory that was gone: SIGBUS, the server died (rc -7).
+DRAIN_TRUNCATED = r"""
+import importlib.util, json, os, sys, time
+import torch
+from prometheus_client import CollectorRegistry
+from starlette.testclient import TestClient
+import pinpool
+from pinpool import layouts
+from pinpool._host import mapping as host_mapping
+
+spec = importlib.util.spec_from_file_location("kv_offload_server", sys.argv[1])
+example = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = example
+spec.loader.exec_module(example)
+path = sys.argv[2]
+real, calls = host_mapping.populate_range, [0]
+
+
+def populate_range(ptr, nbytes, advice):
+    calls[0] += 1
+    if calls[0] == 5:
+        os.truncate(path, 0)  # another process
+    real(ptr, nbytes, advice)
+
+
+host_mapping.populate_range = populate_range
+registry = CollectorRegistry()
+pool = pinpool.PinnedPool(
+    layout=layouts.MHA("page_first", 2, 16, 2, 64, torch.bfloat16), size="16MiB", chunk_bytes="1MiB",
+    runtime="mlock", memory=pinpool.SharedMemory(path), background=True, populate_workers=1, max_retries=0,
+    registry=registry, name="kv-offload",
+)
+with TestClient(example.create_app(pool, registry, torch.device("cpu"))) as client:
+    deadline = time.monotonic() + 60
+    while (ready := client.get("/readyz")).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    page = client.get("/pages/0")
+    print(json.dumps({"ready": ready.status_code, "status": ready.json(), "page": page.status_code,
+                      "body": page.json()}), flush=True)
+"""
+
+
+@needs_mlock
+def test_a_failed_pool_whose_shared_memory_is_gone_serves_no_page_while_draining() -> None:
+    """Issue 33, finding 5: the drain path serves pages below pinned_pages; once the memory is gone
+    (MemoryGoneError) there are none, so page 0 is refused (503), not read (SIGBUS)."""
+    directory = Path("/dev/shm") / f"pinpool-test-kv-{os.getpid()}"
+    directory.mkdir(mode=0o700)
+    try:
+        done = preloaded.run(
+            [sys.executable, "-c", DRAIN_TRUNCATED, str(EXAMPLE), str(directory / "kv")],
+            capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    finally:
+        for leftover in directory.iterdir():
+            leftover.unlink()
+        directory.rmdir()
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["ready"] == 500 and report["status"]["state"] == "failed"
+    assert report["status"]["pinned_pages"] == 0
+    assert "no page of the pool may be touched" in report["status"]["error"]
+    assert report["page"] == 503
+    assert "another process truncated or resized it" in report["body"]["error"]
+
+
 @needs_mlock
 def test_trio_hypercorn_pin_round_trip_sigterm() -> None:
     pytest.importorskip("hypercorn")
