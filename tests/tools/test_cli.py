@@ -729,6 +729,19 @@ def test_invalid_layout_files(tmp_path: Path, content: str, message: str) -> Non
         _cli.layout_from_file(str(path))
 
 
+@pytest.mark.parametrize("hostile", ["node-dir", "layout-file"])
+def test_hostile_input_is_one_line_and_exit_2(tmp_path: Path, hostile: str) -> None:
+    # Each was a traceback: FileNotFoundError from the first lock file /proc would not create, and
+    # RecursionError from json's decoder on 100,000 nested brackets (under the 1 MiB limit).
+    deep = tmp_path / "layout.json"
+    deep.write_text("[" * 100_000)
+    argv = {"node-dir": ["--node-dir", "/proc", "--node-slots", "1"], "layout-file": ["--layout-file", str(deep)]}
+    result = run_cli("pin", "--runtime", "fake", "--size", "16MiB", "--progress", "none", *argv[hostile])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("pinpool: ConfigError: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
 def _limit_memory() -> None:  # pragma: no cover (runs in the child)
     import resource
 
