@@ -237,7 +237,7 @@ def check_region(region: RegionInfo) -> Check:
     layout = f", layout {record['layout']}" if "layout" in record else ""
     pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
     if region.created_pid is None:
-        creator = "by an unknown process"
+        creator = "by an unknown process (its trailer names no valid pid)"
     else:
         state = {True: "running", False: "gone", None: f"on host {region.created_host!r}"}[region.creator_alive]
         creator = f"by pid {region.created_pid} ({state})"

@@ -15,6 +15,7 @@ import os
 import random
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -105,6 +106,21 @@ def test_a_region_whose_name_holds_escape_sequences_reaches_the_terminal_escaped
     (region,) = find_regions([str(shm_dir)])
     check = _doctor.check_region(region)
     assert "\x1b" not in check.detail + check.fix and "\\x1b[31mred" in check.detail
+
+
+@pytest.mark.parametrize(
+    "created",
+    [{"pid": 10**300, "unix": 1.0}, {"pid": -5, "unix": 10**300}, {"pid": 0, "unix": -1e308}, {"pid": True},
+     {"pid": 4.5, "unix": 10**400}],
+)  # fmt: skip
+def test_a_crafted_creator_is_shown_as_invalid_never_as_300_digits(shm_dir: Path, created: dict[str, object]) -> None:
+    # A trailer's "created" fields are untrusted: doctor printed a pid of 300 digits, and an age of as many.
+    plant(shm_dir / "kv", body(created={**created, "host": socket.gethostname(), "start": 1}))
+    (region,) = find_regions([str(shm_dir)])
+    assert region.created_pid is None and region.creator_alive is None
+    check = _doctor.check_region(region)
+    assert "created by an unknown process (its trailer names no valid pid)" in check.detail, check.detail
+    assert not re.search(r"\d{20}", check.detail) and len(check.detail) < 400, check.detail
 
 
 def test_ten_thousand_empty_files_sorted_first_hide_no_region(shm_dir: Path) -> None:
