@@ -348,8 +348,10 @@ TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is a region being made (or left half-made by a creator that died)."""
-    return name.startswith(".") and TEMP_MARK in name
+    """Whether ``name`` is a region being made (or left half-made by a creator that died): exactly
+    as files.create_temp_file names one, ``.<name>.pinpool-new-<16 hex digits>``."""
+    head, _mark, tail = name.rpartition(TEMP_MARK)
+    return len(head) > 1 and head[0] == "." and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail)
 
 
 @dataclass(frozen=True)
