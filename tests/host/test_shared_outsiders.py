@@ -35,6 +35,7 @@ from pinpool._cli import doctor as _doctor
 from pinpool._host import libc as _libc
 from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMemory, find_half_made, find_regions, layout_record, read_region
 from pinpool._shared import files as _shared_files
+from pinpool._shared import format as _shared_format
 
 from ..conftest import needs_mlock
 
@@ -552,8 +553,10 @@ def test_a_creator_killed_mid_creation_leaves_a_temporary_the_next_creation_of_a
 
 
 def test_doctor_remove_stale_removes_a_dead_creators_temporary_and_says_so(
-    shm_dir: Path, creators: list[int], capsys: pytest.CaptureFixture[str]
+    shm_dir: Path, creators: list[int], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Doctor looks in this test's directory only: other tests' planted temporaries stay theirs.
+    monkeypatch.setattr(_shared_format, "region_directories", lambda: [str(shm_dir)])
     creators.append(dead := stalled_creator(shm_dir / "kv-a", 8 * MiB))
     (dead_temp,) = temporaries(shm_dir)
     creators.append(stalled_creator(shm_dir / "kv-b", 8 * MiB))
