@@ -86,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with sigterm_as_interrupt() as interrupts:
         try:
             try:
+                if interrupts is not None:
+                    interrupts.arm()
                 code = _dispatch(args)
             finally:
                 sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush

@@ -229,15 +229,19 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f} s ago"
 
 
+def _shown(path: str) -> str:
+    return path if path.isprintable() else ascii(path)  # a file name reaches a terminal
+
+
 def check_region(region: RegionInfo) -> Check:
     """One pinpool shared memory region, what it holds and who made it: it holds its memory until
     removed, so one left behind (its creator gone, not meant to be kept) warns."""
     record = region.record  # its text is printable ASCII (the trailer's parser refuses anything else)
-    path = region.path if region.path.isprintable() else ascii(region.path)  # a file name reaches a terminal
+    path = _shown(region.path)
     layout = f", layout {record['layout']}" if "layout" in record else ""
     pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
     if region.created_pid is None:
-        creator = "by an unknown process"
+        creator = "by an unknown process (its trailer names no valid pid)"
     else:
         state = {True: "running", False: "gone", None: f"on host {region.created_host!r}"}[region.creator_alive]
         creator = f"by pid {region.created_pid} ({state})"
@@ -257,14 +261,23 @@ def check_region(region: RegionInfo) -> Check:
 
 def check_half_made(half: HalfMade) -> Check:
     """A region's temporary file: fine while its creator is at work; left by one that died: warn."""
-    path = half.path if half.path.isprintable() else ascii(half.path)
+    path = _shown(half.path)
     if half.in_progress:
         return Check("region", OK, f"{path}: a region being created now", "")
     return Check(
         "region", WARN,
         f"{path}: a region left half-made by a creator that died while creating it, "
         f"{format_bytes(half.held_bytes)} held in memory",
-        f"remove it: rm {path} (the next creation of that region removes it too)",
+        "remove it: pinpool doctor --remove-stale, or rm it (the next creation of a region in its directory "
+        "removes it too)",
+    )  # fmt: skip
+
+
+def check_removed(path: str, held_bytes: int) -> Check:
+    """A dead creator's temporary file that ``--remove-stale`` removed."""
+    return Check(
+        "region", OK, f"{_shown(path)}: removed, a region left half-made by a creator that died while creating it "
+        f"({format_bytes(held_bytes)} of memory freed)",
     )  # fmt: skip
 
 
@@ -333,8 +346,13 @@ def read_facts(*, cuda: bool = True) -> DoctorFacts:
 
 def run_doctor(args: argparse.Namespace) -> int:
     size = pool_options(args, "doctor").get("size")
+    removed: list[tuple[str, int]] = []
+    if args.remove_stale:
+        from .._shared.files import remove_half_made
+
+        removed = remove_half_made()
     with while_loading("reading this host" + (" (loading torch to ask about GPUs)" if args.cuda else "")):
-        checks = run_checks(read_facts(cuda=args.cuda), size)
+        checks = run_checks(read_facts(cuda=args.cuda), size) + [check_removed(*each) for each in removed]
     if args.json:
         from .. import __version__
 

@@ -275,6 +275,11 @@ def layout_from_file(path: str) -> Layout:
         spec = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--layout-file {path}: not JSON ({exc})") from None
+    except RecursionError:  # json's decoder recurses once per bracket
+        raise ConfigError(
+            f"--layout-file {path}: its JSON nests too deeply to read; a layout is one object of numbers, "
+            "names and short lists: give the JSON file that describes the layout"
+        ) from None
     if not isinstance(spec, dict) or not isinstance(spec.get("family"), str):
         raise ConfigError(
             f'--layout-file {path}: give a JSON object with a "family" ({", ".join(FAMILIES)}) and the '

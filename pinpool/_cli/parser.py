@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     doctor.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=True,
                         help="ask torch and the driver about GPUs (default: yes, when torch sees one)")  # fmt: skip
+    doctor.add_argument("--remove-stale", action="store_true",
+                        help="first remove the regions that creators which died left half-made (this user's "
+                        "temporary files in /dev/shm and hugetlbfs mounts); each is listed")  # fmt: skip
     doctor.set_defaults(run=run_doctor)
 
     pin = command(

@@ -37,17 +37,28 @@ SIGTERM = "SIGTERM"
 class Interrupts:
     """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it).
 
-    The first signal raises KeyboardInterrupt in the main thread, so pinning rolls back as for
-    Ctrl-C (a container's stop, systemd, kill). After that, and once the pool starts to exit
-    (:meth:`defer`), a signal is only recorded: raised in the teardown it would land in whatever
-    runs there, and in the unmapping finalizer it is printed as "Exception ignored" and lost (the
-    command then exited 0). ``main`` turns a recorded signal into the interrupted status.
+    Once armed (:meth:`arm`), the first signal raises KeyboardInterrupt in the main thread, so
+    pinning rolls back as for Ctrl-C (a container's stop, systemd, kill). Before that (while the
+    handlers are installed, while torch is imported: its import loses a KeyboardInterrupt or turns it
+    into an ImportError), after that, and once the pool starts to exit (:meth:`defer`), a signal is
+    only recorded: raised in the teardown it would land in whatever runs there, and in the
+    unmapping finalizer it is printed as "Exception ignored" and lost (the command then exited 0).
+    :meth:`arm` raises a signal recorded before it; ``main`` turns one recorded later into the
+    interrupted status.
     """
 
     def __init__(self) -> None:
-        self.armed = True
+        self.armed = False
         self.pending: str | None = None  # the signal that arrived while deferred ("SIGTERM", "Ctrl-C")
         self.stopping = False  # a signal ended a hold: later ones repeat that request
+
+    def arm(self) -> None:
+        """Raise from now on, and now if a signal was recorded meanwhile."""
+        self.armed = True  # first: a signal between the two lines is raised by the handler, once
+        if self.pending is not None:
+            self.armed = False
+            what, self.pending = self.pending, None
+            raise KeyboardInterrupt(what)
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         what = SIGTERM if signum == signal.SIGTERM else CTRL_C
@@ -67,7 +78,8 @@ _interrupts: Interrupts | None = None  # the running command's, while main() run
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
     """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block
-    ends; off the main thread, signals are left alone."""
+    ends, recording until armed (inside the caller's ``try``: a signal while the handlers are
+    installed raised out of ``with``); off the main thread, signals are left alone."""
     global _interrupts
     if threading.current_thread() is not threading.main_thread():
         yield None
@@ -141,6 +153,9 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
     kwargs = text_options(args, "pin")
     hold_for = hold_seconds(args.hold)
     mode = args.progress if args.progress != "auto" else "bar" if isatty(err) else "lines"
+    interrupts = _interrupts
+    if interrupts is not None:
+        interrupts.defer()  # until the pool is built: torch's import must not see a KeyboardInterrupt
     # Only when the wait is torch's import: a caller that has torch already (main() called in
     # process) gets at once what would follow, and nothing says "loading" that is not.
     if mode != "none" and "torch" not in sys.modules:
@@ -155,6 +170,8 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
     progress = ProgressReporter(err, mode)
     kwargs["runtime"] = runtime_arg(kwargs.get("runtime", "auto"))
     pool = PinnedPool(**kwargs, registry=registry, logger=events, on_progress=progress)
+    if interrupts is not None:
+        interrupts.arm()  # a Ctrl-C or SIGTERM that came meanwhile ends the command here: nothing is pinned
     server, url = (None, None) if args.metrics_port is None else _serve_metrics(registry, args.metrics_host,
                                                                                  args.metrics_port)  # fmt: skip
     try:

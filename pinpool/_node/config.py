@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -222,15 +223,23 @@ def _reason(code: int) -> str:
     return f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
 
 
-def _unwritable(directory: str, code: int, doing: str = "") -> ConfigError:
+# What creating a file in a directory that holds none of ours says: /proc and /sys (ENOENT, EINVAL,
+# EOPNOTSUPP; root passes the permission checks there), a full file system.
+_CANNOT_CREATE = (errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSPC, errno.EDQUOT)
+
+
+def _unwritable(directory: str, code: int, creating: str | None = None) -> ConfigError:
+    """``creating``: what failed to be created after the permission checks passed (the file system
+    refused it: read-only, full, or one that holds no files such as /proc or /sys)."""
     reason = _reason(code)
-    if code == errno.EROFS:
-        fix = f"set node_dir= / {DIR_ENV} to a directory on a writable file system (such as {default_directory()!r})"
-    else:
+    if creating is None and code != errno.EROFS:
         fix = (
             f"give this user write and search permission on it (`chmod u+rwx {directory}`), or set node_dir= / "
             f"{DIR_ENV} to a directory this user owns and can write"
         )
+    else:
+        fix = f"set node_dir= / {DIR_ENV} to a directory on a writable file system (such as {default_directory()!r})"
+    doing = "" if creating is None else f" (creating {creating})"
     return ConfigError(
         f"node pacing directory {directory!r} is not writable by this process ({reason}){doing}: every rank "
         f"creates and writes its lock files there; {fix}"
@@ -247,8 +256,9 @@ def _check_writable(fd: int, path: str) -> None:
     raise _unwritable(path, errno.EROFS if read_only else errno.EACCES)
 
 
-def open_directory(path: str) -> int:
-    """Create ``path`` (0700) if missing, check it, and return an ``O_DIRECTORY | O_NOFOLLOW`` descriptor."""
+def open_directory(path: str, *, probe: bool = False) -> int:
+    """Create ``path`` (0700) if missing, check it (``probe``: by making a file in it too), and return
+    an ``O_DIRECTORY | O_NOFOLLOW`` descriptor."""
     fix_env = f"or set node_dir= / {DIR_ENV} to a directory this user owns"
 
     def failed(doing: str, exc: OSError) -> ConfigError:
@@ -260,7 +270,9 @@ def open_directory(path: str) -> int:
         created = True
     except FileExistsError:
         pass
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if os.path.isdir(os.path.dirname(path)):  # a file system that makes no directories (/proc)
+            raise failed("cannot be created", exc) from None
         raise ConfigError(
             f"node pacing directory {path!r}: its parent {os.path.dirname(path)!r} does not exist; "
             f"create the parent (pinpool creates only the last component), {fix_env}"
@@ -299,10 +311,25 @@ def open_directory(path: str) -> int:
             )
             raise ConfigError(f"node pacing directory {path!r} {problem}; {fix}, {fix_env}")
         _check_writable(fd, path)
+        if probe:
+            _check_creates(fd, path)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _check_creates(dir_fd: int, directory: str) -> None:
+    """A file made and removed: a directory that holds no files (/proc, /sys, where root passes
+    every permission check) is a ConfigError now, not when the first lock file is made."""
+    name = f".probe-{os.getpid()}-{secrets.token_hex(8)}"  # never a lock file's name
+    try:
+        os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd))
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, *_CANNOT_CREATE):
+            raise
+        raise _unwritable(directory, exc.errno, "a file") from None
+    os.unlink(name, dir_fd=dir_fd)
 
 
 def open_error(directory: str, name: str, exc: OSError, *, existed: bool) -> ConfigError | None:
@@ -314,8 +341,10 @@ def open_error(directory: str, name: str, exc: OSError, *, existed: bool) -> Con
         return file_error(directory, name, "is not a regular file")
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         if code == errno.EROFS or not existed:
-            return _unwritable(directory, code, f" (creating {name!r})")
+            return _unwritable(directory, code, repr(name))
         return file_error(directory, name, f"cannot be opened ({_reason(code)})")
+    if code in _CANNOT_CREATE and not existed:
+        return _unwritable(directory, code, repr(name))
     return None
 
 

@@ -278,7 +278,7 @@ class NodeAdmission:
         self.pacing = pacing
         self.label = label
         self.on_waiting = on_waiting
-        dir_fd = open_directory(pacing.directory)
+        dir_fd = open_directory(pacing.directory, probe=True)
         try:
             self._check_present(dir_fd)
         finally:

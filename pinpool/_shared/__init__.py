@@ -3,7 +3,7 @@
 from .._types import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "files": "publish",
+    "files": "publish remove_half_made",
     "format": "MAGIC TRAILER_BYTES find_half_made find_regions layout_record read_region store",
     "mapping": "SharedMapping _reserve",
     "memory": "SharedMemory",

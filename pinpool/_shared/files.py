@@ -9,11 +9,12 @@ import fcntl
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 
 from .._errors import ConfigError
 from .._host import libc as _libc
 from .._host.files import FILE_FLAGS, regular_file_problem
-from .format import TEMP_MARK, describe, read_region
+from .format import TEMP_MARK, describe, find_half_made, is_temp_name, read_region
 
 HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
 _FS_NAMES = {
@@ -236,15 +237,20 @@ def _refuse_existing(dir_fd: int, path: str) -> None:
     raise _file_error(path, what, "attach to it with create=False, or remove it (`rm` it) if no process uses it")
 
 
-def remove_stale_temps(dir_fd: int, name: str) -> int:
-    """Remove temporary files of ``name`` whose creators died (no ``LOCK_EX`` held); returns how many."""
-    prefix, removed = _temp_prefix(name), 0
+def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
+    """Remove the directory's region temporary files whose creators died (a creator holds
+    ``LOCK_EX`` from the moment its file is named until it is published; the kernel drops a dead
+    one's): only names pinpool makes, regular files of this user with one link, never through a link.
+    Returns ``(name, bytes it held)`` for each file removed."""
+    removed: list[tuple[str, int]] = []
     try:
-        names = [n for n in os.listdir(dir_fd) if n.startswith(prefix)]
+        names = [n for n in os.listdir(dir_fd) if is_temp_name(n)]
     except OSError:
-        return 0
+        return removed
     for temp in names:
-        try:
+        try:  # checked before the open too: opening a device has effects
+            if region_file_problem(os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)) is not None:
+                continue
             fd = os.open(temp, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
         except OSError:
             continue
@@ -252,8 +258,8 @@ def remove_stale_temps(dir_fd: int, name: str) -> int:
             st = os.fstat(fd)
             if region_file_problem(st) is None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                remove_file(dir_fd, temp, (st.st_dev, st.st_ino))
-                removed += 1
+                if remove_file(dir_fd, temp, (st.st_dev, st.st_ino)):
+                    removed.append((temp, st.st_blocks * 512))
         except OSError:
             pass  # locked: its creator is at work
         finally:
@@ -261,26 +267,61 @@ def remove_stale_temps(dir_fd: int, name: str) -> int:
     return removed
 
 
+def remove_half_made(directories: Iterable[str] | None = None) -> list[tuple[str, int]]:
+    """:func:`remove_stale_temps` in each directory where :func:`find_half_made` finds a dead
+    creator's file (default: where regions live); ``(path, bytes it held)`` for each file removed."""
+    removed: list[tuple[str, int]] = []
+    for directory in sorted({os.path.dirname(h.path) for h in find_half_made(directories) if not h.in_progress}):
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            removed += [(os.path.join(directory, name), held) for name, held in remove_stale_temps(dir_fd)]
+        finally:
+            os.close(dir_fd)
+    return removed
+
+
+_CREATE_TRIES = 8
+
+
 def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
-    """Refuse a name that exists, clean up what dead creators left, and create a temporary file
-    beside it exclusively, locked ``LOCK_EX``, for :func:`publish`: ``(fd, temporary name)``."""
+    """Refuse a name that exists, clean up what dead creators left in the directory, and create a
+    temporary file beside it exclusively, locked ``LOCK_EX``, for :func:`publish`: ``(fd, temporary name)``."""
     name = os.path.basename(path)
     _refuse_existing(dir_fd, path)
-    remove_stale_temps(dir_fd, name)
-    temp = _temp_prefix(name) + secrets.token_hex(8)
-    try:
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode, dir_fd=dir_fd)
-    except OSError as exc:
-        raise _file_error(path, f"cannot be created ({exc.strerror or exc})", "check the directory") from None
-    try:
-        if os.fstat(fd).st_mode & 0o022:  # a umask never adds bits, but a default ACL may
-            os.fchmod(fd, mode)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
+    remove_stale_temps(dir_fd)
+    for _attempt in range(_CREATE_TRIES):
+        temp = _temp_prefix(name) + secrets.token_hex(8)
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode, dir_fd=dir_fd)
+        except OSError as exc:
+            raise _file_error(path, f"cannot be created ({exc.strerror or exc})", "check the directory") from None
+        st = os.fstat(fd)
+        identity = (st.st_dev, st.st_ino)
+        try:
+            if st.st_mode & 0o022:  # a umask never adds bits, but a default ACL may
+                os.fchmod(fd, mode)
+            # Until it is locked, another creation in the directory may take it for a dead creator's
+            # (and remove it), or be looking at it this instant (holding the lock): make another.
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                ours = names_file(dir_fd, temp, identity)
+            except BlockingIOError:
+                ours = False
+        except BaseException:
+            os.close(fd)
+            remove_file(dir_fd, temp, identity)
+            raise
+        if ours:
+            return fd, temp
         os.close(fd)
-        os.unlink(temp, dir_fd=dir_fd)
-        raise
-    return fd, temp
+        remove_file(dir_fd, temp, identity)
+    raise _file_error(
+        path, f"cannot be created: its temporary file was taken {_CREATE_TRIES} times as it was made",
+        "check what else removes files in the directory",
+    )  # fmt: skip
 
 
 def publish(dir_fd: int, path: str, temp: str) -> None:
@@ -312,10 +353,12 @@ def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool
     return (st.st_dev, st.st_ino) == identity
 
 
-def remove_file(dir_fd: int, name: str, identity: tuple[int, int]) -> None:
-    """Remove a file this process created, if the name still refers to it."""
+def remove_file(dir_fd: int, name: str, identity: tuple[int, int]) -> bool:
+    """Remove the file ``identity`` by its name, if the name still refers to it; whether it did."""
     try:
         if names_file(dir_fd, name, identity):
             os.unlink(name, dir_fd=dir_fd)
+            return True
     except OSError:
         pass
+    return False

@@ -348,8 +348,10 @@ TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is a region being made (or left half-made by a creator that died)."""
-    return name.startswith(".") and TEMP_MARK in name
+    """Whether ``name`` is a region being made (or left half-made by a creator that died): exactly
+    as files.create_temp_file names one, ``.<name>.pinpool-new-<16 hex digits>``."""
+    head, _mark, tail = name.rpartition(TEMP_MARK)
+    return len(head) > 1 and head[0] == "." and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail)
 
 
 @dataclass(frozen=True)
@@ -376,19 +378,33 @@ class RegionInfo:
     age_seconds: float | None
 
 
+# A trailer is untrusted: a number outside these is no pid, uid or time pinpool wrote (a crafted
+# one had doctor print a 300-digit pid). PID_MAX_LIMIT is the kernel's ceiling for pid_max.
+_PID_MAX_LIMIT = 1 << 22
+_UNIX_MAX = 1 << 40  # seconds: year 36812
+
+
+def _number(value: object, low: int, high: int) -> int | float | None:
+    """``value`` if it is a number (not a bool) in ``[low, high]``, else None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    return None
+
+
 def region_info(path: str, st: os.stat_result, trailer: Trailer) -> RegionInfo:
     created = trailer.created
-    pid, host, start = created.get("pid"), created.get("host"), created.get("start")
+    host, start = created.get("host"), created.get("start")
+    pid, uid = _number(created.get("pid"), 1, _PID_MAX_LIMIT), _number(created.get("uid"), 0, 2**32 - 1)
     alive: bool | None = None
     if isinstance(pid, int) and host == socket.gethostname():
         alive = start is not None and _process_start(pid) == start
-    unix = created.get("unix")
-    when = float(unix) if isinstance(unix, int | float) else None
+    unix = _number(created.get("unix"), 1, _UNIX_MAX)
+    when = None if unix is None else float(unix)
     return RegionInfo(
         path=path, file_bytes=st.st_size, nbytes=trailer.nbytes, page_size=trailer.page_size,
         held_bytes=st.st_blocks * 512, owner_uid=st.st_uid, version=trailer.version, generation=trailer.generation,
         region_id=trailer.region_id, keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
-        created_uid=created.get("uid") if isinstance(created.get("uid"), int) else None,
+        created_uid=uid if isinstance(uid, int) else None,
         created_pid=pid if isinstance(pid, int) else None, created_unix=when,
         created_host=host if isinstance(host, str) else None, creator_alive=alive,
         age_seconds=None if when is None else max(0.0, time.time() - when),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import math
 from decimal import Context, Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from pinpool import ConfigError, parse_size
+from pinpool._cli import layout_from_file
 from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env
 from pinpool._units import format_bytes, parse_env_gib
 from pinpool.layouts import BufferSpec
@@ -272,3 +274,16 @@ def test_custom_layouts_raise_only_config_error(name: object, page_bytes: object
         assert "layout" in str(error) or "size=" in str(error)
         return
     assert isinstance(options.layout.page_bytes, int) and options.layout.page_bytes >= 1
+
+
+# json's decoder recurses once per bracket: 100,000 of them (100 kB, under the 1 MiB limit) were a RecursionError.
+@pytest.mark.parametrize(
+    "text",
+    ["[" * 100_000, "[" * 1_000 + "]" * 1_000, '{"family": "mha", "layer_num": ' + "[" * 5_000 + "]" * 5_000 + "}",
+     '{"family": "raw", "x": ' + '{"a": ' * 50_000 + "1" + "}" * 50_001],
+)  # fmt: skip
+def test_a_deeply_nested_layout_file_is_a_config_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "layout.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        layout_from_file(str(path))

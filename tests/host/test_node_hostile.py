@@ -303,6 +303,24 @@ def test_a_read_only_file_system_names_erofs_and_another_directory(
         admission(node_dir, slots=1)
 
 
+# /proc and /sys pass every check a directory gets (root owns them, root passes access()), then refuse
+# to create a file: that was a raw FileNotFoundError at entry. A file, a path under one, a name /proc
+# cannot create: each a ConfigError from the constructor that names the value, with nothing pinned.
+HOSTILE_DIRS = ["/proc", "/sys", "/proc/self/fd", "/proc/self/fdinfo", "/proc/pinpool-new", "/proc/self", "/dev/null",
+                "/dev/null/x"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["node_slots", "node_budget"])
+@pytest.mark.parametrize("directory", HOSTILE_DIRS)
+def test_a_node_dir_that_holds_no_files_is_a_config_error_at_construction(
+    fake: FakeRuntime, directory: str, kind: str
+) -> None:
+    pacing: dict[str, Any] = {"node_slots": 1} if kind == "node_slots" else {"node_budget": GiB}
+    with pytest.raises(pinpool.ConfigError, match=rf"node pacing directory {directory!r} .*node_dir="):
+        pinpool.PinnedPool(size=MiB, runtime=fake, registry=None, node_dir=directory, **pacing)
+    assert fake.registered == {}
+
+
 # -- 4. a rank waiting behind a stopped holder says so -----------------------------------------------------
 
 HOLDER = r"""

@@ -7,6 +7,7 @@ exit status (-7) to assert on, not the end of the test run.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import gc
@@ -15,6 +16,7 @@ import os
 import random
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -28,10 +30,12 @@ from pathlib import Path
 import pytest
 
 import pinpool
-from pinpool import layouts
+from pinpool import _cli, layouts
 from pinpool._cli import doctor as _doctor
 from pinpool._host import libc as _libc
 from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMemory, find_half_made, find_regions, layout_record, read_region
+from pinpool._shared import files as _shared_files
+from pinpool._shared import format as _shared_format
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
@@ -106,6 +110,21 @@ def test_a_region_whose_name_holds_escape_sequences_reaches_the_terminal_escaped
     (region,) = find_regions([str(shm_dir)])
     check = _doctor.check_region(region)
     assert "\x1b" not in check.detail + check.fix and "\\x1b[31mred" in check.detail
+
+
+@pytest.mark.parametrize(
+    "created",
+    [{"pid": 10**300, "unix": 1.0}, {"pid": -5, "unix": 10**300}, {"pid": 0, "unix": -1e308}, {"pid": True},
+     {"pid": 4.5, "unix": 10**400}],
+)  # fmt: skip
+def test_a_crafted_creator_is_shown_as_invalid_never_as_300_digits(shm_dir: Path, created: dict[str, object]) -> None:
+    # A trailer's "created" fields are untrusted: doctor printed a pid of 300 digits, and an age of as many.
+    plant(shm_dir / "kv", body(created={**created, "host": socket.gethostname(), "start": 1}))
+    (region,) = find_regions([str(shm_dir)])
+    assert region.created_pid is None and region.creator_alive is None
+    check = _doctor.check_region(region)
+    assert "created by an unknown process (its trailer names no valid pid)" in check.detail, check.detail
+    assert not re.search(r"\d{20}", check.detail) and len(check.detail) < 400, check.detail
 
 
 def test_ten_thousand_empty_files_sorted_first_hide_no_region(shm_dir: Path) -> None:
@@ -530,13 +549,141 @@ def test_what_a_dead_creator_left_is_removed_by_the_next_creation_and_a_live_one
              "in memory"),
             (_doctor.OK, f"{live}: a region being created now"),
         ]  # fmt: skip
-        assert checks[0].fix == f"remove it: rm {dead} (the next creation of that region removes it too)"
-        make_region(shm_dir / "kv")
-        assert sorted(p.name for p in shm_dir.iterdir()) == [live.name, "kv"]
-        assert [r.path for r in find_regions([str(shm_dir)])] == [str(shm_dir / "kv")]
+        assert checks[0].fix == (
+            "remove it: pinpool doctor --remove-stale, or rm it (the next creation of a region in its directory "
+            "removes it too)"
+        )
+        make_region(shm_dir / "other")  # any name: a temporary's name is its creator's own
+        assert sorted(p.name for p in shm_dir.iterdir()) == [live.name, "other"]
+        assert [r.path for r in find_regions([str(shm_dir)])] == [str(shm_dir / "other")]
         assert [h.path for h in find_half_made([str(shm_dir)])] == [str(live)]
     finally:
         os.close(holder)
+
+
+def stalled_creator(path: Path, nbytes: int) -> int:
+    """A forked child creating a region at ``path``, stopped where publishing it would begin: its
+    temporary file holds every page, locked. Its pid, once it is there."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(ready_r)
+
+            def stall(*args: object) -> None:
+                os.write(ready_w, b"R")
+                time.sleep(600)
+
+            _shared_files.publish = stall  # this child's module only
+            SharedMemory(path).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes // PAGE))
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"R"
+    finally:
+        os.close(ready_r)
+    return pid
+
+
+def temporaries(directory: Path) -> dict[str, int]:
+    """Each region temporary file's name and the bytes it holds."""
+    return {p.name: p.stat().st_blocks * 512 for p in directory.iterdir() if ".pinpool-new-" in p.name}
+
+
+@pytest.fixture
+def creators() -> Iterator[list[int]]:
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def shm_free(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def test_a_creator_killed_mid_creation_leaves_a_temporary_the_next_creation_of_any_region_removes(
+    shm_dir: Path, creators: list[int]
+) -> None:
+    # Each process names its own region: its temporary waited for that name to be created again, so for ever.
+    nbytes = 64 * MiB
+    creators.append(dead := stalled_creator(shm_dir / f"kv-{os.getpid()}-a", nbytes))
+    ((dead_temp, held),) = temporaries(shm_dir).items()
+    assert held >= nbytes  # every page reserved
+    creators.append(stalled_creator(shm_dir / f"kv-{os.getpid()}-b", nbytes))
+    (live_temp,) = set(temporaries(shm_dir)) - {dead_temp}
+    os.kill(dead, signal.SIGKILL)
+    os.waitpid(dead, 0)
+    free = shm_free(shm_dir)
+    make_region(shm_dir / "other", MiB)
+    assert sorted(temporaries(shm_dir)) == [live_temp]  # the dead creator's is gone, the live one's kept
+    assert shm_free(shm_dir) - free >= nbytes - 2 * MiB - 16 * MiB  # its pages freed (less the new region's)
+    assert read_region(str(shm_dir / "other")) is not None
+
+
+def test_doctor_remove_stale_removes_a_dead_creators_temporary_and_says_so(
+    shm_dir: Path, creators: list[int], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Doctor looks in this test's directory only: other tests' planted temporaries stay theirs.
+    monkeypatch.setattr(_shared_format, "region_directories", lambda: [str(shm_dir)])
+    creators.append(dead := stalled_creator(shm_dir / "kv-a", 8 * MiB))
+    (dead_temp,) = temporaries(shm_dir)
+    creators.append(stalled_creator(shm_dir / "kv-b", 8 * MiB))
+    (live_temp,) = set(temporaries(shm_dir)) - {dead_temp}
+    os.kill(dead, signal.SIGKILL)
+    os.waitpid(dead, 0)
+    assert _cli.main(["doctor", "--no-cuda"]) in (0, 1)  # without the flag it only warns
+    out = capsys.readouterr().out
+    assert f"{shm_dir / dead_temp}: a region left half-made by a creator that died" in out
+    assert sorted(temporaries(shm_dir)) == sorted([dead_temp, live_temp])
+    assert _cli.main(["doctor", "--no-cuda", "--remove-stale"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert re.search(
+        rf"ok +region +{re.escape(str(shm_dir / dead_temp))}: removed, a region left half-made by a creator that "
+        r"died while creating it \(8 MiB of memory freed\)\n", out,
+    ), out  # fmt: skip
+    assert f"{shm_dir / live_temp}: a region being created now" in out and str(shm_dir / dead_temp) + ":" not in (
+        out.replace(f"{shm_dir / dead_temp}: removed", "")
+    )
+    assert sorted(temporaries(shm_dir)) == [live_temp]
+
+
+@pytest.mark.parametrize("meanwhile", ["removed", "looked at"])
+def test_a_temporary_taken_before_its_creator_locks_it_is_made_again(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """Between naming its temporary and locking it, a creator's file looks like a dead creator's:
+    another creation in the directory removes it, or doctor holds its lock a moment to look."""
+    real = fcntl.flock
+    taken: list[str] = []
+
+    def flock(fd: int, operation: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if not taken and ".pinpool-new-" in name and operation == fcntl.LOCK_EX | fcntl.LOCK_NB:
+            taken.append(name)
+            if meanwhile == "removed":
+                dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    assert [n for n, _ in _shared_files.remove_stale_temps(dir_fd)] == [os.path.basename(name)]
+                finally:
+                    os.close(dir_fd)
+            else:
+                looking = os.open(name, os.O_RDONLY)
+                real(looking, fcntl.LOCK_SH)
+                try:
+                    real(fd, operation)  # raises BlockingIOError
+                finally:
+                    os.close(looking)
+        real(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    make_region(shm_dir / "kv")
+    monkeypatch.undo()
+    assert taken and [p.name for p in shm_dir.iterdir()] == ["kv"] and read_region(str(shm_dir / "kv")) is not None
 
 
 def test_a_creator_killed_at_any_moment_leaves_no_half_made_region(shm_dir: Path) -> None:

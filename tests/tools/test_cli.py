@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +383,62 @@ def test_a_timed_hold_ends_by_itself() -> None:
     assert "pinpool: holding 16 MiB pinned for 0.2 s" in result.stderr
 
 
+def _ctrl_c_after_torch_starts_loading(delay: float) -> tuple[float, int, str]:
+    """A fresh ``pinpool pin`` (torch not imported) sent SIGINT ``delay`` s after it says it loads
+    torch: (delay, exit status, stderr). The pin would take 13 s: a lost Ctrl-C shows as rc 0."""
+    child = subprocess.Popen(fake_cli(SLOW_PIN, **SLOW), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT)  # fmt: skip
+    assert child.stderr is not None
+    first = child.stderr.readline()
+    time.sleep(delay)
+    child.send_signal(signal.SIGINT)
+    try:
+        _out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    return delay, child.returncode, first + err
+
+
+def test_an_early_ctrl_c_is_never_lost() -> None:
+    # Raised during torch's import, a KeyboardInterrupt was lost (the pin went on: rc 0) or became an
+    # ImportError traceback (numpy: "cannot load module more than once"): 3 of 25 before the fix.
+    runs, delays = 25, [1.5 * i / 24 for i in range(25)]
+    with ThreadPoolExecutor(max(4, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(_ctrl_c_after_torch_starts_loading, delays))
+    assert len(results) == runs
+    for delay, code, err in results:
+        where = f"SIGINT {delay:.3f} s after 'loading torch': rc {code}, stderr {err[-600:]!r}"
+        assert err.startswith("pinpool: preparing to pin 512 MiB (pool 'cli'): loading torch\n"), where
+        assert code == 130 and "pinpool: interrupted (Ctrl-C)\n" in err and "Traceback" not in err, where
+
+
+# A SIGTERM right after main() installed its handler (the race, made certain by signal.signal itself).
+SIGTERM_WHILE_INSTALLING = """
+import os, signal, sys
+real = signal.signal
+sent = []
+
+def install(signum, handler):
+    previous = real(signum, handler)
+    if signum == signal.SIGTERM and not sent:
+        sent.append(True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return previous
+
+signal.signal = install
+from pinpool._cli import main
+sys.exit(main(["plan", "--size", "1GiB"]))
+"""
+
+
+def test_a_sigterm_while_main_installs_its_handler_exits_130() -> None:
+    # It was raised inside sigterm_as_interrupt's setup, out of main: a KeyboardInterrupt traceback.
+    result = preloaded.run([sys.executable, "-c", SIGTERM_WHILE_INSTALLING], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)  # fmt: skip
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "pinpool: interrupted (SIGTERM)\n" and result.stdout == ""
+
+
 SIGTERM_IN_UNMAP = """
 import os, signal, sys
 from pinpool._host import libc as _libc
@@ -480,10 +537,14 @@ def test_sigterm_at_any_moment_of_pin_exits_130_or_completes() -> None:
 
 def test_a_hold_says_which_signal_ended_it() -> None:
     pool = type("Pool", (), {"nbytes": MiB})()
-    with _cli.sigterm_as_interrupt():
+    with _cli.sigterm_as_interrupt() as interrupts:
+        assert interrupts is not None
+        interrupts.arm()
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
         assert cli_pin.hold(float("inf"), pool, None) == "SIGTERM"
-    with _cli.sigterm_as_interrupt():
+    with _cli.sigterm_as_interrupt() as interrupts:
+        assert interrupts is not None
+        interrupts.arm()
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
         assert cli_pin.hold(float("inf"), pool, None) == "SIGINT"
     assert cli_pin.hold(0.01, pool, None) == "time"
@@ -491,8 +552,9 @@ def test_a_hold_says_which_signal_ended_it() -> None:
 
 def test_sigterm_is_restored_after_main() -> None:
     before = signal.getsignal(signal.SIGTERM)
-    with _cli.sigterm_as_interrupt():
-        assert signal.getsignal(signal.SIGTERM) is not before
+    with _cli.sigterm_as_interrupt() as interrupts:
+        assert signal.getsignal(signal.SIGTERM) is not before and interrupts is not None
+        interrupts.arm()
         with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises before this ends
@@ -727,6 +789,19 @@ def test_invalid_layout_files(tmp_path: Path, content: str, message: str) -> Non
     path.write_text(content)
     with pytest.raises(pinpool.ConfigError, match=re.escape(message)):
         _cli.layout_from_file(str(path))
+
+
+@pytest.mark.parametrize("hostile", ["node-dir", "layout-file"])
+def test_hostile_input_is_one_line_and_exit_2(tmp_path: Path, hostile: str) -> None:
+    # Each was a traceback: FileNotFoundError from the first lock file /proc would not create, and
+    # RecursionError from json's decoder on 100,000 nested brackets (under the 1 MiB limit).
+    deep = tmp_path / "layout.json"
+    deep.write_text("[" * 100_000)
+    argv = {"node-dir": ["--node-dir", "/proc", "--node-slots", "1"], "layout-file": ["--layout-file", str(deep)]}
+    result = run_cli("pin", "--runtime", "fake", "--size", "16MiB", "--progress", "none", *argv[hostile])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("pinpool: ConfigError: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
 
 
 def _limit_memory() -> None:  # pragma: no cover (runs in the child)
