@@ -10,11 +10,13 @@ Ctrl-C lands between any two bytecodes, so under :class:`guard` SIGINT goes to :
 which reads its frames as trio's KI protection does: in :func:`protected` code it is deferred to the
 next safe point or the driver's end; in :func:`safe` code (the wait for pinning threads) and elsewhere
 it goes to the replaced handler. An entry that completes with a Ctrl-C deferred is undone (``undo``)
-first: a ``with`` whose ``__enter__`` raises never exits.
+first: a ``with`` whose ``__enter__`` raises never exits. An async driver holds the guard only between
+awaits: a task that never resumes (its loop closed) leaves no handler of ours behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -28,7 +30,9 @@ from typing import Any, TypeVar
 import anyio
 import anyio.lowlevel
 
-from .outcome import Detach, Ran, RunThreads, Step
+from .._errors import PoolStateError
+from .gates import DRIVING
+from .outcome import Detach, Ran, RunThreads, Step, Steps
 
 # -- Ctrl-C: deferred in pinpool's own code, delivered at safe points ----------------------------
 
@@ -53,7 +57,7 @@ def safe(fn: F) -> F:
 class _Guard:
     """The one installed handler's state (only the main thread touches it)."""
 
-    depth = 0  # nested guards (an async driver awaiting while another task's driver runs)
+    depth = 0  # nested guards (a finalizer or a signal handler's close() inside a driver)
     previous: Callable[[int, FrameType | None], Any] | None = None
     pending = 0  # SIGINTs recorded in protected code and not yet replayed
     owner = 0  # the thread that installed it (a forked child may not have it)
@@ -101,8 +105,9 @@ class guard:
     def __init__(self, *, drop: bool = False) -> None:
         self.drop = drop
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> guard:
         self.installed = _install()
+        return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if not self.installed:
@@ -110,6 +115,15 @@ class guard:
         if kind is not None and issubclass(kind, KeyboardInterrupt):
             _Guard.pending = 0
         _leave(drop=self.drop)
+
+    def pause(self) -> None:
+        """Leave (and replay) for an await: the loop's own handler is back while control is in the loop."""
+        if self.installed:
+            self.installed = False
+            _leave(drop=self.drop)
+
+    def resume(self) -> None:
+        self.installed = _install()
 
 
 def _install() -> bool:
@@ -353,10 +367,11 @@ def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
 # -- async (anyio: asyncio and trio) --------------------------------------------------------------
 
 
-async def run_async(step: Step) -> Ran:
+async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
     if isinstance(step, Detach):
         return _detach(step)  # starting a thread does not wait
     threads, ran, interrupted = _launch(step)
+    parked = (step, threads, ran, interrupted)
     # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
     # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
     # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
@@ -367,46 +382,124 @@ async def run_async(step: Step) -> Ran:
         try:
             if not shielded:
                 replay()  # a Ctrl-C deferred while the step was launched stops it now
-            with anyio.CancelScope(shield=shielded):
-                await anyio.sleep(delay)
+            await _outside(drive, parked, _sleep, delay, shielded)
             delay = min(delay * 2, ASYNC_POLL_SECONDS)
             if step.on_tick is not None and not shielded and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
                 last_tick = time.monotonic()
                 step.on_tick()
+        except _Abandoned:
+            raise
         except BaseException as exc:  # anyio/trio cancellation, Task.cancel(), Ctrl-C, on_tick
             interrupted(exc)
     if step.interruptible and not ran.interrupts:
         # Quick threads must not let a pending cancellation through: it still counts.
         try:
-            await anyio.lowlevel.checkpoint_if_cancelled()
+            await _outside(drive, parked, anyio.lowlevel.checkpoint_if_cancelled)
+        except _Abandoned:
+            raise
         except BaseException as exc:
             interrupted(exc)
     return _finish(step, threads, ran)
 
 
+async def _sleep(seconds: float, shielded: bool) -> None:
+    with anyio.CancelScope(shield=shielded):
+        await anyio.sleep(seconds)
+
+
+async def _outside(drive: _AsyncDrive | None, parked: _Parked, fn: Callable[..., Any], *args: object) -> None:
+    """Await ``fn(*args)`` with the drive's guard left and the drive parked (see :class:`_AsyncDrive`)."""
+    if drive is None:  # a step run on its own (tests)
+        await fn(*args)
+        return
+    drive.guard.pause()
+    drive.slot["parked"] = parked  # one store: a closer may pop it once the loop is closed
+    try:
+        await fn(*args)
+    finally:
+        if drive.slot.pop("parked", None) is None:
+            raise _Abandoned  # taken over: unwind without touching the lifecycle
+        drive.guard.resume()
+
+
+class _Abandoned(GeneratorExit):
+    """Raised where an async driver resumes after a closer took its lifecycle over; a GeneratorExit,
+    so that closing the task's coroutine (the only way it can still resume) completes."""
+
+
+_Parked = tuple[RunThreads, Threads, Ran, Callable[[BaseException], None]]
+
+
+class _AsyncDrive:
+    """A lifecycle driven from an anyio task. While it awaits, it is parked: if the task's asyncio loop
+    is closed meanwhile, the task never runs again, so a closer (or the finalizer) may finish the
+    lifecycle (:meth:`take_over`; :class:`~pinpool._pin.gates.Driver` holds the drive). Driver and
+    closer each pop the parked step, one C-level call: exactly one of them goes on."""
+
+    def __init__(self, lifecycle: Lifecycle[Any], held: guard) -> None:
+        self.lifecycle, self.guard = lifecycle, held
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # trio: its run never ends with a task still waiting
+            self.loop = None
+        self.slot: dict[str, _Parked] = {}
+
+    def send(self, ran: Ran | None) -> Step:
+        token = DRIVING.set(self)  # read by the gate this lifecycle takes (gates.Driver)
+        try:
+            return next(self.lifecycle) if ran is None else self.lifecycle.send(ran)
+        finally:
+            DRIVING.reset(token)
+
+    def stopped(self) -> bool:
+        """Parked in an await of a closed loop: it will never drive again."""
+        return self.loop is not None and self.loop.is_closed() and "parked" in self.slot
+
+    def take_over(self) -> Steps[None] | None:
+        """The rest of the lifecycle, to be run by the caller's driver, if this drive :meth:`stopped`."""
+        parked = self.slot.pop("parked", None) if self.stopped() else None
+        return None if parked is None else self._continue(*parked)
+
+    def _continue(
+        self, step: RunThreads, threads: Threads, ran: Ran, interrupted: Callable[[BaseException], None]
+    ) -> Steps[None]:
+        interrupted(PoolStateError("the task driving it stopped: its event loop was closed while it awaited"))
+        seen = list((yield RunThreads(bodies=(threads.join,), name=f"{step.name}-takeover")).interrupts)
+        try:
+            next_step = self.lifecycle.send(_finish(step, threads, ran))
+            while True:
+                got = yield next_step
+                seen += got.interrupts
+                next_step = self.lifecycle.send(got)
+        except BaseException:  # how the abandoned entry or exit ended: nobody is left to hand it to
+            pass
+        if seen:  # the caller's own interruptions meanwhile
+            raise seen[0]
+
+
 @protected
 async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`. While it awaits, a
-    Ctrl-C goes to the loop's own handler (asyncio.run cancels the main task, trio raises)."""
-    with guard():
-        result = await _drive_async(lifecycle)
+    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`. The guard is held only
+    between awaits: while it awaits, a Ctrl-C goes to the loop's own handler (asyncio.run cancels the
+    main task, trio raises), and one deferred meanwhile is replayed as it starts to await."""
+    with guard() as held:
+        result: T = await _drive_async(_AsyncDrive(lifecycle, held))
         try:
             replay()  # under asyncio.run this cancels the task instead: the body's first await sees it
         except BaseException:
             if undo is not None:
-                await _drive_async(undo())
+                await _drive_async(_AsyncDrive(undo(), held))
             raise
         return result
 
 
-async def _drive_async(lifecycle: Lifecycle[T]) -> T:
+async def _drive_async(drive: _AsyncDrive) -> Any:
     try:
-        step = next(lifecycle)
+        step = drive.send(None)
         while True:
-            step = lifecycle.send(await run_async(step))
+            step = drive.send(await run_async(step, drive))
     except StopIteration as stop:
-        result: T = stop.value
-        return result
+        return stop.value
 
 
 # -- detached sequences (a background pool's conductor) --------------------------------------------

@@ -5,14 +5,17 @@ pacing admits it (:class:`PoolAdmission`: a slot while pinning, a budget share w
 closing: one on another thread waits for the holder to let go (an entry is asked to stop first);
 one on the holder's own thread asks for the close and returns, and the work in progress finishes
 it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go, so a
-signal handler sees no holder or a whole one."""
+signal handler sees no holder or a whole one. A holder whose async driver stopped for good (its
+event loop closed while it awaited) is finished by the close (or the finalizer) that finds it.
+Interpreter exit waits for closes under way on daemon threads."""
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from .._errors import NodeBusyError, NodeWaitCancelled, PoolStateError
 from .._node.pacing import BudgetHold, NodeAdmission, SlotHold
@@ -22,13 +25,33 @@ from .outcome import Ran, RunThreads, Steps, admission_thread_error, closed_duri
 T = TypeVar("T")
 
 
+class Parked(Protocol):
+    """An async driver's hold on a lifecycle (``drivers._AsyncDrive``), as a gate sees it."""
+
+    def stopped(self) -> bool: ...  # parked in an await of a closed event loop: it never drives again
+
+    def take_over(self) -> Steps[None] | None: ...  # if stopped: the rest of its lifecycle, for the caller to run
+
+
+DRIVING: contextvars.ContextVar[Parked | None] = contextvars.ContextVar("pinpool_driving", default=None)
+
+
 @dataclass(frozen=True, eq=False)
 class Driver:
-    """The caller that holds the gate: its thread, what it does, and an event set when it lets go."""
+    """The caller that holds the gate: its thread, what it does, an event set when it lets go, and its
+    async driver (None: a sync one, which never stops driving half-way)."""
 
     thread: int
     role: str  # "enter" or "close"
     done: threading.Event = field(default_factory=threading.Event)
+    drive: Parked | None = field(default_factory=DRIVING.get)
+
+    def wait(self) -> None:
+        """Until it lets go, or its async driver stopped for good (the waiter then takes over)."""
+        drive = self.drive
+        while not self.done.wait(None if drive is None else 0.05):
+            if drive is not None and drive.stopped():
+                return
 
 
 class CloseGate:
@@ -42,7 +65,13 @@ class CloseGate:
         """Let go, if ``driver`` holds the gate (an interrupt may have landed before it took it)."""
         if self._held.get("driver") is driver:  # no other thread changes a held gate: only its holder
             del self._held["driver"]
+        _DaemonCloses.running.pop(id(driver), None)
         driver.done.set()
+
+    def take_over(self) -> Steps[bool]:
+        """Finish the lifecycle of a holder whose async driver stopped for good (the finalizer); whether it did."""
+        holder = self._held.get("driver")
+        return (yield from _take_over(holder)) if holder is not None else False
 
     def enter(
         self, name: str, describe: str, enter: Callable[[], Steps[None]],
@@ -78,18 +107,72 @@ class CloseGate:
         mine = Driver(threading.get_ident(), "close")
         try:
             while (holder := self._held.setdefault("driver", mine)) is not mine:
+                if holder.drive is not None and holder.drive.stopped():
+                    self._begin(mine)
+                    yield from _take_over(holder)  # it lets go as its lifecycle ends
+                    continue
                 if holder.thread == mine.thread:
                     return None
                 if holder.role == "enter":
                     if not closing:  # an exit (the end of a with block) of a pool whose entry has not returned
                         raise PoolStateError(f"pool {name!r} is being entered on another thread: exit it once entered")
                     stop_entry()
-                ran = yield RunThreads(bodies=(holder.done.wait,), name=f"pinpool-{name}-close")
+                ran = yield RunThreads(bodies=(holder.wait,), name=f"pinpool-{name}-close")
                 if ran.interrupts:
                     raise ran.interrupts[0]
+            self._begin(mine)
             return (yield from close())
         finally:
             self.release(mine)
+
+    def _begin(self, mine: Driver) -> None:
+        """A close starts its work; on a daemon thread once interpreter exit began, it never does."""
+        if not _DaemonCloses.begin(mine):
+            self.release(mine)
+            threading.Event().wait()  # for good: the interpreter ends this thread as it finalizes
+
+
+def _take_over(holder: Driver) -> Steps[bool]:
+    taken = holder.drive.take_over() if holder.drive is not None else None
+    if taken is None:  # it is driving (or another caller took it over first)
+        return False
+    yield from taken
+    return True
+
+
+class _DaemonCloses:
+    """Closes under way on daemon threads: interpreter exit waits for them, as a daemon thread that the
+    interpreter's finalization stops mid-teardown (in a runtime or torch call) can abort the process. A
+    close that would start on one once exit began never starts: the pool's finalizer unpins it instead."""
+
+    lock = threading.Lock()
+    exiting = False
+    hooked = False
+    running: ClassVar[dict[int, Driver]] = {}
+
+    @classmethod
+    def begin(cls, driver: Driver) -> bool:
+        """Whether the close may go on: on a daemon thread, it is waited for at exit, or exit began."""
+        if not threading.current_thread().daemon:
+            return True  # the interpreter waits for the others anyway
+        with cls.lock:
+            if not cls.hooked:
+                try:
+                    threading._register_atexit(cls.wait)  # type: ignore[attr-defined]  # as concurrent.futures
+                except RuntimeError:  # exit has begun
+                    cls.exiting = True
+                cls.hooked = True
+            if not cls.exiting:
+                cls.running[id(driver)] = driver
+            return not cls.exiting
+
+    @classmethod
+    def wait(cls) -> None:
+        with cls.lock:
+            cls.exiting = True
+            running = list(cls.running.values())
+        for driver in running:
+            driver.done.wait()
 
 
 # -- node pacing ------------------------------------------------------------------------------------

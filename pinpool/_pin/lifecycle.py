@@ -10,7 +10,8 @@
   a pool nobody can exit: a background failure never rolls back under a running body;
 * a started teardown or rollback finishes before control returns; an interruption meanwhile is
   re-raised after the books are closed;
-* the finalizer never tears down while a driver does (or pins);
+* the finalizer never tears down while a driver does (or pins); an async driver parked in a closed
+  event loop never drives again, and a close or the finalizer finishes its steps instead;
 * every state change goes through :func:`~pinpool._pin.outcome.check_move`;
 * a crashed worker or unstartable threads end in a typed :class:`PinError` / :class:`UnpinError`.
 """
@@ -490,6 +491,9 @@ class Lifecycle:
         if os.getpid() != self._pid:
             self._let_go_in_child()  # a forked child: the registrations are its parent's
             return
+        if (yield from self.gate.take_over()):  # its async driver stopped half-way: finished here
+            warn_unclosed(self.name, self.created_at, "was left half-entered or half-exited by a task whose event "
+                          "loop was closed; its finalizer finished that")  # fmt: skip
         with self._lock:
             session = self.session
             state = self.state

@@ -1,9 +1,9 @@
 """A pool still open when the interpreter exits is unpinned before its memory is unmapped.
 
-Each case runs in a subprocess with the real mlock runtime. The child's very last atexit
-handler (registered before pinpool is imported, so it runs after every finalizer) prints the
-process's VmLck; the test wants 0 there, an exit status of 0, and nothing on stderr but the
-UnclosedPoolWarning that says the pool was never exited.
+Each case runs in a subprocess with the real mlock runtime. The child's oldest finalizer (made
+before any pool, so at exit it runs after every pool's, whether or not the interpreter had made a
+finalizer before the script began) prints the process's VmLck; the test wants 0 there, an exit
+status of 0, and nothing on stderr but the UnclosedPoolWarning that says the pool was never exited.
 """
 
 from __future__ import annotations
@@ -15,17 +15,19 @@ import textwrap
 
 import pytest
 
+from .. import preloaded
 from ..conftest import needs_mlock
 
 pytestmark = needs_mlock
 
 PRELUDE = """
-import atexit, re
+import re, weakref
 def _vmlck_at_the_very_end():
     with open("/proc/self/status") as f:
         kb = int(re.search(r"VmLck:\\s+(\\d+)", f.read()).group(1))
     print(f"VMLCK_AT_EXIT {kb}", flush=True)
-atexit.register(_vmlck_at_the_very_end)  # first registered: runs last
+_last = type("Last", (), {})()
+weakref.finalize(_last, _vmlck_at_the_very_end)  # the oldest finalizer: at exit it runs last
 import pinpool
 def vmlck():
     with open("/proc/self/status") as f:
@@ -87,3 +89,29 @@ def test_a_pool_open_at_interpreter_exit_is_unpinned_first(case: str) -> None:
         assert bad not in stderr, stderr
     # The one thing said: the pool was never exited (a warning, with what was done about it).
     assert "UnclosedPoolWarning" in stderr and "was never exited" in stderr, stderr
+
+
+# Issue 33, item 7: close() on a daemon thread started right before the main thread returns. The
+# interpreter's finalization stopped that thread mid-teardown (a call into torch or the runtime) and
+# the process aborted, 2 to 3 runs in 20 ("terminate called without an active exception", rc -6).
+DAEMON_CLOSE = """
+import threading
+pool = pinpool.PinnedPool(size="128MiB", runtime="mlock", name="daemon-close", chunk_bytes="8MiB").open()
+assert vmlck() >= 128 * 1024
+threading.Thread(target=pool.close, daemon=True).start()
+"""
+
+
+def test_a_close_on_a_daemon_thread_at_interpreter_exit_finishes_before_the_process_ends() -> None:
+    script, runs, at_once = PRELUDE + DAEMON_CLOSE, 24, 4
+    results: list[subprocess.CompletedProcess[str]] = []
+    for _ in range(runs // at_once):  # a few at a time: the race wants a CPU of its own now and then
+        children = [preloaded.spawn([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for _ in range(at_once)]  # fmt: skip
+        for child in children:
+            out, err = child.communicate(timeout=120)
+            results.append(subprocess.CompletedProcess(script, child.returncode or 0, out, err))
+    failed = [(r.returncode, r.stderr[-300:]) for r in results if r.returncode != 0 or "terminate called" in r.stderr]
+    assert failed == [], f"{len(failed)} of {runs} runs: {failed[:3]}"
+    # The close finished (VmLck 0 at the very end), or it started once exit had begun and the finalizer unpinned.
+    assert all(re.findall(r"VMLCK_AT_EXIT (\d+)", r.stdout) == ["0"] for r in results), [r.stdout for r in results]
