@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -262,6 +263,15 @@ class Observer:
         """Node pacing has kept the pool waiting (after 10 s, then every 60 s), and whom for."""
         described = [h.describe() for h in holders]
         self._emit("warning", "node.waiting", kind=kind, seconds=round(waited_seconds, 3), holders=described)
+
+    def unpin_waiting(self, calls: Sequence[tuple[str, int, int, float]], abandon_after: int) -> None:
+        """A Ctrl-C is held while teardown waits on its unpin threads: name the call in flight longest
+        (``calls``: op, ptr, nbytes, perf_counter at its start)."""
+        op, ptr, nbytes, started = min(calls, key=lambda c: c[3]) if calls else ("none", 0, 0, time.perf_counter())
+        self._emit(
+            "warning", "pool.unpin.waiting", op=op, ptr=hex(ptr), nbytes=nbytes, calls=len(calls),
+            seconds=round(time.perf_counter() - started, 3), abandon_after=abandon_after,
+        )  # fmt: skip
 
     def failed_in_background(self, error: BaseException) -> None:
         """Background pinning ended early; waiters raise ``error``; what is pinned stays until exit."""

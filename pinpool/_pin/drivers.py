@@ -16,6 +16,7 @@ first: a ``with`` whose ``__enter__`` raises never exits.
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import sys
 import threading
@@ -55,6 +56,7 @@ class _Guard:
     depth = 0  # nested guards (an async driver awaiting while another task's driver runs)
     previous: Callable[[int, FrameType | None], Any] | None = None
     pending = 0  # SIGINTs recorded in protected code and not yet replayed
+    holding = 0  # teardown waits (hold_interrupts) under way: every SIGINT is held, wherever it lands
 
 
 def _deferring(frame: FrameType | None) -> bool:
@@ -69,7 +71,7 @@ def _deferring(frame: FrameType | None) -> bool:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _deferring(frame):
+    if _Guard.holding or _deferring(frame):
         _Guard.pending += 1  # one store: this handler itself runs between two bytecodes
         return
     previous = _Guard.previous
@@ -137,6 +139,7 @@ def _leave(*, drop: bool = False) -> None:
     _Guard.depth -= 1
     if _Guard.depth:
         return  # a signal deferred meanwhile stays for the outer guard
+    _Guard.holding = 0  # a wait that never said it ended holds nothing once no guard is left
     if drop:
         _Guard.pending = 0
     previous = _Guard.previous
@@ -163,9 +166,10 @@ class Threads:
         self.all_done = threading.Event()
         self.all_done.set()
 
-    def start(self, fn: Callable[[], object], *, name: str) -> None:
+    def start(self, fn: Callable[[], object], *, name: str, daemon: bool = False) -> None:
         """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
-        either runs ``fn`` and is waited for, or never runs it."""
+        either runs ``fn`` and is waited for, or never runs it. ``daemon``: a thread a waiter may
+        abandon (a wedged runtime call), which must not keep the interpreter from exiting."""
         gate = [_OPEN]
 
         def run() -> None:
@@ -186,7 +190,7 @@ class Threads:
             self._running += 1
             self.all_done.clear()
         try:
-            threading.Thread(target=run, name=name, daemon=False).start()
+            threading.Thread(target=run, name=name, daemon=daemon).start()
         except BaseException:
             with self._lock:
                 closed = gate[0] is _OPEN
@@ -221,8 +225,25 @@ class Threads:
 # -- the drivers ----------------------------------------------------------------------------------
 
 ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
+# A driver's retry loops (a stop asked again, a wait resumed, an inline body rerun) try this often, then
+# raise: an exception that recurs every time (no stack left, no memory) is handed to the lifecycle.
+TRIES = 5
 T = TypeVar("T")
 Lifecycle = Generator[Step, Ran, T]
+
+
+def _holds(step: RunThreads) -> bool:
+    """Whether this wait holds Ctrl-C: a teardown (``on_held``), on the main thread, under a guard."""
+    return step.on_held is not None and _Guard.depth > 0 and threading.current_thread() is threading.main_thread()
+
+
+def _held(step: RunThreads, seen: int) -> tuple[int, bool]:
+    """A holding wait's look at the Ctrl-Cs held meanwhile: ``on_held`` hears of each new count;
+    returns the count seen and whether to abandon the wait."""
+    held = _Guard.pending
+    if step.on_held is None or held <= seen:
+        return seen, False
+    return held, bool(step.on_held(held))
 
 
 def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
@@ -230,22 +251,17 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
     threads, ran = Threads(), Ran()
 
     def interrupted(exc: BaseException) -> None:
-        ran.interrupts.append(exc)
-        if len(ran.interrupts) > 1:
-            return
-        # A second Ctrl-C can land inside on_interrupt (seen under trio): recorded, and the stop
-        # (idempotent) asked again, so the interruption never leaves the driver's wait.
-        while True:
-            try:
-                step.on_interrupt()
-                return
-            except BaseException as again:
-                ran.interrupts.append(again)
+        first = not ran.interrupts
+        _record(ran, exc)
+        if first:
+            # A second Ctrl-C can land inside on_interrupt (seen under trio): the stop (idempotent)
+            # is asked again, so the interruption never leaves the driver's wait.
+            _retry(step.on_interrupt, functools.partial(_record, ran))
 
     try:
         for i, body in enumerate(step.bodies):
             try:
-                threads.start(body, name=f"{step.name}-{i}")
+                threads.start(body, name=f"{step.name}-{i}", daemon=step.on_held is not None)
             except Exception as exc:  # e.g. "can't start new thread": fewer workers; none at all is reported
                 ran.start_errors.append(exc)
                 break
@@ -255,13 +271,25 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
     except BaseException as exc:  # an interrupt between two starts
         interrupted(exc)
     finally:
-        while True:  # workers wait for this: an interrupt landing inside it must not skip it
-            try:
-                step.on_started()
-                break
-            except BaseException as exc:
-                interrupted(exc)
+        _retry(step.on_started, interrupted)  # workers wait for this: an interrupt landing inside it must not skip it
     return threads, ran, interrupted
+
+
+def _retry(fn: Callable[[], object], record: Callable[[BaseException], None]) -> None:
+    """``fn`` (idempotent) until it returns, each exception to ``record``; the last of TRIES raises."""
+    for attempt in range(TRIES):
+        try:
+            fn()
+            return
+        except BaseException as exc:
+            if attempt == TRIES - 1:
+                raise
+            record(exc)
+
+
+def _record(ran: Ran, exc: BaseException) -> None:
+    if len(ran.interrupts) < TRIES:  # the first few are enough to report; more would only grow
+        ran.interrupts.append(exc)
 
 
 def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
@@ -274,12 +302,7 @@ def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
 
 def _run_inline_bodies(step: RunThreads, ran: Ran) -> None:
     for body in step.bodies:
-        while True:
-            try:
-                body()
-                break
-            except BaseException as exc:  # bodies resume from shared queues: run it again
-                ran.interrupts.append(exc)
+        _retry(body, functools.partial(_record, ran))  # bodies resume from shared queues: run it again
 
 
 # -- sync ----------------------------------------------------------------------------------------
@@ -289,16 +312,43 @@ def run_sync(step: Step) -> Ran:
     if isinstance(step, Detach):
         return _detach(step)
     threads, ran, interrupted = _launch(step)
+    recurring = _Recurring()
     while True:
         try:
             if step.interruptible and not ran.interrupts:
                 _wait_interruptibly(threads, step.on_tick)
             else:
-                threads.wait()
+                ran.abandoned = not _wait_holding(step, threads)
             break
         except BaseException as exc:
+            recurring.check(exc)
             interrupted(exc)
     return _finish(step, threads, ran)
+
+
+class _Recurring:
+    """Raises an exception that recurs at once, TRIES times in a row (no stack left, no memory): to the
+    lifecycle, which hands it over or leaves its teardown for a later close; timers or Ctrl-Cs come apart."""
+
+    def __init__(self) -> None:
+        self.count, self.last = 0, -1.0
+
+    def check(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self.count = self.count + 1 if now - self.last < _POLL_SECONDS else 1
+        self.last = now
+        if self.count >= TRIES:
+            raise exc
+
+
+def _wait_holding(step: RunThreads, threads: Threads) -> bool:
+    """Wait for the threads (Ctrl-C is held: this is protected code); False if ``on_held`` abandoned them."""
+    seen, holds = 0, _holds(step)
+    while not threads.all_done.wait(_POLL_SECONDS):
+        seen, abandon = _held(step, seen) if holds else (0, False)
+        if abandon:
+            return False
+    return True
 
 
 @safe
@@ -338,13 +388,22 @@ def drive_inline(lifecycle: Lifecycle[T]) -> T:
 
 
 def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
+    """Run ``lifecycle``'s steps; what running one raises is thrown in where it waits, and a lifecycle
+    left early is closed at once (its ``finally`` lets go of the pool, for a later close to finish)."""
     try:
         step = next(lifecycle)
         while True:
-            step = lifecycle.send(run(step))
+            try:
+                ran = run(step)
+            except BaseException as exc:
+                step = lifecycle.throw(exc)
+            else:
+                step = lifecycle.send(ran)
     except StopIteration as stop:
         result: T = stop.value
         return result
+    finally:
+        lifecycle.close()
 
 
 # -- async (anyio: asyncio and trio) --------------------------------------------------------------
@@ -357,21 +416,35 @@ async def run_async(step: Step) -> Ran:
     # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
     # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
     # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
+    # A teardown (on_held) holds every Ctrl-C meanwhile, even one landing in the loop's own code.
+    holding = _holds(step)
     delay = 0.001
     last_tick = time.monotonic()
-    while not threads.done:
-        shielded = bool(ran.interrupts) or not step.interruptible
-        try:
-            if not shielded:
-                replay()  # a Ctrl-C deferred while the step was launched stops it now
-            with anyio.CancelScope(shield=shielded):
-                await anyio.sleep(delay)
-            delay = min(delay * 2, ASYNC_POLL_SECONDS)
-            if step.on_tick is not None and not shielded and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
-                last_tick = time.monotonic()
-                step.on_tick()
-        except BaseException as exc:  # anyio/trio cancellation, Task.cancel(), Ctrl-C, on_tick
-            interrupted(exc)
+    seen, recurring = 0, _Recurring()
+    if holding:
+        _Guard.holding += 1
+    try:
+        while not threads.done:
+            shielded = bool(ran.interrupts) or not step.interruptible
+            try:
+                if not shielded:
+                    replay()  # a Ctrl-C deferred while the step was launched stops it now
+                with anyio.CancelScope(shield=shielded):
+                    await anyio.sleep(delay)
+                delay = min(delay * 2, ASYNC_POLL_SECONDS)
+                if not shielded and step.on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
+                    last_tick = time.monotonic()
+                    step.on_tick()
+                seen, abandon = _held(step, seen) if holding else (0, False)
+                if abandon:
+                    ran.abandoned = True
+                    break
+            except BaseException as exc:  # anyio/trio cancellation, Task.cancel(), Ctrl-C, on_tick
+                recurring.check(exc)
+                interrupted(exc)
+    finally:
+        if holding:
+            _Guard.holding = max(0, _Guard.holding - 1)
     if step.interruptible and not ran.interrupts:
         # Quick threads must not let a pending cancellation through: it still counts.
         try:
@@ -397,13 +470,21 @@ async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[obje
 
 
 async def _drive_async(lifecycle: Lifecycle[T]) -> T:
+    """As :func:`_drive`, from an anyio task."""
     try:
         step = next(lifecycle)
         while True:
-            step = lifecycle.send(await run_async(step))
+            try:
+                ran = await run_async(step)
+            except BaseException as exc:
+                step = lifecycle.throw(exc)
+            else:
+                step = lifecycle.send(ran)
     except StopIteration as stop:
         result: T = stop.value
         return result
+    finally:
+        lifecycle.close()
 
 
 # -- detached sequences (a background pool's conductor) --------------------------------------------

@@ -184,6 +184,13 @@ class PinSession:
         self.raised: list[BaseException] = []
         self._pin_started, self.pin_seconds, self.unpin_seconds = time.perf_counter(), 0.0, 0.0
         self._failed_before, self._teardown_started = 0, 0.0
+        # Calls in flight, by thread: (op, ptr, nbytes, perf_counter at start); what a held Ctrl-C waits on.
+        self.calls: dict[int, tuple[str, int, int, float]] = {}
+        # Teardown, resumable: the queue of chunks to unregister (kept while an unpin worker may still
+        # take from it), the threads unpinning now, and the failures once the books are closed.
+        self._unpin_queue: collections.deque[int] | None = None
+        self._unpinners: set[int] = set()
+        self._teardown_failures: tuple[ChunkFailure, ...] = ()
         # The stall budget: every register and populate call sized to fit max_call_seconds.
         # An "auto" budget that yields to an explicit chunk option leaves registrations as planned.
         budget = options.max_call_seconds
@@ -229,9 +236,12 @@ class PinSession:
             op.before()
         observer.call_started()
         started = time.perf_counter()
+        me = threading.get_ident()
         try:
+            self.calls[me] = (op.name, ptr, nbytes, started)
             answer = untrusted_call(op.call, op.name, ptr, nbytes)
         finally:
+            self.calls.pop(me, None)
             observer.call_ended()
         if answer.raised is not None:
             self.raised.append(answer.raised)
@@ -472,9 +482,11 @@ class PinSession:
             # pinpool bug). Roll back what is known to be registered; the lifecycle reports it.
             return self.ledger.abort()
 
-    def begin_teardown(self) -> tuple[Callable[[], None], ...]:
+    def begin_teardown(self, *, join: bool = True) -> tuple[Callable[[], None], ...]:
         """What the unpin threads run: every registered chunk, from one queue in reverse offset order.
-        Empty with nothing to undo, once closed, and in a forked child (the parent's registrations)."""
+        Empty with nothing to undo, once closed, and in a forked child (the parent's registrations).
+        Called again after a teardown was left early, it resumes it: workers of the earlier attempt
+        still running share their queue and, with ``join``, are waited for by one more body."""
         ledger = self.ledger
         with self._changed:
             if ledger.phase is Phase.PINNING:
@@ -484,36 +496,67 @@ class PinSession:
             if os.getpid() != self.pid:
                 ledger.disown()
                 return ()
-            order = ledger.teardown_order()
-            self._failed_before = len(ledger.failures)
-        self._teardown_started = time.perf_counter()
-        pending = collections.deque(order)
+            if self._unpin_queue is None:
+                self._failed_before = len(ledger.failures)
+                self._teardown_started = time.perf_counter()
+            busy = frozenset(self._unpinners)
+            pending = self._unpin_queue
+            if pending is None or not busy:
+                if pending is not None:
+                    pending.clear()  # a worker of an earlier attempt that starts only now finds nothing
+                # Nobody unpins: the books say exactly what is still registered.
+                pending = self._unpin_queue = collections.deque(ledger.teardown_order())
+            count = min(self.unpin_workers, len(pending))
         unpinning = _Work(
             take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk, keep=lambda _: None,
             land=functools.partial(self._land_unpinned, pending), stops=False,
         )  # fmt: skip
-        return tuple(functools.partial(self._run, unpinning) for _ in range(min(self.unpin_workers, len(order))))
+        bodies = tuple(functools.partial(self._unpin, unpinning) for _ in range(count))
+        return bodies + ((functools.partial(self._join_unpinners, busy),) if busy and join else ())
 
-    def end_teardown(self, crashed: Sequence[BaseException] = ()) -> tuple[ChunkFailure, ...]:
-        """Close the books once every unpin thread is done; returns this teardown's unregister failures.
-        A chunk still registered here (an unpin worker crashed: a pinpool bug) is reported leaked."""
+    def _unpin(self, work: _Work[int, _Unpinned]) -> None:
+        me = threading.get_ident()
+        try:
+            self._unpinners.add(me)  # one C call: on the books, or not at all
+            self._run(work)
+        finally:
+            with self.lock:
+                self._unpinners.discard(me)
+                self._changed.notify_all()
+
+    def _join_unpinners(self, busy: frozenset[int]) -> None:
+        """Wait for the unpin workers of an earlier attempt to finish their calls."""
+        with self._changed:
+            self._changed.wait_for(lambda: not busy & self._unpinners)
+
+    def end_teardown(self, crashed: Sequence[BaseException] = (), *, abandoned: bool = False) -> tuple[ChunkFailure, ...]:
+        """Close the books once every unpin thread is done (or ``abandoned``: they were given up, in
+        their calls); returns this teardown's unregister failures, the same again once closed. A chunk
+        still registered here is reported leaked: its memory stays mapped and claimed."""
         ledger = self.ledger
         with self._changed:
             if ledger.phase is Phase.CLOSED:
-                return ()
+                return self._teardown_failures
+            why = (
+                "the teardown was abandoned (Ctrl-C) while an unregister call had not returned" if abandoned
+                else "the finalizer found an unpin worker still in a call" if self._unpinners
+                else f"an unpin worker crashed ({crashed!r})"
+            )  # fmt: skip
             before = ledger.pinned_bytes
             for index in ledger.teardown_order():
                 chunk = ledger.chunks[index]
                 ledger.unregister_failed(
                     index,
                     RuntimeCallError(
-                        op="unregister", code=-1, reason="InternalError", ptr=self.base_ptr + chunk.offset,
-                        nbytes=chunk.nbytes, message=f"never unregistered: an unpin worker crashed ({crashed!r})",
+                        op="unregister", code=-1, reason="Abandoned" if abandoned else "InternalError",
+                        ptr=self.base_ptr + chunk.offset, nbytes=chunk.nbytes, message=f"never unregistered: {why}",
                     ),
                 )  # fmt: skip
+            if self._unpin_queue is not None:
+                self._unpin_queue.clear()  # an abandoned worker whose call returns takes nothing more
             ledger.close()
             self.unpin_seconds += time.perf_counter() - self._teardown_started
-            failures = tuple(ledger.failures[self._failed_before :])
+            failures = self._teardown_failures = tuple(ledger.failures[self._failed_before :])
             moved = ledger.pinned_bytes - before
         self.observer.pinned_moved(moved)
         return failures
@@ -552,12 +595,10 @@ class PinSession:
         """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
         the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
         ledger, observer = self.ledger, self.observer
-        if unstarted:
-            with self.lock:
-                pending.extendleft(reversed(unstarted))
-        if not done:
-            return
         with self.lock:
+            if ledger.phase is Phase.CLOSED:
+                return  # abandoned: these chunks are booked leaked already, their memory kept
+            pending.extendleft(reversed(unstarted))
             before = ledger.pinned_bytes
             for unpinned in done:
                 ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
@@ -566,6 +607,8 @@ class PinSession:
                 else:
                     ledger.unregister_failed(unpinned.index, unpinned.error)
             moved = ledger.pinned_bytes - before
+        if not done:
+            return
         observer.pinned_moved(moved)
         for unpinned in done:
             for piece, answer in unpinned.released:
