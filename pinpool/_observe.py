@@ -72,6 +72,7 @@ class Observer:
         # Longest call per op, without a lock: a lost race only delays a larger value to the next call.
         self.longest: dict[str, float] = {"register": 0.0, "populate": 0.0, "unregister": 0.0}
         self._was_ready = False
+        self._told_waiting = False
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:  # self.log.<level>(event, **fields)
         try:
@@ -266,7 +267,10 @@ class Observer:
 
     def unpin_waiting(self, calls: Sequence[tuple[str, int, int, float]], abandon_after: int) -> None:
         """A Ctrl-C is held while teardown waits on its unpin threads: name the call in flight longest
-        (``calls``: op, ptr, nbytes, perf_counter at its start)."""
+        (``calls``: op, ptr, nbytes, perf_counter at its start), once per pool (it tears down once)."""
+        if self._told_waiting:
+            return
+        self._told_waiting = True
         op, ptr, nbytes, started = min(calls, key=lambda c: c[3]) if calls else ("none", 0, 0, time.perf_counter())
         self._emit(
             "warning", "pool.unpin.waiting", op=op, ptr=hex(ptr), nbytes=nbytes, calls=len(calls),

@@ -474,8 +474,7 @@ class Lifecycle:
     def _held(self, session: PinSession, count: int) -> bool:
         """Teardown waits on its unpin threads while ``count`` Ctrl-Cs are held: say once what it waits
         on; at ABANDON_AFTER_CTRL_C give up waiting (the chunks left are reported leaked)."""
-        if count == 1:
-            self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
+        self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
         return count >= ABANDON_AFTER_CTRL_C
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
