@@ -262,7 +262,7 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
         for i, body in enumerate(step.bodies):
             try:
                 threads.start(body, name=f"{step.name}-{i}", daemon=step.on_held is not None)
-            except Exception as exc:  # e.g. "can't start new thread": fewer workers; none at all is reported
+            except (RuntimeError, MemoryError) as exc:  # "can't start new thread": fewer workers; none at all is reported
                 ran.start_errors.append(exc)
                 break
             except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
@@ -521,7 +521,7 @@ def _detach(step: Detach) -> Ran:
     try:
         threads.start(body, name=step.name)
         ran.started = 1
-    except Exception as exc:  # e.g. "can't start new thread"
+    except (RuntimeError, MemoryError) as exc:  # "can't start new thread"; a signal handler's error is an interrupt
         ran.start_errors.append(exc)
     except BaseException as exc:  # an interrupt inside Thread.start: the thread may run or not
         ran.interrupts.append(exc)

@@ -115,19 +115,21 @@ class Lifecycle:
         yield from self.gate.enter(self.name, self.describe, self._enter_gated, self.exit)
 
     def _enter_gated(self) -> Steps[None]:
-        with self._lock:
-            if self.state is not PoolState.NEW:
-                raise PoolStateError(
-                    f"pool {self.name!r} is {self.state.value}: a PinnedPool is entered once; "
-                    "create a new PinnedPool to pin again"
-                )
-            self._move(PoolState.PINNING)
-            self._driven = True
-            self._pid = os.getpid()
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
         try:
+            with self._lock:
+                if self.state is not PoolState.NEW:
+                    raise PoolStateError(
+                        f"pool {self.name!r} is {self.state.value}: a PinnedPool is entered once; "
+                        "create a new PinnedPool to pin again"
+                    )
+                self._move(PoolState.PINNING)
+                mine = self._driven = True
+                self._pid = os.getpid()
             yield from self._enter()
         finally:
-            self._driven = False
+            if mine:
+                self._driven = False
 
     def _enter(self) -> Steps[None]:
         try:
@@ -354,27 +356,30 @@ class Lifecycle:
     def _leave(
         self, body_error: BaseException | None, closing: bool, raise_errors: bool
     ) -> Steps[BaseException | None]:
-        while True:
-            with self._lock:
-                state = self.state
-                if state is PoolState.CLOSED:
-                    return None
-                if state is PoolState.NEW:
-                    if not closing:
-                        raise PoolStateError(f"pool {self.name!r} is new: it can be exited only after it was entered")
-                    self.source.release()
-                    self._move(PoolState.CLOSED)
-                    return None
-                if not self._driven:  # CLOSING too: a teardown left early (something raised in it) resumes here
-                    self._driven = True
-                    break
-            # The finalizer (or an orphan's conductor) tears it down: wait until it is closed, or let go.
-            ran = yield RunThreads(bodies=(self._wait_undriven,), name=f"pinpool-{self.name}-close")
-            if ran.interrupts:
-                raise ran.interrupts[0]
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
         try:
+            while not mine:
+                with self._lock:
+                    state = self.state
+                    if state is PoolState.CLOSED:
+                        return None
+                    if state is PoolState.NEW:
+                        if not closing:
+                            raise PoolStateError(f"pool {self.name!r} is new: it can be exited only after it was entered")
+                        self.source.release()
+                        self._move(PoolState.CLOSED)
+                        return None
+                    if not self._driven:  # CLOSING too: a teardown something raised in resumes here
+                        mine = self._driven = True
+                        continue
+                # The finalizer (or an orphan's conductor) tears it down: wait until it is closed, or lets go.
+                ran = yield RunThreads(bodies=(self._wait_undriven,), name=f"pinpool-{self.name}-close")
+                if ran.interrupts:
+                    raise ran.interrupts[0]
             session = self.session
-            assert session is not None
+            if session is None:  # an entry interrupted before its session existed, and its cleanup too
+                self._close_empty()
+                return None
             interrupts: list[BaseException] = []
             if self.background:
                 interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
@@ -383,7 +388,8 @@ class Lifecycle:
             interrupts += more
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
-            self._driven = False
+            if mine:
+                self._driven = False
 
     def _wait_undriven(self) -> None:
         while not self._closed.wait(0.05) and self._driven:
@@ -521,27 +527,28 @@ class Lifecycle:
         if os.getpid() != self._pid:
             self._let_go_in_child()  # a forked child: the registrations are its parent's
             return
-        with self._lock:
-            session = self.session
-            state = self.state
-            if self._driven or session is None or state in (PoolState.NEW, PoolState.CLOSED):
-                return  # a driver owns it (and will finish or roll back), or there is nothing to undo
-            orphaned = state is PoolState.PINNING and self._conducting
-            if orphaned:
-                # Background pinning goes on: its conductor undoes it when done. Waiting for it
-                # here could deadlock (a collection may run on the conductor's own thread).
-                self._orphaned = True
-            else:
-                if state is not PoolState.CLOSING:  # CLOSING: a teardown something raised in, resumed here
-                    self._move(PoolState.CLOSING)
-                self._driven = True
-        if orphaned:
-            self.pacing.cancel.set()
-            session.stop(StopCause.COLLECTED)
-            warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
-            return
-        unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
         try:
+            with self._lock:
+                session = self.session
+                state = self.state
+                if self._driven or session is None or state in (PoolState.NEW, PoolState.CLOSED):
+                    return  # a driver owns it (and will finish or roll back), or there is nothing to undo
+                orphaned = state is PoolState.PINNING and self._conducting
+                if orphaned:
+                    # Background pinning goes on: its conductor undoes it when done. Waiting for it
+                    # here could deadlock (a collection may run on the conductor's own thread).
+                    self._orphaned = True
+                else:
+                    if state is not PoolState.CLOSING:  # CLOSING: a teardown something raised in, resumed here
+                        self._move(PoolState.CLOSING)
+                    mine = self._driven = True
+            if orphaned:
+                self.pacing.cancel.set()
+                session.stop(StopCause.COLLECTED)
+                warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
+                return
+            unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
@@ -549,7 +556,8 @@ class Lifecycle:
             # Nobody to raise to: logged and counted. Inline, it cannot wait for a worker left in a call.
             yield from self._unpin_all(session, join=False)
         finally:
-            self._driven = False
+            if mine:
+                self._driven = False
         if unseen is not None:
             warn_unclosed(
                 self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"
