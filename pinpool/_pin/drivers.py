@@ -4,7 +4,7 @@ A driver runs a step's bodies on tracked threads and waits for *every one*: the 
 (cancellation, Ctrl-C, ``SystemExit``, ``on_tick`` raising) calls ``on_interrupt``; all are reported
 back, and the lifecycle re-raises once its books close. Threads are on the books *before*
 ``Thread.start`` (a Ctrl-C can land inside it) and pass a gate the starter can close; completion is
-an Event, not ``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
+a C lock, not ``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
 
 Ctrl-C lands between any two bytecodes, so under :class:`guard` SIGINT goes to :func:`_handler`,
 which reads its frames as trio's KI protection does: in :func:`protected` code it is deferred to the
@@ -156,15 +156,16 @@ _OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
 
 
 class Threads:
-    """A set of worker threads; ``all_done`` is set once every thread on the books is done."""
+    """A set of worker threads, waited for with :meth:`wait_done`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running = 0  # on the books and not done: passed its gate, or may still pass it
         self.started = 0  # threads whose body ran (or runs)
         self.errors: list[BaseException] = []
-        self.all_done = threading.Event()
-        self.all_done.set()
+        # Held while a thread is on the books. A C lock, not an Event: a signal handler raising in
+        # Event.wait (Python code) can leave its Condition's lock held, and every later wait hangs.
+        self._idle = threading.Lock()
 
     def start(self, fn: Callable[[], object], *, name: str, daemon: bool = False) -> None:
         """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
@@ -188,7 +189,8 @@ class Threads:
 
         with self._lock:
             self._running += 1
-            self.all_done.clear()
+            if self._running == 1:
+                self._idle.acquire()
         try:
             threading.Thread(target=run, name=name, daemon=daemon).start()
         except BaseException:
@@ -203,20 +205,27 @@ class Threads:
         with self._lock:
             self._running -= 1
             if self._running == 0:
-                self.all_done.set()
+                self._idle.release()
 
     def join(self) -> None:
         """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
-        self.all_done.wait()
+        while not self.wait_done(_POLL_SECONDS):
+            pass
 
     @property
     def done(self) -> bool:
-        return self.all_done.is_set()
+        return self._running == 0
+
+    def wait_done(self, timeout: float) -> bool:
+        """Whether every thread is done, waiting at most ``timeout`` seconds."""
+        if self._idle.acquire(timeout=timeout):
+            self._idle.release()
+        return self._running == 0
 
     def wait(self, on_tick: Callable[[], object] | None = None) -> None:
         """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
         last_tick = time.monotonic()
-        while not self.all_done.wait(_POLL_SECONDS):
+        while not self.wait_done(_POLL_SECONDS):
             if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
                 last_tick = time.monotonic()
                 on_tick()
@@ -344,7 +353,7 @@ class _Recurring:
 def _wait_holding(step: RunThreads, threads: Threads) -> bool:
     """Wait for the threads (Ctrl-C is held: this is protected code); False if ``on_held`` abandoned them."""
     seen, holds = 0, _holds(step)
-    while not threads.all_done.wait(_POLL_SECONDS):
+    while not threads.wait_done(_POLL_SECONDS):
         seen, abandon = _held(step, seen) if holds else (0, False)
         if abandon:
             return False

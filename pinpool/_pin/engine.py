@@ -488,7 +488,7 @@ class PinSession:
         Called again after a teardown was left early, it resumes it: workers of the earlier attempt
         still running share their queue and, with ``join``, are waited for by one more body."""
         ledger = self.ledger
-        with self._changed:
+        with self.lock:  # the C lock, not the Condition: see stop()
             if ledger.phase is Phase.PINNING:
                 self._finish_pinning_locked()
             if ledger.phase is Phase.CLOSED:
@@ -534,7 +534,7 @@ class PinSession:
         their calls); returns this teardown's unregister failures, the same again once closed. A chunk
         still registered here is reported leaked: its memory stays mapped and claimed."""
         ledger = self.ledger
-        with self._changed:
+        with self.lock:
             if ledger.phase is Phase.CLOSED:
                 return self._teardown_failures
             why = (
