@@ -271,7 +271,10 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
         for i, body in enumerate(step.bodies):
             try:
                 threads.start(body, name=f"{step.name}-{i}", daemon=step.on_held is not None)
-            except (RuntimeError, MemoryError) as exc:  # "can't start new thread": fewer workers; none at all is reported
+            except (
+                RuntimeError,
+                MemoryError,
+            ) as exc:  # "can't start new thread": fewer workers; none at all is reported
                 ran.start_errors.append(exc)
                 break
             except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
@@ -441,7 +444,11 @@ async def run_async(step: Step) -> Ran:
                 with anyio.CancelScope(shield=shielded):
                     await anyio.sleep(delay)
                 delay = min(delay * 2, ASYNC_POLL_SECONDS)
-                if not shielded and step.on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
+                if (
+                    not shielded
+                    and step.on_tick is not None
+                    and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS
+                ):
                     last_tick = time.monotonic()
                     step.on_tick()
                 seen, abandon = _held(step, seen) if holding else (0, False)

@@ -184,10 +184,8 @@ class PinSession:
         self.raised: list[BaseException] = []
         self._pin_started, self.pin_seconds, self.unpin_seconds = time.perf_counter(), 0.0, 0.0
         self._failed_before, self._teardown_started = 0, 0.0
-        # Calls in flight, by thread: (op, ptr, nbytes, perf_counter at start); what a held Ctrl-C waits on.
-        self.calls: dict[int, tuple[str, int, int, float]] = {}
-        # Teardown, resumable: the queue of chunks to unregister (kept while an unpin worker may still
-        # take from it), the threads unpinning now, and the failures once the books are closed.
+        self.calls: dict[int, tuple[str, int, int, float]] = {}  # by thread: op, ptr, nbytes, start
+        # A resumable teardown: its queue, the threads unpinning now, its failures once closed.
         self._unpin_queue: collections.deque[int] | None = None
         self._unpinners: set[int] = set()
         self._teardown_failures: tuple[ChunkFailure, ...] = ()
@@ -235,8 +233,7 @@ class PinSession:
         if op.before is not None:
             op.before()
         observer.call_started()
-        started = time.perf_counter()
-        me = threading.get_ident()
+        started, me = time.perf_counter(), threading.get_ident()
         try:
             self.calls[me] = (op.name, ptr, nbytes, started)
             answer = untrusted_call(op.call, op.name, ptr, nbytes)
@@ -485,8 +482,7 @@ class PinSession:
     def begin_teardown(self, *, join: bool = True) -> tuple[Callable[[], None], ...]:
         """What the unpin threads run: every registered chunk, from one queue in reverse offset order.
         Empty with nothing to undo, once closed, and in a forked child (the parent's registrations).
-        Called again after a teardown was left early, it resumes it: workers of the earlier attempt
-        still running share their queue and, with ``join``, are waited for by one more body."""
+        Again, it resumes: workers still running share their queue (``join``: one more body waits for them)."""
         ledger = self.ledger
         with self.lock:  # the C lock, not the Condition: see stop()
             if ledger.phase is Phase.PINNING:
@@ -504,7 +500,6 @@ class PinSession:
             if pending is None or not busy:
                 if pending is not None:
                     pending.clear()  # a worker of an earlier attempt that starts only now finds nothing
-                # Nobody unpins: the books say exactly what is still registered.
                 pending = self._unpin_queue = collections.deque(ledger.teardown_order())
             count = min(self.unpin_workers, len(pending))
         unpinning = _Work(
@@ -515,24 +510,23 @@ class PinSession:
         return bodies + ((functools.partial(self._join_unpinners, busy),) if busy and join else ())
 
     def _unpin(self, work: _Work[int, _Unpinned]) -> None:
-        me = threading.get_ident()
         try:
-            self._unpinners.add(me)  # one C call: on the books, or not at all
+            self._unpinners.add(threading.get_ident())  # one C call: on the books, or not at all
             self._run(work)
         finally:
             with self.lock:
-                self._unpinners.discard(me)
+                self._unpinners.discard(threading.get_ident())
                 self._changed.notify_all()
 
-    def _join_unpinners(self, busy: frozenset[int]) -> None:
-        """Wait for the unpin workers of an earlier attempt to finish their calls."""
+    def _join_unpinners(self, busy: frozenset[int]) -> None:  # workers of an earlier attempt
         with self._changed:
             self._changed.wait_for(lambda: not busy & self._unpinners)
 
-    def end_teardown(self, crashed: Sequence[BaseException] = (), *, abandoned: bool = False) -> tuple[ChunkFailure, ...]:
-        """Close the books once every unpin thread is done (or ``abandoned``: they were given up, in
-        their calls); returns this teardown's unregister failures, the same again once closed. A chunk
-        still registered here is reported leaked: its memory stays mapped and claimed."""
+    def end_teardown(
+        self, crashed: Sequence[BaseException] = (), *, abandoned: bool = False
+    ) -> tuple[ChunkFailure, ...]:
+        """Close the books once every unpin thread is done (or ``abandoned`` in its calls); returns the
+        teardown's unregister failures (again once closed). A chunk still registered here is leaked."""
         ledger = self.ledger
         with self.lock:
             if ledger.phase is Phase.CLOSED:

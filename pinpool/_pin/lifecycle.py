@@ -365,7 +365,9 @@ class Lifecycle:
                         return None
                     if state is PoolState.NEW:
                         if not closing:
-                            raise PoolStateError(f"pool {self.name!r} is new: it can be exited only after it was entered")
+                            raise PoolStateError(
+                                f"pool {self.name!r} is new: it can be exited only after it was entered"
+                            )
                         self.source.release()
                         self._move(PoolState.CLOSED)
                         return None
