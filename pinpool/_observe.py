@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,7 @@ class Observer:
         # Longest call per op, without a lock: a lost race only delays a larger value to the next call.
         self.longest: dict[str, float] = {"register": 0.0, "populate": 0.0, "unregister": 0.0}
         self._was_ready = False
+        self._told_waiting = False
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:  # self.log.<level>(event, **fields)
         try:
@@ -269,6 +271,18 @@ class Observer:
         """Node pacing has kept the pool waiting (after 10 s, then every 60 s), and whom for."""
         described = [h.describe() for h in holders]
         self._emit("warning", "node.waiting", kind=kind, seconds=round(waited_seconds, 3), holders=described)
+
+    def unpin_waiting(self, calls: Sequence[tuple[str, int, int, float]], abandon_after: int) -> None:
+        """A Ctrl-C is held while teardown waits on its unpin threads: name the call in flight longest
+        (``calls``: op, ptr, nbytes, perf_counter at its start), once per pool (it tears down once)."""
+        if self._told_waiting:
+            return
+        self._told_waiting = True
+        op, ptr, nbytes, started = min(calls, key=lambda c: c[3]) if calls else ("none", 0, 0, time.perf_counter())
+        self._emit(
+            "warning", "pool.unpin.waiting", op=op, ptr=hex(ptr), nbytes=nbytes, calls=len(calls),
+            seconds=round(time.perf_counter() - started, 3), abandon_after=abandon_after,
+        )  # fmt: skip
 
     def failed_in_background(self, error: BaseException) -> None:
         """Background pinning ended early; waiters raise ``error``; what is pinned stays until exit."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeGuard, runtime_checkable
@@ -118,6 +119,8 @@ def is_layout(layout: object) -> bool:
     try:
         return isinstance(layout, Layout)
     except Exception as exc:
+        if not_its_fault(exc):
+            raise
         what = _describe_layout(layout)
         fixes = {"name": "fix its name", "page_bytes": _PAGE_BYTES_FIX, "buffers": _BUFFERS_FIX}
         for attribute, fix in fixes.items():  # which one raised, to name it
@@ -194,7 +197,24 @@ def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: st
     except ConfigError:
         raise
     except Exception as exc:
+        if not_its_fault(exc):
+            raise
         raise ConfigError(f"{what}: {attribute} raised {class_name(exc)} ({foreign_text(exc)}); {fix}") from exc
+
+
+def not_its_fault(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while a layout's code ran, is no mistake of the layout's, to pass through
+    untouched: no memory or stack left, or raised by a signal handler that ran meanwhile (an alarm's
+    TimeoutError). Anything else a layout raises is its broken promise, a ConfigError naming it."""
+    if isinstance(exc, MemoryError | RecursionError):
+        return True
+    handlers = {getattr(signal.getsignal(signum), "__code__", None) for signum in signal.valid_signals()}
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _check_buffer_spec(where: str, spec: object, seen: set[str]) -> None:

@@ -4,7 +4,7 @@ A driver runs a step's bodies on tracked threads and waits for *every one*: the 
 (cancellation, Ctrl-C, ``SystemExit``, ``on_tick`` raising) calls ``on_interrupt``; all are reported
 back, and the lifecycle re-raises once its books close. Threads are on the books *before*
 ``Thread.start`` (a Ctrl-C can land inside it) and pass a gate the starter can close; completion is
-an Event, not ``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
+a C lock, not ``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
 
 Ctrl-C lands between any two bytecodes, so under :class:`guard` SIGINT goes to :func:`_handler`,
 which reads its frames as trio's KI protection does: in :func:`protected` code it is deferred to the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -61,6 +62,7 @@ class _Guard:
     previous: Callable[[int, FrameType | None], Any] | None = None
     pending = 0  # SIGINTs recorded in protected code and not yet replayed
     owner = 0  # the thread that installed it (a forked child may not have it)
+    holding = 0  # teardown waits (hold_interrupts) under way: every SIGINT is held, wherever it lands
 
 
 def _deferring(frame: FrameType | None) -> bool:
@@ -75,7 +77,7 @@ def _deferring(frame: FrameType | None) -> bool:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _deferring(frame):
+    if _Guard.holding or _deferring(frame):
         _Guard.pending += 1  # one store: this handler itself runs between two bytecodes
         return
     previous = _Guard.previous
@@ -154,6 +156,7 @@ def _leave(*, drop: bool = False) -> None:
     _Guard.depth -= 1
     if _Guard.depth:
         return  # a signal deferred meanwhile stays for the outer guard
+    _Guard.holding = 0  # a wait that never said it ended holds nothing once no guard is left
     if drop:
         _Guard.pending = 0
     previous = _Guard.previous
@@ -170,19 +173,21 @@ _OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
 
 
 class Threads:
-    """A set of worker threads; ``all_done`` is set once every thread on the books is done."""
+    """A set of worker threads, waited for with :meth:`wait_done`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running = 0  # on the books and not done: passed its gate, or may still pass it
         self.started = 0  # threads whose body ran (or runs)
         self.errors: list[BaseException] = []
-        self.all_done = threading.Event()
-        self.all_done.set()
+        # Held while a thread is on the books. A C lock, not an Event: a signal handler raising in
+        # Event.wait (Python code) can leave its Condition's lock held, and every later wait hangs.
+        self._idle = threading.Lock()
 
-    def start(self, fn: Callable[[], object], *, name: str) -> None:
+    def start(self, fn: Callable[[], object], *, name: str, daemon: bool = False) -> None:
         """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
-        either runs ``fn`` and is waited for, or never runs it."""
+        either runs ``fn`` and is waited for, or never runs it. ``daemon``: a thread a waiter may
+        abandon (a wedged runtime call), which must not keep the interpreter from exiting."""
         gate = [_OPEN]
 
         def run() -> None:
@@ -201,9 +206,10 @@ class Threads:
 
         with self._lock:
             self._running += 1
-            self.all_done.clear()
+            if self._running == 1:
+                self._idle.acquire()
         try:
-            threading.Thread(target=run, name=name, daemon=False).start()
+            threading.Thread(target=run, name=name, daemon=daemon).start()
         except BaseException:
             with self._lock:
                 closed = gate[0] is _OPEN
@@ -216,20 +222,27 @@ class Threads:
         with self._lock:
             self._running -= 1
             if self._running == 0:
-                self.all_done.set()
+                self._idle.release()
 
     def join(self) -> None:
         """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
-        self.all_done.wait()
+        while not self.wait_done(_POLL_SECONDS):
+            pass
 
     @property
     def done(self) -> bool:
-        return self.all_done.is_set()
+        return self._running == 0
+
+    def wait_done(self, timeout: float) -> bool:
+        """Whether every thread is done, waiting at most ``timeout`` seconds."""
+        if self._idle.acquire(timeout=timeout):
+            self._idle.release()
+        return self._running == 0
 
     def wait(self, on_tick: Callable[[], object] | None = None) -> None:
         """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
         last_tick = time.monotonic()
-        while not self.all_done.wait(_POLL_SECONDS):
+        while not self.wait_done(_POLL_SECONDS):
             if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
                 last_tick = time.monotonic()
                 on_tick()
@@ -238,8 +251,25 @@ class Threads:
 # -- the drivers ----------------------------------------------------------------------------------
 
 ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
+# A driver's retry loops (a stop asked again, a wait resumed, an inline body rerun) try this often, then
+# raise: an exception that recurs every time (no stack left, no memory) is handed to the lifecycle.
+TRIES = 5
 T = TypeVar("T")
 Lifecycle = Generator[Step, Ran, T]
+
+
+def _holds(step: RunThreads) -> bool:
+    """Whether this wait holds Ctrl-C: a teardown (``on_held``), on the main thread, under a guard."""
+    return step.on_held is not None and _Guard.depth > 0 and threading.current_thread() is threading.main_thread()
+
+
+def _held(step: RunThreads, seen: int) -> tuple[int, bool]:
+    """A holding wait's look at the Ctrl-Cs held meanwhile: ``on_held`` hears of each new count;
+    returns the count seen and whether to abandon the wait."""
+    held = _Guard.pending
+    if step.on_held is None or held <= seen:
+        return seen, False
+    return held, bool(step.on_held(held))
 
 
 def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
@@ -247,23 +277,21 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
     threads, ran = Threads(), Ran()
 
     def interrupted(exc: BaseException) -> None:
-        ran.interrupts.append(exc)
-        if len(ran.interrupts) > 1:
-            return
-        # A second Ctrl-C can land inside on_interrupt (seen under trio): recorded, and the stop
-        # (idempotent) asked again, so the interruption never leaves the driver's wait.
-        while True:
-            try:
-                step.on_interrupt()
-                return
-            except BaseException as again:
-                ran.interrupts.append(again)
+        first = not ran.interrupts
+        _record(ran, exc)
+        if first:
+            # A second Ctrl-C can land inside on_interrupt (seen under trio): the stop (idempotent)
+            # is asked again, so the interruption never leaves the driver's wait.
+            _retry(step.on_interrupt, functools.partial(_record, ran))
 
     try:
         for i, body in enumerate(step.bodies):
             try:
-                threads.start(body, name=f"{step.name}-{i}")
-            except Exception as exc:  # e.g. "can't start new thread": fewer workers; none at all is reported
+                threads.start(body, name=f"{step.name}-{i}", daemon=step.on_held is not None)
+            except (
+                RuntimeError,
+                MemoryError,
+            ) as exc:  # "can't start new thread": fewer workers; none at all is reported
                 ran.start_errors.append(exc)
                 break
             except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
@@ -272,13 +300,25 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
     except BaseException as exc:  # an interrupt between two starts
         interrupted(exc)
     finally:
-        while True:  # workers wait for this: an interrupt landing inside it must not skip it
-            try:
-                step.on_started()
-                break
-            except BaseException as exc:
-                interrupted(exc)
+        _retry(step.on_started, interrupted)  # workers wait for this: an interrupt landing inside it must not skip it
     return threads, ran, interrupted
+
+
+def _retry(fn: Callable[[], object], record: Callable[[BaseException], None]) -> None:
+    """``fn`` (idempotent) until it returns, each exception to ``record``; the last of TRIES raises."""
+    for attempt in range(TRIES):
+        try:
+            fn()
+            return
+        except BaseException as exc:
+            if attempt == TRIES - 1:
+                raise
+            record(exc)
+
+
+def _record(ran: Ran, exc: BaseException) -> None:
+    if len(ran.interrupts) < TRIES:  # the first few are enough to report; more would only grow
+        ran.interrupts.append(exc)
 
 
 def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
@@ -291,12 +331,7 @@ def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
 
 def _run_inline_bodies(step: RunThreads, ran: Ran) -> None:
     for body in step.bodies:
-        while True:
-            try:
-                body()
-                break
-            except BaseException as exc:  # bodies resume from shared queues: run it again
-                ran.interrupts.append(exc)
+        _retry(body, functools.partial(_record, ran))  # bodies resume from shared queues: run it again
 
 
 # -- sync ----------------------------------------------------------------------------------------
@@ -306,16 +341,45 @@ def run_sync(step: Step) -> Ran:
     if isinstance(step, Detach):
         return _detach(step)
     threads, ran, interrupted = _launch(step)
+    recurring = _Recurring()
     while True:
         try:
             if step.interruptible and not ran.interrupts:
                 _wait_interruptibly(threads, step.on_tick)
             else:
-                threads.wait()
+                ran.abandoned = not _wait_holding(step, threads)
             break
         except BaseException as exc:
+            recurring.check(exc)
             interrupted(exc)
     return _finish(step, threads, ran)
+
+
+class _Recurring:
+    """Raises an exception that recurs at once, TRIES times in a row (no stack left, no memory): to the
+    lifecycle, which hands it over or leaves its teardown for a later close; timers or Ctrl-Cs come apart."""
+
+    def __init__(self) -> None:
+        self.count, self.last = 0, -1.0
+
+    def check(self, exc: BaseException) -> None:
+        if not isinstance(exc, Exception):
+            return  # cancellations and Ctrl-Cs are absorbed however many come
+        now = time.monotonic()
+        self.count = self.count + 1 if now - self.last < _POLL_SECONDS else 1
+        self.last = now
+        if self.count >= TRIES:
+            raise exc
+
+
+def _wait_holding(step: RunThreads, threads: Threads) -> bool:
+    """Wait for the threads (Ctrl-C is held: this is protected code); False if ``on_held`` abandoned them."""
+    seen, holds = 0, _holds(step)
+    while not threads.wait_done(_POLL_SECONDS):
+        seen, abandon = _held(step, seen) if holds else (0, False)
+        if abandon:
+            return False
+    return True
 
 
 @safe
@@ -355,13 +419,22 @@ def drive_inline(lifecycle: Lifecycle[T]) -> T:
 
 
 def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
+    """Run ``lifecycle``'s steps; what running one raises is thrown in where it waits, and a lifecycle
+    left early is closed at once (its ``finally`` lets go of the pool, for a later close to finish)."""
     try:
         step = next(lifecycle)
         while True:
-            step = lifecycle.send(run(step))
+            try:
+                ran = run(step)
+            except BaseException as exc:
+                step = lifecycle.throw(exc)
+            else:
+                step = lifecycle.send(ran)
     except StopIteration as stop:
         result: T = stop.value
         return result
+    finally:
+        lifecycle.close()
 
 
 # -- async (anyio: asyncio and trio) --------------------------------------------------------------
@@ -375,22 +448,40 @@ async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
     # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
     # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
     # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
+    # A teardown (on_held) holds every Ctrl-C meanwhile, even one landing in the loop's own code.
+    holding = _holds(step) and (drive is None or not drive.abandonable())
     delay = 0.001
     last_tick = time.monotonic()
-    while not threads.done:
-        shielded = bool(ran.interrupts) or not step.interruptible
-        try:
-            if not shielded:
-                replay()  # a Ctrl-C deferred while the step was launched stops it now
-            await _outside(drive, parked, _sleep, delay, shielded)
-            delay = min(delay * 2, ASYNC_POLL_SECONDS)
-            if step.on_tick is not None and not shielded and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
-                last_tick = time.monotonic()
-                step.on_tick()
-        except _Abandoned:
-            raise
-        except BaseException as exc:  # anyio/trio cancellation, Task.cancel(), Ctrl-C, on_tick
-            interrupted(exc)
+    seen, recurring = 0, _Recurring()
+    if holding:
+        _Guard.holding += 1
+    try:
+        while not threads.done:
+            shielded = bool(ran.interrupts) or not step.interruptible
+            try:
+                if not shielded:
+                    replay()  # a Ctrl-C deferred while the step was launched stops it now
+                await _outside(drive, parked, _sleep, delay, shielded, keep_guard=holding)
+                delay = min(delay * 2, ASYNC_POLL_SECONDS)
+                if (
+                    not shielded
+                    and step.on_tick is not None
+                    and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS
+                ):
+                    last_tick = time.monotonic()
+                    step.on_tick()
+                seen, abandon = _held(step, seen) if holding else (0, False)
+                if abandon:
+                    ran.abandoned = True
+                    break
+            except _Abandoned:
+                raise
+            except BaseException as exc:  # anyio/trio cancellation, Task.cancel(), Ctrl-C, on_tick
+                recurring.check(exc)
+                interrupted(exc)
+    finally:
+        if holding:
+            _Guard.holding = max(0, _Guard.holding - 1)
     if step.interruptible and not ran.interrupts:
         # Quick threads must not let a pending cancellation through: it still counts.
         try:
@@ -407,19 +498,24 @@ async def _sleep(seconds: float, shielded: bool) -> None:
         await anyio.sleep(seconds)
 
 
-async def _outside(drive: _AsyncDrive | None, parked: _Parked, fn: Callable[..., Any], *args: object) -> None:
-    """Await ``fn(*args)`` with the drive's guard left and the drive parked (see :class:`_AsyncDrive`)."""
+async def _outside(
+    drive: _AsyncDrive | None, parked: _Parked, fn: Callable[..., Any], *args: object, keep_guard: bool = False
+) -> None:
+    """Await ``fn(*args)`` with the drive parked (see :class:`_AsyncDrive`) and its guard left, unless
+    ``keep_guard`` (a teardown's wait, which holds every Ctrl-C, in a loop that cannot be closed under it)."""
     if drive is None:  # a step run on its own (tests)
         await fn(*args)
         return
-    drive.guard.pause()
+    if not keep_guard:
+        drive.guard.pause()
     drive.slot["parked"] = parked  # one store: a closer may pop it once the loop is closed
     try:
         await fn(*args)
     finally:
         if drive.slot.pop("parked", None) is None:
             raise _Abandoned  # taken over: unwind without touching the lifecycle
-        drive.guard.resume()
+        if not keep_guard:
+            drive.guard.resume()
 
 
 class _Abandoned(GeneratorExit):
@@ -450,6 +546,20 @@ class _AsyncDrive:
             return next(self.lifecycle) if ran is None else self.lifecycle.send(ran)
         finally:
             DRIVING.reset(token)
+
+    def throw(self, exc: BaseException) -> Step:
+        token = DRIVING.set(self)
+        try:
+            return self.lifecycle.throw(exc)
+        finally:
+            DRIVING.reset(token)
+
+    def abandonable(self) -> bool:
+        """Whether its loop can be closed under it: one the caller runs by hand (Python's own SIGINT
+        handler is the one replaced) or a trio guest run's host; not asyncio.run's, nor trio.run."""
+        previous = _Guard.previous
+        runner = getattr(getattr(previous, "func", None), "__self__", None)
+        return self.loop is not None and not isinstance(runner, asyncio.Runner)
 
     def stopped(self) -> bool:
         """Parked in an await of a closed loop: it will never drive again."""
@@ -494,12 +604,25 @@ async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[obje
 
 
 async def _drive_async(drive: _AsyncDrive) -> Any:
+    """As :func:`_drive`, from an anyio task (a drive taken over by a closer is left to it)."""
+    taken = False
     try:
         step = drive.send(None)
         while True:
-            step = drive.send(await run_async(step, drive))
+            try:
+                ran = await run_async(step, drive)
+            except _Abandoned:
+                taken = True
+                raise
+            except BaseException as exc:
+                step = drive.throw(exc)
+            else:
+                step = drive.send(ran)
     except StopIteration as stop:
         return stop.value
+    finally:
+        if not taken:
+            drive.lifecycle.close()
 
 
 # -- detached sequences (a background pool's conductor) --------------------------------------------
@@ -536,7 +659,7 @@ def _detach(step: Detach) -> Ran:
     try:
         threads.start(body, name=step.name)
         ran.started = 1
-    except Exception as exc:  # e.g. "can't start new thread"
+    except (RuntimeError, MemoryError) as exc:  # "can't start new thread"; a signal handler's error is an interrupt
         ran.start_errors.append(exc)
     except BaseException as exc:  # an interrupt inside Thread.start: the thread may run or not
         ran.interrupts.append(exc)

@@ -140,6 +140,11 @@ class PinSession:
         self.raised: list[BaseException] = []
         self._pin_started, self.pin_seconds, self.unpin_seconds = time.perf_counter(), 0.0, 0.0
         self._failed_before, self._teardown_started = 0, 0.0
+        self.calls: dict[int, tuple[str, int, int, float]] = {}  # by thread: op, ptr, nbytes, start
+        # A resumable teardown: its queue, the threads unpinning now, its failures once closed.
+        self._unpin_queue: collections.deque[int] | None = None
+        self._unpinners: set[int] = set()
+        self._teardown_failures: tuple[ChunkFailure, ...] = ()
         # The stall budget: every register and populate call sized to fit max_call_seconds.
         # An "auto" budget that yields to an explicit chunk option leaves registrations as planned.
         budget = options.max_call_seconds
@@ -189,10 +194,12 @@ class PinSession:
         if op.before is not None:
             op.before()
         observer.call_started()
-        started = time.perf_counter()
+        started, me = time.perf_counter(), threading.get_ident()
         try:
+            self.calls[me] = (op.name, ptr, nbytes, started)
             answer = untrusted_call(op.call, op.name, ptr, nbytes)
         finally:
+            self.calls.pop(me, None)
             observer.call_ended()
         if answer.raised is not None:
             self.raised.append(answer.raised)
@@ -460,11 +467,12 @@ class PinSession:
             # pinpool bug). Roll back what is known to be registered; the lifecycle reports it.
             return self.ledger.abort()
 
-    def begin_teardown(self) -> tuple[Callable[[], None], ...]:
+    def begin_teardown(self, *, join: bool = True) -> tuple[Callable[[], None], ...]:
         """What the unpin threads run: every registered chunk, from one queue in reverse offset order.
-        Empty with nothing to undo, once closed, and in a forked child (the parent's registrations)."""
+        Empty with nothing to undo, once closed, and in a forked child (the parent's registrations).
+        Again, it resumes: workers still running share their queue (``join``: one more body waits for them)."""
         ledger = self.ledger
-        with self._changed:
+        with self.lock:  # the C lock, not the Condition: see stop()
             if ledger.phase is Phase.PINNING:
                 self._finish_pinning_locked()
             if ledger.phase is Phase.CLOSED:
@@ -472,38 +480,66 @@ class PinSession:
             if os.getpid() != self.pid:
                 ledger.disown()
                 return ()
-            order = ledger.teardown_order()
-            self._failed_before = len(ledger.failures)
-        self._teardown_started = time.perf_counter()
-        pending = collections.deque(order)
+            if self._unpin_queue is None:
+                self._failed_before = len(ledger.failures)
+                self._teardown_started = time.perf_counter()
+            busy = frozenset(self._unpinners)
+            pending = self._unpin_queue
+            if pending is None or not busy:
+                if pending is not None:
+                    pending.clear()  # a worker of an earlier attempt that starts only now finds nothing
+                pending = self._unpin_queue = collections.deque(ledger.teardown_order())
+            count = min(self.unpin_workers, len(pending))
         unpinning = _Work(
             take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk,
             failed=self._unpin_failed, keep=lambda _: None, land=functools.partial(self._land_unpinned, pending),
             stops=False,
         )  # fmt: skip
-        return tuple(functools.partial(self._run, unpinning) for _ in range(min(self.unpin_workers, len(order))))
+        bodies = tuple(functools.partial(self._unpin, unpinning) for _ in range(count))
+        return bodies + ((functools.partial(self._join_unpinners, busy),) if busy and join else ())
 
-    def end_teardown(self, crashed: Sequence[BaseException] = ()) -> tuple[ChunkFailure, ...]:
-        """Close the books once every unpin thread is done; returns this teardown's unregister failures.
-        A chunk still registered here (an unpin worker crashed: a pinpool bug) is reported leaked."""
-        ledger = self.ledger
+    def _unpin(self, work: _Work[int, _Unpinned]) -> None:
+        try:
+            self._unpinners.add(threading.get_ident())  # one C call: on the books, or not at all
+            self._run(work)
+        finally:
+            with self.lock:
+                self._unpinners.discard(threading.get_ident())
+                self._changed.notify_all()
+
+    def _join_unpinners(self, busy: frozenset[int]) -> None:  # workers of an earlier attempt
         with self._changed:
+            self._changed.wait_for(lambda: not busy & self._unpinners)
+
+    def end_teardown(
+        self, crashed: Sequence[BaseException] = (), *, abandoned: bool = False
+    ) -> tuple[ChunkFailure, ...]:
+        """Close the books once every unpin thread is done (or ``abandoned`` in its calls); returns the
+        teardown's unregister failures (again once closed). A chunk still registered here is leaked."""
+        ledger = self.ledger
+        with self.lock:
             if ledger.phase is Phase.CLOSED:
-                return ()
+                return self._teardown_failures
+            why = (
+                "the teardown was abandoned (Ctrl-C) while an unregister call had not returned" if abandoned
+                else "the finalizer found an unpin worker still in a call" if self._unpinners
+                else f"an unpin worker crashed ({foreign_text(crashed, repr)})"
+            )  # fmt: skip
             before = ledger.pinned_bytes
             for index in ledger.teardown_order():
                 chunk = ledger.chunks[index]
                 ledger.unregister_failed(
                     index,
                     RuntimeCallError(
-                        op="unregister", code=-1, reason="InternalError", ptr=self.base_ptr + chunk.offset,
-                        nbytes=chunk.nbytes,
-                        message=f"never unregistered: an unpin worker crashed ({foreign_text(crashed, repr)})",
+                        op="unregister", code=-1, reason="Abandoned" if abandoned else "InternalError",
+                        ptr=self.base_ptr + chunk.offset, nbytes=chunk.nbytes, message=f"never unregistered: {why}",
                     ),
                 )  # fmt: skip
+            if self._unpin_queue is not None:
+                self._unpin_queue.clear()  # an abandoned worker whose call returns takes nothing more
             ledger.close()
             self.unpin_seconds += time.perf_counter() - self._teardown_started
-            failures = tuple(ledger.failures[self._failed_before :])
+            failures = self._teardown_failures = tuple(ledger.failures[self._failed_before :])
             moved = ledger.pinned_bytes - before
         self.observer.pinned_moved(moved)
         return failures
@@ -546,12 +582,10 @@ class PinSession:
         """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
         the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
         ledger, observer = self.ledger, self.observer
-        if unstarted:
-            with self.lock:
-                pending.extendleft(reversed(unstarted))
-        if not done:
-            return
         with self.lock:
+            if ledger.phase is Phase.CLOSED:
+                return  # abandoned: these chunks are booked leaked already, their memory kept
+            pending.extendleft(reversed(unstarted))
             before = ledger.pinned_bytes
             for unpinned in done:
                 ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
@@ -560,6 +594,8 @@ class PinSession:
                 else:
                     ledger.unregister_failed(unpinned.index, unpinned.error)
             moved = ledger.pinned_bytes - before
+        if not done:
+            return
         observer.pinned_moved(moved)
         for unpinned in done:
             for piece, answer in unpinned.released:

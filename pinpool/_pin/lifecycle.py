@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from .memory_source import PoolMemory
 
 ProgressCallback = Callable[[int, int, int, int], object]
+TEARDOWN_TRIES = 3  # a teardown something raised in resumes at once this often, then hands it over
+ABANDON_AFTER_CTRL_C = 3  # Ctrl-Cs held while a teardown waits on a runtime call: the last gives up on it
 
 
 class Lifecycle:
@@ -114,19 +116,21 @@ class Lifecycle:
         yield from self.gate.enter(self.name, self.describe, self._enter_gated, self.exit)
 
     def _enter_gated(self) -> Steps[None]:
-        with self._lock:
-            if self.state is not PoolState.NEW:
-                raise PoolStateError(
-                    f"pool {self.name!r} is {self.state.value}: a PinnedPool is entered once; "
-                    "create a new PinnedPool to pin again"
-                )
-            self._move(PoolState.PINNING)
-            self._driven = True
-            self._pid = os.getpid()
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
         try:
+            with self._lock:
+                if self.state is not PoolState.NEW:
+                    raise PoolStateError(
+                        f"pool {self.name!r} is {self.state.value}: a PinnedPool is entered once; "
+                        "create a new PinnedPool to pin again"
+                    )
+                self._move(PoolState.PINNING)
+                mine = self._driven = True
+                self._pid = os.getpid()
             yield from self._enter()
         finally:
-            self._driven = False
+            if mine:
+                self._driven = False
 
     def _enter(self) -> Steps[None]:
         try:
@@ -306,6 +310,7 @@ class Lifecycle:
                 return
             if self._orphaned:
                 action = "teardown"
+                self._driven = True  # a close() meanwhile waits for it
             elif error is None:  # EXITED, or stopped by the thread that entered: the stopper tears down
                 action = "leave"
             else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
@@ -316,7 +321,10 @@ class Lifecycle:
             assert error is not None
             self.observer.failed_in_background(error)
         elif action == "teardown":
-            yield from self._unpin_all(session)
+            try:
+                yield from self._unpin_all(session)
+            finally:
+                self._driven = False
 
     def _stop_for_shutdown(self, session: PinSession) -> None:
         """The interpreter is exiting: stop pinning after the current calls (the finalizer unpins)."""
@@ -350,27 +358,32 @@ class Lifecycle:
     def _leave(
         self, body_error: BaseException | None, closing: bool, raise_errors: bool
     ) -> Steps[BaseException | None]:
-        with self._lock:
-            state = self.state
-            if state is PoolState.CLOSED:
-                return None
-            if state is PoolState.NEW:
-                if not closing:
-                    raise PoolStateError(f"pool {self.name!r} is new: it can be exited only after it was entered")
-                self.source.release()
-                self._move(PoolState.CLOSED)
-                return None
-            wait = state is PoolState.CLOSING or self._driven  # the finalizer tears it down
-            if not wait:
-                self._driven = True
-        if wait:
-            ran = yield RunThreads(bodies=(self._closed.wait,), name=f"pinpool-{self.name}-close")
-            if ran.interrupts:
-                raise ran.interrupts[0]
-            return None
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
         try:
+            while not mine:
+                with self._lock:
+                    state = self.state
+                    if state is PoolState.CLOSED:
+                        return None
+                    if state is PoolState.NEW:
+                        if not closing:
+                            raise PoolStateError(
+                                f"pool {self.name!r} is new: it can be exited only after it was entered"
+                            )
+                        self.source.release()
+                        self._move(PoolState.CLOSED)
+                        return None
+                    if not self._driven:  # CLOSING too: a teardown something raised in resumes here
+                        mine = self._driven = True
+                        continue
+                # The finalizer (or an orphan's conductor) tears it down: wait until it is closed, or lets go.
+                ran = yield RunThreads(bodies=(self._wait_undriven,), name=f"pinpool-{self.name}-close")
+                if ran.interrupts:
+                    raise ran.interrupts[0]
             session = self.session
-            assert session is not None
+            if session is None:  # an entry interrupted before its session existed, and its cleanup too
+                self._close_empty()
+                return None
             interrupts: list[BaseException] = []
             if self.background:
                 interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
@@ -379,7 +392,12 @@ class Lifecycle:
             interrupts += more
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
-            self._driven = False
+            if mine:
+                self._driven = False
+
+    def _wait_undriven(self) -> None:
+        while not self._closed.wait(0.05) and self._driven:
+            pass
 
     def _let_go_in_child(self) -> None:
         """A forked child exits or closes its copy of the parent's pool: it only drops its references
@@ -437,37 +455,61 @@ class Lifecycle:
     # -- teardown ----------------------------------------------------------------------------------
 
     def _unpin_all(
-        self, session: PinSession, *, move: bool = True
+        self, session: PinSession, *, join: bool = True
     ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
         """Teardown or rollback: unregister everything, then :meth:`_close`; returns its UnpinError and
-        the interruptions, with what the runtime raised that is no Exception (raised as itself later)."""
-        if move:
+        the interruptions, with what the runtime raised that is no Exception (raised as itself later).
+        Whatever pinpool's own code raises meanwhile (a signal handler's TimeoutError, no stack or memory
+        left) is an interruption too: the teardown resumes, TEARDOWN_TRIES times at most, then hands it
+        over with the pool CLOSING, for a later exit, close() or the finalizer to finish."""
+        if self.state is not PoolState.CLOSING:
             self._move(PoolState.CLOSING)
-        ran = yield RunThreads(bodies=session.begin_teardown(), name=f"pinpool-{self.name}-unpin")
-        failures = session.end_teardown(ran.crashed)
-        interrupts = [*ran.interrupts, *session.take_raised()]
-        return self._close(session, failures), interrupts
+        interrupts: list[BaseException] = []
+        held = functools.partial(self._held, session)
+        for attempt in range(TEARDOWN_TRIES):
+            try:
+                ran = yield RunThreads(
+                    bodies=session.begin_teardown(join=join), name=f"pinpool-{self.name}-unpin", on_held=held
+                )
+                interrupts += ran.interrupts
+                failures = session.end_teardown(ran.crashed, abandoned=ran.abandoned)
+                interrupts += session.take_raised()
+                return self._close(session, failures), interrupts
+            except GeneratorExit:
+                raise  # the driver is gone: a later exit, close() or the finalizer resumes
+            except BaseException as exc:
+                if attempt == TEARDOWN_TRIES - 1:
+                    raise
+                interrupts.append(exc)
+        raise AssertionError("unreachable")
+
+    def _held(self, session: PinSession, count: int) -> bool:
+        """Teardown waits on its unpin threads while ``count`` Ctrl-Cs are held: say once what it waits
+        on; at ABANDON_AFTER_CTRL_C give up waiting (the chunks left are reported leaked)."""
+        self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
+        return count >= ABANDON_AFTER_CTRL_C
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books after teardown and let the memory go, unless a chunk leaked (then it stays
         mapped and claimed). Returns the UnpinError of a pool that had been handed out (after a
         rollback, the PinError that follows reports them in ``leaked``)."""
         memory, handed_out = self.memory, self._handed_out
-        self.tensors = self.memory = None
-        assert memory is not None
         leaked = session.ledger.leaked()
-        self.observer.unpinned(
-            nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
-            leaked_bytes=sum(c.nbytes for c in leaked), pinned=handed_out,
-        )  # fmt: skip
-        if leaked:
-            memory.keep_forever()  # its bytes may still be pinned: the budget share stays counted too
-        else:
-            PINNED_RANGES.pop(memory.address)
-        self.pacing.release_budget(keep=bool(leaked))
+        if memory is not None:  # None: a first try got this far (each step below may be taken twice)
+            self.observer.unpinned(
+                nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
+                leaked_bytes=sum(c.nbytes for c in leaked), pinned=handed_out,
+            )  # fmt: skip
+            if leaked:
+                memory.keep_forever()  # its bytes may still be pinned: the budget share stays counted too
+            else:
+                PINNED_RANGES.pop(memory.address)
+            self.pacing.release_budget(keep=bool(leaked))
+            self.tensors = self.memory = None
         del memory
         self.source.release()  # after this the pool holds nothing of the caller's
-        self._move(PoolState.CLOSED)
+        if self.state is not PoolState.CLOSED:
+            self._move(PoolState.CLOSED)
         if not failures or not handed_out:
             return None
         return unpin_error(self.name, failures, leaked)
@@ -494,33 +536,37 @@ class Lifecycle:
         if (yield from self.gate.take_over()):  # its async driver stopped half-way: finished here
             warn_unclosed(self.name, self.created_at, "was left half-entered or half-exited by a task whose event "
                           "loop was closed; its finalizer finished that")  # fmt: skip
-        with self._lock:
-            session = self.session
-            state = self.state
-            if self._driven or session is None or state not in (PoolState.READY, PoolState.PINNING, PoolState.FAILED):
-                return  # a driver owns it (and will finish or roll back), or there is nothing to undo
-            orphaned = state is PoolState.PINNING and self._conducting
-            if orphaned:
-                # Background pinning goes on: its conductor undoes it when done. Waiting for it
-                # here could deadlock (a collection may run on the conductor's own thread).
-                self._orphaned = True
-            else:
-                self._move(PoolState.CLOSING)
-                self._driven = True
-        if orphaned:
-            self.pacing.cancel.set()
-            session.stop(StopCause.COLLECTED)
-            warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
-            return
-        unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
         try:
+            with self._lock:
+                session = self.session
+                state = self.state
+                if self._driven or session is None or state in (PoolState.NEW, PoolState.CLOSED):
+                    return  # a driver owns it (and will finish or roll back), or there is nothing to undo
+                orphaned = state is PoolState.PINNING and self._conducting
+                if orphaned:
+                    # Background pinning goes on: its conductor undoes it when done. Waiting for it
+                    # here could deadlock (a collection may run on the conductor's own thread).
+                    self._orphaned = True
+                else:
+                    if state is not PoolState.CLOSING:  # CLOSING: a teardown something raised in, resumed here
+                        self._move(PoolState.CLOSING)
+                    mine = self._driven = True
+            if orphaned:
+                self.pacing.cancel.set()
+                session.stop(StopCause.COLLECTED)
+                warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
+                return
+            unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
             # Unpin first: a warning turned into an error must not keep memory pinned.
-            yield from self._unpin_all(session, move=False)  # nobody to raise to: logged and counted
+            # Nobody to raise to: logged and counted. Inline, it cannot wait for a worker left in a call.
+            yield from self._unpin_all(session, join=False)
         finally:
-            self._driven = False
+            if mine:
+                self._driven = False
         if unseen is not None:
             warn_unclosed(
                 self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"

@@ -272,6 +272,9 @@ class RunThreads:
     on_interrupt: Callable[[], None] = lambda: None
     on_tick: Callable[[], None] | None = None
     on_started: Callable[[], None] = lambda: None  # every thread is started (or no more will be)
+    # A teardown: the number of Ctrl-Cs held while it waits, at each new one; True abandons the wait
+    # (its threads, daemons, are left in their calls).
+    on_held: Callable[[int], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -288,13 +291,15 @@ class Detach:
 @dataclass
 class Ran:
     """What happened while a step ran: interruptions (first first), bodies that raised, errors starting
-    threads, and for :class:`Detach` the thread's handle (even when starting it was interrupted)."""
+    threads, and for :class:`Detach` the thread's handle (even when starting it was interrupted).
+    What the driver could not finish (an exception recurring) is thrown into the lifecycle instead."""
 
     interrupts: list[BaseException] = field(default_factory=list)
     crashed: list[BaseException] = field(default_factory=list)
     start_errors: list[BaseException] = field(default_factory=list)
     started: int = 0
     detached: Joinable | None = None
+    abandoned: bool = False  # on_held gave up waiting: threads may still be in a runtime call
 
 
 Step = RunThreads | Detach

@@ -1,0 +1,74 @@
+"""A runtime call that never returns (a wedged driver) during teardown: the first Ctrl-C is logged
+(``pool.unpin.waiting``, naming the call), the third abandons the teardown, reporting the leak,
+and the process exits (the wedged unpin worker is a daemon). Real SIGINTs to a child process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, logging, sys, threading
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+    import pinpool
+    from pinpool.testing import FakeRuntime
+
+    def before(op, ptr, nbytes):
+        if op == "unregister":
+            print("wedged", flush=True)
+            threading.Event().wait()  # never returns
+
+    fake = FakeRuntime(before_call=before)
+    pool = pinpool.PinnedPool(size="64MiB", chunk_bytes="8MiB", runtime=fake, registry=None, unpin_workers=1)
+
+    async def body():
+        async with pool:
+            pass
+
+    try:
+        if sys.argv[1] == "sync":
+            with pool:
+                pass
+        elif sys.argv[1] == "asyncio":
+            asyncio.run(body())
+        else:
+            import trio
+            trio.run(body)
+    finally:
+        print("state", pool.state.value, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("driver", ["sync", "asyncio", "trio"])
+def test_three_ctrl_c_abandon_a_wedged_teardown(driver: str) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "wedged"
+        lines = []
+        child.send_signal(signal.SIGINT)
+        for line in child.stdout:  # the first Ctrl-C is told, with the call it waits on
+            lines.append(line)
+            if "pool.unpin.waiting" in line:
+                break
+        assert "op='unregister'" in lines[-1] and "abandon_after=3" in lines[-1], lines
+        for _ in range(2):
+            time.sleep(0.2)
+            child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert "state closed" in out, out
+    assert "UnpinError" in out and "(Abandoned)" in out and "may still be pinned" in out, out
+    assert child.returncode in ((1,) if driver == "asyncio" else (-signal.SIGINT, 130)), (child.returncode, out)
