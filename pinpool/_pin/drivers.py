@@ -1,17 +1,12 @@
 """The drivers: run a lifecycle's steps with ``async with`` (anyio), ``with``, or inline (the finalizer).
 
-A driver runs a step's bodies on tracked threads and waits for *every one*: the first interruption
-(cancellation, Ctrl-C, ``SystemExit``, ``on_tick`` raising) calls ``on_interrupt``; all are reported
-back, and the lifecycle re-raises once its books close. Threads are on the books *before*
-``Thread.start`` (a Ctrl-C can land inside it) and pass a gate the starter can close; completion is
-a C lock, not ``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274).
-
-Ctrl-C lands between any two bytecodes, so under :class:`guard` SIGINT goes to :func:`_handler`,
-which reads its frames as trio's KI protection does: in :func:`protected` code it is deferred to the
-next safe point or the driver's end; in :func:`safe` code (the wait for pinning threads) and elsewhere
-it goes to the replaced handler. An entry that completes with a Ctrl-C deferred is undone (``undo``)
+A driver runs a step's bodies on tracked threads (:mod:`.threads`) and waits for *every one*: the
+first interruption (cancellation, Ctrl-C, ``SystemExit``, ``on_tick`` raising) calls ``on_interrupt``;
+all are reported back, and the lifecycle re-raises once its books close. Ctrl-C in pinpool's own code
+is deferred (:mod:`.sigint`). An entry that completes with a Ctrl-C deferred is undone (``undo``)
 first: a ``with`` whose ``__enter__`` raises never exits. An async driver holds the guard only between
-awaits: a task that never resumes (its loop closed) leaves no handler of ours behind.
+awaits (a task that never resumes, its loop closed, leaves no handler of ours behind), except while a
+teardown waits in a loop that cannot be closed under it (``asyncio.run``'s, ``trio.run``'s).
 """
 
 from __future__ import annotations
@@ -20,12 +15,9 @@ import asyncio
 import contextlib
 import functools
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Generator
-from types import CodeType, FrameType
 from typing import Any, TypeVar
 
 import anyio
@@ -34,223 +26,12 @@ import anyio.lowlevel
 from .._errors import PoolStateError
 from .gates import DRIVING
 from .outcome import Detach, Ran, RunThreads, Step, Steps
-
-# -- Ctrl-C: deferred in pinpool's own code, delivered at safe points ----------------------------
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-_PROTECTED: set[CodeType] = set()
-_SAFE: set[CodeType] = set()
-
-
-def protected(fn: F) -> F:
-    """Mark ``fn``: a SIGINT landing in it, or in anything it calls, is deferred while a guard is installed."""
-    _PROTECTED.add(fn.__code__)
-    return fn
-
-
-def safe(fn: F) -> F:
-    """Mark ``fn`` a safe point: a SIGINT landing in it, or in what it calls, is delivered at once."""
-    _SAFE.add(fn.__code__)
-    return fn
-
-
-class _Guard:
-    """The one installed handler's state (only the main thread touches it)."""
-
-    depth = 0  # nested guards (a finalizer or a signal handler's close() inside a driver)
-    previous: Callable[[int, FrameType | None], Any] | None = None
-    pending = 0  # SIGINTs recorded in protected code and not yet replayed
-    owner = 0  # the thread that installed it (a forked child may not have it)
-    holding = 0  # teardown waits (hold_interrupts) under way: every SIGINT is held, wherever it lands
-
-
-def _deferring(frame: FrameType | None) -> bool:
-    while frame is not None:
-        code = frame.f_code
-        if code in _SAFE:
-            return False
-        if code in _PROTECTED:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _handler(signum: int, frame: FrameType | None) -> None:
-    if _Guard.holding or _deferring(frame):
-        _Guard.pending += 1  # one store: this handler itself runs between two bytecodes
-        return
-    previous = _Guard.previous
-    if previous is not None:
-        previous(signum, frame)
-
-
-def replay() -> None:
-    """Deliver a deferred SIGINT now through the replaced handler (``KeyboardInterrupt``, or under
-    ``asyncio.run`` a cancelled main task), where the caller catches what it raises."""
-    previous = _Guard.previous
-    if _Guard.pending and previous is not None and threading.current_thread() is threading.main_thread():
-        _Guard.pending = 0
-        previous(signal.SIGINT, sys._getframe(1))
-
-
-class guard:
-    """Install the deferring handler for the block (main thread only; nested guards share it), from
-    :func:`protected` code. Leaving the outermost guard restores the replaced handler, then replays a
-    deferred signal (one landing between the two goes to that handler: nothing lost); a block already
-    raising ``KeyboardInterrupt`` drops it, as does ``drop`` (a finalizer: Python would print what it
-    raises as "Exception ignored"). A class, not a generator: ``__enter__`` installs in its last step,
-    so nothing lands between the install and the block, where ``__exit__`` would not run."""
-
-    installed = False
-
-    def __init__(self, *, drop: bool = False) -> None:
-        self.drop = drop
-
-    def __enter__(self) -> guard:
-        self.installed = _install()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if not self.installed:
-            return
-        if kind is not None and issubclass(kind, KeyboardInterrupt):
-            _Guard.pending = 0
-        _leave(drop=self.drop)
-
-    def pause(self) -> None:
-        """Leave (and replay) for an await: the loop's own handler is back while control is in the loop."""
-        if self.installed:
-            self.installed = False
-            _leave(drop=self.drop)
-
-    def resume(self) -> None:
-        self.installed = _install()
-
-
-def _install() -> bool:
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    if _Guard.depth:
-        _Guard.depth += 1
-        return True
-    try:
-        current = signal.getsignal(signal.SIGINT)
-    except (ValueError, TypeError):  # the signal module at interpreter shutdown
-        return False
-    if not callable(current) or current is _handler:
-        return False  # SIG_IGN / SIG_DFL / None: nothing to defer; ours (a stale install): leave it
-    _Guard.previous = current
-    _Guard.pending = 0
-    _Guard.owner = threading.get_ident()
-    try:
-        _Guard.depth = 1
-        signal.signal(signal.SIGINT, _handler)
-    except BaseException:
-        _Guard.depth = 0
-        raise
-    return True
-
-
-def _leave(*, drop: bool = False) -> None:
-    _Guard.depth -= 1
-    if _Guard.depth:
-        return  # a signal deferred meanwhile stays for the outer guard
-    _Guard.holding = 0  # a wait that never said it ended holds nothing once no guard is left
-    if drop:
-        _Guard.pending = 0
-    previous = _Guard.previous
-    if signal.getsignal(signal.SIGINT) is _handler and previous is not None:
-        signal.signal(signal.SIGINT, previous)
-    replay()
-
-
-# -- worker threads: tracked before they can run, waited for through one Event -------------------
-
-_POLL_SECONDS = 0.05
-PROGRESS_INTERVAL_SECONDS = 0.1
-_OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
-
-
-class Threads:
-    """A set of worker threads, waited for with :meth:`wait_done`."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0  # on the books and not done: passed its gate, or may still pass it
-        self.started = 0  # threads whose body ran (or runs)
-        self.errors: list[BaseException] = []
-        # Held while a thread is on the books. A C lock, not an Event: a signal handler raising in
-        # Event.wait (Python code) can leave its Condition's lock held, and every later wait hangs.
-        self._idle = threading.Lock()
-
-    def start(self, fn: Callable[[], object], *, name: str, daemon: bool = False) -> None:
-        """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
-        either runs ``fn`` and is waited for, or never runs it. ``daemon``: a thread a waiter may
-        abandon (a wedged runtime call), which must not keep the interpreter from exiting."""
-        gate = [_OPEN]
-
-        def run() -> None:
-            with self._lock:
-                if gate[0] is _CLOSED:
-                    return  # its start was given up: it must not touch anything
-                gate[0] = _PASSED
-                self.started += 1
-            try:
-                fn()
-            except BaseException as exc:  # recorded for the lifecycle; a worker has no caller to raise to
-                with self._lock:
-                    self.errors.append(exc)
-            finally:
-                self._one_done()
-
-        with self._lock:
-            self._running += 1
-            if self._running == 1:
-                self._idle.acquire()
-        try:
-            threading.Thread(target=run, name=name, daemon=daemon).start()
-        except BaseException:
-            with self._lock:
-                closed = gate[0] is _OPEN
-                gate[0] = _CLOSED if closed else gate[0]
-            if closed:  # else its body already began: it is waited for like any other
-                self._one_done()
-            raise
-
-    def _one_done(self) -> None:
-        with self._lock:
-            self._running -= 1
-            if self._running == 0:
-                self._idle.release()
-
-    def join(self) -> None:
-        """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
-        while not self.wait_done(_POLL_SECONDS):
-            pass
-
-    @property
-    def done(self) -> bool:
-        return self._running == 0
-
-    def wait_done(self, timeout: float) -> bool:
-        """Whether every thread is done, waiting at most ``timeout`` seconds."""
-        if self._idle.acquire(timeout=timeout):
-            self._idle.release()
-        return self._running == 0
-
-    def wait(self, on_tick: Callable[[], object] | None = None) -> None:
-        """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
-        last_tick = time.monotonic()
-        while not self.wait_done(_POLL_SECONDS):
-            if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
-                last_tick = time.monotonic()
-                on_tick()
-
+from .sigint import _Guard, guard, protected, replay, safe
+from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads
 
 # -- the drivers ----------------------------------------------------------------------------------
 
-ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
+ASYNCPOLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
 # A driver's retry loops (a stop asked again, a wait resumed, an inline body rerun) try this often, then
 # raise: an exception that recurs every time (no stack left, no memory) is handed to the lifecycle.
 TRIES = 5
@@ -366,7 +147,7 @@ class _Recurring:
         if not isinstance(exc, Exception):
             return  # cancellations and Ctrl-Cs are absorbed however many come
         now = time.monotonic()
-        self.count = self.count + 1 if now - self.last < _POLL_SECONDS else 1
+        self.count = self.count + 1 if now - self.last < POLL_SECONDS else 1
         self.last = now
         if self.count >= TRIES:
             raise exc
@@ -375,7 +156,7 @@ class _Recurring:
 def _wait_holding(step: RunThreads, threads: Threads) -> bool:
     """Wait for the threads (Ctrl-C is held: this is protected code); False if ``on_held`` abandoned them."""
     seen, holds = 0, _holds(step)
-    while not threads.wait_done(_POLL_SECONDS):
+    while not threads.wait_done(POLL_SECONDS):
         seen, abandon = _held(step, seen) if holds else (0, False)
         if abandon:
             return False
@@ -445,7 +226,7 @@ async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
         return _detach(step)  # starting a thread does not wait
     threads, ran, interrupted = _launch(step)
     parked = (step, threads, ran, interrupted)
-    # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
+    # It polls (1 ms growing to ASYNCPOLL_SECONDS) rather than wait on a worker thread: one
     # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
     # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
     # A teardown (on_held) holds every Ctrl-C meanwhile, even one landing in the loop's own code.
@@ -462,7 +243,7 @@ async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
                 if not shielded:
                     replay()  # a Ctrl-C deferred while the step was launched stops it now
                 await _outside(drive, parked, _sleep, delay, shielded, keep_guard=holding)
-                delay = min(delay * 2, ASYNC_POLL_SECONDS)
+                delay = min(delay * 2, ASYNCPOLL_SECONDS)
                 if (
                     not shielded
                     and step.on_tick is not None
@@ -681,15 +462,10 @@ def _stop_running() -> None:
 
 def _forget_in_child() -> None:
     """A forked child has only the thread that forked: the parent's conductors do not run in it (their
-    stops, run at its exit, could wait on a lock one of them held at the fork), and a guard that
-    another thread installed is never left there, so its handler would defer Ctrl-C for good."""
+    stops, run at its exit, could wait on a lock one of them held at the fork)."""
     global _running_lock
     _RUNNING.clear()
     _running_lock = threading.Lock()
-    if _Guard.depth and _Guard.owner != threading.get_ident():
-        _Guard.depth = _Guard.pending = 0
-        if signal.getsignal(signal.SIGINT) is _handler and _Guard.previous is not None:
-            signal.signal(signal.SIGINT, _Guard.previous)
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

@@ -30,7 +30,7 @@ pytestmark = needs_mlock
 ABANDON = """
 import asyncio, os, signal, sys, threading
 import trio
-from pinpool._pin import drivers
+from pinpool._pin import sigint
 loop = asyncio.new_event_loop()
 def stop_mid_open(pinned, total, chunks_done, chunks):
     if PHASE == "enter" and 0 < pinned < total:
@@ -54,7 +54,7 @@ loop.run_forever()
 loop.close()
 assert pool.state is (pinpool.PoolState.CLOSING if PHASE == "exit" else pinpool.PoolState.PINNING), pool.state
 handler = signal.getsignal(signal.SIGINT)
-assert handler is not drivers._handler, "pinpool's SIGINT handler is left installed"
+assert handler is not sigint._handler, "pinpool's SIGINT handler is left installed"
 if BACKEND == "asyncio":
     assert handler is signal.default_int_handler, handler
 print("ABANDONED", flush=True)

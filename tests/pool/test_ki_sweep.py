@@ -52,7 +52,7 @@ import torch
 import trio
 
 import pinpool
-from pinpool._pin import drivers as _ki
+from pinpool._pin import sigint as _ki
 from pinpool._pin import finalize_lifecycle
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime

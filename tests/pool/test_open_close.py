@@ -215,7 +215,7 @@ def test_a_forked_child_never_waits_for_or_touches_its_parents_pool(state: str, 
 @needs_mlock
 @pytest.mark.parametrize("step", ["claim", "scan", "map", "start", "views", "conductor"])
 def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pinpool._pin.drivers
+    import pinpool._pin.threads
     import pinpool._pin.lifecycle
     import pinpool._pin.memory_source
     import pinpool.runtimes._mlock
@@ -232,7 +232,7 @@ def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, mon
         "map": (pinpool._pin.memory_source, "HostMapping"),
         "start": (pinpool._pin.lifecycle, "PinSession"),
         "views": (pinpool._pin.memory_source, "MappingProxyType"),
-        "conductor": (pinpool._pin.drivers.Threads, "start"),
+        "conductor": (pinpool._pin.threads.Threads, "start"),
     }[step]
     background = step in ("views", "conductor")
 

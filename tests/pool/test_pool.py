@@ -20,7 +20,7 @@ import pytest
 import pinpool
 from pinpool import layouts
 from pinpool._host import HostMapping
-from pinpool._pin import drivers as _ki
+from pinpool._pin import sigint as _ki
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
@@ -39,7 +39,7 @@ class CtrlC:
     so it lands in that call's step however loaded the machine is: a timer's fixed delay did not
     (under parallel workers a late one fired after the pool was done, outside pytest.raises, and
     ended the whole run). ``taken`` counts the interrupts the main thread's handler took; one that
-    lands in pinpool's own code is deferred by it (``pinpool._pin.drivers``) and counts as landed then."""
+    lands in pinpool's own code is deferred by it (``pinpool._pin.sigint``) and counts as landed then."""
 
     def __init__(self, fake: FakeRuntime, at: set[tuple[str, int]], send: Callable[[], None] | None = None) -> None:
         main = threading.main_thread().ident

@@ -1,0 +1,108 @@
+"""Worker threads a driver waits for: on the books before ``Thread.start`` (an exception can land
+inside it) behind a gate the starter can close; waited for through a C lock and the books, never
+``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274) nor an
+Event (a signal handler raising inside ``Event.wait``, Python code, can leave its lock held).
+
+An exception can land between any two statements of the starter (a signal handler's, on the main
+thread), so the books are one dict, changed one store at a time, and the starter's waits reap a
+thread whose gate is still open once it is not alive (its start raised before or inside it): the
+count can never wait for a thread that will not come.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+POLL_SECONDS = 0.05
+PROGRESS_INTERVAL_SECONDS = 0.1
+_OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
+
+
+class Threads:
+    """A set of worker threads, waited for with :meth:`wait_done`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._books: dict[int, tuple[threading.Thread, list[str]]] = {}  # not done: may pass its gate, or did
+        self._owner = threading.get_ident()  # the starter: only it reaps (it is never inside start then)
+        self.started = 0  # threads whose body ran (or runs)
+        self.errors: list[BaseException] = []
+        self._idle = threading.Lock()  # held while the books are not empty: wakes a waiter at once
+
+    def start(self, fn: Callable[[], object], *, name: str, daemon: bool = False) -> None:
+        """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
+        either runs ``fn`` and is waited for, or never runs it. ``daemon``: a thread a waiter may
+        abandon (a wedged runtime call), which must not keep the interpreter from exiting."""
+        gate = [_OPEN]
+        key = id(gate)
+
+        def run() -> None:
+            with self._lock:
+                if gate[0] is _CLOSED:
+                    return  # its start was given up: it must not touch anything
+                gate[0] = _PASSED
+                self.started += 1
+            try:
+                fn()
+            except BaseException as exc:  # recorded for the lifecycle; a worker has no caller to raise to
+                with self._lock:
+                    self.errors.append(exc)
+            finally:
+                with self._lock:
+                    self._drop(key)
+
+        thread = threading.Thread(target=run, name=name, daemon=daemon)
+        try:
+            with self._lock:
+                self._books[key] = (thread, gate)
+                self._idle.acquire(blocking=False)
+            thread.start()
+        except BaseException:
+            with self._lock:
+                if gate[0] is _OPEN:  # else its body already began: it is waited for like any other
+                    gate[0] = _CLOSED
+                    self._drop(key)
+            raise
+
+    def _drop(self, key: int) -> None:  # under self._lock
+        self._books.pop(key, None)
+        if not self._books and self._idle.locked():
+            self._idle.release()
+
+    def _reap(self) -> None:
+        """Close the gate of a thread on the books that is not alive and never passed it."""
+        if threading.get_ident() != self._owner:
+            return
+        with self._lock:
+            for key, (thread, gate) in list(self._books.items()):
+                if gate[0] is _OPEN and not thread.is_alive():
+                    gate[0] = _CLOSED
+                    self._drop(key)
+
+    @property
+    def done(self) -> bool:
+        self._reap()
+        return not self._books
+
+    def wait_done(self, timeout: float) -> bool:
+        """Whether every thread is done, waiting at most ``timeout`` seconds."""
+        if self._books and self._idle.acquire(timeout=timeout):
+            self._idle.release()
+            if self._books:  # the lock missed a change (an exception between two stores): poll instead
+                time.sleep(min(timeout, 0.005))
+        return self.done
+
+    def join(self) -> None:
+        """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
+        while not self.wait_done(POLL_SECONDS):
+            pass
+
+    def wait(self, on_tick: Callable[[], object] | None = None) -> None:
+        """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
+        last_tick = time.monotonic()
+        while not self.wait_done(POLL_SECONDS):
+            if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
+                last_tick = time.monotonic()
+                on_tick()
