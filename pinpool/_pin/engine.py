@@ -30,7 +30,7 @@ from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
 from .pipeline import WAIT, Landing, Pipeline, _Wait, take_batch
-from .untrusted import Answer, untrusted_call
+from .untrusted import Answer, Op, untrusted_call
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
@@ -46,16 +46,6 @@ class Memory(Protocol):
     address: int
 
     def keep_forever(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class _Op:
-    """One kind of runtime call, as data for the one call wrapper (:meth:`PinSession._call`)."""
-
-    name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
-    call: Callable[[int, int], object]  # (ptr, nbytes); anything but None is the runtime's fault
-    took: Callable[[float], None] | None = None  # every call's time, failed or not
-    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
 
 
 class _Result(Protocol):
@@ -123,17 +113,16 @@ class PinSession:
         )
         register = cast(LocksOnFault, runtime).lock_on_fault if order is Order.REGISTER_FIRST else runtime.register
         pacer = Pacer(plan.duty_cycle)  # rests only below duty 1: a background pool under a small CPU quota
-        self._populate = _Op("populate", populate, pacer.took, pacer.before)
-        self._register = _Op("register", register, pacer.took, pacer.before)
-        self._unregister = _Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
+        self._populate = Op("populate", populate, pacer.took, pacer.before)
+        self._register = Op("register", register, pacer.took, pacer.before)
+        self._unregister = Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
         # Retry by halving, at most max_retries levels below each planned chunk: a bound per lineage,
         # not per pool, since many chunks meeting a size limit each need halving (SGLang's degradation).
         self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
         self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
         self._not_registered = caps.not_registered_codes
-        self._check_codes = caps.stale_codes
-        self._already_registered = caps.already_registered_codes
+        self._check_codes, self._already_registered = caps.stale_codes, caps.already_registered_codes
         self._max_depth = options.max_retries
         self.retries = 0
         # What the runtime raised that is no Exception (SystemExit, KeyboardInterrupt), in call order.
@@ -187,7 +176,7 @@ class PinSession:
             finally:
                 work.land(results, items[started:])
 
-    def _call(self, op: _Op, offset: int, nbytes: int) -> tuple[Answer, float]:
+    def _call(self, op: Op, offset: int, nbytes: int) -> tuple[Answer, float]:
         """One runtime call at ``offset``, classified by :func:`untrusted_call`; a non-``Exception`` it
         raised is kept in :attr:`raised`, for the pool's caller to raise again after teardown."""
         ptr, observer = self.base_ptr + offset, self.observer

@@ -17,6 +17,16 @@ _REPR.maxstring = _REPR.maxother = 80
 
 
 @dataclass(frozen=True)
+class Op:
+    """One kind of runtime call, as data for the one call wrapper (:meth:`~pinpool._pin.engine.PinSession._call`)."""
+
+    name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
+    call: Callable[[int, int], object]  # (ptr, nbytes); anything but None is the runtime's fault
+    took: Callable[[float], None] | None = None  # every call's time, failed or not
+    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
+
+
+@dataclass(frozen=True)
 class Answer:
     """One runtime call's answer: ``error`` (None: it returned None); ``maybe``: the call may have done
     its work; ``raised``: a non-``Exception`` it raised, to raise again where someone can handle it."""

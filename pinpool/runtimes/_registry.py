@@ -138,7 +138,7 @@ FAILURE_REASONS = frozenset({
     *(name for api in (CUDA, HIP) for name, _hint in api.errors.values()),
     *errno.errorcode.values(),  # mlock's, populate's
     *(name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException)),
-    "UnexpectedReturn", "InternalError",  # a runtime call's garbage return, a crashed unpin worker
+    "UnexpectedReturn", "InternalError", "Abandoned",  # a garbage return, a crashed unpin worker, a teardown given up
 })  # fmt: skip
 
 
