@@ -52,8 +52,8 @@ import torch
 import trio
 
 import pinpool
-from pinpool._pin import sigint as _ki
 from pinpool._pin import finalize_lifecycle
+from pinpool._pin import sigint as _ki
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 

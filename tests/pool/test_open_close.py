@@ -215,9 +215,9 @@ def test_a_forked_child_never_waits_for_or_touches_its_parents_pool(state: str, 
 @needs_mlock
 @pytest.mark.parametrize("step", ["claim", "scan", "map", "start", "views", "conductor"])
 def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pinpool._pin.threads
     import pinpool._pin.lifecycle
     import pinpool._pin.memory_source
+    import pinpool._pin.threads
     import pinpool.runtimes._mlock
 
     before, claimed = vmlck_kb(), PINNED_RANGES.snapshot()
