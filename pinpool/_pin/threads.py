@@ -4,28 +4,30 @@ inside it) behind a gate the starter can close; waited for through a C lock and 
 Event (a signal handler raising inside ``Event.wait``, Python code, can leave its lock held).
 
 An exception can land between any two statements of the starter (a signal handler's, on the main
-thread), so the books are one dict, changed one store at a time, and the starter's waits reap a
-thread whose gate is still open once it is not alive (its start raised before or inside it): the
-count can never wait for a thread that will not come.
+thread), so the starter and its waits take no lock: the books are one dict changed one store at a
+time, each gate is decided by one ``dict.setdefault``, and the starter's waits reap a thread whose
+gate is still open once it is not alive (its start raised before or inside it). No wait is left for
+a thread that will not come, and no lock is left held.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 
 POLL_SECONDS = 0.05
 PROGRESS_INTERVAL_SECONDS = 0.1
-_OPEN, _PASSED, _CLOSED = "open", "passed", "closed"
+_PASSED, _CLOSED = "passed", "closed"
 
 
 class Threads:
     """A set of worker threads, waited for with :meth:`wait_done`."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._books: dict[int, tuple[threading.Thread, list[str]]] = {}  # not done: may pass its gate, or did
+        self._lock = threading.Lock()  # workers' own counts (no exception is raised into a worker)
+        self._books: dict[int, tuple[threading.Thread, dict[str, str]]] = {}  # not done: may pass its gate, or did
         self._owner = threading.get_ident()  # the starter: only it reaps (it is never inside start then)
         self.started = 0  # threads whose body ran (or runs)
         self.errors: list[BaseException] = []
@@ -35,51 +37,46 @@ class Threads:
         """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
         either runs ``fn`` and is waited for, or never runs it. ``daemon``: a thread a waiter may
         abandon (a wedged runtime call), which must not keep the interpreter from exiting."""
-        gate = [_OPEN]
+        # The gate is decided by one C-level dict.setdefault, whoever comes first (the thread passing
+        # it, or the starter or a reaper closing it): no lock the starter could be left holding.
+        gate: dict[str, str] = {}
         key = id(gate)
 
         def run() -> None:
+            if gate.setdefault("state", _PASSED) is not _PASSED:
+                return  # its start was given up: it must not touch anything
             with self._lock:
-                if gate[0] is _CLOSED:
-                    return  # its start was given up: it must not touch anything
-                gate[0] = _PASSED
                 self.started += 1
             try:
                 fn()
             except BaseException as exc:  # recorded for the lifecycle; a worker has no caller to raise to
-                with self._lock:
-                    self.errors.append(exc)
+                self.errors.append(exc)
             finally:
-                with self._lock:
-                    self._drop(key)
+                self._drop(key)
 
         thread = threading.Thread(target=run, name=name, daemon=daemon)
         try:
-            with self._lock:
-                self._books[key] = (thread, gate)
-                self._idle.acquire(blocking=False)
+            self._books[key] = (thread, gate)
+            self._idle.acquire(blocking=False)
             thread.start()
         except BaseException:
-            with self._lock:
-                if gate[0] is _OPEN:  # else its body already began: it is waited for like any other
-                    gate[0] = _CLOSED
-                    self._drop(key)
+            if gate.setdefault("state", _CLOSED) is _CLOSED:  # else its body already began: waited for
+                self._drop(key)
             raise
 
-    def _drop(self, key: int) -> None:  # under self._lock
+    def _drop(self, key: int) -> None:
         self._books.pop(key, None)
         if not self._books and self._idle.locked():
-            self._idle.release()
+            with contextlib.suppress(RuntimeError):  # released by another thread's drop meanwhile
+                self._idle.release()
 
     def _reap(self) -> None:
         """Close the gate of a thread on the books that is not alive and never passed it."""
         if threading.get_ident() != self._owner:
             return
-        with self._lock:
-            for key, (thread, gate) in list(self._books.items()):
-                if gate[0] is _OPEN and not thread.is_alive():
-                    gate[0] = _CLOSED
-                    self._drop(key)
+        for key, (thread, gate) in list(self._books.items()):
+            if "state" not in gate and not thread.is_alive() and gate.setdefault("state", _CLOSED) is _CLOSED:
+                self._drop(key)
 
     @property
     def done(self) -> bool:
