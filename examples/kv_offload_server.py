@@ -29,9 +29,10 @@ layer, then V's.
 
 Pages become usable as the pool pins: ``/readyz`` says ``pinned_pages``. With a combined K/V
 buffer (every MHA layout here) page ``i`` needs its K slice and its V slice: pinpool interleaves
-K's and V's chunks, so page 0 is usable once the first chunk of each half is pinned. The 2 GiB
-default has two 1 GiB chunks, one per half, so its pages appear only in the second half of the
-pin; larger pools have more chunks per half and start sooner.
+K's and V's chunks, so page 0 is usable once the first chunk of each half is pinned. How many
+chunks the 2 GiB default has depends on the host (``pinpool plan --size 2GiB`` prints them: one
+2 GiB chunk on a 2-CPU host, so its pages appear only at the end of the pin); larger pools have
+more chunks per half and start sooner.
 
 The stall budget (``--max-call-seconds``, 50 ms by default) matters as much as
 ``background=True``: a pinning call holds the process's ``mmap_lock`` (and, under CUDA,

@@ -137,6 +137,7 @@ def plan_text(report: dict[str, Any]) -> list[str]:
         f"buffers ({len(r['buffers'])}):",
         *("  " + line for line in buffers),
     ]  # fmt: skip
+    threads = r["workers"]["threads"]
     details = [
         f"pages:     {r['num_pages']} of {format_bytes(r['page_bytes'])} ({r['page_bytes']} B)",
         f"mapping:   {format_bytes(r['mapping_bytes'])} ({r['mapping_bytes']} B), buffers aligned to "
@@ -146,7 +147,7 @@ def plan_text(report: dict[str, Any]) -> list[str]:
         f"why:       {r['registrations_reason']}",
         f"order:     {r['order']} (populate={r['populate']}, huge_pages={r['huge_pages']}, numa_node={r['numa_node']})",
         f"workers:   populate {r['workers']['populate']}, register {r['workers']['register']}, "
-        f"unpin {r['workers']['unpin']} ({r['workers']['threads']} pinning threads)",
+        f"unpin {r['workers']['unpin']} ({threads} pinning thread{'' if threads == 1 else 's'})",
         f"spans:     {r['spans']} of <= {format_bytes(r['span_bytes'])}, lookahead {format_bytes(r['lookahead_bytes'])}"
         if r["populate"]
         else "spans:     none (no pre-faulting: registration faults the pages)",

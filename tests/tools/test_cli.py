@@ -663,6 +663,14 @@ def test_plan_text_shows_buffers_and_the_chunk_tables_head_and_tail(capsys: pyte
     assert rows[0].split()[:3] == ["0", "kv", "0"] and rows[-1].split()[0] == "1535"
 
 
+@pytest.mark.parametrize(("workers", "said"), [("1", "(1 pinning thread)"), ("2", "(2 pinning threads)")])
+def test_plan_counts_its_pinning_threads_in_words(workers: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # It printed "1 pinning threads" (issue 34, item 9).
+    argv = ["plan", "--size", "64MiB", "--register-workers", workers, "--populate-workers", workers]
+    assert _cli.main(argv) == 0
+    assert said in capsys.readouterr().out
+
+
 def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["plan", "--size", "1GiB", "--runtime", "cuda", "--chunk-bytes", "256MiB", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
