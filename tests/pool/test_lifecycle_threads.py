@@ -103,7 +103,13 @@ def test_asyncio_timeout_during_exit_finishes_teardown_first() -> None:
 
 
 def test_native_cancel_during_pinning_rolls_back_and_never_enters() -> None:
-    fake = FakeRuntime(register_delay=0.01)
+    registering = threading.Event()  # the cancel lands once pinning is under way, not after a guessed time
+
+    def first_register(op: str, ptr: int, nbytes: int) -> None:
+        if op == "register":
+            registering.set()
+
+    fake = FakeRuntime(register_delay=0.01, before_call=first_register)
     pool = pinpool.PinnedPool(size=32 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2, registry=None)
     entered = []
 
@@ -113,7 +119,7 @@ def test_native_cancel_during_pinning_rolls_back_and_never_enters() -> None:
 
     async def main() -> None:
         task = asyncio.ensure_future(body())
-        await asyncio.sleep(0.03)
+        assert await asyncio.to_thread(registering.wait, 60)
         task.cancel()
         await asyncio.sleep(0.001)
         task.cancel()
