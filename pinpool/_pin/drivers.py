@@ -31,10 +31,13 @@ from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads
 
 # -- the drivers ----------------------------------------------------------------------------------
 
-ASYNCPOLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
+ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
 # A driver's retry loops (a stop asked again, a wait resumed, an inline body rerun) try this often, then
 # raise: an exception that recurs every time (no stack left, no memory) is handed to the lifecycle.
 TRIES = 5
+# What Thread.start raises when no thread can be had ("can't start new thread"); anything else it
+# raises (a signal handler's TimeoutError, a Ctrl-C) is an interruption, not a shortage of threads.
+START_ERRORS = (RuntimeError, MemoryError)
 T = TypeVar("T")
 Lifecycle = Generator[Step, Ran, T]
 
@@ -69,10 +72,7 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
         for i, body in enumerate(step.bodies):
             try:
                 threads.start(body, name=f"{step.name}-{i}", daemon=step.on_held is not None)
-            except (
-                RuntimeError,
-                MemoryError,
-            ) as exc:  # "can't start new thread": fewer workers; none at all is reported
+            except START_ERRORS as exc:  # fewer workers; none at all is reported
                 ran.start_errors.append(exc)
                 break
             except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
@@ -226,7 +226,7 @@ async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
         return _detach(step)  # starting a thread does not wait
     threads, ran, interrupted = _launch(step)
     parked = (step, threads, ran, interrupted)
-    # It polls (1 ms growing to ASYNCPOLL_SECONDS) rather than wait on a worker thread: one
+    # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
     # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
     # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
     # A teardown (on_held) holds every Ctrl-C meanwhile, even one landing in the loop's own code.
@@ -243,7 +243,7 @@ async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
                 if not shielded:
                     replay()  # a Ctrl-C deferred while the step was launched stops it now
                 await _outside(drive, parked, _sleep, delay, shielded, keep_guard=holding)
-                delay = min(delay * 2, ASYNCPOLL_SECONDS)
+                delay = min(delay * 2, ASYNC_POLL_SECONDS)
                 if (
                     not shielded
                     and step.on_tick is not None
@@ -440,7 +440,7 @@ def _detach(step: Detach) -> Ran:
     try:
         threads.start(body, name=step.name)
         ran.started = 1
-    except (RuntimeError, MemoryError) as exc:  # "can't start new thread"; a signal handler's error is an interrupt
+    except START_ERRORS as exc:
         ran.start_errors.append(exc)
     except BaseException as exc:  # an interrupt inside Thread.start: the thread may run or not
         ran.interrupts.append(exc)
