@@ -173,7 +173,7 @@ def run_first(config: FirstConfig, size: int, first_bytes: int, *, verify: bool)
     pool = pinpool.PinnedPool(
         size=size, runtime="mlock", background=config.background, registry=registry, name=name, **config.options
     )
-    plan = {"chunks": len(pool.plan.chunks), "chunk_bytes": pool.plan.chunk_bytes, "span_bytes": pool.plan.span_bytes}
+    plan = {"chunks": len(pool.plan.chunks), "chunk_bytes": pool.plan.chunk_bytes, "span_bytes": pool._plan.span_bytes}
 
     async def body() -> dict[str, Any]:
         out: dict[str, Any] = {}

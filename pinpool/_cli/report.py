@@ -14,7 +14,7 @@ from .progress import EventLog, format_seconds, percentile
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from .._plan.plan import PoolPlan
+    from .._plan.plan import Schedule
     from .._pool.pool import PinnedPool
 
 WIDTH = 120  # a report line fits a terminal, a log viewer and a code review's diff without scrolling
@@ -54,7 +54,7 @@ def _gran(nbytes: int | None) -> str:
 # -- plan ------------------------------------------------------------------------------------------
 
 
-def _buffer_of(plan: PoolPlan) -> Callable[[int], str]:
+def _buffer_of(plan: Schedule) -> Callable[[int], str]:
     """The name of the buffer a chunk (by its offset in the pool) belongs to."""
     placed = [(b.offset, b.offset + b.spec.nbytes, b.spec.name) for b in plan.buffers if b.plan is not None]
 
@@ -64,7 +64,7 @@ def _buffer_of(plan: PoolPlan) -> Callable[[int], str]:
     return name
 
 
-def _chunk_rows(plan: PoolPlan, rows: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _chunk_rows(plan: Schedule, rows: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The first and last ``rows`` chunks (all of them when that covers the table). Indexing the
     lazy table touches only these: the plan of a 1.5 TiB pool stays a few runs in memory."""
     chunks = plan.chunks
@@ -80,7 +80,7 @@ def _chunk_rows(plan: PoolPlan, rows: int) -> tuple[list[dict[str, Any]], list[d
     return [row(i) for i in range(rows)], [row(i) for i in range(count - rows, count)]
 
 
-def plan_report(plan: PoolPlan, *, pool: str, layout: str, size: int, runtime: str, available: bool,
+def plan_report(plan: Schedule, *, pool: str, layout: str, size: int, runtime: str, available: bool,
                 rows: int) -> dict[str, Any]:  # fmt: skip
     """The plan as one JSON-ready dict; the text output is rendered from it, so both say the same."""
     head, tail = _chunk_rows(plan, rows)
@@ -98,7 +98,7 @@ def plan_report(plan: PoolPlan, *, pool: str, layout: str, size: int, runtime: s
         "os_page_bytes": plan.page_size,
         "chunk_limit": plan.chunk_limit,
         "chunk_bytes": plan.chunk_bytes,
-        "registrations": plan.registrations,
+        "registrations": len(plan.chunks),
         "registrations_reason": plan.registrations_reason,
         "granularity_bytes": plan.granularity,
         "order": plan.order.value,

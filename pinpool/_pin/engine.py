@@ -23,8 +23,9 @@ from .._errors import ChunkFailure, LedgerError, RuntimeCallError, between_calls
 from .._host.libc import MADV_POPULATE_WRITE, lower_this_thread
 from .._host.mapping import populate_range
 from .._observe import Observer
-from .._plan.calls import CallSizer, Pacer, retry_splitter
+from .._plan.calls import CallSizer, Pacer
 from .._plan.chunks import Chunk, Order, Span
+from .._plan.plan import retry_splitter
 from .._plan.prefix import PrefixTracker
 from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
@@ -34,7 +35,7 @@ from .untrusted import Answer, Op, untrusted_call
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
-    from .._plan.plan import PoolPlan
+    from .._plan.plan import Schedule
 
 T = TypeVar("T")
 RECORD_INTERVAL_SECONDS = 0.01  # within a long batch of small calls, outcomes are booked at least this often
@@ -83,7 +84,7 @@ class PinSession:
     """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
 
     def __init__(
-        self, plan: PoolPlan, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
+        self, plan: Schedule, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
         memory: Memory,
     ) -> None:  # fmt: skip
         order = plan.order

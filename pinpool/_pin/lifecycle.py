@@ -53,7 +53,7 @@ from .outcome import (
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
-    from .._plan.plan import PoolPlan
+    from .._plan.plan import Schedule
     from .._types import Capabilities
     from ..runtimes import Runtime
     from .memory_source import PoolMemory
@@ -69,7 +69,7 @@ class Lifecycle:
     returns once pinning has started; a conductor (a :class:`Detach`-ed sequence) runs the rest."""
 
     def __init__(
-        self, plan: PoolPlan, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
+        self, plan: Schedule, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
         source: PoolMemory, admission: NodeAdmission | None = None, on_progress: ProgressCallback | None = None,
         created_at: tuple[str, int] = ("<unknown>", 0),
     ) -> None:  # fmt: skip

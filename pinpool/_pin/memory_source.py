@@ -14,7 +14,7 @@ from .._errors import AlreadyPinnedError, ConfigError, PoolStateError
 from .._host.facts import HostFacts
 from .._host.mapping import HostMapping, TensorMemory
 from .._plan.options import PoolOptions
-from .._plan.plan import PoolPlan, SourceRanges
+from .._plan.plan import Schedule, SourceRanges
 from .._plan.prefix import PageRun
 from .._plan.preflight import check_pinning
 from .._ranges import PINNED_RANGES
@@ -90,7 +90,7 @@ class PoolMemory:
     only here, and let go once the pool is closed, so after ``close()`` the caller's mmap can close."""
 
     def __init__(
-        self, plan: PoolPlan, options: PoolOptions, runtime: Runtime, caps: Capabilities, *,
+        self, plan: Schedule, options: PoolOptions, runtime: Runtime, caps: Capabilities, *,
         shared: SharedMemory | None, tensor: torch.Tensor | None,
     ) -> None:  # fmt: skip
         self._plan, self._options, self._runtime, self._caps = plan, options, runtime, caps

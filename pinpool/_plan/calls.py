@@ -10,13 +10,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .chunks import Chunk
-
-if TYPE_CHECKING:
-    from .plan import PoolPlan
-
 
 # Rates vary (a slower NUMA node, a reclaim pass): aiming at the budget itself would exceed it half the time.
 TARGET_SHARE = 0.6
@@ -120,16 +115,6 @@ class RetrySplitter:
 
     def _grid(self, chunk: Chunk) -> RetryGrid | None:
         return next((g for g in self.grids if g.start <= chunk.offset < g.end), None)
-
-
-def retry_splitter(plan: PoolPlan, min_chunk_bytes: int) -> RetrySplitter:
-    """The cuts allowed in ``plan``'s buffers: each buffer's own grid (``ChunkPlan.origin``)."""
-    grids = tuple(
-        RetryGrid(b.offset, b.offset + b.spec.nbytes, b.plan.unit, b.offset + b.plan.origin)
-        for b in plan.buffers
-        if b.plan is not None and b.plan.origin is not None  # no aligned cut exists: never split
-    )
-    return RetrySplitter(grids, min_chunk_bytes)
 
 
 MIN_DUTY = 0.1  # a tiny quota still pins, at a tenth of its time: a pin that never ends helps no one

@@ -122,8 +122,8 @@ class PinnedPool:
 
     @property
     def plan(self) -> PoolPlan:
-        """Everything decided before pinning: sizes, chunks, order, workers (what ``pinpool plan --json`` shows)."""
-        return self._plan
+        """What was decided before pinning: sizes, chunks, order, workers (``pinpool plan --json`` shows more)."""
+        return self._plan.public
 
     @property
     def layout(self) -> Layout:
@@ -177,9 +177,7 @@ class PinnedPool:
         start %= host.page_size
         self._options, self._host, self._runtime = options, host, resolved
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
-        self._plan: PoolPlan = plan_pool(
-            options, host, self._caps, source_start=start, placement=placement, ranges=source_ranges
-        )
+        self._plan = plan_pool(options, host, self._caps, source_start=start, placement=placement, ranges=source_ranges)
         name = options.name
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise ConfigError(f"registry={registry!r} must be a prometheus_client CollectorRegistry, or None")

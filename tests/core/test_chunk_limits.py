@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._plan import CHUNK_ENV, Chunk, PoolOptions, PoolPlan, plan_pool, retry_splitter
+from pinpool._plan import CHUNK_ENV, Chunk, PoolOptions, Schedule, plan_pool, retry_splitter
 from pinpool._types import Capabilities
 from pinpool.testing import FakeRuntime, host_facts
 
@@ -28,7 +28,7 @@ CUDA_LIKE = Capabilities(serial_registration=True, exact_ranges=True, retryable_
 TWO_BUFFERS = layouts.MHA("page_first", 2, 4, 2, 16, torch.float16, v_head_dim=8)
 
 
-def plan(**kwargs: Any) -> PoolPlan:
+def plan(**kwargs: Any) -> Schedule:
     return plan_pool(PoolOptions.create(**kwargs), HOST, CUDA_LIKE)
 
 
@@ -51,12 +51,12 @@ def test_explicit_chunk_options_are_never_split_for_the_workers_the_default_is()
     """max_chunk_bytes= alone: as few calls as the limit allows, whatever the workers; chunk_bytes=
     exact; only the default limit is split so the workers have chunks to share."""
     bounded = plan(size=64 * GiB, max_chunk_bytes="16GiB", register_workers=8, populate=False)
-    assert sizes(bounded.chunks) == [16 * GiB] * 4 and bounded.registrations == 4
+    assert sizes(bounded.chunks) == [16 * GiB] * 4 and len(bounded.chunks) == 4
     assert "max_chunk_bytes=16 GiB: as few calls" in bounded.registrations_reason
     exact = plan(size=64 * GiB, chunk_bytes="16GiB", register_workers=8, populate=False)
     assert sizes(exact.chunks) == [16 * GiB] * 4
     default = plan(size=64 * GiB, register_workers=8, populate=False)
-    assert set(sizes(default.chunks)) == {2 * GiB} and default.registrations == 32
+    assert set(sizes(default.chunks)) == {2 * GiB} and len(default.chunks) == 32
     assert default.registrations_reason == (
         "32 registrations: the default limit 256 GiB split to 2 GiB so 8 workers get 4 chunks each "
         "(give max_chunk_bytes= for fewer calls)"
@@ -66,7 +66,7 @@ def test_explicit_chunk_options_are_never_split_for_the_workers_the_default_is()
 def test_sglang_limit_makes_one_registration_of_a_buffer_under_it() -> None:
     """SGLang's count: max_chunk_bytes=256GiB over a 1.1 GB buffer is one call, with 8 workers too."""
     p = plan(size=1_100_000_000, max_chunk_bytes="256GiB", register_workers=8, populate_workers=8)
-    assert sizes(p.chunks) == [1_100_000_000] and p.registrations == 1
+    assert sizes(p.chunks) == [1_100_000_000] and len(p.chunks) == 1
     assert p.registrations_reason.startswith("1 registration: max_chunk_bytes=256 GiB")
 
 
@@ -175,7 +175,7 @@ def test_a_per_buffer_pool_makes_one_call_per_buffer_even_in_the_background() ->
     with pool:
         pool.wait_ready_sync(timeout=60)
         assert len(fake.registered) == 2
-    assert [n for _ptr, n in fake.register_calls] == [b.spec.nbytes for b in pool.plan.buffers]
+    assert [n for _ptr, n in fake.register_calls] == [b.spec.nbytes for b in pool._plan.buffers]
 
 
 def test_a_failed_per_buffer_registration_is_not_halved() -> None:

@@ -86,8 +86,8 @@ def test_a_background_pool_of_a_dense_layout_tracks_pages_as_its_family_does() -
         pinpool.PinnedPool(layout=lay, num_pages=300, chunk_bytes="256KiB", runtime=FakeRuntime(), background=True)
         for lay in (mha, dense)
     ]
-    assert plans[0].plan.page_runs == plans[1].plan.page_runs  # K's pages and V's: two runs
-    assert len(plans[1].plan.page_runs) == 2
+    assert plans[0]._plan.page_runs == plans[1]._plan.page_runs  # K's pages and V's: two runs
+    assert len(plans[1]._plan.page_runs) == 2
     assert list(plans[0].plan.chunks) == list(plans[1].plan.chunks)
 
 

@@ -269,9 +269,9 @@ def assert_chunk_invariants(pool: pinpool.PinnedPool, base: int, expected: list[
         assert a.end <= b.offset
         assert (base + a.end - 1) // OS_PAGE < (base + b.offset) // OS_PAGE  # no shared OS page
     assert base % OS_PAGE == 0
-    assert len(pool.plan.buffers) == len(expected)
+    assert len(pool._plan.buffers) == len(expected)
     claimed = 0
-    for buf, exp in zip(pool.plan.buffers, expected, strict=True):
+    for buf, exp in zip(pool._plan.buffers, expected, strict=True):
         assert buf.offset % OS_PAGE == 0
         mine = [c for c in chunks if buf.offset <= c.offset < buf.offset + exp.nbytes]
         if exp.nbytes == 0:
@@ -297,7 +297,8 @@ def assert_chunk_invariants(pool: pinpool.PinnedPool, base: int, expected: list[
         claimed += len(mine)
     assert claimed == len(chunks)  # every chunk lies inside exactly one non-empty buffer
     # Buffers do not overlap in the mapping.
-    live = sorted((b.offset, b.offset + e.nbytes) for b, e in zip(pool.plan.buffers, expected, strict=True) if e.nbytes)
+    buffers = zip(pool._plan.buffers, expected, strict=True)
+    live = sorted((b.offset, b.offset + e.nbytes) for b, e in buffers if e.nbytes)
     for (_, end), (start, _) in itertools.pairwise(live):
         assert end <= start
 
@@ -340,11 +341,11 @@ def check_layout_in_pool(build: Build, data: st.DataObject) -> None:
     expected = expect(num_pages)
 
     # (a) shapes and dtype, (b) granularity per buffer, as the pool planned them.
-    specs = [b.spec for b in pool.plan.buffers]
+    specs = [b.spec for b in pool._plan.buffers]
     assert [s.name for s in specs] == [e.name for e in expected]
     assert [s.shape for s in specs] == [e.shape for e in expected]
     assert [s.dtype for s in specs] == [e.dtype for e in expected]
-    for buf, e in zip(pool.plan.buffers, expected, strict=True):
+    for buf, e in zip(pool._plan.buffers, expected, strict=True):
         if e.nbytes:
             assert e.granularity is not None and buf.plan is not None
             assert buf.spec.granularity == e.granularity
@@ -353,7 +354,7 @@ def check_layout_in_pool(build: Build, data: st.DataObject) -> None:
 
     event(f"chunks: {min(len(pool.plan.chunks), 9)}{'+' if len(pool.plan.chunks) >= 9 else ''}")
     big = max(range(len(expected)), key=lambda i: expected[i].nbytes)
-    assert len(pool.plan.buffers[big].chunks) >= 2  # the pool really is split
+    assert len(pool._plan.buffers[big].chunks) >= 2  # the pool really is split
     with pool as p:
         base = p.data_ptr
         assert_chunk_invariants(p, base, expected)
@@ -368,7 +369,7 @@ def check_layout_in_pool(build: Build, data: st.DataObject) -> None:
         starts = [c.offset for c in p.plan.chunks]
         ends = [c.end for c in p.plan.chunks]
         # (c) no copy unit straddles two chunks, checked on the tensors the pool hands out.
-        for buf, exp in zip(p.plan.buffers, expected, strict=True):
+        for buf, exp in zip(p._plan.buffers, expected, strict=True):
             t = tensors[exp.name]
             assert tuple(t.shape) == exp.shape and t.dtype == exp.dtype and t.is_contiguous()
             if not exp.nbytes:
@@ -420,7 +421,7 @@ def test_mamba_zero_element_buffer_is_not_registered(
     assert mamba.page_bytes == sum(slots.values())
     num_pages = 3000
     pool = pinpool.PinnedPool(layout=mamba, size=num_pages * mamba.page_bytes, chunk_bytes=64 * KiB, runtime=fake)
-    buffers = {b.spec.name: b for b in pool.plan.buffers}
+    buffers = {b.spec.name: b for b in pool._plan.buffers}
     assert list(buffers) == list(states)
     for name, b in buffers.items():
         assert b.spec.shape == (num_pages, Lm, 1, *states[name])
@@ -461,7 +462,7 @@ def test_sglang_vector_mla_page_first_direct_granularity_60(fake: FakeRuntime) -
     # 60 is not a multiple of the OS page: boundaries fall on lcm(60, 4096) = 61440.
     pool = pinpool.PinnedPool(layout=mla, size=5000 * 60 + 59, chunk_bytes=2 * 61440 + 100, runtime=fake)
     assert pool.num_pages == 5000
-    assert pool.plan.buffers[0].plan.unit == 61440
+    assert pool._plan.buffers[0].plan.unit == 61440
     assert [c.nbytes for c in pool.plan.chunks] == [122880, 122880, 300000 - 2 * 122880]
     assert all(c.offset % 60 == 0 and c.offset % OS_PAGE == 0 for c in pool.plan.chunks)
     assert pool.plan.granularity == 60
@@ -504,7 +505,7 @@ def test_sglang_vector_asymmetric_k_v(fake: FakeRuntime, layout: str) -> None:
     assert mha.page_bytes == P * L * H * (D + Dv) * 2
     pool = pinpool.PinnedPool(layout=mha, size=40 * mha.page_bytes, chunk_bytes=4 * MiB, runtime=fake)
     assert pool.plan.granularity is None  # two different granularities
-    kb, vb = pool.plan.buffers
+    kb, vb = pool._plan.buffers
     assert all((c.offset - kb.offset) % k.granularity == 0 for c in kb.chunks)
     assert all((c.offset - vb.offset) % v.granularity == 0 for c in vb.chunks)
 
@@ -886,7 +887,7 @@ async def test_multi_buffer_pool_tensor_is_a_state_error(fake: FakeRuntime, case
             _ = p.tensor
         assert all(name in str(info.value) for name in names)
         assert "pool.tensors[name]" in str(info.value)
-        for b in p.plan.buffers:
+        for b in p._plan.buffers:
             assert tuple(p.tensors[b.spec.name].shape) == b.spec.shape
 
 
@@ -909,7 +910,7 @@ def test_tensors_are_zero_copy_views_into_the_pool(fake: FakeRuntime, case: str)
     pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=fake)
     with pool as p:
         base = p.data_ptr
-        for i, b in enumerate(p.plan.buffers):
+        for i, b in enumerate(p._plan.buffers):
             t = p.tensors[b.spec.name]
             if t.numel() == 0:
                 continue
@@ -935,12 +936,12 @@ def test_tensors_are_zero_copy_views_into_the_pool(fake: FakeRuntime, case: str)
 def test_buffers_sit_at_page_aligned_offsets_in_one_mapping(fake: FakeRuntime) -> None:
     layout, names = MULTI["mamba"]
     pool = pinpool.PinnedPool(layout=layout, size=300 * KiB, chunk_bytes=MiB, runtime=fake)
-    offsets = [b.offset for b in pool.plan.buffers]
+    offsets = [b.offset for b in pool._plan.buffers]
     assert offsets[0] == 0 and all(o % OS_PAGE == 0 for o in offsets)
     assert offsets == sorted(offsets)
     with pool as p:
         ptrs = {name: p.tensors[name].data_ptr() for name in names if p.tensors[name].numel()}
-        for b in p.plan.buffers:
+        for b in p._plan.buffers:
             if b.spec.nbytes:
                 assert ptrs[b.spec.name] == p.data_ptr + b.offset
                 assert b.offset + b.spec.nbytes <= lifecycle_of(p).memory.length  # type: ignore[attr-defined]

@@ -108,7 +108,7 @@ def test_a_zero_element_state_in_its_own_dtype_is_not_registered(fake: FakeRunti
     mamba = layouts.Mamba(2, (3, 5), ((0, 4), (6, 3)), temporal_dtype=torch.float32, conv_dtype=torch.bfloat16)
     assert mamba.page_bytes == 2 * 15 * 4 + 2 * 18 * 2
     pool = pinpool.PinnedPool(layout=mamba, num_pages=100, runtime=fake, registry=None)
-    buffers = {b.spec.name: b for b in pool.plan.buffers}
+    buffers = {b.spec.name: b for b in pool._plan.buffers}
     assert buffers["conv0"].spec.granularity is None and buffers["conv0"].chunks == ()
     assert buffers["conv0"].spec.dtype is torch.bfloat16
     assert buffers["conv1"].spec.granularity == 72 and buffers["temporal"].spec.granularity == 120
@@ -150,7 +150,7 @@ def test_a_mixed_dtype_pool_pins_with_each_buffer_in_its_dtype(
         for name, tensor in tensors.items():
             assert tensor[0].numel() * tensor.element_size() == slots[name]  # one slot is one granule
         # Every chunk of a buffer starts on a slot boundary of that buffer, in its own dtype's bytes.
-        for b in pool.plan.buffers:
+        for b in pool._plan.buffers:
             assert b.spec.granularity == slots[b.spec.name]
             assert b.chunks and all((c.offset - b.offset) % slots[b.spec.name] == 0 for c in b.chunks)
             assert sum(c.nbytes for c in b.chunks) == b.spec.nbytes

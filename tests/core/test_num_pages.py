@@ -55,8 +55,8 @@ def test_a_pool_holds_exactly_num_pages(name: str, num_pages: int) -> None:
     p = pool(layout=layout, num_pages=num_pages)
     assert p.num_pages == num_pages
     assert p.plan.page_bytes == layout.page_bytes
-    assert sum(b.spec.nbytes for b in p.plan.buffers) == num_pages * layout.page_bytes
-    assert [b.spec for b in p.plan.buffers] == list(layout.buffers(num_pages))
+    assert sum(b.spec.nbytes for b in p._plan.buffers) == num_pages * layout.page_bytes
+    assert [b.spec for b in p._plan.buffers] == list(layout.buffers(num_pages))
 
 
 def test_a_byte_pool_by_page_count_holds_whole_copy_pages() -> None:

@@ -245,7 +245,7 @@ def test_bad_buffer_size(nbytes: object) -> None:
 
 @pytest.mark.parametrize("page_size", [0, -4096, True, 4096.0])
 def test_bad_page_size(page_size: object) -> None:
-    with pytest.raises(ConfigError, match=re.escape(f"page_size={page_size!r}")):
+    with pytest.raises(ConfigError, match=re.escape(f"page size {page_size!r} must be a positive integer")):
         plan_chunks(GiB, granularity=None, limit=GiB, page_size=page_size)  # type: ignore[arg-type]
 
 

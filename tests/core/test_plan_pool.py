@@ -30,6 +30,7 @@ from pinpool._plan import (
     Order,
     PoolOptions,
     PoolPlan,
+    Schedule,
     Span,
     SpanTable,
     _aligned_boundary,
@@ -305,7 +306,7 @@ def model_plan(options: PoolOptions, host: HostFacts, caps: Capabilities, start:
 # -- invariants that hold for every plan, whatever computed it --------------------------------------------
 
 
-def check_invariants(plan: PoolPlan, options: PoolOptions, host: HostFacts, caps: Capabilities, start: int) -> None:
+def check_invariants(plan: Schedule, options: PoolOptions, host: HostFacts, caps: Capabilities, start: int) -> None:
     page = host.page_size
     assert plan.page_size == (HUGETLB[options.huge_pages] if isinstance(options.huge_pages, str) else page)
     assert plan.source_start == start
@@ -673,26 +674,29 @@ def test_options_create_parses_and_the_constructor_validates(monkeypatch: pytest
 # -- PinnedPool and pin() read the plan ---------------------------------------------------------------------
 
 
+# What users act on (docs/quickstart.md, "What a pool tells you"); the schedule stays internal.
 PLAN_ATTRIBUTES = (
     "nbytes", "num_pages", "page_bytes", "chunks", "chunk_bytes", "chunk_limit", "granularity", "order",
-    "register_workers", "populate_workers", "unpin_workers", "threads", "span_bytes", "lookahead_bytes",
-    "populate", "huge_pages", "numa_node",
+    "populate", "huge_pages", "numa_node", "register_workers", "populate_workers", "unpin_workers", "threads",
 )  # fmt: skip
 
 
-def test_pool_attributes_are_the_plan_and_read_only(fake: FakeRuntime) -> None:
+def test_pool_plan_is_the_user_sized_plan_and_read_only(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, name="p", registry=None)
-    plan = plan_pool(lifecycle_of(pool).options, pool._host, capabilities_of(fake))
-    assert pool.plan == plan
+    plan = plan_pool(lifecycle_of(pool).options, HostFacts.probe(), capabilities_of(fake))
+    assert type(pool.plan) is PoolPlan and pool.plan == plan.public and pool.plan is pool.plan
+    assert tuple(f.name for f in dataclasses.fields(pool.plan)) == PLAN_ATTRIBUTES
     for name in PLAN_ATTRIBUTES:
         assert getattr(pool.plan, name) == getattr(plan, name), name
         with pytest.raises(AttributeError):
             setattr(pool.plan, name, 1)
+    for internal in ("spans", "span_bytes", "lookahead_bytes", "pin_chunks", "page_runs", "buffers", "align"):
+        assert not hasattr(pool.plan, internal), internal
     with pytest.raises(AttributeError):
-        pool.plan = plan  # type: ignore[misc]
+        pool.plan = plan.public  # type: ignore[misc]
     assert (pool.name, pool.runtime, pool.layout) == ("p", fake, layouts.Raw())
     assert isinstance(pool.plan.chunks, ChunkTable) and len(pool.plan.chunks) == 16
-    assert pool.plan.mapping_bytes == plan.mapping_bytes and pool.plan.buffers == plan.buffers
+    assert pool._plan == plan  # the pool pins by the schedule its public plan came from
     with pool:
         assert fake.registered == {pool.data_ptr + c.offset: c.nbytes for c in pool.plan.chunks}
 
@@ -703,7 +707,7 @@ def test_pin_plans_from_the_tensor_start(fake: FakeRuntime) -> None:
     skew = (-storage.data_ptr() + 100) % page  # start 100 B into a page
     tensor = storage[skew : skew + 2 * MiB]
     pinned = pinpool.pin(tensor, chunk_bytes=MiB, runtime=fake, registry=None)
-    assert pinned.plan.source_start == tensor.data_ptr() % page == 100
+    assert pinned._plan.source_start == tensor.data_ptr() % page == 100
     assert all((tensor.data_ptr() + c.offset) % page == 0 for c in pinned.plan.chunks[1:])
     assert pinned.plan.chunks.nbytes == 2 * MiB
 

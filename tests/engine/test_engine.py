@@ -36,7 +36,7 @@ def session_of(fake: FakeRuntime, **options: Any) -> PinSession:
 def session_for(pool: pinpool.PinnedPool) -> PinSession:
     """A session built from a pool's plan and options whole, as its lifecycle builds one."""
     return PinSession(
-        pool.plan,
+        lifecycle_of(pool).plan,
         lifecycle_of(pool).options,
         runtime=pool._runtime,
         caps=pool._caps,
@@ -216,8 +216,8 @@ def test_an_unpin_worker_interrupted_mid_batch_queues_its_chunks_again(
 def test_the_pipeline_walks_the_plans_spans_computed_once() -> None:
     pool = pinpool.PinnedPool(runtime=FakeRuntime(), registry=None, size=64 * MiB, chunk_bytes=16 * MiB, populate=True)
     session = session_for(pool)
-    assert len(pool.plan.spans) > 1
-    assert session.pipeline.spans is pool.plan.spans  # cut once, in planning; not again by the pipeline
+    assert len(pool._plan.spans) > 1
+    assert session.pipeline.spans is pool._plan.spans  # cut once, in planning; not again by the pipeline
     assert pin(session) is Phase.PINNED
 
 

@@ -865,7 +865,7 @@ def chunk_of(pool: pinpool.PinnedPool, base: int, ptr: int) -> int:
 def test_populate_is_on_by_default_for_the_fake(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=2)
     assert pool.plan.populate is True and pool.plan.order is Order.POPULATE_FIRST
-    assert pool.plan.span_bytes == 16 * MiB and pool.plan.populate_workers == 2
+    assert pool._plan.span_bytes == 16 * MiB and pool.plan.populate_workers == 2
     with pool as p:
         base = p.data_ptr
     assert sorted(fake.populate_calls) == [(base + k * 16 * MiB, 16 * MiB) for k in range(4)]
@@ -878,7 +878,7 @@ async def test_populate_first_registers_each_chunk_after_all_its_spans(mode: str
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=4, register_workers=2
     )
-    assert pool.plan.order is Order.POPULATE_FIRST and pool.plan.span_bytes == 16 * MiB
+    assert pool.plan.order is Order.POPULATE_FIRST and pool._plan.span_bytes == 16 * MiB
     seen: dict[str, int] = {}
     await pin_and_run(pool, mode, lambda p: seen.update(base=p.data_ptr, registered=len(fake.registered)))
     base = seen["base"]
@@ -931,7 +931,7 @@ async def test_populate_false_only_registers(mode: str, lock_on_fault: bool) -> 
     fake = FakeRuntime(lock_on_fault=lock_on_fault)
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, populate=False, register_workers=2)
     assert pool.plan.populate is False and pool.plan.order is Order.REGISTER_ONLY
-    assert pool.plan.populate_workers == 0 and pool.plan.span_bytes == 0
+    assert pool.plan.populate_workers == 0 and pool._plan.span_bytes == 0
     await pin_and_run(pool, mode, lambda p: None)
     assert fake.populate_calls == []
     assert [kind for kind, _ptr in fake.events if kind != "unregister"] == ["register"] * 8
@@ -946,7 +946,7 @@ async def test_populate_failure_rolls_back_in_both_orders(mode: str, lock_on_fau
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=4, register_workers=2
     )
-    assert len(split_spans(pool.plan.chunks, pool.plan.span_bytes)) == 32
+    assert len(split_spans(pool.plan.chunks, pool._plan.span_bytes)) == 32
     assert pool.plan.order is (Order.REGISTER_FIRST if lock_on_fault else Order.POPULATE_FIRST)
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
@@ -982,7 +982,7 @@ async def test_two_spans_failing_at_once_are_both_reported(mode: str, lock_on_fa
 
     fake = Together(fail_populate_on={1, 2}, lock_on_fault=lock_on_fault)
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=2)
-    assert len(pool.plan.chunks) == 1 and pool.plan.span_bytes == 32 * MiB and pool.plan.populate_workers == 2
+    assert len(pool.plan.chunks) == 1 and pool._plan.span_bytes == 32 * MiB and pool.plan.populate_workers == 2
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
     assert [(f.chunk.offset, f.phase) for f in info.value.failures] == [(0, "populate")] * 2
@@ -996,7 +996,7 @@ async def test_cancellation_while_faulting_rolls_back(lock_on_fault: bool) -> No
     pool = pinpool.PinnedPool(
         size=2048 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=2, register_workers=2
     )
-    spans = len(split_spans(pool.plan.chunks, pool.plan.span_bytes))
+    spans = len(split_spans(pool.plan.chunks, pool._plan.span_bytes))
     assert spans == 128
     with anyio.move_on_after(0.1) as scope:
         async with pool:
@@ -1027,7 +1027,7 @@ async def test_cancellation_from_inside_a_populate_call_rolls_back(lock_on_fault
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=1, register_workers=1
     )
-    assert len(pool.plan.chunks) == 16 and pool.plan.span_bytes == 32 * MiB  # a span per chunk
+    assert len(pool.plan.chunks) == 16 and pool._plan.span_bytes == 32 * MiB  # a span per chunk
     with scope:
         async with pool:
             pytest.fail("body must not run")
@@ -1142,7 +1142,7 @@ async def test_faulting_runs_ahead_of_registration_by_at_most_the_lookahead(mode
         size=768 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=2, register_workers=1
     )
     assert pool.plan.order is Order.POPULATE_FIRST and len(pool.plan.chunks) == 12
-    assert pool.plan.span_bytes == 32 * MiB and pool.plan.lookahead_bytes == 128 * MiB
+    assert pool._plan.span_bytes == 32 * MiB and pool._plan.lookahead_bytes == 128 * MiB
     seen: dict[str, int] = {}
     await pin_and_run(pool, mode, lambda p: seen.update(base=p.data_ptr))
     base = seen["base"]
@@ -1157,13 +1157,13 @@ async def test_faulting_runs_ahead_of_registration_by_at_most_the_lookahead(mode
         if kind == "populate":
             window.add(index)
             nbytes = sum(pool.plan.chunks[i].nbytes for i in window)
-            assert nbytes <= pool.plan.lookahead_bytes or len(window) == 1, (
+            assert nbytes <= pool._plan.lookahead_bytes or len(window) == 1, (
                 f"window {sorted(window)} over the lookahead"
             )
             largest = max(largest, len(window))
         else:
             window.discard(index)
-    assert largest == pool.plan.lookahead_bytes // pool.plan.chunk_bytes == 2  # it ran ahead, as far as allowed
+    assert largest == pool._plan.lookahead_bytes // pool.plan.chunk_bytes == 2  # it ran ahead, as far as allowed
     assert len(fake.populate_calls) == 24
     assert_rolled_back(fake)
 
@@ -1316,7 +1316,7 @@ def test_lock_on_fault_chunks_count_as_pinned_only_once_faulted() -> None:
         size=64 * MiB, chunk_bytes=16 * MiB, runtime=fake, populate_workers=1, register_workers=4, name="lof",
         registry=registry, on_progress=lambda pinned, total, done, chunks: seen.append((pinned, done)),
     )  # fmt: skip
-    assert pool.plan.order is Order.REGISTER_FIRST and pool.plan.span_bytes == 16 * MiB
+    assert pool.plan.order is Order.REGISTER_FIRST and pool._plan.span_bytes == 16 * MiB
     with pool:
         assert pool.pinned_bytes == 64 * MiB
         assert _gauge(registry, "pinpool_pinned_bytes") == 64 * MiB

@@ -72,7 +72,7 @@ def test_registration_sizes_for_every_combination(background: bool, budget: obje
     yields = "chunk_bytes" if chunking == "chunk_bytes" else "max_chunk_bytes" if chunking != "neither" else None
     expected = yields if budget == "auto" and background else None
     assert start["budget_yields_to"] == expected and lifecycle_of(pool).options.budget_yields_to == expected
-    assert pool.plan.registrations_reason.startswith(f"{len(pool.plan.chunks)} registration")
+    assert pool._plan.registrations_reason.startswith(f"{len(pool.plan.chunks)} registration")
 
 
 def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_workers(fake: FakeRuntime) -> None:
@@ -84,7 +84,7 @@ def test_max_chunk_bytes_alone_makes_as_few_calls_as_the_limit_allows_with_many_
         assert [n for _, n in fake.register_calls] == [pool.nbytes]
     default = pinpool.PinnedPool(size=8 << 30, runtime=FakeRuntime(), registry=None, populate=False,
                                  register_workers=8)  # fmt: skip
-    assert len(default.plan.chunks) == 8 and "split to 1 GiB so 8 workers" in default.plan.registrations_reason
+    assert len(default.plan.chunks) == 8 and "split to 1 GiB so 8 workers" in default._plan.registrations_reason
 
 
 def test_a_retry_under_chunk_bytes_is_a_failure_not_a_plan() -> None:

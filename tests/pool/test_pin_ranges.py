@@ -155,7 +155,7 @@ def test_rows_are_chunked_on_their_own_grid_and_never_merged_across_gaps(fake: F
     per_row = [(0, MiB), (MiB, MiB), (2 * MiB, 512 * KiB)]
     expected = [(r * stride + o, n) for r in range(rows) for o, n in per_row]  # from the view's start
     assert [(c.offset, c.nbytes) for c in pool.plan.chunks] == expected
-    assert [b.spec.name for b in pool.plan.buffers] == [f"data[{r}]" for r in range(rows)]
+    assert [b.spec.name for b in pool._plan.buffers] == [f"data[{r}]" for r in range(rows)]
     with pool:
         assert sorted(fake.registered.items()) == [(view.data_ptr() + o, n) for o, n in expected]
 

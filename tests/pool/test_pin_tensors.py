@@ -61,7 +61,7 @@ async def test_reference_vector_on_a_torch_empty_buffer(fake: FakeRuntime, mode:
     t = torch.empty(2500 << 20, dtype=torch.uint8)  # torch's allocator: 64 B into an OS page (glibc mmap)
     pinned = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=fake, registry=None)
     assert sizes(pinned.plan.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
-    plan = pinned.plan.buffers[0].plan
+    plan = pinned._plan.buffers[0].plan
     assert plan is not None and plan.shared_pages == (t.data_ptr() % PAGE != 0)
     if mode == "async":
         async with pinned as p:
@@ -259,7 +259,7 @@ def test_retries_cut_a_shared_page_plan_on_its_own_grid() -> None:
     fake = FakeRuntime(fail_register_larger_than=10 * MiB)
     pinned = pinpool.pin(t, granularity_bytes=PAGE, chunk_bytes=32 * MiB, runtime=fake, populate=False,
                          min_chunk_bytes=MiB, registry=None)  # fmt: skip
-    splitter = retry_splitter(pinned.plan, MiB)
+    splitter = retry_splitter(pinned._plan, MiB)
     halves = splitter.split(Chunk(0, 32 * MiB))
     assert halves == (Chunk(0, 16 * MiB), Chunk(16 * MiB, 16 * MiB))
     with pinned as p:
@@ -328,8 +328,8 @@ def test_pin_of_empty_keeps_the_page_aligned_plan(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(layout=layouts.Raw(300 << 20), size=2500 << 20, chunk_bytes="1GiB",
                               runtime=FakeRuntime(), registry=None)  # fmt: skip
     assert pinned.plan.chunks == pool.plan.chunks and sizes(pinned.plan.chunks) == [900 * MiB, 900 * MiB, 700 * MiB]
-    plan = pinned.plan.buffers[0].plan
-    assert plan is not None and not plan.shared_pages and pinned.plan.source_start == 0
+    plan = pinned._plan.buffers[0].plan
+    assert plan is not None and not plan.shared_pages and pinned._plan.source_start == 0
     # and on a runtime that pins whole pages, where a torch.empty buffer is refused
     strict = pinpool.pin(t, granularity_bytes=300 << 20, chunk_bytes="1GiB", runtime=FakeRuntime(exact_ranges=False))
     with strict:

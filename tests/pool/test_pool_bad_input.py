@@ -71,7 +71,7 @@ def test_default_workers_split_chunks_but_never_below_one_gib() -> None:
     # Pre-faulting on 4 threads splits for them too: the pipeline needs chunks to overlap.
     piped = pinpool.PinnedPool(size="16GiB", runtime=FakeRuntime(), register_workers=1, populate_workers=4)
     assert piped.plan.chunk_bytes == 1 << 30 and len(piped.plan.chunks) == 16 and piped.plan.register_workers == 1
-    assert piped.plan.populate_workers == 4 and piped.plan.span_bytes == 256 << 20
+    assert piped.plan.populate_workers == 4 and piped._plan.span_bytes == 256 << 20
 
 
 def test_auto_runtime_is_the_gpu_stack_or_mlock() -> None:
