@@ -1,5 +1,6 @@
 """The plan: pure arithmetic over options, :class:`HostFacts` and :class:`Capabilities` deciding chunks,
-workers, pipeline order, spans and lookahead before anything is mapped (property-tested on made-up hosts)."""
+workers, pipeline order, spans and lookahead before anything is mapped (property-tested on made-up hosts):
+a :class:`Schedule` the pipeline reads, whose :class:`PoolPlan` (what users act on) is ``pool.plan``."""
 
 from __future__ import annotations
 
@@ -152,12 +153,13 @@ def span_bytes_for(chunk_bytes: int, populate_workers: int, align: int) -> int:
     return -(-span // align) * align
 
 
-def parallel_limit(limit: int, nbytes: int, workers: int) -> int:
-    """The default chunk limit split so ``workers`` get CHUNKS_PER_WORKER chunks each, not below 1 GiB."""
-    if workers <= 1:
-        return limit
+def parallel_limit(options: PoolOptions, nbytes: int, workers: int) -> int:
+    """The default chunk limit split so ``workers`` get CHUNKS_PER_WORKER chunks each, not below 1 GiB.
+    Explicit limits ask for exact or fewest calls (on ROCm each registration is a device alias of its own)."""
+    if workers <= 1 or options.chunk_bytes is not None or options.max_chunk_bytes is not None:
+        return options.chunk_limit
     share = -(-nbytes // (workers * CHUNKS_PER_WORKER))
-    return min(limit, max(MIN_PARALLEL_CHUNK_BYTES, share))
+    return min(options.chunk_limit, max(MIN_PARALLEL_CHUNK_BYTES, share))
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,7 @@ def plan_pool(
     wanted_register, wanted_populate = _wanted_workers(options, host, caps, total, populate)
     limit = options.chunk_limit
     workers = max(wanted_register, wanted_populate)
-    split_limit = _split_limit(options, limit, total, workers)
+    split_limit = parallel_limit(options, total, workers)
     buffers = tuple(
         _buffer_plan(spec, offset, options, caps, page_size, source_start, split_limit) for spec, offset in placed
     )
@@ -319,13 +321,6 @@ def _wanted_workers(
     if not populate:
         return register, 0
     return register, options.populate_workers or min(by_size, default_populate_workers(cpus))
-
-
-def _split_limit(options: PoolOptions, limit: int, total: int, workers: int) -> int:
-    """Only the default limit is split for the workers: explicit ones ask for exact or fewest calls
-    (on ROCm each registration is a device alias of its own: the count matters)."""
-    explicit = options.chunk_bytes is not None or options.max_chunk_bytes is not None
-    return limit if explicit else parallel_limit(limit, total, workers)
 
 
 def _buffer_plan(

@@ -71,8 +71,8 @@ class PinnedPool:
     (or ``pool = PinnedPool(...).open()`` ... ``pool.close()`` for an owner without a block).
     Everything is validated in the constructor (:class:`ConfigError`), before any memory is
     mapped or pinned. Inside the block ``pool.tensor`` is a zero-copy torch view of the pinned
-    memory; on exit every chunk is unregistered, whatever the block did. ``pool.plan`` is every
-    decision made before pinning; ``pool.registrations`` what the runtime holds right now.
+    memory; on exit every chunk is unregistered, whatever the block did. ``pool.plan`` is what
+    was decided before pinning; ``pool.registrations`` what the runtime holds right now.
 
     The options are declared once (``pinpool._plan.declared``), which docs/options.md, ``pin()``
     and the command line follow; a test holds this signature and the list below to it.

@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import math
 import random
+import re
 import time
 from collections.abc import Sequence
 from itertools import pairwise
@@ -699,6 +700,15 @@ def test_pool_plan_is_the_user_sized_plan_and_read_only(fake: FakeRuntime) -> No
     assert pool._plan == plan  # the pool pins by the schedule its public plan came from
     with pool:
         assert fake.registered == {pool.data_ptr + c.offset: c.nbytes for c in pool.plan.chunks}
+
+
+def test_the_docs_name_the_fields_of_pool_plan_and_no_other() -> None:
+    root = Path(__file__).parents[2]
+    docs = [root / "README.md", *(p for p in (root / "docs").rglob("*.md") if p.name != "changelog.md")]
+    named = {name for path in docs for name in re.findall(r"pool\.plan\.(\w+)", path.read_text())}
+    assert named <= set(PLAN_ATTRIBUTES), "docs name fields pool.plan does not have"
+    quickstart = set(re.findall(r"pool\.plan\.(\w+)", (root / "docs" / "quickstart.md").read_text()))
+    assert set(PLAN_ATTRIBUTES) - {"nbytes", "num_pages"} <= quickstart  # those two: pool.nbytes, pool.num_pages
 
 
 def test_pin_plans_from_the_tensor_start(fake: FakeRuntime) -> None:
