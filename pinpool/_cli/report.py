@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._units import format_bytes, format_rate
@@ -54,26 +54,17 @@ def _gran(nbytes: int | None) -> str:
 # -- plan ------------------------------------------------------------------------------------------
 
 
-def _buffer_of(plan: Schedule) -> Callable[[int], str]:
-    """The name of the buffer a chunk (by its offset in the pool) belongs to."""
-    placed = [(b.offset, b.offset + b.spec.nbytes, b.spec.name) for b in plan.buffers if b.plan is not None]
-
-    def name(offset: int) -> str:
-        return next((n for start, end, n in placed if start <= offset < end), "?")
-
-    return name
-
-
 def _chunk_rows(plan: Schedule, rows: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The first and last ``rows`` chunks (all of them when that covers the table). Indexing the
     lazy table touches only these: the plan of a 1.5 TiB pool stays a few runs in memory."""
     chunks = plan.chunks
     count = len(chunks)
-    buffer = _buffer_of(plan)
+    placed = [(b.offset, b.offset + b.spec.nbytes, b.spec.name) for b in plan.buffers if b.plan is not None]
 
     def row(index: int) -> dict[str, Any]:
         chunk = chunks[index]
-        return {"index": index, "buffer": buffer(chunk.offset), "offset": chunk.offset, "nbytes": chunk.nbytes}
+        buffer = next((name for start, end, name in placed if start <= chunk.offset < end), "?")
+        return {"index": index, "buffer": buffer, "offset": chunk.offset, "nbytes": chunk.nbytes}
 
     if count <= 2 * rows:
         return [row(i) for i in range(count)], []
