@@ -14,11 +14,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client import REGISTRY
 
 import pinpool
 from pinpool import _cli
-from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PoolOptions, pool_options
+from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PinArguments, PoolArguments, PoolOptions, pool_options
 from pinpool.testing import FakeRuntime
 
 from ..conftest import lifecycle_of
@@ -65,6 +66,24 @@ def test_pin_takes_every_pool_option_the_tensor_does_not_decide() -> None:
     same_default = {o.name for o in OPTIONS if o.pool and o.pin and o.default_for_pin == o.default}
     assert {o.name for o in OPTIONS if o.pool and o.pin} - same_default == {"name"}  # "tensor"
     assert inspect.signature(pinpool.pin).parameters["max_call_seconds"].default == "auto"  # as PinnedPool's
+
+
+@pytest.mark.parametrize(("typed", "takes"), [(PoolArguments, "pool"), (PinArguments, "pin")])
+def test_the_typed_keywords_are_the_declaration(typed: type, takes: str) -> None:
+    """What IDEs and mypy see of ``**options``: every declared option the entry takes, its type the declared one."""
+    declared = {o.name: o.type for o in OPTIONS if getattr(o, takes)}
+    annotations = {name: getattr(t, "__forward_arg__", t) for name, t in typed.__annotations__.items()}
+    assert annotations == declared
+    assert typed.__optional_keys__ == frozenset(declared)  # every keyword has its default
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_it(fake: FakeRuntime) -> None:
+    with pytest.raises(TypeError, match=r"^PinnedPool\(\) got an unexpected keyword argument 'chunk_size'$"):
+        pinpool.PinnedPool(size="1MiB", runtime=fake, chunk_size="1MiB")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^pin\(\) got an unexpected keyword argument 'size'$"):
+        pinpool.pin(torch.zeros(4, 1024), runtime=fake, size="1MiB")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^PoolOptions.create\(\) got an unexpected keyword argument 'memory'$"):
+        PoolOptions.create(size=4096, memory=None)
 
 
 def test_pool_options_create_takes_the_declared_options_with_their_defaults() -> None:

@@ -682,7 +682,7 @@ PLAN_ATTRIBUTES = (
 
 def test_pool_attributes_are_the_plan_and_read_only(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, name="p", registry=None)
-    plan = plan_pool(lifecycle_of(pool).options, pool._host, capabilities_of(fake))
+    plan = plan_pool(lifecycle_of(pool).options, HostFacts.probe(), capabilities_of(fake))
     assert pool.plan == plan
     for name in PLAN_ATTRIBUTES:
         assert getattr(pool.plan, name) == getattr(plan, name), name
