@@ -6,6 +6,7 @@ fails here until every spelling agrees."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import re
@@ -20,6 +21,7 @@ from prometheus_client import REGISTRY
 import pinpool
 from pinpool import _cli
 from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PinArguments, PoolArguments, PoolOptions, pool_options
+from pinpool._pool import PoolRequest, pool_request
 from pinpool.testing import FakeRuntime
 
 from ..conftest import lifecycle_of
@@ -84,6 +86,18 @@ def test_an_unknown_keyword_is_a_type_error_naming_it(fake: FakeRuntime) -> None
         pinpool.pin(torch.zeros(4, 1024), runtime=fake, size="1MiB")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"^PoolOptions.create\(\) got an unexpected keyword argument 'memory'$"):
         PoolOptions.create(size=4096, memory=None)
+
+
+def test_the_request_hands_each_option_to_its_home(fake: FakeRuntime, tmp_path: Path) -> None:
+    given = {"size": "1MiB", "runtime": fake, "node_slots": 2, "node_dir": str(tmp_path), "registry": None, "name": "r"}
+    request = pool_request("PinnedPool", given)
+    assert request.options.size == MiB and request.options.name == "r" and request.runtime is fake
+    assert request.pacing is not None and request.pacing.slots == 2 and request.registry is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.runtime = "auto"  # type: ignore[misc]
+    # The request's own fields are the options whose home it is, besides what the other homes made.
+    own = {f.name for f in dataclasses.fields(PoolRequest)} - {"options", "pacing", "source"}
+    assert own == {o.name for o in OPTIONS if o.home == "request"}
 
 
 def test_pool_options_create_takes_the_declared_options_with_their_defaults() -> None:
