@@ -75,7 +75,7 @@ class Flag:
 OPTIONS_HOME = "options"  # PoolOptions.create and the dataclass's checks (pinpool._plan.options)
 PACING = "pacing"  # NodePacing.from_options (pinpool._node.config)
 SOURCE = "source"  # pin()'s tensor: its layout (TensorLayout, pinpool._pin.memory_source)
-REQUEST = "request"  # a field of PoolRequest itself, checked there
+REQUEST = "request"  # a field of PoolRequest, checked there (the runtime: when the pool resolves it)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """What a caller asked for, as one frozen, validated value: :func:`pool_request` turns the keywords of
 ``PinnedPool(...)``, ``pin(...)``, ``share(...)`` and the ``pinpool plan``/``pin`` flags into a
-:class:`PoolRequest`, each option handed to its declared home (``pinpool._plan.declared``), which checks
-it: PoolOptions, NodePacing, pin()'s tensor layout, or this request. Nothing here probes the host;
-every entry point then plans the request with the host facts."""
+:class:`PoolRequest`, handing each option to its declared home (``pinpool._plan.declared``), which checks
+it. Nothing here probes the host: each entry point then places and plans the request with the host facts."""
 
 from __future__ import annotations
 
