@@ -289,6 +289,23 @@ def test_the_docs_table_is_generated_from_the_declaration() -> None:
         assert f"| `{o.name}` | `{o.type}` |" in page, o.name
 
 
+def test_the_reference_shows_the_declared_keywords() -> None:
+    """The API reference (griffe, which reads the source) shows what help() shows: every keyword, not **options."""
+    griffe = pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location("griffe_rest", ROOT / "docs" / "_ext" / "griffe_rest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    extensions = griffe.load_extensions(module.RestDocstrings())
+    package = griffe.load("pinpool", extensions=extensions, search_paths=[str(ROOT)])
+    for path, declared in (("_pool.pool.PinnedPool.__init__", ["self", *(o.name for o in pool_options())]),
+                           ("_pool.pin.pin", ["tensor", *(o.name for o in OPTIONS if o.pin)])):  # fmt: skip
+        assert [p.name for p in package[path].parameters] == declared, path
+    assert [k for k in docstring_options() if f"`{k}`:" in package["_pool.pool.PinnedPool"].docstring.value] == [
+        o.name for o in pool_options()
+    ]
+
+
 def test_the_docs_link_the_options_page() -> None:
     assert "options.md" in (ROOT / "mkdocs.yml").read_text()
     assert "(options.md)" in (ROOT / "docs" / "quickstart.md").read_text()
