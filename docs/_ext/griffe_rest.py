@@ -9,15 +9,23 @@ renders badly. This rewrites them, for the site only (the source is untouched):
 - a paragraph ending in ``::`` before an indented block ends in ``:`` (the block is already
   a Markdown code block);
 - an ``Options:`` style block (a line ``Name:`` followed by ``  key: text`` lines indented
-  two spaces) becomes a bulleted list, one item per key.
+  two spaces) becomes a bulleted list, one item per key;
+- ``PinnedPool(**options)`` and ``pin(tensor, **options)`` show the declared keywords with their
+  types and defaults (``pinpool._plan.declared``), as ``help()`` does, and PinnedPool's
+  ``Options:`` their help, as its ``__doc__`` does at run time.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import griffe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pinpool._plan.declared import OPTIONS, Option
 
 _ROLE = re.compile(r":(?:class|func|meth|data|attr|exc|mod|obj):`~?([A-Za-z_][\w.]*)`")
 _LITERAL_BLOCK = re.compile(r"(\S)::\n\n", re.MULTILINE)
@@ -28,10 +36,31 @@ class RestDocstrings(griffe.Extension):
     """Rewrite every docstring of the loaded package once it is loaded (aliases resolved)."""
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        if pkg.name == "pinpool":
+            _declared_keywords(pkg)
         for obj in _walk(pkg, set()):
             docstring = obj.docstring
             if docstring is not None:
                 docstring.value = _rewrite(docstring.value, obj)
+
+
+def _declared_keywords(pkg: griffe.Module) -> None:
+    """``**options`` in the two signatures that take them replaced by the declared keywords."""
+    for path, pin in (("_pool.pool.PinnedPool.__init__", False), ("_pool.pin.pin", True)):
+        function = pkg[path]
+        keywords = [o for o in OPTIONS if (o.pin if pin else o.pool)]
+        fixed = [p for p in function.parameters if p.kind is not griffe.ParameterKind.var_keyword]
+        function.parameters = griffe.Parameters(*fixed, *(_parameter(o, pin) for o in keywords))
+    pool = pkg["_pool.pool.PinnedPool"]
+    help_lines = "".join(f"\n  {o.name}: {o.help}." for o in OPTIONS if o.pool)
+    pool.docstring.value += f"\n\nOptions:{help_lines}"
+
+
+def _parameter(option: Option, pin: bool) -> griffe.Parameter:
+    default = option.shown(option.default_for_pin if pin else option.default)
+    return griffe.Parameter(
+        option.name, annotation=option.type, kind=griffe.ParameterKind.keyword_only, default=default
+    )
 
 
 def _walk(obj: griffe.Object, seen: set[str]) -> list[griffe.Object]:

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -136,6 +136,20 @@ def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
     return "time"
 
 
+class _PinEvents(EventLog):
+    """The pool's events, and ``announce`` called at ``pool.pin.start``: once the pool passed its
+    pre-flight and mapped its memory, so a pool this host cannot pin gets its error alone."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self.announce: Callable[[], None] = lambda: None
+
+    def info(self, event: str, **fields: Any) -> None:
+        if event == "pool.pin.start":
+            self.announce()
+        super().info(event, **fields)
+
+
 def _wait_ready(pool: PinnedPool, progress: ProgressReporter) -> None:
     """Wait for a background pool, drawing progress from it (its threads report to nobody)."""
     while True:
@@ -166,7 +180,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
     from .._pool.pool import PinnedPool
 
     registry = CollectorRegistry()  # the pool's own: the summary reads it, --metrics-port serves it
-    events = EventLog(err)
+    events = _PinEvents(err)
     progress = ProgressReporter(err, mode)
     kwargs["runtime"] = runtime_arg(kwargs.get("runtime", "auto"))
     pool = PinnedPool(**kwargs, registry=registry, logger=events, on_progress=progress)
@@ -196,10 +210,10 @@ def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
     return faulted
 
 
-def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: ProgressReporter, events: EventLog,
+def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: ProgressReporter, events: _PinEvents,
                     registry: CollectorRegistry, hold_for: float | None, url: str | None) -> int:  # fmt: skip
     if progress.mode != "none":
-        say(
+        events.announce = lambda: say(
             f"pinpool: pinning {format_bytes(pool.nbytes)} in {len(pool.plan.chunks)} chunk(s) of <= "
             f"{format_bytes(pool.plan.chunk_bytes)} with runtime {pool.runtime.name!r} (pool {pool.name!r})",
             progress.stream,

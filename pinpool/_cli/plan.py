@@ -7,7 +7,6 @@ import argparse
 import json
 
 from .._errors import ConfigError
-from .._plan.declared import option
 from .options import plan_runtime, pool_options
 from .progress import EXIT_OK, while_loading
 from .report import plan_report, plan_text
@@ -19,19 +18,18 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.rows < 0:
             raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
         from .._host.facts import HostFacts
-        from .._node.config import NodePacing
-        from .._plan.options import PoolOptions
         from .._plan.plan import plan_pool
-        from .._plan.preflight import check_host
+        from .._plan.preflight import check_pinning, place
+        from .._pool.request import pool_request
         from ..runtimes._registry import pinning_capabilities
 
-        # The same options as pin, checked the same way; pacing is validated, not joined.
-        options = PoolOptions.create(**{name: value for name, value in kwargs.items() if option(name).create})
-        pacing = NodePacing.from_options(**{name: value for name, value in kwargs.items()
-                                            if name.startswith("node_")})  # fmt: skip
+        # The same request as pin's, checked the same way; pacing is validated, not joined.
+        request = pool_request("PinnedPool", kwargs)
+        options, pacing = request.options, request.pacing
         runtime, caps, available = plan_runtime(args.runtime)
         host = HostFacts.probe()
-        plan = plan_pool(options, host, caps)
+        placement = place(options, host)
+        plan = plan_pool(options, host, caps, placement=placement)
     report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,
                          available=available, rows=args.rows)  # fmt: skip
     report["pinning"] = {
@@ -52,7 +50,8 @@ def run_plan(args: argparse.Namespace) -> int:
     # memlock pre-flight is a separate answer, reported rather than raised.
     try:
         charged = None if args.runtime == "fake" else pinning_capabilities(args.runtime, host)
-        check_host(options, host, charged)
+        buffers = [spec.nbytes for spec in placement.specs]
+        check_pinning(options, host, charged, mapping_bytes=placement.mapping_bytes, buffer_bytes=buffers)
         report["preflight_error"] = None
     except ConfigError as exc:
         report["preflight_error"] = str(exc)

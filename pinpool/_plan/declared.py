@@ -1,10 +1,22 @@
-"""A pool's options, declared once in :data:`OPTIONS`: signatures, ``PoolOptions.create``, the flags and
-docs/options.md derive from it or are tested against it. Standard library only (the CLI must not import torch)."""
+"""A pool's options, declared once in :data:`OPTIONS`: the signatures (:func:`keyword_signature`), the
+request (``pinpool._pool.request``), ``PoolOptions.create``, the flags and docs/options.md derive from it or
+are tested against it, as are the typed keywords (:class:`PoolArguments`, :class:`PinArguments`).
+Standard library only (the CLI must not import torch)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:  # the typed keywords' annotations only
+    from prometheus_client import CollectorRegistry
+
+    from .._pin.lifecycle import ProgressCallback
+    from .._shared.memory import SharedMemory
+    from ..layouts import Layout
+    from ..runtimes import Runtime
 
 # 32 halvings reach one 4 KiB page from 16 TiB: the floor (min_chunk_bytes) ends halving first.
 DEFAULT_MAX_RETRIES = 32
@@ -59,11 +71,18 @@ class Flag:
         return self.flag[2:].replace("-", "_")
 
 
+# Where the request (pinpool._pool.request) hands an option, and so where it is checked:
+OPTIONS_HOME = "options"  # PoolOptions.create and the dataclass's checks (pinpool._plan.options)
+PACING = "pacing"  # NodePacing.from_options (pinpool._node.config)
+SOURCE = "source"  # pin()'s tensor: its layout (TensorLayout, pinpool._pin.memory_source)
+REQUEST = "request"  # a field of PoolRequest, checked there (the runtime: when the pool resolves it)
+
+
 @dataclass(frozen=True)
 class Option:
     """One pool option: ``type`` is its annotation text; ``flag`` None needs ``no_flag`` (why);
-    ``pool`` / ``pin`` / ``create``: whether PinnedPool, pin() (else ``no_pin``, why) and
-    ``PoolOptions.create`` take it; ``shown_default``: the docs' spelling where ``repr``'s is poor."""
+    ``pool`` / ``pin``: whether PinnedPool and pin() (else ``no_pin``, why) take it; ``home``: what
+    takes and checks its value; ``shown_default``: the docs' spelling where ``repr``'s is poor."""
 
     name: str
     type: str
@@ -75,13 +94,18 @@ class Option:
     pin: bool = True
     no_pin: str = ""
     pin_default: object = _SAME
-    create: bool = False
+    home: str = OPTIONS_HOME
     shown_default: str | None = None
 
     def __post_init__(self) -> None:
         assert (self.flag is None) == bool(self.no_flag), f"{self.name}: a flag, or why there is none"
         assert self.pin or self.no_pin, f"{self.name}: say why pin() does not take it"
         assert self.flag is None or self.flag.kind in KINDS, f"{self.name}: unknown kind {self.flag.kind!r}"
+        assert self.home in (OPTIONS_HOME, PACING, SOURCE, REQUEST), f"{self.name}: unknown home {self.home!r}"
+
+    @property
+    def create(self) -> bool:  # PoolOptions.create takes it
+        return self.home == OPTIONS_HOME
 
     @property
     def default_for_pin(self) -> object:
@@ -100,108 +124,107 @@ OPTIONS: tuple[Option, ...] = (
     Option("granularity_bytes", "int | None", None,
         "copy-page size of the tensor: chunk boundaries are multiples of it from the tensor's start",
         no_flag="pin() only: the command line pins memory of its own (--layout raw --granularity does the same)",
-        pool=False),
+        pool=False, home=SOURCE),
     Option("ranges", "Sequence[tuple[int, int]] | None", None,
         "pin only these (offset, nbytes) byte ranges of the tensor, each a registration of its own (None: all of it; "
         "a strided view: each of its contiguous rows)",
-        no_flag="pin() only: byte ranges of a tensor you give", pool=False),
+        no_flag="pin() only: byte ranges of a tensor you give", pool=False, home=SOURCE),
     Option("layout", "Layout | None", None,
         "what the memory holds: a layout from pinpool.layouts (None: Raw(), plain bytes)",
-        flag=Flag("--layout", "layout", "FAMILY"), pin=False, no_pin=_TENSOR, create=True),
+        flag=Flag("--layout", "layout", "FAMILY"), pin=False, no_pin=_TENSOR),
     Option("size", "int | str | None", None,
         "byte budget, an int or a size string such as 64GiB, 1.5TiB, 512MB: the pool holds the whole pages that fit",
         flag=Flag("--size", "size", "SIZE", commands=("pin", "plan", "doctor"), default="4GiB",
                   note="(pin and plan: default 4GiB unless --num-pages; doctor: the size to check the host against)"),
-        pin=False, no_pin=_TENSOR, create=True),
+        pin=False, no_pin=_TENSOR),
     Option("num_pages", "int | None", None,
         "instead of size: exactly this many layout pages (paired pools, e.g. MLA and its Indexer, get the same count)",
-        flag=Flag("--num-pages", "int", "N"), pin=False, no_pin=_TENSOR, create=True),
+        flag=Flag("--num-pages", "int", "N"), pin=False, no_pin=_TENSOR),
     Option("memory", "SharedMemory | None", None,
         "where the memory comes from: None maps private anonymous memory; a pinpool.SharedMemory maps a shared file",
-        no_flag="Python-only: a SharedMemory object", pin=False, no_pin="the tensor is the memory"),
+        no_flag="Python-only: a SharedMemory object", pin=False, no_pin="the tensor is the memory", home=REQUEST),
     Option("runtime", "str | Runtime", "auto",
         "what pins: auto (ROCm or CUDA with a GPU, else mlock), cuda, rocm, mlock, or a runtime object",
         flag=Flag("--runtime", "runtime", note="(names only: a runtime object is Python-only; fake is "
-                  "pinpool.testing.FakeRuntime, which pins nothing)")),
+                  "pinpool.testing.FakeRuntime, which pins nothing)"), home=REQUEST),
     Option("chunk_bytes", "int | str | None", None,
         f"exact size of every registration call (a buffer's last one shorter), rounded down to the alignment unit, "
         f"never split for the workers nor cut by an 'auto' stall budget; {PER_BUFFER!r}: one registration per buffer, "
         "never cut; None: chunks up to the chunk limit, split for the workers",
-        flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer"), create=True),
+        flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer")),
     Option("max_chunk_bytes", "int | str | None", None,
         "upper bound of one registration call, rounded down to the alignment unit: as few registrations as it allows, "
         "never split for the workers nor cut by an 'auto' stall budget (None: PINPOOL_REGISTER_CHUNK_GB GiB, else "
         "256 GiB, split for the workers)",
-        flag=Flag("--max-chunk-bytes", "size", "SIZE"), create=True),
+        flag=Flag("--max-chunk-bytes", "size", "SIZE")),
     Option("populate", "bool | None", None,
         "pre-fault the memory on threads (MADV_POPULATE_WRITE), pipelined with registration (None: where it can)",
-        flag=Flag("--populate", "bool"), create=True),
+        flag=Flag("--populate", "bool")),
     Option("populate_workers", "int | None", None, "pre-fault threads (None: CPUs, up to 16)",
-        flag=Flag("--populate-workers", "int", "N"), create=True),
+        flag=Flag("--populate-workers", "int", "N")),
     Option("register_workers", "int | None", None,
         "registration threads (None: 1 for CUDA, whose driver serialises registration; CPUs up to 8 otherwise)",
-        flag=Flag("--register-workers", "int", "N"), create=True),
+        flag=Flag("--register-workers", "int", "N")),
     Option("unpin_workers", "int | None", None,
         "unregistration threads, at exit and in a rollback (None: CPUs, up to 8)",
-        flag=Flag("--unpin-workers", "int", "N"), create=True),
+        flag=Flag("--unpin-workers", "int", "N")),
     Option("huge_pages", "bool | str", False,
         "True: transparent huge pages (2 MiB-aligned, MADV_HUGEPAGE); 'hugetlb' (or 'hugetlb:2MiB'): 2 MiB pages "
         "from vm.nr_hugepages; 'hugetlb:1GiB': 1 GiB pages reserved at boot (hugepagesz=1G hugepages=N)",
         flag=Flag("--huge-pages", "huge_pages", note="(thp for True, also when given alone; hugetlb; off: False)"),
-        pin=False, no_pin="pinpool.empty(..., huge_pages=) takes it",
-        create=True),
+        pin=False, no_pin="pinpool.empty(..., huge_pages=) takes it"),
     Option("numa_node", "int | None", None,
         "bind the memory to this NUMA node (mbind) before any of it is faulted (None: the kernel places it)",
-        flag=Flag("--numa-node", "int", "N"), pin=False, no_pin="pinpool.empty(..., numa_node=) takes it", create=True),
+        flag=Flag("--numa-node", "int", "N"), pin=False, no_pin="pinpool.empty(..., numa_node=) takes it"),
     Option("name", "str", "default",
         "the pool's name in logs, metrics and errors (low-cardinality: one per pool role)",
-        flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor", create=True),
+        flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor"),
     Option("min_chunk_bytes", "int | str | None", None,
         "a registration retried as halves is never cut below this (None: one alignment unit, lcm(granularity, "
         "OS page))",
-        flag=Flag("--min-chunk-bytes", "size", "SIZE"), create=True),
+        flag=Flag("--min-chunk-bytes", "size", "SIZE")),
     Option("max_retries", "int", DEFAULT_MAX_RETRIES,
         "how many times one planned registration may be halved, level after level, when a call fails with a retry "
         "code (0: never retry)",
-        flag=Flag("--max-retries", "int", "N"), create=True),
+        flag=Flag("--max-retries", "int", "N")),
     Option("retry_codes", "Collection[int] | None", None,
         "the runtime's error codes that make a registration retry as halves (None: the runtime's own; CUDA and "
         "ROCm: 1 and 2, what a registration too large gets; (): never retry)",
-        flag=Flag("--retry-codes", "codes", "CODE,..."), create=True),
+        flag=Flag("--retry-codes", "codes", "CODE,...")),
     Option("max_call_seconds", "float | str | None", "auto",
         "the stall budget: every registration and populate call is sized to take at most this long ('auto': 50 ms "
         "for a background pool, none otherwise; None: no budget)",
-        flag=Flag("--max-call-seconds", "seconds", "SECONDS|auto|none", note="(here none for None)"), create=True),
+        flag=Flag("--max-call-seconds", "seconds", "SECONDS|auto|none", note="(here none for None)")),
     Option("background", "bool", False,
         "enter at once and pin in the background, lowest pages first (pool.state, pinned_pages, wait_ready)",
-        flag=Flag("--background", "switch", note="(pin waits until the pool is ready before it reports or holds)"),
-        create=True),
+        flag=Flag("--background", "switch", note="(pin waits until the pool is ready before it reports or holds)")),
     Option("pin_nice", "int | str | None", "auto",
         "how much nicer than the process the pin worker threads run, 0 to 19 ('auto': nicer for a background pool, "
         "unchanged otherwise; None: 0)",
-        flag=Flag("--pin-nice", "nice", "N|auto"), create=True),
+        flag=Flag("--pin-nice", "nice", "N|auto")),
     Option("node_slots", "int | None", None,
         "node pacing: at most this many processes of this host pin at once (None: PINPOOL_NODE_SLOTS, else no limit)",
-        flag=Flag("--node-slots", "int", "N")),
+        flag=Flag("--node-slots", "int", "N"), home=PACING),
     Option("node_budget", "int | float | str | None", None,
         "node pacing: bytes all cooperating pools may hold pinned, a size or a fraction of MemTotal such as 0.8 "
         "(None: env PINPOOL_NODE_BUDGET, else no budget)",
-        flag=Flag("--node-budget", "text", "SIZE|FRACTION")),
+        flag=Flag("--node-budget", "text", "SIZE|FRACTION"), home=PACING),
     Option("node_dir", "str | None", None,
         "node pacing's directory of flock-ed files (None: env PINPOOL_NODE_DIR, else /dev/shm/pinpool-<uid>)",
-        flag=Flag("--node-dir", "text", "PATH")),
+        flag=Flag("--node-dir", "text", "PATH"), home=PACING),
     Option("node_wait", "bool", True,
         "node pacing: wait for admission (True), or raise NodeBusyError at once (False)",
-        flag=Flag("--node-wait", "bool")),
+        flag=Flag("--node-wait", "bool"), home=PACING),
     Option("registry", "CollectorRegistry | None", DEFAULT_REGISTRY,
         "the prometheus_client registry the pool's metrics go to (None: no metrics)",
-        no_flag="Python-only: the command line keeps a registry of its own (pin --metrics-port serves it)"),
+        no_flag="Python-only: the command line keeps a registry of its own (pin --metrics-port serves it)",
+        home=REQUEST),
     Option("logger", "Any | None", None,
         "a structlog bound logger for the pool's events (None: structlog's if configured, else stdlib's)",
-        no_flag="Python-only: the command line prints the pool's events on stderr"),
+        no_flag="Python-only: the command line prints the pool's events on stderr", home=REQUEST),
     Option("on_progress", "ProgressCallback | None", None,
         "callable(pinned_bytes, total_bytes, chunks_done, chunks_total), called about every 100 ms and once at the end",
-        no_flag="Python-only: the command line draws progress itself (pin --progress)"),
+        no_flag="Python-only: the command line draws progress itself (pin --progress)", home=REQUEST),
 )  # fmt: skip
 
 _BY_NAME = {o.name: o for o in OPTIONS}
@@ -215,3 +238,64 @@ def option(name: str) -> Option:
 def pool_options() -> Iterator[Option]:
     """What ``PinnedPool(...)`` takes, in its signature's order."""
     return (o for o in OPTIONS if o.pool)
+
+
+def keyword_signature(
+    first: Iterable[str], options: Iterable[Option], returns: str, *, for_pin: bool = False,
+    registry: object = DEFAULT_REGISTRY,
+) -> inspect.Signature:  # fmt: skip
+    """The signature help() and inspect show for a function of ``**options``: the ``first`` parameters,
+    then ``options`` keyword-only with their defaults (pin()'s with ``for_pin``; ``registry``: the
+    registry's object, which this module cannot import)."""
+    keywords = []
+    for o in options:
+        default = o.default_for_pin if for_pin else o.default
+        default = registry if default is DEFAULT_REGISTRY else default
+        keywords.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=o.type))
+    positional = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in first]
+    return inspect.Signature([*positional, *keywords], return_annotation=returns)
+
+
+class _PinningArguments(TypedDict, total=False):
+    """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs and mypy; meanings and
+    defaults are :data:`OPTIONS`'s (a test holds these to it)."""
+
+    runtime: str | Runtime
+    chunk_bytes: int | str | None
+    max_chunk_bytes: int | str | None
+    populate: bool | None
+    populate_workers: int | None
+    register_workers: int | None
+    unpin_workers: int | None
+    name: str
+    min_chunk_bytes: int | str | None
+    max_retries: int
+    retry_codes: Collection[int] | None
+    max_call_seconds: float | str | None
+    background: bool
+    pin_nice: int | str | None
+    node_slots: int | None
+    node_budget: int | float | str | None
+    node_dir: str | None
+    node_wait: bool
+    registry: CollectorRegistry | None
+    logger: Any | None
+    on_progress: ProgressCallback | None
+
+
+class PoolArguments(_PinningArguments, total=False):
+    """``PinnedPool(**options)``'s keywords."""
+
+    layout: Layout | None
+    size: int | str | None
+    num_pages: int | None
+    memory: SharedMemory | None
+    huge_pages: bool | str
+    numa_node: int | None
+
+
+class PinArguments(_PinningArguments, total=False):
+    """``pin(tensor, **options)``'s keywords."""
+
+    granularity_bytes: int | None
+    ranges: Sequence[tuple[int, int]] | None

@@ -1,9 +1,9 @@
-"""A pool's options: :meth:`PoolOptions.create` turns spellings into values, the dataclass checks each
-field once, every failure a :class:`ConfigError` naming the value and the fix."""
+"""A pool's options: :meth:`PoolOptions.create` turns spellings into values (one reader per option that
+has spellings: ``_size``, ``_stall_budget``, ``_pin_nice``), the dataclass checks each field once, every
+failure a :class:`ConfigError` naming the value and the fix."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from collections.abc import Collection
@@ -14,7 +14,7 @@ from .._errors import ConfigError
 from .._layouts.spec import check_layout, is_layout, layout_page_bytes, positive_int, require_layout
 from .._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size, shown
 from ..layouts import BufferSpec, Layout, Raw
-from .declared import DEFAULT_MAX_RETRIES, OPTIONS, PER_BUFFER
+from .declared import DEFAULT_MAX_RETRIES, OPTIONS, PER_BUFFER, keyword_signature
 
 # ``pin_nice="auto"``: a background pool's pin workers run this much nicer than the process.
 # Measured in docs/performance.md ("Serving: pinning leaves serving its CPU (pin_nice)"): the
@@ -101,51 +101,24 @@ class PoolOptions:
 
     @classmethod
     def create(cls, **given: Any) -> PoolOptions:
-        """Options from the spellings of the options :mod:`pinpool._plan.declared` marks ``create``:
-        size strings, ``layout=None``, ``chunk_bytes="buffer"``, ``"auto"``; reads the chunk env now."""
-        for name in given.keys() - {o.name for o in _CREATE}:
+        """Options from the spellings of the options :mod:`pinpool._plan.declared` homes here: size
+        strings, ``layout=None``, ``chunk_bytes="buffer"``, ``"auto"``; reads the chunk env now."""
+        for name in sorted(given.keys() - {o.name for o in _CREATE}):
             raise TypeError(f"PoolOptions.create() got an unexpected keyword argument {name!r}")
         o = {option.name: given.get(option.name, option.default) for option in _CREATE}
-        layout, size, pages, chunk, stall, background = (
-            o["layout"], o["size"], o["num_pages"], o["chunk_bytes"], o["max_call_seconds"], o["background"] is True
-        )  # fmt: skip
-        layout = Raw() if layout is None else layout
-        if (size is None) == (pages is None):
-            both = f"both were given (size={shown(size)}, num_pages={shown(pages)})"
-            what = "neither was given" if size is None else both
-            raise ConfigError(f"size= or num_pages=: {what}; {_SIZE_OR_PAGES_FIX}")
-        if pages is None:
-            size = _bytes(size, "size")
-        elif positive_int(pages) and is_layout(layout):  # else the dataclass names what is wrong
-            size = pages * layout_page_bytes(layout)
+        layout = Raw() if o["layout"] is None else o["layout"]
+        size = _size(layout, o["size"], o["num_pages"])
+        chunk, bound = o["chunk_bytes"], _bytes(o["max_chunk_bytes"], "max_chunk_bytes")
         per_buffer = isinstance(chunk, str) and chunk == PER_BUFFER
-        bound = _bytes(o["max_chunk_bytes"], "max_chunk_bytes")
         exact = None if per_buffer or chunk is None else _bytes(chunk, "chunk_bytes")
-        limit = exact or bound or (size if per_buffer else chunk_limit_from_env())
-        yields_to = None
-        if isinstance(stall, str):
-            if stall != "auto":
-                raise ConfigError(
-                    f"max_call_seconds={stall!r} must be a number of seconds, None (no budget) or "
-                    '"auto" (the default: 50 ms for a background pool, none otherwise)'
-                )
-            stall = BACKGROUND_MAX_CALL_SECONDS if background and not per_buffer else None
-            # "auto" is only a default: it yields to a chunk option the user gave (a number is refused).
-            if stall is not None:
-                yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
-        nice = o["pin_nice"]
-        if isinstance(nice, str) and nice != "auto":
-            raise ConfigError(f"pin_nice={shown(nice)}: {_PIN_NICE_FIX}")
-        nice = (BACKGROUND_PIN_NICE if background else 0) if nice == "auto" else 0 if nice is None else nice
-        return cls(
-            size=size, layout=layout, chunk_bytes=exact, chunk_limit=limit, populate=o["populate"],
-            populate_workers=o["populate_workers"], register_workers=o["register_workers"],
-            unpin_workers=o["unpin_workers"], huge_pages=o["huge_pages"], numa_node=o["numa_node"], name=o["name"],
-            min_chunk_bytes=_bytes(o["min_chunk_bytes"], "min_chunk_bytes"), max_retries=o["max_retries"],
-            max_call_seconds=stall, num_pages=pages, pin_nice=nice, max_chunk_bytes=bound, per_buffer=per_buffer,
-            background=o["background"], retry_codes=o["retry_codes"], budget_yields_to=yields_to,
-            spelled=o["size"],
-        )  # fmt: skip
+        background = o["background"] is True
+        stall, yields_to = _stall_budget(o["max_call_seconds"], background and not per_buffer, exact, bound)
+        return cls(**{
+            **o, "layout": layout, "size": size, "chunk_bytes": exact, "max_chunk_bytes": bound,
+            "chunk_limit": exact or bound or (size if per_buffer else chunk_limit_from_env()),
+            "per_buffer": per_buffer, "min_chunk_bytes": _bytes(o["min_chunk_bytes"], "min_chunk_bytes"),
+            "max_call_seconds": stall, "budget_yields_to": yields_to, "pin_nice": _pin_nice(o["pin_nice"], background),
+        }, spelled=o["size"])  # fmt: skip
 
     def __post_init__(self, spelled: object) -> None:
         if not isinstance(self.background, bool):
@@ -258,11 +231,42 @@ class PoolOptions:
 
 
 # create's signature, for help(): the declared options, keyword-only.
-PoolOptions.create.__func__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [inspect.Parameter("cls", inspect.Parameter.POSITIONAL_ONLY)]
-    + [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default) for o in _CREATE],
-    return_annotation="PoolOptions",
-)
+PoolOptions.create.__func__.__signature__ = keyword_signature(["cls"], _CREATE, "PoolOptions")  # type: ignore[attr-defined]
+
+
+def _size(layout: Layout, size: object, pages: object) -> Any:
+    """``size=`` in bytes, or ``num_pages`` layout pages' (each checked by the dataclass)."""
+    if (size is None) == (pages is None):
+        both = f"both were given (size={shown(size)}, num_pages={shown(pages)})"
+        raise ConfigError(f"size= or num_pages=: {'neither was given' if size is None else both}; {_SIZE_OR_PAGES_FIX}")
+    if pages is None:
+        return _bytes(size, "size")
+    return pages * layout_page_bytes(layout) if positive_int(pages) and is_layout(layout) else None
+
+
+def _stall_budget(stall: object, background: bool, exact: object, bound: object) -> tuple[Any, str | None]:
+    """``max_call_seconds``, ``"auto"`` resolved (``background``: a pool that pins in the background and
+    may be cut), and the chunk option an ``"auto"`` budget yields to."""
+    if not isinstance(stall, str):
+        return stall, None
+    if stall != "auto":
+        raise ConfigError(
+            f"max_call_seconds={stall!r} must be a number of seconds, None (no budget) or "
+            '"auto" (the default: 50 ms for a background pool, none otherwise)'
+        )
+    if not background:
+        return None, None
+    # "auto" is only a default: it yields to a chunk option the user gave (a number is refused).
+    yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
+    return BACKGROUND_MAX_CALL_SECONDS, yields_to
+
+
+def _pin_nice(nice: object, background: bool) -> Any:
+    if isinstance(nice, str) and nice != "auto":
+        raise ConfigError(f"pin_nice={shown(nice)}: {_PIN_NICE_FIX}")
+    if nice == "auto":
+        return BACKGROUND_PIN_NICE if background else 0
+    return 0 if nice is None else nice
 
 
 def _check_bytes(value: object, option: str) -> None:

@@ -5,4 +5,5 @@ from .._types import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "pin": "empty",
     "pool": "PinnedPool",
+    "request": "PoolRequest pool_request",
 })  # fmt: skip

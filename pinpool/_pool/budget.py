@@ -16,10 +16,11 @@ from .._host.facts import HostFacts
 from .._layouts.spec import is_layout
 from .._node.config import parse_fraction
 from .._plan.declared import OPTIONS
-from .._plan.options import PoolOptions, min_num_pages
+from .._plan.options import min_num_pages
 from .._plan.preflight import place, resident_fit
 from .._units import bytes_text, decimal_to_int, human, parse_size, shown
 from ..runtimes._registry import pinning_capabilities
+from .request import pool_request
 
 if TYPE_CHECKING:
     from ..layouts import Layout
@@ -101,11 +102,12 @@ def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts |
     facts = HostFacts.probe(torch_build=False) if host is None else host
     named = dict(layouts)
 
-    def mapped(pages: int) -> dict[str, int]:
-        return {
-            key: place(PoolOptions.create(layout=layout, num_pages=pages, **options), facts, check=False).mapping_bytes
+    def mapped(pages: int) -> dict[str, int]:  # the pools' requests, placed unchecked: arithmetic
+        requests = {
+            key: pool_request("share", {**options, "layout": layout, "num_pages": pages})
             for key, layout in named.items()
         }
+        return {key: place(request.options, facts, check=False).mapping_bytes for key, request in requests.items()}
 
     least = max(min_num_pages(layout) for layout in named.values())
     smallest = mapped(least)

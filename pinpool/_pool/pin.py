@@ -5,35 +5,21 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Unpack
 
 import torch
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY
 
 from .._errors import ConfigError
 from .._host.mapping import HostMapping, alias_of
-from .._pin.lifecycle import ProgressCallback
-from .._plan.declared import DEFAULT_MAX_RETRIES
+from .._plan.declared import OPTIONS, PinArguments, keyword_signature
 from .._units import hugetlb_page_size
-from ..runtimes import Runtime
 from .pool import PinnedPool
+from .request import pool_request
 
 
-def pin(
-    tensor: torch.Tensor, *, granularity_bytes: int | None = None, ranges: Sequence[tuple[int, int]] | None = None,
-    runtime: str | Runtime = "auto",
-    chunk_bytes: int | str | None = None, max_chunk_bytes: int | str | None = None, populate: bool | None = None,
-    populate_workers: int | None = None, register_workers: int | None = None, unpin_workers: int | None = None,
-    name: str = "tensor",
-    min_chunk_bytes: int | str | None = None, max_retries: int = DEFAULT_MAX_RETRIES,
-    retry_codes: Collection[int] | None = None, max_call_seconds: float | str | None = "auto",
-    background: bool = False, pin_nice: int | str | None = "auto",
-    node_slots: int | None = None, node_budget: int | float | str | None = None, node_dir: str | None = None,
-    node_wait: bool = True,
-    registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
-    on_progress: ProgressCallback | None = None,
-) -> PinnedPool:  # fmt: skip
+def pin(tensor: torch.Tensor, **options: Unpack[PinArguments]) -> PinnedPool:
     """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees (docs/concepts.md,
     "Pinning memory you already own").
 
@@ -50,8 +36,6 @@ def pin(
     frees the caller's memory: while pinned ``t`` points at a non-resizable alias. Memory already
     pinned (or mlock-ed by anyone) raises :class:`AlreadyPinnedError` on entry, with nothing changed.
     """
-    given = dict(locals())  # every option by its declared name (pinpool._plan.declared), for _configure
-    del given["tensor"]
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
     if tensor.device.type != "cpu":
@@ -59,11 +43,18 @@ def pin(
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         raise ConfigError("pin(tensor): the tensor has no elements, so there is nothing to pin")
-    pool = PinnedPool.__new__(PinnedPool)
     # The pool plans and pins an alias of the tensor: the same bytes, whose address and size
     # nothing done to `tensor` from now on can change, and which keeps its storage alive.
-    pool._configure(source=alias_of(tensor), **given)
+    request = pool_request("pin", options, source=alias_of(tensor))
+    pool = PinnedPool.__new__(PinnedPool)
+    pool._build(request)
     return pool
+
+
+# For help() and inspect: every keyword pin() takes, with its default.
+pin.__signature__ = keyword_signature(  # type: ignore[attr-defined]
+    ["tensor"], (o for o in OPTIONS if o.pin), "PinnedPool", for_pin=True, registry=REGISTRY
+)
 
 
 def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:

@@ -8,38 +8,33 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any
+from typing import Unpack, cast
 
 import anyio
 import torch
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY
 
 from .._errors import ConfigError, PoolStateError
 from .._host.facts import HostFacts
-from .._node.config import NodePacing
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._pin.drivers import drive_async, drive_sync, finalize_lifecycle
-from .._pin.lifecycle import Lifecycle, ProgressCallback
-from .._pin.memory_source import PoolMemory, TensorLayout, check_memory_source
+from .._pin.lifecycle import Lifecycle
+from .._pin.memory_source import PoolMemory, TensorLayout
 from .._pin.outcome import PoolState, caller_outside_pinpool
 from .._plan.chunks import Chunk
-from .._plan.declared import DEFAULT_MAX_RETRIES, OPTIONS
-from .._plan.options import PoolOptions
+from .._plan.declared import PoolArguments, keyword_signature, pool_options
 from .._plan.plan import PoolPlan, plan_pool
 from .._plan.preflight import place
-from .._shared.memory import SharedMemory
 from .._units import format_bytes, parse_size
 from ..layouts import Layout
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
 from ..runtimes._registry import FAILURE_REASONS
+from .request import PoolRequest, pool_request
 
 _WAIT_POLL_SECONDS = 0.02
-# What _configure reads besides PoolOptions.create's options (pinpool._plan.declared names them all).
-_CREATE = tuple(o.name for o in OPTIONS if o.create)
-_PACING = ("node_slots", "node_budget", "node_dir", "node_wait")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,49 +69,12 @@ class PinnedPool:
     memory; on exit every chunk is unregistered, whatever the block did. ``pool.plan`` is what
     was decided before pinning; ``pool.registrations`` what the runtime holds right now.
 
-    The options are declared once (``pinpool._plan.declared``), which docs/options.md, ``pin()``
-    and the command line follow; a test holds this signature and the list below to it.
-
-    Options:
-      layout: what the memory holds (default :class:`pinpool.layouts.Raw`).
-      size: byte budget, int or string (``"64GiB"``): the pool holds the whole layout pages that fit.
-      num_pages: instead of ``size``, exactly this many layout pages (paired pools get the same count).
-      memory: None maps private anonymous memory; a :class:`pinpool.SharedMemory` maps a shared file.
-      runtime: ``"auto"`` (CUDA if available, else mlock), ``"cuda"``, ``"mlock"`` or a runtime object.
-      chunk_bytes: the exact size of every registration call; ``"buffer"``: one per buffer, never cut.
-      max_chunk_bytes: an upper bound of one registration call (docs/concepts.md, "Chunking").
-      populate: pre-fault the memory (MADV_POPULATE_WRITE) pipelined with registration.
-      populate_workers, register_workers, unpin_workers: threads per role (default: from the CPUs).
-      huge_pages: ``True``: transparent huge pages; ``"hugetlb"``: pages from the hugetlb pool.
-      numa_node: bind the memory to this NUMA node (mbind) before any of it is faulted.
-      name: the pool's name in logs, metrics and errors.
-      min_chunk_bytes, max_retries, retry_codes: retry a failed registration as aligned halves.
-      max_call_seconds: the stall budget: no registration or populate call longer (docs/serving.md).
-      background: the body runs while the pool pins (lowest pages first); ``pool.pinned_pages``
-        and ``await pool.wait_ready(...)`` tell what is usable, ``pool.error`` why it failed.
-      pin_nice: how much nicer than the process the pin workers run (docs/serving.md).
-      node_slots, node_budget, node_dir, node_wait: pacing the processes of one host (slots, a byte budget).
-      registry: the prometheus_client ``CollectorRegistry`` for the pool's metrics (None: none).
-      logger: a structlog bound logger for the pool's events.
-      on_progress: ``callable(pinned_bytes, total_bytes, chunks_done, chunks_total)``, about every 100 ms.
+    The options are declared once (``pinpool._plan.declared``): the signature, the ``Options:`` below
+    (their help) and docs/options.md follow it; :class:`pinpool._plan.declared.PoolArguments` types them.
     """
 
-    def __init__(
-        self, *, layout: Layout | None = None, size: int | str | None = None, num_pages: int | None = None,
-        memory: SharedMemory | None = None, runtime: str | Runtime = "auto",
-        chunk_bytes: int | str | None = None, max_chunk_bytes: int | str | None = None, populate: bool | None = None,
-        populate_workers: int | None = None, register_workers: int | None = None, unpin_workers: int | None = None,
-        huge_pages: bool | str = False, numa_node: int | None = None, name: str = "default",
-        min_chunk_bytes: int | str | None = None, max_retries: int = DEFAULT_MAX_RETRIES,
-        retry_codes: Collection[int] | None = None, max_call_seconds: float | str | None = "auto",
-        background: bool = False, pin_nice: int | str | None = "auto",
-        node_slots: int | None = None, node_budget: int | float | str | None = None, node_dir: str | None = None,
-        node_wait: bool = True,
-        registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
-        on_progress: ProgressCallback | None = None,
-    ) -> None:  # fmt: skip
-        # Every option, by its declared name: the one construction path pin() shares.
-        self._configure(source=None, **{name: value for name, value in locals().items() if name != "self"})
+    def __init__(self, **options: Unpack[PoolArguments]) -> None:
+        self._build(pool_request("PinnedPool", options))
 
     # -- what the pool is ---------------------------------------------------------------------
 
@@ -145,64 +103,40 @@ class PinnedPool:
     def num_pages(self) -> int:
         return self._plan.num_pages
 
-    def _configure(
-        self, *, source: torch.Tensor | None, memory: SharedMemory | None = None, runtime: str | Runtime = "auto",
-        registry: CollectorRegistry | None = REGISTRY, logger: Any | None = None,
-        on_progress: ProgressCallback | None = None, **given: Any,
-    ) -> None:  # fmt: skip
-        """The one construction path of ``PinnedPool(...)`` and ``pin()`` (``source``: the caller's tensor,
-        whose layout and size it gives): validate the options, probe the host once, place and check
-        (before the runtime is resolved, so a doomed configuration fails before a GPU driver starts),
-        plan from that placement."""
-        granularity = given.pop("granularity_bytes", None)
-        ranges = given.pop("ranges", None)
-        unknown = set(given) - set(_CREATE) - set(_PACING)
-        assert not unknown, f"options not declared in pinpool._plan.declared: {sorted(unknown)}"
-        tensor_layout = None if source is None else TensorLayout(source, granularity, ranges)
-        if source is not None:
-            given["layout"] = tensor_layout
-            given["size"] = source.numel() * source.element_size()
-        options = PoolOptions.create(**{name: given[name] for name in _CREATE if name in given})
-        pacing = NodePacing.from_options(**{name: given[name] for name in _PACING if name in given})
-        check_memory_source(memory, options)
+    def _build(self, request: PoolRequest) -> None:
+        """The one construction path of ``PinnedPool(...)`` and ``pin()``, from the validated request:
+        probe the host once, place and check (before the runtime is resolved, so a doomed configuration
+        fails before a GPU driver starts), plan from that placement."""
+        options, memory, source = request.options, request.memory, request.source
         host = HostFacts.probe()
         if memory is not None:
             # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
             host = dataclasses.replace(host, page_size=memory.page_size)
         placement = place(options, host)
-        resolved = resolve_runtime(runtime)
+        resolved = resolve_runtime(request.runtime)
         # Own memory is page-aligned; a caller's tensor starts where it starts (at its first range with ranges).
-        source_ranges = None if tensor_layout is None else tensor_layout.ranges
-        start = 0 if source is None else (source.data_ptr() + (source_ranges.first if source_ranges else 0))
-        start %= host.page_size
-        self._options, self._host, self._runtime = options, host, resolved
+        ranges = None if source is None else cast(TensorLayout, options.layout).ranges
+        start = 0 if source is None else (source.data_ptr() + (ranges.first if ranges else 0))
+        self._options, self._runtime = options, resolved
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
-        self._plan = plan_pool(options, host, self._caps, source_start=start, placement=placement, ranges=source_ranges)
-        name = options.name
-        if registry is not None and not isinstance(registry, CollectorRegistry):
-            raise ConfigError(f"registry={registry!r} must be a prometheus_client CollectorRegistry, or None")
-        if logger is not None and not callable(getattr(logger, "bind", None)):
-            raise ConfigError(
-                f"logger={logger!r} must be a structlog (bound) logger with .bind(); "
-                "wrap a stdlib logger with structlog.wrap_logger or structlog.stdlib.get_logger"
-            )
-        if on_progress is not None and not callable(on_progress):
-            raise ConfigError(f"on_progress={on_progress!r} must be callable(pinned, total, done, chunks)")
+        self._plan = plan_pool(
+            options, host, self._caps, source_start=start % host.page_size, placement=placement, ranges=ranges
+        )
         self._observer = Observer(
-            pool=name, runtime=self.runtime.name, layout=self.layout.name, registry=registry, logger=logger,
-            reasons=FAILURE_REASONS,
+            pool=options.name, runtime=resolved.name, layout=options.layout.name, registry=request.registry,
+            logger=request.logger, reasons=FAILURE_REASONS,
         )  # fmt: skip
         admission = None
-        if pacing is not None:
+        if request.pacing is not None:
             # The directory is checked (and made) now; a long wait is logged as node.waiting.
-            admission = NodeAdmission(pacing, label=name, on_waiting=self._observer.node_waiting)
+            admission = NodeAdmission(request.pacing, label=options.name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
         # The lifecycle holds values, never the façade: the finalizer runs it after the façade is gone,
         # so an unexited pool can be collected.
         pool_memory = PoolMemory(self._plan, options, resolved, self._caps, shared=memory, tensor=source)
         self._lifecycle = Lifecycle(
             self._plan, options, runtime=resolved, caps=self._caps, observer=self._observer, source=pool_memory,
-            admission=admission, on_progress=on_progress, created_at=caller_outside_pinpool(),
+            admission=admission, on_progress=request.on_progress, created_at=caller_outside_pinpool(),
         )  # fmt: skip
         self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
 
@@ -385,3 +319,10 @@ class PinnedPool:
         returns it instead. Interruptions are always re-raised, after the teardown.
         """
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
+
+
+# For help() and inspect: every keyword with its default; the docstring's Options: their help.
+PinnedPool.__init__.__signature__ = keyword_signature(["self"], pool_options(), "None", registry=REGISTRY)  # type: ignore[attr-defined]
+PinnedPool.__doc__ = (
+    (PinnedPool.__doc__ or "") + "\n    Options:\n" + "".join(f"      {o.name}: {o.help}.\n" for o in pool_options())
+)

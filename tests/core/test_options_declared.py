@@ -6,6 +6,7 @@ fails here until every spelling agrees."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import re
@@ -14,11 +15,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client import REGISTRY
 
 import pinpool
 from pinpool import _cli
-from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PoolOptions, pool_options
+from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PinArguments, PoolArguments, PoolOptions, pool_options
+from pinpool._pool import PoolRequest, pool_request
 from pinpool.testing import FakeRuntime
 
 from ..conftest import lifecycle_of
@@ -65,6 +68,36 @@ def test_pin_takes_every_pool_option_the_tensor_does_not_decide() -> None:
     same_default = {o.name for o in OPTIONS if o.pool and o.pin and o.default_for_pin == o.default}
     assert {o.name for o in OPTIONS if o.pool and o.pin} - same_default == {"name"}  # "tensor"
     assert inspect.signature(pinpool.pin).parameters["max_call_seconds"].default == "auto"  # as PinnedPool's
+
+
+@pytest.mark.parametrize(("typed", "takes"), [(PoolArguments, "pool"), (PinArguments, "pin")])
+def test_the_typed_keywords_are_the_declaration(typed: type, takes: str) -> None:
+    """What IDEs and mypy see of ``**options``: every declared option the entry takes, its type the declared one."""
+    declared = {o.name: o.type for o in OPTIONS if getattr(o, takes)}
+    annotations = {name: getattr(t, "__forward_arg__", t) for name, t in typed.__annotations__.items()}
+    assert annotations == declared
+    assert typed.__optional_keys__ == frozenset(declared)  # every keyword has its default
+
+
+def test_an_unknown_keyword_is_a_type_error_naming_it(fake: FakeRuntime) -> None:
+    with pytest.raises(TypeError, match=r"^PinnedPool\(\) got an unexpected keyword argument 'chunk_size'$"):
+        pinpool.PinnedPool(size="1MiB", runtime=fake, chunk_size="1MiB")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^pin\(\) got an unexpected keyword argument 'size'$"):
+        pinpool.pin(torch.zeros(4, 1024), runtime=fake, size="1MiB")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^PoolOptions.create\(\) got an unexpected keyword argument 'memory'$"):
+        PoolOptions.create(size=4096, memory=None)
+
+
+def test_the_request_hands_each_option_to_its_home(fake: FakeRuntime, tmp_path: Path) -> None:
+    given = {"size": "1MiB", "runtime": fake, "node_slots": 2, "node_dir": str(tmp_path), "registry": None, "name": "r"}
+    request = pool_request("PinnedPool", given)
+    assert request.options.size == MiB and request.options.name == "r" and request.runtime is fake
+    assert request.pacing is not None and request.pacing.slots == 2 and request.registry is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.runtime = "auto"  # type: ignore[misc]
+    # The request's own fields are the options whose home it is, besides what the other homes made.
+    own = {f.name for f in dataclasses.fields(PoolRequest)} - {"options", "pacing", "source"}
+    assert own == {o.name for o in OPTIONS if o.home == "request"}
 
 
 def test_pool_options_create_takes_the_declared_options_with_their_defaults() -> None:
@@ -254,6 +287,23 @@ def test_the_docs_table_is_generated_from_the_declaration() -> None:
     assert table.rewritten(page) == page, "docs/options.md is stale: run python docs/_ext/options_table.py"
     for o in OPTIONS:
         assert f"| `{o.name}` | `{o.type}` |" in page, o.name
+
+
+def test_the_reference_shows_the_declared_keywords() -> None:
+    """The API reference (griffe, which reads the source) shows what help() shows: every keyword, not **options."""
+    griffe = pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location("griffe_rest", ROOT / "docs" / "_ext" / "griffe_rest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    extensions = griffe.load_extensions(module.RestDocstrings())
+    package = griffe.load("pinpool", extensions=extensions, search_paths=[str(ROOT)])
+    for path, declared in (("_pool.pool.PinnedPool.__init__", ["self", *(o.name for o in pool_options())]),
+                           ("_pool.pin.pin", ["tensor", *(o.name for o in OPTIONS if o.pin)])):  # fmt: skip
+        assert [p.name for p in package[path].parameters] == declared, path
+    assert [k for k in docstring_options() if f"`{k}`:" in package["_pool.pool.PinnedPool"].docstring.value] == [
+        o.name for o in pool_options()
+    ]
 
 
 def test_the_docs_link_the_options_page() -> None:

@@ -244,7 +244,7 @@ def test_a_new_runtime_gets_the_preflight_it_declares() -> None:
     assert "RLIMIT_MEMLOCK leaves only" in refusal(PoolOptions(size=GiB), NO_CAP, Capabilities(charges_memlock=True))
 
 
-# -- through PinnedPool and pin(): needs _pool._configure to pass the runtime -------------------------------------
+# -- through PinnedPool and pin(): their construction passes the runtime ----------------------------------------
 
 
 class Recorder:

@@ -1,6 +1,6 @@
 """pinpool.pin() with every feature PinnedPool has that makes sense for a caller's tensor:
 background pinning and readiness, the stall budget with PinnedPool's default, node pacing,
-retries, and one construction path (PinnedPool._configure) for both."""
+retries, and one construction path (PinnedPool._build) for both."""
 
 from __future__ import annotations
 
@@ -39,13 +39,16 @@ def test_pin_has_pinned_pools_stall_budget_default() -> None:
 
 
 def test_pin_goes_through_pinned_pools_construction_path() -> None:
-    """One spelling: pin() hands its options to PinnedPool._configure by their declared names."""
+    """One path: pin() builds its request from its options and hands it to PinnedPool._build."""
     t = rows(4)
-    with mock.patch.object(PinnedPool, "_configure", autospec=True) as configure:
-        pinpool.pin(t, runtime="mlock", max_retries=2, node_wait=False, name="kv")
-    (_pool,), given = configure.call_args
-    assert given["source"].data_ptr() == t.data_ptr() and given["max_retries"] == 2 and given["name"] == "kv"
-    assert given["node_wait"] is False and given["background"] is False and given["granularity_bytes"] is None
+    with mock.patch.object(PinnedPool, "_build", autospec=True) as build:
+        pinpool.pin(t, runtime="mlock", max_retries=2, node_wait=False, name="kv", node_slots=2)
+    (_pool, request), _ = build.call_args
+    assert request.source.data_ptr() == t.data_ptr() and request.runtime == "mlock"
+    options = request.options
+    assert options.max_retries == 2 and options.name == "kv" and options.background is False
+    assert options.layout.page_bytes == t[0].nbytes and options.size == t.nbytes
+    assert request.pacing.wait is False and request.pacing.slots == 2
 
 
 def test_pins_pages_are_the_tensors_rows() -> None:

@@ -646,6 +646,18 @@ def test_pin_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None
     assert "\rpinning [" in err and "100%" in err
 
 
+@needs_mlock
+def test_pin_this_host_cannot_hold_prints_its_error_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 34, item 9: the pre-flight runs before "pinning ..." is said, so nothing claims it is pinning."""
+    available = HostFacts.probe().memory_available
+    if available is None:
+        pytest.skip("MemAvailable is unknown here: no memory pre-flight to fail")
+    size = f"{-(-2 * available // GiB)}GiB"
+    assert _cli.main(["pin", "--runtime", "mlock", "--size", size, "--progress", "lines"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing has been mapped or pinned" in err and "pinpool: pinning" not in err, err
+
+
 # -- plan ------------------------------------------------------------------------------------------
 
 
