@@ -10,7 +10,7 @@ populate calls holding the process's mmap_lock.) Shutdown is always a real SIGTE
 child logs ``kv_offload_server: shutdown VmLck=<bytes>`` after leaving the pool.
 
 The pinning-failure case uses the example's ``--runtime fake-fail`` (a FakeRuntime whose third
-registration fails): mlock pinning cannot be made to fail for real in the background on a host
+registration fails, the last one in a pool of fewer): mlock pinning cannot be made to fail for real in the background on a host
 where pinpool's pre-flight accepted the pool.
 """
 
@@ -284,6 +284,21 @@ def test_background_failure_answers_500_keeps_the_pinned_pages_for_reads_and_tak
         rc, _ = srv.stop(signal.SIGTERM)
         assert rc == 0, srv.output
         assert any("pinning failed after" in line for line in srv.lines), srv.output
+        assert srv.logged_vmlck() == 0, srv.output
+
+
+@pytest.mark.parametrize("size", ["256MiB", "512MiB"])
+def test_fake_fail_fails_a_small_pool_too(size: str) -> None:
+    """It failed the third 256 MiB registration, so a pool of 512 MiB or less reported ready."""
+    with server("--size", size, "--runtime", "fake-fail") as srv:
+        srv.wait_port()
+        failed, _ = poll_until_not_503(srv)
+        assert failed.status_code == 500, failed.text
+        body = failed.json()
+        assert body["state"] == "failed" and "injected failure (FakeRuntime register call #" in body["error"]
+        assert body["pinned_bytes"] < body["num_pages"] * PAGE_BYTES  # never the whole pool
+        rc, _ = srv.stop(signal.SIGTERM)
+        assert rc == 0, srv.output
         assert srv.logged_vmlck() == 0, srv.output
 
 
