@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -120,11 +121,11 @@ def test_cli_sizes(text: str, nbytes: int) -> None:
     [
         ("1.5", r"--size 1\.5 is not a whole number of bytes.*--size 1\.5GiB"),
         ("1.5B", r"not a whole number of bytes"),
-        ("-5GiB", r"--size -5GiB: a size must be positive"),
-        ("-1", r"must be positive"),
+        ("-5GiB", r"--size -5GiB is not positive; give a size such as --size 64GiB"),
+        ("-1", r"--size -1 is not positive"),
         ("0", r"not positive"),
         ("lots", r"not a size"),
-        ("5 parsecs", r"unknown unit"),
+        ("5 parsecs", r"--size '5 parsecs' has unknown unit 'parsecs'; give a size such as --size 64GiB"),
     ],
 )
 def test_cli_rejects_bad_sizes(text: str, match: str) -> None:
@@ -132,7 +133,29 @@ def test_cli_rejects_bad_sizes(text: str, match: str) -> None:
         _cli.cli_size("--size", text)
 
 
-@pytest.mark.parametrize(("size", "message"), [("1.5", "add a unit"), ("-5GiB", "a size must be positive")])
+@pytest.mark.parametrize("text", ["0", "-1", "-5GiB", "1.5", "lots", "5 parsecs", "1e999GiB", "1_0GiB", ""])
+def test_size_errors_come_in_one_style(text: str) -> None:
+    """The value as the caller wrote it, what is wrong with it, then the fix in the caller's own spelling.
+    They came in three styles: "--size -1: a size must be positive; give e.g. --size 64GiB", "--size='0' is
+    not positive; give an integer byte count or a string such as ..." and PoolOptions' "size=... (... B) is
+    smaller than one page ...; give a size of at least ... bytes"."""
+    flag_named = f"--chunk-bytes {shlex.quote(text)} "
+    with pytest.raises(pinpool.ConfigError) as flag:
+        _cli.cli_size("--chunk-bytes", text)
+    assert str(flag.value).startswith(flag_named), flag.value
+    flag_problem, _, flag_fix = str(flag.value).removeprefix(flag_named).partition("; ")
+    assert re.match(r"(give a size such as|add a unit, e\.g\.) --chunk-bytes [\d.]+GiB", flag_fix), flag_fix
+    if text.startswith("-") or text == "1.5":
+        return  # the flags' own checks: in Python "-1" is not a size and "1.5" is one byte
+    keyword_named = f"chunk_bytes={text!r} "
+    with pytest.raises(pinpool.ConfigError) as keyword:
+        pinpool.parse_size(text, what="chunk_bytes")
+    assert str(keyword.value).startswith(keyword_named), keyword.value
+    problem, _, fix = str(keyword.value).removeprefix(keyword_named).partition("; ")
+    assert problem == flag_problem and fix.startswith('give an integer byte count or a string such as "64GiB"')
+
+
+@pytest.mark.parametrize(("size", "message"), [("1.5", "add a unit"), ("-5GiB", "is not positive")])
 def test_bad_size_exits_2_with_pinpools_message(size: str, message: str) -> None:
     """Not an argparse oddity ("expected one argument"), and nothing is pinned."""
     result = run_cli("pin", "--runtime", "mlock", "--size", size)
@@ -143,7 +166,7 @@ def test_bad_size_exits_2_with_pinpools_message(size: str, message: str) -> None
 
 def test_negative_values_reach_pinpools_checks(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["plan", "--chunk-bytes", "-1GiB"]) == 2
-    assert "--chunk-bytes -1GiB: a size must be positive" in capsys.readouterr().err
+    assert "--chunk-bytes -1GiB is not positive; give a size such as --chunk-bytes 64GiB" in capsys.readouterr().err
     assert _cli.main(["plan", "--size", "1GiB", "--numa-node", "-1"]) == 2
     assert "numa_node=-1" in capsys.readouterr().err
 
@@ -167,7 +190,9 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_config_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["pin", "--size", "lots"]) == 2
-    assert capsys.readouterr().err.startswith("pinpool: ConfigError: --size='lots' is not a size")
+    assert capsys.readouterr().err.startswith(
+        "pinpool: ConfigError: --size lots is not a size; give a size such as --size 64GiB"
+    )
     assert _cli.main(["pin", "--size", "1GiB", "--hold", "soon"]) == 2
     assert "--hold soon" in capsys.readouterr().err
 
