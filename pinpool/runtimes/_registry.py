@@ -7,8 +7,9 @@ false declaration fails at construction, not midway through pinning a terabyte.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -110,8 +111,25 @@ def auto_runtime_name() -> str:
     return _gpu_build() or "mlock"
 
 
+# pinpool.testing.auto_runtime's stand-ins for "auto", innermost last: the one seam by which a test gives
+# a server that builds its pool with the default runtime a FakeRuntime, without a parameter for it.
+_AUTO_STAND_INS: list[Runtime] = []
+
+
+@contextlib.contextmanager
+def auto_runtime(runtime: Runtime) -> Iterator[Runtime]:
+    """While the block runs, ``runtime="auto"`` (the default of PinnedPool, pin() and share()) is ``runtime``,
+    in every thread (a server's lifespan may run on a test client's thread); blocks nest."""
+    capabilities_of(runtime)
+    _AUTO_STAND_INS.append(runtime)
+    try:
+        yield runtime
+    finally:
+        _AUTO_STAND_INS.remove(runtime)
+
+
 def _auto() -> Runtime:
-    return _REGISTRY[auto_runtime_name()].factory()
+    return _AUTO_STAND_INS[-1] if _AUTO_STAND_INS else _REGISTRY[auto_runtime_name()].factory()
 
 
 def _always() -> bool:
@@ -189,6 +207,8 @@ def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | Non
         return runtime
     if isinstance(runtime, str):
         name = runtime
+        if name == "auto" and _AUTO_STAND_INS:
+            return capabilities_of(_AUTO_STAND_INS[-1])
         if name == "auto":
             cuda, rocm = host.torch_cuda and host.nvidia_driver, host.torch_hip and host.amd_kfd
             name = "cuda" if cuda else "rocm" if rocm else "mlock"
