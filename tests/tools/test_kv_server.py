@@ -302,6 +302,52 @@ def test_fake_fail_fails_a_small_pool_too(size: str) -> None:
         assert srv.logged_vmlck() == 0, srv.output
 
 
+# docs/serving.md's lifespan pattern under plain uvicorn.run, with and without handlers of its own.
+PLAIN_UVICORN = r"""
+import signal, sys
+from contextlib import asynccontextmanager
+import uvicorn
+from starlette.applications import Starlette
+import pinpool
+from pinpool.testing import FakeRuntime
+
+fake = FakeRuntime()
+
+@asynccontextmanager
+async def lifespan(app):
+    async with pinpool.PinnedPool(size="16MiB", runtime=fake, background=True, registry=None) as pool:
+        yield
+    print(f"left the pool: {pool.state.value}, registered {fake.registered}", file=sys.stderr, flush=True)
+
+if sys.argv[1] == "handlers":
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: print("handled", file=sys.stderr, flush=True))
+uvicorn.run(Starlette(lifespan=lifespan), host="127.0.0.1", port=0)
+"""
+
+
+@pytest.mark.parametrize(("handlers", "status"), [("none", -signal.SIGTERM), ("handlers", 0)])
+def test_the_lifespan_pattern_under_plain_uvicorn_exits_143_on_sigterm_unless_it_has_handlers(
+    handlers: str, status: int
+) -> None:
+    """What docs/serving.md says: a clean shutdown either way; the status is 143 (killed by the SIGTERM
+    uvicorn raises again after it) unless the process installed handlers of its own before uvicorn."""
+    with preloaded.spawn(
+        [sys.executable, "-c", PLAIN_UVICORN, handlers], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    ) as proc:  # fmt: skip
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:  # until the lifespan has entered the pool: an event, not a delay
+            lines.append(line)
+            if "Application startup complete" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=EXIT_TIMEOUT) == status, "".join(lines) + rest
+    assert "left the pool: closed, registered {}" in rest and "Traceback" not in rest, rest
+
+
 # The example's app over a shared region that another process truncates while the pool pins (before
 # the 5th pre-fault: pages of the first chunks were pinned). Draining used to serve page 0 from
 # memory that was gone: SIGBUS, the server died (rc -7).
