@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -81,7 +82,8 @@ def raising_progress() -> Callable[..., None]:
 
 async def wait_for(run: Run, state: PoolState) -> None:
     assert run.pool is not None
-    for _ in range(1000):
+    deadline = time.monotonic() + 60  # a generous timeout: 1000 polls of 5 ms were 5 s or more
+    while time.monotonic() < deadline:
         if run.pool.state is state:
             return
         await anyio.sleep(0.005)

@@ -10,8 +10,8 @@ populate calls holding the process's mmap_lock.) Shutdown is always a real SIGTE
 child logs ``kv_offload_server: shutdown VmLck=<bytes>`` after leaving the pool.
 
 The pinning-failure case uses the example's ``--runtime fake-fail`` (a FakeRuntime whose third
-registration fails, the last one in a pool of fewer): mlock pinning cannot be made to fail for real in the background on a host
-where pinpool's pre-flight accepted the pool.
+registration fails, the last one in a pool of fewer): mlock pinning cannot be made to fail for
+real in the background on a host where pinpool's pre-flight accepted the pool.
 """
 
 from __future__ import annotations
@@ -489,14 +489,15 @@ def test_sigterm_with_a_client_stalled_mid_upload_shuts_down_cleanly(serve: str)
             stalled.sendall(f"PUT /pages/0 HTTP/1.1\r\nHost: x\r\nContent-Length: {PAGE_BYTES}\r\n\r\n".encode()
                             + random_page(0)[:1000])  # fmt: skip
             time.sleep(0.3)  # the handler waits for the rest of the body
-            rc, took = srv.stop(signal.SIGTERM)
+            rc, _ = srv.stop(signal.SIGTERM)
             answer = stalled.recv(65536).decode(errors="replace")
         assert rc == 0, srv.output
         assert "Traceback" not in srv.output and "Exception in ASGI" not in srv.output, srv.output
         assert "timeout graceful shutdown exceeded" not in srv.output, srv.output
         assert srv.logged_vmlck() == 0, srv.output
         assert answer.startswith("HTTP/1.1 503") and "the server is shutting down" in answer, answer
-        assert took < 4, f"exit took {took:.1f} s"  # the graceful timeout (5 s) was not waited out
+        # The graceful timeout (5 s) was not waited out: uvicorn says so when it is (asserted above), where
+        # an exit-time bound (took < 4) measured the host's load as much.
 
 
 @pytest.fixture(scope="module")
@@ -593,4 +594,4 @@ def test_read_body_answers_a_stalled_upload(example: ModuleType, monkeypatch: py
     stopped = anyio.run(stop_soon)
     assert stopped.status_code == 503 and stopped.headers["connection"] == "close"
     assert json.loads(stopped.body) == {"error": "the server is shutting down", "got": 2}
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 30  # answered when the stop was seen, not after BODY_SECONDS (60 s)
