@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import pytest
 import structlog
 import structlog.testing
@@ -147,7 +149,16 @@ def cancelled_fg(run: Run, driver: str) -> None:
 
     async def main() -> None:
         assert run.pool is not None
-        with anyio.move_on_after(0.05):
+        # Cancelled at the first registration, so always while pinning (a 50 ms deadline guessed it).
+        token, scope, registering = anyio.lowlevel.current_token(), anyio.CancelScope(), threading.Event()
+
+        def cancel_at_the_first_register(op: str, ptr: int, nbytes: int) -> None:
+            if op == "register" and not registering.is_set():
+                registering.set()
+                anyio.from_thread.run_sync(scope.cancel, token=token)
+
+        run.fake.before_call = cancel_at_the_first_register
+        with scope:
             async with run.pool:
                 raise AssertionError("a cancelled pinning never enters its body")
 
