@@ -31,9 +31,8 @@ _UNITS_NOTE = "KiB/MiB/GiB/TiB are binary, kB/MB/GB/TB decimal"
 
 
 def size_error(what: str, value: object, problem: str, fix: str | None = None) -> ConfigError:
-    """Every size error in one style: the value as the caller wrote it, what is wrong with it, the fix.
-    A flag (``what="--size"``) is named as a shell takes it (``--size 0``, ``--size '5 GB'``), its fix a flag;
-    a keyword as Python shows it (``size=0``), its fix a Python value."""
+    """Every size error in one style: the value as written, what is wrong, the fix in the caller's spelling:
+    a flag (``what="--size"``) as a shell takes it (``--size '5 GB'``), a keyword as Python shows it (``size=0``)."""
     flag = what.startswith("--") and " " not in what
     typed = shlex.quote(value) if isinstance(value, str) else value
     named = f"{what} {typed}" if flag else f"{what}={shown(value)}"

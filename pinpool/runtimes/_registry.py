@@ -111,15 +111,14 @@ def auto_runtime_name() -> str:
     return _gpu_build() or "mlock"
 
 
-# pinpool.testing.auto_runtime's stand-ins for "auto", innermost last: the one seam by which a test gives
-# a server that builds its pool with the default runtime a FakeRuntime, without a parameter for it.
-_AUTO_STAND_INS: list[Runtime] = []
+_AUTO_STAND_INS: list[Runtime] = []  # what "auto" is in tests (auto_runtime, the one seam), innermost last
 
 
 @contextlib.contextmanager
 def auto_runtime(runtime: Runtime) -> Iterator[Runtime]:
     """While the block runs, ``runtime="auto"`` (the default of PinnedPool, pin() and share()) is ``runtime``,
-    in every thread (a server's lifespan may run on a test client's thread); blocks nest."""
+    in every thread (a test client may run a server's lifespan on one of its own); blocks nest. For tests:
+    a server that builds its pool with the default runtime gets a fake without a parameter for it."""
     capabilities_of(runtime)
     _AUTO_STAND_INS.append(runtime)
     try:
