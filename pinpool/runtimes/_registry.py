@@ -116,10 +116,10 @@ _AUTO_STAND_INS: list[Runtime] = []  # what "auto" is in tests (auto_runtime, th
 
 @contextlib.contextmanager
 def auto_runtime(runtime: Runtime) -> Iterator[Runtime]:
-    """While the block runs, ``runtime="auto"`` (the default of PinnedPool, pin() and share()) is ``runtime``,
+    """While the block runs, ``runtime="auto"`` (the default of PinnedPool, pin(), host_budget()) is ``runtime``,
     in every thread (a test client may run a server's lifespan on one of its own); blocks nest. For tests:
     a server that builds its pool with the default runtime gets a fake without a parameter for it."""
-    capabilities_of(runtime)
+    runtime = resolve_runtime(runtime)  # an object with register/unregister, its declaration checked
     _AUTO_STAND_INS.append(runtime)
     try:
         yield runtime
