@@ -353,17 +353,22 @@ def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.
     )  # fmt: skip
     runtime: str | pinpool.runtimes.Runtime = args.runtime
     extra: dict[str, Any] = {}
+    fake = None
     if args.runtime == "fake-fail":
         # TESTING AID, not for production: a fake runtime (it pins nothing) whose third
-        # registration fails, so the pool fails in the background after a visible moment of
-        # pinning and is rolled back. Its calls take a fixed 0.2 s, so no stall budget.
-        runtime = pinpool.testing.FakeRuntime(fail_register_on=3, register_delay=0.2)
+        # registration fails (the last one in a pool of fewer), so the pool fails in the
+        # background, after a visible moment of pinning where it has the chunks for one, at any
+        # size. Its calls take a fixed 0.2 s, so no stall budget.
+        runtime = fake = pinpool.testing.FakeRuntime(register_delay=0.2)
         extra = {"chunk_bytes": "256MiB", "max_retries": 0, "max_call_seconds": None}
     options: dict[str, Any] = {"max_call_seconds": args.max_call_seconds or None, "pin_nice": args.pin_nice} | extra
-    return pinpool.PinnedPool(
+    pool = pinpool.PinnedPool(
         layout=layout, size=args.size, runtime=runtime, background=True, name="kv-offload", registry=registry,
         **options,
     )  # fmt: skip
+    if fake is not None:  # the plan is known now, and nothing is registered before the pool is entered
+        fake.fail_register_on = frozenset({min(3, pool.plan.registrations)})
+    return pool
 
 
 def serve_uvicorn(app: QuietRefusal, host: str, port: int, stopping: Stopping) -> None:

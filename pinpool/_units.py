@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from decimal import Decimal, InvalidOperation, localcontext
 
 from ._errors import ConfigError
@@ -26,38 +27,48 @@ _SIZE_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s
 # A plain number as environment variables hold it: digits, one point, an optional exponent.
 _NUMBER_RE = re.compile(r"\s*(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*", re.ASCII)
 
-_HINT = (
-    'an integer byte count or a string such as "64GiB", "512MB" or "1.5TiB" '
-    "(KiB/MiB/GiB/TiB are binary, kB/MB/GB/TB decimal)"
-)
+_UNITS_NOTE = "KiB/MiB/GiB/TiB are binary, kB/MB/GB/TB decimal"
+
+
+def size_error(what: str, value: object, problem: str, fix: str | None = None) -> ConfigError:
+    """Every size error in one style: the value as written, what is wrong, the fix in the caller's spelling:
+    a flag (``what="--size"``) as a shell takes it (``--size '5 GB'``), a keyword as Python shows it (``size=0``)."""
+    flag = what.startswith("--") and " " not in what
+    typed = shlex.quote(value) if isinstance(value, str) else value
+    named = f"{what} {typed}" if flag else f"{what}={shown(value)}"
+    if fix is None and flag:
+        fix = f"give a size such as {what} 64GiB, 512MB or 1.5TiB ({_UNITS_NOTE})"
+    elif fix is None:
+        fix = f'give an integer byte count or a string such as "64GiB", "512MB" or "1.5TiB" ({_UNITS_NOTE})'
+    return ConfigError(f"{named} {problem}; {fix}")
 
 
 def parse_size(value: object, *, what: str = "size") -> int:
     """``value`` as a positive whole number of bytes (fractions round down: ``"1.5GiB"``), or :class:`ConfigError`."""
     if isinstance(value, bool):
-        raise ConfigError(f"{what}={value!r} is a bool, not a size; give {_HINT}")
+        raise size_error(what, value, "is a bool, not a size")
     if isinstance(value, int):
         nbytes = value
     elif isinstance(value, str):
         match = _SIZE_RE.fullmatch(value)
         if match is None:
-            raise ConfigError(f"{what}={value!r} is not a size{_oddity(value)}; give {_HINT}")
+            raise size_error(what, value, f"is not a size{_oddity(value)}")
         number, unit = match.groups()
         multiplier = _UNITS.get(unit.lower())
         if multiplier is None:
-            raise ConfigError(f"{what}={value!r} has unknown unit {unit!r}; give {_HINT}")
+            raise size_error(what, value, f"has unknown unit {unit!r}")
         try:
             parsed = Decimal(number)
         except InvalidOperation:  # an exponent beyond what Decimal can hold
-            raise ConfigError(f"{what}={value!r} is out of range for a size; give {_HINT}") from None
+            raise size_error(what, value, "is out of range for a size") from None
         exact = decimal_to_int(parsed, multiplier)
         if exact is None:
-            raise ConfigError(f"{what}={value!r} is too large to be a memory size; give {_HINT}")
+            raise size_error(what, value, "is too large to be a memory size")
         nbytes = exact
     else:
-        raise ConfigError(f"{what}={value!r} has type {type(value).__name__}; give {_HINT}")
+        raise size_error(what, value, f"has type {type(value).__name__}, not int or str")
     if nbytes <= 0:
-        raise ConfigError(f"{what}={shown(value)} is not positive; give {_HINT}")
+        raise size_error(what, value, "is not positive")
     return nbytes
 
 

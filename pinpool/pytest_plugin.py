@@ -1,5 +1,5 @@
-"""pytest plugin for code built on pinpool: the leak-checked fixtures ``fake_runtime`` and
-``pinned_pool_factory``, and the ``gpu`` marker (skipped, with the reason, without a CUDA device).
+"""pytest plugin for code built on pinpool: the leak-checked fixtures ``fake_runtime``, ``fake_auto_runtime``
+and ``pinned_pool_factory``, and the ``gpu`` marker (skipped, with the reason, without a CUDA device).
 
 Installing pinpool registers it (entry point ``pinpool`` in ``pytest11``); otherwise load it with
 ``-p pinpool.pytest_plugin``. pinpool and torch are imported only when a test needs them;
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pinpool.runtimes import Runtime
     from pinpool.testing import FakeRuntime
 
-__all__ = ["GPU_MARKER", "PinnedPoolFactory", "entry_point", "fake_runtime", "pinned_pool_factory"]
+__all__ = ["GPU_MARKER", "PinnedPoolFactory", "entry_point", "fake_auto_runtime", "fake_runtime", "pinned_pool_factory"]
 
 GPU_MARKER = "gpu: needs a CUDA device; skipped cleanly without one"
 
@@ -89,6 +89,16 @@ def fake_runtime() -> Iterator[FakeRuntime]:
     message = _leak_message(fake, "fake_runtime")
     if message is not None:
         pytest.fail(message, pytrace=False)
+
+
+@pytest.fixture
+def fake_auto_runtime(fake_runtime: FakeRuntime) -> Iterator[FakeRuntime]:
+    """The test's ``fake_runtime``, which ``runtime="auto"`` (the default) is during the test: for a server that
+    builds its own pool (its lifespan), with no runtime parameter to pass a fake through. Leak-checked as it is."""
+    from pinpool.testing import auto_runtime
+
+    with auto_runtime(fake_runtime):
+        yield fake_runtime
 
 
 class PinnedPoolFactory:

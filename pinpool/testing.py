@@ -5,7 +5,8 @@ records every call, so a server's failure, rollback and cancellation paths run w
 locked memory. :class:`FakeCudart` stands in for ``torch.cuda.cudart()`` and really locks pages,
 so CUDA runtime code (``CudaRuntime.from_binding(FakeCudart())``) runs on CPU. :func:`host_facts`
 builds a hand-made host, :func:`assert_released` checks a closed pool left nothing behind, and
-:func:`locked_bytes` reads this process's locked memory.
+:func:`locked_bytes` reads this process's locked memory. :func:`auto_runtime` makes ``runtime="auto"``
+(the default) a test's fake, for a server that builds its pool itself (its lifespan).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from ._types import Capabilities
 from ._units import parse_size
 from .runtimes._gpu import CUDA, HIP, GpuApi
 from .runtimes._mlock import lock_range, page_span, unlock_range
+from .runtimes._registry import auto_runtime
 
 if TYPE_CHECKING:
     from ._pool.pool import PinnedPool
 
-__all__ = ["CallHook", "FakeCudart", "FakeRuntime", "assert_released", "host_facts", "locked_bytes"]
+__all__ = ["CallHook", "FakeCudart", "FakeRuntime", "assert_released", "auto_runtime", "host_facts", "locked_bytes"]
 
 # CUDA's codes, so code written against the fake sees what it would see on a GPU host.
 _ALLOCATION_FAILED = (2, "cudaErrorMemoryAllocation")

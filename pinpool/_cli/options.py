@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
 from .._plan.declared import OPTIONS, PER_BUFFER, Flag, Option
-from .._units import format_bytes, parse_size
+from .._units import format_bytes, parse_size, size_error
 from ..runtimes import runtime_choices
 
 if TYPE_CHECKING:
@@ -29,19 +29,16 @@ def cli_size(option: str, text: str) -> int:
     """:func:`parse_size`, stricter: a number without a unit counts bytes, so it must be whole
     (``1.5`` is a typo for ``1.5GiB``, not one byte)."""
     stripped = text.strip()
-    example = f"e.g. {option} 64GiB"
     if stripped.startswith("-"):
-        raise ConfigError(f"{option} {text}: a size must be positive; give {example}")
+        raise size_error(option, text, "is not positive")
     number = stripped[:-1].rstrip() if stripped[-1:] in ("b", "B") else stripped
     try:
         value = Decimal(number)
     except InvalidOperation:
         return parse_size(text, what=option)  # has a unit (or is not a size): parse_size explains
     if value.is_finite() and value != value.to_integral_value():
-        raise ConfigError(
-            f"{option} {text} is not a whole number of bytes: a size without a unit counts bytes; "
-            f"add a unit, e.g. {option} {number}GiB"
-        )
+        whole = "is not a whole number of bytes (without a unit, a size counts bytes)"
+        raise size_error(option, text, whole, f"add a unit, e.g. {option} {number}GiB")
     return parse_size(text, what=option)
 
 

@@ -52,7 +52,8 @@ def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = No
 
 
 def _speed(pinned: int, elapsed: float, rate: float | None) -> str:
-    return format_rate(rate) if rate is not None else format_rate(pinned, elapsed)
+    # Labelled: a recent rate that has slowed down must not read as contradicting the report's whole-pin rate.
+    return f"{format_rate(rate)} recent" if rate is not None else f"{format_rate(pinned, elapsed)} average"
 
 
 def format_eta(seconds: float | None) -> str:
@@ -77,7 +78,7 @@ def _ahead(pinned: int, faulted: int | None) -> int | None:
 
 def render_bar(pinned: int, total: int, elapsed: float, done: int, chunks: int, width: int = 80,
                faulted: int | None = None, rate: float | None = None) -> str:  # fmt: skip
-    """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s  ETA 0:01  6/16 chunks``.
+    """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s recent  ETA 0:01  6/16 chunks``.
 
     ``#`` is pinned, ``+`` faulted but not yet counted (whole chunks count; faulting moves within
     one). ``rate``: bytes/s now (None: the average so far). The bar gets what ``width`` leaves (10-40).

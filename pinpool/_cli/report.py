@@ -258,8 +258,8 @@ def pin_text(r: dict[str, Any]) -> list[str]:
         f"  how:      {r['chunks']} chunk(s) of <= {format_bytes(r['chunk_bytes'])}, granularity "
         f"{_gran(r['granularity_bytes'])}, {r['populate_workers']} populate + {r['register_workers']} register "
         f"thread(s) ({r['order']}), populate={r['populate']}, huge_pages={r['huge_pages']}",
-        f"  fast:     {r['pin_seconds']:.3f} s to pin = {format_rate(r['bytes'], r['pin_seconds'])}; "
-        f"unpinned in {r['unpin_seconds']:.3f} s",
+        f"  fast:     {r['pin_seconds']:.3f} s to pin = {format_rate(r['bytes'], r['pin_seconds'])} over the "
+        f"whole pin; unpinned in {r['unpin_seconds']:.3f} s",
     ]
     latency = r["register_latency"]
     if latency is not None:

@@ -7,8 +7,9 @@ false declaration fails at construction, not midway through pinning a terabyte.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -110,8 +111,24 @@ def auto_runtime_name() -> str:
     return _gpu_build() or "mlock"
 
 
+_AUTO_STAND_INS: list[Runtime] = []  # what "auto" is in tests (auto_runtime, the one seam), innermost last
+
+
+@contextlib.contextmanager
+def auto_runtime(runtime: Runtime) -> Iterator[Runtime]:
+    """While the block runs, ``runtime="auto"`` (the default of PinnedPool, pin(), host_budget()) is ``runtime``,
+    in every thread (a test client may run a server's lifespan on one of its own); blocks nest. For tests:
+    a server that builds its pool with the default runtime gets a fake without a parameter for it."""
+    runtime = resolve_runtime(runtime)  # an object with register/unregister, its declaration checked
+    _AUTO_STAND_INS.append(runtime)
+    try:
+        yield runtime
+    finally:
+        _AUTO_STAND_INS.remove(runtime)
+
+
 def _auto() -> Runtime:
-    return _REGISTRY[auto_runtime_name()].factory()
+    return _AUTO_STAND_INS[-1] if _AUTO_STAND_INS else _REGISTRY[auto_runtime_name()].factory()
 
 
 def _always() -> bool:
@@ -189,6 +206,8 @@ def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | Non
         return runtime
     if isinstance(runtime, str):
         name = runtime
+        if name == "auto" and _AUTO_STAND_INS:
+            return capabilities_of(_AUTO_STAND_INS[-1])
         if name == "auto":
             cuda, rocm = host.torch_cuda and host.nvidia_driver, host.torch_hip and host.amd_kfd
             name = "cuda" if cuda else "rocm" if rocm else "mlock"

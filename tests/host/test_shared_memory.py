@@ -266,7 +266,7 @@ def test_a_file_others_could_write_a_hard_link_and_a_fifo_are_refused(shm_dir: P
     started = time.monotonic()
     with pytest.raises(pinpool.ConfigError, match=r"is not a regular file \(a FIFO\)"):
         SharedMemory(fifo, create=False).open_mapping(MiB, record(MiB))
-    assert time.monotonic() - started < 2  # never waits for a writer
+    assert time.monotonic() - started < 30  # never waits for a writer (that would be for ever)
 
 
 def test_a_directory_not_in_memory_is_refused(tmp_path: Path) -> None:
@@ -358,7 +358,7 @@ def test_an_empty_file_no_creator_finishes_is_refused_after_a_short_wait(shm_dir
     started = time.monotonic()
     with pytest.raises(pinpool.ConfigError, match=r"is empty: not initialised yet; its creator died while creating"):
         SharedMemory(path, create=False).open_mapping(MiB, record(MiB))
-    assert 0.4 < time.monotonic() - started < 3
+    assert 0.4 < time.monotonic() - started < 30  # the 0.5 s grace, then refused: not for ever
 
 
 def test_attach_waits_for_a_creation_in_progress(shm_dir: Path) -> None:

@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import pinpool
 from pinpool.testing import FakeRuntime
 
+from ..conftest import needs_mlock
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
 DASHBOARD_JSON = DASHBOARDS / "pinpool.json"
@@ -787,3 +789,71 @@ def test_dashboard_queries_against_real_prometheus(tmp_path: Path) -> None:
             child.stdout.close()
         child_log.close()
         prometheus_log.close()
+
+
+# -- (g) the dashboard's picture in the docs: dashboards/render.py --------------------------------------
+
+PICTURE = ROOT / "docs" / "_static" / "dashboard.svg"
+
+
+def load_render() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dashboards_render", DASHBOARDS / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def drawn_titles() -> list[str]:
+    return [p["title"] for p in panels(load_dashboard()) if p["type"] in ("stat", "timeseries")]
+
+
+def svg_texts(svg: str) -> list[str]:
+    import xml.etree.ElementTree as ElementTree
+
+    root = ElementTree.fromstring(svg)  # well-formed, or this raises
+    return [element.text or "" for element in root.iter("{http://www.w3.org/2000/svg}text")]
+
+
+def test_the_picture_is_drawn_from_the_answers_where_the_dashboard_puts_the_panels() -> None:
+    render, dashboard = load_render(), load_dashboard()
+    start, step = 1000.0, render.SCRAPE_SECONDS
+    rising = [[start + k * step, str(min(1.0, k / 5))] for k in range(10)]
+    later = [[start + (20 + k) * step, "1"] for k in range(5)]  # the pool closed between: a gap
+    answers = {
+        (p["title"], t["refId"]): []
+        if "failures" in p["title"]
+        else [{"metric": {"pool": "kv"}, "values": rising + later}]
+        for p in panels(dashboard)
+        if p["type"] in render.DRAWN
+        for t in p["targets"]
+    }
+    svg = render.render(dashboard, answers, start, start + 30 * step, held=start + 9 * step)
+    texts = svg_texts(svg)
+    assert all(title in texts for title in drawn_titles())
+    assert "Chunk registration latency distribution" not in texts  # the heatmap is not drawn
+    assert texts.count("No data") == 1 and "100%" in texts  # the stat of a percentunit panel at the held moment
+    drawn = [p for p in panels(dashboard) if p["type"] == "timeseries" and "failures" not in p["title"]]
+    assert svg.count("<polyline") == 2 * sum(len(p["targets"]) for p in drawn)  # each line in two runs: the gap
+
+
+def test_the_committed_picture_shows_every_panel_it_can() -> None:
+    """Regenerate it (dashboards/render.py) when the dashboard's panels change."""
+    texts = svg_texts(PICTURE.read_text(encoding="utf-8"))
+    assert [title for title in drawn_titles() if title not in texts] == []
+
+
+@needs_prometheus
+@needs_mlock
+def test_the_picture_from_a_real_scrape(tmp_path: Path) -> None:
+    out = tmp_path / "dashboard.svg"
+    done = subprocess.run(
+        [sys.executable, str(DASHBOARDS / "render.py"), "--out", str(out), "--size", "64MiB"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    texts = svg_texts(out.read_text())
+    assert all(title in texts for title in drawn_titles())
+    assert "64 MiB" in texts and "host:9464 kv" in texts  # the stat row while held, a legend

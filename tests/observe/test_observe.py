@@ -9,6 +9,8 @@ import threading
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import pytest
 import structlog
 from prometheus_client import CollectorRegistry
@@ -84,10 +86,17 @@ async def test_failure_and_cancellation_are_counted() -> None:
     assert sample(registry, "pinpool_pinned_bytes", **base()) == 0
     assert sample(registry, "pinpool_pool_unpin_seconds_count", **base()) == 0  # a rollback is not an unpin
 
-    with anyio.move_on_after(0.05):
-        async with pinpool.PinnedPool(
-            size=100 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(register_delay=0.01), name="obs", registry=registry
-        ):
+    # Cancelled once pinning is under way (its first registration), not after a guessed 50 ms.
+    token, scope, registering = anyio.lowlevel.current_token(), anyio.CancelScope(), threading.Event()
+
+    def cancel_at_the_first_register(op: str, ptr: int, nbytes: int) -> None:
+        if op == "register" and not registering.is_set():
+            registering.set()
+            anyio.from_thread.run_sync(scope.cancel, token=token)
+
+    with scope:
+        slow = FakeRuntime(register_delay=0.01, before_call=cancel_at_the_first_register)
+        async with pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=slow, name="obs", registry=registry):
             pytest.fail("body must not run")
     assert sample(registry, "pinpool_rollbacks_total", **base(), cause="cancelled") == 1
     assert sample(registry, "pinpool_pinned_bytes", **base()) == 0

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import pytest
 import trio
@@ -317,12 +318,20 @@ async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
 
 
 async def test_anyio_cancel_during_exit_finishes_teardown() -> None:
-    fake = FakeRuntime(unregister_delay=0.01)
+    # Cancelled when the teardown's first unregister starts: a 50 ms deadline could land while pinning.
+    token, scope, cancelled = anyio.lowlevel.current_token(), anyio.CancelScope(), threading.Event()
+
+    def cancel_at_the_first_unregister(op: str, ptr: int, nbytes: int) -> None:
+        if op == "unregister" and not cancelled.is_set():
+            cancelled.set()
+            anyio.from_thread.run_sync(scope.cancel, token=token)
+
+    fake = FakeRuntime(unregister_delay=0.01, before_call=cancel_at_the_first_unregister)
     pool = pinpool.PinnedPool(size=16 * MiB, chunk_bytes=MiB, runtime=fake, unpin_workers=1, registry=None)
-    with anyio.move_on_after(0.05) as scope:
+    with scope:
         async with pool:
             await anyio.sleep(0.01)
-        await anyio.sleep(1)  # the deadline passed during the teardown: it lands here
+        await anyio.sleep(1)  # the cancel came during the teardown: it lands here
         pytest.fail("the cancellation must not be lost")
     assert scope.cancel_called
     assert len(fake.unregister_calls) == 16

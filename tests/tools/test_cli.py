@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -120,11 +121,11 @@ def test_cli_sizes(text: str, nbytes: int) -> None:
     [
         ("1.5", r"--size 1\.5 is not a whole number of bytes.*--size 1\.5GiB"),
         ("1.5B", r"not a whole number of bytes"),
-        ("-5GiB", r"--size -5GiB: a size must be positive"),
-        ("-1", r"must be positive"),
+        ("-5GiB", r"--size -5GiB is not positive; give a size such as --size 64GiB"),
+        ("-1", r"--size -1 is not positive"),
         ("0", r"not positive"),
         ("lots", r"not a size"),
-        ("5 parsecs", r"unknown unit"),
+        ("5 parsecs", r"--size '5 parsecs' has unknown unit 'parsecs'; give a size such as --size 64GiB"),
     ],
 )
 def test_cli_rejects_bad_sizes(text: str, match: str) -> None:
@@ -132,7 +133,29 @@ def test_cli_rejects_bad_sizes(text: str, match: str) -> None:
         _cli.cli_size("--size", text)
 
 
-@pytest.mark.parametrize(("size", "message"), [("1.5", "add a unit"), ("-5GiB", "a size must be positive")])
+@pytest.mark.parametrize("text", ["0", "-1", "-5GiB", "1.5", "lots", "5 parsecs", "1e999GiB", "1_0GiB", ""])
+def test_size_errors_come_in_one_style(text: str) -> None:
+    """The value as the caller wrote it, what is wrong with it, then the fix in the caller's own spelling.
+    They came in three styles: "--size -1: a size must be positive; give e.g. --size 64GiB", "--size='0' is
+    not positive; give an integer byte count or a string such as ..." and PoolOptions' "size=... (... B) is
+    smaller than one page ...; give a size of at least ... bytes"."""
+    flag_named = f"--chunk-bytes {shlex.quote(text)} "
+    with pytest.raises(pinpool.ConfigError) as flag:
+        _cli.cli_size("--chunk-bytes", text)
+    assert str(flag.value).startswith(flag_named), flag.value
+    flag_problem, _, flag_fix = str(flag.value).removeprefix(flag_named).partition("; ")
+    assert re.match(r"(give a size such as|add a unit, e\.g\.) --chunk-bytes [\d.]+GiB", flag_fix), flag_fix
+    if text.startswith("-") or text == "1.5":
+        return  # the flags' own checks: in Python "-1" is not a size and "1.5" is one byte
+    keyword_named = f"chunk_bytes={text!r} "
+    with pytest.raises(pinpool.ConfigError) as keyword:
+        pinpool.parse_size(text, what="chunk_bytes")
+    assert str(keyword.value).startswith(keyword_named), keyword.value
+    problem, _, fix = str(keyword.value).removeprefix(keyword_named).partition("; ")
+    assert problem == flag_problem and fix.startswith('give an integer byte count or a string such as "64GiB"')
+
+
+@pytest.mark.parametrize(("size", "message"), [("1.5", "add a unit"), ("-5GiB", "is not positive")])
 def test_bad_size_exits_2_with_pinpools_message(size: str, message: str) -> None:
     """Not an argparse oddity ("expected one argument"), and nothing is pinned."""
     result = run_cli("pin", "--runtime", "mlock", "--size", size)
@@ -143,7 +166,7 @@ def test_bad_size_exits_2_with_pinpools_message(size: str, message: str) -> None
 
 def test_negative_values_reach_pinpools_checks(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["plan", "--chunk-bytes", "-1GiB"]) == 2
-    assert "--chunk-bytes -1GiB: a size must be positive" in capsys.readouterr().err
+    assert "--chunk-bytes -1GiB is not positive; give a size such as --chunk-bytes 64GiB" in capsys.readouterr().err
     assert _cli.main(["plan", "--size", "1GiB", "--numa-node", "-1"]) == 2
     assert "numa_node=-1" in capsys.readouterr().err
 
@@ -167,7 +190,9 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_config_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert _cli.main(["pin", "--size", "lots"]) == 2
-    assert capsys.readouterr().err.startswith("pinpool: ConfigError: --size='lots' is not a size")
+    assert capsys.readouterr().err.startswith(
+        "pinpool: ConfigError: --size lots is not a size; give a size such as --size 64GiB"
+    )
     assert _cli.main(["pin", "--size", "1GiB", "--hold", "soon"]) == 2
     assert "--hold soon" in capsys.readouterr().err
 
@@ -621,10 +646,13 @@ def test_pin_on_a_pipe_prints_progress_lines_and_a_summary() -> None:
         "pinpool: preparing to pin 256 MiB (pool 'cli'): loading torch\n"
         "pinpool: pinning 256 MiB in 8 chunk(s) of <= 32 MiB with runtime 'mlock'"
     )
-    assert re.search(r"pinpool: pinning 100% \(256 MiB of 256 MiB\), [\d.]+ GB/s, ETA 0:00, 8/8 chunks", err)
+    assert re.search(r"pinpool: pinning 100% \(256 MiB of 256 MiB\), [\d.]+ GB/s recent, ETA 0:00, 8/8 chunks", err)
     assert "\r" not in err and "Traceback" not in err
     out = result.stdout
     assert "pinned 256 MiB with runtime 'mlock'" in out
+    # The last progress line's rate is the recent one, the report's the whole pin's: labelled, they cannot
+    # read as a contradiction when the pin slowed down at the end.
+    assert re.search(r"fast: +[\d.]+ s to pin = [\d.]+ GB/s over the whole pin; unpinned in", out)
     assert re.search(
         r"latency: +per registration call \(8 calls\): p50 [\d.]+ m?s, p99 [\d.]+ m?s, max [\d.]+ m?s", out
     )
@@ -1000,8 +1028,9 @@ def test_render_bar() -> None:
     cells = bar[bar.index("[") + 1 : bar.index("]")]
     assert 10 <= len(cells) <= 40 and cells.count("#") == len(cells) // 4 and bar.startswith("pinning [#")
     assert len(bar) <= 99 and " 25%  " in bar
-    assert "1 GiB / 4 GiB  2.15 GB/s  ETA 0:02  4/16 chunks" in bar
-    assert len(_progress.render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=60)) <= 80  # the bar shrinks, to 10 cells
+    assert "1 GiB / 4 GiB  2.15 GB/s average  ETA 0:02  4/16 chunks" in bar
+    narrow = _progress.render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=60)
+    assert narrow.index("]") - narrow.index("[") - 1 == 10  # the bar shrinks, to 10 cells
     assert "ETA --:--" in _progress.render_bar(0, GiB, 0.1, 0, 4) and "[" + "." * 10 in _progress.render_bar(
         0, GiB, 0.1, 0, 4, width=40
     )
@@ -1014,15 +1043,15 @@ def test_render_shows_faulting_ahead_of_pinning() -> None:
     cells = bar[bar.index("[") + 1 : bar.index("]")]
     assert re.fullmatch(r"#+\++\.+", cells)
     assert cells.count("#") == len(cells) // 4 and cells.count("#") + cells.count("+") == len(cells) // 2
-    assert " 25%  1 GiB / 4 GiB (2 GiB faulted)  1.07 GB/s" in bar
+    assert " 25%  1 GiB / 4 GiB (2 GiB faulted)  1.07 GB/s average" in bar
     assert "faulted" not in _progress.render_bar(GiB, 4 * GiB, 1.0, 1, 4, faulted=GiB)  # not ahead: not shown
     line = _progress.render_line(GiB, 4 * GiB, 1.0, 1, 4, faulted=3 * GiB)
-    assert line.startswith("pinpool: pinning 25% (1 GiB of 4 GiB, 3 GiB faulted), 1.07 GB/s")
+    assert line.startswith("pinpool: pinning 25% (1 GiB of 4 GiB, 3 GiB faulted), 1.07 GB/s average")
 
 
 def test_render_line() -> None:
     assert _progress.render_line(3 * GiB, 4 * GiB, 3.0, 12, 16) == (
-        "pinpool: pinning 75% (3 GiB of 4 GiB), 1.07 GB/s, ETA 0:01, 12/16 chunks, 3.0 s elapsed"
+        "pinpool: pinning 75% (3 GiB of 4 GiB), 1.07 GB/s average, ETA 0:01, 12/16 chunks, 3.0 s elapsed"
     )
     assert "99%" in _progress.render_line(4 * GiB - 1, 4 * GiB, 1.0, 15, 16)  # 100% only when all is pinned
 
@@ -1115,12 +1144,12 @@ def test_the_rate_shown_is_the_current_one_not_the_average() -> None:
         pinned += 50_000_000
         reporter(pinned, 40_000_000_000, 0, 40)
     slow = stream.getvalue().splitlines()[-1]
-    assert ", 2.00 GB/s, ETA 0:10," in fast  # (40 - 20) GB left at 2 GB/s
-    assert ", 0.50 GB/s, ETA 0:36," in slow, slow  # (40 - 22) GB left at 0.5 GB/s
+    assert ", 2.00 GB/s recent, ETA 0:10," in fast  # (40 - 20) GB left at 2 GB/s
+    assert ", 0.50 GB/s recent, ETA 0:36," in slow, slow  # (40 - 22) GB left at 0.5 GB/s
     for _ in range(30):  # stalled for 3 s: no rate, no ETA, rather than the average's
         clock.now += 0.1
         reporter(pinned, 40_000_000_000, 0, 40)
-    assert ", 0.00 GB/s, ETA --:--," in stream.getvalue().splitlines()[-1]
+    assert ", 0.00 GB/s recent, ETA --:--," in stream.getvalue().splitlines()[-1]
 
 
 def test_resident_growth_follows_pages_as_they_fault() -> None:

@@ -10,8 +10,8 @@ populate calls holding the process's mmap_lock.) Shutdown is always a real SIGTE
 child logs ``kv_offload_server: shutdown VmLck=<bytes>`` after leaving the pool.
 
 The pinning-failure case uses the example's ``--runtime fake-fail`` (a FakeRuntime whose third
-registration fails): mlock pinning cannot be made to fail for real in the background on a host
-where pinpool's pre-flight accepted the pool.
+registration fails, the last one in a pool of fewer): mlock pinning cannot be made to fail for
+real in the background on a host where pinpool's pre-flight accepted the pool.
 """
 
 from __future__ import annotations
@@ -287,6 +287,67 @@ def test_background_failure_answers_500_keeps_the_pinned_pages_for_reads_and_tak
         assert srv.logged_vmlck() == 0, srv.output
 
 
+@pytest.mark.parametrize("size", ["256MiB", "512MiB"])
+def test_fake_fail_fails_a_small_pool_too(size: str) -> None:
+    """It failed the third 256 MiB registration, so a pool of 512 MiB or less reported ready."""
+    with server("--size", size, "--runtime", "fake-fail") as srv:
+        srv.wait_port()
+        failed, _ = poll_until_not_503(srv)
+        assert failed.status_code == 500, failed.text
+        body = failed.json()
+        assert body["state"] == "failed" and "injected failure (FakeRuntime register call #" in body["error"]
+        assert body["pinned_bytes"] < body["num_pages"] * PAGE_BYTES  # never the whole pool
+        rc, _ = srv.stop(signal.SIGTERM)
+        assert rc == 0, srv.output
+        assert srv.logged_vmlck() == 0, srv.output
+
+
+# docs/serving.md's lifespan pattern under plain uvicorn.run, with and without handlers of its own.
+PLAIN_UVICORN = r"""
+import signal, sys
+from contextlib import asynccontextmanager
+import uvicorn
+from starlette.applications import Starlette
+import pinpool
+from pinpool.testing import FakeRuntime
+
+fake = FakeRuntime()
+
+@asynccontextmanager
+async def lifespan(app):
+    async with pinpool.PinnedPool(size="16MiB", runtime=fake, background=True, registry=None) as pool:
+        yield
+    print(f"left the pool: {pool.state.value}, registered {fake.registered}", file=sys.stderr, flush=True)
+
+if sys.argv[1] == "handlers":
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: print("handled", file=sys.stderr, flush=True))
+uvicorn.run(Starlette(lifespan=lifespan), host="127.0.0.1", port=0)
+"""
+
+
+@pytest.mark.parametrize(("handlers", "status"), [("none", -signal.SIGTERM), ("handlers", 0)])
+def test_the_lifespan_pattern_under_plain_uvicorn_exits_143_on_sigterm_unless_it_has_handlers(
+    handlers: str, status: int
+) -> None:
+    """What docs/serving.md says: a clean shutdown either way; the status is 143 (killed by the SIGTERM
+    uvicorn raises again after it) unless the process installed handlers of its own before uvicorn."""
+    with preloaded.spawn(
+        [sys.executable, "-c", PLAIN_UVICORN, handlers], stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"},
+    ) as proc:  # fmt: skip
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:  # until the lifespan has entered the pool: an event, not a delay
+            lines.append(line)
+            if "Application startup complete" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=EXIT_TIMEOUT) == status, "".join(lines) + rest
+    assert "left the pool: closed, registered {}" in rest and "Traceback" not in rest, rest
+
+
 # The example's app over a shared region that another process truncates while the pool pins (before
 # the 5th pre-fault: pages of the first chunks were pinned). Draining used to serve page 0 from
 # memory that was gone: SIGBUS, the server died (rc -7).
@@ -428,14 +489,15 @@ def test_sigterm_with_a_client_stalled_mid_upload_shuts_down_cleanly(serve: str)
             stalled.sendall(f"PUT /pages/0 HTTP/1.1\r\nHost: x\r\nContent-Length: {PAGE_BYTES}\r\n\r\n".encode()
                             + random_page(0)[:1000])  # fmt: skip
             time.sleep(0.3)  # the handler waits for the rest of the body
-            rc, took = srv.stop(signal.SIGTERM)
+            rc, _ = srv.stop(signal.SIGTERM)
             answer = stalled.recv(65536).decode(errors="replace")
         assert rc == 0, srv.output
         assert "Traceback" not in srv.output and "Exception in ASGI" not in srv.output, srv.output
         assert "timeout graceful shutdown exceeded" not in srv.output, srv.output
         assert srv.logged_vmlck() == 0, srv.output
         assert answer.startswith("HTTP/1.1 503") and "the server is shutting down" in answer, answer
-        assert took < 4, f"exit took {took:.1f} s"  # the graceful timeout (5 s) was not waited out
+        # The graceful timeout (5 s) was not waited out: uvicorn says so when it is (asserted above), where
+        # an exit-time bound (took < 4) measured the host's load as much.
 
 
 @pytest.fixture(scope="module")
@@ -532,4 +594,4 @@ def test_read_body_answers_a_stalled_upload(example: ModuleType, monkeypatch: py
     stopped = anyio.run(stop_soon)
     assert stopped.status_code == 503 and stopped.headers["connection"] == "close"
     assert json.loads(stopped.body) == {"error": "the server is shutting down", "got": 2}
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 30  # answered when the stop was seen, not after BODY_SECONDS (60 s)

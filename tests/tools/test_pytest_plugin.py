@@ -132,6 +132,54 @@ def test_a_leak_on_a_fake_of_the_tests_own_is_reported(pytester: pytest.Pytester
     result.stdout.fnmatch_lines(["*the FakeRuntime of pool(s) 'kv': 1 range(s) still registered*"])
 
 
+def test_fake_auto_runtime_is_what_the_default_runtime_resolves_to_during_the_test(pytester: pytest.Pytester) -> None:
+    """A server that builds its own pool (runtime="auto", the default) gets the test's fake, in every thread,
+    and only during the test; what it leaves registered fails the test as fake_runtime's would."""
+    pytester.makepyfile(
+        """
+        import threading
+
+        import pinpool
+        from pinpool.runtimes import resolve_runtime
+        from pinpool.testing import FakeRuntime, auto_runtime
+
+        MiB = 1 << 20
+        pools = []
+
+        def build():  # the server's code: no runtime= anywhere
+            pools.append(pinpool.PinnedPool(size=2 * MiB, chunk_bytes="1MiB", registry=None))
+
+        def test_the_default_runtime_is_the_fake(fake_auto_runtime, fake_runtime):
+            assert fake_auto_runtime is fake_runtime
+            worker = threading.Thread(target=build)  # a test client runs the app on a thread of its own
+            worker.start()
+            worker.join()
+            with pools[0] as pool:
+                assert pool.runtime is fake_auto_runtime and len(fake_auto_runtime.registered) == 2
+            assert pinpool.PinnedPool(size=MiB, runtime="mlock", registry=None).runtime.name == "mlock"
+            inner = FakeRuntime()
+            with auto_runtime(inner):  # blocks nest
+                assert resolve_runtime("auto") is inner
+            assert resolve_runtime("auto") is fake_auto_runtime
+
+        def test_and_only_during_the_test():
+            assert not isinstance(resolve_runtime("auto"), FakeRuntime)
+
+        def test_a_pool_the_server_left_open_fails_the_test(fake_auto_runtime):
+            pools[0] = pinpool.PinnedPool(size=2 * MiB, chunk_bytes="1MiB", registry=None)
+            pools[0].__enter__()
+
+        def test_closed_by_hand():
+            pools[0].__exit__(None, None, None)
+        """
+    )
+    result = pytester.runpytest(*PLUGIN)
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_a_pool_the_server_left_open_fails_the_test*", "*2 range(s) still registered*"]
+    )
+
+
 GPU_TESTS = """
     import pytest
 
