@@ -200,8 +200,7 @@ class PoolPlan:
 
 @dataclass(frozen=True)
 class Schedule(PoolPlan):
-    """The plan and how pinning carries it out: the pipeline reads it; users see :attr:`public` only,
-    so a pipeline change is no API change."""
+    """The plan and how the pipeline carries it out; users see only :attr:`public`: no API to the schedule."""
 
     page_size: int  # the page chunks are aligned to: the OS page, or the hugetlb page with huge_pages="hugetlb..."
     align: int  # buffer placement alignment: the OS page, or the huge page with huge_pages

@@ -55,13 +55,8 @@ def pin_order(chunks: ChunkTable, runs: Sequence[PageRun]) -> ChunkTable:
             yield (min(chunk.end, run.end) - run.start) / length, run_index, chunk
 
     merged = heapq.merge(*(keyed(i, run) for i, run in enumerate(runs)))
-    seen: set[int] = set()
-    ordered: list[Chunk] = []
-    for _key, _run, chunk in merged:
-        if chunk.offset not in seen:  # a chunk spanning runs is keyed once per run: keep its first
-            seen.add(chunk.offset)
-            ordered.append(chunk)
-    return ChunkTable.of(ordered)
+    # A chunk spanning runs is keyed once per run: keep its first.
+    return ChunkTable.of(dict.fromkeys(chunk for _key, _run, chunk in merged))
 
 
 class PrefixTracker:
