@@ -199,7 +199,6 @@ FIRST_TOUCH = (
     "first touch of fresh memory: includes page-fault cost (the kernel zeroes every page of a new mapping "
     "as it is first faulted); pinning memory that is already resident is faster"
 )
-# hold_ended_by in the report: how a --hold ended, and how the text says it.
 HOLD_ENDINGS = {"time": "its time running out", "SIGINT": "SIGINT (Ctrl-C)", "SIGTERM": "SIGTERM"}
 
 
