@@ -11,20 +11,13 @@ import weakref
 
 class RangeBook:
     """Registered bases → sizes, with CUDA's rules: no overlaps, unregister by base only. Thread-safe.
-
-    Bases are kept sorted, so an overlap check is a bisection: 100k chunks must not cost O(n²). Every
-    change is one store (one entry, or a whole new list), so an exception between two statements (a
-    Ctrl-C, a MemoryError) never leaves it half-changed: a base without its size once made every
-    later pool in the process fail with ``KeyError``.
-
-    ``per_process``: what it books is not inherited by a forked child (pins, mlocks), so the child's
-    copy starts empty.
-    """
+    Bases are sorted (an overlap check is a bisection); every change is one store, so an exception
+    between two statements (a Ctrl-C) never leaves it half-changed. ``per_process``: a forked child's
+    copy starts empty (pins and mlocks are not inherited)."""
 
     def __init__(self, *, per_process: bool = False) -> None:
         self._lock = threading.Lock()
-        # (base, size, group) sorted by base; group: every base of a range set recorded by add_all
-        # (on its first base; () elsewhere), so pop(first) removes the set whole.
+        # (base, size, group) sorted by base; group: on an add_all set's first base, every base of the set.
         self._ranges: list[tuple[int, int, tuple[int, ...]]] = []
         if per_process:
             _PER_PROCESS.add(self)
@@ -56,9 +49,8 @@ class RangeBook:
             return overlap
 
     def add_all(self, ranges: list[tuple[int, int]]) -> tuple[int, int] | None:
-        """Record sorted, disjoint ``(ptr, nbytes)`` ranges as one entry that ``pop(ranges[0][0])``
-        removes whole (pin() of a strided view or of ranges=: the gaps stay free for other pools);
-        returns the first overlapping range instead, recording none."""
+        """Record sorted, disjoint ranges as one group that ``pop(ranges[0][0])`` removes whole (pin() of
+        a strided view or ranges=); returns the first overlapping range instead, recording none."""
         with self._lock:
             for ptr, nbytes in ranges:
                 overlap = self._overlap(ptr, nbytes)
@@ -80,9 +72,8 @@ class RangeBook:
                 del self._ranges[i]
                 return nbytes
             members = set(group)
-            kept = [entry for entry in self._ranges if entry[0] not in members]
             total = sum(entry[1] for entry in self._ranges if entry[0] in members)
-            self._ranges = kept
+            self._ranges = [entry for entry in self._ranges if entry[0] not in members]
             return total
 
     def get(self, ptr: int) -> int | None:

@@ -23,9 +23,8 @@ _LABEL = re.compile(r"^( *[a-z]+: +)")  # "  latency:  ", "here:      ": continu
 
 
 def fit(line: str, width: int = WIDTH) -> list[str]:
-    """``line`` as lines of at most ``width`` columns, continuations aligned after its label
-    (``"  note:     "``), or indented two more than it. Words are never cut: a word longer than
-    the room (a path) keeps its own line."""
+    """``line`` as lines of at most ``width`` columns, continuations aligned after its label (else indented
+    two more); a word longer than the room (a path) is never cut."""
     if len(line) <= width:
         return [line]
     label = _LABEL.match(line)
@@ -51,12 +50,8 @@ def _gran(nbytes: int | None) -> str:
     return "none" if nbytes is None else format_bytes(nbytes)
 
 
-# -- plan ------------------------------------------------------------------------------------------
-
-
 def _chunk_rows(plan: Schedule, rows: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The first and last ``rows`` chunks (all of them when that covers the table). Indexing the
-    lazy table touches only these: the plan of a 1.5 TiB pool stays a few runs in memory."""
+    """The first and last ``rows`` chunks (all when that covers the table): only these are listed."""
     chunks = plan.chunks
     count = len(chunks)
     placed = [(b.offset, b.offset + b.spec.nbytes, b.spec.name) for b in plan.buffers if b.plan is not None]
@@ -113,8 +108,7 @@ def plan_report(plan: Schedule, *, pool: str, layout: str, size: int, runtime: s
     }  # fmt: skip
 
 
-def plan_text(report: dict[str, Any]) -> list[str]:
-    r = report
+def plan_text(r: dict[str, Any]) -> list[str]:
     runtime = r["runtime"] + ("" if r["runtime_available"] else " (not available on this host)")
     buffers = _table(
         ("name", "shape", "dtype", "bytes", "granularity", "offset", "chunks"),
@@ -143,8 +137,7 @@ def plan_text(report: dict[str, Any]) -> list[str]:
         if r["populate"]
         else "spans:     none (no pre-faulting: registration faults the pages)",
     ]
-    pinning = r.get("pinning")
-    if pinning is not None:
+    if (pinning := r.get("pinning")) is not None:
         details.append(f"pinning:   {_pinning_text(pinning)}")
     error = r.get("preflight_error")
     details.append(f"here:      pinning it on this host would fail: {error}" if error else
@@ -190,9 +183,6 @@ def _retry_text(p: dict[str, Any]) -> str:
     return f"retries of codes {codes} as halves down to {floor}, at most {p['max_retries']} levels deep"
 
 
-# -- pin -------------------------------------------------------------------------------------------
-
-
 def _latency(events: EventLog) -> dict[str, Any] | None:
     calls = list(events.register_seconds)
     if not calls:
@@ -209,7 +199,6 @@ FIRST_TOUCH = (
     "first touch of fresh memory: includes page-fault cost (the kernel zeroes every page of a new mapping "
     "as it is first faulted); pinning memory that is already resident is faster"
 )
-# hold_ended_by in the report: how a --hold ended, and how the text says it.
 HOLD_ENDINGS = {"time": "its time running out", "SIGINT": "SIGINT (Ctrl-C)", "SIGTERM": "SIGTERM"}
 
 

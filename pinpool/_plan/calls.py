@@ -1,8 +1,6 @@
 """How pinning's runtime calls are sized (:class:`CallSizer`, the stall budget), cut on their buffer's
-grid (:class:`RetrySplitter`) and paced (:class:`Pacer`). Pure policy, thread-safe. Why a call must
-be short and why a quota below 2 CPUs needs rests (the quota stops every thread of the cgroup, the
-server's too): docs/performance.md, "background pinning and the stall budget", "under a CPU limit".
-"""
+grid (:class:`RetrySplitter`) and paced (:class:`Pacer`). Pure policy, thread-safe. Why: docs/performance.md,
+"background pinning and the stall budget", "under a CPU limit"."""
 
 from __future__ import annotations
 
@@ -130,9 +128,8 @@ def duty_cycle(quota_cpus: float | None, *, background: bool) -> float:
 
 
 class Pacer:
-    """Makes each calling thread rest before its next call so its calls use ``duty`` of its time,
-    charged by CPU time (``time.thread_time``), not wall time: a worker preempted mid-call used no
-    quota meanwhile. Rested before the next call, so a rest never sits between a call and its books."""
+    """Makes each calling thread rest before its next call (never between a call and its books) so its
+    calls use ``duty`` of its CPU time (``time.thread_time``: a worker preempted mid-call used no quota)."""
 
     def __init__(self, duty: float) -> None:
         if not 0 < duty <= 1:

@@ -26,9 +26,8 @@ class Chunk:
 
 _T = TypeVar("_T")
 
-# Recently used items are kept in a few small blocks: a chunk's lookups while pinned cost a dict
-# hit, not a bisection and a new object each. Small on purpose (8 of 16): items that die young never
-# reach the collector's oldest generation, whose full passes otherwise grow per-chunk cost (measured).
+# Recently used items are kept in a few small blocks: a lookup while pinned is a dict hit, not a bisection
+# and a new object. Few on purpose: items that die young never slow the collector's full passes.
 _BLOCK_SHIFT = 4
 _BLOCK_MASK = (1 << _BLOCK_SHIFT) - 1
 _CACHED_BLOCKS = 8
@@ -81,8 +80,6 @@ class _LazyTable(Sequence[_T]):
             return self._cache[index >> _BLOCK_SHIFT][index & _BLOCK_MASK]  # type: ignore[operator]
         except (KeyError, TypeError, IndexError):  # not cached, a slice, negative, or out of range
             pass
-        if type(index) is int and 0 <= index < self._len:
-            return self._block(index >> _BLOCK_SHIFT)[index & _BLOCK_MASK]
         if isinstance(index, slice):
             start, stop, step = index.indices(self._len)
             if step == 1:
@@ -93,7 +90,7 @@ class _LazyTable(Sequence[_T]):
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError(f"index {index} out of range for {self._len} items")
-        return self[i]
+        return self._block(i >> _BLOCK_SHIFT)[i & _BLOCK_MASK]
 
     def __iter__(self) -> Iterator[_T]:
         return self._make(0, self._len)
@@ -168,11 +165,6 @@ class ChunkTable(_LazyTable[Chunk]):
             if start < stop:
                 runs.append((offset + (start - first) * nbytes, nbytes, stop - start))
         return ChunkTable(runs)
-
-    def __reversed__(self) -> Iterator[Chunk]:
-        for offset, nbytes, count in reversed(self._runs):
-            for k in range(count - 1, -1, -1):
-                yield _fast_chunk(offset + k * nbytes, nbytes)
 
     def _positions(self, value: object) -> Iterator[int]:  # found arithmetically run by run
         if not isinstance(value, Chunk):

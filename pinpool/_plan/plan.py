@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._errors import ConfigError
+from .._layouts.spec import positive_int
 from .._types import Capabilities
 from .._units import bytes_text, format_bytes, hugetlb_page_size
 from ..layouts import BufferSpec
@@ -33,14 +34,9 @@ def plan_chunks(
     nbytes: int, *, granularity: int | None, limit: int, page_size: int, start: int = 0,
     shared_boundary_pages: bool = False,
 ) -> ChunkPlan:  # fmt: skip
-    """Split ``nbytes`` into contiguous registration chunks of at most ``limit``, covering it exactly.
-
-    Boundaries are multiples of ``granularity`` (no copy page straddles two registrations) and of
-    ``page_size`` (unlocking a chunk would unlock a shared page's neighbour), counted from ``start``
-    (the address modulo the page). Where no multiple of the granularity falls on a page (torch's
-    memory starts 64 B into one), a ``ConfigError`` unless ``shared_boundary_pages`` (the runtime
-    tracks exact ranges): then boundaries are lcm(granularity, page) apart, sharing pages.
-    """
+    """Split ``nbytes`` into contiguous chunks of at most ``limit`` on multiples of ``granularity`` and of
+    ``page_size``, counted from ``start`` (the address modulo the page). Where none falls on a page, a
+    ``ConfigError`` unless ``shared_boundary_pages``: then chunks share pages (docs/concepts.md, pinpool.pin)."""
     _check_chunk_arguments(nbytes, granularity, limit, page_size)
     unit = math.lcm(granularity or 1, page_size)
     misalignment = start % page_size
@@ -52,8 +48,7 @@ def plan_chunks(
     if unit > limit:
         raise _unit_over_limit(granularity, page_size, unit, limit)
     if nbytes <= limit:
-        # Fits one call: still cut in chunk_bytes steps from its start (as the reference does),
-        # unless those steps would fall inside OS pages nobody may share.
+        # Fits one call: still cut in chunk_bytes steps, unless they fall inside pages nobody may share.
         if misalignment and not shared_boundary_pages:
             return whole
         first = 0
@@ -75,11 +70,9 @@ def plan_chunks(
 
 def _check_chunk_arguments(nbytes: int, granularity: int | None, limit: int, page_size: int) -> None:
     for what, value in (("buffer size", nbytes), ("page size", page_size), ("chunk limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not positive_int(value):
             raise ConfigError(f"{what} {value!r} must be a positive integer number of bytes")
-    if granularity is not None and (
-        isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0
-    ):
+    if granularity is not None and not positive_int(granularity):
         raise ConfigError(
             f"registration granularity {granularity!r} must be a positive integer number of bytes "
             "(the byte size of one copy page); use None for no alignment constraint"
@@ -207,8 +200,7 @@ class PoolPlan:
 
 @dataclass(frozen=True)
 class Schedule(PoolPlan):
-    """The plan and how pinning carries it out: the pipeline reads it; users see :attr:`public` only,
-    so a pipeline change is no API change."""
+    """The plan and how the pipeline carries it out; users see only :attr:`public`: no API to the schedule."""
 
     page_size: int  # the page chunks are aligned to: the OS page, or the hugetlb page with huge_pages="hugetlb..."
     align: int  # buffer placement alignment: the OS page, or the huge page with huge_pages
@@ -221,8 +213,7 @@ class Schedule(PoolPlan):
     span_bytes: int  # 0 without pre-faulting
     spans: Sequence[Span]  # pin_chunks cut into populate calls (a SpanTable), or () without pre-faulting
     lookahead_bytes: int
-    # The chunks in pin order, interleaved across page runs so the page prefix grows early (_plan/prefix.py).
-    pin_chunks: ChunkTable
+    pin_chunks: ChunkTable  # the chunks in pin order: the page prefix grows early (_plan/prefix.py)
     page_runs: tuple[PageRun, ...]
     registrations_reason: str
 
@@ -266,11 +257,9 @@ def plan_pool(
     spans: Sequence[Span] = SpanTable(pin_chunks, span_bytes) if populate else ()
     populate_workers = min(wanted_populate, len(spans))
     register_workers = max(1, min(wanted_register, len(chunks)))
-    # Faulting first, registration is the serial bottleneck and gets threads of its own; else
-    # a registration is quick or is the fault, and the roles share threads.
+    # Faulting first, registration is the serial bottleneck and gets threads of its own; else the roles share them.
     pair = (populate_workers, register_workers)
-    # How far faulting may run ahead of registration: with tiny chunks a few batches of chunks,
-    # not span_bytes each (thousands of chunks ahead cost every chunk more: measured at 100k).
+    # With tiny chunks faulting runs a few batches of chunks ahead, not a span each (more slows every chunk).
     lookahead_bytes = max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS))
     quota_cpus = None if host.cpu_quota is None else host.cpu_quota.cpus
     return Schedule(
@@ -303,7 +292,7 @@ def _resolve_populate(options: PoolOptions, host: HostFacts, caps: Capabilities)
 def _order(populate: bool, huge_pages: bool | str, caps: Capabilities) -> Order:
     if not populate:
         return Order.REGISTER_ONLY
-    # On huge pages the kernel's on-fault locking is far slower than faulting first (measured: 2.5 vs 21 GB/s on THP).
+    # On huge pages the kernel's on-fault locking is far slower than faulting first (docs/concepts.md, Three orders).
     return Order.REGISTER_FIRST if caps.locks_on_fault and not huge_pages else Order.POPULATE_FIRST
 
 
@@ -312,8 +301,7 @@ def _wanted_workers(
 ) -> tuple[int, int]:
     """Register and populate workers asked for, or sized to the pool and the CPUs, before the work caps them."""
     by_size = max(1, total // MIN_BYTES_PER_DEFAULT_WORKER)
-    # The CPU budget, not the affinity: workers beyond the quota only spend it sooner, and the
-    # kernel then stalls every thread of the cgroup, the server's too, until the next period.
+    # The CPU budget, not the affinity: workers beyond a quota only make the kernel stall the whole cgroup sooner.
     cpus = pool_cpus(host.cpu_budget, background=options.background)
     # One where registration is serial (the CUDA driver's lock).
     default_register = 1 if caps.serial_registration else max(1, min(MAX_DEFAULT_WORKERS, cpus))
@@ -349,7 +337,7 @@ def _common_granularity(buffers: Sequence[BufferPlan]) -> int | None:
 
 
 def _unpin_workers(options: PoolOptions, host: HostFacts, chunks: int) -> int:
-    # Unregistering scales across threads for CUDA too (Mooncake: 500 GB in 1.5 s on threads, 11.8 s in one).
+    # Unregistering scales across threads, for CUDA too (docs/concepts.md, Default worker count).
     default = max(1, min(MAX_DEFAULT_WORKERS, host.cpu_budget))
     return max(1, min(options.unpin_workers or default, chunks))
 

@@ -55,13 +55,8 @@ def pin_order(chunks: ChunkTable, runs: Sequence[PageRun]) -> ChunkTable:
             yield (min(chunk.end, run.end) - run.start) / length, run_index, chunk
 
     merged = heapq.merge(*(keyed(i, run) for i, run in enumerate(runs)))
-    seen: set[int] = set()
-    ordered: list[Chunk] = []
-    for _key, _run, chunk in merged:
-        if chunk.offset not in seen:  # a chunk spanning runs is keyed once per run: keep its first
-            seen.add(chunk.offset)
-            ordered.append(chunk)
-    return ChunkTable.of(ordered)
+    # A chunk spanning runs is keyed once per run: keep its first.
+    return ChunkTable.of(dict.fromkeys(chunk for _key, _run, chunk in merged))
 
 
 class PrefixTracker:
@@ -73,7 +68,7 @@ class PrefixTracker:
         self._starts = [run.start for run in self.runs]
         self._done = [run.start for run in self.runs]  # absolute end of each run's pinned prefix
         self._ahead: list[list[tuple[int, int]]] = [[] for _ in self.runs]  # heaps of ranges beyond it
-        self._pages = 0 if self.runs else num_pages
+        self.pages = 0 if self.runs else num_pages  # leading pages pinned: written by cover() only
         for run in self.runs:
             for lo, hi in run.holes:
                 self.cover(lo, hi)
@@ -88,7 +83,7 @@ class PrefixTracker:
                 changed |= self._add(index, lo, hi)
             index += 1
         if changed:
-            self._pages = self._count()
+            self.pages = self._count()
 
     def _add(self, index: int, lo: int, hi: int) -> bool:
         done, ahead = self._done[index], self._ahead[index]
@@ -109,7 +104,3 @@ class PrefixTracker:
             else:
                 pages = min(pages, (done - run.start) // run.page_bytes)
         return pages
-
-    @property
-    def pages(self) -> int:
-        return self._pages
