@@ -16,8 +16,8 @@ import anyio
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from .. import _probe
 from .._errors import ConfigError, PoolStateError
-from .._host.facts import HostFacts
 from .._node.config import NodePacing
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
@@ -165,7 +165,7 @@ class PinnedPool:
         options = PoolOptions.create(**{name: given[name] for name in _CREATE if name in given})
         pacing = NodePacing.from_options(**{name: given[name] for name in _PACING if name in given})
         check_memory_source(memory, options)
-        host = HostFacts.probe()
+        host = _probe.probe_host()
         if memory is not None:
             # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
             host = dataclasses.replace(host, page_size=memory.page_size)
@@ -237,8 +237,9 @@ class PinnedPool:
 
     @property
     def error(self) -> BaseException | None:
-        """Why background pinning failed (state ``failed``), else None; once read, exit does not raise it."""
-        return self._lifecycle.take_error()
+        """Why background pinning failed (state ``failed``), else None. A read changes nothing (a
+        debugger's included): exit raises it unless a waiter raised it first."""
+        return self._lifecycle.error
 
     @property
     def pinned_pages(self) -> int:
