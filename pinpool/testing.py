@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError, RuntimeCallError
 from ._host import libc as _libc
-from ._host.facts import HostFacts
+from ._pin.outcome import PoolState
+from ._plan.facts import HostFacts
 from ._ranges import PINNED_RANGES, RangeBook
 from ._types import Capabilities
 from ._units import parse_size
@@ -288,7 +289,7 @@ def assert_released(
     elif fake is not None:
         held = [(b, n) for b, n in claims.items() if any(b <= ptr < b + n for ptr, _ in fake.register_calls)]
         assert not held, f"range claims left behind: {held}"
-    assert pool.state.value == "closed", f"pool {pool.name!r} is {pool.state.value}"
+    assert pool.state is PoolState.CLOSED, f"pool {pool.name!r} is {pool.state.value}"
     prefix = f"pinpool-{pool.name}"
 
     def alive() -> list[str]:

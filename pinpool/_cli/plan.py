@@ -18,7 +18,7 @@ def run_plan(args: argparse.Namespace) -> int:
         kwargs = pool_options(args, "plan")
         if args.rows < 0:
             raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
-        from .._host.facts import HostFacts
+        from .. import _probe
         from .._node.config import NodePacing
         from .._plan.options import PoolOptions
         from .._plan.plan import plan_pool
@@ -30,7 +30,7 @@ def run_plan(args: argparse.Namespace) -> int:
         pacing = NodePacing.from_options(**{name: value for name, value in kwargs.items()
                                             if name.startswith("node_")})  # fmt: skip
         runtime, caps, available = plan_runtime(args.runtime)
-        host = HostFacts.probe()
+        host = _probe.probe_host()
         plan = plan_pool(options, host, caps)
     report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,
                          available=available, rows=args.rows)  # fmt: skip

@@ -22,7 +22,7 @@ from .prefix import PageRun, page_runs, pin_order
 from .preflight import Placement, place
 
 if TYPE_CHECKING:
-    from .._host.facts import HostFacts
+    from .facts import HostFacts
     from .options import PoolOptions
 
 

@@ -11,10 +11,12 @@ from typing import Any
 import torch
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from .. import _probe
 from .._errors import ConfigError
 from .._host.mapping import HostMapping, alias_of
 from .._pin.lifecycle import ProgressCallback
 from .._plan.declared import DEFAULT_MAX_RETRIES
+from .._plan.preflight import check_huge_pages
 from .._units import hugetlb_page_size
 from ..runtimes import Runtime
 from .pool import PinnedPool
@@ -116,6 +118,7 @@ def empty(
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)  # nothing to map, and nothing to pin
+    check_huge_pages(huge_pages, nbytes, _probe.probe_host(torch_build=False))
     mapping = HostMapping(nbytes, huge_pages=huge_pages, numa_node=numa_node)
     # The view's storage holds a buffer object that holds the mapping: unmapped with the last view.
     return mapping.view(0, nbytes).view(dtype).view(shape)

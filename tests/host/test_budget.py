@@ -13,8 +13,7 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host import HostFacts
-from pinpool._plan import PoolOptions, place, preflight
+from pinpool._plan import HostFacts, PoolOptions, place, preflight
 from pinpool.runtimes._registry import pinning_capabilities
 from pinpool.testing import host_facts, locked_bytes
 

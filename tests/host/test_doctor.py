@@ -15,8 +15,8 @@ import pytest
 from pinpool import ConfigError
 from pinpool._cli import doctor as _doctor
 from pinpool._cli.doctor import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
-from pinpool._host import V2_SOURCE, CpuQuota
-from pinpool._plan import PoolOptions
+from pinpool._host import V2_SOURCE
+from pinpool._plan import CpuQuota, PoolOptions
 from pinpool._plan import preflight as _preflight
 from pinpool.testing import host_facts
 

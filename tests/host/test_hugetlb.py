@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import pinpool
+from pinpool import _probe
 from pinpool._errors import ConfigError
-from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
 from pinpool._host import mapping as _memory
 from pinpool._plan import PoolOptions, plan_pool, preflight
@@ -86,7 +86,7 @@ def test_hugetlb_pages_are_no_new_memory_in_the_memory_check() -> None:
 
 
 def test_the_host_probe_reads_the_1gib_counters() -> None:
-    facts = HostFacts.probe(torch_build=False)
+    facts = _probe.probe_host(torch_build=False)
     assert (facts.hugetlb_1g_free, facts.hugetlb_1g_total) == _libc.hugetlb_free_pages(GiB)
     assert facts.hugetlb_pages(GiB) == (facts.hugetlb_1g_free, facts.hugetlb_1g_total)
     assert facts.hugetlb_pages(2 * MiB) == (facts.hugetlb_free, facts.hugetlb_total)

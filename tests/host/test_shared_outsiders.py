@@ -305,7 +305,7 @@ def test_memory_gone_is_found_whichever_call_failed(shm_dir: Path) -> None:
         size=16 * MiB, chunk_bytes=MiB, runtime=fake, memory=SharedMemory(str(path)), background=True,
         register_workers=1, max_retries=0, registry=None, name="kv",
     )  # fmt: skip
-    with pool:
+    with pytest.raises(pinpool.MemoryGoneError), pool:  # reading pool.error does not take it from exit
         _wait_failed(pool)
         error = pool.error
         assert isinstance(error, pinpool.MemoryGoneError) and pool.pinned_pages == 0
@@ -364,13 +364,13 @@ def test_a_region_the_tmpfs_has_no_room_for_is_a_config_error_before_anything_is
 
 
 def test_pages_the_tmpfs_cannot_reserve_are_a_config_error_naming_the_fix(small_tmpfs: Path) -> None:
-    from pinpool._shared import _reserve
+    from pinpool._shared import reserve_pages
 
     fd = os.open(small_tmpfs / "kv", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, 16 * MiB)  # sized past the mount: a fault past 8 MiB would be SIGBUS
         with pytest.raises(pinpool.ConfigError, match=r"could not reserve the region's 16 MiB .*nothing was pinned"):
-            _reserve(fd, 16 * MiB, "'kv'", page_size=PAGE, directory=str(small_tmpfs))
+            reserve_pages(fd, 16 * MiB, "'kv'", page_size=PAGE, directory=str(small_tmpfs))
     finally:
         os.close(fd)
 

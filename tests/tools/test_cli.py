@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool import _cli
+from pinpool import _cli, _probe
 from pinpool._cli import doctor as _doctor
 from pinpool._cli import options as cli_layout
 from pinpool._cli import pin as cli_pin
@@ -29,7 +29,6 @@ from pinpool._cli import progress as _progress
 from pinpool._cli import progress as cli_status
 from pinpool._cli import report as cli_report
 from pinpool._cli.doctor import FAIL, OK, SKIP, WARN
-from pinpool._host import HostFacts
 from pinpool.runtimes._gpu import CudaDevice, CudaFacts
 
 from .. import preloaded
@@ -1229,7 +1228,7 @@ def test_doctor_on_this_host() -> None:
     assert names[:10] == [
         "memlock", "memory", "cgroup", "cpu", "thp", "hugetlb", "hugetlb:1GiB", "kernel", "numa", "cuda",
     ]  # fmt: skip
-    host = HostFacts.probe(torch_build=False)
+    host = _probe.probe_host(torch_build=False)
     cpu = next(c for c in report["checks"] if c["name"] == "cpu")["detail"]
     assert cpu.startswith(f"affinity {host.cpus} CPUs, ") and f": budget {host.cpu_budget};" in cpu
     for check in report["checks"]:
