@@ -8,5 +8,5 @@ from .._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "libc": "address_space_bytes",
     "limits": "V1_SOURCE V2_SOURCE MemoryLimits available_cpus read_cpu_quota read_mem_available read_memory_limits",
-    "mapping": "HostMapping TensorMemory alias_of populate_range",
+    "mapping": "HostMapping TensorMemory alias_of populate_range unmap_in_pieces",
 })  # fmt: skip

@@ -40,7 +40,7 @@ _kept_lock = threading.Lock()
 UNMAP_PIECE_BYTES = 128 << 20
 
 
-def _unmap(address: int, length: int, page: int = _libc.PAGE_SIZE) -> None:
+def unmap_in_pieces(address: int, length: int, page: int = _libc.PAGE_SIZE) -> None:
     piece = -(-UNMAP_PIECE_BYTES // page) * page  # 1 GiB pages: one page per piece
     for offset in range(0, length, piece):
         _libc.munmap(address + offset, min(piece, length - offset))
@@ -64,7 +64,7 @@ def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
     """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
     whatever it has mapped at that address since is its own."""
     if os.getpid() == pid:
-        _unmap(address, length, page)
+        unmap_in_pieces(address, length, page)
 
 
 class HostMapping:

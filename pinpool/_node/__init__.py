@@ -3,6 +3,6 @@
 from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "config": "NodePacing",
+    "config": "NodePacing default_directory mem_total_bytes",
     "pacing": "BudgetHold NodeAdmission NodeHolder SlotHold holder_state",
 })  # fmt: skip

@@ -23,7 +23,8 @@ from .._shared.mapping import SharedMapping
 from .._shared.memory import SharedMemory
 from .._types import Capabilities
 from .._units import shown
-from ..layouts import BufferSpec, Raw
+from ..layouts._families import Raw
+from ..layouts._spec import BufferSpec
 from ..runtimes import FindsPinned, Runtime
 from .engine import Memory
 

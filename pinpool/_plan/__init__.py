@@ -12,5 +12,5 @@ __getattr__, __all__ = lazy_exports(__name__, {
                "chunk_limit_from_env",
     "plan": "LOOKAHEAD_CHUNKS PoolPlan plan_chunks plan_pool",
     "prefix": "PageRun PrefixTracker page_runs pin_order",
-    "preflight": "check_host place",
+    "preflight": "check_host place resident_fit",
 })  # fmt: skip

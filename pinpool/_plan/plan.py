@@ -14,7 +14,7 @@ import torch
 from .._errors import ConfigError
 from .._types import Capabilities
 from .._units import bytes_text, format_bytes, hugetlb_page_size
-from ..layouts import BufferSpec
+from ..layouts._spec import BufferSpec
 from .calls import duty_cycle
 from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB

@@ -32,7 +32,7 @@ from .._plan.plan import PoolPlan, plan_pool
 from .._plan.preflight import place
 from .._shared.memory import SharedMemory
 from .._units import format_bytes, parse_size
-from ..layouts import Layout
+from ..layouts._spec import Layout
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
 from ..runtimes._registry import FAILURE_REASONS
 

@@ -522,7 +522,7 @@ def test_every_row_has_a_case_and_every_case_a_row(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("row", doc_rows(), ids=lambda r: r.example)
 def test_row(row: Row, tmp_path: Path) -> None:
-    error = getattr(pinpool, row.error, None) or getattr(importlib.import_module("pinpool._node.pacing"), row.error)
+    error = getattr(pinpool, row.error, None) or getattr(pinpool._errors, row.error)
     with pytest.raises(error) as info:
         cases(tmp_path)[row.example]()
     assert type(info.value).__name__ == row.error

@@ -15,9 +15,9 @@ import pytest
 from pinpool import ConfigError
 from pinpool._cli import doctor as _doctor
 from pinpool._cli.doctor import FAIL, OK, SKIP, WARN, CudaFacts, DoctorFacts
+from pinpool._errors import RAISE_MEMLOCK
 from pinpool._host import V2_SOURCE
 from pinpool._plan import CpuQuota, PoolOptions
-from pinpool._plan import preflight as _preflight
 from pinpool.testing import host_facts
 
 from ..conftest import check_host
@@ -68,7 +68,7 @@ def test_memlock(soft: int | None, hard: int | None, cap: bool, size: int | None
     check = by_name(_doctor.run_checks(facts(memlock_soft=soft, memlock_hard=hard, cap_ipc_lock=cap), size))["memlock"]
     assert check.status == status
     if status != OK:  # one piece of advice, one text: the pool's
-        assert check.fix.startswith(_preflight.RAISE_MEMLOCK)
+        assert check.fix.startswith(RAISE_MEMLOCK)
         assert "`ulimit -l unlimited`" in check.fix and "`LimitMEMLOCK=infinity`" in check.fix
 
 

@@ -27,8 +27,7 @@ from pinpool import ConfigError, _probe, layouts
 from pinpool._host import libc as _libc
 from pinpool._plan import HostFacts, PoolOptions
 from pinpool._types import Capabilities
-from pinpool.runtimes import MlockRuntime
-from pinpool.runtimes._registry import pinning_capabilities
+from pinpool.runtimes import MlockRuntime, pinning_capabilities
 from pinpool.testing import FakeRuntime, host_facts, locked_bytes
 
 from .. import preloaded

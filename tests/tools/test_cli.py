@@ -29,7 +29,7 @@ from pinpool._cli import progress as _progress
 from pinpool._cli import progress as cli_status
 from pinpool._cli import report as cli_report
 from pinpool._cli.doctor import FAIL, OK, SKIP, WARN
-from pinpool.runtimes._gpu import CudaDevice, CudaFacts
+from pinpool.runtimes import CudaDevice, CudaFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -1211,12 +1211,12 @@ def test_check_env() -> None:
 
 
 def test_doctor_knows_every_environment_variable_pinpool_reads() -> None:
-    from pinpool._plan import plan as _plan
+    from pinpool._plan import CHUNK_ENV
 
     read = set()
     for path in (ROOT / "pinpool").rglob("*.py"):
         read |= set(re.findall(r"\bPINPOOL_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
-    assert read == set(_doctor.KNOWN_ENV) and _doctor.CHUNK_ENV == _plan.CHUNK_ENV
+    assert read == set(_doctor.KNOWN_ENV) and _doctor.CHUNK_ENV == CHUNK_ENV
 
 
 def test_doctor_on_this_host() -> None:
