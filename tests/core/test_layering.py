@@ -98,20 +98,14 @@ NOT_YET = {
     "tests/host/test_node_hostile.py": {"pinpool._node.config", "pinpool._node.pacing"},  # patches file_problem, waits
     "tests/host/test_node_pacing.py": {"pinpool._node.config", "pinpool._node.pacing"},  # patches _record, _LIVE
     "tests/host/test_shared_outsiders.py": {  # patches publish, region_directories, populate_range
-        "pinpool._cli.doctor", "pinpool._shared.files", "pinpool._shared.format", "pinpool._host.mapping",
+        "pinpool._shared.files", "pinpool._shared.format", "pinpool._host.mapping",
     },
     "tests/pool/test_ki_sweep.py": {"pinpool._pin.sigint"},  # reads the private _Guard's counters
     "tests/pool/test_pool.py": {"pinpool._pin.sigint"},  # reads the private _Guard's counters
     "tests/pool/test_open_close.py": {  # patches a step of entry in each
         "pinpool._pin.lifecycle", "pinpool._pin.memory_source", "pinpool._pin.threads", "pinpool.runtimes._mlock",
     },
-    # The command line's own tests: pinpool._cli's __init__ is main(), not a face.
-    "tests/host/test_doctor.py": {"pinpool._cli.doctor"},
-    "tests/host/test_shared_memory.py": {"pinpool._cli.doctor"},
-    "tests/tools/test_cli.py": {
-        "pinpool._cli.doctor", "pinpool._cli.options", "pinpool._cli.pin", "pinpool._cli.progress",
-        "pinpool._cli.report",
-    },
+    "tests/tools/test_cli.py": {"pinpool._cli.pin"},  # reads the private _faulted
 }  # fmt: skip
 
 

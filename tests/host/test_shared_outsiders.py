@@ -31,7 +31,7 @@ import pytest
 
 import pinpool
 from pinpool import _cli, layouts
-from pinpool._cli import doctor as _doctor
+from pinpool._cli import OK, WARN, check_half_made, check_region
 from pinpool._host import libc as _libc
 from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMemory, find_half_made, find_regions, layout_record, read_region
 from pinpool._shared import files as _shared_files
@@ -108,7 +108,7 @@ def test_a_region_whose_name_holds_escape_sequences_reaches_the_terminal_escaped
     path = shm_dir / "kv\x1b[31mred"
     make_region(path)
     (region,) = find_regions([str(shm_dir)])
-    check = _doctor.check_region(region)
+    check = check_region(region)
     assert "\x1b" not in check.detail + check.fix and "\\x1b[31mred" in check.detail
 
 
@@ -122,7 +122,7 @@ def test_a_crafted_creator_is_shown_as_invalid_never_as_300_digits(shm_dir: Path
     plant(shm_dir / "kv", body(created={**created, "host": socket.gethostname(), "start": 1}))
     (region,) = find_regions([str(shm_dir)])
     assert region.created_pid is None and region.creator_alive is None
-    check = _doctor.check_region(region)
+    check = check_region(region)
     assert "created by an unknown process (its trailer names no valid pid)" in check.detail, check.detail
     assert not re.search(r"\d{20}", check.detail) and len(check.detail) < 400, check.detail
 
@@ -543,11 +543,11 @@ def test_what_a_dead_creator_left_is_removed_by_the_next_creation_and_a_live_one
     holder = os.open(live, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_EX)  # a creation in progress in another process
     try:
-        checks = [_doctor.check_half_made(h) for h in find_half_made([str(shm_dir)])]
+        checks = [check_half_made(h) for h in find_half_made([str(shm_dir)])]
         assert [(c.status, c.detail) for c in checks] == [
-            (_doctor.WARN, f"{dead}: a region left half-made by a creator that died while creating it, 8 KiB held "
+            (WARN, f"{dead}: a region left half-made by a creator that died while creating it, 8 KiB held "
              "in memory"),
-            (_doctor.OK, f"{live}: a region being created now"),
+            (OK, f"{live}: a region being created now"),
         ]  # fmt: skip
         assert checks[0].fix == (
             "remove it: pinpool doctor --remove-stale, or rm it (the next creation of a region in its directory "
