@@ -33,8 +33,16 @@ import pinpool
 from pinpool import _cli, layouts
 from pinpool._cli import OK, WARN, check_half_made, check_region
 from pinpool._host import libc as _libc
-from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMemory, find_half_made, find_regions, layout_record, read_region
-from pinpool._shared import files as _shared_files
+from pinpool._shared import (
+    MAGIC,
+    TRAILER_BYTES,
+    SharedMemory,
+    find_half_made,
+    find_regions,
+    layout_record,
+    read_region,
+    remove_stale_temps,
+)
 from pinpool._shared import format as _shared_format
 from pinpool.testing import FakeRuntime
 
@@ -256,18 +264,18 @@ def test_a_region_truncated_while_a_background_pool_pins_leaves_no_page_called_u
     """Issue 33, finding 5: the PinError named the truncation, then said pages [0, k) "stay pinned
     and usable", and pinned_pages was k: a server that wrote page 0 died of SIGBUS. Real region,
     real mlock; another process truncates the file (os.truncate by path) before the 5th pre-fault."""
-    from pinpool._host import mapping as host_mapping
-
     path = shm_dir / "kv"
-    real, calls = host_mapping.populate_range, [0]
+    real, calls = _libc.madvise, [0]
 
-    def populate_range(ptr: int, nbytes: int, advice: int) -> None:
-        calls[0] += 1
-        if calls[0] == 5:  # four 1 MiB chunks pinned and pre-faulted: pages [0, 4 MiB) were usable
-            os.truncate(path, 0)
-        real(ptr, nbytes, advice)
+    def madvise(address: int, length: int, advice: int) -> int:
+        # A pre-fault of the pool (not the one-page probe of MADV_POPULATE_WRITE's support).
+        if advice in (_libc.MADV_POPULATE_READ, _libc.MADV_POPULATE_WRITE) and length > _libc.PAGE_SIZE:
+            calls[0] += 1
+            if calls[0] == 5:  # four 1 MiB chunks pinned and pre-faulted: pages [0, 4 MiB) were usable
+                os.truncate(path, 0)
+        return real(address, length, advice)
 
-    monkeypatch.setattr(host_mapping, "populate_range", populate_range)
+    monkeypatch.setattr(_libc, "madvise", madvise)
     locked = _libc.vm_locked_bytes()
     pool = pinpool.PinnedPool(
         size=16 * MiB, chunk_bytes=MiB, runtime="mlock", memory=SharedMemory(str(path)), background=True,
@@ -496,13 +504,11 @@ KILLS = int(os.environ.get("PINPOOL_KILLS", "40"))  # SIGKILLed creators; more f
 def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_renameat2_links(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pinpool._shared import files as _shared
-
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(_shared, "publish", interrupted)
+        patch.setattr(_libc, "rename_noreplace", interrupted)  # publishing's first step
         with pytest.raises(KeyboardInterrupt):
             SharedMemory(shm_dir / "kv").open_mapping(MiB, record(MiB))
     assert list(shm_dir.iterdir()) == []
@@ -574,7 +580,7 @@ def stalled_creator(path: Path, nbytes: int) -> int:
                 os.write(ready_w, b"R")
                 time.sleep(600)
 
-            _shared_files.publish = stall  # this child's module only
+            _libc.rename_noreplace = stall  # publishing's first step, in this child only
             SharedMemory(path).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes // PAGE))
         finally:
             os._exit(1)
@@ -668,7 +674,7 @@ def test_a_temporary_taken_before_its_creator_locks_it_is_made_again(
             if meanwhile == "removed":
                 dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
                 try:
-                    assert [n for n, _ in _shared_files.remove_stale_temps(dir_fd)] == [os.path.basename(name)]
+                    assert [n for n, _ in remove_stale_temps(dir_fd)] == [os.path.basename(name)]
                 finally:
                     os.close(dir_fd)
             else:
