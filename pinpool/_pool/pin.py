@@ -118,7 +118,8 @@ def empty(
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)  # nothing to map, and nothing to pin
-    check_huge_pages(huge_pages, nbytes, _probe.probe_host(torch_build=False))
+    if huge_pages:  # the host as it is now: THP enabled, hugetlb pages free
+        check_huge_pages(huge_pages, nbytes, _probe.probe_host(torch_build=False))
     mapping = HostMapping(nbytes, huge_pages=huge_pages, numa_node=numa_node)
     # The view's storage holds a buffer object that holds the mapping: unmapped with the last view.
     return mapping.view(0, nbytes).view(dtype).view(shape)

@@ -174,3 +174,11 @@ def test_a_1gib_pool_where_the_host_has_1gib_pages(vmlck_baseline: int) -> None:
     gc.collect()
     assert _libc.hugetlb_free_pages(GiB)[0] == free_before  # unmapped in whole pages: the page went back
     assert locked_bytes() == vmlck_baseline
+
+
+def test_empty_checks_transparent_huge_pages_right_before_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The huge-page check runs with the host's facts read right before mapping (the probes, not HostMapping)."""
+    monkeypatch.setattr(_libc, "transparent_huge_pages_mode", lambda: "never")
+    monkeypatch.setattr(_libc, "mmap_anonymous", lambda length: pytest.fail("mapped despite the check"))
+    with pytest.raises(pinpool.ConfigError, match=r"transparent huge pages.*never"):
+        pinpool.empty(MiB, dtype=torch.uint8, huge_pages=True)
