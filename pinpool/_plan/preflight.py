@@ -14,7 +14,7 @@ from .._types import Capabilities
 from .._units import bytes_text, format_bytes, hugetlb_page_size, human
 
 if TYPE_CHECKING:  # types only: the pre-flight, and with it pinpool doctor, stays torch-free
-    from ..layouts import BufferSpec
+    from ..layouts._spec import BufferSpec
     from .facts import HostFacts
     from .options import PoolOptions
 
