@@ -33,6 +33,17 @@ RAISE_MEMLOCK = (
 )
 
 
+def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
+    """How to reserve hugetlb pages (the pre-flight's and mmap's advice): 1 GiB ones at boot (at run
+    time contiguous 1 GiB is rarely free)."""
+    if huge_page_size == 1 << 30:
+        return (
+            f"hugepagesz=1G hugepages={pages} on the kernel command line and reboot; echo {pages} > "
+            "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages works only while memory is unfragmented"
+        )
+    return f"echo {pages} > /proc/sys/vm/nr_hugepages, or hugepages= on the kernel command line"
+
+
 class PinpoolError(Exception):
     """Base class of every error pinpool raises."""
 

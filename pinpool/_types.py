@@ -1,9 +1,9 @@
-"""What a runtime declares it can do (:class:`Capabilities`), and the folders' lazy re-exports."""
+"""Plain values more than one layer shares: what a runtime declares it can do (:class:`Capabilities`),
+and the CPU quota a cgroup sets (:class:`CpuQuota`), which ``_host``'s probe reads and ``_plan``'s
+:class:`~pinpool._plan.HostFacts` holds."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -39,16 +39,30 @@ class Capabilities:
     charges_memlock: bool = False
 
 
-def lazy_exports(package: str, homes: Mapping[str, str]) -> tuple[Callable[[str], object], list[str]]:
-    """A folder ``__init__``'s ``__getattr__`` and ``__all__``: ``homes`` maps each of its modules to the
-    names it lends, space-separated. Tests import from the folder, never from a file in it, so a file
-    can move without touching them; package modules import each other directly. A name loads on first
-    use, so the folder imports nothing (no cycle, and no torch where ``pinpool --help`` starts)."""
-    where = {name: module for module, names in homes.items() for name in names.split()}
+@dataclass(frozen=True)
+class CpuQuota:
+    """The CPU quota that binds this process: ``quota_us`` per ``period_us`` (None: no quota known),
+    from ``source`` at the cgroup ``path``; ``ignored``: garbage quota files (``"file: 'text'"``)."""
 
-    def get(name: str) -> object:
-        if name not in where:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+    quota_us: int | None = None
+    period_us: int | None = None
+    source: str | None = None
+    path: str | None = None
+    ignored: tuple[str, ...] = ()
 
-    return get, sorted(where)
+    @property
+    def cpus(self) -> float | None:  # quota / period
+        if self.quota_us is None or not self.period_us:
+            return None
+        return self.quota_us / self.period_us
+
+
+def cgroup_room(limit: int | None, usage: int | None, reclaimable: int | None) -> int | None:
+    """``limit - (usage - reclaimable page cache)``: page cache is dropped before the OOM killer runs
+    (docker and the kubelet subtract it too). Unknown usage: the limit, an upper bound."""
+    if limit is None:
+        return None
+    if usage is None:
+        return limit
+    used = max(0, usage - (reclaimable or 0))
+    return max(0, limit - used)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import ConfigError, RuntimeCallError
 from ._host import libc as _libc
-from ._host.facts import HostFacts
+from ._pin.outcome import PoolState
+from ._plan.facts import HostFacts
 from ._ranges import PINNED_RANGES, RangeBook
 from ._types import Capabilities
 from ._units import parse_size
@@ -94,11 +95,9 @@ class FakeRuntime:
             if fail_register_larger_than is None
             else parse_size(fail_register_larger_than, what="fail_register_larger_than")
         )
-        delays = (("register_delay", register_delay), ("unregister_delay", unregister_delay),
-                  ("populate_delay", populate_delay))  # fmt: skip
-        for what, delay in delays:
+        for op, delay in zip(_OPS, (register_delay, unregister_delay, populate_delay), strict=True):
             if not isinstance(delay, int | float) or isinstance(delay, bool) or delay < 0:
-                raise ConfigError(f"{what}={delay!r} must be a non-negative number of seconds")
+                raise ConfigError(f"{op}_delay={delay!r} must be a non-negative number of seconds")
         self.register_delay = float(register_delay)
         self.unregister_delay = float(unregister_delay)
         self.populate_delay = float(populate_delay)
@@ -144,11 +143,21 @@ class FakeRuntime:
         with self._lock:
             self._fail_next[op] = k
 
-    def _take_fail_next(self, op: str) -> bool:  # under the lock
-        if self._fail_next[op]:
-            self._fail_next[op] -= 1
-            return True
-        return False
+    def _start(self, op: str, ptr: int, nbytes: int, calls: list[Any], fail_on: frozenset[int]) -> tuple[int, str]:
+        """Book a call (under the lock), then wait its delay: its 1-based index, and how it is to fail
+        ("" if not: the injected failure's source otherwise)."""
+        with self._lock:
+            calls.append((ptr, nbytes) if op != "unregister" else ptr)
+            self.events.append((op, ptr))
+            call, armed = len(calls), self._fail_next[op] > 0
+            self._fail_next[op] -= armed
+            if op == "register":
+                self._in_flight += 1
+                self.max_concurrent_registers = max(self.max_concurrent_registers, self._in_flight)
+        delay = getattr(self, f"{op}_delay")
+        if delay:
+            time.sleep(delay)
+        return call, "FakeRuntime " if call in fail_on else "FakeRuntime.fail_next, " if armed else ""
 
     def _around(self, op: str, ptr: int, nbytes: int, call: Callable[[], None]) -> None:
         """``before_call`` may prevent the call; ``after_call`` runs whether it failed or not."""
@@ -175,22 +184,11 @@ class FakeRuntime:
         self._around("unregister", ptr, 0, lambda: self._unregister(ptr))
 
     def _register(self, ptr: int, nbytes: int) -> None:
-        with self._lock:
-            self.register_calls.append((ptr, nbytes))
-            self.events.append(("register", ptr))
-            call = len(self.register_calls)
-            armed = self._take_fail_next("register")
-            self._in_flight += 1
-            self.max_concurrent_registers = max(self.max_concurrent_registers, self._in_flight)
         try:
-            if self.register_delay:
-                time.sleep(self.register_delay)
-            if call in self.fail_register_on:
+            call, how = self._start("register", ptr, nbytes, self.register_calls, self.fail_register_on)
+            if how:
                 raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
-                                  f"injected failure (FakeRuntime register call #{call})")  # fmt: skip
-            if armed:
-                raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
-                                  f"injected failure (FakeRuntime.fail_next, register call #{call})")  # fmt: skip
+                                  f"injected failure ({how}register call #{call})")  # fmt: skip
             cap = self.fail_register_larger_than
             if cap is not None and nbytes > cap:
                 raise self._error("cudaHostRegister", _ALLOCATION_FAILED, ptr, nbytes,
@@ -213,15 +211,8 @@ class FakeRuntime:
                 self._in_flight -= 1
 
     def _populate(self, ptr: int, nbytes: int) -> None:
-        with self._lock:
-            self.populate_calls.append((ptr, nbytes))
-            self.events.append(("populate", ptr))
-            call = len(self.populate_calls)
-            armed = self._take_fail_next("populate")
-        if self.populate_delay:
-            time.sleep(self.populate_delay)
-        if call in self.fail_populate_on or armed:
-            how = "FakeRuntime.fail_next, " if call not in self.fail_populate_on else "FakeRuntime "
+        call, how = self._start("populate", ptr, nbytes, self.populate_calls, self.fail_populate_on)
+        if how:
             raise RuntimeCallError(
                 op=_POPULATE_OP, code=_ENOMEM, reason="ENOMEM", ptr=ptr, nbytes=nbytes,
                 message=f"Cannot allocate memory: injected failure ({how}populate call #{call}); "
@@ -229,15 +220,8 @@ class FakeRuntime:
             )  # fmt: skip
 
     def _unregister(self, ptr: int) -> None:
-        with self._lock:
-            self.unregister_calls.append(ptr)
-            self.events.append(("unregister", ptr))
-            call = len(self.unregister_calls)
-            armed = self._take_fail_next("unregister")
-        if self.unregister_delay:
-            time.sleep(self.unregister_delay)
-        if call in self.fail_unregister_on or armed:
-            how = "FakeRuntime.fail_next, " if call not in self.fail_unregister_on else "FakeRuntime "
+        call, how = self._start("unregister", ptr, 0, self.unregister_calls, self.fail_unregister_on)
+        if how:
             raise self._error("cudaHostUnregister", _ALLOCATION_FAILED, ptr, 0,
                               f"injected failure ({how}unregister call #{call})")  # fmt: skip
         if self._book.pop(ptr) is None:
@@ -290,7 +274,7 @@ def assert_released(
     elif fake is not None:
         held = [(b, n) for b, n in claims.items() if any(b <= ptr < b + n for ptr, _ in fake.register_calls)]
         assert not held, f"range claims left behind: {held}"
-    assert pool.state.value == "closed", f"pool {pool.name!r} is {pool.state.value}"
+    assert pool.state is PoolState.CLOSED, f"pool {pool.name!r} is {pool.state.value}"
     prefix = f"pinpool-{pool.name}"
 
     def alive() -> list[str]:
@@ -315,10 +299,8 @@ _TEXTS: dict[int, str] = {
     0: "no error",
     1: "invalid argument",
     2: "out of memory",
-    712: "part or all of the requested memory range is already mapped",
-    713: "pointer does not correspond to a registered memory region",
-    1061: "part or all of the requested memory range is already mapped",
-    1062: "pointer does not correspond to a registered memory region",
+    **dict.fromkeys((712, 1061), "part or all of the requested memory range is already mapped"),
+    **dict.fromkeys((713, 1062), "pointer does not correspond to a registered memory region"),
 }
 # What each library's GetErrorName answers for a code it does not know.
 _UNKNOWN_NAME = {"cuda": b"unrecognized error code", "rocm": b"hipErrorUnknown"}
@@ -328,24 +310,18 @@ _CUDART_OPS = ("register", "unregister")
 When = Callable[[int, int], bool]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
 class _ErrorValue:
     """What ``cudaError(code)`` gives: a value ``cudaGetErrorString`` accepts (torch's is a pybind11 enum)."""
 
-    __slots__ = ("value",)
+    value: int
 
-    def __init__(self, code: int) -> None:
-        if isinstance(code, bool) or not isinstance(code, int):
-            raise TypeError(f"cudaError({code!r}): an error code is an int")
-        self.value = code
+    def __post_init__(self) -> None:
+        if isinstance(self.value, bool) or not isinstance(self.value, int):
+            raise TypeError(f"cudaError({self.value!r}): an error code is an int")
 
     def __int__(self) -> int:
         return self.value
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ErrorValue) and other.value == self.value
-
-    def __hash__(self) -> int:
-        return hash(self.value)
 
     def __repr__(self) -> str:
         return f"cudaError({self.value})"

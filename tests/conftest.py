@@ -137,6 +137,6 @@ def config_error(make: Callable[[], object]) -> str:
 def check_host(options: Any, host: Any, runtime: object = None, **kwargs: Any) -> None:
     """The pre-flight for a runtime given as the pool takes it (a name, an object or Capabilities)."""
     from pinpool._plan import check_host as check
-    from pinpool.runtimes._registry import pinning_capabilities
+    from pinpool.runtimes import pinning_capabilities
 
     check(options, host, pinning_capabilities(runtime, host), **kwargs)

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from .._errors import ConfigError, PinError, PinpoolError, UnpinError
+from .._lazy import lazy_exports
 from .options import LAYOUT_FILE_MAX_BYTES, cli_size, layout_from_file, pool_options
 from .parser import build_parser, glue_negative_values, value_options
 from .pin import sigterm_as_interrupt
@@ -24,6 +25,15 @@ from .progress import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EX
 
 __all__ = ["LAYOUT_FILE_MAX_BYTES", "build_parser", "cli_size", "layout_from_file", "main", "pool_options",
            "sigterm_as_interrupt"]  # fmt: skip
+
+# Names tests read, from the commands' modules on first use (not in __all__: main() is the interface).
+__getattr__ = lazy_exports(__name__, {
+    "doctor": "CHUNK_ENV FAIL KNOWN_ENV OK SKIP STATUSES WARN Check CudaFacts DoctorFacts check_cuda check_env "
+              "check_half_made check_kernel check_region env_chunk_limit exit_code read_facts render_text run_checks",
+    "options": "FAMILIES FIELDS family_fields",
+    "progress": "EventLog ProgressReporter ResidentGrowth format_eta percentile render_bar render_line while_loading",
+    "report": "FIRST_TOUCH WIDTH fit pin_text",
+})[0]  # fmt: skip
 
 BENCH_MOVED = (
     "`pinpool bench` is no longer part of the installed package: the benchmark is benchmark code and lives "

@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from .. import _probe
 from .._errors import ConfigError
-from .._host.facts import HostFacts
 from .._plan import preflight
 from .._plan.calls import duty_cycle
+from .._plan.facts import HostFacts
 from .._plan.preflight import FAIL, OK, SKIP, STATUSES, WARN, Check
 from .._units import format_bytes
 from ..runtimes._gpu import CudaFacts, read_cuda_facts
@@ -336,7 +337,7 @@ def read_facts(*, cuda: bool = True) -> DoctorFacts:
     from .._shared.format import find_half_made, find_regions
 
     return DoctorFacts(
-        host=HostFacts.probe(torch_build=cuda),
+        host=_probe.probe_host(torch_build=cuda),
         cuda=read_cuda_facts() if cuda else CudaFacts(skip_reason="not probed (--no-cuda)"),
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
         regions=tuple(find_regions()),

@@ -143,22 +143,13 @@ FIELDS: dict[str, Field] = {
 FAMILIES: dict[str, str] = {"raw": "Raw", "mha": "MHA", "mla": "MLA", "mamba": "Mamba", "indexer": "Indexer",
                              "paged": "PagedBytes", "dense": "Dense"}  # fmt: skip
 
-# Short names engines use (SGLang's --kv-cache-dtype, vLLM's) for torch's dtypes.
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
-                 "fp8_e5m2": "float8_e5m2"}  # fmt: skip
-
 
 def _dtype(where: str, value: object) -> Any:
-    import torch
+    from ..layouts._spec import DTYPE_SPELLINGS, parse_dtype  # the layouts' own parser (loads torch)
 
-    name = value.removeprefix("torch.") if isinstance(value, str) else value
-    name = DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(
-            f"{where} {value!r} is not a torch dtype; give one such as bfloat16, float16, float32, float8_e4m3fn, "
-            "uint8 (or bf16, fp16, fp8_e4m3)"
-        )
+    dtype = parse_dtype(value)
+    if dtype is None:
+        raise ConfigError(f"{where} {value!r} is not a torch dtype; give {DTYPE_SPELLINGS}")
     return dtype
 
 

@@ -17,7 +17,7 @@ def run_plan(args: argparse.Namespace) -> int:
         kwargs = pool_options(args, "plan")
         if args.rows < 0:
             raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
-        from .._host.facts import HostFacts
+        from .. import _probe
         from .._plan.plan import plan_pool
         from .._plan.preflight import check_pinning, place
         from .._pool.request import pool_request
@@ -27,7 +27,7 @@ def run_plan(args: argparse.Namespace) -> int:
         request = pool_request("PinnedPool", kwargs)
         options, pacing = request.options, request.pacing
         runtime, caps, available = plan_runtime(args.runtime)
-        host = HostFacts.probe()
+        host = _probe.probe_host()
         placement = place(options, host)
         plan = plan_pool(options, host, caps, placement=placement)
     report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,

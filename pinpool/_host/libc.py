@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -50,6 +51,20 @@ CAP_IPC_LOCK = 14
 RLIM_INFINITY = resource.RLIM_INFINITY
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+# User address space without an mmap hint above it (pinpool never passes one): x86-64 [0, 2**47)
+# even with LA57, arm64 below 2**48 even with 52-bit VA. Upper bounds: the binary, heap and stack
+# share it. Any other 64-bit architecture stays below 2**57; 32-bit: the pointer width.
+_USER_ADDRESS_BITS = {"x86_64": 47, "amd64": 47, "aarch64": 48, "arm64": 48}
+_OTHER_64_BIT_ADDRESS_BITS = 57
+
+
+@functools.cache
+def address_space_bytes(machine: str | None = None) -> int:
+    pointer_bits = ctypes.sizeof(ctypes.c_void_p) * 8
+    if pointer_bits < 64:
+        return 1 << pointer_bits
+    return 1 << _USER_ADDRESS_BITS.get(machine or _MACHINE, _OTHER_64_BIT_ADDRESS_BITS)
 
 
 def _function(name: str, restype: Any, *argtypes: Any) -> Any:
@@ -297,12 +312,11 @@ def lower_this_thread(increment: int) -> int | None:
         # Elsewhere a thread id is not a process id: setpriority would reach another process or fail.
         _report_nice_once(f"per-thread priorities are Linux-only (platform {sys.platform})")
         return None
-    from .._plan.options import MAX_NICE  # not at the top: _plan.options loads torch (through layouts)
-
     try:
         tid = threading.get_native_id()
-        target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + increment)
-        os.setpriority(os.PRIO_PROCESS, tid, target)
+        # Linux caps a nice value at 19 itself; the value in effect is read back.
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+        target = os.getpriority(os.PRIO_PROCESS, tid)
     except OSError as exc:  # EPERM/EACCES under a seccomp filter or an LSM: pin at the inherited priority
         _report_nice_once(f"setpriority failed: {type(exc).__name__}: {exc}")
         return None

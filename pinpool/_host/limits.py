@@ -6,7 +6,7 @@ back: the OOM killer ends the process (exit 137). So the pre-flight reads :func:
 **CPU.** A container's CPU limit is a CFS quota the affinity mask does not show (a pod limited to
 16 CPUs on a 192-core node may run on all 192); sizing pin workers from the affinity alone stalled
 the server's threads (measured: a 2 ms task's p99 at 12x idle under a 1-CPU quota). So workers are
-sized by :func:`cpu_budget` (docs/operations.md, "Sizing workers"). Mount points come from
+sized by :func:`pinpool._plan.facts.cpu_budget` (docs/operations.md, "Sizing workers"). Mount points come from
 ``/proc/self/mountinfo``, whose root field maps a cgroup path onto a mount showing only a subtree.
 
 Every level from the process's cgroup up is read; the tightest wins. Best effort: any file may be
@@ -21,6 +21,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .._types import CpuQuota, cgroup_room
+
 # The kernel reports "no limit" as PAGE_COUNTER_MAX pages (v1: 9223372036854771712 with 4 KiB
 # pages; v2 writes "max"). Anything this large is no limit at all.
 _NO_LIMIT = 1 << 62
@@ -28,6 +30,14 @@ _NO_LIMIT = 1 << 62
 _READ_CAP = 1 << 16
 _PATH_MAX = 4096  # the kernel never writes a longer cgroup path
 _DIGITS = re.compile(r"[0-9]{1,20}", re.ASCII)  # int() would also take "1_0", "+1", " ١٠ "
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -41,28 +51,8 @@ class MemoryLimits:
     cgroup_limit_bytes: int | None = None
     cgroup_usage_bytes: int | None = None
     mem_available_bytes: int | None = None
-    effective_available_bytes: int | None = None
     cgroup_path: str | None = None
     cgroup_reclaimable_bytes: int | None = None
-
-
-def cgroup_room(limit: int | None, usage: int | None, reclaimable: int | None) -> int | None:
-    """``limit - (usage - reclaimable page cache)``: page cache is dropped before the OOM killer runs
-    (docker and the kubelet subtract it too). Unknown usage: the limit, an upper bound."""
-    if limit is None:
-        return None
-    if usage is None:
-        return limit
-    used = max(0, usage - (reclaimable or 0))
-    return max(0, limit - used)
-
-
-def effective_available(
-    limit: int | None, usage: int | None, reclaimable: int | None, mem_available: int | None
-) -> int | None:
-    """What may still become resident: the cgroup's room and MemAvailable, whichever is smaller."""
-    known = [x for x in (cgroup_room(limit, usage, reclaimable), mem_available) if x is not None]
-    return min(known, default=None)
 
 
 def read_memory_limits(root: str = "/") -> MemoryLimits:
@@ -72,13 +62,12 @@ def read_memory_limits(root: str = "/") -> MemoryLimits:
     except Exception:  # a reader must never stop a pool: an odd host reads as "unknown"  # pragma: no cover
         return MemoryLimits()
     if level is None:
-        return MemoryLimits(mem_available_bytes=available, effective_available_bytes=available)
+        return MemoryLimits(mem_available_bytes=available)
     return MemoryLimits(
         cgroup_version=level.version,
         cgroup_limit_bytes=level.limit,
         cgroup_usage_bytes=level.usage,
         mem_available_bytes=available,
-        effective_available_bytes=effective_available(level.limit, level.usage, level.reclaimable, available),
         cgroup_path=level.path,
         cgroup_reclaimable_bytes=level.reclaimable,
     )
@@ -218,33 +207,6 @@ _MOUNTINFO_CAP = 1 << 22
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
 V2_SOURCE = "cgroup v2 cpu.max"
 V1_SOURCE = "cgroup v1 cpu.cfs_quota_us/cpu.cfs_period_us"
-
-
-@dataclass(frozen=True)
-class CpuQuota:
-    """The CPU quota that binds this process: ``quota_us`` per ``period_us`` (None: no quota known),
-    from ``source`` at the cgroup ``path``; ``ignored``: garbage quota files (``"file: 'text'"``)."""
-
-    quota_us: int | None = None
-    period_us: int | None = None
-    source: str | None = None
-    path: str | None = None
-    ignored: tuple[str, ...] = ()
-
-    @property
-    def cpus(self) -> float | None:  # quota / period
-        if self.quota_us is None or not self.period_us:
-            return None
-        return self.quota_us / self.period_us
-
-
-def cpu_budget(affinity_cpus: int, quota: CpuQuota | None) -> int:
-    """Threads this process can keep busy: its CPUs, bounded by ``floor(quota / period)``; at least 1."""
-    budget = max(1, affinity_cpus)
-    cpus = None if quota is None else quota.cpus
-    if cpus is not None:
-        budget = min(budget, int(cpus))
-    return max(1, budget)
 
 
 def read_cpu_quota(root: str = "/") -> CpuQuota:

@@ -24,8 +24,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from .._errors import AllocationError, ConfigError, RuntimeCallError
-from .._plan.preflight import huge_pages_check, hugetlb_fix, raise_first
+from .._errors import AllocationError, ConfigError, RuntimeCallError, hugetlb_fix
 from .._units import format_bytes, hugetlb_page_size
 from . import libc as _libc
 
@@ -41,7 +40,7 @@ _kept_lock = threading.Lock()
 UNMAP_PIECE_BYTES = 128 << 20
 
 
-def _unmap(address: int, length: int, page: int = _libc.PAGE_SIZE) -> None:
+def unmap_in_pieces(address: int, length: int, page: int = _libc.PAGE_SIZE) -> None:
     piece = -(-UNMAP_PIECE_BYTES // page) * page  # 1 GiB pages: one page per piece
     for offset in range(0, length, piece):
         _libc.munmap(address + offset, min(piece, length - offset))
@@ -65,7 +64,7 @@ def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
     """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
     whatever it has mapped at that address since is its own."""
     if os.getpid() == pid:
-        _unmap(address, length, page)
+        unmap_in_pieces(address, length, page)
 
 
 class HostMapping:
@@ -73,7 +72,8 @@ class HostMapping:
 
     ``huge_pages``: ``True`` asks for transparent huge pages (MADV_HUGEPAGE), ``"hugetlb"``
     (or ``"hugetlb:2MiB"``) maps reserved 2 MiB hugetlb pages, ``"hugetlb:1GiB"`` reserved
-    1 GiB ones. ``numa_node`` binds the memory (mbind) before any of it is faulted.
+    1 GiB ones, which the caller has checked against the host first (``_plan.preflight.check_huge_pages``).
+    ``numa_node`` binds the memory (mbind) before any of it is faulted.
 
     **Fork**: the mapping is ``MADV_DONTFORK`` before any page is faulted, as every server that
     pins private memory does: a forked child gets no copy (touching the range there is a
@@ -85,9 +85,6 @@ class HostMapping:
         hugetlb = hugetlb_page_size(huge_pages)
         align = hugetlb or (_libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE)
         length = -(-nbytes // align) * align
-        # The pre-flight's huge-page check again, against the host as it is now.
-        check = huge_pages_check(huge_pages, length, _libc.transparent_huge_pages_mode, _libc.hugetlb_free_pages)
-        raise_first([check] if check else [])
         if hugetlb:
             address, err = _libc.mmap_hugetlb(length, hugetlb)  # hugetlb mappings come aligned to their page
             if err:

@@ -1,8 +1,8 @@
-"""pinpool._node: node pacing. Tests import from here (see pinpool._types.lazy_exports)."""
+"""pinpool._node: node pacing. Tests import from here (see pinpool._lazy)."""
 
-from .._types import lazy_exports
+from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "config": "NodePacing",
+    "config": "NodePacing default_directory mem_total_bytes",
     "pacing": "BudgetHold NodeAdmission NodeHolder SlotHold holder_state",
 })  # fmt: skip

@@ -1,6 +1,6 @@
-"""pinpool._pin: pinning. Tests import from here (see pinpool._types.lazy_exports)."""
+"""pinpool._pin: pinning. Tests import from here (see pinpool._lazy)."""
 
-from .._types import lazy_exports
+from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "drivers": "finalize_lifecycle run_async run_sync",

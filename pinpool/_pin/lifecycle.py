@@ -416,8 +416,8 @@ class Lifecycle:
     # -- readiness ---------------------------------------------------------------------------------
 
     def take_error(self, *, unseen: bool = False) -> BaseException | None:
-        """Hand the background failure to the user, marking it seen (exit then does not raise it
-        again); ``unseen``: only if nobody has seen it yet."""
+        """Hand the background failure to a waiter that raises it, marking it seen (exit then does not
+        raise it again); ``unseen``: only if no waiter has raised it yet. ``pool.error`` reads, never takes."""
         error = None if unseen and self._error_seen else self.error
         if error is not None:
             self._error_seen = True

@@ -10,20 +10,21 @@ from typing import cast
 
 import torch
 
+from .. import _probe
 from .._errors import AlreadyPinnedError, ConfigError, PoolStateError
-from .._host.facts import HostFacts
 from .._host.mapping import HostMapping, TensorMemory
 from .._plan.options import PoolOptions
 from .._plan.plan import Schedule, SourceRanges
 from .._plan.prefix import PageRun
-from .._plan.preflight import check_pinning
+from .._plan.preflight import check_huge_pages, check_pinning
 from .._ranges import PINNED_RANGES
 from .._shared.format import layout_record
 from .._shared.mapping import SharedMapping
 from .._shared.memory import SharedMemory
 from .._types import Capabilities
 from .._units import shown
-from ..layouts import BufferSpec, Raw
+from ..layouts._families import Raw
+from ..layouts._spec import BufferSpec
 from ..runtimes import FindsPinned, Runtime
 from .engine import Memory
 
@@ -104,14 +105,16 @@ class PoolMemory:
         # The memory pre-flight against figures read right before mapping (they change after
         # construction); pages a shared file already holds are memory in use, not new memory.
         new_bytes = None if shared is None else shared.new_bytes(plan.mapping_bytes)
+        host = _probe.probe_host()
         check_pinning(
-            self._options, HostFacts.probe(), self._caps, mapping_bytes=plan.mapping_bytes,
+            self._options, host, self._caps, mapping_bytes=plan.mapping_bytes,
             buffer_bytes=[b.spec.nbytes for b in plan.buffers], new_memory=self._own, new_bytes=new_bytes,
         )  # fmt: skip
         memory: HostMapping | TensorMemory | SharedMapping
         if shared is not None:
             memory = shared.open_mapping(plan.mapping_bytes, self._record)
         elif self._own:
+            check_huge_pages(plan.huge_pages, plan.mapping_bytes, host)
             memory = HostMapping(plan.mapping_bytes, huge_pages=plan.huge_pages, numa_node=plan.numa_node)
         elif self._tensor is None:
             raise PoolStateError(f"pool {name!r} was closed: its tensor was let go; call pin() again")

@@ -1,15 +1,16 @@
-"""pinpool._plan: pure planning. Tests import from here (see pinpool._types.lazy_exports)."""
+"""pinpool._plan: pure planning. Tests import from here (see pinpool._lazy)."""
 
-from .._types import lazy_exports
+from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
     "calls": "MAX_GROWTH MAX_REST MIN_DUTY PROBE_BYTES CallSizer Pacer RetryGrid RetrySplitter duty_cycle",
     "chunks": "Chunk ChunkPlan ChunkTable Order Span SpanTable",
+    "facts": "CpuQuota HostFacts cgroup_room cpu_budget effective_available",
     "declared": "DEFAULT_REGISTRY OPTIONS Option PinArguments PoolArguments pool_options",
     "options": "BACKGROUND_PIN_NICE MAX_NICE CHUNK_ENV DEFAULT_CHUNK_GIB MAX_CALL_SECONDS MAX_WORKERS PoolOptions "
                "chunk_limit_from_env",
-    "plan": "LOOKAHEAD_CHUNKS PoolPlan Schedule _aligned_boundary _no_aligned_boundary plan_chunks plan_pool "
+    "plan": "LOOKAHEAD_CHUNKS PoolPlan Schedule plan_chunks plan_pool "
             "retry_splitter",
     "prefix": "PageRun PrefixTracker page_runs pin_order",
-    "preflight": "check_host place",
+    "preflight": "check_host place resident_fit",
 })  # fmt: skip

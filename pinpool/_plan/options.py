@@ -11,9 +11,9 @@ from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from .._errors import ConfigError
-from .._layouts.spec import check_layout, is_layout, layout_page_bytes, positive_int, require_layout
 from .._units import HUGETLB_PAGE_SIZES, format_bytes, parse_env_gib, parse_size, shown
-from ..layouts import BufferSpec, Layout, Raw
+from ..layouts._families import Raw
+from ..layouts._spec import BufferSpec, Layout, check_layout, is_layout, layout_page_bytes, positive_int, require_layout
 from .declared import DEFAULT_MAX_RETRIES, OPTIONS, PER_BUFFER, keyword_signature
 
 # ``pin_nice="auto"``: a background pool's pin workers run this much nicer than the process.

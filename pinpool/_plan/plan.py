@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._errors import ConfigError
-from .._layouts.spec import positive_int
 from .._types import Capabilities
 from .._units import bytes_text, format_bytes, hugetlb_page_size
-from ..layouts import BufferSpec
+from ..layouts._spec import BufferSpec, positive_int
 from .calls import RetryGrid, RetrySplitter, duty_cycle
 from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB
@@ -26,7 +25,7 @@ from .prefix import PageRun, page_runs, pin_order
 from .preflight import Placement, place
 
 if TYPE_CHECKING:
-    from .._host.facts import HostFacts
+    from .facts import HostFacts
     from .options import PoolOptions
 
 

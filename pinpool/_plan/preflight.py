@@ -5,17 +5,17 @@ then what pinning costs as the runtime's :class:`Capabilities` declare it (never
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._errors import RAISE_MEMLOCK, ConfigError
+from .._errors import RAISE_MEMLOCK, ConfigError, hugetlb_fix
 from .._types import Capabilities
 from .._units import bytes_text, format_bytes, hugetlb_page_size, human
 
 if TYPE_CHECKING:  # types only: the pre-flight, and with it pinpool doctor, stays torch-free
-    from .._host.facts import HostFacts
-    from ..layouts import BufferSpec
+    from ..layouts._spec import BufferSpec
+    from .facts import HostFacts
     from .options import PoolOptions
 
 
@@ -115,16 +115,6 @@ def thp_check(mode: str | None, *, wanted: bool, defrag: str | None = None) -> C
     return Check("thp", OK, found)
 
 
-def hugetlb_fix(huge_page_size: int, pages: int | str) -> str:
-    """How to reserve hugetlb pages: 1 GiB ones at boot (at run time contiguous 1 GiB is rarely free)."""
-    if huge_page_size == 1 << 30:
-        return (
-            f"hugepagesz=1G hugepages={pages} on the kernel command line and reboot; echo {pages} > "
-            "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages works only while memory is unfragmented"
-        )
-    return f"echo {pages} > /proc/sys/vm/nr_hugepages, or hugepages= on the kernel command line"
-
-
 def hugetlb_check(
     nbytes: int | None, *, free: int, total: int, huge_page_size: int, wanted: bool, value: str | None = None
 ) -> Check:
@@ -158,19 +148,21 @@ def address_space_check(mapping_bytes: int, *, size: int, address_space: int) ->
     return Check("address space", OK, f"{human(mapping_bytes)} of {human(address_space)} of address space")
 
 
-def huge_pages_check(
-    huge_pages: bool | str, nbytes: int, thp_mode: Callable[[], str | None],
-    hugetlb_pages: Callable[[int], tuple[int, int]],
-) -> Check | None:  # fmt: skip
-    """``huge_pages=`` against the host (None without huge pages): from :class:`HostFacts` at
-    construction, and again as the host is when the mapping is made."""
+def huge_pages_check(huge_pages: bool | str, nbytes: int, host: HostFacts) -> Check | None:
+    """``huge_pages=`` against the host (None without huge pages): at construction, and again with
+    the facts read right before mapping (:func:`check_huge_pages`)."""
     if huge_pages is True:
-        return thp_check(thp_mode(), wanted=True)
+        return thp_check(host.thp_mode, wanted=True)
     page = hugetlb_page_size(huge_pages)
     if not page:
         return None
-    free, total = hugetlb_pages(page)
+    free, total = host.hugetlb_pages(page)
     return hugetlb_check(nbytes, free=free, total=total, huge_page_size=page, wanted=True, value=str(huge_pages))
+
+
+def check_huge_pages(huge_pages: bool | str, nbytes: int, host: HostFacts) -> None:
+    """Raise what :func:`huge_pages_check` finds wrong (a mapping's last check, with fresh facts)."""
+    raise_first(filter(None, [huge_pages_check(huge_pages, nbytes, host)]))
 
 
 def placement_checks(options: PoolOptions, host: HostFacts, placement: Placement) -> list[Check]:
@@ -179,7 +171,7 @@ def placement_checks(options: PoolOptions, host: HostFacts, placement: Placement
         numa_check(options.numa_node, host.numa_nodes),
         address_space_check(mapped, size=options.size, address_space=host.address_space_bytes),
     ]
-    huge = huge_pages_check(options.huge_pages, mapped, lambda: host.thp_mode, host.hugetlb_pages)
+    huge = huge_pages_check(options.huge_pages, mapped, host)
     if huge is not None:  # THP is judged before the address space, hugetlb pages after it
         checks.insert(1 if options.huge_pages is True else 2, huge)
     return checks

@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from .. import _probe
 from .._errors import ConfigError
-from .._host.facts import HostFacts
-from .._layouts.spec import is_layout
 from .._node.config import parse_fraction
 from .._plan.declared import OPTIONS
+from .._plan.facts import HostFacts
 from .._plan.options import min_num_pages
 from .._plan.preflight import place, resident_fit
 from .._units import bytes_text, decimal_to_int, human, parse_size, shown
+from ..layouts._spec import is_layout
 from ..runtimes._registry import pinning_capabilities
 from .request import pool_request
 
@@ -99,7 +100,7 @@ def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts |
             f"share(..., {unknown[0]}=...): not a pool option that decides what a pool maps "
             f"({'layouts= and the budget decide' if unknown[0] in _SHAPING else 'see docs/options.md'}); drop it"
         )
-    facts = HostFacts.probe(torch_build=False) if host is None else host
+    facts = _probe.probe_host(torch_build=False) if host is None else host
     named = dict(layouts)
 
     def mapped(pages: int) -> dict[str, int]:  # the pools' requests, placed unchecked: arithmetic
@@ -151,7 +152,7 @@ def host_budget(
         raise ConfigError(f"fraction={shown(fraction)} is not a fraction; give {_FRACTION_HINT}")
     held_back = 0 if reserve == 0 and not isinstance(reserve, bool) else parse_size(reserve, what="reserve")
     count = _ranks(ranks, os.environ if environ is None else environ)
-    facts = HostFacts.probe() if host is None else host
+    facts = _probe.probe_host() if host is None else host
     available = facts.memory_available
     if available is None:
         raise ConfigError(

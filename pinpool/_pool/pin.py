@@ -11,9 +11,11 @@ from typing import Unpack
 import torch
 from prometheus_client import REGISTRY
 
+from .. import _probe
 from .._errors import ConfigError
 from .._host.mapping import HostMapping, alias_of
 from .._plan.declared import OPTIONS, PinArguments, keyword_signature
+from .._plan.preflight import check_huge_pages
 from .._units import hugetlb_page_size
 from .pool import PinnedPool
 from .request import pool_request
@@ -107,6 +109,8 @@ def empty(
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)  # nothing to map, and nothing to pin
+    if huge_pages:  # the host as it is now: THP enabled, hugetlb pages free
+        check_huge_pages(huge_pages, nbytes, _probe.probe_host(torch_build=False))
     mapping = HostMapping(nbytes, huge_pages=huge_pages, numa_node=numa_node)
     # The view's storage holds a buffer object that holds the mapping: unmapped with the last view.
     return mapping.view(0, nbytes).view(dtype).view(shape)

@@ -16,8 +16,8 @@ import anyio
 import torch
 from prometheus_client import REGISTRY
 
+from .. import _probe
 from .._errors import ConfigError, PoolStateError
-from .._host.facts import HostFacts
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._pin.drivers import drive_async, drive_sync, finalize_lifecycle
@@ -29,7 +29,7 @@ from .._plan.declared import PoolArguments, keyword_signature, pool_options
 from .._plan.plan import PoolPlan, plan_pool
 from .._plan.preflight import place
 from .._units import format_bytes, parse_size
-from ..layouts import Layout
+from ..layouts._spec import Layout
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
 from ..runtimes._registry import FAILURE_REASONS
 from .request import PoolRequest, pool_request
@@ -108,7 +108,7 @@ class PinnedPool:
         probe the host once, place and check (before the runtime is resolved, so a doomed configuration
         fails before a GPU driver starts), plan from that placement."""
         options, memory, source = request.options, request.memory, request.source
-        host = HostFacts.probe()
+        host = _probe.probe_host()
         if memory is not None:
             # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
             host = dataclasses.replace(host, page_size=memory.page_size)
@@ -169,8 +169,9 @@ class PinnedPool:
 
     @property
     def error(self) -> BaseException | None:
-        """Why background pinning failed (state ``failed``), else None; once read, exit does not raise it."""
-        return self._lifecycle.take_error()
+        """Why background pinning failed (state ``failed``), else None. A read changes nothing (a
+        debugger's included): exit raises it unless a waiter raised it first."""
+        return self._lifecycle.error
 
     @property
     def pinned_pages(self) -> int:

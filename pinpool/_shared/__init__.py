@@ -1,10 +1,10 @@
-"""pinpool._shared: shared memory. Tests import from here (see pinpool._types.lazy_exports)."""
+"""pinpool._shared: shared memory. Tests import from here (see pinpool._lazy)."""
 
-from .._types import lazy_exports
+from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "files": "publish remove_half_made",
+    "files": "publish remove_half_made remove_stale_temps",
     "format": "MAGIC TRAILER_BYTES find_half_made find_regions layout_record read_region store",
-    "mapping": "SharedMapping _reserve",
+    "mapping": "SharedMapping reserve_pages",
     "memory": "SharedMemory",
 })  # fmt: skip

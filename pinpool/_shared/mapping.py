@@ -247,7 +247,7 @@ def _map(fd: int, file_bytes: int, where: str, *, page_size: int) -> int:
     return address
 
 
-def _reserve(fd: int, file_bytes: int, where: str, *, page_size: int, directory: str) -> None:
+def reserve_pages(fd: int, file_bytes: int, where: str, *, page_size: int, directory: str) -> None:
     """Allocate the pages now on a size-limited tmpfs: a full one is a ConfigError, never a later SIGBUS."""
     if page_size > _libc.PAGE_SIZE or os.fstatvfs(fd).f_blocks == 0:
         return
@@ -289,7 +289,7 @@ def create_mapping(
         raise ConfigError(
             f"shared memory {where} cannot be sized to {format_bytes(file_bytes)}: {exc.strerror or exc}{hint}"
         ) from None
-    _reserve(fd, file_bytes, where, page_size=page_size, directory=directory)
+    reserve_pages(fd, file_bytes, where, page_size=page_size, directory=directory)
     write_new_trailer(fd, file_bytes, body, where, keep=keep, page_size=page_size)
     if seal:
         try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)

@@ -7,6 +7,7 @@ A runtime is anything with a ``name`` and two thread-safe calls, ``register(ptr,
 
 from __future__ import annotations
 
+from .._lazy import lazy_exports
 from .._types import Capabilities as Capabilities
 from ._gpu import CudaRuntime as CudaRuntime
 from ._gpu import RocmRuntime as RocmRuntime
@@ -29,6 +30,13 @@ __all__ = [
     "RocmRuntime", "Runtime", "RuntimeInfo", "auto_runtime_name", "capabilities_of", "resolve_runtime",
     "runtime_choices", "runtime_info", "runtime_infos"
 ]  # fmt: skip
+
+# Names tests read, from the private modules on first use; not public API (not in __all__, nor dir()).
+__getattr__ = lazy_exports(__name__, {
+    "_gpu": "CudaDevice CudaFacts GpuApi HostRegisterRuntime device_index",
+    "_mlock": "OWN_LOCKS SHARED_PAGES",
+    "_registry": "pinning_capabilities",
+})[0]  # fmt: skip
 
 # Public names report this module, as pinpool's top level does (reprs and docs say pinpool.runtimes.X).
 for _name in __all__:

@@ -19,7 +19,7 @@ from ._gpu import CUDA, HIP, CudaRuntime, RocmRuntime
 from ._mlock import MlockRuntime
 
 if TYPE_CHECKING:
-    from .._host.facts import HostFacts
+    from .._plan.facts import HostFacts
 
 
 @runtime_checkable

@@ -398,7 +398,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "Raw(granularity_bytes=-1)": lambda: layouts.Raw(granularity_bytes=-1),
         'MHA("bad", 2, 4, 2, 16, torch.float16)': lambda: layouts.MHA("bad", 2, 4, 2, 16, torch.float16),
         'MHA("page_first", 0, 4, 2, 16, torch.float16)': lambda: layouts.MHA("page_first", 0, 4, 2, 16, torch.float16),
-        'MHA("page_first", 2, 4, 2, 16, "bf16")': lambda: layouts.MHA("page_first", 2, 4, 2, 16, "bf16"),  # type: ignore[arg-type]
+        'MHA("page_first", 2, 4, 2, 16, "bf17")': lambda: layouts.MHA("page_first", 2, 4, 2, 16, "bf17"),  # type: ignore[arg-type]
         "MHA(..., k_only=True, v_head_dim=8)": lambda: layouts.MHA(
             "page_first", 2, 4, 2, 16, torch.float16, k_only=True, v_head_dim=8
         ),
@@ -409,8 +409,8 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         'Mamba(2, "x", (), torch.float32)': lambda: layouts.Mamba(2, "x", (), torch.float32),  # type: ignore[arg-type]
         "Mamba(2, (3,), 5, torch.float32)": lambda: layouts.Mamba(2, (3,), 5, torch.float32),  # type: ignore[arg-type]
         "Mamba(2, (0,), ((0, 2),), torch.float32)": lambda: layouts.Mamba(2, (0,), ((0, 2),), torch.float32),
-        'Mamba(2, (3,), ((2, 2),), torch.float32, conv_dtype="bf16")': lambda: layouts.Mamba(
-            2, (3,), ((2, 2),), torch.float32, conv_dtype="bf16"  # type: ignore[arg-type]
+        'Mamba(2, (3,), ((2, 2),), torch.float32, conv_dtype="bf17")': lambda: layouts.Mamba(
+            2, (3,), ((2, 2),), torch.float32, conv_dtype="bf17"  # type: ignore[arg-type]
         ),
         "Mamba(2, (3,), ((2, 2),), temporal_dtype=torch.float32)": lambda: layouts.Mamba(
             2, (3,), ((2, 2),), temporal_dtype=torch.float32
@@ -437,7 +437,7 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
             "page_first_kv_split", 2, 4, 576, torch.bfloat16, qk_rope_head_dim=64, index_scales=True
         ),
         "Dense((2, 0), torch.uint8)": lambda: layouts.Dense((2, 0), torch.uint8),
-        'Dense((2, 4), "bf16")': lambda: layouts.Dense((2, 4), "bf16"),  # type: ignore[arg-type]
+        'Dense((2, 4), "bf17")': lambda: layouts.Dense((2, 4), "bf17"),  # type: ignore[arg-type]
         "Dense((2, 4), torch.uint8, page_dim=2)": lambda: layouts.Dense((2, 4), torch.uint8, page_dim=2),
         'Dense((2, 4), torch.uint8, buffer="")': lambda: layouts.Dense((2, 4), torch.uint8, buffer=""),
         "Dense((2, 4), torch.uint8, granularity_bytes=0)": lambda: layouts.Dense(
@@ -522,7 +522,7 @@ def test_every_row_has_a_case_and_every_case_a_row(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("row", doc_rows(), ids=lambda r: r.example)
 def test_row(row: Row, tmp_path: Path) -> None:
-    error = getattr(pinpool, row.error, None) or getattr(importlib.import_module("pinpool._node.pacing"), row.error)
+    error = getattr(pinpool, row.error, None) or getattr(pinpool._errors, row.error)
     with pytest.raises(error) as info:
         cases(tmp_path)[row.example]()
     assert type(info.value).__name__ == row.error

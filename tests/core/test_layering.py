@@ -1,9 +1,12 @@
 """The layering the package is built on: import-linter's contracts (``[tool.importlinter]`` in
 pyproject.toml, run by ``./dev lint``) hold, and they would catch a breach; no module is over
-600 lines."""
+600 lines; tests reach private code through the folders' faces, which lend no underscored name."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import re
 import shutil
 import subprocess
 import sys
@@ -62,12 +65,12 @@ def test_a_breach_is_caught(tmp_path: Path, module: str, breach: str, contract: 
 
 def test_every_module_is_in_a_layer() -> None:
     """A module outside every layer would be outside every rule: each top-level file or folder
-    of pinpool/ (but the package's own __init__ and __main__) is one of the layers."""
+    of pinpool/ (but the package's own __init__) is one of the layers."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     (layers,) = [c["layers"] for c in config if c["type"] == "layers"]
     named = {name.strip() for layer in layers for name in layer.replace(":", "|").split("|")}
     tops = {f"pinpool.{p.stem}" for p in PACKAGE.iterdir() if (p.suffix == ".py" or p.is_dir()) and p.name[0] != "."}
-    tops -= {"pinpool.__init__", "pinpool.__main__", "pinpool.__pycache__"}
+    tops -= {"pinpool.__init__", "pinpool.__pycache__"}
     assert tops - named == set(), "modules in no layer of pyproject.toml's layers contract"
     assert named - tops == set(), "layers that name no module"
 
@@ -79,3 +82,73 @@ def test_no_module_is_over_600_lines() -> None:
         if lines > MAX_LINES:
             large[str(path.relative_to(ROOT))] = lines
     assert not large, f"over {MAX_LINES} lines: {large}"
+
+
+# -- tests import from the folders' faces ------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+# The one seam: tests fake the host's system calls by patching this module object (pinpool/_host/__init__.py
+# and docs/architecture.md say so). The whole-host facts are faked at pinpool._probe.probe_host, a top-level file.
+SEAM = "pinpool._host.libc"
+# Files inside folders that tests still import, each for what it patches or reads that no face lends:
+# to go, the module needs a seam of its own (a parameter, a clock) or the test a public route. Shrink it.
+NOT_YET = {
+    "tests/engine/test_duty.py": {"pinpool._plan.calls"},  # patches its time module
+    "tests/engine/test_engine_adversarial.py": {"pinpool.runtimes._mlock"},  # builds the private _Pages
+    "tests/host/test_node_hostile.py": {"pinpool._node.config", "pinpool._node.pacing"},  # patches file_problem, waits
+    "tests/host/test_node_pacing.py": {"pinpool._node.config", "pinpool._node.pacing"},  # patches _record, _LIVE
+    "tests/host/test_shared_outsiders.py": {"pinpool._shared.format"},  # patches region_directories (reads /proc)
+    "tests/pool/test_ki_sweep.py": {"pinpool._pin.sigint"},  # reads the private _Guard's counters
+    "tests/pool/test_pool.py": {"pinpool._pin.sigint"},  # reads the private _Guard's counters
+    "tests/pool/test_open_close.py": {  # patches a step of entry in each
+        "pinpool._pin.lifecycle", "pinpool._pin.memory_source", "pinpool._pin.threads", "pinpool.runtimes._mlock",
+    },
+    "tests/tools/test_cli.py": {"pinpool._cli.pin"},  # reads the private _faulted
+}  # fmt: skip
+
+
+def _in_a_folder(module: str) -> bool:
+    """``pinpool.<folder>.<file>`` (a file, or a folder, inside one of pinpool's folders)."""
+    parts = module.split(".")
+    return (
+        len(parts) >= 3
+        and parts[0] == "pinpool"
+        and (PACKAGE / parts[1]).is_dir()
+        and ((PACKAGE.joinpath(*parts[1:-1]) / f"{parts[-1]}.py").exists() or PACKAGE.joinpath(*parts[1:]).is_dir())
+    )
+
+
+def files_a_test_imports(path: Path) -> set[str]:
+    """The files inside pinpool's folders that a test module imports or names in a string (a patch target)."""
+    text = path.read_text()
+    found = set(re.findall(r"""["'](pinpool(?:\.\w+){2,})["']""", text))
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return {name for name in found if _in_a_folder(name) and name != SEAM}
+
+
+def test_tests_import_from_the_faces_and_patch_through_the_seam() -> None:
+    reached = {}
+    for path in sorted(set(TESTS.rglob("*.py")) - {Path(__file__)}):  # this file names them as data
+        key = str(path.relative_to(ROOT))
+        extra = files_a_test_imports(path) - NOT_YET.get(key, set())
+        if extra:
+            reached[key] = sorted(extra)
+    assert not reached, f"import these names from the folder (its __init__ lends them), not from a file: {reached}"
+    left = {k: sorted(v - files_a_test_imports(ROOT / k)) for k, v in NOT_YET.items()}
+    assert not {k: v for k, v in left.items() if v}, f"NOT_YET lists files these tests no longer import: {left}"
+
+
+def test_the_faces_lend_no_underscored_name_and_every_name_they_lend_exists() -> None:
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        face = importlib.import_module(f"pinpool.{init.parent.name}")
+        lent = set(getattr(face, "__all__", ()))
+        for call in ast.walk(ast.parse(init.read_text())):
+            if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "lazy_exports":
+                lent |= {n for names in ast.literal_eval(call.args[1]).values() for n in names.split()}
+        assert not [n for n in lent if n.startswith("_")], f"{init.parent.name} lends underscored names"
+        for name in lent:
+            assert getattr(face, name) is not None, (init.parent.name, name)

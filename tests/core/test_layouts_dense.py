@@ -135,8 +135,8 @@ def test_a_real_mlock_pool_of_sglangs_shape_is_the_hand_reshaped_raw_pool(vmlck_
          "Dense(shape='2,4'): must be a non-empty tuple"),
         (lambda: layouts.Dense((2, 4.0), torch.uint8),  # type: ignore[arg-type]
          "Dense(shape=(2, 4.0)): must be a non-empty tuple"),
-        (lambda: layouts.Dense((2, 4), "bf16"),  # type: ignore[arg-type]
-         "Dense(dtype='bf16'): must be a torch.dtype"),
+        (lambda: layouts.Dense((2, 4), "bf17"),  # type: ignore[arg-type]
+         "Dense(dtype='bf17'): must be a torch.dtype or its name"),
         (lambda: layouts.Dense((2, 4), torch.uint8, page_dim=2),
          "Dense(shape=(2, 4), page_dim=2): page_dim must be an int in [0, 2)"),
         (lambda: layouts.Dense((2, 4), torch.uint8, page_dim=-1), "page_dim=-1): page_dim must be an int in [0, 2)"),

@@ -796,8 +796,8 @@ DTYPE_CTORS: dict[str, Callable[[object], object]] = {
 
 
 @pytest.mark.parametrize("family", list(DTYPE_CTORS))
-@pytest.mark.parametrize("bad", ["float16", "torch.bfloat16", "<f2", "bf16", None, 2, torch.tensor(1.0)])
-def test_dtype_must_be_a_torch_dtype(family: str, bad: object) -> None:
+@pytest.mark.parametrize("bad", ["float17", "torch.bfloat17", "<f2", "bf17", "Tensor", None, 2, torch.tensor(1.0)])
+def test_dtype_must_be_a_torch_dtype_or_its_name(family: str, bad: object) -> None:
     message = config_error(lambda: DTYPE_CTORS[family](bad))
     assert "dtype=" in message and "torch.dtype" in message
 
@@ -945,3 +945,21 @@ def test_buffers_sit_at_page_aligned_offsets_in_one_mapping(fake: FakeRuntime) -
             if b.spec.nbytes:
                 assert ptrs[b.spec.name] == p.data_ptr + b.offset
                 assert b.offset + b.spec.nbytes <= lifecycle_of(p).memory.length  # type: ignore[attr-defined]
+
+
+# -- dtype spellings: one parser for the layouts and --layout-file (issue 34, item 4) --------------------
+
+
+@pytest.mark.parametrize("spelling", [torch.bfloat16, "bfloat16", "bf16", "torch.bfloat16"], ids=repr)
+def test_a_dtype_is_a_torch_dtype_or_its_name(spelling: object) -> None:
+    made = layouts.MHA("page_first", 2, 16, 4, 8, spelling)  # type: ignore[arg-type]
+    assert made.dtype is torch.bfloat16 and made == layouts.MHA("page_first", 2, 16, 4, 8, torch.bfloat16)
+    assert layouts.MLA("page_first", 2, 16, 64, spelling).dtype is torch.bfloat16  # type: ignore[arg-type]
+    assert layouts.Dense((2, 4), spelling).dtype is torch.bfloat16  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["bfloat17", "Tensor", "fp4", 2], ids=repr)
+def test_a_wrong_dtype_lists_the_spellings(bad: object) -> None:
+    message = config_error(lambda: layouts.MHA("page_first", 2, 16, 4, 8, bad))  # type: ignore[arg-type]
+    assert message == f"MHA(dtype={bad!r}): must be {layouts.DTYPE_SPELLINGS}"
+    assert "bf16" in message and "bfloat16" in message

@@ -20,22 +20,22 @@ from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 import pinpool
-from pinpool import ConfigError, layouts
-from pinpool._host import CpuQuota, HostFacts, address_space_bytes, read_mem_available, read_memory_limits
+from pinpool import ConfigError, _probe, layouts
+from pinpool._host import address_space_bytes, read_mem_available, read_memory_limits
 from pinpool._pin import split_spans
 from pinpool._plan import (
     CHUNK_ENV,
     LOOKAHEAD_CHUNKS,
     Chunk,
     ChunkTable,
+    CpuQuota,
+    HostFacts,
     Order,
     PoolOptions,
     PoolPlan,
     Schedule,
     Span,
     SpanTable,
-    _aligned_boundary,
-    _no_aligned_boundary,
     check_host,
     plan_pool,
 )
@@ -159,13 +159,13 @@ def reference_chunks(
             return [0], nbytes
         first = 0
     else:
-        try:
-            first = _aligned_boundary(granularity or 1, page, start % page, unit)
-            if first is None:
-                raise _no_aligned_boundary(granularity or 1, start % page)
-        except ConfigError:
+        # The first multiple of the granularity that ends on a page boundary, searched one by one.
+        step, misalignment = granularity or 1, start % page
+        found = (b for b in range(0 if not misalignment else step, unit + 1, step) if (misalignment + b) % page == 0)
+        first = next(found, None)
+        if first is None:
             if not shared:
-                raise
+                raise ConfigError(f"no split of {misalignment} B into a page: give chunk_bytes >= the size")
             first = 0
     if first:
         if first > limit:
@@ -684,7 +684,7 @@ PLAN_ATTRIBUTES = (
 
 def test_pool_plan_is_the_user_sized_plan_and_read_only(fake: FakeRuntime) -> None:
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=4 * MiB, runtime=fake, name="p", registry=None)
-    plan = plan_pool(lifecycle_of(pool).options, HostFacts.probe(), capabilities_of(fake))
+    plan = plan_pool(lifecycle_of(pool).options, _probe.probe_host(), capabilities_of(fake))
     assert type(pool.plan) is PoolPlan and pool.plan == plan.public and pool.plan is pool.plan
     assert tuple(f.name for f in dataclasses.fields(pool.plan)) == PLAN_ATTRIBUTES
     for name in PLAN_ATTRIBUTES:
@@ -713,7 +713,7 @@ def test_the_docs_name_the_fields_of_pool_plan_and_no_other() -> None:
 
 def test_pin_plans_from_the_tensor_start(fake: FakeRuntime) -> None:
     storage = torch.empty(3 * MiB, dtype=torch.uint8)
-    page = HostFacts.probe().page_size
+    page = _probe.probe_host().page_size
     skew = (-storage.data_ptr() + 100) % page  # start 100 B into a page
     tensor = storage[skew : skew + 2 * MiB]
     pinned = pinpool.pin(tensor, chunk_bytes=MiB, runtime=fake, registry=None)
@@ -734,7 +734,7 @@ def test_construction_is_constant_time_in_the_chunk_count(fake: FakeRuntime) -> 
 
 
 def test_probe_reads_this_host() -> None:
-    facts = HostFacts.probe()
+    facts = _probe.probe_host()
     assert facts.cpus >= 1 and facts.page_size >= 4096 and facts.huge_page_size == HUGE
     assert facts.numa_nodes and facts.address_space_bytes >= 1 << 39
     assert facts.mem_available is None or facts.mem_available > 0

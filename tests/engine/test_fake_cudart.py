@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import pinpool
-from pinpool.runtimes import CudaRuntime, RocmRuntime
-from pinpool.runtimes._mlock import SHARED_PAGES
+from pinpool.runtimes import SHARED_PAGES, CudaRuntime, RocmRuntime
 from pinpool.testing import FakeCudart, locked_bytes
 
 from ..conftest import needs_mlock

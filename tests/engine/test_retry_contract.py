@@ -17,8 +17,7 @@ import pytest
 
 import pinpool
 from pinpool import layouts
-from pinpool.runtimes import CudaRuntime, RocmRuntime
-from pinpool.runtimes._gpu import HostRegisterRuntime
+from pinpool.runtimes import CudaRuntime, HostRegisterRuntime, RocmRuntime
 from pinpool.testing import FakeCudart
 
 from ..conftest import lifecycle_of

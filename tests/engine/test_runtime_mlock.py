@@ -141,7 +141,7 @@ _LIMITED_CHILD = textwrap.dedent(
     import dataclasses, json, resource
     import pinpool
     from pinpool._host import libc as _libc
-    from pinpool._host import HostFacts
+    from pinpool import _probe
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     out = {"cap": _libc.has_cap_ipc_lock(), "soft": soft, "before": _libc.vm_locked_bytes()}
     # The pre-flight refuses the pool before anything is mapped...
@@ -151,8 +151,8 @@ _LIMITED_CHILD = textwrap.dedent(
     except pinpool.ConfigError as exc:
         out["preflight"] = str(exc)
     # ...and when the limit cannot be known in advance, the real mlock failure is a PinError.
-    probe = HostFacts.probe
-    HostFacts.probe = classmethod(lambda cls: dataclasses.replace(probe(), memlock_soft=None))
+    probe = _probe.probe_host
+    _probe.probe_host = lambda **kw: dataclasses.replace(probe(**kw), memlock_soft=None)
     try:
         with pinpool.PinnedPool(size="64MiB", chunk_bytes="1MiB", runtime="mlock", register_workers=1):
             out["entered"] = True

@@ -22,6 +22,8 @@ from pinpool.runtimes import (
     Capabilities,
     CudaRuntime,
     FindsPinned,
+    GpuApi,
+    HostRegisterRuntime,
     LocksOnFault,
     MlockRuntime,
     Populates,
@@ -29,12 +31,12 @@ from pinpool.runtimes import (
     Runtime,
     auto_runtime_name,
     capabilities_of,
+    device_index,
     resolve_runtime,
     runtime_choices,
     runtime_info,
     runtime_infos,
 )
-from pinpool.runtimes._gpu import GpuApi, HostRegisterRuntime, device_index
 from pinpool.testing import FakeCudart, FakeRuntime
 
 MiB = 1 << 20

@@ -13,9 +13,8 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._host import HostFacts
-from pinpool._plan import PoolOptions, place, preflight
-from pinpool.runtimes._registry import pinning_capabilities
+from pinpool._plan import HostFacts, PoolOptions, check_host, place, resident_fit
+from pinpool.runtimes import pinning_capabilities
 from pinpool.testing import host_facts, locked_bytes
 
 from ..conftest import needs_mlock
@@ -157,7 +156,7 @@ def test_a_cgroup_tighter_than_mem_available_is_what_the_host_can_give() -> None
     # the container's room, 1760 MiB, not MemAvailable's 16 GiB: 880 MiB, less page tables
     budget = pinpool.host_budget("50%", reserve=0, host=CONTAINER, environ={})
     assert budget == 920944640
-    assert budget == preflight.resident_fit(CONTAINER.memory_available // 2, 4096)
+    assert budget == resident_fit(CONTAINER.memory_available // 2, 4096)
     shares = pinpool.share(budget, TRIO, host=CONTAINER)
     assert (shares.num_pages, shares.total_bytes) == (4672, 920944640)
 
@@ -168,7 +167,7 @@ def test_rlimit_memlock_caps_the_budget_only_where_the_runtime_is_charged_to_it(
     assert pinpool.share(56 * MiB, TRIO, host=NO_CAP).num_pages == 297
     # CUDA's registrations are not charged to RLIMIT_MEMLOCK: the cgroup's room decides
     cuda = pinpool.host_budget(0.8, reserve=0, runtime="cuda", host=NO_CAP, environ={})
-    assert cuda == preflight.resident_fit(1760 * MiB * 8 // 10, 4096)
+    assert cuda == resident_fit(1760 * MiB * 8 // 10, 4096)
 
 
 @pytest.mark.parametrize(
@@ -217,7 +216,7 @@ def build_all(host: HostFacts, num_pages: int, ranks: int, runtime: str) -> None
         for layout in TRIO.values():
             options = PoolOptions.create(layout=layout, num_pages=num_pages)
             rank_host = dataclasses.replace(host, locked_bytes=locked)
-            preflight.check_host(options, rank_host, caps)  # raises the first failure
+            check_host(options, rank_host, caps)  # raises the first failure
             nbytes = place(options, host, check=False).mapping_bytes
             used = nbytes + nbytes // host.page_size * 8
             host = dataclasses.replace(

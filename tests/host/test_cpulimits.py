@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pinpool._host import V1_SOURCE, V2_SOURCE, CpuQuota, HostFacts, cpu_budget, read_cpu_quota
+from pinpool import _probe
+from pinpool._host import V1_SOURCE, V2_SOURCE, read_cpu_quota
+from pinpool._plan import CpuQuota, cpu_budget
 
 from .test_memlimits import tree
 
@@ -208,15 +210,15 @@ def test_a_path_outside_the_namespace_is_skipped(tmp_path: Path) -> None:
 
 
 def test_the_probe_reads_this_hosts_quota() -> None:
-    host = HostFacts.probe(torch_build=False)
+    host = _probe.probe_host(torch_build=False)
     assert host.cpu_quota == read_cpu_quota()
     assert 1 <= host.cpu_budget <= host.cpus == len(os.sched_getaffinity(0))
 
 
 PROBE = """
 import structlog, pinpool
-from pinpool._host import HostFacts
-h = HostFacts.probe(torch_build=False)
+from pinpool import _probe
+h = _probe.probe_host(torch_build=False)
 with structlog.testing.capture_logs() as logs:
     for background in (False, True):
         with pinpool.PinnedPool(size="2GiB", runtime="mlock", background=background, registry=None) as pool:

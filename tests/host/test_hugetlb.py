@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import pinpool
+from pinpool import _probe
 from pinpool._errors import ConfigError
-from pinpool._host import HostFacts
 from pinpool._host import libc as _libc
-from pinpool._host import mapping as _memory
-from pinpool._plan import PoolOptions, plan_pool, preflight
-from pinpool.runtimes._registry import pinning_capabilities
+from pinpool._host import unmap_in_pieces
+from pinpool._plan import PoolOptions, check_host, plan_pool
+from pinpool.runtimes import pinning_capabilities
 from pinpool.testing import host_facts, locked_bytes
 from tests.conftest import hugetlb_pages
 from tests.engine.test_runtime_mlock import _reserve_hugetlb, _set_hugetlb
@@ -65,7 +65,7 @@ def test_1gib_pages_are_counted_from_their_own_pool_of_pages() -> None:
         HOST, hugetlb_free=4096, hugetlb_total=4096, hugetlb_1g_free=1, hugetlb_1g_total=3
     )
     with pytest.raises(ConfigError) as info:
-        preflight.check_host(PoolOptions(size=2 * GiB, huge_pages="hugetlb:1GiB"), plenty_of_2mib, MLOCK)
+        check_host(PoolOptions(size=2 * GiB, huge_pages="hugetlb:1GiB"), plenty_of_2mib, MLOCK)
     assert str(info.value).startswith(
         "huge_pages='hugetlb:1GiB' needs 2 free 1 GiB hugetlb pages (2 GiB), but the host has 1 free of 3 reserved; "
         "reserve them first (hugepagesz=1G hugepages=4 on the kernel command line and reboot;"
@@ -73,20 +73,20 @@ def test_1gib_pages_are_counted_from_their_own_pool_of_pages() -> None:
     # 2 MiB pages are not counted from the 1 GiB pool
     plenty_of_1gib = dataclasses.replace(HOST, hugetlb_1g_free=8, hugetlb_1g_total=8)
     with pytest.raises(ConfigError, match=r"huge_pages='hugetlb:2MiB' needs 1024 free 2 MiB hugetlb pages"):
-        preflight.check_host(PoolOptions(size=2 * GiB, huge_pages="hugetlb:2MiB"), plenty_of_1gib, MLOCK)
-    preflight.check_host(PoolOptions(size=2 * GiB, huge_pages="hugetlb:1GiB"), plenty_of_1gib, MLOCK)
+        check_host(PoolOptions(size=2 * GiB, huge_pages="hugetlb:2MiB"), plenty_of_1gib, MLOCK)
+    check_host(PoolOptions(size=2 * GiB, huge_pages="hugetlb:1GiB"), plenty_of_1gib, MLOCK)
 
 
 def test_hugetlb_pages_are_no_new_memory_in_the_memory_check() -> None:
     """Reserved pages are taken out of MemAvailable already: a 1 GiB-page pool far above it passes."""
     host = dataclasses.replace(HOST, mem_available=GiB, hugetlb_1g_free=8, hugetlb_1g_total=8)
-    preflight.check_host(PoolOptions(size=6 * GiB, huge_pages="hugetlb:1GiB"), host, MLOCK)
+    check_host(PoolOptions(size=6 * GiB, huge_pages="hugetlb:1GiB"), host, MLOCK)
     with pytest.raises(ConfigError, match="available"):
-        preflight.check_host(PoolOptions(size=6 * GiB), host, MLOCK)
+        check_host(PoolOptions(size=6 * GiB), host, MLOCK)
 
 
 def test_the_host_probe_reads_the_1gib_counters() -> None:
-    facts = HostFacts.probe(torch_build=False)
+    facts = _probe.probe_host(torch_build=False)
     assert (facts.hugetlb_1g_free, facts.hugetlb_1g_total) == _libc.hugetlb_free_pages(GiB)
     assert facts.hugetlb_pages(GiB) == (facts.hugetlb_1g_free, facts.hugetlb_1g_total)
     assert facts.hugetlb_pages(2 * MiB) == (facts.hugetlb_free, facts.hugetlb_total)
@@ -96,8 +96,8 @@ def test_a_1gib_mapping_is_unmapped_in_whole_pages() -> None:
     """munmap refuses part of a hugetlb page (EINVAL): the unmap's pieces are whole 1 GiB pages."""
     calls: list[tuple[int, int]] = []
     with mock.patch.object(_libc, "munmap", lambda address, length: calls.append((address, length)) or 0):
-        _memory._unmap(1 << 40, 3 * GiB, GiB)
-        _memory._unmap(1 << 41, 256 * MiB, 2 * MiB)
+        unmap_in_pieces(1 << 40, 3 * GiB, GiB)
+        unmap_in_pieces(1 << 41, 256 * MiB, 2 * MiB)
     assert calls == [(1 << 40, GiB), ((1 << 40) + GiB, GiB), ((1 << 40) + 2 * GiB, GiB),
                      (1 << 41, 128 * MiB), ((1 << 41) + 128 * MiB, 128 * MiB)]  # fmt: skip
 
@@ -174,3 +174,11 @@ def test_a_1gib_pool_where_the_host_has_1gib_pages(vmlck_baseline: int) -> None:
     gc.collect()
     assert _libc.hugetlb_free_pages(GiB)[0] == free_before  # unmapped in whole pages: the page went back
     assert locked_bytes() == vmlck_baseline
+
+
+def test_empty_checks_transparent_huge_pages_right_before_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The huge-page check runs with the host's facts read right before mapping (the probes, not HostMapping)."""
+    monkeypatch.setattr(_libc, "transparent_huge_pages_mode", lambda: "never")
+    monkeypatch.setattr(_libc, "mmap_anonymous", lambda length: pytest.fail("mapped despite the check"))
+    with pytest.raises(pinpool.ConfigError, match=r"transparent huge pages.*never"):
+        pinpool.empty(MiB, dtype=torch.uint8, huge_pages=True)

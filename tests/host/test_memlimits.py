@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pinpool._host import HostFacts, MemoryLimits, effective_available, read_mem_available, read_memory_limits
+from pinpool import _probe
+from pinpool._host import MemoryLimits, read_mem_available, read_memory_limits
+from pinpool._plan import effective_available
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 V1_UNLIMITED = "9223372036854771712"  # what v1 reads back after `echo -1 > memory.limit_in_bytes`
@@ -26,6 +28,12 @@ def tree(tmp_path: Path, files: dict[str, str]) -> str:
 
 
 MEMINFO = "MemTotal:       24683568 kB\nMemFree:        23535116 kB\nMemAvailable:    8388608 kB\n"  # 8 GiB
+
+
+def available(limits: MemoryLimits) -> int | None:
+    """What the pre-flight reads from these limits (HostFacts.memory_available)."""
+    cgroup = limits.cgroup_limit_bytes, limits.cgroup_usage_bytes, limits.cgroup_reclaimable_bytes
+    return effective_available(*cgroup, limits.mem_available_bytes)
 
 
 def v2_stat(active: int, inactive: int) -> str:
@@ -52,10 +60,10 @@ def test_v2_limit_usage_and_page_cache(tmp_path: Path) -> None:
         cgroup_limit_bytes=2 * GiB,
         cgroup_usage_bytes=512 * MiB,
         mem_available_bytes=8 * GiB,
-        effective_available_bytes=2 * GiB - 512 * MiB + 128 * MiB,  # page cache is reclaimed before an OOM kill
         cgroup_path="/kubepods/pod1/c1",
         cgroup_reclaimable_bytes=128 * MiB,
     )
+    assert available(limits) == 2 * GiB - 512 * MiB + 128 * MiB  # page cache is reclaimed before an OOM kill
 
 
 def test_v2_max_means_no_limit_and_the_usage_is_still_read(tmp_path: Path) -> None:
@@ -70,7 +78,7 @@ def test_v2_max_means_no_limit_and_the_usage_is_still_read(tmp_path: Path) -> No
     )
     limits = read_memory_limits(root)
     assert (limits.cgroup_version, limits.cgroup_limit_bytes, limits.cgroup_usage_bytes) == (2, None, 4096)
-    assert limits.effective_available_bytes == 8 * GiB  # MemAvailable alone
+    assert available(limits) == 8 * GiB  # MemAvailable alone
 
 
 def test_v2_a_parent_limit_binds_its_children(tmp_path: Path) -> None:
@@ -90,7 +98,7 @@ def test_v2_a_parent_limit_binds_its_children(tmp_path: Path) -> None:
     )
     limits = read_memory_limits(root)
     assert (limits.cgroup_limit_bytes, limits.cgroup_usage_bytes, limits.cgroup_path) == (3 * GiB, 2 * GiB, "/a")
-    assert limits.effective_available_bytes == GiB
+    assert available(limits) == GiB
 
 
 def test_v2_smallest_limit_wins_when_usage_is_alike(tmp_path: Path) -> None:
@@ -105,7 +113,7 @@ def test_v2_smallest_limit_wins_when_usage_is_alike(tmp_path: Path) -> None:
     limits = read_memory_limits(root)
     assert (limits.cgroup_limit_bytes, limits.cgroup_usage_bytes, limits.cgroup_path) == (GiB, None, "/a")
     assert limits.mem_available_bytes is None
-    assert limits.effective_available_bytes == GiB  # usage unknown: the limit is the bound
+    assert available(limits) == GiB  # usage unknown: the limit is the bound
 
 
 def test_v2_on_a_hybrid_host_lives_under_unified(tmp_path: Path) -> None:
@@ -118,7 +126,7 @@ def test_v2_on_a_hybrid_host_lives_under_unified(tmp_path: Path) -> None:
         },
     )
     limits = read_memory_limits(root)
-    assert (limits.cgroup_version, limits.cgroup_limit_bytes, limits.effective_available_bytes) == (2, GiB, GiB // 2)
+    assert (limits.cgroup_version, limits.cgroup_limit_bytes, available(limits)) == (2, GiB, GiB // 2)
 
 
 def test_v2_inside_a_cgroup_namespace_reads_the_mount_root(tmp_path: Path) -> None:
@@ -132,7 +140,7 @@ def test_v2_inside_a_cgroup_namespace_reads_the_mount_root(tmp_path: Path) -> No
         },
     )
     limits = read_memory_limits(root)
-    assert (limits.cgroup_limit_bytes, limits.cgroup_path, limits.effective_available_bytes) == (GiB, "/", 3 * GiB // 4)
+    assert (limits.cgroup_limit_bytes, limits.cgroup_path, available(limits)) == (GiB, "/", 3 * GiB // 4)
 
 
 def test_a_path_outside_the_namespace_is_ignored(tmp_path: Path) -> None:
@@ -140,7 +148,7 @@ def test_a_path_outside_the_namespace_is_ignored(tmp_path: Path) -> None:
         tmp_path,
         {"proc/self/cgroup": "0::/../../other\n", "sys/fs/cgroup/memory.max": f"{GiB}\n", "proc/meminfo": MEMINFO},
     )
-    assert read_memory_limits(root) == MemoryLimits(mem_available_bytes=8 * GiB, effective_available_bytes=8 * GiB)
+    assert read_memory_limits(root) == MemoryLimits(mem_available_bytes=8 * GiB)
 
 
 # -- cgroup v1 ----------------------------------------------------------------------------------------------
@@ -175,10 +183,10 @@ def test_v1_limit_usage_and_page_cache(tmp_path: Path) -> None:
         cgroup_limit_bytes=2 * GiB,
         cgroup_usage_bytes=300 * MiB,
         mem_available_bytes=8 * GiB,
-        effective_available_bytes=2 * GiB - 200 * MiB,
         cgroup_path="/docker/abc",
         cgroup_reclaimable_bytes=100 * MiB,
     )
+    assert available(limits) == 2 * GiB - 200 * MiB
 
 
 def test_v1_huge_value_means_unlimited(tmp_path: Path) -> None:
@@ -188,7 +196,7 @@ def test_v1_huge_value_means_unlimited(tmp_path: Path) -> None:
     )
     limits = read_memory_limits(root)
     assert (limits.cgroup_version, limits.cgroup_limit_bytes, limits.cgroup_usage_bytes) == (1, None, GiB)
-    assert limits.effective_available_bytes == 8 * GiB
+    assert available(limits) == 8 * GiB
 
 
 def test_v1_container_without_cgroup_namespace_finds_its_files_at_the_mount_root(tmp_path: Path) -> None:
@@ -196,7 +204,7 @@ def test_v1_container_without_cgroup_namespace_finds_its_files_at_the_mount_root
     cgroup, at the root: the walk up the path finds it there."""
     root = tree(tmp_path, {"proc/self/cgroup": "4:memory:/docker/abc\n", **v1_files("", str(GiB), GiB // 2)})
     limits = read_memory_limits(root)
-    assert (limits.cgroup_limit_bytes, limits.cgroup_path, limits.effective_available_bytes) == (GiB, "/", GiB // 2)
+    assert (limits.cgroup_limit_bytes, limits.cgroup_path, available(limits)) == (GiB, "/", GiB // 2)
 
 
 def test_v1_co_mounted_controllers(tmp_path: Path) -> None:
@@ -215,7 +223,7 @@ def test_v1_parent_limit_binds(tmp_path: Path) -> None:
         },
     )
     limits = read_memory_limits(root)
-    assert (limits.cgroup_limit_bytes, limits.cgroup_path, limits.effective_available_bytes) == (GiB, "/a", 924 * MiB)
+    assert (limits.cgroup_limit_bytes, limits.cgroup_path, available(limits)) == (GiB, "/a", 924 * MiB)
 
 
 # -- missing, unreadable, garbage ---------------------------------------------------------------------------
@@ -228,7 +236,7 @@ def test_nothing_at_all(tmp_path: Path) -> None:
 
 def test_no_memory_controller_anywhere(tmp_path: Path) -> None:
     root = tree(tmp_path, {"proc/self/cgroup": "1:cpu:/x\n0::/\n", "proc/meminfo": MEMINFO})
-    assert read_memory_limits(root) == MemoryLimits(mem_available_bytes=8 * GiB, effective_available_bytes=8 * GiB)
+    assert read_memory_limits(root) == MemoryLimits(mem_available_bytes=8 * GiB)
 
 
 @pytest.mark.parametrize(
@@ -312,8 +320,8 @@ def test_any_file_contents_read_without_raising(
     limits = read_memory_limits(root)
     for value in dataclasses.astuple(limits):
         assert value is None or isinstance(value, int | str)
-    if limits.effective_available_bytes is not None:
-        assert limits.effective_available_bytes >= 0
+    if available(limits) is not None:
+        assert available(limits) >= 0
 
 
 # -- the arithmetic, and the host facts ---------------------------------------------------------------------
@@ -333,7 +341,7 @@ def test_this_host_reads_without_raising() -> None:
     limits = read_memory_limits()
     assert limits.cgroup_version in (None, 1, 2)
     assert limits.mem_available_bytes is None or limits.mem_available_bytes > 0
-    facts = HostFacts.probe()
+    facts = _probe.probe_host()
     assert facts.cgroup_version == limits.cgroup_version and facts.cgroup_path == limits.cgroup_path
     assert facts.locked_bytes >= 0
     if facts.memory_available is not None:
@@ -341,7 +349,7 @@ def test_this_host_reads_without_raising() -> None:
 
 
 def test_host_facts_memory_available_is_the_smaller_figure() -> None:
-    host = dataclasses.replace(HostFacts.probe(), cgroup_memory_limit=None, mem_available=None)
+    host = dataclasses.replace(_probe.probe_host(), cgroup_memory_limit=None, mem_available=None)
     host = dataclasses.replace(host, cgroup_memory_usage=None, cgroup_memory_reclaimable=None)
     assert host.memory_available is None and host.cgroup_room is None
     host = dataclasses.replace(host, mem_available=8 * GiB)

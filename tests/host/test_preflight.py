@@ -23,13 +23,11 @@ import pytest
 import torch
 
 import pinpool
-from pinpool import ConfigError, layouts
-from pinpool._host import HostFacts
+from pinpool import ConfigError, _probe, layouts
 from pinpool._host import libc as _libc
-from pinpool._plan import PoolOptions
+from pinpool._plan import HostFacts, PoolOptions
 from pinpool._types import Capabilities
-from pinpool.runtimes import MlockRuntime
-from pinpool.runtimes._registry import pinning_capabilities
+from pinpool.runtimes import MlockRuntime, pinning_capabilities
 from pinpool.testing import FakeRuntime, host_facts, locked_bytes
 
 from .. import preloaded
@@ -262,8 +260,8 @@ class Recorder:
 
 def _preflight_wired() -> bool:
     """Whether PinnedPool runs the memory pre-flight, at construction or on entry (before mapping)."""
-    tiny = dataclasses.replace(HostFacts.probe(), mem_available=MiB, cgroup_memory_limit=None)
-    with mock.patch.object(HostFacts, "probe", return_value=tiny):
+    tiny = dataclasses.replace(_probe.probe_host(), mem_available=MiB, cgroup_memory_limit=None)
+    with mock.patch.object(_probe, "probe_host", return_value=tiny):
         try:
             with pinpool.PinnedPool(size=64 * MiB, runtime=Recorder(), populate=False, registry=None):
                 pass
@@ -276,7 +274,7 @@ WIRED = _preflight_wired()
 needs_wiring = pytest.mark.skipif(
     not WIRED,
     reason="PinnedPool does not run the memory pre-flight yet: pinpool/_pool/pool.py must call "
-    "check_host(options, HostFacts.probe(), runtime, new_memory=source is None) before it maps (see the report)",
+    "check_host(options, _probe.probe_host(), runtime, new_memory=source is None) before it maps (see the report)",
 )
 
 
@@ -290,8 +288,8 @@ _MEMORY_FIELDS = [
 @needs_wiring
 @pytest.mark.parametrize("runtime", ["mlock", "auto"])
 def test_pinned_pool_refuses_before_anything_is_mapped(runtime: str) -> None:
-    host = dataclasses.replace(HostFacts.probe(), **{name: getattr(CONTAINER, name) for name in _MEMORY_FIELDS})
-    with mock.patch.object(HostFacts, "probe", return_value=host), mock.patch.object(_libc, "mmap_anonymous") as mmap:
+    host = dataclasses.replace(_probe.probe_host(), **{name: getattr(CONTAINER, name) for name in _MEMORY_FIELDS})
+    with mock.patch.object(_probe, "probe_host", return_value=host), mock.patch.object(_libc, "mmap_anonymous") as mmap:
         with pytest.raises(ConfigError, match=r"size=4294967296 B = 4 GiB cannot be pinned here"):
             with pinpool.PinnedPool(size="4GiB", runtime=runtime, registry=None):
                 pytest.fail("the body must not run")
@@ -301,12 +299,12 @@ def test_pinned_pool_refuses_before_anything_is_mapped(runtime: str) -> None:
 @needs_wiring
 def test_pin_checks_the_memlock_budget_but_not_residency() -> None:
     tensor = torch.empty(MiB, dtype=torch.uint8)
-    host = dataclasses.replace(HostFacts.probe(), mem_available=4096, cgroup_memory_limit=None)
-    with mock.patch.object(HostFacts, "probe", return_value=host):
+    host = dataclasses.replace(_probe.probe_host(), mem_available=4096, cgroup_memory_limit=None)
+    with mock.patch.object(_probe, "probe_host", return_value=host):
         with pinpool.pin(tensor, runtime=Recorder(), registry=None):
             pass  # the tensor exists already: not charged again
     host = dataclasses.replace(host, cap_ipc_lock=False, memlock_soft=64 * KiB, locked_bytes=0)
-    with mock.patch.object(HostFacts, "probe", return_value=host):
+    with mock.patch.object(_probe, "probe_host", return_value=host):
         with pytest.raises(ConfigError, match=r"^pin\(tensor\) of 1048576 B = 1 MiB needs 1 MiB locked with mlock"):
             with pinpool.pin(tensor, runtime="mlock", registry=None):
                 pytest.fail("the body must not run")
@@ -497,7 +495,7 @@ def run_in_cgroup(procs: Path, size: int) -> tuple[subprocess.CompletedProcess[s
 def cgroup() -> Iterator[tuple[Path, int]]:
     if os.geteuid() != 0:
         pytest.skip("creating a memory cgroup needs root")
-    available = HostFacts.probe().memory_available
+    available = _probe.probe_host().memory_available
     if available is not None and available < LIMIT + GiB:
         pytest.skip(f"this machine has {available} B available, too little to fill a {LIMIT} B cgroup safely")
     if not _libc.has_cap_ipc_lock():

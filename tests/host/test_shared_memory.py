@@ -30,7 +30,7 @@ import torch
 
 import pinpool
 from pinpool import layouts
-from pinpool._cli import doctor as _doctor
+from pinpool._cli import OK, WARN, check_region, read_facts, run_checks
 from pinpool._host import libc as _libc
 from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMapping, SharedMemory, find_regions, layout_record, read_region
 from pinpool.runtimes import MlockRuntime
@@ -704,8 +704,8 @@ def test_find_regions_lists_regions_and_doctor_reports_them(shm_dir: Path) -> No
     kept = regions[0]
     assert kept.keep and kept.nbytes == MiB and kept.owner_uid == os.geteuid() and kept.creator_alive is True
     assert kept.held_bytes == MiB + PAGE  # creating reserved every page (posix_fallocate on /dev/shm)
-    check = _doctor.check_region(kept)
-    assert check.status == _doctor.OK and check.name == "region"
+    check = check_region(kept)
+    assert check.status == OK and check.name == "region"
     assert re.match(
         rf"{re.escape(str(shm_dir / 'kept'))}: 1 MiB region, layout raw, {MiB} pages, 1 MiB held", check.detail
     )
@@ -713,12 +713,12 @@ def test_find_regions_lists_regions_and_doctor_reports_them(shm_dir: Path) -> No
     assert f"region id {kept.region_id}," in check.detail
     assert f"rm {shm_dir / 'kept'}" in check.fix
     orphan = dataclasses.replace(kept, keep=False, creator_alive=False, age_seconds=7200.0)
-    left = _doctor.check_region(orphan)
-    assert left.status == _doctor.WARN and "(gone) 2.0 h ago" in left.detail and "left behind" in left.detail
-    other_host = _doctor.check_region(dataclasses.replace(kept, creator_alive=None, created_host="pod-7"))
-    assert "(on host 'pod-7')" in other_host.detail and other_host.status == _doctor.OK
-    facts = _doctor.read_facts(cuda=False)
-    listed = _doctor.run_checks(dataclasses.replace(facts, regions=tuple(regions)), None)
+    left = check_region(orphan)
+    assert left.status == WARN and "(gone) 2.0 h ago" in left.detail and "left behind" in left.detail
+    other_host = check_region(dataclasses.replace(kept, creator_alive=None, created_host="pod-7"))
+    assert "(on host 'pod-7')" in other_host.detail and other_host.status == OK
+    facts = read_facts(cuda=False)
+    listed = run_checks(dataclasses.replace(facts, regions=tuple(regions)), None)
     assert [c.name for c in listed][-2:] == ["region", "region"]
 
 

@@ -31,10 +31,18 @@ import pytest
 
 import pinpool
 from pinpool import _cli, layouts
-from pinpool._cli import doctor as _doctor
+from pinpool._cli import OK, WARN, check_half_made, check_region
 from pinpool._host import libc as _libc
-from pinpool._shared import MAGIC, TRAILER_BYTES, SharedMemory, find_half_made, find_regions, layout_record, read_region
-from pinpool._shared import files as _shared_files
+from pinpool._shared import (
+    MAGIC,
+    TRAILER_BYTES,
+    SharedMemory,
+    find_half_made,
+    find_regions,
+    layout_record,
+    read_region,
+    remove_stale_temps,
+)
 from pinpool._shared import format as _shared_format
 from pinpool.testing import FakeRuntime
 
@@ -108,7 +116,7 @@ def test_a_region_whose_name_holds_escape_sequences_reaches_the_terminal_escaped
     path = shm_dir / "kv\x1b[31mred"
     make_region(path)
     (region,) = find_regions([str(shm_dir)])
-    check = _doctor.check_region(region)
+    check = check_region(region)
     assert "\x1b" not in check.detail + check.fix and "\\x1b[31mred" in check.detail
 
 
@@ -122,7 +130,7 @@ def test_a_crafted_creator_is_shown_as_invalid_never_as_300_digits(shm_dir: Path
     plant(shm_dir / "kv", body(created={**created, "host": socket.gethostname(), "start": 1}))
     (region,) = find_regions([str(shm_dir)])
     assert region.created_pid is None and region.creator_alive is None
-    check = _doctor.check_region(region)
+    check = check_region(region)
     assert "created by an unknown process (its trailer names no valid pid)" in check.detail, check.detail
     assert not re.search(r"\d{20}", check.detail) and len(check.detail) < 400, check.detail
 
@@ -256,18 +264,18 @@ def test_a_region_truncated_while_a_background_pool_pins_leaves_no_page_called_u
     """Issue 33, finding 5: the PinError named the truncation, then said pages [0, k) "stay pinned
     and usable", and pinned_pages was k: a server that wrote page 0 died of SIGBUS. Real region,
     real mlock; another process truncates the file (os.truncate by path) before the 5th pre-fault."""
-    from pinpool._host import mapping as host_mapping
-
     path = shm_dir / "kv"
-    real, calls = host_mapping.populate_range, [0]
+    real, calls = _libc.madvise, [0]
 
-    def populate_range(ptr: int, nbytes: int, advice: int) -> None:
-        calls[0] += 1
-        if calls[0] == 5:  # four 1 MiB chunks pinned and pre-faulted: pages [0, 4 MiB) were usable
-            os.truncate(path, 0)
-        real(ptr, nbytes, advice)
+    def madvise(address: int, length: int, advice: int) -> int:
+        # A pre-fault of the pool (not the one-page probe of MADV_POPULATE_WRITE's support).
+        if advice in (_libc.MADV_POPULATE_READ, _libc.MADV_POPULATE_WRITE) and length > _libc.PAGE_SIZE:
+            calls[0] += 1
+            if calls[0] == 5:  # four 1 MiB chunks pinned and pre-faulted: pages [0, 4 MiB) were usable
+                os.truncate(path, 0)
+        return real(address, length, advice)
 
-    monkeypatch.setattr(host_mapping, "populate_range", populate_range)
+    monkeypatch.setattr(_libc, "madvise", madvise)
     locked = _libc.vm_locked_bytes()
     pool = pinpool.PinnedPool(
         size=16 * MiB, chunk_bytes=MiB, runtime="mlock", memory=SharedMemory(str(path)), background=True,
@@ -305,7 +313,7 @@ def test_memory_gone_is_found_whichever_call_failed(shm_dir: Path) -> None:
         size=16 * MiB, chunk_bytes=MiB, runtime=fake, memory=SharedMemory(str(path)), background=True,
         register_workers=1, max_retries=0, registry=None, name="kv",
     )  # fmt: skip
-    with pool:
+    with pytest.raises(pinpool.MemoryGoneError), pool:  # reading pool.error does not take it from exit
         _wait_failed(pool)
         error = pool.error
         assert isinstance(error, pinpool.MemoryGoneError) and pool.pinned_pages == 0
@@ -364,13 +372,13 @@ def test_a_region_the_tmpfs_has_no_room_for_is_a_config_error_before_anything_is
 
 
 def test_pages_the_tmpfs_cannot_reserve_are_a_config_error_naming_the_fix(small_tmpfs: Path) -> None:
-    from pinpool._shared import _reserve
+    from pinpool._shared import reserve_pages
 
     fd = os.open(small_tmpfs / "kv", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         os.ftruncate(fd, 16 * MiB)  # sized past the mount: a fault past 8 MiB would be SIGBUS
         with pytest.raises(pinpool.ConfigError, match=r"could not reserve the region's 16 MiB .*nothing was pinned"):
-            _reserve(fd, 16 * MiB, "'kv'", page_size=PAGE, directory=str(small_tmpfs))
+            reserve_pages(fd, 16 * MiB, "'kv'", page_size=PAGE, directory=str(small_tmpfs))
     finally:
         os.close(fd)
 
@@ -496,13 +504,11 @@ KILLS = int(os.environ.get("PINPOOL_KILLS", "40"))  # SIGKILLed creators; more f
 def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_renameat2_links(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pinpool._shared import files as _shared
-
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(_shared, "publish", interrupted)
+        patch.setattr(_libc, "rename_noreplace", interrupted)  # publishing's first step
         with pytest.raises(KeyboardInterrupt):
             SharedMemory(shm_dir / "kv").open_mapping(MiB, record(MiB))
     assert list(shm_dir.iterdir()) == []
@@ -543,11 +549,11 @@ def test_what_a_dead_creator_left_is_removed_by_the_next_creation_and_a_live_one
     holder = os.open(live, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_EX)  # a creation in progress in another process
     try:
-        checks = [_doctor.check_half_made(h) for h in find_half_made([str(shm_dir)])]
+        checks = [check_half_made(h) for h in find_half_made([str(shm_dir)])]
         assert [(c.status, c.detail) for c in checks] == [
-            (_doctor.WARN, f"{dead}: a region left half-made by a creator that died while creating it, 8 KiB held "
+            (WARN, f"{dead}: a region left half-made by a creator that died while creating it, 8 KiB held "
              "in memory"),
-            (_doctor.OK, f"{live}: a region being created now"),
+            (OK, f"{live}: a region being created now"),
         ]  # fmt: skip
         assert checks[0].fix == (
             "remove it: pinpool doctor --remove-stale, or rm it (the next creation of a region in its directory "
@@ -574,7 +580,7 @@ def stalled_creator(path: Path, nbytes: int) -> int:
                 os.write(ready_w, b"R")
                 time.sleep(600)
 
-            _shared_files.publish = stall  # this child's module only
+            _libc.rename_noreplace = stall  # publishing's first step, in this child only
             SharedMemory(path).open_mapping(nbytes, layout_record(layouts.Raw(), nbytes // PAGE))
         finally:
             os._exit(1)
@@ -668,7 +674,7 @@ def test_a_temporary_taken_before_its_creator_locks_it_is_made_again(
             if meanwhile == "removed":
                 dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
                 try:
-                    assert [n for n, _ in _shared_files.remove_stale_temps(dir_fd)] == [os.path.basename(name)]
+                    assert [n for n, _ in remove_stale_temps(dir_fd)] == [os.path.basename(name)]
                 finally:
                     os.close(dir_fd)
             else:

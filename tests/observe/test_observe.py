@@ -16,7 +16,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 import pinpool
-from pinpool._host import HostFacts
+from pinpool import _probe
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
@@ -387,6 +387,6 @@ def test_the_start_event_says_how_the_pin_workers_run() -> None:
     assert (starts["fg"]["pin_nice"], starts["fg"]["max_call_seconds"]) == (0, None)
     assert starts["bg"]["pin_nice"] == 10 and starts["bg"]["max_call_seconds"] > 0
     # And the CPU budget the worker counts were sized from: this host's, quota included.
-    host = HostFacts.probe(torch_build=False)
+    host = _probe.probe_host(torch_build=False)
     quota = None if host.cpu_quota is None else host.cpu_quota.cpus
     assert (starts["fg"]["cpu_budget"], starts["fg"]["cpu_quota"]) == (host.cpu_budget, quota)

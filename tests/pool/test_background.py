@@ -134,12 +134,27 @@ async def test_an_unseen_background_failure_is_raised_on_exit() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_seen_failure_is_not_raised_again_and_a_body_error_gets_a_note() -> None:
+async def test_reading_pool_error_changes_nothing_exit_raises_it() -> None:
+    """A read (a debugger's, a health endpoint's) is not a delivery: read twice, exit still raises it."""
+    fake = FakeRuntime(fail_register_on=2)
+    pool = slow_pool(fake, name="bg-read", max_retries=0)
+    with pytest.raises(PinError) as raised:
+        async with pool:
+            await until_pinning_ends(pool)
+            first = pool.error
+            assert isinstance(first, PinError) and pool.error is first
+    assert raised.value is first
+    assert_released(pool, fake)
+
+
+@pytest.mark.anyio
+async def test_a_failure_a_waiter_raised_is_not_raised_again_and_a_body_error_gets_a_note() -> None:
     fake = FakeRuntime(fail_register_on=2)
     pool = slow_pool(fake, name="bg-seen", max_retries=0)
     async with pool:
         await until_pinning_ends(pool)
-        assert isinstance(pool.error, PinError)  # read: delivered
+        with pytest.raises(PinError):
+            await pool.wait_ready()  # raised to the body: delivered
     assert_released(pool, fake)
 
     fake = FakeRuntime(fail_register_on=2)

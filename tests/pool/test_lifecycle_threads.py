@@ -294,20 +294,20 @@ async def test_register_raising_base_exception_is_raised_after_the_rollback(mode
 async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
     fake: FakeRuntime, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pinpool._pin import engine as _engine
+    from pinpool._pin import PinSession
 
     pool = pinpool.PinnedPool(size=8 * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=False)
-    real = _engine.PinSession._observe
+    real = PinSession._observe
     calls = 0
 
-    def crash(self: _engine.PinSession, outcome: object) -> None:
+    def crash(self: PinSession, outcome: object) -> None:
         nonlocal calls
         calls += 1
         if calls == 3:
             raise AssertionError("invariant broken")
         real(self, outcome)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_engine.PinSession, "_observe", crash)
+    monkeypatch.setattr(PinSession, "_observe", crash)
     with pytest.raises(pinpool.PinError, match="pinpool bug") as info:
         await pin_and_run(pool, mode)
     assert isinstance(info.value.__cause__, AssertionError)

@@ -21,8 +21,7 @@ from pinpool._host import libc as _libc
 from pinpool._plan import Chunk, ChunkPlan, plan_chunks, retry_splitter
 from pinpool._pool import empty
 from pinpool._ranges import PINNED_RANGES
-from pinpool.runtimes import MlockRuntime
-from pinpool.runtimes._mlock import SHARED_PAGES
+from pinpool.runtimes import SHARED_PAGES, MlockRuntime
 from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, needs_mlock

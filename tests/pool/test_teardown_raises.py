@@ -97,7 +97,7 @@ def test_memory_error_right_after_teardown_begins(monkeypatch: pytest.MonkeyPatc
     """A MemoryError raised right after ``begin_teardown`` returns: the teardown resumes and finishes,
     then the MemoryError reaches the caller; the pool is CLOSED, nothing registered or claimed."""
     import pinpool
-    from pinpool._pin.engine import PinSession
+    from pinpool._pin import PinSession
     from pinpool._ranges import PINNED_RANGES
     from pinpool.testing import FakeRuntime
 
@@ -127,7 +127,7 @@ def test_memory_error_every_time_hands_over_and_close_finishes(monkeypatch: pyte
     """A step that fails every time: the teardown hands the MemoryError over with the pool CLOSING
     (claim and registrations kept, nothing unmapped), and a later close() finishes it."""
     import pinpool
-    from pinpool._pin.engine import PinSession
+    from pinpool._pin import PinSession
     from pinpool.testing import FakeRuntime
 
     begin = PinSession.begin_teardown

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pinpool._host import HostFacts
+from pinpool import _probe
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -32,7 +32,7 @@ def test_bench_measures_both_configurations_with_and_without_a_quota(tmp_path: P
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     cpus = len(os.sched_getaffinity(0))
-    budget = HostFacts.probe(torch_build=False).cpu_budget
+    budget = _probe.probe_host(torch_build=False).cpu_budget
     places = data["places"]
     for where, place in places.items():
         runs = {run["config"]: run for run in place["runs"]}

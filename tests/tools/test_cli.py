@@ -22,16 +22,36 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool import _cli
-from pinpool._cli import doctor as _doctor
-from pinpool._cli import options as cli_layout
+from pinpool import _cli, _probe
+from pinpool._cli import (
+    FAIL,
+    FAMILIES,
+    FIELDS,
+    FIRST_TOUCH,
+    KNOWN_ENV,
+    OK,
+    SKIP,
+    STATUSES,
+    WARN,
+    WIDTH,
+    Check,
+    EventLog,
+    ProgressReporter,
+    ResidentGrowth,
+    check_cuda,
+    check_env,
+    env_chunk_limit,
+    family_fields,
+    fit,
+    format_eta,
+    percentile,
+    pin_text,
+    render_bar,
+    render_line,
+    while_loading,
+)
 from pinpool._cli import pin as cli_pin
-from pinpool._cli import progress as _progress
-from pinpool._cli import progress as cli_status
-from pinpool._cli import report as cli_report
-from pinpool._cli.doctor import FAIL, OK, SKIP, WARN
-from pinpool._host import HostFacts
-from pinpool.runtimes._gpu import CudaDevice, CudaFacts
+from pinpool.runtimes import CudaDevice, CudaFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -340,14 +360,14 @@ class Terminal(io.StringIO):
 
 def test_a_terminal_sees_a_note_while_torch_loads_and_then_a_clean_line() -> None:
     tty, pipe = Terminal(), io.StringIO()
-    with cli_status.while_loading("loading torch to plan the pool", tty):
+    with while_loading("loading torch to plan the pool", tty):
         assert tty.getvalue() == "pinpool: loading torch to plan the pool..."
     note = len("pinpool: loading torch to plan the pool...")
     assert tty.getvalue().endswith("\r" + " " * note + "\r")
-    with pytest.raises(pinpool.ConfigError), cli_status.while_loading("loading", tty):
+    with pytest.raises(pinpool.ConfigError), while_loading("loading", tty):
         raise pinpool.ConfigError("bad")  # taken off the line before the error is printed
     assert tty.getvalue().endswith("\r")
-    with cli_status.while_loading("loading", pipe):
+    with while_loading("loading", pipe):
         pass
     assert pipe.getvalue() == ""  # a log keeps no note that only said "wait"
 
@@ -677,7 +697,7 @@ def test_pin_progress_bar_on_request(capsys: pytest.CaptureFixture[str]) -> None
 @needs_mlock
 def test_pin_this_host_cannot_hold_prints_its_error_alone(capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 34, item 9: the pre-flight runs before "pinning ..." is said, so nothing claims it is pinning."""
-    available = HostFacts.probe().memory_available
+    available = _probe.probe_host().memory_available
     if available is None:
         pytest.skip("MemAvailable is unknown here: no memory pre-flight to fail")
     size = f"{-(-2 * available // GiB)}GiB"
@@ -914,7 +934,7 @@ def cli_gaps(cls: type) -> list[str]:
 
     gaps = []
     for f in dataclasses.fields(cls):
-        spelled = cli_layout.FIELDS.get(f.name)
+        spelled = FIELDS.get(f.name)
         if spelled is None:
             gaps.append(f"{cls.__name__}.{f.name}: no flag in pinpool/_cli/options.py FIELDS")
         elif f.type not in FLAG_TYPES[spelled.kind]:
@@ -929,13 +949,13 @@ def test_every_layout_field_has_a_flag_of_its_type() -> None:
     from pinpool import layouts
 
     classes = {n for n in layouts.__all__ if dataclasses.is_dataclass(getattr(layouts, n)) and n != "BufferSpec"}
-    assert set(cli_layout.FAMILIES.values()) == classes, "every layout class needs a --layout family"
+    assert set(FAMILIES.values()) == classes, "every layout class needs a --layout family"
     gaps = [gap for name in sorted(classes) for gap in cli_gaps(getattr(layouts, name))]
     assert gaps == []
     used = {f.name for name in classes for f in dataclasses.fields(getattr(layouts, name))}
-    assert set(cli_layout.FIELDS) == used, "a flag for a field no layout has"
+    assert set(FIELDS) == used, "a flag for a field no layout has"
     # The family's fields and their order come from the class itself.
-    assert cli_layout.family_fields("mla")[:5] == ("layout", "layer_num", "page_size", "kv_cache_dim", "dtype")
+    assert family_fields("mla")[:5] == ("layout", "layer_num", "page_size", "kv_cache_dim", "dtype")
 
 
 def test_a_layout_field_without_a_flag_is_found() -> None:
@@ -958,8 +978,8 @@ def test_a_layout_field_without_a_flag_is_found() -> None:
 
 
 def assert_fits(lines: list[str]) -> None:
-    long = [line for line in lines if len(line) > cli_report.WIDTH]
-    assert not long, f"lines over {cli_report.WIDTH} columns: {long}"
+    long = [line for line in lines if len(line) > WIDTH]
+    assert not long, f"lines over {WIDTH} columns: {long}"
 
 
 @pytest.mark.parametrize(
@@ -986,12 +1006,12 @@ def test_pin_report_lines_fit_120_columns(capsys: pytest.CaptureFixture[str]) ->
         "chunks": 1536, "chunk_bytes": GiB, "granularity_bytes": 4 * MiB, "order": "register_first",
         "populate_workers": 16, "register_workers": 16, "populate": True, "huge_pages": "hugetlb",
         "pin_seconds": 123.456, "unpin_seconds": 12.345, "retries": 12, "populate_spans": 3072,
-        "populate_span_mean_s": 0.25, "first_touch": True, "notes": [cli_report.FIRST_TOUCH],
+        "populate_span_mean_s": 0.25, "first_touch": True, "notes": [FIRST_TOUCH],
         "register_latency": {"calls": 1536, "p50_s": 0.5, "p99_s": 1.25, "max_s": 2.5},
         "held_seconds": 3600.0, "hold_ended_by": "SIGINT",
         "vm_locked_bytes": {"before": 0, "pinned": 1536 * GiB, "after": 0},
     }  # fmt: skip
-    lines = cli_report.pin_text(report)
+    lines = pin_text(report)
     assert_fits(lines)
     text = "\n".join(lines)
     assert "includes page-fault cost (the kernel zeroes every page of a new mapping as it is first faulted)" in (
@@ -1003,13 +1023,13 @@ def test_pin_report_lines_fit_120_columns(capsys: pytest.CaptureFixture[str]) ->
 
 def test_fit_wraps_after_the_label_and_never_cuts_a_word() -> None:
     line = "  note:     " + " ".join(["word"] * 40)
-    wrapped = cli_report.fit(line, width=60)
+    wrapped = fit(line, width=60)
     assert len(wrapped) > 1 and all(len(part) <= 60 for part in wrapped)
     assert all(part.startswith(" " * 12) for part in wrapped[1:]) and " ".join(wrapped).split() == line.split()
     path = "/very/long/" + "x" * 80
-    wrapped = cli_report.fit(f"here:      cannot read {path}", width=60)
+    wrapped = fit(f"here:      cannot read {path}", width=60)
     assert wrapped == ["here:      cannot read", f"           {path}"]
-    assert cli_report.fit("short") == ["short"]
+    assert fit("short") == ["short"]
 
 
 # -- progress rendering (pure) ----------------------------------------------------------------------
@@ -1020,48 +1040,46 @@ def test_fit_wraps_after_the_label_and_never_cuts_a_word() -> None:
                           (3723, "1:02:03")],
 )  # fmt: skip
 def test_format_eta(seconds: float | None, text: str) -> None:
-    assert _progress.format_eta(seconds) == text
+    assert format_eta(seconds) == text
 
 
 def test_render_bar() -> None:
-    bar = _progress.render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=100)
+    bar = render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=100)
     cells = bar[bar.index("[") + 1 : bar.index("]")]
     assert 10 <= len(cells) <= 40 and cells.count("#") == len(cells) // 4 and bar.startswith("pinning [#")
     assert len(bar) <= 99 and " 25%  " in bar
     assert "1 GiB / 4 GiB  2.15 GB/s average  ETA 0:02  4/16 chunks" in bar
-    narrow = _progress.render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=60)
+    narrow = render_bar(GiB, 4 * GiB, 0.5, 4, 16, width=60)
     assert narrow.index("]") - narrow.index("[") - 1 == 10  # the bar shrinks, to 10 cells
-    assert "ETA --:--" in _progress.render_bar(0, GiB, 0.1, 0, 4) and "[" + "." * 10 in _progress.render_bar(
-        0, GiB, 0.1, 0, 4, width=40
-    )
-    assert "100%" in _progress.render_bar(GiB, GiB, 1.0, 4, 4) and "#" * 10 in _progress.render_bar(GiB, GiB, 1, 4, 4)
+    assert "ETA --:--" in render_bar(0, GiB, 0.1, 0, 4) and "[" + "." * 10 in render_bar(0, GiB, 0.1, 0, 4, width=40)
+    assert "100%" in render_bar(GiB, GiB, 1.0, 4, 4) and "#" * 10 in render_bar(GiB, GiB, 1, 4, 4)
 
 
 def test_render_shows_faulting_ahead_of_pinning() -> None:
     """Chunks count as pinned whole; pre-faulted spans move the display within one."""
-    bar = _progress.render_bar(GiB, 4 * GiB, 1.0, 1, 4, width=80, faulted=2 * GiB)
+    bar = render_bar(GiB, 4 * GiB, 1.0, 1, 4, width=80, faulted=2 * GiB)
     cells = bar[bar.index("[") + 1 : bar.index("]")]
     assert re.fullmatch(r"#+\++\.+", cells)
     assert cells.count("#") == len(cells) // 4 and cells.count("#") + cells.count("+") == len(cells) // 2
     assert " 25%  1 GiB / 4 GiB (2 GiB faulted)  1.07 GB/s average" in bar
-    assert "faulted" not in _progress.render_bar(GiB, 4 * GiB, 1.0, 1, 4, faulted=GiB)  # not ahead: not shown
-    line = _progress.render_line(GiB, 4 * GiB, 1.0, 1, 4, faulted=3 * GiB)
+    assert "faulted" not in render_bar(GiB, 4 * GiB, 1.0, 1, 4, faulted=GiB)  # not ahead: not shown
+    line = render_line(GiB, 4 * GiB, 1.0, 1, 4, faulted=3 * GiB)
     assert line.startswith("pinpool: pinning 25% (1 GiB of 4 GiB, 3 GiB faulted), 1.07 GB/s average")
 
 
 def test_render_line() -> None:
-    assert _progress.render_line(3 * GiB, 4 * GiB, 3.0, 12, 16) == (
+    assert render_line(3 * GiB, 4 * GiB, 3.0, 12, 16) == (
         "pinpool: pinning 75% (3 GiB of 4 GiB), 1.07 GB/s average, ETA 0:01, 12/16 chunks, 3.0 s elapsed"
     )
-    assert "99%" in _progress.render_line(4 * GiB - 1, 4 * GiB, 1.0, 15, 16)  # 100% only when all is pinned
+    assert "99%" in render_line(4 * GiB - 1, 4 * GiB, 1.0, 15, 16)  # 100% only when all is pinned
 
 
 def test_percentile_is_nearest_rank() -> None:
     values = [float(v) for v in range(1, 101)]
-    assert _progress.percentile(values, 50) == 50 and _progress.percentile(values, 99) == 99
-    assert _progress.percentile([3.0, 1.0, 2.0], 99) == 3.0 and _progress.percentile([5.0], 50) == 5.0
+    assert percentile(values, 50) == 50 and percentile(values, 99) == 99
+    assert percentile([3.0, 1.0, 2.0], 99) == 3.0 and percentile([5.0], 50) == 5.0
     with pytest.raises(ValueError):
-        _progress.percentile([], 50)
+        percentile([], 50)
 
 
 class Clock:
@@ -1074,7 +1092,7 @@ class Clock:
 
 def test_reporter_lines_every_interval_and_once_at_the_end() -> None:
     stream, clock = io.StringIO(), Clock()
-    reporter = _progress.ProgressReporter(stream, "lines", interval=2.0, clock=clock)
+    reporter = ProgressReporter(stream, "lines", interval=2.0, clock=clock)
     for step in range(1, 13):  # 3 s of ticks every 0.25 s
         clock.now += 0.25
         reporter(step * MiB, 12 * MiB, step, 12)
@@ -1085,7 +1103,7 @@ def test_reporter_lines_every_interval_and_once_at_the_end() -> None:
 
 def test_reporter_bar_redraws_one_line_and_clears_it() -> None:
     stream, clock = io.StringIO(), Clock()
-    reporter = _progress.ProgressReporter(stream, "bar", clock=clock, width=80)
+    reporter = ProgressReporter(stream, "bar", clock=clock, width=80)
     clock.now += 1
     reporter(MiB, 4 * MiB, 1, 4)
     clock.now += 1
@@ -1098,7 +1116,7 @@ def test_reporter_bar_redraws_one_line_and_clears_it() -> None:
 def test_reporter_reads_faulted_bytes_at_each_update() -> None:
     stream, clock = io.StringIO(), Clock()
     faulted = iter([None, 3.0 * MiB])
-    reporter = _progress.ProgressReporter(stream, "lines", interval=0.0, clock=clock, faulted=lambda: next(faulted))
+    reporter = ProgressReporter(stream, "lines", interval=0.0, clock=clock, faulted=lambda: next(faulted))
     clock.now += 1
     reporter(MiB, 4 * MiB, 1, 4)
     reporter(MiB, 4 * MiB, 1, 4)
@@ -1110,7 +1128,7 @@ def test_the_bar_moves_within_a_chunk_as_pages_fault() -> None:
     """One 1 GiB chunk counts as pinned only when it is whole; the bar must not sit still until then,
     nor jump half a bar at a time: it follows the faulted bytes, 16 MiB a tick."""
     stream, clock = io.StringIO(), Clock()
-    reporter = _progress.ProgressReporter(stream, "bar", clock=clock, width=200)  # wide: always 40 cells
+    reporter = ProgressReporter(stream, "bar", clock=clock, width=200)  # wide: always 40 cells
     faulted = 0
 
     def read() -> int:
@@ -1132,7 +1150,7 @@ def test_the_bar_moves_within_a_chunk_as_pages_fault() -> None:
 
 def test_the_rate_shown_is_the_current_one_not_the_average() -> None:
     stream, clock = io.StringIO(), Clock()
-    reporter = _progress.ProgressReporter(stream, "lines", interval=0.0, clock=clock)
+    reporter = ProgressReporter(stream, "lines", interval=0.0, clock=clock)
     pinned = 0
     for _ in range(100):  # 10 s at 2 GB/s
         clock.now += 0.1
@@ -1155,7 +1173,7 @@ def test_the_rate_shown_is_the_current_one_not_the_average() -> None:
 def test_resident_growth_follows_pages_as_they_fault() -> None:
     import mmap
 
-    growth = _progress.ResidentGrowth()
+    growth = ResidentGrowth()
     assert (growth() or 0) < 16 * MiB
     with mmap.mmap(-1, 64 * MiB) as memory:
         for offset in range(0, 32 * MiB, mmap.PAGESIZE):
@@ -1163,7 +1181,7 @@ def test_resident_growth_follows_pages_as_they_fault() -> None:
         assert 32 * MiB <= (growth() or 0) < 48 * MiB  # the half that was touched, not the mapping
         growth.restart()
         assert (growth() or 0) < 16 * MiB
-    assert _progress.ResidentGrowth("/nonexistent/statm")() is None
+    assert ResidentGrowth("/nonexistent/statm")() is None
 
 
 def test_pin_shows_faulted_bytes_page_by_page_or_by_span_whichever_is_further() -> None:
@@ -1189,7 +1207,7 @@ def test_reporter_never_raises_into_the_pin() -> None:
         def write(self, text: str) -> int:
             raise BrokenPipeError
 
-    reporter = _progress.ProgressReporter(Broken(), "bar")
+    reporter = ProgressReporter(Broken(), "bar")
     reporter(1, 2, 0, 1)
     reporter(2, 2, 1, 1)  # gave up quietly
     reporter.finish()
@@ -1197,7 +1215,7 @@ def test_reporter_never_raises_into_the_pin() -> None:
 
 def test_event_log_keeps_registration_latency_and_prints_warnings() -> None:
     stream = io.StringIO()
-    log = _progress.EventLog(stream).bind(pool="p", runtime="mlock")
+    log = EventLog(stream).bind(pool="p", runtime="mlock")
     log.debug("chunk.registered", offset=0, nbytes=1, seconds=0.25, attempt=1)
     log.debug("chunk.failed", seconds=9.0)
     log.info("chunk.retry", offset=0)
@@ -1213,32 +1231,32 @@ def test_event_log_keeps_registration_latency_and_prints_warnings() -> None:
 # The doctor's checks, with hand-made hosts: tests/host/test_doctor.py.
 
 
-def statuses(checks: list[_doctor.Check]) -> dict[str, str]:
+def statuses(checks: list[Check]) -> dict[str, str]:
     return {c.name: c.status for c in checks}
 
 
 def test_check_cuda() -> None:
-    assert _doctor.check_cuda(CudaFacts(skip_reason="torch sees no GPU")).status == SKIP
-    assert _doctor.check_cuda(CudaFacts(error="RuntimeError: boom")).status == FAIL
+    assert check_cuda(CudaFacts(skip_reason="torch sees no GPU")).status == SKIP
+    assert check_cuda(CudaFacts(error="RuntimeError: boom")).status == FAIL
     good = CudaFacts(torch_version="2.5", torch_cuda="12.4", driver_version="550.54.15", driver_cuda="12.4",
                      devices=(CudaDevice(0, "NVIDIA H200", 1),))  # fmt: skip
-    check = _doctor.check_cuda(good)
+    check = check_cuda(good)
     assert check.status == OK and "0: NVIDIA H200" in check.detail and "driver 550.54.15 (CUDA 12.4)" in check.detail
     cannot = CudaFacts(torch_cuda="12.4", devices=(CudaDevice(0, "A", 1), CudaDevice(1, "B", 0)))
-    assert _doctor.check_cuda(cannot).status == WARN and "[1]" in _doctor.check_cuda(cannot).detail
-    assert _doctor.check_cuda(CudaFacts(torch_cuda="12.4", devices=(CudaDevice(0, "A", None),))).status == WARN
-    assert _doctor.check_cuda(CudaFacts(build="rocm", torch_cuda="6.2", devices=(CudaDevice(0, "MI300X", None),))
+    assert check_cuda(cannot).status == WARN and "[1]" in check_cuda(cannot).detail
+    assert check_cuda(CudaFacts(torch_cuda="12.4", devices=(CudaDevice(0, "A", None),))).status == WARN
+    assert check_cuda(CudaFacts(build="rocm", torch_cuda="6.2", devices=(CudaDevice(0, "MI300X", None),))
                               ).status == OK  # fmt: skip
 
 
 def test_check_env() -> None:
-    unset = _doctor.check_env({})
+    unset = check_env({})
     assert statuses(unset) == {"env": OK} and "PINPOOL_REGISTER_CHUNK_GB" in unset[0].detail
-    chunk = _doctor.check_env({"PINPOOL_REGISTER_CHUNK_GB": "64"})[-1]
+    chunk = check_env({"PINPOOL_REGISTER_CHUNK_GB": "64"})[-1]
     assert chunk.status == OK and "PINPOOL_REGISTER_CHUNK_GB='64': 64 GiB" in chunk.detail
     env = {"PINPOOL_REGISTER_CHUNK_GB": "-1", "PINPOOL_REGISTER_CHUNK": "4", "PINPOOL_NODE_SLOTS": "x",
            "PINPOOL_NODE_DIR": "relative", "PINPOOL_NODE_BUDGET": "64GiB"}  # fmt: skip
-    bad = _doctor.check_env(env)
+    bad = check_env(env)
     assert statuses(bad) == {
         "env PINPOOL_REGISTER_CHUNK_GB": FAIL, "env PINPOOL_NODE_SLOTS": FAIL, "env PINPOOL_NODE_DIR": FAIL,
         "env PINPOOL_NODE_BUDGET": OK, "env PINPOOL_REGISTER_CHUNK": WARN,
@@ -1247,18 +1265,19 @@ def test_check_env() -> None:
         "PINPOOL_NODE_DIR='relative' must be an absolute path"
         in {c.name: c for c in bad}["env PINPOOL_NODE_DIR"].detail
     )
-    assert "PINPOOL_NODE_SLOTS='4': 4 at once" in _doctor.check_env({"PINPOOL_NODE_SLOTS": "4"})[-1].detail
-    assert _doctor.env_chunk_limit({"PINPOOL_REGISTER_CHUNK_GB": "0.5"}) == GiB // 2
-    assert _doctor.env_chunk_limit({"PINPOOL_REGISTER_CHUNK_GB": "x"}) is None
+    assert "PINPOOL_NODE_SLOTS='4': 4 at once" in check_env({"PINPOOL_NODE_SLOTS": "4"})[-1].detail
+    assert env_chunk_limit({"PINPOOL_REGISTER_CHUNK_GB": "0.5"}) == GiB // 2
+    assert env_chunk_limit({"PINPOOL_REGISTER_CHUNK_GB": "x"}) is None
 
 
 def test_doctor_knows_every_environment_variable_pinpool_reads() -> None:
-    from pinpool._plan import plan as _plan
+    from pinpool._cli import CHUNK_ENV as DOCTOR_CHUNK_ENV
+    from pinpool._plan import CHUNK_ENV
 
     read = set()
     for path in (ROOT / "pinpool").rglob("*.py"):
         read |= set(re.findall(r"\bPINPOOL_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
-    assert read == set(_doctor.KNOWN_ENV) and _doctor.CHUNK_ENV == _plan.CHUNK_ENV
+    assert read == set(KNOWN_ENV) and DOCTOR_CHUNK_ENV == CHUNK_ENV
 
 
 def test_doctor_on_this_host() -> None:
@@ -1270,11 +1289,11 @@ def test_doctor_on_this_host() -> None:
     assert names[:10] == [
         "memlock", "memory", "cgroup", "cpu", "thp", "hugetlb", "hugetlb:1GiB", "kernel", "numa", "cuda",
     ]  # fmt: skip
-    host = HostFacts.probe(torch_build=False)
+    host = _probe.probe_host(torch_build=False)
     cpu = next(c for c in report["checks"] if c["name"] == "cpu")["detail"]
     assert cpu.startswith(f"affinity {host.cpus} CPUs, ") and f": budget {host.cpu_budget};" in cpu
     for check in report["checks"]:
-        assert set(check) == {"name", "status", "detail", "fix"} and check["status"] in _doctor.STATUSES
+        assert set(check) == {"name", "status", "detail", "fix"} and check["status"] in STATUSES
         assert check["detail"] and (check["status"] in (OK, SKIP) or check["fix"])
     assert sum(report["counts"].values()) == len(names)
     text = run_cli("doctor", "--no-cuda")

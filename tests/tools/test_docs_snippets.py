@@ -285,7 +285,8 @@ def zygote_main() -> None:
     import torch  # noqa: F401 - pinpool imports it lazily, on first use of a pool
 
     import pinpool
-    import pinpool._pool.pool  # noqa: F401
+
+    pinpool.PinnedPool  # noqa: B018 - loads the pool's modules
 
     # The preloaded objects: a child's collections skip them, and so does its exit (which would
     # otherwise spend ~0.5 s collecting torch's module graph), and their pages stay shared.

@@ -1,9 +1,4 @@
-"""Layouts: what a pool's memory holds, and where copy pages begin and end.
-
-A layout turns a number of pages into buffers (name, shape, dtype) and says, per buffer, its
-registration granularity: the byte size of one logical copy page. Chunk boundaries are
-multiples of it, so no batched copy ever straddles two registrations.
-"""
+"""The layout families (Raw, Dense, Mamba, Indexer, PagedBytes, MHA, MLA); ``pinpool.layouts`` lends them."""
 
 from __future__ import annotations
 
@@ -13,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._errors import ConfigError
-from ._layouts.spec import (
+from .._errors import ConfigError
+from .._units import shown
+from ._spec import (
     LAYER_FIRST,
     PAGE_FIRST,
     PAGE_FIRST_DIRECT,
@@ -22,20 +18,12 @@ from ._layouts.spec import (
     PAGE_HEAD,
     PAGE_UNIFIED,
     BufferSpec,
-    Layout,
     check_choice,
     check_dim,
     check_dtype,
     check_granularity,
-    check_layout,
     check_shape,
 )
-from ._units import shown
-
-__all__ = ["MHA", "MLA", "BufferSpec", "Dense", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw", "check_layout"]
-
-for _public in (BufferSpec, Layout, check_layout):
-    _public.__module__ = __name__
 
 
 @dataclass(frozen=True)
@@ -86,7 +74,7 @@ class Dense:
                 "pool (e.g. (2, 64, 32, 8, 128) for SGLang's page_first MHA, paged along page_dim=1)"
             )
         object.__setattr__(self, "shape", dims)
-        check_dtype("Dense", self.dtype)
+        object.__setattr__(self, "dtype", check_dtype("Dense", self.dtype))  # a name becomes its torch.dtype
         ndim, dim = len(self.shape), self.page_dim
         if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < ndim:
             raise ConfigError(
@@ -164,6 +152,7 @@ class Mamba:
 
     def _resolve_dtypes(self) -> tuple[torch.dtype, torch.dtype | None]:
         default = None if self.dtype is None else check_dtype("Mamba", self.dtype)
+        object.__setattr__(self, "dtype", default)
         temporal = (
             default if self.temporal_dtype is None else check_dtype("Mamba", self.temporal_dtype, "temporal_dtype")
         )
@@ -335,7 +324,7 @@ class MHA:
     def __post_init__(self) -> None:
         for name in ("layer_num", "page_size", "head_num", "head_dim", "head_group_num"):
             check_dim("MHA", name, getattr(self, name))
-        check_dtype("MHA", self.dtype)
+        object.__setattr__(self, "dtype", check_dtype("MHA", self.dtype))  # a name becomes its torch.dtype
         if not isinstance(self.k_only, bool):
             raise ConfigError(f"MHA(k_only={self.k_only!r}): must be True or False")
         if self.v_head_dim is not None:
@@ -439,7 +428,7 @@ class MLA:
         )
         for name in ("layer_num", "page_size", "kv_cache_dim"):
             check_dim("MLA", name, getattr(self, name))
-        check_dtype("MLA", self.dtype)
+        object.__setattr__(self, "dtype", check_dtype("MLA", self.dtype))  # a name becomes its torch.dtype
         for name in ("qk_rope_head_dim", "index_layer_num", "index_head_dim"):
             if getattr(self, name) is not None:
                 check_dim("MLA", name, getattr(self, name))

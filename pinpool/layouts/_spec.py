@@ -1,5 +1,6 @@
-"""What a layout is (:class:`Layout`, :class:`BufferSpec`), the families' shared checks, and
-:func:`check_layout`; ``pinpool.layouts`` re-exports them."""
+"""What a layout is (:class:`Layout`, :class:`BufferSpec`), the families' shared checks (one dtype
+parser among them, which ``--layout-file`` uses too), and :func:`check_layout`; ``pinpool.layouts``
+lends the public ones."""
 
 from __future__ import annotations
 
@@ -76,12 +77,31 @@ def check_dim(family: str, name: str, value: object) -> int:
     return value
 
 
+# Short names engines use (SGLang's --kv-cache-dtype, vLLM's) for torch's dtypes.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
+                 "fp8_e5m2": "float8_e5m2"}  # fmt: skip
+DTYPE_SPELLINGS = (
+    "a torch.dtype or its name, such as bfloat16, float16, float32, float8_e4m3fn, uint8 "
+    f"(or {', '.join(DTYPE_ALIASES)}; a leading 'torch.' is allowed)"
+)
+
+
+def parse_dtype(value: object) -> torch.dtype | None:
+    """``value`` as a torch.dtype: one already, or its name or alias (:data:`DTYPE_ALIASES`); None if neither."""
+    if isinstance(value, torch.dtype):
+        return value
+    if not isinstance(value, str):
+        return None
+    name = value.removeprefix("torch.")
+    dtype = getattr(torch, DTYPE_ALIASES.get(name, name), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def check_dtype(family: str, value: object, name: str = "dtype") -> torch.dtype:
-    if not isinstance(value, torch.dtype):
-        raise ConfigError(
-            f"{family}({name}={value!r}): must be a torch.dtype such as torch.bfloat16 or torch.float8_e4m3fn"
-        )
-    return value
+    dtype = parse_dtype(value)
+    if dtype is None:
+        raise ConfigError(f"{family}({name}={value!r}): must be {DTYPE_SPELLINGS}")
+    return dtype
 
 
 def check_shape(family: str, name: str, value: object) -> tuple[int, ...]:

@@ -1,1 +1,0 @@
-"""pinpool._layouts"""

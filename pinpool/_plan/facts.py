@@ -1,0 +1,95 @@
+"""What pinpool knows about the host, in one frozen value: the planner and the pre-flight take it as
+an argument (planning is a pure function; tests and ``pinpool doctor`` build HostFacts by hand for any
+host). :func:`pinpool._probe.probe_host` reads it from ``_host``'s probes; probing never initialises CUDA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._types import CpuQuota, cgroup_room
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
+
+    cpus: CPUs in this process's affinity mask; cpu_quota: the binding CPU cgroup quota (None: not
+        read); worker counts derive from :attr:`cpu_budget`.
+    huge_page_size: the huge page pinpool maps with (2 MiB); thp_mode, thp_defrag: None without THP.
+    cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK (memlock_soft, memlock_hard).
+    cgroup_memory_*, cgroup_version, cgroup_path, mem_available: :class:`~pinpool._host.limits.MemoryLimits`.
+    locked_bytes: what this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
+    hugetlb_free, hugetlb_total (2 MiB), hugetlb_1g_free, hugetlb_1g_total: free and reserved pages.
+    torch_cuda, torch_hip: ``torch.version`` build facts; nvidia_driver, amd_kfd: the kernel drivers.
+    """
+
+    cpus: int
+    page_size: int
+    huge_page_size: int
+    thp_mode: str | None
+    populate_write: bool
+    memlock_soft: int | None
+    memlock_hard: int | None
+    cap_ipc_lock: bool
+    cgroup_memory_limit: int | None
+    mem_available: int | None
+    hugetlb_free: int
+    hugetlb_total: int
+    numa_nodes: tuple[int, ...]
+    address_space_bytes: int
+    torch_cuda: str | None
+    torch_hip: str | None
+    nvidia_driver: bool
+    amd_kfd: bool
+    # Added later, with defaults, so hand-made hosts in tests and user code keep working.
+    cgroup_memory_usage: int | None = None
+    cgroup_memory_reclaimable: int | None = None
+    cgroup_version: int | None = None
+    cgroup_path: str | None = None
+    locked_bytes: int = 0
+    thp_defrag: str | None = None
+    kernel_release: str = ""
+    hugetlb_1g_free: int = 0
+    hugetlb_1g_total: int = 0
+    cpu_quota: CpuQuota | None = None
+
+    @property
+    def cpu_budget(self) -> int:
+        """Threads this process can keep busy: the affinity's CPUs, bounded by the CPU quota."""
+        return cpu_budget(self.cpus, self.cpu_quota)
+
+    def hugetlb_pages(self, page_size: int) -> tuple[int, int]:
+        """``(free, reserved)`` hugetlb pages of ``page_size`` (2 MiB or 1 GiB)."""
+        if page_size == 1 << 30:
+            return self.hugetlb_1g_free, self.hugetlb_1g_total
+        return self.hugetlb_free, self.hugetlb_total
+
+    @property
+    def cgroup_room(self) -> int | None:
+        """Bytes the memory cgroup can still charge (limit - usage + page cache); None without a limit."""
+        return cgroup_room(self.cgroup_memory_limit, self.cgroup_memory_usage, self.cgroup_memory_reclaimable)
+
+    @property
+    def memory_available(self) -> int | None:
+        """Bytes that may still become resident: the cgroup's room (limit - usage + page cache) or
+        MemAvailable, whichever is smaller; None when neither is known."""
+        return effective_available(
+            self.cgroup_memory_limit, self.cgroup_memory_usage, self.cgroup_memory_reclaimable, self.mem_available
+        )
+
+
+def cpu_budget(affinity_cpus: int, quota: CpuQuota | None) -> int:
+    """Threads this process can keep busy: its CPUs, bounded by ``floor(quota / period)``; at least 1."""
+    budget = max(1, affinity_cpus)
+    cpus = None if quota is None else quota.cpus
+    if cpus is not None:
+        budget = min(budget, int(cpus))
+    return max(1, budget)
+
+
+def effective_available(
+    limit: int | None, usage: int | None, reclaimable: int | None, mem_available: int | None
+) -> int | None:
+    """What may still become resident: the cgroup's room and MemAvailable, whichever is smaller."""
+    known = [x for x in (cgroup_room(limit, usage, reclaimable), mem_available) if x is not None]
+    return min(known, default=None)

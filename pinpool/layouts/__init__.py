@@ -1,0 +1,18 @@
+"""Layouts: what a pool's memory holds, and where copy pages begin and end.
+
+A layout turns a number of pages into buffers (name, shape, dtype) and says, per buffer, its
+registration granularity: the byte size of one logical copy page. Chunk boundaries are
+multiples of it, so no batched copy ever straddles two registrations. A dtype is a torch.dtype
+or its name (``"bfloat16"``, ``"bf16"``: :data:`DTYPE_SPELLINGS`), here and in ``--layout-file``.
+"""
+
+from ._families import MHA, MLA, Dense, Indexer, Mamba, PagedBytes, Raw
+from ._spec import DTYPE_SPELLINGS, BufferSpec, Layout, check_layout
+
+__all__ = ["DTYPE_SPELLINGS", "MHA", "MLA", "BufferSpec", "Dense", "Indexer", "Layout", "Mamba", "PagedBytes", "Raw",
+           "check_layout"]  # fmt: skip
+
+# Public names report this module (reprs and docs say pinpool.layouts.X).
+for _public in (MHA, MLA, Dense, Indexer, Mamba, PagedBytes, Raw, BufferSpec, Layout, check_layout):
+    _public.__module__ = __name__
+del _public
