@@ -35,6 +35,19 @@ from .mapping import SharedMapping, Unlinker, attach_mapping, create_mapping
 T = TypeVar("T")
 
 
+def _check_flags(create: object, keep: object, mode: object) -> None:
+    for name, value in (("create", create), ("keep", keep)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"SharedMemory({name}={value!r}): must be True or False")
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ConfigError(f"SharedMemory(mode={mode!r}): must be a permission mode such as 0o600")
+    if mode & 0o600 != 0o600 or mode & 0o022:
+        raise ConfigError(
+            f"SharedMemory(mode={mode:#o}): the owner must be able to read and write the region and nobody "
+            "else to write it (use 0o600, or 0o640 / 0o644 for readers of other users)"
+        )
+
+
 class SharedMemory:
     """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs or hugetlbfs,
     or of a memfd, that several processes map and pin, and that may outlive its creator
@@ -57,16 +70,7 @@ class SharedMemory:
         fd: int | None = None,
         huge_page_size: int | str | None = None,
     ) -> None:
-        for name, value in (("create", create), ("keep", keep)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"SharedMemory({name}={value!r}): must be True or False")
-        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise ConfigError(f"SharedMemory(mode={mode!r}): must be a permission mode such as 0o600")
-        if mode & 0o600 != 0o600 or mode & 0o022:
-            raise ConfigError(
-                f"SharedMemory(mode={mode:#o}): the owner must be able to read and write the region and nobody "
-                "else to write it (use 0o600, or 0o640 / 0o644 for readers of other users)"
-            )
+        _check_flags(create, keep, mode)
         huge = None if huge_page_size is None else parse_size(huge_page_size, what="huge_page_size")
         self._create = create
         self._keep = keep
@@ -81,62 +85,71 @@ class SharedMemory:
         if path is not None and fd is not None:
             raise ConfigError("SharedMemory(path=..., fd=...): give one: a path to open, or a descriptor handed on")
         if fd is not None:
-            if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
-                raise ConfigError(f"SharedMemory(fd={fd!r}): must be an open file descriptor (an int >= 0)")
-            if keep:
-                raise ConfigError(
-                    "SharedMemory(fd=..., keep=True): a descriptor has no name to keep or remove; its file lives "
-                    "as long as its owner keeps it (and any mapping of it)"
-                )
-            try:
-                st = os.fstat(fd)
-                f_type, f_bsize = _libc.fstatfs(fd)
-            except OSError as exc:
-                raise ConfigError(f"SharedMemory(fd={fd}): not an open descriptor ({exc.strerror or exc})") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"SharedMemory(fd={fd}): the descriptor is not a regular file (mode {st.st_mode:#o})")
-            self._given_fd = fd
-            self._page_size = _files.page_size_of(f_type, f_bsize, f"fd {fd}")
+            self._page_size = self._take_fd(fd, keep)
         elif path is not None:
-            if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
-                raise ConfigError(f"SharedMemory(path={path!r}): must be a str or os.PathLike path, or None")
-            text = os.fspath(path)
-            if not isinstance(text, str) or not text:
-                raise ConfigError(f"SharedMemory(path={path!r}): must be a non-empty str path")
-            self._path = os.path.abspath(text)
-            self._directory, self._name = os.path.split(self._path)
-            if not self._name or text.endswith("/"):
-                raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
-            _files.check_directory(self._path)
-            f_type, f_bsize = _libc.statfs(self._directory)
-            self._page_size = _files.page_size_of(f_type, f_bsize, f"path {self._path!r}")
+            self._page_size = self._take_path(path)
         else:
-            if not create:
-                raise ConfigError(
-                    "SharedMemory(create=False) needs something to attach to: a path= of an existing region, or "
-                    "the fd= another process handed on"
-                )
-            if keep:
-                raise ConfigError(
-                    "SharedMemory(path=None, keep=True): a memfd has no name to keep; it lives while a descriptor "
-                    "or a mapping refers to it. Give a path on /dev/shm or a hugetlbfs mount to keep a region"
-                )
-            self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-            self._page_size = _libc.PAGE_SIZE
-            if huge is not None:
-                size_flag = _files.HUGE_PAGE_SIZES.get(huge)
-                if size_flag is None:
-                    raise ConfigError(
-                        f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
-                    )
-                self._memfd_flags |= os.MFD_HUGETLB | size_flag
-                self._page_size = huge
+            self._page_size = self._take_memfd(create, keep, huge, huge_page_size)
         if huge is not None and huge != self._page_size:
             raise ConfigError(
                 f"SharedMemory(huge_page_size={huge_page_size!r}): {self._where()} has "
                 f"{format_bytes(self._page_size)} pages, not {format_bytes(huge)}"
                 + (" (it is not on hugetlbfs)" if self._page_size == _libc.PAGE_SIZE else "")
             )
+
+    def _take_fd(self, fd: int, keep: bool) -> int:
+        if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+            raise ConfigError(f"SharedMemory(fd={fd!r}): must be an open file descriptor (an int >= 0)")
+        if keep:
+            raise ConfigError(
+                "SharedMemory(fd=..., keep=True): a descriptor has no name to keep or remove; its file lives "
+                "as long as its owner keeps it (and any mapping of it)"
+            )
+        try:
+            st = os.fstat(fd)
+            f_type, f_bsize = _libc.fstatfs(fd)
+        except OSError as exc:
+            raise ConfigError(f"SharedMemory(fd={fd}): not an open descriptor ({exc.strerror or exc})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"SharedMemory(fd={fd}): the descriptor is not a regular file (mode {st.st_mode:#o})")
+        self._given_fd = fd
+        return _files.page_size_of(f_type, f_bsize, f"fd {fd}")
+
+    def _take_path(self, path: str | os.PathLike[str]) -> int:
+        if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
+            raise ConfigError(f"SharedMemory(path={path!r}): must be a str or os.PathLike path, or None")
+        text = os.fspath(path)
+        if not isinstance(text, str) or not text:
+            raise ConfigError(f"SharedMemory(path={path!r}): must be a non-empty str path")
+        self._path = os.path.abspath(text)
+        self._directory, self._name = os.path.split(self._path)
+        if not self._name or text.endswith("/"):
+            raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
+        _files.check_directory(self._path)
+        f_type, f_bsize = _libc.statfs(self._directory)
+        return _files.page_size_of(f_type, f_bsize, f"path {self._path!r}")
+
+    def _take_memfd(self, create: bool, keep: bool, huge: int | None, huge_page_size: object) -> int:
+        if not create:
+            raise ConfigError(
+                "SharedMemory(create=False) needs something to attach to: a path= of an existing region, or "
+                "the fd= another process handed on"
+            )
+        if keep:
+            raise ConfigError(
+                "SharedMemory(path=None, keep=True): a memfd has no name to keep; it lives while a descriptor "
+                "or a mapping refers to it. Give a path on /dev/shm or a hugetlbfs mount to keep a region"
+            )
+        self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        if huge is None:
+            return _libc.PAGE_SIZE
+        size_flag = _files.HUGE_PAGE_SIZES.get(huge)
+        if size_flag is None:
+            raise ConfigError(
+                f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
+            )
+        self._memfd_flags |= os.MFD_HUGETLB | size_flag
+        return huge
 
     # -- properties --------------------------------------------------------------------------------
 
