@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from .._errors import ConfigError
 from .._host import libc as _libc
 from .._host.files import FILE_FLAGS, regular_file_problem
-from .format import TEMP_MARK, describe, find_half_made, is_temp_name, read_region
+from .format import TEMP_MARK, describe, find_half_made, is_temp_name, open_checked, read_region
 
 HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
 _FS_NAMES = {
@@ -248,18 +248,14 @@ def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
     except OSError:
         return removed
     for temp in names:
-        try:  # checked before the open too: opening a device has effects
-            if region_file_problem(os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)) is not None:
-                continue
-            fd = os.open(temp, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
-        except OSError:
+        fd = open_checked(temp, dir_fd, os.O_RDONLY, region_file_problem)
+        if fd is None:
             continue
         try:
             st = os.fstat(fd)
-            if region_file_problem(st) is None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if remove_file(dir_fd, temp, (st.st_dev, st.st_ino)):
-                    removed.append((temp, st.st_blocks * 512))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if remove_file(dir_fd, temp, (st.st_dev, st.st_ino)):
+                removed.append((temp, st.st_blocks * 512))
         except OSError:
             pass  # locked: its creator is at work
         finally:

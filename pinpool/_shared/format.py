@@ -23,7 +23,7 @@ import stat
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -370,15 +370,13 @@ class RegionInfo:
     region_id: str
     keep: bool
     record: Mapping[str, Any]
-    created_uid: int | None
     created_pid: int | None
-    created_unix: float | None
     created_host: str | None
     creator_alive: bool | None
     age_seconds: float | None
 
 
-# A trailer is untrusted: a number outside these is no pid, uid or time pinpool wrote (a crafted
+# A trailer is untrusted: a number outside these is no pid or time pinpool wrote (a crafted
 # one had doctor print a 300-digit pid). PID_MAX_LIMIT is the kernel's ceiling for pid_max.
 _PID_MAX_LIMIT = 1 << 22
 _UNIX_MAX = 1 << 40  # seconds: year 36812
@@ -394,7 +392,7 @@ def _number(value: object, low: int, high: int) -> int | float | None:
 def region_info(path: str, st: os.stat_result, trailer: Trailer) -> RegionInfo:
     created = trailer.created
     host, start = created.get("host"), created.get("start")
-    pid, uid = _number(created.get("pid"), 1, _PID_MAX_LIMIT), _number(created.get("uid"), 0, 2**32 - 1)
+    pid = _number(created.get("pid"), 1, _PID_MAX_LIMIT)
     alive: bool | None = None
     if isinstance(pid, int) and host == socket.gethostname():
         alive = start is not None and _process_start(pid) == start
@@ -404,27 +402,42 @@ def region_info(path: str, st: os.stat_result, trailer: Trailer) -> RegionInfo:
         path=path, file_bytes=st.st_size, nbytes=trailer.nbytes, page_size=trailer.page_size,
         held_bytes=st.st_blocks * 512, owner_uid=st.st_uid, version=trailer.version, generation=trailer.generation,
         region_id=trailer.region_id, keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
-        created_uid=uid if isinstance(uid, int) else None,
-        created_pid=pid if isinstance(pid, int) else None, created_unix=when,
+        created_pid=pid if isinstance(pid, int) else None,
         created_host=host if isinstance(host, str) else None, creator_alive=alive,
         age_seconds=None if when is None else max(0.0, time.time() - when),
     )  # fmt: skip
 
 
-def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
-    """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or None
-    when it is no pinpool region or cannot be read."""
-    name = path if dir_fd is None else os.path.basename(path)
+def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os.stat_result], object]) -> int | None:
+    """``name`` opened, or None where it cannot be or ``refuse`` finds fault with it: asked of its
+    ``lstat`` before the open (opening a device has effects) and of the open file (it may have been swapped)."""
     try:
-        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        if refuse(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
             return None
-        fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, flags | FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
         return None
     try:
+        if not refuse(os.fstat(fd)):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _not_regular(st: os.stat_result) -> bool:
+    return not stat.S_ISREG(st.st_mode)
+
+
+def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
+    """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or None
+    when it is no pinpool region or cannot be read."""
+    fd = open_checked(path if dir_fd is None else os.path.basename(path), dir_fd, os.O_RDONLY, _not_regular)
+    if fd is None:
+        return None
+    try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
         return region_info(path, st, read_trailer(fd, st.st_size))
     except (OSError, NotRegion):
         return None

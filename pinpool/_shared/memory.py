@@ -16,7 +16,6 @@ from typing import TypeVar
 
 from .._errors import ConfigError, PoolStateError
 from .._host import libc as _libc
-from .._host.files import FILE_FLAGS
 from .._units import format_bytes, parse_size
 from . import files as _files
 from .format import (
@@ -25,6 +24,7 @@ from .format import (
     RegionInfo,
     align,
     check_generation,
+    open_checked,
     read_trailer,
     region_file_bytes,
     region_info,
@@ -217,17 +217,10 @@ class SharedMemory:
             return None
         dir_fd = _files.open_region_directory(self._path)
         try:
-            if _files.region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
-                return None
-            fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | FILE_FLAGS, dir_fd=dir_fd)
-        except OSError:
-            return None
+            fd = open_checked(self._name, dir_fd, os.O_RDWR if write else os.O_RDONLY, _files.region_file_problem)
         finally:
             os.close(dir_fd)
-        if _files.region_file_problem(os.fstat(fd)) is not None:
-            os.close(fd)
-            return None
-        return fd, True
+        return None if fd is None else (fd, True)
 
     def resident_bytes(self, nbytes: int) -> int:
         """Bytes of a pool of ``nbytes`` the region's file already holds in memory (resident, or
@@ -246,18 +239,6 @@ class SharedMemory:
         st = self._read_file(os.fstat)
         return total if st is None else max(0, total - st.st_blocks * 512)
 
-    def _region(self) -> RegionInfo | None:
-        """What the region's file holds now (from its trailer), or None when there is no region yet."""
-
-        def info(fd: int) -> RegionInfo:
-            st = os.fstat(fd)
-            return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
-
-        try:
-            return self._read_file(info)
-        except (OSError, NotRegion):
-            return None
-
     def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
         """``read`` of a descriptor of the region's file as it is now, or None without one."""
         opened = self._open_region_file(write=write)
@@ -275,9 +256,7 @@ class SharedMemory:
         """The region's generation number: 0 when created, then whatever :meth:`set_generation`
         stored. :class:`ConfigError` when there is no region to read, or it was truncated."""
         mapping = self._mapping
-        if mapping is not None:
-            return mapping.generation
-        return self._info("has no generation").generation
+        return self._info("has no generation").generation if mapping is None else mapping.generation
 
     @property
     def region_id(self) -> str:
@@ -285,15 +264,25 @@ class SharedMemory:
         on ``(region_id, generation)``: the generation counts within one region's life, the id tells
         the lives apart. :class:`ConfigError` when there is no region to read."""
         mapping = self._mapping
-        if mapping is not None:
-            return mapping.region_id
-        return self._info("has no identity").region_id
+        return self._info("has no identity").region_id if mapping is None else mapping.region_id
 
     def _info(self, lacking: str) -> RegionInfo:
         info = self._region()
         if info is None:
             raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it {lacking}")
         return info
+
+    def _region(self) -> RegionInfo | None:
+        """What the region's file holds now (from its trailer), or None when there is no region yet."""
+
+        def info(fd: int) -> RegionInfo:
+            st = os.fstat(fd)
+            return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
+
+        try:
+            return self._read_file(info)
+        except (OSError, NotRegion):
+            return None
 
     def set_generation(self, value: int) -> None:
         """Store ``value`` as the region's generation in the file's trailer: every process sees it at once."""
