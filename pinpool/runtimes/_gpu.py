@@ -194,24 +194,18 @@ class HostRegisterRuntime:
         return f"{type(self).__name__}(device={self.device}, flags={self.flags})"
 
     def register(self, ptr: int, nbytes: int) -> None:
-        with self._device_context(self.device):
-            rc = int(self._binding.cudaHostRegister(ptr, nbytes, self.flags))
-            if rc:
-                self._clear_last_error()
-        if rc:
-            raise self._error(self._api.register_op, rc, ptr, nbytes)
+        self._call(self._api.register_op, lambda: self._binding.cudaHostRegister(ptr, nbytes, self.flags), ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
-        with self._device_context(self.device):
-            rc = int(self._binding.cudaHostUnregister(ptr))
-            if rc:
-                self._clear_last_error()
-        if rc:
-            raise self._error(self._api.unregister_op, rc, ptr, 0)
+        self._call(self._api.unregister_op, lambda: self._binding.cudaHostUnregister(ptr), ptr, 0)
 
-    def _clear_last_error(self) -> None:  # in the thread that made the failed call
-        if self._get_last_error is not None:
-            self._get_last_error()
+    def _call(self, op: str, call: Callable[[], SupportsInt], ptr: int, nbytes: int) -> None:
+        with self._device_context(self.device):
+            rc = int(call())
+            if rc and self._get_last_error is not None:
+                self._get_last_error()  # in the thread that made the failed call
+        if rc:
+            raise self._error(op, rc, ptr, nbytes)
 
     def _error(self, op: str, rc: int, ptr: int, nbytes: int) -> RuntimeCallError:
         name, hint = self._api.errors.get(rc, (self._error_name(rc), ""))
@@ -251,13 +245,9 @@ def _library_calls(library: Any, api: GpuApi) -> tuple[Callable[[], object] | No
 
 def _device_context() -> DeviceContext:
     """``torch.cuda.device`` where torch sees a GPU; otherwise a context that switches nothing."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return contextlib.nullcontext
-    if torch.cuda.is_available():
-        return torch.cuda.device
-    return contextlib.nullcontext
+    import torch
+
+    return torch.cuda.device if torch.cuda.is_available() else contextlib.nullcontext
 
 
 # cudaError_t values worth a name and a hint; everything else gets cudaGetErrorName when

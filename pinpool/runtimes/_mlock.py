@@ -268,14 +268,13 @@ class MlockRuntime:
                 message="no range registered at this base (unregister takes the base of an earlier register)",
             )  # fmt: skip
         err = unlock_range(ptr, nbytes)
-        if not err:
-            OWN_LOCKS.remove(*page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
         if err:
             self._book.add(ptr, nbytes)  # still (partly) locked: keep it on the books
             raise RuntimeCallError(
                 op="munlock", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
                 message=os.strerror(err),
             )  # fmt: skip
+        OWN_LOCKS.remove(*page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
 
 
 def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
@@ -331,7 +330,6 @@ def mlock_error_message(err: int, nbytes: int) -> str:
         f"RLIMIT_MEMLOCK soft {_libc.format_rlimit(soft)}, hard {_libc.format_rlimit(hard)}; "
         f"CAP_IPC_LOCK {'present' if cap else 'absent'}"
     )
-    raise_limit = RAISE_MEMLOCK
     if err == errno.ENOMEM:
         if cap or soft == _libc.RLIM_INFINITY:
             return (
@@ -340,13 +338,13 @@ def mlock_error_message(err: int, nbytes: int) -> str:
             )
         return (
             f"{os.strerror(err)}: locking {format_bytes(nbytes)} more would exceed the locked-memory limit "
-            f"({limits}); {raise_limit}"
+            f"({limits}); {RAISE_MEMLOCK}"
         )
     if err == errno.EPERM:
-        return f"{os.strerror(err)}: locking is not permitted ({limits}); {raise_limit}"
+        return f"{os.strerror(err)}: locking is not permitted ({limits}); {RAISE_MEMLOCK}"
     if err == errno.EAGAIN:
         return (
             f"{os.strerror(err)}: some of the {format_bytes(nbytes)} could not be locked ({limits}); "
-            f"if the limit is the cause, {raise_limit}; otherwise retry or make the pool smaller"
+            f"if the limit is the cause, {RAISE_MEMLOCK}; otherwise retry or make the pool smaller"
         )
     return f"{os.strerror(err)} ({limits})"
