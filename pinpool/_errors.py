@@ -113,12 +113,12 @@ def class_name(obj: object) -> str:
     return foreign_text(type(obj), _NAME.__get__, limit=100)
 
 
-def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
+def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int, note: str = "") -> RuntimeCallError:
     """A runtime that raised something other than RuntimeCallError still gets a typed record."""
-    if isinstance(exc, RuntimeCallError):
+    if isinstance(exc, RuntimeCallError) and not note:
         return exc
     error = RuntimeCallError(
-        op=op, code=-1, reason=class_name(exc), message=foreign_text(exc), ptr=ptr, nbytes=nbytes
+        op=op, code=-1, reason=class_name(exc), message=foreign_text(exc) + note, ptr=ptr, nbytes=nbytes
     )  # fmt: skip
     error.__cause__ = exc
     return error
@@ -126,13 +126,8 @@ def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> Runt
 
 def between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
     """Something pinpool itself raised between a chunk's runtime calls, as that chunk's failure."""
-    error = RuntimeCallError(
-        op=op, code=-1, reason=class_name(exc), ptr=ptr, nbytes=nbytes,
-        message=f"{foreign_text(exc)} (raised by pinpool between runtime calls, not by the runtime; this is a "
-        "pinpool bug, please report it)",
-    )  # fmt: skip
-    error.__cause__ = exc
-    return error
+    note = " (raised by pinpool between runtime calls, not by the runtime; this is a pinpool bug, please report it)"
+    return as_runtime_error(exc, op, ptr, nbytes, note)
 
 
 @dataclass(frozen=True)

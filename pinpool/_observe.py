@@ -192,24 +192,20 @@ class Observer:
     def released_elsewhere(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         """Unregistering ``piece`` found no registration: someone else released it (a warning: perhaps in use)."""
         self._metric("released_elsewhere", lambda m: m.released_elsewhere.labels(*self._labels).inc())
-        self._emit(
-            "warning", "chunk.released_elsewhere", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
-            code=answer.code, reason=answer.reason,
-        )  # fmt: skip
+        self._piece_event("warning", "chunk.released_elsewhere", piece, ptr, answer)
 
     def not_registered(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         """A "may be registered" ``piece`` is not: nothing to undo; logged next to its ``chunk.failed``."""
-        self._emit(
-            "info", "chunk.not_registered", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
-            code=answer.code, reason=answer.reason,
-        )  # fmt: skip
+        self._piece_event("info", "chunk.not_registered", piece, ptr, answer)
 
     def registered_despite_code(self, piece: Chunk, ptr: int, error: RuntimeCallError) -> None:
         """A register that answered ``error`` had registered ``piece`` (a stale code): unregistered again."""
+        self._piece_event("warning", "chunk.registered_despite_code", piece, ptr, error)
+
+    def _piece_event(self, level: str, event: str, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         self._emit(
-            "warning", "chunk.registered_despite_code", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
-            code=error.code, reason=error.reason,
-        )  # fmt: skip
+            level, event, offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr), code=answer.code, reason=answer.reason
+        )
 
     def pin_started(
         self, *, nbytes: int, chunks: int, chunk_bytes: int, granularity: int | None, order: str,

@@ -78,14 +78,10 @@ def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
     except OSError:
         return "unknown"
     fields = data.rpartition(b")")[2].split()  # the command name, in parentheses, may hold anything
-    if not fields:
-        return "unknown"
-    code = fields[0]
-    if code in (b"T", b"t"):
-        return "stopped"
-    if code in (b"Z", b"X", b"x"):
-        return "zombie"
-    return "running"
+    return _STATES.get(fields[0], "running") if fields else "unknown"
+
+
+_STATES: dict[bytes, HolderState] = {b"T": "stopped", b"t": "stopped", b"Z": "zombie", b"X": "zombie", b"x": "zombie"}
 
 
 def _flock_holders(st: os.stat_result, locks: str = "/proc/locks") -> tuple[int, ...]:
