@@ -66,6 +66,9 @@ class NodeHolder:
         return who if self.nbytes is None else f"{who}: {format_bytes(self.nbytes)}"
 
 
+_STATES: dict[bytes, HolderState] = {b"T": "stopped", b"t": "stopped", b"Z": "zombie", b"X": "zombie", b"x": "zombie"}
+
+
 def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
     """``pid``'s state, from one read of ``/proc/<pid>/stat`` ("not found": gone, or another pid namespace)."""
     if pid is None or pid <= 0:
@@ -79,9 +82,6 @@ def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
         return "unknown"
     fields = data.rpartition(b")")[2].split()  # the command name, in parentheses, may hold anything
     return _STATES.get(fields[0], "running") if fields else "unknown"
-
-
-_STATES: dict[bytes, HolderState] = {b"T": "stopped", b"t": "stopped", b"Z": "zombie", b"X": "zombie", b"x": "zombie"}
 
 
 def _flock_holders(st: os.stat_result, locks: str = "/proc/locks") -> tuple[int, ...]:
