@@ -426,14 +426,11 @@ def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os
     return None
 
 
-def _not_regular(st: os.stat_result) -> bool:
-    return not stat.S_ISREG(st.st_mode)
-
-
 def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
     """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or None
     when it is no pinpool region or cannot be read."""
-    fd = open_checked(path if dir_fd is None else os.path.basename(path), dir_fd, os.O_RDONLY, _not_regular)
+    name = path if dir_fd is None else os.path.basename(path)
+    fd = open_checked(name, dir_fd, os.O_RDONLY, lambda st: not stat.S_ISREG(st.st_mode))
     if fd is None:
         return None
     try:
