@@ -1,20 +1,11 @@
 """Node pacing: ranks on one host share pin slots and a byte budget through ``flock(2)``-ed files in
-one directory, with no server (docs/serving.md). A flock goes with the last descriptor of its open
-file description, so a crashed (even SIGKILLed) rank's locks go with it.
+one directory, with no server (docs/serving.md); a dead (even SIGKILLed) rank's locks go with it.
 
 **Slots**: ``LOCK_EX`` on the first free ``slot-N``. **Budget**: each holder keeps a locked
-``hold-<pid>-<random>`` holding its byte count. Admission, under ``LOCK_EX`` on ``budget.lock``,
-sums the locked hold files (an unlocked one is a dead holder's, removed) and, if the request fits,
-creates its own, written and locked, before letting ``budget.lock`` go. Slot files and
-``budget.lock`` are never removed (removing a file others hold open would split the lock).
-
-**Waiting** polls on the calling thread every 5 % of the time waited (from 5 ms, jittered, at most
-``poll``): a slot freed after a short pin is taken within milliseconds, and the hand-over costs at
-most ~5 % of the wait. Not FIFO.
-
-**Fork**: a child forked without ``exec`` shares the parent's open file descriptions and would keep
-its slot locked after the parent released it, so the child closes its copies (which never releases
-the parent's lock) and ``release()`` does nothing in any process but the acquiring one.
+``hold-<pid>-<random>`` holding its byte count; admission, under ``LOCK_EX`` on ``budget.lock``, sums
+the locked hold files (removing unlocked ones: dead holders') and creates its own if the request fits.
+Slot files and ``budget.lock`` are never removed (that would split the lock). Waiting polls, not FIFO.
+A forked child closes its inherited copies, and ``release()`` acts only in the acquiring process.
 """
 
 from __future__ import annotations
@@ -129,9 +120,8 @@ _LIVE: weakref.WeakSet[_Hold] = weakref.WeakSet()
 
 
 class _Hold:
-    """A lock file's descriptor, released once (also when collected), in the acquiring process only.
-    It exists before anything is opened and owns each descriptor from the store that keeps it, so
-    whatever is raised afterwards (a ``KeyboardInterrupt`` too) is undone by :meth:`release`."""
+    """A lock file's descriptor, released once (also when collected), in the acquiring process only;
+    made before anything is opened, so whatever is raised afterwards is undone by :meth:`release`."""
 
     def __init__(self, *, directory: str, name: str | None, waited_seconds: float) -> None:
         self._fd = self._dir_fd = -1  # the budget's: the directory, to remove its hold file by name
@@ -235,13 +225,10 @@ class BudgetHold(_Hold):
 
 DEFAULT_POLL_SECONDS = 0.25  # the longest interval between two attempts while waiting
 MIN_POLL_SECONDS = 0.005  # the first intervals
-_POLL_FRACTION = 0.05  # of the time waited so far
-# budget.lock is held for a listing and a few tiny reads: a busy one is retried quickly, and a
-# fail-fast admission gives up only after this long (a holder stopped with SIGSTOP, say).
-_LOCK_RETRY_SECONDS = 0.002
+_POLL_FRACTION = 0.05  # of the time waited so far: a short pin's freed slot is taken within milliseconds
+_LOCK_RETRY_SECONDS = 0.002  # budget.lock is held briefly; fail-fast gives up on it only after:
 _LOCK_GIVE_UP_SECONDS = 5.0
-# A waiting rank says whom it waits for after this long, then again every _WAITING_EVERY_SECONDS.
-_WAITING_FIRST_SECONDS = 10.0
+_WAITING_FIRST_SECONDS = 10.0  # then every _WAITING_EVERY_SECONDS, a waiting rank says whom it waits for
 _WAITING_EVERY_SECONDS = 60.0
 
 H = TypeVar("H", bound=_Hold)
@@ -255,16 +242,14 @@ _CONTENDED = _Contended()
 
 
 OnWaiting = Callable[[Kind, tuple[NodeHolder, ...], float], object]
+OnWait = Callable[[NodeBusyError], object]
+Cancelled = Callable[[], bool]
 
 
 class NodeAdmission:
-    """Admission to a node's pin slots and byte budget, for one pool (``label``: its name).
-
-    The constructor checks the directory and the lock files in it (a ConfigError before anything is
-    mapped); every acquisition checks them again. Holds of what is not paced are released already.
-    ``on_waiting(kind, holders, waited_seconds)`` is called from the waiting thread after 10 s, then
-    every 60 s, naming whom the rank waits for and their states; an ``Exception`` it raises is ignored.
-    """
+    """Admission to a node's pin slots and byte budget, for one pool (``label``: its name). The
+    constructor checks the directory and its lock files (a ConfigError before anything is mapped).
+    ``on_waiting(kind, holders, waited_seconds)``: called while waiting (what it raises is ignored)."""
 
     def __init__(self, pacing: NodePacing, *, label: str = "", on_waiting: OnWaiting | None = None) -> None:
         if not isinstance(pacing, NodePacing):
@@ -439,21 +424,18 @@ class NodeAdmission:
     # -- waiting ---------------------------------------------------------------------------------
 
     def acquire_slot(
-        self,
-        cancelled: Callable[[], bool] | None = None,
-        poll: float = DEFAULT_POLL_SECONDS,
-        on_wait: Callable[[NodeBusyError], object] | None = None,
+        self, cancelled: Cancelled | None = None, poll: float = DEFAULT_POLL_SECONDS, on_wait: OnWait | None = None
     ) -> SlotHold:
         """A pin slot, waiting on this thread if ``wait``, else :class:`NodeBusyError` at once;
         :class:`NodeWaitCancelled` once ``cancelled()``; ``on_wait(busy)`` once, when the wait begins."""
-        return self._wait("slots", lambda waited: self._attempt_slot(waited), cancelled, poll, on_wait)
+        return self._wait("slots", self._attempt_slot, cancelled, poll, on_wait)
 
     def reserve_budget(
         self,
         nbytes: int,
-        cancelled: Callable[[], bool] | None = None,
+        cancelled: Cancelled | None = None,
         poll: float = DEFAULT_POLL_SECONDS,
-        on_wait: Callable[[NodeBusyError], object] | None = None,
+        on_wait: OnWait | None = None,
     ) -> BudgetHold:
         """``nbytes`` of the node budget, as :meth:`acquire_slot` waits for a slot."""
         self.check_request(nbytes)
@@ -480,11 +462,12 @@ class NodeAdmission:
         self,
         kind: Kind,
         attempt: Callable[[float], H | NodeBusyError | _Contended],
-        cancelled: Callable[[], bool] | None,
+        cancelled: Cancelled | None,
         poll: float,
-        on_wait: Callable[[NodeBusyError], object] | None,
+        on_wait: OnWait | None,
     ) -> H:
-        _check_poll(poll)
+        if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
+            raise ConfigError(f"poll={poll!r} must be a number of seconds in (0, 60]")
         started = time.monotonic()
         report_at = started + _WAITING_FIRST_SECONDS
         told = False
@@ -533,8 +516,3 @@ class NodeAdmission:
             return ()
         finally:
             os.close(dir_fd)
-
-
-def _check_poll(poll: float) -> None:
-    if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
-        raise ConfigError(f"poll={poll!r} must be a number of seconds in (0, 60]")

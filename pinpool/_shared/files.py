@@ -23,18 +23,15 @@ _FS_NAMES = {
 }  # fmt: skip
 
 
-def _fs_name(f_type: int) -> str:
-    return _FS_NAMES.get(f_type, f"f_type {f_type:#x}")
-
-
 def page_size_of(f_type: int, f_bsize: int, where: str) -> int:
     """The page a region on this file system is made of, or :class:`ConfigError` for one it cannot live on."""
     if f_type == _libc.HUGETLBFS_MAGIC:
         return f_bsize
     if f_type == _libc.TMPFS_MAGIC:
         return _libc.PAGE_SIZE
+    fs_name = _FS_NAMES.get(f_type, f"f_type {f_type:#x}")
     raise ConfigError(
-        f"shared memory {where} is on a {_fs_name(f_type)} file system, not tmpfs or hugetlbfs: a pool's pages "
+        f"shared memory {where} is on a {fs_name} file system, not tmpfs or hugetlbfs: a pool's pages "
         "must be memory, not a disk file's page cache. Use a path on /dev/shm (tmpfs) or on a hugetlbfs mount, "
         "or path=None for a memfd"
     )
@@ -93,9 +90,8 @@ def _refuse_ancestor(path: str, at: str, problem: str) -> ConfigError:
 
 
 def _walk(path: str) -> int:
-    """The directory of ``path`` opened, reached one component at a time from ``/`` with
-    ``openat(O_NOFOLLOW)``, each directory passing :func:`_dir_problem`, a link followed only when
-    root's or ours and not the region's own directory: nothing another user controls redirects it."""
+    """The directory of ``path`` opened one component at a time from ``/`` (``openat(O_NOFOLLOW)``),
+    each passing :func:`_dir_problem`, a link followed only when root's or ours and not the last."""
     directory = os.path.dirname(path)
     todo = [c for c in directory.split("/") if c][::-1]  # a stack: the next component last
     stack = [os.open("/", _WALK_FLAGS)]
@@ -214,10 +210,6 @@ def open_region_file(dir_fd: int, path: str) -> int:
     return fd
 
 
-def _temp_prefix(name: str) -> str:
-    return f".{name[:200]}{TEMP_MARK}"  # within NAME_MAX (255) with the random part
-
-
 def _refuse_existing(dir_fd: int, path: str) -> None:
     name = os.path.basename(path)
     try:
@@ -238,10 +230,8 @@ def _refuse_existing(dir_fd: int, path: str) -> None:
 
 
 def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
-    """Remove the directory's region temporary files whose creators died (a creator holds
-    ``LOCK_EX`` from the moment its file is named until it is published; the kernel drops a dead
-    one's): only names pinpool makes, regular files of this user with one link, never through a link.
-    Returns ``(name, bytes it held)`` for each file removed."""
+    """Remove the directory's region temporary files whose creators died (a live one holds
+    ``LOCK_EX`` until it publishes): ``(name, bytes it held)`` for each file removed."""
     removed: list[tuple[str, int]] = []
     try:
         names = [n for n in os.listdir(dir_fd) if is_temp_name(n)]
@@ -264,8 +254,7 @@ def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
 
 
 def remove_half_made(directories: Iterable[str] | None = None) -> list[tuple[str, int]]:
-    """:func:`remove_stale_temps` in each directory where :func:`find_half_made` finds a dead
-    creator's file (default: where regions live); ``(path, bytes it held)`` for each file removed."""
+    """:func:`remove_stale_temps` wherever :func:`find_half_made` finds a dead creator's file."""
     removed: list[tuple[str, int]] = []
     for directory in sorted({os.path.dirname(h.path) for h in find_half_made(directories) if not h.in_progress}):
         try:
@@ -289,7 +278,7 @@ def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
     _refuse_existing(dir_fd, path)
     remove_stale_temps(dir_fd)
     for _attempt in range(_CREATE_TRIES):
-        temp = _temp_prefix(name) + secrets.token_hex(8)
+        temp = f".{name[:200]}{TEMP_MARK}{secrets.token_hex(8)}"  # within NAME_MAX (255)
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode, dir_fd=dir_fd)
         except OSError as exc:
@@ -299,8 +288,8 @@ def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
         try:
             if st.st_mode & 0o022:  # a umask never adds bits, but a default ACL may
                 os.fchmod(fd, mode)
-            # Until it is locked, another creation in the directory may take it for a dead creator's
-            # (and remove it), or be looking at it this instant (holding the lock): make another.
+            # Until locked, another creation may take it for a dead creator's: then make another.
+
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 ours = names_file(dir_fd, temp, identity)

@@ -1,12 +1,7 @@
 """A shared memory region's on-disk format (data from offset 0, a 4 KiB trailer in the file's last
-page: the table is in docs/shared-memory.md), and reading regions without mapping them.
-
-``region_id`` is new at each creation, so an index saved against one region never matches a later
-one at the same path; a region made before it existed reads as the hash of its body. The trailer
-is *untrusted input* (any process of the owner, or another user's planted file, may have written
-it): a bad one is :class:`NotRegion`, never a RecursionError, an OverflowError or an escape
-sequence on a terminal; nothing that reads regions (for ``pinpool doctor``) raises for a bad file,
-follows a symbolic link or blocks on a FIFO.
+page: docs/shared-memory.md), and reading regions without mapping them. The trailer is *untrusted
+input*: a bad one is :class:`NotRegion`, never a crash or an escape sequence on a terminal, and
+reading regions (``pinpool doctor``) never raises, follows a symbolic link or blocks on a FIFO.
 """
 
 from __future__ import annotations
@@ -126,8 +121,7 @@ def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
 
 
 def _untrusted_problem(value: object, depth: int) -> str | None:
-    """Why a parsed (or to be written) body is not one pinpool reads (too deep, not finite, not
-    printable ASCII: it reaches terminals and logs), or None."""
+    """Why a parsed (or to be written) body is not one pinpool reads (its text reaches terminals), or None."""
     if depth > _MAX_DEPTH:
         return f"it nests more than {_MAX_DEPTH} deep"
     if isinstance(value, str):
@@ -246,8 +240,7 @@ def write_new_trailer(fd: int, file_bytes: int, body: bytes, where: str, *, keep
 
 
 def _checked_size(fd: int, file_bytes: int, where: str) -> None:
-    """:class:`ConfigError` unless the file is still ``file_bytes`` long: another process of the
-    owner may truncate or grow it, and touching a mapped page past its end is SIGBUS."""
+    """:class:`ConfigError` unless the file is still ``file_bytes`` long (a page past its end is SIGBUS)."""
     size = os.fstat(fd).st_size
     if size != file_bytes:
         raise ConfigError(
@@ -258,8 +251,7 @@ def _checked_size(fd: int, file_bytes: int, where: str) -> None:
 
 
 def read_field(fd: int, file_bytes: int, at: int, size: int, where: str) -> bytes:
-    """``size`` bytes at ``at`` of the trailer, read with ``pread`` after checking the file's size:
-    never through a mapping, so a truncation is a :class:`ConfigError`, never SIGBUS."""
+    """``size`` bytes at ``at`` of the trailer, by ``pread`` after a size check: never SIGBUS."""
     _checked_size(fd, file_bytes, where)
     raw = os.pread(fd, size, file_bytes - TRAILER_BYTES + at)
     if len(raw) != size:  # truncated between the check and the read
@@ -348,8 +340,7 @@ TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is a region being made (or left half-made by a creator that died): exactly
-    as files.create_temp_file names one, ``.<name>.pinpool-new-<16 hex digits>``."""
+    """Whether ``name`` is a region's temporary file, as files.create_temp_file names one."""
     head, _mark, tail = name.rpartition(TEMP_MARK)
     return len(head) > 1 and head[0] == "." and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail)
 
@@ -376,14 +367,11 @@ class RegionInfo:
     age_seconds: float | None
 
 
-# A trailer is untrusted: a number outside these is no pid or time pinpool wrote (a crafted
-# one had doctor print a 300-digit pid). PID_MAX_LIMIT is the kernel's ceiling for pid_max.
-_PID_MAX_LIMIT = 1 << 22
+_PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max: a larger "pid" is no pid pinpool wrote
 _UNIX_MAX = 1 << 40  # seconds: year 36812
 
 
 def _number(value: object, low: int, high: int) -> int | float | None:
-    """``value`` if it is a number (not a bool) in ``[low, high]``, else None."""
     if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
         return value
     return None
@@ -409,8 +397,8 @@ def region_info(path: str, st: os.stat_result, trailer: Trailer) -> RegionInfo:
 
 
 def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os.stat_result], object]) -> int | None:
-    """``name`` opened, or None where it cannot be or ``refuse`` finds fault with it: asked of its
-    ``lstat`` before the open (opening a device has effects) and of the open file (it may have been swapped)."""
+    """``name`` opened, or None where it cannot be or ``refuse`` faults its ``lstat`` (opening a
+    device has effects) or, once open, its ``fstat`` (it may have been swapped)."""
     try:
         if refuse(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
             return None
@@ -427,8 +415,7 @@ def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os
 
 
 def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
-    """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or None
-    when it is no pinpool region or cannot be read."""
+    """What the file at ``path`` (in ``dir_fd``, if given) holds, or None for no readable region."""
     name = path if dir_fd is None else os.path.basename(path)
     fd = open_checked(name, dir_fd, os.O_RDONLY, lambda st: not stat.S_ISREG(st.st_mode))
     if fd is None:
@@ -460,8 +447,7 @@ def region_directories(mounts: str = "/proc/mounts") -> list[str]:
 
 @dataclass(frozen=True)
 class HalfMade:
-    """A region's temporary file: ``in_progress`` while its creator holds its lock, else left by a
-    creator that died (the next creation of that name removes it)."""
+    """A region's temporary file: ``in_progress`` while its creator holds its lock, else a dead one's."""
 
     path: str
     held_bytes: int
@@ -470,7 +456,7 @@ class HalfMade:
 
 def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
     """Regular files in ``directories`` (default :func:`region_directories`) and their immediate
-    subdirectories, never through a link; at most :data:`_SCAN_LIMIT` entries in all."""
+    subdirectories, never through a link, at most :data:`_SCAN_LIMIT` entries."""
     budget = _SCAN_LIMIT
     pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
     while pending and budget > 0:
@@ -495,9 +481,8 @@ def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
 
 
 def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
-    """Every pinpool region in ``directories`` and their subdirectories, by path. Bounded per file:
-    one too small for a trailer is skipped on its ``lstat`` (10,000 empty files planted to sort
-    first hide nothing), a larger one costs one 4 KiB ``pread``."""
+    """Every pinpool region in ``directories`` and their subdirectories, by path: one ``lstat`` per
+    file, and one 4 KiB ``pread`` for those large enough to hold a trailer."""
     regions: list[RegionInfo] = []
     for entry in _files(directories):
         try:

@@ -39,9 +39,7 @@ from .format import (
 if TYPE_CHECKING:
     import torch
 
-# How long attaching waits for a creation in progress (the creator holds LOCK_EX from the
-# exclusive open until the trailer is written: microseconds, unless the creator stopped).
-ATTACH_WAIT_SECONDS = 5.0
+ATTACH_WAIT_SECONDS = 5.0  # for a creation in progress (microseconds, unless the creator stopped)
 _POLL_SECONDS = 0.005
 _UNINITIALISED_GRACE_SECONDS = 0.5  # an empty, unlocked file: the creator may not have taken its lock yet
 
@@ -73,8 +71,7 @@ class Unlinker:
                 os.close(self.dir_fd)
 
 
-# munmap frees every page of the range holding the process's mmap_lock for writing: in pieces,
-# as pinpool._host.mapping does for the pool's own mapping (not imported from there: it loads torch).
+# munmap holds the mmap_lock for writing while it frees: in pieces, as pinpool._host.mapping does.
 _UNMAP_PIECE_BYTES = 128 << 20
 
 
@@ -89,8 +86,7 @@ def _release(base: int, file_bytes: int, fd: int, unlink: Unlinker | None) -> No
         unlink()
 
 
-# Mappings that must outlive everything because a chunk of them may still be registered.
-_KEPT_FOREVER: list[SharedMapping] = []
+_KEPT_FOREVER: list[SharedMapping] = []  # a chunk of them may still be registered
 _kept_lock = threading.Lock()
 
 
@@ -108,10 +104,7 @@ class SharedMapping:
         self.nbytes = nbytes
         self.page_size = page_size
         self.huge_pages: bool | str = "hugetlb" if page_size > _libc.PAGE_SIZE else False
-        # Pre-fault a shared mapping with MADV_POPULATE_READ: a read fault on a shared file maps up to
-        # 16 pages the file holds already at once (fault-around), a write fault one page at a time.
-        # Measured with 1 GiB on tmpfs: resident pages 0.40 s read against 0.86 s write; new pages are
-        # allocated and zeroed either way (docs/shared-memory.md).
+        # A read fault maps up to 16 of the file's pages at once (fault-around): docs/shared-memory.md.
         self.populate_advice = _libc.MADV_POPULATE_READ
         self.fd = fd
         self.path = path
@@ -205,6 +198,11 @@ def _populate(fd: int, file_bytes: int, where: str, advice: int, ptr: int, nbyte
 
 # -- making one from a descriptor -------------------------------------------------------------------
 
+_MAKE_ROOM = (
+    "Remove regions no longer used (`pinpool doctor` lists them), make the pool smaller, or enlarge the mount "
+    "(`mount -o remount,size=...`)"
+)
+
 
 def _check_room(fd: int, needed: int, where: str, *, page_size: int, directory: str) -> None:
     """On tmpfs, a fault past the file system's size kills the process (SIGBUS): refuse first."""
@@ -218,12 +216,10 @@ def _check_room(fd: int, needed: int, where: str, *, page_size: int, directory: 
         return  # no size limit (the memfd mount)
     free = vfs.f_bavail * vfs.f_frsize
     if needed > free:
-        place = directory or where
         raise ConfigError(
-            f"shared memory {where}: the file system ({place}) has {format_bytes(free)} free of "
+            f"shared memory {where}: the file system ({directory or where}) has {format_bytes(free)} free of "
             f"{format_bytes(vfs.f_blocks * vfs.f_frsize)}, the region needs {format_bytes(needed)} more; a page "
-            "fault past its size would kill the process (SIGBUS). Remove regions no longer used (`pinpool "
-            "doctor` lists them), make the pool smaller, or enlarge the mount (`mount -o remount,size=...`)"
+            f"fault past its size would kill the process (SIGBUS). {_MAKE_ROOM}"
         )
 
 
@@ -256,9 +252,7 @@ def _reserve(fd: int, file_bytes: int, where: str, *, page_size: int, directory:
     except OSError as exc:
         raise ConfigError(
             f"shared memory {where}: the file system ({directory or where}) could not reserve the region's "
-            f"{format_bytes(file_bytes)} ({exc.strerror or exc}); nothing was pinned. Remove regions no longer "
-            "used (`pinpool doctor` lists them), make the pool smaller, or enlarge the mount (`mount -o "
-            "remount,size=...`)"
+            f"{format_bytes(file_bytes)} ({exc.strerror or exc}); nothing was pinned. {_MAKE_ROOM}"
         ) from None
 
 
@@ -267,8 +261,9 @@ def create_mapping(
     path: str | None, directory: str, unlinker: Callable[[], Unlinker] | None,
     publish: Callable[[], None] | None = None,
 ) -> SharedMapping:  # fmt: skip
-    """Size a new (empty) file, reserve its pages, write its trailer, ``publish`` it (link it into
-    place), then map it, under LOCK_EX. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
+    """Under LOCK_EX: size a new (empty) file, reserve its pages, write its trailer, ``publish`` it
+    (link it into place); then map it. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
+
     body = encode_body(nbytes, page_size, record_json)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,7 +1,5 @@
-"""Shared, file-backed pool memory: :class:`SharedMemory`, its arguments, what its region holds
-now, and which way :meth:`SharedMemory.open_mapping` goes (create or attach; a path, a memfd or a
-descriptor). Lifetime and removal: docs/shared-memory.md ("When the file is removed").
-"""
+"""Shared, file-backed pool memory: :class:`SharedMemory`, its arguments, what its region holds now,
+and whether :meth:`SharedMemory.open_mapping` creates or attaches (docs/shared-memory.md)."""
 
 from __future__ import annotations
 
@@ -50,14 +48,11 @@ def _check_flags(create: object, keep: object, mode: object) -> None:
 
 class SharedMemory:
     """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs or hugetlbfs,
-    or of a memfd, that several processes map and pin, and that may outlive its creator
-    (docs/shared-memory.md explains every argument).
+    or of a memfd, that may outlive its creator (docs/shared-memory.md explains every argument).
 
-    ``path``: the region's file; ``None``: a new memfd, shared by descriptor (:attr:`fd`); ``fd``: a
-    descriptor another process handed on (pinpool maps a duplicate). ``create=False`` attaches,
-    refusing another size or layout. ``keep``: the creator leaves the file in place (settable).
-    Constructing checks the arguments and the directory only; the file is created or opened when a
-    pool maps it (:meth:`open_mapping`), one pool at a time.
+    ``path``: the region's file; ``None``: a new memfd (share :attr:`fd`); ``fd``: a descriptor handed
+    on. ``create=False`` attaches, refusing another size or layout. ``keep``: the creator leaves the
+    file in place. The file is created or opened when a pool maps it, one pool at a time.
     """
 
     def __init__(
@@ -223,9 +218,8 @@ class SharedMemory:
         return None if fd is None else (fd, True)
 
     def resident_bytes(self, nbytes: int) -> int:
-        """Bytes of a pool of ``nbytes`` the region's file already holds in memory (resident, or
-        swapped out on tmpfs; 0 without a file yet), from ``st_blocks`` less the trailer's page:
-        exact for a region of this size, an estimate for another (attaching to one is refused)."""
+        """Bytes of a pool of ``nbytes`` the region's file already holds in memory (0 without a file),
+        from ``st_blocks`` less the trailer's page."""
         data = align(self._check_nbytes(nbytes), self._page_size)
         st = self._read_file(os.fstat)
         if st is None:
@@ -253,16 +247,14 @@ class SharedMemory:
 
     @property
     def generation(self) -> int:
-        """The region's generation number: 0 when created, then whatever :meth:`set_generation`
-        stored. :class:`ConfigError` when there is no region to read, or it was truncated."""
+        """The region's generation number: 0 when created, then what :meth:`set_generation` stored."""
         mapping = self._mapping
         return self._info("has no generation").generation if mapping is None else mapping.generation
 
     @property
     def region_id(self) -> str:
-        """The region's identity: 32 hex digits, new each time a region is created. Key a saved index
-        on ``(region_id, generation)``: the generation counts within one region's life, the id tells
-        the lives apart. :class:`ConfigError` when there is no region to read."""
+        """The region's identity (32 hex digits), new at each creation: key a saved index on
+        ``(region_id, generation)``."""
         mapping = self._mapping
         return self._info("has no identity").region_id if mapping is None else mapping.region_id
 
@@ -313,7 +305,7 @@ class SharedMemory:
 
     def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
         """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (attaching
-        refuses another one) and map all of it ``MAP_SHARED``, unfaulted, for one pool at a time."""
+        refuses another) and map all of it ``MAP_SHARED``, unfaulted."""
         self._check_nbytes(nbytes)
         if not isinstance(record, Mapping):
             raise ConfigError(f"record={record!r} must be a mapping of JSON values (see layout_record)")
@@ -346,8 +338,7 @@ class SharedMemory:
         dir_fd = _files.open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
         try:
             if self._create and not _files.names_file(dir_fd, self._path, self._made):
-                # Made whole under a temporary name, then linked into place: an attacher never sees a
-                # half-made region, and a creator killed midway leaves only a temporary file.
+                # Made whole under a temporary name, then linked into place: never seen half-made.
                 fd, temp = _files.create_temp_file(dir_fd, self._path, self._mode)
                 path = self._path
                 try:
