@@ -1,9 +1,8 @@
 """What a pool reports while it works: Prometheus metrics and structlog events, one method per transition.
 
-Worker threads call the chunk methods (structlog's async methods break under trio). No method of
-:class:`Observer` raises an ``Exception``: the engine calls them between recording outcomes, and a
-raising logger must never cost a chunk or a range claim. As ``logging.Handler.handleError`` does, a
-failure is swallowed, counted and reported once per pool on ``sys.stderr``.
+Worker threads call the chunk methods. No method of :class:`Observer` raises an ``Exception`` (a raising
+logger must never cost a chunk): as ``logging.Handler.handleError`` does, a failure is swallowed,
+counted and reported once per pool on ``sys.stderr``.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ if TYPE_CHECKING:
 
 def default_logger() -> Any:
     """structlog's logger where the application configured structlog; else the stdlib ``pinpool``
-    logger (structlog's unconfigured default prints every level to stdout), whose WARNING lines
-    read as one line with every field (also in ``extra``), never a bare event name."""
+    logger, each line showing every field (also in ``extra``), never a bare event name."""
     if structlog.is_configured():
         return structlog.get_logger("pinpool")
     return structlog.wrap_logger(
@@ -62,8 +60,7 @@ class Observer:
         self._reasons = reasons  # the failure reasons a metric label may take; any other is OTHER_REASON
         self.log = (default_logger() if logger is None else logger).bind(pool=pool, runtime=runtime, layout=layout)
         self._info_labels: tuple[str, ...] | None = None
-        # Per-chunk events are DEBUG; skip building them when the logger would drop them anyway
-        # (structlog's processing of a filtered event is a third of a tiny chunk's cost).
+        # Per-chunk events are DEBUG: not built for a logger that drops them (they cost a tiny chunk's third).
         is_enabled_for = getattr(self.log, "isEnabledFor", None)
         self._chunk_debug = not callable(is_enabled_for) or bool(is_enabled_for(logging.DEBUG))
         # Failures of the user's logger and of metrics calls; the lock is taken only on a failure.
@@ -83,10 +80,8 @@ class Observer:
             self._log_failed(event, exc)
 
     def _log_failed(self, event: str, exc: Exception) -> None:
-        with self._errors_lock:
-            self.log_errors += 1
         self._metric("log_errors", lambda m: m.log_errors.labels(*self._labels).inc())
-        self._report_once("log", f"logging event {event!r} raised", exc)
+        self._failed("log", f"logging event {event!r} raised", exc)
 
     def _metric(self, what: str, *updates: Callable[[PoolMetrics], None]) -> None:
         if self.metrics:
@@ -97,13 +92,15 @@ class Observer:
                 self._metric_failed(what, exc)
 
     def _metric_failed(self, what: str, exc: Exception) -> None:
-        with self._errors_lock:
-            self.metric_errors += 1
-        self._report_once("metrics", f"updating metrics ({what}) raised", exc)
+        self._failed("metrics", f"updating metrics ({what}) raised", exc)
 
-    def _report_once(self, kind: str, what: str, exc: Exception) -> None:
-        """One line on ``sys.stderr`` for the first failure of a kind (not ``warnings``: a filter may make it raise)."""
+    def _failed(self, kind: str, what: str, exc: Exception) -> None:
+        """Count it; one line on ``sys.stderr`` for the first of a kind (not ``warnings``: a filter may raise)."""
         with self._errors_lock:
+            if kind == "log":
+                self.log_errors += 1
+            else:
+                self.metric_errors += 1
             if kind in self._reported:
                 return
             self._reported.add(kind)
@@ -285,12 +282,6 @@ class Observer:
         # A failure of on_progress is the user's exception: its text may raise, or be any length.
         self._emit("error", "pool.failed", error=foreign_text(error, limit=4000), error_type=class_name(error))
 
-    def _release_series(self, metrics: PoolMetrics, leaked_bytes: int) -> None:
-        """After the pool's last gauge update: its gauge series go with the last open pool of its labels."""
-        info_labels, self._info_labels = self._info_labels, None
-        if info_labels is not None:  # pin_started took them
-            metrics.pool_closed(self._labels, info_labels, leaked_bytes=leaked_bytes)
-
     def unpinned(self, *, nbytes: int, seconds: float, failures: int, leaked_bytes: int, pinned: bool) -> None:
         if self.metrics:
             m, labels = self.metrics, self._labels
@@ -305,8 +296,10 @@ class Observer:
                     m.pool_bytes.labels(*labels).dec(nbytes)
                     if self._info_labels is not None:
                         m.pool_info.labels(*self._info_labels).dec()
-                finally:  # whatever failed above, the pool no longer holds its series
-                    self._release_series(m, leaked_bytes)
+                finally:  # whatever failed above, the pool's series go with the last open pool of its labels
+                    info_labels, self._info_labels = self._info_labels, None
+                    if info_labels is not None:  # pin_started took them
+                        m.pool_closed(labels, info_labels, leaked_bytes=leaked_bytes)
             except Exception as exc:
                 self._metric_failed("unpinned", exc)
         if failures:

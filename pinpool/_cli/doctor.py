@@ -1,8 +1,6 @@
 """``pinpool doctor``: is this host ready to pin a pool of a given size, and if not, what to change.
-
-Facts are read once (:func:`read_facts`); every check is a pure function of them returning a
-:class:`Check`, so each rule is tested with hand-made facts. The memory, memlock, huge page and NUMA
-checks are the pool's own pre-flight checks asked about ``--size``: the same figures, the same advice.
+Facts are read once (:func:`read_facts`); every check is a pure function of them (the memory,
+memlock, huge page and NUMA ones are the pool's own pre-flight checks, asked about ``--size``).
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ if TYPE_CHECKING:
 
 
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the same as pinpool._plan.options.CHUNK_ENV (a test holds them equal)
-# Every variable pinpool reads (a test greps the package for PINPOOL_), each checked by the code that reads it.
-KNOWN_ENV: Mapping[str, str] = {
+KNOWN_ENV: Mapping[str, str] = {  # every variable pinpool reads (a test greps the package for PINPOOL_)
     CHUNK_ENV: "the upper bound of one registration call, in GiB; unset: 256",
     "PINPOOL_NODE_SLOTS": "how many processes on this host may pin at once; unset: no limit",
     "PINPOOL_NODE_BUDGET": "bytes all cooperating pools on this host may hold pinned (a size, a fraction "
@@ -98,7 +95,7 @@ def check_cpu(host: HostFacts) -> Check:
 
 def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) -> Check:
     """6.11–6.13 cap one pin call at 2 GB; before 5.14 there is no MADV_POPULATE_WRITE to pre-fault with.
-    ``chunk_limit``: pinpool's per-call limit from the environment (None: the variable is invalid)."""
+    ``chunk_limit``: None where the environment's is invalid."""
     match = re.match(r"(\d+)\.(\d+)", release)
     version = None if match is None else (int(match.group(1)), int(match.group(2)))
     if version is None:
@@ -234,8 +231,7 @@ def _shown(path: str) -> str:
 
 
 def check_region(region: RegionInfo) -> Check:
-    """One pinpool shared memory region, what it holds and who made it: it holds its memory until
-    removed, so one left behind (its creator gone, not meant to be kept) warns."""
+    """One pinpool shared memory region, what it holds and who made it; one left behind warns."""
     record = region.record  # its text is printable ASCII (the trailer's parser refuses anything else)
     path = _shown(region.path)
     layout = f", layout {record['layout']}" if "layout" in record else ""
@@ -260,7 +256,7 @@ def check_region(region: RegionInfo) -> Check:
 
 
 def check_half_made(half: HalfMade) -> Check:
-    """A region's temporary file: fine while its creator is at work; left by one that died: warn."""
+    """A region's temporary file: a warning once its creator died."""
     path = _shown(half.path)
     if half.in_progress:
         return Check("region", OK, f"{path}: a region being created now", "")
@@ -314,8 +310,7 @@ def counts(checks: Sequence[Check]) -> dict[str, int]:
 
 
 def render_text(checks: Sequence[Check], size: int | None) -> str:
-    # Names up to 8 characters line up; a longer one (an environment variable) pushes only its line.
-    width = min(8, max(len(c.name) for c in checks))
+    width = min(8, max(len(c.name) for c in checks))  # a longer name (a variable's) pushes only its line
     lines = [f"pinpool doctor{f' for --size {format_bytes(size)}' if size is not None else ''}:"]
     for check in checks:
         lines.append(f"  {check.status:<4}  {check.name:<{width}}  {check.detail}")

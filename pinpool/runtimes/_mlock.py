@@ -19,12 +19,9 @@ from .._units import format_bytes
 
 
 class _SharedPages:
-    """Holders of every OS page some registration covers only in part, process-wide (as locks are).
-
-    mlock counts nothing: ``munlock`` of one range unlocks every page it touches, whoever else needs
-    it, and chunks of a tensor that starts mid-page share the page at each boundary. So a shared page
-    is locked alone by its first holder and unlocked by its last.
-    """
+    """Holders of every OS page some registration covers only in part, process-wide. mlock counts
+    nothing (``munlock`` unlocks every page it touches), so a page two chunks share is locked alone
+    by its first holder and unlocked by its last."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # held across the page's own mlock/munlock: count and lock agree
@@ -79,8 +76,7 @@ SHARED_PAGES = _SharedPages()
 
 class _OwnLocks:
     """The pages every MlockRuntime here holds locked, to tell pinpool's locks from foreign ones in
-    /proc/self/smaps: recorded *before* locking, forgotten *after* unlocking, and a :meth:`scan` keeps
-    what is forgotten while it reads, so it covers every page pinpool held at any moment of the read."""
+    /proc/self/smaps: recorded before locking, forgotten after unlocking (a :meth:`scan` keeps those)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -152,8 +148,7 @@ OWN_LOCKS = _OwnLocks()
 
 
 def _forget_in_child() -> None:
-    """A forked child holds none of its parent's mlocks (not inherited): its books start empty, with
-    new locks (a thread of the parent may have held one at the fork)."""
+    """A forked child holds none of its parent's mlocks: empty books, new locks."""
     _SharedPages.__init__(SHARED_PAGES)
     _OwnLocks.__init__(OWN_LOCKS)
 
@@ -185,9 +180,8 @@ def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
 
 def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.mlock) -> int:
     """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): whole pages in one call, partial ones
-    through :data:`SHARED_PAGES`. Returns 0, or an errno after which nothing this call locked stays:
-    a failed mlock may have locked part of the range (the kernel marks the mappings locked before it
-    faults them, and stops at a hole), so the range is unlocked again (harmless where nothing is)."""
+    through :data:`SHARED_PAGES`. Returns 0, or an errno after which nothing this call locked stays
+    (a failed mlock may have locked part of the range: it is unlocked again)."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
     if not err:
@@ -215,9 +209,7 @@ class MlockRuntime:
     """
 
     name = "mlock"
-    # EINVAL is this runtime's "no range registered at this base" (munlock itself answers it only
-    # for a range that wraps around the address space, which no pool has): a register call that
-    # failed untrusted before it booked anything is then found unregistered, not leaked.
+    # EINVAL: "no range registered at this base" (munlock answers it only for a range wrapping around).
     capabilities = Capabilities(
         locks_on_fault=True, finds_pinned=True, exact_ranges=True, charges_memlock=True,
         not_registered_codes=frozenset({errno.EINVAL}),
@@ -234,8 +226,7 @@ class MlockRuntime:
         self._lock(ptr, nbytes, _libc.mlock, "mlock")
 
     def lock_on_fault(self, ptr: int, nbytes: int) -> None:
-        """mlock2(MLOCK_ONFAULT): resident pages now, the rest as faulted (charged in full at once), so
-        the pool's populate threads fault and lock each page in one pass."""
+        """mlock2(MLOCK_ONFAULT): the populate threads fault and lock each page in one pass."""
         self._lock(ptr, nbytes, _libc.mlock_on_fault, "mlock2(MLOCK_ONFAULT)")
 
     def _lock(self, ptr: int, nbytes: int, call: Callable[[int, int], int], op: str) -> None:
@@ -256,8 +247,7 @@ class MlockRuntime:
             )  # fmt: skip
 
     def find_pinned(self, ptr: int, nbytes: int) -> str | None:
-        """Memory in the range locked by someone else than pinpool, or None (pinpool's own locks, e.g. a
-        neighbour's shared page, are no obstacle)."""
+        """Memory in the range locked by someone else than pinpool, or None."""
         return _locked_in_smaps(ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
@@ -278,9 +268,8 @@ class MlockRuntime:
 
 
 def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
-    """The first mapping overlapping the range locked by someone else than pinpool, per /proc/self/smaps:
-    more ``Locked:`` than pinpool's own pages there, or ``lo`` in ``VmFlags`` beyond them (a foreign
-    lock of a page pinpool holds too cannot be told apart: the kernel keeps no count)."""
+    """The first mapping overlapping the range with more ``Locked:`` than pinpool's own pages, or ``lo``
+    in ``VmFlags`` beyond them, per /proc/self/smaps (a foreign lock of a page pinpool holds is unseen)."""
     end = ptr + nbytes
     mappings: list[_Mapping] = []
     current: _Mapping | None = None
