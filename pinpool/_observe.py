@@ -7,6 +7,7 @@ counted and reported once per pool on ``sys.stderr``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -104,20 +105,16 @@ class Observer:
             if kind in self._reported:
                 return
             self._reported.add(kind)
-        try:
-            message = f"{class_name(exc)}: {foreign_text(exc)}"
-            stream = sys.stderr
-            if stream is not None:  # None under pythonw, or at interpreter shutdown
-                counted = (
-                    "Observer.log_errors and pinpool_log_errors_total" if kind == "log" else "Observer.metric_errors"
-                )
-                stream.write(
-                    f"pinpool: pool {self._pool!r}: {what}: {message} "
-                    f"(ignored; reported once per pool, every failure is counted in {counted})\n"
-                )
-                stream.flush()
-        except Exception:
-            pass  # a closed or broken stderr: nothing more can be done, and raising is not allowed
+        stream = sys.stderr
+        if stream is None:  # under pythonw, or at interpreter shutdown
+            return
+        counted = "Observer.log_errors and pinpool_log_errors_total" if kind == "log" else "Observer.metric_errors"
+        with contextlib.suppress(Exception):  # a closed or broken stderr: nothing more can be done
+            stream.write(
+                f"pinpool: pool {self._pool!r}: {what}: {class_name(exc)}: {foreign_text(exc)} "
+                f"(ignored; reported once per pool, every failure is counted in {counted})\n"
+            )
+            stream.flush()
 
     def call_started(self) -> None:
         self._metric("call_started", lambda m: m.chunks_in_flight.labels(*self._labels).inc())

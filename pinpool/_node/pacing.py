@@ -10,6 +10,7 @@ A forked child closes its inherited copies, and ``release()`` acts only in the a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -105,13 +106,10 @@ def _record(pid: int, first: str, label: str) -> bytes:
 def _read_record(fd: int) -> tuple[str, int | None, str]:
     """``(first line, pid, label)`` of a slot or hold file; blanks for whatever is unreadable."""
     try:
-        lines = os.pread(fd, _RECORD_LIMIT, 0).decode("utf-8", "replace").split("\n")
+        first, pid, label, *_ = [*os.pread(fd, _RECORD_LIMIT, 0).decode("utf-8", "replace").split("\n"), "", ""]
     except OSError:
         return "", None, ""
-    first = lines[0] if lines else ""
-    pid = int(lines[1]) if len(lines) > 1 and lines[1].isascii() and lines[1].isdigit() else None
-    label = lines[2] if len(lines) > 2 else ""
-    return first, pid, label
+    return first, int(pid) if pid.isascii() and pid.isdigit() else None, label
 
 
 # -- holds -----------------------------------------------------------------------------------------
@@ -157,11 +155,9 @@ class _Hold:
         fds, self._fd, self._dir_fd = (self._fd, self._dir_fd), -1, -1
         self._lock = threading.Lock()
         for fd in fds:
-            try:
-                if fd >= 0:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-            except OSError:
-                pass
 
     def __enter__(self) -> Self:
         return self
@@ -170,10 +166,8 @@ class _Hold:
         self.release()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.release()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
@@ -214,9 +208,8 @@ class BudgetHold(_Hold):
             return
         try:
             if owned and self.name is not None:
-                os.unlink(self.name, dir_fd=dir_fd)  # still locked: nobody counts it as stale meanwhile
-        except FileNotFoundError:
-            pass
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.name, dir_fd=dir_fd)  # still locked: nobody counts it as stale meanwhile
         finally:
             os.close(dir_fd)
 
@@ -308,11 +301,9 @@ class NodeAdmission:
                         holders.append(NodeHolder(pid=pid, label=label))
                         hold.release()  # closes a descriptor that holds no lock
                         continue
-                    try:  # ours: say who holds it (for others' messages only; a failed write changes nothing)
+                    with contextlib.suppress(OSError):  # ours: say who holds it (for others' messages only)
                         os.ftruncate(hold._fd, 0)
                         os.pwrite(hold._fd, _record(os.getpid(), "slot", self.label), 0)
-                    except OSError:
-                        pass
                     return hold
                 except BaseException:
                     hold.release()
@@ -389,10 +380,8 @@ class NodeAdmission:
                     count = int(first) if first.isascii() and first.isdigit() else 0  # written before it was visible
                     holders.append(NodeHolder(pid=pid, nbytes=count, label=label))
                 else:  # nobody holds it: its holder died (or released and is about to remove it)
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=dir_fd)
-                    except FileNotFoundError:
-                        pass
             finally:
                 os.close(fd)
         return holders
@@ -500,10 +489,8 @@ class NodeAdmission:
         else:  # budget.lock itself stayed locked: a rank stopped while admitting
             holders = tuple(NodeHolder(pid=pid, label="") for pid in self._budget_lock_pids())
         holders = tuple(replace(h, state=holder_state(h.pid)) for h in holders)
-        try:
+        with contextlib.suppress(Exception):  # a report never changes the wait
             on_waiting(kind, holders, waited)
-        except Exception:  # a report never changes the wait
-            pass
 
     def _budget_lock_pids(self) -> tuple[int, ...]:
         try:

@@ -4,6 +4,7 @@ directory's descriptor, never by a path that could be swapped."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -340,10 +341,8 @@ def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool
 
 def remove_file(dir_fd: int, name: str, identity: tuple[int, int]) -> bool:
     """Remove the file ``identity`` by its name, if the name still refers to it; whether it did."""
-    try:
+    with contextlib.suppress(OSError):
         if names_file(dir_fd, name, identity):
             os.unlink(name, dir_fd=dir_fd)
             return True
-    except OSError:
-        pass
     return False

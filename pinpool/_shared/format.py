@@ -6,6 +6,7 @@ reading regions (``pinpool doctor``) never raises, follows a symbolic link or bl
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -405,11 +406,9 @@ def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os
         fd = os.open(name, flags | FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
         return None
-    try:
+    with contextlib.suppress(OSError):
         if not refuse(os.fstat(fd)):
             return fd
-    except OSError:
-        pass
     os.close(fd)
     return None
 
@@ -432,16 +431,13 @@ def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
 def region_directories(mounts: str = "/proc/mounts") -> list[str]:
     """Where regions live: ``/dev/shm`` and every hugetlbfs mount point."""
     found = ["/dev/shm"]
-    try:
-        with open(mounts) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and parts[2] == "hugetlbfs":
-                    point = parts[1].replace("\\040", " ")
-                    if point not in found:
-                        found.append(point)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(mounts) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == "hugetlbfs":
+                point = parts[1].replace("\\040", " ")
+                if point not in found:
+                    found.append(point)
     return found
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -78,10 +79,8 @@ _UNMAP_PIECE_BYTES = 128 << 20
 def _release(base: int, file_bytes: int, fd: int, unlink: Unlinker | None) -> None:
     for offset in range(0, file_bytes, _UNMAP_PIECE_BYTES):
         _libc.munmap(base + offset, min(_UNMAP_PIECE_BYTES, file_bytes - offset))
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
     if unlink is not None:
         unlink()
 
@@ -286,11 +285,9 @@ def create_mapping(
         ) from None
     _reserve(fd, file_bytes, where, page_size=page_size, directory=directory)
     write_new_trailer(fd, file_bytes, body, where, keep=keep, page_size=page_size)
-    if seal:
-        try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)
+    if seal:  # nobody shrinks a memfd under the mappings (SIGBUS); a kernel without sealing: documented
+        with contextlib.suppress(OSError):
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        except OSError:
-            pass  # a kernel without sealing: documented
     if publish is not None:
         publish()
     fcntl.flock(fd, fcntl.LOCK_UN)

@@ -201,13 +201,12 @@ class SharedMemory:
 
     # -- the region as it is now ----------------------------------------------------------------------
 
-    def _open_region_file(self, *, write: bool = False) -> tuple[int, bool] | None:
-        """A descriptor of the region's file as it is now and whether the caller must close it, or None."""
+    def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
+        """``read`` of a descriptor of the region's file as it is now, or None without one."""
         mapping = self._mapping
-        if mapping is not None:
-            return mapping.fd, False
-        if self._given_fd is not None:
-            return self._given_fd, False
+        fd = mapping.fd if mapping is not None else self._given_fd
+        if fd is not None:
+            return read(fd)
         if self._path is None:
             return None
         dir_fd = _files.open_region_directory(self._path)
@@ -215,7 +214,12 @@ class SharedMemory:
             fd = open_checked(self._name, dir_fd, os.O_RDWR if write else os.O_RDONLY, _files.region_file_problem)
         finally:
             os.close(dir_fd)
-        return None if fd is None else (fd, True)
+        if fd is None:
+            return None
+        try:
+            return read(fd)
+        finally:
+            os.close(fd)
 
     def resident_bytes(self, nbytes: int) -> int:
         """Bytes of a pool of ``nbytes`` the region's file already holds in memory (0 without a file),
@@ -232,18 +236,6 @@ class SharedMemory:
         total = region_file_bytes(self._check_nbytes(nbytes), self._page_size)
         st = self._read_file(os.fstat)
         return total if st is None else max(0, total - st.st_blocks * 512)
-
-    def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
-        """``read`` of a descriptor of the region's file as it is now, or None without one."""
-        opened = self._open_region_file(write=write)
-        if opened is None:
-            return None
-        fd, close = opened
-        try:
-            return read(fd)
-        finally:
-            if close:
-                os.close(fd)
 
     @property
     def generation(self) -> int:
