@@ -36,9 +36,6 @@ _BUDGET_LOCK = "budget.lock"
 _RECORD_LIMIT = 512  # bytes read back from a slot or hold file
 
 
-# -- who holds what --------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class NodeHolder:
     """Who holds a slot or part of the budget, as its file says (``nbytes``: budget only; ``label``:
@@ -280,8 +277,6 @@ class NodeAdmission:
         budget = None if p.budget_bytes is None else format_bytes(p.budget_bytes)
         return f"<NodeAdmission {p.directory!r} slots={p.slots} budget={budget} wait={p.wait}>"
 
-    # -- one attempt -----------------------------------------------------------------------------
-
     def _attempt_slot(self, waited: float) -> SlotHold | NodeBusyError:
         p = self.pacing
         if p.slots is None:
@@ -409,8 +404,6 @@ class NodeAdmission:
         except BaseException:
             hold.release()  # removes the file and closes both descriptors
             raise
-
-    # -- waiting ---------------------------------------------------------------------------------
 
     def acquire_slot(
         self, cancelled: Cancelled | None = None, poll: float = DEFAULT_POLL_SECONDS, on_wait: OnWait | None = None

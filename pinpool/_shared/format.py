@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import socket
 import stat
@@ -140,26 +141,17 @@ def _untrusted_problem(value: object, depth: int) -> str | None:
     return next((p for p in (_untrusted_problem(v, depth + 1) for v in items) if p is not None), None)
 
 
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"?|[][{}]', re.DOTALL)  # a string (to its end), or a bracket
+_DEPTH = {b"[": 1, b"{": 1, b"]": -1, b"}": -1}
+
+
 def _nesting(body: bytes) -> int:
     """The deepest nesting of ``[`` and ``{`` outside strings: checked before ``json.loads``,
     whose recursion a body of 4,000 brackets would exhaust."""
     depth = deepest = 0
-    quoted = escaped = False
-    for byte in body:
-        if quoted:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                quoted = False
-        elif byte == 0x22:
-            quoted = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
+    for token in _JSON_TOKENS.findall(body):
+        depth += _DEPTH.get(token, 0)
+        deepest = max(deepest, depth)
     return deepest
 
 

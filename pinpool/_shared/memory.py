@@ -146,8 +146,6 @@ class SharedMemory:
         self._memfd_flags |= os.MFD_HUGETLB | size_flag
         return huge
 
-    # -- properties --------------------------------------------------------------------------------
-
     @property
     def path(self) -> str | None:
         """The region's file, absolute; None for a memfd or a descriptor handed on."""
@@ -198,8 +196,6 @@ class SharedMemory:
         if self._given_fd is not None:
             return f"fd={self._given_fd}"
         return "memfd"
-
-    # -- the region as it is now ----------------------------------------------------------------------
 
     def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
         """``read`` of a descriptor of the region's file as it is now, or None without one."""
@@ -287,8 +283,6 @@ class SharedMemory:
 
         if self._read_file(store, write=True) is None:
             raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
-
-    # -- mapping it -------------------------------------------------------------------------------------
 
     def _check_nbytes(self, nbytes: int) -> int:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
