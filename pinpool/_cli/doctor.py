@@ -94,8 +94,7 @@ def check_cpu(host: HostFacts) -> Check:
 
 
 def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) -> Check:
-    """6.11–6.13 cap one pin call at 2 GB; before 5.14 there is no MADV_POPULATE_WRITE to pre-fault with.
-    ``chunk_limit``: None where the environment's is invalid."""
+    """6.11–6.13 cap one pin call at 2 GB; before 5.14 no MADV_POPULATE_WRITE (``chunk_limit`` None: invalid)."""
     match = re.match(r"(\d+)\.(\d+)", release)
     version = None if match is None else (int(match.group(1)), int(match.group(2)))
     if version is None:
@@ -120,9 +119,7 @@ def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) ->
             "run Linux 5.14 or newer for faster pinning",
         ))  # fmt: skip
     detail = "; ".join([f"Linux {release}", *notes, *(p for p, _ in problems)])
-    if problems:
-        return Check("kernel", WARN, detail, problems[0][1])
-    return Check("kernel", OK, detail)
+    return Check("kernel", WARN, detail, problems[0][1]) if problems else Check("kernel", OK, detail)
 
 
 def check_cuda(facts: CudaFacts) -> Check:
@@ -134,9 +131,8 @@ def check_cuda(facts: CudaFacts) -> Check:
             "cuda", FAIL, f"torch sees a GPU but asking about it failed: {facts.error}",
             "check nvidia-smi (or rocm-smi) in the same environment, and the device nodes in the container",
         )  # fmt: skip
-    driver = f"driver {facts.driver_version or 'unknown'}" + (
-        f" (CUDA {facts.driver_cuda})" if facts.driver_cuda else ""
-    )
+    cuda = f" (CUDA {facts.driver_cuda})" if facts.driver_cuda else ""
+    driver = f"driver {facts.driver_version or 'unknown'}{cuda}"
     build = (
         f"torch {facts.torch_version or '?'} built for {'HIP' if facts.build == 'rocm' else 'CUDA'} {facts.torch_cuda}"
     )
@@ -199,15 +195,12 @@ def check_env(env: Mapping[str, str]) -> list[Check]:
     if unset:
         checks.append(Check("env", OK, f"unset (defaults apply): {', '.join(unset)}"))
     for name, meaning in KNOWN_ENV.items():
-        value = env.get(name)
-        if value is None:
+        if (value := env.get(name)) is None:
             continue
         try:
-            means = env_value(name, value)
+            checks.append(Check(f"env {name}", OK, f"{name}={value!r}: {env_value(name, value)} ({meaning})"))
         except ConfigError as exc:
             checks.append(Check(f"env {name}", FAIL, str(exc), f"fix or unset {name} ({meaning})"))
-            continue
-        checks.append(Check(f"env {name}", OK, f"{name}={value!r}: {means} ({meaning})"))
     known = ", ".join(KNOWN_ENV)
     checks.extend(
         Check(f"env {name}", WARN, f"{name} is set but pinpool reads no such variable (known: {known})",
@@ -269,8 +262,7 @@ def check_half_made(half: HalfMade) -> Check:
     )  # fmt: skip
 
 
-def check_removed(path: str, held_bytes: int) -> Check:
-    """A dead creator's temporary file that ``--remove-stale`` removed."""
+def check_removed(path: str, held_bytes: int) -> Check:  # --remove-stale removed it
     return Check(
         "region", OK, f"{_shown(path)}: removed, a region left half-made by a creator that died while creating it "
         f"({format_bytes(held_bytes)} of memory freed)",

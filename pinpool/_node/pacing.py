@@ -191,8 +191,7 @@ class SlotHold(_Hold):
 
 
 class BudgetHold(_Hold):
-    """``nbytes`` of the node's byte budget (``name`` None when the budget is not paced). Hold it for
-    as long as the memory is pinned: from before pinning until after unpinning."""
+    """``nbytes`` of the node's byte budget (``name`` None when not paced), held while the memory is pinned."""
 
     def __init__(self, *, directory: str, name: str | None, nbytes: int, waited_seconds: float) -> None:
         super().__init__(directory=directory, name=name, waited_seconds=waited_seconds)

@@ -91,8 +91,7 @@ def _refuse_ancestor(path: str, at: str, problem: str) -> ConfigError:
 
 
 def _walk(path: str) -> int:
-    """The directory of ``path`` opened one component at a time from ``/`` (``openat(O_NOFOLLOW)``),
-    each passing :func:`_dir_problem`, a link followed only when root's or ours and not the last."""
+    """The directory of ``path``, opened from ``/`` one ``openat(O_NOFOLLOW)`` at a time, each checked."""
     directory = os.path.dirname(path)
     todo = [c for c in directory.split("/") if c][::-1]  # a stack: the next component last
     stack = [os.open("/", _WALK_FLAGS)]
@@ -231,8 +230,7 @@ def _refuse_existing(dir_fd: int, path: str) -> None:
 
 
 def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
-    """Remove the directory's region temporary files whose creators died (a live one holds
-    ``LOCK_EX`` until it publishes): ``(name, bytes it held)`` for each file removed."""
+    """Remove region temporary files whose creators died (a live one holds ``LOCK_EX``): ``(name, bytes)``."""
     removed: list[tuple[str, int]] = []
     try:
         names = [n for n in os.listdir(dir_fd) if is_temp_name(n)]
@@ -273,8 +271,7 @@ _CREATE_TRIES = 8
 
 
 def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
-    """Refuse a name that exists, clean up what dead creators left in the directory, and create a
-    temporary file beside it exclusively, locked ``LOCK_EX``, for :func:`publish`: ``(fd, temporary name)``."""
+    """Refuse an existing name, remove dead creators' leftovers, create a locked temporary file: ``(fd, name)``."""
     name = os.path.basename(path)
     _refuse_existing(dir_fd, path)
     remove_stale_temps(dir_fd)

@@ -146,8 +146,7 @@ _DEPTH = {b"[": 1, b"{": 1, b"]": -1, b"}": -1}
 
 
 def _nesting(body: bytes) -> int:
-    """The deepest nesting of ``[`` and ``{`` outside strings: checked before ``json.loads``,
-    whose recursion a body of 4,000 brackets would exhaust."""
+    """The deepest ``[``/``{`` nesting outside strings, checked before ``json.loads`` (whose recursion it bounds)."""
     depth = deepest = 0
     for token in _JSON_TOKENS.findall(body):
         depth += _DEPTH.get(token, 0)
@@ -259,8 +258,7 @@ def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, p
 
 
 def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
-    """Write ``data`` at ``at`` of the trailer of a file of ``file_bytes``: ``pwrite``, or on
-    hugetlbfs (whose files cannot be written) through a mapping of the trailer's page."""
+    """Write ``data`` at ``at`` of the trailer: ``pwrite``, or on hugetlbfs (no writes) through a mapping."""
     offset = file_bytes - TRAILER_BYTES + at
     if page_size == _PAGE:
         os.pwrite(fd, data, offset)
@@ -443,8 +441,7 @@ class HalfMade:
 
 
 def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
-    """Regular files in ``directories`` (default :func:`region_directories`) and their immediate
-    subdirectories, never through a link, at most :data:`_SCAN_LIMIT` entries."""
+    """Regular files in ``directories`` and their subdirectories (never through a link), a bounded scan."""
     budget = _SCAN_LIMIT
     pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
     while pending and budget > 0:
@@ -469,8 +466,7 @@ def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
 
 
 def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
-    """Every pinpool region in ``directories`` and their subdirectories, by path: one ``lstat`` per
-    file, and one 4 KiB ``pread`` for those large enough to hold a trailer."""
+    """Every pinpool region in ``directories`` and their subdirectories: an ``lstat``, at most a ``pread`` each."""
     regions: list[RegionInfo] = []
     for entry in _files(directories):
         try:

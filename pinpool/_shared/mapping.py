@@ -262,7 +262,6 @@ def create_mapping(
 ) -> SharedMapping:  # fmt: skip
     """Under LOCK_EX: size a new (empty) file, reserve its pages, write its trailer, ``publish`` it
     (link it into place); then map it. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
-
     body = encode_body(nbytes, page_size, record_json)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -300,8 +299,7 @@ def create_mapping(
 
 
 def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, Trailer]:
-    """The trailer, read under LOCK_SH once no creation is in progress (waits up to
-    :data:`ATTACH_WAIT_SECONDS`); :class:`ConfigError` for a file that holds no region."""
+    """The trailer, read under LOCK_SH once no creation is in progress; :class:`ConfigError` for no region."""
     deadline = time.monotonic() + ATTACH_WAIT_SECONDS
     first_empty: float | None = None
     while True:

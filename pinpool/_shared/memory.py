@@ -183,7 +183,6 @@ class SharedMemory:
 
     @property
     def _mapping(self) -> SharedMapping | None:
-        """The mapping a pool holds now, or None."""
         mapping = None if self._live is None else self._live()
         return None if mapping is None or mapping.unmapped else mapping
 
@@ -218,8 +217,7 @@ class SharedMemory:
             os.close(fd)
 
     def resident_bytes(self, nbytes: int) -> int:
-        """Bytes of a pool of ``nbytes`` the region's file already holds in memory (0 without a file),
-        from ``st_blocks`` less the trailer's page."""
+        """Bytes of a pool of ``nbytes`` the region's file holds in memory already (its trailer's page not counted)."""
         data = align(self._check_nbytes(nbytes), self._page_size)
         st = self._read_file(os.fstat)
         if st is None:
@@ -241,8 +239,7 @@ class SharedMemory:
 
     @property
     def region_id(self) -> str:
-        """The region's identity (32 hex digits), new at each creation: key a saved index on
-        ``(region_id, generation)``."""
+        """The region's identity (32 hex digits, new at each creation): key a saved index on it and the generation."""
         mapping = self._mapping
         return self._info("has no identity").region_id if mapping is None else mapping.region_id
 
@@ -253,8 +250,6 @@ class SharedMemory:
         return info
 
     def _region(self) -> RegionInfo | None:
-        """What the region's file holds now (from its trailer), or None when there is no region yet."""
-
         def info(fd: int) -> RegionInfo:
             st = os.fstat(fd)
             return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
@@ -290,8 +285,7 @@ class SharedMemory:
         return nbytes
 
     def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
-        """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (attaching
-        refuses another) and map all of it ``MAP_SHARED``, unfaulted."""
+        """Create or attach to the region for a pool of ``nbytes`` described by ``record``; map it ``MAP_SHARED``."""
         self._check_nbytes(nbytes)
         if not isinstance(record, Mapping):
             raise ConfigError(f"record={record!r} must be a mapping of JSON values (see layout_record)")
@@ -361,7 +355,6 @@ class SharedMemory:
         self, create: bool, fd: int, nbytes: int, record_json: str, where: str,
         unlinker: Callable[[], Unlinker] | None, publish: Callable[[], None] | None = None,
     ) -> SharedMapping:  # fmt: skip
-        """Create the region in the empty file ``fd``, or attach to the one it holds, and map it."""
         page_size, path, directory = self._page_size, self._path, self._directory
         if create:
             return create_mapping(

@@ -99,8 +99,7 @@ def device_index(torch: Any, device: int | str, runtime: str) -> int:
 class HostRegisterRuntime:
     """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table.
     ``device``: made current in the calling thread for each call. ``flags``: 0 = default, 1 = portable,
-    2 = mapped, 8 = read-only. A failed call's sticky error is cleared in that thread (``clears_sticky_errors``).
-    """
+    2 = mapped, 8 = read-only. A failed call's sticky error is cleared in that thread (``clears_sticky_errors``)."""
 
     name: str
     capabilities: ClassVar[Capabilities]
@@ -282,11 +281,9 @@ HIP = GpuApi(
 class CudaRuntime(HostRegisterRuntime):
     """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()``, on NVIDIA builds of
     torch only (use :class:`RocmRuntime` on ROCm). ``device``: default torch's current device.
-
     The driver serialises registration and tracks exact byte ranges; codes 1 and 2 are retried
     smaller (docs/concepts.md, "Retry with halving"); 713 on unregister: released by someone else; a
-    code may be stale, so a failed register is checked by unregistering it.
-    """
+    code may be stale, so a failed register is checked by unregistering it."""
 
     name = "cuda"
     capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2}),
@@ -298,8 +295,7 @@ class CudaRuntime(HostRegisterRuntime):
 class RocmRuntime(HostRegisterRuntime):
     """``hipHostRegister``/``hipHostUnregister`` on AMD GPUs, through torch's hipified ``torch.cuda.cudart()``.
     Adjacent registrations do **not** get adjacent device aliases: look a device pointer up per chunk.
-    Capabilities as CUDA's, except exact byte ranges (unverified for HIP: neighbours never share a page).
-    """
+    Capabilities as CUDA's, except exact byte ranges (unverified for HIP: neighbours never share a page)."""
 
     name = "rocm"
     capabilities = Capabilities(serial_registration=True, retryable_codes=frozenset({1, 2}),

@@ -19,9 +19,8 @@ from .._units import format_bytes
 
 
 class _SharedPages:
-    """Holders of every OS page some registration covers only in part, process-wide. mlock counts
-    nothing (``munlock`` unlocks every page it touches), so a page two chunks share is locked alone
-    by its first holder and unlocked by its last."""
+    """Holders of each OS page registrations share, process-wide: mlock counts nothing (``munlock``
+    unlocks every page it touches), so a shared page is locked by its first holder, unlocked by its last."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # held across the page's own mlock/munlock: count and lock agree
@@ -179,9 +178,8 @@ def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
 
 
 def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.mlock) -> int:
-    """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): whole pages in one call, partial ones
-    through :data:`SHARED_PAGES`. Returns 0, or an errno after which nothing this call locked stays
-    (a failed mlock may have locked part of the range: it is unlocked again)."""
+    """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): whole pages in one call, shared ones through
+    :data:`SHARED_PAGES`. 0, or an errno after which nothing stays locked (a failed mlock may lock part)."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
     if not err:
@@ -205,8 +203,7 @@ def unlock_range(ptr: int, nbytes: int) -> int:
 class MlockRuntime:
     """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts: not CUDA pinning (a GPU
     copies from it at pageable speed), but it faults, locks and charges RLIMIT_MEMLOCK as pinning does.
-    No errno is worth retrying smaller: the limit counts the whole pool, however it is split.
-    """
+    No errno is worth retrying smaller: the limit counts the whole pool, however it is split."""
 
     name = "mlock"
     # EINVAL: "no range registered at this base" (munlock answers it only for a range wrapping around).
