@@ -1,9 +1,6 @@
 """What a pool reports while it works: Prometheus metrics and structlog events, one method per transition.
-
-Worker threads call the chunk methods. No method of :class:`Observer` raises an ``Exception`` (a raising
-logger must never cost a chunk): as ``logging.Handler.handleError`` does, a failure is swallowed,
-counted and reported once per pool on ``sys.stderr``.
-"""
+No method of :class:`Observer` raises an ``Exception`` (a raising logger must never cost a chunk): as
+``logging.Handler.handleError`` does, a failure is swallowed, counted and reported once per pool."""
 
 from __future__ import annotations
 

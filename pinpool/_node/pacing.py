@@ -1,11 +1,8 @@
 """Node pacing: ranks on one host share pin slots and a byte budget through ``flock(2)``-ed files in
-one directory, with no server (docs/serving.md); a dead (even SIGKILLed) rank's locks go with it.
-
-**Slots**: ``LOCK_EX`` on the first free ``slot-N``. **Budget**: each holder keeps a locked
-``hold-<pid>-<random>`` holding its byte count; admission, under ``LOCK_EX`` on ``budget.lock``, sums
-the locked hold files (removing unlocked ones: dead holders') and creates its own if the request fits.
-Slot files and ``budget.lock`` are never removed (that would split the lock). Waiting polls, not FIFO.
-A forked child closes its inherited copies, and ``release()`` acts only in the acquiring process.
+one directory (docs/serving.md); a dead rank's locks go with it. **Slots**: ``LOCK_EX`` on the first
+free ``slot-N``. **Budget**: each holder keeps a locked ``hold-<pid>-<random>`` holding its byte count;
+admission, under ``LOCK_EX`` on ``budget.lock``, sums the locked ones (removing dead holders') and
+creates its own if the request fits. ``slot-N`` and ``budget.lock`` are never removed (that would split a lock).
 """
 
 from __future__ import annotations
@@ -451,16 +448,14 @@ class NodeAdmission:
             raise ConfigError(f"poll={poll!r} must be a number of seconds in (0, 60]")
         started = time.monotonic()
         report_at = started + _WAITING_FIRST_SECONDS
-        told = False
         while True:
             result = attempt(time.monotonic() - started)
             if isinstance(result, _Hold):
                 return result
             delay = self._next_delay(result, poll, started)
-            if isinstance(result, NodeBusyError) and not told:
-                told = True
-                if on_wait is not None:
-                    on_wait(result)
+            if on_wait is not None and isinstance(result, NodeBusyError):
+                on_wait(result)
+                on_wait = None  # once, when the wait begins
             now = time.monotonic()
             if now >= report_at:
                 report_at = now + _WAITING_EVERY_SECONDS

@@ -70,8 +70,11 @@ def region_file_problem(st: os.stat_result) -> str | None:
     return regular_file_problem(st, files="a region's file", linked="another name refers to the same memory")
 
 
-def _refuse_directory(path: str, st: os.stat_result) -> None:
+def _refuse_directory(path: str, st: os.stat_result, at: str | None = None) -> None:
+    """:class:`ConfigError` for an untrustworthy directory: the region's own, or ``at`` above it."""
     problem = _dir_problem(st)
+    if problem is not None and at is not None:
+        raise _refuse_ancestor(path, at, problem)
     if problem is not None:
         raise ConfigError(
             f"shared memory directory {os.path.dirname(path)!r} {problem}; use a directory this user owns that "
@@ -98,7 +101,7 @@ def _walk(path: str) -> int:
     walked: list[str] = []
     links = 0
     try:
-        _refuse_ancestor_st(path, "/", os.fstat(stack[0]))
+        _refuse_directory(path, os.fstat(stack[0]), "/")
         while todo:
             name = todo.pop()
             if name in ("", "."):
@@ -131,13 +134,9 @@ def _walk(path: str) -> int:
                     walked.clear()
                 todo.extend([c for c in target.split("/") if c][::-1])
                 continue
-            if todo:
-                _refuse_ancestor_st(path, at, st)
-            else:
-                _refuse_directory(path, st)
-            fd = os.open(name, _WALK_FLAGS, dir_fd=stack[-1])
-            stack.append(fd)
-            now = os.fstat(fd)
+            _refuse_directory(path, st, at if todo else None)
+            stack.append(os.open(name, _WALK_FLAGS, dir_fd=stack[-1]))
+            now = os.fstat(stack[-1])
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 raise _refuse_ancestor(path, at, "was replaced while being opened")
             walked.append(name)
@@ -150,12 +149,6 @@ def _walk(path: str) -> int:
     finally:
         for fd in stack:
             os.close(fd)
-
-
-def _refuse_ancestor_st(path: str, at: str, st: os.stat_result) -> None:
-    problem = _dir_problem(st)
-    if problem is not None:
-        raise _refuse_ancestor(path, at, problem)
 
 
 def check_directory(path: str) -> None:

@@ -291,12 +291,6 @@ def _write_mapped(address: int, data: bytes, where: str) -> None:
         os.close(mem)
 
 
-def check_generation(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-        raise ConfigError(f"generation={value!r} must be an integer in [0, 2**64)")
-    return value
-
-
 def _compact(value: object, limit: int = 200) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -376,14 +370,13 @@ def region_info(path: str, st: os.stat_result, trailer: Trailer) -> RegionInfo:
     if isinstance(pid, int) and host == socket.gethostname():
         alive = start is not None and _process_start(pid) == start
     unix = _number(created.get("unix"), 1, _UNIX_MAX)
-    when = None if unix is None else float(unix)
     return RegionInfo(
         path=path, file_bytes=st.st_size, nbytes=trailer.nbytes, page_size=trailer.page_size,
         held_bytes=st.st_blocks * 512, owner_uid=st.st_uid, version=trailer.version, generation=trailer.generation,
         region_id=trailer.region_id, keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
         created_pid=pid if isinstance(pid, int) else None,
         created_host=host if isinstance(host, str) else None, creator_alive=alive,
-        age_seconds=None if when is None else max(0.0, time.time() - when),
+        age_seconds=None if unix is None else max(0.0, time.time() - unix),
     )  # fmt: skip
 
 

@@ -21,7 +21,6 @@ from .format import (
     NotRegion,
     RegionInfo,
     align,
-    check_generation,
     open_checked,
     read_trailer,
     region_file_bytes,
@@ -48,12 +47,8 @@ def _check_flags(create: object, keep: object, mode: object) -> None:
 
 class SharedMemory:
     """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs or hugetlbfs,
-    or of a memfd, that may outlive its creator (docs/shared-memory.md explains every argument).
-
-    ``path``: the region's file; ``None``: a new memfd (share :attr:`fd`); ``fd``: a descriptor handed
-    on. ``create=False`` attaches, refusing another size or layout. ``keep``: the creator leaves the
-    file in place. The file is created or opened when a pool maps it, one pool at a time.
-    """
+    or of a memfd (``path=None``), or of an ``fd`` handed on, that may outlive its creator; ``create=False``
+    attaches. The file is created or opened when a pool maps it (docs/shared-memory.md: every argument)."""
 
     def __init__(
         self,
@@ -261,7 +256,8 @@ class SharedMemory:
 
     def set_generation(self, value: int) -> None:
         """Store ``value`` as the region's generation in the file's trailer: every process sees it at once."""
-        value = check_generation(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+            raise ConfigError(f"generation={value!r} must be an integer in [0, 2**64)")
         mapping = self._mapping
         if mapping is not None:
             mapping.set_generation(value)

@@ -279,11 +279,9 @@ HIP = GpuApi(
 
 
 class CudaRuntime(HostRegisterRuntime):
-    """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()``, on NVIDIA builds of
-    torch only (use :class:`RocmRuntime` on ROCm). ``device``: default torch's current device.
-    The driver serialises registration and tracks exact byte ranges; codes 1 and 2 are retried
-    smaller (docs/concepts.md, "Retry with halving"); 713 on unregister: released by someone else; a
-    code may be stale, so a failed register is checked by unregistering it."""
+    """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()`` on NVIDIA builds of torch
+    (``device``: default torch's current). Codes 1 and 2 are retried smaller (docs/concepts.md); 713 on
+    unregister: released by someone else; a stale code is checked by unregistering."""
 
     name = "cuda"
     capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2}),
