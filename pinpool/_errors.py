@@ -133,9 +133,8 @@ def _restore_error(cls: type[BaseException], args: tuple[object, ...]) -> BaseEx
 
 
 class PinError(PinpoolError, RuntimeError):
-    """Pinning a pool failed; everything registered was rolled back. ``offset``, ``nbytes``, ``code``
-    describe the first failed chunk; ``failures`` every one; ``leaked`` what is still pinned. With no
-    failed call (no worker thread could start) ``phase`` is ``"start"`` and ``__cause__`` says why."""
+    """Pinning a pool failed; everything registered was rolled back (``leaked``: what is still pinned).
+    ``offset``, ``nbytes``, ``code``: the first failed chunk's; ``phase`` ``"start"``: no thread could start."""
 
     def __init__(self, message: str, *, failures: tuple[ChunkFailure, ...], leaked: tuple[Chunk, ...] = ()) -> None:
         first = min(failures, key=lambda f: f.chunk.offset) if failures else None

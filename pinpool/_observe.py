@@ -52,7 +52,6 @@ class Observer:
         reasons: frozenset[str] = frozenset(),
     ) -> None:  # fmt: skip
         self.metrics: PoolMetrics | None = None if registry is None else metrics_for(registry)
-        self._pool = pool
         self._labels = (pool, runtime)
         self._layout = layout
         self._reasons = reasons  # the failure reasons a metric label may take; any other is OTHER_REASON
@@ -108,7 +107,7 @@ class Observer:
         counted = "Observer.log_errors and pinpool_log_errors_total" if kind == "log" else "Observer.metric_errors"
         with contextlib.suppress(Exception):  # a closed or broken stderr: nothing more can be done
             stream.write(
-                f"pinpool: pool {self._pool!r}: {what}: {class_name(exc)}: {foreign_text(exc)} "
+                f"pinpool: pool {self._labels[0]!r}: {what}: {class_name(exc)}: {foreign_text(exc)} "
                 f"(ignored; reported once per pool, every failure is counted in {counted})\n"
             )
             stream.flush()

@@ -233,8 +233,7 @@ Cancelled = Callable[[], bool]
 
 
 class NodeAdmission:
-    """Admission to a node's pin slots and byte budget, for one pool (``label``: its name). The
-    constructor checks the directory and its lock files (a ConfigError before anything is mapped).
+    """Admission to a node's pin slots and byte budget for one pool (``label``), checked when constructed.
     ``on_waiting(kind, holders, waited_seconds)``: called while waiting (what it raises is ignored)."""
 
     def __init__(self, pacing: NodePacing, *, label: str = "", on_waiting: OnWaiting | None = None) -> None:
@@ -354,13 +353,10 @@ class NodeAdmission:
 
     def _live_holds(self, dir_fd: int) -> list[NodeHolder]:
         """The hold files of live holders (under budget.lock); stale ones are removed."""
-        directory = self.pacing.directory
         holders: list[NodeHolder] = []
-        for name in sorted(os.listdir(dir_fd)):
-            if not name.startswith(_HOLD_PREFIX):
-                continue
+        for name in sorted(n for n in os.listdir(dir_fd) if n.startswith(_HOLD_PREFIX)):
             try:
-                fd = open_file(dir_fd, directory, name, os.O_RDONLY)
+                fd = open_file(dir_fd, self.pacing.directory, name, os.O_RDONLY)
             except FileNotFoundError:  # released meanwhile
                 continue
             try:

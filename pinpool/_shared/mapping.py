@@ -90,9 +90,8 @@ _kept_lock = threading.Lock()
 
 
 class SharedMapping:
-    """A region mapped ``MAP_SHARED``, with :class:`~pinpool._host.mapping.HostMapping`'s interface.
-    ``length`` is the data rounded up to ``page_size``; the trailer's page follows in the mapping but
-    is read and written only with ``pread``/``pwrite`` (a truncation is a ConfigError, never SIGBUS)."""
+    """A region mapped ``MAP_SHARED``, with :class:`~pinpool._host.mapping.HostMapping`'s interface; its
+    trailer's page follows the data but is read and written only with ``pread``/``pwrite`` (never SIGBUS)."""
 
     def __init__(
         self, *, base: int, file_bytes: int, nbytes: int, page_size: int, fd: int, path: str | None,

@@ -316,11 +316,10 @@ class SharedMemory:
             if self._create and not _files.names_file(dir_fd, self._path, self._made):
                 # Made whole under a temporary name, then linked into place: never seen half-made.
                 fd, temp = _files.create_temp_file(dir_fd, self._path, self._mode)
-                path = self._path
                 try:
                     st = os.fstat(fd)
                     identity = (st.st_dev, st.st_ino)
-                    publishing = functools.partial(_files.publish, dir_fd, path, temp)
+                    publishing = functools.partial(_files.publish, dir_fd, self._path, temp)
                     unlink = self._unlinker_for(dir_fd, identity)
                     mapping = self._map(True, fd, nbytes, record_json, where, unlink, publishing)
                 except BaseException:  # an interrupt too: no temporary file, no half-made region left

@@ -97,9 +97,8 @@ def device_index(torch: Any, device: int | str, runtime: str) -> int:
 
 
 class HostRegisterRuntime:
-    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table.
-    ``device``: made current in the calling thread for each call. ``flags``: 0 = default, 1 = portable,
-    2 = mapped, 8 = read-only. A failed call's sticky error is cleared in that thread (``clears_sticky_errors``)."""
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table; a failed
+    call's sticky error is cleared in its thread. ``flags``: 0 = default, 1 = portable, 2 = mapped, 8 = read-only."""
 
     name: str
     capabilities: ClassVar[Capabilities]
@@ -291,9 +290,8 @@ class CudaRuntime(HostRegisterRuntime):
 
 
 class RocmRuntime(HostRegisterRuntime):
-    """``hipHostRegister``/``hipHostUnregister`` on AMD GPUs, through torch's hipified ``torch.cuda.cudart()``.
-    Adjacent registrations do **not** get adjacent device aliases: look a device pointer up per chunk.
-    Capabilities as CUDA's, except exact byte ranges (unverified for HIP: neighbours never share a page)."""
+    """``hipHostRegister``/``hipHostUnregister`` through torch's hipified ``torch.cuda.cudart()``. Adjacent
+    registrations do **not** get adjacent device aliases; neighbours never share a page (unverified for HIP)."""
 
     name = "rocm"
     capabilities = Capabilities(serial_registration=True, retryable_codes=frozenset({1, 2}),

@@ -201,12 +201,11 @@ def unlock_range(ptr: int, nbytes: int) -> int:
 
 
 class MlockRuntime:
-    """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts: not CUDA pinning (a GPU
-    copies from it at pageable speed), but it faults, locks and charges RLIMIT_MEMLOCK as pinning does.
-    No errno is worth retrying smaller: the limit counts the whole pool, however it is split."""
+    """Real page-locking with Linux ``mlock``/``munlock`` for CPU-only hosts: not CUDA pinning (a GPU copies
+    from it at pageable speed), but it faults, locks and charges RLIMIT_MEMLOCK as pinning does."""
 
     name = "mlock"
-    # EINVAL: "no range registered at this base" (munlock answers it only for a range wrapping around).
+    # Nothing retries smaller (the limit counts the whole pool); EINVAL: no range at this base (munlock's: wrap-around).
     capabilities = Capabilities(
         locks_on_fault=True, finds_pinned=True, exact_ranges=True, charges_memlock=True,
         not_registered_codes=frozenset({errno.EINVAL}),
