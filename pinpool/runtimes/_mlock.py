@@ -26,8 +26,8 @@ class _SharedPages:
         self._lock = threading.Lock()  # held across the page's own mlock/munlock: count and lock agree
         self._holders: dict[int, int] = {}
 
-    def hold(self, pages: tuple[int, ...], call: Callable[[int, int], int]) -> tuple[int, int] | None:
-        """One more holder of each page, locking those that had none; on failure undo, return ``(page, errno)``."""
+    def hold(self, pages: tuple[int, ...], call: Callable[[int, int], int]) -> int:
+        """One more holder of each page, locking those that had none; 0, or undo and return the errno."""
         page_size = _libc.PAGE_SIZE
         with self._lock:
             held: list[int] = []
@@ -37,22 +37,22 @@ class _SharedPages:
                     if err:
                         _libc.munlock(page, page_size)  # a failed mlock may have locked it (see lock_range)
                         self._drop(held)
-                        return page, err
+                        return err
                 self._holders[page] = self._holders.get(page, 0) + 1
                 held.append(page)
-        return None
+        return 0
 
-    def release(self, pages: tuple[int, ...]) -> tuple[int, int] | None:
-        """One holder less of each page, unlocking the last; on a munlock failure nothing is counted
-        down (a retry redoes it all) and ``(page, errno)`` is returned."""
+    def release(self, pages: tuple[int, ...]) -> int:
+        """One holder less of each page, unlocking the last; 0, or a munlock's errno and nothing counted
+        down (a retry redoes it all)."""
         with self._lock:
             for page in pages:
                 if self._holders.get(page, 0) <= 1:
                     err = _libc.munlock(page, _libc.PAGE_SIZE)
                     if err:
-                        return page, err
+                        return err
             self._drop(pages, unlock=False)
-        return None
+        return 0
 
     def _drop(self, pages: list[int] | tuple[int, ...], *, unlock: bool = True) -> None:
         """Under the lock: one holder less of each page; unlock (best effort) those left with none."""
@@ -183,8 +183,7 @@ def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.ml
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
     if not err:
-        failed = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
-        err = 0 if failed is None else failed[1]
+        err = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
     if err and hi > lo:
         _libc.munlock(lo, hi - lo)
     return err
@@ -194,10 +193,7 @@ def unlock_range(ptr: int, nbytes: int) -> int:
     """Undo :func:`lock_range`; 0, or the errno of a munlock that failed."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = _libc.munlock(lo, hi - lo) if hi > lo else 0
-    if not err:
-        failed = SHARED_PAGES.release(partial)
-        err = 0 if failed is None else failed[1]
-    return err
+    return err or SHARED_PAGES.release(partial)
 
 
 class MlockRuntime:
