@@ -1,7 +1,6 @@
 """pinpool's exceptions and warnings: one base class, one subclass per kind of failure. Each is also
 the builtin its callers already catch (bad input: ``ValueError``; a failure of pinning itself:
-``RuntimeError``, as SGLang's chunked ``cudaHostRegister`` raises), and pickles with its attributes.
-"""
+``RuntimeError``, as SGLang's chunked ``cudaHostRegister`` raises), and pickles with its attributes."""
 
 from __future__ import annotations
 

@@ -31,8 +31,7 @@ def _multiprocess() -> bool:  # prometheus_client's multiprocess mode: a series 
 
 
 class PoolMetrics:
-    """The metric families of one registry, and how many open pools hold each label tuple's gauge
-    series (same ``name=`` and runtime: shared), removed with the last. Thread-safe."""
+    """The metric families of one registry, and the open pools holding each label tuple's gauge series."""
 
     # The instance dict holds the metric families only (a failed __init__ unregisters all of it).
     __slots__ = ("__dict__", "_leaked", "_lock", "_open")

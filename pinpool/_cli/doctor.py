@@ -1,7 +1,6 @@
 """``pinpool doctor``: is this host ready to pin a pool of a given size, and if not, what to change.
 Facts are read once (:func:`read_facts`); every check is a pure function of them (the memory,
-memlock, huge page and NUMA ones are the pool's own pre-flight checks, asked about ``--size``).
-"""
+memlock, huge page and NUMA ones are the pool's own pre-flight checks, asked about ``--size``)."""
 
 from __future__ import annotations
 
@@ -141,8 +140,7 @@ def check_cuda(facts: CudaFacts) -> Check:
     if facts.build == "rocm":
         return Check("cuda", OK, f"{found} (CanUseHostPointerForRegisteredMem is not read on ROCm)")
     unknown = [d.index for d in facts.devices if d.can_use_host_pointer is None]
-    cannot = [d.index for d in facts.devices if d.can_use_host_pointer == 0]
-    if cannot:
+    if cannot := [d.index for d in facts.devices if d.can_use_host_pointer == 0]:
         return Check(
             "cuda", WARN,
             f"{found}; device(s) {cannot} cannot use registered memory by its host pointer "
@@ -179,8 +177,7 @@ def env_value(name: str, value: str) -> str:
 
 def env_chunk_limit(env: Mapping[str, str]) -> int | None:
     """pinpool's per-call limit under ``env``: the variable, else 256 GiB; None when it is invalid."""
-    value = env.get(CHUNK_ENV)
-    if value is None:
+    if (value := env.get(CHUNK_ENV)) is None:
         return 256 << 30
     try:
         return _chunk_limit(value)
@@ -191,8 +188,7 @@ def env_chunk_limit(env: Mapping[str, str]) -> int | None:
 def check_env(env: Mapping[str, str]) -> list[Check]:
     """One check per pinpool variable set, one for the unset ones, one per unknown PINPOOL_ (a typo?)."""
     checks: list[Check] = []
-    unset = [name for name in KNOWN_ENV if name not in env]
-    if unset:
+    if unset := [name for name in KNOWN_ENV if name not in env]:
         checks.append(Check("env", OK, f"unset (defaults apply): {', '.join(unset)}"))
     for name, meaning in KNOWN_ENV.items():
         if (value := env.get(name)) is None:

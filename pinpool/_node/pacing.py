@@ -2,8 +2,7 @@
 one directory (docs/serving.md); a dead rank's locks go with it. **Slots**: ``LOCK_EX`` on the first
 free ``slot-N``. **Budget**: each holder keeps a locked ``hold-<pid>-<random>`` holding its byte count;
 admission, under ``LOCK_EX`` on ``budget.lock``, sums the locked ones (removing dead holders') and
-creates its own if the request fits. ``slot-N`` and ``budget.lock`` are never removed (that would split a lock).
-"""
+creates its own if the request fits. ``slot-N`` and ``budget.lock`` are never removed (that would split a lock)."""
 
 from __future__ import annotations
 
@@ -383,8 +382,7 @@ class NodeAdmission:
             try:  # O_EXCL: a new file, ours alone (one link, not a FIFO): nothing to check
                 hold._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd)
             except OSError as exc:
-                error = open_error(p.directory, name, exc, existed=False)
-                if error is None:
+                if (error := open_error(p.directory, name, exc, existed=False)) is None:
                     raise
                 raise error from None
             _LIVE.add(hold)

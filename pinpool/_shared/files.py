@@ -230,8 +230,7 @@ def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
     except OSError:
         return removed
     for temp in names:
-        fd = open_checked(temp, dir_fd, os.O_RDONLY, region_file_problem)
-        if fd is None:
+        if (fd := open_checked(temp, dir_fd, os.O_RDONLY, region_file_problem)) is None:
             continue
         try:
             st = os.fstat(fd)

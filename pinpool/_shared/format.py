@@ -1,8 +1,7 @@
 """A shared memory region's on-disk format (data from offset 0, a 4 KiB trailer in the file's last
 page: docs/shared-memory.md), and reading regions without mapping them. The trailer is *untrusted
 input*: a bad one is :class:`NotRegion`, never a crash or an escape sequence on a terminal, and
-reading regions (``pinpool doctor``) never raises, follows a symbolic link or blocks on a FIFO.
-"""
+reading regions (``pinpool doctor``) never raises, follows a symbolic link or blocks on a FIFO."""
 
 from __future__ import annotations
 
@@ -110,8 +109,7 @@ def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
     }  # fmt: skip
     fields = {"nbytes": nbytes, "page_size": page_size, "region_id": secrets.token_hex(16),  # 128 random bits
               "record": json.loads(record_json), "created": created}  # fmt: skip
-    problem = _untrusted_problem(fields, 1)
-    if problem is not None:
+    if (problem := _untrusted_problem(fields, 1)) is not None:
         raise ConfigError(f"the pool's description cannot be kept in a shared memory trailer: {problem}")
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     if len(body) > _MAX_BODY:
@@ -172,8 +170,7 @@ def _parse_body(body: bytes) -> dict[str, Any]:
     parsed = json.loads(body, parse_constant=_no_constant)
     if not isinstance(parsed, dict):
         raise ValueError("it is not a JSON object")
-    problem = _untrusted_problem(parsed, 1)
-    if problem is not None:
+    if (problem := _untrusted_problem(parsed, 1)) is not None:
         raise ValueError(problem)
     _size_field(parsed, "nbytes")
     page_size = _size_field(parsed, "page_size")

@@ -133,8 +133,7 @@ class SharedMemory:
         self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if huge is None:
             return _libc.PAGE_SIZE
-        size_flag = _files.HUGE_PAGE_SIZES.get(huge)
-        if size_flag is None:
+        if (size_flag := _files.HUGE_PAGE_SIZES.get(huge)) is None:
             raise ConfigError(
                 f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
             )

@@ -1,7 +1,6 @@
 """Host registration through torch's ``cudart`` binding: CudaRuntime and RocmRuntime, written once
 (on ROCm the hipified binding calls HIP; what differs is a :class:`GpuApi`). ``from_binding`` takes
-:class:`pinpool.testing.FakeCudart`, so this runs in CI on CPU. Also: the driver facts of ``pinpool doctor``.
-"""
+:class:`pinpool.testing.FakeCudart`, so this runs in CI on CPU. Also: the driver facts of ``pinpool doctor``."""
 
 from __future__ import annotations
 
@@ -144,8 +143,11 @@ class HostRegisterRuntime:
             getters = _library_calls(library, cls._api)
         elif callable(getattr(binding, "cudaGetLastError", None)):  # torch's binding keeps cuda* names on ROCm
             getters = (binding.cudaGetLastError, getattr(binding, "cudaGetErrorName", None))  # type: ignore[attr-defined]
+        import torch
+
+        context: DeviceContext = torch.cuda.device if torch.cuda.is_available() else contextlib.nullcontext
         runtime = cls.__new__(cls)
-        runtime._bind(binding, getters, device_context=_device_context(), device=device, flags=flags)
+        runtime._bind(binding, getters, device_context=context, device=device, flags=flags)
         return runtime
 
     def _bind(
@@ -222,13 +224,6 @@ _BINDING_CALLS = ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString"
 
 def _library_calls(library: Any, api: GpuApi) -> Getters:
     return getattr(library, api.get_last_error, None), getattr(library, api.get_error_name, None)
-
-
-def _device_context() -> DeviceContext:
-    """``torch.cuda.device`` where torch sees a GPU; otherwise a context that switches nothing."""
-    import torch
-
-    return torch.cuda.device if torch.cuda.is_available() else contextlib.nullcontext
 
 
 # cudaError_t values worth a name and a hint; others: cudaGetErrorName, else "cudaError<code>".
@@ -338,8 +333,7 @@ def _nvidia_driver_version() -> str | None:
 
 
 def _libcuda_facts(count: int) -> tuple[str | None, list[int | None]]:
-    """From libcuda.so.1: the CUDA version the driver supports (cuDriverGetVersion) and each device's
-    CanUseHostPointerForRegisteredMem; None for what cannot be loaded, initialised or read."""
+    """libcuda.so.1's supported CUDA version and each device's CanUseHostPointerForRegisteredMem (None: unread)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:

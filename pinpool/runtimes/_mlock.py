@@ -43,8 +43,7 @@ class _SharedPages:
         return 0
 
     def release(self, pages: tuple[int, ...]) -> int:
-        """One holder less of each page, unlocking the last; 0, or a munlock's errno and nothing counted
-        down (a retry redoes it all)."""
+        """One holder less of each page, unlocking the last; 0, or a munlock's errno (nothing counted down)."""
         with self._lock:
             for page in pages:
                 if self._holders.get(page, 0) <= 1:
