@@ -60,10 +60,9 @@ class Observer:
         # Per-chunk events are DEBUG: not built for a logger that drops them (they cost a tiny chunk's third).
         is_enabled_for = getattr(self.log, "isEnabledFor", None)
         self._chunk_debug = not callable(is_enabled_for) or bool(is_enabled_for(logging.DEBUG))
-        # Failures of the user's logger and of metrics calls; the lock is taken only on a failure.
-        self.log_errors = 0
+        self.log_errors = 0  # failures of the user's logger
         self.metric_errors = 0
-        self._errors_lock = threading.Lock()
+        self._errors_lock = threading.Lock()  # taken only on a failure
         self._reported: set[str] = set()
         # Longest call per op, without a lock: a lost race only delays a larger value to the next call.
         self.longest: dict[str, float] = {"register": 0.0, "populate": 0.0, "unregister": 0.0}
@@ -163,11 +162,10 @@ class Observer:
         )  # fmt: skip
 
     def chunk_pinned(self, chunk: Chunk) -> None:  # registered and all its pages in: pinned whole
-        labels = self._labels
         self._metric(
             "chunk_pinned",
-            lambda m: m.chunks_registered.labels(*labels).inc(),
-            lambda m: m.registered_bytes.labels(*labels).inc(chunk.nbytes),
+            lambda m: m.chunks_registered.labels(*self._labels).inc(),
+            lambda m: m.registered_bytes.labels(*self._labels).inc(chunk.nbytes),
         )
 
     def pinned_moved(self, nbytes: int) -> None:

@@ -462,8 +462,7 @@ class NodeAdmission:
             time.sleep(delay)
 
     def _report_waiting(self, kind: Kind, result: NodeBusyError | _Contended, waited: float) -> None:
-        on_waiting = self.on_waiting
-        if on_waiting is None:
+        if (on_waiting := self.on_waiting) is None:
             return
         if isinstance(result, NodeBusyError):
             holders = cast("tuple[NodeHolder, ...]", result.holders)  # _admit raises it with NodeHolders

@@ -151,10 +151,6 @@ def _walk(path: str) -> int:
             os.close(fd)
 
 
-def check_directory(path: str) -> None:
-    os.close(_walk(path))
-
-
 def open_region_directory(path: str) -> int:
     """The directory of ``path`` (:func:`_walk`), checked again once open (it may have changed)."""
     dir_fd = _walk(path)

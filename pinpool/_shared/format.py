@@ -294,12 +294,11 @@ def _compact(value: object, limit: int = 200) -> str:
 
 
 def describe(nbytes: int, record: Mapping[str, Any]) -> str:
-    parts = [format_bytes(nbytes)]
-    if "layout" in record:
-        pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
-        size = f" of {record['page_bytes']} bytes" if pages and "page_bytes" in record else ""
-        parts.append(f"({record['layout']} layout{pages}{size})")
-    return " ".join(parts)
+    if "layout" not in record:
+        return format_bytes(nbytes)
+    pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
+    size = f" of {record['page_bytes']} bytes" if pages and "page_bytes" in record else ""
+    return f"{format_bytes(nbytes)} ({record['layout']} layout{pages}{size})"
 
 
 def differences(held_nbytes: int, held: Mapping[str, Any], nbytes: int, asked: Mapping[str, Any]) -> str:
@@ -396,8 +395,7 @@ def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os
 def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
     """What the file at ``path`` (in ``dir_fd``, if given) holds, or None for no readable region."""
     name = path if dir_fd is None else os.path.basename(path)
-    fd = open_checked(name, dir_fd, os.O_RDONLY, lambda st: not stat.S_ISREG(st.st_mode))
-    if fd is None:
+    if (fd := open_checked(name, dir_fd, os.O_RDONLY, lambda st: not stat.S_ISREG(st.st_mode))) is None:
         return None
     try:
         st = os.fstat(fd)
@@ -464,8 +462,7 @@ def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
                 continue
         except OSError:
             continue
-        info = read_region(entry.path)
-        if info is not None:
+        if (info := read_region(entry.path)) is not None:
             regions.append(info)
     return sorted(regions, key=lambda r: r.path)
 

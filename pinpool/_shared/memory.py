@@ -115,7 +115,7 @@ class SharedMemory:
         self._directory, self._name = os.path.split(self._path)
         if not self._name or text.endswith("/"):
             raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
-        _files.check_directory(self._path)
+        os.close(_files.open_region_directory(self._path))  # checked now; the file is opened when mapped
         f_type, f_bsize = _libc.statfs(self._directory)
         return _files.page_size_of(f_type, f_bsize, f"path {self._path!r}")
 
@@ -165,8 +165,7 @@ class SharedMemory:
         if value and self._path is None:
             raise ConfigError("SharedMemory.keep = True: only a region with a path can be kept")
         self._keep = value
-        mapping = self._mapping
-        if mapping is not None and mapping._unlinker is not None:
+        if (mapping := self._mapping) is not None and mapping._unlinker is not None:
             mapping._unlinker.keep = value
             mapping._set_keep_flag(value)
 
@@ -238,8 +237,7 @@ class SharedMemory:
         return self._info("has no identity").region_id if mapping is None else mapping.region_id
 
     def _info(self, lacking: str) -> RegionInfo:
-        info = self._region()
-        if info is None:
+        if (info := self._region()) is None:
             raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it {lacking}")
         return info
 
@@ -257,8 +255,7 @@ class SharedMemory:
         """Store ``value`` as the region's generation in the file's trailer: every process sees it at once."""
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
             raise ConfigError(f"generation={value!r} must be an integer in [0, 2**64)")
-        mapping = self._mapping
-        if mapping is not None:
+        if (mapping := self._mapping) is not None:
             mapping.set_generation(value)
             return
 

@@ -221,15 +221,13 @@ class MlockRuntime:
         self._lock(ptr, nbytes, _libc.mlock_on_fault, "mlock2(MLOCK_ONFAULT)")
 
     def _lock(self, ptr: int, nbytes: int, call: Callable[[int, int], int], op: str) -> None:
-        overlap = self._book.add(ptr, nbytes)
-        if overlap is not None:
+        if (overlap := self._book.add(ptr, nbytes)) is not None:
             raise RuntimeCallError(
                 op=op, code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
         OWN_LOCKS.add(*page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
-        err = lock_range(ptr, nbytes, call)
-        if err:
+        if err := lock_range(ptr, nbytes, call):
             OWN_LOCKS.remove(*page_span(ptr, nbytes))
             self._book.pop(ptr)
             raise RuntimeCallError(
@@ -248,8 +246,7 @@ class MlockRuntime:
                 op="munlock", code=errno.EINVAL, reason="EINVAL", ptr=ptr, nbytes=0,
                 message="no range registered at this base (unregister takes the base of an earlier register)",
             )  # fmt: skip
-        err = unlock_range(ptr, nbytes)
-        if err:
+        if err := unlock_range(ptr, nbytes):
             self._book.add(ptr, nbytes)  # still (partly) locked: keep it on the books
             raise RuntimeCallError(
                 op="munlock", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
