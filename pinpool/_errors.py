@@ -14,7 +14,6 @@ class Chunk(Protocol):
 
     @property
     def offset(self) -> int: ...
-
     @property
     def nbytes(self) -> int: ...
 
@@ -91,9 +90,7 @@ def foreign_text(obj: object, show: Callable[[object], object] = str, limit: int
         text = str.__str__(show(obj))  # an exact str: a subclass's methods are the object's too
     except Exception as exc:
         return f"<{class_name(obj)} whose {getattr(show, '__name__', 'text')} raised {class_name(exc)}>"
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def class_name(obj: object) -> str:
@@ -175,7 +172,6 @@ class NodeHolderLike(Protocol):
 
     @property
     def pid(self) -> int | None: ...
-
     def describe(self) -> str: ...
 
 

@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 
 
 def default_logger() -> Any:
-    """structlog's logger where the application configured structlog; else the stdlib ``pinpool``
-    logger, each line showing every field (also in ``extra``), never a bare event name."""
+    """structlog's logger if the application configured structlog, else stdlib's ``pinpool`` (all fields shown)."""
     if structlog.is_configured():
         return structlog.get_logger("pinpool")
     return structlog.wrap_logger(
@@ -234,8 +233,7 @@ class Observer:
         )
 
     def rollback(self, *, cause: str, registered_chunks: int, kept_bytes: int = 0) -> None:
-        """Pinning ended before ready, for ``cause`` (``Outcome.cause``); ``kept_bytes``: what a background
-        pool keeps pinned until exit. An exit during a background pin is a normal shutdown (info)."""
+        """Pinning ended before ready, for ``cause``; ``kept_bytes``: what a background pool keeps pinned until exit."""
         self._metric("rollback", lambda m: m.rollbacks.labels(*self._labels, cause).inc())
         level = "info" if cause == "exit" else "warning"
         fields: dict[str, Any] = {"cause": cause, "registered_chunks": registered_chunks}

@@ -154,8 +154,7 @@ _lock = threading.Lock()
 def metrics_for(registry: CollectorRegistry) -> PoolMetrics:
     """The metric families registered in ``registry``, created on first use (so pools share them)."""
     with _lock:
-        metrics = _by_registry.get(registry)
-        if metrics is None:
+        if (metrics := _by_registry.get(registry)) is None:
             metrics = _by_registry[registry] = PoolMetrics(registry)
         return metrics
 

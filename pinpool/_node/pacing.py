@@ -34,8 +34,7 @@ _RECORD_LIMIT = 512  # bytes read back from a slot or hold file
 
 @dataclass(frozen=True)
 class NodeHolder:
-    """Who holds a slot or part of the budget, as its file says (``nbytes``: budget only; ``label``:
-    its pool's name); ``state`` is None unless looked up (:func:`holder_state`)."""
+    """Who holds a slot or part of the budget (``nbytes``), as its file says; ``state``: see :func:`holder_state`."""
 
     pid: int | None
     nbytes: int | None = None
@@ -229,6 +228,7 @@ _CONTENDED = _Contended()
 OnWaiting = Callable[[Kind, tuple[NodeHolder, ...], float], object]
 OnWait = Callable[[NodeBusyError], object]
 Cancelled = Callable[[], bool]
+Attempt = Callable[[float], H | NodeBusyError | _Contended]  # one try, given the seconds waited so far
 
 
 class NodeAdmission:
@@ -427,16 +427,12 @@ class NodeAdmission:
         assert isinstance(result, NodeBusyError)
         if not self.pacing.wait:
             raise result
-        waited = time.monotonic() - started
-        return min(poll, max(MIN_POLL_SECONDS, waited * _POLL_FRACTION)) * random.uniform(0.8, 1.2)
+        return min(poll, max(MIN_POLL_SECONDS, (time.monotonic() - started) * _POLL_FRACTION)) * random.uniform(
+            0.8, 1.2
+        )
 
     def _wait(
-        self,
-        kind: Kind,
-        attempt: Callable[[float], H | NodeBusyError | _Contended],
-        cancelled: Cancelled | None,
-        poll: float,
-        on_wait: OnWait | None,
+        self, kind: Kind, attempt: Attempt[H], cancelled: Cancelled | None, poll: float, on_wait: OnWait | None
     ) -> H:
         if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
             raise ConfigError(f"poll={poll!r} must be a number of seconds in (0, 60]")
@@ -465,7 +461,7 @@ class NodeAdmission:
         if (on_waiting := self.on_waiting) is None:
             return
         if isinstance(result, NodeBusyError):
-            holders = cast("tuple[NodeHolder, ...]", result.holders)  # _admit raises it with NodeHolders
+            holders = cast("tuple[NodeHolder, ...]", result.holders)  # _attempt_* build it with NodeHolders
         else:  # budget.lock itself stayed locked: a rank stopped while admitting
             holders = tuple(NodeHolder(pid=pid, label="") for pid in self._budget_lock_pids())
         holders = tuple(replace(h, state=holder_state(h.pid)) for h in holders)

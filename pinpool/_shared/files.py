@@ -1,6 +1,5 @@
-"""Where a shared memory region lives and the trust placed in it (docs/shared-memory.md, "Trust"):
-its file system, a memfd, its directory (walked from ``/``) and its file, opened relative to the
-directory's descriptor, never by a path that could be swapped."""
+"""Where a shared memory region lives and the trust placed in it (docs/shared-memory.md, "Trust"): its file
+system, a memfd, its directory (walked from ``/``) and its file, opened relative to the directory's descriptor."""
 
 from __future__ import annotations
 

@@ -270,8 +270,7 @@ def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_si
 
 
 def _write_mapped(address: int, data: bytes, where: str) -> None:
-    """Store through ``/proc/self/mem``: a page past the file's end (truncated since the size check)
-    is EIO, not SIGBUS. Without ``/proc``, a plain store (the one SIGBUS window left)."""
+    """Store via ``/proc/self/mem`` (a page truncated since the size check: EIO, not SIGBUS), else plainly."""
     try:
         mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
     except OSError:

@@ -46,8 +46,7 @@ _UNINITIALISED_GRACE_SECONDS = 0.5  # an empty, unlocked file: the creator may n
 
 
 class Unlinker:
-    """Removes the creator's file once (unless ``keep``), only in the process that created it, and
-    only if the name still refers to the file it created; closes the directory descriptor."""
+    """Removes the creator's file once (unless ``keep``), in the creating process, if its name still refers to it."""
 
     def __init__(self, dir_fd: int, name: str, identity: tuple[int, int], *, keep: bool) -> None:
         self.dir_fd = dir_fd
