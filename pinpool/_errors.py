@@ -1,11 +1,6 @@
-"""pinpool's exceptions and warnings: one base class, one subclass per kind of failure.
-
-Every error is also the builtin its callers already catch: bad input is a ``ValueError``, and
-every failure of pinning itself (a runtime call, a pin, an unpin, memory already pinned, a
-pool in the wrong state) is a ``RuntimeError``, as the reference implementation (SGLang's
-chunked ``cudaHostRegister``) raises, so ``except RuntimeError`` code written against it keeps
-catching them. Every error pickles (to cross process boundaries) with its attributes.
-"""
+"""pinpool's exceptions and warnings: one base class, one subclass per kind of failure. Each is also
+the builtin its callers already catch (bad input: ``ValueError``; a failure of pinning itself:
+``RuntimeError``, as SGLang's chunked ``cudaHostRegister`` raises), and pickles with its attributes."""
 
 from __future__ import annotations
 
@@ -15,18 +10,15 @@ from typing import Literal, Protocol
 
 
 class Chunk(Protocol):
-    """A chunk as the errors see it: its range in the pool (:class:`pinpool.Chunk` is one). A
-    protocol, so this module imports nothing of pinpool's and every other module may import it."""
+    """A chunk's range in the pool (:class:`pinpool.Chunk` is one): a protocol, as this module imports nothing."""
 
     @property
     def offset(self) -> int: ...
-
     @property
     def nbytes(self) -> int: ...
 
 
-# The one advice for a shortfall of RLIMIT_MEMLOCK: the pre-flight's refusal, pinpool doctor's fix
-# and mlock's own ENOMEM / EPERM / EAGAIN messages all give it, in these words.
+# The one advice for a shortfall of RLIMIT_MEMLOCK (the pre-flight, pinpool doctor, mlock's errors).
 RAISE_MEMLOCK = (
     "raise the limit (`ulimit -l unlimited`; systemd `LimitMEMLOCK=infinity`; docker `--ulimit memlock=-1:-1`; "
     "/etc/security/limits.conf `memlock unlimited`), grant the process CAP_IPC_LOCK"
@@ -48,8 +40,7 @@ class PinpoolError(Exception):
     """Base class of every error pinpool raises."""
 
     def __reduce__(self) -> tuple[object, ...]:
-        # Unpickled without ``__init__`` (which takes more than the message): ``__new__`` sets ``args``,
-        # then pickle restores the attributes from ``__dict__``.
+        # Unpickled without ``__init__`` (it takes more than the message): pickle restores ``__dict__``.
         return (_restore_error, (type(self), self.args), self.__dict__)
 
 
@@ -74,9 +65,8 @@ class AlreadyPinnedError(PinpoolError, RuntimeError):
 
 
 class RuntimeCallError(PinpoolError, RuntimeError):
-    """One runtime call (populate, register or unregister of one range) failed. ``code``: the
-    runtime's number (errno, ``cudaError_t``); ``reason`` its bounded name; ``message`` its text
-    and what to do."""
+    """One runtime call (populate, register or unregister of one range) failed. ``code``: the runtime's
+    number (errno, ``cudaError_t``); ``reason`` its bounded name; ``message`` its text and what to do."""
 
     def __init__(self, *, op: str, code: int, reason: str, message: str, ptr: int, nbytes: int) -> None:
         self.op = op
@@ -89,8 +79,7 @@ class RuntimeCallError(PinpoolError, RuntimeError):
 
 
 class UnexpectedReturn(RuntimeCallError):
-    """A runtime call returned something other than ``None``: nothing it did can be assumed (a
-    register is "may be registered"). ``returned`` is a bounded ``repr`` of what came back."""
+    """A runtime call returned ``returned`` (a bounded ``repr``), not ``None``: nothing it did is assumed."""
 
     def __init__(self, *, op: str, ptr: int, nbytes: int, returned: str) -> None:
         self.returned = returned
@@ -106,17 +95,13 @@ _NAME = type.__dict__["__name__"]  # a class's name as type keeps it (a metaclas
 
 
 def foreign_text(obj: object, show: Callable[[object], object] = str, limit: int = TEXT_LIMIT) -> str:
-    """``show(obj)`` of an object pinpool does not own (a runtime's exception or answer, a logger's
-    error): never raises an ``Exception`` (a driver message that fails to decode), and keeps at most
-    ``limit`` characters, noting the length of the rest (a 64 MiB message is not copied into every
-    chunk's failure)."""
+    """``show(obj)`` of an object pinpool does not own (a runtime's exception, a logger's error): never
+    raises an ``Exception``, and keeps at most ``limit`` characters, noting the length of the rest."""
     try:
         text = str.__str__(show(obj))  # an exact str: a subclass's methods are the object's too
     except Exception as exc:
         return f"<{class_name(obj)} whose {getattr(show, '__name__', 'text')} raised {class_name(exc)}>"
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def class_name(obj: object) -> str:
@@ -124,12 +109,12 @@ def class_name(obj: object) -> str:
     return foreign_text(type(obj), _NAME.__get__, limit=100)
 
 
-def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
+def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int, note: str = "") -> RuntimeCallError:
     """A runtime that raised something other than RuntimeCallError still gets a typed record."""
-    if isinstance(exc, RuntimeCallError):
+    if isinstance(exc, RuntimeCallError) and not note:
         return exc
     error = RuntimeCallError(
-        op=op, code=-1, reason=class_name(exc), message=foreign_text(exc), ptr=ptr, nbytes=nbytes
+        op=op, code=-1, reason=class_name(exc), message=foreign_text(exc) + note, ptr=ptr, nbytes=nbytes
     )  # fmt: skip
     error.__cause__ = exc
     return error
@@ -137,13 +122,8 @@ def as_runtime_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> Runt
 
 def between_calls_error(exc: BaseException, op: str, ptr: int, nbytes: int) -> RuntimeCallError:
     """Something pinpool itself raised between a chunk's runtime calls, as that chunk's failure."""
-    error = RuntimeCallError(
-        op=op, code=-1, reason=class_name(exc), ptr=ptr, nbytes=nbytes,
-        message=f"{foreign_text(exc)} (raised by pinpool between runtime calls, not by the runtime; this is a "
-        "pinpool bug, please report it)",
-    )  # fmt: skip
-    error.__cause__ = exc
-    return error
+    note = " (raised by pinpool between runtime calls, not by the runtime; this is a pinpool bug, please report it)"
+    return as_runtime_error(exc, op, ptr, nbytes, note)
 
 
 @dataclass(frozen=True)
@@ -160,12 +140,8 @@ def _restore_error(cls: type[BaseException], args: tuple[object, ...]) -> BaseEx
 
 
 class PinError(PinpoolError, RuntimeError):
-    """Pinning a pool failed; everything registered was rolled back.
-
-    ``offset``, ``nbytes``, ``code`` describe the first failed chunk; ``failures`` every one;
-    ``leaked`` what rollback could not unregister (still pinned). With no failed call (no worker
-    thread could start) ``phase`` is ``"start"``, the rest None, and ``__cause__`` says why.
-    """
+    """Pinning a pool failed; everything registered was rolled back (``leaked``: what is still pinned).
+    ``offset``, ``nbytes``, ``code``: the first failed chunk's; ``phase`` ``"start"``: no thread could start."""
 
     def __init__(self, message: str, *, failures: tuple[ChunkFailure, ...], leaked: tuple[Chunk, ...] = ()) -> None:
         first = min(failures, key=lambda f: f.chunk.offset) if failures else None
@@ -207,14 +183,12 @@ class NodeHolderLike(Protocol):
 
     @property
     def pid(self) -> int | None: ...
-
     def describe(self) -> str: ...
 
 
 class NodeBusyError(PinpoolError, RuntimeError):
-    """``node_wait=False`` and every slot is taken, or the request does not fit the node's byte
-    budget now; nothing is held. ``kind``: ``"slots"`` or ``"budget"``; ``limit``, ``in_use``:
-    slots or bytes; ``requested``: the bytes asked for (budget); ``holders``: who holds them."""
+    """``node_wait=False`` and every slot is taken, or the request does not fit the node's byte budget
+    now; nothing is held. ``limit``, ``in_use``: slots or bytes; ``holders``: who holds them."""
 
     def __init__(self, message: str, *, directory: str, kind: Kind, limit: int, in_use: int,
                  requested: int | None = None, holders: tuple[NodeHolderLike, ...] = ()) -> None:  # fmt: skip

@@ -1,13 +1,10 @@
 """What a pool reports while it works: Prometheus metrics and structlog events, one method per transition.
-
-Worker threads call the chunk methods (structlog's async methods break under trio). No method of
-:class:`Observer` raises an ``Exception``: the engine calls them between recording outcomes, and a
-raising logger must never cost a chunk or a range claim. As ``logging.Handler.handleError`` does, a
-failure is swallowed, counted and reported once per pool on ``sys.stderr``.
-"""
+No method of :class:`Observer` raises an ``Exception`` (a raising logger must never cost a chunk): as
+``logging.Handler.handleError`` does, a failure is swallowed, counted and reported once per pool."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -27,9 +24,7 @@ if TYPE_CHECKING:
 
 
 def default_logger() -> Any:
-    """structlog's logger where the application configured structlog; else the stdlib ``pinpool``
-    logger (structlog's unconfigured default prints every level to stdout), whose WARNING lines
-    read as one line with every field (also in ``extra``), never a bare event name."""
+    """structlog's logger if the application configured structlog, else stdlib's ``pinpool`` (all fields shown)."""
     if structlog.is_configured():
         return structlog.get_logger("pinpool")
     return structlog.wrap_logger(
@@ -56,20 +51,17 @@ class Observer:
         reasons: frozenset[str] = frozenset(),
     ) -> None:  # fmt: skip
         self.metrics: PoolMetrics | None = None if registry is None else metrics_for(registry)
-        self._pool = pool
         self._labels = (pool, runtime)
         self._layout = layout
         self._reasons = reasons  # the failure reasons a metric label may take; any other is OTHER_REASON
         self.log = (default_logger() if logger is None else logger).bind(pool=pool, runtime=runtime, layout=layout)
         self._info_labels: tuple[str, ...] | None = None
-        # Per-chunk events are DEBUG; skip building them when the logger would drop them anyway
-        # (structlog's processing of a filtered event is a third of a tiny chunk's cost).
+        # Per-chunk events are DEBUG: not built for a logger that drops them (they cost a tiny chunk's third).
         is_enabled_for = getattr(self.log, "isEnabledFor", None)
         self._chunk_debug = not callable(is_enabled_for) or bool(is_enabled_for(logging.DEBUG))
-        # Failures of the user's logger and of metrics calls; the lock is taken only on a failure.
-        self.log_errors = 0
+        self.log_errors = 0  # failures of the user's logger
         self.metric_errors = 0
-        self._errors_lock = threading.Lock()
+        self._errors_lock = threading.Lock()  # taken only on a failure
         self._reported: set[str] = set()
         # Longest call per op, without a lock: a lost race only delays a larger value to the next call.
         self.longest: dict[str, float] = {"register": 0.0, "populate": 0.0, "unregister": 0.0}
@@ -83,10 +75,8 @@ class Observer:
             self._log_failed(event, exc)
 
     def _log_failed(self, event: str, exc: Exception) -> None:
-        with self._errors_lock:
-            self.log_errors += 1
         self._metric("log_errors", lambda m: m.log_errors.labels(*self._labels).inc())
-        self._report_once("log", f"logging event {event!r} raised", exc)
+        self._failed("log", f"logging event {event!r} raised", exc)
 
     def _metric(self, what: str, *updates: Callable[[PoolMetrics], None]) -> None:
         if self.metrics:
@@ -97,30 +87,28 @@ class Observer:
                 self._metric_failed(what, exc)
 
     def _metric_failed(self, what: str, exc: Exception) -> None:
-        with self._errors_lock:
-            self.metric_errors += 1
-        self._report_once("metrics", f"updating metrics ({what}) raised", exc)
+        self._failed("metrics", f"updating metrics ({what}) raised", exc)
 
-    def _report_once(self, kind: str, what: str, exc: Exception) -> None:
-        """One line on ``sys.stderr`` for the first failure of a kind (not ``warnings``: a filter may make it raise)."""
+    def _failed(self, kind: str, what: str, exc: Exception) -> None:
+        """Count it; one line on ``sys.stderr`` for the first of a kind (not ``warnings``: a filter may raise)."""
         with self._errors_lock:
+            if kind == "log":
+                self.log_errors += 1
+            else:
+                self.metric_errors += 1
             if kind in self._reported:
                 return
             self._reported.add(kind)
-        try:
-            message = f"{class_name(exc)}: {foreign_text(exc)}"
-            stream = sys.stderr
-            if stream is not None:  # None under pythonw, or at interpreter shutdown
-                counted = (
-                    "Observer.log_errors and pinpool_log_errors_total" if kind == "log" else "Observer.metric_errors"
-                )
-                stream.write(
-                    f"pinpool: pool {self._pool!r}: {what}: {message} "
-                    f"(ignored; reported once per pool, every failure is counted in {counted})\n"
-                )
-                stream.flush()
-        except Exception:
-            pass  # a closed or broken stderr: nothing more can be done, and raising is not allowed
+        stream = sys.stderr
+        if stream is None:  # under pythonw, or at interpreter shutdown
+            return
+        counted = "Observer.log_errors and pinpool_log_errors_total" if kind == "log" else "Observer.metric_errors"
+        with contextlib.suppress(Exception):  # a closed or broken stderr: nothing more can be done
+            stream.write(
+                f"pinpool: pool {self._labels[0]!r}: {what}: {class_name(exc)}: {foreign_text(exc)} "
+                f"(ignored; reported once per pool, every failure is counted in {counted})\n"
+            )
+            stream.flush()
 
     def call_started(self) -> None:
         self._metric("call_started", lambda m: m.chunks_in_flight.labels(*self._labels).inc())
@@ -173,11 +161,10 @@ class Observer:
         )  # fmt: skip
 
     def chunk_pinned(self, chunk: Chunk) -> None:  # registered and all its pages in: pinned whole
-        labels = self._labels
         self._metric(
             "chunk_pinned",
-            lambda m: m.chunks_registered.labels(*labels).inc(),
-            lambda m: m.registered_bytes.labels(*labels).inc(chunk.nbytes),
+            lambda m: m.chunks_registered.labels(*self._labels).inc(),
+            lambda m: m.registered_bytes.labels(*self._labels).inc(chunk.nbytes),
         )
 
     def pinned_moved(self, nbytes: int) -> None:
@@ -192,24 +179,20 @@ class Observer:
     def released_elsewhere(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         """Unregistering ``piece`` found no registration: someone else released it (a warning: perhaps in use)."""
         self._metric("released_elsewhere", lambda m: m.released_elsewhere.labels(*self._labels).inc())
-        self._emit(
-            "warning", "chunk.released_elsewhere", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
-            code=answer.code, reason=answer.reason,
-        )  # fmt: skip
+        self._piece_event("warning", "chunk.released_elsewhere", piece, ptr, answer)
 
     def not_registered(self, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         """A "may be registered" ``piece`` is not: nothing to undo; logged next to its ``chunk.failed``."""
-        self._emit(
-            "info", "chunk.not_registered", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
-            code=answer.code, reason=answer.reason,
-        )  # fmt: skip
+        self._piece_event("info", "chunk.not_registered", piece, ptr, answer)
 
     def registered_despite_code(self, piece: Chunk, ptr: int, error: RuntimeCallError) -> None:
         """A register that answered ``error`` had registered ``piece`` (a stale code): unregistered again."""
+        self._piece_event("warning", "chunk.registered_despite_code", piece, ptr, error)
+
+    def _piece_event(self, level: str, event: str, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         self._emit(
-            "warning", "chunk.registered_despite_code", offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr),
-            code=error.code, reason=error.reason,
-        )  # fmt: skip
+            level, event, offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr), code=answer.code, reason=answer.reason
+        )
 
     def pin_started(
         self, *, nbytes: int, chunks: int, chunk_bytes: int, granularity: int | None, order: str,
@@ -250,8 +233,7 @@ class Observer:
         )
 
     def rollback(self, *, cause: str, registered_chunks: int, kept_bytes: int = 0) -> None:
-        """Pinning ended before ready, for ``cause`` (``Outcome.cause``); ``kept_bytes``: what a background
-        pool keeps pinned until exit. An exit during a background pin is a normal shutdown (info)."""
+        """Pinning ended before ready, for ``cause``; ``kept_bytes``: what a background pool keeps pinned until exit."""
         self._metric("rollback", lambda m: m.rollbacks.labels(*self._labels, cause).inc())
         level = "info" if cause == "exit" else "warning"
         fields: dict[str, Any] = {"cause": cause, "registered_chunks": registered_chunks}
@@ -289,12 +271,6 @@ class Observer:
         # A failure of on_progress is the user's exception: its text may raise, or be any length.
         self._emit("error", "pool.failed", error=foreign_text(error, limit=4000), error_type=class_name(error))
 
-    def _release_series(self, metrics: PoolMetrics, leaked_bytes: int) -> None:
-        """After the pool's last gauge update: its gauge series go with the last open pool of its labels."""
-        info_labels, self._info_labels = self._info_labels, None
-        if info_labels is not None:  # pin_started took them
-            metrics.pool_closed(self._labels, info_labels, leaked_bytes=leaked_bytes)
-
     def unpinned(self, *, nbytes: int, seconds: float, failures: int, leaked_bytes: int, pinned: bool) -> None:
         if self.metrics:
             m, labels = self.metrics, self._labels
@@ -309,8 +285,10 @@ class Observer:
                     m.pool_bytes.labels(*labels).dec(nbytes)
                     if self._info_labels is not None:
                         m.pool_info.labels(*self._info_labels).dec()
-                finally:  # whatever failed above, the pool no longer holds its series
-                    self._release_series(m, leaked_bytes)
+                finally:  # whatever failed above, the pool's series go with the last open pool of its labels
+                    info_labels, self._info_labels = self._info_labels, None
+                    if info_labels is not None:  # pin_started took them
+                        m.pool_closed(labels, info_labels, leaked_bytes=leaked_bytes)
             except Exception as exc:
                 self._metric_failed("unpinned", exc)
         if failures:

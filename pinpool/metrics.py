@@ -1,7 +1,6 @@
 """Prometheus metrics for pinpool, and helpers to expose them. Names and labels are a contract
-(docs/metrics.md); created once per ``CollectorRegistry`` and shared by its pools. A pool's gauge
-series go with the last open pool of its labels, so names that come and go do not pile up.
-"""
+(docs/metrics.md); created once per ``CollectorRegistry``, shared by its pools; a pool's gauge
+series go with the last open pool of its labels."""
 
 from __future__ import annotations
 
@@ -32,11 +31,10 @@ def _multiprocess() -> bool:  # prometheus_client's multiprocess mode: a series 
 
 
 class PoolMetrics:
-    """The metric families of one registry, and how many open pools hold each label tuple's gauge
-    series (same ``name=`` and runtime: shared), removed with the last. Thread-safe."""
+    """The metric families of one registry, and the open pools holding each label tuple's gauge series."""
 
     # The instance dict holds the metric families only (a failed __init__ unregisters all of it).
-    __slots__ = ("__dict__", "_series")
+    __slots__ = ("__dict__", "_leaked", "_lock", "_open")
 
     def __init__(self, registry: CollectorRegistry) -> None:
         try:
@@ -49,30 +47,37 @@ class PoolMetrics:
                 f"registry={registry!r} already holds a collector with one of pinpool's metric names ({exc}); "
                 "pass another registry, or registry=None"
             ) from exc
-        self._series = _OpenPools()
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, ...], int] = {}  # (pool, runtime), or pool_info's 5 labels -> open pools
+        self._leaked: dict[tuple[str, ...], int] = {}  # (pool, runtime) -> bytes that may still be pinned
 
     def pool_opened(self, labels: tuple[str, ...], info_labels: tuple[str, ...]) -> None:
         """A pool starts pinning: before its first gauge update (a closing namesake keeps off its series)."""
-        book = self._series
-        with book.lock:
-            book.open[labels] = book.open.get(labels, 0) + 1
-            book.open_info[info_labels] = book.open_info.get(info_labels, 0) + 1
+        with self._lock:
+            for key in (labels, info_labels):
+                self._open[key] = self._open.get(key, 0) + 1
+
+    def _last_closed(self, key: tuple[str, ...]) -> bool:
+        """Under the lock: one fewer open pool for ``key``; whether it was the last."""
+        left = self._open.pop(key, 0) - 1
+        if left > 0:
+            self._open[key] = left
+        return left <= 0
 
     def pool_closed(self, labels: tuple[str, ...], info_labels: tuple[str, ...], *, leaked_bytes: int = 0) -> None:
         """A pool closed, after its last gauge update: the last of its labels takes their series, except
         ``pinned_bytes`` while bytes with those labels may still be pinned (a failed unregistration)."""
         keep = _multiprocess()  # prometheus_client cannot remove a series there; livesum drops dead processes
-        book = self._series
-        with book.lock:
+        with self._lock:
             if leaked_bytes:
-                book.leaked[labels] = book.leaked.get(labels, 0) + leaked_bytes
-            if book.release(book.open_info, info_labels) and not keep:
+                self._leaked[labels] = self._leaked.get(labels, 0) + leaked_bytes
+            if self._last_closed(info_labels) and not keep:
                 self.pool_info.remove(*info_labels)
-            if not book.release(book.open, labels) or keep:
+            if not self._last_closed(labels) or keep:
                 return
             for gauge in (self.pool_bytes, self.chunks_in_flight, self.pools_open, self.pools_ready):
                 gauge.remove(*labels)
-            if labels not in book.leaked:
+            if labels not in self._leaked:
                 self.pinned_bytes.remove(*labels)
             for op in _CALL_OPS:
                 self.call_seconds_max.remove(*labels, op)
@@ -142,25 +147,6 @@ class PoolMetrics:
             (*_BASE, "layout", "granularity_bytes", "chunk_bytes"), multiprocess_mode="liveall", **kw)  # fmt: skip
 
 
-class _OpenPools:
-    """How many open pools hold each label tuple's gauge series, under one lock."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.open: dict[tuple[str, ...], int] = {}  # (pool, runtime) -> open pools
-        self.open_info: dict[tuple[str, ...], int] = {}  # pool_info's labels -> open pools
-        self.leaked: dict[tuple[str, ...], int] = {}  # (pool, runtime) -> bytes that may still be pinned
-
-    @staticmethod
-    def release(open_pools: dict[tuple[str, ...], int], key: tuple[str, ...]) -> bool:
-        """One fewer open pool for ``key``; whether it was the last."""
-        left = open_pools.pop(key, 0) - 1
-        if left > 0:
-            open_pools[key] = left
-            return False
-        return True
-
-
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, PoolMetrics] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -168,8 +154,7 @@ _lock = threading.Lock()
 def metrics_for(registry: CollectorRegistry) -> PoolMetrics:
     """The metric families registered in ``registry``, created on first use (so pools share them)."""
     with _lock:
-        metrics = _by_registry.get(registry)
-        if metrics is None:
+        if (metrics := _by_registry.get(registry)) is None:
             metrics = _by_registry[registry] = PoolMetrics(registry)
         return metrics
 

@@ -1,9 +1,6 @@
 """``pinpool doctor``: is this host ready to pin a pool of a given size, and if not, what to change.
-
-Facts are read once (:func:`read_facts`); every check is a pure function of them returning a
-:class:`Check`, so each rule is tested with hand-made facts. The memory, memlock, huge page and NUMA
-checks are the pool's own pre-flight checks asked about ``--size``: the same figures, the same advice.
-"""
+Facts are read once (:func:`read_facts`); every check is a pure function of them (the memory,
+memlock, huge page and NUMA ones are the pool's own pre-flight checks, asked about ``--size``)."""
 
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ if TYPE_CHECKING:
 
 
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the same as pinpool._plan.options.CHUNK_ENV (a test holds them equal)
-# Every variable pinpool reads (a test greps the package for PINPOOL_), each checked by the code that reads it.
-KNOWN_ENV: Mapping[str, str] = {
+KNOWN_ENV: Mapping[str, str] = {  # every variable pinpool reads (a test greps the package for PINPOOL_)
     CHUNK_ENV: "the upper bound of one registration call, in GiB; unset: 256",
     "PINPOOL_NODE_SLOTS": "how many processes on this host may pin at once; unset: no limit",
     "PINPOOL_NODE_BUDGET": "bytes all cooperating pools on this host may hold pinned (a size, a fraction "
@@ -98,8 +94,7 @@ def check_cpu(host: HostFacts) -> Check:
 
 
 def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) -> Check:
-    """6.11–6.13 cap one pin call at 2 GB; before 5.14 there is no MADV_POPULATE_WRITE to pre-fault with.
-    ``chunk_limit``: pinpool's per-call limit from the environment (None: the variable is invalid)."""
+    """6.11–6.13 cap one pin call at 2 GB; before 5.14 no MADV_POPULATE_WRITE (``chunk_limit`` None: invalid)."""
     match = re.match(r"(\d+)\.(\d+)", release)
     version = None if match is None else (int(match.group(1)), int(match.group(2)))
     if version is None:
@@ -124,9 +119,7 @@ def check_kernel(release: str, populate_write: bool, chunk_limit: int | None) ->
             "run Linux 5.14 or newer for faster pinning",
         ))  # fmt: skip
     detail = "; ".join([f"Linux {release}", *notes, *(p for p, _ in problems)])
-    if problems:
-        return Check("kernel", WARN, detail, problems[0][1])
-    return Check("kernel", OK, detail)
+    return Check("kernel", WARN, detail, problems[0][1]) if problems else Check("kernel", OK, detail)
 
 
 def check_cuda(facts: CudaFacts) -> Check:
@@ -138,9 +131,8 @@ def check_cuda(facts: CudaFacts) -> Check:
             "cuda", FAIL, f"torch sees a GPU but asking about it failed: {facts.error}",
             "check nvidia-smi (or rocm-smi) in the same environment, and the device nodes in the container",
         )  # fmt: skip
-    driver = f"driver {facts.driver_version or 'unknown'}" + (
-        f" (CUDA {facts.driver_cuda})" if facts.driver_cuda else ""
-    )
+    cuda = f" (CUDA {facts.driver_cuda})" if facts.driver_cuda else ""
+    driver = f"driver {facts.driver_version or 'unknown'}{cuda}"
     build = (
         f"torch {facts.torch_version or '?'} built for {'HIP' if facts.build == 'rocm' else 'CUDA'} {facts.torch_cuda}"
     )
@@ -149,8 +141,7 @@ def check_cuda(facts: CudaFacts) -> Check:
     if facts.build == "rocm":
         return Check("cuda", OK, f"{found} (CanUseHostPointerForRegisteredMem is not read on ROCm)")
     unknown = [d.index for d in facts.devices if d.can_use_host_pointer is None]
-    cannot = [d.index for d in facts.devices if d.can_use_host_pointer == 0]
-    if cannot:
+    if cannot := [d.index for d in facts.devices if d.can_use_host_pointer == 0]:
         return Check(
             "cuda", WARN,
             f"{found}; device(s) {cannot} cannot use registered memory by its host pointer "
@@ -187,8 +178,7 @@ def env_value(name: str, value: str) -> str:
 
 def env_chunk_limit(env: Mapping[str, str]) -> int | None:
     """pinpool's per-call limit under ``env``: the variable, else 256 GiB; None when it is invalid."""
-    value = env.get(CHUNK_ENV)
-    if value is None:
+    if (value := env.get(CHUNK_ENV)) is None:
         return 256 << 30
     try:
         return _chunk_limit(value)
@@ -199,19 +189,15 @@ def env_chunk_limit(env: Mapping[str, str]) -> int | None:
 def check_env(env: Mapping[str, str]) -> list[Check]:
     """One check per pinpool variable set, one for the unset ones, one per unknown PINPOOL_ (a typo?)."""
     checks: list[Check] = []
-    unset = [name for name in KNOWN_ENV if name not in env]
-    if unset:
+    if unset := [name for name in KNOWN_ENV if name not in env]:
         checks.append(Check("env", OK, f"unset (defaults apply): {', '.join(unset)}"))
     for name, meaning in KNOWN_ENV.items():
-        value = env.get(name)
-        if value is None:
+        if (value := env.get(name)) is None:
             continue
         try:
-            means = env_value(name, value)
+            checks.append(Check(f"env {name}", OK, f"{name}={value!r}: {env_value(name, value)} ({meaning})"))
         except ConfigError as exc:
             checks.append(Check(f"env {name}", FAIL, str(exc), f"fix or unset {name} ({meaning})"))
-            continue
-        checks.append(Check(f"env {name}", OK, f"{name}={value!r}: {means} ({meaning})"))
     known = ", ".join(KNOWN_ENV)
     checks.extend(
         Check(f"env {name}", WARN, f"{name} is set but pinpool reads no such variable (known: {known})",
@@ -235,8 +221,7 @@ def _shown(path: str) -> str:
 
 
 def check_region(region: RegionInfo) -> Check:
-    """One pinpool shared memory region, what it holds and who made it: it holds its memory until
-    removed, so one left behind (its creator gone, not meant to be kept) warns."""
+    """One pinpool shared memory region, what it holds and who made it; one left behind warns."""
     record = region.record  # its text is printable ASCII (the trailer's parser refuses anything else)
     path = _shown(region.path)
     layout = f", layout {record['layout']}" if "layout" in record else ""
@@ -261,7 +246,7 @@ def check_region(region: RegionInfo) -> Check:
 
 
 def check_half_made(half: HalfMade) -> Check:
-    """A region's temporary file: fine while its creator is at work; left by one that died: warn."""
+    """A region's temporary file: a warning once its creator died."""
     path = _shown(half.path)
     if half.in_progress:
         return Check("region", OK, f"{path}: a region being created now", "")
@@ -274,8 +259,7 @@ def check_half_made(half: HalfMade) -> Check:
     )  # fmt: skip
 
 
-def check_removed(path: str, held_bytes: int) -> Check:
-    """A dead creator's temporary file that ``--remove-stale`` removed."""
+def check_removed(path: str, held_bytes: int) -> Check:  # --remove-stale removed it
     return Check(
         "region", OK, f"{_shown(path)}: removed, a region left half-made by a creator that died while creating it "
         f"({format_bytes(held_bytes)} of memory freed)",
@@ -315,8 +299,7 @@ def counts(checks: Sequence[Check]) -> dict[str, int]:
 
 
 def render_text(checks: Sequence[Check], size: int | None) -> str:
-    # Names up to 8 characters line up; a longer one (an environment variable) pushes only its line.
-    width = min(8, max(len(c.name) for c in checks))
+    width = min(8, max(len(c.name) for c in checks))  # a longer name (a variable's) pushes only its line
     lines = [f"pinpool doctor{f' for --size {format_bytes(size)}' if size is not None else ''}:"]
     for check in checks:
         lines.append(f"  {check.status:<4}  {check.name:<{width}}  {check.detail}")

@@ -1,24 +1,12 @@
 """Node pacing: ranks on one host share pin slots and a byte budget through ``flock(2)``-ed files in
-one directory, with no server (docs/serving.md). A flock goes with the last descriptor of its open
-file description, so a crashed (even SIGKILLed) rank's locks go with it.
-
-**Slots**: ``LOCK_EX`` on the first free ``slot-N``. **Budget**: each holder keeps a locked
-``hold-<pid>-<random>`` holding its byte count. Admission, under ``LOCK_EX`` on ``budget.lock``,
-sums the locked hold files (an unlocked one is a dead holder's, removed) and, if the request fits,
-creates its own, written and locked, before letting ``budget.lock`` go. Slot files and
-``budget.lock`` are never removed (removing a file others hold open would split the lock).
-
-**Waiting** polls on the calling thread every 5 % of the time waited (from 5 ms, jittered, at most
-``poll``): a slot freed after a short pin is taken within milliseconds, and the hand-over costs at
-most ~5 % of the wait. Not FIFO.
-
-**Fork**: a child forked without ``exec`` shares the parent's open file descriptions and would keep
-its slot locked after the parent released it, so the child closes its copies (which never releases
-the parent's lock) and ``release()`` does nothing in any process but the acquiring one.
-"""
+one directory (docs/serving.md); a dead rank's locks go with it. **Slots**: ``LOCK_EX`` on the first
+free ``slot-N``. **Budget**: each holder keeps a locked ``hold-<pid>-<random>`` holding its byte count;
+admission, under ``LOCK_EX`` on ``budget.lock``, sums the locked ones (removing dead holders') and
+creates its own if the request fits. ``slot-N`` and ``budget.lock`` are never removed (that would split a lock)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -44,13 +32,9 @@ _BUDGET_LOCK = "budget.lock"
 _RECORD_LIMIT = 512  # bytes read back from a slot or hold file
 
 
-# -- who holds what --------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class NodeHolder:
-    """Who holds a slot or part of the budget, as its file says (``nbytes``: budget only; ``label``:
-    its pool's name); ``state`` is None unless looked up (:func:`holder_state`)."""
+    """Who holds a slot or part of the budget (``nbytes``), as its file says; ``state``: see :func:`holder_state`."""
 
     pid: int | None
     nbytes: int | None = None
@@ -66,6 +50,9 @@ class NodeHolder:
         return who if self.nbytes is None else f"{who}: {format_bytes(self.nbytes)}"
 
 
+_STATES: dict[bytes, HolderState] = {b"T": "stopped", b"t": "stopped", b"Z": "zombie", b"X": "zombie", b"x": "zombie"}
+
+
 def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
     """``pid``'s state, from one read of ``/proc/<pid>/stat`` ("not found": gone, or another pid namespace)."""
     if pid is None or pid <= 0:
@@ -78,14 +65,7 @@ def holder_state(pid: int | None, proc: str = "/proc") -> HolderState:
     except OSError:
         return "unknown"
     fields = data.rpartition(b")")[2].split()  # the command name, in parentheses, may hold anything
-    if not fields:
-        return "unknown"
-    code = fields[0]
-    if code in (b"T", b"t"):
-        return "stopped"
-    if code in (b"Z", b"X", b"x"):
-        return "zombie"
-    return "running"
+    return _STATES.get(fields[0], "running") if fields else "unknown"
 
 
 def _flock_holders(st: os.stat_result, locks: str = "/proc/locks") -> tuple[int, ...]:
@@ -118,13 +98,10 @@ def _record(pid: int, first: str, label: str) -> bytes:
 def _read_record(fd: int) -> tuple[str, int | None, str]:
     """``(first line, pid, label)`` of a slot or hold file; blanks for whatever is unreadable."""
     try:
-        lines = os.pread(fd, _RECORD_LIMIT, 0).decode("utf-8", "replace").split("\n")
+        first, pid, label, *_ = [*os.pread(fd, _RECORD_LIMIT, 0).decode("utf-8", "replace").split("\n"), "", ""]
     except OSError:
         return "", None, ""
-    first = lines[0] if lines else ""
-    pid = int(lines[1]) if len(lines) > 1 and lines[1].isascii() and lines[1].isdigit() else None
-    label = lines[2] if len(lines) > 2 else ""
-    return first, pid, label
+    return first, int(pid) if pid.isascii() and pid.isdigit() else None, label
 
 
 # -- holds -----------------------------------------------------------------------------------------
@@ -133,9 +110,8 @@ _LIVE: weakref.WeakSet[_Hold] = weakref.WeakSet()
 
 
 class _Hold:
-    """A lock file's descriptor, released once (also when collected), in the acquiring process only.
-    It exists before anything is opened and owns each descriptor from the store that keeps it, so
-    whatever is raised afterwards (a ``KeyboardInterrupt`` too) is undone by :meth:`release`."""
+    """A lock file's descriptor, released once (also when collected), in the acquiring process only;
+    made before anything is opened, so whatever is raised afterwards is undone by :meth:`release`."""
 
     def __init__(self, *, directory: str, name: str | None, waited_seconds: float) -> None:
         self._fd = self._dir_fd = -1  # the budget's: the directory, to remove its hold file by name
@@ -171,11 +147,9 @@ class _Hold:
         fds, self._fd, self._dir_fd = (self._fd, self._dir_fd), -1, -1
         self._lock = threading.Lock()
         for fd in fds:
-            try:
-                if fd >= 0:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-            except OSError:
-                pass
 
     def __enter__(self) -> Self:
         return self
@@ -184,10 +158,8 @@ class _Hold:
         self.release()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.release()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
@@ -214,8 +186,7 @@ class SlotHold(_Hold):
 
 
 class BudgetHold(_Hold):
-    """``nbytes`` of the node's byte budget (``name`` None when the budget is not paced). Hold it for
-    as long as the memory is pinned: from before pinning until after unpinning."""
+    """``nbytes`` of the node's byte budget (``name`` None when not paced), held while the memory is pinned."""
 
     def __init__(self, *, directory: str, name: str | None, nbytes: int, waited_seconds: float) -> None:
         super().__init__(directory=directory, name=name, waited_seconds=waited_seconds)
@@ -228,9 +199,8 @@ class BudgetHold(_Hold):
             return
         try:
             if owned and self.name is not None:
-                os.unlink(self.name, dir_fd=dir_fd)  # still locked: nobody counts it as stale meanwhile
-        except FileNotFoundError:
-            pass
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.name, dir_fd=dir_fd)  # still locked: nobody counts it as stale meanwhile
         finally:
             os.close(dir_fd)
 
@@ -239,13 +209,10 @@ class BudgetHold(_Hold):
 
 DEFAULT_POLL_SECONDS = 0.25  # the longest interval between two attempts while waiting
 MIN_POLL_SECONDS = 0.005  # the first intervals
-_POLL_FRACTION = 0.05  # of the time waited so far
-# budget.lock is held for a listing and a few tiny reads: a busy one is retried quickly, and a
-# fail-fast admission gives up only after this long (a holder stopped with SIGSTOP, say).
-_LOCK_RETRY_SECONDS = 0.002
+_POLL_FRACTION = 0.05  # of the time waited so far: a short pin's freed slot is taken within milliseconds
+_LOCK_RETRY_SECONDS = 0.002  # budget.lock is held briefly; fail-fast gives up on it only after:
 _LOCK_GIVE_UP_SECONDS = 5.0
-# A waiting rank says whom it waits for after this long, then again every _WAITING_EVERY_SECONDS.
-_WAITING_FIRST_SECONDS = 10.0
+_WAITING_FIRST_SECONDS = 10.0  # then every _WAITING_EVERY_SECONDS, a waiting rank says whom it waits for
 _WAITING_EVERY_SECONDS = 60.0
 
 H = TypeVar("H", bound=_Hold)
@@ -259,16 +226,14 @@ _CONTENDED = _Contended()
 
 
 OnWaiting = Callable[[Kind, tuple[NodeHolder, ...], float], object]
+OnWait = Callable[[NodeBusyError], object]
+Cancelled = Callable[[], bool]
+Attempt = Callable[[float], H | NodeBusyError | _Contended]  # one try, given the seconds waited so far
 
 
 class NodeAdmission:
-    """Admission to a node's pin slots and byte budget, for one pool (``label``: its name).
-
-    The constructor checks the directory and the lock files in it (a ConfigError before anything is
-    mapped); every acquisition checks them again. Holds of what is not paced are released already.
-    ``on_waiting(kind, holders, waited_seconds)`` is called from the waiting thread after 10 s, then
-    every 60 s, naming whom the rank waits for and their states; an ``Exception`` it raises is ignored.
-    """
+    """Admission to a node's pin slots and byte budget for one pool (``label``), checked when constructed.
+    ``on_waiting(kind, holders, waited_seconds)``: called while waiting (what it raises is ignored)."""
 
     def __init__(self, pacing: NodePacing, *, label: str = "", on_waiting: OnWaiting | None = None) -> None:
         if not isinstance(pacing, NodePacing):
@@ -306,8 +271,6 @@ class NodeAdmission:
         budget = None if p.budget_bytes is None else format_bytes(p.budget_bytes)
         return f"<NodeAdmission {p.directory!r} slots={p.slots} budget={budget} wait={p.wait}>"
 
-    # -- one attempt -----------------------------------------------------------------------------
-
     def _attempt_slot(self, waited: float) -> SlotHold | NodeBusyError:
         p = self.pacing
         if p.slots is None:
@@ -327,11 +290,9 @@ class NodeAdmission:
                         holders.append(NodeHolder(pid=pid, label=label))
                         hold.release()  # closes a descriptor that holds no lock
                         continue
-                    try:  # ours: say who holds it (for others' messages only; a failed write changes nothing)
+                    with contextlib.suppress(OSError):  # ours: say who holds it (for others' messages only)
                         os.ftruncate(hold._fd, 0)
                         os.pwrite(hold._fd, _record(os.getpid(), "slot", self.label), 0)
-                    except OSError:
-                        pass
                     return hold
                 except BaseException:
                     hold.release()
@@ -391,13 +352,10 @@ class NodeAdmission:
 
     def _live_holds(self, dir_fd: int) -> list[NodeHolder]:
         """The hold files of live holders (under budget.lock); stale ones are removed."""
-        directory = self.pacing.directory
         holders: list[NodeHolder] = []
-        for name in sorted(os.listdir(dir_fd)):
-            if not name.startswith(_HOLD_PREFIX):
-                continue
+        for name in sorted(n for n in os.listdir(dir_fd) if n.startswith(_HOLD_PREFIX)):
             try:
-                fd = open_file(dir_fd, directory, name, os.O_RDONLY)
+                fd = open_file(dir_fd, self.pacing.directory, name, os.O_RDONLY)
             except FileNotFoundError:  # released meanwhile
                 continue
             try:
@@ -408,10 +366,8 @@ class NodeAdmission:
                     count = int(first) if first.isascii() and first.isdigit() else 0  # written before it was visible
                     holders.append(NodeHolder(pid=pid, nbytes=count, label=label))
                 else:  # nobody holds it: its holder died (or released and is about to remove it)
-                    try:
+                    with contextlib.suppress(FileNotFoundError):
                         os.unlink(name, dir_fd=dir_fd)
-                    except FileNotFoundError:
-                        pass
             finally:
                 os.close(fd)
         return holders
@@ -426,8 +382,7 @@ class NodeAdmission:
             try:  # O_EXCL: a new file, ours alone (one link, not a FIFO): nothing to check
                 hold._fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd)
             except OSError as exc:
-                error = open_error(p.directory, name, exc, existed=False)
-                if error is None:
+                if (error := open_error(p.directory, name, exc, existed=False)) is None:
                     raise
                 raise error from None
             _LIVE.add(hold)
@@ -440,24 +395,19 @@ class NodeAdmission:
             hold.release()  # removes the file and closes both descriptors
             raise
 
-    # -- waiting ---------------------------------------------------------------------------------
-
     def acquire_slot(
-        self,
-        cancelled: Callable[[], bool] | None = None,
-        poll: float = DEFAULT_POLL_SECONDS,
-        on_wait: Callable[[NodeBusyError], object] | None = None,
+        self, cancelled: Cancelled | None = None, poll: float = DEFAULT_POLL_SECONDS, on_wait: OnWait | None = None
     ) -> SlotHold:
         """A pin slot, waiting on this thread if ``wait``, else :class:`NodeBusyError` at once;
         :class:`NodeWaitCancelled` once ``cancelled()``; ``on_wait(busy)`` once, when the wait begins."""
-        return self._wait("slots", lambda waited: self._attempt_slot(waited), cancelled, poll, on_wait)
+        return self._wait("slots", self._attempt_slot, cancelled, poll, on_wait)
 
     def reserve_budget(
         self,
         nbytes: int,
-        cancelled: Callable[[], bool] | None = None,
+        cancelled: Cancelled | None = None,
         poll: float = DEFAULT_POLL_SECONDS,
-        on_wait: Callable[[NodeBusyError], object] | None = None,
+        on_wait: OnWait | None = None,
     ) -> BudgetHold:
         """``nbytes`` of the node budget, as :meth:`acquire_slot` waits for a slot."""
         self.check_request(nbytes)
@@ -477,30 +427,25 @@ class NodeAdmission:
         assert isinstance(result, NodeBusyError)
         if not self.pacing.wait:
             raise result
-        waited = time.monotonic() - started
-        return min(poll, max(MIN_POLL_SECONDS, waited * _POLL_FRACTION)) * random.uniform(0.8, 1.2)
+        return min(poll, max(MIN_POLL_SECONDS, (time.monotonic() - started) * _POLL_FRACTION)) * random.uniform(
+            0.8, 1.2
+        )
 
     def _wait(
-        self,
-        kind: Kind,
-        attempt: Callable[[float], H | NodeBusyError | _Contended],
-        cancelled: Callable[[], bool] | None,
-        poll: float,
-        on_wait: Callable[[NodeBusyError], object] | None,
+        self, kind: Kind, attempt: Attempt[H], cancelled: Cancelled | None, poll: float, on_wait: OnWait | None
     ) -> H:
-        _check_poll(poll)
+        if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
+            raise ConfigError(f"poll={poll!r} must be a number of seconds in (0, 60]")
         started = time.monotonic()
         report_at = started + _WAITING_FIRST_SECONDS
-        told = False
         while True:
             result = attempt(time.monotonic() - started)
             if isinstance(result, _Hold):
                 return result
             delay = self._next_delay(result, poll, started)
-            if isinstance(result, NodeBusyError) and not told:
-                told = True
-                if on_wait is not None:
-                    on_wait(result)
+            if on_wait is not None and isinstance(result, NodeBusyError):
+                on_wait(result)
+                on_wait = None  # once, when the wait begins
             now = time.monotonic()
             if now >= report_at:
                 report_at = now + _WAITING_EVERY_SECONDS
@@ -513,18 +458,15 @@ class NodeAdmission:
             time.sleep(delay)
 
     def _report_waiting(self, kind: Kind, result: NodeBusyError | _Contended, waited: float) -> None:
-        on_waiting = self.on_waiting
-        if on_waiting is None:
+        if (on_waiting := self.on_waiting) is None:
             return
         if isinstance(result, NodeBusyError):
-            holders = cast("tuple[NodeHolder, ...]", result.holders)  # _admit raises it with NodeHolders
+            holders = cast("tuple[NodeHolder, ...]", result.holders)  # _attempt_* build it with NodeHolders
         else:  # budget.lock itself stayed locked: a rank stopped while admitting
             holders = tuple(NodeHolder(pid=pid, label="") for pid in self._budget_lock_pids())
         holders = tuple(replace(h, state=holder_state(h.pid)) for h in holders)
-        try:
+        with contextlib.suppress(Exception):  # a report never changes the wait
             on_waiting(kind, holders, waited)
-        except Exception:  # a report never changes the wait
-            pass
 
     def _budget_lock_pids(self) -> tuple[int, ...]:
         try:
@@ -537,8 +479,3 @@ class NodeAdmission:
             return ()
         finally:
             os.close(dir_fd)
-
-
-def _check_poll(poll: float) -> None:
-    if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
-        raise ConfigError(f"poll={poll!r} must be a number of seconds in (0, 60]")

@@ -1,9 +1,9 @@
-"""Where a shared memory region lives and the trust placed in it (docs/shared-memory.md, "Trust"):
-its file system, a memfd, its directory (walked from ``/``) and its file, opened relative to the
-directory's descriptor, never by a path that could be swapped."""
+"""Where a shared memory region lives and the trust placed in it (docs/shared-memory.md, "Trust"): its file
+system, a memfd, its directory (walked from ``/``) and its file, opened relative to the directory's descriptor."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from .._errors import ConfigError
 from .._host import libc as _libc
 from .._host.files import FILE_FLAGS, regular_file_problem
-from .format import TEMP_MARK, describe, find_half_made, is_temp_name, read_region
+from .format import TEMP_MARK, describe, find_half_made, is_temp_name, open_checked, read_region
 
 HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
 _FS_NAMES = {
@@ -23,18 +23,15 @@ _FS_NAMES = {
 }  # fmt: skip
 
 
-def _fs_name(f_type: int) -> str:
-    return _FS_NAMES.get(f_type, f"f_type {f_type:#x}")
-
-
 def page_size_of(f_type: int, f_bsize: int, where: str) -> int:
     """The page a region on this file system is made of, or :class:`ConfigError` for one it cannot live on."""
     if f_type == _libc.HUGETLBFS_MAGIC:
         return f_bsize
     if f_type == _libc.TMPFS_MAGIC:
         return _libc.PAGE_SIZE
+    fs_name = _FS_NAMES.get(f_type, f"f_type {f_type:#x}")
     raise ConfigError(
-        f"shared memory {where} is on a {_fs_name(f_type)} file system, not tmpfs or hugetlbfs: a pool's pages "
+        f"shared memory {where} is on a {fs_name} file system, not tmpfs or hugetlbfs: a pool's pages "
         "must be memory, not a disk file's page cache. Use a path on /dev/shm (tmpfs) or on a hugetlbfs mount, "
         "or path=None for a memfd"
     )
@@ -72,8 +69,11 @@ def region_file_problem(st: os.stat_result) -> str | None:
     return regular_file_problem(st, files="a region's file", linked="another name refers to the same memory")
 
 
-def _refuse_directory(path: str, st: os.stat_result) -> None:
+def _refuse_directory(path: str, st: os.stat_result, at: str | None = None) -> None:
+    """:class:`ConfigError` for an untrustworthy directory: the region's own, or ``at`` above it."""
     problem = _dir_problem(st)
+    if problem is not None and at is not None:
+        raise _refuse_ancestor(path, at, problem)
     if problem is not None:
         raise ConfigError(
             f"shared memory directory {os.path.dirname(path)!r} {problem}; use a directory this user owns that "
@@ -93,16 +93,14 @@ def _refuse_ancestor(path: str, at: str, problem: str) -> ConfigError:
 
 
 def _walk(path: str) -> int:
-    """The directory of ``path`` opened, reached one component at a time from ``/`` with
-    ``openat(O_NOFOLLOW)``, each directory passing :func:`_dir_problem`, a link followed only when
-    root's or ours and not the region's own directory: nothing another user controls redirects it."""
+    """The directory of ``path``, opened from ``/`` one ``openat(O_NOFOLLOW)`` at a time, each checked."""
     directory = os.path.dirname(path)
     todo = [c for c in directory.split("/") if c][::-1]  # a stack: the next component last
     stack = [os.open("/", _WALK_FLAGS)]
     walked: list[str] = []
     links = 0
     try:
-        _refuse_ancestor_st(path, "/", os.fstat(stack[0]))
+        _refuse_directory(path, os.fstat(stack[0]), "/")
         while todo:
             name = todo.pop()
             if name in ("", "."):
@@ -135,13 +133,9 @@ def _walk(path: str) -> int:
                     walked.clear()
                 todo.extend([c for c in target.split("/") if c][::-1])
                 continue
-            if todo:
-                _refuse_ancestor_st(path, at, st)
-            else:
-                _refuse_directory(path, st)
-            fd = os.open(name, _WALK_FLAGS, dir_fd=stack[-1])
-            stack.append(fd)
-            now = os.fstat(fd)
+            _refuse_directory(path, st, at if todo else None)
+            stack.append(os.open(name, _WALK_FLAGS, dir_fd=stack[-1]))
+            now = os.fstat(stack[-1])
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 raise _refuse_ancestor(path, at, "was replaced while being opened")
             walked.append(name)
@@ -154,16 +148,6 @@ def _walk(path: str) -> int:
     finally:
         for fd in stack:
             os.close(fd)
-
-
-def _refuse_ancestor_st(path: str, at: str, st: os.stat_result) -> None:
-    problem = _dir_problem(st)
-    if problem is not None:
-        raise _refuse_ancestor(path, at, problem)
-
-
-def check_directory(path: str) -> None:
-    os.close(_walk(path))
 
 
 def open_region_directory(path: str) -> int:
@@ -214,10 +198,6 @@ def open_region_file(dir_fd: int, path: str) -> int:
     return fd
 
 
-def _temp_prefix(name: str) -> str:
-    return f".{name[:200]}{TEMP_MARK}"  # within NAME_MAX (255) with the random part
-
-
 def _refuse_existing(dir_fd: int, path: str) -> None:
     name = os.path.basename(path)
     try:
@@ -238,28 +218,20 @@ def _refuse_existing(dir_fd: int, path: str) -> None:
 
 
 def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
-    """Remove the directory's region temporary files whose creators died (a creator holds
-    ``LOCK_EX`` from the moment its file is named until it is published; the kernel drops a dead
-    one's): only names pinpool makes, regular files of this user with one link, never through a link.
-    Returns ``(name, bytes it held)`` for each file removed."""
+    """Remove region temporary files whose creators died (a live one holds ``LOCK_EX``): ``(name, bytes)``."""
     removed: list[tuple[str, int]] = []
     try:
         names = [n for n in os.listdir(dir_fd) if is_temp_name(n)]
     except OSError:
         return removed
     for temp in names:
-        try:  # checked before the open too: opening a device has effects
-            if region_file_problem(os.stat(temp, dir_fd=dir_fd, follow_symlinks=False)) is not None:
-                continue
-            fd = os.open(temp, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
-        except OSError:
+        if (fd := open_checked(temp, dir_fd, os.O_RDONLY, region_file_problem)) is None:
             continue
         try:
             st = os.fstat(fd)
-            if region_file_problem(st) is None:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                if remove_file(dir_fd, temp, (st.st_dev, st.st_ino)):
-                    removed.append((temp, st.st_blocks * 512))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if remove_file(dir_fd, temp, (st.st_dev, st.st_ino)):
+                removed.append((temp, st.st_blocks * 512))
         except OSError:
             pass  # locked: its creator is at work
         finally:
@@ -268,8 +240,7 @@ def remove_stale_temps(dir_fd: int) -> list[tuple[str, int]]:
 
 
 def remove_half_made(directories: Iterable[str] | None = None) -> list[tuple[str, int]]:
-    """:func:`remove_stale_temps` in each directory where :func:`find_half_made` finds a dead
-    creator's file (default: where regions live); ``(path, bytes it held)`` for each file removed."""
+    """:func:`remove_stale_temps` wherever :func:`find_half_made` finds a dead creator's file."""
     removed: list[tuple[str, int]] = []
     for directory in sorted({os.path.dirname(h.path) for h in find_half_made(directories) if not h.in_progress}):
         try:
@@ -287,13 +258,12 @@ _CREATE_TRIES = 8
 
 
 def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
-    """Refuse a name that exists, clean up what dead creators left in the directory, and create a
-    temporary file beside it exclusively, locked ``LOCK_EX``, for :func:`publish`: ``(fd, temporary name)``."""
+    """Refuse an existing name, remove dead creators' leftovers, create a locked temporary file: ``(fd, name)``."""
     name = os.path.basename(path)
     _refuse_existing(dir_fd, path)
     remove_stale_temps(dir_fd)
     for _attempt in range(_CREATE_TRIES):
-        temp = _temp_prefix(name) + secrets.token_hex(8)
+        temp = f".{name[:200]}{TEMP_MARK}{secrets.token_hex(8)}"  # within NAME_MAX (255)
         try:
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, mode, dir_fd=dir_fd)
         except OSError as exc:
@@ -303,8 +273,8 @@ def create_temp_file(dir_fd: int, path: str, mode: int) -> tuple[int, str]:
         try:
             if st.st_mode & 0o022:  # a umask never adds bits, but a default ACL may
                 os.fchmod(fd, mode)
-            # Until it is locked, another creation in the directory may take it for a dead creator's
-            # (and remove it), or be looking at it this instant (holding the lock): make another.
+            # Until locked, another creation may take it for a dead creator's: then make another.
+
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 ours = names_file(dir_fd, temp, identity)
@@ -355,10 +325,8 @@ def names_file(dir_fd: int, path: str, identity: tuple[int, int] | None) -> bool
 
 def remove_file(dir_fd: int, name: str, identity: tuple[int, int]) -> bool:
     """Remove the file ``identity`` by its name, if the name still refers to it; whether it did."""
-    try:
+    with contextlib.suppress(OSError):
         if names_file(dir_fd, name, identity):
             os.unlink(name, dir_fd=dir_fd)
             return True
-    except OSError:
-        pass
     return False

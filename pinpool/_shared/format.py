@@ -1,29 +1,25 @@
 """A shared memory region's on-disk format (data from offset 0, a 4 KiB trailer in the file's last
-page: the table is in docs/shared-memory.md), and reading regions without mapping them.
-
-``region_id`` is new at each creation, so an index saved against one region never matches a later
-one at the same path; a region made before it existed reads as the hash of its body. The trailer
-is *untrusted input* (any process of the owner, or another user's planted file, may have written
-it): a bad one is :class:`NotRegion`, never a RecursionError, an OverflowError or an escape
-sequence on a terminal; nothing that reads regions (for ``pinpool doctor``) raises for a bad file,
-follows a symbolic link or blocks on a FIFO.
-"""
+page: docs/shared-memory.md), and reading regions without mapping them. The trailer is *untrusted
+input*: a bad one is :class:`NotRegion`, never a crash or an escape sequence on a terminal, and
+reading regions (``pinpool doctor``) never raises, follows a symbolic link or blocks on a FIFO."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import socket
 import stat
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -113,8 +109,7 @@ def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
     }  # fmt: skip
     fields = {"nbytes": nbytes, "page_size": page_size, "region_id": secrets.token_hex(16),  # 128 random bits
               "record": json.loads(record_json), "created": created}  # fmt: skip
-    problem = _untrusted_problem(fields, 1)
-    if problem is not None:
+    if (problem := _untrusted_problem(fields, 1)) is not None:
         raise ConfigError(f"the pool's description cannot be kept in a shared memory trailer: {problem}")
     body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     if len(body) > _MAX_BODY:
@@ -126,8 +121,7 @@ def encode_body(nbytes: int, page_size: int, record_json: str) -> bytes:
 
 
 def _untrusted_problem(value: object, depth: int) -> str | None:
-    """Why a parsed (or to be written) body is not one pinpool reads (too deep, not finite, not
-    printable ASCII: it reaches terminals and logs), or None."""
+    """Why a parsed (or to be written) body is not one pinpool reads (its text reaches terminals), or None."""
     if depth > _MAX_DEPTH:
         return f"it nests more than {_MAX_DEPTH} deep"
     if isinstance(value, str):
@@ -145,26 +139,16 @@ def _untrusted_problem(value: object, depth: int) -> str | None:
     return next((p for p in (_untrusted_problem(v, depth + 1) for v in items) if p is not None), None)
 
 
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"?|[][{}]', re.DOTALL)  # a string (to its end), or a bracket
+_DEPTH = {b"[": 1, b"{": 1, b"]": -1, b"}": -1}
+
+
 def _nesting(body: bytes) -> int:
-    """The deepest nesting of ``[`` and ``{`` outside strings: checked before ``json.loads``,
-    whose recursion a body of 4,000 brackets would exhaust."""
+    """The deepest ``[``/``{`` nesting outside strings, checked before ``json.loads`` (whose recursion it bounds)."""
     depth = deepest = 0
-    quoted = escaped = False
-    for byte in body:
-        if quoted:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                quoted = False
-        elif byte == 0x22:
-            quoted = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
+    for token in _JSON_TOKENS.findall(body):
+        depth += _DEPTH.get(token, 0)
+        deepest = max(deepest, depth)
     return deepest
 
 
@@ -186,8 +170,7 @@ def _parse_body(body: bytes) -> dict[str, Any]:
     parsed = json.loads(body, parse_constant=_no_constant)
     if not isinstance(parsed, dict):
         raise ValueError("it is not a JSON object")
-    problem = _untrusted_problem(parsed, 1)
-    if problem is not None:
+    if (problem := _untrusted_problem(parsed, 1)) is not None:
         raise ValueError(problem)
     _size_field(parsed, "nbytes")
     page_size = _size_field(parsed, "page_size")
@@ -246,8 +229,7 @@ def write_new_trailer(fd: int, file_bytes: int, body: bytes, where: str, *, keep
 
 
 def _checked_size(fd: int, file_bytes: int, where: str) -> None:
-    """:class:`ConfigError` unless the file is still ``file_bytes`` long: another process of the
-    owner may truncate or grow it, and touching a mapped page past its end is SIGBUS."""
+    """:class:`ConfigError` unless the file is still ``file_bytes`` long (a page past its end is SIGBUS)."""
     size = os.fstat(fd).st_size
     if size != file_bytes:
         raise ConfigError(
@@ -258,8 +240,7 @@ def _checked_size(fd: int, file_bytes: int, where: str) -> None:
 
 
 def read_field(fd: int, file_bytes: int, at: int, size: int, where: str) -> bytes:
-    """``size`` bytes at ``at`` of the trailer, read with ``pread`` after checking the file's size:
-    never through a mapping, so a truncation is a :class:`ConfigError`, never SIGBUS."""
+    """``size`` bytes at ``at`` of the trailer, by ``pread`` after a size check: never SIGBUS."""
     _checked_size(fd, file_bytes, where)
     raw = os.pread(fd, size, file_bytes - TRAILER_BYTES + at)
     if len(raw) != size:  # truncated between the check and the read
@@ -274,8 +255,7 @@ def write_field(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, p
 
 
 def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_size: int) -> None:
-    """Write ``data`` at ``at`` of the trailer of a file of ``file_bytes``: ``pwrite``, or on
-    hugetlbfs (whose files cannot be written) through a mapping of the trailer's page."""
+    """Write ``data`` at ``at`` of the trailer: ``pwrite``, or on hugetlbfs (no writes) through a mapping."""
     offset = file_bytes - TRAILER_BYTES + at
     if page_size == _PAGE:
         os.pwrite(fd, data, offset)
@@ -290,8 +270,7 @@ def store(fd: int, file_bytes: int, at: int, data: bytes, where: str, *, page_si
 
 
 def _write_mapped(address: int, data: bytes, where: str) -> None:
-    """Store through ``/proc/self/mem``: a page past the file's end (truncated since the size check)
-    is EIO, not SIGBUS. Without ``/proc``, a plain store (the one SIGBUS window left)."""
+    """Store via ``/proc/self/mem`` (a page truncated since the size check: EIO, not SIGBUS), else plainly."""
     try:
         mem = os.open("/proc/self/mem", os.O_RDWR | os.O_CLOEXEC)
     except OSError:
@@ -308,24 +287,17 @@ def _write_mapped(address: int, data: bytes, where: str) -> None:
         os.close(mem)
 
 
-def check_generation(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
-        raise ConfigError(f"generation={value!r} must be an integer in [0, 2**64)")
-    return value
-
-
 def _compact(value: object, limit: int = 200) -> str:
     text = json.dumps(value, sort_keys=True, separators=(",", ":"))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def describe(nbytes: int, record: Mapping[str, Any]) -> str:
-    parts = [format_bytes(nbytes)]
-    if "layout" in record:
-        pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
-        size = f" of {record['page_bytes']} bytes" if pages and "page_bytes" in record else ""
-        parts.append(f"({record['layout']} layout{pages}{size})")
-    return " ".join(parts)
+    if "layout" not in record:
+        return format_bytes(nbytes)
+    pages = f", {record['num_pages']} pages" if "num_pages" in record else ""
+    size = f" of {record['page_bytes']} bytes" if pages and "page_bytes" in record else ""
+    return f"{format_bytes(nbytes)} ({record['layout']} layout{pages}{size})"
 
 
 def differences(held_nbytes: int, held: Mapping[str, Any], nbytes: int, asked: Mapping[str, Any]) -> str:
@@ -348,8 +320,7 @@ TEMP_MARK = ".pinpool-new-"  # in the temporary name a region is made under (see
 
 
 def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is a region being made (or left half-made by a creator that died): exactly
-    as files.create_temp_file names one, ``.<name>.pinpool-new-<16 hex digits>``."""
+    """Whether ``name`` is a region's temporary file, as files.create_temp_file names one."""
     head, _mark, tail = name.rpartition(TEMP_MARK)
     return len(head) > 1 and head[0] == "." and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail)
 
@@ -370,22 +341,17 @@ class RegionInfo:
     region_id: str
     keep: bool
     record: Mapping[str, Any]
-    created_uid: int | None
     created_pid: int | None
-    created_unix: float | None
     created_host: str | None
     creator_alive: bool | None
     age_seconds: float | None
 
 
-# A trailer is untrusted: a number outside these is no pid, uid or time pinpool wrote (a crafted
-# one had doctor print a 300-digit pid). PID_MAX_LIMIT is the kernel's ceiling for pid_max.
-_PID_MAX_LIMIT = 1 << 22
+_PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max: a larger "pid" is no pid pinpool wrote
 _UNIX_MAX = 1 << 40  # seconds: year 36812
 
 
 def _number(value: object, low: int, high: int) -> int | float | None:
-    """``value`` if it is a number (not a bool) in ``[low, high]``, else None."""
     if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
         return value
     return None
@@ -394,37 +360,44 @@ def _number(value: object, low: int, high: int) -> int | float | None:
 def region_info(path: str, st: os.stat_result, trailer: Trailer) -> RegionInfo:
     created = trailer.created
     host, start = created.get("host"), created.get("start")
-    pid, uid = _number(created.get("pid"), 1, _PID_MAX_LIMIT), _number(created.get("uid"), 0, 2**32 - 1)
+    pid = _number(created.get("pid"), 1, _PID_MAX_LIMIT)
     alive: bool | None = None
     if isinstance(pid, int) and host == socket.gethostname():
         alive = start is not None and _process_start(pid) == start
     unix = _number(created.get("unix"), 1, _UNIX_MAX)
-    when = None if unix is None else float(unix)
     return RegionInfo(
         path=path, file_bytes=st.st_size, nbytes=trailer.nbytes, page_size=trailer.page_size,
         held_bytes=st.st_blocks * 512, owner_uid=st.st_uid, version=trailer.version, generation=trailer.generation,
         region_id=trailer.region_id, keep=bool(trailer.flags & FLAG_KEEP), record=trailer.record,
-        created_uid=uid if isinstance(uid, int) else None,
-        created_pid=pid if isinstance(pid, int) else None, created_unix=when,
+        created_pid=pid if isinstance(pid, int) else None,
         created_host=host if isinstance(host, str) else None, creator_alive=alive,
-        age_seconds=None if when is None else max(0.0, time.time() - when),
+        age_seconds=None if unix is None else max(0.0, time.time() - unix),
     )  # fmt: skip
 
 
-def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
-    """What the file at ``path`` holds (with ``dir_fd``: its name in that open directory), or None
-    when it is no pinpool region or cannot be read."""
-    name = path if dir_fd is None else os.path.basename(path)
+def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os.stat_result], object]) -> int | None:
+    """``name`` opened, or None where it cannot be or ``refuse`` faults its ``lstat`` (opening a
+    device has effects) or, once open, its ``fstat`` (it may have been swapped)."""
     try:
-        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        if refuse(os.stat(name, dir_fd=dir_fd, follow_symlinks=False)):
             return None
-        fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+        fd = os.open(name, flags | FILE_FLAGS, dir_fd=dir_fd)
     except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        if not refuse(os.fstat(fd)):
+            return fd
+    os.close(fd)
+    return None
+
+
+def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
+    """What the file at ``path`` (in ``dir_fd``, if given) holds, or None for no readable region."""
+    name = path if dir_fd is None else os.path.basename(path)
+    if (fd := open_checked(name, dir_fd, os.O_RDONLY, lambda st: not stat.S_ISREG(st.st_mode))) is None:
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
         return region_info(path, st, read_trailer(fd, st.st_size))
     except (OSError, NotRegion):
         return None
@@ -435,23 +408,19 @@ def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
 def region_directories(mounts: str = "/proc/mounts") -> list[str]:
     """Where regions live: ``/dev/shm`` and every hugetlbfs mount point."""
     found = ["/dev/shm"]
-    try:
-        with open(mounts) as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3 and parts[2] == "hugetlbfs":
-                    point = parts[1].replace("\\040", " ")
-                    if point not in found:
-                        found.append(point)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(mounts) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 3 and parts[2] == "hugetlbfs":
+                point = parts[1].replace("\\040", " ")
+                if point not in found:
+                    found.append(point)
     return found
 
 
 @dataclass(frozen=True)
 class HalfMade:
-    """A region's temporary file: ``in_progress`` while its creator holds its lock, else left by a
-    creator that died (the next creation of that name removes it)."""
+    """A region's temporary file: ``in_progress`` while its creator holds its lock, else a dead one's."""
 
     path: str
     held_bytes: int
@@ -459,8 +428,7 @@ class HalfMade:
 
 
 def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
-    """Regular files in ``directories`` (default :func:`region_directories`) and their immediate
-    subdirectories, never through a link; at most :data:`_SCAN_LIMIT` entries in all."""
+    """Regular files in ``directories`` and their subdirectories (never through a link), a bounded scan."""
     budget = _SCAN_LIMIT
     pending = [(d, 1) for d in (region_directories() if directories is None else directories)]
     while pending and budget > 0:
@@ -485,9 +453,7 @@ def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
 
 
 def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
-    """Every pinpool region in ``directories`` and their subdirectories, by path. Bounded per file:
-    one too small for a trailer is skipped on its ``lstat`` (10,000 empty files planted to sort
-    first hide nothing), a larger one costs one 4 KiB ``pread``."""
+    """Every pinpool region in ``directories`` and their subdirectories: an ``lstat``, at most a ``pread`` each."""
     regions: list[RegionInfo] = []
     for entry in _files(directories):
         try:
@@ -495,8 +461,7 @@ def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
                 continue
         except OSError:
             continue
-        info = read_region(entry.path)
-        if info is not None:
+        if (info := read_region(entry.path)) is not None:
             regions.append(info)
     return sorted(regions, key=lambda r: r.path)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -39,16 +40,13 @@ from .format import (
 if TYPE_CHECKING:
     import torch
 
-# How long attaching waits for a creation in progress (the creator holds LOCK_EX from the
-# exclusive open until the trailer is written: microseconds, unless the creator stopped).
-ATTACH_WAIT_SECONDS = 5.0
+ATTACH_WAIT_SECONDS = 5.0  # for a creation in progress (microseconds, unless the creator stopped)
 _POLL_SECONDS = 0.005
 _UNINITIALISED_GRACE_SECONDS = 0.5  # an empty, unlocked file: the creator may not have taken its lock yet
 
 
 class Unlinker:
-    """Removes the creator's file once (unless ``keep``), only in the process that created it, and
-    only if the name still refers to the file it created; closes the directory descriptor."""
+    """Removes the creator's file once (unless ``keep``), in the creating process, if its name still refers to it."""
 
     def __init__(self, dir_fd: int, name: str, identity: tuple[int, int], *, keep: bool) -> None:
         self.dir_fd = dir_fd
@@ -73,31 +71,26 @@ class Unlinker:
                 os.close(self.dir_fd)
 
 
-# munmap frees every page of the range holding the process's mmap_lock for writing: in pieces,
-# as pinpool._host.mapping does for the pool's own mapping (not imported from there: it loads torch).
+# munmap holds the mmap_lock for writing while it frees: in pieces, as pinpool._host.mapping does.
 _UNMAP_PIECE_BYTES = 128 << 20
 
 
 def _release(base: int, file_bytes: int, fd: int, unlink: Unlinker | None) -> None:
     for offset in range(0, file_bytes, _UNMAP_PIECE_BYTES):
         _libc.munmap(base + offset, min(_UNMAP_PIECE_BYTES, file_bytes - offset))
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
     if unlink is not None:
         unlink()
 
 
-# Mappings that must outlive everything because a chunk of them may still be registered.
-_KEPT_FOREVER: list[SharedMapping] = []
+_KEPT_FOREVER: list[SharedMapping] = []  # a chunk of them may still be registered
 _kept_lock = threading.Lock()
 
 
 class SharedMapping:
-    """A region mapped ``MAP_SHARED``, with :class:`~pinpool._host.mapping.HostMapping`'s interface.
-    ``length`` is the data rounded up to ``page_size``; the trailer's page follows in the mapping but
-    is read and written only with ``pread``/``pwrite`` (a truncation is a ConfigError, never SIGBUS)."""
+    """A region mapped ``MAP_SHARED``, with :class:`~pinpool._host.mapping.HostMapping`'s interface; its
+    trailer's page follows the data but is read and written only with ``pread``/``pwrite`` (never SIGBUS)."""
 
     def __init__(
         self, *, base: int, file_bytes: int, nbytes: int, page_size: int, fd: int, path: str | None,
@@ -108,10 +101,7 @@ class SharedMapping:
         self.nbytes = nbytes
         self.page_size = page_size
         self.huge_pages: bool | str = "hugetlb" if page_size > _libc.PAGE_SIZE else False
-        # Pre-fault a shared mapping with MADV_POPULATE_READ: a read fault on a shared file maps up to
-        # 16 pages the file holds already at once (fault-around), a write fault one page at a time.
-        # Measured with 1 GiB on tmpfs: resident pages 0.40 s read against 0.86 s write; new pages are
-        # allocated and zeroed either way (docs/shared-memory.md).
+        # A read fault maps up to 16 of the file's pages at once (fault-around): docs/shared-memory.md.
         self.populate_advice = _libc.MADV_POPULATE_READ
         self.fd = fd
         self.path = path
@@ -205,6 +195,11 @@ def _populate(fd: int, file_bytes: int, where: str, advice: int, ptr: int, nbyte
 
 # -- making one from a descriptor -------------------------------------------------------------------
 
+_MAKE_ROOM = (
+    "Remove regions no longer used (`pinpool doctor` lists them), make the pool smaller, or enlarge the mount "
+    "(`mount -o remount,size=...`)"
+)
+
 
 def _check_room(fd: int, needed: int, where: str, *, page_size: int, directory: str) -> None:
     """On tmpfs, a fault past the file system's size kills the process (SIGBUS): refuse first."""
@@ -218,12 +213,10 @@ def _check_room(fd: int, needed: int, where: str, *, page_size: int, directory: 
         return  # no size limit (the memfd mount)
     free = vfs.f_bavail * vfs.f_frsize
     if needed > free:
-        place = directory or where
         raise ConfigError(
-            f"shared memory {where}: the file system ({place}) has {format_bytes(free)} free of "
+            f"shared memory {where}: the file system ({directory or where}) has {format_bytes(free)} free of "
             f"{format_bytes(vfs.f_blocks * vfs.f_frsize)}, the region needs {format_bytes(needed)} more; a page "
-            "fault past its size would kill the process (SIGBUS). Remove regions no longer used (`pinpool "
-            "doctor` lists them), make the pool smaller, or enlarge the mount (`mount -o remount,size=...`)"
+            f"fault past its size would kill the process (SIGBUS). {_MAKE_ROOM}"
         )
 
 
@@ -256,9 +249,7 @@ def reserve_pages(fd: int, file_bytes: int, where: str, *, page_size: int, direc
     except OSError as exc:
         raise ConfigError(
             f"shared memory {where}: the file system ({directory or where}) could not reserve the region's "
-            f"{format_bytes(file_bytes)} ({exc.strerror or exc}); nothing was pinned. Remove regions no longer "
-            "used (`pinpool doctor` lists them), make the pool smaller, or enlarge the mount (`mount -o "
-            "remount,size=...`)"
+            f"{format_bytes(file_bytes)} ({exc.strerror or exc}); nothing was pinned. {_MAKE_ROOM}"
         ) from None
 
 
@@ -267,8 +258,8 @@ def create_mapping(
     path: str | None, directory: str, unlinker: Callable[[], Unlinker] | None,
     publish: Callable[[], None] | None = None,
 ) -> SharedMapping:  # fmt: skip
-    """Size a new (empty) file, reserve its pages, write its trailer, ``publish`` it (link it into
-    place), then map it, under LOCK_EX. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
+    """Under LOCK_EX: size a new (empty) file, reserve its pages, write its trailer, ``publish`` it
+    (link it into place); then map it. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
     body = encode_body(nbytes, page_size, record_json)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -291,11 +282,9 @@ def create_mapping(
         ) from None
     reserve_pages(fd, file_bytes, where, page_size=page_size, directory=directory)
     write_new_trailer(fd, file_bytes, body, where, keep=keep, page_size=page_size)
-    if seal:
-        try:  # nobody shrinks or grows a memfd under the mappings (a shrink would SIGBUS them)
+    if seal:  # nobody shrinks a memfd under the mappings (SIGBUS); a kernel without sealing: documented
+        with contextlib.suppress(OSError):
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        except OSError:
-            pass  # a kernel without sealing: documented
     if publish is not None:
         publish()
     fcntl.flock(fd, fcntl.LOCK_UN)
@@ -308,8 +297,7 @@ def create_mapping(
 
 
 def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, Trailer]:
-    """The trailer, read under LOCK_SH once no creation is in progress (waits up to
-    :data:`ATTACH_WAIT_SECONDS`); :class:`ConfigError` for a file that holds no region."""
+    """The trailer, read under LOCK_SH once no creation is in progress; :class:`ConfigError` for no region."""
     deadline = time.monotonic() + ATTACH_WAIT_SECONDS
     first_empty: float | None = None
     while True:

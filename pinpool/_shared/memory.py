@@ -1,7 +1,5 @@
-"""Shared, file-backed pool memory: :class:`SharedMemory`, its arguments, what its region holds
-now, and which way :meth:`SharedMemory.open_mapping` goes (create or attach; a path, a memfd or a
-descriptor). Lifetime and removal: docs/shared-memory.md ("When the file is removed").
-"""
+"""Shared, file-backed pool memory: :class:`SharedMemory`, its arguments, what its region holds now,
+and whether :meth:`SharedMemory.open_mapping` creates or attaches (docs/shared-memory.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from typing import TypeVar
 
 from .._errors import ConfigError, PoolStateError
 from .._host import libc as _libc
-from .._host.files import FILE_FLAGS
 from .._units import format_bytes, parse_size
 from . import files as _files
 from .format import (
@@ -24,7 +21,7 @@ from .format import (
     NotRegion,
     RegionInfo,
     align,
-    check_generation,
+    open_checked,
     read_trailer,
     region_file_bytes,
     region_info,
@@ -35,17 +32,23 @@ from .mapping import SharedMapping, Unlinker, attach_mapping, create_mapping
 T = TypeVar("T")
 
 
+def _check_flags(create: object, keep: object, mode: object) -> None:
+    for name, value in (("create", create), ("keep", keep)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"SharedMemory({name}={value!r}): must be True or False")
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+        raise ConfigError(f"SharedMemory(mode={mode!r}): must be a permission mode such as 0o600")
+    if mode & 0o600 != 0o600 or mode & 0o022:
+        raise ConfigError(
+            f"SharedMemory(mode={mode:#o}): the owner must be able to read and write the region and nobody "
+            "else to write it (use 0o600, or 0o640 / 0o644 for readers of other users)"
+        )
+
+
 class SharedMemory:
     """Pool memory shared between processes: a ``MAP_SHARED`` mapping of a file on tmpfs or hugetlbfs,
-    or of a memfd, that several processes map and pin, and that may outlive its creator
-    (docs/shared-memory.md explains every argument).
-
-    ``path``: the region's file; ``None``: a new memfd, shared by descriptor (:attr:`fd`); ``fd``: a
-    descriptor another process handed on (pinpool maps a duplicate). ``create=False`` attaches,
-    refusing another size or layout. ``keep``: the creator leaves the file in place (settable).
-    Constructing checks the arguments and the directory only; the file is created or opened when a
-    pool maps it (:meth:`open_mapping`), one pool at a time.
-    """
+    or of a memfd (``path=None``), or of an ``fd`` handed on, that may outlive its creator; ``create=False``
+    attaches. The file is created or opened when a pool maps it (docs/shared-memory.md: every argument)."""
 
     def __init__(
         self,
@@ -57,16 +60,7 @@ class SharedMemory:
         fd: int | None = None,
         huge_page_size: int | str | None = None,
     ) -> None:
-        for name, value in (("create", create), ("keep", keep)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"SharedMemory({name}={value!r}): must be True or False")
-        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
-            raise ConfigError(f"SharedMemory(mode={mode!r}): must be a permission mode such as 0o600")
-        if mode & 0o600 != 0o600 or mode & 0o022:
-            raise ConfigError(
-                f"SharedMemory(mode={mode:#o}): the owner must be able to read and write the region and nobody "
-                "else to write it (use 0o600, or 0o640 / 0o644 for readers of other users)"
-            )
+        _check_flags(create, keep, mode)
         huge = None if huge_page_size is None else parse_size(huge_page_size, what="huge_page_size")
         self._create = create
         self._keep = keep
@@ -81,56 +75,11 @@ class SharedMemory:
         if path is not None and fd is not None:
             raise ConfigError("SharedMemory(path=..., fd=...): give one: a path to open, or a descriptor handed on")
         if fd is not None:
-            if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
-                raise ConfigError(f"SharedMemory(fd={fd!r}): must be an open file descriptor (an int >= 0)")
-            if keep:
-                raise ConfigError(
-                    "SharedMemory(fd=..., keep=True): a descriptor has no name to keep or remove; its file lives "
-                    "as long as its owner keeps it (and any mapping of it)"
-                )
-            try:
-                st = os.fstat(fd)
-                f_type, f_bsize = _libc.fstatfs(fd)
-            except OSError as exc:
-                raise ConfigError(f"SharedMemory(fd={fd}): not an open descriptor ({exc.strerror or exc})") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"SharedMemory(fd={fd}): the descriptor is not a regular file (mode {st.st_mode:#o})")
-            self._given_fd = fd
-            self._page_size = _files.page_size_of(f_type, f_bsize, f"fd {fd}")
+            self._page_size = self._take_fd(fd, keep)
         elif path is not None:
-            if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
-                raise ConfigError(f"SharedMemory(path={path!r}): must be a str or os.PathLike path, or None")
-            text = os.fspath(path)
-            if not isinstance(text, str) or not text:
-                raise ConfigError(f"SharedMemory(path={path!r}): must be a non-empty str path")
-            self._path = os.path.abspath(text)
-            self._directory, self._name = os.path.split(self._path)
-            if not self._name or text.endswith("/"):
-                raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
-            _files.check_directory(self._path)
-            f_type, f_bsize = _libc.statfs(self._directory)
-            self._page_size = _files.page_size_of(f_type, f_bsize, f"path {self._path!r}")
+            self._page_size = self._take_path(path)
         else:
-            if not create:
-                raise ConfigError(
-                    "SharedMemory(create=False) needs something to attach to: a path= of an existing region, or "
-                    "the fd= another process handed on"
-                )
-            if keep:
-                raise ConfigError(
-                    "SharedMemory(path=None, keep=True): a memfd has no name to keep; it lives while a descriptor "
-                    "or a mapping refers to it. Give a path on /dev/shm or a hugetlbfs mount to keep a region"
-                )
-            self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
-            self._page_size = _libc.PAGE_SIZE
-            if huge is not None:
-                size_flag = _files.HUGE_PAGE_SIZES.get(huge)
-                if size_flag is None:
-                    raise ConfigError(
-                        f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
-                    )
-                self._memfd_flags |= os.MFD_HUGETLB | size_flag
-                self._page_size = huge
+            self._page_size = self._take_memfd(create, keep, huge, huge_page_size)
         if huge is not None and huge != self._page_size:
             raise ConfigError(
                 f"SharedMemory(huge_page_size={huge_page_size!r}): {self._where()} has "
@@ -138,7 +87,58 @@ class SharedMemory:
                 + (" (it is not on hugetlbfs)" if self._page_size == _libc.PAGE_SIZE else "")
             )
 
-    # -- properties --------------------------------------------------------------------------------
+    def _take_fd(self, fd: int, keep: bool) -> int:
+        if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+            raise ConfigError(f"SharedMemory(fd={fd!r}): must be an open file descriptor (an int >= 0)")
+        if keep:
+            raise ConfigError(
+                "SharedMemory(fd=..., keep=True): a descriptor has no name to keep or remove; its file lives "
+                "as long as its owner keeps it (and any mapping of it)"
+            )
+        try:
+            st = os.fstat(fd)
+            f_type, f_bsize = _libc.fstatfs(fd)
+        except OSError as exc:
+            raise ConfigError(f"SharedMemory(fd={fd}): not an open descriptor ({exc.strerror or exc})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"SharedMemory(fd={fd}): the descriptor is not a regular file (mode {st.st_mode:#o})")
+        self._given_fd = fd
+        return _files.page_size_of(f_type, f_bsize, f"fd {fd}")
+
+    def _take_path(self, path: str | os.PathLike[str]) -> int:
+        if isinstance(path, bytes) or not isinstance(path, str | os.PathLike):
+            raise ConfigError(f"SharedMemory(path={path!r}): must be a str or os.PathLike path, or None")
+        text = os.fspath(path)
+        if not isinstance(text, str) or not text:
+            raise ConfigError(f"SharedMemory(path={path!r}): must be a non-empty str path")
+        self._path = os.path.abspath(text)
+        self._directory, self._name = os.path.split(self._path)
+        if not self._name or text.endswith("/"):
+            raise ConfigError(f"SharedMemory(path={text!r}): name a file, not a directory")
+        os.close(_files.open_region_directory(self._path))  # checked now; the file is opened when mapped
+        f_type, f_bsize = _libc.statfs(self._directory)
+        return _files.page_size_of(f_type, f_bsize, f"path {self._path!r}")
+
+    def _take_memfd(self, create: bool, keep: bool, huge: int | None, huge_page_size: object) -> int:
+        if not create:
+            raise ConfigError(
+                "SharedMemory(create=False) needs something to attach to: a path= of an existing region, or "
+                "the fd= another process handed on"
+            )
+        if keep:
+            raise ConfigError(
+                "SharedMemory(path=None, keep=True): a memfd has no name to keep; it lives while a descriptor "
+                "or a mapping refers to it. Give a path on /dev/shm or a hugetlbfs mount to keep a region"
+            )
+        self._memfd_flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        if huge is None:
+            return _libc.PAGE_SIZE
+        if (size_flag := _files.HUGE_PAGE_SIZES.get(huge)) is None:
+            raise ConfigError(
+                f"SharedMemory(huge_page_size={huge_page_size!r}): a memfd's huge pages are 2 MiB or 1 GiB"
+            )
+        self._memfd_flags |= os.MFD_HUGETLB | size_flag
+        return huge
 
     @property
     def path(self) -> str | None:
@@ -165,8 +165,7 @@ class SharedMemory:
         if value and self._path is None:
             raise ConfigError("SharedMemory.keep = True: only a region with a path can be kept")
         self._keep = value
-        mapping = self._mapping
-        if mapping is not None and mapping._unlinker is not None:
+        if (mapping := self._mapping) is not None and mapping._unlinker is not None:
             mapping._unlinker.keep = value
             mapping._set_keep_flag(value)
 
@@ -177,7 +176,6 @@ class SharedMemory:
 
     @property
     def _mapping(self) -> SharedMapping | None:
-        """The mapping a pool holds now, or None."""
         mapping = None if self._live is None else self._live()
         return None if mapping is None or mapping.unmapped else mapping
 
@@ -191,35 +189,28 @@ class SharedMemory:
             return f"fd={self._given_fd}"
         return "memfd"
 
-    # -- the region as it is now ----------------------------------------------------------------------
-
-    def _open_region_file(self, *, write: bool = False) -> tuple[int, bool] | None:
-        """A descriptor of the region's file as it is now and whether the caller must close it, or None."""
+    def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
+        """``read`` of a descriptor of the region's file as it is now, or None without one."""
         mapping = self._mapping
-        if mapping is not None:
-            return mapping.fd, False
-        if self._given_fd is not None:
-            return self._given_fd, False
+        fd = mapping.fd if mapping is not None else self._given_fd
+        if fd is not None:
+            return read(fd)
         if self._path is None:
             return None
         dir_fd = _files.open_region_directory(self._path)
         try:
-            if _files.region_file_problem(os.stat(self._name, dir_fd=dir_fd, follow_symlinks=False)) is not None:
-                return None
-            fd = os.open(self._name, (os.O_RDWR if write else os.O_RDONLY) | FILE_FLAGS, dir_fd=dir_fd)
-        except OSError:
-            return None
+            fd = open_checked(self._name, dir_fd, os.O_RDWR if write else os.O_RDONLY, _files.region_file_problem)
         finally:
             os.close(dir_fd)
-        if _files.region_file_problem(os.fstat(fd)) is not None:
-            os.close(fd)
+        if fd is None:
             return None
-        return fd, True
+        try:
+            return read(fd)
+        finally:
+            os.close(fd)
 
     def resident_bytes(self, nbytes: int) -> int:
-        """Bytes of a pool of ``nbytes`` the region's file already holds in memory (resident, or
-        swapped out on tmpfs; 0 without a file yet), from ``st_blocks`` less the trailer's page:
-        exact for a region of this size, an estimate for another (attaching to one is refused)."""
+        """Bytes of a pool of ``nbytes`` the region's file holds in memory already (its trailer's page not counted)."""
         data = align(self._check_nbytes(nbytes), self._page_size)
         st = self._read_file(os.fstat)
         if st is None:
@@ -233,9 +224,24 @@ class SharedMemory:
         st = self._read_file(os.fstat)
         return total if st is None else max(0, total - st.st_blocks * 512)
 
-    def _region(self) -> RegionInfo | None:
-        """What the region's file holds now (from its trailer), or None when there is no region yet."""
+    @property
+    def generation(self) -> int:
+        """The region's generation number: 0 when created, then what :meth:`set_generation` stored."""
+        mapping = self._mapping
+        return self._info("has no generation").generation if mapping is None else mapping.generation
 
+    @property
+    def region_id(self) -> str:
+        """The region's identity (32 hex digits, new at each creation): key a saved index on it and the generation."""
+        mapping = self._mapping
+        return self._info("has no identity").region_id if mapping is None else mapping.region_id
+
+    def _info(self, lacking: str) -> RegionInfo:
+        if (info := self._region()) is None:
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it {lacking}")
+        return info
+
+    def _region(self) -> RegionInfo | None:
         def info(fd: int) -> RegionInfo:
             st = os.fstat(fd)
             return region_info(self._path or self._where(), st, read_trailer(fd, st.st_size))
@@ -245,48 +251,11 @@ class SharedMemory:
         except (OSError, NotRegion):
             return None
 
-    def _read_file(self, read: Callable[[int], T], *, write: bool = False) -> T | None:
-        """``read`` of a descriptor of the region's file as it is now, or None without one."""
-        opened = self._open_region_file(write=write)
-        if opened is None:
-            return None
-        fd, close = opened
-        try:
-            return read(fd)
-        finally:
-            if close:
-                os.close(fd)
-
-    @property
-    def generation(self) -> int:
-        """The region's generation number: 0 when created, then whatever :meth:`set_generation`
-        stored. :class:`ConfigError` when there is no region to read, or it was truncated."""
-        mapping = self._mapping
-        if mapping is not None:
-            return mapping.generation
-        return self._info("has no generation").generation
-
-    @property
-    def region_id(self) -> str:
-        """The region's identity: 32 hex digits, new each time a region is created. Key a saved index
-        on ``(region_id, generation)``: the generation counts within one region's life, the id tells
-        the lives apart. :class:`ConfigError` when there is no region to read."""
-        mapping = self._mapping
-        if mapping is not None:
-            return mapping.region_id
-        return self._info("has no identity").region_id
-
-    def _info(self, lacking: str) -> RegionInfo:
-        info = self._region()
-        if info is None:
-            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: it {lacking}")
-        return info
-
     def set_generation(self, value: int) -> None:
         """Store ``value`` as the region's generation in the file's trailer: every process sees it at once."""
-        value = check_generation(value)
-        mapping = self._mapping
-        if mapping is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+            raise ConfigError(f"generation={value!r} must be an integer in [0, 2**64)")
+        if (mapping := self._mapping) is not None:
             mapping.set_generation(value)
             return
 
@@ -302,16 +271,13 @@ class SharedMemory:
         if self._read_file(store, write=True) is None:
             raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
 
-    # -- mapping it -------------------------------------------------------------------------------------
-
     def _check_nbytes(self, nbytes: int) -> int:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigError(f"a shared memory region of nbytes={nbytes!r}: must be a positive int")
         return nbytes
 
     def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
-        """Create or attach to the region for a pool of ``nbytes`` described by ``record`` (attaching
-        refuses another one) and map all of it ``MAP_SHARED``, unfaulted, for one pool at a time."""
+        """Create or attach to the region for a pool of ``nbytes`` described by ``record``; map it ``MAP_SHARED``."""
         self._check_nbytes(nbytes)
         if not isinstance(record, Mapping):
             raise ConfigError(f"record={record!r} must be a mapping of JSON values (see layout_record)")
@@ -344,14 +310,12 @@ class SharedMemory:
         dir_fd = _files.open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
         try:
             if self._create and not _files.names_file(dir_fd, self._path, self._made):
-                # Made whole under a temporary name, then linked into place: an attacher never sees a
-                # half-made region, and a creator killed midway leaves only a temporary file.
+                # Made whole under a temporary name, then linked into place: never seen half-made.
                 fd, temp = _files.create_temp_file(dir_fd, self._path, self._mode)
-                path = self._path
                 try:
                     st = os.fstat(fd)
                     identity = (st.st_dev, st.st_ino)
-                    publishing = functools.partial(_files.publish, dir_fd, path, temp)
+                    publishing = functools.partial(_files.publish, dir_fd, self._path, temp)
                     unlink = self._unlinker_for(dir_fd, identity)
                     mapping = self._map(True, fd, nbytes, record_json, where, unlink, publishing)
                 except BaseException:  # an interrupt too: no temporary file, no half-made region left
@@ -382,7 +346,6 @@ class SharedMemory:
         self, create: bool, fd: int, nbytes: int, record_json: str, where: str,
         unlinker: Callable[[], Unlinker] | None, publish: Callable[[], None] | None = None,
     ) -> SharedMapping:  # fmt: skip
-        """Create the region in the empty file ``fd``, or attach to the one it holds, and map it."""
         page_size, path, directory = self._page_size, self._path, self._directory
         if create:
             return create_mapping(

@@ -1,9 +1,6 @@
-"""Host registration through torch's ``cudart`` binding: CudaRuntime and RocmRuntime, written once.
-
-On ROCm torch is hipified: the binding's ``cudaHostRegister`` calls ``hipHostRegister`` and returns
-a ``hipError_t``. What differs is a :class:`GpuApi`. ``from_binding`` takes e.g.
-:class:`pinpool.testing.FakeCudart`, so this runs in CI on CPU. Also: the CUDA driver facts ``pinpool doctor`` reports.
-"""
+"""Host registration through torch's ``cudart`` binding: CudaRuntime and RocmRuntime, written once
+(on ROCm the hipified binding calls HIP; what differs is a :class:`GpuApi`). ``from_binding`` takes
+:class:`pinpool.testing.FakeCudart`, so this runs in CI on CPU. Also: the driver facts of ``pinpool doctor``."""
 
 from __future__ import annotations
 
@@ -41,23 +38,19 @@ class CudartBinding(Protocol):
     """The shape of ``torch.cuda.cudart()`` that pinpool uses (the same on CUDA and ROCm builds)."""
 
     def cudaHostRegister(self, ptr: int, nbytes: int, flags: int, /) -> SupportsInt: ...
-
     def cudaHostUnregister(self, ptr: int, /) -> SupportsInt: ...
-
     def cudaGetErrorString(self, error: Any, /) -> str: ...
-
     @property
     def cudaError(self) -> Callable[[int], Any]: ...
 
 
-# Makes a device current in the calling thread for a with block (torch.cuda.device).
-DeviceContext = Callable[[int], AbstractContextManager[object]]
+DeviceContext = Callable[[int], AbstractContextManager[object]]  # torch.cuda.device
+Getters = tuple[Callable[[], object] | None, Callable[[int], object] | None]  # <prefix>GetLastError, GetErrorName
 
 
 def load_library(api: GpuApi) -> Any | None:
-    """The runtime library torch loaded, for the calls its binding lacks: opened by its path in
-    /proc/self/maps (the same handle, so the same error state), else the process's own exports
-    (a static link); None where neither has it."""
+    """The runtime library torch loaded, for the calls its binding lacks: by its path in /proc/self/maps
+    (the same handle and error state), else the process's own exports (a static link), else None."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if api.library in line}
@@ -100,22 +93,12 @@ def device_index(torch: Any, device: int | str, runtime: str) -> int:
 
 
 class HostRegisterRuntime:
-    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table.
-
-    ``device``: made current in the calling worker thread for each call. ``flags``: 0 = default,
-    1 = portable, 2 = mapped, 8 = read-only. A failed call's sticky "last error" is cleared at once
-    in that thread, so the next, unrelated GPU call does not misreport it (``clears_sticky_errors``).
-    """
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's binding, with one API's error table; a failed
+    call's sticky error is cleared in its thread. ``flags``: 0 = default, 1 = portable, 2 = mapped, 8 = read-only."""
 
     name: str
     capabilities: ClassVar[Capabilities]
     _api: ClassVar[GpuApi]
-
-    device: int
-    flags: int
-    clears_sticky_errors: bool
-    _get_last_error: Callable[[], object] | None
-    _get_error_name: Callable[[int], object] | None
 
     def __init__(self, device: int | str | None = None, flags: int = 0) -> None:
         import torch
@@ -136,8 +119,7 @@ class HostRegisterRuntime:
         cls, binding: CudartBinding, *, library: Any | None = None, device: int = 0, flags: int = 0
     ) -> Self:
         """This runtime on a binding shaped like ``torch.cuda.cudart()``, without the platform checks.
-        ``library``: what holds ``<prefix>GetLastError()`` and ``<prefix>GetErrorName(code) -> bytes``;
-        None: the binding itself where it has ``cudaGetLastError`` (torch's has not)."""
+        ``library``: what holds ``<prefix>GetLastError`` and ``GetErrorName``; None: the binding, if it has them."""
         _check_flags(flags, cls._api)
         if isinstance(device, bool) or not isinstance(device, int) or device < 0:
             raise ConfigError(f"device={device!r} must be a non-negative device index (int)")
@@ -153,29 +135,27 @@ class HostRegisterRuntime:
                 f"{cls.__name__}.from_binding: binding={binding!r} has no callable {', '.join(missing)}; pass "
                 "torch.cuda.cudart() or pinpool.testing.FakeCudart()"
             )
-        getters: tuple[Callable[[], object] | None, Callable[[int], object] | None] = (None, None)
+        getters: Getters = (None, None)
         if library is not None:
             getters = _library_calls(library, cls._api)
         elif callable(getattr(binding, "cudaGetLastError", None)):  # torch's binding keeps cuda* names on ROCm
             getters = (binding.cudaGetLastError, getattr(binding, "cudaGetErrorName", None))  # type: ignore[attr-defined]
+        import torch
+
+        context: DeviceContext = torch.cuda.device if torch.cuda.is_available() else contextlib.nullcontext
         runtime = cls.__new__(cls)
-        runtime._bind(binding, getters, device_context=_device_context(), device=device, flags=flags)
+        runtime._bind(binding, getters, device_context=context, device=device, flags=flags)
         return runtime
 
     def _bind(
-        self,
-        binding: CudartBinding,
-        getters: tuple[Callable[[], object] | None, Callable[[int], object] | None],
-        *,
-        device_context: DeviceContext,
-        device: int,
-        flags: int,
+        self, binding: CudartBinding, getters: Getters, *, device_context: DeviceContext, device: int, flags: int
     ) -> None:
         self.device = device
         self.flags = flags
         self._binding = binding
         self._device_context = device_context
-        self._get_last_error, self._get_error_name = getters
+        self._get_last_error: Callable[[], object] | None = getters[0]
+        self._get_error_name: Callable[[int], object] | None = getters[1]
         self.clears_sticky_errors = self._get_last_error is not None
 
     @classmethod
@@ -194,24 +174,18 @@ class HostRegisterRuntime:
         return f"{type(self).__name__}(device={self.device}, flags={self.flags})"
 
     def register(self, ptr: int, nbytes: int) -> None:
-        with self._device_context(self.device):
-            rc = int(self._binding.cudaHostRegister(ptr, nbytes, self.flags))
-            if rc:
-                self._clear_last_error()
-        if rc:
-            raise self._error(self._api.register_op, rc, ptr, nbytes)
+        self._call(self._api.register_op, lambda: self._binding.cudaHostRegister(ptr, nbytes, self.flags), ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
-        with self._device_context(self.device):
-            rc = int(self._binding.cudaHostUnregister(ptr))
-            if rc:
-                self._clear_last_error()
-        if rc:
-            raise self._error(self._api.unregister_op, rc, ptr, 0)
+        self._call(self._api.unregister_op, lambda: self._binding.cudaHostUnregister(ptr), ptr, 0)
 
-    def _clear_last_error(self) -> None:  # in the thread that made the failed call
-        if self._get_last_error is not None:
-            self._get_last_error()
+    def _call(self, op: str, call: Callable[[], SupportsInt], ptr: int, nbytes: int) -> None:
+        with self._device_context(self.device):
+            rc = int(call())
+            if rc and self._get_last_error is not None:
+                self._get_last_error()  # in the thread that made the failed call
+        if rc:
+            raise self._error(op, rc, ptr, nbytes)
 
     def _error(self, op: str, rc: int, ptr: int, nbytes: int) -> RuntimeCallError:
         name, hint = self._api.errors.get(rc, (self._error_name(rc), ""))
@@ -245,23 +219,11 @@ def _check_flags(flags: object, api: GpuApi) -> None:
 _BINDING_CALLS = ("cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString")
 
 
-def _library_calls(library: Any, api: GpuApi) -> tuple[Callable[[], object] | None, Callable[[int], object] | None]:
+def _library_calls(library: Any, api: GpuApi) -> Getters:
     return getattr(library, api.get_last_error, None), getattr(library, api.get_error_name, None)
 
 
-def _device_context() -> DeviceContext:
-    """``torch.cuda.device`` where torch sees a GPU; otherwise a context that switches nothing."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return contextlib.nullcontext
-    if torch.cuda.is_available():
-        return torch.cuda.device
-    return contextlib.nullcontext
-
-
-# cudaError_t values worth a name and a hint; everything else gets cudaGetErrorName when
-# libcudart can be found, else "cudaError<code>".
+# cudaError_t values worth a name and a hint; others: cudaGetErrorName, else "cudaError<code>".
 CUDA = GpuApi(
     runtime="cuda", platform="CUDA", register_op="cudaHostRegister", unregister_op="cudaHostUnregister",
     error_prefix="cudaError", unknown_code=999, unknown_name="cudaErrorUnknown",
@@ -284,8 +246,7 @@ CUDA = GpuApi(
     },
 )  # fmt: skip
 
-# Current HIP numbers the common codes as CUDA does; the host-registration ones differ (1061/1062,
-# not 712/713). Codes missing here get hipGetErrorName from libamdhip64, else "hipError<code>".
+# HIP numbers the common codes as CUDA does, but not the host-registration ones (1061/1062).
 HIP = GpuApi(
     runtime="rocm", platform="ROCm", register_op="hipHostRegister", unregister_op="hipHostUnregister",
     error_prefix="hipError", unknown_code=999, unknown_name="hipErrorUnknown",
@@ -309,19 +270,9 @@ HIP = GpuApi(
 
 
 class CudaRuntime(HostRegisterRuntime):
-    """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()``, on NVIDIA builds of
-    torch only (on ROCm the binding calls HIP, whose codes differ: use :class:`RocmRuntime`).
-
-    ``device``: default torch's current device. Capabilities: the driver serialises registration
-    (one register worker is enough) and tracks registrations by exact byte range (neighbours may
-    share an OS page). Codes 1 and 2 are retried with a smaller chunk: drivers answer a registration
-    that is too large with either (SGLang saw 1 in production, for a 32 GiB call whose 4 KiB probe
-    at the same pointer succeeded); a truly invalid range fails again at one alignment unit. 713 on
-    unregister: released by someone else. A code may be stale (CUDA: "may also return error codes
-    from previous, asynchronous launches"): a failed register is checked by unregistering it.
-    Registered pages are resident; whether the driver charges RLIMIT_MEMLOCK depends on the driver,
-    so it is not declared.
-    """
+    """``cudaHostRegister``/``cudaHostUnregister`` through ``torch.cuda.cudart()`` on NVIDIA builds of torch
+    (``device``: default torch's current). Codes 1 and 2 are retried smaller (docs/concepts.md); 713 on
+    unregister: released by someone else; a stale code is checked by unregistering."""
 
     name = "cuda"
     capabilities = Capabilities(serial_registration=True, exact_ranges=True, retryable_codes=frozenset({1, 2}),
@@ -331,12 +282,8 @@ class CudaRuntime(HostRegisterRuntime):
 
 
 class RocmRuntime(HostRegisterRuntime):
-    """``hipHostRegister``/``hipHostUnregister`` on AMD GPUs, through torch's hipified ``torch.cuda.cudart()``.
-
-    Separately registered adjacent ranges do **not** get adjacent device aliases on ROCm: look a
-    device pointer up per chunk. Capabilities as CUDA's (serial: declared, not measured on ROCm),
-    except exact byte ranges: unverified for HIP, so neighbours never share an OS page.
-    """
+    """``hipHostRegister``/``hipHostUnregister`` through torch's hipified ``torch.cuda.cudart()``. Adjacent
+    registrations do **not** get adjacent device aliases; neighbours never share a page (unverified for HIP)."""
 
     name = "rocm"
     capabilities = Capabilities(serial_registration=True, retryable_codes=frozenset({1, 2}),
@@ -383,8 +330,7 @@ def _nvidia_driver_version() -> str | None:
 
 
 def _libcuda_facts(count: int) -> tuple[str | None, list[int | None]]:
-    """From libcuda.so.1: the CUDA version the driver supports (cuDriverGetVersion) and each device's
-    CanUseHostPointerForRegisteredMem; None for what cannot be loaded, initialised or read."""
+    """libcuda.so.1's supported CUDA version and each device's CanUseHostPointerForRegisteredMem (None: unread)."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -19,19 +19,15 @@ from .._units import format_bytes
 
 
 class _SharedPages:
-    """Holders of every OS page some registration covers only in part, process-wide (as locks are).
-
-    mlock counts nothing: ``munlock`` of one range unlocks every page it touches, whoever else needs
-    it, and chunks of a tensor that starts mid-page share the page at each boundary. So a shared page
-    is locked alone by its first holder and unlocked by its last.
-    """
+    """Holders of each OS page registrations share, process-wide: mlock counts nothing (``munlock``
+    unlocks every page it touches), so a shared page is locked by its first holder, unlocked by its last."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # held across the page's own mlock/munlock: count and lock agree
         self._holders: dict[int, int] = {}
 
-    def hold(self, pages: tuple[int, ...], call: Callable[[int, int], int]) -> tuple[int, int] | None:
-        """One more holder of each page, locking those that had none; on failure undo, return ``(page, errno)``."""
+    def hold(self, pages: tuple[int, ...], call: Callable[[int, int], int]) -> int:
+        """One more holder of each page, locking those that had none; 0, or undo and return the errno."""
         page_size = _libc.PAGE_SIZE
         with self._lock:
             held: list[int] = []
@@ -41,22 +37,21 @@ class _SharedPages:
                     if err:
                         _libc.munlock(page, page_size)  # a failed mlock may have locked it (see lock_range)
                         self._drop(held)
-                        return page, err
+                        return err
                 self._holders[page] = self._holders.get(page, 0) + 1
                 held.append(page)
-        return None
+        return 0
 
-    def release(self, pages: tuple[int, ...]) -> tuple[int, int] | None:
-        """One holder less of each page, unlocking the last; on a munlock failure nothing is counted
-        down (a retry redoes it all) and ``(page, errno)`` is returned."""
+    def release(self, pages: tuple[int, ...]) -> int:
+        """One holder less of each page, unlocking the last; 0, or a munlock's errno (nothing counted down)."""
         with self._lock:
             for page in pages:
                 if self._holders.get(page, 0) <= 1:
                     err = _libc.munlock(page, _libc.PAGE_SIZE)
                     if err:
-                        return page, err
+                        return err
             self._drop(pages, unlock=False)
-        return None
+        return 0
 
     def _drop(self, pages: list[int] | tuple[int, ...], *, unlock: bool = True) -> None:
         """Under the lock: one holder less of each page; unlock (best effort) those left with none."""
@@ -79,8 +74,7 @@ SHARED_PAGES = _SharedPages()
 
 class _OwnLocks:
     """The pages every MlockRuntime here holds locked, to tell pinpool's locks from foreign ones in
-    /proc/self/smaps: recorded *before* locking, forgotten *after* unlocking, and a :meth:`scan` keeps
-    what is forgotten while it reads, so it covers every page pinpool held at any moment of the read."""
+    /proc/self/smaps: recorded before locking, forgotten after unlocking (a :meth:`scan` keeps those)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -152,8 +146,7 @@ OWN_LOCKS = _OwnLocks()
 
 
 def _forget_in_child() -> None:
-    """A forked child holds none of its parent's mlocks (not inherited): its books start empty, with
-    new locks (a thread of the parent may have held one at the fork)."""
+    """A forked child holds none of its parent's mlocks: empty books, new locks."""
     _SharedPages.__init__(SHARED_PAGES)
     _OwnLocks.__init__(OWN_LOCKS)
 
@@ -184,15 +177,12 @@ def _pages_of(ptr: int, nbytes: int) -> tuple[tuple[int, ...], int, int]:
 
 
 def lock_range(ptr: int, nbytes: int, call: Callable[[int, int], int] = _libc.mlock) -> int:
-    """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): whole pages in one call, partial ones
-    through :data:`SHARED_PAGES`. Returns 0, or an errno after which nothing this call locked stays:
-    a failed mlock may have locked part of the range (the kernel marks the mappings locked before it
-    faults them, and stops at a hole), so the range is unlocked again (harmless where nothing is)."""
+    """Lock ``[ptr, +nbytes)`` with ``call`` (mlock or mlock2): whole pages in one call, shared ones through
+    :data:`SHARED_PAGES`. 0, or an errno after which nothing stays locked (a failed mlock may lock part)."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = call(lo, hi - lo) if hi > lo else 0  # the whole pages: this registration's alone
     if not err:
-        failed = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
-        err = 0 if failed is None else failed[1]
+        err = SHARED_PAGES.hold(partial, call)  # the pages it shares (or may share)
     if err and hi > lo:
         _libc.munlock(lo, hi - lo)
     return err
@@ -202,22 +192,15 @@ def unlock_range(ptr: int, nbytes: int) -> int:
     """Undo :func:`lock_range`; 0, or the errno of a munlock that failed."""
     partial, lo, hi = _pages_of(ptr, nbytes)
     err = _libc.munlock(lo, hi - lo) if hi > lo else 0
-    if not err:
-        failed = SHARED_PAGES.release(partial)
-        err = 0 if failed is None else failed[1]
-    return err
+    return err or SHARED_PAGES.release(partial)
 
 
 class MlockRuntime:
-    """Real page-locking with Linux ``mlock``/``munlock``, for CPU-only hosts: not CUDA pinning (a GPU
-    copies from it at pageable speed), but it faults, locks and charges RLIMIT_MEMLOCK as pinning does.
-    No errno is worth retrying smaller: the limit counts the whole pool, however it is split.
-    """
+    """Real page-locking with Linux ``mlock``/``munlock`` for CPU-only hosts: not CUDA pinning (a GPU copies
+    from it at pageable speed), but it faults, locks and charges RLIMIT_MEMLOCK as pinning does."""
 
     name = "mlock"
-    # EINVAL is this runtime's "no range registered at this base" (munlock itself answers it only
-    # for a range that wraps around the address space, which no pool has): a register call that
-    # failed untrusted before it booked anything is then found unregistered, not leaked.
+    # Nothing retries smaller (the limit counts the whole pool); EINVAL: no range at this base (munlock's: wrap-around).
     capabilities = Capabilities(
         locks_on_fault=True, finds_pinned=True, exact_ranges=True, charges_memlock=True,
         not_registered_codes=frozenset({errno.EINVAL}),
@@ -234,20 +217,17 @@ class MlockRuntime:
         self._lock(ptr, nbytes, _libc.mlock, "mlock")
 
     def lock_on_fault(self, ptr: int, nbytes: int) -> None:
-        """mlock2(MLOCK_ONFAULT): resident pages now, the rest as faulted (charged in full at once), so
-        the pool's populate threads fault and lock each page in one pass."""
+        """mlock2(MLOCK_ONFAULT): the populate threads fault and lock each page in one pass."""
         self._lock(ptr, nbytes, _libc.mlock_on_fault, "mlock2(MLOCK_ONFAULT)")
 
     def _lock(self, ptr: int, nbytes: int, call: Callable[[int, int], int], op: str) -> None:
-        overlap = self._book.add(ptr, nbytes)
-        if overlap is not None:
+        if (overlap := self._book.add(ptr, nbytes)) is not None:
             raise RuntimeCallError(
                 op=op, code=errno.EEXIST, reason="EEXIST", ptr=ptr, nbytes=nbytes,
                 message=f"range overlaps [{overlap[0]:#x}, +{overlap[1]}) already locked by this runtime",
             )  # fmt: skip
         OWN_LOCKS.add(*page_span(ptr, nbytes))  # before any page is locked: smaps never sees it unowned
-        err = lock_range(ptr, nbytes, call)
-        if err:
+        if err := lock_range(ptr, nbytes, call):
             OWN_LOCKS.remove(*page_span(ptr, nbytes))
             self._book.pop(ptr)
             raise RuntimeCallError(
@@ -256,8 +236,7 @@ class MlockRuntime:
             )  # fmt: skip
 
     def find_pinned(self, ptr: int, nbytes: int) -> str | None:
-        """Memory in the range locked by someone else than pinpool, or None (pinpool's own locks, e.g. a
-        neighbour's shared page, are no obstacle)."""
+        """Memory in the range locked by someone else than pinpool, or None."""
         return _locked_in_smaps(ptr, nbytes)
 
     def unregister(self, ptr: int) -> None:
@@ -267,21 +246,18 @@ class MlockRuntime:
                 op="munlock", code=errno.EINVAL, reason="EINVAL", ptr=ptr, nbytes=0,
                 message="no range registered at this base (unregister takes the base of an earlier register)",
             )  # fmt: skip
-        err = unlock_range(ptr, nbytes)
-        if not err:
-            OWN_LOCKS.remove(*page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
-        if err:
+        if err := unlock_range(ptr, nbytes):
             self._book.add(ptr, nbytes)  # still (partly) locked: keep it on the books
             raise RuntimeCallError(
                 op="munlock", code=err, reason=_libc.errno_name(err), ptr=ptr, nbytes=nbytes,
                 message=os.strerror(err),
             )  # fmt: skip
+        OWN_LOCKS.remove(*page_span(ptr, nbytes))  # after the unlock: smaps never sees it unowned
 
 
 def _locked_in_smaps(ptr: int, nbytes: int) -> str | None:
-    """The first mapping overlapping the range locked by someone else than pinpool, per /proc/self/smaps:
-    more ``Locked:`` than pinpool's own pages there, or ``lo`` in ``VmFlags`` beyond them (a foreign
-    lock of a page pinpool holds too cannot be told apart: the kernel keeps no count)."""
+    """The first mapping overlapping the range with more ``Locked:`` than pinpool's own pages, or ``lo``
+    in ``VmFlags`` beyond them, per /proc/self/smaps (a foreign lock of a page pinpool holds is unseen)."""
     end = ptr + nbytes
     mappings: list[_Mapping] = []
     current: _Mapping | None = None
@@ -331,7 +307,6 @@ def mlock_error_message(err: int, nbytes: int) -> str:
         f"RLIMIT_MEMLOCK soft {_libc.format_rlimit(soft)}, hard {_libc.format_rlimit(hard)}; "
         f"CAP_IPC_LOCK {'present' if cap else 'absent'}"
     )
-    raise_limit = RAISE_MEMLOCK
     if err == errno.ENOMEM:
         if cap or soft == _libc.RLIM_INFINITY:
             return (
@@ -340,13 +315,13 @@ def mlock_error_message(err: int, nbytes: int) -> str:
             )
         return (
             f"{os.strerror(err)}: locking {format_bytes(nbytes)} more would exceed the locked-memory limit "
-            f"({limits}); {raise_limit}"
+            f"({limits}); {RAISE_MEMLOCK}"
         )
     if err == errno.EPERM:
-        return f"{os.strerror(err)}: locking is not permitted ({limits}); {raise_limit}"
+        return f"{os.strerror(err)}: locking is not permitted ({limits}); {RAISE_MEMLOCK}"
     if err == errno.EAGAIN:
         return (
             f"{os.strerror(err)}: some of the {format_bytes(nbytes)} could not be locked ({limits}); "
-            f"if the limit is the cause, {raise_limit}; otherwise retry or make the pool smaller"
+            f"if the limit is the cause, {RAISE_MEMLOCK}; otherwise retry or make the pool smaller"
         )
     return f"{os.strerror(err)} ({limits})"
