@@ -1,19 +1,8 @@
 """A pool's life, written once: pin → (body) → teardown, or pin → rollback.
 
-:class:`Lifecycle` has no threads or awaits and imports no driver: its generators do the quick steps
-(map, book, report) and yield to a driver those that wait or need a thread (``RunThreads``,
-``Detach``). Every rule holds for every driver, because there is one copy of it:
-
-* pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`;
-  the foreground rolls back and raises, the background keeps what is pinned and tells waiters;
-* a page reported pinned is unpinned only by the caller's exit or close, or by the finalizer of
-  a pool nobody can exit: a background failure never rolls back under a running body;
-* a started teardown or rollback finishes before control returns; an interruption meanwhile is
-  re-raised after the books are closed;
-* the finalizer never tears down while a driver does (or pins); an async driver parked in a closed
-  event loop never drives again, and a close or the finalizer finishes its steps instead;
-* every state change goes through :func:`~pinpool._pin.outcome.check_move`;
-* a crashed worker or unstartable threads end in a typed :class:`PinError` / :class:`UnpinError`.
+:class:`Lifecycle` has no threads or awaits and imports no driver: it does the quick steps and yields
+to a driver those that wait or need a thread, so every rule (docs/concepts.md, Cancellation) holds
+for every driver. Pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`.
 """
 
 from __future__ import annotations
@@ -64,9 +53,8 @@ ABANDON_AFTER_CTRL_C = 3  # Ctrl-Cs held while a teardown waits on a runtime cal
 
 
 class Lifecycle:
-    """One pool's state and its pin / rollback / teardown sequence. It holds no reference to the
-    façade (the finalizer runs it after the façade is gone). With ``options.background`` entering
-    returns once pinning has started; a conductor (a :class:`Detach`-ed sequence) runs the rest."""
+    """One pool's state and its pin / rollback / teardown sequence; no reference to the façade (the
+    finalizer runs it after the façade is gone). In the background a :class:`Detach`-ed conductor pins."""
 
     def __init__(
         self, plan: PoolPlan, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
@@ -76,12 +64,11 @@ class Lifecycle:
         self.plan, self.options, self.runtime, self.caps = plan, options, runtime, caps
         self.observer, self.source, self.on_progress = observer, source, on_progress
         self.name, self.nbytes, self.background = options.name, plan.nbytes, options.background
-        # For messages: "pool 'x' (4 GiB, 16 chunks of <= 256 MiB, runtime mlock)".
         self.describe = (
             f"pool {self.name!r} ({format_bytes(plan.nbytes)}, {len(plan.chunks)} chunks of "
             f"<= {format_bytes(plan.chunk_bytes)}, runtime {runtime.name})"
         )
-        self.created_at = created_at  # (file, line) of the code that made the pool: where warnings point
+        self.created_at = created_at  # where the user made the pool: where warnings point
         self.state = PoolState.NEW
         self.session: PinSession | None = None
         self.memory: Memory | None = None
@@ -97,13 +84,12 @@ class Lifecycle:
         self._conductor: Joinable | None = None  # background: the thread finishing the pinning step
         self._conducting = False  # background: the conductor has not yet decided how pinning ended
         self._orphaned = False  # background: the façade was collected while pinning; the conductor cleans up
-        # Node pacing: a slot while pinning, a share of the host's budget while anything is pinned.
         self.pacing = PoolAdmission(
             admission, name=self.name, nbytes=self.nbytes, describe=self.describe, observer=observer
         )
 
     def _move(self, to: PoolState) -> None:
-        """The only place ``state`` changes (the table is ``_outcome.TRANSITIONS``)."""
+        """The only place ``state`` changes."""
         with self._lock:
             check_move(self.state, to)
             self.state = to
@@ -155,12 +141,11 @@ class Lifecycle:
             yield from self._enter_background(session, pinning)
             return
         ran = yield pinning
-        self.pacing.release_slot()  # pinning is over: another rank may start while this one opens or rolls back
+        self.pacing.release_slot()  # another rank may start while this one opens or rolls back
         outcome, error = self._end_pinning(session, ran)
         if outcome is Outcome.READY:
             self._handed_out = True
             return
-        # Foreground delivery: the body never ran, so everything is rolled back, then raised.
         _, interrupts = yield from self._unpin_all(session)
         if outcome is Outcome.FAILED:
             failed = self._failure(session, ran, kept=None)
@@ -197,8 +182,7 @@ class Lifecycle:
     # -- how pinning ends: one outcome ----------------------------------------------------------
 
     def _end_pinning(self, session: PinSession, ran: Ran) -> tuple[Outcome, BaseException | None]:
-        """Every pinning thread is done: decide the outcome, open the pool if ready, report an early end;
-        returns the outcome and the interruption to raise, if any."""
+        """Every pinning thread is done: the outcome (the pool opened if ready), and the interruption to raise."""
         crashed = bool(ran.crashed) or ran.started == 0
         if crashed:
             session.stop(StopCause.FAILURE)
@@ -242,7 +226,6 @@ class Lifecycle:
     # -- background pinning ----------------------------------------------------------------------
 
     def _enter_background(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
-        """Hand the pinning step to a conductor and return: the body runs while it pins."""
         assert self.memory is not None
         try:
             self.tensors = self.source.views(self.memory)  # pages [0, pinned_pages) are usable at once
@@ -260,9 +243,8 @@ class Lifecycle:
         if not problems:
             self._handed_out = True
             return
-        # The conductor could not start, or an interrupt landed in Thread.start: it is stopped and
-        # waited for, and what it pinned undone. It cannot be orphaned: exit refuses and the
-        # finalizer keeps off (``_driven``) while the pool is being entered.
+        # The conductor could not start, or an interrupt landed in Thread.start: stop it, undo what it
+        # pinned (it cannot be orphaned: the finalizer keeps off while the pool is being entered).
         first = problems[0]
         yield from self._stop_conductor(session, StopCause.CANCELLED)
         with self._lock:
@@ -273,7 +255,6 @@ class Lifecycle:
         raise first
 
     def _conduct(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
-        """The conductor's sequence: admission (node pacing); pin; then deliver the outcome."""
         try:
             yield from self.pacing.admit()
         except NodeWaitCancelled:  # stopped by exit, collection or interpreter exit: nothing was pinned
@@ -294,11 +275,9 @@ class Lifecycle:
     def _deliver_in_background(
         self, session: PinSession, outcome: Outcome, error: BaseException | None, ran: Ran
     ) -> Steps[None]:
-        """Background delivery: nothing is unpinned under the body (a failure keeps it all until exit;
-        an exit tears down itself); only a pool nobody can exit (orphaned) is torn down here."""
+        """Nothing is unpinned under the body: only a pool nobody can exit (orphaned) is torn down here."""
         if outcome is Outcome.FAILED and error is None:
-            # The pool's own figures, from the books at rest (no call in flight): the text and
-            # pool.pinned_pages / pinned_bytes / registrations say the same.
+            # From the books at rest: the text and pool.pinned_pages / registrations say the same.
             pages, pinned = session.prefix.pages, session.ledger.pinned_bytes
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
@@ -327,12 +306,12 @@ class Lifecycle:
                 self._driven = False
 
     def _stop_for_shutdown(self, session: PinSession) -> None:
-        """The interpreter is exiting: stop pinning after the current calls (the finalizer unpins)."""
+        """The interpreter is exiting: stop pinning (the finalizer unpins)."""
         self.pacing.cancel.set()
         session.stop(StopCause.EXIT)
 
     def _stop_conductor(self, session: PinSession, cause: StopCause) -> Generator[RunThreads, Ran, list[BaseException]]:
-        """Stop background pinning after its current calls and wait until the conductor is done."""
+        """Stop background pinning and wait until the conductor is done."""
         conductor = self._conductor
         if conductor is None or conductor.done:
             return []
@@ -346,9 +325,8 @@ class Lifecycle:
     def exit(
         self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
     ) -> Steps[BaseException | None]:
-        """Leave the pool: stop background pinning, unpin everything, close the books; idempotent, from
-        any thread. ``closing`` (``pool.close()``): a new pool is closed too, one being entered rolls
-        back; ``raise_errors=False``: an unseen error is returned, not raised (interruptions are)."""
+        """Leave the pool (idempotent, from any thread). ``closing`` (``pool.close()``): a new pool is closed
+        too, one being entered rolls back; ``raise_errors=False``: an unseen error is returned, not raised."""
         if self._pid is not None and os.getpid() != self._pid:
             self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
             return None
@@ -400,9 +378,8 @@ class Lifecycle:
             pass
 
     def _let_go_in_child(self) -> None:
-        """A forked child exits or closes its copy of the parent's pool: it only drops its references
-        (the registrations, conductor and workers are the parent's). The child's book of pinned ranges
-        started empty, so the pool's claim is not in it: what is there at its address is the child's."""
+        """A forked child drops its copy of the parent's pool (the registrations and threads are the
+        parent's; its book of pinned ranges started empty, so it pops no claim)."""
         session = self.session
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
@@ -416,8 +393,7 @@ class Lifecycle:
     # -- readiness ---------------------------------------------------------------------------------
 
     def take_error(self, *, unseen: bool = False) -> BaseException | None:
-        """Hand the background failure to the user, marking it seen (exit then does not raise it
-        again); ``unseen``: only if nobody has seen it yet."""
+        """The background failure, marked seen (exit then does not raise it); ``unseen``: only if not seen yet."""
         error = None if unseen and self._error_seen else self.error
         if error is not None:
             self._error_seen = True
@@ -425,8 +401,7 @@ class Lifecycle:
 
     @property
     def pinned_pages(self) -> int:
-        """Pages ``[0, k)`` pinned now in every buffer (after a background failure: kept until exit,
-        unless the memory is gone)."""
+        """Pages ``[0, k)`` pinned now in every buffer."""
         state = self.state
         if state is PoolState.READY:
             return self.plan.num_pages
@@ -438,8 +413,7 @@ class Lifecycle:
         return session.prefix.pages
 
     def reached(self, pages: int | None) -> bool:
-        """Whether the pool is ready (``pages`` None) or has its first ``pages`` pages pinned;
-        raises the background failure, or PoolStateError for a pool that can no longer get there."""
+        """Whether the pool is ready (``pages`` None) or has its first ``pages`` pinned; raises if it never will."""
         state = self.state
         if state is PoolState.READY:
             return True
@@ -457,11 +431,9 @@ class Lifecycle:
     def _unpin_all(
         self, session: PinSession, *, join: bool = True
     ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
-        """Teardown or rollback: unregister everything, then :meth:`_close`; returns its UnpinError and
-        the interruptions, with what the runtime raised that is no Exception (raised as itself later).
-        Whatever pinpool's own code raises meanwhile (a signal handler's TimeoutError, no stack or memory
-        left) is an interruption too: the teardown resumes, TEARDOWN_TRIES times at most, then hands it
-        over with the pool CLOSING, for a later exit, close() or the finalizer to finish."""
+        """Teardown or rollback: unregister everything, then :meth:`_close`; returns its UnpinError and the
+        interruptions. What is raised meanwhile resumes it, TEARDOWN_TRIES times, then is raised with
+        the pool CLOSING, for a later exit, close() or the finalizer to finish."""
         if self.state is not PoolState.CLOSING:
             self._move(PoolState.CLOSING)
         interrupts: list[BaseException] = []
@@ -484,15 +456,13 @@ class Lifecycle:
         raise AssertionError("unreachable")
 
     def _held(self, session: PinSession, count: int) -> bool:
-        """Teardown waits on its unpin threads while ``count`` Ctrl-Cs are held: say once what it waits
-        on; at ABANDON_AFTER_CTRL_C give up waiting (the chunks left are reported leaked)."""
+        """``count`` Ctrl-Cs held while teardown waits: say what it waits on; whether to give up (then leaked)."""
         self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
         return count >= ABANDON_AFTER_CTRL_C
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
-        """Close the books after teardown and let the memory go, unless a chunk leaked (then it stays
-        mapped and claimed). Returns the UnpinError of a pool that had been handed out (after a
-        rollback, the PinError that follows reports them in ``leaked``)."""
+        """Close the books and let the memory go, unless a chunk leaked (then it stays mapped and claimed);
+        the UnpinError of a pool that had been handed out."""
         memory, handed_out = self.memory, self._handed_out
         leaked = session.ledger.leaked()
         if memory is not None:  # None: a first try got this far (each step below may be taken twice)
@@ -515,7 +485,7 @@ class Lifecycle:
         return unpin_error(self.name, failures, leaked)
 
     def _tick(self) -> None:
-        """About every 0.1 s while pinning, and at its end: the user's on_progress; a close() stops an entry."""
+        """About every 0.1 s while pinning: on_progress; a close() stops an entry."""
         session = self.session
         if self.gate.close_requested and not self.background and session is not None:
             session.stop(StopCause.CANCELLED)
@@ -526,8 +496,7 @@ class Lifecycle:
     # -- the finalizer -------------------------------------------------------------------------------
 
     def finalize(self) -> Steps[None]:
-        """The façade was garbage-collected (or is alive at interpreter exit) without being exited.
-        Run inline (no threads): at interpreter exit none can be started."""
+        """The façade was collected (or is alive at interpreter exit) without being exited; run inline."""
         if self._pid is None:
             return  # never entered: nothing to undo
         if os.getpid() != self._pid:
@@ -544,9 +513,7 @@ class Lifecycle:
                 if self._driven or session is None or state in (PoolState.NEW, PoolState.CLOSED):
                     return  # a driver owns it (and will finish or roll back), or there is nothing to undo
                 orphaned = state is PoolState.PINNING and self._conducting
-                if orphaned:
-                    # Background pinning goes on: its conductor undoes it when done. Waiting for it
-                    # here could deadlock (a collection may run on the conductor's own thread).
+                if orphaned:  # its conductor undoes it (a wait here could run on the conductor's thread)
                     self._orphaned = True
                 else:
                     if state is not PoolState.CLOSING:  # CLOSING: a teardown something raised in, resumed here
@@ -562,7 +529,6 @@ class Lifecycle:
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
             # Unpin first: a warning turned into an error must not keep memory pinned.
-            # Nobody to raise to: logged and counted. Inline, it cannot wait for a worker left in a call.
             yield from self._unpin_all(session, join=False)
         finally:
             if mine:

@@ -101,8 +101,7 @@ class Pipeline:
         self._register_batches = 0
         self._populate_batches = 0
         self._out: dict[int | Span, _Out] = {}  # each batched item not yet landed -> its batch
-        # The plan's spans when it has them (planned once); else cut here from the chunk table,
-        # lazily: O(runs) memory however many spans.
+        # The plan's spans when it has them, else cut here, lazily.
         self.spans: Sequence[Span] = (
             () if order is Order.REGISTER_ONLY else spans if spans else split_spans(self.ledger.chunks, span_bytes)
         )
@@ -117,7 +116,6 @@ class Pipeline:
         self._window_bytes = 0
         self.populated_bytes = 0
         self.prefix = prefix  # told of each range as it becomes pinned (pools used while they pin)
-        # Parts of spans faulted in several calls (counted in Ledger.pinned_part), not to count twice.
         self._span_parts: dict[tuple[int, int], int] = {}  # REGISTER_FIRST: bytes of spans faulted in parts
 
     # -- what workers ask for ------------------------------------------------------------------
@@ -133,9 +131,8 @@ class Pipeline:
         return self._populating + self.ledger.in_flight
 
     def next_work(self) -> Batch | _Wait | None:
-        """A batch for a worker of either role (see :func:`take_batch`), ``WAIT``, or ``None`` once nothing
-        is left. Registration first: the serial bottleneck under CUDA, and under lock-on-fault what lets
-        faulting start."""
+        """A batch for a worker of either role, ``WAIT``, or ``None`` once nothing is left. Registration
+        first: the serial bottleneck under CUDA, and under lock-on-fault what lets faulting start."""
         if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
             return None
         if self._register_batches < self.register_workers:
@@ -200,8 +197,7 @@ class Pipeline:
         return WAIT
 
     def _blocked(self, span: Span) -> str | None:
-        """Why ``span`` may not be faulted yet, or None: under REGISTER_FIRST its chunk must be
-        registered lock-on-fault first; under POPULATE_FIRST a new chunk must fit the lookahead."""
+        """Why ``span`` may not be faulted yet (its chunk not registered lock-on-fault, or beyond the lookahead)."""
         if self.order is Order.REGISTER_FIRST:
             state = self.ledger.states[span.chunk]
             return None if state is ChunkState.FAULTING else state.value
@@ -213,9 +209,8 @@ class Pipeline:
     # -- how calls ended: one record, one method ---------------------------------------------------
 
     def land(self, landing: Landing) -> int | None:
-        """Put what the calls on one item did on the books (see :class:`Landing`); returns the
-        chunk's index if that made the chunk pinned. The last landing of a batch's items (called
-        or not) ends the batch, so its role may hand out another."""
+        """Put what the calls on one item did on the books; the chunk's index if that made it pinned.
+        The last landing of a batch's items ends the batch."""
         if landing.error is not None and landing.stopped:
             raise LedgerError(f"{landing.item!r} landed both failed and stopped: {landing}")
         if landing.partial and (landing.error is not None or landing.stopped or not landing.pieces):
@@ -233,9 +228,7 @@ class Pipeline:
         return self._land_chunk(landing, item)
 
     def _land_span(self, landing: Landing, span: Span) -> int | None:
-        if landing.partial:
-            # Part of the span was faulted by one of several calls (the stall budget): under
-            # lock-on-fault that part is locked now, so it counts before the span lands.
+        if landing.partial:  # under lock-on-fault a part faulted is locked: it counts before the span lands
             if self.order is Order.REGISTER_FIRST:
                 for part in landing.pieces:
                     key = (span.chunk, span.offset)
@@ -274,9 +267,7 @@ class Pipeline:
 
     def _land_chunk(self, landing: Landing, index: int) -> int | None:
         ledger, pieces = self.ledger, landing.pieces
-        if landing.partial:
-            # Pieces of a chunk registered in several calls are pinned now (not under lock-on-fault,
-            # where a registered piece is pinned only once faulted): they count before the chunk lands.
+        if landing.partial:  # pieces registered count before the chunk lands (lock-on-fault: once faulted)
             if self.order is not Order.REGISTER_FIRST:
                 for piece in pieces:
                     ledger.pinned_part(index, piece.nbytes)
@@ -286,8 +277,7 @@ class Pipeline:
             self._window.remove(index)
             self._window_bytes -= self.ledger.chunks[index].nbytes
         error = landing.error
-        # A chunk that failed or stopped part-way keeps its registered pieces until teardown: pinned
-        # (not under lock-on-fault), so all of them go in the prefix (progress told of some).
+        # Pieces of a chunk failed or stopped part-way stay pinned until teardown (progress told of some).
         pinned = self.order is not Order.REGISTER_FIRST
         if pieces and (error is not None or landing.stopped) and pinned:
             for piece in pieces:
