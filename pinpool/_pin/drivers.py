@@ -63,10 +63,7 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
             except START_ERRORS as exc:  # fewer workers; none at all is reported
                 ran.start_errors.append(exc)
                 break
-            except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
-                interrupted(exc)
-                break
-    except BaseException as exc:  # an interrupt between two starts
+    except BaseException as exc:  # an interrupt between two starts, or inside one (that thread is accounted for)
         interrupted(exc)
     finally:
         _retry(step.on_started, interrupted)  # workers wait for this: an interrupt landing inside it must not skip it
@@ -100,9 +97,6 @@ def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
 def _run_inline_bodies(step: RunThreads, ran: Ran) -> None:
     for body in step.bodies:
         _retry(body, functools.partial(_record, ran))  # bodies resume from shared queues: run it again
-
-
-# -- sync ----------------------------------------------------------------------------------------
 
 
 def run_sync(step: Step) -> Ran:
@@ -157,8 +151,7 @@ def _wait_interruptibly(threads: Threads, on_tick: Callable[[], object] | None) 
 
 @protected
 def drive_sync(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle on the calling thread; ``undo`` undoes it if a Ctrl-C was deferred until it completed
-    (a ``with`` whose ``__enter__`` raises never exits)."""
+    """Run a lifecycle on the calling thread; ``undo`` undoes it if a Ctrl-C was deferred until it completed."""
     with guard():
         result = _drive(lifecycle, run_sync)
         try:
@@ -204,9 +197,6 @@ def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
         lifecycle.close()
 
 
-# -- async (anyio: asyncio and trio) --------------------------------------------------------------
-
-
 async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
     if isinstance(step, Detach):
         return _detach(step)  # starting a thread does not wait
@@ -228,13 +218,10 @@ async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
                     replay()  # a Ctrl-C deferred while the step was launched stops it now
                 await _outside(drive, parked, _sleep, delay, shielded, keep_guard=holding)
                 delay = min(delay * 2, ASYNC_POLL_SECONDS)
-                if (
-                    not shielded
-                    and step.on_tick is not None
-                    and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS
-                ):
+                tick = None if shielded else step.on_tick
+                if tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
                     last_tick = time.monotonic()
-                    step.on_tick()
+                    tick()
                 seen, abandon = _held(step, seen) if holding else (0, False)
                 if abandon:
                     ran.abandoned = True
@@ -283,8 +270,7 @@ async def _outside(
 
 
 class _Abandoned(GeneratorExit):
-    """Raised where an async driver resumes after a closer took its lifecycle over (a GeneratorExit, so
-    that closing the task's coroutine completes)."""
+    """Raised where an async driver resumes after a closer took its lifecycle over."""
 
 
 _Parked = tuple[RunThreads, Threads, Ran, Callable[[BaseException], None]]
@@ -345,8 +331,7 @@ class _AsyncDrive:
 
 @protected
 async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`. The guard is held only
-    between awaits (a task that never resumes leaves no handler of ours behind)."""
+    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`; the guard is held between awaits."""
     with guard() as held:
         result: T = await _drive_async(_AsyncDrive(lifecycle, held))
         try:
@@ -381,10 +366,7 @@ async def _drive_async(drive: _AsyncDrive) -> Any:
             lifecycle.close()
 
 
-# -- detached sequences (a background pool's conductor) --------------------------------------------
-
-# What to call to stop each detached sequence still running when the interpreter starts to exit.
-_RUNNING: dict[int, Callable[[], None]] = {}
+_RUNNING: dict[int, Callable[[], None]] = {}  # the stop of each detached sequence running
 _running_lock = threading.Lock()
 _hooked = False
 

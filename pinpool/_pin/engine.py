@@ -46,12 +46,18 @@ class Memory(Protocol):
     def keep_forever(self) -> None: ...
 
 
-class _Result(Protocol):
-    @property
-    def error(self) -> RuntimeCallError | None: ...
+@dataclass(frozen=True)
+class _Unpinned:
+    """What unregistering one chunk (all its pieces) did."""
+
+    index: int
+    error: RuntimeCallError | None
+    seconds: float
+    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # someone else released them: not a failure
+    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # "maybe" pieces never registered: nothing to undo
 
 
-R = TypeVar("R", bound=_Result)
+R = TypeVar("R", Landing, _Unpinned)
 
 
 @dataclass(frozen=True)
@@ -66,17 +72,6 @@ class _Work(Generic[T, R]):
     stops: bool  # pinning: a failure, or pinning stopped, ends the batch after the current call
 
 
-@dataclass(frozen=True)
-class _Unpinned:
-    """What unregistering one chunk (all its pieces) did."""
-
-    index: int
-    error: RuntimeCallError | None
-    seconds: float
-    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # someone else released them: not a failure
-    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # "maybe" pieces never registered: nothing to undo
-
-
 class PinSession:
     """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
 
@@ -85,8 +80,7 @@ class PinSession:
         memory: Memory,
     ) -> None:  # fmt: skip
         order = plan.order
-        # Workers start calling once all are started: a populate call holds mmap_lock, and starting
-        # the next thread (its stack is an mmap) would wait behind it.
+        # Workers begin once all are started: a thread's start (its stack is an mmap) waits behind a populate.
         self._go = threading.Event()
         self.prefix = PrefixTracker(plan.page_runs, plan.num_pages)
         self.pipeline = Pipeline(
@@ -137,12 +131,9 @@ class PinSession:
         # pin_nice= (_host/libc.py), never on the thread that made the session: it may go on serving.
         self._pin_nice, self._owner_thread = options.pin_nice, threading.get_ident()
 
-    # -- the one batch loop and the one call wrapper -----------------------------------------------
-
     def _run(self, work: _Work[T, R]) -> None:
         """One worker's batches until ``work.take`` has none left, landed at a batch's end and every
-        RECORD_INTERVAL_SECONDS. Pinning (``work.stops``) ends a batch at a failure or a stop. An item
-        whose calls raised is that item's failure; a non-``Exception`` puts it back unstarted."""
+        RECORD_INTERVAL_SECONDS. An item whose calls raised is that item's failure."""
         while items := work.take():
             results: list[R] = []
             started = 0  # items whose calls were made
@@ -186,8 +177,6 @@ class PinSession:
         if op.took is not None:
             op.took(seconds)
         return answer, seconds
-
-    # -- pinning -----------------------------------------------------------------------------------
 
     def _next(self, take: Callable[[], T | _Wait | None]) -> T | None:
         """The next item of a role, sleeping while the pipeline says WAIT."""
@@ -242,14 +231,6 @@ class PinSession:
             if index is not None:
                 self.observer.chunk_pinned(self.ledger.chunks[index])
 
-    def _progress(self, item: int | Span, piece: Chunk) -> None:
-        """Part of an item is pinned now, between its calls."""
-        with self.lock:
-            before = self.ledger.pinned_bytes
-            self.pipeline.land(Landing(item, pieces=(piece,), partial=True))
-            moved = self.ledger.pinned_bytes - before
-        self.observer.pinned_moved(moved)
-
     def _populate_span(self, span: Span) -> Landing:
         sizer = self._populate_sizer
         if sizer is None:
@@ -267,7 +248,7 @@ class PinSession:
                     return Landing(span, answer.error, seconds=seconds)
                 self.observer.span_populated(nbytes, seconds)
                 if offset + nbytes < end:  # progress within the span (its landing records the rest)
-                    self._progress(span, Chunk(offset, nbytes))
+                    self._land((Landing(span, pieces=(Chunk(offset, nbytes),), partial=True),), ())
                 offset += nbytes
             return Landing(span)  # nan: observed call by call
         except BaseException as exc:  # a worker thread has no caller to raise to: the span's failure
@@ -293,8 +274,7 @@ class PinSession:
         return self._register_pieces(index, chunk, halves, [ChunkFailure(chunk, "register", error)])
 
     def _register_call(self, piece: Chunk) -> tuple[Answer, float]:
-        """One register call. Where codes may be stale, a failed register may have registered: an
-        unregister tells; an answer that tells nothing leaves it "maybe", undone at teardown."""
+        """One register call; where codes may be stale, a failed one is checked by an unregister ("maybe" if unsure)."""
         answer, seconds = self._call(self._register, piece.offset, piece.nbytes)
         error = answer.error
         if error is None or answer.maybe or not self._check_codes or error.code in self._already_registered:
@@ -325,8 +305,7 @@ class PinSession:
         paced: bool = False,
     ) -> Landing:  # fmt: skip
         """Register ``chunk`` as several calls: the halves of a failed call (``todo``, each with its
-        depth), or under the stall budget (``paced``) pieces sized as the calls go. Anything raised
-        between calls is this chunk's failure, landed with ``done`` so the rollback undoes them."""
+        depth), or under the stall budget (``paced``) pieces sized as the calls go."""
         done: list[Chunk] = []
         maybe: list[Chunk] = []  # a piece whose call failed untrusted: it may be registered (never retried)
         try:
@@ -357,7 +336,7 @@ class PinSession:
                 if failure is None:
                     self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
                     if paced and (todo or offset < chunk.end):  # progress within the chunk
-                        self._progress(index, piece)
+                        self._land((Landing(index, pieces=(piece,), partial=True),), ())
                     continue
                 attempts.append(ChunkFailure(piece, "register", failure))
                 self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
@@ -395,14 +374,11 @@ class PinSession:
             raised, self.raised = self.raised, []
         return raised
 
-    # -- stopping and teardown ---------------------------------------------------------------------
-
     def go(self) -> None:
         """Every pinning thread is started (or no more will be): workers may begin."""
         self._go.set()
 
     def cancel(self) -> None:
-        """Tell workers to stop after their current call."""
         self.stop(StopCause.CANCELLED)
 
     def stop(self, cause: StopCause) -> None:
@@ -431,8 +407,7 @@ class PinSession:
             return self.ledger.abort()
 
     def begin_teardown(self, *, join: bool = True) -> tuple[Callable[[], None], ...]:
-        """What the unpin threads run: every registered chunk, from one queue in reverse offset order
-        (none in a forked child). Again, it resumes (``join``: one more body waits for earlier workers)."""
+        """What the unpin threads run, from one queue in reverse offset order; called again, it resumes."""
         ledger = self.ledger
         with self.lock:  # the C lock, not the Condition: see stop()
             if ledger.phase is Phase.PINNING:
@@ -476,8 +451,7 @@ class PinSession:
     def end_teardown(
         self, crashed: Sequence[BaseException] = (), *, abandoned: bool = False
     ) -> tuple[ChunkFailure, ...]:
-        """Close the books once every unpin thread is done (or ``abandoned``): the unregister failures.
-        A chunk still registered here is leaked."""
+        """Close the books once every unpin thread is done (or ``abandoned``): the unregister failures."""
         ledger = self.ledger
         with self.lock:
             if ledger.phase is Phase.CLOSED:

@@ -95,8 +95,7 @@ class CloseGate:
         self, name: str, close: Callable[[], Steps[T]], *, closing: bool, stop_entry: Callable[[], None]
     ) -> Steps[T | None]:
         """Run ``close`` (an exit, or ``closing``: ``close()``) holding the gate, once another holder lets
-        go (an entry is asked to stop first); None at once where this very thread holds it. A holder
-        whose async driver stopped for good (its loop closed) is finished here."""
+        go (an entry is asked to stop first); None at once where this very thread holds it."""
         if closing:
             self.close_requested = True  # before looking: an entry that ends now still sees it
         mine = Driver(threading.get_ident(), "close")
@@ -137,7 +136,7 @@ def _take_over(holder: Driver) -> Steps[bool]:
 
 class _DaemonCloses:
     """Closes under way on daemon threads, waited for at interpreter exit (one stopped mid-teardown can
-    abort the process); once exit began none starts: the pool's finalizer unpins it instead."""
+    abort the process); once exit began none starts."""
 
     lock = threading.Lock()
     exiting = False
@@ -168,8 +167,6 @@ class _DaemonCloses:
         for driver in running:
             driver.done.wait()
 
-
-# -- node pacing ------------------------------------------------------------------------------------
 
 _KEPT_HOLDS: list[BudgetHold] = []  # budget shares of pools whose chunks leaked: held while this process lives
 

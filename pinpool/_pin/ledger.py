@@ -22,8 +22,7 @@ class ChunkState(enum.Enum):
     LEAKED = "leaked"  # unregistering it failed: it may still be pinned
 
 
-# States whose registration teardown must undo.
-_UNDO = frozenset({ChunkState.REGISTERED, ChunkState.FAULTING})
+_UNDO = frozenset({ChunkState.REGISTERED, ChunkState.FAULTING})  # teardown undoes their registration
 
 
 class Phase(enum.Enum):
@@ -63,8 +62,6 @@ class Ledger:
         self._part_total = 0
         self.pending = len(self.chunks)  # not yet handed out (nor failed before their registration)
 
-    # -- pinning ---------------------------------------------------------------------------
-
     def claim(self) -> int | None:
         """Hand out the next pending chunk's index, or ``None`` when there is nothing to do."""
         if self.phase is not Phase.PINNING or self.stop_cause is not None:
@@ -73,12 +70,9 @@ class Ledger:
             self._next += 1
         if self._next >= len(self.chunks):
             return None
-        index = self._next
         self._next += 1
-        self.states[index] = ChunkState.IN_FLIGHT
-        self.in_flight += 1
-        self.pending -= 1
-        return index
+        self.claim_index(self._next - 1)
+        return self._next - 1
 
     def claim_index(self, index: int) -> None:
         """Claim one particular pending chunk (a pipeline registers whichever chunk is ready)."""
@@ -101,11 +95,9 @@ class Ledger:
 
     def registered(self, index: int, *, faulting: bool = False) -> None:
         """A chunk's registration returned; ``faulting`` (lock-on-fault): pinned once :meth:`faulted`."""
-        if faulting:
-            self._land(index, ChunkState.FAULTING)
-            return
-        self._land(index, ChunkState.REGISTERED)
-        self._count_whole(index)
+        self._land(index, ChunkState.FAULTING if faulting else ChunkState.REGISTERED)
+        if not faulting:
+            self._count_whole(index)
 
     def faulted(self, index: int) -> None:
         """Every page of a lock-on-fault chunk is faulted in, so locked: it is pinned now."""
@@ -131,8 +123,7 @@ class Ledger:
         self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure], *, pinned: bool = True,
         maybe: Sequence[Chunk] = (),
     ) -> None:  # fmt: skip
-        """A chunk failed or stopped with ``pieces`` (and ``maybe`` ranges) of it registered: teardown
-        undoes them, pinning stops. They count as pinned unless ``pinned`` is False (lock-on-fault)."""
+        """A chunk failed or stopped with ``pieces`` (and ``maybe`` ranges) of it registered: teardown undoes them."""
         self._land(index, ChunkState.FAULTING)  # undone by teardown, never counted whole
         self.pieces[index] = (*pieces, *maybe)
         self.maybe.update(maybe)
@@ -201,8 +192,6 @@ class Ledger:
         self.phase = Phase.ROLLED_BACK
         return self.phase
 
-    # -- rollback and teardown --------------------------------------------------------------
-
     def teardown_order(self) -> list[int]:
         """Indices to unregister, in reverse offset order; empty once closed (teardown is idempotent)."""
         if self.phase is Phase.PINNING:
@@ -262,11 +251,8 @@ _BY_OFFSET = operator.attrgetter("offset")
 
 
 class RegistrationBook:
-    """What the runtime has registered right now, call by call: ``pool.registrations``.
-
-    The worker writes each call as it returns, without the session lock: each write is one atomic
-    store on a bytearray or dict and :meth:`snapshot` copies each in one, so a reader sees every call
-    that returned before it read. A failed unregister stays here."""
+    """What the runtime has registered right now, call by call: ``pool.registrations``. Each write is one
+    atomic store (no session lock) and :meth:`snapshot` copies each structure in one."""
 
     __slots__ = ("_chunks", "_pieces", "_whole")
 

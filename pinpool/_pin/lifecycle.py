@@ -96,14 +96,11 @@ class Lifecycle:
             if to is PoolState.CLOSED:
                 self._closed.set()
 
-    # -- enter ---------------------------------------------------------------------------------
-
     def enter(self) -> Steps[None]:
         yield from self.gate.enter(self.name, self.describe, self._enter_gated, self.exit)
 
     def _enter_gated(self) -> Steps[None]:
-        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
-        try:
+        with _Claim(self) as claim:
             with self._lock:
                 if self.state is not PoolState.NEW:
                     raise PoolStateError(
@@ -111,12 +108,9 @@ class Lifecycle:
                         "create a new PinnedPool to pin again"
                     )
                 self._move(PoolState.PINNING)
-                mine = self._driven = True
+                claim.take()
                 self._pid = os.getpid()
             yield from self._enter()
-        finally:
-            if mine:
-                self._driven = False
 
     def _enter(self) -> Steps[None]:
         try:
@@ -179,8 +173,6 @@ class Lifecycle:
         self.source.release()
         self._move(PoolState.CLOSED)
 
-    # -- how pinning ends: one outcome ----------------------------------------------------------
-
     def _end_pinning(self, session: PinSession, ran: Ran) -> tuple[Outcome, BaseException | None]:
         """Every pinning thread is done: the outcome (the pool opened if ready), and the interruption to raise."""
         crashed = bool(ran.crashed) or ran.started == 0
@@ -223,8 +215,6 @@ class Lifecycle:
             cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept, gone=gone,
         )  # fmt: skip
 
-    # -- background pinning ----------------------------------------------------------------------
-
     def _enter_background(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
         assert self.memory is not None
         try:
@@ -236,15 +226,14 @@ class Lifecycle:
         self._conducting = True
         ran = yield Detach(
             steps=self._conduct(session, pinning), name=f"pinpool-{self.name}-pin",
-            stop=functools.partial(self._stop_for_shutdown, session),
+            stop=functools.partial(self._stop, session, StopCause.EXIT),
         )  # fmt: skip
         self._conductor = ran.detached
         problems = ran.interrupts or ran.start_errors
         if not problems:
             self._handed_out = True
             return
-        # The conductor could not start, or an interrupt landed in Thread.start: stop it, undo what it
-        # pinned (it cannot be orphaned: the finalizer keeps off while the pool is being entered).
+        # The conductor could not start, or an interrupt landed in Thread.start: stop it, undo what it pinned.
         first = problems[0]
         yield from self._stop_conductor(session, StopCause.CANCELLED)
         with self._lock:
@@ -305,28 +294,25 @@ class Lifecycle:
             finally:
                 self._driven = False
 
-    def _stop_for_shutdown(self, session: PinSession) -> None:
-        """The interpreter is exiting: stop pinning (the finalizer unpins)."""
+    def _stop(self, session: PinSession, cause: StopCause) -> None:
+        """Stop pinning after the current calls, and a node-pacing wait."""
         self.pacing.cancel.set()
-        session.stop(StopCause.EXIT)
+        session.stop(cause)
 
     def _stop_conductor(self, session: PinSession, cause: StopCause) -> Generator[RunThreads, Ran, list[BaseException]]:
         """Stop background pinning and wait until the conductor is done."""
         conductor = self._conductor
         if conductor is None or conductor.done:
             return []
-        self.pacing.cancel.set()
-        session.stop(cause)
+        self._stop(session, cause)
         ran = yield RunThreads(bodies=(conductor.join,), name=f"pinpool-{self.name}-join")
         return ran.interrupts
-
-    # -- exit and close ----------------------------------------------------------------------------
 
     def exit(
         self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
     ) -> Steps[BaseException | None]:
-        """Leave the pool (idempotent, from any thread). ``closing`` (``pool.close()``): a new pool is closed
-        too, one being entered rolls back; ``raise_errors=False``: an unseen error is returned, not raised."""
+        """Leave the pool (idempotent, from any thread); ``closing``: ``pool.close()``; ``raise_errors=False``:
+        an unseen error is returned, not raised."""
         if self._pid is not None and os.getpid() != self._pid:
             self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
             return None
@@ -336,9 +322,8 @@ class Lifecycle:
     def _leave(
         self, body_error: BaseException | None, closing: bool, raise_errors: bool
     ) -> Steps[BaseException | None]:
-        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
-        try:
-            while not mine:
+        with _Claim(self) as claim:
+            while not claim.mine:
                 with self._lock:
                     state = self.state
                     if state is PoolState.CLOSED:
@@ -352,7 +337,7 @@ class Lifecycle:
                         self._move(PoolState.CLOSED)
                         return None
                     if not self._driven:  # CLOSING too: a teardown something raised in resumes here
-                        mine = self._driven = True
+                        claim.take()
                         continue
                 # The finalizer (or an orphan's conductor) tears it down: wait until it is closed, or lets go.
                 ran = yield RunThreads(bodies=(self._wait_undriven,), name=f"pinpool-{self.name}-close")
@@ -369,17 +354,13 @@ class Lifecycle:
             unpinned, more = yield from self._unpin_all(session)
             interrupts += more
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
-        finally:
-            if mine:
-                self._driven = False
 
     def _wait_undriven(self) -> None:
         while not self._closed.wait(0.05) and self._driven:
             pass
 
     def _let_go_in_child(self) -> None:
-        """A forked child drops its copy of the parent's pool (the registrations and threads are the
-        parent's; its book of pinned ranges started empty, so it pops no claim)."""
+        """A forked child drops its copy of the parent's pool (its book of pinned ranges started empty)."""
         session = self.session
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
@@ -389,8 +370,6 @@ class Lifecycle:
             check_move(self.state, PoolState.CLOSED)  # as _move does, without its lock
             self.state = PoolState.CLOSED
             self._closed.set()
-
-    # -- readiness ---------------------------------------------------------------------------------
 
     def take_error(self, *, unseen: bool = False) -> BaseException | None:
         """The background failure, marked seen (exit then does not raise it); ``unseen``: only if not seen yet."""
@@ -406,9 +385,8 @@ class Lifecycle:
         if state is PoolState.READY:
             return self.plan.num_pages
         session = self.session
-        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None:
-            return 0
-        if state is PoolState.FAILED and isinstance(self.error, MemoryGoneError):
+        gone = state is PoolState.FAILED and isinstance(self.error, MemoryGoneError)  # SIGBUS to touch
+        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None or gone:
             return 0
         return session.prefix.pages
 
@@ -426,14 +404,11 @@ class Lifecycle:
             raise PoolStateError(f"pool {self.name!r} is new: enter it (async with / with) before waiting for it")
         raise PoolStateError(f"pool {self.name!r} is {state.value}: it was exited before it was ready")
 
-    # -- teardown ----------------------------------------------------------------------------------
-
     def _unpin_all(
         self, session: PinSession, *, join: bool = True
     ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
-        """Teardown or rollback: unregister everything, then :meth:`_close`; returns its UnpinError and the
-        interruptions. What is raised meanwhile resumes it, TEARDOWN_TRIES times, then is raised with
-        the pool CLOSING, for a later exit, close() or the finalizer to finish."""
+        """Teardown or rollback, then :meth:`_close`: its UnpinError and the interruptions. What is raised
+        meanwhile resumes it, TEARDOWN_TRIES times, then is raised with the pool CLOSING."""
         if self.state is not PoolState.CLOSING:
             self._move(PoolState.CLOSING)
         interrupts: list[BaseException] = []
@@ -461,8 +436,7 @@ class Lifecycle:
         return count >= ABANDON_AFTER_CTRL_C
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
-        """Close the books and let the memory go, unless a chunk leaked (then it stays mapped and claimed);
-        the UnpinError of a pool that had been handed out."""
+        """Close the books and let the memory go, unless a chunk leaked; the UnpinError of a handed-out pool."""
         memory, handed_out = self.memory, self._handed_out
         leaked = session.ledger.leaked()
         if memory is not None:  # None: a first try got this far (each step below may be taken twice)
@@ -491,9 +465,7 @@ class Lifecycle:
             session.stop(StopCause.CANCELLED)
         if self.on_progress is not None and session is not None:
             ledger = session.ledger
-            self.on_progress(session.ledger.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
-
-    # -- the finalizer -------------------------------------------------------------------------------
+            self.on_progress(ledger.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
 
     def finalize(self) -> Steps[None]:
         """The façade was collected (or is alive at interpreter exit) without being exited; run inline."""
@@ -505,8 +477,7 @@ class Lifecycle:
         if (yield from self.gate.take_over()):  # its async driver stopped half-way: finished here
             warn_unclosed(self.name, self.created_at, "was left half-entered or half-exited by a task whose event "
                           "loop was closed; its finalizer finished that")  # fmt: skip
-        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
-        try:
+        with _Claim(self) as claim:
             with self._lock:
                 session = self.session
                 state = self.state
@@ -518,10 +489,9 @@ class Lifecycle:
                 else:
                     if state is not PoolState.CLOSING:  # CLOSING: a teardown something raised in, resumed here
                         self._move(PoolState.CLOSING)
-                    mine = self._driven = True
+                    claim.take()
             if orphaned:
-                self.pacing.cancel.set()
-                session.stop(StopCause.COLLECTED)
+                self._stop(session, StopCause.COLLECTED)
                 warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
                 return
             unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
@@ -530,11 +500,26 @@ class Lifecycle:
             pinned = session.ledger.pinned_bytes
             # Unpin first: a warning turned into an error must not keep memory pinned.
             yield from self._unpin_all(session, join=False)
-        finally:
-            if mine:
-                self._driven = False
         if unseen is not None:
             warn_unclosed(
                 self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"
             )
         warn_unclosed(self.name, self.created_at, f"unpinned its {format_bytes(pinned)} in a finalizer")
+
+
+class _Claim:
+    """A driver's hold on a lifecycle (``_driven``: the finalizer keeps off), taken inside the ``with``
+    so that whatever is raised lets go of it."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle, self.mine = lifecycle, False
+
+    def take(self) -> None:
+        self.mine = self.lifecycle._driven = True
+
+    def __enter__(self) -> _Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mine:
+            self.lifecycle._driven = False

@@ -102,16 +102,11 @@ def deliver_exit(
             raise interrupts[0]
         return None
     error = failed if failed is not None else unpinned
-    if error is None:
-        return None
     if failed is not None and unpinned is not None:
         failed.add_note(f"pinpool: {unpinned}")
-    if raise_errors:
+    if error is not None and raise_errors:
         raise error
     return error
-
-
-# -- error texts ----------------------------------------------------------------------------------
 
 
 def pin_error(
@@ -216,9 +211,6 @@ def unpin_error(name: str, failures: Sequence[ChunkFailure], leaked: tuple[Chunk
     )
 
 
-# -- a pool never exited: the warning points where the user made it ------------------------------
-
-
 def caller_outside_pinpool() -> tuple[str, int]:
     """(file, line) of the first frame outside pinpool: where the user made the pool."""
     frame = sys._getframe(1)
@@ -241,8 +233,6 @@ def warn_unclosed(name: str, created_at: tuple[str, int], what: str) -> None:
     warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)
 
 
-# -- the steps a lifecycle yields to its driver --------------------------------------------------
-
 T = TypeVar("T")
 
 
@@ -257,8 +247,7 @@ class Joinable(Protocol):
 
 @dataclass(frozen=True)
 class RunThreads:
-    """Run each body on its own thread and wait for all of them. ``interruptible``: an interruption
-    stops the work early (``on_interrupt``); otherwise (teardown) the wait is shielded."""
+    """Run each body on its own thread and wait for all; ``interruptible``: an interruption stops them early."""
 
     bodies: tuple[Callable[[], object], ...]
     name: str
@@ -272,8 +261,7 @@ class RunThreads:
 
 @dataclass(frozen=True)
 class Detach:
-    """Run ``steps`` with the sync driver on a new thread and return at once (``Ran.detached``);
-    ``stop`` is called as the interpreter starts to exit."""
+    """Run ``steps`` on a new thread and return at once; ``stop`` is called as the interpreter starts to exit."""
 
     steps: Generator[RunThreads | Detach, Ran, None]
     name: str
@@ -282,8 +270,7 @@ class Detach:
 
 @dataclass
 class Ran:
-    """What happened while a step ran; for :class:`Detach` the thread's handle. What the driver could
-    not finish (an exception recurring) is thrown into the lifecycle instead."""
+    """What happened while a step ran (what the driver could not finish is thrown into the lifecycle)."""
 
     interrupts: list[BaseException] = field(default_factory=list)
     crashed: list[BaseException] = field(default_factory=list)

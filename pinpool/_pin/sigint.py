@@ -72,10 +72,9 @@ def replay() -> None:
 
 
 class guard:
-    """Install the deferring handler for the block (main thread only; nested guards share it). Leaving
-    the outermost guard restores the replaced handler, then replays a deferred signal, unless the block
-    raises ``KeyboardInterrupt`` or ``drop`` (a finalizer). A class, not a generator: ``__enter__``
-    installs in its last step, so nothing lands between the install and the block."""
+    """Install the deferring handler for the block (main thread only; nested guards share it); leaving
+    the outermost one restores it, then replays a deferred signal unless ``drop``. A class, not a
+    generator: ``__enter__`` installs in its last step, so nothing lands between it and the block."""
 
     installed = False
 

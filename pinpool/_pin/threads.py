@@ -28,8 +28,7 @@ class Threads:
         self._idle = threading.Lock()  # held while the books are not empty: wakes a waiter at once
 
     def start(self, fn: Callable[[], object], *, name: str, daemon: bool = False) -> None:
-        """Start ``fn`` on a new thread. If this raises, the thread either runs ``fn`` and is waited for,
-        or never runs it. ``daemon``: a waiter may abandon it (a wedged runtime call)."""
+        """Start ``fn`` on a new thread; if this raises, the thread runs ``fn`` and is waited for, or never runs it."""
         gate: dict[str, str] = {}
         key = id(gate)
 
