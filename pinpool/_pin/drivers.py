@@ -2,7 +2,6 @@
 
 A driver runs a step's bodies on tracked threads (:mod:`.threads`) and waits for *every one*, however
 often it is interrupted (the first calls ``on_interrupt``; all are reported back to the lifecycle).
-Ctrl-C in pinpool's own code is deferred (:mod:`.sigint`); docs/concepts.md, Cancellation.
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads
 
 ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
 TRIES = 5  # a retry loop's tries; an exception that recurs every time (no stack left) is then raised
-# What Thread.start raises when no thread can be had; anything else (a Ctrl-C) is an interruption.
-START_ERRORS = (RuntimeError, MemoryError)
+START_ERRORS = (RuntimeError, MemoryError)  # Thread.start's "no thread"; anything else is an interruption
 T = TypeVar("T")
 Lifecycle = Generator[Step, Ran, T]
 

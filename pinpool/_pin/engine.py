@@ -1,8 +1,7 @@
-"""The pinning engine: the runtime calls worker threads make, pinning and unpinning.
+"""The pinning engine: one :class:`PinSession` per entered pool, the runtime calls its worker threads make.
 
-One :class:`PinSession` per entered pool: every runtime call goes through :meth:`PinSession._call`,
-every worker runs the one batch loop :meth:`PinSession._run`. Every outcome is booked inside the
-worker, under the session lock, so a host cancelled while waiting still knows what to roll back.
+Every call goes through :meth:`PinSession._call`, every worker runs the one batch loop
+:meth:`PinSession._run`, and every outcome is booked inside the worker, under the session lock.
 """
 
 from __future__ import annotations
@@ -107,12 +106,11 @@ class PinSession:
         self._register = Op("register", register, pacer.took, pacer.before)
         self._unregister = Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
-        # Retry by halving, at most max_retries levels below each planned chunk (per lineage, not per pool).
         self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
         self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
         self._not_registered = caps.not_registered_codes
         self._check_codes, self._already_registered = caps.stale_codes, caps.already_registered_codes
-        self._max_depth = options.max_retries
+        self._max_depth = options.max_retries  # halvings below each planned chunk (per lineage, not per pool)
         self.retries = 0
         self.raised: list[BaseException] = []  # what the runtime raised that is no Exception
         self._pin_started, self.pin_seconds, self.unpin_seconds = time.perf_counter(), 0.0, 0.0
@@ -161,8 +159,7 @@ class PinSession:
     def _call(self, op: Op, offset: int, nbytes: int) -> tuple[Answer, float]:
         """One runtime call at ``offset``; a non-``Exception`` it raised is kept in :attr:`raised`."""
         ptr, observer = self.base_ptr + offset, self.observer
-        if op.before is not None:
-            op.before()
+        op.before()
         observer.call_started()
         started, me = time.perf_counter(), threading.get_ident()
         try:
@@ -174,8 +171,7 @@ class PinSession:
         if answer.raised is not None:
             self.raised.append(answer.raised)
         seconds = time.perf_counter() - started
-        if op.took is not None:
-            op.took(seconds)
+        op.took(seconds)
         return answer, seconds
 
     def _next(self, take: Callable[[], T | _Wait | None]) -> T | None:
@@ -464,13 +460,10 @@ class PinSession:
             before = ledger.pinned_bytes
             for index in ledger.teardown_order():
                 chunk = ledger.chunks[index]
-                ledger.unregister_failed(
-                    index,
-                    RuntimeCallError(
-                        op="unregister", code=-1, reason="Abandoned" if abandoned else "InternalError",
-                        ptr=self.base_ptr + chunk.offset, nbytes=chunk.nbytes, message=f"never unregistered: {why}",
-                    ),
-                )  # fmt: skip
+                ledger.unregister_failed(index, RuntimeCallError(
+                    op="unregister", code=-1, reason="Abandoned" if abandoned else "InternalError",
+                    ptr=self.base_ptr + chunk.offset, nbytes=chunk.nbytes, message=f"never unregistered: {why}",
+                ))  # fmt: skip
             if self._unpin_queue is not None:
                 self._unpin_queue.clear()  # an abandoned worker whose call returns takes nothing more
             ledger.close()

@@ -1,9 +1,8 @@
 """Who may drive a pool: one caller at a time enters or closes it (:class:`CloseGate`), and node
 pacing admits it (:class:`PoolAdmission`: a slot while pinning, a budget share while anything is pinned).
 
-``close()`` may come from any thread, even a signal handler on the holder's own thread (it asks for
-the close and returns: the work in progress finishes it). Taking the gate is one C-level
-``dict.setdefault`` inside the ``try`` that lets it go, so a signal handler sees no holder or a whole one."""
+``close()`` may come from any thread, even a signal handler on the holder's own thread. Taking the gate
+is one C-level ``dict.setdefault``, so a signal handler sees no holder or a whole one."""
 
 from __future__ import annotations
 

@@ -57,8 +57,7 @@ class Ledger:
         self.in_flight = 0
         self.registered_bytes = 0  # chunks that count whole now, and leaked ones (maybe still pinned)
         self.chunks_done = 0  # counted, not summed: progress is read every tick
-        # Bytes pinned of chunks not counted whole (yet, or ever), until unregistered.
-        self._part_bytes: dict[int, int] = {}
+        self._part_bytes: dict[int, int] = {}  # pinned bytes of chunks not counted whole (yet, or ever)
         self._part_total = 0
         self.pending = len(self.chunks)  # not yet handed out (nor failed before their registration)
 
@@ -176,8 +175,7 @@ class Ledger:
         if self.in_flight:
             raise LedgerError(f"finish_pinning with {self.in_flight} chunks still in flight")
         complete = self.chunks_done == len(self.chunks)
-        # A cancellation after the last chunk landed still wins.
-        self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK
+        self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK  # a stop still wins
         return self.phase
 
     def abort(self) -> Phase:
@@ -214,11 +212,10 @@ class Ledger:
         if was not in _UNDO:
             raise LedgerError(f"chunk {index} unregistered but was {was.value}")
         self.states[index] = state
-        nbytes = self.chunks[index].nbytes
         if was is ChunkState.REGISTERED:
             self.chunks_done -= 1
         if state is ChunkState.UNREGISTERED and was is ChunkState.REGISTERED:
-            self.registered_bytes -= nbytes
+            self.registered_bytes -= self.chunks[index].nbytes
         elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:  # may be pinned: count it all
             self.registered_bytes += sum(piece.nbytes for piece in self.pieces.get(index, (self.chunks[index],)))
         self._drop_part(index)  # unregistered: nothing of it pinned; leaked: counted above
@@ -281,7 +278,7 @@ class RegistrationBook:
 
     def snapshot(self) -> tuple[Chunk, ...]:
         """Every range registered now, sorted by offset."""
-        whole = bytes(self._whole)  # one copy each: a consistent view of either structure
+        whole = bytes(self._whole) + b"\0"  # one copy each: a consistent view; the 0 ends the last run
         pieces = self._pieces.copy()
         chunks = self._chunks
         run_of = chunks._make if isinstance(chunks, ChunkTable) else lambda lo, hi: chunks[lo:hi]
@@ -289,8 +286,6 @@ class RegistrationBook:
         start = whole.find(1)
         while start != -1:
             end = whole.find(0, start)
-            if end == -1:
-                end = len(whole)
             if end - start == 1:
                 found.append(chunks[start])
             else:

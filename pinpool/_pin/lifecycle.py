@@ -1,8 +1,7 @@
 """A pool's life, written once: pin → (body) → teardown, or pin → rollback.
 
-:class:`Lifecycle` has no threads or awaits and imports no driver: it does the quick steps and yields
-to a driver those that wait or need a thread, so every rule (docs/concepts.md, Cancellation) holds
-for every driver. Pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`.
+:class:`Lifecycle` imports no driver: it yields to one the steps that wait or need a thread, so every
+rule (docs/concepts.md, Cancellation) holds for every driver.
 """
 
 from __future__ import annotations
@@ -113,17 +112,15 @@ class Lifecycle:
             yield from self._enter()
 
     def _enter(self) -> Steps[None]:
+        memory: Memory | None = None
         try:
             if not self.background:
                 yield from self.pacing.admit()
             memory = self.source.acquire()
-        except BaseException:
-            self._close_empty()
-            raise
-        try:
             session = self._open_session(memory)
         except BaseException:
-            PINNED_RANGES.pop(memory.address)
+            if memory is not None:
+                PINNED_RANGES.pop(memory.address)
             self._close_empty()
             raise
         self.memory, self.session = memory, session
@@ -151,7 +148,6 @@ class Lifecycle:
         raise error
 
     def _open_session(self, memory: Memory) -> PinSession:
-        """The engine over ``memory``, and the pin announced."""
         plan = self.plan
         session = PinSession(
             plan, self.options, runtime=self.runtime, caps=self.caps, observer=self.observer, memory=memory
@@ -246,14 +242,12 @@ class Lifecycle:
     def _conduct(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
         try:
             yield from self.pacing.admit()
-        except NodeWaitCancelled:  # stopped by exit, collection or interpreter exit: nothing was pinned
-            error, ran = None, Ran()
-            outcome = decide(
-                interrupted=False, pinned=False, stop_cause=session.ledger.stop_cause, orphaned=self._orphaned
-            )
-            self.observer.rollback(cause=outcome.cause, registered_chunks=0)
-        except BaseException as exc:  # fail-fast pacing (NodeBusyError), or no thread for the wait
-            outcome, error, ran = Outcome.FAILED, exc, Ran()
+        except BaseException as exc:  # fail-fast pacing (NodeBusyError), no thread for the wait, or
+            # NodeWaitCancelled: stopped by exit, collection or interpreter exit (nothing was pinned)
+            cancelled = isinstance(exc, NodeWaitCancelled)
+            error, ran = (None if cancelled else exc), Ran()
+            stop_cause = session.ledger.stop_cause if cancelled else None  # None: FAILED
+            outcome = decide(interrupted=False, pinned=False, stop_cause=stop_cause, orphaned=self._orphaned)
             self.observer.rollback(cause=outcome.cause, registered_chunks=0)
         else:
             ran = yield pinning
@@ -270,29 +264,21 @@ class Lifecycle:
             pages, pinned = session.prefix.pages, session.ledger.pinned_bytes
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
-            # Pages a truncation took are SIGBUS to touch: then none is called usable (pinned_pages 0).
-            error = self._failure(session, ran, kept=kept, gone=self.source.gone(self.memory))
-        with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
-            self._conducting = False
-            if outcome is Outcome.READY:
-                return
-            if self._orphaned:
-                action = "teardown"
-                self._driven = True  # a close() meanwhile waits for it
-            elif error is None:  # EXITED, or stopped by the thread that entered: the stopper tears down
-                action = "leave"
-            else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
-                self.error = error  # before the state says FAILED: a waiter reads the state, then the error
-                self._move(PoolState.FAILED)
-                action = "failed"
-        if action == "failed":
-            assert error is not None
-            self.observer.failed_in_background(error)
-        elif action == "teardown":
-            try:
+            error = self._failure(session, ran, kept=kept, gone=self.source.gone(self.memory))  # gone: SIGBUS to touch
+        with _Claim(self) as claim:
+            with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
+                self._conducting = False
+                if outcome is Outcome.READY or (error is None and not self._orphaned):
+                    return  # READY; EXITED, or stopped by the thread that entered: the stopper tears down
+                if self._orphaned:
+                    claim.take()  # a close() meanwhile waits for it
+                else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
+                    self.error = error  # before the state says FAILED: a waiter reads the state, then the error
+                    self._move(PoolState.FAILED)
+            if claim.mine:
                 yield from self._unpin_all(session)
-            finally:
-                self._driven = False
+            elif error is not None:
+                self.observer.failed_in_background(error)
 
     def _stop(self, session: PinSession, cause: StopCause) -> None:
         """Stop pinning after the current calls, and a node-pacing wait."""
@@ -498,8 +484,7 @@ class Lifecycle:
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
-            # Unpin first: a warning turned into an error must not keep memory pinned.
-            yield from self._unpin_all(session, join=False)
+            yield from self._unpin_all(session, join=False)  # before warning: -W error must not keep it pinned
         if unseen is not None:
             warn_unclosed(
                 self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"
@@ -508,8 +493,7 @@ class Lifecycle:
 
 
 class _Claim:
-    """A driver's hold on a lifecycle (``_driven``: the finalizer keeps off), taken inside the ``with``
-    so that whatever is raised lets go of it."""
+    """A driver's hold on a lifecycle (the finalizer keeps off), let go at the ``with``'s end, whatever is raised."""
 
     def __init__(self, lifecycle: Lifecycle) -> None:
         self.lifecycle, self.mine = lifecycle, False

@@ -1,7 +1,6 @@
-"""A pool's rules, pure (no threads): its states (:data:`TRANSITIONS`), how pinning ends (:func:`decide`:
-one :class:`Outcome`, delivered differently by foreground and background), what leaving raises
-(:func:`deliver_exit`), the error texts and the unclosed warning; and the steps a lifecycle yields to
-its driver and gets back (:class:`Ran`), so it is tested with scripted results, with no driver."""
+"""A pool's rules, pure: its states (:data:`TRANSITIONS`), how pinning ends (:func:`decide`), what leaving
+raises (:func:`deliver_exit`), the error texts and the unclosed warning; and the steps a lifecycle yields
+to its driver and gets back (:class:`Ran`), so it is tested with scripted results, with no driver."""
 
 from __future__ import annotations
 

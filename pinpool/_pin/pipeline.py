@@ -96,7 +96,6 @@ class Pipeline:
         self.populate_workers = populate_workers
         self._batches = {"register": 0, "populate": 0}  # out with a worker, by role
         self._out: dict[int | Span, _Out] = {}  # each batched item not yet landed -> its batch
-        # The plan's spans when it has them, else cut here, lazily.
         self.spans: Sequence[Span] = (
             () if order is Order.REGISTER_ONLY else spans if spans else SpanTable(self.ledger.chunks, span_bytes)
         )
@@ -120,7 +119,6 @@ class Pipeline:
 
     @property
     def in_flight(self) -> int:
-        """Populate and register calls in progress."""
         return self._populating + self.ledger.in_flight
 
     def next_work(self) -> Batch | _Wait | None:

@@ -1,8 +1,7 @@
 """Ctrl-C inside pinpool: deferred in its own code, delivered at safe points.
 
-Under :class:`guard`, :func:`_handler` reads its frames as trio's KI protection does: in
-:func:`protected` code SIGINT is deferred to the next safe point or the driver's end; in :func:`safe`
-code and elsewhere it goes to the replaced handler. While a teardown waits, every SIGINT is held and counted.
+Under :class:`guard`, :func:`_handler` reads its frames as trio's KI protection does: SIGINT in
+:func:`protected` code is deferred to the next safe point; while a teardown waits, every one is held.
 """
 
 from __future__ import annotations

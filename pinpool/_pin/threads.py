@@ -1,8 +1,6 @@
-"""Worker threads a driver waits for: on the books before ``Thread.start`` (an exception can land
-inside it) behind a gate the starter can close; waited for through a C lock and the books, never
-``Thread.join`` (bpo-45274) nor an Event (a raise inside ``Event.wait`` can leave its lock held).
-The starter takes no lock: the books change one store at a time, each gate by one ``dict.setdefault``.
-"""
+"""Worker threads a driver waits for: on the books before ``Thread.start`` (an exception can land inside it),
+behind a gate decided by one ``dict.setdefault`` (the starter takes no lock); waited for through a C lock,
+never ``Thread.join`` (bpo-45274) nor an Event (a raise inside ``Event.wait`` can leave its lock held)."""
 
 from __future__ import annotations
 
@@ -81,11 +79,6 @@ class Threads:
                 time.sleep(min(timeout, 0.005))
         return self.done
 
-    def join(self) -> None:
-        """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
-        while not self.wait_done(POLL_SECONDS):
-            pass
-
     def wait(self, on_tick: Callable[[], object] | None = None) -> None:
         """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
         last_tick = time.monotonic()
@@ -93,3 +86,5 @@ class Threads:
             if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
                 last_tick = time.monotonic()
                 on_tick()
+
+    join = wait  # a body that waits on behalf of an interruptible one

@@ -20,8 +20,8 @@ class Op:
 
     name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
     call: Callable[[int, int], object]  # (ptr, nbytes); anything but None is the runtime's fault
-    took: Callable[[float], None] | None = None  # every call's time, failed or not
-    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
+    took: Callable[[float], None] = lambda _seconds: None  # every call's time, failed or not
+    before: Callable[[], None] = lambda: None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
 
 
 @dataclass(frozen=True)
