@@ -1,12 +1,7 @@
 """The drivers: run a lifecycle's steps with ``async with`` (anyio), ``with``, or inline (the finalizer).
 
-A driver runs a step's bodies on tracked threads (:mod:`.threads`) and waits for *every one*: the
-first interruption (cancellation, Ctrl-C, ``SystemExit``, ``on_tick`` raising) calls ``on_interrupt``;
-all are reported back, and the lifecycle re-raises once its books close. Ctrl-C in pinpool's own code
-is deferred (:mod:`.sigint`). An entry that completes with a Ctrl-C deferred is undone (``undo``)
-first: a ``with`` whose ``__enter__`` raises never exits. An async driver holds the guard only between
-awaits (a task that never resumes, its loop closed, leaves no handler of ours behind), except while a
-teardown waits in a loop that cannot be closed under it (``asyncio.run``'s, ``trio.run``'s).
+A driver runs a step's bodies on tracked threads (:mod:`.threads`) and waits for *every one*, however
+often it is interrupted (the first calls ``on_interrupt``; all are reported back to the lifecycle).
 """
 
 from __future__ import annotations
@@ -29,15 +24,9 @@ from .outcome import Detach, Ran, RunThreads, Step, Steps
 from .sigint import _Guard, guard, protected, replay, safe
 from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads
 
-# -- the drivers ----------------------------------------------------------------------------------
-
 ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
-# A driver's retry loops (a stop asked again, a wait resumed, an inline body rerun) try this often, then
-# raise: an exception that recurs every time (no stack left, no memory) is handed to the lifecycle.
-TRIES = 5
-# What Thread.start raises when no thread can be had ("can't start new thread"); anything else it
-# raises (a signal handler's TimeoutError, a Ctrl-C) is an interruption, not a shortage of threads.
-START_ERRORS = (RuntimeError, MemoryError)
+TRIES = 5  # a retry loop's tries; an exception that recurs every time (no stack left) is then raised
+START_ERRORS = (RuntimeError, MemoryError)  # Thread.start's "no thread"; anything else is an interruption
 T = TypeVar("T")
 Lifecycle = Generator[Step, Ran, T]
 
@@ -48,8 +37,7 @@ def _holds(step: RunThreads) -> bool:
 
 
 def _held(step: RunThreads, seen: int) -> tuple[int, bool]:
-    """A holding wait's look at the Ctrl-Cs held meanwhile: ``on_held`` hears of each new count;
-    returns the count seen and whether to abandon the wait."""
+    """``on_held`` hears of each new count of Ctrl-Cs held; the count seen and whether to abandon the wait."""
     held = _Guard.pending
     if step.on_held is None or held <= seen:
         return seen, False
@@ -63,9 +51,7 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
     def interrupted(exc: BaseException) -> None:
         first = not ran.interrupts
         _record(ran, exc)
-        if first:
-            # A second Ctrl-C can land inside on_interrupt (seen under trio): the stop (idempotent)
-            # is asked again, so the interruption never leaves the driver's wait.
+        if first:  # a second Ctrl-C can land inside on_interrupt (trio): the stop is asked again
             _retry(step.on_interrupt, functools.partial(_record, ran))
 
     try:
@@ -75,10 +61,7 @@ def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], N
             except START_ERRORS as exc:  # fewer workers; none at all is reported
                 ran.start_errors.append(exc)
                 break
-            except BaseException as exc:  # an interrupt inside Thread.start: that thread is accounted for
-                interrupted(exc)
-                break
-    except BaseException as exc:  # an interrupt between two starts
+    except BaseException as exc:  # an interrupt between two starts, or inside one (that thread is accounted for)
         interrupted(exc)
     finally:
         _retry(step.on_started, interrupted)  # workers wait for this: an interrupt landing inside it must not skip it
@@ -104,8 +87,7 @@ def _record(ran: Ran, exc: BaseException) -> None:
 
 def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
     ran.crashed, ran.started = list(threads.errors), threads.started
-    if ran.started == 0 and step.bodies and not step.interruptible:
-        # Teardown must happen even when no thread can be had (interpreter shutdown): inline.
+    if ran.started == 0 and step.bodies and not step.interruptible:  # teardown with no thread to be had
         _run_inline_bodies(step, ran)
     return ran
 
@@ -113,9 +95,6 @@ def _finish(step: RunThreads, threads: Threads, ran: Ran) -> Ran:
 def _run_inline_bodies(step: RunThreads, ran: Ran) -> None:
     for body in step.bodies:
         _retry(body, functools.partial(_record, ran))  # bodies resume from shared queues: run it again
-
-
-# -- sync ----------------------------------------------------------------------------------------
 
 
 def run_sync(step: Step) -> Ran:
@@ -137,8 +116,7 @@ def run_sync(step: Step) -> Ran:
 
 
 class _Recurring:
-    """Raises an exception that recurs at once, TRIES times in a row (no stack left, no memory): to the
-    lifecycle, which hands it over or leaves its teardown for a later close; timers or Ctrl-Cs come apart."""
+    """Raises an exception that recurs at once, TRIES times in a row (no stack left, no memory)."""
 
     def __init__(self) -> None:
         self.count, self.last = 0, -1.0
@@ -200,8 +178,7 @@ def drive_inline(lifecycle: Lifecycle[T]) -> T:
 
 
 def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
-    """Run ``lifecycle``'s steps; what running one raises is thrown in where it waits, and a lifecycle
-    left early is closed at once (its ``finally`` lets go of the pool, for a later close to finish)."""
+    """Run ``lifecycle``'s steps; what running one raises is thrown in, and one left early is closed."""
     try:
         step = next(lifecycle)
         while True:
@@ -218,18 +195,13 @@ def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
         lifecycle.close()
 
 
-# -- async (anyio: asyncio and trio) --------------------------------------------------------------
-
-
 async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
     if isinstance(step, Detach):
         return _detach(step)  # starting a thread does not wait
     threads, ran, interrupted = _launch(step)
     parked = (step, threads, ran, interrupted)
-    # It polls (1 ms growing to ASYNC_POLL_SECONDS) rather than wait on a worker thread: one
-    # abandoned by a cancellation outlives the loop when a second Ctrl-C aborts asyncio.run, and
-    # anyio's non-daemon worker then hangs exit (1 run in ~25). Unshielded until interrupted.
-    # A teardown (on_held) holds every Ctrl-C meanwhile, even one landing in the loop's own code.
+    # It polls rather than wait on an anyio worker thread: one abandoned when a second Ctrl-C aborts
+    # asyncio.run would hang exit. A teardown (on_held) holds every Ctrl-C meanwhile, even in the loop.
     holding = _holds(step) and (drive is None or not drive.abandonable())
     delay = 0.001
     last_tick = time.monotonic()
@@ -244,13 +216,10 @@ async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
                     replay()  # a Ctrl-C deferred while the step was launched stops it now
                 await _outside(drive, parked, _sleep, delay, shielded, keep_guard=holding)
                 delay = min(delay * 2, ASYNC_POLL_SECONDS)
-                if (
-                    not shielded
-                    and step.on_tick is not None
-                    and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS
-                ):
+                tick = None if shielded else step.on_tick
+                if tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
                     last_tick = time.monotonic()
-                    step.on_tick()
+                    tick()
                 seen, abandon = _held(step, seen) if holding else (0, False)
                 if abandon:
                     ran.abandoned = True
@@ -282,8 +251,7 @@ async def _sleep(seconds: float, shielded: bool) -> None:
 async def _outside(
     drive: _AsyncDrive | None, parked: _Parked, fn: Callable[..., Any], *args: object, keep_guard: bool = False
 ) -> None:
-    """Await ``fn(*args)`` with the drive parked (see :class:`_AsyncDrive`) and its guard left, unless
-    ``keep_guard`` (a teardown's wait, which holds every Ctrl-C, in a loop that cannot be closed under it)."""
+    """Await ``fn(*args)`` with the drive parked (:class:`_AsyncDrive`) and, unless ``keep_guard``, its guard left."""
     if drive is None:  # a step run on its own (tests)
         await fn(*args)
         return
@@ -300,18 +268,16 @@ async def _outside(
 
 
 class _Abandoned(GeneratorExit):
-    """Raised where an async driver resumes after a closer took its lifecycle over; a GeneratorExit,
-    so that closing the task's coroutine (the only way it can still resume) completes."""
+    """Raised where an async driver resumes after a closer took its lifecycle over."""
 
 
 _Parked = tuple[RunThreads, Threads, Ran, Callable[[BaseException], None]]
 
 
 class _AsyncDrive:
-    """A lifecycle driven from an anyio task. While it awaits, it is parked: if the task's asyncio loop
-    is closed meanwhile, the task never runs again, so a closer (or the finalizer) may finish the
-    lifecycle (:meth:`take_over`; :class:`~pinpool._pin.gates.Driver` holds the drive). Driver and
-    closer each pop the parked step, one C-level call: exactly one of them goes on."""
+    """A lifecycle driven from an anyio task, parked while it awaits: if its asyncio loop is closed
+    meanwhile, a closer (or the finalizer) may finish it (:meth:`take_over`). Driver and closer each
+    pop the parked step, one C-level call: exactly one of them goes on."""
 
     def __init__(self, lifecycle: Lifecycle[Any], held: guard) -> None:
         self.lifecycle, self.guard = lifecycle, held
@@ -321,23 +287,16 @@ class _AsyncDrive:
             self.loop = None
         self.slot: dict[str, _Parked] = {}
 
-    def send(self, ran: Ran | None) -> Step:
+    def step(self, resume: Callable[[T], Step], value: T) -> Step:
+        """``resume(value)`` (the lifecycle's ``send`` or ``throw``), this drive known to its gate."""
         token = DRIVING.set(self)  # read by the gate this lifecycle takes (gates.Driver)
         try:
-            return next(self.lifecycle) if ran is None else self.lifecycle.send(ran)
-        finally:
-            DRIVING.reset(token)
-
-    def throw(self, exc: BaseException) -> Step:
-        token = DRIVING.set(self)
-        try:
-            return self.lifecycle.throw(exc)
+            return resume(value)
         finally:
             DRIVING.reset(token)
 
     def abandonable(self) -> bool:
-        """Whether its loop can be closed under it: one the caller runs by hand (Python's own SIGINT
-        handler is the one replaced) or a trio guest run's host; not asyncio.run's, nor trio.run."""
+        """Whether its loop can be closed under it: one run by hand, not asyncio.run's nor trio.run's."""
         previous = _Guard.previous
         runner = getattr(getattr(previous, "func", None), "__self__", None)
         return self.loop is not None and not isinstance(runner, asyncio.Runner)
@@ -370,9 +329,7 @@ class _AsyncDrive:
 
 @protected
 async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`. The guard is held only
-    between awaits: while it awaits, a Ctrl-C goes to the loop's own handler (asyncio.run cancels the
-    main task, trio raises), and one deferred meanwhile is replayed as it starts to await."""
+    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`; the guard is held between awaits."""
     with guard() as held:
         result: T = await _drive_async(_AsyncDrive(lifecycle, held))
         try:
@@ -387,8 +344,9 @@ async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[obje
 async def _drive_async(drive: _AsyncDrive) -> Any:
     """As :func:`_drive`, from an anyio task (a drive taken over by a closer is left to it)."""
     taken = False
+    lifecycle = drive.lifecycle
     try:
-        step = drive.send(None)
+        step = drive.step(next, lifecycle)
         while True:
             try:
                 ran = await run_async(step, drive)
@@ -396,20 +354,17 @@ async def _drive_async(drive: _AsyncDrive) -> Any:
                 taken = True
                 raise
             except BaseException as exc:
-                step = drive.throw(exc)
+                step = drive.step(lifecycle.throw, exc)
             else:
-                step = drive.send(ran)
+                step = drive.step(lifecycle.send, ran)
     except StopIteration as stop:
         return stop.value
     finally:
         if not taken:
-            drive.lifecycle.close()
+            lifecycle.close()
 
 
-# -- detached sequences (a background pool's conductor) --------------------------------------------
-
-# What to call to stop each detached sequence still running when the interpreter starts to exit.
-_RUNNING: dict[int, Callable[[], None]] = {}
+_RUNNING: dict[int, Callable[[], None]] = {}  # the stop of each detached sequence running
 _running_lock = threading.Lock()
 _hooked = False
 
@@ -430,8 +385,7 @@ def _detach(step: Detach) -> Ran:
 
     with _running_lock:
         _RUNNING[key] = step.stop
-        # Before Python waits for non-daemon threads at exit, stop every detached sequence's pinning
-        # (without the hook, exit waits for background pinning to finish, then unpins).
+        # Stop pinning before exit waits for non-daemon threads (else it waits for the whole pool to pin).
         register = getattr(threading, "_register_atexit", None)  # what concurrent.futures uses
         if not _hooked and register is not None:
             with contextlib.suppress(RuntimeError):  # the interpreter is already shutting down
@@ -461,8 +415,7 @@ def _stop_running() -> None:
 
 
 def _forget_in_child() -> None:
-    """A forked child has only the thread that forked: the parent's conductors do not run in it (their
-    stops, run at its exit, could wait on a lock one of them held at the fork)."""
+    """A forked child has none of the parent's conductors (their stops could wait on a lock held at the fork)."""
     global _running_lock
     _RUNNING.clear()
     _running_lock = threading.Lock()
@@ -473,7 +426,6 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 @protected
 def finalize_lifecycle(lifecycle: object) -> None:
-    """A pool's finalizer: its lifecycle's ``finalize`` inline (no threads); a Ctrl-C meanwhile is
-    deferred, then dropped, as Python ignores what a finalizer raises."""
+    """A pool's finalizer: ``finalize`` inline; a Ctrl-C meanwhile is dropped (a finalizer's raise is ignored)."""
     with guard(drop=True):
         drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]

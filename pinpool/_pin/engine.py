@@ -1,10 +1,7 @@
-"""The pinning engine: the runtime calls worker threads make, pinning and unpinning, for both drivers.
+"""The pinning engine: one :class:`PinSession` per entered pool, the runtime calls its worker threads make.
 
-One :class:`PinSession` per entered pool. Every runtime call goes through :meth:`PinSession._call`
-(metrics, timing, :func:`untrusted_call`'s reading of the answer); every worker runs the one batch
-loop :meth:`PinSession._run`, told by a :class:`_Work` what differs, for one thread hop per worker,
-not per chunk. Every outcome is booked inside the worker, under the session lock, so a host
-cancelled while waiting still knows exactly what to roll back.
+Every call goes through :meth:`PinSession._call`, every worker runs the one batch loop
+:meth:`PinSession._run`, and every outcome is booked inside the worker, under the session lock.
 """
 
 from __future__ import annotations
@@ -42,19 +39,25 @@ RECORD_INTERVAL_SECONDS = 0.01  # within a long batch of small calls, outcomes a
 
 
 class Memory(Protocol):
-    """The pool's memory: its own mapping, or a caller's tensor (pin()). The engine reads only where it starts."""
+    """The pool's memory: its own mapping, or a caller's tensor (pin())."""
 
     address: int
 
     def keep_forever(self) -> None: ...
 
 
-class _Result(Protocol):
-    @property
-    def error(self) -> RuntimeCallError | None: ...
+@dataclass(frozen=True)
+class _Unpinned:
+    """What unregistering one chunk (all its pieces) did."""
+
+    index: int
+    error: RuntimeCallError | None
+    seconds: float
+    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # someone else released them: not a failure
+    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # "maybe" pieces never registered: nothing to undo
 
 
-R = TypeVar("R", bound=_Result)
+R = TypeVar("R", Landing, _Unpinned)
 
 
 @dataclass(frozen=True)
@@ -69,17 +72,6 @@ class _Work(Generic[T, R]):
     stops: bool  # pinning: a failure, or pinning stopped, ends the batch after the current call
 
 
-@dataclass(frozen=True)
-class _Unpinned:
-    """What unregistering one chunk (all its pieces) did."""
-
-    index: int
-    error: RuntimeCallError | None
-    seconds: float
-    released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # someone else released them: not a failure
-    absent: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # "maybe" pieces never registered: nothing to undo
-
-
 class PinSession:
     """The state of one pinning: pipeline and ledger, lock, runtime, and the memory it pins."""
 
@@ -88,9 +80,7 @@ class PinSession:
         memory: Memory,
     ) -> None:  # fmt: skip
         order = plan.order
-        # Workers start calling only once all of them are started: a populate call holds mmap_lock,
-        # and starting the next thread (its stack is an mmap) would wait behind it (measured: the
-        # second worker began one 512 MiB span late, so the first spans ran one after the other).
+        # Workers begin once all are started: a thread's start (its stack is an mmap) waits behind a populate.
         self._go = threading.Event()
         self.prefix = PrefixTracker(plan.page_runs, plan.num_pages)
         self.pipeline = Pipeline(
@@ -105,7 +95,6 @@ class PinSession:
         self.base_ptr = memory.address
         self.observer = observer
         self.unpin_workers = plan.unpin_workers
-        # Which calls to make is declared by the runtime (capabilities), never probed.
         populate: Callable[[int, int], None] = (
             cast(Populates, runtime).populate
             if caps.populates
@@ -118,16 +107,13 @@ class PinSession:
         self._register = Op("register", register, pacer.took, pacer.before)
         self._unregister = Op("unregister", lambda ptr, _: runtime.unregister(ptr), observer.unregister_call_took)
         self.pid = os.getpid()
-        # Retry by halving, at most max_retries levels below each planned chunk: a bound per lineage,
-        # not per pool, since many chunks meeting a size limit each need halving (SGLang's degradation).
         self._cutter = retry_splitter(plan, options.min_chunk_bytes or 0)
         self._retryable = caps.retryable_codes if options.retry_codes is None else options.retry_codes
         self._not_registered = caps.not_registered_codes
         self._check_codes, self._already_registered = caps.stale_codes, caps.already_registered_codes
-        self._max_depth = options.max_retries
+        self._max_depth = options.max_retries  # halvings below each planned chunk (per lineage, not per pool)
         self.retries = 0
-        # What the runtime raised that is no Exception (SystemExit, KeyboardInterrupt), in call order.
-        self.raised: list[BaseException] = []
+        self.raised: list[BaseException] = []  # what the runtime raised that is no Exception
         self._pin_started, self.pin_seconds, self.unpin_seconds = time.perf_counter(), 0.0, 0.0
         self._failed_before, self._teardown_started = 0, 0.0
         self.calls: dict[int, tuple[str, int, int, float]] = {}  # by thread: op, ptr, nbytes, start
@@ -135,8 +121,7 @@ class PinSession:
         self._unpin_queue: collections.deque[int] | None = None
         self._unpinners: set[int] = set()
         self._teardown_failures: tuple[ChunkFailure, ...] = ()
-        # The stall budget: every register and populate call sized to fit max_call_seconds.
-        # An "auto" budget that yields to an explicit chunk option leaves registrations as planned.
+        # The stall budget; an "auto" one that yields to an explicit chunk option leaves registrations as planned.
         budget = options.max_call_seconds
         self._register_sizer = CallSizer(budget) if budget and not options.budget_yields_to else None
         self._populate_sizer = CallSizer(budget) if budget else None
@@ -145,14 +130,9 @@ class PinSession:
         # pin_nice= (_host/libc.py), never on the thread that made the session: it may go on serving.
         self._pin_nice, self._owner_thread = options.pin_nice, threading.get_ident()
 
-    # -- the one batch loop and the one call wrapper -----------------------------------------------
-
     def _run(self, work: _Work[T, R]) -> None:
         """One worker's batches until ``work.take`` has none left, landed at a batch's end and every
-        RECORD_INTERVAL_SECONDS (so progress moves). Pinning (``work.stops``) ends a batch at a failure
-        or a stop, so others hear of it after one call; unstarted items are landed too. An item whose
-        calls raised is that item's failure: it never ends the worker's queue (the rest of the pool
-        would stay pinned); a non-``Exception`` (a Ctrl-C on the main thread) puts it back unstarted."""
+        RECORD_INTERVAL_SECONDS. An item whose calls raised is that item's failure."""
         while items := work.take():
             results: list[R] = []
             started = 0  # items whose calls were made
@@ -178,11 +158,9 @@ class PinSession:
                 work.land(results, items[started:])
 
     def _call(self, op: Op, offset: int, nbytes: int) -> tuple[Answer, float]:
-        """One runtime call at ``offset``, classified by :func:`untrusted_call`; a non-``Exception`` it
-        raised is kept in :attr:`raised`, for the pool's caller to raise again after teardown."""
+        """One runtime call at ``offset``; a non-``Exception`` it raised is kept in :attr:`raised`."""
         ptr, observer = self.base_ptr + offset, self.observer
-        if op.before is not None:
-            op.before()
+        op.before()
         observer.call_started()
         started, me = time.perf_counter(), threading.get_ident()
         try:
@@ -194,11 +172,8 @@ class PinSession:
         if answer.raised is not None:
             self.raised.append(answer.raised)
         seconds = time.perf_counter() - started
-        if op.took is not None:
-            op.took(seconds)
+        op.took(seconds)
         return answer, seconds
-
-    # -- pinning -----------------------------------------------------------------------------------
 
     def _next(self, take: Callable[[], T | _Wait | None]) -> T | None:
         """The next item of a role, sleeping while the pipeline says WAIT."""
@@ -206,8 +181,7 @@ class PinSession:
             while True:
                 try:
                     item = take()
-                except BaseException:
-                    # A scheduling bug must not leave the other workers asleep forever.
+                except BaseException:  # a scheduling bug must not leave the other workers asleep
                     self.ledger.cancel()
                     self._changed.notify_all()
                     raise
@@ -254,22 +228,12 @@ class PinSession:
             if index is not None:
                 self.observer.chunk_pinned(self.ledger.chunks[index])
 
-    def _progress(self, item: int | Span, piece: Chunk) -> None:
-        """Part of an item is pinned now, between its calls (the stall budget)."""
-        with self.lock:
-            before = self.ledger.pinned_bytes
-            self.pipeline.land(Landing(item, pieces=(piece,), partial=True))
-            moved = self.ledger.pinned_bytes - before
-        self.observer.pinned_moved(moved)
-
     def _populate_span(self, span: Span) -> Landing:
         sizer = self._populate_sizer
         if sizer is None:
             answer, seconds = self._call(self._populate, span.offset, span.nbytes)
             return Landing(span, answer.error, seconds=seconds)
-        # Under a stall budget, in calls sized to fit it; anything raised between them (a pinpool
-        # bug) is the span's failure, landed with its progress, never escaping with it in flight.
-        try:
+        try:  # calls sized to the stall budget
             offset, end = span.offset, span.offset + span.nbytes
             while offset < end:
                 if self.pipeline.stopped:  # stop between calls, not after the whole span
@@ -281,10 +245,10 @@ class PinSession:
                     return Landing(span, answer.error, seconds=seconds)
                 self.observer.span_populated(nbytes, seconds)
                 if offset + nbytes < end:  # progress within the span (its landing records the rest)
-                    self._progress(span, Chunk(offset, nbytes))
+                    self._land((Landing(span, pieces=(Chunk(offset, nbytes),), partial=True),), ())
                 offset += nbytes
             return Landing(span)  # nan: observed call by call
-        except BaseException as exc:  # a worker thread has no caller to raise to
+        except BaseException as exc:  # a worker thread has no caller to raise to: the span's failure
             error = between_calls_error(exc, "populate", self.base_ptr + span.offset, span.nbytes)
             return Landing(span, error, seconds=0.0)  # 0.0, not nan: the worker observes it
 
@@ -307,9 +271,7 @@ class PinSession:
         return self._register_pieces(index, chunk, halves, [ChunkFailure(chunk, "register", error)])
 
     def _register_call(self, piece: Chunk) -> tuple[Answer, float]:
-        """One register call. Under a runtime whose codes may be stale, a register that failed may
-        have registered: unregistering it tells (before a retry's halves meet "already registered");
-        an answer that tells nothing leaves it "maybe", undone at teardown."""
+        """One register call; where codes may be stale, a failed one is checked by an unregister ("maybe" if unsure)."""
         answer, seconds = self._call(self._register, piece.offset, piece.nbytes)
         error = answer.error
         if error is None or answer.maybe or not self._check_codes or error.code in self._already_registered:
@@ -324,8 +286,7 @@ class PinSession:
     def _halves(
         self, piece: Chunk, depth: int, error: RuntimeCallError, attempt: int
     ) -> list[tuple[Chunk, int]] | None:
-        """Aligned halves to retry ``piece`` with (``depth`` halvings below its planned chunk), each
-        with its own depth, if its error is a retry code and the depth bound allows."""
+        """Aligned halves to retry ``piece`` with, each with its depth, if its error and depth allow."""
         if error.code not in self._retryable or depth >= self._max_depth:
             return None
         halves = self._cutter.split(piece)
@@ -341,10 +302,7 @@ class PinSession:
         paced: bool = False,
     ) -> Landing:  # fmt: skip
         """Register ``chunk`` as several calls: the halves of a failed call (``todo``, each with its
-        depth below ``chunk``), or under the stall budget (``paced``) pieces sized as the calls go.
-        A retryable failure is halved again; every failed attempt is kept for the final error.
-        A registered piece joins ``done`` as its call returns; anything raised between calls (a
-        pinpool bug) becomes this chunk's failure, landed with ``done`` so the rollback undoes them."""
+        depth), or under the stall budget (``paced``) pieces sized as the calls go."""
         done: list[Chunk] = []
         maybe: list[Chunk] = []  # a piece whose call failed untrusted: it may be registered (never retried)
         try:
@@ -361,17 +319,13 @@ class PinSession:
                     rest = Chunk(offset, chunk.end - offset)
                     unit = cutter.unit_of(rest)
                     at_most = sizer.next_bytes(unit, rest.nbytes)
-                    if self._pieces_follow_faulting:
-                        # A lock-on-fault piece is later unlocked in one munlock, holding mmap_lock for
-                        # writing as long as its faulting took: sized by the faulting rate, unpinning
-                        # stays within the budget too.
+                    if self._pieces_follow_faulting:  # its munlock takes as long as its faulting
                         at_most = min(at_most, self._populate_sizer.hint(unit, rest.nbytes))  # type: ignore[union-attr]
                     piece = cutter.first_piece(rest, at_most)
                     offset = piece.end
                 answer, took = self._register_call(piece)
                 failure = answer.error
-                if failure is None or answer.maybe:
-                    # first: from here on the piece is on the books, whatever raises
+                if failure is None or answer.maybe:  # first: on the books, whatever raises
                     (done if failure is None else maybe).append(piece)
                     self.book.registered(index, chunk, piece)
                 if sizer is not None:
@@ -379,7 +333,7 @@ class PinSession:
                 if failure is None:
                     self.observer.chunk_registered(piece, took, attempt=len(attempts) + 1)
                     if paced and (todo or offset < chunk.end):  # progress within the chunk
-                        self._progress(index, piece)
+                        self._land((Landing(index, pieces=(piece,), partial=True),), ())
                     continue
                 attempts.append(ChunkFailure(piece, "register", failure))
                 self.observer.chunk_failed(piece, "register", failure, took, attempt=len(attempts))
@@ -391,7 +345,6 @@ class PinSession:
         except BaseException as exc:  # a worker thread has no caller to raise to: land it, never lose `done`
             error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
             attempts.append(ChunkFailure(chunk, "register", error))
-            # 0.0, not nan: the worker observes this failure
             return Landing(index, error, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts), seconds=0.0)
 
     def registrations(self) -> tuple[Chunk, ...]:
@@ -418,28 +371,23 @@ class PinSession:
             raised, self.raised = self.raised, []
         return raised
 
-    # -- stopping and teardown ---------------------------------------------------------------------
-
     def go(self) -> None:
         """Every pinning thread is started (or no more will be): workers may begin."""
         self._go.set()
 
     def cancel(self) -> None:
-        """Tell workers to stop after their current call."""
         self.stop(StopCause.CANCELLED)
 
     def stop(self, cause: StopCause) -> None:
         """Tell workers to stop after their current call, for ``cause`` (the first cause wins)."""
-        # The plain lock: Condition.__enter__ is Python code, and an interrupt between its acquire
-        # and the block (a second Ctrl-C) would leave the lock held for good; a C lock's is atomic.
+        # The C lock: an interrupt inside Condition.__enter__ (Python code) could leave it held.
         with self.lock:
             self.ledger.stop(cause)
             self._changed.notify_all()
         self._go.set()  # a worker still waiting to begin must see the stop, not wait forever
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
-        """Wait until no populate or register call is in flight (workers stop at the next one
-        once stopped); False if some still is after ``timeout`` seconds."""
+        """Wait until no populate or register call is in flight; False if some still is after ``timeout``."""
         with self._changed:
             return self._changed.wait_for(lambda: self.pipeline.in_flight == 0, timeout=timeout)
 
@@ -452,15 +400,11 @@ class PinSession:
         self.pin_seconds = time.perf_counter() - self._pin_started
         try:
             return self.pipeline.finish()
-        except LedgerError:
-            # The books disagree with "every thread is done" (a worker crashed mid-batch: a
-            # pinpool bug). Roll back what is known to be registered; the lifecycle reports it.
+        except LedgerError:  # a worker crashed mid-batch (a pinpool bug): roll back what is known
             return self.ledger.abort()
 
     def begin_teardown(self, *, join: bool = True) -> tuple[Callable[[], None], ...]:
-        """What the unpin threads run: every registered chunk, from one queue in reverse offset order.
-        Empty with nothing to undo, once closed, and in a forked child (the parent's registrations).
-        Again, it resumes: workers still running share their queue (``join``: one more body waits for them)."""
+        """What the unpin threads run, from one queue in reverse offset order; called again, it resumes."""
         ledger = self.ledger
         with self.lock:  # the C lock, not the Condition: see stop()
             if ledger.phase is Phase.PINNING:
@@ -504,8 +448,7 @@ class PinSession:
     def end_teardown(
         self, crashed: Sequence[BaseException] = (), *, abandoned: bool = False
     ) -> tuple[ChunkFailure, ...]:
-        """Close the books once every unpin thread is done (or ``abandoned`` in its calls); returns the
-        teardown's unregister failures (again once closed). A chunk still registered here is leaked."""
+        """Close the books once every unpin thread is done (or ``abandoned``): the unregister failures."""
         ledger = self.ledger
         with self.lock:
             if ledger.phase is Phase.CLOSED:
@@ -518,13 +461,10 @@ class PinSession:
             before = ledger.pinned_bytes
             for index in ledger.teardown_order():
                 chunk = ledger.chunks[index]
-                ledger.unregister_failed(
-                    index,
-                    RuntimeCallError(
-                        op="unregister", code=-1, reason="Abandoned" if abandoned else "InternalError",
-                        ptr=self.base_ptr + chunk.offset, nbytes=chunk.nbytes, message=f"never unregistered: {why}",
-                    ),
-                )  # fmt: skip
+                ledger.unregister_failed(index, RuntimeCallError(
+                    op="unregister", code=-1, reason="Abandoned" if abandoned else "InternalError",
+                    ptr=self.base_ptr + chunk.offset, nbytes=chunk.nbytes, message=f"never unregistered: {why}",
+                ))  # fmt: skip
             if self._unpin_queue is not None:
                 self._unpin_queue.clear()  # an abandoned worker whose call returns takes nothing more
             ledger.close()
@@ -535,7 +475,6 @@ class PinSession:
         return failures
 
     def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[int]:
-        """The next chunks to unregister, a batch from the shared reverse-order queue."""
         chunks = self.ledger.chunks
         with self.lock:
             share = -(-len(pending) // max(1, self.unpin_workers))
@@ -551,9 +490,7 @@ class PinSession:
         for piece in reversed(self.ledger.pieces.get(index, (chunk,))):
             answer, _seconds = self._call(self._unregister, piece.offset, piece.nbytes)
             failure = answer.error
-            if failure is not None and failure.code in self._not_registered:
-                # No registration at this base (never made, or released by someone else): nothing is
-                # pinned there, so keeping the memory mapped would only leak it.
+            if failure is not None and failure.code in self._not_registered:  # nothing pinned there
                 (absent if piece in self.ledger.maybe else released).append((piece, failure))
                 failure = None
             if failure is None:
@@ -569,8 +506,7 @@ class PinSession:
     def _land_unpinned(
         self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[int]
     ) -> None:
-        """Put ``done`` on the books; claimed chunks not unregistered when something interrupted
-        the worker (``unstarted``) go back to the queue (the inline runner resumes it)."""
+        """Put ``done`` on the books; ``unstarted`` chunks go back to the queue."""
         ledger, observer = self.ledger, self.observer
         with self.lock:
             if ledger.phase is Phase.CLOSED:

@@ -1,13 +1,8 @@
 """Who may drive a pool: one caller at a time enters or closes it (:class:`CloseGate`), and node
 pacing admits it (:class:`PoolAdmission`: a slot while pinning, a budget share while anything is pinned).
 
-``close()`` may come from any thread, even a signal handler on the thread already entering or
-closing: one on another thread waits for the holder to let go (an entry is asked to stop first);
-one on the holder's own thread asks for the close and returns, and the work in progress finishes
-it. Taking the gate is one C-level ``dict.setdefault`` inside the ``try`` that lets it go, so a
-signal handler sees no holder or a whole one. A holder whose async driver stopped for good (its
-event loop closed while it awaited) is finished by the close (or the finalizer) that finds it.
-Interpreter exit waits for closes under way on daemon threads."""
+``close()`` may come from any thread, even a signal handler on the holder's own thread. Taking the gate
+is one C-level ``dict.setdefault``, so a signal handler sees no holder or a whole one."""
 
 from __future__ import annotations
 
@@ -38,8 +33,7 @@ DRIVING: contextvars.ContextVar[Parked | None] = contextvars.ContextVar("pinpool
 
 @dataclass(frozen=True, eq=False)
 class Driver:
-    """The caller that holds the gate: its thread, what it does, an event set when it lets go, and its
-    async driver (None: a sync one, which never stops driving half-way)."""
+    """The caller that holds the gate; ``drive``: its async driver (None: a sync one)."""
 
     thread: int
     role: str  # "enter" or "close"
@@ -63,7 +57,7 @@ class CloseGate:
 
     def release(self, driver: Driver) -> None:
         """Let go, if ``driver`` holds the gate (an interrupt may have landed before it took it)."""
-        if self._held.get("driver") is driver:  # no other thread changes a held gate: only its holder
+        if self._held.get("driver") is driver:  # only its holder changes a held gate
             del self._held["driver"]
         _DaemonCloses.running.pop(id(driver), None)
         driver.done.set()
@@ -77,8 +71,7 @@ class CloseGate:
         self, name: str, describe: str, enter: Callable[[], Steps[None]],
         exit: Callable[..., Steps[BaseException | None]],
     ) -> Steps[None]:  # fmt: skip
-        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` (the
-        lifecycle's) closes it here."""
+        """Run ``enter`` holding the gate; if a ``close()`` meanwhile did not stop it, ``exit`` closes it here."""
         mine = Driver(threading.get_ident(), "enter")
         try:
             if self._held.setdefault("driver", mine) is not mine:  # atomic: no handler lands inside it
@@ -141,9 +134,8 @@ def _take_over(holder: Driver) -> Steps[bool]:
 
 
 class _DaemonCloses:
-    """Closes under way on daemon threads: interpreter exit waits for them, as a daemon thread that the
-    interpreter's finalization stops mid-teardown (in a runtime or torch call) can abort the process. A
-    close that would start on one once exit began never starts: the pool's finalizer unpins it instead."""
+    """Closes under way on daemon threads, waited for at interpreter exit (one stopped mid-teardown can
+    abort the process); once exit began none starts."""
 
     lock = threading.Lock()
     exiting = False
@@ -152,7 +144,7 @@ class _DaemonCloses:
 
     @classmethod
     def begin(cls, driver: Driver) -> bool:
-        """Whether the close may go on: on a daemon thread, it is waited for at exit, or exit began."""
+        """Whether the close may go on (on a daemon thread: not once exit began)."""
         if not threading.current_thread().daemon:
             return True  # the interpreter waits for the others anyway
         with cls.lock:
@@ -175,8 +167,6 @@ class _DaemonCloses:
             driver.done.wait()
 
 
-# -- node pacing ------------------------------------------------------------------------------------
-
 _KEPT_HOLDS: list[BudgetHold] = []  # budget shares of pools whose chunks leaked: held while this process lives
 
 
@@ -186,13 +176,8 @@ class PoolAdmission:
     def __init__(
         self, admission: NodeAdmission | None, *, name: str, nbytes: int, describe: str, observer: Observer
     ) -> None:
-        self.admission, self.name, self.nbytes, self.describe, self.observer = (
-            admission,
-            name,
-            nbytes,
-            describe,
-            observer,
-        )
+        self.admission, self.name, self.nbytes = admission, name, nbytes
+        self.describe, self.observer = describe, observer
         self.cancel = threading.Event()  # set: give up the wait (exit, collection, interpreter exit)
         self.slot: SlotHold | None = None
         self.budget: BudgetHold | None = None
@@ -235,8 +220,7 @@ class PoolAdmission:
             slot.release()
 
     def release_budget(self, *, keep: bool = False) -> None:
-        """Nothing of the pool is pinned any more; ``keep``: chunks leaked (may still be pinned), so the
-        budget share stays counted while this process lives."""
+        """Nothing of the pool is pinned any more; ``keep``: chunks leaked, the share stays counted."""
         budget, self.budget = self.budget, None
         if budget is not None and keep:
             _KEPT_HOLDS.append(budget)

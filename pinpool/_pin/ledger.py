@@ -22,8 +22,7 @@ class ChunkState(enum.Enum):
     LEAKED = "leaked"  # unregistering it failed: it may still be pinned
 
 
-# States whose registration teardown must undo.
-_UNDO = frozenset({ChunkState.REGISTERED, ChunkState.FAULTING})
+_UNDO = frozenset({ChunkState.REGISTERED, ChunkState.FAULTING})  # teardown undoes their registration
 
 
 class Phase(enum.Enum):
@@ -46,7 +45,6 @@ class Ledger:
     """Bookkeeping for one buffer's chunks through pin, rollback and teardown."""
 
     def __init__(self, chunks: Sequence[Chunk]) -> None:
-        # A plan's ChunkTable stays lazy (O(runs) memory); any other sequence is copied.
         self.chunks: Sequence[Chunk] = chunks if isinstance(chunks, ChunkTable) else tuple(chunks)
         self.states: list[ChunkState] = [ChunkState.PENDING] * len(self.chunks)
         self.phase = Phase.PINNING
@@ -59,13 +57,9 @@ class Ledger:
         self.in_flight = 0
         self.registered_bytes = 0  # chunks that count whole now, and leaked ones (maybe still pinned)
         self.chunks_done = 0  # counted, not summed: progress is read every tick
-        # Bytes pinned of chunks not counted whole (yet, or ever: failed or stopped part-way):
-        # registered pieces, faulted lock-on-fault spans; they count until unregistered.
-        self._part_bytes: dict[int, int] = {}
+        self._part_bytes: dict[int, int] = {}  # pinned bytes of chunks not counted whole (yet, or ever)
         self._part_total = 0
         self.pending = len(self.chunks)  # not yet handed out (nor failed before their registration)
-
-    # -- pinning ---------------------------------------------------------------------------
 
     def claim(self) -> int | None:
         """Hand out the next pending chunk's index, or ``None`` when there is nothing to do."""
@@ -75,12 +69,9 @@ class Ledger:
             self._next += 1
         if self._next >= len(self.chunks):
             return None
-        index = self._next
         self._next += 1
-        self.states[index] = ChunkState.IN_FLIGHT
-        self.in_flight += 1
-        self.pending -= 1
-        return index
+        self.claim_index(self._next - 1)
+        return self._next - 1
 
     def claim_index(self, index: int) -> None:
         """Claim one particular pending chunk (a pipeline registers whichever chunk is ready)."""
@@ -102,13 +93,10 @@ class Ledger:
         self._next = min(self._next, index)
 
     def registered(self, index: int, *, faulting: bool = False) -> None:
-        """A chunk's registration returned. ``faulting``: it was registered lock-on-fault and
-        counts as pinned only once :meth:`faulted` says its pages are all in."""
-        if faulting:
-            self._land(index, ChunkState.FAULTING)
-            return
-        self._land(index, ChunkState.REGISTERED)
-        self._count_whole(index)
+        """A chunk's registration returned; ``faulting`` (lock-on-fault): pinned once :meth:`faulted`."""
+        self._land(index, ChunkState.FAULTING if faulting else ChunkState.REGISTERED)
+        if not faulting:
+            self._count_whole(index)
 
     def faulted(self, index: int) -> None:
         """Every page of a lock-on-fault chunk is faulted in, so locked: it is pinned now."""
@@ -134,9 +122,7 @@ class Ledger:
         self, index: int, pieces: Sequence[Chunk], attempts: Sequence[ChunkFailure], *, pinned: bool = True,
         maybe: Sequence[Chunk] = (),
     ) -> None:  # fmt: skip
-        """A chunk failed or stopped with ``pieces`` of it registered: teardown undoes them (and the
-        ``maybe`` ranges after them), every attempt is recorded, pinning stops. The pieces count as
-        pinned until teardown unless ``pinned`` is False (lock-on-fault: never faulted)."""
+        """A chunk failed or stopped with ``pieces`` (and ``maybe`` ranges) of it registered: teardown undoes them."""
         self._land(index, ChunkState.FAULTING)  # undone by teardown, never counted whole
         self.pieces[index] = (*pieces, *maybe)
         self.maybe.update(maybe)
@@ -144,17 +130,16 @@ class Ledger:
             self._drop_part(index)
             self.pinned_part(index, sum(piece.nbytes for piece in pieces))
         self.failures.extend(attempts)
-        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
+        self.stop_cause = self.stop_cause or StopCause.FAILURE
 
     def failed(self, index: int, phase: str, error: RuntimeCallError, attempts: Sequence[ChunkFailure] = ()) -> None:
         """A chunk's populate or register call failed: record it and stop handing out chunks."""
         self._land(index, ChunkState.FAILED)
         self.failures.extend(attempts or [ChunkFailure(self.chunks[index], phase, error)])
-        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
+        self.stop_cause = self.stop_cause or StopCause.FAILURE
 
     def populate_failed(self, index: int, error: RuntimeCallError) -> None:
-        """Pre-faulting part of a chunk failed: before its registration (never registered then) or
-        after it (lock-on-fault: rollback undoes it)."""
+        """Pre-faulting part of a chunk failed, before its registration or after it (lock-on-fault)."""
         state = self.states[index]
         if state is ChunkState.PENDING:
             self.states[index] = ChunkState.FAILED
@@ -162,10 +147,9 @@ class Ledger:
         elif state not in (ChunkState.FAULTING, ChunkState.FAILED):  # FAILED: another of its spans failed too
             raise LedgerError(f"populate of chunk {index} failed while it was {state.value}")
         self.failures.append(ChunkFailure(self.chunks[index], "populate", error))
-        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
+        self.stop_cause = self.stop_cause or StopCause.FAILURE
 
     def cancel(self) -> None:
-        """Stop handing out chunks because the caller was cancelled (first cause wins)."""
         self.stop(StopCause.CANCELLED)
 
     def stop(self, cause: StopCause) -> None:
@@ -181,8 +165,7 @@ class Ledger:
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes pinned now: the one figure of ``pool.pinned_bytes``, the gauge and a failure's text
-        (whole chunks plus the parts of others); the page prefix is told of the same ranges."""
+        """Bytes pinned now: the one figure of ``pool.pinned_bytes``, the gauge and a failure's text."""
         return self.registered_bytes + self._part_total
 
     def finish_pinning(self) -> Phase:
@@ -192,24 +175,20 @@ class Ledger:
         if self.in_flight:
             raise LedgerError(f"finish_pinning with {self.in_flight} chunks still in flight")
         complete = self.chunks_done == len(self.chunks)
-        # A cancellation after the last chunk landed still wins: quick workers don't open the body.
-        self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK
+        self.phase = Phase.PINNED if complete and self.stop_cause is None else Phase.ROLLED_BACK  # a stop still wins
         return self.phase
 
     def abort(self) -> Phase:
-        """End pinning with calls in flight on the books though every thread is done (a worker crashed
-        between a call and its record, a pinpool bug): those chunks count as failed."""
+        """End pinning with calls in flight though every thread is done (a pinpool bug): those failed."""
         if self.phase is not Phase.PINNING:
             raise LedgerError(f"abort in phase {self.phase.value}")
         for index, state in enumerate(self.states):
             if state is ChunkState.IN_FLIGHT:
                 self.states[index] = ChunkState.FAILED
         self.in_flight = 0
-        self.stop_cause = self.stop_cause or StopCause.FAILURE  # the first cause wins
+        self.stop_cause = self.stop_cause or StopCause.FAILURE
         self.phase = Phase.ROLLED_BACK
         return self.phase
-
-    # -- rollback and teardown --------------------------------------------------------------
 
     def teardown_order(self) -> list[int]:
         """Indices to unregister, in reverse offset order; empty once closed (teardown is idempotent)."""
@@ -233,13 +212,11 @@ class Ledger:
         if was not in _UNDO:
             raise LedgerError(f"chunk {index} unregistered but was {was.value}")
         self.states[index] = state
-        nbytes = self.chunks[index].nbytes
         if was is ChunkState.REGISTERED:
             self.chunks_done -= 1
         if state is ChunkState.UNREGISTERED and was is ChunkState.REGISTERED:
-            self.registered_bytes -= nbytes
-        elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:
-            # A leaked chunk may well still be pinned: count all it registered.
+            self.registered_bytes -= self.chunks[index].nbytes
+        elif state is ChunkState.LEAKED and was is ChunkState.FAULTING:  # may be pinned: count it all
             self.registered_bytes += sum(piece.nbytes for piece in self.pieces.get(index, (self.chunks[index],)))
         self._drop_part(index)  # unregistered: nothing of it pinned; leaked: counted above
 
@@ -271,12 +248,8 @@ _BY_OFFSET = operator.attrgetter("offset")
 
 
 class RegistrationBook:
-    """What the runtime has registered right now, call by call: ``pool.registrations``.
-
-    The worker that made a call writes it as the call returns (register) or succeeds (unregister),
-    without the session lock, so the books never lag by a batch: each write is one atomic store on a
-    bytearray or dict (the GIL; free-threading: the object's lock) and :meth:`snapshot` copies each in
-    one, so a reader sees every call that returned before it read. A failed unregister stays here."""
+    """What the runtime has registered right now, call by call: ``pool.registrations``. Each write is one
+    atomic store (no session lock) and :meth:`snapshot` copies each structure in one."""
 
     __slots__ = ("_chunks", "_pieces", "_whole")
 
@@ -304,25 +277,20 @@ class RegistrationBook:
             self._pieces.pop(piece.offset, None)
 
     def snapshot(self) -> tuple[Chunk, ...]:
-        """Every range registered now, sorted by offset: O(chunks) in C, then O(registrations)."""
-        whole = bytes(self._whole)  # one copy each: a consistent view of either structure
+        """Every range registered now, sorted by offset."""
+        whole = bytes(self._whole) + b"\0"  # one copy each: a consistent view; the 0 ends the last run
         pieces = self._pieces.copy()
         chunks = self._chunks
-        # A lazy table makes a run's chunks arithmetically, without building a table per run.
         run_of = chunks._make if isinstance(chunks, ChunkTable) else lambda lo, hi: chunks[lo:hi]
         found: list[Chunk] = []
         start = whole.find(1)
         while start != -1:
             end = whole.find(0, start)
-            if end == -1:
-                end = len(whole)
             if end - start == 1:
                 found.append(chunks[start])
             else:
                 found.extend(run_of(start, end))
             start = whole.find(1, end)
         found.extend(Chunk(offset, nbytes) for offset, nbytes in pieces.items())
-        # The books follow pin order, which interleaves buffers (K/V halves, layer runs) rather than
-        # offsets; the runs are each sorted, so timsort merges them in about linear time.
         found.sort(key=_BY_OFFSET)
         return tuple(found)

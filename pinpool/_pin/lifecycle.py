@@ -1,19 +1,7 @@
 """A pool's life, written once: pin → (body) → teardown, or pin → rollback.
 
-:class:`Lifecycle` has no threads or awaits and imports no driver: its generators do the quick steps
-(map, book, report) and yield to a driver those that wait or need a thread (``RunThreads``,
-``Detach``). Every rule holds for every driver, because there is one copy of it:
-
-* pinning ends in one :class:`~pinpool._pin.outcome.Outcome`, decided in :meth:`_end_pinning`;
-  the foreground rolls back and raises, the background keeps what is pinned and tells waiters;
-* a page reported pinned is unpinned only by the caller's exit or close, or by the finalizer of
-  a pool nobody can exit: a background failure never rolls back under a running body;
-* a started teardown or rollback finishes before control returns; an interruption meanwhile is
-  re-raised after the books are closed;
-* the finalizer never tears down while a driver does (or pins); an async driver parked in a closed
-  event loop never drives again, and a close or the finalizer finishes its steps instead;
-* every state change goes through :func:`~pinpool._pin.outcome.check_move`;
-* a crashed worker or unstartable threads end in a typed :class:`PinError` / :class:`UnpinError`.
+:class:`Lifecycle` imports no driver: it yields to one the steps that wait or need a thread, so every
+rule (docs/concepts.md, Cancellation) holds for every driver.
 """
 
 from __future__ import annotations
@@ -64,9 +52,8 @@ ABANDON_AFTER_CTRL_C = 3  # Ctrl-Cs held while a teardown waits on a runtime cal
 
 
 class Lifecycle:
-    """One pool's state and its pin / rollback / teardown sequence. It holds no reference to the
-    façade (the finalizer runs it after the façade is gone). With ``options.background`` entering
-    returns once pinning has started; a conductor (a :class:`Detach`-ed sequence) runs the rest."""
+    """One pool's state and its pin / rollback / teardown sequence; no reference to the façade (the
+    finalizer runs it after the façade is gone). In the background a :class:`Detach`-ed conductor pins."""
 
     def __init__(
         self, plan: Schedule, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
@@ -76,12 +63,11 @@ class Lifecycle:
         self.plan, self.options, self.runtime, self.caps = plan, options, runtime, caps
         self.observer, self.source, self.on_progress = observer, source, on_progress
         self.name, self.nbytes, self.background = options.name, plan.nbytes, options.background
-        # For messages: "pool 'x' (4 GiB, 16 chunks of <= 256 MiB, runtime mlock)".
         self.describe = (
             f"pool {self.name!r} ({format_bytes(plan.nbytes)}, {len(plan.chunks)} chunks of "
             f"<= {format_bytes(plan.chunk_bytes)}, runtime {runtime.name})"
         )
-        self.created_at = created_at  # (file, line) of the code that made the pool: where warnings point
+        self.created_at = created_at  # where the user made the pool: where warnings point
         self.state = PoolState.NEW
         self.session: PinSession | None = None
         self.memory: Memory | None = None
@@ -97,27 +83,23 @@ class Lifecycle:
         self._conductor: Joinable | None = None  # background: the thread finishing the pinning step
         self._conducting = False  # background: the conductor has not yet decided how pinning ended
         self._orphaned = False  # background: the façade was collected while pinning; the conductor cleans up
-        # Node pacing: a slot while pinning, a share of the host's budget while anything is pinned.
         self.pacing = PoolAdmission(
             admission, name=self.name, nbytes=self.nbytes, describe=self.describe, observer=observer
         )
 
     def _move(self, to: PoolState) -> None:
-        """The only place ``state`` changes (the table is ``_outcome.TRANSITIONS``)."""
+        """The only place ``state`` changes."""
         with self._lock:
             check_move(self.state, to)
             self.state = to
             if to is PoolState.CLOSED:
                 self._closed.set()
 
-    # -- enter ---------------------------------------------------------------------------------
-
     def enter(self) -> Steps[None]:
         yield from self.gate.enter(self.name, self.describe, self._enter_gated, self.exit)
 
     def _enter_gated(self) -> Steps[None]:
-        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
-        try:
+        with _Claim(self) as claim:
             with self._lock:
                 if self.state is not PoolState.NEW:
                     raise PoolStateError(
@@ -125,25 +107,20 @@ class Lifecycle:
                         "create a new PinnedPool to pin again"
                     )
                 self._move(PoolState.PINNING)
-                mine = self._driven = True
+                claim.take()
                 self._pid = os.getpid()
             yield from self._enter()
-        finally:
-            if mine:
-                self._driven = False
 
     def _enter(self) -> Steps[None]:
+        memory: Memory | None = None
         try:
             if not self.background:
                 yield from self.pacing.admit()
             memory = self.source.acquire()
-        except BaseException:
-            self._close_empty()
-            raise
-        try:
             session = self._open_session(memory)
         except BaseException:
-            PINNED_RANGES.pop(memory.address)
+            if memory is not None:
+                PINNED_RANGES.pop(memory.address)
             self._close_empty()
             raise
         self.memory, self.session = memory, session
@@ -155,12 +132,11 @@ class Lifecycle:
             yield from self._enter_background(session, pinning)
             return
         ran = yield pinning
-        self.pacing.release_slot()  # pinning is over: another rank may start while this one opens or rolls back
+        self.pacing.release_slot()  # another rank may start while this one opens or rolls back
         outcome, error = self._end_pinning(session, ran)
         if outcome is Outcome.READY:
             self._handed_out = True
             return
-        # Foreground delivery: the body never ran, so everything is rolled back, then raised.
         _, interrupts = yield from self._unpin_all(session)
         if outcome is Outcome.FAILED:
             failed = self._failure(session, ran, kept=None)
@@ -172,7 +148,6 @@ class Lifecycle:
         raise error
 
     def _open_session(self, memory: Memory) -> PinSession:
-        """The engine over ``memory``, and the pin announced."""
         plan = self.plan
         session = PinSession(
             plan, self.options, runtime=self.runtime, caps=self.caps, observer=self.observer, memory=memory
@@ -194,11 +169,8 @@ class Lifecycle:
         self.source.release()
         self._move(PoolState.CLOSED)
 
-    # -- how pinning ends: one outcome ----------------------------------------------------------
-
     def _end_pinning(self, session: PinSession, ran: Ran) -> tuple[Outcome, BaseException | None]:
-        """Every pinning thread is done: decide the outcome, open the pool if ready, report an early end;
-        returns the outcome and the interruption to raise, if any."""
+        """Every pinning thread is done: the outcome (the pool opened if ready), and the interruption to raise."""
         crashed = bool(ran.crashed) or ran.started == 0
         if crashed:
             session.stop(StopCause.FAILURE)
@@ -239,10 +211,7 @@ class Lifecycle:
             cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept, gone=gone,
         )  # fmt: skip
 
-    # -- background pinning ----------------------------------------------------------------------
-
     def _enter_background(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
-        """Hand the pinning step to a conductor and return: the body runs while it pins."""
         assert self.memory is not None
         try:
             self.tensors = self.source.views(self.memory)  # pages [0, pinned_pages) are usable at once
@@ -253,16 +222,14 @@ class Lifecycle:
         self._conducting = True
         ran = yield Detach(
             steps=self._conduct(session, pinning), name=f"pinpool-{self.name}-pin",
-            stop=functools.partial(self._stop_for_shutdown, session),
+            stop=functools.partial(self._stop, session, StopCause.EXIT),
         )  # fmt: skip
         self._conductor = ran.detached
         problems = ran.interrupts or ran.start_errors
         if not problems:
             self._handed_out = True
             return
-        # The conductor could not start, or an interrupt landed in Thread.start: it is stopped and
-        # waited for, and what it pinned undone. It cannot be orphaned: exit refuses and the
-        # finalizer keeps off (``_driven``) while the pool is being entered.
+        # The conductor could not start, or an interrupt landed in Thread.start: stop it, undo what it pinned.
         first = problems[0]
         yield from self._stop_conductor(session, StopCause.CANCELLED)
         with self._lock:
@@ -273,17 +240,14 @@ class Lifecycle:
         raise first
 
     def _conduct(self, session: PinSession, pinning: RunThreads) -> Steps[None]:
-        """The conductor's sequence: admission (node pacing); pin; then deliver the outcome."""
         try:
             yield from self.pacing.admit()
-        except NodeWaitCancelled:  # stopped by exit, collection or interpreter exit: nothing was pinned
-            error, ran = None, Ran()
-            outcome = decide(
-                interrupted=False, pinned=False, stop_cause=session.ledger.stop_cause, orphaned=self._orphaned
-            )
-            self.observer.rollback(cause=outcome.cause, registered_chunks=0)
-        except BaseException as exc:  # fail-fast pacing (NodeBusyError), or no thread for the wait
-            outcome, error, ran = Outcome.FAILED, exc, Ran()
+        except BaseException as exc:  # fail-fast pacing (NodeBusyError), no thread for the wait, or
+            # NodeWaitCancelled: stopped by exit, collection or interpreter exit (nothing was pinned)
+            cancelled = isinstance(exc, NodeWaitCancelled)
+            error, ran = (None if cancelled else exc), Ran()
+            stop_cause = session.ledger.stop_cause if cancelled else None  # None: FAILED
+            outcome = decide(interrupted=False, pinned=False, stop_cause=stop_cause, orphaned=self._orphaned)
             self.observer.rollback(cause=outcome.cause, registered_chunks=0)
         else:
             ran = yield pinning
@@ -294,61 +258,47 @@ class Lifecycle:
     def _deliver_in_background(
         self, session: PinSession, outcome: Outcome, error: BaseException | None, ran: Ran
     ) -> Steps[None]:
-        """Background delivery: nothing is unpinned under the body (a failure keeps it all until exit;
-        an exit tears down itself); only a pool nobody can exit (orphaned) is torn down here."""
+        """Nothing is unpinned under the body: only a pool nobody can exit (orphaned) is torn down here."""
         if outcome is Outcome.FAILED and error is None:
-            # The pool's own figures, from the books at rest (no call in flight): the text and
-            # pool.pinned_pages / pinned_bytes / registrations say the same.
+            # From the books at rest: the text and pool.pinned_pages / registrations say the same.
             pages, pinned = session.prefix.pages, session.ledger.pinned_bytes
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
-            # Pages a truncation took are SIGBUS to touch: then none is called usable (pinned_pages 0).
-            error = self._failure(session, ran, kept=kept, gone=self.source.gone(self.memory))
-        with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
-            self._conducting = False
-            if outcome is Outcome.READY:
-                return
-            if self._orphaned:
-                action = "teardown"
-                self._driven = True  # a close() meanwhile waits for it
-            elif error is None:  # EXITED, or stopped by the thread that entered: the stopper tears down
-                action = "leave"
-            else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
-                self.error = error  # before the state says FAILED: a waiter reads the state, then the error
-                self._move(PoolState.FAILED)
-                action = "failed"
-        if action == "failed":
-            assert error is not None
-            self.observer.failed_in_background(error)
-        elif action == "teardown":
-            try:
+            error = self._failure(session, ran, kept=kept, gone=self.source.gone(self.memory))  # gone: SIGBUS to touch
+        with _Claim(self) as claim:
+            with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
+                self._conducting = False
+                if outcome is Outcome.READY or (error is None and not self._orphaned):
+                    return  # READY; EXITED, or stopped by the thread that entered: the stopper tears down
+                if self._orphaned:
+                    claim.take()  # a close() meanwhile waits for it
+                else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
+                    self.error = error  # before the state says FAILED: a waiter reads the state, then the error
+                    self._move(PoolState.FAILED)
+            if claim.mine:
                 yield from self._unpin_all(session)
-            finally:
-                self._driven = False
+            elif error is not None:
+                self.observer.failed_in_background(error)
 
-    def _stop_for_shutdown(self, session: PinSession) -> None:
-        """The interpreter is exiting: stop pinning after the current calls (the finalizer unpins)."""
+    def _stop(self, session: PinSession, cause: StopCause) -> None:
+        """Stop pinning after the current calls, and a node-pacing wait."""
         self.pacing.cancel.set()
-        session.stop(StopCause.EXIT)
+        session.stop(cause)
 
     def _stop_conductor(self, session: PinSession, cause: StopCause) -> Generator[RunThreads, Ran, list[BaseException]]:
-        """Stop background pinning after its current calls and wait until the conductor is done."""
+        """Stop background pinning and wait until the conductor is done."""
         conductor = self._conductor
         if conductor is None or conductor.done:
             return []
-        self.pacing.cancel.set()
-        session.stop(cause)
+        self._stop(session, cause)
         ran = yield RunThreads(bodies=(conductor.join,), name=f"pinpool-{self.name}-join")
         return ran.interrupts
-
-    # -- exit and close ----------------------------------------------------------------------------
 
     def exit(
         self, body_error: BaseException | None, *, closing: bool = False, raise_errors: bool = True
     ) -> Steps[BaseException | None]:
-        """Leave the pool: stop background pinning, unpin everything, close the books; idempotent, from
-        any thread. ``closing`` (``pool.close()``): a new pool is closed too, one being entered rolls
-        back; ``raise_errors=False``: an unseen error is returned, not raised (interruptions are)."""
+        """Leave the pool (idempotent, from any thread); ``closing``: ``pool.close()``; ``raise_errors=False``:
+        an unseen error is returned, not raised."""
         if self._pid is not None and os.getpid() != self._pid:
             self._let_go_in_child()  # takes no lock: one may have been held by a thread at fork
             return None
@@ -358,9 +308,8 @@ class Lifecycle:
     def _leave(
         self, body_error: BaseException | None, closing: bool, raise_errors: bool
     ) -> Steps[BaseException | None]:
-        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
-        try:
-            while not mine:
+        with _Claim(self) as claim:
+            while not claim.mine:
                 with self._lock:
                     state = self.state
                     if state is PoolState.CLOSED:
@@ -374,7 +323,7 @@ class Lifecycle:
                         self._move(PoolState.CLOSED)
                         return None
                     if not self._driven:  # CLOSING too: a teardown something raised in resumes here
-                        mine = self._driven = True
+                        claim.take()
                         continue
                 # The finalizer (or an orphan's conductor) tears it down: wait until it is closed, or lets go.
                 ran = yield RunThreads(bodies=(self._wait_undriven,), name=f"pinpool-{self.name}-close")
@@ -391,18 +340,13 @@ class Lifecycle:
             unpinned, more = yield from self._unpin_all(session)
             interrupts += more
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
-        finally:
-            if mine:
-                self._driven = False
 
     def _wait_undriven(self) -> None:
         while not self._closed.wait(0.05) and self._driven:
             pass
 
     def _let_go_in_child(self) -> None:
-        """A forked child exits or closes its copy of the parent's pool: it only drops its references
-        (the registrations, conductor and workers are the parent's). The child's book of pinned ranges
-        started empty, so the pool's claim is not in it: what is there at its address is the child's."""
+        """A forked child drops its copy of the parent's pool (its book of pinned ranges started empty)."""
         session = self.session
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
@@ -413,11 +357,9 @@ class Lifecycle:
             self.state = PoolState.CLOSED
             self._closed.set()
 
-    # -- readiness ---------------------------------------------------------------------------------
-
     def take_error(self, *, unseen: bool = False) -> BaseException | None:
-        """Hand the background failure to a waiter that raises it, marking it seen (exit then does not
-        raise it again); ``unseen``: only if no waiter has raised it yet. ``pool.error`` reads, never takes."""
+        """The background failure for a waiter that raises it, marked seen (exit then does not raise it);
+        ``unseen``: only if none has. ``pool.error`` reads, never takes."""
         error = None if unseen and self._error_seen else self.error
         if error is not None:
             self._error_seen = True
@@ -425,21 +367,18 @@ class Lifecycle:
 
     @property
     def pinned_pages(self) -> int:
-        """Pages ``[0, k)`` pinned now in every buffer (after a background failure: kept until exit,
-        unless the memory is gone)."""
+        """Pages ``[0, k)`` pinned now in every buffer."""
         state = self.state
         if state is PoolState.READY:
             return self.plan.num_pages
         session = self.session
-        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None:
-            return 0
-        if state is PoolState.FAILED and isinstance(self.error, MemoryGoneError):
+        gone = state is PoolState.FAILED and isinstance(self.error, MemoryGoneError)  # SIGBUS to touch
+        if state not in (PoolState.PINNING, PoolState.FAILED) or session is None or gone:
             return 0
         return session.prefix.pages
 
     def reached(self, pages: int | None) -> bool:
-        """Whether the pool is ready (``pages`` None) or has its first ``pages`` pages pinned;
-        raises the background failure, or PoolStateError for a pool that can no longer get there."""
+        """Whether the pool is ready (``pages`` None) or has its first ``pages`` pinned; raises if it never will."""
         state = self.state
         if state is PoolState.READY:
             return True
@@ -452,16 +391,11 @@ class Lifecycle:
             raise PoolStateError(f"pool {self.name!r} is new: enter it (async with / with) before waiting for it")
         raise PoolStateError(f"pool {self.name!r} is {state.value}: it was exited before it was ready")
 
-    # -- teardown ----------------------------------------------------------------------------------
-
     def _unpin_all(
         self, session: PinSession, *, join: bool = True
     ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
-        """Teardown or rollback: unregister everything, then :meth:`_close`; returns its UnpinError and
-        the interruptions, with what the runtime raised that is no Exception (raised as itself later).
-        Whatever pinpool's own code raises meanwhile (a signal handler's TimeoutError, no stack or memory
-        left) is an interruption too: the teardown resumes, TEARDOWN_TRIES times at most, then hands it
-        over with the pool CLOSING, for a later exit, close() or the finalizer to finish."""
+        """Teardown or rollback, then :meth:`_close`: its UnpinError and the interruptions. What is raised
+        meanwhile resumes it, TEARDOWN_TRIES times, then is raised with the pool CLOSING."""
         if self.state is not PoolState.CLOSING:
             self._move(PoolState.CLOSING)
         interrupts: list[BaseException] = []
@@ -484,15 +418,12 @@ class Lifecycle:
         raise AssertionError("unreachable")
 
     def _held(self, session: PinSession, count: int) -> bool:
-        """Teardown waits on its unpin threads while ``count`` Ctrl-Cs are held: say once what it waits
-        on; at ABANDON_AFTER_CTRL_C give up waiting (the chunks left are reported leaked)."""
+        """``count`` Ctrl-Cs held while teardown waits: say what it waits on; whether to give up (then leaked)."""
         self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
         return count >= ABANDON_AFTER_CTRL_C
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
-        """Close the books after teardown and let the memory go, unless a chunk leaked (then it stays
-        mapped and claimed). Returns the UnpinError of a pool that had been handed out (after a
-        rollback, the PinError that follows reports them in ``leaked``)."""
+        """Close the books and let the memory go, unless a chunk leaked; the UnpinError of a handed-out pool."""
         memory, handed_out = self.memory, self._handed_out
         leaked = session.ledger.leaked()
         if memory is not None:  # None: a first try got this far (each step below may be taken twice)
@@ -515,19 +446,16 @@ class Lifecycle:
         return unpin_error(self.name, failures, leaked)
 
     def _tick(self) -> None:
-        """About every 0.1 s while pinning, and at its end: the user's on_progress; a close() stops an entry."""
+        """About every 0.1 s while pinning: on_progress; a close() stops an entry."""
         session = self.session
         if self.gate.close_requested and not self.background and session is not None:
             session.stop(StopCause.CANCELLED)
         if self.on_progress is not None and session is not None:
             ledger = session.ledger
-            self.on_progress(session.ledger.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
-
-    # -- the finalizer -------------------------------------------------------------------------------
+            self.on_progress(ledger.pinned_bytes, self.nbytes, ledger.chunks_done, len(ledger.chunks))
 
     def finalize(self) -> Steps[None]:
-        """The façade was garbage-collected (or is alive at interpreter exit) without being exited.
-        Run inline (no threads): at interpreter exit none can be started."""
+        """The façade was collected (or is alive at interpreter exit) without being exited; run inline."""
         if self._pid is None:
             return  # never entered: nothing to undo
         if os.getpid() != self._pid:
@@ -536,39 +464,47 @@ class Lifecycle:
         if (yield from self.gate.take_over()):  # its async driver stopped half-way: finished here
             warn_unclosed(self.name, self.created_at, "was left half-entered or half-exited by a task whose event "
                           "loop was closed; its finalizer finished that")  # fmt: skip
-        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
-        try:
+        with _Claim(self) as claim:
             with self._lock:
                 session = self.session
                 state = self.state
                 if self._driven or session is None or state in (PoolState.NEW, PoolState.CLOSED):
                     return  # a driver owns it (and will finish or roll back), or there is nothing to undo
                 orphaned = state is PoolState.PINNING and self._conducting
-                if orphaned:
-                    # Background pinning goes on: its conductor undoes it when done. Waiting for it
-                    # here could deadlock (a collection may run on the conductor's own thread).
+                if orphaned:  # its conductor undoes it (a wait here could run on the conductor's thread)
                     self._orphaned = True
                 else:
                     if state is not PoolState.CLOSING:  # CLOSING: a teardown something raised in, resumed here
                         self._move(PoolState.CLOSING)
-                    mine = self._driven = True
+                    claim.take()
             if orphaned:
-                self.pacing.cancel.set()
-                session.stop(StopCause.COLLECTED)
+                self._stop(session, StopCause.COLLECTED)
                 warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
                 return
             unseen = self.take_error(unseen=True) if state is PoolState.FAILED else None
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
-            # Unpin first: a warning turned into an error must not keep memory pinned.
-            # Nobody to raise to: logged and counted. Inline, it cannot wait for a worker left in a call.
-            yield from self._unpin_all(session, join=False)
-        finally:
-            if mine:
-                self._driven = False
+            yield from self._unpin_all(session, join=False)  # before warning: -W error must not keep it pinned
         if unseen is not None:
             warn_unclosed(
                 self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"
             )
         warn_unclosed(self.name, self.created_at, f"unpinned its {format_bytes(pinned)} in a finalizer")
+
+
+class _Claim:
+    """A driver's hold on a lifecycle (the finalizer keeps off), let go at the ``with``'s end, whatever is raised."""
+
+    def __init__(self, lifecycle: Lifecycle) -> None:
+        self.lifecycle, self.mine = lifecycle, False
+
+    def take(self) -> None:
+        self.mine = self.lifecycle._driven = True
+
+    def __enter__(self) -> _Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.mine:
+            self.lifecycle._driven = False

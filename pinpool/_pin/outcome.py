@@ -1,7 +1,6 @@
-"""A pool's rules, pure (no threads): its states (:data:`TRANSITIONS`), how pinning ends (:func:`decide`:
-one :class:`Outcome`, delivered differently by foreground and background), what leaving raises
-(:func:`deliver_exit`), the error texts and the unclosed warning; and the steps a lifecycle yields to
-its driver and gets back (:class:`Ran`), so it is tested with scripted results, with no driver."""
+"""A pool's rules, pure: its states (:data:`TRANSITIONS`), how pinning ends (:func:`decide`), what leaving
+raises (:func:`deliver_exit`), the error texts and the unclosed warning; and the steps a lifecycle yields
+to its driver and gets back (:class:`Ran`), so it is tested with scripted results, with no driver."""
 
 from __future__ import annotations
 
@@ -37,13 +36,11 @@ class PoolState(enum.Enum):
 
 
 _S = PoolState
-# Every state change a pool may make; anything else is a pinpool bug (check_move raises).
+# Every state change a pool may make (docs/concepts.md, A pool's states); anything else is a pinpool bug.
 TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
-    _S.NEW: frozenset({_S.PINNING, _S.CLOSED}),  # entered; or closed without ever being entered
-    # CLOSING: a foreground rollback, a background exit or collection; CLOSED: nothing was mapped or
-    # pinned (admission or mapping failed, or a forked child)
+    _S.NEW: frozenset({_S.PINNING, _S.CLOSED}),
     _S.PINNING: frozenset({_S.READY, _S.FAILED, _S.CLOSING, _S.CLOSED}),
-    _S.READY: frozenset({_S.CLOSING, _S.CLOSED}),  # CLOSED: a forked child lets go of its parent's pool
+    _S.READY: frozenset({_S.CLOSING, _S.CLOSED}),  # CLOSED: a forked child
     _S.FAILED: frozenset({_S.CLOSING, _S.CLOSED}),
     _S.CLOSING: frozenset({_S.CLOSED}),
     _S.CLOSED: frozenset(),
@@ -76,8 +73,7 @@ class Outcome(enum.Enum):
 
 def decide(*, interrupted: bool, pinned: bool, stop_cause: StopCause | None, orphaned: bool) -> Outcome:
     """The one outcome of a pinning step. ``interrupted``: the driver saw an interruption (or
-    ``on_progress`` or opening raised); ``pinned``: every chunk registered and nothing asked to stop;
-    ``stop_cause``: why the books stopped (first wins); ``orphaned``: the façade was collected."""
+    ``on_progress`` or opening raised); ``pinned``: every chunk registered and nothing asked to stop."""
     if interrupted:
         return Outcome.INTERRUPTED
     if pinned:
@@ -94,8 +90,7 @@ def deliver_exit(
     interrupts: list[BaseException], raise_errors: bool,
 ) -> BaseException | None:  # fmt: skip
     """What leaving a pool raises: an interruption first, else the unseen background failure, else the
-    unpin error, the others as notes (a body's own error gets them all as notes); ``raise_errors=False``
-    returns it."""
+    unpin error, the others as notes (a body's own error gets them all); ``raise_errors=False`` returns it."""
     notes = [f"pinpool: pinning in the background had failed: {failed}"] if failed is not None else []
     notes += [f"pinpool: {unpinned}"] if unpinned is not None else []
     target = interrupts[0] if interrupts else body_error
@@ -106,16 +101,11 @@ def deliver_exit(
             raise interrupts[0]
         return None
     error = failed if failed is not None else unpinned
-    if error is None:
-        return None
     if failed is not None and unpinned is not None:
         failed.add_note(f"pinpool: {unpinned}")
-    if raise_errors:
+    if error is not None and raise_errors:
         raise error
     return error
-
-
-# -- error texts ----------------------------------------------------------------------------------
 
 
 def pin_error(
@@ -123,7 +113,7 @@ def pin_error(
     retries: int, cause: BaseException | None, crashed: bool, kept: str | None, gone: str | None = None,
 ) -> PinError:  # fmt: skip
     """The PinError of a failed pinning; ``kept``: what a background pool keeps (None: rolled back);
-    ``gone``: why a background pool's memory is gone (a MemoryGoneError: none of it may be touched)."""
+    ``gone``: why a background pool's memory is gone (then a MemoryGoneError)."""
     error_type = PinError if gone is None else MemoryGoneError
     if gone is not None:  # said once: a failed pre-fault's message names the truncation already
         why = "" if any(gone in f.error.message for f in failures) else f" ({gone})"
@@ -164,8 +154,7 @@ def pin_error(
 def kept_text(
     pages: int, num_pages: int, pinned_bytes: int, registrations: Sequence[Chunk], maybe_bytes: int = 0
 ) -> str:
-    """What a background pool keeps after a failure, in the pool's own figures (registrations exceed the
-    pinned bytes by lock-on-fault ranges never faulted, and by ``maybe_bytes`` that failed untrusted)."""
+    """What a background pool keeps after a failure, in the pool's own figures."""
     registered = sum(chunk.nbytes for chunk in registrations)
     held = f"{format_bytes(pinned_bytes)} pinned, {len(registrations)} registration(s) of {format_bytes(registered)}"
     unfaulted = registered - pinned_bytes - maybe_bytes
@@ -221,9 +210,6 @@ def unpin_error(name: str, failures: Sequence[ChunkFailure], leaked: tuple[Chunk
     )
 
 
-# -- a pool never exited: the warning points where the user made it ------------------------------
-
-
 def caller_outside_pinpool() -> tuple[str, int]:
     """(file, line) of the first frame outside pinpool: where the user made the pool."""
     frame = sys._getframe(1)
@@ -246,8 +232,6 @@ def warn_unclosed(name: str, created_at: tuple[str, int], what: str) -> None:
     warnings.warn_explicit(message, UnclosedPoolWarning, filename, lineno)
 
 
-# -- the steps a lifecycle yields to its driver --------------------------------------------------
-
 T = TypeVar("T")
 
 
@@ -262,9 +246,7 @@ class Joinable(Protocol):
 
 @dataclass(frozen=True)
 class RunThreads:
-    """Run each body on its own thread and wait for all of them. ``interruptible``: an interruption
-    stops the work early (``on_interrupt``); otherwise (teardown) the wait is shielded from the start.
-    ``on_tick`` runs on the waiting thread about every 0.1 s."""
+    """Run each body on its own thread and wait for all; ``interruptible``: an interruption stops them early."""
 
     bodies: tuple[Callable[[], object], ...]
     name: str
@@ -272,16 +254,13 @@ class RunThreads:
     on_interrupt: Callable[[], None] = lambda: None
     on_tick: Callable[[], None] | None = None
     on_started: Callable[[], None] = lambda: None  # every thread is started (or no more will be)
-    # A teardown: the number of Ctrl-Cs held while it waits, at each new one; True abandons the wait
-    # (its threads, daemons, are left in their calls).
+    # A teardown: told the count of Ctrl-Cs held at each new one; True abandons the wait (daemon threads).
     on_held: Callable[[int], bool] | None = None
 
 
 @dataclass(frozen=True)
 class Detach:
-    """Run ``steps`` with the sync driver on a new thread and return at once (``Ran.detached`` is its
-    handle, joined later with a ``RunThreads``); ``stop``, called as the interpreter starts to exit,
-    asks it to end soon, so exiting never waits for a whole pool to pin."""
+    """Run ``steps`` on a new thread and return at once; ``stop`` is called as the interpreter starts to exit."""
 
     steps: Generator[RunThreads | Detach, Ran, None]
     name: str
@@ -290,9 +269,7 @@ class Detach:
 
 @dataclass
 class Ran:
-    """What happened while a step ran: interruptions (first first), bodies that raised, errors starting
-    threads, and for :class:`Detach` the thread's handle (even when starting it was interrupted).
-    What the driver could not finish (an exception recurring) is thrown into the lifecycle instead."""
+    """What happened while a step ran (what the driver could not finish is thrown into the lifecycle)."""
 
     interrupts: list[BaseException] = field(default_factory=list)
     crashed: list[BaseException] = field(default_factory=list)

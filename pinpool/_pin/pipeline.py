@@ -18,9 +18,8 @@ from .ledger import ChunkState, Ledger, Phase
 
 T = TypeVar("T")
 
-# A worker's batch of consecutive items stops growing at this many bytes or items.
-BATCH_BYTES = 8 << 20
-BATCH_ITEMS = 64
+BATCH_BYTES = 8 << 20  # a worker's batch of consecutive items stops growing at this many bytes,
+BATCH_ITEMS = 64  # or items
 
 
 class _Wait(enum.Enum):
@@ -62,8 +61,7 @@ class _Out:
 
 
 def take_batch(take: Callable[[], T | _Wait | None], size: Callable[[T], int], share: int) -> list[T]:
-    """Consecutive items up to BATCH_BYTES / BATCH_ITEMS and this worker's ``share`` of what waits,
-    pinning or unpinning, so tiny chunks cost one lock hand-off per batch, not per chunk."""
+    """Consecutive items up to BATCH_BYTES / BATCH_ITEMS and this worker's ``share`` of what waits."""
     items: list[T] = []
     nbytes = 0
     most = min(BATCH_ITEMS, max(1, share))
@@ -76,9 +74,7 @@ def take_batch(take: Callable[[], T | _Wait | None], size: Callable[[T], int], s
     return items
 
 
-def split_spans(chunks: Sequence[Chunk], span_bytes: int) -> SpanTable:
-    """Every chunk cut into spans of at most ``span_bytes`` from its start, lazily (a :class:`SpanTable`)."""
-    return SpanTable(chunks, span_bytes)
+split_spans = SpanTable  # every chunk cut into spans of at most ``span_bytes``, lazily (tests call it so)
 
 
 class Pipeline:
@@ -98,13 +94,10 @@ class Pipeline:
         self.order = order
         self.register_workers = register_workers
         self.populate_workers = populate_workers
-        self._register_batches = 0
-        self._populate_batches = 0
+        self._batches = {"register": 0, "populate": 0}  # out with a worker, by role
         self._out: dict[int | Span, _Out] = {}  # each batched item not yet landed -> its batch
-        # The plan's spans when it has them (planned once); else cut here from the chunk table,
-        # lazily: O(runs) memory however many spans.
         self.spans: Sequence[Span] = (
-            () if order is Order.REGISTER_ONLY else spans if spans else split_spans(self.ledger.chunks, span_bytes)
+            () if order is Order.REGISTER_ONLY else spans if spans else SpanTable(self.ledger.chunks, span_bytes)
         )
         self._span_bytes = span_bytes
         self._span_total = self.spans.nbytes if isinstance(self.spans, SpanTable) else 0
@@ -117,10 +110,7 @@ class Pipeline:
         self._window_bytes = 0
         self.populated_bytes = 0
         self.prefix = prefix  # told of each range as it becomes pinned (pools used while they pin)
-        # Parts of spans faulted in several calls (counted in Ledger.pinned_part), not to count twice.
         self._span_parts: dict[tuple[int, int], int] = {}  # REGISTER_FIRST: bytes of spans faulted in parts
-
-    # -- what workers ask for ------------------------------------------------------------------
 
     @property
     def stopped(self) -> bool:
@@ -129,32 +119,28 @@ class Pipeline:
 
     @property
     def in_flight(self) -> int:
-        """Populate and register calls in progress."""
         return self._populating + self.ledger.in_flight
 
     def next_work(self) -> Batch | _Wait | None:
-        """A batch for a worker of either role (see :func:`take_batch`), ``WAIT``, or ``None`` once nothing
-        is left. Registration first: the serial bottleneck under CUDA, and under lock-on-fault what lets
-        faulting start."""
+        """A batch for a worker of either role, ``WAIT``, or ``None`` once nothing is left; registration first."""
         if self.stopped or (self._next_span >= len(self.spans) and self.ledger.pending == 0):
             return None
-        if self._register_batches < self.register_workers:
+        if self._batches["register"] < self.register_workers:
             waiting = len(self._ready) if self.order is Order.POPULATE_FIRST else self.ledger.pending
             share = -(-waiting // self.register_workers)
             indices = take_batch(self.next_register, lambda i: self.ledger.chunks[i].nbytes, share)
             if indices:
-                self._register_batches += 1
                 return self._hand_out("register", indices)
-        if self._populate_batches < self.populate_workers:
+        if self._batches["populate"] < self.populate_workers:
             share = -(-(len(self.spans) - self._next_span) // self.populate_workers)
             spans = take_batch(self.next_populate, lambda span: span.nbytes, share)
             if spans:
-                self._populate_batches += 1
                 return self._hand_out("populate", spans)
         return self._wait("a worker")
 
     def _hand_out(self, role: str, items: Sequence[int | Span]) -> Batch:
         out = _Out(role, len(items))
+        self._batches[role] += 1
         for item in items:
             self._out[item] = out
         return Batch(role, tuple(items))
@@ -200,8 +186,7 @@ class Pipeline:
         return WAIT
 
     def _blocked(self, span: Span) -> str | None:
-        """Why ``span`` may not be faulted yet, or None: under REGISTER_FIRST its chunk must be
-        registered lock-on-fault first; under POPULATE_FIRST a new chunk must fit the lookahead."""
+        """Why ``span`` may not be faulted yet (its chunk not registered lock-on-fault, or beyond the lookahead)."""
         if self.order is Order.REGISTER_FIRST:
             state = self.ledger.states[span.chunk]
             return None if state is ChunkState.FAULTING else state.value
@@ -210,12 +195,8 @@ class Pipeline:
             return None
         return "beyond the lookahead"
 
-    # -- how calls ended: one record, one method ---------------------------------------------------
-
     def land(self, landing: Landing) -> int | None:
-        """Put what the calls on one item did on the books (see :class:`Landing`); returns the
-        chunk's index if that made the chunk pinned. The last landing of a batch's items (called
-        or not) ends the batch, so its role may hand out another."""
+        """Put what the calls on one item did on the books; the chunk's index if that made it pinned."""
         if landing.error is not None and landing.stopped:
             raise LedgerError(f"{landing.item!r} landed both failed and stopped: {landing}")
         if landing.partial and (landing.error is not None or landing.stopped or not landing.pieces):
@@ -224,25 +205,20 @@ class Pipeline:
         out = None if landing.partial else self._out.pop(item, None)  # None: handed out alone, not in a batch
         if out is not None:
             out.left -= 1
-            if out.left == 0 and out.role == "register":
-                self._register_batches -= 1
-            elif out.left == 0:
-                self._populate_batches -= 1
+            if out.left == 0:
+                self._batches[out.role] -= 1
         if isinstance(item, Span):
             return self._land_span(landing, item)
         return self._land_chunk(landing, item)
 
     def _land_span(self, landing: Landing, span: Span) -> int | None:
-        if landing.partial:
-            # Part of the span was faulted by one of several calls (the stall budget): under
-            # lock-on-fault that part is locked now, so it counts before the span lands.
+        if landing.partial:  # under lock-on-fault a part faulted is locked: it counts before the span lands
             if self.order is Order.REGISTER_FIRST:
                 for part in landing.pieces:
                     key = (span.chunk, span.offset)
                     self._span_parts[key] = self._span_parts.get(key, 0) + part.nbytes
                     self.ledger.pinned_part(span.chunk, part.nbytes)
-                    if self.prefix is not None:
-                        self.prefix.cover(part.offset, part.end)
+                    self._cover(part)
             return None
         if self._populating <= 0:
             raise LedgerError(f"span {span} landed with no populate in flight")
@@ -256,8 +232,7 @@ class Pipeline:
         parts = 0
         if self.order is Order.REGISTER_FIRST:
             parts = self._span_parts.pop((span.chunk, span.offset), 0)
-            if self.prefix is not None:
-                self.prefix.cover(span.offset, span.offset + span.nbytes)  # locked as it faulted
+            self._cover(Chunk(span.offset, span.nbytes))  # locked as it faulted
         landed = self._spans_landed.get(span.chunk, 0) + 1
         if landed < -(-self.ledger.chunks[span.chunk].nbytes // self._span_bytes):
             self._spans_landed[span.chunk] = landed
@@ -274,9 +249,7 @@ class Pipeline:
 
     def _land_chunk(self, landing: Landing, index: int) -> int | None:
         ledger, pieces = self.ledger, landing.pieces
-        if landing.partial:
-            # Pieces of a chunk registered in several calls are pinned now (not under lock-on-fault,
-            # where a registered piece is pinned only once faulted): they count before the chunk lands.
+        if landing.partial:  # pieces registered count before the chunk lands (lock-on-fault: once faulted)
             if self.order is not Order.REGISTER_FIRST:
                 for piece in pieces:
                     ledger.pinned_part(index, piece.nbytes)
@@ -286,8 +259,7 @@ class Pipeline:
             self._window.remove(index)
             self._window_bytes -= self.ledger.chunks[index].nbytes
         error = landing.error
-        # A chunk that failed or stopped part-way keeps its registered pieces until teardown: pinned
-        # (not under lock-on-fault), so all of them go in the prefix (progress told of some).
+        # Pieces of a chunk failed or stopped part-way stay pinned until teardown (progress told of some).
         pinned = self.order is not Order.REGISTER_FIRST
         if pieces and (error is not None or landing.stopped) and pinned:
             for piece in pieces:
@@ -305,11 +277,10 @@ class Pipeline:
             else:  # never called, or stopped before its first piece: simply not registered
                 ledger.unclaim(index)
             return None
-        faulting = self.order is Order.REGISTER_FIRST
-        ledger.registered(index, faulting=faulting)
+        ledger.registered(index, faulting=not pinned)
         if pieces and pieces != (ledger.chunks[index],):  # teardown unregisters each piece's base
             ledger.pieces[index] = tuple(pieces)
-        if faulting:
+        if not pinned:  # lock-on-fault: pinned once faulted
             return None
         self._cover(ledger.chunks[index])
         return index

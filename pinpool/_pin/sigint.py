@@ -1,10 +1,7 @@
 """Ctrl-C inside pinpool: deferred in its own code, delivered at safe points.
 
-Ctrl-C lands between any two bytecodes, so under :class:`guard` SIGINT goes to :func:`_handler`,
-which reads its frames as trio's KI protection does: in :func:`protected` code it is deferred to the
-next safe point or the driver's end; in :func:`safe` code (the wait for pinning threads) and elsewhere
-it goes to the replaced handler. While a teardown waits (``_Guard.holding``), every SIGINT is held,
-wherever it lands, and counted: the drivers hand the count to the lifecycle.
+Under :class:`guard`, :func:`_handler` reads its frames as trio's KI protection does: SIGINT in
+:func:`protected` code is deferred to the next safe point; while a teardown waits, every one is held.
 """
 
 from __future__ import annotations
@@ -66,8 +63,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 
 
 def replay() -> None:
-    """Deliver a deferred SIGINT now through the replaced handler (``KeyboardInterrupt``, or under
-    ``asyncio.run`` a cancelled main task), where the caller catches what it raises."""
+    """Deliver a deferred SIGINT now through the replaced handler, where the caller catches what it raises."""
     previous = _Guard.previous
     if _Guard.pending and previous is not None and threading.current_thread() is threading.main_thread():
         _Guard.pending = 0
@@ -75,12 +71,9 @@ def replay() -> None:
 
 
 class guard:
-    """Install the deferring handler for the block (main thread only; nested guards share it), from
-    :func:`protected` code. Leaving the outermost guard restores the replaced handler, then replays a
-    deferred signal (one landing between the two goes to that handler: nothing lost); a block already
-    raising ``KeyboardInterrupt`` drops it, as does ``drop`` (a finalizer: Python would print what it
-    raises as "Exception ignored"). A class, not a generator: ``__enter__`` installs in its last step,
-    so nothing lands between the install and the block, where ``__exit__`` would not run."""
+    """Install the deferring handler for the block (main thread only; nested guards share it); leaving
+    the outermost one restores it, then replays a deferred signal unless ``drop``. A class, not a
+    generator: ``__enter__`` installs in its last step, so nothing lands between it and the block."""
 
     installed = False
 
@@ -146,8 +139,7 @@ def _leave(*, drop: bool = False) -> None:
 
 
 def _forget_in_child() -> None:
-    """A guard that another thread installed is never left in a forked child (it has only the thread
-    that forked), so its handler would defer Ctrl-C there for good."""
+    """A guard another thread installed is never left in a forked child: it would defer Ctrl-C for good."""
     if _Guard.depth and _Guard.owner != threading.get_ident():
         _Guard.depth = _Guard.pending = _Guard.holding = 0
         if signal.getsignal(signal.SIGINT) is _handler and _Guard.previous is not None:

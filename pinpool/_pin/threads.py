@@ -1,14 +1,6 @@
-"""Worker threads a driver waits for: on the books before ``Thread.start`` (an exception can land
-inside it) behind a gate the starter can close; waited for through a C lock and the books, never
-``Thread.join`` (on 3.11 an interrupted join can mark a running thread stopped, bpo-45274) nor an
-Event (a signal handler raising inside ``Event.wait``, Python code, can leave its lock held).
-
-An exception can land between any two statements of the starter (a signal handler's, on the main
-thread), so the starter and its waits take no lock: the books are one dict changed one store at a
-time, each gate is decided by one ``dict.setdefault``, and the starter's waits reap a thread whose
-gate is still open once it is not alive (its start raised before or inside it). No wait is left for
-a thread that will not come, and no lock is left held.
-"""
+"""Worker threads a driver waits for: on the books before ``Thread.start`` (an exception can land inside it),
+behind a gate decided by one ``dict.setdefault`` (the starter takes no lock); waited for through a C lock,
+never ``Thread.join`` (bpo-45274) nor an Event (a raise inside ``Event.wait`` can leave its lock held)."""
 
 from __future__ import annotations
 
@@ -34,11 +26,7 @@ class Threads:
         self._idle = threading.Lock()  # held while the books are not empty: wakes a waiter at once
 
     def start(self, fn: Callable[[], object], *, name: str, daemon: bool = False) -> None:
-        """Start ``fn`` on a new thread. If this raises, the thread is accounted for already: it
-        either runs ``fn`` and is waited for, or never runs it. ``daemon``: a thread a waiter may
-        abandon (a wedged runtime call), which must not keep the interpreter from exiting."""
-        # The gate is decided by one C-level dict.setdefault, whoever comes first (the thread passing
-        # it, or the starter or a reaper closing it): no lock the starter could be left holding.
+        """Start ``fn`` on a new thread; if this raises, the thread runs ``fn`` and is waited for, or never runs it."""
         gate: dict[str, str] = {}
         key = id(gate)
 
@@ -91,11 +79,6 @@ class Threads:
                 time.sleep(min(timeout, 0.005))
         return self.done
 
-    def join(self) -> None:
-        """Block until every thread is done (for a thread that waits on behalf of an interruptible one)."""
-        while not self.wait_done(POLL_SECONDS):
-            pass
-
     def wait(self, on_tick: Callable[[], object] | None = None) -> None:
         """Wait until every thread is done, in timed waits (Ctrl-C is seen promptly), ticking ``on_tick``."""
         last_tick = time.monotonic()
@@ -103,3 +86,5 @@ class Threads:
             if on_tick is not None and time.monotonic() - last_tick >= PROGRESS_INTERVAL_SECONDS:
                 last_tick = time.monotonic()
                 on_tick()
+
+    join = wait  # a body that waits on behalf of an interruptible one

@@ -8,22 +8,20 @@ from dataclasses import dataclass
 
 from .._errors import RuntimeCallError, UnexpectedReturn, as_runtime_error, class_name, foreign_text
 
-# A runtime is untrusted: it returns None or raises RuntimeCallError, its typed "nothing was done".
-# Anything else (a binding's RuntimeError, a KeyboardInterrupt in its wrapper, a return value) says
-# nothing of what the call did first: a register may have registered, and booked as failed it would
-# stay pinned after close() unseen. So it is "maybe", booked for teardown.
+# A runtime returns None or raises RuntimeCallError ("nothing was done"). Anything else says nothing of
+# what the call did: a register may have registered, so it is "maybe", booked for teardown.
 _REPR = reprlib.Repr()  # a garbage return value, shown in a message and a log line: bounded
 _REPR.maxstring = _REPR.maxother = 80
 
 
 @dataclass(frozen=True)
 class Op:
-    """One kind of runtime call, as data for the one call wrapper (:meth:`~pinpool._pin.engine.PinSession._call`)."""
+    """One kind of runtime call, for the one call wrapper (:meth:`~pinpool._pin.engine.PinSession._call`)."""
 
     name: str  # "register", "populate", "unregister": the op its RuntimeCallError names
     call: Callable[[int, int], object]  # (ptr, nbytes); anything but None is the runtime's fault
-    took: Callable[[float], None] | None = None  # every call's time, failed or not
-    before: Callable[[], None] | None = None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
+    took: Callable[[float], None] = lambda _seconds: None  # every call's time, failed or not
+    before: Callable[[], None] = lambda: None  # a pin worker's rest under a small CPU quota (_plan/calls.py)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 import pinpool
 from pinpool import ConfigError, _probe, layouts
 from pinpool._host import address_space_bytes, read_mem_available, read_memory_limits
-from pinpool._pin import split_spans
 from pinpool._plan import (
     CHUNK_ENV,
     LOOKAHEAD_CHUNKS,
@@ -541,7 +540,7 @@ def test_span_table_equals_the_materialised_split(
     chunks += [Chunk(offset + k * 100, 100) for k in range(uniform)]  # one long run
     reference = reference_spans(chunks, span_bytes)
     for source in (chunks, ChunkTable.of(chunks)):
-        spans = split_spans(source, span_bytes)
+        spans = SpanTable(source, span_bytes)
         check_sampled(spans, reference, random.Random(len(reference)))
         assert spans.nbytes == sum(s.nbytes for s in reference)
         assert spans == SpanTable(ChunkTable.of(chunks), span_bytes)

@@ -1,4 +1,4 @@
-"""The pinning pipeline: pure `split_spans` and `Pipeline`, then its orders, lookahead and teardown in a pool."""
+"""The pinning pipeline: pure `SpanTable` and `Pipeline`, then its orders, lookahead and teardown in a pool."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import pinpool
 from pinpool import Chunk, RuntimeCallError
 from pinpool._errors import ChunkFailure, LedgerError
 from pinpool._host import libc as _libc
-from pinpool._pin import WAIT, Batch, ChunkState, Landing, Phase, Pipeline, StopCause, split_spans
-from pinpool._plan import Order, PrefixTracker, Span
+from pinpool._pin import WAIT, Batch, ChunkState, Landing, Phase, Pipeline, StopCause
+from pinpool._plan import Order, PrefixTracker, Span, SpanTable
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, hugetlb_pages, lifecycle_of, pin_and_run
@@ -45,24 +45,24 @@ def error(op: str = "madvise(MADV_POPULATE_WRITE)") -> RuntimeCallError:
     return RuntimeCallError(op=op, code=12, reason="ENOMEM", message="injected", ptr=0x1000, nbytes=1)
 
 
-# -- split_spans ----------------------------------------------------------------------------------------
+# -- SpanTable ----------------------------------------------------------------------------------------
 
 
 def test_split_spans_example() -> None:
     chunks = [Chunk(0, 10), Chunk(10, 3), Chunk(16, 8)]
-    assert split_spans(chunks, 4) == (
+    assert SpanTable(chunks, 4) == (
         Span(0, 0, 4), Span(0, 4, 4), Span(0, 8, 2),
         Span(1, 10, 3),
         Span(2, 16, 4), Span(2, 20, 4),
     )  # fmt: skip
-    assert split_spans(chunks, 100) == (Span(0, 0, 10), Span(1, 10, 3), Span(2, 16, 8))
-    assert split_spans([], 4) == ()
+    assert SpanTable(chunks, 100) == (Span(0, 0, 10), Span(1, 10, 3), Span(2, 16, 8))
+    assert SpanTable([], 4) == ()
 
 
 @pytest.mark.parametrize("span_bytes", [0, -1, -4096])
 def test_split_spans_rejects_non_positive_span_bytes(span_bytes: int) -> None:
     with pytest.raises(ValueError, match=f"span_bytes={span_bytes}"):
-        split_spans([Chunk(0, 10)], span_bytes)
+        SpanTable([Chunk(0, 10)], span_bytes)
 
 
 @settings(max_examples=300, deadline=None)
@@ -74,7 +74,7 @@ def test_split_spans_rejects_non_positive_span_bytes(span_bytes: int) -> None:
 )
 def test_split_spans_cover_each_chunk_exactly(sizes: list[int], gaps: list[int], start: int, span_bytes: int) -> None:
     chunks = make_chunks(sizes, gaps, start=start)
-    spans = split_spans(chunks, span_bytes)
+    spans = SpanTable(chunks, span_bytes)
     for index, chunk in enumerate(chunks):
         mine = [s for s in spans if s.chunk == index]
         assert mine, "every chunk has at least one span"
@@ -478,7 +478,7 @@ class Simulation:
         else:
             kinds = ["any"] * config.threads
         self.workers = [SimWorker(kind) for kind in kinds]
-        self.expected_spans = () if config.order is Order.REGISTER_ONLY else split_spans(self.chunks, config.span_bytes)
+        self.expected_spans = () if config.order is Order.REGISTER_ONLY else SpanTable(self.chunks, config.span_bytes)
         self.retries_left = data.draw(st.integers(0, 6), label="retry budget")
         # What the records said, kept by the simulation.
         self.handed_spans: list[Span] = []
@@ -884,7 +884,7 @@ async def test_populate_first_registers_each_chunk_after_all_its_spans(mode: str
     base = seen["base"]
     assert seen["registered"] == len(pool.plan.chunks) == 8
     # The spans tile every chunk exactly.
-    assert sorted(fake.populate_calls) == [(base + s.offset, s.nbytes) for s in split_spans(pool.plan.chunks, 16 * MiB)]
+    assert sorted(fake.populate_calls) == [(base + s.offset, s.nbytes) for s in SpanTable(pool.plan.chunks, 16 * MiB)]
     events = fake.events
     for index, chunk in enumerate(pool.plan.chunks):
         (register_at,) = [
@@ -946,7 +946,7 @@ async def test_populate_failure_rolls_back_in_both_orders(mode: str, lock_on_fau
     pool = pinpool.PinnedPool(
         size=512 * MiB, chunk_bytes=64 * MiB, runtime=fake, populate_workers=4, register_workers=2
     )
-    assert len(split_spans(pool.plan.chunks, pool._plan.span_bytes)) == 32
+    assert len(SpanTable(pool.plan.chunks, pool._plan.span_bytes)) == 32
     assert pool.plan.order is (Order.REGISTER_FIRST if lock_on_fault else Order.POPULATE_FIRST)
     with pytest.raises(pinpool.PinError) as info:
         await pin_and_run(pool, mode, lambda p: pytest.fail("body must not run after a failure"))
@@ -996,7 +996,7 @@ async def test_cancellation_while_faulting_rolls_back(lock_on_fault: bool) -> No
     pool = pinpool.PinnedPool(
         size=2048 * MiB, chunk_bytes=32 * MiB, runtime=fake, populate_workers=2, register_workers=2
     )
-    spans = len(split_spans(pool.plan.chunks, pool._plan.span_bytes))
+    spans = len(SpanTable(pool.plan.chunks, pool._plan.span_bytes))
     assert spans == 128
     with anyio.move_on_after(0.1) as scope:
         async with pool:
