@@ -33,18 +33,12 @@ BENCH_MOVED = (
 )
 
 
-def _bench_moved() -> int:
-    print(f"pinpool: {BENCH_MOVED}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
 def _exit_code_of(error: PinpoolError) -> int:
     if isinstance(error, ConfigError):
         return EXIT_BAD_INPUT
     if isinstance(error, UnpinError):
         return EXIT_FAILED
-    # PinError, and the failures that leave nothing pinned as well: AllocationError (mmap refused),
-    # AlreadyPinnedError, RuntimeCallError outside a pool.
+    # PinError, and the failures that leave nothing pinned (AllocationError, AlreadyPinnedError, ...).
     return EXIT_PIN_FAILED if isinstance(error, PinError | MemoryError | RuntimeError) else EXIT_FAILED
 
 
@@ -82,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     --version and usage errors, with status 0 or 2)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["bench"]:  # before parsing: whatever bench options follow, say where it went
-        return _bench_moved()
+        print(f"pinpool: {BENCH_MOVED}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     with sigterm_as_interrupt() as interrupts:
         try:
             try:

@@ -37,13 +37,10 @@ SIGTERM = "SIGTERM"
 class Interrupts:
     """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it).
 
-    Once armed (:meth:`arm`), the first signal raises KeyboardInterrupt in the main thread, so
-    pinning rolls back as for Ctrl-C (a container's stop, systemd, kill). Before that (while the
-    handlers are installed, while torch is imported: its import loses a KeyboardInterrupt or turns it
-    into an ImportError), after that, and once the pool starts to exit (:meth:`defer`), a signal is
-    only recorded: raised in the teardown it would land in whatever runs there, and in the
-    unmapping finalizer it is printed as "Exception ignored" and lost (the command then exited 0).
-    :meth:`arm` raises a signal recorded before it; ``main`` turns one recorded later into the
+    Armed (:meth:`arm`), the first signal raises KeyboardInterrupt in the main thread, so pinning rolls
+    back as for Ctrl-C. Otherwise (while torch is imported, which loses a KeyboardInterrupt, and once the
+    pool exits, :meth:`defer`: raised in the teardown or the unmapping finalizer it would be lost) a signal
+    is only recorded: :meth:`arm` raises one recorded before it, ``main`` turns a later one into the
     interrupted status.
     """
 
@@ -170,8 +167,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
     interrupts = _interrupts
     if interrupts is not None:
         interrupts.defer()  # until the pool is built: torch's import must not see a KeyboardInterrupt
-    # Only when the wait is torch's import: a caller that has torch already (main() called in
-    # process) gets at once what would follow, and nothing says "loading" that is not.
+    # Only when the wait is torch's import (main() called in a process that has torch does not wait).
     if mode != "none" and "torch" not in sys.modules:
         say(first_line(kwargs), err)
     kwargs["layout"] = layout_from_args(args)  # imports torch
@@ -198,8 +194,8 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
 
 
 def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
-    """Bytes faulted so far, to move the display within a chunk: the pool's populated counter (whole
-    spans) or the process's resident growth (page by page), whichever is further."""
+    """Bytes faulted so far, to move the display within a chunk: the populated counter (whole spans) or
+    the resident growth (page by page), whichever is further."""
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
     resident = ResidentGrowth()  # from now: the pool is constructed, its memory not yet faulted
 

@@ -46,8 +46,7 @@ def run_plan(args: argparse.Namespace) -> int:
         else {"slots": pacing.slots, "budget_bytes": pacing.budget_bytes, "dir": pacing.directory,
               "wait": pacing.wait},
     }  # fmt: skip
-    # The plan holds for any host; whether pinning it here would pass the pool's memory and
-    # memlock pre-flight is a separate answer, reported rather than raised.
+    # The plan holds for any host; whether this host would pass its pre-flight is reported, not raised.
     try:
         charged = None if args.runtime == "fake" else pinning_capabilities(args.runtime, host)
         buffers = [spec.nbytes for spec in placement.specs]

@@ -227,12 +227,7 @@ OPTIONS: tuple[Option, ...] = (
         no_flag="Python-only: the command line draws progress itself (pin --progress)", home=REQUEST),
 )  # fmt: skip
 
-_BY_NAME = {o.name: o for o in OPTIONS}
-assert len(_BY_NAME) == len(OPTIONS), "an option is declared twice"
-
-
-def option(name: str) -> Option:
-    return _BY_NAME[name]
+assert len({o.name for o in OPTIONS}) == len(OPTIONS), "an option is declared twice"
 
 
 def pool_options() -> Iterator[Option]:
@@ -244,9 +239,8 @@ def keyword_signature(
     first: Iterable[str], options: Iterable[Option], returns: str, *, for_pin: bool = False,
     registry: object = DEFAULT_REGISTRY,
 ) -> inspect.Signature:  # fmt: skip
-    """The signature help() and inspect show for a function of ``**options``: the ``first`` parameters,
-    then ``options`` keyword-only with their defaults (pin()'s with ``for_pin``; ``registry``: the
-    registry's object, which this module cannot import)."""
+    """The signature help() shows for a function of ``**options``: ``first``, then ``options`` keyword-only
+    (pin()'s defaults with ``for_pin``; ``registry``: the object this module cannot import)."""
     keywords = []
     for o in options:
         default = o.default_for_pin if for_pin else o.default
@@ -257,8 +251,7 @@ def keyword_signature(
 
 
 class _PinningArguments(TypedDict, total=False):
-    """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs and mypy; meanings and
-    defaults are :data:`OPTIONS`'s (a test holds these to it)."""
+    """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs (a test holds them to :data:`OPTIONS`)."""
 
     runtime: str | Runtime
     chunk_bytes: int | str | None

@@ -1,7 +1,5 @@
-"""One byte budget for paired pools (:func:`share`: the most pages whose pools' mapped bytes, as
-their placements map them, fit it together), and the budget this host gives a rank
-(:func:`host_budget`: the pre-flight's own figures, so pools sized from it pass their pre-flight).
-"""
+"""One byte budget for paired pools (:func:`share`: the most pages whose pools' mapped bytes fit it), and the
+budget this host gives a rank (:func:`host_budget`: the pre-flight's own figures, so its pools pass it)."""
 
 from __future__ import annotations
 
@@ -51,9 +49,8 @@ class Shares:
         return sum(self.bytes.values())
 
     def pool(self, key: str, /, **options: Any) -> PinnedPool:
-        """The pool ``key``: ``PinnedPool(layout=layouts[key], num_pages=num_pages, name=key, **options)``
-        with the options it was sized with. Any other pool option may be added (``name=``,
-        ``background=``, ``runtime=``...); the sizing ones may not be changed."""
+        """``PinnedPool(layout=layouts[key], num_pages=num_pages, name=key, **options)`` with the options it
+        was sized with; other pool options may be added (``background=``...), the sizing ones not changed."""
         if key not in self.layouts:
             raise ConfigError(f"Shares.pool({key!r}): no pool of that name was sized; give one of {list(self.layouts)}")
         for option in sorted(_SHAPING & set(options)):
@@ -75,10 +72,9 @@ class Shares:
 
 
 def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts | None = None, **options: Any) -> Shares:
-    """Size pools that belong together from one byte ``budget``: the most pages for which every pool
-    of ``layouts`` (by name) together maps at most ``budget``. ``options``: the pool options that
-    decide what they map (``huge_pages=``), passed on by :meth:`Shares.pool`; ``host``: the page
-    sizes to round to (probed by default). Pure arithmetic: nothing is mapped."""
+    """The most pages for which every pool of ``layouts`` (by name) together maps at most ``budget``.
+    ``options``: those that decide what they map (``huge_pages=``), passed on by :meth:`Shares.pool`;
+    ``host``: the page sizes (probed by default). Pure arithmetic: nothing is mapped."""
     nbytes = parse_size(budget, what="budget")
     if not isinstance(layouts, Mapping) or not layouts:
         raise ConfigError(
@@ -136,12 +132,10 @@ def host_budget(
     fraction: float | str = 0.8, *, reserve: int | str = "10GiB", ranks: int | None = None,
     runtime: object = "auto", host: HostFacts | None = None, environ: Mapping[str, str] | None = None,
 ) -> int:  # fmt: skip
-    """The byte budget for this rank's pools: ``fraction`` of what this process may still make
-    resident (the memory cgroup's room or MemAvailable, whichever is smaller) after ``reserve``,
-    divided by the ``ranks`` of this machine (else ``LOCAL_WORLD_SIZE``, which torchrun sets,
-    else 1), less the page tables pinning it costs, and at most what RLIMIT_MEMLOCK leaves where
-    ``runtime``'s registrations are charged to it. Compute it once, before any pool is built
-    (pools already built are no longer available), and size the pools with :func:`share`."""
+    """This rank's byte budget: ``fraction`` of what this process may still make resident (cgroup room or
+    MemAvailable) after ``reserve``, over the ``ranks`` of this machine (else ``LOCAL_WORLD_SIZE``, else 1),
+    less page tables, within RLIMIT_MEMLOCK where ``runtime`` is charged to it. Compute it before any pool
+    is built (built pools are no longer available), and size the pools with :func:`share`."""
     if isinstance(fraction, bool) or not isinstance(fraction, int | float | str):
         raise ConfigError(f"fraction={fraction!r} has type {type(fraction).__name__}; give {_FRACTION_HINT}")
     # An int is 1 (all of it) or out of range; parse_fraction reads ints as bytes, so as a float.
@@ -182,7 +176,6 @@ def host_budget(
 
 
 def _ranks(ranks: object, environ: Mapping[str, str]) -> int:
-    """The ranks sharing this machine's memory: ``ranks=``, else ``LOCAL_WORLD_SIZE``, else 1."""
     if ranks is not None:
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ConfigError(

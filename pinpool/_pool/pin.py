@@ -21,20 +21,13 @@ from .request import pool_request
 
 def pin(tensor: torch.Tensor, **options: Unpack[PinArguments]) -> PinnedPool:
     """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees (docs/concepts.md,
-    "Pinning memory you already own").
+    "Pinning memory you already own"): ``with pin(t) as pinned:`` (or ``async with``).
 
-    Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
-    views ``t``'s memory. It takes every option of :class:`PinnedPool` with the same meaning and
-    default (``name`` excepted: ``"tensor"``) but those the tensor decides (``layout``, ``size``,
-    ``num_pages``, ``memory``, ``huge_pages``, ``numa_node``). Its pages are its rows along the
-    first dimension (``pinned.num_pages == t.shape[0]``). Chunk boundaries are multiples of
-    ``granularity_bytes`` from its start; where none falls on an OS page (torch.empty's memory
-    starts 64 B into one), neighbouring chunks share the page on runtimes that track exact byte
-    ranges (CUDA, mlock, FakeRuntime), elsewhere that is a :class:`ConfigError` (allocate with
-    :func:`pinpool.empty`). A strided view whose rows are contiguous pins each row;
-    ``ranges=[(offset, nbytes), ...]`` pins those byte ranges of a contiguous tensor. pinpool never
-    frees the caller's memory: while pinned ``t`` points at a non-resizable alias. Memory already
-    pinned (or mlock-ed by anyone) raises :class:`AlreadyPinnedError` on entry, with nothing changed.
+    It takes :class:`PinnedPool`'s options (``name`` defaults to ``"tensor"``) but those the tensor
+    decides; its pages are its rows (``pinned.num_pages == t.shape[0]``). Where no chunk boundary falls
+    on an OS page, runtimes that track exact byte ranges let neighbouring chunks share it, others raise
+    :class:`ConfigError` (allocate with :func:`pinpool.empty`). ``ranges=`` pins byte ranges of it. pinpool
+    never frees the caller's memory; memory already pinned raises :class:`AlreadyPinnedError` on entry.
     """
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
@@ -43,8 +36,7 @@ def pin(tensor: torch.Tensor, **options: Unpack[PinArguments]) -> PinnedPool:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         raise ConfigError("pin(tensor): the tensor has no elements, so there is nothing to pin")
-    # The pool plans and pins an alias of the tensor: the same bytes, whose address and size
-    # nothing done to `tensor` from now on can change, and which keeps its storage alive.
+    # An alias of the tensor: the same bytes, whose address and size nothing done to `tensor` can change.
     request = pool_request("pin", options, source=alias_of(tensor))
     pool = PinnedPool.__new__(PinnedPool)
     pool._build(request)
@@ -84,12 +76,9 @@ def empty(
 ) -> torch.Tensor:  # fmt: skip
     """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`.
 
-    Like ``torch.empty(*size, dtype=dtype)``, but the memory is a private anonymous ``mmap`` of
-    its own, zero-filled, faulted in as touched and unmapped with the last view, so it pins
-    exactly as a ``PinnedPool``'s own memory does (every chunk boundary on a page). ``huge_pages``
-    and ``numa_node`` as for :class:`pinpool.PinnedPool`; like a pool's memory it is not resizable
-    and ``MADV_DONTFORK`` (a forked child has nothing mapped there). Raises :class:`pinpool.ConfigError`
-    for a bad size, dtype or option, :class:`pinpool.AllocationError` where the OS refuses the mapping.
+    Like ``torch.empty(*size, dtype=dtype)``, but its memory is a zero-filled private ``mmap`` of its own,
+    unmapped with the last view, not resizable and ``MADV_DONTFORK``, like a pool's (``huge_pages`` and
+    ``numa_node`` as for :class:`pinpool.PinnedPool`). :class:`pinpool.AllocationError` where the OS refuses it.
     """
     shape = _shape(size)
     if dtype is None:

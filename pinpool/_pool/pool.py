@@ -42,14 +42,11 @@ class PoolStats:
     """What a pool's pinning and unpinning took, as ``pool.stats`` read it.
 
     Attributes:
-        pin_seconds: wall time from just after the memory is mapped until the last pin worker
-            finished, pre-faulting included; 0.0 until pinning ends.
+        pin_seconds: wall time from mapping the memory to the last pin worker's end (0.0 until then).
         unpin_seconds: wall time of teardown (unregistering every chunk).
         retries: registrations retried as aligned halves (see ``max_retries``).
-        populated_bytes: bytes pre-faulted so far (under CUDA what moves within a chunk, whose
-            registration counts at its end).
-        longest_call_seconds: the longest single runtime call so far, by op
-            (``pinpool_call_seconds_max``), kept after close.
+        populated_bytes: bytes pre-faulted so far (under CUDA, a chunk's count lands at its end).
+        longest_call_seconds: the longest single runtime call so far, by op, kept after close.
     """
 
     pin_seconds: float
@@ -62,15 +59,11 @@ class PoolStats:
 class PinnedPool:
     """A page-locked host-memory pool, pinned in granularity-aligned chunks on worker threads.
 
-    Use it once, as ``async with PinnedPool(...) as pool:`` or ``with PinnedPool(...) as pool:``
-    (or ``pool = PinnedPool(...).open()`` ... ``pool.close()`` for an owner without a block).
-    Everything is validated in the constructor (:class:`ConfigError`), before any memory is
-    mapped or pinned. Inside the block ``pool.tensor`` is a zero-copy torch view of the pinned
-    memory; on exit every chunk is unregistered, whatever the block did. ``pool.plan`` is every
-    decision made before pinning; ``pool.registrations`` what the runtime holds right now.
-
-    The options are declared once (``pinpool._plan.declared``): the signature, the ``Options:`` below
-    (their help) and docs/options.md follow it; :class:`pinpool._plan.declared.PoolArguments` types them.
+    Use it once, as ``async with PinnedPool(...) as pool:`` or ``with ...`` (or ``.open()`` ...
+    ``.close()`` for an owner without a block). The constructor validates everything (:class:`ConfigError`)
+    before any memory is mapped. Inside the block ``pool.tensor`` is a zero-copy view of the pinned
+    memory; on exit every chunk is unregistered, whatever the block did. The options are declared once
+    (``pinpool._plan.declared``): the signature and the ``Options:`` below follow it.
     """
 
     def __init__(self, **options: Unpack[PoolArguments]) -> None:
@@ -104,9 +97,8 @@ class PinnedPool:
         return self._plan.num_pages
 
     def _build(self, request: PoolRequest) -> None:
-        """The one construction path of ``PinnedPool(...)`` and ``pin()``, from the validated request:
-        probe the host once, place and check (before the runtime is resolved, so a doomed configuration
-        fails before a GPU driver starts), plan from that placement."""
+        """``PinnedPool(...)`` and ``pin()``'s one construction path: place and check the request before the
+        runtime is resolved (a doomed pool starts no GPU driver), then plan from that placement."""
         options, memory, source = request.options, request.memory, request.source
         host = HostFacts.probe()
         if memory is not None:
@@ -128,7 +120,6 @@ class PinnedPool:
         )  # fmt: skip
         admission = None
         if request.pacing is not None:
-            # The directory is checked (and made) now; a long wait is logged as node.waiting.
             admission = NodeAdmission(request.pacing, label=options.name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
         # The lifecycle holds values, never the façade: the finalizer runs it after the façade is gone,
@@ -199,10 +190,9 @@ class PinnedPool:
         return None
 
     async def wait_ready(self, *, min_bytes: int | str | None = None, fraction: float | None = None) -> int:
-        """Wait until the pool is ready, or its first ``min_bytes`` or ``fraction`` of its pages are
-        pinned; returns ``pinned_pages``. Raises a failed background pinning's :class:`PinError` (to
-        every waiter), :class:`PoolStateError` if not entered or exited first. Cancellable; it polls
-        (at most every 20 ms), so no thread is held per waiter."""
+        """Wait until the pool is ready, or its first ``min_bytes`` or ``fraction`` is pinned; returns
+        ``pinned_pages``. Raises a failed background pinning's :class:`PinError` (to every waiter), or
+        :class:`PoolStateError` outside the block. Cancellable; it polls (every 20 ms at most), holding no thread."""
         pages = self._pages_for(min_bytes, fraction)
         delay = 0.001
         while not self._lifecycle.reached(pages):
@@ -288,9 +278,7 @@ class PinnedPool:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if isinstance(exc, GeneratorExit):
-            # The task's coroutine is being closed (collected, or its loop is gone): it cannot
-            # await any more, so the pool is left on this thread, synchronously.
+        if isinstance(exc, GeneratorExit):  # the coroutine is being closed and cannot await: leave synchronously
             drive_sync(self._lifecycle.exit(exc))
             return
         await drive_async(self._lifecycle.exit(exc))
@@ -310,14 +298,10 @@ class PinnedPool:
         return self.__enter__()
 
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
-        """Exit the pool: stop background pinning, unpin every chunk, let go of the memory.
-
-        From any thread, at any moment, more than once; never :class:`PoolStateError`. On the thread
-        already entering or closing it (a signal handler) it returns None at once and that entry or
-        teardown finishes the job (docs/serving.md). Raises :class:`UnpinError` (a chunk stays
-        pinned) or an unseen background :class:`PinError`; ``raise_errors=False`` (a destructor)
-        returns it instead. Interruptions are always re-raised, after the teardown.
-        """
+        """Exit the pool: stop background pinning, unpin every chunk, let go of the memory; from any thread,
+        more than once, never :class:`PoolStateError` (re-entered from a signal handler: docs/serving.md).
+        Raises :class:`UnpinError` or an unseen background :class:`PinError`, or with ``raise_errors=False``
+        (a destructor) returns it. Interruptions are re-raised after the teardown."""
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 
 
