@@ -1,9 +1,6 @@
-"""The command line's pool options: the declared options as flags, read back as PinnedPool keyword
-arguments; the layout as ``--layout FAMILY`` with one flag per field, or ``--layout-file`` (JSON);
-and the text readers, each failure a ConfigError naming the flag and the fix. A family's fields
-come from its class in :mod:`pinpool.layouts` (:data:`FIELDS` only spells them). Torch-free at
-import: torch comes with the layout.
-"""
+"""The command line's pool options: the declared options as flags read back as PinnedPool keywords, the
+layout as ``--layout FAMILY`` with one flag per field of its class (:data:`FIELDS` spells them) or
+``--layout-file`` (JSON). Each failure is a ConfigError naming the flag; torch comes only with the layout."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ if TYPE_CHECKING:
 
 
 def cli_size(option: str, text: str) -> int:
-    """:func:`parse_size`, stricter: a number without a unit counts bytes, so it must be whole
-    (``1.5`` is a typo for ``1.5GiB``, not one byte)."""
+    """:func:`parse_size`, but a number without a unit counts bytes, so it must be whole (``1.5``: a typo)."""
     stripped = text.strip()
     example = f"e.g. {option} 64GiB"
     if stripped.startswith("-"):
@@ -166,7 +162,7 @@ def _dtype(where: str, value: object) -> Any:
 
 
 def _field_value(field: Field, where: str, value: object, *, from_text: bool) -> object:
-    """A field's constructor value from command-line text or JSON; checks beyond parsing are the layout class's."""
+    """A field's value from command-line text or JSON; the layout class checks it."""
     if field.kind == "dtype":
         return _dtype(where, value)
     if field.kind == "bytes":
@@ -198,8 +194,7 @@ def family_fields(family: str) -> tuple[str, ...]:  # in declaration order
 
 
 def build_layout(family: str, given: dict[str, object], *, source: str, from_text: bool) -> Layout:
-    """A layout of ``family`` from constructor field values; ``source`` names where they came from in
-    messages (``--layout mha``, the file's path)."""
+    """A layout of ``family`` from field values; ``source`` names where they came from (``--layout mha``, a file)."""
     if family not in FAMILIES:
         raise ConfigError(f"{source}: unknown layout family {family!r}; choose one of {', '.join(FAMILIES)}")
     cls = family_class(family)
@@ -336,7 +331,7 @@ def _flag_value(flag: Flag, value: Any) -> Any:
 
 
 def text_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
-    """:func:`pool_options` but the layout: what the command line gives as text, read without torch."""
+    """:func:`pool_options` but the layout, read without torch."""
     given: dict[str, Any] = {}
     for opt, flag in flags(command):
         if flag.kind == "layout":
@@ -352,9 +347,8 @@ def text_options(args: argparse.Namespace, command: str = "pin") -> dict[str, An
 
 
 def pool_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
-    """PinnedPool keyword arguments from the flags given and the command line's own defaults
-    (``--size 4GiB`` unless ``--num-pages``, ``--name cli``); the layout last: it imports torch,
-    so a typo elsewhere fails first."""
+    """PinnedPool keywords from the flags and the command line's defaults (``--size 4GiB``, ``--name cli``);
+    the layout last: it imports torch, so a typo elsewhere fails first."""
     given = text_options(args, command)
     if any(flag.kind == "layout" for _opt, flag in flags(command)):
         given["layout"] = layout_from_args(args)

@@ -111,13 +111,9 @@ def glue_negative_values(argv: list[str], options: set[str]) -> list[str]:
     """``--size -5GiB`` as ``--size=-5GiB``: argparse would take ``-5GiB`` for an option and answer
     "expected one argument"; glued, the value reaches pinpool's own check, which says what is wrong."""
     glued: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token in options and i + 1 < len(argv) and re.match(r"-[0-9.]", argv[i + 1]):
-            glued.append(f"{token}={argv[i + 1]}")
-            i += 2
-            continue
-        glued.append(token)
-        i += 1
+    for token in argv:
+        if glued and glued[-1] in options and re.match(r"-[0-9.]", token):
+            glued[-1] = f"{glued[-1]}={token}"
+        else:
+            glued.append(token)
     return glued

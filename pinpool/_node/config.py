@@ -1,12 +1,7 @@
-"""Node pacing's configuration (``node_slots``, ``node_budget``, ``node_dir``, each falling back to
-its environment variable: docs/serving.md, "Pacing 8 ranks on one host") and the directory it trusts.
-
-The directory: created 0700 when missing; an existing one must be ours, not group- or
-world-writable, and writable; pinpool never changes the mode of one it did not create. Lock files
-are opened relative to it and checked before (``lstat``) and after (``fstat``) the open: a regular
-file of ours with one link (a hard link would make pinpool write into the file it names), so a
-FIFO, device or link planted under a lock file's name is refused and the open never waits.
-"""
+"""Node pacing's configuration (``node_slots``, ``node_budget``, ``node_dir``, each falling back to its
+environment variable: docs/serving.md, "Pacing 8 ranks on one host") and the directory it trusts: made
+0700, else ours and not group- or world-writable (never chmod-ed); lock files opened in it are checked
+before and after the open to be regular files of ours with one link, so a planted one is refused."""
 
 from __future__ import annotations
 
@@ -45,8 +40,8 @@ def mem_total_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 
 def default_directory(uid: int | None = None) -> str:
-    """``/dev/shm/pinpool-<uid>`` (tmpfs, per host), else ``/run/user/<uid>/pinpool``, else
-    ``/tmp/pinpool-<uid>``. Not ``$TMPDIR``: ranks with different TMPDIRs would not see each other."""
+    """``/dev/shm/pinpool-<uid>``, else ``/run/user/<uid>/pinpool``, else ``/tmp/pinpool-<uid>``; never
+    ``$TMPDIR``: ranks with different TMPDIRs would not see each other."""
     uid = os.geteuid() if uid is None else uid
     if os.path.isdir("/dev/shm"):
         return f"/dev/shm/pinpool-{uid}"
@@ -134,13 +129,8 @@ class NodePacing:
     wait: bool = True
 
     def __post_init__(self) -> None:
-        d = self.directory
-        if not isinstance(d, str) or not d or not os.path.isabs(d) or "\0" in d:
-            raise ConfigError(
-                f"node_dir={d!r} must be an absolute path (every rank must name the same directory, whatever "
-                f"its working directory); set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
-            )
-        object.__setattr__(self, "directory", os.path.normpath(d))
+        _check_directory(self.directory, "node_dir")
+        object.__setattr__(self, "directory", os.path.normpath(self.directory))
         if self.slots is not None:
             _parse_slots(self.slots, what="node_slots")
         if self.budget_bytes is not None:
@@ -165,21 +155,19 @@ class NodePacing:
         environ: Mapping[str, str] | None = None,
         mem_total: int | None = None,
     ) -> NodePacing | None:
-        """Pacing from a pool's options, each falling back to its environment variable; None when
-        neither slots nor a budget is asked for. ``mem_total`` replaces /proc/meminfo's."""
+        """Pacing from a pool's options or their environment variables; None when neither slots nor a budget
+        is asked for. ``mem_total`` replaces /proc/meminfo's."""
         env = os.environ if environ is None else environ
         if node_slots is not None:
             slots: int | None = _parse_slots(node_slots, what="node_slots")
-        elif (raw := env.get(SLOTS_ENV)) is not None:
-            slots = _parse_slots(raw, what=SLOTS_ENV, from_env=True)
         else:
-            slots = None
+            raw = env.get(SLOTS_ENV)
+            slots = None if raw is None else _parse_slots(raw, what=SLOTS_ENV, from_env=True)
         if node_budget is not None:
             budget: int | None = _parse_budget(node_budget, what="node_budget", mem_total=mem_total)
-        elif (raw := env.get(BUDGET_ENV)) is not None:
-            budget = _parse_budget(raw, what=BUDGET_ENV, mem_total=mem_total)
         else:
-            budget = None
+            raw = env.get(BUDGET_ENV)
+            budget = None if raw is None else _parse_budget(raw, what=BUDGET_ENV, mem_total=mem_total)
         if not isinstance(node_wait, bool):
             raise ConfigError(f"node_wait={node_wait!r} must be True (wait for admission) or False (fail fast)")
         if node_dir is not None:
@@ -192,14 +180,18 @@ class NodePacing:
             directory, what = raw, DIR_ENV
         else:
             directory, what = default_directory(), "the default node_dir"
-        if not isinstance(directory, str) or not directory or not os.path.isabs(directory) or "\0" in directory:
-            raise ConfigError(
-                f"{what}={directory!r} must be an absolute path (every rank must name the same directory); "
-                f"set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
-            )
+        _check_directory(directory, what)
         if slots is None and budget is None:
             return None
         return cls(directory=directory, slots=slots, budget_bytes=budget, wait=node_wait)
+
+
+def _check_directory(directory: object, what: str) -> None:
+    if not isinstance(directory, str) or not directory or not os.path.isabs(directory) or "\0" in directory:
+        raise ConfigError(
+            f"{what}={directory!r} must be an absolute path (every rank must name the same directory, whatever "
+            f"its working directory); set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
+        )
 
 
 # -- the directory and its files --------------------------------------------------------------------
@@ -229,8 +221,7 @@ _CANNOT_CREATE = (errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSPC, er
 
 
 def _unwritable(directory: str, code: int, creating: str | None = None) -> ConfigError:
-    """``creating``: what failed to be created after the permission checks passed (the file system
-    refused it: read-only, full, or one that holds no files such as /proc or /sys)."""
+    """``creating``: what the file system refused after the permission checks passed (read-only, full, /proc)."""
     reason = _reason(code)
     if creating is None and code != errno.EROFS:
         fix = (
@@ -320,8 +311,8 @@ def open_directory(path: str, *, probe: bool = False) -> int:
 
 
 def _check_creates(dir_fd: int, directory: str) -> None:
-    """A file made and removed: a directory that holds no files (/proc, /sys, where root passes
-    every permission check) is a ConfigError now, not when the first lock file is made."""
+    """A file made and removed: a directory that holds no files (/proc, /sys, where root passes every
+    permission check) fails now, not at the first lock file."""
     name = f".probe-{os.getpid()}-{secrets.token_hex(8)}"  # never a lock file's name
     try:
         os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd))

@@ -148,14 +148,12 @@ OPTIONS: tuple[Option, ...] = (
         flag=Flag("--runtime", "runtime", note="(names only: a runtime object is Python-only; fake is "
                   "pinpool.testing.FakeRuntime, which pins nothing)"), home=REQUEST),
     Option("chunk_bytes", "int | str | None", None,
-        f"exact size of every registration call (a buffer's last one shorter), rounded down to the alignment unit, "
-        f"never split for the workers nor cut by an 'auto' stall budget; {PER_BUFFER!r}: one registration per buffer, "
-        "never cut; None: chunks up to the chunk limit, split for the workers",
+        "exact size of every registration call (a buffer's last shorter), rounded down to the alignment unit, never "
+        f"split or cut by an 'auto' budget; {PER_BUFFER!r}: one per buffer; None: up to the chunk limit, then split",
         flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer")),
     Option("max_chunk_bytes", "int | str | None", None,
-        "upper bound of one registration call, rounded down to the alignment unit: as few registrations as it allows, "
-        "never split for the workers nor cut by an 'auto' stall budget (None: PINPOOL_REGISTER_CHUNK_GB GiB, else "
-        "256 GiB, split for the workers)",
+        "upper bound of one registration call, rounded down to the alignment unit: as few as it allows, never split "
+        "or cut by an 'auto' stall budget (None: PINPOOL_REGISTER_CHUNK_GB GiB, else 256 GiB, split for the workers)",
         flag=Flag("--max-chunk-bytes", "size", "SIZE")),
     Option("populate", "bool | None", None,
         "pre-fault the memory on threads (MADV_POPULATE_WRITE), pipelined with registration (None: where it can)",
@@ -180,27 +178,22 @@ OPTIONS: tuple[Option, ...] = (
         "the pool's name in logs, metrics and errors (low-cardinality: one per pool role)",
         flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor"),
     Option("min_chunk_bytes", "int | str | None", None,
-        "a registration retried as halves is never cut below this (None: one alignment unit, lcm(granularity, "
-        "OS page))",
+        "retried halves are never cut below this (None: one alignment unit, lcm(granularity, OS page))",
         flag=Flag("--min-chunk-bytes", "size", "SIZE")),
     Option("max_retries", "int", DEFAULT_MAX_RETRIES,
-        "how many times one planned registration may be halved, level after level, when a call fails with a retry "
-        "code (0: never retry)",
+        "how many times a failed registration may be halved, level after level, on a retry code (0: never)",
         flag=Flag("--max-retries", "int", "N")),
     Option("retry_codes", "Collection[int] | None", None,
-        "the runtime's error codes that make a registration retry as halves (None: the runtime's own; CUDA and "
-        "ROCm: 1 and 2, what a registration too large gets; (): never retry)",
+        "error codes that retry a registration as halves (None: the runtime's; CUDA, ROCm: 1 and 2; (): never)",
         flag=Flag("--retry-codes", "codes", "CODE,...")),
     Option("max_call_seconds", "float | str | None", "auto",
-        "the stall budget: every registration and populate call is sized to take at most this long ('auto': 50 ms "
-        "for a background pool, none otherwise; None: no budget)",
+        "the stall budget: no registration or populate call is sized to last longer ('auto': 50 ms if background)",
         flag=Flag("--max-call-seconds", "seconds", "SECONDS|auto|none", note="(here none for None)")),
     Option("background", "bool", False,
         "enter at once and pin in the background, lowest pages first (pool.state, pinned_pages, wait_ready)",
         flag=Flag("--background", "switch", note="(pin waits until the pool is ready before it reports or holds)")),
     Option("pin_nice", "int | str | None", "auto",
-        "how much nicer than the process the pin worker threads run, 0 to 19 ('auto': nicer for a background pool, "
-        "unchanged otherwise; None: 0)",
+        "how much nicer than the process pin workers run, 0 to 19 ('auto': 10 for a background pool, else 0; None: 0)",
         flag=Flag("--pin-nice", "nice", "N|auto")),
     Option("node_slots", "int | None", None,
         "node pacing: at most this many processes of this host pin at once (None: PINPOOL_NODE_SLOTS, else no limit)",
