@@ -1,12 +1,6 @@
-"""The pinpool command line: plan a pool, check the host, pin a pool.
-
-    pinpool plan   --size 1.5TiB --layout mha ...   what a pool would be; nothing is allocated
-    pinpool doctor --size 1.5TiB                    is this host ready, and what to change
-    pinpool pin    --size 64GiB [--hold forever]    pin it, show progress, report, unpin
-
-:func:`main` runs one: errors to exit statuses, signals, a closed stdout. Only torch-free modules
-are imported at the top (torch costs seconds): ``pinpool --help`` answers at once.
-"""
+"""The pinpool command line (``plan``, ``doctor``, ``pin``): :func:`main` runs one, turning errors into exit
+statuses and taking signals and a closed stdout. Only torch-free modules are imported at the top (torch
+costs seconds), so ``pinpool --help`` answers at once."""
 
 from __future__ import annotations
 

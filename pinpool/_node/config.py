@@ -286,9 +286,7 @@ def open_directory(path: str, *, probe: bool = False) -> int:
     except OSError as exc:
         raise failed("cannot be opened", exc) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISDIR(st.st_mode):  # replaced between lstat and open
-            raise ConfigError(f"node pacing directory {path!r} is not a directory; {fix_env}")
+        st = os.fstat(fd)  # a directory: O_DIRECTORY
         if st.st_uid == os.geteuid() and created:
             os.fchmod(fd, 0o700)  # ours, just made: undo what a umask took away; never anyone else's
             st = os.fstat(fd)

@@ -37,21 +37,8 @@ class _Default:
 DEFAULT_REGISTRY = _Default("prometheus_client.REGISTRY")
 _SAME = _Default("the same")
 
-# How the command line reads an option's text (pinpool._cli turns each into argparse arguments):
-KINDS = {
-    "layout": "the layout group: --layout FAMILY with its dimensions, or --layout-file",
-    "size": "a size: bytes, or a number with a unit (64GiB); a number without a unit must be whole",
-    "chunk": f"a size, or {PER_BUFFER!r}",
-    "int": "an integer",
-    "codes": "comma-separated integers, or 'none' (never retry)",
-    "seconds": "a number of seconds, 'auto', or 'none'",
-    "nice": "an integer, or 'auto'",
-    "text": "text, as given",
-    "runtime": "a registered runtime name, or 'fake'",
-    "huge_pages": "off, thp, hugetlb (2 MiB pages, also hugetlb:2MiB) or hugetlb:1GiB; thp when given alone",
-    "bool": "--flag / --no-flag",
-    "switch": "--flag (True); absent: the Python default",
-}
+# How the command line reads an option's text: each kind's reader and argparse action are pinpool._cli.options's.
+KINDS = frozenset("layout size chunk int codes seconds nice text runtime huge_pages bool switch".split())
 
 
 @dataclass(frozen=True)

@@ -149,9 +149,8 @@ def host_budget(
     available = facts.memory_available
     if available is None:
         raise ConfigError(
-            "host_budget(): the memory this process may still make resident is unknown (MemAvailable could not be "
-            "read from /proc/meminfo and no memory cgroup limit applies); give the budget in bytes to "
-            "pinpool.share() instead"
+            "host_budget(): the memory this process may still make resident is unknown (no MemAvailable in "
+            "/proc/meminfo, no memory cgroup limit); give the budget in bytes to pinpool.share() instead"
         )
     if held_back >= available:
         raise ConfigError(

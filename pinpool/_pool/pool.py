@@ -59,11 +59,14 @@ class PoolStats:
 class PinnedPool:
     """A page-locked host-memory pool, pinned in granularity-aligned chunks on worker threads.
 
-    Use it once, as ``async with PinnedPool(...) as pool:`` or ``with ...`` (or ``.open()`` ...
-    ``.close()`` for an owner without a block). The constructor validates everything (:class:`ConfigError`)
-    before any memory is mapped. Inside the block ``pool.tensor`` is a zero-copy view of the pinned
-    memory; on exit every chunk is unregistered, whatever the block did. The options are declared once
-    (``pinpool._plan.declared``): the signature and the ``Options:`` below follow it.
+    Use it once, as ``async with PinnedPool(...) as pool:`` or ``with PinnedPool(...) as pool:``
+    (or ``pool = PinnedPool(...).open()`` ... ``pool.close()`` for an owner without a block).
+    Everything is validated in the constructor (:class:`ConfigError`), before any memory is
+    mapped or pinned. Inside the block ``pool.tensor`` is a zero-copy torch view of the pinned
+    memory; on exit every chunk is unregistered, whatever the block did. ``pool.plan`` is every
+    decision made before pinning; ``pool.registrations`` what the runtime holds right now.
+
+    The options are declared once (``pinpool._plan.declared``): the signature and ``Options:`` follow it.
     """
 
     def __init__(self, **options: Unpack[PoolArguments]) -> None:
@@ -122,8 +125,7 @@ class PinnedPool:
         if request.pacing is not None:
             admission = NodeAdmission(request.pacing, label=options.name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
-        # The lifecycle holds values, never the façade: the finalizer runs it after the façade is gone,
-        # so an unexited pool can be collected.
+        # The lifecycle holds values, never the façade, so an unexited pool is collected (its finalizer runs it).
         pool_memory = PoolMemory(self._plan, options, resolved, self._caps, shared=memory, tensor=source)
         self._lifecycle = Lifecycle(
             self._plan, options, runtime=resolved, caps=self._caps, observer=self._observer, source=pool_memory,
@@ -171,9 +173,7 @@ class PinnedPool:
     def _pages_for(self, min_bytes: int | str | None, fraction: float | None) -> int | None:
         """The page count a wait needs: None for the whole pool (ready)."""
         if min_bytes is not None and fraction is not None:
-            raise ConfigError(
-                "wait_ready(min_bytes=..., fraction=...): give one of them, or neither for the whole pool"
-            )
+            raise ConfigError("wait_ready(min_bytes=..., fraction=...): give one, or neither for the whole pool")
         num_pages, page_bytes = self.num_pages, self._plan.page_bytes
         if min_bytes is not None:
             nbytes = parse_size(min_bytes, what="min_bytes")
