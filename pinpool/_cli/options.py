@@ -25,9 +25,8 @@ if TYPE_CHECKING:
 def cli_size(option: str, text: str) -> int:
     """:func:`parse_size`, but a number without a unit counts bytes, so it must be whole (``1.5``: a typo)."""
     stripped = text.strip()
-    example = f"e.g. {option} 64GiB"
     if stripped.startswith("-"):
-        raise ConfigError(f"{option} {text}: a size must be positive; give {example}")
+        raise ConfigError(f"{option} {text}: a size must be positive; give e.g. {option} 64GiB")
     number = stripped[:-1].rstrip() if stripped[-1:] in ("b", "B") else stripped
     try:
         value = Decimal(number)
@@ -49,14 +48,12 @@ def int_text(where: str, text: str) -> int:
 
 
 def shape_text(where: str, text: str) -> tuple[int, ...]:  # 8,64,128
-    return tuple(int_text(where, part) for part in text.split(",") if part.strip())
+    return tuple(int_text(where, part.strip()) for part in text.split(",") if part.strip())
 
 
 def codes_text(flag: str, text: str) -> tuple[int, ...]:
     """``--retry-codes``: ``1,2`` (checked by the pool), or ``none`` for no retry."""
-    if text.strip().lower() == "none":
-        return ()
-    return tuple(int_text(flag, part.strip()) for part in text.split(",") if part.strip())
+    return () if text.strip().lower() == "none" else shape_text(flag, text)
 
 
 def seconds_text(flag: str, text: str) -> float | str | None:

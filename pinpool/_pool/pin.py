@@ -20,15 +20,10 @@ from .request import pool_request
 
 
 def pin(tensor: torch.Tensor, **options: Unpack[PinArguments]) -> PinnedPool:
-    """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees (docs/concepts.md,
-    "Pinning memory you already own"): ``with pin(t) as pinned:`` (or ``async with``).
-
-    It takes :class:`PinnedPool`'s options (``name`` defaults to ``"tensor"``) but those the tensor
-    decides; its pages are its rows (``pinned.num_pages == t.shape[0]``). Where no chunk boundary falls
-    on an OS page, runtimes that track exact byte ranges let neighbouring chunks share it, others raise
-    :class:`ConfigError` (allocate with :func:`pinpool.empty`). ``ranges=`` pins byte ranges of it. pinpool
-    never frees the caller's memory; memory already pinned raises :class:`AlreadyPinnedError` on entry.
-    """
+    """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees: ``with pin(t) as pinned:``
+    (or ``async with``). It takes :class:`PinnedPool`'s options but those the tensor decides (``name``
+    defaults to ``"tensor"``); its pages are its rows; pinpool never frees its memory. How chunks meet
+    OS pages, ``ranges=`` and strided views: docs/concepts.md, "Pinning memory you already own"."""
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
     if tensor.device.type != "cpu":
@@ -74,11 +69,9 @@ def empty(
     *size: int | Sequence[int], dtype: torch.dtype | None = None, huge_pages: bool | str = False,
     numa_node: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`.
-
-    Like ``torch.empty(*size, dtype=dtype)``, but its memory is a zero-filled private ``mmap`` of its own,
-    unmapped with the last view, not resizable and ``MADV_DONTFORK``, like a pool's (``huge_pages`` and
-    ``numa_node`` as for :class:`pinpool.PinnedPool`). :class:`pinpool.AllocationError` where the OS refuses it.
+    """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`: like
+    ``torch.empty(*size, dtype=dtype)`` over a zero-filled ``mmap`` of its own (``MADV_DONTFORK``; ``huge_pages``
+    and ``numa_node`` as a pool's), unmapped with its last view. :class:`pinpool.AllocationError` if the OS refuses.
     """
     shape = _shape(size)
     if dtype is None:
@@ -86,10 +79,7 @@ def empty(
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"empty(dtype={dtype!r}): expected a torch.dtype, such as torch.uint8")
     if not (isinstance(huge_pages, bool) or hugetlb_page_size(huge_pages)):
-        raise ConfigError(
-            f"empty(huge_pages={huge_pages!r}): use False, True (transparent), 'hugetlb' (2 MiB pages; also "
-            "'hugetlb:2MiB') or 'hugetlb:1GiB'"
-        )
+        raise ConfigError(f"empty(huge_pages={huge_pages!r}): use False, True, 'hugetlb' (2 MiB) or 'hugetlb:1GiB'")
     if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < 0):
         raise ConfigError(f"empty(numa_node={numa_node!r}): give a NUMA node number (>= 0), or None")
     itemsize = torch.empty(0, dtype=dtype).element_size()
