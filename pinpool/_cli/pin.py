@@ -35,14 +35,10 @@ SIGTERM = "SIGTERM"
 
 
 class Interrupts:
-    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it).
-
-    Armed (:meth:`arm`), the first signal raises KeyboardInterrupt in the main thread, so pinning rolls
-    back as for Ctrl-C. Otherwise (while torch is imported, which loses a KeyboardInterrupt, and once the
-    pool exits, :meth:`defer`: raised in the teardown or the unmapping finalizer it would be lost) a signal
-    is only recorded: :meth:`arm` raises one recorded before it, ``main`` turns a later one into the
-    interrupted status.
-    """
+    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it): armed (:meth:`arm`),
+    a signal raises KeyboardInterrupt in the main thread, so pinning rolls back. Otherwise (torch's import
+    loses one; raised in the teardown or the unmapping finalizer it would be lost) it is only recorded:
+    :meth:`arm` raises one recorded before it, ``main`` turns a later one into the interrupted status."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -74,9 +70,8 @@ _interrupts: Interrupts | None = None  # the running command's, while main() run
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
-    """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block
-    ends, recording until armed (inside the caller's ``try``: a signal while the handlers are
-    installed raised out of ``with``); off the main thread, signals are left alone."""
+    """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block ends (None
+    off the main thread); it records until armed (raised while the handlers are installed, one would escape)."""
     global _interrupts
     if threading.current_thread() is not threading.main_thread():
         yield None

@@ -181,9 +181,8 @@ class NodePacing:
         else:
             directory, what = default_directory(), "the default node_dir"
         _check_directory(directory, what)
-        if slots is None and budget is None:
-            return None
-        return cls(directory=directory, slots=slots, budget_bytes=budget, wait=node_wait)
+        paced = slots is not None or budget is not None
+        return cls(directory=directory, slots=slots, budget_bytes=budget, wait=node_wait) if paced else None
 
 
 def _check_directory(directory: object, what: str) -> None:
@@ -215,14 +214,12 @@ def _reason(code: int) -> str:
     return f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
 
 
-# What creating a file in a directory that holds none of ours says: /proc and /sys (ENOENT, EINVAL,
-# EOPNOTSUPP; root passes the permission checks there), a full file system.
+# What creating a file says where none can be made (/proc, /sys: root passes the permission checks), or no room.
 _CANNOT_CREATE = (errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSPC, errno.EDQUOT)
 
 
 def _unwritable(directory: str, code: int, creating: str | None = None) -> ConfigError:
     """``creating``: what the file system refused after the permission checks passed (read-only, full, /proc)."""
-    reason = _reason(code)
     if creating is None and code != errno.EROFS:
         fix = (
             f"give this user write and search permission on it (`chmod u+rwx {directory}`), or set node_dir= / "
@@ -232,7 +229,7 @@ def _unwritable(directory: str, code: int, creating: str | None = None) -> Confi
         fix = f"set node_dir= / {DIR_ENV} to a directory on a writable file system (such as {default_directory()!r})"
     doing = "" if creating is None else f" (creating {creating})"
     return ConfigError(
-        f"node pacing directory {directory!r} is not writable by this process ({reason}){doing}: every rank "
+        f"node pacing directory {directory!r} is not writable by this process ({_reason(code)}){doing}: every rank "
         f"creates and writes its lock files there; {fix}"
     )
 
@@ -332,9 +329,7 @@ def open_error(directory: str, name: str, exc: OSError, *, existed: bool) -> Con
         if code == errno.EROFS or not existed:
             return _unwritable(directory, code, repr(name))
         return file_error(directory, name, f"cannot be opened ({_reason(code)})")
-    if code in _CANNOT_CREATE and not existed:
-        return _unwritable(directory, code, repr(name))
-    return None
+    return _unwritable(directory, code, repr(name)) if code in _CANNOT_CREATE and not existed else None
 
 
 def open_file(dir_fd: int, directory: str, name: str, flags: int) -> int:

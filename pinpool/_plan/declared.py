@@ -1,7 +1,6 @@
-"""A pool's options, declared once in :data:`OPTIONS`: the signatures (:func:`keyword_signature`), the
-request (``pinpool._pool.request``), ``PoolOptions.create``, the flags and docs/options.md derive from it or
-are tested against it, as are the typed keywords (:class:`PoolArguments`, :class:`PinArguments`).
-Standard library only (the CLI must not import torch)."""
+"""A pool's options, declared once in :data:`OPTIONS`: the signatures, the request, ``PoolOptions.create``,
+the flags and docs/options.md derive from it, the typed keywords (:class:`PoolArguments`) are tested
+against it. Standard library only (the CLI must not import torch)."""
 
 from __future__ import annotations
 
@@ -100,9 +99,7 @@ class Option:
 
     def shown(self, value: object = _SAME) -> str:
         value = self.default if value is _SAME else value
-        if value is self.default and self.shown_default is not None:
-            return self.shown_default
-        return repr(value)
+        return self.shown_default if value is self.default and self.shown_default is not None else repr(value)
 
 
 _TENSOR = "the tensor decides"
@@ -110,11 +107,9 @@ _TENSOR = "the tensor decides"
 OPTIONS: tuple[Option, ...] = (
     Option("granularity_bytes", "int | None", None,
         "copy-page size of the tensor: chunk boundaries are multiples of it from the tensor's start",
-        no_flag="pin() only: the command line pins memory of its own (--layout raw --granularity does the same)",
-        pool=False, home=SOURCE),
+        no_flag="pin() only (the command line's --layout raw --granularity does the same)", pool=False, home=SOURCE),
     Option("ranges", "Sequence[tuple[int, int]] | None", None,
-        "pin only these (offset, nbytes) byte ranges of the tensor, each a registration of its own (None: all of it; "
-        "a strided view: each of its contiguous rows)",
+        "pin only these (offset, nbytes) byte ranges, each its own registration (None: all, row by row if strided)",
         no_flag="pin() only: byte ranges of a tensor you give", pool=False, home=SOURCE),
     Option("layout", "Layout | None", None,
         "what the memory holds: a layout from pinpool.layouts (None: Raw(), plain bytes)",
