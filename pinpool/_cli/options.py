@@ -390,10 +390,8 @@ def add_pool_options(parser: argparse.ArgumentParser, command: str) -> None:
         elif flag.kind == "runtime":
             pool.add_argument(flag.flag, default="auto", choices=CLI_RUNTIMES, help=help_text)
         elif flag.kind == "huge_pages":
-            pool.add_argument(flag.flag, nargs="?", const="thp", default=None, choices=list(HUGE_PAGES),
-                              help=help_text)  # fmt: skip
+            pool.add_argument(flag.flag, nargs="?", const="thp", default=None, choices=list(HUGE_PAGES), help=help_text)
         else:
-            pool.add_argument(flag.flag, type=int if flag.kind == "int" else str, metavar=flag.metavar,
-                              help=help_text)  # fmt: skip
+            pool.add_argument(flag.flag, type=int if flag.kind == "int" else str, metavar=flag.metavar, help=help_text)
     if layout_flag:
         add_layout_group(parser)

@@ -58,8 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Plan a pool with pin's options: buffers, pages, chunks, workers, spans and the chunk table. Nothing is "
         "allocated or pinned (a pool larger than this host can be planned too); it says whether this host can pin it.",
     )  # fmt: skip
-    plan.add_argument("--rows", type=int, default=5, metavar="N",
-                      help="chunk table rows shown at each end (default 5)")  # fmt: skip
+    plan.add_argument("--rows", type=int, default=5, metavar="N", help="chunk table rows shown at each end (default 5)")
     plan.set_defaults(run=run_plan)
 
     doctor = command(

@@ -133,12 +133,9 @@ class NodePacing:
         object.__setattr__(self, "directory", os.path.normpath(self.directory))
         if self.slots is not None:
             _parse_slots(self.slots, what="node_slots")
-        if self.budget_bytes is not None:
-            b = self.budget_bytes
-            if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-                raise ConfigError(
-                    f"budget_bytes={b!r} must be a positive int; use NodePacing.from_options for sizes and fractions"
-                )
+        b = self.budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise ConfigError(f"budget_bytes={b!r} must be a positive int (from_options reads sizes and fractions)")
         if self.slots is None and self.budget_bytes is None:
             raise ConfigError("NodePacing needs slots or budget_bytes (no pacing is None, not an empty NodePacing)")
         if not isinstance(self.wait, bool):

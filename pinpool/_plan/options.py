@@ -204,9 +204,7 @@ class PoolOptions:
                 "or chunk sizes that may be cut (chunk_bytes= or max_chunk_bytes=)"
             )
         if yields not in (None, "chunk_bytes", "max_chunk_bytes") or (yields and getattr(self, yields) is None):
-            raise ConfigError(
-                f"budget_yields_to={yields!r}: None, or the chunk option given; PoolOptions.create sets it"
-            )
+            raise ConfigError(f"budget_yields_to={yields!r}: None or a chunk option given; PoolOptions.create sets it")
         if self.chunk_bytes is not None and budget is not None and yields is None:
             raise ConfigError(
                 f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) makes every registration "

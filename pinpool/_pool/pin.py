@@ -79,7 +79,10 @@ def empty(
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"empty(dtype={dtype!r}): expected a torch.dtype, such as torch.uint8")
     if not (isinstance(huge_pages, bool) or hugetlb_page_size(huge_pages)):
-        raise ConfigError(f"empty(huge_pages={huge_pages!r}): use False, True, 'hugetlb' (2 MiB) or 'hugetlb:1GiB'")
+        raise ConfigError(
+            f"empty(huge_pages={huge_pages!r}): use False, True (transparent), 'hugetlb' (2 MiB pages; also "
+            "'hugetlb:2MiB') or 'hugetlb:1GiB'"
+        )
     if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int) or numa_node < 0):
         raise ConfigError(f"empty(numa_node={numa_node!r}): give a NUMA node number (>= 0), or None")
     itemsize = torch.empty(0, dtype=dtype).element_size()
