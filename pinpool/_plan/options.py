@@ -150,7 +150,10 @@ class PoolOptions:
         if not isinstance(self.per_buffer, bool):
             raise ConfigError(f"per_buffer={self.per_buffer!r} must be True or False")
         if self.per_buffer and self.chunk_bytes is not None:
-            raise ConfigError(f"per_buffer=True with chunk_bytes={self.chunk_bytes!r}: give one of them")
+            raise ConfigError(
+                f"per_buffer=True with chunk_bytes={self.chunk_bytes!r}: one registration per buffer has no chunk "
+                "size; give one of them"
+            )
         if self.chunk_bytes is not None and bound is not None and self.chunk_bytes > bound:
             raise ConfigError(
                 f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) is more than "

@@ -173,7 +173,9 @@ class PinnedPool:
     def _pages_for(self, min_bytes: int | str | None, fraction: float | None) -> int | None:
         """The page count a wait needs: None for the whole pool (ready)."""
         if min_bytes is not None and fraction is not None:
-            raise ConfigError("wait_ready(min_bytes=..., fraction=...): give one, or neither for the whole pool")
+            raise ConfigError(
+                "wait_ready(min_bytes=..., fraction=...): give one of them, or neither for the whole pool"
+            )
         num_pages, page_bytes = self.num_pages, self._plan.page_bytes
         if min_bytes is not None:
             nbytes = parse_size(min_bytes, what="min_bytes")
