@@ -194,10 +194,8 @@ def _check_directory(directory: object, what: str) -> None:
 
 
 def file_problem(st: os.stat_result) -> str | None:
-    return regular_file_problem(
-        st, files="its lock files",
-        linked="another name refers to the same file, and pinpool writes into its lock files",
-    )  # fmt: skip
+    linked = "another name refers to the same file, and pinpool writes into its lock files"
+    return regular_file_problem(st, files="its lock files", linked=linked)
 
 
 def file_error(directory: str, name: str, problem: str) -> ConfigError:

@@ -42,8 +42,7 @@ KINDS = frozenset("layout size chunk int codes seconds nice text runtime huge_pa
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option: ``kind`` (a key of :data:`KINDS`), the ``commands``
-    taking it, its own ``default`` for pin and plan where it differs from Python's, a help ``note``."""
+    """How the command line spells an option: its ``kind``, the ``commands`` taking it, a ``default`` of its own."""
 
     flag: str
     kind: str

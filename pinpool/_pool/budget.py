@@ -72,9 +72,8 @@ class Shares:
 
 
 def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts | None = None, **options: Any) -> Shares:
-    """The most pages for which every pool of ``layouts`` (by name) together maps at most ``budget``.
-    ``options``: those that decide what they map (``huge_pages=``), passed on by :meth:`Shares.pool`;
-    ``host``: the page sizes (probed by default). Pure arithmetic: nothing is mapped."""
+    """The most pages for which the pools of ``layouts`` together map at most ``budget``; ``options`` decide what
+    they map (passed on by :meth:`Shares.pool`), ``host`` the page sizes (probed by default). Maps nothing."""
     nbytes = parse_size(budget, what="budget")
     if not isinstance(layouts, Mapping) or not layouts:
         raise ConfigError(

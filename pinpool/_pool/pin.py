@@ -47,8 +47,6 @@ pin.__signature__ = keyword_signature(  # type: ignore[attr-defined]
 def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
     """``empty(2, 3)`` and ``empty((2, 3))`` alike, as torch.empty takes them."""
     dims: object = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
-    if isinstance(dims, torch.Size):
-        return tuple(dims)
     if not isinstance(dims, Sequence) or isinstance(dims, str | bytes):
         raise ConfigError(f"empty(size={dims!r}): give the sizes as ints, or one sequence of ints")
     shape: list[int] = []
@@ -71,8 +69,7 @@ def empty(
 ) -> torch.Tensor:  # fmt: skip
     """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`: like
     ``torch.empty(*size, dtype=dtype)`` over a zero-filled ``mmap`` of its own (``MADV_DONTFORK``; ``huge_pages``
-    and ``numa_node`` as a pool's), unmapped with its last view. :class:`pinpool.AllocationError` if the OS refuses.
-    """
+    and ``numa_node`` as a pool's), unmapped with its last view. :class:`pinpool.AllocationError` if the OS refuses."""
     shape = _shape(size)
     if dtype is None:
         dtype = torch.get_default_dtype()

@@ -39,15 +39,10 @@ _WAIT_POLL_SECONDS = 0.02
 
 @dataclasses.dataclass(frozen=True)
 class PoolStats:
-    """What a pool's pinning and unpinning took, as ``pool.stats`` read it.
-
-    Attributes:
-        pin_seconds: wall time from mapping the memory to the last pin worker's end (0.0 until then).
-        unpin_seconds: wall time of teardown (unregistering every chunk).
-        retries: registrations retried as aligned halves (see ``max_retries``).
-        populated_bytes: bytes pre-faulted so far (under CUDA, a chunk's count lands at its end).
-        longest_call_seconds: the longest single runtime call so far, by op, kept after close.
-    """
+    """What a pool's pinning and unpinning took, as ``pool.stats`` read it: ``pin_seconds`` (from mapping the
+    memory to the last pin worker's end; 0.0 until then), ``unpin_seconds`` (teardown), ``retries`` (calls
+    retried as aligned halves), ``populated_bytes`` (pre-faulted so far; under CUDA a chunk's count lands at
+    its end) and ``longest_call_seconds`` (the longest runtime call so far, by op, kept after close)."""
 
     pin_seconds: float
     unpin_seconds: float
@@ -255,9 +250,8 @@ class PinnedPool:
 
     @property
     def registrations(self) -> tuple[Chunk, ...]:
-        """What the runtime holds right now: one :class:`pinpool.Chunk` per live registration call,
-        offsets from ``pool.data_ptr``, sorted; a planned chunk may be several (stall-budget pieces,
-        retry halves). Safe from any thread (docs/concepts.md, "Chunks and registrations")."""
+        """What the runtime holds now, one :class:`pinpool.Chunk` per live registration call (offsets from
+        ``pool.data_ptr``, sorted), from any thread (docs/concepts.md, "Chunks and registrations")."""
         session = self._lifecycle.session
         return () if session is None else session.registrations()
 
@@ -300,10 +294,9 @@ class PinnedPool:
         return self.__enter__()
 
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
-        """Exit the pool: stop background pinning, unpin every chunk, let go of the memory; from any thread,
-        more than once, never :class:`PoolStateError` (re-entered from a signal handler: docs/serving.md).
-        Raises :class:`UnpinError` or an unseen background :class:`PinError`, or with ``raise_errors=False``
-        (a destructor) returns it. Interruptions are re-raised after the teardown."""
+        """Stop background pinning, unpin every chunk, let go of the memory: from any thread (a signal handler:
+        docs/serving.md), more than once, never :class:`PoolStateError`. Raises :class:`UnpinError` or an unseen
+        :class:`PinError` (``raise_errors=False`` returns it); interruptions are re-raised after the teardown."""
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 
 

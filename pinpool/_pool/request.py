@@ -26,9 +26,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PoolRequest:
-    """One pool as asked for: ``options``, ``pacing`` (None: not paced), the ``runtime`` as given (resolved
-    once the pool is placed), its memory (``memory``, or ``source``: pin()'s tensor; else its own) and
-    where it reports. The fields whose home is this value are checked here."""
+    """One pool as asked for: ``options``, ``pacing`` (None: not paced), ``runtime`` as given (resolved once
+    placed), its ``memory`` or pin()'s ``source`` tensor, where it reports; it checks the fields it is home to."""
 
     options: PoolOptions
     pacing: NodePacing | None = None
