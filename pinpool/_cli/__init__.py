@@ -1,6 +1,5 @@
-"""The pinpool command line (``plan``, ``doctor``, ``pin``): :func:`main` runs one, turning errors into exit
-statuses and taking signals and a closed stdout. Only torch-free modules are imported at the top (torch
-costs seconds), so ``pinpool --help`` answers at once."""
+"""The pinpool command line (``plan``, ``doctor``, ``pin``): :func:`main` runs one (exit statuses, signals, a
+closed stdout). Only torch-free modules are imported at the top, so ``pinpool --help`` answers at once."""
 
 from __future__ import annotations
 

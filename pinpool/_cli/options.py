@@ -1,6 +1,5 @@
-"""The command line's pool options: the declared options as flags read back as PinnedPool keywords, the
-layout as ``--layout FAMILY`` with one flag per field of its class (:data:`FIELDS` spells them) or
-``--layout-file`` (JSON). Each failure is a ConfigError naming the flag; torch comes only with the layout."""
+"""The command line's pool options: the declared options as flags read back as PinnedPool keywords, and the
+layout (``--layout FAMILY`` with a flag per field, or ``--layout-file``); torch comes only with the layout."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
 from .._plan.declared import OPTIONS, PER_BUFFER, Flag, Option
-from .._units import format_bytes, parse_size
+from .._units import HUGETLB_PAGE_SIZES, format_bytes, parse_size
 from ..runtimes import runtime_choices
 
 if TYPE_CHECKING:
@@ -301,9 +300,7 @@ def add_layout_group(parser: argparse.ArgumentParser) -> None:
             layout.add_argument(field.flag, metavar=METAVARS[field.kind], help=field.help)
 
 
-HUGE_PAGES: dict[str, bool | str] = {
-    "off": False, "thp": True, "hugetlb": "hugetlb", "hugetlb:2MiB": "hugetlb:2MiB", "hugetlb:1GiB": "hugetlb:1GiB",
-}  # fmt: skip
+HUGE_PAGES: dict[str, bool | str] = {"off": False, "thp": True, **{name: name for name in HUGETLB_PAGE_SIZES}}
 CLI_RUNTIMES = tuple(dict.fromkeys((*runtime_choices(), "fake")))
 
 

@@ -1,10 +1,10 @@
-"""Node pacing's configuration (``node_slots``, ``node_budget``, ``node_dir``, each falling back to its
-environment variable: docs/serving.md, "Pacing 8 ranks on one host") and the directory it trusts: made
-0700, else ours and not group- or world-writable (never chmod-ed); lock files opened in it are checked
-before and after the open to be regular files of ours with one link, so a planted one is refused."""
+"""Node pacing's configuration (``node_slots``, ``node_budget``, ``node_dir``, else their environment variables:
+docs/serving.md) and the directory it trusts: made 0700, else ours and not group- or world-writable; its lock
+files are checked before and after each open to be regular files of ours with one link."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -26,13 +26,10 @@ MAX_SLOTS = 1024  # a waiting rank opens every slot file once per poll
 
 def mem_total_bytes(meminfo: str = "/proc/meminfo") -> int:
     """``MemTotal`` of /proc/meminfo in bytes (the host's, also inside a container)."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
     raise ConfigError(
         f"node_budget as a fraction of MemTotal needs {meminfo}, which has no readable MemTotal; "
         "give the budget in bytes instead (e.g. node_budget='512GiB')"

@@ -1,6 +1,5 @@
-"""A pool's options, declared once in :data:`OPTIONS`: the signatures, the request, ``PoolOptions.create``,
-the flags and docs/options.md derive from it, the typed keywords (:class:`PoolArguments`) are tested
-against it. Standard library only (the CLI must not import torch)."""
+"""A pool's options, declared once in :data:`OPTIONS`: the signatures, the request, ``PoolOptions.create``, the
+flags, docs/options.md and the typed keywords follow it. Standard library only (the CLI must not import torch)."""
 
 from __future__ import annotations
 

@@ -131,10 +131,9 @@ def host_budget(
     fraction: float | str = 0.8, *, reserve: int | str = "10GiB", ranks: int | None = None,
     runtime: object = "auto", host: HostFacts | None = None, environ: Mapping[str, str] | None = None,
 ) -> int:  # fmt: skip
-    """This rank's byte budget: ``fraction`` of what this process may still make resident (cgroup room or
-    MemAvailable) after ``reserve``, over the ``ranks`` of this machine (else ``LOCAL_WORLD_SIZE``, else 1),
-    less page tables, within RLIMIT_MEMLOCK where ``runtime`` is charged to it. Compute it before any pool
-    is built (built pools are no longer available), and size the pools with :func:`share`."""
+    """This rank's byte budget: ``fraction`` of what this process may still make resident after ``reserve``,
+    over the ``ranks`` of this machine, within RLIMIT_MEMLOCK; compute it before building any pool and size
+    the pools with :func:`share` (docs/operations.md says each step)."""
     if isinstance(fraction, bool) or not isinstance(fraction, int | float | str):
         raise ConfigError(f"fraction={fraction!r} has type {type(fraction).__name__}; give {_FRACTION_HINT}")
     # An int is 1 (all of it) or out of range; parse_fraction reads ints as bytes, so as a float.

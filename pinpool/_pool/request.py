@@ -1,6 +1,5 @@
-"""What a caller asked for, as one frozen, validated value: :func:`pool_request` turns every entry point's
-keywords into a :class:`PoolRequest`, each option checked by its declared home (``pinpool._plan.declared``).
-Nothing here probes the host: each entry point then places and plans the request with the host facts."""
+"""What a caller asked for, as one frozen value: :func:`pool_request` turns every entry point's keywords into a
+:class:`PoolRequest`, each option checked by its declared home; entry points then place and plan it on the host."""
 
 from __future__ import annotations
 
