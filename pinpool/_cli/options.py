@@ -341,8 +341,7 @@ def text_options(args: argparse.Namespace, command: str = "pin") -> dict[str, An
 
 
 def pool_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
-    """PinnedPool keywords from the flags and the command line's defaults (``--size 4GiB``, ``--name cli``);
-    the layout last: it imports torch, so a typo elsewhere fails first."""
+    """PinnedPool keywords from the flags and the command line's defaults; the layout last (it imports torch)."""
     given = text_options(args, command)
     if any(flag.kind == "layout" for _opt, flag in flags(command)):
         given["layout"] = layout_from_args(args)

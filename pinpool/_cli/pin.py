@@ -1,5 +1,4 @@
-"""``pinpool pin``: pin a pool with progress, hold it if asked (serving its metrics), report, unpin;
-and how every command takes SIGTERM and Ctrl-C (:func:`sigterm_as_interrupt`)."""
+"""``pinpool pin``: pin a pool with progress, hold it, report, unpin; and how every command takes SIGTERM."""
 
 from __future__ import annotations
 
@@ -35,10 +34,9 @@ SIGTERM = "SIGTERM"
 
 
 class Interrupts:
-    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it): armed (:meth:`arm`),
-    a signal raises KeyboardInterrupt in the main thread, so pinning rolls back. Otherwise (torch's import
-    loses one; raised in the teardown or the unmapping finalizer it would be lost) it is only recorded:
-    :meth:`arm` raises one recorded before it, ``main`` turns a later one into the interrupted status."""
+    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it): armed, a signal raises
+    KeyboardInterrupt in the main thread, so pinning rolls back; else (torch's import, the teardown and the
+    unmapping finalizer would lose it) it is recorded, for :meth:`arm` or ``main`` to raise."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -70,8 +68,7 @@ _interrupts: Interrupts | None = None  # the running command's, while main() run
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
-    """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block ends (None
-    off the main thread); it records until armed (raised while the handlers are installed, one would escape)."""
+    """:class:`Interrupts` for SIGTERM (and SIGINT unless handled elsewhere) until the block ends; None off main."""
     global _interrupts
     if threading.current_thread() is not threading.main_thread():
         yield None
@@ -129,8 +126,7 @@ def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
 
 
 class _PinEvents(EventLog):
-    """The pool's events, and ``announce`` called at ``pool.pin.start``: once the pool passed its
-    pre-flight and mapped its memory, so a pool this host cannot pin gets its error alone."""
+    """The pool's events; ``announce`` runs at ``pool.pin.start``, so a pool that fails its pre-flight says nothing."""
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__(stream)
@@ -189,8 +185,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
 
 
 def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
-    """Bytes faulted so far, to move the display within a chunk: the populated counter (whole spans) or
-    the resident growth (page by page), whichever is further."""
+    """Bytes faulted so far, to move the display within a chunk: populated or resident, whichever is further."""
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
     resident = ResidentGrowth()  # from now: the pool is constructed, its memory not yet faulted
 

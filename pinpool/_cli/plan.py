@@ -1,5 +1,4 @@
-"""``pinpool plan``: the plan of a pool with pin's options, and whether this host could pin it;
-nothing is allocated or pinned (the report itself is pinpool/_cli/report.py's)."""
+"""``pinpool plan``: the plan of a pool with pin's options and whether this host could pin it (maps nothing)."""
 
 from __future__ import annotations
 

@@ -37,8 +37,7 @@ def mem_total_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 
 def default_directory(uid: int | None = None) -> str:
-    """``/dev/shm/pinpool-<uid>``, else ``/run/user/<uid>/pinpool``, else ``/tmp/pinpool-<uid>``; never
-    ``$TMPDIR``: ranks with different TMPDIRs would not see each other."""
+    """``/dev/shm/pinpool-<uid>``, else ``/run/user/<uid>/pinpool``, else under /tmp; never ``$TMPDIR`` (per rank)."""
     uid = os.geteuid() if uid is None else uid
     if os.path.isdir("/dev/shm"):
         return f"/dev/shm/pinpool-{uid}"
@@ -149,8 +148,7 @@ class NodePacing:
         environ: Mapping[str, str] | None = None,
         mem_total: int | None = None,
     ) -> NodePacing | None:
-        """Pacing from a pool's options or their environment variables; None when neither slots nor a budget
-        is asked for. ``mem_total`` replaces /proc/meminfo's."""
+        """Pacing from a pool's options or their environment variables; None without slots or a budget."""
         env = os.environ if environ is None else environ
         if node_slots is not None:
             slots: int | None = _parse_slots(node_slots, what="node_slots")
@@ -237,8 +235,7 @@ def _check_writable(fd: int, path: str) -> None:
 
 
 def open_directory(path: str, *, probe: bool = False) -> int:
-    """Create ``path`` (0700) if missing, check it (``probe``: by making a file in it too), and return
-    an ``O_DIRECTORY | O_NOFOLLOW`` descriptor."""
+    """Create ``path`` 0700 if missing, check it (``probe``: by making a file in it), return a descriptor of it."""
     fix_env = f"or set node_dir= / {DIR_ENV} to a directory this user owns"
 
     def failed(doing: str, exc: OSError) -> ConfigError:
@@ -298,8 +295,7 @@ def open_directory(path: str, *, probe: bool = False) -> int:
 
 
 def _check_creates(dir_fd: int, directory: str) -> None:
-    """A file made and removed: a directory that holds no files (/proc, /sys, where root passes every
-    permission check) fails now, not at the first lock file."""
+    """A file made and removed: a directory that holds none (/proc, /sys: root passes the checks) fails now."""
     name = f".probe-{os.getpid()}-{secrets.token_hex(8)}"  # never a lock file's name
     try:
         os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd))

@@ -64,9 +64,8 @@ REQUEST = "request"  # a field of PoolRequest, checked there (the runtime: when 
 
 @dataclass(frozen=True)
 class Option:
-    """One pool option: ``type`` is its annotation text; ``flag`` None needs ``no_flag`` (why);
-    ``pool`` / ``pin``: whether PinnedPool and pin() (else ``no_pin``, why) take it; ``home``: what
-    takes and checks its value; ``shown_default``: the docs' spelling where ``repr``'s is poor."""
+    """One pool option: ``type`` its annotation; without a ``flag`` or ``pin``, ``no_flag`` and ``no_pin`` say
+    why; ``home``: what checks its value; ``shown_default``: the docs' spelling where ``repr``'s is poor."""
 
     name: str
     type: str
@@ -211,8 +210,7 @@ def keyword_signature(
     first: Iterable[str], options: Iterable[Option], returns: str, *, for_pin: bool = False,
     registry: object = DEFAULT_REGISTRY,
 ) -> inspect.Signature:  # fmt: skip
-    """The signature help() shows for a function of ``**options``: ``first``, then ``options`` keyword-only
-    (pin()'s defaults with ``for_pin``; ``registry``: the object this module cannot import)."""
+    """help()'s signature for ``**options``: ``first``, then ``options`` keyword-only (``registry``: the object)."""
     keywords = []
     for o in options:
         default = o.default_for_pin if for_pin else o.default

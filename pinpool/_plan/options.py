@@ -62,9 +62,8 @@ _CREATE = tuple(o for o in OPTIONS if o.create)
 
 @dataclass(frozen=True)
 class PoolOptions:
-    """What a pool is asked to be, in bytes, fields as :mod:`pinpool._plan.declared` says; also chunk_limit
-    (``chunk_bytes``, else ``max_chunk_bytes``, else ``PINPOOL_REGISTER_CHUNK_GB``), per_buffer
-    (``chunk_bytes="buffer"``), budget_yields_to (what an ``"auto"`` budget yields to), buffers (checked here)."""
+    """What a pool is asked to be, in bytes (fields as :mod:`pinpool._plan.declared` says); chunk_limit: the
+    first chunk option given, else ``PINPOOL_REGISTER_CHUNK_GB``; per_buffer: ``chunk_bytes="buffer"``."""
 
     size: int
     layout: Layout = field(default_factory=Raw)

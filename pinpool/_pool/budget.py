@@ -34,8 +34,7 @@ _POOL_OPTIONS = frozenset(o.name for o in OPTIONS if o.create) - _SHAPING
 
 @dataclass(frozen=True)
 class Shares:
-    """Pools sized together from one byte ``budget`` (:func:`share`): one ``num_pages`` for every
-    pool, each pool's ``layouts`` and mapped ``bytes`` by name, the ``options`` they were sized with."""
+    """Pools sized together by :func:`share`: one ``num_pages``, each pool's ``layouts`` and mapped ``bytes``."""
 
     budget: int
     num_pages: int
@@ -49,8 +48,7 @@ class Shares:
         return sum(self.bytes.values())
 
     def pool(self, key: str, /, **options: Any) -> PinnedPool:
-        """``PinnedPool(layout=layouts[key], num_pages=num_pages, name=key, **options)`` with the options it
-        was sized with; other pool options may be added (``background=``...), the sizing ones not changed."""
+        """``PinnedPool(layout=layouts[key], num_pages=num_pages, name=key, ...)``; the sizing options stay."""
         if key not in self.layouts:
             raise ConfigError(f"Shares.pool({key!r}): no pool of that name was sized; give one of {list(self.layouts)}")
         for option in sorted(_SHAPING & set(options)):

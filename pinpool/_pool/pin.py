@@ -1,5 +1,4 @@
-"""``pin(tensor)``: a caller's tensor pinned with PinnedPool's chunking and guarantees; ``empty()``: a
-tensor to pin whose memory starts on an OS page (torch's allocator returns memory 64 B into one)."""
+"""``pin(tensor)``: a caller's tensor pinned like a pool; ``empty()``: a tensor whose memory starts on a page."""
 
 from __future__ import annotations
 

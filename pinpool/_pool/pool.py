@@ -1,5 +1,4 @@
-"""PinnedPool: a façade over the plan and the lifecycle; entering and exiting only run the
-:class:`~pinpool._pin.lifecycle.Lifecycle` with a driver. Nothing here decides what to register or undo."""
+"""PinnedPool: a façade; entering and exiting run the lifecycle with a driver, deciding nothing of what to pin."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ class PinnedPool:
         return self._plan.num_pages
 
     def _build(self, request: PoolRequest) -> None:
-        """``PinnedPool(...)`` and ``pin()``'s one construction path: place and check the request before the
-        runtime is resolved (a doomed pool starts no GPU driver), then plan from that placement."""
+        """The one construction path: place and check before the runtime starts (no GPU driver if doomed), plan."""
         options, memory, source = request.options, request.memory, request.source
         host = HostFacts.probe()
         if memory is not None:
@@ -187,9 +185,8 @@ class PinnedPool:
         return None
 
     async def wait_ready(self, *, min_bytes: int | str | None = None, fraction: float | None = None) -> int:
-        """Wait until the pool is ready, or its first ``min_bytes`` or ``fraction`` is pinned; returns
-        ``pinned_pages``. Raises a failed background pinning's :class:`PinError` (to every waiter), or
-        :class:`PoolStateError` outside the block. Cancellable; it polls (every 20 ms at most), holding no thread."""
+        """Wait until the pool, or its first ``min_bytes`` or ``fraction``, is pinned; returns ``pinned_pages``.
+        Cancellable; raises a background :class:`PinError` (every waiter), :class:`PoolStateError` if not open."""
         pages = self._pages_for(min_bytes, fraction)
         delay = 0.001
         while not self._lifecycle.reached(pages):
