@@ -210,7 +210,7 @@ def keyword_signature(
     first: Iterable[str], options: Iterable[Option], returns: str, *, for_pin: bool = False,
     registry: object = DEFAULT_REGISTRY,
 ) -> inspect.Signature:  # fmt: skip
-    """help()'s signature for ``**options``: ``first``, then ``options`` keyword-only (``registry``: the object)."""
+    """help()'s signature: ``first``, then ``options`` keyword-only (with ``for_pin``, pin()'s defaults)."""
     keywords = []
     for o in options:
         default = o.default_for_pin if for_pin else o.default

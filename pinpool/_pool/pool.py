@@ -1,4 +1,4 @@
-"""PinnedPool: a façade; entering and exiting run the lifecycle with a driver, deciding nothing of what to pin."""
+"""PinnedPool: a façade whose entry and exit only run the lifecycle with a driver (nothing here decides what to pin)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ class PinnedPool:
         return self._plan.num_pages
 
     def _build(self, request: PoolRequest) -> None:
-        """The one construction path: place and check before the runtime starts (no GPU driver if doomed), plan."""
+        """``PinnedPool(...)`` and ``pin()``'s one path: place and check, resolve the runtime (none if doomed), plan."""
         options, memory, source = request.options, request.memory, request.source
         host = HostFacts.probe()
         if memory is not None:
