@@ -1,12 +1,5 @@
-"""The pinpool command line: plan a pool, check the host, pin a pool.
-
-    pinpool plan   --size 1.5TiB --layout mha ...   what a pool would be; nothing is allocated
-    pinpool doctor --size 1.5TiB                    is this host ready, and what to change
-    pinpool pin    --size 64GiB [--hold forever]    pin it, show progress, report, unpin
-
-:func:`main` runs one: errors to exit statuses, signals, a closed stdout. Only torch-free modules
-are imported at the top (torch costs seconds): ``pinpool --help`` answers at once.
-"""
+"""The pinpool command line (``plan``, ``doctor``, ``pin``): :func:`main` runs one (exit statuses, signals, a
+closed stdout). Only torch-free modules are imported at the top, so ``pinpool --help`` answers at once."""
 
 from __future__ import annotations
 
@@ -43,18 +36,12 @@ BENCH_MOVED = (
 )
 
 
-def _bench_moved() -> int:
-    print(f"pinpool: {BENCH_MOVED}", file=sys.stderr)
-    return EXIT_BAD_INPUT
-
-
 def _exit_code_of(error: PinpoolError) -> int:
     if isinstance(error, ConfigError):
         return EXIT_BAD_INPUT
     if isinstance(error, UnpinError):
         return EXIT_FAILED
-    # PinError, and the failures that leave nothing pinned as well: AllocationError (mmap refused),
-    # AlreadyPinnedError, RuntimeCallError outside a pool.
+    # PinError, and the failures that leave nothing pinned (AllocationError, AlreadyPinnedError, ...).
     return EXIT_PIN_FAILED if isinstance(error, PinError | MemoryError | RuntimeError) else EXIT_FAILED
 
 
@@ -92,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     --version and usage errors, with status 0 or 2)."""
     args = sys.argv[1:] if argv is None else list(argv)
     if args[:1] == ["bench"]:  # before parsing: whatever bench options follow, say where it went
-        return _bench_moved()
+        print(f"pinpool: {BENCH_MOVED}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     with sigterm_as_interrupt() as interrupts:
         try:
             try:

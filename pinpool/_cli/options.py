@@ -1,9 +1,5 @@
-"""The command line's pool options: the declared options as flags, read back as PinnedPool keyword
-arguments; the layout as ``--layout FAMILY`` with one flag per field, or ``--layout-file`` (JSON);
-and the text readers, each failure a ConfigError naming the flag and the fix. A family's fields
-come from its class in :mod:`pinpool.layouts` (:data:`FIELDS` only spells them). Torch-free at
-import: torch comes with the layout.
-"""
+"""The command line's pool options: the declared options as flags read back as PinnedPool keywords, and the
+layout (``--layout FAMILY`` with a flag per field, or ``--layout-file``); torch comes only with the layout."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigError
 from .._plan.declared import OPTIONS, PER_BUFFER, Flag, Option
-from .._units import format_bytes, parse_size, size_error
+from .._units import HUGETLB_PAGE_SIZES, format_bytes, parse_size, size_error
 from ..runtimes import runtime_choices
 
 if TYPE_CHECKING:
@@ -26,8 +22,7 @@ if TYPE_CHECKING:
 
 
 def cli_size(option: str, text: str) -> int:
-    """:func:`parse_size`, stricter: a number without a unit counts bytes, so it must be whole
-    (``1.5`` is a typo for ``1.5GiB``, not one byte)."""
+    """:func:`parse_size`, but a number without a unit counts bytes, so it must be whole (``1.5``: a typo)."""
     stripped = text.strip()
     if stripped.startswith("-"):
         raise size_error(option, text, "is not positive")
@@ -50,14 +45,12 @@ def int_text(where: str, text: str) -> int:
 
 
 def shape_text(where: str, text: str) -> tuple[int, ...]:  # 8,64,128
-    return tuple(int_text(where, part) for part in text.split(",") if part.strip())
+    return tuple(int_text(where, part.strip()) for part in text.split(",") if part.strip())
 
 
 def codes_text(flag: str, text: str) -> tuple[int, ...]:
     """``--retry-codes``: ``1,2`` (checked by the pool), or ``none`` for no retry."""
-    if text.strip().lower() == "none":
-        return ()
-    return tuple(int_text(flag, part.strip()) for part in text.split(",") if part.strip())
+    return () if text.strip().lower() == "none" else shape_text(flag, text)
 
 
 def seconds_text(flag: str, text: str) -> float | str | None:
@@ -154,7 +147,7 @@ def _dtype(where: str, value: object) -> Any:
 
 
 def _field_value(field: Field, where: str, value: object, *, from_text: bool) -> object:
-    """A field's constructor value from command-line text or JSON; checks beyond parsing are the layout class's."""
+    """A field's value from command-line text or JSON; the layout class checks it."""
     if field.kind == "dtype":
         return _dtype(where, value)
     if field.kind == "bytes":
@@ -186,8 +179,7 @@ def family_fields(family: str) -> tuple[str, ...]:  # in declaration order
 
 
 def build_layout(family: str, given: dict[str, object], *, source: str, from_text: bool) -> Layout:
-    """A layout of ``family`` from constructor field values; ``source`` names where they came from in
-    messages (``--layout mha``, the file's path)."""
+    """A layout of ``family`` from field values; ``source`` names where they came from (``--layout mha``, a file)."""
     if family not in FAMILIES:
         raise ConfigError(f"{source}: unknown layout family {family!r}; choose one of {', '.join(FAMILIES)}")
     cls = family_class(family)
@@ -297,9 +289,7 @@ def add_layout_group(parser: argparse.ArgumentParser) -> None:
             layout.add_argument(field.flag, metavar=METAVARS[field.kind], help=field.help)
 
 
-HUGE_PAGES: dict[str, bool | str] = {
-    "off": False, "thp": True, "hugetlb": "hugetlb", "hugetlb:2MiB": "hugetlb:2MiB", "hugetlb:1GiB": "hugetlb:1GiB",
-}  # fmt: skip
+HUGE_PAGES: dict[str, bool | str] = {"off": False, "thp": True, **{name: name for name in HUGETLB_PAGE_SIZES}}
 CLI_RUNTIMES = tuple(dict.fromkeys((*runtime_choices(), "fake")))
 
 
@@ -324,7 +314,7 @@ def _flag_value(flag: Flag, value: Any) -> Any:
 
 
 def text_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
-    """:func:`pool_options` but the layout: what the command line gives as text, read without torch."""
+    """:func:`pool_options` but the layout, read without torch."""
     given: dict[str, Any] = {}
     for opt, flag in flags(command):
         if flag.kind == "layout":
@@ -340,9 +330,7 @@ def text_options(args: argparse.Namespace, command: str = "pin") -> dict[str, An
 
 
 def pool_options(args: argparse.Namespace, command: str = "pin") -> dict[str, Any]:
-    """PinnedPool keyword arguments from the flags given and the command line's own defaults
-    (``--size 4GiB`` unless ``--num-pages``, ``--name cli``); the layout last: it imports torch,
-    so a typo elsewhere fails first."""
+    """PinnedPool keywords from the flags and the command line's defaults; the layout last (it imports torch)."""
     given = text_options(args, command)
     if any(flag.kind == "layout" for _opt, flag in flags(command)):
         given["layout"] = layout_from_args(args)
@@ -387,10 +375,8 @@ def add_pool_options(parser: argparse.ArgumentParser, command: str) -> None:
         elif flag.kind == "runtime":
             pool.add_argument(flag.flag, default="auto", choices=CLI_RUNTIMES, help=help_text)
         elif flag.kind == "huge_pages":
-            pool.add_argument(flag.flag, nargs="?", const="thp", default=None, choices=list(HUGE_PAGES),
-                              help=help_text)  # fmt: skip
+            pool.add_argument(flag.flag, nargs="?", const="thp", default=None, choices=list(HUGE_PAGES), help=help_text)
         else:
-            pool.add_argument(flag.flag, type=int if flag.kind == "int" else str, metavar=flag.metavar,
-                              help=help_text)  # fmt: skip
+            pool.add_argument(flag.flag, type=int if flag.kind == "int" else str, metavar=flag.metavar, help=help_text)
     if layout_flag:
         add_layout_group(parser)

@@ -55,12 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = command(
         "plan", "show what a pool would be (buffers, chunks, workers); allocates and pins nothing",
-        "Plan a pool with the same options as pin: buffers, pages, chunks, workers, spans and the chunk table. "
-        "Nothing is allocated or pinned, so a pool larger than this host's memory can be planned too; the plan "
-        "says whether this host could pin it.",
+        "Plan a pool with pin's options: buffers, pages, chunks, workers, spans and the chunk table. Nothing is "
+        "allocated or pinned (a pool larger than this host can be planned too); it says whether this host can pin it.",
     )  # fmt: skip
-    plan.add_argument("--rows", type=int, default=5, metavar="N",
-                      help="chunk table rows shown at each end (default 5)")  # fmt: skip
+    plan.add_argument("--rows", type=int, default=5, metavar="N", help="chunk table rows shown at each end (default 5)")
     plan.set_defaults(run=run_plan)
 
     doctor = command(
@@ -77,9 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pin = command(
         "pin", "pin a pool with progress, report how and how fast, unpin it",
-        "Pin a pool, showing progress on stderr (a bar on a terminal, a line every 2 s otherwise), then report "
-        "to stdout how it was pinned, how fast, and the latency of each registration call, and unpin it. --hold "
-        "keeps it pinned meanwhile (with --metrics-port for Prometheus).",
+        "Pin a pool with progress on stderr (a bar on a terminal, else a line every 2 s), report to stdout how it was "
+        "pinned, how fast and each registration call's latency, then unpin it; --hold (and --metrics-port) between.",
     )  # fmt: skip
     pin.add_argument("--hold", metavar="SECONDS|forever",
                      help="keep the pool pinned this long after pinning; Ctrl-C or SIGTERM ends the hold, the pool "
@@ -111,13 +108,9 @@ def glue_negative_values(argv: list[str], options: set[str]) -> list[str]:
     """``--size -5GiB`` as ``--size=-5GiB``: argparse would take ``-5GiB`` for an option and answer
     "expected one argument"; glued, the value reaches pinpool's own check, which says what is wrong."""
     glued: list[str] = []
-    i = 0
-    while i < len(argv):
-        token = argv[i]
-        if token in options and i + 1 < len(argv) and re.match(r"-[0-9.]", argv[i + 1]):
-            glued.append(f"{token}={argv[i + 1]}")
-            i += 2
-            continue
-        glued.append(token)
-        i += 1
+    for token in argv:
+        if glued and glued[-1] in options and re.match(r"-[0-9.]", token):
+            glued[-1] = f"{glued[-1]}={token}"
+        else:
+            glued.append(token)
     return glued

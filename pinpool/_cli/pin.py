@@ -1,5 +1,4 @@
-"""``pinpool pin``: pin a pool with progress, hold it if asked (serving its metrics), report, unpin;
-and how every command takes SIGTERM and Ctrl-C (:func:`sigterm_as_interrupt`)."""
+"""``pinpool pin``: pin a pool with progress, hold it, report, unpin; and how every command takes SIGTERM."""
 
 from __future__ import annotations
 
@@ -35,17 +34,9 @@ SIGTERM = "SIGTERM"
 
 
 class Interrupts:
-    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it).
-
-    Once armed (:meth:`arm`), the first signal raises KeyboardInterrupt in the main thread, so
-    pinning rolls back as for Ctrl-C (a container's stop, systemd, kill). Before that (while the
-    handlers are installed, while torch is imported: its import loses a KeyboardInterrupt or turns it
-    into an ImportError), after that, and once the pool starts to exit (:meth:`defer`), a signal is
-    only recorded: raised in the teardown it would land in whatever runs there, and in the
-    unmapping finalizer it is printed as "Exception ignored" and lost (the command then exited 0).
-    :meth:`arm` raises a signal recorded before it; ``main`` turns one recorded later into the
-    interrupted status.
-    """
+    """How the command takes SIGTERM (and Ctrl-C, while Python's own handler has it): armed, a signal raises
+    KeyboardInterrupt in the main thread, so pinning rolls back; else (torch's import, the teardown and the
+    unmapping finalizer would lose it) it is recorded, for :meth:`arm` or ``main`` to raise."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -77,9 +68,7 @@ _interrupts: Interrupts | None = None  # the running command's, while main() run
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[Interrupts | None]:
-    """:class:`Interrupts` for SIGTERM, and SIGINT unless someone else handles it, until the block
-    ends, recording until armed (inside the caller's ``try``: a signal while the handlers are
-    installed raised out of ``with``); off the main thread, signals are left alone."""
+    """:class:`Interrupts` for SIGTERM (and SIGINT unless handled elsewhere) until the block ends; None off main."""
     global _interrupts
     if threading.current_thread() is not threading.main_thread():
         yield None
@@ -137,8 +126,7 @@ def hold(seconds: float, pool: PinnedPool, url: str | None) -> str:
 
 
 class _PinEvents(EventLog):
-    """The pool's events, and ``announce`` called at ``pool.pin.start``: once the pool passed its
-    pre-flight and mapped its memory, so a pool this host cannot pin gets its error alone."""
+    """The pool's events; ``announce`` runs at ``pool.pin.start``, so a pool that fails its pre-flight says nothing."""
 
     def __init__(self, stream: TextIO) -> None:
         super().__init__(stream)
@@ -170,8 +158,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
     interrupts = _interrupts
     if interrupts is not None:
         interrupts.defer()  # until the pool is built: torch's import must not see a KeyboardInterrupt
-    # Only when the wait is torch's import: a caller that has torch already (main() called in
-    # process) gets at once what would follow, and nothing says "loading" that is not.
+    # Only when the wait is torch's import (main() called in a process that has torch does not wait).
     if mode != "none" and "torch" not in sys.modules:
         say(first_line(kwargs), err)
     kwargs["layout"] = layout_from_args(args)  # imports torch
@@ -198,8 +185,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
 
 
 def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
-    """Bytes faulted so far, to move the display within a chunk: the pool's populated counter (whole
-    spans) or the process's resident growth (page by page), whichever is further."""
+    """Bytes faulted so far, to move the display within a chunk: populated or resident, whichever is further."""
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
     resident = ResidentGrowth()  # from now: the pool is constructed, its memory not yet faulted
 

@@ -1,5 +1,4 @@
-"""``pinpool plan``: the plan of a pool with pin's options, and whether this host could pin it;
-nothing is allocated or pinned (the report itself is pinpool/_cli/report.py's)."""
+"""``pinpool plan``: the plan of a pool with pin's options and whether this host could pin it (maps nothing)."""
 
 from __future__ import annotations
 
@@ -32,22 +31,16 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = plan_pool(options, host, caps, placement=placement)
     report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,
                          available=available, rows=args.rows)  # fmt: skip
+    as_given = ("background", "max_call_seconds", "pin_nice", "per_buffer", "min_chunk_bytes", "max_retries")
     report["pinning"] = {
-        "background": options.background,
-        "max_call_seconds": options.max_call_seconds,
-        "pin_nice": options.pin_nice,
-        "per_buffer": options.per_buffer,
-        "min_chunk_bytes": options.min_chunk_bytes,
-        "max_retries": options.max_retries,
+        **{name: getattr(options, name) for name in as_given},
         "retry_codes": sorted(caps.retryable_codes if options.retry_codes is None else options.retry_codes),
         "budget_yields_to": options.budget_yields_to,
-        "node_pacing": None
-        if pacing is None
-        else {"slots": pacing.slots, "budget_bytes": pacing.budget_bytes, "dir": pacing.directory,
-              "wait": pacing.wait},
+        "node_pacing": None if pacing is None else {
+            "slots": pacing.slots, "budget_bytes": pacing.budget_bytes, "dir": pacing.directory, "wait": pacing.wait,
+        },
     }  # fmt: skip
-    # The plan holds for any host; whether pinning it here would pass the pool's memory and
-    # memlock pre-flight is a separate answer, reported rather than raised.
+    # The plan holds for any host; whether this host would pass its pre-flight is reported, not raised.
     try:
         charged = None if args.runtime == "fake" else pinning_capabilities(args.runtime, host)
         buffers = [spec.nbytes for spec in placement.specs]

@@ -1,15 +1,10 @@
-"""Node pacing's configuration (``node_slots``, ``node_budget``, ``node_dir``, each falling back to
-its environment variable: docs/serving.md, "Pacing 8 ranks on one host") and the directory it trusts.
-
-The directory: created 0700 when missing; an existing one must be ours, not group- or
-world-writable, and writable; pinpool never changes the mode of one it did not create. Lock files
-are opened relative to it and checked before (``lstat``) and after (``fstat``) the open: a regular
-file of ours with one link (a hard link would make pinpool write into the file it names), so a
-FIFO, device or link planted under a lock file's name is refused and the open never waits.
-"""
+"""Node pacing's configuration (``node_slots``, ``node_budget``, ``node_dir``, else their environment variables:
+docs/serving.md) and the directory it trusts: made 0700, else ours and not group- or world-writable; its lock
+files are checked before and after each open to be regular files of ours with one link."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -31,13 +26,10 @@ MAX_SLOTS = 1024  # a waiting rank opens every slot file once per poll
 
 def mem_total_bytes(meminfo: str = "/proc/meminfo") -> int:
     """``MemTotal`` of /proc/meminfo in bytes (the host's, also inside a container)."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(meminfo) as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
     raise ConfigError(
         f"node_budget as a fraction of MemTotal needs {meminfo}, which has no readable MemTotal; "
         "give the budget in bytes instead (e.g. node_budget='512GiB')"
@@ -45,8 +37,7 @@ def mem_total_bytes(meminfo: str = "/proc/meminfo") -> int:
 
 
 def default_directory(uid: int | None = None) -> str:
-    """``/dev/shm/pinpool-<uid>`` (tmpfs, per host), else ``/run/user/<uid>/pinpool``, else
-    ``/tmp/pinpool-<uid>``. Not ``$TMPDIR``: ranks with different TMPDIRs would not see each other."""
+    """``/dev/shm/pinpool-<uid>``, else ``/run/user/<uid>/pinpool``, else under /tmp; never ``$TMPDIR`` (per rank)."""
     uid = os.geteuid() if uid is None else uid
     if os.path.isdir("/dev/shm"):
         return f"/dev/shm/pinpool-{uid}"
@@ -134,21 +125,13 @@ class NodePacing:
     wait: bool = True
 
     def __post_init__(self) -> None:
-        d = self.directory
-        if not isinstance(d, str) or not d or not os.path.isabs(d) or "\0" in d:
-            raise ConfigError(
-                f"node_dir={d!r} must be an absolute path (every rank must name the same directory, whatever "
-                f"its working directory); set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
-            )
-        object.__setattr__(self, "directory", os.path.normpath(d))
+        _check_directory(self.directory, "node_dir")
+        object.__setattr__(self, "directory", os.path.normpath(self.directory))
         if self.slots is not None:
             _parse_slots(self.slots, what="node_slots")
-        if self.budget_bytes is not None:
-            b = self.budget_bytes
-            if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-                raise ConfigError(
-                    f"budget_bytes={b!r} must be a positive int; use NodePacing.from_options for sizes and fractions"
-                )
+        b = self.budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise ConfigError(f"budget_bytes={b!r} must be a positive int (from_options reads sizes and fractions)")
         if self.slots is None and self.budget_bytes is None:
             raise ConfigError("NodePacing needs slots or budget_bytes (no pacing is None, not an empty NodePacing)")
         if not isinstance(self.wait, bool):
@@ -165,21 +148,18 @@ class NodePacing:
         environ: Mapping[str, str] | None = None,
         mem_total: int | None = None,
     ) -> NodePacing | None:
-        """Pacing from a pool's options, each falling back to its environment variable; None when
-        neither slots nor a budget is asked for. ``mem_total`` replaces /proc/meminfo's."""
+        """Pacing from a pool's options or their environment variables; None without slots or a budget."""
         env = os.environ if environ is None else environ
         if node_slots is not None:
             slots: int | None = _parse_slots(node_slots, what="node_slots")
-        elif (raw := env.get(SLOTS_ENV)) is not None:
-            slots = _parse_slots(raw, what=SLOTS_ENV, from_env=True)
         else:
-            slots = None
+            raw = env.get(SLOTS_ENV)
+            slots = None if raw is None else _parse_slots(raw, what=SLOTS_ENV, from_env=True)
         if node_budget is not None:
             budget: int | None = _parse_budget(node_budget, what="node_budget", mem_total=mem_total)
-        elif (raw := env.get(BUDGET_ENV)) is not None:
-            budget = _parse_budget(raw, what=BUDGET_ENV, mem_total=mem_total)
         else:
-            budget = None
+            raw = env.get(BUDGET_ENV)
+            budget = None if raw is None else _parse_budget(raw, what=BUDGET_ENV, mem_total=mem_total)
         if not isinstance(node_wait, bool):
             raise ConfigError(f"node_wait={node_wait!r} must be True (wait for admission) or False (fail fast)")
         if node_dir is not None:
@@ -192,24 +172,25 @@ class NodePacing:
             directory, what = raw, DIR_ENV
         else:
             directory, what = default_directory(), "the default node_dir"
-        if not isinstance(directory, str) or not directory or not os.path.isabs(directory) or "\0" in directory:
-            raise ConfigError(
-                f"{what}={directory!r} must be an absolute path (every rank must name the same directory); "
-                f"set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
-            )
-        if slots is None and budget is None:
-            return None
-        return cls(directory=directory, slots=slots, budget_bytes=budget, wait=node_wait)
+        _check_directory(directory, what)
+        paced = slots is not None or budget is not None
+        return cls(directory=directory, slots=slots, budget_bytes=budget, wait=node_wait) if paced else None
+
+
+def _check_directory(directory: object, what: str) -> None:
+    if not isinstance(directory, str) or not directory or not os.path.isabs(directory) or "\0" in directory:
+        raise ConfigError(
+            f"{what}={directory!r} must be an absolute path (every rank must name the same directory, whatever "
+            f"its working directory); set node_dir= or {DIR_ENV} to e.g. {default_directory()!r}"
+        )
 
 
 # -- the directory and its files --------------------------------------------------------------------
 
 
 def file_problem(st: os.stat_result) -> str | None:
-    return regular_file_problem(
-        st, files="its lock files",
-        linked="another name refers to the same file, and pinpool writes into its lock files",
-    )  # fmt: skip
+    linked = "another name refers to the same file, and pinpool writes into its lock files"
+    return regular_file_problem(st, files="its lock files", linked=linked)
 
 
 def file_error(directory: str, name: str, problem: str) -> ConfigError:
@@ -223,15 +204,12 @@ def _reason(code: int) -> str:
     return f"{errno.errorcode.get(code, f'E{code}')}: {os.strerror(code)}"
 
 
-# What creating a file in a directory that holds none of ours says: /proc and /sys (ENOENT, EINVAL,
-# EOPNOTSUPP; root passes the permission checks there), a full file system.
+# What creating a file says where none can be made (/proc, /sys: root passes the permission checks), or no room.
 _CANNOT_CREATE = (errno.ENOENT, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSPC, errno.EDQUOT)
 
 
 def _unwritable(directory: str, code: int, creating: str | None = None) -> ConfigError:
-    """``creating``: what failed to be created after the permission checks passed (the file system
-    refused it: read-only, full, or one that holds no files such as /proc or /sys)."""
-    reason = _reason(code)
+    """``creating``: what the file system refused after the permission checks passed (read-only, full, /proc)."""
     if creating is None and code != errno.EROFS:
         fix = (
             f"give this user write and search permission on it (`chmod u+rwx {directory}`), or set node_dir= / "
@@ -241,7 +219,7 @@ def _unwritable(directory: str, code: int, creating: str | None = None) -> Confi
         fix = f"set node_dir= / {DIR_ENV} to a directory on a writable file system (such as {default_directory()!r})"
     doing = "" if creating is None else f" (creating {creating})"
     return ConfigError(
-        f"node pacing directory {directory!r} is not writable by this process ({reason}){doing}: every rank "
+        f"node pacing directory {directory!r} is not writable by this process ({_reason(code)}){doing}: every rank "
         f"creates and writes its lock files there; {fix}"
     )
 
@@ -257,8 +235,7 @@ def _check_writable(fd: int, path: str) -> None:
 
 
 def open_directory(path: str, *, probe: bool = False) -> int:
-    """Create ``path`` (0700) if missing, check it (``probe``: by making a file in it too), and return
-    an ``O_DIRECTORY | O_NOFOLLOW`` descriptor."""
+    """Create ``path`` 0700 if missing, check it (``probe``: by making a file in it), return a descriptor of it."""
     fix_env = f"or set node_dir= / {DIR_ENV} to a directory this user owns"
 
     def failed(doing: str, exc: OSError) -> ConfigError:
@@ -295,9 +272,7 @@ def open_directory(path: str, *, probe: bool = False) -> int:
     except OSError as exc:
         raise failed("cannot be opened", exc) from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISDIR(st.st_mode):  # replaced between lstat and open
-            raise ConfigError(f"node pacing directory {path!r} is not a directory; {fix_env}")
+        st = os.fstat(fd)  # a directory: O_DIRECTORY
         if st.st_uid == os.geteuid() and created:
             os.fchmod(fd, 0o700)  # ours, just made: undo what a umask took away; never anyone else's
             st = os.fstat(fd)
@@ -320,8 +295,7 @@ def open_directory(path: str, *, probe: bool = False) -> int:
 
 
 def _check_creates(dir_fd: int, directory: str) -> None:
-    """A file made and removed: a directory that holds no files (/proc, /sys, where root passes
-    every permission check) is a ConfigError now, not when the first lock file is made."""
+    """A file made and removed: a directory that holds none (/proc, /sys: root passes the checks) fails now."""
     name = f".probe-{os.getpid()}-{secrets.token_hex(8)}"  # never a lock file's name
     try:
         os.close(os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd))
@@ -343,9 +317,7 @@ def open_error(directory: str, name: str, exc: OSError, *, existed: bool) -> Con
         if code == errno.EROFS or not existed:
             return _unwritable(directory, code, repr(name))
         return file_error(directory, name, f"cannot be opened ({_reason(code)})")
-    if code in _CANNOT_CREATE and not existed:
-        return _unwritable(directory, code, repr(name))
-    return None
+    return _unwritable(directory, code, repr(name)) if code in _CANNOT_CREATE and not existed else None
 
 
 def open_file(dir_fd: int, directory: str, name: str, flags: int) -> int:

@@ -1,7 +1,5 @@
-"""A pool's options, declared once in :data:`OPTIONS`: the signatures (:func:`keyword_signature`), the
-request (``pinpool._pool.request``), ``PoolOptions.create``, the flags and docs/options.md derive from it or
-are tested against it, as are the typed keywords (:class:`PoolArguments`, :class:`PinArguments`).
-Standard library only (the CLI must not import torch)."""
+"""A pool's options, declared once in :data:`OPTIONS`: the signatures, the request, ``PoolOptions.create``, the
+flags, docs/options.md and the typed keywords follow it. Standard library only (the CLI must not import torch)."""
 
 from __future__ import annotations
 
@@ -37,27 +35,13 @@ class _Default:
 DEFAULT_REGISTRY = _Default("prometheus_client.REGISTRY")
 _SAME = _Default("the same")
 
-# How the command line reads an option's text (pinpool._cli turns each into argparse arguments):
-KINDS = {
-    "layout": "the layout group: --layout FAMILY with its dimensions, or --layout-file",
-    "size": "a size: bytes, or a number with a unit (64GiB); a number without a unit must be whole",
-    "chunk": f"a size, or {PER_BUFFER!r}",
-    "int": "an integer",
-    "codes": "comma-separated integers, or 'none' (never retry)",
-    "seconds": "a number of seconds, 'auto', or 'none'",
-    "nice": "an integer, or 'auto'",
-    "text": "text, as given",
-    "runtime": "a registered runtime name, or 'fake'",
-    "huge_pages": "off, thp, hugetlb (2 MiB pages, also hugetlb:2MiB) or hugetlb:1GiB; thp when given alone",
-    "bool": "--flag / --no-flag",
-    "switch": "--flag (True); absent: the Python default",
-}
+# How the command line reads an option's text: each kind's reader and argparse action are pinpool._cli.options's.
+KINDS = frozenset("layout size chunk int codes seconds nice text runtime huge_pages bool switch".split())
 
 
 @dataclass(frozen=True)
 class Flag:
-    """How the command line spells an option: ``kind`` (a key of :data:`KINDS`), the ``commands``
-    taking it, its own ``default`` for pin and plan where it differs from Python's, a help ``note``."""
+    """How the command line spells an option: its ``kind``, the ``commands`` taking it, a ``default`` of its own."""
 
     flag: str
     kind: str
@@ -80,9 +64,8 @@ REQUEST = "request"  # a field of PoolRequest, checked there (the runtime: when 
 
 @dataclass(frozen=True)
 class Option:
-    """One pool option: ``type`` is its annotation text; ``flag`` None needs ``no_flag`` (why);
-    ``pool`` / ``pin``: whether PinnedPool and pin() (else ``no_pin``, why) take it; ``home``: what
-    takes and checks its value; ``shown_default``: the docs' spelling where ``repr``'s is poor."""
+    """One pool option: ``type`` its annotation; without a ``flag`` or ``pin``, ``no_flag`` and ``no_pin`` say
+    why; ``home``: what checks its value; ``shown_default``: the docs' spelling where ``repr``'s is poor."""
 
     name: str
     type: str
@@ -113,9 +96,7 @@ class Option:
 
     def shown(self, value: object = _SAME) -> str:
         value = self.default if value is _SAME else value
-        if value is self.default and self.shown_default is not None:
-            return self.shown_default
-        return repr(value)
+        return self.shown_default if value is self.default and self.shown_default is not None else repr(value)
 
 
 _TENSOR = "the tensor decides"
@@ -123,11 +104,9 @@ _TENSOR = "the tensor decides"
 OPTIONS: tuple[Option, ...] = (
     Option("granularity_bytes", "int | None", None,
         "copy-page size of the tensor: chunk boundaries are multiples of it from the tensor's start",
-        no_flag="pin() only: the command line pins memory of its own (--layout raw --granularity does the same)",
-        pool=False, home=SOURCE),
+        no_flag="pin() only (the command line's --layout raw --granularity does the same)", pool=False, home=SOURCE),
     Option("ranges", "Sequence[tuple[int, int]] | None", None,
-        "pin only these (offset, nbytes) byte ranges of the tensor, each a registration of its own (None: all of it; "
-        "a strided view: each of its contiguous rows)",
+        "pin only these (offset, nbytes) byte ranges, each its own registration (None: all, row by row if strided)",
         no_flag="pin() only: byte ranges of a tensor you give", pool=False, home=SOURCE),
     Option("layout", "Layout | None", None,
         "what the memory holds: a layout from pinpool.layouts (None: Raw(), plain bytes)",
@@ -148,14 +127,12 @@ OPTIONS: tuple[Option, ...] = (
         flag=Flag("--runtime", "runtime", note="(names only: a runtime object is Python-only; fake is "
                   "pinpool.testing.FakeRuntime, which pins nothing)"), home=REQUEST),
     Option("chunk_bytes", "int | str | None", None,
-        f"exact size of every registration call (a buffer's last one shorter), rounded down to the alignment unit, "
-        f"never split for the workers nor cut by an 'auto' stall budget; {PER_BUFFER!r}: one registration per buffer, "
-        "never cut; None: chunks up to the chunk limit, split for the workers",
+        "exact size of every registration call (a buffer's last shorter), rounded down to the alignment unit, never "
+        f"split or cut by an 'auto' budget; {PER_BUFFER!r}: one per buffer; None: up to the chunk limit, then split",
         flag=Flag("--chunk-bytes", "chunk", "SIZE|buffer")),
     Option("max_chunk_bytes", "int | str | None", None,
-        "upper bound of one registration call, rounded down to the alignment unit: as few registrations as it allows, "
-        "never split for the workers nor cut by an 'auto' stall budget (None: PINPOOL_REGISTER_CHUNK_GB GiB, else "
-        "256 GiB, split for the workers)",
+        "upper bound of one registration call, rounded down to the alignment unit: as few as it allows, never split "
+        "or cut by an 'auto' stall budget (None: PINPOOL_REGISTER_CHUNK_GB GiB, else 256 GiB, split for the workers)",
         flag=Flag("--max-chunk-bytes", "size", "SIZE")),
     Option("populate", "bool | None", None,
         "pre-fault the memory on threads (MADV_POPULATE_WRITE), pipelined with registration (None: where it can)",
@@ -180,27 +157,22 @@ OPTIONS: tuple[Option, ...] = (
         "the pool's name in logs, metrics and errors (low-cardinality: one per pool role)",
         flag=Flag("--name", "text", "NAME", default="cli", note="(default cli)"), pin_default="tensor"),
     Option("min_chunk_bytes", "int | str | None", None,
-        "a registration retried as halves is never cut below this (None: one alignment unit, lcm(granularity, "
-        "OS page))",
+        "retried halves are never cut below this (None: one alignment unit, lcm(granularity, OS page))",
         flag=Flag("--min-chunk-bytes", "size", "SIZE")),
     Option("max_retries", "int", DEFAULT_MAX_RETRIES,
-        "how many times one planned registration may be halved, level after level, when a call fails with a retry "
-        "code (0: never retry)",
+        "how many times a failed registration may be halved, level after level, on a retry code (0: never)",
         flag=Flag("--max-retries", "int", "N")),
     Option("retry_codes", "Collection[int] | None", None,
-        "the runtime's error codes that make a registration retry as halves (None: the runtime's own; CUDA and "
-        "ROCm: 1 and 2, what a registration too large gets; (): never retry)",
+        "error codes that retry a registration as halves (None: the runtime's; CUDA, ROCm: 1 and 2; (): never)",
         flag=Flag("--retry-codes", "codes", "CODE,...")),
     Option("max_call_seconds", "float | str | None", "auto",
-        "the stall budget: every registration and populate call is sized to take at most this long ('auto': 50 ms "
-        "for a background pool, none otherwise; None: no budget)",
+        "the stall budget: no registration or populate call is sized to last longer ('auto': 50 ms if background)",
         flag=Flag("--max-call-seconds", "seconds", "SECONDS|auto|none", note="(here none for None)")),
     Option("background", "bool", False,
         "enter at once and pin in the background, lowest pages first (pool.state, pinned_pages, wait_ready)",
         flag=Flag("--background", "switch", note="(pin waits until the pool is ready before it reports or holds)")),
     Option("pin_nice", "int | str | None", "auto",
-        "how much nicer than the process the pin worker threads run, 0 to 19 ('auto': nicer for a background pool, "
-        "unchanged otherwise; None: 0)",
+        "how much nicer than the process pin workers run, 0 to 19 ('auto': 10 for a background pool, else 0; None: 0)",
         flag=Flag("--pin-nice", "nice", "N|auto")),
     Option("node_slots", "int | None", None,
         "node pacing: at most this many processes of this host pin at once (None: PINPOOL_NODE_SLOTS, else no limit)",
@@ -217,8 +189,7 @@ OPTIONS: tuple[Option, ...] = (
         flag=Flag("--node-wait", "bool"), home=PACING),
     Option("registry", "CollectorRegistry | None", DEFAULT_REGISTRY,
         "the prometheus_client registry the pool's metrics go to (None: no metrics)",
-        no_flag="Python-only: the command line keeps a registry of its own (pin --metrics-port serves it)",
-        home=REQUEST),
+        no_flag="Python-only: the command line keeps its own (pin --metrics-port serves it)", home=REQUEST),
     Option("logger", "Any | None", None,
         "a structlog bound logger for the pool's events (None: structlog's if configured, else stdlib's)",
         no_flag="Python-only: the command line prints the pool's events on stderr", home=REQUEST),
@@ -227,12 +198,7 @@ OPTIONS: tuple[Option, ...] = (
         no_flag="Python-only: the command line draws progress itself (pin --progress)", home=REQUEST),
 )  # fmt: skip
 
-_BY_NAME = {o.name: o for o in OPTIONS}
-assert len(_BY_NAME) == len(OPTIONS), "an option is declared twice"
-
-
-def option(name: str) -> Option:
-    return _BY_NAME[name]
+assert len({o.name for o in OPTIONS}) == len(OPTIONS), "an option is declared twice"
 
 
 def pool_options() -> Iterator[Option]:
@@ -244,9 +210,7 @@ def keyword_signature(
     first: Iterable[str], options: Iterable[Option], returns: str, *, for_pin: bool = False,
     registry: object = DEFAULT_REGISTRY,
 ) -> inspect.Signature:  # fmt: skip
-    """The signature help() and inspect show for a function of ``**options``: the ``first`` parameters,
-    then ``options`` keyword-only with their defaults (pin()'s with ``for_pin``; ``registry``: the
-    registry's object, which this module cannot import)."""
+    """help()'s signature: ``first``, then ``options`` keyword-only (with ``for_pin``, pin()'s defaults)."""
     keywords = []
     for o in options:
         default = o.default_for_pin if for_pin else o.default
@@ -257,8 +221,7 @@ def keyword_signature(
 
 
 class _PinningArguments(TypedDict, total=False):
-    """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs and mypy; meanings and
-    defaults are :data:`OPTIONS`'s (a test holds these to it)."""
+    """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs (a test holds them to :data:`OPTIONS`)."""
 
     runtime: str | Runtime
     chunk_bytes: int | str | None

@@ -1,6 +1,5 @@
-"""A pool's options: :meth:`PoolOptions.create` turns spellings into values (one reader per option that
-has spellings: ``_size``, ``_stall_budget``, ``_pin_nice``), the dataclass checks each field once, every
-failure a :class:`ConfigError` naming the value and the fix."""
+"""A pool's options: :meth:`PoolOptions.create` turns spellings into values, the dataclass checks each
+field once, every failure a :class:`ConfigError` naming the value and the fix."""
 
 from __future__ import annotations
 
@@ -16,20 +15,16 @@ from ..layouts._families import Raw
 from ..layouts._spec import BufferSpec, Layout, check_layout, is_layout, layout_page_bytes, positive_int, require_layout
 from .declared import DEFAULT_MAX_RETRIES, OPTIONS, PER_BUFFER, keyword_signature
 
-# ``pin_nice="auto"``: a background pool's pin workers run this much nicer than the process.
-# Measured in docs/performance.md ("Serving: pinning leaves serving its CPU (pin_nice)"): the
-# /healthz tail moved most at 10; 3-5 left it in place, 19 and SCHED_IDLE held locks 0.7-2.2 s.
+# pin_nice="auto" for a background pool (why 10: docs/performance.md, "pinning leaves serving its CPU").
 BACKGROUND_PIN_NICE = 10
 MAX_NICE = 19  # Linux's lowest priority
-# max_call_seconds="auto" for a background pool: under mlock each populate call holds mmap_lock,
-# which the serving loop's own allocations wait behind (measured: it stalled for the whole pin).
+# max_call_seconds="auto" for a background pool: each populate call holds mmap_lock, which serving waits behind.
 BACKGROUND_MAX_CALL_SECONDS = 0.05
 HUGE_PAGES = (False, True, *HUGETLB_PAGE_SIZES)
 CHUNK_ENV = "PINPOOL_REGISTER_CHUNK_GB"  # the per-call limit without chunk_bytes= or max_chunk_bytes=
 DEFAULT_CHUNK_GIB = 256
 MAX_WORKERS = 1024  # per role: a typo (10**6) fails here, not in thread starts
-# Beyond an hour a budget bounds nothing, and the sizer's bytes = seconds / seconds-per-byte outgrows any size.
-MAX_CALL_SECONDS = 3600.0
+MAX_CALL_SECONDS = 3600.0  # beyond an hour a budget bounds nothing, and the sizer's bytes outgrow any size
 MAX_NUMA_NODES = 1024  # Linux's MAX_NUMNODES is at most 1 << 10 (CONFIG_NODES_SHIFT <= 10)
 MAX_RETRIES = 64  # 64 halvings reach one byte from 2**64 bytes
 MAX_ERROR_CODE = 2**31 - 1  # cudaError_t, hipError_t: positive C ints; 0 is success
@@ -38,9 +33,7 @@ MAX_ERROR_CODE = 2**31 - 1  # cudaError_t, hipError_t: positive C ints; 0 is suc
 def chunk_limit_from_env(environ: dict[str, str] | os._Environ[str] | None = None) -> int:
     """The per-call limit in bytes from ``PINPOOL_REGISTER_CHUNK_GB`` (GiB, fractions allowed)."""
     raw = (os.environ if environ is None else environ).get(CHUNK_ENV)
-    if raw is None:
-        return DEFAULT_CHUNK_GIB << 30
-    return parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
+    return DEFAULT_CHUNK_GIB << 30 if raw is None else parse_env_gib(CHUNK_ENV, raw, default_gib=DEFAULT_CHUNK_GIB)
 
 
 def _bytes(value: object, what: str) -> Any:  # a size string parsed; anything else is the dataclass's to check
@@ -69,11 +62,8 @@ _CREATE = tuple(o for o in OPTIONS if o.create)
 
 @dataclass(frozen=True)
 class PoolOptions:
-    """What a pool is asked to be, in bytes; fields mean what :mod:`pinpool._plan.declared` says, except:
-    size (with ``num_pages``: ``num_pages * layout.page_bytes``); chunk_limit (``chunk_bytes``, else
-    ``max_chunk_bytes``, else ``PINPOOL_REGISTER_CHUNK_GB`` as :meth:`create` read it); per_buffer
-    (``chunk_bytes="buffer"``); max_call_seconds and pin_nice (``"auto"`` resolved); budget_yields_to
-    (the chunk option an ``"auto"`` budget yields to); buffers (the layout's, checked once here)."""
+    """What a pool is asked to be, in bytes (fields as :mod:`pinpool._plan.declared` says); chunk_limit: the
+    first chunk option given, else ``PINPOOL_REGISTER_CHUNK_GB``; per_buffer: ``chunk_bytes="buffer"``."""
 
     size: int
     layout: Layout = field(default_factory=Raw)
@@ -101,8 +91,7 @@ class PoolOptions:
 
     @classmethod
     def create(cls, **given: Any) -> PoolOptions:
-        """Options from the spellings of the options :mod:`pinpool._plan.declared` homes here: size
-        strings, ``layout=None``, ``chunk_bytes="buffer"``, ``"auto"``; reads the chunk env now."""
+        """Options from their spellings (size strings, ``layout=None``, ``"buffer"``, ``"auto"``); reads the env."""
         for name in sorted(given.keys() - {o.name for o in _CREATE}):
             raise TypeError(f"PoolOptions.create() got an unexpected keyword argument {name!r}")
         o = {option.name: given.get(option.name, option.default) for option in _CREATE}
@@ -217,9 +206,7 @@ class PoolOptions:
                 "or chunk sizes that may be cut (chunk_bytes= or max_chunk_bytes=)"
             )
         if yields not in (None, "chunk_bytes", "max_chunk_bytes") or (yields and getattr(self, yields) is None):
-            raise ConfigError(
-                f"budget_yields_to={yields!r}: None, or the chunk option given; PoolOptions.create sets it"
-            )
+            raise ConfigError(f"budget_yields_to={yields!r}: None or a chunk option given; PoolOptions.create sets it")
         if self.chunk_bytes is not None and budget is not None and yields is None:
             raise ConfigError(
                 f"chunk_bytes={shown(self.chunk_bytes)} ({format_bytes(self.chunk_bytes)}) makes every registration "
@@ -235,7 +222,6 @@ PoolOptions.create.__func__.__signature__ = keyword_signature(["cls"], _CREATE, 
 
 
 def _size(layout: Layout, size: object, pages: object) -> Any:
-    """``size=`` in bytes, or ``num_pages`` layout pages' (each checked by the dataclass)."""
     if (size is None) == (pages is None):
         both = f"both were given (size={shown(size)}, num_pages={shown(pages)})"
         raise ConfigError(f"size= or num_pages=: {'neither was given' if size is None else both}; {_SIZE_OR_PAGES_FIX}")
@@ -245,8 +231,7 @@ def _size(layout: Layout, size: object, pages: object) -> Any:
 
 
 def _stall_budget(stall: object, background: bool, exact: object, bound: object) -> tuple[Any, str | None]:
-    """``max_call_seconds``, ``"auto"`` resolved (``background``: a pool that pins in the background and
-    may be cut), and the chunk option an ``"auto"`` budget yields to."""
+    """``max_call_seconds`` with ``"auto"`` resolved, and the chunk option an ``"auto"`` budget yields to."""
     if not isinstance(stall, str):
         return stall, None
     if stall != "auto":
@@ -256,7 +241,6 @@ def _stall_budget(stall: object, background: bool, exact: object, bound: object)
         )
     if not background:
         return None, None
-    # "auto" is only a default: it yields to a chunk option the user gave (a number is refused).
     yields_to = "chunk_bytes" if exact is not None else "max_chunk_bytes" if bound is not None else None
     return BACKGROUND_MAX_CALL_SECONDS, yields_to
 
@@ -300,7 +284,6 @@ _PIN_NICE_FIX = (
 
 
 def _check_plain(o: PoolOptions) -> None:
-    """The checks that need neither parsing nor the host, in the order users have always seen them."""
     require_layout(o.layout)
     if not isinstance(o.name, str) or not o.name:
         raise ConfigError(f"name={o.name!r} must be a non-empty str (it labels the pool's logs and metrics)")

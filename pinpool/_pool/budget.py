@@ -1,7 +1,5 @@
-"""One byte budget for paired pools (:func:`share`: the most pages whose pools' mapped bytes, as
-their placements map them, fit it together), and the budget this host gives a rank
-(:func:`host_budget`: the pre-flight's own figures, so pools sized from it pass their pre-flight).
-"""
+"""One byte budget for paired pools (:func:`share`: the most pages whose pools' mapped bytes fit it), and the
+budget this host gives a rank (:func:`host_budget`: the pre-flight's own figures, so its pools pass it)."""
 
 from __future__ import annotations
 
@@ -37,8 +35,7 @@ _POOL_OPTIONS = frozenset(o.name for o in OPTIONS if o.create) - _SHAPING
 
 @dataclass(frozen=True)
 class Shares:
-    """Pools sized together from one byte ``budget`` (:func:`share`): one ``num_pages`` for every
-    pool, each pool's ``layouts`` and mapped ``bytes`` by name, the ``options`` they were sized with."""
+    """Pools sized together by :func:`share`: one ``num_pages``, each pool's ``layouts`` and mapped ``bytes``."""
 
     budget: int
     num_pages: int
@@ -52,9 +49,7 @@ class Shares:
         return sum(self.bytes.values())
 
     def pool(self, key: str, /, **options: Any) -> PinnedPool:
-        """The pool ``key``: ``PinnedPool(layout=layouts[key], num_pages=num_pages, name=key, **options)``
-        with the options it was sized with. Any other pool option may be added (``name=``,
-        ``background=``, ``runtime=``...); the sizing ones may not be changed."""
+        """``PinnedPool(layout=layouts[key], num_pages=num_pages, name=key, ...)``; the sizing options stay."""
         if key not in self.layouts:
             raise ConfigError(f"Shares.pool({key!r}): no pool of that name was sized; give one of {list(self.layouts)}")
         for option in sorted(_SHAPING & set(options)):
@@ -76,10 +71,8 @@ class Shares:
 
 
 def share(budget: int | str, layouts: Mapping[str, Layout], *, host: HostFacts | None = None, **options: Any) -> Shares:
-    """Size pools that belong together from one byte ``budget``: the most pages for which every pool
-    of ``layouts`` (by name) together maps at most ``budget``. ``options``: the pool options that
-    decide what they map (``huge_pages=``), passed on by :meth:`Shares.pool`; ``host``: the page
-    sizes to round to (probed by default). Pure arithmetic: nothing is mapped."""
+    """The most pages for which the pools of ``layouts`` together map at most ``budget``; ``options`` decide what
+    they map (passed on by :meth:`Shares.pool`), ``host`` the page sizes (probed by default). Maps nothing."""
     nbytes = parse_size(budget, what="budget")
     if not isinstance(layouts, Mapping) or not layouts:
         raise ConfigError(
@@ -137,12 +130,9 @@ def host_budget(
     fraction: float | str = 0.8, *, reserve: int | str = "10GiB", ranks: int | None = None,
     runtime: object = "auto", host: HostFacts | None = None, environ: Mapping[str, str] | None = None,
 ) -> int:  # fmt: skip
-    """The byte budget for this rank's pools: ``fraction`` of what this process may still make
-    resident (the memory cgroup's room or MemAvailable, whichever is smaller) after ``reserve``,
-    divided by the ``ranks`` of this machine (else ``LOCAL_WORLD_SIZE``, which torchrun sets,
-    else 1), less the page tables pinning it costs, and at most what RLIMIT_MEMLOCK leaves where
-    ``runtime``'s registrations are charged to it. Compute it once, before any pool is built
-    (pools already built are no longer available), and size the pools with :func:`share`."""
+    """This rank's byte budget: ``fraction`` of what this process may still make resident after ``reserve``,
+    over the ``ranks`` of this machine, within RLIMIT_MEMLOCK; compute it before building any pool and size
+    the pools with :func:`share` (docs/operations.md says each step)."""
     if isinstance(fraction, bool) or not isinstance(fraction, int | float | str):
         raise ConfigError(f"fraction={fraction!r} has type {type(fraction).__name__}; give {_FRACTION_HINT}")
     # An int is 1 (all of it) or out of range; parse_fraction reads ints as bytes, so as a float.
@@ -156,9 +146,8 @@ def host_budget(
     available = facts.memory_available
     if available is None:
         raise ConfigError(
-            "host_budget(): the memory this process may still make resident is unknown (MemAvailable could not be "
-            "read from /proc/meminfo and no memory cgroup limit applies); give the budget in bytes to "
-            "pinpool.share() instead"
+            "host_budget(): the memory this process may still make resident is unknown (no MemAvailable in "
+            "/proc/meminfo, no memory cgroup limit); give the budget in bytes to pinpool.share() instead"
         )
     if held_back >= available:
         raise ConfigError(
@@ -183,7 +172,6 @@ def host_budget(
 
 
 def _ranks(ranks: object, environ: Mapping[str, str]) -> int:
-    """The ranks sharing this machine's memory: ``ranks=``, else ``LOCAL_WORLD_SIZE``, else 1."""
     if ranks is not None:
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
             raise ConfigError(

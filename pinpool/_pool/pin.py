@@ -1,5 +1,4 @@
-"""``pin(tensor)``: a caller's tensor pinned with PinnedPool's chunking and guarantees; ``empty()``: a
-tensor to pin whose memory starts on an OS page (torch's allocator returns memory 64 B into one)."""
+"""``pin(tensor)``: a caller's tensor pinned like a pool; ``empty()``: a tensor whose memory starts on a page."""
 
 from __future__ import annotations
 
@@ -22,22 +21,10 @@ from .request import pool_request
 
 
 def pin(tensor: torch.Tensor, **options: Unpack[PinArguments]) -> PinnedPool:
-    """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees (docs/concepts.md,
-    "Pinning memory you already own").
-
-    Use it as ``with pin(t) as pinned:`` or ``async with pin(t) as pinned:``; ``pinned.tensor``
-    views ``t``'s memory. It takes every option of :class:`PinnedPool` with the same meaning and
-    default (``name`` excepted: ``"tensor"``) but those the tensor decides (``layout``, ``size``,
-    ``num_pages``, ``memory``, ``huge_pages``, ``numa_node``). Its pages are its rows along the
-    first dimension (``pinned.num_pages == t.shape[0]``). Chunk boundaries are multiples of
-    ``granularity_bytes`` from its start; where none falls on an OS page (torch.empty's memory
-    starts 64 B into one), neighbouring chunks share the page on runtimes that track exact byte
-    ranges (CUDA, mlock, FakeRuntime), elsewhere that is a :class:`ConfigError` (allocate with
-    :func:`pinpool.empty`). A strided view whose rows are contiguous pins each row;
-    ``ranges=[(offset, nbytes), ...]`` pins those byte ranges of a contiguous tensor. pinpool never
-    frees the caller's memory: while pinned ``t`` points at a non-resizable alias. Memory already
-    pinned (or mlock-ed by anyone) raises :class:`AlreadyPinnedError` on entry, with nothing changed.
-    """
+    """Pin a CPU tensor you allocated, with PinnedPool's chunking and guarantees: ``with pin(t) as pinned:``
+    (or ``async with``). It takes :class:`PinnedPool`'s options but those the tensor decides (``name``
+    defaults to ``"tensor"``); its pages are its rows; pinpool never frees its memory. How chunks meet
+    OS pages, ``ranges=`` and strided views: docs/concepts.md, "Pinning memory you already own"."""
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"pin(tensor={type(tensor).__name__}): expected a torch.Tensor")
     if tensor.device.type != "cpu":
@@ -45,8 +32,7 @@ def pin(tensor: torch.Tensor, **options: Unpack[PinArguments]) -> PinnedPool:
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         raise ConfigError("pin(tensor): the tensor has no elements, so there is nothing to pin")
-    # The pool plans and pins an alias of the tensor: the same bytes, whose address and size
-    # nothing done to `tensor` from now on can change, and which keeps its storage alive.
+    # An alias of the tensor: the same bytes, whose address and size nothing done to `tensor` can change.
     request = pool_request("pin", options, source=alias_of(tensor))
     pool = PinnedPool.__new__(PinnedPool)
     pool._build(request)
@@ -62,8 +48,6 @@ pin.__signature__ = keyword_signature(  # type: ignore[attr-defined]
 def _shape(size: tuple[int | Sequence[int], ...]) -> tuple[int, ...]:
     """``empty(2, 3)`` and ``empty((2, 3))`` alike, as torch.empty takes them."""
     dims: object = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
-    if isinstance(dims, torch.Size):
-        return tuple(dims)
     if not isinstance(dims, Sequence) or isinstance(dims, str | bytes):
         raise ConfigError(f"empty(size={dims!r}): give the sizes as ints, or one sequence of ints")
     shape: list[int] = []
@@ -84,15 +68,9 @@ def empty(
     *size: int | Sequence[int], dtype: torch.dtype | None = None, huge_pages: bool | str = False,
     numa_node: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`.
-
-    Like ``torch.empty(*size, dtype=dtype)``, but the memory is a private anonymous ``mmap`` of
-    its own, zero-filled, faulted in as touched and unmapped with the last view, so it pins
-    exactly as a ``PinnedPool``'s own memory does (every chunk boundary on a page). ``huge_pages``
-    and ``numa_node`` as for :class:`pinpool.PinnedPool`; like a pool's memory it is not resizable
-    and ``MADV_DONTFORK`` (a forked child has nothing mapped there). Raises :class:`pinpool.ConfigError`
-    for a bad size, dtype or option, :class:`pinpool.AllocationError` where the OS refuses the mapping.
-    """
+    """A new CPU tensor of ``size`` whose memory starts on an OS page, for :func:`pinpool.pin`: like
+    ``torch.empty(*size, dtype=dtype)`` over a zero-filled ``mmap`` of its own (``MADV_DONTFORK``; ``huge_pages``
+    and ``numa_node`` as a pool's), unmapped with its last view. :class:`pinpool.AllocationError` if the OS refuses."""
     shape = _shape(size)
     if dtype is None:
         dtype = torch.get_default_dtype()

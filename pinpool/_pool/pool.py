@@ -1,5 +1,4 @@
-"""PinnedPool: a façade over the plan and the lifecycle; entering and exiting only run the
-:class:`~pinpool._pin.lifecycle.Lifecycle` with a driver. Nothing here decides what to register or undo."""
+"""PinnedPool: a façade whose entry and exit only run the lifecycle with a driver (nothing here decides what to pin)."""
 
 from __future__ import annotations
 
@@ -39,18 +38,10 @@ _WAIT_POLL_SECONDS = 0.02
 
 @dataclasses.dataclass(frozen=True)
 class PoolStats:
-    """What a pool's pinning and unpinning took, as ``pool.stats`` read it.
-
-    Attributes:
-        pin_seconds: wall time from just after the memory is mapped until the last pin worker
-            finished, pre-faulting included; 0.0 until pinning ends.
-        unpin_seconds: wall time of teardown (unregistering every chunk).
-        retries: registrations retried as aligned halves (see ``max_retries``).
-        populated_bytes: bytes pre-faulted so far (under CUDA what moves within a chunk, whose
-            registration counts at its end).
-        longest_call_seconds: the longest single runtime call so far, by op
-            (``pinpool_call_seconds_max``), kept after close.
-    """
+    """What a pool's pinning and unpinning took, as ``pool.stats`` read it: ``pin_seconds`` (from mapping the
+    memory to the last pin worker's end; 0.0 until then), ``unpin_seconds`` (teardown), ``retries`` (calls
+    retried as aligned halves), ``populated_bytes`` (pre-faulted so far; under CUDA a chunk's count lands at
+    its end) and ``longest_call_seconds`` (the longest runtime call so far, by op, kept after close)."""
 
     pin_seconds: float
     unpin_seconds: float
@@ -69,8 +60,7 @@ class PinnedPool:
     memory; on exit every chunk is unregistered, whatever the block did. ``pool.plan`` is what
     was decided before pinning; ``pool.registrations`` what the runtime holds right now.
 
-    The options are declared once (``pinpool._plan.declared``): the signature, the ``Options:`` below
-    (their help) and docs/options.md follow it; :class:`pinpool._plan.declared.PoolArguments` types them.
+    The options are declared once (``pinpool._plan.declared``): the signature and ``Options:`` follow it.
     """
 
     def __init__(self, **options: Unpack[PoolArguments]) -> None:
@@ -104,9 +94,7 @@ class PinnedPool:
         return self._plan.num_pages
 
     def _build(self, request: PoolRequest) -> None:
-        """The one construction path of ``PinnedPool(...)`` and ``pin()``, from the validated request:
-        probe the host once, place and check (before the runtime is resolved, so a doomed configuration
-        fails before a GPU driver starts), plan from that placement."""
+        """``PinnedPool(...)`` and ``pin()``'s one path: place and check, resolve the runtime (none if doomed), plan."""
         options, memory, source = request.options, request.memory, request.source
         host = _probe.probe_host()
         if memory is not None:
@@ -128,11 +116,9 @@ class PinnedPool:
         )  # fmt: skip
         admission = None
         if request.pacing is not None:
-            # The directory is checked (and made) now; a long wait is logged as node.waiting.
             admission = NodeAdmission(request.pacing, label=options.name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
-        # The lifecycle holds values, never the façade: the finalizer runs it after the façade is gone,
-        # so an unexited pool can be collected.
+        # The lifecycle holds values, never the façade, so an unexited pool is collected (its finalizer runs it).
         pool_memory = PoolMemory(self._plan, options, resolved, self._caps, shared=memory, tensor=source)
         self._lifecycle = Lifecycle(
             self._plan, options, runtime=resolved, caps=self._caps, observer=self._observer, source=pool_memory,
@@ -200,10 +186,8 @@ class PinnedPool:
         return None
 
     async def wait_ready(self, *, min_bytes: int | str | None = None, fraction: float | None = None) -> int:
-        """Wait until the pool is ready, or its first ``min_bytes`` or ``fraction`` of its pages are
-        pinned; returns ``pinned_pages``. Raises a failed background pinning's :class:`PinError` (to
-        every waiter), :class:`PoolStateError` if not entered or exited first. Cancellable; it polls
-        (at most every 20 ms), so no thread is held per waiter."""
+        """Wait until the pool, or its first ``min_bytes`` or ``fraction``, is pinned; returns ``pinned_pages``.
+        Cancellable; raises a background :class:`PinError` (every waiter), :class:`PoolStateError` if not open."""
         pages = self._pages_for(min_bytes, fraction)
         delay = 0.001
         while not self._lifecycle.reached(pages):
@@ -264,9 +248,8 @@ class PinnedPool:
 
     @property
     def registrations(self) -> tuple[Chunk, ...]:
-        """What the runtime holds right now: one :class:`pinpool.Chunk` per live registration call,
-        offsets from ``pool.data_ptr``, sorted; a planned chunk may be several (stall-budget pieces,
-        retry halves). Safe from any thread (docs/concepts.md, "Chunks and registrations")."""
+        """What the runtime holds now, one :class:`pinpool.Chunk` per live registration call (offsets from
+        ``pool.data_ptr``, sorted), from any thread (docs/concepts.md, "Chunks and registrations")."""
         session = self._lifecycle.session
         return () if session is None else session.registrations()
 
@@ -289,9 +272,7 @@ class PinnedPool:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if isinstance(exc, GeneratorExit):
-            # The task's coroutine is being closed (collected, or its loop is gone): it cannot
-            # await any more, so the pool is left on this thread, synchronously.
+        if isinstance(exc, GeneratorExit):  # the coroutine is being closed and cannot await: leave synchronously
             drive_sync(self._lifecycle.exit(exc))
             return
         await drive_async(self._lifecycle.exit(exc))
@@ -311,14 +292,9 @@ class PinnedPool:
         return self.__enter__()
 
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
-        """Exit the pool: stop background pinning, unpin every chunk, let go of the memory.
-
-        From any thread, at any moment, more than once; never :class:`PoolStateError`. On the thread
-        already entering or closing it (a signal handler) it returns None at once and that entry or
-        teardown finishes the job (docs/serving.md). Raises :class:`UnpinError` (a chunk stays
-        pinned) or an unseen background :class:`PinError`; ``raise_errors=False`` (a destructor)
-        returns it instead. Interruptions are always re-raised, after the teardown.
-        """
+        """Stop background pinning, unpin every chunk, let go of the memory: from any thread (a signal handler:
+        docs/serving.md), more than once, never :class:`PoolStateError`. Raises :class:`UnpinError` or an unseen
+        :class:`PinError` (``raise_errors=False`` returns it); interruptions are re-raised after the teardown."""
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 
 

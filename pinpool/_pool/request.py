@@ -1,7 +1,5 @@
-"""What a caller asked for, as one frozen, validated value: :func:`pool_request` turns the keywords of
-``PinnedPool(...)``, ``pin(...)``, ``share(...)`` and the ``pinpool plan``/``pin`` flags into a
-:class:`PoolRequest`, handing each option to its declared home (``pinpool._plan.declared``), which checks
-it. Nothing here probes the host: each entry point then places and plans the request with the host facts."""
+"""What a caller asked for, as one frozen value: :func:`pool_request` turns every entry point's keywords into a
+:class:`PoolRequest`, each option checked by its declared home; entry points then place and plan it on the host."""
 
 from __future__ import annotations
 
@@ -27,11 +25,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PoolRequest:
-    """One pool as asked for: its ``options``, node ``pacing`` (None: not paced), the ``runtime`` as
-    given (resolved once the pool is placed, so a doomed pool starts no GPU driver), where its memory
-    comes from (``memory``: a SharedMemory; ``source``: pin()'s tensor, else the pool maps its own),
-    and where it reports (``registry``, ``logger``, ``on_progress``). The fields of this value's own
-    home are checked here, once."""
+    """One pool as asked for: ``options``, ``pacing`` (None: not paced), ``runtime`` as given (resolved once
+    placed), its ``memory`` or pin()'s ``source`` tensor, where it reports; it checks the fields it is home to."""
 
     options: PoolOptions
     pacing: NodePacing | None = None
@@ -56,9 +51,8 @@ class PoolRequest:
 
 
 def pool_request(entry: str, given: Mapping[str, Any], *, source: torch.Tensor | None = None) -> PoolRequest:
-    """The request ``entry`` (``"PinnedPool"``, ``"pin"``: what a TypeError names) was ``given``: the
-    options it takes (pin()'s with ``source``, its tensor, which gives the layout and size), the rest
-    their declared defaults. An option it does not take is a TypeError, as for any Python call."""
+    """The request ``entry`` (named by a TypeError for an option it does not take) was ``given``, the rest
+    defaulted; with ``source`` (pin()'s tensor, which gives the layout and size) pin()'s options."""
     takes = [o for o in OPTIONS if (o.pin if source is not None else o.pool)]
     for name in sorted(given.keys() - {o.name for o in takes}):
         raise TypeError(f"{entry}() got an unexpected keyword argument {name!r}")
