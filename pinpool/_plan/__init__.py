@@ -6,7 +6,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "calls": "MAX_GROWTH MAX_REST MIN_DUTY PROBE_BYTES CallSizer Pacer RetryGrid RetrySplitter duty_cycle",
     "chunks": "Chunk ChunkPlan ChunkTable Order Span SpanTable",
     "facts": "CpuQuota HostFacts cgroup_room cpu_budget effective_available",
-    "declared": "DEFAULT_REGISTRY OPTIONS Option PinArguments PoolArguments pool_options",
+    "declared": "DEFAULT_REGISTRY OPTIONS Option pool_options",
     "options": "BACKGROUND_PIN_NICE MAX_NICE CHUNK_ENV DEFAULT_CHUNK_GIB MAX_CALL_SECONDS MAX_WORKERS PoolOptions "
                "chunk_limit_from_env",
     "plan": "LOOKAHEAD_CHUNKS PoolPlan Schedule plan_chunks plan_pool "

@@ -1,20 +1,12 @@
-"""A pool's options, declared once in :data:`OPTIONS`: the signatures, the request, ``PoolOptions.create``, the
-flags, docs/options.md and the typed keywords follow it. Standard library only (the CLI must not import torch)."""
+"""A pool's options, declared once in :data:`OPTIONS`: the signatures, the request and its typed keywords,
+``PoolOptions.create``, the flags and docs/options.md follow it. Standard library only (the CLI must not
+import torch)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
-
-if TYPE_CHECKING:  # the typed keywords' annotations only
-    from prometheus_client import CollectorRegistry
-
-    from .._pin.lifecycle import ProgressCallback
-    from .._shared.memory import SharedMemory
-    from ..layouts import Layout
-    from ..runtimes import Runtime
 
 # 32 halvings reach one 4 KiB page from 16 TiB: the floor (min_chunk_bytes) ends halving first.
 DEFAULT_MAX_RETRIES = 32
@@ -218,47 +210,3 @@ def keyword_signature(
         keywords.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=o.type))
     positional = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in first]
     return inspect.Signature([*positional, *keywords], return_annotation=returns)
-
-
-class _PinningArguments(TypedDict, total=False):
-    """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs (a test holds them to :data:`OPTIONS`)."""
-
-    runtime: str | Runtime
-    chunk_bytes: int | str | None
-    max_chunk_bytes: int | str | None
-    populate: bool | None
-    populate_workers: int | None
-    register_workers: int | None
-    unpin_workers: int | None
-    name: str
-    min_chunk_bytes: int | str | None
-    max_retries: int
-    retry_codes: Collection[int] | None
-    max_call_seconds: float | str | None
-    background: bool
-    pin_nice: int | str | None
-    node_slots: int | None
-    node_budget: int | float | str | None
-    node_dir: str | None
-    node_wait: bool
-    registry: CollectorRegistry | None
-    logger: Any | None
-    on_progress: ProgressCallback | None
-
-
-class PoolArguments(_PinningArguments, total=False):
-    """``PinnedPool(**options)``'s keywords."""
-
-    layout: Layout | None
-    size: int | str | None
-    num_pages: int | None
-    memory: SharedMemory | None
-    huge_pages: bool | str
-    numa_node: int | None
-
-
-class PinArguments(_PinningArguments, total=False):
-    """``pin(tensor, **options)``'s keywords."""
-
-    granularity_bytes: int | None
-    ranges: Sequence[tuple[int, int]] | None

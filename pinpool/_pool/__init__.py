@@ -5,5 +5,5 @@ from .._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "pin": "empty",
     "pool": "PinnedPool",
-    "request": "PoolRequest pool_request",
+    "request": "PinArguments PoolArguments PoolRequest pool_request",
 })  # fmt: skip

@@ -13,11 +13,11 @@ from prometheus_client import REGISTRY
 from .. import _probe
 from .._errors import ConfigError
 from .._host.mapping import HostMapping, alias_of
-from .._plan.declared import OPTIONS, PinArguments, keyword_signature
+from .._plan.declared import OPTIONS, keyword_signature
 from .._plan.preflight import check_huge_pages
 from .._units import hugetlb_page_size
 from .pool import PinnedPool
-from .request import pool_request
+from .request import PinArguments, pool_request
 
 
 def pin(tensor: torch.Tensor, **options: Unpack[PinArguments]) -> PinnedPool:

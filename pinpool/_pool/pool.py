@@ -24,14 +24,14 @@ from .._pin.lifecycle import Lifecycle
 from .._pin.memory_source import PoolMemory, TensorLayout
 from .._pin.outcome import PoolState, caller_outside_pinpool
 from .._plan.chunks import Chunk
-from .._plan.declared import PoolArguments, keyword_signature, pool_options
+from .._plan.declared import keyword_signature, pool_options
 from .._plan.plan import PoolPlan, plan_pool
 from .._plan.preflight import place
 from .._units import format_bytes, parse_size
 from ..layouts._spec import Layout
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
 from ..runtimes._registry import FAILURE_REASONS
-from .request import PoolRequest, pool_request
+from .request import PoolArguments, PoolRequest, pool_request
 
 _WAIT_POLL_SECONDS = 0.02
 

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from .._pin.lifecycle import ProgressCallback
     from .._shared.memory import SharedMemory
+    from ..layouts import Layout
     from ..runtimes import Runtime
 
 
@@ -73,3 +74,47 @@ def pool_request(entry: str, given: Mapping[str, Any], *, source: torch.Tensor |
 def _default(option: Option, *, pin: bool) -> object:
     default = option.default_for_pin if pin else option.default
     return REGISTRY if default is DEFAULT_REGISTRY else default
+
+
+class _PinningArguments(TypedDict, total=False):
+    """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs (a test holds them to :data:`OPTIONS`)."""
+
+    runtime: str | Runtime
+    chunk_bytes: int | str | None
+    max_chunk_bytes: int | str | None
+    populate: bool | None
+    populate_workers: int | None
+    register_workers: int | None
+    unpin_workers: int | None
+    name: str
+    min_chunk_bytes: int | str | None
+    max_retries: int
+    retry_codes: Collection[int] | None
+    max_call_seconds: float | str | None
+    background: bool
+    pin_nice: int | str | None
+    node_slots: int | None
+    node_budget: int | float | str | None
+    node_dir: str | None
+    node_wait: bool
+    registry: CollectorRegistry | None
+    logger: Any | None
+    on_progress: ProgressCallback | None
+
+
+class PoolArguments(_PinningArguments, total=False):
+    """``PinnedPool(**options)``'s keywords."""
+
+    layout: Layout | None
+    size: int | str | None
+    num_pages: int | None
+    memory: SharedMemory | None
+    huge_pages: bool | str
+    numa_node: int | None
+
+
+class PinArguments(_PinningArguments, total=False):
+    """``pin(tensor, **options)``'s keywords."""
+
+    granularity_bytes: int | None
+    ranges: Sequence[tuple[int, int]] | None

@@ -30,7 +30,8 @@ def imported(path: Path, modules: set[str]) -> set[str]:
             if node.level:
                 parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{parent}.{base}" if base else parent
-            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            # ``from pkg import module`` depends on that module; ``from pkg import name``, on pkg.
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
         found.update(name for name in names if name in modules)

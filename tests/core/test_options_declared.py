@@ -20,8 +20,8 @@ from prometheus_client import REGISTRY
 
 import pinpool
 from pinpool import _cli
-from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PinArguments, PoolArguments, PoolOptions, pool_options
-from pinpool._pool import PoolRequest, pool_request
+from pinpool._plan import DEFAULT_REGISTRY, OPTIONS, Option, PoolOptions, pool_options
+from pinpool._pool import PinArguments, PoolArguments, PoolRequest, pool_request
 from pinpool.testing import FakeRuntime
 
 from ..conftest import lifecycle_of
