@@ -367,7 +367,7 @@ def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.
         **options,
     )  # fmt: skip
     if fake is not None:  # the plan is known now, and nothing is registered before the pool is entered
-        fake.fail_register_on = frozenset({min(3, pool.plan.registrations)})
+        fake.fail_register_on = frozenset({min(3, len(pool.plan.chunks))})
     return pool
 
 
