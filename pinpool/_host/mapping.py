@@ -1,17 +1,11 @@
 """The pool's own memory: one anonymous mapping, viewed as torch tensors without copying; or a
-caller's tensor, reached through an alias.
+caller's tensor, reached through an alias (docs/concepts.md has both lifetimes).
 
-Lifetime: a mapping is unmapped only when nothing refers to it (not the pool, which lets go after
-unpinning, nor any tensor view, each holding it through the buffer torch.frombuffer keeps), so a
-view kept past the pool's exit stays valid, merely unpinned; one with a chunk still registered
-is never unmapped. Never at interpreter exit either: finalizers run newest first then, so a
-mapping made at entry would go before its pool (made earlier) unpinned it; the kernel takes the
-memory back with the process.
-
-A caller's tensor (:func:`pinpool.pin`) is pinned through an *alias*: a tensor over the same
-bytes whose storage cannot be resized and keeps the caller's storage alive. While pinned, the
-caller's tensor is pointed at it, so ``t.resize_()`` (which would reallocate, freeing the pinned
-memory under its registrations) raises instead, and ``t.set_()`` or ``del t`` cannot free it.
+A mapping is unmapped only when nothing refers to it (the pool, or any tensor view), never while a
+chunk of it is registered, and never at interpreter exit (finalizers run newest first then: a
+mapping would go before its pool unpinned it). A caller's tensor (:func:`pinpool.pin`) is pinned
+through an *alias* whose storage cannot be resized; while pinned the caller's tensor points at it,
+so ``t.resize_()`` raises instead of freeing the pinned memory under its registrations.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ import ctypes
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
@@ -33,10 +28,8 @@ _KEPT_FOREVER: list[HostMapping] = []
 _kept_lock = threading.Lock()
 
 
-# munmap frees every page of the range while holding the process's mmap_lock for writing: 4 GiB
-# took ~0.3 s here, a stall for every thread that maps or faults memory. In pieces, the lock is
-# let go between them (any range of a mapping may be unmapped on its own, in whole pages: a piece
-# of a hugetlb mapping is whole hugetlb pages, else munmap refuses it with EINVAL).
+# munmap holds the process's mmap_lock for writing while it frees the range, stalling every thread
+# that maps or faults memory: in pieces (whole pages: hugetlb ones for hugetlb), the lock is let go.
 UNMAP_PIECE_BYTES = 128 << 20
 
 
@@ -60,6 +53,14 @@ def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRIT
         )  # fmt: skip
 
 
+def owned_bytes(address: int, nbytes: int, owner: object) -> Any:
+    """A ctypes array over ``[address, +nbytes)`` that keeps ``owner`` alive: a tensor made from it
+    (``torch.frombuffer``) holds the array, the array holds the owner."""
+    buffer = type("_OwnedBytes", (ctypes.c_uint8 * nbytes,), {}).from_address(address)  # a subclass takes _owner
+    buffer._owner = owner
+    return buffer
+
+
 def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
     """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
     whatever it has mapped at that address since is its own."""
@@ -68,18 +69,10 @@ def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
 
 
 class HostMapping:
-    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages).
-
-    ``huge_pages``: ``True`` asks for transparent huge pages (MADV_HUGEPAGE), ``"hugetlb"``
-    (or ``"hugetlb:2MiB"``) maps reserved 2 MiB hugetlb pages, ``"hugetlb:1GiB"`` reserved
-    1 GiB ones, which the caller has checked against the host first (``_plan.preflight.check_huge_pages``).
-    ``numa_node`` binds the memory (mbind) before any of it is faulted.
-
-    **Fork**: the mapping is ``MADV_DONTFORK`` before any page is faulted, as every server that
-    pins private memory does: a forked child gets no copy (touching the range there is a
-    segmentation fault), so no pinned page is shared copy-on-write, and a write by the parent
-    after a fork never moves one to a new, unpinned page under a DMA registration.
-    """
+    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages), bound
+    to ``numa_node`` before any of it is faulted. ``huge_pages`` as ``PinnedPool``'s, hugetlb pages
+    checked by the caller first (``check_huge_pages``). ``MADV_DONTFORK`` before any page is faulted:
+    a fork never shares a pinned page copy-on-write (docs/concepts.md)."""
 
     def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
         hugetlb = hugetlb_page_size(huge_pages)
@@ -101,7 +94,7 @@ class HostMapping:
         self.huge_pages = huge_pages
         self._finalizer = weakref.finalize(self, _unmap_in, os.getpid(), address, length, hugetlb or _libc.PAGE_SIZE)
         self._finalizer.atexit = False  # never at interpreter exit (see the module doc)
-        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)  # before any page is faulted (Fork, above)
+        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)
         if err:
             self._finalizer()
             raise AllocationError(
@@ -143,12 +136,9 @@ class HostMapping:
         """A flat uint8 tensor over ``[offset, offset+nbytes)`` that keeps this mapping alive."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
             raise ValueError(f"view [{offset}, +{nbytes}) outside the mapping of {self.length} bytes")
-        buffer_type: Any = type("_PoolBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
-        buffer = buffer_type.from_address(self.address + offset)
-        buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(buffer, dtype=torch.uint8)
+        return torch.frombuffer(owned_bytes(self.address + offset, nbytes, self), dtype=torch.uint8)
 
     def keep_forever(self) -> None:
         """Never unmap: part of this memory may still be registered with the runtime."""
@@ -160,26 +150,17 @@ class HostMapping:
         return not self._finalizer.alive
 
 
+@dataclass(frozen=True, slots=True)
 class _Alias:
     """What pinning a caller's tensor needs beyond the alias tensor itself (see :func:`alias_of`)."""
 
-    __slots__ = ("address", "geometry", "nbytes", "original", "owner", "storage", "storage_offset")
-
-    def __init__(
-        self,
-        owner: weakref.ref[torch.Tensor],
-        original: torch.UntypedStorage,
-        storage: torch.UntypedStorage,
-        storage_offset: int,
-        geometry: _Geometry,
-    ) -> None:
-        self.owner = owner  # the caller's tensor, weakly: pinning must not keep the object alive
-        self.original = original  # the caller's storage (the alias's buffer holds it too)
-        self.storage = storage  # the alias's storage: non-resizable, over the same bytes
-        self.address = original.data_ptr()  # where the original storage's bytes were when aliased
-        self.nbytes = original.nbytes()
-        self.storage_offset = storage_offset  # bytes from the storage's start to the tensor's
-        self.geometry = geometry  # the caller's tensor's (offset, sizes, strides) when pinned
+    owner: weakref.ref[torch.Tensor]  # the caller's tensor, weakly: pinning must not keep it alive
+    original: torch.UntypedStorage  # the caller's storage (the alias's buffer holds it too)
+    storage: torch.UntypedStorage  # the alias's storage: non-resizable, over the same bytes
+    address: int  # where the original storage's bytes were when aliased
+    nbytes: int
+    storage_offset: int  # bytes from the storage's start to the tensor's
+    geometry: _Geometry  # the caller's tensor's (offset, sizes, strides) when pinned
 
 
 _ALIAS_ATTRIBUTE = "_pinpool_alias"
@@ -197,16 +178,14 @@ def alias_of(tensor: torch.Tensor) -> torch.Tensor:
     alias of an alias aliases the same original storage."""
     info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
     original = info.original if isinstance(info, _Alias) else tensor.untyped_storage()
-    nbytes = original.nbytes()
-    buffer_type: Any = type("_TensorBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
-    buffer = buffer_type.from_address(original.data_ptr())
-    buffer._owner = original  # the alias's storage holds `buffer`, `buffer` holds the caller's storage
+    buffer = owned_bytes(original.data_ptr(), original.nbytes(), original)
     storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
     alias = torch.empty(0, dtype=tensor.dtype).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
     owner = info.owner if isinstance(info, _Alias) else weakref.ref(tensor)
     geometry = info.geometry if isinstance(info, _Alias) else _geometry(tensor)
     offset = int(tensor.storage_offset()) * tensor.element_size()
-    setattr(alias, _ALIAS_ATTRIBUTE, _Alias(owner, original, storage, offset, geometry))
+    record = _Alias(owner, original, storage, original.data_ptr(), original.nbytes(), offset, geometry)
+    setattr(alias, _ALIAS_ATTRIBUTE, record)
     return alias
 
 
