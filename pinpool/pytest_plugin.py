@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from pinpool import PinnedPool
-    from pinpool.runtimes import Runtime
     from pinpool.testing import FakeRuntime
 
 __all__ = ["GPU_MARKER", "PinnedPoolFactory", "entry_point", "fake_auto_runtime", "fake_runtime", "pinned_pool_factory"]
@@ -127,9 +126,7 @@ class PinnedPoolFactory:
         return pool
 
     def _defaults(self, options: dict[str, Any]) -> dict[str, Any]:
-        runtime: str | Runtime = options.pop("runtime", self.fake_runtime)
-        registry: CollectorRegistry | None = options.pop("registry", self.registry)
-        return {"runtime": runtime, "registry": registry, **options}
+        return {"runtime": self.fake_runtime, "registry": self.registry, **options}
 
     def check(self) -> list[str]:
         """Exit every pool still open, and say what was wrong; called at the test's teardown."""
