@@ -12,8 +12,7 @@ class Capabilities:
     docs/quickstart.md (Runtimes) explains each ability. What pinning costs the host: ``resident``
     (registered pages stay resident, so the pre-flight charges them against the memory cgroup and
     MemAvailable; False for one that touches no memory, as FakeRuntime) and ``charges_memlock``
-    (registrations count against RLIMIT_MEMLOCK, as mlock's do: the pre-flight checks the limit).
-    """
+    (registrations count against RLIMIT_MEMLOCK, as mlock's do: the pre-flight checks the limit)."""
 
     populates: bool = False
     locks_on_fault: bool = False

@@ -1,15 +1,12 @@
-"""pytest plugin for code built on pinpool: the leak-checked fixtures ``fake_runtime``, ``fake_auto_runtime``
-and ``pinned_pool_factory``, and the ``gpu`` marker (skipped, with the reason, without a CUDA device).
-
-Installing pinpool registers it (entry point ``pinpool`` in ``pytest11``); otherwise load it with
-``-p pinpool.pytest_plugin``. pinpool and torch are imported only when a test needs them;
-docs/testing.md is the guide.
+"""pytest plugin for code built on pinpool (docs/testing.md): the leak-checked fixtures ``fake_runtime``,
+``fake_auto_runtime`` and ``pinned_pool_factory``, and the ``gpu`` marker (skipped without a CUDA device).
+Installing pinpool registers it (``pytest11``); pinpool and torch are imported only when a test needs them.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -103,8 +100,7 @@ def fake_auto_runtime(fake_runtime: FakeRuntime) -> Iterator[FakeRuntime]:
 class PinnedPoolFactory:
     """The ``pinned_pool_factory`` fixture: ``factory(size=..., **options)`` is :class:`pinpool.PinnedPool`
     and :meth:`pin` is :func:`pinpool.pin`, with ``runtime`` the test's ``fake_runtime`` and ``registry``
-    a ``CollectorRegistry`` of this test alone unless given; :attr:`pools` lists what was built.
-    """
+    a ``CollectorRegistry`` of this test alone unless given; :attr:`pools` lists what was built."""
 
     def __init__(self, fake: FakeRuntime, registry: CollectorRegistry) -> None:
         self.fake_runtime = fake
@@ -114,19 +110,17 @@ class PinnedPoolFactory:
     def __call__(self, *, size: int | str, **options: Any) -> PinnedPool:
         import pinpool
 
-        pool = pinpool.PinnedPool(size=size, **self._defaults(options))
-        self.pools.append(pool)
-        return pool
+        return self._built(pinpool.PinnedPool, size=size, **options)
 
     def pin(self, tensor: torch.Tensor, **options: Any) -> PinnedPool:
         import pinpool
 
-        pool = pinpool.pin(tensor, **self._defaults(options))
+        return self._built(pinpool.pin, tensor, **options)
+
+    def _built(self, make: Callable[..., PinnedPool], *args: Any, **options: Any) -> PinnedPool:
+        pool = make(*args, **{"runtime": self.fake_runtime, "registry": self.registry, **options})
         self.pools.append(pool)
         return pool
-
-    def _defaults(self, options: dict[str, Any]) -> dict[str, Any]:
-        return {"runtime": self.fake_runtime, "registry": self.registry, **options}
 
     def check(self) -> list[str]:
         """Exit every pool still open, and say what was wrong; called at the test's teardown."""

@@ -68,10 +68,8 @@ def read_mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     for line in (_read(meminfo) or "").splitlines():
         if line.startswith("MemAvailable:"):
             fields = line.split()
-            if len(fields) == 3 and fields[2] == "kB":
-                kib = _to_int(fields[1])
-                return None if kib is None else kib * 1024
-            return None
+            kib = _to_int(fields[1]) if len(fields) == 3 and fields[2] == "kB" else None
+            return None if kib is None else kib * 1024
     return None
 
 

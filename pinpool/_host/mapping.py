@@ -23,7 +23,6 @@ from .._errors import AllocationError, ConfigError, RuntimeCallError, hugetlb_fi
 from .._units import format_bytes, hugetlb_page_size
 from . import libc as _libc
 
-# Mappings that must outlive everything because a chunk of them may still be registered.
 _KEPT_FOREVER: list[HostMapping] = []
 _kept_lock = threading.Lock()
 
@@ -219,12 +218,8 @@ _GiveBack: TypeAlias = "weakref.finalize[..., TensorMemory]"  # gives the caller
 
 
 class TensorMemory:
-    """A caller's CPU tensor as pool memory: same interface as HostMapping, never freed.
-
-    ``tensor``: the alias :func:`alias_of` made at ``pin()``. On entry the caller's tensor is
-    pointed at it (see the module doc), and gets its own storage back once pinpool lets go.
-    ``span``: the bytes ``[start, end)`` from the tensor's start that the pool's memory is.
-    """
+    """A caller's CPU tensor (the alias :func:`alias_of` made at ``pin()``) as pool memory, never freed:
+    bytes ``span`` of it, as HostMapping's. The caller's tensor points at the alias until pinpool lets go."""
 
     def __init__(self, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> None:
         info = getattr(tensor, _ALIAS_ATTRIBUTE, None)

@@ -102,8 +102,7 @@ class PoolMemory:
 
     def acquire(self) -> HostMapping | TensorMemory | SharedMapping:
         plan, name, shared = self._plan, self._options.name, self._shared
-        # The memory pre-flight against figures read right before mapping (they change after
-        # construction); pages a shared file already holds are memory in use, not new memory.
+        # Figures read right before mapping; pages a shared file already holds are no new memory.
         new_bytes = None if shared is None else shared.new_bytes(plan.mapping_bytes)
         host = _probe.probe_host()
         check_pinning(
@@ -131,9 +130,7 @@ class PoolMemory:
         if isinstance(memory, TensorMemory):  # the caller's tensor as given: a strided view stays one
             return MappingProxyType({TENSOR_BUFFER: memory.as_given()})
         assert isinstance(memory, HostMapping | SharedMapping)
-        if isinstance(memory, SharedMapping):
-            # Pages another process truncated away are SIGBUS to touch, and mlock skips them
-            # silently: refuse them before the pool calls them pinned (after a foreground pin).
+        if isinstance(memory, SharedMapping):  # truncated pages are SIGBUS to touch, and mlock skips them
             memory.check_size()
         return MappingProxyType(
             {
@@ -160,9 +157,8 @@ TENSOR_BUFFER = "data"  # pin()'s one buffer: pool.tensors["data"] is pool.tenso
 
 
 class TensorLayout:
-    """The layout of a caller's tensor: one buffer of its bytes whose pages are its rows along the
-    first dimension (a 0-d tensor is one page), so a background pool says which rows are pinned.
-    ``ranges``: what is registered when not all of it (:func:`source_ranges`)."""
+    """The layout of a caller's tensor: one buffer whose pages are its rows along the first dimension
+    (a 0-d tensor is one page); ``ranges``: what is registered when not all of it (:func:`source_ranges`)."""
 
     name = "tensor"
 

@@ -12,16 +12,9 @@ from .._types import CpuQuota, cgroup_room
 @dataclass(frozen=True)
 class HostFacts:
     """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
-
-    cpus: CPUs in this process's affinity mask; cpu_quota: the binding CPU cgroup quota (None: not
-        read); worker counts derive from :attr:`cpu_budget`.
-    huge_page_size: the huge page pinpool maps with (2 MiB); thp_mode, thp_defrag: None without THP.
-    cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK (memlock_soft, memlock_hard).
-    cgroup_memory_*, cgroup_version, cgroup_path, mem_available: :class:`~pinpool._host.limits.MemoryLimits`.
-    locked_bytes: what this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
-    hugetlb_free, hugetlb_total (2 MiB), hugetlb_1g_free, hugetlb_1g_total: free and reserved pages.
-    torch_cuda, torch_hip: ``torch.version`` build facts; nvidia_driver, amd_kfd: the kernel drivers.
-    """
+    cpus: the affinity mask's (worker counts use :attr:`cpu_budget`); huge_page_size: the huge page
+    pinpool maps with (2 MiB); cgroup_*, mem_available: :class:`~pinpool._host.limits.MemoryLimits`'s;
+    locked_bytes: ``VmLck``; hugetlb_* (1g: 1 GiB pages): free and reserved; torch_*: build facts."""
 
     cpus: int
     page_size: int

@@ -1,7 +1,6 @@
-"""What a runtime is, and the one registry of runtime names (docs/operations.md's table too: a test
-holds it to this one). Abilities are *declared*, never guessed from attributes (an inherited method
-or a mock's auto-attribute would switch on a path nobody asked for), and checked at resolution, so a
-false declaration fails at construction, not midway through pinning a terabyte.
+"""What a runtime is, and the one registry of runtime names (a test holds docs/operations.md's table to
+it). Abilities are *declared*, never guessed from attributes (a mock has them all), and checked at
+resolution: a false declaration fails at construction, not midway through pinning a terabyte.
 """
 
 from __future__ import annotations
