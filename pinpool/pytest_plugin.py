@@ -139,7 +139,8 @@ class PinnedPoolFactory:
         fakes = {id(pool.runtime): pool.runtime for pool in self.pools if isinstance(pool.runtime, FakeRuntime)}
         for fake in fakes.values():
             if fake is not self.fake_runtime:  # the fake_runtime fixture checks its own books
-                message = _leak_message(fake, f"the FakeRuntime of pool(s) {self._names_on(fake)}")
+                names = ", ".join(repr(pool.name) for pool in self.pools if pool.runtime is fake)
+                message = _leak_message(fake, f"the FakeRuntime of pool(s) {names}")
                 if message is not None:
                     problems.append(message)
         problems.extend(
@@ -148,9 +149,6 @@ class PinnedPoolFactory:
             if not isinstance(pool.runtime, FakeRuntime) and pool.pinned_bytes
         )
         return problems
-
-    def _names_on(self, runtime: object) -> str:
-        return ", ".join(repr(pool.name) for pool in self.pools if pool.runtime is runtime)
 
 
 @pytest.fixture

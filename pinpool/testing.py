@@ -126,8 +126,7 @@ class FakeRuntime:
             self._fail_next[op] = k
 
     def _start(self, op: str, ptr: int, nbytes: int, calls: list[Any], fail_on: frozenset[int]) -> tuple[int, str]:
-        """Book a call (under the lock), then wait its delay: its 1-based index, and how it is to fail
-        ("" if not: the injected failure's source otherwise)."""
+        """Book a call, then wait its delay: its 1-based index, and the injected failure's source ("": none)."""
         with self._lock:
             calls.append((ptr, nbytes) if op != "unregister" else ptr)
             self.events.append((op, ptr))
@@ -259,8 +258,7 @@ def assert_released(
     prefix = f"pinpool-{pool.name}"
 
     def alive() -> list[str]:
-        names = (t.name for t in threading.enumerate())
-        return [n for n in names if n == prefix or n.startswith(prefix + "-")]
+        return [t.name for t in threading.enumerate() if t.name == prefix or t.name.startswith(prefix + "-")]
 
     deadline = time.monotonic() + timeout
     while alive() and time.monotonic() < deadline:

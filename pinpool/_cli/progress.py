@@ -173,10 +173,8 @@ class ProgressReporter:
         self._clock = clock
         self._width = width
         self.faulted = faulted
-        self._start = clock()
-        self._last_line = self._start
         self._rate = RecentRate(window)
-        self._rate.restart(self._start)
+        self.restart()
         self._drawn = 0  # characters of the bar now on screen (0: none)
         self._finished_line = False
         self._broken = False
@@ -243,9 +241,8 @@ def format_seconds(seconds: float) -> str:
 
 
 class EventLog:
-    """A structlog-shaped logger for ``PinnedPool(logger=...)``: keeps each ``chunk.registered``
-    event's ``seconds`` and prints warnings and errors as one line with the pool's name (``quiet``
-    ones not: the CLI reports those itself). Worker threads call it: ``list.append`` and a lock."""
+    """A structlog-shaped logger for ``PinnedPool(logger=...)``, called by worker threads: keeps each
+    ``chunk.registered`` event's ``seconds``, prints warnings and errors but ``quiet`` ones as one line."""
 
     def __init__(self, stream: TextIO, *, quiet: frozenset[str] = frozenset({"pool.rollback"})) -> None:
         self.stream = stream

@@ -49,9 +49,8 @@ RLIM_INFINITY = resource.RLIM_INFINITY
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
-# User address space without an mmap hint above it (pinpool never passes one): x86-64 [0, 2**47)
-# even with LA57, arm64 below 2**48 even with 52-bit VA. Upper bounds: the binary, heap and stack
-# share it. Any other 64-bit architecture stays below 2**57; 32-bit: the pointer width.
+# User address space without an mmap hint above it (pinpool never passes one), an upper bound: x86-64
+# 2**47 even with LA57, arm64 2**48 even with 52-bit VA, any other 64-bit one 2**57; 32-bit: the pointer.
 _USER_ADDRESS_BITS = {"x86_64": 47, "amd64": 47, "aarch64": 48, "arm64": 48}
 _OTHER_64_BIT_ADDRESS_BITS = 57
 

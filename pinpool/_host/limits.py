@@ -33,9 +33,8 @@ def available_cpus() -> int:
 
 @dataclass(frozen=True)
 class MemoryLimits:
-    """This process's memory figures, in bytes; ``None`` where unknown (or, for the limit, unlimited).
-    The cgroup's: of its cgroup and ancestors, the one with the least room left (without a limit, its
-    own). ``mem_available_bytes`` is host-wide."""
+    """This process's memory figures in bytes, ``None`` where unknown (the limit: or unlimited); the cgroup
+    figures are of the cgroup or ancestor with the least room left. ``mem_available_bytes`` is host-wide."""
 
     cgroup_version: int | None = None
     cgroup_limit_bytes: int | None = None
@@ -118,9 +117,8 @@ def _cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
 
 
 def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
-    """Every cgroup of this process that has memory files, deepest first, per hierarchy. In a
-    container without a cgroup namespace the path names the host's cgroup, which the container
-    sees as its mount root: the walk up finds the root's files."""
+    """Every cgroup of this process that has memory files, deepest first, per hierarchy (without a cgroup
+    namespace the path names the host's cgroup, the container's mount root: the walk up finds its files)."""
     for controllers, parts in _cgroup_paths(proc_cgroup):
         if controllers == "":
             version, bases = 2, [mount, os.path.join(mount, "unified")]

@@ -55,7 +55,8 @@ def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRIT
 def owned_bytes(address: int, nbytes: int, owner: object) -> Any:
     """A ctypes array over ``[address, +nbytes)`` that keeps ``owner`` alive: a tensor made from it
     (``torch.frombuffer``) holds the array, the array holds the owner."""
-    buffer = type("_OwnedBytes", (ctypes.c_uint8 * nbytes,), {}).from_address(address)  # a subclass takes _owner
+    buffer_type: Any = type("_OwnedBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
+    buffer = buffer_type.from_address(address)
     buffer._owner = owner
     return buffer
 
@@ -172,9 +173,8 @@ def _geometry(tensor: torch.Tensor) -> _Geometry:
 
 
 def alias_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor over exactly ``tensor``'s bytes whose storage cannot be resized and keeps ``tensor``'s
-    alive (see the module doc), so the plan made from it still describes the memory at entry; an
-    alias of an alias aliases the same original storage."""
+    """A tensor over exactly ``tensor``'s bytes whose storage cannot be resized and keeps ``tensor``'s alive,
+    so the plan made from it still describes the memory at entry (an alias of an alias: the same original)."""
     info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
     original = info.original if isinstance(info, _Alias) else tensor.untyped_storage()
     buffer = owned_bytes(original.data_ptr(), original.nbytes(), original)
@@ -203,9 +203,8 @@ def _point(tensor: torch.Tensor, storage: torch.UntypedStorage, geometry: _Geome
 
 def _give_back(owner: weakref.ref[torch.Tensor], alias: torch.UntypedStorage, original: torch.UntypedStorage,
                geometry: _Geometry, thread: int) -> None:  # fmt: skip
-    """Point the caller's tensor back at its own storage if it still views the alias: as it is now,
-    else as when pinned (torch sets a refused ``resize_``'s sizes first). Only in the thread that
-    pointed it at the alias: elsewhere another thread may be using it, and it keeps the alias."""
+    """Point the caller's tensor back at its own storage if it still views the alias (as now, else as when
+    pinned), in the thread that pointed it at the alias only: another thread may be using it."""
     if threading.get_ident() != thread:
         return
     tensor = owner()

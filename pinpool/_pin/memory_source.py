@@ -67,22 +67,20 @@ def claim(
             "nothing was pinned. Exit the other pool first, or pin a different tensor"
         )
     try:
-        elsewhere = None
         if caps.finds_pinned:  # one scan of the whole extent; each range only where it finds something
             find = cast(FindsPinned, runtime).find_pinned
             elsewhere = find(memory.address, nbytes)
             if elsewhere is not None and len(spans) > 1:
                 found = (find(memory.address + offset, size) for offset, size in spans)
                 elsewhere = next((where for where in found if where is not None), None)
-    except BaseException:  # an interrupt during the scan (it reads /proc/self/smaps) must not keep the claim
+            if elsewhere is not None:
+                raise AlreadyPinnedError(
+                    f"pool {name!r}: the memory is already pinned outside pinpool ({elsewhere}); "
+                    "nothing was pinned. Unpin it first, or pin a different tensor"
+                )
+    except BaseException:  # memory pinned elsewhere, or an interrupt during the scan: the claim goes
         PINNED_RANGES.pop(memory.address)
         raise
-    if elsewhere is not None:
-        PINNED_RANGES.pop(memory.address)
-        raise AlreadyPinnedError(
-            f"pool {name!r}: the memory is already pinned outside pinpool ({elsewhere}); "
-            "nothing was pinned. Unpin it first, or pin a different tensor"
-        )
     return memory
 
 

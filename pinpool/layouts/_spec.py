@@ -213,8 +213,7 @@ def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: st
 
 def not_its_fault(exc: BaseException) -> bool:
     """Whether ``exc``, raised while a layout's code ran, is no mistake of the layout's, to pass through
-    untouched: no memory or stack left, or raised by a signal handler that ran meanwhile (an alarm's
-    TimeoutError). Anything else a layout raises is its broken promise, a ConfigError naming it."""
+    untouched: no memory or stack left, or raised by a signal handler that ran meanwhile (an alarm's)."""
     if isinstance(exc, MemoryError | RecursionError):
         return True
     handlers = {getattr(signal.getsignal(signum), "__code__", None) for signum in signal.valid_signals()}

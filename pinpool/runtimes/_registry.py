@@ -192,9 +192,8 @@ def resolve_runtime(runtime: str | Runtime) -> Runtime:
 
 
 def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | None:
-    """The capabilities that say what pinning with ``runtime`` costs the host, read from a registered
-    name's class without building it (``"auto"``: judged from the host facts, starting no GPU driver);
-    None for None or an unknown name."""
+    """What pinning with ``runtime`` costs the host, read from a registered name's class without building it
+    (``"auto"``: judged from the host facts, starting no GPU driver); None for None or an unknown name."""
     if runtime is None or isinstance(runtime, Capabilities):
         return runtime
     if isinstance(runtime, str):
