@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a runtime can do beyond ``register(ptr, nbytes)`` / ``unregister(ptr)``, declared, not probed;
-    docs/quickstart.md (Runtimes) explains each ability. What pinning costs the host: ``resident``
-    (registered pages stay resident, so the pre-flight charges them against the memory cgroup and
-    MemAvailable; False for one that touches no memory, as FakeRuntime) and ``charges_memlock``
-    (registrations count against RLIMIT_MEMLOCK, as mlock's do: the pre-flight checks the limit)."""
+    """What a runtime can do beyond ``register(ptr, nbytes)`` / ``unregister(ptr)``, declared, not probed
+    (docs/quickstart.md, Runtimes). What pinning costs the host: ``resident`` (registered pages stay
+    resident: the pre-flight charges them to the memory cgroup and MemAvailable; False for FakeRuntime)
+    and ``charges_memlock`` (registrations count against RLIMIT_MEMLOCK, as mlock's: the limit is checked)."""
 
     populates: bool = False
     locks_on_fault: bool = False

@@ -1,11 +1,8 @@
-"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying; or a
-caller's tensor, reached through an alias (docs/concepts.md has both lifetimes).
-
-A mapping is unmapped only when nothing refers to it (the pool, or any tensor view), never while a
-chunk of it is registered, and never at interpreter exit (finalizers run newest first then: a
-mapping would go before its pool unpinned it). A caller's tensor (:func:`pinpool.pin`) is pinned
-through an *alias* whose storage cannot be resized; while pinned the caller's tensor points at it,
-so ``t.resize_()`` raises instead of freeing the pinned memory under its registrations.
+"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying, unmapped only when
+nothing refers to it (the pool, or any view), never while a chunk is registered nor at interpreter exit
+(finalizers run newest first then: a mapping would go before its pool unpinned it). Or a caller's tensor,
+pinned through an *alias* whose storage cannot be resized: ``t.resize_()`` raises instead of freeing the
+pinned memory under its registrations (docs/concepts.md has both lifetimes).
 """
 
 from __future__ import annotations
@@ -69,9 +66,8 @@ def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
 
 
 class HostMapping:
-    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages), bound
-    to ``numa_node`` before any of it is faulted. ``huge_pages`` as ``PinnedPool``'s, hugetlb pages
-    checked by the caller first (``check_huge_pages``). ``MADV_DONTFORK`` before any page is faulted:
+    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages, hugetlb ones
+    checked by the caller first), bound to ``numa_node`` and ``MADV_DONTFORK`` before any page is faulted:
     a fork never shares a pinned page copy-on-write (docs/concepts.md)."""
 
     def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:

@@ -105,9 +105,8 @@ class Dense:
 
 @dataclass(frozen=True)
 class Mamba:
-    """Mamba state pool: one slot (page) holds a temporal state and conv states per layer; buffers
-    ``"temporal"``, ``"conv0"``, ...; ``temporal_dtype`` and ``conv_dtype`` default to ``dtype``.
-    docs/layouts.md, Mamba."""
+    """Mamba state pool: a slot (page) holds a temporal state and conv states per layer, buffers ``"temporal"``,
+    ``"conv0"``, ...; ``temporal_dtype`` and ``conv_dtype`` default to ``dtype`` (docs/layouts.md, Mamba)."""
 
     num_mamba_layers: int
     temporal_shape: tuple[int, ...]
@@ -259,9 +258,8 @@ class PagedBytes:
 
 @dataclass(frozen=True)
 class MHA:
-    """Multi-head attention KV cache, as SGLang's MHA host pool lays it out: one buffer ``"kv"`` (K then
-    V), ``"k"`` with ``k_only=True``, ``"k"`` and ``"v"`` for a different ``v_head_dim``. Each layout's
-    shape and granularity: docs/layouts.md, MHA."""
+    """Multi-head attention KV cache, as SGLang's MHA host pool lays it out: buffer ``"kv"`` (K then V), ``"k"``
+    if ``k_only``, ``"k"`` and ``"v"`` for another ``v_head_dim``; each layout's shapes: docs/layouts.md, MHA."""
 
     layout: str
     layer_num: int
@@ -350,9 +348,8 @@ class MHA:
 
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention (DeepSeek-style) KV cache: one latent vector per token and layer, in
-    one buffer ``"kv"``, or split into ``"k"``, ``"v"`` (and indexer buffers) by page_first_kv_split.
-    Each layout's shape and granularity: docs/layouts.md, MLA."""
+    """Multi-head latent attention (DeepSeek-style) KV cache: a latent vector per token and layer, in buffer
+    ``"kv"``, or ``"k"``, ``"v"`` (and the indexer's) by page_first_kv_split; shapes: docs/layouts.md, MLA."""
 
     layout: str
     layer_num: int

@@ -152,9 +152,8 @@ def require_layout(layout: object) -> None:
 
 
 def check_layout(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
-    """Check what a layout promises, as a pool will, and return its buffers for ``num_pages`` pages: a
-    broken promise is the :class:`pinpool.ConfigError` ``PinnedPool(layout=...)`` would raise. For a
-    custom layout's tests (docs/layouts.md, Custom layouts)."""
+    """Check what a layout promises, as a pool will, and return its buffers for ``num_pages`` pages; a broken
+    promise raises the ConfigError ``PinnedPool(layout=...)`` would (docs/layouts.md, Custom layouts)."""
     if not positive_int(num_pages):
         raise ConfigError(f"check_layout(num_pages={num_pages!r}): give a positive int number of pages")
     require_layout(layout)

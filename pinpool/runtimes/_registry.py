@@ -23,9 +23,8 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Runtime(Protocol):
-    """What PinnedPool needs from a runtime: ``register(ptr, nbytes)`` pins ``[ptr, ptr+nbytes)``,
-    ``unregister(ptr)`` undoes the registration based at ``ptr``; both thread-safe (worker threads
-    call them), raising :class:`pinpool.RuntimeCallError`. ``capabilities``: optional (none: none)."""
+    """What PinnedPool needs from a runtime: thread-safe ``register(ptr, nbytes)`` and ``unregister(ptr)`` (of
+    the registration based at ``ptr``), raising :class:`pinpool.RuntimeCallError`; ``capabilities`` optional."""
 
     name: str
 
