@@ -256,7 +256,8 @@ _populate_probe_lock = threading.Lock()
 
 
 def populate_write_supported() -> bool:
-    """Whether the kernel knows MADV_POPULATE_WRITE, probed once on a one-page mapping."""
+    """Whether the kernel knows MADV_POPULATE_WRITE, probed once on a one-page mapping, through the raw
+    calls: a test faking ``madvise``/``munmap`` (the pool memory's seam) never sees the probe."""
     global _populate_supported
     with _populate_probe_lock:
         if _populate_supported is None:
@@ -264,9 +265,9 @@ def populate_write_supported() -> bool:
             if err:
                 return False
             try:
-                _populate_supported = madvise(address, PAGE_SIZE, MADV_POPULATE_WRITE) == 0
+                _populate_supported = _madvise(address, PAGE_SIZE, MADV_POPULATE_WRITE) == 0
             finally:
-                munmap(address, PAGE_SIZE)
+                _munmap(address, PAGE_SIZE)
         return _populate_supported
 
 
