@@ -8,9 +8,8 @@ from collections.abc import Callable, Mapping
 
 def lazy_exports(package: str, homes: Mapping[str, str]) -> tuple[Callable[[str], object], list[str]]:
     """A folder ``__init__``'s ``__getattr__`` and ``__all__``: ``homes`` maps each of its modules to the
-    names it lends, space-separated. Tests import from the folder, never from a file in it, so a file
-    can move without touching them; package modules import each other directly. A name loads on first
-    use, so the folder imports nothing (no cycle, and no torch where ``pinpool --help`` starts)."""
+    names it lends, space-separated. Tests import from the folder (a file can move without touching
+    them); a name loads on first use, so the folder imports nothing (no cycle, no torch for ``--help``)."""
     where = {name: module for module, names in homes.items() for name in names.split()}
 
     def get(name: str) -> object:

@@ -12,9 +12,8 @@ from ._plan.facts import HostFacts
 
 
 def probe_host(*, torch_build: bool = True) -> HostFacts:
-    """Read this host's facts now (static ones are read once per process). ``torch_build=False``
-    leaves ``torch_cuda`` / ``torch_hip`` unread (None), so nothing imports torch (~2 s):
-    ``pinpool doctor --no-cuda``."""
+    """Read this host's facts now (static ones once per process); ``torch_build=False`` leaves
+    ``torch_cuda`` / ``torch_hip`` None, importing no torch (``pinpool doctor --no-cuda``)."""
     soft, hard = _libc.memlock_limits()
     free, total = _libc.hugetlb_free_pages()
     free_1g, total_1g = _libc.hugetlb_free_pages(1 << 30)

@@ -90,9 +90,8 @@ def _oddity(text: str) -> str:
 
 
 def ascii_decimal(raw: str, *, what: str, fix: str, given: object = None) -> Decimal:
-    """An environment variable's ASCII number (``64``, ``0.5``, ``2.5E1``) as a non-negative Decimal, or a
-    :class:`ConfigError` naming ``what=value``, why and ``fix``. ``given``: the whole value when ``raw``
-    is a part of it (``"80"`` of ``"80%"``)."""
+    """An environment variable's ASCII number (``2.5E1``) as a non-negative Decimal, or a ConfigError naming
+    ``what=value`` and ``fix``; ``given``: the whole value when ``raw`` is a part of it (``"80"`` of ``"80%"``)."""
     shown = raw if given is None else given
     if not _NUMBER_RE.fullmatch(raw):
         word = raw.strip(" \t\n\r\f\v").lower()

@@ -1,15 +1,12 @@
-"""pytest plugin for code built on pinpool: the leak-checked fixtures ``fake_runtime``, ``fake_auto_runtime``
-and ``pinned_pool_factory``, and the ``gpu`` marker (skipped, with the reason, without a CUDA device).
-
-Installing pinpool registers it (entry point ``pinpool`` in ``pytest11``); otherwise load it with
-``-p pinpool.pytest_plugin``. pinpool and torch are imported only when a test needs them;
-docs/testing.md is the guide.
+"""pytest plugin for code built on pinpool (docs/testing.md): the leak-checked fixtures ``fake_runtime``,
+``fake_auto_runtime`` and ``pinned_pool_factory``, and the ``gpu`` marker (skipped without a CUDA device).
+Installing pinpool registers it (``pytest11``); pinpool and torch are imported only when a test needs them.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -19,7 +16,6 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from pinpool import PinnedPool
-    from pinpool.runtimes import Runtime
     from pinpool.testing import FakeRuntime
 
 __all__ = ["GPU_MARKER", "PinnedPoolFactory", "entry_point", "fake_auto_runtime", "fake_runtime", "pinned_pool_factory"]
@@ -104,8 +100,7 @@ def fake_auto_runtime(fake_runtime: FakeRuntime) -> Iterator[FakeRuntime]:
 class PinnedPoolFactory:
     """The ``pinned_pool_factory`` fixture: ``factory(size=..., **options)`` is :class:`pinpool.PinnedPool`
     and :meth:`pin` is :func:`pinpool.pin`, with ``runtime`` the test's ``fake_runtime`` and ``registry``
-    a ``CollectorRegistry`` of this test alone unless given; :attr:`pools` lists what was built.
-    """
+    a ``CollectorRegistry`` of this test alone unless given; :attr:`pools` lists what was built."""
 
     def __init__(self, fake: FakeRuntime, registry: CollectorRegistry) -> None:
         self.fake_runtime = fake
@@ -115,21 +110,17 @@ class PinnedPoolFactory:
     def __call__(self, *, size: int | str, **options: Any) -> PinnedPool:
         import pinpool
 
-        pool = pinpool.PinnedPool(size=size, **self._defaults(options))
-        self.pools.append(pool)
-        return pool
+        return self._built(pinpool.PinnedPool, size=size, **options)
 
     def pin(self, tensor: torch.Tensor, **options: Any) -> PinnedPool:
         import pinpool
 
-        pool = pinpool.pin(tensor, **self._defaults(options))
+        return self._built(pinpool.pin, tensor, **options)
+
+    def _built(self, make: Callable[..., PinnedPool], *args: Any, **options: Any) -> PinnedPool:
+        pool = make(*args, **{"runtime": self.fake_runtime, "registry": self.registry, **options})
         self.pools.append(pool)
         return pool
-
-    def _defaults(self, options: dict[str, Any]) -> dict[str, Any]:
-        runtime: str | Runtime = options.pop("runtime", self.fake_runtime)
-        registry: CollectorRegistry | None = options.pop("registry", self.registry)
-        return {"runtime": runtime, "registry": registry, **options}
 
     def check(self) -> list[str]:
         """Exit every pool still open, and say what was wrong; called at the test's teardown."""
@@ -148,7 +139,8 @@ class PinnedPoolFactory:
         fakes = {id(pool.runtime): pool.runtime for pool in self.pools if isinstance(pool.runtime, FakeRuntime)}
         for fake in fakes.values():
             if fake is not self.fake_runtime:  # the fake_runtime fixture checks its own books
-                message = _leak_message(fake, f"the FakeRuntime of pool(s) {self._names_on(fake)}")
+                names = ", ".join(repr(pool.name) for pool in self.pools if pool.runtime is fake)
+                message = _leak_message(fake, f"the FakeRuntime of pool(s) {names}")
                 if message is not None:
                     problems.append(message)
         problems.extend(
@@ -157,9 +149,6 @@ class PinnedPoolFactory:
             if not isinstance(pool.runtime, FakeRuntime) and pool.pinned_bytes
         )
         return problems
-
-    def _names_on(self, runtime: object) -> str:
-        return ", ".join(repr(pool.name) for pool in self.pools if pool.runtime is runtime)
 
 
 @pytest.fixture

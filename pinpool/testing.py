@@ -1,12 +1,7 @@
-"""Test helpers for pinpool and for code built on it (docs/testing.md is the guide).
-
-:class:`FakeRuntime` pins nothing: it keeps the books CUDA would keep, fails on request and
-records every call, so a server's failure, rollback and cancellation paths run without a GPU or
-locked memory. :class:`FakeCudart` stands in for ``torch.cuda.cudart()`` and really locks pages,
-so CUDA runtime code (``CudaRuntime.from_binding(FakeCudart())``) runs on CPU. :func:`host_facts`
-builds a hand-made host, :func:`assert_released` checks a closed pool left nothing behind, and
-:func:`locked_bytes` reads this process's locked memory. :func:`auto_runtime` makes ``runtime="auto"``
-(the default) a test's fake, for a server that builds its pool itself (its lifespan).
+"""Test helpers for pinpool and for code built on it (docs/testing.md is the guide): a pinning runtime
+that pins nothing (:class:`FakeRuntime`), a stand-in for ``torch.cuda.cudart()`` (:class:`FakeCudart`),
+a hand-made host (:func:`host_facts`), leak checks, and :func:`auto_runtime`, which makes
+``runtime="auto"`` a test's fake for a server that builds its pool itself.
 """
 
 from __future__ import annotations
@@ -56,19 +51,9 @@ def _call_indices(value: int | Iterable[int] | None, what: str) -> frozenset[int
     return indices
 
 
-def _check_hook(hook: object, what: str) -> None:
-    if hook is not None and not callable(hook):
-        raise ConfigError(f"{what}={hook!r} must be None or a callable hook(op, ptr, nbytes)")
-
-
 class FakeRuntime:
-    """A thread-safe stand-in for a pinning runtime, with fault injection; docs/testing.md has the
-    options, CUDA's rules it follows (712, 713, injected failures report retryable 2) and the hooks.
-
-    Books: ``registered`` (base → nbytes), ``register_calls`` / ``populate_calls`` (every
-    ``(ptr, nbytes)`` asked, failed ones included), ``unregister_calls`` (every ptr),
-    ``events`` (``(op, ptr)`` in the order calls started), ``max_concurrent_registers``.
-    """
+    """A thread-safe stand-in for a pinning runtime that keeps CUDA's books and rules and records every
+    call, with fault injection; docs/testing.md (FakeRuntime) has the options and the books."""
 
     name = "fake"
 
@@ -90,21 +75,17 @@ class FakeRuntime:
         self.fail_register_on = _call_indices(fail_register_on, "fail_register_on")
         self.fail_unregister_on = _call_indices(fail_unregister_on, "fail_unregister_on")
         self.fail_populate_on = _call_indices(fail_populate_on, "fail_populate_on")
-        self.fail_register_larger_than = (
-            None
-            if fail_register_larger_than is None
-            else parse_size(fail_register_larger_than, what="fail_register_larger_than")
-        )
+        cap = fail_register_larger_than
+        self.fail_register_larger_than = None if cap is None else parse_size(cap, what="fail_register_larger_than")
         for op, delay in zip(_OPS, (register_delay, unregister_delay, populate_delay), strict=True):
             if not isinstance(delay, int | float) or isinstance(delay, bool) or delay < 0:
                 raise ConfigError(f"{op}_delay={delay!r} must be a non-negative number of seconds")
         self.register_delay = float(register_delay)
         self.unregister_delay = float(unregister_delay)
         self.populate_delay = float(populate_delay)
-        if not isinstance(lock_on_fault, bool):
-            raise ConfigError(f"lock_on_fault={lock_on_fault!r} must be True or False")
-        if not isinstance(exact_ranges, bool):
-            raise ConfigError(f"exact_ranges={exact_ranges!r} must be True or False")
+        for what, flag in (("lock_on_fault", lock_on_fault), ("exact_ranges", exact_ranges)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{what}={flag!r} must be True or False")
         self.capabilities = Capabilities(
             populates=True,
             locks_on_fault=lock_on_fault,
@@ -113,8 +94,9 @@ class FakeRuntime:
             not_registered_codes=frozenset({_NOT_REGISTERED[0]}),
             resident=False,  # it touches no memory: the pre-flight charges nothing, so tests may plan any size
         )
-        _check_hook(before_call, "before_call")
-        _check_hook(after_call, "after_call")
+        for what, hook in (("before_call", before_call), ("after_call", after_call)):
+            if hook is not None and not callable(hook):
+                raise ConfigError(f"{what}={hook!r} must be None or a callable hook(op, ptr, nbytes)")
         self.before_call = before_call
         self.after_call = after_call
         self._book = RangeBook()
@@ -144,8 +126,7 @@ class FakeRuntime:
             self._fail_next[op] = k
 
     def _start(self, op: str, ptr: int, nbytes: int, calls: list[Any], fail_on: frozenset[int]) -> tuple[int, str]:
-        """Book a call (under the lock), then wait its delay: its 1-based index, and how it is to fail
-        ("" if not: the injected failure's source otherwise)."""
+        """Book a call, then wait its delay: its 1-based index, and the injected failure's source ("": none)."""
         with self._lock:
             calls.append((ptr, nbytes) if op != "unregister" else ptr)
             self.events.append((op, ptr))
@@ -231,9 +212,8 @@ class FakeRuntime:
             self._pages.pop(page_span(ptr, 1)[0])
 
     @staticmethod
-    def _error(op: str, code_name: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
-        code, reason = code_name
-        return RuntimeCallError(op=op, code=code, reason=reason, message=message, ptr=ptr, nbytes=nbytes)
+    def _error(op: str, code: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
+        return RuntimeCallError(op=op, code=code[0], reason=code[1], message=message, ptr=ptr, nbytes=nbytes)
 
 
 _HOST = HostFacts(
@@ -278,8 +258,7 @@ def assert_released(
     prefix = f"pinpool-{pool.name}"
 
     def alive() -> list[str]:
-        names = (t.name for t in threading.enumerate())
-        return [n for n in names if n == prefix or n.startswith(prefix + "-")]
+        return [t.name for t in threading.enumerate() if t.name == prefix or t.name.startswith(prefix + "-")]
 
     deadline = time.monotonic() + timeout
     while alive() and time.monotonic() < deadline:
@@ -328,9 +307,8 @@ class _ErrorValue:
 
 
 class FakeCudart:
-    """Stands in for ``torch.cuda.cudart()`` and the runtime library torch loaded, thread-safe; its
-    books, codes (712/713, 1061/1062 under ``platform="rocm"``), sticky last error, page locking
-    (``lock=True``) and faults are in docs/testing.md. An injected failure changes no books."""
+    """Stands in for ``torch.cuda.cudart()`` and the runtime library torch loaded, thread-safe; with
+    ``lock=True`` it really locks pages (docs/testing.md, FakeCudart). An injected failure changes no books."""
 
     def __init__(self, *, platform: str = "cuda", lock: bool = True) -> None:
         if platform not in _APIS:
@@ -371,8 +349,7 @@ class FakeCudart:
             return self._record("unregister", ptr, nbytes, rc)
 
     def cudaGetErrorString(self, error: Any) -> str:
-        code = int(error)
-        return _TEXTS.get(code, _UNKNOWN_TEXT[self.platform])
+        return _TEXTS.get(int(error), _UNKNOWN_TEXT[self.platform])
 
     def cudaGetLastError(self) -> int:  # the calling thread's sticky last error, cleared
         code: int = getattr(self._sticky, "code", 0)

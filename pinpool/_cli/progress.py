@@ -51,8 +51,7 @@ def eta_seconds(pinned: int, total: int, elapsed: float, rate: float | None = No
     return max(0.0, (total - pinned) * elapsed / pinned)
 
 
-def _speed(pinned: int, elapsed: float, rate: float | None) -> str:
-    # Labelled: a recent rate that has slowed down must not read as contradicting the report's whole-pin rate.
+def _speed(pinned: int, elapsed: float, rate: float | None) -> str:  # labelled: not the report's whole-pin rate
     return f"{format_rate(rate)} recent" if rate is not None else f"{format_rate(pinned, elapsed)} average"
 
 
@@ -66,8 +65,7 @@ def format_eta(seconds: float | None) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def _percent(pinned: int, total: int) -> int:
-    # Floor, so 100% means every byte is pinned, never "almost".
+def _percent(pinned: int, total: int) -> int:  # floor: 100% means every byte is pinned
     return 100 if total <= 0 else min(100, pinned * 100 // total)
 
 
@@ -78,11 +76,8 @@ def _ahead(pinned: int, faulted: int | None) -> int | None:
 
 def render_bar(pinned: int, total: int, elapsed: float, done: int, chunks: int, width: int = 80,
                faulted: int | None = None, rate: float | None = None) -> str:  # fmt: skip
-    """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s recent  ETA 0:01  6/16 chunks``.
-
-    ``#`` is pinned, ``+`` faulted but not yet counted (whole chunks count; faulting moves within
-    one). ``rate``: bytes/s now (None: the average so far). The bar gets what ``width`` leaves (10-40).
-    """
+    """One terminal line: ``pinning [####++....]  40%  1.6 GiB / 4 GiB  5.21 GB/s recent  ETA 0:01  6/16 chunks``;
+    ``+`` is faulted but not yet pinned, ``rate`` bytes/s now (None: the average so far)."""
     ahead = _ahead(pinned, faulted)
     figures = (
         f" {_percent(pinned, total):3d}%  {format_bytes(pinned)} / {format_bytes(total)}"
@@ -162,10 +157,9 @@ class ResidentGrowth:
 
 
 class ProgressReporter:
-    """The ``on_progress`` callback (about every 0.1 s): a bar redrawn with ``\\r`` (``mode="bar"``), plain
-    lines every ``interval`` seconds (``"lines"``), or nothing (``"none"``). ``faulted``: bytes pre-faulted
-    so far, read at each update so the display moves within a chunk. A raising callback rolls pinning
-    back, so this never raises an ``Exception``: a failing stream only ends the display."""
+    """The ``on_progress`` callback: a bar redrawn with ``\\r`` (``mode="bar"``), plain lines every ``interval``
+    seconds (``"lines"``), or nothing (``"none"``); ``faulted()`` moves the display within a chunk. It never
+    raises an ``Exception`` (that would roll pinning back): a failing stream only ends the display."""
 
     def __init__(self, stream: TextIO, mode: str, *, interval: float = LINE_INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.monotonic, width: int | None = None,
@@ -179,10 +173,8 @@ class ProgressReporter:
         self._clock = clock
         self._width = width
         self.faulted = faulted
-        self._start = clock()
-        self._last_line = self._start
         self._rate = RecentRate(window)
-        self._rate.restart(self._start)
+        self.restart()
         self._drawn = 0  # characters of the bar now on screen (0: none)
         self._finished_line = False
         self._broken = False
@@ -249,9 +241,8 @@ def format_seconds(seconds: float) -> str:
 
 
 class EventLog:
-    """A structlog-shaped logger for ``PinnedPool(logger=...)``: keeps each ``chunk.registered``
-    event's ``seconds`` and prints warnings and errors as one line with the pool's name (``quiet``
-    ones not: the CLI reports those itself). Worker threads call it: ``list.append`` and a lock."""
+    """A structlog-shaped logger for ``PinnedPool(logger=...)``, called by worker threads: keeps each
+    ``chunk.registered`` event's ``seconds``, prints warnings and errors but ``quiet`` ones as one line."""
 
     def __init__(self, stream: TextIO, *, quiet: frozenset[str] = frozenset({"pool.rollback"})) -> None:
         self.stream = stream

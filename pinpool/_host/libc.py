@@ -25,10 +25,7 @@ MAP_ANONYMOUS = 0x20
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 MAP_HUGETLB = 0x40000
-MAP_HUGE_SHIFT = 26
-MAP_HUGE_2MB = 21 << MAP_HUGE_SHIFT
-MAP_HUGE_1GB = 30 << MAP_HUGE_SHIFT
-_MAP_HUGE = {2 << 20: MAP_HUGE_2MB, 1 << 30: MAP_HUGE_1GB}
+_MAP_HUGE = {2 << 20: 21 << 26, 1 << 30: 30 << 26}  # MAP_HUGE_2MB, MAP_HUGE_1GB: log2(page) << MAP_HUGE_SHIFT
 
 MADV_DONTFORK = 10  # a forked child gets no copy of the range (not even copy-on-write)
 MADV_HUGEPAGE = 14
@@ -52,9 +49,8 @@ RLIM_INFINITY = resource.RLIM_INFINITY
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
-# User address space without an mmap hint above it (pinpool never passes one): x86-64 [0, 2**47)
-# even with LA57, arm64 below 2**48 even with 52-bit VA. Upper bounds: the binary, heap and stack
-# share it. Any other 64-bit architecture stays below 2**57; 32-bit: the pointer width.
+# User address space without an mmap hint above it (pinpool never passes one), an upper bound: x86-64
+# 2**47 even with LA57, arm64 2**48 even with 52-bit VA, any other 64-bit one 2**57; 32-bit: the pointer.
 _USER_ADDRESS_BITS = {"x86_64": 47, "amd64": 47, "aarch64": 48, "arm64": 48}
 _OTHER_64_BIT_ADDRESS_BITS = 57
 
@@ -118,25 +114,23 @@ def mmap_shared(length: int, fd: int, offset: int = 0, *, writable: bool = True)
     return _map(length, PROT_READ | (PROT_WRITE if writable else 0), MAP_SHARED, fd, offset)
 
 
-def _statfs_result(rc: int, buffer: ctypes.Array[ctypes.c_char]) -> tuple[int, int]:
-    if rc != 0:
+def statfs(path: str) -> tuple[int, int]:
+    """``(f_type, f_bsize)`` of the file system holding ``path`` (f_bsize: the huge page on hugetlbfs)."""
+    return _statfs_of(_statfs, os.fsencode(path))
+
+
+def fstatfs(fd: int) -> tuple[int, int]:
+    return _statfs_of(_fstatfs, fd)
+
+
+def _statfs_of(call: Any, target: bytes | int) -> tuple[int, int]:
+    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
+    ctypes.set_errno(0)
+    if call(target, buffer) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     longs = (ctypes.c_long * 2).from_buffer(buffer)
     return longs[0] & 0xFFFFFFFF, int(longs[1])  # f_type compared as the unsigned magic
-
-
-def statfs(path: str) -> tuple[int, int]:
-    """``(f_type, f_bsize)`` of the file system holding ``path`` (f_bsize: the huge page on hugetlbfs)."""
-    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
-    ctypes.set_errno(0)
-    return _statfs_result(_statfs(os.fsencode(path), buffer), buffer)
-
-
-def fstatfs(fd: int) -> tuple[int, int]:
-    buffer = ctypes.create_string_buffer(_STATFS_BYTES)
-    ctypes.set_errno(0)
-    return _statfs_result(_fstatfs(fd, buffer), buffer)
 
 
 RENAME_NOREPLACE = 1
@@ -262,7 +256,8 @@ _populate_probe_lock = threading.Lock()
 
 
 def populate_write_supported() -> bool:
-    """Whether the kernel knows MADV_POPULATE_WRITE, probed once on a one-page mapping."""
+    """Whether the kernel knows MADV_POPULATE_WRITE, probed once on a one-page mapping, through the raw
+    calls: a test faking ``madvise``/``munmap`` (the pool memory's seam) never sees the probe."""
     global _populate_supported
     with _populate_probe_lock:
         if _populate_supported is None:
@@ -270,9 +265,9 @@ def populate_write_supported() -> bool:
             if err:
                 return False
             try:
-                _populate_supported = madvise(address, PAGE_SIZE, MADV_POPULATE_WRITE) == 0
+                _populate_supported = _madvise(address, PAGE_SIZE, MADV_POPULATE_WRITE) == 0
             finally:
-                munmap(address, PAGE_SIZE)
+                _munmap(address, PAGE_SIZE)
         return _populate_supported
 
 
@@ -292,12 +287,10 @@ def transparent_huge_pages_mode() -> str | None:
     return sysfs_choice("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-# -- pin workers' priority -------------------------------------------------------------------------
-# Pinning is CPU work: at the process's priority pin workers took the serving threads' CPU (the
-# example server's /healthz p99 rose 4x while a 4 GiB pool pinned on 2 cores). Lowering nice again
-# needs privilege, so only fresh pin workers are niced, never the caller's thread nor unpin workers.
-# Nice, not SCHED_IDLE: an idle-class thread may starve while holding what serving needs (the GIL,
-# mmap_lock, the CUDA driver's lock). See docs/serving.md and docs/performance.md.
+# -- pin workers' priority (docs/serving.md) -------------------------------------------------------
+# Pinning is CPU work that takes the serving threads' CPU. Lowering nice again needs privilege, so
+# only fresh pin workers are niced, never the caller's thread nor unpin workers. Nice, not SCHED_IDLE:
+# an idle-class thread may starve while holding what serving needs (the GIL, mmap_lock, CUDA's lock).
 
 _log = logging.getLogger("pinpool")
 _nice_reported = threading.Event()
@@ -308,19 +301,16 @@ def lower_this_thread(increment: int) -> int | None:
     when nothing changed (``increment <= 0``, not Linux, or refused: logged once at debug)."""
     if increment <= 0:
         return None
-    if not sys.platform.startswith("linux"):
-        # Elsewhere a thread id is not a process id: setpriority would reach another process or fail.
+    if not sys.platform.startswith("linux"):  # elsewhere a thread id is not a process id
         _report_nice_once(f"per-thread priorities are Linux-only (platform {sys.platform})")
         return None
     try:
-        tid = threading.get_native_id()
-        # Linux caps a nice value at 19 itself; the value in effect is read back.
+        tid = threading.get_native_id()  # Linux caps nice at 19 itself: the value in effect is read back
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
-        target = os.getpriority(os.PRIO_PROCESS, tid)
+        return os.getpriority(os.PRIO_PROCESS, tid)
     except OSError as exc:  # EPERM/EACCES under a seccomp filter or an LSM: pin at the inherited priority
         _report_nice_once(f"setpriority failed: {type(exc).__name__}: {exc}")
         return None
-    return target
 
 
 def _report_nice_once(why: str) -> None:

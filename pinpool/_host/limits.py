@@ -1,17 +1,8 @@
-"""What this process's cgroups (v1 or v2) leave it: memory that may still become resident, and CPU time.
-
-**Memory.** Pinning more than the memory cgroup has left does not fail a call pinpool could roll
-back: the OOM killer ends the process (exit 137). So the pre-flight reads :func:`read_memory_limits`.
-
-**CPU.** A container's CPU limit is a CFS quota the affinity mask does not show (a pod limited to
-16 CPUs on a 192-core node may run on all 192); sizing pin workers from the affinity alone stalled
-the server's threads (measured: a 2 ms task's p99 at 12x idle under a 1-CPU quota). So workers are
-sized by :func:`pinpool._plan.facts.cpu_budget` (docs/operations.md, "Sizing workers"). Mount points come from
-``/proc/self/mountinfo``, whose root field maps a cgroup path onto a mount showing only a subtree.
-
-Every level from the process's cgroup up is read; the tightest wins. Best effort: any file may be
-missing or garbage, read as ``None``, and nothing raises; a quota file holding what the kernel
-never writes is named in :attr:`CpuQuota.ignored`. ``root`` points a reader at a fixture tree.
+"""What this process's cgroups (v1 or v2) leave it: memory that may still become resident (pinning
+past it gets the process OOM-killed, not a rollback), and CPU time (a CFS quota the affinity mask
+does not show: docs/operations.md, "Sizing workers"). Every level from the process's cgroup up is
+read, the tightest wins; best effort: a missing or garbage file reads as ``None`` and nothing raises.
+``root`` points a reader at a fixture tree.
 """
 
 from __future__ import annotations
@@ -42,10 +33,8 @@ def available_cpus() -> int:
 
 @dataclass(frozen=True)
 class MemoryLimits:
-    """This process's memory figures, in bytes; ``None`` where unknown (or, for the limit, unlimited).
-    ``cgroup_limit_bytes``: of its cgroup and ancestors, the limit with the least room left; usage,
-    page cache (``cgroup_reclaimable_bytes``) and path are that cgroup's (without a limit, its own).
-    ``mem_available_bytes`` is host-wide, not per container."""
+    """This process's memory figures in bytes, ``None`` where unknown (the limit: or unlimited); the cgroup
+    figures are of the cgroup or ancestor with the least room left. ``mem_available_bytes`` is host-wide."""
 
     cgroup_version: int | None = None
     cgroup_limit_bytes: int | None = None
@@ -78,10 +67,8 @@ def read_mem_available(meminfo: str = "/proc/meminfo") -> int | None:
     for line in (_read(meminfo) or "").splitlines():
         if line.startswith("MemAvailable:"):
             fields = line.split()
-            if len(fields) == 3 and fields[2] == "kB":
-                kib = _to_int(fields[1])
-                return None if kib is None else kib * 1024
-            return None
+            kib = _to_int(fields[1]) if len(fields) == 3 and fields[2] == "kB" else None
+            return None if kib is None else kib * 1024
     return None
 
 
@@ -130,9 +117,8 @@ def _cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
 
 
 def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
-    """Every cgroup of this process that has memory files, deepest first, per hierarchy. In a
-    container without a cgroup namespace the path names the host's cgroup, which the container
-    sees as its mount root: the walk up finds the root's files."""
+    """Every cgroup of this process that has memory files, deepest first, per hierarchy (without a cgroup
+    namespace the path names the host's cgroup, the container's mount root: the walk up finds its files)."""
     for controllers, parts in _cgroup_paths(proc_cgroup):
         if controllers == "":
             version, bases = 2, [mount, os.path.join(mount, "unified")]
@@ -223,9 +209,6 @@ def read_cpu_quota(root: str = "/") -> CpuQuota:
         return CpuQuota(ignored=ignored)
     tightest = min(limited, key=lambda level: (level.quota_us or 0) / level.period_us)
     return CpuQuota(tightest.quota_us, tightest.period_us, tightest.source, tightest.path, ignored)
-
-
-# -- the hierarchy -----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,8 @@
-"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying; or a
-caller's tensor, reached through an alias.
-
-Lifetime: a mapping is unmapped only when nothing refers to it (not the pool, which lets go after
-unpinning, nor any tensor view, each holding it through the buffer torch.frombuffer keeps), so a
-view kept past the pool's exit stays valid, merely unpinned; one with a chunk still registered
-is never unmapped. Never at interpreter exit either: finalizers run newest first then, so a
-mapping made at entry would go before its pool (made earlier) unpinned it; the kernel takes the
-memory back with the process.
-
-A caller's tensor (:func:`pinpool.pin`) is pinned through an *alias*: a tensor over the same
-bytes whose storage cannot be resized and keeps the caller's storage alive. While pinned, the
-caller's tensor is pointed at it, so ``t.resize_()`` (which would reallocate, freeing the pinned
-memory under its registrations) raises instead, and ``t.set_()`` or ``del t`` cannot free it.
+"""The pool's own memory: one anonymous mapping, viewed as torch tensors without copying, unmapped only when
+nothing refers to it (the pool, or any view), never while a chunk is registered nor at interpreter exit
+(finalizers run newest first then: a mapping would go before its pool unpinned it). Or a caller's tensor,
+pinned through an *alias* whose storage cannot be resized: ``t.resize_()`` raises instead of freeing the
+pinned memory under its registrations (docs/concepts.md has both lifetimes).
 """
 
 from __future__ import annotations
@@ -20,6 +11,7 @@ import ctypes
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
@@ -28,15 +20,12 @@ from .._errors import AllocationError, ConfigError, RuntimeCallError, hugetlb_fi
 from .._units import format_bytes, hugetlb_page_size
 from . import libc as _libc
 
-# Mappings that must outlive everything because a chunk of them may still be registered.
 _KEPT_FOREVER: list[HostMapping] = []
 _kept_lock = threading.Lock()
 
 
-# munmap frees every page of the range while holding the process's mmap_lock for writing: 4 GiB
-# took ~0.3 s here, a stall for every thread that maps or faults memory. In pieces, the lock is
-# let go between them (any range of a mapping may be unmapped on its own, in whole pages: a piece
-# of a hugetlb mapping is whole hugetlb pages, else munmap refuses it with EINVAL).
+# munmap holds the process's mmap_lock for writing while it frees the range, stalling every thread
+# that maps or faults memory: in pieces (whole pages: hugetlb ones for hugetlb), the lock is let go.
 UNMAP_PIECE_BYTES = 128 << 20
 
 
@@ -60,6 +49,15 @@ def populate_range(ptr: int, nbytes: int, advice: int = _libc.MADV_POPULATE_WRIT
         )  # fmt: skip
 
 
+def owned_bytes(address: int, nbytes: int, owner: object) -> Any:
+    """A ctypes array over ``[address, +nbytes)`` that keeps ``owner`` alive: a tensor made from it
+    (``torch.frombuffer``) holds the array, the array holds the owner."""
+    buffer_type: Any = type("_OwnedBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
+    buffer = buffer_type.from_address(address)
+    buffer._owner = owner
+    return buffer
+
+
 def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
     """Unmap, in the process that mapped it only: a forked child has no copy (MADV_DONTFORK), and
     whatever it has mapped at that address since is its own."""
@@ -68,18 +66,9 @@ def _unmap_in(pid: int, address: int, length: int, page: int) -> None:
 
 
 class HostMapping:
-    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages).
-
-    ``huge_pages``: ``True`` asks for transparent huge pages (MADV_HUGEPAGE), ``"hugetlb"``
-    (or ``"hugetlb:2MiB"``) maps reserved 2 MiB hugetlb pages, ``"hugetlb:1GiB"`` reserved
-    1 GiB ones, which the caller has checked against the host first (``_plan.preflight.check_huge_pages``).
-    ``numa_node`` binds the memory (mbind) before any of it is faulted.
-
-    **Fork**: the mapping is ``MADV_DONTFORK`` before any page is faulted, as every server that
-    pins private memory does: a forked child gets no copy (touching the range there is a
-    segmentation fault), so no pinned page is shared copy-on-write, and a write by the parent
-    after a fork never moves one to a new, unpinned page under a DMA registration.
-    """
+    """``nbytes`` of private anonymous memory, page-aligned (huge-page-aligned with huge pages, hugetlb ones
+    checked by the caller first), bound to ``numa_node`` and ``MADV_DONTFORK`` before any page is faulted:
+    a fork never shares a pinned page copy-on-write (docs/concepts.md)."""
 
     def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
         hugetlb = hugetlb_page_size(huge_pages)
@@ -101,7 +90,7 @@ class HostMapping:
         self.huge_pages = huge_pages
         self._finalizer = weakref.finalize(self, _unmap_in, os.getpid(), address, length, hugetlb or _libc.PAGE_SIZE)
         self._finalizer.atexit = False  # never at interpreter exit (see the module doc)
-        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)  # before any page is faulted (Fork, above)
+        err = _libc.madvise(address, length, _libc.MADV_DONTFORK)
         if err:
             self._finalizer()
             raise AllocationError(
@@ -143,12 +132,9 @@ class HostMapping:
         """A flat uint8 tensor over ``[offset, offset+nbytes)`` that keeps this mapping alive."""
         if offset < 0 or nbytes < 0 or offset + nbytes > self.length:
             raise ValueError(f"view [{offset}, +{nbytes}) outside the mapping of {self.length} bytes")
-        buffer_type: Any = type("_PoolBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
-        buffer = buffer_type.from_address(self.address + offset)
-        buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(buffer, dtype=torch.uint8)
+        return torch.frombuffer(owned_bytes(self.address + offset, nbytes, self), dtype=torch.uint8)
 
     def keep_forever(self) -> None:
         """Never unmap: part of this memory may still be registered with the runtime."""
@@ -160,26 +146,17 @@ class HostMapping:
         return not self._finalizer.alive
 
 
+@dataclass(frozen=True, slots=True)
 class _Alias:
     """What pinning a caller's tensor needs beyond the alias tensor itself (see :func:`alias_of`)."""
 
-    __slots__ = ("address", "geometry", "nbytes", "original", "owner", "storage", "storage_offset")
-
-    def __init__(
-        self,
-        owner: weakref.ref[torch.Tensor],
-        original: torch.UntypedStorage,
-        storage: torch.UntypedStorage,
-        storage_offset: int,
-        geometry: _Geometry,
-    ) -> None:
-        self.owner = owner  # the caller's tensor, weakly: pinning must not keep the object alive
-        self.original = original  # the caller's storage (the alias's buffer holds it too)
-        self.storage = storage  # the alias's storage: non-resizable, over the same bytes
-        self.address = original.data_ptr()  # where the original storage's bytes were when aliased
-        self.nbytes = original.nbytes()
-        self.storage_offset = storage_offset  # bytes from the storage's start to the tensor's
-        self.geometry = geometry  # the caller's tensor's (offset, sizes, strides) when pinned
+    owner: weakref.ref[torch.Tensor]  # the caller's tensor, weakly: pinning must not keep it alive
+    original: torch.UntypedStorage  # the caller's storage (the alias's buffer holds it too)
+    storage: torch.UntypedStorage  # the alias's storage: non-resizable, over the same bytes
+    address: int  # where the original storage's bytes were when aliased
+    nbytes: int
+    storage_offset: int  # bytes from the storage's start to the tensor's
+    geometry: _Geometry  # the caller's tensor's (offset, sizes, strides) when pinned
 
 
 _ALIAS_ATTRIBUTE = "_pinpool_alias"
@@ -192,21 +169,18 @@ def _geometry(tensor: torch.Tensor) -> _Geometry:
 
 
 def alias_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor over exactly ``tensor``'s bytes whose storage cannot be resized and keeps ``tensor``'s
-    alive (see the module doc), so the plan made from it still describes the memory at entry; an
-    alias of an alias aliases the same original storage."""
+    """A tensor over exactly ``tensor``'s bytes whose storage cannot be resized and keeps ``tensor``'s alive,
+    so the plan made from it still describes the memory at entry (an alias of an alias: the same original)."""
     info = getattr(tensor, _ALIAS_ATTRIBUTE, None)
     original = info.original if isinstance(info, _Alias) else tensor.untyped_storage()
-    nbytes = original.nbytes()
-    buffer_type: Any = type("_TensorBytes", (ctypes.c_uint8 * nbytes,), {})  # a subclass can carry _owner
-    buffer = buffer_type.from_address(original.data_ptr())
-    buffer._owner = original  # the alias's storage holds `buffer`, `buffer` holds the caller's storage
+    buffer = owned_bytes(original.data_ptr(), original.nbytes(), original)
     storage = torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
     alias = torch.empty(0, dtype=tensor.dtype).set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
     owner = info.owner if isinstance(info, _Alias) else weakref.ref(tensor)
     geometry = info.geometry if isinstance(info, _Alias) else _geometry(tensor)
     offset = int(tensor.storage_offset()) * tensor.element_size()
-    setattr(alias, _ALIAS_ATTRIBUTE, _Alias(owner, original, storage, offset, geometry))
+    record = _Alias(owner, original, storage, original.data_ptr(), original.nbytes(), offset, geometry)
+    setattr(alias, _ALIAS_ATTRIBUTE, record)
     return alias
 
 
@@ -225,9 +199,8 @@ def _point(tensor: torch.Tensor, storage: torch.UntypedStorage, geometry: _Geome
 
 def _give_back(owner: weakref.ref[torch.Tensor], alias: torch.UntypedStorage, original: torch.UntypedStorage,
                geometry: _Geometry, thread: int) -> None:  # fmt: skip
-    """Point the caller's tensor back at its own storage if it still views the alias: as it is now,
-    else as when pinned (torch sets a refused ``resize_``'s sizes first). Only in the thread that
-    pointed it at the alias: elsewhere another thread may be using it, and it keeps the alias."""
+    """Point the caller's tensor back at its own storage if it still views the alias (as now, else as when
+    pinned), in the thread that pointed it at the alias only: another thread may be using it."""
     if threading.get_ident() != thread:
         return
     tensor = owner()
@@ -240,12 +213,8 @@ _GiveBack: TypeAlias = "weakref.finalize[..., TensorMemory]"  # gives the caller
 
 
 class TensorMemory:
-    """A caller's CPU tensor as pool memory: same interface as HostMapping, never freed.
-
-    ``tensor``: the alias :func:`alias_of` made at ``pin()``. On entry the caller's tensor is
-    pointed at it (see the module doc), and gets its own storage back once pinpool lets go.
-    ``span``: the bytes ``[start, end)`` from the tensor's start that the pool's memory is.
-    """
+    """A caller's CPU tensor (the alias :func:`alias_of` made at ``pin()``) as pool memory, never freed:
+    bytes ``span`` of it, as HostMapping's. The caller's tensor points at the alias until pinpool lets go."""
 
     def __init__(self, tensor: torch.Tensor, span: tuple[int, int] | None = None) -> None:
         info = getattr(tensor, _ALIAS_ATTRIBUTE, None)

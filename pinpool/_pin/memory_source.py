@@ -67,22 +67,20 @@ def claim(
             "nothing was pinned. Exit the other pool first, or pin a different tensor"
         )
     try:
-        elsewhere = None
         if caps.finds_pinned:  # one scan of the whole extent; each range only where it finds something
             find = cast(FindsPinned, runtime).find_pinned
             elsewhere = find(memory.address, nbytes)
             if elsewhere is not None and len(spans) > 1:
                 found = (find(memory.address + offset, size) for offset, size in spans)
                 elsewhere = next((where for where in found if where is not None), None)
-    except BaseException:  # an interrupt during the scan (it reads /proc/self/smaps) must not keep the claim
+            if elsewhere is not None:
+                raise AlreadyPinnedError(
+                    f"pool {name!r}: the memory is already pinned outside pinpool ({elsewhere}); "
+                    "nothing was pinned. Unpin it first, or pin a different tensor"
+                )
+    except BaseException:  # memory pinned elsewhere, or an interrupt during the scan: the claim goes
         PINNED_RANGES.pop(memory.address)
         raise
-    if elsewhere is not None:
-        PINNED_RANGES.pop(memory.address)
-        raise AlreadyPinnedError(
-            f"pool {name!r}: the memory is already pinned outside pinpool ({elsewhere}); "
-            "nothing was pinned. Unpin it first, or pin a different tensor"
-        )
     return memory
 
 
@@ -102,8 +100,7 @@ class PoolMemory:
 
     def acquire(self) -> HostMapping | TensorMemory | SharedMapping:
         plan, name, shared = self._plan, self._options.name, self._shared
-        # The memory pre-flight against figures read right before mapping (they change after
-        # construction); pages a shared file already holds are memory in use, not new memory.
+        # Figures read right before mapping; pages a shared file already holds are no new memory.
         new_bytes = None if shared is None else shared.new_bytes(plan.mapping_bytes)
         host = _probe.probe_host()
         check_pinning(
@@ -131,9 +128,7 @@ class PoolMemory:
         if isinstance(memory, TensorMemory):  # the caller's tensor as given: a strided view stays one
             return MappingProxyType({TENSOR_BUFFER: memory.as_given()})
         assert isinstance(memory, HostMapping | SharedMapping)
-        if isinstance(memory, SharedMapping):
-            # Pages another process truncated away are SIGBUS to touch, and mlock skips them
-            # silently: refuse them before the pool calls them pinned (after a foreground pin).
+        if isinstance(memory, SharedMapping):  # truncated pages are SIGBUS to touch, and mlock skips them
             memory.check_size()
         return MappingProxyType(
             {
@@ -160,9 +155,8 @@ TENSOR_BUFFER = "data"  # pin()'s one buffer: pool.tensors["data"] is pool.tenso
 
 
 class TensorLayout:
-    """The layout of a caller's tensor: one buffer of its bytes whose pages are its rows along the
-    first dimension (a 0-d tensor is one page), so a background pool says which rows are pinned.
-    ``ranges``: what is registered when not all of it (:func:`source_ranges`)."""
+    """The layout of a caller's tensor: one buffer whose pages are its rows along the first dimension
+    (a 0-d tensor is one page); ``ranges``: what is registered when not all of it (:func:`source_ranges`)."""
 
     name = "tensor"
 

@@ -12,16 +12,9 @@ from .._types import CpuQuota, cgroup_room
 @dataclass(frozen=True)
 class HostFacts:
     """The host facts a pool plan depends on. Sizes are bytes; ``None`` means unlimited or unknown.
-
-    cpus: CPUs in this process's affinity mask; cpu_quota: the binding CPU cgroup quota (None: not
-        read); worker counts derive from :attr:`cpu_budget`.
-    huge_page_size: the huge page pinpool maps with (2 MiB); thp_mode, thp_defrag: None without THP.
-    cap_ipc_lock: the process may lock memory past RLIMIT_MEMLOCK (memlock_soft, memlock_hard).
-    cgroup_memory_*, cgroup_version, cgroup_path, mem_available: :class:`~pinpool._host.limits.MemoryLimits`.
-    locked_bytes: what this process has mlock-ed already (``VmLck``), charged to RLIMIT_MEMLOCK.
-    hugetlb_free, hugetlb_total (2 MiB), hugetlb_1g_free, hugetlb_1g_total: free and reserved pages.
-    torch_cuda, torch_hip: ``torch.version`` build facts; nvidia_driver, amd_kfd: the kernel drivers.
-    """
+    cpus: the affinity mask's (worker counts use :attr:`cpu_budget`); huge_page_size: the huge page
+    pinpool maps with (2 MiB); cgroup_*, mem_available: :class:`~pinpool._host.limits.MemoryLimits`'s;
+    locked_bytes: ``VmLck``; hugetlb_* (1g: 1 GiB pages): free and reserved; torch_*: build facts."""
 
     cpus: int
     page_size: int
@@ -41,7 +34,7 @@ class HostFacts:
     torch_hip: str | None
     nvidia_driver: bool
     amd_kfd: bool
-    # Added later, with defaults, so hand-made hosts in tests and user code keep working.
+    # Defaulted: a hand-made host names only what it needs.
     cgroup_memory_usage: int | None = None
     cgroup_memory_reclaimable: int | None = None
     cgroup_version: int | None = None
@@ -71,8 +64,7 @@ class HostFacts:
 
     @property
     def memory_available(self) -> int | None:
-        """Bytes that may still become resident: the cgroup's room (limit - usage + page cache) or
-        MemAvailable, whichever is smaller; None when neither is known."""
+        """Bytes that may still become resident (:func:`effective_available`)."""
         return effective_available(
             self.cgroup_memory_limit, self.cgroup_memory_usage, self.cgroup_memory_reclaimable, self.mem_available
         )
@@ -80,16 +72,14 @@ class HostFacts:
 
 def cpu_budget(affinity_cpus: int, quota: CpuQuota | None) -> int:
     """Threads this process can keep busy: its CPUs, bounded by ``floor(quota / period)``; at least 1."""
-    budget = max(1, affinity_cpus)
     cpus = None if quota is None else quota.cpus
-    if cpus is not None:
-        budget = min(budget, int(cpus))
-    return max(1, budget)
+    return max(1, affinity_cpus if cpus is None else min(affinity_cpus, int(cpus)))
 
 
 def effective_available(
     limit: int | None, usage: int | None, reclaimable: int | None, mem_available: int | None
 ) -> int | None:
-    """What may still become resident: the cgroup's room and MemAvailable, whichever is smaller."""
+    """Bytes that may still become resident: the cgroup's room and MemAvailable, whichever is smaller;
+    None when neither is known."""
     known = [x for x in (cgroup_room(limit, usage, reclaimable), mem_available) if x is not None]
     return min(known, default=None)

@@ -40,8 +40,7 @@ class Check:
 
     def error(self) -> ConfigError:
         end = f" {self.fix[:1].upper()}{self.fix[1:]}" if self.detail.endswith(".") else f"; {self.fix}"
-        text = self.detail + end
-        return ConfigError(f"{text}; nothing has been mapped or pinned")
+        return ConfigError(f"{self.detail}{end}; nothing has been mapped or pinned")
 
 
 def raise_first(checks: Iterable[Check]) -> None:
@@ -66,9 +65,8 @@ class Placement:
 
 
 def place(options: PoolOptions, host: HostFacts, *, check: bool = True) -> Placement:
-    """The one placement of a pool's buffers on ``host``'s page sizes; ``check``: raise its first failed
-    check (off only for arithmetic such as :func:`pinpool.share`)."""
-    # hugetlb pages: the mapping's page (2 MiB or 1 GiB); THP: 2 MiB-aligned 4 KiB pages.
+    """The one placement of a pool's buffers on ``host``'s page sizes (hugetlb: its page; THP: 2 MiB);
+    ``check``: raise its first failed check (off only for arithmetic such as :func:`pinpool.share`)."""
     align = hugetlb_page_size(options.huge_pages) or (host.huge_page_size if options.huge_pages else host.page_size)
     ends = tuple(itertools.accumulate((-(-spec.nbytes // align) * align for spec in options.buffers), initial=0))
     offsets, offset = ends[:-1], ends[-1]
@@ -149,8 +147,7 @@ def address_space_check(mapping_bytes: int, *, size: int, address_space: int) ->
 
 
 def huge_pages_check(huge_pages: bool | str, nbytes: int, host: HostFacts) -> Check | None:
-    """``huge_pages=`` against the host (None without huge pages): at construction, and again with
-    the facts read right before mapping (:func:`check_huge_pages`)."""
+    """``huge_pages=`` against the host (None without huge pages)."""
     if huge_pages is True:
         return thp_check(host.thp_mode, wanted=True)
     page = hugetlb_page_size(huge_pages)
@@ -271,19 +268,6 @@ def _limit_text(value: int | None) -> str:
     return "unlimited" if value is None else human(value)
 
 
-def pinning_checks(
-    *, size: int, locked_bytes: int, new_bytes: int | None, host: HostFacts, caps: Capabilities | None,
-    new_memory: bool = True,
-) -> list[Check]:  # fmt: skip
-    if caps is None or not caps.resident:
-        return []
-    subject = f"size={bytes_text(size)}" if new_memory else f"pin(tensor) of {bytes_text(size)}"
-    checks = [memory_check(new_bytes, host, subject=subject)] if new_bytes else []
-    if caps.charges_memlock:
-        checks.append(memlock_check(locked_bytes, host, subject=subject))
-    return checks
-
-
 def check_pinning(
     options: PoolOptions, host: HostFacts, caps: Capabilities | None, *, mapping_bytes: int,
     buffer_bytes: Iterable[int], new_memory: bool = True, new_bytes: int | None = None,
@@ -291,14 +275,17 @@ def check_pinning(
     """The memory pre-flight, raising the first failure; again right before mapping (figures change).
     New memory: the mapping, or ``new_bytes`` a shared file lacks; none for hugetlb pages (reserved) or
     a caller's tensor. Locked: every buffer rounded out to pages (a tensor starting mid-page: one more)."""
+    if caps is None or not caps.resident:
+        return
     new = mapping_bytes if new_bytes is None else new_bytes
+    new = 0 if not new_memory or hugetlb_page_size(options.huge_pages) else new
     page = host.page_size
     locked = sum(-(-nbytes // page) * page for nbytes in buffer_bytes) + (0 if new_memory else page)
-    new = 0 if not new_memory or hugetlb_page_size(options.huge_pages) else new
-    checks = pinning_checks(
-        size=options.size, locked_bytes=locked, new_bytes=new, host=host, caps=caps, new_memory=new_memory
-    )
-    raise_first(checks)
+    subject = f"size={bytes_text(options.size)}" if new_memory else f"pin(tensor) of {bytes_text(options.size)}"
+    if new:
+        raise_first([memory_check(new, host, subject=subject)])
+    if caps.charges_memlock:
+        raise_first([memlock_check(locked, host, subject=subject)])
 
 
 def check_host(

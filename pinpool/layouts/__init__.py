@@ -1,9 +1,8 @@
-"""Layouts: what a pool's memory holds, and where copy pages begin and end.
+"""Layouts: what a pool's memory holds, and where copy pages begin and end (docs/layouts.md).
 
-A layout turns a number of pages into buffers (name, shape, dtype) and says, per buffer, its
-registration granularity: the byte size of one logical copy page. Chunk boundaries are
-multiples of it, so no batched copy ever straddles two registrations. A dtype is a torch.dtype
-or its name (``"bfloat16"``, ``"bf16"``: :data:`DTYPE_SPELLINGS`), here and in ``--layout-file``.
+A layout turns a number of pages into buffers and says, per buffer, the byte size of one copy page:
+chunk boundaries are multiples of it, so no batched copy straddles two registrations. A dtype is a
+torch.dtype or its name (:data:`DTYPE_SPELLINGS`), here and in ``--layout-file``.
 """
 
 from ._families import MHA, MLA, Dense, Indexer, Mamba, PagedBytes, Raw

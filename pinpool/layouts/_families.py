@@ -28,14 +28,8 @@ from ._spec import (
 
 @dataclass(frozen=True)
 class Raw:
-    """A plain byte pool: one uint8 buffer named ``"data"``.
-
-    ``granularity_bytes``: chunk boundaries fall on multiples of it (the copy-page size of
-    whatever you will lay out in it); ``None``, the default, means one registration of the
-    whole buffer as long as it fits the chunk limit, page-aligned chunks beyond it.
-    The pool holds exactly ``size`` bytes (a byte pool's page is one byte); with a
-    granularity the last chunk may end mid-granule, as in the reference plan 900+900+700 MiB.
-    """
+    """A plain byte pool: one uint8 buffer ``"data"`` of exactly ``size`` bytes; chunk boundaries fall on
+    multiples of ``granularity_bytes`` (``None``: page-aligned). docs/layouts.md, Raw."""
 
     granularity_bytes: int | None = None
     name = "raw"
@@ -50,14 +44,8 @@ class Raw:
 
 @dataclass(frozen=True)
 class Dense:
-    """One C-contiguous buffer of any ``shape`` and ``dtype``, paged along ``page_dim``.
-
-    ``shape`` is the tensor of a one-page pool (``n`` pages: ``shape[page_dim] * n`` along
-    ``page_dim``): SGLang's page_first MHA buffer ``(2, size, L, H, D)`` is ``Dense((2, P, L, H, D),
-    torch.bfloat16, page_dim=1, granularity_bytes=P*L*H*D*2)``. ``granularity_bytes``: the copy
-    unit (``None``: no constraint), whole elements that divide one page's contiguous piece, or
-    whole pages when a page is one piece. ``buffer``: the buffer's name, ``pool.tensors[buffer]``.
-    """
+    """One C-contiguous buffer ``buffer`` of any ``dtype``, paged along ``page_dim``: ``shape`` is the
+    tensor of a one-page pool. docs/layouts.md, Dense."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -117,16 +105,8 @@ class Dense:
 
 @dataclass(frozen=True)
 class Mamba:
-    """Mamba state pool: one slot (page size 1) holds a temporal state and conv states per layer.
-
-    Buffers ``"temporal"`` and ``"conv0"``, ``"conv1"``, ..., each (size, num_mamba_layers, 1,
-    *state_shape); granularity per buffer is one slot, prod(shape[1:])*itemsize of that buffer's
-    dtype. Zero-element buffers (a zero in a state shape) are allowed and not registered.
-
-    ``temporal_dtype`` (the SSM state's) and ``conv_dtype`` (every conv state's), as SGLang's
-    ``Mamba2StateDType`` names them, default to ``dtype``; after construction they hold the dtypes
-    in use (``conv_dtype`` stays ``None`` only without conv states and a dtype for them).
-    """
+    """Mamba state pool: a slot (page) holds a temporal state and conv states per layer, buffers ``"temporal"``,
+    ``"conv0"``, ...; ``temporal_dtype`` and ``conv_dtype`` default to ``dtype`` (docs/layouts.md, Mamba)."""
 
     num_mamba_layers: int
     temporal_shape: tuple[int, ...]
@@ -200,12 +180,8 @@ class Mamba:
 
 @dataclass(frozen=True)
 class Indexer:
-    """DSA-style sparse-attention indexer cache (uint8): per page, keys plus per-block fp32 scales.
-
-    ``stride = P*(index_head_dim + index_head_dim//quant_block_size*4)`` bytes per page and layer.
-    One buffer ``"index"``: layer_first (L, pages, stride), granularity stride (one page of one
-    layer); page_first / page_first_direct (pages, L, 1, stride), granularity stride*L.
-    """
+    """DSA-style sparse-attention indexer cache (uint8): per page, keys plus per-block fp32 scales,
+    in one buffer ``"index"``. docs/layouts.md, Indexer."""
 
     layout: str
     layer_num: int
@@ -244,13 +220,8 @@ class Indexer:
 
 @dataclass(frozen=True)
 class PagedBytes:
-    """DeepSeek-V4-style paged (and state) pools of opaque uint8 items, ``item_bytes`` per page and layer.
-
-    layer_first: one buffer per layer, ``"layer0"``..``"layer{L-1}"``, each (pages, item_bytes),
-    granularity item_bytes; page_first (pages, L, item_bytes) and page_first_direct
-    (pages, L, 1, item_bytes), one buffer ``"data"``, granularity L*item_bytes.
-    For a state pool use :meth:`state` (item = ring_size*slot_bytes).
-    """
+    """DeepSeek-V4-style paged pools of opaque uint8 items, ``item_bytes`` per page and layer; a state
+    pool is :meth:`state`. docs/layouts.md, PagedBytes."""
 
     layout: str
     layer_num: int
@@ -287,29 +258,8 @@ class PagedBytes:
 
 @dataclass(frozen=True)
 class MHA:
-    """Multi-head attention KV cache, as SGLang's MHA host pool lays it out.
-
-    ``L`` = layer_num, ``P`` = page_size (tokens per page), ``H`` = head_num, ``D`` = head_dim,
-    ``it`` = dtype itemsize; ``size`` = num_pages * P tokens. One buffer ``"kv"`` with a
-    leading dim of 2 (K then V); ``k_only=True`` gives one buffer ``"k"``; a ``v_head_dim``
-    different from ``head_dim`` gives separate ``"k"`` and ``"v"`` buffers (page_first and
-    page_first_direct only, as in SGLang).
-
-    ====================  ==========================  ==========================
-    layout                shape ("kv")                granularity
-    ====================  ==========================  ==========================
-    layer_first           (2, L, size, H, D)          P*H*D*it (one page of one layer)
-    page_first            (2, size, L, H, D)          P*L*H*D*it (one page, all layers)
-    page_first_direct     (2, page_num, L, P, H, D)   P*L*H*D*it
-    page_head             (2, page_num, H, P, L, D)   P*L*H*D*it (one page)
-    page_unified          (page_num, hg, L, 2, P,     2*P*L*H*D*it (one page)
-                          H/hg, D)
-    ====================  ==========================  ==========================
-
-    ``page_unified`` (SGLang 0.5.23's ``PageUnifiedLayout``) keeps a page in one block with
-    its ``head_group_num`` (``hg``) kv-head groups outermost, so a (head group, layer range)
-    of a page is one byte run; ``head_num`` must be a multiple of ``head_group_num``.
-    """
+    """Multi-head attention KV cache, as SGLang's MHA host pool lays it out: buffer ``"kv"`` (K then V), ``"k"``
+    if ``k_only``, ``"k"`` and ``"v"`` for another ``v_head_dim``; each layout's shapes: docs/layouts.md, MHA."""
 
     layout: str
     layer_num: int
@@ -398,19 +348,8 @@ class MHA:
 
 @dataclass(frozen=True)
 class MLA:
-    """Multi-head latent attention (DeepSeek-style) KV cache: one latent vector per token and layer.
-
-    One buffer ``"kv"``: layer_first (L, size, 1, kv_cache_dim), granularity P*kv_cache_dim*it;
-    page_first (size, L, 1, kv_cache_dim), page_first_direct (page_num, L, P, 1, kv_cache_dim)
-    and page_unified (page_num, L, P, kv_cache_dim), granularity P*kv_cache_dim*it*L.
-
-    page_first_kv_split (SGLang's Ascend layout) splits the row into buffers ``"k"``
-    (page_num, L, P, 1, kv_cache_dim - qk_rope_head_dim) and ``"v"`` (page_num, L, P, 1,
-    qk_rope_head_dim); with ``index_layer_num`` and ``index_head_dim`` an ``"index_k"`` buffer
-    (page_num, index_layer_num, P, 1, index_head_dim) follows, and with ``index_scales`` an fp32
-    ``"index_k_scale"`` (page_num, index_layer_num, P, 1, 1). Each buffer's granularity is one
-    page of it (SGLang registers each whole).
-    """
+    """Multi-head latent attention (DeepSeek-style) KV cache: a latent vector per token and layer, in buffer
+    ``"kv"``, or ``"k"``, ``"v"`` (and the indexer's) by page_first_kv_split; shapes: docs/layouts.md, MLA."""
 
     layout: str
     layer_num: int

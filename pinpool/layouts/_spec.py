@@ -19,11 +19,9 @@ from .._units import shown
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """One buffer of a pool: tensor ``shape`` and ``dtype``, ``granularity`` in bytes (``None``: any
-    page-aligned split is safe), and ``page_runs``: the buffer is that many equal runs back to back,
-    page *i* the *i*-th slice of each (1 for ``(pages, ...)``, ``layer_num`` for layer_first, twice
-    that for combined K/V), so a background pool knows which leading pages are usable (``None``:
-    only once all of it is pinned)."""
+    """One buffer of a pool: ``granularity`` in bytes (``None``: any page-aligned split is safe), and
+    ``page_runs``: the buffer is that many equal runs back to back, page *i* the *i*-th slice of each
+    (``None``: its pages are usable only once all of it is pinned). docs/layouts.md, What every layout has."""
 
     name: str
     shape: tuple[int, ...]
@@ -154,18 +152,8 @@ def require_layout(layout: object) -> None:
 
 
 def check_layout(layout: Layout, num_pages: int) -> tuple[BufferSpec, ...]:
-    """Check what a layout promises, as a pool will, and return its buffers for ``num_pages`` pages.
-
-    A custom layout's mistakes (a ``name`` that is not a non-empty str, a ``page_bytes`` that is not
-    a positive int, ``buffers()`` returning no, repeated or malformed BufferSpecs, or
-    raising) become a :class:`pinpool.ConfigError` naming the layout, the field and the fix, the
-    error ``PinnedPool(layout=...)`` would raise. Call it in your layout's tests::
-
-        from pinpool import layouts
-
-        specs = layouts.check_layout(MyLayout(layer_num=32), num_pages=1000)
-        assert sum(spec.nbytes for spec in specs) == 1000 * MyLayout(layer_num=32).page_bytes
-    """
+    """Check what a layout promises, as a pool will, and return its buffers for ``num_pages`` pages; a broken
+    promise raises the ConfigError ``PinnedPool(layout=...)`` would (docs/layouts.md, Custom layouts)."""
     if not positive_int(num_pages):
         raise ConfigError(f"check_layout(num_pages={num_pages!r}): give a positive int number of pages")
     require_layout(layout)
@@ -224,8 +212,7 @@ def _layout_value(what: str, attribute: str, read: Callable[[], object], fix: st
 
 def not_its_fault(exc: BaseException) -> bool:
     """Whether ``exc``, raised while a layout's code ran, is no mistake of the layout's, to pass through
-    untouched: no memory or stack left, or raised by a signal handler that ran meanwhile (an alarm's
-    TimeoutError). Anything else a layout raises is its broken promise, a ConfigError naming it."""
+    untouched: no memory or stack left, or raised by a signal handler that ran meanwhile (an alarm's)."""
     if isinstance(exc, MemoryError | RecursionError):
         return True
     handlers = {getattr(signal.getsignal(signum), "__code__", None) for signum in signal.valid_signals()}

@@ -1,7 +1,6 @@
-"""What a runtime is, and the one registry of runtime names (docs/operations.md's table too: a test
-holds it to this one). Abilities are *declared*, never guessed from attributes (an inherited method
-or a mock's auto-attribute would switch on a path nobody asked for), and checked at resolution, so a
-false declaration fails at construction, not midway through pinning a terabyte.
+"""What a runtime is, and the one registry of runtime names (a test holds docs/operations.md's table to
+it). Abilities are *declared*, never guessed from attributes (a mock has them all), and checked at
+resolution: a false declaration fails at construction, not midway through pinning a terabyte.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Runtime(Protocol):
-    """What PinnedPool needs from a runtime: ``register(ptr, nbytes)`` pins ``[ptr, ptr+nbytes)``,
-    ``unregister(ptr)`` undoes the registration based at ``ptr``; both thread-safe (worker threads
-    call them), raising :class:`pinpool.RuntimeCallError`. ``capabilities``: optional (none: none)."""
+    """What PinnedPool needs from a runtime: thread-safe ``register(ptr, nbytes)`` and ``unregister(ptr)`` (of
+    the registration based at ``ptr``), raising :class:`pinpool.RuntimeCallError`; ``capabilities`` optional."""
 
     name: str
 
@@ -116,9 +114,8 @@ _AUTO_STAND_INS: list[Runtime] = []  # what "auto" is in tests (auto_runtime, th
 
 @contextlib.contextmanager
 def auto_runtime(runtime: Runtime) -> Iterator[Runtime]:
-    """While the block runs, ``runtime="auto"`` (the default of PinnedPool, pin(), host_budget()) is ``runtime``,
-    in every thread (a test client may run a server's lifespan on one of its own); blocks nest. For tests:
-    a server that builds its pool with the default runtime gets a fake without a parameter for it."""
+    """While the block runs, ``runtime="auto"`` (the default) is ``runtime`` in every thread (a test client
+    may run a server's lifespan on one of its own); blocks nest. For tests of a server that builds its pool."""
     runtime = resolve_runtime(runtime)  # an object with register/unregister, its declaration checked
     _AUTO_STAND_INS.append(runtime)
     try:
@@ -131,18 +128,15 @@ def _auto() -> Runtime:
     return _AUTO_STAND_INS[-1] if _AUTO_STAND_INS else _REGISTRY[auto_runtime_name()].factory()
 
 
-def _always() -> bool:
-    return True
-
-
 _INFOS = (
-    RuntimeInfo("auto", "rocm on ROCm builds of torch with a GPU, else cuda with a GPU, else mlock", _auto, _always),
+    RuntimeInfo("auto", "rocm on ROCm builds of torch with a GPU, else cuda with a GPU, else mlock",
+                _auto, lambda: True),
     RuntimeInfo("cuda", "cudaHostRegister through torch.cuda.cudart(), on torch's current CUDA device",
                 CudaRuntime, lambda: _gpu_build() == "cuda"),
     RuntimeInfo("rocm", "hipHostRegister through torch's hipified cudart binding, on torch's current ROCm device",
                 RocmRuntime, lambda: _gpu_build() == "rocm"),
     RuntimeInfo("mlock", "Linux mlock: real page-locking for CPU-only hosts, tests and benchmarks; not GPU pinning",
-                MlockRuntime, _always),
+                MlockRuntime, lambda: True),
 )  # fmt: skip
 _REGISTRY: dict[str, RuntimeInfo] = {info.name: info for info in _INFOS}
 
@@ -197,11 +191,8 @@ def resolve_runtime(runtime: str | Runtime) -> Runtime:
 
 
 def pinning_capabilities(runtime: object, host: HostFacts) -> Capabilities | None:
-    """The declared capabilities that say what pinning with ``runtime`` costs the host, read from a
-    registered name's class without building it; None for None or an unknown name. ``"auto"`` is
-    judged from the host facts without starting a GPU driver (a GPU stack with no visible device
-    resolves to mlock after all: its memlock shortfall then surfaces as mlock's ENOMEM, after a rollback).
-    """
+    """What pinning with ``runtime`` costs the host, read from a registered name's class without building it
+    (``"auto"``: judged from the host facts, starting no GPU driver); None for None or an unknown name."""
     if runtime is None or isinstance(runtime, Capabilities):
         return runtime
     if isinstance(runtime, str):

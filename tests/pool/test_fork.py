@@ -174,6 +174,19 @@ def test_a_refused_madvise_dontfork_unmaps_and_raises_before_anything_is_faulted
     assert (address, 2 * MiB) in unmapped  # the mapping (2 MiB-aligned with THP) was given back
 
 
+def test_the_host_probe_never_goes_through_a_faked_madvise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-time MADV_POPULATE_WRITE probe (``probe_host``) uses the raw calls, so a test faking
+    ``libc.madvise`` sees the pool's calls only, whichever test happened to probe the host first."""
+    monkeypatch.setattr(_libc, "_populate_supported", None)  # unprobed, as in a fresh process
+    seen: list[tuple[int, ...]] = []
+    with (
+        mock.patch.object(_libc, "madvise", lambda *call: seen.append(call) or 0),
+        mock.patch.object(_libc, "munmap", lambda *call: seen.append(call) or 0),
+    ):
+        _libc.populate_write_supported()
+    assert seen == []
+
+
 # The parent holds a private mlock pool, a fake-runtime pool and a pinned torch tensor, then forks
 # (os.fork, and multiprocessing's fork context). Each child reports whether it could pin on its own:
 # a 16 MiB mlock pool (VmLck of its own), a fake pool, pin() of a fresh tensor and of its copy of the
