@@ -93,8 +93,6 @@ SEAM = "pinpool._host.libc"
 # Files inside folders that tests still import, each for what it patches or reads that no face lends:
 # to go, the module needs a seam of its own (a parameter, a clock) or the test a public route. Shrink it.
 NOT_YET = {
-    "tests/host/test_node_hostile.py": {"pinpool._node.config", "pinpool._node.pacing"},  # patches file_problem, waits
-    "tests/host/test_node_pacing.py": {"pinpool._node.config", "pinpool._node.pacing"},  # patches _record, _LIVE
     "tests/host/test_shared_outsiders.py": {"pinpool._shared.format"},  # patches region_directories (reads /proc)
     "tests/tools/test_cli.py": {"pinpool._cli.pin"},  # reads the private _faulted
 }  # fmt: skip
