@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal, Self, TypeVar, cast
+from typing import ClassVar, Literal, Self, TypeVar, cast
 
 from .._errors import ConfigError, Kind, NodeBusyError, NodeWaitCancelled
 from .._host.files import FILE_FLAGS
@@ -90,11 +90,6 @@ def _flock_holders(st: os.stat_result, locks: str = "/proc/locks") -> tuple[int,
     return tuple(dict.fromkeys(pids))
 
 
-def _record(pid: int, first: str, label: str) -> bytes:
-    clean = "".join(c if c.isprintable() else " " for c in label)[:200]
-    return f"{first}\n{pid}\n{clean}\n".encode()
-
-
 def _read_record(fd: int) -> tuple[str, int | None, str]:
     """``(first line, pid, label)`` of a slot or hold file; blanks for whatever is unreadable."""
     try:
@@ -106,12 +101,12 @@ def _read_record(fd: int) -> tuple[str, int | None, str]:
 
 # -- holds -----------------------------------------------------------------------------------------
 
-_LIVE: weakref.WeakSet[_Hold] = weakref.WeakSet()
-
 
 class _Hold:
     """A lock file's descriptor, released once (also when collected), in the acquiring process only;
     made before anything is opened, so whatever is raised afterwards is undone by :meth:`release`."""
+
+    live: ClassVar[weakref.WeakSet[_Hold]] = weakref.WeakSet()  # the holds not released: closed in a forked child
 
     def __init__(self, *, directory: str, name: str | None, waited_seconds: float) -> None:
         self._fd = self._dir_fd = -1  # the budget's: the directory, to remove its hold file by name
@@ -132,12 +127,18 @@ class _Hold:
         with self._lock:
             fd, self._fd = self._fd, -1
             if fd >= 0:
-                _LIVE.discard(self)
+                self.live.discard(self)
             try:
                 self._undo(owned=fd >= 0)
             finally:
                 if fd >= 0:
                     os.close(fd)  # drops the flock: the last descriptor of its open file description
+
+    @staticmethod
+    def record(first: str, label: str) -> bytes:
+        """The file's text, which others' messages show: ``first`` (a kind or a byte count), our pid, the label."""
+        clean = "".join(c if c.isprintable() else " " for c in label)[:200]
+        return f"{first}\n{os.getpid()}\n{clean}\n".encode()
 
     def _undo(self, *, owned: bool) -> None:
         """Before the descriptor is closed (the budget removes its hold file)."""
@@ -168,9 +169,9 @@ class _Hold:
 
 
 def _forget_all_in_child() -> None:
-    for hold in list(_LIVE):
+    for hold in list(_Hold.live):
         hold._forget_in_child()
-    _LIVE.clear()
+    _Hold.live.clear()
 
 
 os.register_at_fork(after_in_child=_forget_all_in_child)
@@ -212,8 +213,6 @@ MIN_POLL_SECONDS = 0.005  # the first intervals
 _POLL_FRACTION = 0.05  # of the time waited so far: a short pin's freed slot is taken within milliseconds
 _LOCK_RETRY_SECONDS = 0.002  # budget.lock is held briefly; fail-fast gives up on it only after:
 _LOCK_GIVE_UP_SECONDS = 5.0
-_WAITING_FIRST_SECONDS = 10.0  # then every _WAITING_EVERY_SECONDS, a waiting rank says whom it waits for
-_WAITING_EVERY_SECONDS = 60.0
 
 H = TypeVar("H", bound=_Hold)
 
@@ -234,6 +233,9 @@ Attempt = Callable[[float], H | NodeBusyError | _Contended]  # one try, given th
 class NodeAdmission:
     """Admission to a node's pin slots and byte budget for one pool (``label``), checked when constructed.
     ``on_waiting(kind, holders, waited_seconds)``: called while waiting (what it raises is ignored)."""
+
+    waiting_first_seconds = 10.0  # then every waiting_every_seconds, a waiting rank says whom it waits for
+    waiting_every_seconds = 60.0
 
     def __init__(self, pacing: NodePacing, *, label: str = "", on_waiting: OnWaiting | None = None) -> None:
         if not isinstance(pacing, NodePacing):
@@ -282,7 +284,7 @@ class NodeAdmission:
                 hold = SlotHold(directory=p.directory, index=index, waited_seconds=waited)
                 try:
                     hold._fd = open_file(dir_fd, p.directory, f"{_SLOT_PREFIX}{index}", os.O_RDWR | os.O_CREAT)
-                    _LIVE.add(hold)
+                    hold.live.add(hold)
                     try:
                         fcntl.flock(hold._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except BlockingIOError:
@@ -292,7 +294,7 @@ class NodeAdmission:
                         continue
                     with contextlib.suppress(OSError):  # ours: say who holds it (for others' messages only)
                         os.ftruncate(hold._fd, 0)
-                        os.pwrite(hold._fd, _record(os.getpid(), "slot", self.label), 0)
+                        os.pwrite(hold._fd, hold.record("slot", self.label), 0)
                     return hold
                 except BaseException:
                     hold.release()
@@ -385,9 +387,9 @@ class NodeAdmission:
                 if (error := open_error(p.directory, name, exc, existed=False)) is None:
                     raise
                 raise error from None
-            _LIVE.add(hold)
+            hold.live.add(hold)
             fcntl.flock(hold._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else can hold it
-            data = _record(os.getpid(), str(nbytes), self.label)
+            data = hold.record(str(nbytes), self.label)
             if os.pwrite(hold._fd, data, 0) != len(data):
                 raise OSError(errno.EIO, f"short write to {name}")
             return hold
@@ -437,7 +439,7 @@ class NodeAdmission:
         if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 60:
             raise ConfigError(f"poll={poll!r} must be a number of seconds in (0, 60]")
         started = time.monotonic()
-        report_at = started + _WAITING_FIRST_SECONDS
+        report_at = started + self.waiting_first_seconds
         while True:
             result = attempt(time.monotonic() - started)
             if isinstance(result, _Hold):
@@ -448,7 +450,7 @@ class NodeAdmission:
                 on_wait = None  # once, when the wait begins
             now = time.monotonic()
             if now >= report_at:
-                report_at = now + _WAITING_EVERY_SECONDS
+                report_at = now + self.waiting_every_seconds
                 self._report_waiting(kind, result, now - started)
             if cancelled is not None and cancelled():
                 raise NodeWaitCancelled(

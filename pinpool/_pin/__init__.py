@@ -5,8 +5,11 @@ from .._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "drivers": "finalize_lifecycle run_async run_sync",
     "engine": "PinSession",
+    "memory_source": "PoolMemory",
     "ledger": "ChunkState Ledger Phase RegistrationBook StopCause",
     "outcome": "TRANSITIONS Detach Outcome Ran RunThreads Step TransitionError check_move decide",
     "pipeline": "WAIT Batch Landing Pipeline split_spans",
+    "sigint": "guard_state",
+    "threads": "Threads",
     "untrusted": "untrusted_call",
 })  # fmt: skip

@@ -42,6 +42,11 @@ class _Guard:
     holding = 0  # teardown waits (hold_interrupts) under way: every SIGINT is held, wherever it lands
 
 
+def guard_state() -> tuple[int, int]:
+    """(nested guards installed, SIGINTs deferred and not yet replayed): both 0 once every guard is left."""
+    return _Guard.depth, _Guard.pending
+
+
 def _deferring(frame: FrameType | None) -> bool:
     while frame is not None:
         code = frame.f_code

@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from .chunks import Chunk
 
@@ -129,12 +130,14 @@ def duty_cycle(quota_cpus: float | None, *, background: bool) -> float:
 
 class Pacer:
     """Makes each calling thread rest before its next call (never between a call and its books) so its
-    calls use ``duty`` of its CPU time (``time.thread_time``: a worker preempted mid-call used no quota)."""
+    calls use ``duty`` of its CPU time (``time.thread_time``: a worker preempted mid-call used no quota).
+    ``clock`` (``thread_time`` and ``sleep``, the time module by default) lets a test script the clock."""
 
-    def __init__(self, duty: float) -> None:
+    def __init__(self, duty: float, clock: Any = time) -> None:
         if not 0 < duty <= 1:
             raise ValueError(f"duty={duty!r} must be in (0, 1]")
         self._duty = duty
+        self._clock = clock
         self._thread = threading.local()
 
     def before(self) -> None:
@@ -143,12 +146,12 @@ class Pacer:
         rest = getattr(self._thread, "owed", 0.0)
         if rest > 0:
             self._thread.owed = 0.0
-            time.sleep(rest)
-        self._thread.started = time.thread_time()
+            self._clock.sleep(rest)
+        self._thread.started = self._clock.thread_time()
 
     def took(self, seconds: float) -> None:
         """A call ended after ``seconds`` (wall): owe the rest that makes its CPU time ``duty`` of both."""
         started = getattr(self._thread, "started", None)
         if started is not None:
-            used = time.thread_time() - started
+            used = self._clock.thread_time() - started
             self._thread.owed = min(MAX_REST, max(0.0, used / self._duty - seconds))

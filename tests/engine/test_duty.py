@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pinpool._plan import MAX_REST, MIN_DUTY, Pacer, calls, duty_cycle
+from pinpool._plan import MAX_REST, MIN_DUTY, Pacer, duty_cycle
 
 
 def test_duty_cycle_is_half_a_quota_below_two_cpus_for_a_background_pool() -> None:
@@ -43,12 +43,9 @@ class ScriptedClock:
         self.rests.append(seconds)
 
 
-def test_the_pacer_rests_before_the_next_call_in_proportion_to_the_last_calls_cpu_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_pacer_rests_before_the_next_call_in_proportion_to_the_last_calls_cpu_time() -> None:
     clock = ScriptedClock()
-    monkeypatch.setattr(calls, "time", clock)
-    pacer = Pacer(0.5)
+    pacer = Pacer(0.5, clock)
     pacer.before()
     assert clock.rests == []  # nothing owed before the first call
     clock.cpu += 0.05

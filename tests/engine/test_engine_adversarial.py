@@ -32,8 +32,7 @@ from pinpool._observe import Observer
 from pinpool._pin import RegistrationBook
 from pinpool._plan import MAX_CALL_SECONDS, MAX_WORKERS, CallSizer, RetrySplitter
 from pinpool._ranges import PINNED_RANGES
-from pinpool.runtimes import MlockRuntime
-from pinpool.runtimes._mlock import OWN_LOCKS, SHARED_PAGES, _Pages
+from pinpool.runtimes import OWN_LOCKS, SHARED_PAGES, MlockRuntime
 from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, lifecycle_of, needs_mlock, pin_and_run
@@ -558,8 +557,20 @@ def test_own_locks_scan_keeps_what_was_forgotten_while_it_ran() -> None:
 
 
 def test_pages_union_counts_each_byte_once() -> None:
-    pages = _Pages([(0, 3 * PAGE), (2 * PAGE, 4 * PAGE), (6 * PAGE, 7 * PAGE), (4 * PAGE, 4 * PAGE)])
-    assert pages.bytes_in(0, 10 * PAGE) == 5 * PAGE
-    assert pages.bytes_in(PAGE, 6 * PAGE + 1) == 3 * PAGE + 1
-    assert pages.covers(0, 4 * PAGE) and not pages.covers(0, 5 * PAGE) and not pages.covers(5 * PAGE, 6 * PAGE)
-    assert _Pages([]).bytes_in(0, PAGE) == 0 and not _Pages([]).covers(0, 1)
+    """A scan's pages are the union of the ranges held: overlapping ones count each byte once, an empty one none."""
+    base = 1 << 41  # far from any real mapping: no other range held here
+    ranges = [(0, 3 * PAGE), (2 * PAGE, 4 * PAGE), (6 * PAGE, 7 * PAGE), (4 * PAGE, 4 * PAGE)]
+    with OWN_LOCKS.scan() as owned:
+        assert owned().bytes_in(base, base + 10 * PAGE) == 0 and not owned().covers(base, base + 1)
+    for lo, hi in ranges:
+        OWN_LOCKS.add(base + lo, base + hi)
+    try:
+        with OWN_LOCKS.scan() as owned:
+            pages = owned()
+        assert pages.bytes_in(base, base + 10 * PAGE) == 5 * PAGE
+        assert pages.bytes_in(base + PAGE, base + 6 * PAGE + 1) == 3 * PAGE + 1
+        assert pages.covers(base, base + 4 * PAGE) and not pages.covers(base, base + 5 * PAGE)
+        assert not pages.covers(base + 5 * PAGE, base + 6 * PAGE)
+    finally:
+        for lo, hi in ranges:
+            OWN_LOCKS.remove(base + lo, base + hi)

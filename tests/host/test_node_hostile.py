@@ -28,9 +28,7 @@ import structlog
 
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._node import NodeAdmission, NodeHolder, holder_state
-from pinpool._node import config as _node_config
-from pinpool._node import pacing as _node
+from pinpool._node import NodeAdmission, NodeHolder, NodePacing, holder_state
 from pinpool._observe import Observer
 from pinpool.testing import FakeRuntime
 
@@ -67,6 +65,23 @@ def release_fifo(path: Path) -> Callable[[], None]:
         os.close(fd)
 
     return unblock
+
+
+def swap_after_the_lstat(monkeypatch: pytest.MonkeyPatch, path: Path, swap: Callable[[], None]) -> list[str]:
+    """The race itself: the first ``lstat`` of ``path``'s name (``os.stat(..., follow_symlinks=False)``) sees
+    what is there, then ``swap()`` replaces it before the open. Returns the names swapped (once)."""
+    real = os.stat
+    swapped: list[str] = []
+
+    def stat(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        st = real(name, *args, **kwargs)
+        if name == path.name and kwargs.get("follow_symlinks") is False and not swapped:
+            swapped.append(name)
+            swap()
+        return st
+
+    monkeypatch.setattr(os, "stat", stat)
+    return swapped
 
 
 def acquire(ours: NodeAdmission, kind: str) -> Any:
@@ -112,20 +127,16 @@ def test_a_fifo_swapped_in_after_the_lstat_does_not_block_the_open(
     keeps the open from waiting for a writer (with budget.lock held); fstat refuses it."""
     ours = admission(node_dir, slots=1, budget=GiB)
     fifo = node_dir / name
-    os.mkfifo(fifo, 0o600)
-    real = _node_config.file_problem
-    seen: set[int] = set()
+    fifo.touch(0o600)
 
-    def lstat_saw_a_regular_file(st: os.stat_result) -> str | None:
-        if st.st_ino in seen:
-            return real(st)
-        seen.add(st.st_ino)
-        return None
+    def to_a_fifo() -> None:
+        fifo.unlink()
+        os.mkfifo(fifo, 0o600)
 
-    monkeypatch.setattr(_node_config, "file_problem", lstat_saw_a_regular_file)
+    swapped = swap_after_the_lstat(monkeypatch, fifo, to_a_fifo)
     result = within(DEADLINE, lambda: acquire(ours, kind), release_fifo(fifo))
     monkeypatch.undo()
-    assert isinstance(result, pinpool.ConfigError), result
+    assert swapped and isinstance(result, pinpool.ConfigError), result
     assert "is not a regular file (a FIFO)" in str(result)
     fifo.unlink()
     with ours.acquire_slot(), ours.reserve_budget(GiB):
@@ -193,19 +204,17 @@ def test_a_hard_link_swapped_in_after_the_lstat_is_refused_before_any_write(
     node_dir: Path, precious: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ours = admission(node_dir, slots=1)
-    os.link(precious, node_dir / "slot-0")
-    real = _node_config.file_problem
-    calls = 0
+    slot = node_dir / "slot-0"
+    slot.touch(0o600)
 
-    def lstat_saw_one_link(st: os.stat_result) -> str | None:
-        nonlocal calls
-        calls += 1
-        return None if calls == 1 else real(st)
+    def to_a_link() -> None:
+        slot.unlink()
+        os.link(precious, slot)
 
-    monkeypatch.setattr(_node_config, "file_problem", lstat_saw_one_link)
+    swapped = swap_after_the_lstat(monkeypatch, slot, to_a_link)
     with pytest.raises(pinpool.ConfigError, match="has 2 hard links"):
         ours.acquire_slot()
-    assert calls == 2
+    assert swapped == ["slot-0"]
     assert precious.read_bytes() == b"do not overwrite\n"
 
 
@@ -369,8 +378,8 @@ def holder(tmp_path: Path, node_dir: Path) -> Iterator[Callable[[str], subproces
 
 @pytest.fixture
 def fast_reports(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_node, "_WAITING_FIRST_SECONDS", 0.2)
-    monkeypatch.setattr(_node, "_WAITING_EVERY_SECONDS", 0.3)
+    monkeypatch.setattr(NodeAdmission, "waiting_first_seconds", 0.2)
+    monkeypatch.setattr(NodeAdmission, "waiting_every_seconds", 0.3)
 
 
 Report = tuple[str, tuple[NodeHolder, ...], float]
@@ -420,7 +429,7 @@ def test_a_running_holder_is_reported_running_and_a_short_wait_not_at_all(
 
     ended = within(DEADLINE, lambda: ours.acquire_slot(cancelled=after_a_few, poll=0.02))
     assert isinstance(ended, NodeWaitCancelled) and reports == []  # the default: first after 10 s
-    monkeypatch.setattr(_node, "_WAITING_FIRST_SECONDS", 0.0)
+    monkeypatch.setattr(NodeAdmission, "waiting_first_seconds", 0.0)
     ended = wait_for_reports(ours, "slot", reports, 1)
     assert isinstance(ended, NodeWaitCancelled)
     ((kind, (who,), _waited),) = reports
@@ -428,8 +437,8 @@ def test_a_running_holder_is_reported_running_and_a_short_wait_not_at_all(
 
 
 def test_a_report_that_raises_does_not_change_the_wait(node_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_node, "_WAITING_FIRST_SECONDS", 0.0)
-    monkeypatch.setattr(_node, "_WAITING_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(NodeAdmission, "waiting_first_seconds", 0.0)
+    monkeypatch.setattr(NodeAdmission, "waiting_every_seconds", 0.0)
     calls: list[float] = []
 
     def broken(kind: str, holders: tuple[NodeHolder, ...], waited: float) -> None:
@@ -515,7 +524,8 @@ def test_node_admission_has_one_wait_loop_and_no_async_api() -> None:
     for gone in ("acquire_slot_sync", "reserve_budget_sync", "_wait_async", "_wait_sync"):
         assert not hasattr(NodeAdmission, gone), gone
     sleepers: list[str] = []
-    for module in (_node, _node_config):
+    for module in (inspect.getmodule(NodeAdmission), inspect.getmodule(NodePacing)):
+        assert module is not None
         assert "anyio" not in vars(module), module.__name__
         tree = ast.parse(inspect.getsource(module))
         assert not [n.name for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)], module.__name__

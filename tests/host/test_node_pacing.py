@@ -25,9 +25,7 @@ import pytest
 
 import pinpool
 from pinpool._errors import NodeBusyError, NodeWaitCancelled
-from pinpool._node import BudgetHold, NodeHolder, NodePacing, SlotHold
-from pinpool._node import config as _node_config
-from pinpool._node import pacing as _node
+from pinpool._node import BudgetHold, NodeHolder, NodePacing, SlotHold, default_directory, mem_total_bytes
 
 from .. import preloaded
 from .conftest import admission, in_thread, open_fds
@@ -379,7 +377,8 @@ def test_keyboard_interrupt_after_the_lock_is_taken_leaves_nothing_behind(
     def interrupted(*args: object) -> bytes:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_node, "_record", interrupted)  # lands after flock, before the hold exists
+    # lands after flock, before the hold's record is written
+    monkeypatch.setattr(SlotHold if kind == "slot" else BudgetHold, "record", interrupted)
     with pytest.raises(KeyboardInterrupt) as info:  # kept: the traceback keeps every frame alive
         if kind == "slot":
             ours.acquire_slot()
@@ -394,7 +393,7 @@ def test_keyboard_interrupt_after_the_lock_is_taken_leaves_nothing_behind(
 
 
 class _InterruptingRegistry:
-    """Stands in for _node._LIVE: a KeyboardInterrupt right after a hold took its descriptor."""
+    """Stands in for the holds' ``live`` set: a KeyboardInterrupt right after a hold took its descriptor."""
 
     def add(self, hold: object) -> None:
         raise KeyboardInterrupt
@@ -411,7 +410,7 @@ def test_keyboard_interrupt_right_after_the_file_is_opened_leaves_nothing_behind
     ours.acquire_slot().release()
     ours.reserve_budget(GiB).release()
     before = open_fds()
-    monkeypatch.setattr(_node, "_LIVE", _InterruptingRegistry())
+    monkeypatch.setattr(SlotHold if kind == "slot" else BudgetHold, "live", _InterruptingRegistry())
     with pytest.raises(KeyboardInterrupt) as info:  # kept: the traceback keeps every frame alive
         if kind == "slot":
             ours.acquire_slot()
@@ -681,7 +680,7 @@ def test_the_default_directory_is_per_user_and_per_host() -> None:
     pacing = NodePacing.from_options(node_slots=1, environ={})
     assert pacing is not None
     uid = os.geteuid()
-    assert pacing.directory == _node_config.default_directory()
+    assert pacing.directory == default_directory()
     assert pacing.directory in (f"/dev/shm/pinpool-{uid}", f"/run/user/{uid}/pinpool", f"/tmp/pinpool-{uid}")
     if os.path.isdir("/dev/shm"):
         assert pacing.directory == f"/dev/shm/pinpool-{uid}"
@@ -747,8 +746,8 @@ def test_a_fraction_on_a_host_without_mem_total_is_a_config_error(tmp_path: Path
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemFree: 1 kB\n")
     with pytest.raises(pinpool.ConfigError, match="no readable MemTotal"):
-        _node_config.mem_total_bytes(str(meminfo))
-    assert _node_config.mem_total_bytes() > 0
+        mem_total_bytes(str(meminfo))
+    assert mem_total_bytes() > 0
 
 
 @pytest.mark.parametrize("bad", ["relative/dir", "", "/a\0b"])

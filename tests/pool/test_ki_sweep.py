@@ -52,8 +52,7 @@ import torch
 import trio
 
 import pinpool
-from pinpool._pin import finalize_lifecycle
-from pinpool._pin import sigint as _ki
+from pinpool._pin import finalize_lifecycle, guard_state
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime
 
@@ -82,7 +81,7 @@ class Trace:
             self.count += 1
             if self.count == self.at:
                 self.fired = True
-                self.in_finalizer = _ki._Guard.depth == 0 and in_finalizer(frame)
+                self.in_finalizer = guard_state()[0] == 0 and in_finalizer(frame)
                 signal.raise_signal(signal.SIGINT)  # our handler defers it, or Python's raises here
         return self.lines
 
@@ -215,7 +214,7 @@ def run_once(scenario: str, at: int) -> tuple[Trace, BaseException | None]:
     if trace.fired and not scenario.startswith("asyncio") and not trace.in_finalizer:
         assert isinstance(outcome, KeyboardInterrupt), f"{where}: the Ctrl-C was lost"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, where
-    assert _ki._Guard.depth == 0 and _ki._Guard.pending == 0, where
+    assert guard_state() == (0, 0), where
 
     errors: list[BaseException] = []
 

@@ -15,7 +15,10 @@ import torch
 
 import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnpinError
+from pinpool._host import HostMapping
+from pinpool._pin import PinSession, PoolMemory, Threads
 from pinpool._ranges import PINNED_RANGES
+from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import needs_mlock
@@ -213,11 +216,6 @@ def test_a_forked_child_never_waits_for_or_touches_its_parents_pool(state: str, 
 @needs_mlock
 @pytest.mark.parametrize("step", ["claim", "scan", "map", "start", "views", "conductor"])
 def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pinpool._pin.lifecycle
-    import pinpool._pin.memory_source
-    import pinpool._pin.threads
-    import pinpool.runtimes._mlock
-
     before, claimed = vmlck_kb(), PINNED_RANGES.snapshot()
     tensor = pinpool.empty(8 * MiB) if step in ("claim", "scan") else None
 
@@ -225,12 +223,12 @@ def test_an_interrupt_at_each_step_of_entry_leaves_nothing_behind(step: str, mon
         raise KeyboardInterrupt(step)
 
     target: tuple[Any, str] = {
-        "claim": (pinpool._pin.memory_source.PINNED_RANGES, "add_all"),
-        "scan": (pinpool.runtimes._mlock, "_locked_in_smaps"),
-        "map": (pinpool._pin.memory_source, "HostMapping"),
-        "start": (pinpool._pin.lifecycle, "PinSession"),
-        "views": (pinpool._pin.memory_source, "MappingProxyType"),
-        "conductor": (pinpool._pin.threads.Threads, "start"),
+        "claim": (PINNED_RANGES, "add_all"),
+        "scan": (MlockRuntime, "find_pinned"),
+        "map": (HostMapping, "__init__"),
+        "start": (PinSession, "__init__"),
+        "views": (PoolMemory, "views"),
+        "conductor": (Threads, "start"),
     }[step]
     background = step in ("views", "conductor")
 

@@ -21,7 +21,7 @@ import pytest
 import pinpool
 from pinpool import layouts
 from pinpool._host import HostMapping
-from pinpool._pin import sigint as _ki
+from pinpool._pin import guard_state
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
@@ -61,11 +61,11 @@ class CtrlC:
             n = self._calls[op] = self._calls.get(op, 0) + 1
         if (op, n) in self.at:
             self._landed.clear()
-            deferred = _ki._Guard.pending
+            deferred = guard_state()[1]
             self.send()
             if threading.current_thread() is not threading.main_thread():
                 deadline = time.monotonic() + 30
-                while not self._landed.wait(0.001) and _ki._Guard.pending <= deferred:
+                while not self._landed.wait(0.001) and guard_state()[1] <= deferred:
                     assert time.monotonic() < deadline, f"the main thread did not take the Ctrl-C sent from {op} #{n}"
 
     def __enter__(self) -> CtrlC:
