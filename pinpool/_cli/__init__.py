@@ -24,6 +24,7 @@ __getattr__ = lazy_exports(__name__, {
     "doctor": "CHUNK_ENV FAIL KNOWN_ENV OK SKIP STATUSES WARN Check CudaFacts DoctorFacts check_cuda check_env "
               "check_half_made check_kernel check_region env_chunk_limit exit_code read_facts render_text run_checks",
     "options": "FAMILIES FIELDS family_fields",
+    "pin": "faulted_bytes first_line hold",
     "progress": "EventLog ProgressReporter ResidentGrowth format_eta percentile render_bar render_line while_loading",
     "report": "FIRST_TOUCH WIDTH fit pin_text",
 })[0]  # fmt: skip

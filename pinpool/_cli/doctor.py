@@ -315,16 +315,17 @@ def to_json(checks: Sequence[Check], size: int | None, version: str) -> dict[str
             "checks": [asdict(c) for c in checks]}  # fmt: skip
 
 
-def read_facts(*, cuda: bool = True) -> DoctorFacts:
-    """This host's facts now. ``cuda=False`` skips the GPU probe (and the torch import)."""
+def read_facts(*, cuda: bool = True, region_dirs: Sequence[str] | None = None) -> DoctorFacts:
+    """This host's facts now. ``cuda=False`` skips the GPU probe (and the torch import); ``region_dirs``:
+    where to look for shared regions (None: every tmpfs and hugetlbfs mount)."""
     from .._shared.format import find_half_made, find_regions
 
     return DoctorFacts(
         host=_probe.probe_host(torch_build=cuda),
         cuda=read_cuda_facts() if cuda else CudaFacts(skip_reason="not probed (--no-cuda)"),
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
-        regions=tuple(find_regions()),
-        half_made=tuple(find_half_made()),
+        regions=tuple(find_regions(region_dirs)),
+        half_made=tuple(find_half_made(region_dirs)),
     )
 
 
@@ -334,9 +335,11 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.remove_stale:
         from .._shared.files import remove_half_made
 
-        removed = remove_half_made()
+        removed = remove_half_made(args.region_dirs)
     with while_loading("reading this host" + (" (loading torch to ask about GPUs)" if args.cuda else "")):
-        checks = run_checks(read_facts(cuda=args.cuda), size) + [check_removed(*each) for each in removed]
+        checks = run_checks(read_facts(cuda=args.cuda, region_dirs=args.region_dirs), size) + [
+            check_removed(*each) for each in removed
+        ]
     if args.json:
         from .. import __version__
 

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--remove-stale", action="store_true",
                         help="first remove the regions that creators which died left half-made (this user's "
                         "temporary files in /dev/shm and hugetlbfs mounts); each is listed")  # fmt: skip
+    doctor.add_argument("--region-dir", action="append", metavar="DIR", dest="region_dirs",
+                        help="look for shared regions only under DIR, repeatable (default: every tmpfs and "
+                        "hugetlbfs mount)")  # fmt: skip
     doctor.set_defaults(run=run_doctor)
 
     pin = command(

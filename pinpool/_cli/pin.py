@@ -184,7 +184,7 @@ def run_pin(args: argparse.Namespace, stderr: TextIO | None = None) -> int:
             server.server_close()
 
 
-def _faulted(pool: PinnedPool, registry: CollectorRegistry) -> Any:
+def faulted_bytes(pool: PinnedPool, registry: CollectorRegistry) -> Any:
     """Bytes faulted so far, to move the display within a chunk: populated or resident, whichever is further."""
     labels = {"pool": pool.name, "runtime": pool.runtime.name}
     resident = ResidentGrowth()  # from now: the pool is constructed, its memory not yet faulted
@@ -207,7 +207,7 @@ def _pin_and_report(args: argparse.Namespace, pool: PinnedPool, progress: Progre
     held: tuple[float, str] | None = None
     entered = False
     before = _libc.vm_locked_bytes()
-    progress.faulted = _faulted(pool, registry)
+    progress.faulted = faulted_bytes(pool, registry)
     progress.restart()
     try:
         with pool:

@@ -90,15 +90,6 @@ TESTS = ROOT / "tests"
 # The one seam: tests fake the host's system calls by patching this module object (pinpool/_host/__init__.py
 # and docs/architecture.md say so). The whole-host facts are faked at pinpool._probe.probe_host, a top-level file.
 SEAM = "pinpool._host.libc"
-# Files inside folders that tests still import, each for what it patches or reads that no face lends:
-# to go, the module needs a seam of its own (a parameter, a clock) or the test a public route. Shrink it.
-NOT_YET = {
-    # doctor scans region_directories() (all of /dev/shm): narrowed so that other tests' temporaries stay
-    # theirs; to go, `pinpool doctor` (_cli/doctor.py) takes the directories to scan
-    "tests/host/test_shared_outsiders.py": {"pinpool._shared.format"},
-    # reads the private _faulted (the progress display's faulted-bytes source); to go, _cli/pin.py names it
-    "tests/tools/test_cli.py": {"pinpool._cli.pin"},
-}  # fmt: skip
 
 
 def _in_a_folder(module: str) -> bool:
@@ -128,12 +119,9 @@ def test_tests_import_from_the_faces_and_patch_through_the_seam() -> None:
     reached = {}
     for path in sorted(set(TESTS.rglob("*.py")) - {Path(__file__)}):  # this file names them as data
         key = str(path.relative_to(ROOT))
-        extra = files_a_test_imports(path) - NOT_YET.get(key, set())
-        if extra:
+        if extra := files_a_test_imports(path):
             reached[key] = sorted(extra)
     assert not reached, f"import these names from the folder (its __init__ lends them), not from a file: {reached}"
-    left = {k: sorted(v - files_a_test_imports(ROOT / k)) for k, v in NOT_YET.items()}
-    assert not {k: v for k, v in left.items() if v}, f"NOT_YET lists files these tests no longer import: {left}"
 
 
 def test_the_faces_lend_no_underscored_name_and_every_name_they_lend_exists() -> None:

@@ -43,7 +43,6 @@ from pinpool._shared import (
     read_region,
     remove_stale_temps,
 )
-from pinpool._shared import format as _shared_format
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
@@ -632,21 +631,20 @@ def test_a_creator_killed_mid_creation_leaves_a_temporary_the_next_creation_of_a
 
 
 def test_doctor_remove_stale_removes_a_dead_creators_temporary_and_says_so(
-    shm_dir: Path, creators: list[int], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    shm_dir: Path, creators: list[int], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Doctor looks in this test's directory only: other tests' planted temporaries stay theirs.
-    monkeypatch.setattr(_shared_format, "region_directories", lambda: [str(shm_dir)])
+    here = ["--region-dir", str(shm_dir)]  # this test's directory only: other tests' planted temporaries stay theirs
     creators.append(dead := stalled_creator(shm_dir / "kv-a", 8 * MiB))
     (dead_temp,) = temporaries(shm_dir)
     creators.append(stalled_creator(shm_dir / "kv-b", 8 * MiB))
     (live_temp,) = set(temporaries(shm_dir)) - {dead_temp}
     os.kill(dead, signal.SIGKILL)
     os.waitpid(dead, 0)
-    assert _cli.main(["doctor", "--no-cuda"]) in (0, 1)  # without the flag it only warns
+    assert _cli.main(["doctor", "--no-cuda", *here]) in (0, 1)  # without the flag it only warns
     out = capsys.readouterr().out
     assert f"{shm_dir / dead_temp}: a region left half-made by a creator that died" in out
     assert sorted(temporaries(shm_dir)) == sorted([dead_temp, live_temp])
-    assert _cli.main(["doctor", "--no-cuda", "--remove-stale"]) in (0, 1)
+    assert _cli.main(["doctor", "--no-cuda", "--remove-stale", *here]) in (0, 1)
     out = capsys.readouterr().out
     assert re.search(
         rf"ok +region +{re.escape(str(shm_dir / dead_temp))}: removed, a region left half-made by a creator that "

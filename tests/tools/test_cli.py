@@ -50,7 +50,6 @@ from pinpool._cli import (
     render_line,
     while_loading,
 )
-from pinpool._cli import pin as cli_pin
 from pinpool.runtimes import CudaDevice, CudaFacts
 
 from .. import preloaded
@@ -348,7 +347,7 @@ def test_pin_says_what_it_pins_before_importing_torch() -> None:
     assert result.stderr.startswith(
         "pinpool: preparing to pin 16 MiB (pool 'cli'): loading torch\n<importing torch>\n"
     ), result.stderr
-    assert cli_pin.first_line({"num_pages": 12, "name": "kv"}) == (
+    assert _cli.first_line({"num_pages": 12, "name": "kv"}) == (
         "pinpool: preparing to pin 12 pages (pool 'kv'): loading torch"
     )
 
@@ -588,13 +587,13 @@ def test_a_hold_says_which_signal_ended_it() -> None:
         assert interrupts is not None
         interrupts.arm()
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
-        assert cli_pin.hold(float("inf"), pool, None) == "SIGTERM"
+        assert _cli.hold(float("inf"), pool, None) == "SIGTERM"
     with _cli.sigterm_as_interrupt() as interrupts:
         assert interrupts is not None
         interrupts.arm()
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-        assert cli_pin.hold(float("inf"), pool, None) == "SIGINT"
-    assert cli_pin.hold(0.01, pool, None) == "time"
+        assert _cli.hold(float("inf"), pool, None) == "SIGINT"
+    assert _cli.hold(0.01, pool, None) == "time"
 
 
 def test_sigterm_is_restored_after_main() -> None:
@@ -1192,7 +1191,7 @@ def test_pin_shows_faulted_bytes_page_by_page_or_by_span_whichever_is_further() 
     registry = CollectorRegistry()
     populated = Counter("pinpool_populated_bytes", "pre-faulted", ["pool", "runtime"], registry=registry)
     pool = type("Pool", (), {"name": "p", "runtime": type("Runtime", (), {"name": "mlock"})()})()
-    faulted = cli_pin._faulted(pool, registry)
+    faulted = _cli.faulted_bytes(pool, registry)
     assert faulted() < 16 * MiB
     with mmap.mmap(-1, 32 * MiB) as memory:
         for offset in range(0, 32 * MiB, mmap.PAGESIZE):
