@@ -643,6 +643,10 @@ def test_doctor_remove_stale_removes_a_dead_creators_temporary_and_says_so(
     assert _cli.main(["doctor", "--no-cuda", *here]) in (0, 1)  # without the flag it only warns
     out = capsys.readouterr().out
     assert f"{shm_dir / dead_temp}: a region left half-made by a creator that died" in out
+    elsewhere = shm_dir / "elsewhere"
+    elsewhere.mkdir()
+    assert _cli.main(["doctor", "--no-cuda", "--remove-stale", "--region-dir", str(elsewhere)]) in (0, 1)
+    assert str(dead_temp) not in capsys.readouterr().out  # --region-dir: only there is looked at (and cleaned)
     assert sorted(temporaries(shm_dir)) == sorted([dead_temp, live_temp])
     assert _cli.main(["doctor", "--no-cuda", "--remove-stale", *here]) in (0, 1)
     out = capsys.readouterr().out
