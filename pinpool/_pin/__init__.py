@@ -5,10 +5,11 @@ from .._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "drivers": "finalize_lifecycle run_async run_sync",
     "engine": "PinSession",
+    "lifecycle": "Lifecycle",
     "memory_source": "PoolMemory",
     "ledger": "ChunkState Ledger Phase RegistrationBook StopCause",
     "outcome": "TRANSITIONS Detach Outcome Ran RunThreads Step TransitionError check_move decide",
-    "pipeline": "WAIT Batch Landing Pipeline split_spans",
+    "pipeline": "WAIT Batch Landing Pipeline",
     "sigint": "guard_state",
     "threads": "Threads",
     "untrusted": "untrusted_call",

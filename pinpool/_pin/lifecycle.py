@@ -99,7 +99,8 @@ class Lifecycle:
         yield from self.gate.enter(self.name, self.describe, self._enter_gated, self.exit)
 
     def _enter_gated(self) -> Steps[None]:
-        with _Claim(self) as claim:
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
+        try:
             with self._lock:
                 if self.state is not PoolState.NEW:
                     raise PoolStateError(
@@ -107,9 +108,12 @@ class Lifecycle:
                         "create a new PinnedPool to pin again"
                     )
                 self._move(PoolState.PINNING)
-                claim.take()
+                mine = self._driven = True
                 self._pid = os.getpid()
             yield from self._enter()
+        finally:
+            if mine:
+                self._driven = False
 
     def _enter(self) -> Steps[None]:
         memory: Memory | None = None
@@ -265,20 +269,24 @@ class Lifecycle:
             maybe = sum(chunk.nbytes for chunk in session.ledger.maybe)
             kept = kept_text(pages, self.plan.num_pages, pinned, session.registrations(), maybe)
             error = self._failure(session, ran, kept=kept, gone=self.source.gone(self.memory))  # gone: SIGBUS to touch
-        with _Claim(self) as claim:
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
+        try:
             with self._lock:  # decided under the lock the finalizer decides under: one of them cleans up
                 self._conducting = False
                 if outcome is Outcome.READY or (error is None and not self._orphaned):
                     return  # READY; EXITED, or stopped by the thread that entered: the stopper tears down
                 if self._orphaned:
-                    claim.take()  # a close() meanwhile waits for it
+                    mine = self._driven = True  # a close() meanwhile waits for it
                 else:  # FAILED, or INTERRUPTED by on_progress: kept until exit, told to the waiters
                     self.error = error  # before the state says FAILED: a waiter reads the state, then the error
                     self._move(PoolState.FAILED)
-            if claim.mine:
+            if mine:
                 yield from self._unpin_all(session)
             elif error is not None:
                 self.observer.failed_in_background(error)
+        finally:
+            if mine:
+                self._driven = False
 
     def _stop(self, session: PinSession, cause: StopCause) -> None:
         """Stop pinning after the current calls, and a node-pacing wait."""
@@ -308,8 +316,9 @@ class Lifecycle:
     def _leave(
         self, body_error: BaseException | None, closing: bool, raise_errors: bool
     ) -> Steps[BaseException | None]:
-        with _Claim(self) as claim:
-            while not claim.mine:
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
+        try:
+            while not mine:
                 with self._lock:
                     state = self.state
                     if state is PoolState.CLOSED:
@@ -323,7 +332,7 @@ class Lifecycle:
                         self._move(PoolState.CLOSED)
                         return None
                     if not self._driven:  # CLOSING too: a teardown something raised in resumes here
-                        claim.take()
+                        mine = self._driven = True
                         continue
                 # The finalizer (or an orphan's conductor) tears it down: wait until it is closed, or lets go.
                 ran = yield RunThreads(bodies=(self._wait_undriven,), name=f"pinpool-{self.name}-close")
@@ -340,6 +349,9 @@ class Lifecycle:
             unpinned, more = yield from self._unpin_all(session)
             interrupts += more
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
+        finally:
+            if mine:
+                self._driven = False
 
     def _wait_undriven(self) -> None:
         while not self._closed.wait(0.05) and self._driven:
@@ -464,7 +476,8 @@ class Lifecycle:
         if (yield from self.gate.take_over()):  # its async driver stopped half-way: finished here
             warn_unclosed(self.name, self.created_at, "was left half-entered or half-exited by a task whose event "
                           "loop was closed; its finalizer finished that")  # fmt: skip
-        with _Claim(self) as claim:
+        mine = False  # set with _driven, inside the try: whatever is raised lets go of the pool
+        try:
             with self._lock:
                 session = self.session
                 state = self.state
@@ -476,7 +489,7 @@ class Lifecycle:
                 else:
                     if state is not PoolState.CLOSING:  # CLOSING: a teardown something raised in, resumed here
                         self._move(PoolState.CLOSING)
-                    claim.take()
+                    mine = self._driven = True
             if orphaned:
                 self._stop(session, StopCause.COLLECTED)
                 warn_unclosed(self.name, self.created_at, "is unpinning what it pinned in the background")
@@ -486,25 +499,11 @@ class Lifecycle:
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
             yield from self._unpin_all(session, join=False)  # before warning: -W error must not keep it pinned
+        finally:
+            if mine:
+                self._driven = False
         if unseen is not None:
             warn_unclosed(
                 self.name, self.created_at, f"had failed to pin in the background, and nobody saw why: {unseen}"
             )
         warn_unclosed(self.name, self.created_at, f"unpinned its {format_bytes(pinned)} in a finalizer")
-
-
-class _Claim:
-    """A driver's hold on a lifecycle (the finalizer keeps off), let go at the ``with``'s end, whatever is raised."""
-
-    def __init__(self, lifecycle: Lifecycle) -> None:
-        self.lifecycle, self.mine = lifecycle, False
-
-    def take(self) -> None:
-        self.mine = self.lifecycle._driven = True
-
-    def __enter__(self) -> _Claim:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.mine:
-            self.lifecycle._driven = False

@@ -74,9 +74,6 @@ def take_batch(take: Callable[[], T | _Wait | None], size: Callable[[T], int], s
     return items
 
 
-split_spans = SpanTable  # every chunk cut into spans of at most ``span_bytes``, lazily (tests call it so)
-
-
 class Pipeline:
     """Hands out populate spans and chunk registrations, and records how each ended."""
 

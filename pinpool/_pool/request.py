@@ -55,8 +55,8 @@ def pool_request(entry: str, given: Mapping[str, Any], *, source: torch.Tensor |
     """The request ``entry`` (named by a TypeError for an option it does not take) was ``given``, the rest
     defaulted; with ``source`` (pin()'s tensor, which gives the layout and size) pin()'s options."""
     takes = [o for o in OPTIONS if (o.pin if source is not None else o.pool)]
-    for name in sorted(given.keys() - {o.name for o in takes}):
-        raise TypeError(f"{entry}() got an unexpected keyword argument {name!r}")
+    if unknown := sorted(given.keys() - {o.name for o in takes}):
+        raise TypeError(f"{entry}() got an unexpected keyword argument {unknown[0]!r}")
     value = {o.name: given.get(o.name, _default(o, pin=source is not None)) for o in takes}
 
     def home(where: str) -> dict[str, Any]:
