@@ -6,6 +6,7 @@ Under :class:`guard`, :func:`_handler` reads its frames as trio's KI protection 
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # the C calls: no Python frame for another handler to run at
 import os
 import signal
 import sys
@@ -138,8 +139,8 @@ def _leave(*, drop: bool = False) -> None:
     if drop:
         _Guard.pending = 0
     previous = _Guard.previous
-    if signal.getsignal(signal.SIGINT) is _handler and previous is not None:
-        signal.signal(signal.SIGINT, previous)
+    if _signal.getsignal(signal.SIGINT) is _handler and previous is not None:
+        _signal.signal(signal.SIGINT, previous)
     replay()
 
 

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 import pinpool
-from pinpool._pin import Lifecycle
+from pinpool._pin import Lifecycle, guard_state
 from pinpool.testing import FakeRuntime
 
 # The lifecycle's steps that hold a pool while they drive it (each lets go in a finally).
 DRIVING = {
     getattr(Lifecycle, name).__code__ for name in ("_enter_gated", "_leave", "finalize", "_deliver_in_background")
-}
+} | {sys.modules[guard_state.__module__]._leave.__code__}  # and the Ctrl-C guard's leaving: SIGINT's handler back
 
 
 class Deadline(Exception):
@@ -61,6 +61,7 @@ def one_life(at: int, how: str) -> tuple[int, bool]:
     closer.join(10)
     assert not closer.is_alive(), f"{how}, deadline at call {at}: close() from another thread hangs"
     assert runtime.registered == {}, f"{how}, deadline at call {at}: left registered"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"{how}, deadline at call {at}"
     return seen, fired
 
 
