@@ -4,9 +4,12 @@ import fcntl
 import gc
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 
 import pinpool
@@ -109,6 +112,19 @@ async def pin_and_run(
     else:
         with pool as entered:
             body(entered)
+
+
+def cancel_at_first(op: str, scope: anyio.CancelScope) -> Callable[[str, int, int], None]:
+    """A FakeRuntime ``before_call``/``after_call`` hook that cancels ``scope`` at the first ``op`` call
+    (from the worker thread, through the event loop): a cancellation that lands at an event, not a guessed delay."""
+    token, fired = anyio.lowlevel.current_token(), threading.Event()
+
+    def hook(called: str, ptr: int, nbytes: int) -> None:
+        if called == op and not fired.is_set():
+            fired.set()
+            anyio.from_thread.run_sync(scope.cancel, token=token)
+
+    return hook
 
 
 def mapped(address: int) -> bool:

@@ -20,7 +20,7 @@ from pinpool import _probe
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
-from ..conftest import each_driver
+from ..conftest import cancel_at_first, each_driver
 
 MiB = 1 << 20
 
@@ -87,15 +87,9 @@ async def test_failure_and_cancellation_are_counted() -> None:
     assert sample(registry, "pinpool_pool_unpin_seconds_count", **base()) == 0  # a rollback is not an unpin
 
     # Cancelled once pinning is under way (its first registration), not after a guessed 50 ms.
-    token, scope, registering = anyio.lowlevel.current_token(), anyio.CancelScope(), threading.Event()
-
-    def cancel_at_the_first_register(op: str, ptr: int, nbytes: int) -> None:
-        if op == "register" and not registering.is_set():
-            registering.set()
-            anyio.from_thread.run_sync(scope.cancel, token=token)
-
+    scope = anyio.CancelScope()
     with scope:
-        slow = FakeRuntime(register_delay=0.01, before_call=cancel_at_the_first_register)
+        slow = FakeRuntime(register_delay=0.01, before_call=cancel_at_first("register", scope))
         async with pinpool.PinnedPool(size=100 * MiB, chunk_bytes=MiB, runtime=slow, name="obs", registry=registry):
             pytest.fail("body must not run")
     assert sample(registry, "pinpool_rollbacks_total", **base(), cause="cancelled") == 1

@@ -21,7 +21,7 @@ import pinpool
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime, assert_released
 
-from ..conftest import each_driver, lifecycle_of, pin_and_run
+from ..conftest import cancel_at_first, each_driver, lifecycle_of, pin_and_run
 
 MiB = 1 << 20
 pytestmark = pytest.mark.anyio
@@ -319,14 +319,8 @@ async def test_a_crashed_worker_is_a_pin_error_not_an_internal_error(
 
 async def test_anyio_cancel_during_exit_finishes_teardown() -> None:
     # Cancelled when the teardown's first unregister starts: a 50 ms deadline could land while pinning.
-    token, scope, cancelled = anyio.lowlevel.current_token(), anyio.CancelScope(), threading.Event()
-
-    def cancel_at_the_first_unregister(op: str, ptr: int, nbytes: int) -> None:
-        if op == "unregister" and not cancelled.is_set():
-            cancelled.set()
-            anyio.from_thread.run_sync(scope.cancel, token=token)
-
-    fake = FakeRuntime(unregister_delay=0.01, before_call=cancel_at_the_first_unregister)
+    scope = anyio.CancelScope()
+    fake = FakeRuntime(unregister_delay=0.01, before_call=cancel_at_first("unregister", scope))
     pool = pinpool.PinnedPool(size=16 * MiB, chunk_bytes=MiB, runtime=fake, unpin_workers=1, registry=None)
     with scope:
         async with pool:

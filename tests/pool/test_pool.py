@@ -25,7 +25,7 @@ from pinpool._pin import guard_state
 from pinpool.testing import FakeRuntime
 
 from .. import preloaded
-from ..conftest import each_driver, lifecycle_of, pin_and_run
+from ..conftest import cancel_at_first, each_driver, lifecycle_of, pin_and_run
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -260,14 +260,8 @@ async def test_cancelled_before_entry_pins_nothing_and_never_enters(fake: FakeRu
 
 async def test_cancellation_while_workers_run_stops_early_and_rolls_back() -> None:
     # Cancelled once the first registration is done, not 0.1 s in: a loaded host had made none by then (0 < 0).
-    token, scope, cancelled = anyio.lowlevel.current_token(), anyio.CancelScope(), threading.Event()
-
-    def cancel_after_the_first(op: str, ptr: int, nbytes: int) -> None:
-        if op == "register" and not cancelled.is_set():
-            cancelled.set()
-            anyio.from_thread.run_sync(scope.cancel, token=token)
-
-    fake = FakeRuntime(register_delay=0.01, after_call=cancel_after_the_first)
+    scope = anyio.CancelScope()
+    fake = FakeRuntime(register_delay=0.01, after_call=cancel_at_first("register", scope))
     pool = pinpool.PinnedPool(size=200 * MiB, chunk_bytes=MiB, runtime=fake, register_workers=2)
     with scope:
         async with pool:

@@ -27,7 +27,7 @@ from pinpool import PinError, PoolState, UnclosedPoolWarning
 from pinpool._pin import Outcome
 from pinpool.testing import FakeRuntime
 
-from ..conftest import lifecycle_of
+from ..conftest import cancel_at_first, lifecycle_of
 
 MiB = 1 << 20
 BACKENDS = ("asyncio", "trio")
@@ -150,14 +150,8 @@ def cancelled_fg(run: Run, driver: str) -> None:
     async def main() -> None:
         assert run.pool is not None
         # Cancelled at the first registration, so always while pinning (a 50 ms deadline guessed it).
-        token, scope, registering = anyio.lowlevel.current_token(), anyio.CancelScope(), threading.Event()
-
-        def cancel_at_the_first_register(op: str, ptr: int, nbytes: int) -> None:
-            if op == "register" and not registering.is_set():
-                registering.set()
-                anyio.from_thread.run_sync(scope.cancel, token=token)
-
-        run.fake.before_call = cancel_at_the_first_register
+        scope = anyio.CancelScope()
+        run.fake.before_call = cancel_at_first("register", scope)
         with scope:
             async with run.pool:
                 raise AssertionError("a cancelled pinning never enters its body")
