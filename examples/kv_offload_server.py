@@ -257,7 +257,10 @@ def create_app(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(report_readiness, pool, started)
                 yield  # serving
-                tg.cancel_scope.cancel()
+                # A failure is waited for, so it is said (and seen: exit then does not raise it), never cancelled
+                # unsaid; reading pool.error in /readyz does not mark it seen.
+                if pool.state is not PoolState.FAILED:
+                    tg.cancel_scope.cancel()
             log(f"shutting down: leaving the pool in state {pool.state.value} ({pool.pinned_bytes} bytes pinned)")
         log(f"pool {pool.state.value}; unpinned in {pool.stats.unpin_seconds:.3f} s")
 
