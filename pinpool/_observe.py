@@ -189,6 +189,31 @@ class Observer:
         """A register that answered ``error`` had registered ``piece`` (a stale code): unregistered again."""
         self._piece_event("warning", "chunk.registered_despite_code", piece, ptr, error)
 
+    # -- transfer registrars (pinpool.registrars): one event per registration call ------------------
+
+    def transfer_registered(self, registrar: str, run: Chunk, seconds: float) -> None:
+        """``registrar`` registered ``run`` (bytes of the pool) in ``seconds``."""
+        if self._chunk_debug:
+            self._emit(
+                "debug", "transfer.registered", registrar=registrar, offset=run.offset, nbytes=run.nbytes,
+                seconds=round(seconds, 6),
+            )  # fmt: skip
+
+    def transfer_failed(self, registrar: str, op: str, run: Chunk, error: RuntimeCallError, seconds: float) -> None:
+        """``registrar``'s ``op`` ("register" or "unregister") of ``run`` failed."""
+        self._emit(
+            "warning", "transfer.failed", registrar=registrar, op=op, offset=run.offset, nbytes=run.nbytes,
+            seconds=round(seconds, 6), code=error.code, reason=error.reason, error=error.message,
+        )  # fmt: skip
+
+    def transfer_unregistered(self, registrar: str, run: Chunk, seconds: float) -> None:
+        """``registrar`` unregistered ``run`` in ``seconds`` (or found it not registered: nothing to undo)."""
+        if self._chunk_debug:
+            self._emit(
+                "debug", "transfer.unregistered", registrar=registrar, offset=run.offset, nbytes=run.nbytes,
+                seconds=round(seconds, 6),
+            )  # fmt: skip
+
     def _piece_event(self, level: str, event: str, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         self._emit(
             level, event, offset=piece.offset, nbytes=piece.nbytes, ptr=hex(ptr), code=answer.code, reason=answer.reason

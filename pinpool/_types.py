@@ -48,3 +48,22 @@ def cgroup_room(limit: int | None, usage: int | None, reclaimable: int | None) -
     if limit is None or usage is None:
         return limit
     return max(0, limit - max(0, usage - (reclaimable or 0)))
+
+
+@dataclass(frozen=True)
+class RegistrarLimits:
+    """What a transfer registrar (pinpool.registrars) accepts, declared, not probed. ``max_bytes``: the largest
+    one registration (Mooncake's ``max_mr_size``, EFA's 192 GB; None: no limit); ``preferred_bytes``: pinpool
+    joins consecutive chunks into registrations up to this (few, large registrations; None: one per chunk);
+    ``page_table_entries``: a hardware budget of backing pages over all registrations (EFA: about 22 M);
+    ``pins_pages``: its registration pins the pages itself (``ibv_reg_mr``: RLIMIT_MEMLOCK applies);
+    ``faults_pages``: its registration touches every page; ``not_registered_codes``: the codes of an
+    unregister answer that mean nothing was registered there; ``parallel``: calls may run concurrently."""
+
+    max_bytes: int | None = None
+    preferred_bytes: int | None = None
+    page_table_entries: int | None = None
+    pins_pages: bool = False
+    faults_pages: bool = False
+    not_registered_codes: frozenset[int] = field(default_factory=frozenset)
+    parallel: bool = True

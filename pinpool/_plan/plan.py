@@ -9,13 +9,13 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from .._errors import ConfigError
-from .._types import Capabilities
+from .._types import Capabilities, RegistrarLimits
 from .._units import bytes_text, format_bytes, hugetlb_page_size
 from ..layouts._spec import BufferSpec, positive_int
 from .calls import RetryGrid, RetrySplitter, duty_cycle
@@ -23,6 +23,7 @@ from .chunks import ChunkPlan, ChunkTable, Order, Span, SpanTable
 from .options import CHUNK_ENV, DEFAULT_CHUNK_GIB
 from .prefix import PageRun, page_runs, pin_order
 from .preflight import Placement, place
+from .transfers import TransferPlan, bound_by_registrars, plan_transfer
 
 if TYPE_CHECKING:
     from .facts import HostFacts
@@ -195,6 +196,7 @@ class PoolPlan:
     populate_workers: int
     unpin_workers: int
     threads: int  # worker threads pinning starts (each takes either role)
+    transfers: tuple[TransferPlan, ...] = field(default=(), kw_only=True)  # each registrar's registrations
 
 
 @dataclass(frozen=True)
@@ -225,9 +227,12 @@ class Schedule(PoolPlan):
 def plan_pool(
     options: PoolOptions, host: HostFacts, caps: Capabilities, *, source_start: int = 0,
     placement: Placement | None = None, ranges: SourceRanges | None = None,
+    transfers: Sequence[tuple[str, RegistrarLimits]] = (),
 ) -> Schedule:  # fmt: skip
     """Plan a pool (:class:`ConfigError` for what cannot be). ``placement``: the caller's, checked (else
-    placed here); ``ranges``: each becomes a buffer, so no chunk crosses a gap between ranges."""
+    placed here); ``ranges``: each becomes a buffer, so no chunk crosses a gap between ranges; ``transfers``:
+    each registrar's name and limits (chunks within every ``max_bytes``, registrations runs of chunks)."""
+    options = bound_by_registrars(options, transfers)
     where = placement or place(options, host)
     populate = _resolve_populate(options, host, caps)
     order = _order(populate, options.huge_pages, caps)
@@ -267,7 +272,8 @@ def plan_pool(
         populate=populate, huge_pages=options.huge_pages, numa_node=options.numa_node,
         register_workers=register_workers, populate_workers=populate_workers,
         unpin_workers=_unpin_workers(options, host, len(chunks)),
-        threads=sum(pair) if order is Order.POPULATE_FIRST else max(pair),
+        threads=(sum(pair) if order is Order.POPULATE_FIRST else max(pair)) + (1 if transfers else 0),
+        transfers=tuple(plan_transfer(name, limits, chunks, page_size) for name, limits in transfers),
         page_size=page_size, align=where.align, source_start=source_start, buffers=buffers,
         mapping_bytes=where.mapping_bytes if ranges is None else max(page_size, ranges.extent),
         cpu_budget=host.cpu_budget, cpu_quota=quota_cpus,
