@@ -99,7 +99,6 @@ class PinSession:
             plan.transfers, registrars, self.pipeline, self.prefix, base_ptr=memory.address, observer=observer,
             calls=self.calls, raised=self.raised,
         )  # fmt: skip
-        self._next_pinning = self.transfers.next_work if self.transfers else self.pipeline.next_work
         self.book = RegistrationBook(self.ledger.chunks)  # pool.registrations
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
@@ -209,7 +208,7 @@ class PinSession:
         ))  # fmt: skip
 
     def _take_pinning(self) -> tuple[int | Span | Item, ...] | None:
-        batch = self._next(self._next_pinning)
+        batch = self._next(self.transfers.next_work if self.transfers else self.pipeline.next_work)
         return None if batch is None else batch.items
 
     def _pin(self, item: int | Span | Item) -> Landing:
