@@ -74,7 +74,7 @@ def plan_transfer(name: str, limits: RegistrarLimits, chunks: ChunkTable, page_s
             raise ConfigError(
                 f"registrar {name!r} has a page-table budget of {budget} entries (limits.page_table_entries); "
                 f"this pool's {format_bytes(registrations.nbytes)} needs {entries} at its "
-                f"{format_bytes(page_size)} pages: use huge_pages=\"hugetlb\" (2 MiB pages need 512x fewer entries), a "
+                f'{format_bytes(page_size)} pages: use huge_pages="hugetlb" (2 MiB pages need 512x fewer entries), a '
                 "smaller pool, or raise the budget where the hardware allows (Mooncake: MC_EFA_MAX_PTE_ENTRIES)"
             )
     return TransferPlan(name, registrations, limits)
