@@ -266,3 +266,11 @@ def test_mlock_pool_with_a_failing_registrar_leaves_nothing_locked(vmlck_baselin
     with pinpool.PinnedPool(size=32 * MiB, runtime="mlock", registry=None, registrars=[engine]) as pool:
         assert locked_bytes() >= vmlck_baseline + 32 * MiB and sum(engine.registered.values()) == 32 * MiB
     assert engine.registered == {} and locked_bytes() == vmlck_baseline
+
+
+def test_a_serial_registrar_is_undone_one_call_at_a_time_too(fake: FakeRuntime) -> None:
+    serial = FakeRegistrar("serial", parallel=False, unregister_delay=0.002)
+    with pool_with(fake, serial, unpin_workers=4):
+        serial.max_concurrent = 0
+    assert serial.max_concurrent == 1 and len(serial.unregister_calls) == 16
+    held_by_nobody(fake, serial)
