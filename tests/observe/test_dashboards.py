@@ -26,10 +26,14 @@ from typing import Any
 
 import anyio
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pinpool
+from pinpool._errors import RuntimeCallError
+from pinpool._observe import Observer
+from pinpool._plan import Chunk
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
@@ -344,6 +348,18 @@ def exposition() -> str:
     anyio.run(cancelled)
     with pool(runtime=FakeRuntime(), node_slots=2, node_dir=tempfile.mkdtemp(prefix="pinpool-node-")):
         pass  # node pacing: pinpool_node_wait_seconds{kind="slot"}
+    # A transfer registrar's events (a pool's registrars=[...]), as the pool's workers report them: one
+    # registration live, one failed register and one failed unregister.
+    engine = Observer(pool="expo", runtime="fake", layout="raw", registry=registry, logger=structlog.get_logger())
+    engine.pin_started(nbytes=4 * MiB, chunks=4, chunk_bytes=MiB, granularity=None, order="populate_first",
+                       register_workers=1, populate_workers=1)  # fmt: skip
+    run, refused = Chunk(offset=0, nbytes=2 * MiB), RuntimeCallError(op="register", code=-1, reason="ENOMEM",
+                                                                     message="refused", ptr=0, nbytes=2 * MiB)  # fmt: skip
+    engine.transfer_registered("engine", run, 0.001)
+    engine.transfer_failed("engine", "register", run, refused, 0.001)
+    engine.transfer_unregistered("engine", run, 0.001)
+    engine.transfer_registered("engine", run, 0.001)
+    engine.transfer_failed("engine", "unregister", run, refused, 0.001)
     with pool(runtime=FakeRuntime()):
         return generate_latest(registry).decode()
 
@@ -400,7 +416,7 @@ def test_every_referenced_label_exists(exposition: str) -> None:
         used.update(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)\s*\"", text))
         used.update(re.findall(r"\$labels\.(\w+)", text))
         used.update(re.findall(r"label_values\(.*, (\w+)\)", text))
-    assert {"pool", "phase", "reason", "cause", "le", "job", "instance"} <= used
+    assert {"pool", "phase", "reason", "cause", "le", "job", "instance", "registrar", "op"} <= used
     assert used <= known, f"labels not exposed by pinpool (nor job/instance): {sorted(used - known)}"
 
 
@@ -422,7 +438,7 @@ def test_promtool_check_metrics(exposition: str) -> None:
 def test_promtool_check_rules() -> None:
     result = subprocess.run([PROMTOOL or "promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
 
 
 @needs_promtool
@@ -442,7 +458,7 @@ def test_every_alert_is_unit_tested_firing_and_not() -> None:
     names = alert_names()
     assert names == [
         "PinpoolRegistrationFailures", "PinpoolUnpinFailures", "PinpoolRollbacks", "PinpoolSlowChunkRegistration",
-        "PinpoolPoolBelowTarget",
+        "PinpoolPoolBelowTarget", "PinpoolTransferRegistrationFailures",
     ]  # fmt: skip
     tests = (DASHBOARDS / "alerts_test.yml").read_text(encoding="utf-8")
     blocks = re.split(r"\n\s*- eval_time:", tests)[1:]
@@ -626,6 +642,10 @@ _CHILD = textwrap.dedent(
     import anyio
 
     import pinpool
+    from prometheus_client import REGISTRY
+    from pinpool._errors import RuntimeCallError
+    from pinpool._observe import Observer
+    from pinpool._plan import Chunk
     from pinpool.metrics import serve
     from pinpool.testing import FakeRuntime
 
@@ -658,15 +678,24 @@ _CHILD = textwrap.dedent(
             pass
     except pinpool.UnpinError:
         pass
+    # A transfer registrar's events, as a pool's workers report them (registrars=[...]): one register refused.
+    engine = Observer(pool="it", runtime="fake", layout="raw", registry=REGISTRY, logger=None)
+    engine.pin_started(nbytes=4 * MiB, chunks=4, chunk_bytes=MiB, granularity=None, order="populate_first",
+                       register_workers=1, populate_workers=1)
+    refused = RuntimeCallError(op="register", code=-1, reason="ENOMEM", message="refused", ptr=0, nbytes=MiB)
+    engine.transfer_failed("engine", "register", Chunk(0, MiB), refused, 0.001)
     with pool(runtime=FakeRuntime()):  # stays open
         print(server.server_port, flush=True)
         # Keep pinning short-lived pools so rates and quantiles have increases to work on.
-        for _ in range(1000):
+        for n in range(1000):
             if time.monotonic() > deadline:
                 break
             with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), register_workers=2,
                       node_slots=2, node_dir=node_dir):
+                engine.transfer_registered("engine", Chunk(n * MiB, MiB), 0.002)
                 time.sleep(0.05)
+                if n % 2:  # every other one stays live: the gauges are above 0
+                    engine.transfer_unregistered("engine", Chunk(n * MiB, MiB), 0.001)
             time.sleep(0.2)
     """
 )
@@ -772,7 +801,10 @@ def test_dashboard_queries_against_real_prometheus(tmp_path: Path) -> None:
         assert sorted(rule["name"] for rule in rules) == sorted(alert_names())
         assert all(rule["health"] == "ok" for rule in rules), rules
         deadline = time.monotonic() + 20
-        expected = {"PinpoolRegistrationFailures", "PinpoolUnpinFailures", "PinpoolRollbacks"}
+        expected = {
+            "PinpoolRegistrationFailures", "PinpoolUnpinFailures", "PinpoolRollbacks",
+            "PinpoolTransferRegistrationFailures",
+        }  # fmt: skip
         active: set[str] = set()
         while not expected <= active and time.monotonic() < deadline:
             alerts = api(prometheus_port, "/api/v1/alerts")["alerts"]
@@ -834,7 +866,9 @@ def test_the_picture_is_drawn_from_the_answers_where_the_dashboard_puts_the_pane
     texts = svg_texts(svg)
     assert all(title in texts for title in drawn_titles())
     assert "Chunk registration latency distribution" not in texts  # the heatmap is not drawn
-    assert texts.count("No data") == 1 and "100%" in texts  # the stat of a percentunit panel at the held moment
+    failures = sum("failures" in title for title in drawn_titles())  # their answers are empty: "No data"
+    assert failures == 2 and texts.count("No data") == failures
+    assert "100%" in texts  # the stat of a percentunit panel at the held moment
     drawn = [p for p in panels(dashboard) if p["type"] == "timeseries" and "failures" not in p["title"]]
     assert svg.count("<polyline") == 2 * sum(len(p["targets"]) for p in drawn)  # each line in two runs: the gap
 
