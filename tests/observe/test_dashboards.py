@@ -353,8 +353,8 @@ def exposition() -> str:
     engine = Observer(pool="expo", runtime="fake", layout="raw", registry=registry, logger=structlog.get_logger())
     engine.pin_started(nbytes=4 * MiB, chunks=4, chunk_bytes=MiB, granularity=None, order="populate_first",
                        register_workers=1, populate_workers=1)  # fmt: skip
-    run, refused = Chunk(offset=0, nbytes=2 * MiB), RuntimeCallError(op="register", code=-1, reason="ENOMEM",
-                                                                     message="refused", ptr=0, nbytes=2 * MiB)  # fmt: skip
+    run = Chunk(offset=0, nbytes=2 * MiB)
+    refused = RuntimeCallError(op="register", code=-1, reason="ENOMEM", message="refused", ptr=0, nbytes=2 * MiB)
     engine.transfer_registered("engine", run, 0.001)
     engine.transfer_failed("engine", "register", run, refused, 0.001)
     engine.transfer_unregistered("engine", run, 0.001)
