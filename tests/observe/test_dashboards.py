@@ -26,15 +26,11 @@ from typing import Any
 
 import anyio
 import pytest
-import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pinpool
-from pinpool._errors import RuntimeCallError
-from pinpool._observe import Observer
-from pinpool._plan import Chunk
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRegistrar, FakeRuntime
 
 from ..conftest import needs_mlock
 
@@ -348,19 +344,16 @@ def exposition() -> str:
     anyio.run(cancelled)
     with pool(runtime=FakeRuntime(), node_slots=2, node_dir=tempfile.mkdtemp(prefix="pinpool-node-")):
         pass  # node pacing: pinpool_node_wait_seconds{kind="slot"}
-    # A transfer registrar's events (a pool's registrars=[...]), as the pool's workers report them: one
-    # registration live, one failed register and one failed unregister.
-    engine = Observer(pool="expo", runtime="fake", layout="raw", registry=registry, logger=structlog.get_logger())
-    engine.pin_started(nbytes=4 * MiB, chunks=4, chunk_bytes=MiB, granularity=None, order="populate_first",
-                       register_workers=1, populate_workers=1)  # fmt: skip
-    run = Chunk(offset=0, nbytes=2 * MiB)
-    refused = RuntimeCallError(op="register", code=-1, reason="ENOMEM", message="refused", ptr=0, nbytes=2 * MiB)
-    engine.transfer_registered("engine", run, 0.001)
-    engine.transfer_failed("engine", "register", run, refused, 0.001)
-    engine.transfer_unregistered("engine", run, 0.001)
-    engine.transfer_registered("engine", run, 0.001)
-    engine.transfer_failed("engine", "unregister", run, refused, 0.001)
-    with pool(runtime=FakeRuntime()):
+    # Transfer registrars: a registration refused, an unregistration failed, and registrations held.
+    with pytest.raises(pinpool.PinError):
+        with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine", fail_register_on=2)], max_retries=0):
+            pass
+    with (
+        pytest.raises(pinpool.UnpinError),
+        pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine", fail_unregister_on=1)]),
+    ):
+        pass
+    with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]):
         return generate_latest(registry).decode()
 
 
@@ -642,12 +635,8 @@ _CHILD = textwrap.dedent(
     import anyio
 
     import pinpool
-    from prometheus_client import REGISTRY
-    from pinpool._errors import RuntimeCallError
-    from pinpool._observe import Observer
-    from pinpool._plan import Chunk
     from pinpool.metrics import serve
-    from pinpool.testing import FakeRuntime
+    from pinpool.testing import FakeRegistrar, FakeRuntime
 
     MiB = 1 << 20
     deadline = time.monotonic() + float(sys.argv[1])
@@ -678,24 +667,20 @@ _CHILD = textwrap.dedent(
             pass
     except pinpool.UnpinError:
         pass
-    # A transfer registrar's events, as a pool's workers report them (registrars=[...]): one register refused.
-    engine = Observer(pool="it", runtime="fake", layout="raw", registry=REGISTRY, logger=None)
-    engine.pin_started(nbytes=4 * MiB, chunks=4, chunk_bytes=MiB, granularity=None, order="populate_first",
-                       register_workers=1, populate_workers=1)
-    refused = RuntimeCallError(op="register", code=-1, reason="ENOMEM", message="refused", ptr=0, nbytes=MiB)
-    engine.transfer_failed("engine", "register", Chunk(0, MiB), refused, 0.001)
-    with pool(runtime=FakeRuntime()):  # stays open
+    try:  # a transfer engine refuses a registration
+        with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine", fail_register_on=2)], max_retries=0):
+            raise AssertionError("the body must not run")
+    except pinpool.PinError:
+        pass
+    with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]):  # stays open
         print(server.server_port, flush=True)
         # Keep pinning short-lived pools so rates and quantiles have increases to work on.
-        for n in range(1000):
+        for _ in range(1000):
             if time.monotonic() > deadline:
                 break
             with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), register_workers=2,
-                      node_slots=2, node_dir=node_dir):
-                engine.transfer_registered("engine", Chunk(n * MiB, MiB), 0.002)
+                      node_slots=2, node_dir=node_dir, registrars=[FakeRegistrar("engine", register_delay=0.002)]):
                 time.sleep(0.05)
-                if n % 2:  # every other one stays live: the gauges are above 0
-                    engine.transfer_unregistered("engine", Chunk(n * MiB, MiB), 0.001)
             time.sleep(0.2)
     """
 )

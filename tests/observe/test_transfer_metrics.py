@@ -5,16 +5,19 @@ labels, except while a failed unregister may have left a registration live."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 from prometheus_client import CollectorRegistry, generate_latest
 
+import pinpool
 from pinpool._errors import RuntimeCallError
 from pinpool._observe import Observer
 from pinpool._plan import Chunk
-from pinpool.metrics import REGISTER_BUCKETS
+from pinpool.metrics import REGISTER_BUCKETS, metrics_for
+from pinpool.testing import FakeRegistrar, FakeRuntime
 
 MiB = 1 << 20
 PIN_STARTED: dict[str, Any] = {
@@ -250,3 +253,82 @@ def test_the_exposition_is_valid_and_has_no_offset_label() -> None:
     lines = [line for line in text.splitlines() if line.startswith("pinpool_transfer_")]
     assert lines and all("offset" not in line and "ptr" not in line for line in lines)
     assert 'pinpool_transfer_registrations{pool="kv",registrar="mooncake",runtime="fake"} 1.0' in text
+
+
+# -- through real pools: the core's workers report to these families ------------------------------------------
+
+
+def pool(registry: CollectorRegistry, *registrars: FakeRegistrar, name: str = "kv", **kw: Any) -> pinpool.PinnedPool:
+    return pinpool.PinnedPool(
+        size=8 * MiB, chunk_bytes=MiB, runtime=FakeRuntime(), name=name, registry=registry, registrars=registrars,
+        **kw,
+    )  # fmt: skip
+
+
+def test_a_pool_with_two_registrars_reports_each() -> None:
+    registry = CollectorRegistry()
+    mooncake, nixl = FakeRegistrar("mooncake"), FakeRegistrar("nixl", preferred_bytes=4 * MiB)
+    with pool(registry, mooncake, nixl) as p:
+        planned = {plan.name: plan.registrations for plan in p.plan.transfers}
+        assert len(planned["mooncake"]) == 8 and len(planned["nixl"]) == 2  # one per chunk; few, large
+        for engine in ("mooncake", "nixl"):
+            assert value(registry, "pinpool_transfer_registrations", registrar=engine) == len(planned[engine])
+            assert value(registry, "pinpool_transfer_registered_bytes", registrar=engine) == p.nbytes
+            assert value(registry, "pinpool_transfer_register_seconds_count", registrar=engine) == len(planned[engine])
+    assert transfer_gauges(registry) == {}
+    assert value(registry, "pinpool_transfer_unregister_seconds_count", registrar="mooncake") == 8
+    assert value(registry, "pinpool_transfer_unregister_seconds_count", registrar="nixl") == 2
+    assert mooncake.registered == nixl.registered == {}
+
+
+def test_a_refused_registration_rolls_back_and_is_counted() -> None:
+    registry = CollectorRegistry()
+    with pytest.raises(pinpool.PinError), pool(registry, FakeRegistrar("mooncake", fail_register_on=3)):
+        pytest.fail("the body must not run")
+    # "Injected" is the stand-in's own name for its failure, not a documented one: "other".
+    assert value(registry, "pinpool_transfer_failures_total", op="register", reason="other") == 1
+    assert transfer_gauges(registry) == {}
+    assert registry.get_sample_value("pinpool_rollbacks_total", {"pool": "kv", "runtime": "fake",
+                                                                 "cause": "failure"}) == 1  # fmt: skip
+
+
+def test_a_register_that_raised_is_undone_without_moving_the_gauges_below_zero() -> None:
+    registry = CollectorRegistry()
+    engine = FakeRegistrar("mooncake", raise_on_register=2)
+    with pytest.raises(pinpool.PinError), pool(registry, engine, register_workers=1):
+        pytest.fail("the body must not run")
+    assert engine.registered == {}  # pinpool undid the registration the raising call made
+    assert value(registry, "pinpool_transfer_failures_total", op="register", reason="RuntimeError") == 1
+    assert transfer_gauges(registry) == {}
+
+
+def test_a_failed_unregistration_leaves_the_registrars_series() -> None:
+    registry = CollectorRegistry()
+    engine = FakeRegistrar("mooncake", fail_unregister_on=1)
+    with pytest.raises(pinpool.UnpinError), pool(registry, engine, name="leaky"):
+        pass
+    assert value(registry, "pinpool_transfer_failures_total", pool="leaky", op="unregister", reason="other") == 1
+    held = sum(engine.registered.values())
+    assert held == MiB  # the engine still holds that registration: so say the gauges
+    assert transfer_gauges(registry) == {
+        ("pinpool_transfer_registrations", "leaky", "mooncake"): 1,
+        ("pinpool_transfer_registered_bytes", "leaky", "mooncake"): held,
+    }
+    for base, nbytes in engine.registered.items():  # released by hand: the fake's books are not the test's
+        engine.unregister(base, nbytes, None)
+
+
+def test_docs_metrics_md_documents_every_family() -> None:
+    """docs/metrics.md is the contract: each family has its entry (a heading) and its row in the summary."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text(encoding="utf-8")
+    registry = CollectorRegistry()
+    metrics_for(registry)
+    missing: list[str] = []
+    for family in registry.collect():
+        exposed = family.name + ("_total" if family.type == "counter" else "")
+        if f"\n#### `{exposed}`\n" not in doc:
+            missing.append(f"{exposed}: no '#### `{exposed}`' entry")
+        if f"\n| `{exposed}" not in doc:
+            missing.append(f"{exposed}: no row in the summary table")
+    assert missing == []
+    assert sum(1 for f in registry.collect() if f.name.startswith("pinpool_transfer_")) == 5
