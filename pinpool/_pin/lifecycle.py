@@ -30,6 +30,7 @@ from .outcome import (
     Steps,
     check_move,
     closed_during_open,
+    covered_bytes,
     decide,
     deliver_exit,
     kept_text,
@@ -446,7 +447,7 @@ class Lifecycle:
         if memory is not None:  # None: a first try got this far (each step below may be taken twice)
             self.observer.unpinned(
                 nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
-                leaked_bytes=sum(c.nbytes for c in leaked), pinned=handed_out,
+                leaked_bytes=covered_bytes(leaked), pinned=handed_out,
             )  # fmt: skip
             if leaked:
                 memory.keep_forever()  # its bytes may still be pinned: the budget share stays counted too

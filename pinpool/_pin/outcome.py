@@ -204,10 +204,19 @@ def unpin_error(name: str, failures: Sequence[ChunkFailure], leaked: tuple[Chunk
     return UnpinError(
         f"unpinning pool {name!r}: {len(failures)} chunk(s) failed to unregister "
         f"({', '.join(f'{_whose(f)}offset={f.chunk.offset} rc={f.error.code} ({f.error.reason})' for f in failures)}); "
-        f"{format_bytes(sum(c.nbytes for c in leaked))} may still be pinned; the memory is kept mapped",
+        f"{format_bytes(covered_bytes(leaked))} may still be pinned; the memory is kept mapped",
         failures=tuple(failures),
         leaked=leaked,
     )
+
+
+def covered_bytes(ranges: Sequence[Chunk]) -> int:
+    """The bytes ``ranges`` cover, each counted once (a chunk and an engine's registration over it may both leak)."""
+    total, end = 0, 0
+    for chunk in sorted(ranges):
+        total += max(0, chunk.end - max(chunk.offset, end))
+        end = max(end, chunk.end)
+    return total
 
 
 def _whose(failure: ChunkFailure) -> str:

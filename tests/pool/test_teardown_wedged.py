@@ -18,15 +18,18 @@ CHILD = textwrap.dedent(
     import asyncio, logging, sys, threading
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
     import pinpool
-    from pinpool.testing import FakeRuntime
+    from pinpool.testing import FakeRegistrar, FakeRuntime
 
     def before(op, ptr, nbytes):
         if op == "unregister":
             print("wedged", flush=True)
             threading.Event().wait()  # never returns
 
-    fake = FakeRuntime(before_call=before)
-    pool = pinpool.PinnedPool(size="64MiB", chunk_bytes="8MiB", runtime=fake, registry=None, unpin_workers=1)
+    wedged = sys.argv[2] == "registrar"  # a transfer engine's unregister wedges, not the runtime's
+    fake = FakeRuntime(before_call=None if wedged else before)
+    engines = [FakeRegistrar("engine", before_call=before)] if wedged else []
+    pool = pinpool.PinnedPool(size="64MiB", chunk_bytes="8MiB", runtime=fake, registry=None, unpin_workers=1,
+                              registrars=engines)
 
     async def body():
         async with pool:
@@ -47,10 +50,13 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("driver", ["sync", "asyncio", "trio"])
-def test_three_ctrl_c_abandon_a_wedged_teardown(driver: str) -> None:
+@pytest.mark.parametrize(
+    ("driver", "wedged"),
+    [("sync", "runtime"), ("asyncio", "runtime"), ("trio", "runtime"), ("sync", "registrar"), ("trio", "registrar")],
+)
+def test_three_ctrl_c_abandon_a_wedged_teardown(driver: str, wedged: str) -> None:
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, driver], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-c", CHILD, driver, wedged], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     watchdog = threading.Timer(120, child.kill)  # a regression fails the test (reads end at EOF), never hangs it
     watchdog.start()
@@ -63,7 +69,8 @@ def test_three_ctrl_c_abandon_a_wedged_teardown(driver: str) -> None:
             lines.append(line)
             if "pool.unpin.waiting" in line:
                 break
-        assert "op='unregister'" in lines[-1] and "abandon_after=3" in lines[-1], lines
+        op = "engine unregister" if wedged == "registrar" else "unregister"
+        assert f"op='{op}'" in lines[-1] and "abandon_after=3" in lines[-1], lines
         for _ in range(2):
             time.sleep(0.2)
             child.send_signal(signal.SIGINT)
@@ -75,4 +82,6 @@ def test_three_ctrl_c_abandon_a_wedged_teardown(driver: str) -> None:
             child.communicate()
     assert "state closed" in out, out
     assert "UnpinError" in out and "(Abandoned)" in out and "may still be pinned" in out, out
+    if wedged == "registrar":  # the runtime never unpins what an engine may still hold: every chunk is kept
+        assert "engine: offset=" in out and "64 MiB may still be pinned" in out, out
     assert child.returncode in ((1,) if driver == "asyncio" else (-signal.SIGINT, 130)), (child.returncode, out)
