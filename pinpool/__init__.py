@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import runtimes, testing
+from . import registrars, runtimes, testing
 from ._errors import AllocationError as AllocationError
 from ._errors import AlreadyPinnedError as AlreadyPinnedError
 from ._errors import ChunkFailure as ChunkFailure
@@ -42,7 +42,8 @@ __version__ = "0.1.0"
 __all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "MemoryGoneError",
     "NodeBusyError", "PinError", "PinnedPool", "PinpoolError", "PoolPlan", "PoolState", "PoolStateError", "PoolStats",
     "RuntimeCallError", "SharedMemory", "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError",
-    "__version__", "empty", "host_budget", "layouts", "parse_size", "pin", "runtimes", "share", "testing"]  # fmt: skip
+    "__version__", "empty", "host_budget", "layouts", "parse_size", "pin", "registrars", "runtimes", "share",
+    "testing"]  # fmt: skip
 
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.

@@ -133,6 +133,12 @@ class ChunkFailure:
     chunk: Chunk
     phase: str  # "populate" | "register" | "unregister"
     error: RuntimeCallError
+    registrar: str | None = None  # a transfer registrar's call (pinpool.registrars), not the runtime's
+
+    @property
+    def call(self) -> str:
+        """Which call failed, as messages name it: ``"register"``, ``"mooncake register"``."""
+        return self.phase if self.registrar is None else f"{self.registrar} {self.phase}"
 
 
 def _restore_error(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:

@@ -28,11 +28,14 @@ from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
 from .pipeline import WAIT, Landing, Pipeline, _Wait, take_batch
+from .transfer_ledger import Item
+from .transfers import Transfers
 from .untrusted import Answer, Op, untrusted_call
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
     from .._plan.plan import Schedule
+    from ..registrars import TransferRegistrar
 
 T = TypeVar("T")
 RECORD_INTERVAL_SECONDS = 0.01  # within a long batch of small calls, outcomes are booked at least this often
@@ -50,7 +53,7 @@ class Memory(Protocol):
 class _Unpinned:
     """What unregistering one chunk (all its pieces) did."""
 
-    index: int
+    index: int | Item  # a chunk, or a transfer registration
     error: RuntimeCallError | None
     seconds: float
     released: tuple[tuple[Chunk, RuntimeCallError], ...] = ()  # someone else released them: not a failure
@@ -77,18 +80,26 @@ class PinSession:
 
     def __init__(
         self, plan: Schedule, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
-        memory: Memory,
+        memory: Memory, registrars: Sequence[TransferRegistrar] = (),
     ) -> None:  # fmt: skip
         order = plan.order
         # Workers begin once all are started: a thread's start (its stack is an mmap) waits behind a populate.
         self._go = threading.Event()
         self.prefix = PrefixTracker(plan.page_runs, plan.num_pages)
+        # With registrars a page is usable once every one of them holds it: their books cover the prefix.
         self.pipeline = Pipeline(
             plan.pin_chunks, order=order, span_bytes=plan.span_bytes or 1, lookahead_bytes=plan.lookahead_bytes,
-            register_workers=plan.register_workers, populate_workers=plan.populate_workers, prefix=self.prefix,
-            spans=plan.spans,
+            register_workers=plan.register_workers, populate_workers=plan.populate_workers,
+            prefix=None if registrars else self.prefix, spans=plan.spans,
         )  # fmt: skip
         self.ledger = self.pipeline.ledger
+        self.calls: dict[int, tuple[str, int, int, float]] = {}  # by thread: op, ptr, nbytes, start
+        self.raised: list[BaseException] = []  # what the runtime raised that is no Exception
+        self.transfers = None if not registrars else Transfers(
+            plan.transfers, registrars, self.pipeline, self.prefix, base_ptr=memory.address, observer=observer,
+            calls=self.calls, raised=self.raised,
+        )  # fmt: skip
+        self._next_pinning = self.transfers.next_work if self.transfers else self.pipeline.next_work
         self.book = RegistrationBook(self.ledger.chunks)  # pool.registrations
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
@@ -113,12 +124,10 @@ class PinSession:
         self._check_codes, self._already_registered = caps.stale_codes, caps.already_registered_codes
         self._max_depth = options.max_retries  # halvings below each planned chunk (per lineage, not per pool)
         self.retries = 0
-        self.raised: list[BaseException] = []  # what the runtime raised that is no Exception
         self._pin_started, self.pin_seconds, self.unpin_seconds = time.perf_counter(), 0.0, 0.0
         self._failed_before, self._teardown_started = 0, 0.0
-        self.calls: dict[int, tuple[str, int, int, float]] = {}  # by thread: op, ptr, nbytes, start
         # A resumable teardown: its queue, the threads unpinning now, its failures once closed.
-        self._unpin_queue: collections.deque[int] | None = None
+        self._unpin_queue: collections.deque[int | Item] | None = None
         self._unpinners: set[int] = set()
         self._teardown_failures: tuple[ChunkFailure, ...] = ()
         # The stall budget; an "auto" one that yields to an explicit chunk option leaves registrations as planned.
@@ -199,14 +208,18 @@ class PinSession:
             stops=True,
         ))  # fmt: skip
 
-    def _take_pinning(self) -> tuple[int | Span, ...] | None:
-        batch = self._next(self.pipeline.next_work)
+    def _take_pinning(self) -> tuple[int | Span | Item, ...] | None:
+        batch = self._next(self._next_pinning)
         return None if batch is None else batch.items
 
-    def _pin(self, item: int | Span) -> Landing:
+    def _pin(self, item: int | Span | Item) -> Landing:
+        if isinstance(item, tuple):
+            return self.transfers.register(item)  # type: ignore[union-attr]
         return self._populate_span(item) if isinstance(item, Span) else self._register_chunk(item)
 
-    def _pin_failed(self, item: int | Span, exc: Exception) -> Landing:
+    def _pin_failed(self, item: int | Span | Item, exc: Exception) -> Landing:
+        if isinstance(item, tuple):
+            return self.transfers.register_raised(item, exc)  # type: ignore[union-attr]
         if isinstance(item, Span):
             error = between_calls_error(exc, "populate", self.base_ptr + item.offset, item.nbytes)
             return Landing(item, error, seconds=0.0)
@@ -215,18 +228,23 @@ class PinSession:
         error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
         return Landing(item, error, maybe=(chunk,), seconds=0.0)
 
-    def _land(self, landings: Sequence[Landing], unstarted: Sequence[int | Span]) -> None:
+    def _land(self, landings: Sequence[Landing], unstarted: Sequence[int | Span | Item]) -> None:
         """Put ``landings`` on the books, and ``unstarted`` items as stopped (their batch ended)."""
         with self._changed:
             before = self.ledger.pinned_bytes
-            pinned = [self.pipeline.land(landing) for landing in landings]
-            pinned += [self.pipeline.land(Landing(item, stopped=True)) for item in unstarted]
+            transfers, pinned = self.transfers, []
+            for landing in (*landings, *(Landing(item, stopped=True) for item in unstarted)):
+                if isinstance(landing.item, tuple):
+                    transfers.land(landing, self.ledger)  # type: ignore[union-attr]
+                elif (index := self.pipeline.land(landing)) is not None:
+                    pinned.append(index)
+                    if transfers is not None:  # its registrations may be made once all their chunks are pinned
+                        transfers.books.chunk_pinned(self.ledger.chunks[index])
             moved = self.ledger.pinned_bytes - before
             self._changed.notify_all()  # the landings may have made work for waiting workers
         self.observer.pinned_moved(moved)
         for index in pinned:
-            if index is not None:
-                self.observer.chunk_pinned(self.ledger.chunks[index])
+            self.observer.chunk_pinned(self.ledger.chunks[index])
 
     def _populate_span(self, span: Span) -> Landing:
         sizer = self._populate_sizer
@@ -347,12 +365,23 @@ class PinSession:
             attempts.append(ChunkFailure(chunk, "register", error))
             return Landing(index, error, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts), seconds=0.0)
 
+    def transfer_registrations(self, index: int) -> list[tuple[Chunk, object]]:
+        """Registrar ``index``'s registrations held now, with their handles (none in a forked child)."""
+        if self.transfers is None or os.getpid() != self.pid:
+            return []
+        with self.lock:
+            return self.transfers.books.live(index)
+
+    def leaked(self) -> tuple[Chunk, ...]:
+        """What may still be held: chunks the runtime may have pinned, registrations an engine may hold."""
+        return self.ledger.leaked() + (self.transfers.books.leaked() if self.transfers is not None else ())
+
     def registrations(self) -> tuple[Chunk, ...]:
         """Every registration call live now, sorted (none in a forked child: the parent holds them)."""
         return self.book.snapshot() if os.getpid() == self.pid else ()
 
     def _observe(self, landing: Landing) -> None:
-        if math.isnan(landing.seconds):  # a chunk in pieces, a paced span: each call was observed as it ended
+        if math.isnan(landing.seconds) or isinstance(landing.item, tuple):  # observed call by call (transfers too)
             return
         observer, item, error, seconds = self.observer, landing.item, landing.error, landing.seconds
         if isinstance(item, Span):
@@ -388,8 +417,12 @@ class PinSession:
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Wait until no populate or register call is in flight; False if some still is after ``timeout``."""
+        books = None if self.transfers is None else self.transfers.books
         with self._changed:
-            return self._changed.wait_for(lambda: self.pipeline.in_flight == 0, timeout=timeout)
+            return self._changed.wait_for(
+                lambda: self.pipeline.in_flight == 0 and (books is None or books.in_flight == 0),
+                timeout=timeout,
+            )  # fmt: skip
 
     def finish_pinning(self) -> Phase:
         """Every pinning thread is done: close the pinning phase (PINNED, or ROLLED_BACK to undo)."""
@@ -398,9 +431,14 @@ class PinSession:
 
     def _finish_pinning_locked(self) -> Phase:
         self.pin_seconds = time.perf_counter() - self._pin_started
+        books = None if self.transfers is None else self.transfers.books
         try:
+            if books is not None and (books.in_flight or (not books.complete and self.ledger.stop_cause is None)):
+                raise LedgerError("pinning ended with transfer registrations in flight or never made")
             return self.pipeline.finish()
         except LedgerError:  # a worker crashed mid-batch (a pinpool bug): roll back what is known
+            if books is not None:
+                books.abort()
             return self.ledger.abort()
 
     def begin_teardown(self, *, join: bool = True) -> tuple[Callable[[], None], ...]:
@@ -413,6 +451,8 @@ class PinSession:
                 return ()
             if os.getpid() != self.pid:
                 ledger.disown()
+                if self.transfers is not None:
+                    self.transfers.books.disown()
                 return ()
             if self._unpin_queue is None:
                 self._failed_before = len(ledger.failures)
@@ -422,9 +462,11 @@ class PinSession:
             if pending is None or not busy:
                 if pending is not None:
                     pending.clear()  # a worker of an earlier attempt that starts only now finds nothing
-                pending = self._unpin_queue = collections.deque(ledger.teardown_order())
+                # Every registrar's registrations first: an engine never holds memory the runtime has unpinned.
+                undo = self.transfers.books.teardown_order() if self.transfers is not None else []
+                pending = self._unpin_queue = collections.deque([*undo, *ledger.teardown_order()])
             count = min(self.unpin_workers, len(pending))
-        unpinning = _Work(
+        unpinning = _Work[int | Item, _Unpinned](
             take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk,
             failed=self._unpin_failed, keep=lambda _: None, land=functools.partial(self._land_unpinned, pending),
             stops=False,
@@ -432,7 +474,7 @@ class PinSession:
         bodies = tuple(functools.partial(self._unpin, unpinning) for _ in range(count))
         return bodies + ((functools.partial(self._join_unpinners, busy),) if busy and join else ())
 
-    def _unpin(self, work: _Work[int, _Unpinned]) -> None:
+    def _unpin(self, work: _Work[int | Item, _Unpinned]) -> None:
         try:
             self._unpinners.add(threading.get_ident())  # one C call: on the books, or not at all
             self._run(work)
@@ -467,21 +509,35 @@ class PinSession:
                 ))  # fmt: skip
             if self._unpin_queue is not None:
                 self._unpin_queue.clear()  # an abandoned worker whose call returns takes nothing more
+            if self.transfers is not None:
+                self.transfers.give_up(ledger, reason="Abandoned" if abandoned else "InternalError", why=why)
             ledger.close()
+            self._changed.notify_all()  # a worker waiting for registrars to be undone finds the books closed
             self.unpin_seconds += time.perf_counter() - self._teardown_started
             failures = self._teardown_failures = tuple(ledger.failures[self._failed_before :])
             moved = ledger.pinned_bytes - before
         self.observer.pinned_moved(moved)
         return failures
 
-    def _claim_unpin_batch(self, pending: collections.deque[int]) -> list[int]:
-        chunks = self.ledger.chunks
+    def _claim_unpin_batch(self, pending: collections.deque[int | Item]) -> list[int | Item]:
+        """A batch of registrars' registrations to undo, or of chunks once no such undo is out with a worker."""
+        transfers, chunks = self.transfers, self.ledger.chunks
         with self.lock:
+            kind = int if transfers is None else transfers.claim_undo(pending, self._changed.wait)
             share = -(-len(pending) // max(1, self.unpin_workers))
-            return take_batch(lambda: pending.popleft() if pending else None, lambda i: chunks[i].nbytes, share)
+            batch: list[int | Item] = take_batch(
+                lambda: pending.popleft() if pending and isinstance(pending[0], kind) else None,
+                lambda item: transfers.books.run(item).nbytes if isinstance(item, tuple) else chunks[item].nbytes,  # type: ignore[union-attr]
+                share,
+            )  # fmt: skip
+            if transfers is not None and kind is tuple:
+                transfers.books.unpinning += len(batch)
+            return batch
 
-    def _unregister_chunk(self, index: int) -> _Unpinned:
+    def _unregister_chunk(self, index: int | Item) -> _Unpinned:
         """Unregister one chunk, piece by piece where it was registered in pieces, each by its own base."""
+        if isinstance(index, tuple):  # a registrar's registration
+            return _Unpinned(index, *self.transfers.unregister(index))  # type: ignore[union-attr]
         chunk = self.ledger.chunks[index]
         error: RuntimeCallError | None = None
         released: list[tuple[Chunk, RuntimeCallError]] = []
@@ -499,26 +555,34 @@ class PinSession:
                 error = error or failure
         return _Unpinned(index, error, time.perf_counter() - started, tuple(released), tuple(absent))
 
-    def _unpin_failed(self, index: int, exc: Exception) -> _Unpinned:
+    def _unpin_failed(self, index: int | Item, exc: Exception) -> _Unpinned:
+        if isinstance(index, tuple):
+            return _Unpinned(index, self.transfers.unregister_raised(index, exc), 0.0)  # type: ignore[union-attr]
         chunk = self.ledger.chunks[index]
         return _Unpinned(index, between_calls_error(exc, "unregister", self.base_ptr + chunk.offset, chunk.nbytes), 0.0)
 
     def _land_unpinned(
-        self, pending: collections.deque[int], done: Sequence[_Unpinned], unstarted: Sequence[int]
+        self, pending: collections.deque[int | Item], done: Sequence[_Unpinned], unstarted: Sequence[int | Item]
     ) -> None:
         """Put ``done`` on the books; ``unstarted`` chunks go back to the queue."""
-        ledger, observer = self.ledger, self.observer
+        ledger, observer, transfers = self.ledger, self.observer, self.transfers
         with self.lock:
             if ledger.phase is Phase.CLOSED:
                 return  # abandoned: these chunks are booked leaked already, their memory kept
             pending.extendleft(reversed(unstarted))
             before = ledger.pinned_bytes
+            if transfers is not None:
+                undone = [(u.index, u.error) for u in done if isinstance(u.index, tuple)]
+                transfers.land_undone(ledger, undone, put_back=sum(isinstance(item, tuple) for item in unstarted))
+                done = [unpinned for unpinned in done if not isinstance(unpinned.index, tuple)]
+                self._changed.notify_all()  # the runtime's chunks may be unpinned once no registrar holds them
             for unpinned in done:
                 ledger.released_elsewhere.extend(piece for piece, _answer in unpinned.released)
+                index = cast(int, unpinned.index)
                 if unpinned.error is None:
-                    ledger.unregistered(unpinned.index)
+                    ledger.unregistered(index)
                 else:
-                    ledger.unregister_failed(unpinned.index, unpinned.error)
+                    ledger.unregister_failed(index, unpinned.error)
             moved = ledger.pinned_bytes - before
         if not done:
             return
@@ -528,7 +592,7 @@ class PinSession:
                 observer.released_elsewhere(piece, self.base_ptr + piece.offset, answer)
             for piece, answer in unpinned.absent:
                 observer.not_registered(piece, self.base_ptr + piece.offset, answer)
-            chunk = ledger.chunks[unpinned.index]
+            chunk = ledger.chunks[cast(int, unpinned.index)]
             if unpinned.error is None:
                 observer.chunk_unregistered(chunk, unpinned.seconds)
             else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import ChunkFailure, MemoryGoneError, NodeWaitCancelled, PoolStateError, UnpinError
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from .._plan.options import PoolOptions
     from .._plan.plan import Schedule
     from .._types import Capabilities
+    from ..registrars import TransferRegistrar
     from ..runtimes import Runtime
     from .memory_source import PoolMemory
 
@@ -58,14 +59,17 @@ class Lifecycle:
     def __init__(
         self, plan: Schedule, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
         source: PoolMemory, admission: NodeAdmission | None = None, on_progress: ProgressCallback | None = None,
-        created_at: tuple[str, int] = ("<unknown>", 0),
+        created_at: tuple[str, int] = ("<unknown>", 0), registrars: Sequence[TransferRegistrar] = (),
     ) -> None:  # fmt: skip
         self.plan, self.options, self.runtime, self.caps = plan, options, runtime, caps
+        self.registrars = registrars
         self.observer, self.source, self.on_progress = observer, source, on_progress
         self.name, self.nbytes, self.background = options.name, plan.nbytes, options.background
         self.describe = (
             f"pool {self.name!r} ({format_bytes(plan.nbytes)}, {len(plan.chunks)} chunks of "
-            f"<= {format_bytes(plan.chunk_bytes)}, runtime {runtime.name})"
+            f"<= {format_bytes(plan.chunk_bytes)}, runtime {runtime.name}"
+            + "".join(f", registrar {registrar.name}" for registrar in registrars)
+            + ")"
         )
         self.created_at = created_at  # where the user made the pool: where warnings point
         self.state = PoolState.NEW
@@ -154,8 +158,9 @@ class Lifecycle:
     def _open_session(self, memory: Memory) -> PinSession:
         plan = self.plan
         session = PinSession(
-            plan, self.options, runtime=self.runtime, caps=self.caps, observer=self.observer, memory=memory
-        )
+            plan, self.options, runtime=self.runtime, caps=self.caps, observer=self.observer, memory=memory,
+            registrars=self.registrars,
+        )  # fmt: skip
         self.observer.pin_started(
             nbytes=plan.nbytes, chunks=len(plan.chunks), chunk_bytes=plan.chunk_bytes, granularity=plan.granularity,
             order=plan.order.value, register_workers=plan.register_workers, populate_workers=plan.populate_workers,
@@ -211,7 +216,7 @@ class Lifecycle:
         causes = ran.crashed or ran.start_errors
         return pin_error(
             describe=self.describe, nbytes=self.nbytes, chunk_limit=self.plan.chunk_limit,
-            failures=ledger.failures_in("populate", "register"), leaked=ledger.leaked(), retries=session.retries,
+            failures=ledger.failures_in("populate", "register"), leaked=session.leaked(), retries=session.retries,
             cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=kept, gone=gone,
         )  # fmt: skip
 
@@ -437,7 +442,7 @@ class Lifecycle:
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books and let the memory go, unless a chunk leaked; the UnpinError of a handed-out pool."""
         memory, handed_out = self.memory, self._handed_out
-        leaked = session.ledger.leaked()
+        leaked = session.leaked()
         if memory is not None:  # None: a first try got this far (each step below may be taken twice)
             self.observer.unpinned(
                 nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),

@@ -138,7 +138,7 @@ def pin_error(
     first = min(failures, key=lambda f: f.chunk.offset)
     message = (
         f"pinning {describe} failed at offset={first.chunk.offset} nbytes={first.chunk.nbytes} "
-        f"total={nbytes} chunk_limit={chunk_limit}: {first.phase} "
+        f"total={nbytes} chunk_limit={chunk_limit}: {first.call} "
         f"rc={first.error.code} ({first.error.reason}): {first.error.message}"
     )
     if len(failures) > 1:
@@ -203,11 +203,15 @@ def closed_during_open(describe: str, unpinned: BaseException | None = None) -> 
 def unpin_error(name: str, failures: Sequence[ChunkFailure], leaked: tuple[Chunk, ...]) -> UnpinError:
     return UnpinError(
         f"unpinning pool {name!r}: {len(failures)} chunk(s) failed to unregister "
-        f"({', '.join(f'offset={f.chunk.offset} rc={f.error.code} ({f.error.reason})' for f in failures)}); "
+        f"({', '.join(f'{_whose(f)}offset={f.chunk.offset} rc={f.error.code} ({f.error.reason})' for f in failures)}); "
         f"{format_bytes(sum(c.nbytes for c in leaked))} may still be pinned; the memory is kept mapped",
         failures=tuple(failures),
         leaked=leaked,
     )
+
+
+def _whose(failure: ChunkFailure) -> str:
+    return "" if failure.registrar is None else f"{failure.registrar}: "
 
 
 def caller_outside_pinpool() -> tuple[str, int]:

@@ -35,14 +35,14 @@ class Batch:
     """What one worker does next: ``role`` "register" (chunk indices) or "populate" (spans)."""
 
     role: str
-    items: tuple[int | Span, ...]
+    items: tuple[int | Span | tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
 class Landing:
     """What the calls on one handed-out item (a chunk index or a span) did."""
 
-    item: int | Span
+    item: int | Span | tuple[int, int]  # a chunk, a span, or (registrar, registration) of the transfer books
     error: RuntimeCallError | None = None  # the call that failed (pinning stops)
     stopped: bool = False  # pinning stopped before the item was done or called
     pieces: tuple[Chunk, ...] = ()  # registered, in call order, of a chunk in several calls (rollback undoes them)
@@ -50,6 +50,7 @@ class Landing:
     partial: bool = False  # progress: ``pieces`` are pinned and the item stays in flight
     seconds: float = math.nan  # its one call's time (NaN: observed call by call)
     maybe: tuple[Chunk, ...] = ()  # ranges that failed untrusted: undone like ``pieces``, never pinned
+    handle: object = None  # what a transfer registrar's register call returned
 
 
 @dataclass
@@ -199,6 +200,7 @@ class Pipeline:
         if landing.partial and (landing.error is not None or landing.stopped or not landing.pieces):
             raise LedgerError(f"progress of {landing.item!r} must name its pieces and nothing else: {landing}")
         item = landing.item
+        assert not isinstance(item, tuple), "a transfer registration lands in the session's Transfers"
         out = None if landing.partial else self._out.pop(item, None)  # None: handed out alone, not in a batch
         if out is not None:
             out.left -= 1

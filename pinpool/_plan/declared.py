@@ -118,6 +118,10 @@ OPTIONS: tuple[Option, ...] = (
         "what pins: auto (ROCm or CUDA with a GPU, else mlock), cuda, rocm, mlock, or a runtime object",
         flag=Flag("--runtime", "runtime", note="(names only: a runtime object is Python-only; fake is "
                   "pinpool.testing.FakeRuntime, which pins nothing)"), home=REQUEST),
+    Option("registrars", "Sequence[TransferRegistrar] | None", None,
+        "transfer engines that register the pool too (pinpool.registrars: Mooncake, NIXL, your own), from the same "
+        "aligned chunks, rolled back and torn down with it; pages are usable once every one holds them",
+        no_flag="Python-only: registrars wrap a server's live engine objects", home=REQUEST),
     Option("chunk_bytes", "int | str | None", None,
         "exact size of every registration call (a buffer's last shorter), rounded down to the alignment unit, never "
         f"split or cut by an 'auto' budget; {PER_BUFFER!r}: one per buffer; None: up to the chunk limit, then split",

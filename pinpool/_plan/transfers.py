@@ -97,9 +97,11 @@ def split_at_registrations(plan: TransferPlan, offset: int, nbytes: int) -> list
     registrations = plan.registrations
     index = plan.index_of(offset)
     while offset < end:
-        if index < 0 or index >= len(registrations) or not registrations[index].offset <= offset < registrations[
-            index
-        ].end:
+        if (
+            index < 0
+            or index >= len(registrations)
+            or not registrations[index].offset <= offset < registrations[index].end
+        ):
             raise ConfigError(
                 f"bytes [{offset}, {end}) of the pool are not all registered with {plan.name!r}: byte {offset} is "
                 "in no registration (outside the pool, or a gap between its buffers); address pages or buffers "

@@ -27,8 +27,10 @@ from .._plan.chunks import Chunk
 from .._plan.declared import keyword_signature, pool_options
 from .._plan.plan import PoolPlan, plan_pool
 from .._plan.preflight import place
+from .._plan.transfers import split_at_registrations
 from .._units import format_bytes, parse_size
 from ..layouts._spec import Layout
+from ..registrars import TransferPiece, TransferRegistrar, TransferRegistration, limits_of
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
 from ..runtimes._registry import FAILURE_REASONS
 from .request import PoolArguments, PoolRequest, pool_request
@@ -107,9 +109,11 @@ class PinnedPool:
         start = 0 if source is None else (source.data_ptr() + (ranges.first if ranges else 0))
         self._options, self._runtime = options, resolved
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
+        self._registrars = tuple(request.registrars or ())
         self._plan = plan_pool(
-            options, host, self._caps, source_start=start % host.page_size, placement=placement, ranges=ranges
-        )
+            options, host, self._caps, source_start=start % host.page_size, placement=placement, ranges=ranges,
+            transfers=[(registrar.name, limits_of(registrar)) for registrar in self._registrars],
+        )  # fmt: skip
         self._observer = Observer(
             pool=options.name, runtime=resolved.name, layout=options.layout.name, registry=request.registry,
             logger=request.logger, reasons=FAILURE_REASONS,
@@ -123,6 +127,7 @@ class PinnedPool:
         self._lifecycle = Lifecycle(
             self._plan, options, runtime=resolved, caps=self._caps, observer=self._observer, source=pool_memory,
             admission=admission, on_progress=request.on_progress, created_at=caller_outside_pinpool(),
+            registrars=self._registrars,
         )  # fmt: skip
         self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
 
@@ -262,6 +267,92 @@ class PinnedPool:
             return PoolStats(0.0, 0.0, 0, 0, longest)
         return PoolStats(session.pin_seconds, session.unpin_seconds, session.retries, session.pipeline.populated_bytes,
                          longest)  # fmt: skip
+
+    # -- transfer registrars ----------------------------------------------------------------------
+
+    @property
+    def registrars(self) -> tuple[TransferRegistrar, ...]:
+        """The transfer registrars the pool registers with (``registrars=``), in order."""
+        return self._registrars
+
+    def _registrar_index(self, registrar: TransferRegistrar | str) -> int:
+        for index, known in enumerate(self._registrars):
+            if known is registrar or known.name == registrar:
+                return index
+        names = [known.name for known in self._registrars]
+        raise ConfigError(
+            f"registrar {getattr(registrar, 'name', registrar)!r} is not one of pool {self.name!r}'s registrars "
+            f"{names}: pass one of them (or its name), as given to registrars="
+        )
+
+    def transfer_registrations(self, registrar: TransferRegistrar | str) -> tuple[TransferRegistration, ...]:
+        """What ``registrar`` (the object or its name) holds of the pool now, sorted; empty when not open."""
+        index = self._registrar_index(registrar)
+        session, memory = self._lifecycle.session, self._lifecycle.memory
+        if session is None or memory is None:
+            return ()
+        name = self._registrars[index].name
+        return tuple(
+            TransferRegistration(name, run.offset, run.nbytes, memory.address + run.offset, handle)
+            for run, handle in session.transfer_registrations(index)
+        )
+
+    def transfer_pieces(
+        self, registrar: TransferRegistrar | str, *, pages: range | None = None, offset: int | None = None,
+        nbytes: int | None = None,
+    ) -> tuple[TransferPiece, ...]:  # fmt: skip
+        """The ranges a transfer through ``registrar`` may address, each inside one of its registrations: layout
+        pages ``pages`` (their bytes in every buffer, in buffer order) or bytes ``[offset, offset + nbytes)``.
+        :class:`PoolStateError` for bytes it does not hold yet (a background pool: wait for them first)."""
+        index = self._registrar_index(registrar)
+        self._require_open("transfer_pieces")
+        spans = self._transfer_spans(pages, offset, nbytes)
+        session, memory = self._lifecycle.session, self._lifecycle.memory
+        assert session is not None and memory is not None
+        plan, name = self._plan.transfers[index], self._registrars[index].name
+        held = {run.offset: handle for run, handle in session.transfer_registrations(index)}
+        pieces: list[TransferPiece] = []
+        for start, length in spans:
+            for piece_offset, piece_bytes, r in split_at_registrations(plan, start, length):
+                run = plan.registrations[r]
+                if run.offset not in held:
+                    raise PoolStateError(
+                        f"pool {self.name!r}: bytes [{run.offset}, {run.end}) are not registered with {name!r} now "
+                        f"(pool {self.state.value}, pages [0, {self.pinned_pages}) usable): wait_ready() for the pages "
+                        "first, and address a pool only while it is open"
+                    )
+                registration = TransferRegistration(name, run.offset, run.nbytes, memory.address + run.offset,
+                                                    held[run.offset])  # fmt: skip
+                pieces.append(TransferPiece(piece_offset, piece_bytes, memory.address + piece_offset, registration))
+        return tuple(pieces)
+
+    def _transfer_spans(self, pages: range | None, offset: int | None, nbytes: int | None) -> list[tuple[int, int]]:
+        if (pages is None) == (offset is None and nbytes is None):
+            raise ConfigError("transfer_pieces(): give pages=range(first, stop), or offset= and nbytes=")
+        if pages is None:
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)):
+                raise ConfigError(f"transfer_pieces(offset={offset!r}, nbytes={nbytes!r}): both are int byte counts")
+            assert offset is not None and nbytes is not None
+            if offset < 0 or nbytes <= 0 or offset + nbytes > self._plan.mapping_bytes:
+                raise ConfigError(
+                    f"transfer_pieces(offset={offset}, nbytes={nbytes}) is outside pool {self.name!r} "
+                    f"(bytes [0, {self._plan.mapping_bytes})): address bytes of the pool, nbytes > 0"
+                )
+            return [(offset, nbytes)]
+        if not isinstance(pages, range) or pages.step != 1 or not 0 <= pages.start < pages.stop <= self.num_pages:
+            raise ConfigError(
+                f"transfer_pieces(pages={pages!r}) must be range(first, stop) with 0 <= first < stop <= "
+                f"{self.num_pages} (the pool's pages), step 1"
+            )
+        spans = []
+        for run in self._plan.page_runs:
+            if run.page_bytes is None:
+                raise ConfigError(
+                    f"pool {self.name!r}: layout {self.layout.name!r} does not keep its pages in page order in bytes "
+                    f"[{run.start}, {run.end}); address bytes instead (offset=, nbytes=)"
+                )
+            spans.append((run.start + pages.start * run.page_bytes, len(pages) * run.page_bytes))
+        return spans
 
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 

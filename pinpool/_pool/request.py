@@ -14,6 +14,7 @@ from .._node.config import NodePacing
 from .._pin.memory_source import TensorLayout, check_memory_source
 from .._plan.declared import DEFAULT_REGISTRY, OPTIONS, OPTIONS_HOME, PACING, REQUEST, SOURCE, Option
 from .._plan.options import PoolOptions
+from ..registrars import check_registrars
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .._pin.lifecycle import ProgressCallback
     from .._shared.memory import SharedMemory
     from ..layouts import Layout
+    from ..registrars import TransferRegistrar
     from ..runtimes import Runtime
 
 
@@ -37,9 +39,11 @@ class PoolRequest:
     registry: CollectorRegistry | None = None
     logger: Any | None = None
     on_progress: ProgressCallback | None = None
+    registrars: Sequence[TransferRegistrar] | None = None
 
     def __post_init__(self) -> None:
         check_memory_source(self.memory, self.options)
+        object.__setattr__(self, "registrars", check_registrars(self.registrars))
         if self.registry is not None and not isinstance(self.registry, CollectorRegistry):
             raise ConfigError(f"registry={self.registry!r} must be a prometheus_client CollectorRegistry, or None")
         if self.logger is not None and not callable(getattr(self.logger, "bind", None)):
@@ -80,6 +84,7 @@ class _PinningArguments(TypedDict, total=False):
     """The keywords ``PinnedPool(...)`` and ``pin()`` share, typed for IDEs (a test holds them to :data:`OPTIONS`)."""
 
     runtime: str | Runtime
+    registrars: Sequence[TransferRegistrar] | None
     chunk_bytes: int | str | None
     max_chunk_bytes: int | str | None
     populate: bool | None

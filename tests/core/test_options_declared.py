@@ -133,7 +133,7 @@ def test_every_option_has_help_and_a_flag_or_a_reason() -> None:
         assert o.help and "\n" not in o.help and not o.help.endswith("."), o.name
         assert (o.flag is None) == bool(o.no_flag), o.name
     python_only = {o.name for o in OPTIONS if o.flag is None}
-    assert python_only == {"granularity_bytes", "ranges", "memory", "registry", "logger", "on_progress"}
+    assert python_only == {"granularity_bytes", "ranges", "memory", "registry", "logger", "on_progress", "registrars"}
 
 
 # -- the command line -----------------------------------------------------------------------------------------

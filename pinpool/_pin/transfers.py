@@ -1,0 +1,149 @@
+"""The transfer registrars' calls, for the session's workers: a registration is one more item a pinning worker
+takes (first, once its chunks are pinned), and undoing it one more item an unpinning worker takes (before any
+chunk of the runtime's). Decisions are the books' (:mod:`.transfer_ledger`); this module makes the calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .._errors import LedgerError, RuntimeCallError, between_calls_error
+from .._observe import Observer
+from .._plan.chunks import Chunk
+from .._plan.prefix import PrefixTracker
+from .._plan.transfers import TransferPlan
+from .ledger import Ledger, StopCause
+from .pipeline import WAIT, Batch, Landing, Pipeline, _Wait
+from .transfer_calls import TransferAnswer, call_registrar
+from .transfer_ledger import Item, TransferLedger
+
+if TYPE_CHECKING:
+    from ..registrars import TransferRegistrar
+
+
+class Transfers:
+    """One pool's registrars and their books; every method but the calls runs under the session's lock."""
+
+    def __init__(
+        self, plans: Sequence[TransferPlan], registrars: Sequence[TransferRegistrar], pipeline: Pipeline,
+        prefix: PrefixTracker, *,
+        base_ptr: int, observer: Observer, calls: dict[int, tuple[str, int, int, float]], raised: list[BaseException],
+    ) -> None:  # fmt: skip
+        self.books = TransferLedger(plans, prefix)
+        self.pipeline = pipeline
+        self.registrars = tuple(registrars)
+        self.base_ptr, self.observer = base_ptr, observer
+        self._calls, self._raised = calls, raised  # the session's: what teardown waits on, what to raise again
+
+    # -- pinning -------------------------------------------------------------------------------
+
+    def next_work(self) -> Batch | _Wait | None:
+        """A registration whose chunks are all pinned, else the pipeline's next batch; WAIT while one may come."""
+        books, pipeline = self.books, self.pipeline
+        if not pipeline.stopped and (item := books.claim()) is not None:
+            return Batch("transfer", (item,))
+        work = pipeline.next_work()
+        if work is not None or pipeline.stopped or books.complete:
+            return work
+        if not (pipeline.in_flight or books.in_flight):  # nothing can land and make a registration ready
+            raise LedgerError("transfer registrations would wait forever: no chunk or registration is in flight")
+        return WAIT
+
+    def land(self, landing: Landing, ledger: Ledger) -> None:
+        item = landing.item
+        assert isinstance(item, tuple)
+        if landing.stopped:
+            self.books.unclaim(item)
+        elif landing.error is None:
+            self.books.registered(item, landing.handle)
+        else:  # any registrar's failure rolls back every registration of every registrar
+            ledger.failures.append(self.books.failed(item, landing.error, maybe=bool(landing.maybe)))
+            ledger.stop(StopCause.FAILURE)
+
+    def register(self, item: Item) -> Landing:
+        answer = self._call(item, "register")
+        if answer.error is None:
+            return Landing(item, handle=answer.handle)
+        return Landing(item, answer.error, maybe=(self.books.run(item),) if answer.maybe else ())
+
+    def register_raised(self, item: Item, exc: BaseException) -> Landing:
+        """pinpool raised around a register call (a bug): it may have registered, so it is undone."""
+        error, run = self._between_calls(item, exc, "register"), self.books.run(item)
+        self.observer.transfer_failed(self.registrars[item[0]].name, "register", run, error, 0.0)
+        return Landing(item, error, maybe=(run,))
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def claim_undo(self, pending: Sequence[int | Item], wait: Callable[[], object]) -> type:
+        """The kind of item to take from ``pending`` (registrations first); chunks wait (``wait()``) until no
+        registrar's undo is out with a worker, or the books are closed (a teardown given up)."""
+        books = self.books
+        while pending and not isinstance(pending[0], tuple) and books.unpinning and not books.closed:
+            wait()
+        return tuple if pending and isinstance(pending[0], tuple) else int
+
+    def unregister(self, item: Item) -> tuple[RuntimeCallError | None, float]:
+        answer = self._call(item, "unregister")
+        return answer.error, answer.seconds
+
+    def unregister_raised(self, item: Item, exc: BaseException) -> RuntimeCallError:
+        error = self._between_calls(item, exc, "unregister")
+        self.observer.transfer_failed(self.registrars[item[0]].name, "unregister", self.books.run(item), error, 0.0)
+        return error
+
+    def land_undone(self, ledger: Ledger, done: Sequence[tuple[Item, RuntimeCallError | None]], put_back: int) -> None:
+        """Undo calls returned (``done``), or were handed back unmade (``put_back``)."""
+        books = self.books
+        books.unpinning -= len(done) + put_back
+        for item, error in done:
+            if error is None:
+                books.unregistered(item)
+            else:
+                ledger.failures.append(books.unregister_failed(item, error))
+
+    def give_up(self, ledger: Ledger, *, reason: str, why: str) -> None:
+        """Teardown gives up: every registration still held is booked leaked; then the books close."""
+        books = self.books
+        for item in books.teardown_order():
+            run = books.run(item)
+            ledger.failures.append(books.unregister_failed(item, RuntimeCallError(
+                op=f"{self.registrars[item[0]].name} unregister", code=-1, reason=reason,
+                ptr=self.base_ptr + run.offset, nbytes=run.nbytes, message=f"never unregistered: {why}",
+            )))  # fmt: skip
+        books.close()
+
+    # -- the calls -----------------------------------------------------------------------------
+
+    def _call(self, item: Item, op: str) -> TransferAnswer:
+        registrar, run = self.registrars[item[0]], self.books.run(item)
+        ptr, nbytes, me = self.base_ptr + run.offset, run.nbytes, threading.get_ident()
+        handle = self.books.handles[item[0]][item[1]]
+        call = (lambda: registrar.register(ptr, nbytes)) if op == "register" else (
+            lambda: registrar.unregister(ptr, nbytes, handle)
+        )  # fmt: skip
+        try:
+            self._calls[me] = (f"{registrar.name} {op}", ptr, nbytes, time.perf_counter())
+            answer = call_registrar(call, registrar.name, op, ptr, nbytes)
+        finally:
+            self._calls.pop(me, None)
+        if answer.raised is not None:
+            self._raised.append(answer.raised)
+        return self._observed(registrar, op, run, answer)
+
+    def _observed(self, registrar: TransferRegistrar, op: str, run: Chunk, answer: TransferAnswer) -> TransferAnswer:
+        error, observer = answer.error, self.observer
+        if error is None:
+            done = observer.transfer_registered if op == "register" else observer.transfer_unregistered
+            done(registrar.name, run, answer.seconds)
+        elif op == "unregister" and not answer.maybe and error.code in registrar.limits.not_registered_codes:
+            observer.transfer_unregistered(registrar.name, run, answer.seconds)  # nothing was held there
+            return TransferAnswer(seconds=answer.seconds)
+        else:
+            observer.transfer_failed(registrar.name, op, run, error, answer.seconds)
+        return answer
+
+    def _between_calls(self, item: Item, exc: BaseException, op: str) -> RuntimeCallError:
+        run = self.books.run(item)
+        return between_calls_error(exc, f"{self.registrars[item[0]].name} {op}", self.base_ptr + run.offset, run.nbytes)
