@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,12 @@ import pytest
 
 HOST = "127.0.0.1"
 KiB, MiB = 1 << 10, 1 << 20
+
+# Mooncake 0.3.13.post1's TCP transport pools its connections to a peer; a transfer the peer refuses (these
+# tests make many: straddles, closed pools) leaves a connection the peer closed in the pool, and a later,
+# valid transfer on it fails (rc -1), one in two or three after a refusal here. A connection per transfer
+# keeps every answer the peer's own. Read when an engine starts; child processes inherit it.
+os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "0")
 
 
 def _import_error(module: str) -> str | None:
