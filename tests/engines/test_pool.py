@@ -141,6 +141,7 @@ def exercise(pool: pinpool.PinnedPool, registrar: TransferRegistrar, peer: Peer,
         assert bytes_at(piece.address, piece.nbytes) == local[piece.offset : piece.end], piece
     # The pieces matter: two neighbours' bytes as one descriptor straddle their registrations and are refused.
     first, second = held[0], held[1]
+    assert second.offset == first.end  # neighbours: the 8 KiB below are half in each
     start = first.end - 4 * KiB
     assert not peer.read(local.address, pool.data_ptr + start, 8 * KiB)
 
