@@ -19,6 +19,7 @@ import pytest
 
 HOST = "127.0.0.1"
 KiB, MiB = 1 << 10, 1 << 20
+READER_BYTES = 32 * MiB  # a reader's buffer mirrors a served pool (pieces land at their pool offsets): larger
 
 # Mooncake 0.3.13.post1's TCP transport pools its connections to a peer; a transfer the peer refuses (these
 # tests make many: straddles, closed pools) leaves a connection the peer closed in the pool, and a later,
@@ -106,9 +107,9 @@ def mooncake_pair() -> tuple[MooncakeEngine, MooncakeEngine]:
 
 @pytest.fixture
 def reader_buffer(mooncake_pair: tuple[MooncakeEngine, MooncakeEngine]) -> Iterator[Buffer]:
-    """16 MiB the reading engine moves bytes through, registered with it by hand (as a peer's own pool is)."""
+    """32 MiB the reading engine moves bytes through, registered with it by hand (as a peer's own pool is)."""
     reader = mooncake_pair[1].engine
-    buf = Buffer(16 * MiB)
+    buf = Buffer(READER_BYTES)
     assert reader.register_memory(buf.address, buf.nbytes) == 0
     yield buf
     assert reader.unregister_memory(buf.address) == 0
@@ -139,6 +140,12 @@ class NixlAgent:
         assert name == peer, f"the metadata is {name!r}'s, not {peer!r}'s"
         self.peers.add(name)
         return name
+
+    def forget(self, peer: str) -> None:
+        """Drop what was loaded of ``peer`` (a process that exits): UCX would otherwise keep reconnecting to it."""
+        if peer in self.peers:
+            self.peers.discard(peer)
+            self.agent.remove_remote_agent(peer)
 
     def transfer(self, op: str, peer: str, local: int, remote: int, nbytes: int) -> str:
         """One READ or WRITE of ``nbytes``: "DONE", or the error as its NIXL class name (a straddling or
@@ -180,9 +187,9 @@ def nixl_pair() -> tuple[NixlAgent, NixlAgent]:
 
 @pytest.fixture
 def nixl_reader_buffer(nixl_pair: tuple[NixlAgent, NixlAgent]) -> Iterator[Buffer]:
-    """16 MiB registered with the reading agent by hand (NIXL transfers only between registered memory)."""
+    """32 MiB registered with the reading agent by hand (NIXL transfers only between registered memory)."""
     reader = nixl_pair[1].agent
-    buf = Buffer(16 * MiB)
+    buf = Buffer(READER_BYTES)
     handle = reader.register_memory([(buf.address, buf.nbytes, 0, "")], "DRAM")
     yield buf
     reader.deregister_memory(handle)
