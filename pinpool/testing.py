@@ -18,7 +18,7 @@ from ._host import libc as _libc
 from ._pin.outcome import PoolState
 from ._plan.facts import HostFacts
 from ._ranges import PINNED_RANGES, RangeBook
-from ._types import Capabilities
+from ._types import Capabilities, RegistrarLimits
 from ._units import parse_size
 from .runtimes._gpu import CUDA, HIP, GpuApi
 from .runtimes._mlock import lock_range, page_span, unlock_range
@@ -27,7 +27,16 @@ from .runtimes._registry import auto_runtime
 if TYPE_CHECKING:
     from ._pool.pool import PinnedPool
 
-__all__ = ["CallHook", "FakeCudart", "FakeRuntime", "assert_released", "auto_runtime", "host_facts", "locked_bytes"]
+__all__ = [
+    "CallHook",
+    "FakeCudart",
+    "FakeRegistrar",
+    "FakeRuntime",
+    "assert_released",
+    "auto_runtime",
+    "host_facts",
+    "locked_bytes",
+]
 
 # CUDA's codes, so code written against the fake sees what it would see on a GPU host.
 _ALLOCATION_FAILED = (2, "cudaErrorMemoryAllocation")
@@ -214,6 +223,96 @@ class FakeRuntime:
     @staticmethod
     def _error(op: str, code: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
         return RuntimeCallError(op=op, code=code[0], reason=code[1], message=message, ptr=ptr, nbytes=nbytes)
+
+
+_NO_REGISTRATION = (404, "NotRegistered")  # FakeRegistrar's answer to an unregister of nothing
+
+
+class FakeRegistrar:
+    """A thread-safe stand-in for a transfer engine (``registrars=``) that keeps books of what it holds and
+    records every call, with fault injection: ``fail_register_on`` / ``fail_unregister_on`` (1-based call
+    indices answer a typed error: nothing done), ``raise_on_register`` (indices that raise a plain
+    ``RuntimeError`` *after* registering: pinpool must undo it), delays, and ``before_call(op, ptr, nbytes)``."""
+
+    def __init__(
+        self, name: str = "fake-engine", *, max_bytes: int | None = None, preferred_bytes: int | None = None,
+        page_table_entries: int | None = None, parallel: bool = True,
+        fail_register_on: int | Iterable[int] | None = None, fail_unregister_on: int | Iterable[int] | None = None,
+        raise_on_register: int | Iterable[int] | None = None, register_delay: float = 0.0,
+        unregister_delay: float = 0.0, before_call: CallHook | None = None,
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.limits = RegistrarLimits(
+            max_bytes=max_bytes, preferred_bytes=preferred_bytes, page_table_entries=page_table_entries,
+            not_registered_codes=frozenset({_NO_REGISTRATION[0]}), parallel=parallel,
+        )  # fmt: skip
+        self.fail_register_on = _call_indices(fail_register_on, "fail_register_on")
+        self.fail_unregister_on = _call_indices(fail_unregister_on, "fail_unregister_on")
+        self.raise_on_register = _call_indices(raise_on_register, "raise_on_register")
+        self.register_delay, self.unregister_delay = float(register_delay), float(unregister_delay)
+        self.before_call = before_call
+        self._book = RangeBook()
+        self._handles: dict[int, object] = {}
+        self.register_calls: list[tuple[int, int]] = []
+        self.unregister_calls: list[tuple[int, int]] = []
+        self.events: list[tuple[str, int]] = []
+        self.max_concurrent = 0
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+    @property
+    def registered(self) -> dict[int, int]:
+        """Base → nbytes of every range it holds now."""
+        return self._book.snapshot()
+
+    def _start(self, op: str, ptr: int, nbytes: int, calls: list[tuple[int, int]]) -> int:
+        if self.before_call is not None:
+            self.before_call(op, ptr, nbytes)
+        with self._lock:
+            calls.append((ptr, nbytes))
+            self.events.append((op, ptr))
+            self._in_flight += 1
+            self.max_concurrent = max(self.max_concurrent, self._in_flight)
+        delay = self.register_delay if op == "register" else self.unregister_delay
+        if delay:
+            time.sleep(delay)
+        return len(calls)
+
+    def _error(self, op: str, code: tuple[int, str], ptr: int, nbytes: int, message: str) -> RuntimeCallError:
+        return RuntimeCallError(op=op, code=code[0], reason=code[1], message=message, ptr=ptr, nbytes=nbytes)
+
+    def register(self, ptr: int, nbytes: int) -> object:
+        try:
+            call = self._start("register", ptr, nbytes, self.register_calls)
+            if call in self.fail_register_on:
+                raise self._error("register", (5, "Injected"), ptr, nbytes, f"injected failure (register call #{call})")
+            overlap = self._book.add(ptr, nbytes)
+            if overlap is not None:
+                raise self._error("register", (17, "Overlaps"), ptr, nbytes, f"overlaps held {overlap}")
+            handle = self._handles[ptr] = ("fake-handle", self.name, call)
+            if call in self.raise_on_register:
+                raise RuntimeError(f"injected untyped failure after registering (register call #{call})")
+            return handle
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def unregister(self, ptr: int, nbytes: int, handle: object) -> None:
+        try:
+            call = self._start("unregister", ptr, nbytes, self.unregister_calls)
+            if call in self.fail_unregister_on:
+                raise self._error("unregister", (5, "Injected"), ptr, nbytes, f"injected failure (unregister #{call})")
+            held = self._book.get(ptr)
+            if held is None:
+                raise self._error("unregister", _NO_REGISTRATION, ptr, nbytes, "nothing is registered there")
+            if held != nbytes or (handle is not None and self._handles.get(ptr) != handle):
+                given = f"holds {held} B, handle {self._handles.get(ptr)!r}; given {nbytes} B, {handle!r}"
+                raise self._error("unregister", (22, "Mismatch"), ptr, nbytes, given)
+            self._book.pop(ptr)
+            self._handles.pop(ptr, None)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
 
 
 _HOST = HostFacts(

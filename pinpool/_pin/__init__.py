@@ -12,5 +12,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "pipeline": "WAIT Batch Landing Pipeline",
     "sigint": "guard_state",
     "threads": "Threads",
+    "transfer_calls": "call_registrar",
+    "transfer_ledger": "RunState TransferLedger",
     "untrusted": "untrusted_call",
 })  # fmt: skip

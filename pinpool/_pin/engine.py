@@ -99,7 +99,6 @@ class PinSession:
             plan.transfers, registrars, self.pipeline, self.prefix, base_ptr=memory.address, observer=observer,
             calls=self.calls, raised=self.raised,
         )  # fmt: skip
-        self._next_pinning = self.transfers.next_work if self.transfers else self.pipeline.next_work
         self.book = RegistrationBook(self.ledger.chunks)  # pool.registrations
         self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
@@ -209,7 +208,7 @@ class PinSession:
         ))  # fmt: skip
 
     def _take_pinning(self) -> tuple[int | Span | Item, ...] | None:
-        batch = self._next(self._next_pinning)
+        batch = self._next(self.transfers.next_work if self.transfers else self.pipeline.next_work)
         return None if batch is None else batch.items
 
     def _pin(self, item: int | Span | Item) -> Landing:
@@ -520,19 +519,12 @@ class PinSession:
         return failures
 
     def _claim_unpin_batch(self, pending: collections.deque[int | Item]) -> list[int | Item]:
-        """A batch of registrars' registrations to undo, or of chunks once no such undo is out with a worker."""
-        transfers, chunks = self.transfers, self.ledger.chunks
+        chunks, transfers = self.ledger.chunks, self.transfers
         with self.lock:
-            kind = int if transfers is None else transfers.claim_undo(pending, self._changed.wait)
             share = -(-len(pending) // max(1, self.unpin_workers))
-            batch: list[int | Item] = take_batch(
-                lambda: pending.popleft() if pending and isinstance(pending[0], kind) else None,
-                lambda item: transfers.books.run(item).nbytes if isinstance(item, tuple) else chunks[item].nbytes,  # type: ignore[union-attr]
-                share,
-            )  # fmt: skip
-            if transfers is not None and kind is tuple:
-                transfers.books.unpinning += len(batch)
-            return batch
+            if transfers is not None:  # registrars' registrations first, chunks once none is out with a worker
+                return transfers.take_undo(pending, share, self._changed.wait, lambda i: chunks[i].nbytes)
+            return take_batch(lambda: pending.popleft() if pending else None, lambda i: chunks[i].nbytes, share)  # type: ignore[index]
 
     def _unregister_chunk(self, index: int | Item) -> _Unpinned:
         """Unregister one chunk, piece by piece where it was registered in pieces, each by its own base."""
@@ -573,7 +565,7 @@ class PinSession:
             before = ledger.pinned_bytes
             if transfers is not None:
                 undone = [(u.index, u.error) for u in done if isinstance(u.index, tuple)]
-                transfers.land_undone(ledger, undone, put_back=sum(isinstance(item, tuple) for item in unstarted))
+                transfers.land_undone(ledger, undone, [item for item in unstarted if isinstance(item, tuple)])
                 done = [unpinned for unpinned in done if not isinstance(unpinned.index, tuple)]
                 self._changed.notify_all()  # the runtime's chunks may be unpinned once no registrar holds them
             for unpinned in done:

@@ -42,7 +42,7 @@ class TransferLedger:
         self._ready: collections.deque[Item] = collections.deque()
         self._out = [0] * len(self.plans)  # register calls in flight, by registrar
         self.in_flight = 0
-        self.unpinning = 0  # unregister calls handed out and not landed: the runtime's chunks wait for them
+        self.undoing = [0] * len(self.plans)  # undo calls out with workers, by registrar: chunks wait for none left
         self.left = sum(len(plan.registrations) for plan in self.plans)  # not yet registered
         self.prefix = prefix  # pages usable: covered where every registrar holds the bytes
         self.closed = False
@@ -53,6 +53,9 @@ class TransferLedger:
 
     def run(self, item: Item) -> Chunk:
         return self.plans[item[0]].registrations[item[1]]
+
+    def run_bytes(self, item: Item) -> int:
+        return self.run(item).nbytes
 
     def chunk_pinned(self, chunk: Chunk) -> None:
         """Every page of ``chunk`` is pinned: a registration whose chunks all are may be handed out."""
@@ -144,6 +147,16 @@ class TransferLedger:
         found = [(j, r) for j, states in enumerate(self.states) for r, state in enumerate(states) if state in _UNDO]
         found.sort(key=lambda item: (self.run(item).offset, item[0]), reverse=True)
         return found
+
+    @property
+    def unpinning(self) -> bool:
+        return any(self.undoing)
+
+    def may_undo(self, item: Item, taken: frozenset[int] = frozenset()) -> bool:
+        """Whether ``item`` may be handed to a worker taking ``taken`` registrars' undos already (a serial
+        registrar's undos go to one worker at a time)."""
+        j = item[0]
+        return self.plans[j].limits.parallel or not self.undoing[j] or j in taken
 
     def unregistered(self, item: Item) -> None:
         """Its unregister call returned (or said nothing was registered there)."""

@@ -4,6 +4,7 @@ chunk of the runtime's). Decisions are the books' (:mod:`.transfer_ledger`); thi
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from .._plan.chunks import Chunk
 from .._plan.prefix import PrefixTracker
 from .._plan.transfers import TransferPlan
 from .ledger import Ledger, StopCause
-from .pipeline import WAIT, Batch, Landing, Pipeline, _Wait
+from .pipeline import WAIT, Batch, Landing, Pipeline, _Wait, take_batch
 from .transfer_calls import TransferAnswer, call_registrar
 from .transfer_ledger import Item, TransferLedger
 
@@ -76,13 +77,34 @@ class Transfers:
 
     # -- teardown ------------------------------------------------------------------------------
 
-    def claim_undo(self, pending: Sequence[int | Item], wait: Callable[[], object]) -> type:
-        """The kind of item to take from ``pending`` (registrations first); chunks wait (``wait()``) until no
-        registrar's undo is out with a worker, or the books are closed (a teardown given up)."""
+    def take_undo(
+        self, pending: collections.deque[int | Item], share: int, wait: Callable[[], object],
+        chunk_bytes: Callable[[int], int],
+    ) -> list[int | Item]:  # fmt: skip
+        """The next batch of ``pending``: registrations (before any chunk), or chunks once no registrar's undo is
+        out with a worker; ``wait()`` while neither may be taken, until the books close (a teardown given up)."""
         books = self.books
-        while pending and not isinstance(pending[0], tuple) and books.unpinning and not books.closed:
+
+        def blocked() -> bool:
+            head = pending[0]
+            return books.unpinning if not isinstance(head, tuple) else not books.may_undo(head)
+
+        while pending and blocked() and not books.closed:
             wait()
-        return tuple if pending and isinstance(pending[0], tuple) else int
+        if not pending or not isinstance(pending[0], tuple):
+            return take_batch(lambda: pending.popleft() if pending else None, chunk_bytes, share)  # type: ignore[arg-type]
+        taken: set[int] = set()
+
+        def take() -> Item | None:
+            head = pending[0] if pending else None
+            if not isinstance(head, tuple) or not books.may_undo(head, frozenset(taken)):
+                return None
+            taken.add(head[0])
+            books.undoing[head[0]] += 1
+            pending.popleft()
+            return head
+
+        return list(take_batch(take, books.run_bytes, share))  # type: ignore[arg-type]
 
     def unregister(self, item: Item) -> tuple[RuntimeCallError | None, float]:
         answer = self._call(item, "unregister")
@@ -93,10 +115,13 @@ class Transfers:
         self.observer.transfer_failed(self.registrars[item[0]].name, "unregister", self.books.run(item), error, 0.0)
         return error
 
-    def land_undone(self, ledger: Ledger, done: Sequence[tuple[Item, RuntimeCallError | None]], put_back: int) -> None:
+    def land_undone(
+        self, ledger: Ledger, done: Sequence[tuple[Item, RuntimeCallError | None]], put_back: Sequence[Item]
+    ) -> None:
         """Undo calls returned (``done``), or were handed back unmade (``put_back``)."""
         books = self.books
-        books.unpinning -= len(done) + put_back
+        for item in (*(item for item, _ in done), *put_back):
+            books.undoing[item[0]] -= 1
         for item, error in done:
             if error is None:
                 books.unregistered(item)

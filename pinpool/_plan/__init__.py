@@ -13,4 +13,5 @@ __getattr__, __all__ = lazy_exports(__name__, {
             "retry_splitter",
     "prefix": "PageRun PrefixTracker page_runs pin_order",
     "preflight": "check_host place resident_fit",
+    "transfers": "TransferPlan bound_by_registrars plan_transfer split_at_registrations",
 })  # fmt: skip

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .._errors import ConfigError
 from .._types import RegistrarLimits
 from .._units import format_bytes
-from .chunks import Chunk
+from .chunks import ChunkTable
 from .options import PoolOptions
 
 
@@ -22,7 +22,7 @@ class TransferPlan:
     each a run of whole chunks within ``limits.max_bytes``)."""
 
     name: str
-    registrations: tuple[Chunk, ...]
+    registrations: ChunkTable
     limits: RegistrarLimits
 
     @property
@@ -54,39 +54,30 @@ def bound_by_registrars(options: PoolOptions, transfers: Sequence[tuple[str, Reg
     return dataclasses.replace(options, chunk_limit=most)
 
 
-def plan_transfer(name: str, limits: RegistrarLimits, chunks: Sequence[Chunk], page_size: int) -> TransferPlan:
-    """Join consecutive, back-to-back ``chunks`` (offset order) into registrations of at most
-    ``limits.preferred_bytes`` (None: one per chunk) and never more than ``limits.max_bytes``."""
-    most = limits.max_bytes or 0
-    target = min(limits.preferred_bytes or 0, most) if most else limits.preferred_bytes or 0
-    runs: list[Chunk] = []
-    start = end = -1
-    total = 0
-    for chunk in chunks:
-        if most and chunk.nbytes > most:  # bound_by_registrars planned within it: a pinpool bug otherwise
-            raise ConfigError(
-                f"chunk {chunk} is larger than registrar {name!r} accepts ({most} B); report this as a pinpool bug"
-            )
-        joins = chunk.offset == end and total + chunk.nbytes <= target
-        if not joins:
-            if start >= 0:
-                runs.append(Chunk(start, end - start))
-            start, total = chunk.offset, 0
-        end = chunk.offset + chunk.nbytes
-        total += chunk.nbytes
-    if start >= 0:
-        runs.append(Chunk(start, end - start))
+def plan_transfer(name: str, limits: RegistrarLimits, chunks: ChunkTable, page_size: int) -> TransferPlan:
+    """Join consecutive equal ``chunks`` into registrations of at most ``limits.preferred_bytes`` (None: one per
+    chunk), never more than ``limits.max_bytes``: a table of runs, whatever the chunk count."""
+    target = limits.preferred_bytes or 0
+    runs: list[tuple[int, int, int]] = []
+    for offset, nbytes, count in chunks.runs:
+        if limits.max_bytes and nbytes > limits.max_bytes:  # bound_by_registrars planned within it
+            raise ConfigError(f"chunk of {nbytes} B is larger than registrar {name!r} accepts: a pinpool bug")
+        joined = max(1, min(count, target // nbytes))
+        whole, rest = divmod(count, joined)
+        runs.append((offset, nbytes * joined, whole))
+        runs.append((offset + nbytes * joined * whole, nbytes * rest, 1 if rest else 0))
+    registrations = ChunkTable(runs)
     budget = limits.page_table_entries
     if budget:
-        entries = sum(-(-run.nbytes // page_size) for run in runs)
+        entries = sum(-(-nbytes // page_size) * count for _offset, nbytes, count in registrations.runs)
         if entries > budget:
             raise ConfigError(
                 f"registrar {name!r} has a page-table budget of {budget} entries (limits.page_table_entries); "
-                f"this pool's {format_bytes(sum(r.nbytes for r in runs))} needs {entries} at its "
-                f"{format_bytes(page_size)} pages: use huge_pages=True (2 MiB pages need 512x fewer entries), a "
+                f"this pool's {format_bytes(registrations.nbytes)} needs {entries} at its "
+                f'{format_bytes(page_size)} pages: use huge_pages="hugetlb" (2 MiB pages need 512x fewer entries), a '
                 "smaller pool, or raise the budget where the hardware allows (Mooncake: MC_EFA_MAX_PTE_ENTRIES)"
             )
-    return TransferPlan(name, tuple(runs), limits)
+    return TransferPlan(name, registrations, limits)
 
 
 def split_at_registrations(plan: TransferPlan, offset: int, nbytes: int) -> list[tuple[int, int, int]]:
@@ -97,17 +88,14 @@ def split_at_registrations(plan: TransferPlan, offset: int, nbytes: int) -> list
     registrations = plan.registrations
     index = plan.index_of(offset)
     while offset < end:
-        if (
-            index < 0
-            or index >= len(registrations)
-            or not registrations[index].offset <= offset < registrations[index].end
-        ):
+        held = 0 <= index < len(registrations) and registrations[index].offset <= offset < registrations[index].end
+        if not held:
             raise ConfigError(
                 f"bytes [{offset}, {end}) of the pool are not all registered with {plan.name!r}: byte {offset} is "
                 "in no registration (outside the pool, or a gap between its buffers); address pages or buffers "
                 "of the pool"
             )
-        piece_end = min(end, registrations[index].end)
+        piece_end = min(end, registrations[index].end)  # a gap before the next registration raises above
         pieces.append((offset, piece_end - offset, index))
         offset = piece_end
         index += 1

@@ -107,6 +107,8 @@ def check_registrars(registrars: Iterable[object] | None) -> tuple[TransferRegis
     for registrar in registrars:
         limits_of(registrar)
         found.append(registrar)  # type: ignore[arg-type]  # limits_of checked it
+    if any(found[i] is found[j] for i in range(len(found)) for j in range(i)):
+        raise ConfigError("registrars= holds the same registrar twice: a range is registered once per engine")
     names = [registrar.name for registrar in found]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
@@ -114,8 +116,6 @@ def check_registrars(registrars: Iterable[object] | None) -> tuple[TransferRegis
             f"registrars= names {twice} more than once: each registrar's name labels its metrics and its "
             "pieces; give each its own (MooncakeRegistrar(engine, name='mooncake-2'))"
         )
-    if any(found[i] is found[j] for i in range(len(found)) for j in range(i)):
-        raise ConfigError("registrars= holds the same registrar twice: a range is registered once per engine")
     return tuple(found)
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import pinpool
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime, assert_released
+from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released
 
 from ..conftest import lifecycle_of
 
@@ -48,7 +48,8 @@ class Trap(FakeRuntime):
         self.moment = moment
         self._fire = fire
         self.fired = threading.Event()
-        self._counts = {"populate": 0, "register": 0, "unregister": 0}
+        self._counts = dict.fromkeys(["populate", "register", "unregister", "engine-register", "engine-unregister"], 0)
+        self.engines: list[FakeRegistrar] = []  # the pool's transfer registrars: they must hold nothing after it
         self._count_lock = threading.Lock()
         self.claims_before = PINNED_RANGES.snapshot()  # other tests' deliberate leaks stay claimed
 
@@ -85,7 +86,7 @@ class Trap(FakeRuntime):
 
 moments = st.builds(
     Moment,
-    op=st.sampled_from(["populate", "register", "unregister"]),
+    op=st.sampled_from(["populate", "register", "unregister", "engine-register", "engine-unregister"]),
     call=st.integers(1, CHUNKS),
     when=st.sampled_from(["before", "after"]),
 )
@@ -98,6 +99,7 @@ pool_shapes = st.fixed_dictionaries(
         "populate": st.booleans(),
         "delay": st.sampled_from([0.0, 0.0005, 0.002]),
         "background": st.booleans(),  # the body runs while a conductor thread pins
+        "registrars": st.integers(0, 2),  # transfer engines registering the pool too (their calls are moments)
     }
 )
 
@@ -119,12 +121,26 @@ def make_pool(shape: dict[str, object], moment: Moment, fire: Callable[[], None]
         moment, keep_then_fire, register_delay=delay, unregister_delay=delay, populate_delay=delay,
         lock_on_fault=shape["lock_on_fault"],
     )  # fmt: skip
+    def at_engine_call(op: str, ptr: int, nbytes: int) -> None:
+        fake._at(f"engine-{op}", "before")
+        fake._at(f"engine-{op}", "after")
+
+    fake.engines = [
+        FakeRegistrar(f"engine{k}", preferred_bytes=(k + 1) * MiB, register_delay=delay, before_call=at_engine_call)
+        for k in range(shape.get("registrars", 0))  # type: ignore[call-overload]
+    ]  # fmt: skip
     pool = pinpool.PinnedPool(
         size=CHUNKS * MiB, chunk_bytes=MiB, runtime=fake, registry=None, populate=shape["populate"],
         register_workers=shape["register_workers"], populate_workers=shape["populate_workers"],
-        unpin_workers=shape["unpin_workers"], background=shape["background"],
+        unpin_workers=shape["unpin_workers"], background=shape["background"], registrars=fake.engines,
     )  # fmt: skip
     return pool, fake
+
+
+def released(pool: pinpool.PinnedPool, fake: Trap) -> None:
+    """assert_released, and every transfer engine holds nothing."""
+    assert_released(pool, fake, claims_before=fake.claims_before)
+    assert all(engine.registered == {} for engine in fake.engines), [e.registered for e in fake.engines]
 
 
 def signal_main(signum: int = signal.SIGINT) -> None:
@@ -194,7 +210,7 @@ def test_sync_driver(moment: Moment, shape: dict[str, object], kind: str, sigter
     drain(caught)
     if fake.fired.is_set():
         assert caught and isinstance(caught[0], expected), caught
-    assert_released(pool, fake, claims_before=fake.claims_before)
+    released(pool, fake)
 
 
 # -- asyncio: Task.cancel() once or twice, asyncio.timeout, anyio cancel scope, Ctrl-C via asyncio.run ------
@@ -242,7 +258,7 @@ def test_asyncio_driver(moment: Moment, shape: dict[str, object], kind: str) -> 
                 assert timeout.expired()
             outcome.append("timeout" if timeout.expired() else "scope" if scope.cancelled_caught else "normal")
         finally:
-            assert_released(pool, fake, claims_before=fake.claims_before)
+            released(pool, fake)
             outcome.append("books ok")
 
     caught: list[BaseException] = []
@@ -291,7 +307,7 @@ def test_trio_driver(moment: Moment, shape: dict[str, object], kind: str) -> Non
                 await trio.sleep(0.05 if fake.fired.is_set() else 0)
             outcome.append("scope" if scope.cancelled_caught else "normal")
         finally:
-            assert_released(pool, fake, claims_before=fake.claims_before)
+            released(pool, fake)
             outcome.append("books ok")
 
     caught: list[BaseException] = []

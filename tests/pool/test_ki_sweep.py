@@ -54,7 +54,7 @@ import trio
 import pinpool
 from pinpool._pin import finalize_lifecycle, guard_state
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRegistrar, FakeRuntime
 
 KiB = 1 << 10
 CHUNK = 64 * KiB
@@ -160,6 +160,31 @@ def life_pin(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: 
     return with_block(pool, background)
 
 
+def life_registrar(backend: str | None) -> Callable[[list[pinpool.PinnedPool], FakeRuntime, bool], Callable[[], None]]:
+    """A pool that registers with two transfer engines besides the runtime (sync, or an async driver)."""
+
+    def life(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+        engines = [FakeRegistrar("one"), FakeRegistrar("two", preferred_bytes=2 * CHUNK)]
+        REGISTRARS.extend(engines)
+        pool = small_pool(runtime, background=background, registrars=engines)
+        pools.append(pool)
+        if backend is None:
+            return with_block(pool, background)
+
+        async def body() -> None:
+            async with pool:
+                if background:
+                    await pool.wait_ready()
+                pool.transfer_pieces("two", pages=range(0, 1))
+
+        return (lambda: trio.run(body)) if backend == "trio" else (lambda: asyncio.run(body()))
+
+    return life
+
+
+REGISTRARS: list[FakeRegistrar] = []  # the engines of the life being run: they must hold nothing after it
+
+
 def life_shared(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
     where = Path(tempfile.mkdtemp(prefix="pinpool-ki-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     shared = pinpool.SharedMemory(where / "kv")
@@ -181,6 +206,9 @@ SCENARIOS: dict[str, tuple[Callable[..., Callable[[], None]], bool]] = {
     "pin": (life_pin, False),
     "pin-background": (life_pin, True),
     "shared-memory": (life_shared, False),
+    "registrars": (life_registrar(None), False),
+    "registrars-trio-background": (life_registrar("trio"), True),
+    "registrars-asyncio": (life_registrar("asyncio"), False),
 }
 
 
@@ -193,6 +221,7 @@ def run_once(scenario: str, at: int) -> tuple[Trace, BaseException | None]:
     make, background = SCENARIOS[scenario]
     runtime = FakeRuntime()
     pools: list[pinpool.PinnedPool] = []
+    REGISTRARS.clear()
     claims_before = PINNED_RANGES.snapshot()
     run = make(pools, runtime, background)
     trace = Trace(at)
@@ -231,6 +260,7 @@ def run_once(scenario: str, at: int) -> tuple[Trace, BaseException | None]:
     assert not closer.is_alive(), f"{where}: close() from another thread hangs"
     assert errors == [], f"{where}: close() raised {errors!r}"
     assert runtime.registered == {}, f"{where}: left registered"
+    assert all(engine.registered == {} for engine in REGISTRARS), f"{where}: left registered with an engine"
     assert PINNED_RANGES.snapshot() == claims_before, f"{where}: a range claim left behind"
     ranges = sorted(PINNED_RANGES.snapshot().items())
     assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(ranges)), where
