@@ -10,8 +10,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import signal
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +30,29 @@ READER_BYTES = 32 * MiB  # a reader's buffer mirrors a served pool (pieces land 
 os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "0")
 
 
+_FATAL = (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT)
+
+
+@contextmanager
+def keeping_fatal_handlers() -> Iterator[None]:
+    """Mooncake's extension installs its own SIGSEGV, SIGBUS and SIGFPE handlers when it loads (glog's),
+    over faulthandler's, in whatever process imports it: here every pytest worker, whose forked children
+    (crash tests expect a SIGBUS death) inherit them. Each C handler is put back as it was."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    saved = {sig: ctypes.create_string_buffer(256) for sig in _FATAL}  # struct sigaction: 152 bytes on x86_64
+    for sig, old in saved.items():
+        assert libc.sigaction(sig, None, old) == 0, ctypes.get_errno()
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            assert libc.sigaction(sig, old, None) == 0, ctypes.get_errno()
+
+
 def _import_error(module: str) -> str | None:
     try:
-        __import__(module)
+        with keeping_fatal_handlers():
+            __import__(module)
     except ImportError as exc:  # libibverbs.so.1 missing, or the engine not installed: skip, with why
         return f"{module} cannot load here: {exc}"
     return None
@@ -92,7 +114,8 @@ def mooncake_engine() -> MooncakeEngine:
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
-    rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
+    with keeping_fatal_handlers():
+        rc = engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "")
     assert rc == 0, f"TransferEngine.initialize({HOST!r}, 'P2PHANDSHAKE', 'tcp', '') returned {rc}"
     return MooncakeEngine(engine)
 
