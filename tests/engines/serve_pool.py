@@ -9,8 +9,10 @@ segment name, or the NIXL agent's metadata in hex) and then answers one JSON lin
 - ``{"op": "pieces", "start": a, "stop": b}``: ``pieces``: ``[offset, address, nbytes, sha256]`` of each piece
   of pages ``[a, b)`` (its bytes' digest now), or ``error``/``message`` (PoolStateError: not usable yet);
 - ``{"op": "wait", "fraction": f}``: waits until that share of pages is usable (``wait_ready_sync``);
-- ``{"op": "release"}``: in background mode, registrations of the pool's second half wait until this command
-  (a gate in front of the real registrar), so the peer sees a pool that is usable only in part;
+- ``{"op": "release"}``: in background mode, the registration of the pool's last chunk waits until this command
+  (a gate in front of the real registrar), so the peer sees a pool that is usable only in part. Only the last:
+  a held call holds its worker (and a serial registrar's every call), and the last chunk is pinned last, so
+  the others are registered before it, or at most a worker's few chunks after it;
 - ``{"op": "close"}``: closes the pool, then asks the engine to let go of every registration it had:
   ``held`` lists those the engine still held (its answer was not "not registered"); ``peer`` as above;
 - ``{"op": "exit"}`` (or the end of stdin): closes the pool if it is open, and exits 0.
@@ -87,7 +89,7 @@ def main(engine_name: str, mode: str) -> None:
                 return type(exc).__name__ != "nixlNotFoundError"
             return True
 
-    gate = Gate(inner, SIZE // 2 if mode == "background" else None)
+    gate = Gate(inner, SIZE - CHUNK if mode == "background" else None)
     pool = pinpool.PinnedPool(
         layout=LAYOUT, size=SIZE, runtime="mlock", chunk_bytes=CHUNK, registrars=[gate], registry=None, name="served",
         background=mode == "background",

@@ -181,17 +181,19 @@ def test_nixl_serves_a_pool_to_another_process(
 
 
 def background_check(a: ProcessA, opened: dict[str, Any], connect: Callable[[str], Peer], local: Buffer) -> None:
-    """A's second half waits at its registrar's gate: B reads the usable pages, is refused the others' pieces,
-    and reads everything once A lets the registrations through."""
-    n = opened["num_pages"]
+    """A's last registration waits at its registrar's gate: B reads the pages A reports usable, is refused
+    pieces of the others, and reads everything once A lets the registration through."""
+    n, per_chunk = opened["num_pages"], (1 << 20) // opened["page_bytes"]
     assert a.ask("wait", fraction=0.5)["pages"] >= n // 2
     ready = a.ask("ready")
     usable = ready["pages"]
-    assert n // 2 <= usable < n  # the gate holds every registration of the second half
+    assert n // 2 <= usable <= n - per_chunk  # the last chunk's pages wait for its registration
     peer = connect(ready["peer"])
-    assert read_pages(a, peer, local, range(0, usable)) == 12
-    refused = a.ask("pieces", start=usable, stop=usable + 1)
-    assert refused["error"] == "PoolStateError" and f"pages [0, {usable}) usable" in refused["message"]
+    assert read_pages(a, peer, local, range(0, usable)) == -(-usable // per_chunk)  # one piece per registration
+    # The held registration's pages: refused, whatever else landed meanwhile (pages past `usable` may have).
+    refused = a.ask("pieces", start=n - 1, stop=n)
+    assert refused.get("error") == "PoolStateError", refused
+    assert f"bytes [{(n - per_chunk) * opened['page_bytes']}, " in refused["message"]
     assert a.ask("release") == {"released": True}
     assert a.ask("wait", fraction=1.0)["pages"] == n
     ready = a.ask("ready")
