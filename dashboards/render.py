@@ -7,7 +7,8 @@
 What it does, all on this host: serves a fresh metrics registry on a loopback port, starts a real
 Prometheus (the ``prometheus`` binary: Debian's ``prometheus`` package) that scrapes it every
 200 ms into a temporary directory, pins a real mlock pool of ``--size`` (root, or an
-RLIMIT_MEMLOCK above it), holds it, unpins it, pins it again, then runs every query of the
+RLIMIT_MEMLOCK above it), registered with a stand-in transfer registrar (``pinpool.testing.FakeRegistrar``),
+holds it, unpins it, pins it again, then runs every query of the
 stat and time-series panels of ``dashboards/pinpool.json`` (their own PromQL, the dashboard
 variables as "all" and ``$__rate_interval`` as 1 s) through Prometheus's HTTP API, and draws
 the answers where the dashboard puts the panels. The heatmap is not drawn. Standard library,
@@ -115,6 +116,7 @@ def scrape(size: str) -> tuple[dict[str, Any], float, float, float]:
 
     import pinpool
     import pinpool.metrics
+    from pinpool.testing import FakeRegistrar
 
     if shutil.which("prometheus") is None:
         raise SystemExit("render.py: needs the prometheus binary on PATH (Debian: apt-get install prometheus)")
@@ -128,11 +130,13 @@ def scrape(size: str) -> tuple[dict[str, Any], float, float, float]:
             start = time.time()
             time.sleep(1.0)  # a baseline: nothing open
             options = {"runtime": "mlock", "registry": registry, "name": "kv", "max_call_seconds": 0.05}
-            with pinpool.PinnedPool(size=size, **options):
+            # The transfer engine row: a stand-in registrar (no engine runs here), registering runs of 4 chunks.
+            engine = {"registrars": [FakeRegistrar("engine", preferred_bytes=256 << 20, register_delay=0.002)]}
+            with pinpool.PinnedPool(size=size, **options, **engine):
                 time.sleep(2.0)  # held: what the stat row shows
                 held = time.time() - 1.0
             time.sleep(1.0)
-            with pinpool.PinnedPool(size=size, **options):
+            with pinpool.PinnedPool(size=size, **options, **engine):
                 time.sleep(1.0)
             time.sleep(1.5)  # the last rates fall back to zero
             end = time.time()

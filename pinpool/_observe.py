@@ -67,6 +67,10 @@ class Observer:
         self.longest: dict[str, float] = {"register": 0.0, "populate": 0.0, "unregister": 0.0}
         self._was_ready = False
         self._told_waiting = False
+        # Transfer registrars' runs counted in their gauges now, (registrar, offset, nbytes) -> how many times:
+        # an unregister moves the gauges only for a run counted (a "maybe registered" one was not), once each.
+        self._transfer_live: dict[tuple[str, int, int], int] = {}
+        self._transfer_lock = threading.Lock()
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:  # self.log.<level>(event, **fields)
         try:
@@ -191,8 +195,37 @@ class Observer:
 
     # -- transfer registrars (pinpool.registrars): one event per registration call ------------------
 
+    def _transfer_book(self, registrar: str, run: Chunk, step: int) -> int:
+        """Move ``registrar``'s book of live runs by ``step`` (+1 registered, -1 unregistered); the bytes its
+        gauges move by: 0 where no open pool counts it (an unregistered "maybe registered" run was never)."""
+        key = (registrar, run.offset, run.nbytes)
+        with self._transfer_lock:
+            if self._info_labels is None:  # not between pin_started and unpinned: no gauge to move
+                return 0
+            held = self._transfer_live.get(key, 0)
+            if step < 0 and held <= 0:
+                return 0
+            if held + step:
+                self._transfer_live[key] = held + step
+            else:
+                del self._transfer_live[key]
+        return step * run.nbytes
+
+    def _transfer_gauges(self, m: PoolMetrics, registrar: str, moved: int) -> None:
+        if moved:
+            labels = (*self._labels, registrar)
+            m.transfer_used(self._labels, registrar)  # before the series exist: they go with the pool's labels
+            m.transfer_registrations.labels(*labels).inc(1 if moved > 0 else -1)
+            m.transfer_registered_bytes.labels(*labels).inc(moved)
+
     def transfer_registered(self, registrar: str, run: Chunk, seconds: float) -> None:
         """``registrar`` registered ``run`` (bytes of the pool) in ``seconds``."""
+        moved = self._transfer_book(registrar, run, +1)
+        self._metric(
+            "transfer_registered",
+            lambda m: m.transfer_register_seconds.labels(*self._labels, registrar).observe(seconds),
+            lambda m: self._transfer_gauges(m, registrar, moved),
+        )
         if self._chunk_debug:
             self._emit(
                 "debug", "transfer.registered", registrar=registrar, offset=run.offset, nbytes=run.nbytes,
@@ -200,7 +233,12 @@ class Observer:
             )  # fmt: skip
 
     def transfer_failed(self, registrar: str, op: str, run: Chunk, error: RuntimeCallError, seconds: float) -> None:
-        """``registrar``'s ``op`` ("register" or "unregister") of ``run`` failed."""
+        """``registrar``'s ``op`` ("register" or "unregister") of ``run`` failed. A failed unregister keeps
+        ``run`` in the gauges: it may still be registered (and keeps their series past the pool's close)."""
+        reason = error.reason if error.reason in self._reasons else OTHER_REASON  # bounded: one series each
+        self._metric(
+            "transfer_failed", lambda m: m.transfer_failures.labels(*self._labels, registrar, op, reason).inc()
+        )
         self._emit(
             "warning", "transfer.failed", registrar=registrar, op=op, offset=run.offset, nbytes=run.nbytes,
             seconds=round(seconds, 6), code=error.code, reason=error.reason, error=error.message,
@@ -208,11 +246,22 @@ class Observer:
 
     def transfer_unregistered(self, registrar: str, run: Chunk, seconds: float) -> None:
         """``registrar`` unregistered ``run`` in ``seconds`` (or found it not registered: nothing to undo)."""
+        moved = self._transfer_book(registrar, run, -1)
+        self._metric(
+            "transfer_unregistered",
+            lambda m: m.transfer_unregister_seconds.labels(*self._labels, registrar).observe(seconds),
+            lambda m: self._transfer_gauges(m, registrar, moved),
+        )
         if self._chunk_debug:
             self._emit(
                 "debug", "transfer.unregistered", registrar=registrar, offset=run.offset, nbytes=run.nbytes,
                 seconds=round(seconds, 6),
             )  # fmt: skip
+
+    def transfer_leaked(self) -> tuple[str, ...]:
+        """The registrars with runs still counted live: a failed unregister left them maybe registered."""
+        with self._transfer_lock:
+            return tuple(sorted({registrar for registrar, _offset, _nbytes in self._transfer_live}))
 
     def _piece_event(self, level: str, event: str, piece: Chunk, ptr: int, answer: RuntimeCallError) -> None:
         self._emit(
@@ -311,9 +360,12 @@ class Observer:
                     if self._info_labels is not None:
                         m.pool_info.labels(*self._info_labels).dec()
                 finally:  # whatever failed above, the pool's series go with the last open pool of its labels
-                    info_labels, self._info_labels = self._info_labels, None
+                    with self._transfer_lock:  # no transfer gauge moves once the pool's series may be gone
+                        info_labels, self._info_labels = self._info_labels, None
                     if info_labels is not None:  # pin_started took them
-                        m.pool_closed(labels, info_labels, leaked_bytes=leaked_bytes)
+                        m.pool_closed(
+                            labels, info_labels, leaked_bytes=leaked_bytes, transfer_leaked=self.transfer_leaked()
+                        )
             except Exception as exc:
                 self._metric_failed("unpinned", exc)
         if failures:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, start_http_server
@@ -21,6 +22,7 @@ REGISTER_BUCKETS = (*(0.001 * 2**k for k in range(16)), 60.0)
 POOL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 _BASE = ("pool", "runtime")
+_TRANSFER = (*_BASE, "registrar")  # a transfer registrar's families (pinpool.registrars): its name, never an offset
 
 _CALL_OPS = ("register", "populate", "unregister")  # the ``op`` label of call_seconds_max
 OTHER_REASON = "other"  # the ``reason`` label of chunk_failures for a reason not documented
@@ -34,7 +36,7 @@ class PoolMetrics:
     """The metric families of one registry, and the open pools holding each label tuple's gauge series."""
 
     # The instance dict holds the metric families only (a failed __init__ unregisters all of it).
-    __slots__ = ("__dict__", "_leaked", "_lock", "_open")
+    __slots__ = ("__dict__", "_leaked", "_lock", "_open", "_registrars", "_transfer_leaked")
 
     def __init__(self, registry: CollectorRegistry) -> None:
         try:
@@ -50,6 +52,14 @@ class PoolMetrics:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, ...], int] = {}  # (pool, runtime), or pool_info's 5 labels -> open pools
         self._leaked: dict[tuple[str, ...], int] = {}  # (pool, runtime) -> bytes that may still be pinned
+        self._registrars: dict[tuple[str, ...], set[str]] = {}  # (pool, runtime) -> registrars with gauge series
+        self._transfer_leaked: set[tuple[str, ...]] = set()  # (pool, runtime, registrar): may still be registered
+
+    def transfer_used(self, labels: tuple[str, ...], registrar: str) -> None:
+        """An open pool with ``labels`` is about to set ``registrar``'s gauges: their series go with the last
+        open pool of ``labels`` (a registrar's name is not known when the pool opens)."""
+        with self._lock:
+            self._registrars.setdefault(labels, set()).add(registrar)
 
     def pool_opened(self, labels: tuple[str, ...], info_labels: tuple[str, ...]) -> None:
         """A pool starts pinning: before its first gauge update (a closing namesake keeps off its series)."""
@@ -64,13 +74,18 @@ class PoolMetrics:
             self._open[key] = left
         return left <= 0
 
-    def pool_closed(self, labels: tuple[str, ...], info_labels: tuple[str, ...], *, leaked_bytes: int = 0) -> None:
+    def pool_closed(
+        self, labels: tuple[str, ...], info_labels: tuple[str, ...], *, leaked_bytes: int = 0,
+        transfer_leaked: Iterable[str] = (),
+    ) -> None:  # fmt: skip
         """A pool closed, after its last gauge update: the last of its labels takes their series, except
-        ``pinned_bytes`` while bytes with those labels may still be pinned (a failed unregistration)."""
+        ``pinned_bytes`` while bytes with those labels may still be pinned (a failed unregistration), and a
+        registrar's transfer gauges while a registration may still be live (``transfer_leaked``: their names)."""
         keep = _multiprocess()  # prometheus_client cannot remove a series there; livesum drops dead processes
         with self._lock:
             if leaked_bytes:
                 self._leaked[labels] = self._leaked.get(labels, 0) + leaked_bytes
+            self._transfer_leaked.update((*labels, registrar) for registrar in transfer_leaked)
             if self._last_closed(info_labels) and not keep:
                 self.pool_info.remove(*info_labels)
             if not self._last_closed(labels) or keep:
@@ -81,6 +96,10 @@ class PoolMetrics:
                 self.pinned_bytes.remove(*labels)
             for op in _CALL_OPS:
                 self.call_seconds_max.remove(*labels, op)
+            for registrar in self._registrars.pop(labels, ()):
+                if (*labels, registrar) not in self._transfer_leaked:
+                    self.transfer_registrations.remove(*labels, registrar)
+                    self.transfer_registered_bytes.remove(*labels, registrar)
 
     def _create(self, registry: CollectorRegistry) -> None:
         kw: dict[str, Any] = {"registry": registry}
@@ -145,6 +164,24 @@ class PoolMetrics:
         self.pool_info = Gauge(
             "pinpool_pool_info", "Configuration of open pools (value 1).",
             (*_BASE, "layout", "granularity_bytes", "chunk_bytes"), multiprocess_mode="liveall", **kw)  # fmt: skip
+        # Transfer registrars (pinpool.registrars): a second registration of the pool's memory, with an engine.
+        self.transfer_registrations = Gauge(
+            "pinpool_transfer_registrations",
+            "Live registrations of pool memory with a transfer registrar (a transfer engine: Mooncake, NIXL, ...).",
+            _TRANSFER, **live)  # fmt: skip
+        self.transfer_registered_bytes = Gauge(
+            "pinpool_transfer_registered_bytes", "Bytes of pool memory registered with a transfer registrar now.",
+            _TRANSFER, **live)  # fmt: skip
+        self.transfer_register_seconds = Histogram(
+            "pinpool_transfer_register_seconds", "Duration of one registration call of a transfer registrar.",
+            _TRANSFER, **calls)  # fmt: skip
+        self.transfer_unregister_seconds = Histogram(
+            "pinpool_transfer_unregister_seconds", "Duration of one unregistration call of a transfer registrar.",
+            _TRANSFER, **calls)  # fmt: skip
+        self.transfer_failures = Counter(
+            "pinpool_transfer_failures_total",
+            "Failed calls of a transfer registrar, by op (register, unregister) and reason.",
+            (*_TRANSFER, "op", "reason"), **kw)  # fmt: skip
 
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, PoolMetrics] = weakref.WeakKeyDictionary()

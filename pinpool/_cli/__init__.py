@@ -23,6 +23,8 @@ __all__ = ["LAYOUT_FILE_MAX_BYTES", "build_parser", "cli_size", "layout_from_fil
 __getattr__ = lazy_exports(__name__, {
     "doctor": "CHUNK_ENV FAIL KNOWN_ENV OK SKIP STATUSES WARN Check CudaFacts DoctorFacts check_cuda check_env "
               "check_half_made check_kernel check_region env_chunk_limit exit_code read_facts render_text run_checks",
+    "engines": "ENGINES Engine EngineFacts RdmaDevice TransferFacts check_engine check_rdma check_rdma_memlock "
+               "library_fix read_engines read_rdma read_transfer_facts transfer_checks",
     "options": "FAMILIES FIELDS family_fields",
     "pin": "faulted_bytes first_line hold",
     "progress": "EventLog ProgressReporter ResidentGrowth format_eta percentile render_bar render_line while_loading",

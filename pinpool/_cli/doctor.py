@@ -9,7 +9,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import _probe
@@ -20,6 +20,7 @@ from .._plan.facts import HostFacts
 from .._plan.preflight import FAIL, OK, SKIP, STATUSES, WARN, Check
 from .._units import format_bytes
 from ..runtimes._gpu import CudaFacts, read_cuda_facts
+from .engines import TransferFacts, read_transfer_facts, transfer_checks
 from .options import pool_options
 from .progress import while_loading
 
@@ -49,6 +50,7 @@ class DoctorFacts:
     env: Mapping[str, str]
     regions: tuple[RegionInfo, ...] = ()  # pinpool.SharedMemory regions in /dev/shm and hugetlbfs mounts
     half_made: tuple[HalfMade, ...] = ()  # regions' temporary files: being made now, or left by a dead creator
+    transfer: TransferFacts = field(default_factory=TransferFacts)  # transfer engines (Mooncake, NIXL), RDMA devices
 
 
 def check_cgroup(host: HostFacts) -> Check:
@@ -284,6 +286,7 @@ def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
         check_kernel(host.kernel_release, host.populate_write, env_chunk_limit(facts.env)),
         preflight.numa_check(None, host.numa_nodes),
         check_cuda(facts.cuda),
+        *transfer_checks(facts.transfer, host, size),
         *check_env(facts.env),
         *(check_region(region) for region in facts.regions),
         *(check_half_made(half) for half in facts.half_made),
@@ -315,9 +318,10 @@ def to_json(checks: Sequence[Check], size: int | None, version: str) -> dict[str
             "checks": [asdict(c) for c in checks]}  # fmt: skip
 
 
-def read_facts(*, cuda: bool = True, region_dirs: Sequence[str] | None = None) -> DoctorFacts:
+def read_facts(*, cuda: bool = True, region_dirs: Sequence[str] | None = None, engines: bool = True) -> DoctorFacts:
     """This host's facts now. ``cuda=False`` skips the GPU probe (and the torch import); ``region_dirs``:
-    where to look for shared regions (None: every tmpfs and hugetlbfs mount)."""
+    where to look for shared regions (None: every tmpfs and hugetlbfs mount); ``engines=False`` skips
+    importing the transfer engines (in child interpreters) and reading the RDMA devices."""
     from .._shared.format import find_half_made, find_regions
 
     return DoctorFacts(
@@ -326,6 +330,7 @@ def read_facts(*, cuda: bool = True, region_dirs: Sequence[str] | None = None) -
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
         regions=tuple(find_regions(region_dirs)),
         half_made=tuple(find_half_made(region_dirs)),
+        transfer=read_transfer_facts(probe=engines),
     )
 
 
@@ -337,9 +342,8 @@ def run_doctor(args: argparse.Namespace) -> int:
 
         removed = remove_half_made(args.region_dirs)
     with while_loading("reading this host" + (" (loading torch to ask about GPUs)" if args.cuda else "")):
-        checks = run_checks(read_facts(cuda=args.cuda, region_dirs=args.region_dirs), size) + [
-            check_removed(*each) for each in removed
-        ]
+        facts = read_facts(cuda=args.cuda, region_dirs=args.region_dirs, engines=args.engines)
+        checks = run_checks(facts, size) + [check_removed(*each) for each in removed]
     if args.json:
         from .. import __version__
 

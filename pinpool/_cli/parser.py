@@ -62,12 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=run_plan)
 
     doctor = command(
-        "doctor", "check this host for pinning: limits, memory, huge pages, kernel, NUMA, GPU, environment",
+        "doctor", "check this host for pinning: limits, memory, huge pages, kernel, NUMA, GPU, transfer engines, "
+        "environment",
         "Check this host for pinning a pool, each check ok / warn / fail / skip with a one-line fix. Exits 1 when "
         "a check fails (warnings do not).",
     )  # fmt: skip
     doctor.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=True,
                         help="ask torch and the driver about GPUs (default: yes, when torch sees one)")  # fmt: skip
+    doctor.add_argument("--engines", action=argparse.BooleanOptionalAction, default=True,
+                        help="check the transfer engines (Mooncake, NIXL: each imported in a child process) and "
+                        "the RDMA devices with what registering over them needs (default: yes)")  # fmt: skip
     doctor.add_argument("--remove-stale", action="store_true",
                         help="first remove the regions that creators which died left half-made (this user's "
                         "temporary files in /dev/shm and hugetlbfs mounts); each is listed")  # fmt: skip

@@ -27,7 +27,7 @@ from .._plan.prefix import PrefixTracker
 from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
 from .ledger import Phase, RegistrationBook, StopCause
-from .pipeline import WAIT, Landing, Pipeline, _Wait, take_batch
+from .pipeline import WAIT, Batch, Landing, Pipeline, _Wait, take_batch
 from .transfer_ledger import Item
 from .transfers import Transfers
 from .untrusted import Answer, Op, untrusted_call
@@ -93,18 +93,19 @@ class PinSession:
             prefix=None if registrars else self.prefix, spans=plan.spans,
         )  # fmt: skip
         self.ledger = self.pipeline.ledger
+        self.lock = threading.Lock()
         self.calls: dict[int, tuple[str, int, int, float]] = {}  # by thread: op, ptr, nbytes, start
         self.raised: list[BaseException] = []  # what the runtime raised that is no Exception
         self.transfers = None if not registrars else Transfers(
             plan.transfers, registrars, self.pipeline, self.prefix, base_ptr=memory.address, observer=observer,
-            calls=self.calls, raised=self.raised,
+            calls=self.calls, raised=self.raised, lock=self.lock,
         )  # fmt: skip
         self.book = RegistrationBook(self.ledger.chunks)  # pool.registrations
-        self.lock = threading.Lock()
         self._changed = threading.Condition(self.lock)
         self.base_ptr = memory.address
         self.observer = observer
         self.unpin_workers = plan.unpin_workers
+        self.plan_threads, self.transfer_workers = plan.threads, plan.transfer_workers
         populate: Callable[[int, int], None] = (
             cast(Populates, runtime).populate
             if caps.populates
@@ -197,18 +198,28 @@ class PinSession:
                     return item
                 self._changed.wait()
 
-    def work(self) -> None:
-        """One pinning worker: populate spans and register chunks, as the pipeline hands them out."""
+    def work(self, *, transfers: bool = False) -> None:
+        """One pinning worker: populate spans and register chunks, as the pipeline hands them out (a ready
+        transfer registration when it has none); with ``transfers``, registrations only."""
         if self._pin_nice > 0 and threading.get_ident() != self._owner_thread:
             lower_this_thread(self._pin_nice)  # a fresh thread that only pins: nothing to restore
         self._go.wait()
+        take = self.transfers.next_transfer if transfers else self._next_pinning  # type: ignore[union-attr]
         self._run(_Work(
-            take=self._take_pinning, do=self._pin, failed=self._pin_failed, keep=self._observe, land=self._land,
-            stops=True,
+            take=functools.partial(self._take, take), do=self._pin, failed=self._pin_failed, keep=self._observe,
+            land=self._land, stops=True,
         ))  # fmt: skip
 
-    def _take_pinning(self) -> tuple[int | Span | Item, ...] | None:
-        batch = self._next(self.transfers.next_work if self.transfers else self.pipeline.next_work)
+    def worker_bodies(self) -> tuple[Callable[[], None], ...]:
+        """What the pinning threads run: pinning workers, then the transfer registrars' own."""
+        pinning = self.plan_threads - self.transfer_workers
+        return (self.work,) * pinning + (functools.partial(self.work, transfers=True),) * self.transfer_workers
+
+    def _next_pinning(self) -> Batch | _Wait | None:
+        return self.transfers.next_work() if self.transfers else self.pipeline.next_work()
+
+    def _take(self, take: Callable[[], Batch | _Wait | None]) -> tuple[int | Span | Item, ...] | None:
+        batch = self._next(take)
         return None if batch is None else batch.items
 
     def _pin(self, item: int | Span | Item) -> Landing:
@@ -363,13 +374,6 @@ class PinSession:
             error = between_calls_error(exc, "register", self.base_ptr + chunk.offset, chunk.nbytes)
             attempts.append(ChunkFailure(chunk, "register", error))
             return Landing(index, error, pieces=tuple(done), maybe=tuple(maybe), attempts=tuple(attempts), seconds=0.0)
-
-    def transfer_registrations(self, index: int) -> list[tuple[Chunk, object]]:
-        """Registrar ``index``'s registrations held now, with their handles (none in a forked child)."""
-        if self.transfers is None or os.getpid() != self.pid:
-            return []
-        with self.lock:
-            return self.transfers.books.live(index)
 
     def leaked(self) -> tuple[Chunk, ...]:
         """What may still be held: chunks the runtime may have pinned, registrations an engine may hold."""

@@ -133,7 +133,7 @@ class Lifecycle:
             raise
         self.memory, self.session = memory, session
         pinning = RunThreads(
-            bodies=(session.work,) * self.plan.threads, name=f"pinpool-{self.name}", interruptible=True,
+            bodies=session.worker_bodies(), name=f"pinpool-{self.name}", interruptible=True,
             on_interrupt=session.cancel, on_tick=self._tick, on_started=session.go,
         )  # fmt: skip
         if self.background:

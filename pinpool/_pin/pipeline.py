@@ -116,6 +116,11 @@ class Pipeline:
         return ledger.stop_cause is not None or ledger.phase is not Phase.PINNING
 
     @property
+    def handed_out(self) -> bool:
+        """Every span and chunk was handed out (some may still be in flight)."""
+        return self._next_span >= len(self.spans) and self.ledger.pending == 0
+
+    @property
     def in_flight(self) -> int:
         return self._populating + self.ledger.in_flight
 

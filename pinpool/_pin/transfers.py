@@ -5,6 +5,7 @@ chunk of the runtime's). Decisions are the books' (:mod:`.transfer_ledger`); thi
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,24 +32,39 @@ class Transfers:
         self, plans: Sequence[TransferPlan], registrars: Sequence[TransferRegistrar], pipeline: Pipeline,
         prefix: PrefixTracker, *,
         base_ptr: int, observer: Observer, calls: dict[int, tuple[str, int, int, float]], raised: list[BaseException],
+        lock: threading.Lock,
     ) -> None:  # fmt: skip
         self.books = TransferLedger(plans, prefix)
         self.pipeline = pipeline
         self.registrars = tuple(registrars)
         self.base_ptr, self.observer = base_ptr, observer
         self._calls, self._raised = calls, raised  # the session's: what teardown waits on, what to raise again
+        self._lock, self._pid = lock, os.getpid()
+
+    def live(self, index: int) -> list[tuple[Chunk, object]]:
+        """Registrar ``index``'s registrations held now, with their handles (none in a forked child)."""
+        if os.getpid() != self._pid:
+            return []
+        with self._lock:
+            return self.books.live(index)
 
     # -- pinning -------------------------------------------------------------------------------
 
     def next_work(self) -> Batch | _Wait | None:
-        """A registration whose chunks are all pinned, else the pipeline's next batch; WAIT while one may come."""
-        books, pipeline = self.books, self.pipeline
-        if not pipeline.stopped and (item := books.claim()) is not None:
-            return Batch("transfer", (item,))
-        work = pipeline.next_work()
-        if work is not None or pipeline.stopped or books.complete:
+        """A pinning worker's next batch: the pipeline's, else a registration whose chunks are all pinned."""
+        work = self.pipeline.next_work()
+        if isinstance(work, Batch) or self.pipeline.stopped or (item := self.books.claim()) is None:
             return work
-        if not (pipeline.in_flight or books.in_flight):  # nothing can land and make a registration ready
+        return Batch("transfer", (item,))
+
+    def next_transfer(self) -> Batch | _Wait | None:
+        """A transfer worker's next registration; WAIT until one is ready, None once none will be."""
+        books, pipeline = self.books, self.pipeline
+        if pipeline.stopped or books.complete:
+            return None
+        if (item := books.claim()) is not None:
+            return Batch("transfer", (item,))
+        if not (pipeline.in_flight or books.in_flight or not pipeline.handed_out):
             raise LedgerError("transfer registrations would wait forever: no chunk or registration is in flight")
         return WAIT
 

@@ -121,6 +121,9 @@ def _no_aligned_boundary(granularity: int, misalignment: int) -> ConfigError:
 
 MAX_DEFAULT_WORKERS = 8
 MAX_DEFAULT_POPULATE_WORKERS = 16
+MAX_TRANSFER_WORKERS = 8
+TRANSFER_CHUNKS = 16  # with registrars, the default plan splits a pool into about this many chunks,
+MIN_TRANSFER_CHUNK_BYTES = 64 << 20  # none smaller than this
 MIN_PARALLEL_CHUNK_BYTES = 1 << 30  # the default limit's split for workers: smaller chunks only add calls
 CHUNKS_PER_WORKER = 4
 MAX_SPAN_BYTES = 512 << 20  # what one populate call holds mmap_lock for, at most
@@ -217,6 +220,7 @@ class Schedule(PoolPlan):
     pin_chunks: ChunkTable  # the chunks in pin order: the page prefix grows early (_plan/prefix.py)
     page_runs: tuple[PageRun, ...]
     registrations_reason: str
+    transfer_workers: int = 0  # threads that only make transfer registrars' calls (the last of ``threads``)
 
     @functools.cached_property
     def public(self) -> PoolPlan:
@@ -246,6 +250,9 @@ def plan_pool(
     limit = options.chunk_limit
     workers = max(wanted_register, wanted_populate)
     split_limit = parallel_limit(options, total, workers)
+    if transfers and options.chunk_bytes is None and options.max_chunk_bytes is None:
+        # Registrars register a chunk once it is pinned: with enough chunks only the last one's call is not hidden.
+        split_limit = min(split_limit, max(MIN_TRANSFER_CHUNK_BYTES, -(-total // TRANSFER_CHUNKS)))
     buffers = tuple(
         _buffer_plan(spec, offset, options, caps, page_size, source_start, split_limit) for spec, offset in placed
     )
@@ -266,14 +273,22 @@ def plan_pool(
     # With tiny chunks faulting runs a few batches of chunks ahead, not a span each (more slows every chunk).
     lookahead_bytes = max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS))
     quota_cpus = None if host.cpu_quota is None else host.cpu_quota.cpus
+    # Threads of their own, so an engine registers chunk k while chunk k+1 pins: as many as register chunks
+    # (one for an engine that takes one call at a time), so registering keeps up with pinning.
+    plans = tuple(
+        plan_transfer(name, limits, chunks, page_size, workers=register_workers if limits.parallel else 1)
+        for name, limits in transfers
+    )  # fmt: skip
+    transfer_workers = min(MAX_TRANSFER_WORKERS, sum(plan.workers for plan in plans))
     return Schedule(
         nbytes=total, num_pages=where.num_pages, page_bytes=options.layout.page_bytes, chunks=chunks,
         chunk_bytes=chunk_bytes, chunk_limit=limit, granularity=_common_granularity(buffers), order=order,
         populate=populate, huge_pages=options.huge_pages, numa_node=options.numa_node,
         register_workers=register_workers, populate_workers=populate_workers,
         unpin_workers=_unpin_workers(options, host, len(chunks)),
-        threads=(sum(pair) if order is Order.POPULATE_FIRST else max(pair)) + (1 if transfers else 0),
-        transfers=tuple(plan_transfer(name, limits, chunks, page_size) for name, limits in transfers),
+        threads=(sum(pair) if order is Order.POPULATE_FIRST else max(pair)) + transfer_workers,
+        transfers=plans,
+        transfer_workers=transfer_workers,
         page_size=page_size, align=where.align, source_start=source_start, buffers=buffers,
         mapping_bytes=where.mapping_bytes if ranges is None else max(page_size, ranges.extent),
         cpu_budget=host.cpu_budget, cpu_quota=quota_cpus,

@@ -24,6 +24,7 @@ class TransferPlan:
     name: str
     registrations: ChunkTable
     limits: RegistrarLimits
+    workers: int = 1  # threads of its own that make its calls
 
     @property
     def largest_bytes(self) -> int:
@@ -54,7 +55,9 @@ def bound_by_registrars(options: PoolOptions, transfers: Sequence[tuple[str, Reg
     return dataclasses.replace(options, chunk_limit=most)
 
 
-def plan_transfer(name: str, limits: RegistrarLimits, chunks: ChunkTable, page_size: int) -> TransferPlan:
+def plan_transfer(
+    name: str, limits: RegistrarLimits, chunks: ChunkTable, page_size: int, *, workers: int = 1
+) -> TransferPlan:
     """Join consecutive equal ``chunks`` into registrations of at most ``limits.preferred_bytes`` (None: one per
     chunk), never more than ``limits.max_bytes``: a table of runs, whatever the chunk count."""
     target = limits.preferred_bytes or 0
@@ -77,7 +80,7 @@ def plan_transfer(name: str, limits: RegistrarLimits, chunks: ChunkTable, page_s
                 f'{format_bytes(page_size)} pages: use huge_pages="hugetlb" (2 MiB pages need 512x fewer entries), a '
                 "smaller pool, or raise the budget where the hardware allows (Mooncake: MC_EFA_MAX_PTE_ENTRIES)"
             )
-    return TransferPlan(name, registrations, limits)
+    return TransferPlan(name, registrations, limits, max(1, min(workers, len(registrations))))
 
 
 def split_at_registrations(plan: TransferPlan, offset: int, nbytes: int) -> list[tuple[int, int, int]]:

@@ -289,12 +289,12 @@ class PinnedPool:
         """What ``registrar`` (the object or its name) holds of the pool now, sorted; empty when not open."""
         index = self._registrar_index(registrar)
         session, memory = self._lifecycle.session, self._lifecycle.memory
-        if session is None or memory is None:
+        if session is None or session.transfers is None or memory is None:
             return ()
         name = self._registrars[index].name
         return tuple(
             TransferRegistration(name, run.offset, run.nbytes, memory.address + run.offset, handle)
-            for run, handle in session.transfer_registrations(index)
+            for run, handle in session.transfers.live(index)
         )
 
     def transfer_pieces(
@@ -308,9 +308,9 @@ class PinnedPool:
         self._require_open("transfer_pieces")
         spans = self._transfer_spans(pages, offset, nbytes)
         session, memory = self._lifecycle.session, self._lifecycle.memory
-        assert session is not None and memory is not None
+        assert session is not None and session.transfers is not None and memory is not None
         plan, name = self._plan.transfers[index], self._registrars[index].name
-        held = {run.offset: handle for run, handle in session.transfer_registrations(index)}
+        held = {run.offset: handle for run, handle in session.transfers.live(index)}
         pieces: list[TransferPiece] = []
         for start, length in spans:
             for piece_offset, piece_bytes, r in split_at_registrations(plan, start, length):

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pinpool
-from pinpool.testing import FakeRuntime
+from pinpool.testing import FakeRegistrar, FakeRuntime
 
 from ..conftest import needs_mlock
 
@@ -344,7 +344,16 @@ def exposition() -> str:
     anyio.run(cancelled)
     with pool(runtime=FakeRuntime(), node_slots=2, node_dir=tempfile.mkdtemp(prefix="pinpool-node-")):
         pass  # node pacing: pinpool_node_wait_seconds{kind="slot"}
-    with pool(runtime=FakeRuntime()):
+    # Transfer registrars: a registration refused, an unregistration failed, and registrations held.
+    with pytest.raises(pinpool.PinError):
+        with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine", fail_register_on=2)], max_retries=0):
+            pass
+    with (
+        pytest.raises(pinpool.UnpinError),
+        pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine", fail_unregister_on=1)]),
+    ):
+        pass
+    with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]):
         return generate_latest(registry).decode()
 
 
@@ -400,7 +409,7 @@ def test_every_referenced_label_exists(exposition: str) -> None:
         used.update(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)\s*\"", text))
         used.update(re.findall(r"\$labels\.(\w+)", text))
         used.update(re.findall(r"label_values\(.*, (\w+)\)", text))
-    assert {"pool", "phase", "reason", "cause", "le", "job", "instance"} <= used
+    assert {"pool", "phase", "reason", "cause", "le", "job", "instance", "registrar", "op"} <= used
     assert used <= known, f"labels not exposed by pinpool (nor job/instance): {sorted(used - known)}"
 
 
@@ -422,7 +431,7 @@ def test_promtool_check_metrics(exposition: str) -> None:
 def test_promtool_check_rules() -> None:
     result = subprocess.run([PROMTOOL or "promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
 
 
 @needs_promtool
@@ -442,7 +451,7 @@ def test_every_alert_is_unit_tested_firing_and_not() -> None:
     names = alert_names()
     assert names == [
         "PinpoolRegistrationFailures", "PinpoolUnpinFailures", "PinpoolRollbacks", "PinpoolSlowChunkRegistration",
-        "PinpoolPoolBelowTarget",
+        "PinpoolPoolBelowTarget", "PinpoolTransferRegistrationFailures",
     ]  # fmt: skip
     tests = (DASHBOARDS / "alerts_test.yml").read_text(encoding="utf-8")
     blocks = re.split(r"\n\s*- eval_time:", tests)[1:]
@@ -627,7 +636,7 @@ _CHILD = textwrap.dedent(
 
     import pinpool
     from pinpool.metrics import serve
-    from pinpool.testing import FakeRuntime
+    from pinpool.testing import FakeRegistrar, FakeRuntime
 
     MiB = 1 << 20
     deadline = time.monotonic() + float(sys.argv[1])
@@ -658,14 +667,19 @@ _CHILD = textwrap.dedent(
             pass
     except pinpool.UnpinError:
         pass
-    with pool(runtime=FakeRuntime()):  # stays open
+    try:  # a transfer engine refuses a registration
+        with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine", fail_register_on=2)], max_retries=0):
+            raise AssertionError("the body must not run")
+    except pinpool.PinError:
+        pass
+    with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]):  # stays open
         print(server.server_port, flush=True)
         # Keep pinning short-lived pools so rates and quantiles have increases to work on.
         for _ in range(1000):
             if time.monotonic() > deadline:
                 break
             with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), register_workers=2,
-                      node_slots=2, node_dir=node_dir):
+                      node_slots=2, node_dir=node_dir, registrars=[FakeRegistrar("engine", register_delay=0.002)]):
                 time.sleep(0.05)
             time.sleep(0.2)
     """
@@ -772,7 +786,10 @@ def test_dashboard_queries_against_real_prometheus(tmp_path: Path) -> None:
         assert sorted(rule["name"] for rule in rules) == sorted(alert_names())
         assert all(rule["health"] == "ok" for rule in rules), rules
         deadline = time.monotonic() + 20
-        expected = {"PinpoolRegistrationFailures", "PinpoolUnpinFailures", "PinpoolRollbacks"}
+        expected = {
+            "PinpoolRegistrationFailures", "PinpoolUnpinFailures", "PinpoolRollbacks",
+            "PinpoolTransferRegistrationFailures",
+        }  # fmt: skip
         active: set[str] = set()
         while not expected <= active and time.monotonic() < deadline:
             alerts = api(prometheus_port, "/api/v1/alerts")["alerts"]
@@ -834,7 +851,9 @@ def test_the_picture_is_drawn_from_the_answers_where_the_dashboard_puts_the_pane
     texts = svg_texts(svg)
     assert all(title in texts for title in drawn_titles())
     assert "Chunk registration latency distribution" not in texts  # the heatmap is not drawn
-    assert texts.count("No data") == 1 and "100%" in texts  # the stat of a percentunit panel at the held moment
+    failures = sum("failures" in title for title in drawn_titles())  # their answers are empty: "No data"
+    assert failures == 2 and texts.count("No data") == failures
+    assert "100%" in texts  # the stat of a percentunit panel at the held moment
     drawn = [p for p in panels(dashboard) if p["type"] == "timeseries" and "failures" not in p["title"]]
     assert svg.count("<polyline") == 2 * sum(len(p["targets"]) for p in drawn)  # each line in two runs: the gap
 

@@ -91,6 +91,9 @@ CALLS: list[tuple[str, Callable[[Observer], None]]] = [
     ("call_ended", lambda o: o.call_ended()),
     ("rollback", lambda o: o.rollback(cause="failure", registered_chunks=1)),
     ("pinned", lambda o: o.pinned(nbytes=4 * MiB, chunks=4, seconds=0.01)),
+    ("transfer_registered", lambda o: o.transfer_registered("engine", chunk(), 0.001)),
+    ("transfer_failed", lambda o: o.transfer_failed("engine", "register", chunk(1), error(), 0.001)),
+    ("transfer_unregistered", lambda o: o.transfer_unregistered("engine", chunk(), 0.001)),
     ("chunk_unregistered", lambda o: o.chunk_unregistered(chunk(), 0.001)),
     ("pinned_moved (unpinned)", lambda o: o.pinned_moved(-MiB)),
     ("unregister_call_took", lambda o: o.unregister_call_took(0.001)),
@@ -98,7 +101,8 @@ CALLS: list[tuple[str, Callable[[Observer], None]]] = [
     ("unpinned (failed)", lambda o: o.unpinned(**UNPINNED, failures=1, leaked_bytes=MiB)),
 ]
 # The calls that emit a log event (chunk_registered only when debug is enabled, as it is here).
-LOGGING = {"pin_started", "chunk_registered", "chunk_failed", "rollback", "pinned", "unpinned", "unpinned (failed)"}
+LOGGING = {"pin_started", "chunk_registered", "chunk_failed", "rollback", "pinned", "unpinned", "unpinned (failed)",
+           "transfer_registered", "transfer_failed", "transfer_unregistered"}  # fmt: skip
 
 
 def observer(logger: Any, registry: CollectorRegistry | None = None, pool: str = "safe") -> Observer:
@@ -138,7 +142,7 @@ def test_each_level_is_contained(level: str, capsys: pytest.CaptureFixture[str])
     obs = observer(logger)
     for _name, call in CALLS:
         call(obs)
-    expected = {"debug": 2, "info": 3, "warning": 1, "error": 1}[level]
+    expected = {"debug": 4, "info": 3, "warning": 2, "error": 1}[level]  # transfer.registered, .unregistered: debug
     assert obs.log_errors == expected
     lines = report_lines(capsys.readouterr().err)
     assert len(lines) == 1 and f"RuntimeError: {level} broke" in lines[0], lines

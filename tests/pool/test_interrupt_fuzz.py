@@ -121,6 +121,7 @@ def make_pool(shape: dict[str, object], moment: Moment, fire: Callable[[], None]
         moment, keep_then_fire, register_delay=delay, unregister_delay=delay, populate_delay=delay,
         lock_on_fault=shape["lock_on_fault"],
     )  # fmt: skip
+
     def at_engine_call(op: str, ptr: int, nbytes: int) -> None:
         fake._at(f"engine-{op}", "before")
         fake._at(f"engine-{op}", "after")

@@ -30,7 +30,9 @@ def test_one_registration_per_chunk_by_default() -> None:
 
 def test_preferred_bytes_joins_chunks_and_max_bytes_bounds_them() -> None:
     plan = plan_of(
-        66 * MiB, chunk_bytes=4 * MiB, transfers=[("few", RegistrarLimits(preferred_bytes=16 * MiB, max_bytes=32 * MiB))]
+        66 * MiB,
+        chunk_bytes=4 * MiB,
+        transfers=[("few", RegistrarLimits(preferred_bytes=16 * MiB, max_bytes=32 * MiB))],
     )
     registrations = plan.transfers[0].registrations
     assert [r.nbytes for r in registrations] == [16 * MiB] * 4 + [2 * MiB]
@@ -123,7 +125,7 @@ def test_registrars_are_checked_before_anything_is_mapped(fake: FakeRuntime) -> 
 
     class NoLimits:
         name = "bare"
-        limits = {"max_bytes": 1}
+        limits = ("max_bytes", 1)
 
         def register(self, ptr: int, nbytes: int) -> object: ...
 

@@ -1285,8 +1285,9 @@ def test_doctor_on_this_host() -> None:
     assert result.returncode == (0 if report["ok"] else 1), result.stderr
     assert report["pinpool"] == pinpool.__version__ and report["size_bytes"] == 64 * MiB
     names = [c["name"] for c in report["checks"]]
-    assert names[:10] == [
+    assert names[:14] == [
         "memlock", "memory", "cgroup", "cpu", "thp", "hugetlb", "hugetlb:1GiB", "kernel", "numa", "cuda",
+        "mooncake", "nixl", "rdma", "memlock:rdma",
     ]  # fmt: skip
     host = _probe.probe_host(torch_build=False)
     cpu = next(c for c in report["checks"] if c["name"] == "cpu")["detail"]
@@ -1295,7 +1296,8 @@ def test_doctor_on_this_host() -> None:
         assert set(check) == {"name", "status", "detail", "fix"} and check["status"] in STATUSES
         assert check["detail"] and (check["status"] in (OK, SKIP) or check["fix"])
     assert sum(report["counts"].values()) == len(names)
-    text = run_cli("doctor", "--no-cuda")
+    text = run_cli("doctor", "--no-cuda", "--no-engines")
     assert text.stdout.startswith("pinpool doctor:") and re.search(
         r"\n  skip  cuda +not probed \(--no-cuda\)", text.stdout
     )
+    assert re.search(r"\n  skip  engines +not probed \(--no-engines\)", text.stdout)

@@ -1,0 +1,244 @@
+"""Transfer registrars: is an engine's registration hidden under pinning? And do engines read pinpool's
+pages as fast as a plain buffer?
+
+    python benchmarks/bench_registrars.py                      # 2 GiB, 3 reps, stand-ins at 0.1 and 1.0 s/GiB
+    python benchmarks/bench_registrars.py --size 4GiB --reps 5 --seconds-per-gib 0.1 0.5
+    python benchmarks/bench_registrars.py --engines            # also the real engines' read throughput
+    python benchmarks/bench_registrars.py --json out.json --markdown out.md
+
+**Overlap.** A timed stand-in registrar costs what ``ibv_reg_mr`` costs per GiB (the field: 500 GB
+registered sequentially in 49.2 s, about 0.1 s/GiB, kvcache-ai/Mooncake#855; a registration that faults
+its pages first, about 1.2 s/GiB, #1468), of two kinds: ``device`` waits (a NIC's firmware commands) and
+``cpu`` burns one CPU (a kernel's page walk: sha256 with the GIL released). Measured in one run,
+interleaved rep by rep: **pin alone** (mlock, the default plan), **register alone** (the pool's planned
+registrations made by the registrar on its own, with as many threads as the pool gives it), and
+**pin + 1** / **pin + 2** registrars (until the pool is ready: every registrar holds every page).
+Goal: pin + registrars <= 1.1x the slower of pin alone and register alone (the registration hidden
+under pinning). **Read throughput** (``--engines``): Mooncake's Transfer Engine (TCP, loopback)
+reading a pinpool pool's pages through ``pool.transfer_pieces`` against the same engine reading a
+plain registered buffer of the same size. Goal >= 0.95x. Benchmark code: pinpool's public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+from bench_memory import format_bytes, machine, publish
+
+import pinpool
+from pinpool.registrars import RegistrarLimits
+
+
+class TimedRegistrar:
+    """A stand-in engine whose register costs ``seconds_per_gib`` per GiB of one CPU (sha256 over a scratch
+    buffer, GIL released: CPU work in parallel threads, as a kernel's page walk and DMA mapping are), and
+    whose unregister costs a tenth of that (#855: 11.8 s against 49.2 s for 500 GB)."""
+
+    SCRATCH = memoryview(bytes(16 << 20))
+    hashed_per_second = 0.0  # calibrated once: sha256 bytes per second on one thread
+
+    def __init__(self, name: str, seconds_per_gib: float, kind: str = "cpu") -> None:
+        self.name, self.kind = name, kind
+        self.limits = RegistrarLimits()
+        self.seconds_per_byte = seconds_per_gib / (1 << 30)
+        self.held: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def calibrate(cls) -> None:
+        started, rounds = time.perf_counter(), 0
+        while time.perf_counter() - started < 0.5:
+            hashlib.sha256(cls.SCRATCH)
+            rounds += 1
+        cls.hashed_per_second = rounds * len(cls.SCRATCH) / (time.perf_counter() - started)
+
+    def _spend(self, seconds: float) -> None:
+        if self.kind == "device":  # waiting on the NIC's firmware, not on a CPU
+            time.sleep(seconds)
+            return
+        left = int(seconds * self.hashed_per_second)
+        while left > 0:
+            hashlib.sha256(self.SCRATCH[: min(left, len(self.SCRATCH))])
+            left -= len(self.SCRATCH)
+
+    def register(self, ptr: int, nbytes: int) -> object:
+        self._spend(nbytes * self.seconds_per_byte)
+        with self._lock:
+            self.held[ptr] = nbytes
+        return ptr
+
+    def unregister(self, ptr: int, nbytes: int, handle: object) -> None:
+        self._spend(nbytes * self.seconds_per_byte / 10)
+        with self._lock:
+            del self.held[ptr]
+
+
+def pin_seconds(size: int, runtime: Any, registrars: list[TimedRegistrar]) -> float:
+    """From entry until the pool is ready (every registrar holding every page)."""
+    pool = pinpool.PinnedPool(size=size, runtime=runtime, registry=None, registrars=registrars)
+    started = time.perf_counter()
+    with pool:
+        took = time.perf_counter() - started
+    assert all(not r.held for r in registrars)
+    return took
+
+
+def register_seconds(size: int, registrars: list[TimedRegistrar]) -> float:
+    """The registrars registering the pool's planned registrations on their own (no pinning), each with as
+    many threads as the pool gives it (``pool.plan.transfers[i].workers``), all at once."""
+    plan = pinpool.PinnedPool(size=size, runtime="mlock", registry=None, registrars=registrars).plan
+    started = time.perf_counter()
+    pools = [concurrent.futures.ThreadPoolExecutor(t.workers) for t in plan.transfers]
+    jobs = [
+        pool.submit(registrar.register, r.offset, r.nbytes)
+        for pool, registrar, t in zip(pools, registrars, plan.transfers, strict=True)
+        for r in t.registrations
+    ]
+    concurrent.futures.wait(jobs)
+    took = time.perf_counter() - started
+    for pool in pools:
+        pool.shutdown()
+    for registrar in registrars:
+        registrar.held.clear()
+    return took
+
+
+def overlap(size: int, reps: int, seconds_per_gib: float, kind: str) -> dict[str, Any]:
+    def engines(count: int) -> list[TimedRegistrar]:
+        return [TimedRegistrar(name, seconds_per_gib, kind) for name in "ab"[:count]]
+
+    cases = {
+        "pin alone": lambda: pin_seconds(size, "mlock", []),
+        "register alone": lambda: register_seconds(size, engines(1)),
+        "pin + 1 registrar": lambda: pin_seconds(size, "mlock", engines(1)),
+        "register alone, 2": lambda: register_seconds(size, engines(2)),
+        "pin + 2 registrars": lambda: pin_seconds(size, "mlock", engines(2)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(reps):  # interleaved: a noisy moment costs every case alike
+        for name, case in cases.items():
+            times[name].append(case())
+    median = {name: statistics.median(values) for name, values in times.items()}
+    one = median["pin + 1 registrar"] / max(median["pin alone"], median["register alone"])
+    two = median["pin + 2 registrars"] / max(median["pin alone"], median["register alone, 2"])
+    return {"seconds_per_gib": seconds_per_gib, "kind": kind, "median_seconds": median, "runs": times, "ratio_one": one,
+            "ratio_two": two}  # fmt: skip
+
+
+def engine_throughput(size: int, reps: int) -> dict[str, Any]:
+    """Mooncake (TCP, loopback): read a pool's pages through its pieces, and a plain buffer of the same size."""
+    import mmap
+
+    from mooncake.engine import TransferEngine
+
+    from pinpool.registrars import MooncakeRegistrar
+
+    def engine() -> Any:
+        te = TransferEngine()
+        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise SystemExit("mooncake: initialize failed")
+        return te
+
+    server, client = engine(), engine()
+    peer = f"127.0.0.1:{server.get_rpc_port()}"
+    local = mmap.mmap(-1, size)
+    local_ptr = memoryview_address(local)
+    assert client.register_memory(local_ptr, size) == 0
+    plain = mmap.mmap(-1, size)
+    plain_ptr = memoryview_address(plain)
+    assert server.register_memory(plain_ptr, size) == 0
+
+    def read(pieces: list[tuple[int, int]]) -> float:
+        started = time.perf_counter()
+        done = 0
+        for address, nbytes in pieces:
+            assert client.transfer_sync_read(peer, local_ptr + done, address, nbytes) == 0
+            done += nbytes
+        return size / (time.perf_counter() - started)
+
+    piece = 64 << 20  # one descriptor per 64 MiB, alike for both
+    plain_pieces = [(plain_ptr + off, min(piece, size - off)) for off in range(0, size, piece)]
+    rates: dict[str, list[float]] = {"plain buffer": [], "pinpool pool": []}
+    with pinpool.PinnedPool(size=size, runtime="mlock", registry=None, registrars=[MooncakeRegistrar(server)]) as pool:
+        pool_pieces = [
+            (p.address, p.nbytes)
+            for off in range(0, size, piece)
+            for p in pool.transfer_pieces("mooncake", offset=off, nbytes=min(piece, size - off))
+        ]
+        for _ in range(reps):
+            rates["plain buffer"].append(read(plain_pieces))
+            rates["pinpool pool"].append(read(pool_pieces))
+    server.unregister_memory(plain_ptr)
+    client.unregister_memory(local_ptr)
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    return {"engine": "mooncake tcp", "median_bytes_per_second": median, "runs": rates,
+            "ratio": median["pinpool pool"] / median["plain buffer"]}  # fmt: skip
+
+
+def memoryview_address(buffer: Any) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def report(size: int, reps: int, overlaps: list[dict[str, Any]], engines: dict[str, Any] | None) -> str:
+    lines = [
+        f"Transfer registrars, {format_bytes(size)} pool, mlock, {reps} reps (medians), {machine()}",
+        "",
+        "| stand-in cost | pin alone | register alone | pin + 1 | ratio (goal <= 1.1) | register alone (2) | pin + 2 "
+        "| ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for o in overlaps:
+        m = o["median_seconds"]
+        lines.append(
+            f"| {o['kind']}, {o['seconds_per_gib']} s/GiB | {m['pin alone']:.3f} s | {m['register alone']:.3f} s | "
+            f"{m['pin + 1 registrar']:.3f} s | **{o['ratio_one']:.2f}x** | {m['register alone, 2']:.3f} s | "
+            f"{m['pin + 2 registrars']:.3f} s | **{o['ratio_two']:.2f}x** |"
+        )
+    if engines:
+        m = engines["median_bytes_per_second"]
+        lines += [
+            "",
+            f"| {engines['engine']} read | plain buffer | pinpool pool | ratio (goal >= 0.95) |",
+            "|---|---|---|---|",
+            f"| {format_bytes(size)} in 64 MiB reads | {m['plain buffer'] / (1 << 30):.2f} GiB/s | "
+            f"{m['pinpool pool'] / (1 << 30):.2f} GiB/s | **{engines['ratio']:.2f}x** |",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="2GiB")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seconds-per-gib", type=float, nargs="+", default=[0.1, 1.0])
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["device", "cpu"],
+        choices=["device", "cpu"],
+        help="stand-ins that wait (a NIC's firmware) or burn one CPU per call (a page walk)",
+    )
+    parser.add_argument("--engines", action="store_true", help="also Mooncake's read throughput (needs the engine)")
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    args = parser.parse_args(argv)
+    size = pinpool.parse_size(args.size)
+    TimedRegistrar.calibrate()
+    overlaps = [overlap(size, args.reps, cost, kind) for kind in args.kinds for cost in args.seconds_per_gib]
+    engines = engine_throughput(size, args.reps) if args.engines else None
+    result = {"size": size, "reps": args.reps, "overlap": overlaps, "engines": engines}
+    publish(report(size, args.reps, overlaps, engines), result, json_path=args.json, markdown_path=args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
