@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "allocated or pinned (a pool larger than this host can be planned too); it says whether this host can pin it.",
     )  # fmt: skip
     plan.add_argument("--rows", type=int, default=5, metavar="N", help="chunk table rows shown at each end (default 5)")
+    plan.add_argument(
+        "--registrar", action="append", default=[], metavar="NAME[:max=SIZE,preferred=SIZE,pte=N,serial]",
+        help="plan the calls of a transfer registrar with these limits too (repeatable; see pinpool.registrars): "
+        "max= its largest registration, preferred= join chunks up to this, pte= its page-table budget, serial: "
+        "one call at a time",
+    )  # fmt: skip
     plan.set_defaults(run=run_plan)
 
     doctor = command(

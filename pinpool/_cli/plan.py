@@ -6,9 +6,39 @@ import argparse
 import json
 
 from .._errors import ConfigError
+from .._types import RegistrarLimits
+from .._units import parse_size
 from .options import plan_runtime, pool_options
 from .progress import EXIT_OK, while_loading
 from .report import plan_report, plan_text
+
+
+def registrar_spec(spec: str) -> tuple[str, RegistrarLimits]:
+    """``--registrar NAME[:max=SIZE,preferred=SIZE,pte=N,serial]`` as a name and its limits."""
+    name, _, given = spec.partition(":")
+    fix = "give --registrar NAME[:max=SIZE,preferred=SIZE,pte=N,serial], e.g. mooncake:max=64GiB"
+    if not name:
+        raise ConfigError(f"--registrar {spec!r} has no name: {fix}")
+    limits: dict[str, object] = {}
+    keys = {"max": "max_bytes", "preferred": "preferred_bytes", "pte": "page_table_entries"}
+    for item in filter(None, given.split(",")):
+        key, _, value = item.partition("=")
+        if item == "serial":
+            limits["parallel"] = False
+        elif key in keys and value:
+            limits[keys[key]] = int(value) if key == "pte" and value.isdigit() else parse_size(value, what=key)
+        else:
+            raise ConfigError(f"--registrar {spec!r}: {item!r} is not a limit; {fix}")
+    from ..registrars import limits_of
+
+    class Limits:  # only its limits are planned: no engine is called
+        def register(self, ptr: int, nbytes: int) -> object: ...
+
+        def unregister(self, ptr: int, nbytes: int, handle: object) -> None: ...
+
+    stand_in = Limits()
+    stand_in.name, stand_in.limits = name, RegistrarLimits(**limits)  # type: ignore[attr-defined,arg-type]
+    return name, limits_of(stand_in)
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -28,7 +58,8 @@ def run_plan(args: argparse.Namespace) -> int:
         runtime, caps, available = plan_runtime(args.runtime)
         host = _probe.probe_host()
         placement = place(options, host)
-        plan = plan_pool(options, host, caps, placement=placement)
+        transfers = [registrar_spec(spec) for spec in args.registrar]
+        plan = plan_pool(options, host, caps, placement=placement, transfers=transfers)
     report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,
                          available=available, rows=args.rows)  # fmt: skip
     as_given = ("background", "max_call_seconds", "pin_nice", "per_buffer", "min_chunk_bytes", "max_retries")

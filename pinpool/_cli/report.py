@@ -102,6 +102,13 @@ def plan_report(plan: Schedule, *, pool: str, layout: str, size: int, runtime: s
              "chunks": len(b.chunks)}
             for b in plan.buffers
         ],
+        "transfers": [
+            {"name": t.name, "registrations": len(t.registrations), "largest_bytes": t.largest_bytes,
+             "max_bytes": t.limits.max_bytes, "preferred_bytes": t.limits.preferred_bytes,
+             "page_table_entries": t.limits.page_table_entries, "parallel": t.limits.parallel, "workers": t.workers,
+             "runs": [{"offset": o, "nbytes": n, "count": c} for o, n, c in t.registrations.runs]}
+            for t in plan.transfers
+        ],
         "chunks": {"count": len(plan.chunks),
                    "runs": [{"offset": o, "nbytes": n, "count": c} for o, n, c in plan.chunks.runs],
                    "head": head, "tail": tail},
@@ -137,6 +144,12 @@ def plan_text(r: dict[str, Any]) -> list[str]:
         if r["populate"]
         else "spans:     none (no pre-faulting: registration faults the pages)",
     ]
+    for t in r.get("transfers", ()):
+        limit = "no limit" if t["max_bytes"] is None else f"max {format_bytes(t['max_bytes'])}"
+        details.append(
+            f"registrar: {t['name']}: {t['registrations']} registration(s) of <= {format_bytes(t['largest_bytes'])} "
+            f"({limit}), runs of whole chunks, {t['workers']} thread(s) of its own"
+        )
     if (pinning := r.get("pinning")) is not None:
         details.append(f"pinning:   {_pinning_text(pinning)}")
     error = r.get("preflight_error")

@@ -236,7 +236,7 @@ def plan_pool(
     """Plan a pool (:class:`ConfigError` for what cannot be). ``placement``: the caller's, checked (else
     placed here); ``ranges``: each becomes a buffer, so no chunk crosses a gap between ranges; ``transfers``:
     each registrar's name and limits (chunks within every ``max_bytes``, registrations runs of chunks)."""
-    options = bound_by_registrars(options, transfers)
+    asked, options = options, bound_by_registrars(options, transfers)
     where = placement or place(options, host)
     populate = _resolve_populate(options, host, caps)
     order = _order(populate, options.huge_pages, caps)
@@ -294,8 +294,22 @@ def plan_pool(
         cpu_budget=host.cpu_budget, cpu_quota=quota_cpus,
         duty_cycle=duty_cycle(quota_cpus, background=options.background and options.populate_workers is None),
         span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes, pin_chunks=pin_chunks, page_runs=runs,
-        registrations_reason=_registrations_reason(options, len(chunks), limit, split_limit, workers),
+        registrations_reason=_registrations_reason(options, len(chunks), limit, split_limit, workers)
+        + _transfer_reason(asked, options, transfers, split_limit),
     )  # fmt: skip
+
+
+def _transfer_reason(
+    asked: PoolOptions, options: PoolOptions, transfers: Sequence[tuple[str, RegistrarLimits]], split_limit: int
+) -> str:
+    if not transfers:
+        return ""
+    if options.chunk_limit < asked.chunk_limit:
+        name = min((limits.max_bytes, name) for name, limits in transfers if limits.max_bytes)[1]
+        return f"; within registrar {name!r}'s largest registration ({format_bytes(options.chunk_limit)})"
+    if asked.chunk_bytes is None and asked.max_chunk_bytes is None:
+        return f"; split to <= {format_bytes(split_limit)} so registrars register chunks while later ones pin"
+    return ""
 
 
 def _resolve_populate(options: PoolOptions, host: HostFacts, caps: Capabilities) -> bool:

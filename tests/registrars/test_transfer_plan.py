@@ -3,6 +3,8 @@ page and the OS page), within its limits, and a transfer's pieces never cross on
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import pinpool
@@ -133,3 +135,22 @@ def test_registrars_are_checked_before_anything_is_mapped(fake: FakeRuntime) -> 
 
     assert "not a pinpool.registrars.RegistrarLimits" in config_error(lambda: pool([NoLimits()]))
     assert fake.register_calls == []
+
+
+def test_pinpool_plan_shows_each_registrars_calls(capsys: pytest.CaptureFixture[str]) -> None:
+    from pinpool import _cli
+
+    argv = ["plan", "--size", "4GiB", "--registrar", "mooncake:max=256MiB", "--registrar", "nixl:preferred=2GiB,serial"]
+    assert _cli.main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    mooncake, nixl = report["transfers"]
+    assert (mooncake["name"], mooncake["registrations"], mooncake["largest_bytes"]) == ("mooncake", 16, 256 * MiB)
+    assert (nixl["registrations"], nixl["largest_bytes"], nixl["parallel"], nixl["workers"]) == (2, 2 * GiB, False, 1)
+    assert report["chunk_bytes"] <= 256 * MiB and "registrar 'mooncake'" in report["registrations_reason"]
+    assert _cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "registrar: mooncake: 16 registration(s) of <= 256 MiB (max 256 MiB)" in text
+    assert _cli.main(["plan", "--size", "4GiB", "--registrar", "x:foo=1"]) == 2
+    assert "'foo=1' is not a limit" in capsys.readouterr().err
+    assert _cli.main(["plan", "--size", "8GiB", "--registrar", "efa:pte=1000"]) == 2
+    assert "page-table budget of 1000" in capsys.readouterr().err
