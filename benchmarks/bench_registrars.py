@@ -135,7 +135,9 @@ def overlap(size: int, reps: int, seconds_per_gib: float, kind: str) -> dict[str
 def engine_throughput(size: int, reps: int) -> dict[str, Any]:
     """Mooncake (TCP, loopback): read a pool's pages through its pieces, and a plain buffer of the same size."""
     import mmap
+    import os
 
+    os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "0")  # tests/engines: a pooled connection may be stale
     from mooncake.engine import TransferEngine
 
     from pinpool.registrars import MooncakeRegistrar
@@ -166,7 +168,9 @@ def engine_throughput(size: int, reps: int) -> dict[str, Any]:
     piece = 64 << 20  # one descriptor per 64 MiB, alike for both
     plain_pieces = [(plain_ptr + off, min(piece, size - off)) for off in range(0, size, piece)]
     rates: dict[str, list[float]] = {"plain buffer": [], "pinpool pool": []}
-    with pinpool.PinnedPool(size=size, runtime="mlock", registry=None, registrars=[MooncakeRegistrar(server)]) as pool:
+    with pinpool.PinnedPool(
+        size=size, runtime="mlock", registry=None, registrars=[MooncakeRegistrar(server, protocol="tcp")]
+    ) as pool:
         pool_pieces = [
             (p.address, p.nbytes)
             for off in range(0, size, piece)

@@ -114,7 +114,7 @@ def check_registrars(registrars: Iterable[object] | None) -> tuple[TransferRegis
     if twice:
         raise ConfigError(
             f"registrars= names {twice} more than once: each registrar's name labels its metrics and its "
-            "pieces; give each its own (MooncakeRegistrar(engine, name='mooncake-2'))"
+            "pieces; give each its own (MooncakeRegistrar(engine, protocol='tcp', name='mooncake-2'))"
         )
     return tuple(found)
 
