@@ -27,7 +27,7 @@ from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env, plan_poo
 from pinpool._types import Capabilities
 from pinpool.layouts import BufferSpec
 from pinpool.runtimes import MlockRuntime
-from pinpool.testing import FakeRuntime, host_facts
+from pinpool.testing import FakeRegistrar, FakeRuntime, host_facts
 
 from ..conftest import check_host
 
@@ -290,6 +290,27 @@ def fake_fail_next() -> None:
     FakeRuntime().fail_next(1, "map")
 
 
+def pieces_not_registered() -> object:
+    held = threading.Event()
+
+    def hold(op: str, ptr: int, nbytes: int) -> None:
+        if op == "register" and len(engine.register_calls) > 1:
+            held.wait(10)  # the first registration only, until the pieces were asked for
+
+    engine = FakeRegistrar("engine", before_call=hold)
+    with pool(size=4 * MiB, chunk_bytes=MiB, registrars=[engine], background=True) as background:
+        try:
+            background.wait_ready_sync(min_bytes=MiB, timeout=10)
+            return background.transfer_pieces(engine, offset=0, nbytes=4 * MiB)
+        finally:
+            held.set()
+
+
+def stranger_pieces() -> object:
+    with pool(registrars=[FakeRegistrar("engine")]) as entered:
+        return entered.transfer_pieces(FakeRegistrar("stranger"), offset=0, nbytes=1)
+
+
 def cases(tmp: Path) -> dict[str, Callable[[], object]]:
     bad_layout = layouts.Raw(granularity_bytes=MiB)
     return {
@@ -370,6 +391,17 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "node_dir= a directory of mode 0500 (not as root)": lambda: unwritable_node_dir(tmp),
         'runtime="gpu"': lambda: pool(runtime="gpu"),
         "runtime=object()": lambda: pool(runtime=object()),
+        "registrars=[object()]": lambda: pool(registrars=[object()]),
+        "two registrars named x": lambda: pool(registrars=[FakeRegistrar("x"), FakeRegistrar("x")]),
+        "a registrar with limits.preferred_bytes above limits.max_bytes": lambda: pool(
+            registrars=[FakeRegistrar(max_bytes=MiB, preferred_bytes=2 * MiB)]
+        ),
+        'chunk_bytes="16MiB" with a registrar of max_bytes 8 MiB': lambda: pool(
+            size=32 * MiB, chunk_bytes="16MiB", registrars=[FakeRegistrar("engine", max_bytes=8 * MiB)]
+        ),
+        "a registrar whose page-table budget the pool exceeds": lambda: pool(
+            size=8 * MiB, registrars=[FakeRegistrar("efa", page_table_entries=1000)]
+        ),
         'runtime="cuda" on a host without CUDA': no_gpu(lambda: pool(runtime="cuda")),
         "a runtime declaring populates=True without populate()": lambda: pool(runtime=LiesAboutPopulate()),
         'registry="default"': lambda: pool(registry="default"),
@@ -472,6 +504,11 @@ def cases(tmp: Path) -> dict[str, Callable[[], object]]:
         "a registration fails while a background pool pins": background_failure,
         "exiting a pool that was never entered": lambda: pool().__exit__(None, None, None),
         'wait_ready_sync(timeout=float("nan"))': nan_timeout,
+        "a registrar's registration fails": lambda: enter(
+            pool(registrars=[FakeRegistrar("engine", fail_register_on=1)], **FOUR_CHUNKS)
+        ),
+        "transfer_pieces() of pages not yet registered": pieces_not_registered,
+        "transfer_pieces() of a registrar the pool does not have": stranger_pieces,
         "pre-faulting fails with ENOMEM": lambda: enter(pool(runtime=FakeRuntime(fail_populate_on=1), **FOUR_CHUNKS)),
         "no worker thread can be started": no_threads,
         "an unregistration fails at exit": lambda: enter(pool(runtime=FakeRuntime(fail_unregister_on=1), **ONE_CHUNK)),
