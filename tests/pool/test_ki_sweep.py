@@ -279,8 +279,13 @@ def a_new_pool_works() -> None:
     assert runtime.registered == {}
 
 
+# Sampled even with PINPOOL_KI_SWEEP=all: its driver and its registrars are each swept whole in another scenario
+# (asyncio; registrars, registrars-trio-background), and CI's budget holds the whole sweep to a few minutes.
+SAMPLED_ALWAYS = frozenset({"registrars-asyncio"})
+
+
 def sample(n: int, scenario: str) -> list[int]:
-    if ALL or n <= SAMPLES:
+    if (ALL and scenario not in SAMPLED_ALWAYS) or n <= SAMPLES:
         return list(range(1, n + 1))
     picked = set(random.Random(f"{scenario}-{n}").sample(range(1, n + 1), SAMPLES - 2))
     return sorted(picked | {1, n})
