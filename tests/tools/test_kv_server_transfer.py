@@ -11,10 +11,8 @@ import error, as tests/engines does."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import signal
-import sys
 import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -29,8 +27,10 @@ from pinpool import layouts
 
 from ..conftest import needs_mlock
 from ..engines.conftest import Buffer, mooncake_engine, needs_mooncake, needs_nixl, nixl_agent
-from .test_kv_server import EXAMPLE, PAGE_BYTES, READY_TIMEOUT, Server, random_page, run_example, server
+from . import test_kv_server
+from .test_kv_server import PAGE_BYTES, READY_TIMEOUT, Server, random_page, run_example, server
 
+example = test_kv_server.example  # its fixture: the example server, imported as a module
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 
@@ -81,20 +81,6 @@ def peer(request: pytest.FixtureRequest) -> Iterator[PeerEngine]:
     engine = PeerEngine(request.param)
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def example() -> Iterator[ModuleType]:
-    """The example server, imported as a module (as test_kv_server's fixture of the same name does)."""
-    spec = importlib.util.spec_from_file_location("kv_offload_server", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def transfer(srv: Server, first: int, count: int) -> dict[str, Any]:
