@@ -22,6 +22,12 @@ pages first, on pinpool's threads. Endpoints (JSON bodies unless said otherwise)
   once (a stalled client does not hold up the shutdown), and one that takes longer than
   ``BODY_SECONDS`` is answered 408; both close the connection.
 
+* ``GET /transfer?first=A&count=N`` (with ``--transfer-engine mooncake|nixl``): what a peer needs to read
+  or write pages ``[A, A+N)`` with its own engine: this server's engine (Mooncake's segment name, or the
+  NIXL agent's name and metadata), where each page's slices lie, and the pieces to address, each inside one
+  registration with the engine (examples/kv_transfer.py). 409 while a page is not usable yet, 404 out of
+  range (or without an engine), 400 for bad numbers, 503 once the pool has failed or closed.
+
 A page's bytes are the page's slice of every buffer, in the layout's buffer order, and within a
 buffer in run order: for the default ``MHA page_first`` layout (one ``kv`` buffer shaped
 ``(2, pages * page_size, layers, heads, head_dim)``) that is K's ``page_size`` tokens of every
@@ -60,13 +66,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -78,6 +85,9 @@ from starlette.routing import Route
 
 import pinpool
 from pinpool import PoolState, layouts
+
+if TYPE_CHECKING:
+    from kv_transfer import TransferEngine  # beside this file; loaded only for --transfer-engine
 
 DEFAULT_PORT = 8080  # not 8000: that is mkdocs serve's, which a checkout may be running
 
@@ -116,6 +126,12 @@ class Stopping:
         # The pool refused to start (a pre-flight ConfigError: the host cannot hold it), already
         # said in one line: the server exits 3 without printing it again as a traceback.
         self.refused: pinpool.ConfigError | None = None
+        self.on_stop: list[Any] = []  # called when the shutdown begins (a held registration is let go)
+
+    def stop(self) -> None:
+        self.requested = True
+        for hook in self.on_stop:
+            hook()
 
 
 @dataclass(frozen=True)
@@ -185,6 +201,16 @@ class KVOffload:
         torch.frombuffer(body, dtype=torch.uint8).copy_(self.staging)  # device -> the response's bytes
         return bytes(body)
 
+    def runs(self, first: int) -> list[dict[str, Any]]:
+        """Where page ``first``'s slices lie in the pool, in ``GET /pages`` order: page ``first + k``'s
+        slice of each run is ``page_bytes`` bytes at ``offset + k * page_bytes``."""
+        base, tensors = self.pool.data_ptr, self.pool.tensors
+        return [
+            {"buffer": s.name, "page_bytes": s.slice_bytes,
+             "offset": tensors[s.name].data_ptr() - base + (run * self.pool.num_pages + first) * s.slice_bytes}
+            for s in self.slices for run in range(s.runs)
+        ]  # fmt: skip
+
 
 def pool_status(pool: pinpool.PinnedPool) -> dict[str, Any]:
     return {
@@ -235,10 +261,12 @@ async def read_body(request: Request, limit: int, stopping: Stopping) -> bytearr
 
 
 def create_app(
-    pool: pinpool.PinnedPool, registry: CollectorRegistry, device: torch.device, stopping: Stopping | None = None
-) -> QuietRefusal:
+    pool: pinpool.PinnedPool, registry: CollectorRegistry, device: torch.device, stopping: Stopping | None = None,
+    transfer: TransferEngine | None = None,
+) -> QuietRefusal:  # fmt: skip
     kv = KVOffload(pool, device)
     stopping = Stopping() if stopping is None else stopping
+    held = None if transfer is None else transfer.held
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -246,10 +274,15 @@ def create_app(
         async with contextlib.AsyncExitStack() as stack:
             try:
                 await stack.enter_async_context(pool)  # returns at once: background=True
-            except pinpool.ConfigError as error:  # the pre-flight refused: its message names the value and the fix
-                log(f"cannot start: {error}")
-                stopping.refused = error
+            except BaseException as error:
+                if held is not None:
+                    held.opened(None)  # registrations do not wait for a pool that never opened
+                if isinstance(error, pinpool.ConfigError):  # the pre-flight refused: it names the value and the fix
+                    log(f"cannot start: {error}")
+                    stopping.refused = error
                 raise
+            if held is not None:
+                held.opened(pool)  # the held registration is found by its address
             log(
                 f"pinning {pool.nbytes} bytes ({pool.num_pages} pages of {pool.plan.page_bytes} bytes, "
                 f"layout {pool.layout.name}, runtime {pool.runtime.name}, device {device}) in the background"
@@ -322,12 +355,41 @@ def create_app(
             return refusal
         return Response(kv.get(i), media_type="application/octet-stream")
 
+    def bad(error: str) -> Response:
+        return JSONResponse({"error": error}, status_code=400)
+
+    async def transfer_pages(request: Request) -> Response:
+        """What a peer needs to move pages ``[first, first + count)`` with its own engine: this server's
+        engine (``peer()``), where each page's slices lie (``runs``) and the pieces to address, each inside
+        one registration with the engine (a descriptor built from them never straddles two)."""
+        if transfer is None:
+            return JSONResponse({"error": "this server serves no transfer engine: start it with "
+                                 "--transfer-engine mooncake or --transfer-engine nixl"}, status_code=404)  # fmt: skip
+        query = request.query_params
+        try:
+            first, count = int(query.get("first", "")), int(query.get("count", "1"))
+        except ValueError:
+            return bad(f"give first=PAGE and count=PAGES as integers (got first={query.get('first')!r}, "
+                       f"count={query.get('count')!r})")  # fmt: skip
+        if first < 0 or count < 1:
+            return bad(f"first={first} must be >= 0 and count={count} >= 1")
+        # The last page decides: pages [0, pinned_pages) are pinned and registered with every engine.
+        if (refusal := refuse(first + count - 1, writing=False)) is not None:
+            return refusal
+        try:
+            pieces = pool.transfer_pieces(transfer.registrar.name, pages=range(first, first + count))
+        except pinpool.PoolStateError as error:  # not registered (or no longer): the pool is failing or closing
+            body = pool_status(pool) | {"error": str(error)}
+            return JSONResponse(body, status_code=409 if pool.state is PoolState.PINNING else 503)
+        return JSONResponse(transfer.answer(first, count, kv.runs(first), pieces))
+
     routes = [
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/metrics", metrics),
         Route("/pages/{i:int}", put_page, methods=["PUT"]),
         Route("/pages/{i:int}", get_page, methods=["GET"]),
+        Route("/transfer", transfer_pages),
     ]
     return QuietRefusal(Starlette(routes=routes, lifespan=lifespan), stopping)
 
@@ -349,7 +411,9 @@ class QuietRefusal:
         await self.app(scope, receive, quiet if scope["type"] == "lifespan" else send)
 
 
-def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.PinnedPool:
+def make_pool(
+    args: argparse.Namespace, registry: CollectorRegistry, transfer: TransferEngine | None = None
+) -> pinpool.PinnedPool:
     layout = layouts.MHA(
         args.kv_layout, layer_num=args.layer_num, page_size=args.page_size, head_num=args.head_num,
         head_dim=args.head_dim, dtype=torch.bfloat16,
@@ -365,12 +429,16 @@ def make_pool(args: argparse.Namespace, registry: CollectorRegistry) -> pinpool.
         runtime = fake = pinpool.testing.FakeRuntime(register_delay=0.2)
         extra = {"chunk_bytes": "256MiB", "max_retries": 0, "max_call_seconds": None}
     options: dict[str, Any] = {"max_call_seconds": args.max_call_seconds or None, "pin_nice": args.pin_nice} | extra
+    if args.max_chunk_bytes is not None:
+        options["max_chunk_bytes"] = args.max_chunk_bytes
     pool = pinpool.PinnedPool(
         layout=layout, size=args.size, runtime=runtime, background=True, name="kv-offload", registry=registry,
-        **options,
+        registrars=[] if transfer is None else [transfer.registrar], **options,
     )  # fmt: skip
     if fake is not None:  # the plan is known now, and nothing is registered before the pool is entered
         fake.fail_register_on = frozenset({min(3, len(pool.plan.chunks))})
+    if transfer is not None:
+        transfer.planned(pool)
     return pool
 
 
@@ -379,7 +447,7 @@ def serve_uvicorn(app: QuietRefusal, host: str, port: int, stopping: Stopping) -
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            stopping.requested = True  # uploads still coming in end now (uvicorn's handler, on the main thread)
+            stopping.stop()  # uploads still coming in end now (uvicorn's handler, on the main thread)
             super().handle_exit(sig, frame)
 
     # uvicorn handles SIGINT/SIGTERM itself (graceful shutdown, lifespan exit), restores the
@@ -412,7 +480,7 @@ def serve_trio(app: QuietRefusal, host: str, port: int, stopping: Stopping) -> N
             async def shutdown_trigger() -> None:
                 async for signum in signals:
                     log(f"{signal.Signals(signum).name} received: graceful shutdown")
-                    stopping.requested = True
+                    stopping.stop()
                     return
 
             await serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
@@ -464,18 +532,59 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
     parser.add_argument("--head-num", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--max-chunk-bytes", help="the largest pool chunk, e.g. 64MiB (default: pinpool's plan)")
+    parser.add_argument(
+        "--transfer-engine", choices=["mooncake", "nixl"], default=None,
+        help="serve the pool's pages to peers through this engine on --host (Mooncake: TCP, P2P handshake; NIXL: "
+        "UCX): GET /transfer?first=&count= says how to address them (default: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--transfer-hold-last", action="store_true",
+        help="testing aid: the engine registers the pool's last bytes only on SIGUSR1 (or shutdown)",
+    )  # fmt: skip
     parser.add_argument("--trio", action="store_true", help="serve with hypercorn under trio instead of uvicorn")
     args = parser.parse_args(argv)
+    if args.transfer_hold_last and args.transfer_engine is None:
+        parser.error("--transfer-hold-last holds a --transfer-engine registration: give --transfer-engine too")
 
+    if args.transfer_engine is None:
+        return serve(args, None)
+    from kv_transfer import EngineError, TransferEngine
+
+    try:
+        transfer = TransferEngine(args.transfer_engine, args.host, hold_last=args.transfer_hold_last)
+    except EngineError as error:
+        log(f"cannot start the transfer engine: {error}")
+        return 2
+    log(f"transfer engine: {transfer}")
+    try:
+        status = serve(args, transfer)
+    except SystemExit as exit:  # a failed start-up (3), as the servers report it
+        status = exit.code if isinstance(exit.code, int) else 1
+    finally:
+        transfer.close()  # after the pool, which unregistered every range from it before unpinning
+        log(f"transfer engine {args.transfer_engine} closed")
+    if transfer.exits_hard:  # everything is done; its crash at exit would make the status a lie
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def serve(args: argparse.Namespace, transfer: TransferEngine | None) -> int:
+    """The pool (registered with ``transfer`` too, when given) and the server, until it shuts down."""
     registry = CollectorRegistry()
     try:
-        pool = make_pool(args, registry)
+        pool = make_pool(args, registry, transfer)
     except pinpool.PinpoolError as error:
         log(f"cannot create the pool: {error}")
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     stopping = Stopping()
-    app = create_app(pool, registry, device, stopping)
+    if transfer is not None and (held := transfer.held) is not None:
+        stopping.on_stop.append(held.release)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: held.release())
+    app = create_app(pool, registry, device, stopping, transfer)
     (serve_trio if args.trio else serve_uvicorn)(app, args.host, args.port, stopping)
     # The lifespan has left the pool (unpinned, or rolled back); what the kernel still counts as
     # locked in this process should be nothing (under CUDA, pinned memory does not show in VmLck).

@@ -136,7 +136,7 @@ def test_the_fake_runtime_test_module_passes() -> None:
 def test_every_example_is_tested(name: str) -> None:
     """A new example needs a test here: the ones above, or examples another change tests itself."""
     tested_here = {"quickstart.py", "sync_init.py", "trio_pool.py", "pin_existing_tensor.py"}
-    tested_elsewhere = {"kv_offload_server.py"}  # written, and tested, with the serving work
+    tested_elsewhere = {"kv_offload_server.py", "kv_transfer.py"}  # tests/tools/test_kv_server*.py
     assert name in tested_here | tested_elsewhere, f"examples/{name} is run by no test"
 
 
@@ -155,9 +155,10 @@ def _imported_packages(path: Path) -> set[str]:
 
 
 # What the examples may import beyond the standard library: pinpool's own dependencies and,
-# for the server, the packages examples/README.md tells its readers to install (all in the test extra).
+# for the server, the packages examples/README.md tells its readers to install (all in the test extra but
+# the transfer engines, which --transfer-engine alone loads).
 EXAMPLE_PACKAGES = {"pinpool", "torch", "anyio", "structlog", "prometheus_client", "pytest", "trio", "starlette",
-                    "uvicorn", "hypercorn"}  # fmt: skip
+                    "uvicorn", "hypercorn", "mooncake", "nixl_cu12"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
