@@ -52,7 +52,7 @@ CHILD = textwrap.dedent(
 
 @pytest.mark.parametrize(
     ("driver", "wedged"),
-    [("sync", "runtime"), ("asyncio", "runtime"), ("trio", "runtime"), ("sync", "registrar"), ("trio", "registrar")],
+    [("sync", "runtime"), ("asyncio", "runtime"), ("trio", "runtime"), ("trio", "registrar")],
 )
 def test_three_ctrl_c_abandon_a_wedged_teardown(driver: str, wedged: str) -> None:
     child = subprocess.Popen(
