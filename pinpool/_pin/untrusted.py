@@ -32,13 +32,17 @@ class Answer:
     error: RuntimeCallError | None = None
     maybe: bool = False
     raised: BaseException | None = None
+    returned: object = None  # what a call that returns a value (a transfer registrar's register) returned
 
 
 _DONE = Answer()
 
 
-def untrusted_call(call: Callable[[int, int], object], op: str, ptr: int, nbytes: int) -> Answer:
-    """Make one runtime call and classify its answer; never raises (a worker thread has no caller)."""
+def untrusted_call(
+    call: Callable[[int, int], object], op: str, ptr: int, nbytes: int, *, returns: bool = False
+) -> Answer:
+    """Make one runtime call and classify its answer; never raises (a worker thread has no caller).
+    ``returns``: the call returns a value (kept in ``returned``), not None."""
     raised: BaseException | None = None
     try:
         returned = call(ptr, nbytes)
@@ -47,6 +51,8 @@ def untrusted_call(call: Callable[[int, int], object], op: str, ptr: int, nbytes
     except BaseException as exc:  # SystemExit, KeyboardInterrupt, GeneratorExit: booked, then raised again
         raised = exc
     else:
+        if returns:
+            return Answer(returned=returned)
         if returned is None:
             return _DONE
     again: BaseException | None = None

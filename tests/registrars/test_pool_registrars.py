@@ -292,3 +292,21 @@ def test_a_serial_registrar_is_undone_one_call_at_a_time_too(fake: FakeRuntime) 
         serial.max_concurrent = 0
     assert serial.max_concurrent == 1 and len(serial.unregister_calls) == 16
     held_by_nobody(fake, serial)
+
+
+def test_an_unregister_that_returns_a_status_is_not_trusted(fake: FakeRuntime) -> None:
+    """A registrar whose unregister returns a status code (as Mooncake's raw call does) broke the protocol:
+    pinpool cannot tell it let go, so the range is reported leaked and the memory kept, never assumed free."""
+
+    class ReturnsStatus(FakeRegistrar):
+        def unregister(self, ptr: int, nbytes: int, handle: object) -> None:
+            super().unregister(ptr, nbytes, handle)
+            return 0  # type: ignore[return-value]
+
+    engine = ReturnsStatus("status", preferred_bytes=32 * MiB)
+    with pytest.raises(UnpinError) as info:
+        with pool_with(fake, engine):
+            pass
+    (failure,) = info.value.failures
+    assert failure.call == "status unregister" and failure.error.reason == "UnexpectedReturn"
+    assert "returned 0" in failure.error.message and engine.registered == {} and fake.registered == {}
