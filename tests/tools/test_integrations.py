@@ -15,7 +15,7 @@ import torch
 
 import pinpool
 from pinpool.runtimes import CudaRuntime
-from pinpool.testing import FakeCudart, locked_bytes
+from pinpool.testing import FakeCudart, FakeRegistrar, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -119,3 +119,59 @@ def test_lmcache_allocate_cpu_memory_pins_and_a_failing_pin_hands_out_nothing() 
     with pytest.raises(pinpool.PinError):
         shim._allocate_cpu_memory(8 * MiB)
     assert fake.registered == {} and shim._POOLS == {} and locked_bytes() == before
+
+
+class _HiCacheNixl:
+    """What the HiCache NIXL drop-in reads of SGLang's HiCacheNixl: its host pool (a page_first kv_buffer
+    and its per-page descriptors), its registrations and close()'s fields; the registrar a FakeRegistrar."""
+
+    PAGE = 16 * 4 * 4 * 64 * 2  # one page's K descriptor: page_size * layers * heads * head_dim * bf16
+
+    def __init__(self, registrar: FakeRegistrar, pages: int = 64) -> None:
+        kv = pinpool.empty((2, pages * 16, 4, 4, 64), dtype=torch.bfloat16)  # page_first (2, size, L, H, D)
+        self.mem_pool_host = SimpleNamespace(
+            kv_buffer=kv, page_size=16, get_page_buffer_meta=lambda indices: ([kv.data_ptr()], [self.PAGE])
+        )
+        self._pinpool_registrar, self._host_regs, self._l3_cleaner = registrar, [], None
+        self._bounce_set = self._bounce_get = self._bounce_page_bytes = None
+        self._hybrid_pool_ctx: dict[str, object] = {}
+
+
+def test_sglang_hicache_nixl_registers_whole_pages_and_close_deregisters_before_unpinning() -> None:
+    fake, pinned_at_unregister = FakeCudart(), []
+
+    def seen(op: str, ptr: int, nbytes: int) -> None:  # is that range still pinned when the engine lets go?
+        if op == "unregister":
+            pinned_at_unregister.append(ptr in fake.registered)
+
+    engine = FakeRegistrar("nixl", before_call=seen)
+    shim = load("sglang_hicache_nixl", fake)
+    shim.MAX_CHUNK_BYTES = 3 * _HiCacheNixl.PAGE + 4096  # not whole pages: cut down to 3 pages
+    backend, before = _HiCacheNixl(engine), locked_bytes()
+    kv = backend.mem_pool_host.kv_buffer
+    shim._pre_register_host(backend, kv.data_ptr(), kv.nbytes, "kv_buffer")
+    [pool] = backend._host_regs
+    assert sorted(engine.registered.items()) == sorted(fake.registered.items())
+    assert sum(engine.registered.values()) == kv.nbytes and len(engine.registered) == 43  # 128 pages: 42 x 3 + 2
+    page = _HiCacheNixl.PAGE
+    assert all((p - kv.data_ptr()) % page == 0 and n % page == 0 for p, n in engine.registered.items())
+    bounce = shim._alloc_registered(backend, 4096, torch.bfloat16, False, "bounce_set")
+    assert bounce.shape == (shim.STORAGE_BATCH_SIZE, 4096) and len(backend._host_regs) == 2
+    assert sum(engine.registered.values()) == kv.nbytes + bounce.nbytes
+    backend._bounce_set = bounce
+    shim.close(backend)
+    assert engine.registered == {} and fake.registered == {} and locked_bytes() == before and backend._host_regs == []
+    assert pool.state is pinpool.PoolState.CLOSED and backend._bounce_set is None
+    assert len(pinned_at_unregister) == len(engine.register_calls) and all(pinned_at_unregister)
+
+
+def test_sglang_hicache_nixl_a_refused_registration_leaves_nothing_registered_or_pinned() -> None:
+    fake, engine = FakeCudart(), FakeRegistrar("nixl", fail_register_on=5)
+    shim = load("sglang_hicache_nixl", fake)
+    shim.MAX_CHUNK_BYTES = 2 * _HiCacheNixl.PAGE
+    backend, before = _HiCacheNixl(engine), locked_bytes()
+    kv = backend.mem_pool_host.kv_buffer
+    with pytest.raises(pinpool.PinError, match="injected failure"):
+        shim._pre_register_host(backend, kv.data_ptr(), kv.nbytes, "kv_buffer")
+    assert backend._host_regs == [] and engine.registered == {} and fake.registered == {} and locked_bytes() == before
+    assert len(engine.register_calls) >= 5  # four registered, the fifth refused, all four undone

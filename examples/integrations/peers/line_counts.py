@@ -28,6 +28,11 @@ RELEASED = {
     ],
     "SGLang allocation": [("sglang.srt.mem_cache.pool_host.common", "alloc_with_host_register")],
     "SGLang readiness gate": [],
+    "SGLang HiCache NIXL": [
+        ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl._pre_register_host"),
+        ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl._alloc_registered"),
+        ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl.close"),
+    ],
     "vLLM": [("vllm.v1.kv_offload.cpu.gpu_worker", "pin_mmap_region")],
     "LMCache": [
         ("lmcache.v1.memory_management", "PinnedAllocFree"),
@@ -50,6 +55,10 @@ DROP_INS = {
     ),
     "SGLang allocation": ("sglang_host_register.py", "alloc_with_host_register"),
     "SGLang readiness gate": ("sglang_host_register.py", "host_pool_ready GatedAlloc"),
+    "SGLang HiCache NIXL": (
+        "sglang_hicache_nixl.py",
+        "_registrar _page_bytes _options _keep _pre_register_host _alloc_registered close",
+    ),
     "vLLM": ("vllm_pin_mmap_region.py", "pin_mmap_region region_ready unpin_mmap_region"),
     "LMCache": ("lmcache_pinned_memory.py", "_allocate_cpu_memory _free_cpu_memory _numa_node"),
     "LMCache lazy": ("lmcache_pinned_memory.py", "lazy_allocator"),
