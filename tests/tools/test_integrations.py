@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import pinpool
+from pinpool import RuntimeCallError
 from pinpool.runtimes import CudaRuntime
 from pinpool.testing import FakeCudart, FakeRegistrar, locked_bytes
 
@@ -175,3 +176,54 @@ def test_sglang_hicache_nixl_a_refused_registration_leaves_nothing_registered_or
         shim._pre_register_host(backend, kv.data_ptr(), kv.nbytes, "kv_buffer")
     assert backend._host_regs == [] and engine.registered == {} and fake.registered == {} and locked_bytes() == before
     assert len(engine.register_calls) >= 5  # four registered, the fifth refused, all four undone
+
+
+class _Store:
+    """MooncakeDistributedStore's two calls with its answers: 0, -600 for an address it does not hold,
+    and a refusal (rc) for the ``refuse``-th register_buffer."""
+
+    def __init__(self, refuse: int = 0, rc: int = -1) -> None:
+        self.held: dict[int, int] = {}
+        self.calls, self.refuse, self.rc = 0, refuse, rc
+
+    def register_buffer(self, ptr: int, nbytes: int) -> int:
+        self.calls += 1
+        if self.calls == self.refuse:
+            return self.rc
+        self.held[ptr] = nbytes
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0 if self.held.pop(ptr, None) is not None else -600
+
+
+def test_sglang_mooncake_store_registers_whole_pages_and_close_unregisters_everything() -> None:
+    fake, before = FakeCudart(), locked_bytes()
+    shim = load("sglang_mooncake_store", fake)
+    shim.MAX_CHUNK_BYTES = 3 * _HiCacheNixl.PAGE
+    backend = _HiCacheNixl(FakeRegistrar())  # the same host pool stand-in; the store is the registrar here
+    backend.store, backend._pinpool_registrar = (store := _Store()), None
+    kv = backend.mem_pool_host.kv_buffer
+    for half in kv.unbind(0):  # as SGLang's MHA: K and V apart
+        shim.register_buffer(backend, half)
+    assert sum(store.held.values()) == kv.nbytes and len(store.held) == 2 * 22  # 64 pages a half, 3 a registration
+    assert sorted(store.held.items()) == sorted(fake.registered.items())
+    assert all((p - kv.data_ptr()) % _HiCacheNixl.PAGE == 0 for p in store.held)
+    with pytest.raises(RuntimeCallError) as error:
+        backend._pinpool_registrar.unregister(kv.data_ptr() + 1, 1, None)
+    assert error.value.code in backend._pinpool_registrar.limits.not_registered_codes
+    shim.close(backend)
+    assert store.held == {} and fake.registered == {} and locked_bytes() == before
+
+
+def test_sglang_mooncake_store_a_refused_registration_is_typed_and_rolled_back() -> None:
+    fake, before = FakeCudart(), locked_bytes()
+    shim = load("sglang_mooncake_store", fake)
+    shim.MAX_CHUNK_BYTES = 2 * _HiCacheNixl.PAGE
+    backend = _HiCacheNixl(FakeRegistrar())
+    backend.store, backend._pinpool_registrar = (store := _Store(refuse=4, rc=-1)), None
+    with pytest.raises(pinpool.PinError) as error:
+        shim.register_buffer(backend, backend.mem_pool_host.kv_buffer)
+    assert "MooncakeDistributedStore.register_buffer answered -1" in str(error.value)
+    assert store.held == {} and fake.registered == {} and locked_bytes() == before
+    assert getattr(backend, "_pinpool_pools", []) == []

@@ -33,6 +33,10 @@ RELEASED = {
         ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl._alloc_registered"),
         ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl.close"),
     ],
+    "SGLang HiCache Mooncake store": [
+        ("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store", "MooncakeBaseStore.register_buffer"),
+        ("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store", "MooncakeStore.close"),
+    ],
     "vLLM": [("vllm.v1.kv_offload.cpu.gpu_worker", "pin_mmap_region")],
     "LMCache": [
         ("lmcache.v1.memory_management", "PinnedAllocFree"),
@@ -59,6 +63,7 @@ DROP_INS = {
         "sglang_hicache_nixl.py",
         "_registrar _page_bytes _options _keep _pre_register_host _alloc_registered close",
     ),
+    "SGLang HiCache Mooncake store": ("sglang_mooncake_store.py", "StoreRegistrar _page_bytes register_buffer close"),
     "vLLM": ("vllm_pin_mmap_region.py", "pin_mmap_region region_ready unpin_mmap_region"),
     "LMCache": ("lmcache_pinned_memory.py", "_allocate_cpu_memory _free_cpu_memory _numa_node"),
     "LMCache lazy": ("lmcache_pinned_memory.py", "lazy_allocator"),
