@@ -45,6 +45,10 @@ RELEASED = {
         ("lmcache.v1.memory_management", "_allocate_cpu_memory"),
         ("lmcache.v1.memory_management", "_free_cpu_memory"),
     ],
+    "LMCache NIXL L2 store": [
+        ("lmcache.v1.distributed.l2_adapters.nixl_store_l2_adapter", "NixlStorageAgent.init_mem_handlers"),
+        ("lmcache.v1.distributed.l2_adapters.nixl_store_l2_adapter", "NixlStorageAgent.close"),
+    ],
     "LMCache lazy": [
         ("lmcache.v1.memory_allocators.lazy_memory_allocator", "LazyMemoryAllocator.__init__"),
         ("lmcache.v1.memory_allocators.lazy_memory_allocator", "LazyMemoryAllocator.close"),
@@ -67,6 +71,7 @@ DROP_INS = {
     "vLLM": ("vllm_pin_mmap_region.py", "pin_mmap_region region_ready unpin_mmap_region"),
     "LMCache": ("lmcache_pinned_memory.py", "_allocate_cpu_memory _free_cpu_memory _numa_node"),
     "LMCache lazy": ("lmcache_pinned_memory.py", "lazy_allocator"),
+    "LMCache NIXL L2 store": ("lmcache_nixl_store.py", "init_mem_handlers close"),
 }
 
 
