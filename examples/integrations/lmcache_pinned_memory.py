@@ -89,7 +89,10 @@ def lazy_allocator(base: type, tensor_allocator: type) -> type:
                     self._commit_expansion(pinned - self._curr_size)
                     self._curr_size = pinned
                 if self._pool.state == pinpool.PoolState.FAILED:
-                    logger.warning("lazy pinning failed; the arena stays at %d bytes: %s", pinned, self._pool.error)
+                    try:  # a waiter takes the failure (pool.error only reads it): close() then does not raise it
+                        self._pool.wait_ready_sync()
+                    except pinpool.PinError as failure:
+                        logger.warning("lazy pinning failed; the arena stays at %d bytes: %s", pinned, failure)
                     return
 
         def close(self) -> None:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import pinpool
+from pinpool import RuntimeCallError
 from pinpool.runtimes import CudaRuntime
-from pinpool.testing import FakeCudart, locked_bytes
+from pinpool.testing import FakeCudart, FakeRegistrar, locked_bytes
 
 from ..conftest import needs_mlock
 
@@ -119,3 +120,110 @@ def test_lmcache_allocate_cpu_memory_pins_and_a_failing_pin_hands_out_nothing() 
     with pytest.raises(pinpool.PinError):
         shim._allocate_cpu_memory(8 * MiB)
     assert fake.registered == {} and shim._POOLS == {} and locked_bytes() == before
+
+
+class _HiCacheNixl:
+    """What the HiCache NIXL drop-in reads of SGLang's HiCacheNixl: its host pool (a page_first kv_buffer
+    and its per-page descriptors), its registrations and close()'s fields; the registrar a FakeRegistrar."""
+
+    PAGE = 16 * 4 * 4 * 64 * 2  # one page's K descriptor: page_size * layers * heads * head_dim * bf16
+
+    def __init__(self, registrar: FakeRegistrar, pages: int = 64) -> None:
+        kv = pinpool.empty((2, pages * 16, 4, 4, 64), dtype=torch.bfloat16)  # page_first (2, size, L, H, D)
+        self.mem_pool_host = SimpleNamespace(
+            kv_buffer=kv, page_size=16, get_page_buffer_meta=lambda indices: ([kv.data_ptr()], [self.PAGE])
+        )
+        self._pinpool_registrar, self._host_regs, self._l3_cleaner = registrar, [], None
+        self._bounce_set = self._bounce_get = self._bounce_page_bytes = None
+        self._hybrid_pool_ctx: dict[str, object] = {}
+
+
+def test_sglang_hicache_nixl_registers_whole_pages_and_close_deregisters_before_unpinning() -> None:
+    fake, pinned_at_unregister = FakeCudart(), []
+
+    def seen(op: str, ptr: int, nbytes: int) -> None:  # is that range still pinned when the engine lets go?
+        if op == "unregister":
+            pinned_at_unregister.append(ptr in fake.registered)
+
+    engine = FakeRegistrar("nixl", before_call=seen)
+    shim = load("sglang_hicache_nixl", fake)
+    shim.MAX_CHUNK_BYTES = 3 * _HiCacheNixl.PAGE + 4096  # not whole pages: cut down to 3 pages
+    backend, before = _HiCacheNixl(engine), locked_bytes()
+    kv = backend.mem_pool_host.kv_buffer
+    shim._pre_register_host(backend, kv.data_ptr(), kv.nbytes, "kv_buffer")
+    [pool] = backend._host_regs
+    assert sorted(engine.registered.items()) == sorted(fake.registered.items())
+    assert sum(engine.registered.values()) == kv.nbytes and len(engine.registered) == 43  # 128 pages: 42 x 3 + 2
+    page = _HiCacheNixl.PAGE
+    assert all((p - kv.data_ptr()) % page == 0 and n % page == 0 for p, n in engine.registered.items())
+    bounce = shim._alloc_registered(backend, 4096, torch.bfloat16, False, "bounce_set")
+    assert bounce.shape == (shim.STORAGE_BATCH_SIZE, 4096) and len(backend._host_regs) == 2
+    assert sum(engine.registered.values()) == kv.nbytes + bounce.nbytes
+    backend._bounce_set = bounce
+    shim.close(backend)
+    assert engine.registered == {} and fake.registered == {} and locked_bytes() == before and backend._host_regs == []
+    assert pool.state is pinpool.PoolState.CLOSED and backend._bounce_set is None
+    assert len(pinned_at_unregister) == len(engine.register_calls) and all(pinned_at_unregister)
+
+
+def test_sglang_hicache_nixl_a_refused_registration_leaves_nothing_registered_or_pinned() -> None:
+    fake, engine = FakeCudart(), FakeRegistrar("nixl", fail_register_on=5)
+    shim = load("sglang_hicache_nixl", fake)
+    shim.MAX_CHUNK_BYTES = 2 * _HiCacheNixl.PAGE
+    backend, before = _HiCacheNixl(engine), locked_bytes()
+    kv = backend.mem_pool_host.kv_buffer
+    with pytest.raises(pinpool.PinError, match="injected failure"):
+        shim._pre_register_host(backend, kv.data_ptr(), kv.nbytes, "kv_buffer")
+    assert backend._host_regs == [] and engine.registered == {} and fake.registered == {} and locked_bytes() == before
+    assert len(engine.register_calls) >= 5  # four registered, the fifth refused, all four undone
+
+
+class _Store:
+    """MooncakeDistributedStore's two calls with its answers: 0, -600 for an address it does not hold,
+    and a refusal (rc) for the ``refuse``-th register_buffer."""
+
+    def __init__(self, refuse: int = 0, rc: int = -1) -> None:
+        self.held: dict[int, int] = {}
+        self.calls, self.refuse, self.rc = 0, refuse, rc
+
+    def register_buffer(self, ptr: int, nbytes: int) -> int:
+        self.calls += 1
+        if self.calls == self.refuse:
+            return self.rc
+        self.held[ptr] = nbytes
+        return 0
+
+    def unregister_buffer(self, ptr: int) -> int:
+        return 0 if self.held.pop(ptr, None) is not None else -600
+
+
+def test_sglang_mooncake_store_registers_whole_pages_and_close_unregisters_everything() -> None:
+    fake, before = FakeCudart(), locked_bytes()
+    shim = load("sglang_mooncake_store", fake)
+    shim.MAX_CHUNK_BYTES = 3 * _HiCacheNixl.PAGE
+    backend = _HiCacheNixl(FakeRegistrar())  # the same host pool stand-in; the store is the registrar here
+    backend.store, backend._pinpool_registrar = (store := _Store()), None
+    kv = backend.mem_pool_host.kv_buffer
+    for half in kv.unbind(0):  # as SGLang's MHA: K and V apart
+        shim.register_buffer(backend, half)
+    assert sum(store.held.values()) == kv.nbytes and len(store.held) == 2 * 22  # 64 pages a half, 3 a registration
+    assert sorted(store.held.items()) == sorted(fake.registered.items())
+    assert all((p - kv.data_ptr()) % _HiCacheNixl.PAGE == 0 for p in store.held)
+    with pytest.raises(RuntimeCallError) as error:
+        backend._pinpool_registrar.unregister(kv.data_ptr() + 1, 1, None)
+    assert error.value.code in backend._pinpool_registrar.limits.not_registered_codes
+    shim.close(backend)
+    assert store.held == {} and fake.registered == {} and locked_bytes() == before
+
+
+def test_sglang_mooncake_store_a_refused_registration_is_typed_and_rolled_back() -> None:
+    fake, before = FakeCudart(), locked_bytes()
+    shim = load("sglang_mooncake_store", fake)
+    shim.MAX_CHUNK_BYTES = 2 * _HiCacheNixl.PAGE
+    backend = _HiCacheNixl(FakeRegistrar())
+    backend.store, backend._pinpool_registrar = (store := _Store(refuse=4, rc=-1)), None
+    with pytest.raises(pinpool.PinError) as error:
+        shim.register_buffer(backend, backend.mem_pool_host.kv_buffer)
+    assert "MooncakeDistributedStore.register_buffer answered -1" in str(error.value)
+    assert store.held == {} and fake.registered == {} and locked_bytes() == before
+    assert getattr(backend, "_pinpool_pools", []) == []

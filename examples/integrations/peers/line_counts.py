@@ -28,6 +28,15 @@ RELEASED = {
     ],
     "SGLang allocation": [("sglang.srt.mem_cache.pool_host.common", "alloc_with_host_register")],
     "SGLang readiness gate": [],
+    "SGLang HiCache NIXL": [
+        ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl._pre_register_host"),
+        ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl._alloc_registered"),
+        ("sglang.srt.mem_cache.storage.nixl.hicache_nixl", "HiCacheNixl.close"),
+    ],
+    "SGLang HiCache Mooncake store": [
+        ("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store", "MooncakeBaseStore.register_buffer"),
+        ("sglang.srt.mem_cache.storage.mooncake_store.mooncake_store", "MooncakeStore.close"),
+    ],
     "vLLM": [("vllm.v1.kv_offload.cpu.gpu_worker", "pin_mmap_region")],
     "LMCache": [
         ("lmcache.v1.memory_management", "PinnedAllocFree"),
@@ -35,6 +44,10 @@ RELEASED = {
         ("lmcache.v1.memory_management", "_read_hugepage_info"),
         ("lmcache.v1.memory_management", "_allocate_cpu_memory"),
         ("lmcache.v1.memory_management", "_free_cpu_memory"),
+    ],
+    "LMCache NIXL L2 store": [
+        ("lmcache.v1.distributed.l2_adapters.nixl_store_l2_adapter", "NixlStorageAgent.init_mem_handlers"),
+        ("lmcache.v1.distributed.l2_adapters.nixl_store_l2_adapter", "NixlStorageAgent.close"),
     ],
     "LMCache lazy": [
         ("lmcache.v1.memory_allocators.lazy_memory_allocator", "LazyMemoryAllocator.__init__"),
@@ -50,9 +63,15 @@ DROP_INS = {
     ),
     "SGLang allocation": ("sglang_host_register.py", "alloc_with_host_register"),
     "SGLang readiness gate": ("sglang_host_register.py", "host_pool_ready GatedAlloc"),
+    "SGLang HiCache NIXL": (
+        "sglang_hicache_nixl.py",
+        "_registrar _page_bytes _options _keep _pre_register_host _alloc_registered close",
+    ),
+    "SGLang HiCache Mooncake store": ("sglang_mooncake_store.py", "StoreRegistrar _page_bytes register_buffer close"),
     "vLLM": ("vllm_pin_mmap_region.py", "pin_mmap_region region_ready unpin_mmap_region"),
     "LMCache": ("lmcache_pinned_memory.py", "_allocate_cpu_memory _free_cpu_memory _numa_node"),
     "LMCache lazy": ("lmcache_pinned_memory.py", "lazy_allocator"),
+    "LMCache NIXL L2 store": ("lmcache_nixl_store.py", "init_mem_handlers close"),
 }
 
 
