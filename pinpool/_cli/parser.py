@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     plan.add_argument("--rows", type=int, default=5, metavar="N", help="chunk table rows shown at each end (default 5)")
     plan.add_argument(
-        "--registrar", action="append", default=[], metavar="NAME[:max=SIZE,preferred=SIZE,pte=N,serial]",
+        "--registrar", action="append", default=[], metavar="NAME[:max=SIZE,preferred=SIZE,pte=N,serial,pins]",
         help="plan the calls of a transfer registrar with these limits too (repeatable; see pinpool.registrars): "
         "max= its largest registration, preferred= join chunks up to this, pte= its page-table budget, serial: "
-        "one call at a time",
+        "one call at a time, pins: it pins pages itself (ibv_reg_mr)",
     )  # fmt: skip
     plan.set_defaults(run=run_plan)
 

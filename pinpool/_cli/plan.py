@@ -14,9 +14,9 @@ from .report import plan_report, plan_text
 
 
 def registrar_spec(spec: str) -> tuple[str, RegistrarLimits]:
-    """``--registrar NAME[:max=SIZE,preferred=SIZE,pte=N,serial]`` as a name and its limits."""
+    """``--registrar NAME[:max=SIZE,preferred=SIZE,pte=N,serial,pins]`` as a name and its limits."""
     name, _, given = spec.partition(":")
-    fix = "give --registrar NAME[:max=SIZE,preferred=SIZE,pte=N,serial], e.g. mooncake:max=64GiB"
+    fix = "give --registrar NAME[:max=SIZE,preferred=SIZE,pte=N,serial,pins], e.g. mooncake:max=64GiB,pins"
     if not name:
         raise ConfigError(f"--registrar {spec!r} has no name: {fix}")
     limits: dict[str, object] = {}
@@ -25,6 +25,8 @@ def registrar_spec(spec: str) -> tuple[str, RegistrarLimits]:
         key, _, value = item.partition("=")
         if item == "serial":
             limits["parallel"] = False
+        elif item == "pins":
+            limits["pins_pages"] = True
         elif key in keys and value:
             limits[keys[key]] = int(value) if key == "pte" and value.isdigit() else parse_size(value, what=key)
         else:
@@ -48,7 +50,7 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
         from .. import _probe
         from .._plan.plan import plan_pool
-        from .._plan.preflight import check_pinning, place
+        from .._plan.preflight import check_engine_pins, check_pinning, place
         from .._pool.request import pool_request
         from ..runtimes._registry import pinning_capabilities
 
@@ -76,6 +78,7 @@ def run_plan(args: argparse.Namespace) -> int:
         charged = None if args.runtime == "fake" else pinning_capabilities(args.runtime, host)
         buffers = [spec.nbytes for spec in placement.specs]
         check_pinning(options, host, charged, mapping_bytes=placement.mapping_bytes, buffer_bytes=buffers)
+        check_engine_pins([(t.name, t.limits.pins_pages) for t in plan.transfers], plan.nbytes, host)
         report["preflight_error"] = None
     except ConfigError as exc:
         report["preflight_error"] = str(exc)

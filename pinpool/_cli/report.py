@@ -106,6 +106,7 @@ def plan_report(plan: Schedule, *, pool: str, layout: str, size: int, runtime: s
             {"name": t.name, "registrations": len(t.registrations), "largest_bytes": t.largest_bytes,
              "max_bytes": t.limits.max_bytes, "preferred_bytes": t.limits.preferred_bytes,
              "page_table_entries": t.limits.page_table_entries, "parallel": t.limits.parallel, "workers": t.workers,
+             "pins_pages": t.limits.pins_pages, "faults_pages": t.limits.faults_pages,
              "runs": [{"offset": o, "nbytes": n, "count": c} for o, n, c in t.registrations.runs]}
             for t in plan.transfers
         ],
@@ -149,6 +150,8 @@ def plan_text(r: dict[str, Any]) -> list[str]:
         details.append(
             f"registrar: {t['name']}: {t['registrations']} registration(s) of <= {format_bytes(t['largest_bytes'])} "
             f"({limit}), runs of whole chunks, {t['workers']} thread(s) of its own"
+            + (", pins the pages itself (RLIMIT_MEMLOCK applies)" if t["pins_pages"] else "")
+            + (", touches every page" if t["faults_pages"] else "")
         )
     if (pinning := r.get("pinning")) is not None:
         details.append(f"pinning:   {_pinning_text(pinning)}")

@@ -470,7 +470,7 @@ class PinSession:
                 pending = self._unpin_queue = collections.deque([*undo, *ledger.teardown_order()])
             count = min(self.unpin_workers, len(pending))
         unpinning = _Work[int | Item, _Unpinned](
-            take=functools.partial(self._claim_unpin_batch, pending), do=self._unregister_chunk,
+            take=functools.partial(self._claim_unpin_batch, pending, join), do=self._unregister_chunk,
             failed=self._unpin_failed, keep=lambda _: None, land=functools.partial(self._land_unpinned, pending),
             stops=False,
         )  # fmt: skip
@@ -522,12 +522,13 @@ class PinSession:
         self.observer.pinned_moved(moved)
         return failures
 
-    def _claim_unpin_batch(self, pending: collections.deque[int | Item]) -> list[int | Item]:
+    def _claim_unpin_batch(self, pending: collections.deque[int | Item], join: bool) -> list[int | Item]:
         chunks, transfers = self.ledger.chunks, self.transfers
         with self.lock:
             share = -(-len(pending) // max(1, self.unpin_workers))
-            if transfers is not None:  # registrars' registrations first, chunks once none is out with a worker
-                return transfers.take_undo(pending, share, self._changed.wait, lambda i: chunks[i].nbytes)
+            if transfers is not None:  # registrars' first; chunks once none is out (a finalizer never waits)
+                wait = self._changed.wait if join else None
+                return transfers.take_undo(pending, share, wait, lambda i: chunks[i].nbytes)
             return take_batch(lambda: pending.popleft() if pending else None, lambda i: chunks[i].nbytes, share)  # type: ignore[index]
 
     def _unregister_chunk(self, index: int | Item) -> _Unpinned:

@@ -16,7 +16,7 @@ from .._host.mapping import HostMapping, TensorMemory
 from .._plan.options import PoolOptions
 from .._plan.plan import Schedule, SourceRanges
 from .._plan.prefix import PageRun
-from .._plan.preflight import check_huge_pages, check_pinning
+from .._plan.preflight import check_engine_pins, check_huge_pages, check_pinning
 from .._ranges import PINNED_RANGES
 from .._shared.format import layout_record
 from .._shared.mapping import SharedMapping
@@ -107,6 +107,7 @@ class PoolMemory:
             self._options, host, self._caps, mapping_bytes=plan.mapping_bytes,
             buffer_bytes=[b.spec.nbytes for b in plan.buffers], new_memory=self._own, new_bytes=new_bytes,
         )  # fmt: skip
+        check_engine_pins([(t.name, t.limits.pins_pages) for t in plan.transfers], plan.nbytes, host)
         memory: HostMapping | TensorMemory | SharedMapping
         if shared is not None:
             memory = shared.open_mapping(plan.mapping_bytes, self._record)

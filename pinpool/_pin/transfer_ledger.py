@@ -5,7 +5,6 @@ every registrar's registrations (reverse offset order) before the runtime unpins
 
 from __future__ import annotations
 
-import bisect
 import collections
 import enum
 from collections.abc import Sequence
@@ -76,11 +75,6 @@ class TransferLedger:
                 return j, r
         return None
 
-    @property
-    def waiting(self) -> bool:
-        """A registration is ready but not handed out (a serial registrar busy)."""
-        return bool(self._ready)
-
     def _move(self, item: Item, was: RunState | frozenset[RunState], to: RunState) -> RunState:
         j, r = item
         state = self.states[j][r]
@@ -128,8 +122,9 @@ class TransferLedger:
         return ChunkFailure(self.run(item), "register", error, self.plans[item[0]].name)
 
     def unclaim(self, item: Item) -> None:
-        """A claimed registration whose call was never made (pinning stopped first)."""
+        """A claimed registration whose call was never made (pinning stopped first): ready again."""
         self._landed(item, RunState.PENDING)
+        self._ready.appendleft(item)
 
     def abort(self) -> None:
         """Pinning ended with calls in flight though every thread is done (a pinpool bug): maybe registered."""
@@ -189,10 +184,3 @@ class TransferLedger:
         """Registrar ``j``'s registrations held now, with their handles, sorted by offset."""
         registrations, handles = self.plans[j].registrations, self.handles[j]
         return [(registrations[r], handles[r]) for r, s in enumerate(self.states[j]) if s is RunState.REGISTERED]
-
-    def holds(self, j: int, start: int, end: int) -> bool:
-        """Whether registrar ``j`` holds every byte of ``[start, end)`` now."""
-        plan, states = self.plans[j], self.states[j]
-        r = plan.index_of(start)
-        stop = bisect.bisect_left(plan.registrations, end, key=lambda run: run.offset)
-        return r >= 0 and all(states[k] is RunState.REGISTERED for k in range(r, stop))

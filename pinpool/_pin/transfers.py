@@ -1,6 +1,7 @@
-"""The transfer registrars' calls, for the session's workers: a registration is one more item a pinning worker
-takes (first, once its chunks are pinned), and undoing it one more item an unpinning worker takes (before any
-chunk of the runtime's). Decisions are the books' (:mod:`.transfer_ledger`); this module makes the calls."""
+"""The transfer registrars' calls, for the session's workers: a registration is one more item a worker takes
+once its chunks are pinned (threads of the registrars' own, and pinning threads the pipeline has nothing for),
+and undoing it one more item an unpinning worker takes, before any chunk of the runtime's. Decisions are the
+books' (:mod:`.transfer_ledger`); this module makes the calls."""
 
 from __future__ import annotations
 
@@ -94,11 +95,13 @@ class Transfers:
     # -- teardown ------------------------------------------------------------------------------
 
     def take_undo(
-        self, pending: collections.deque[int | Item], share: int, wait: Callable[[], object],
+        self, pending: collections.deque[int | Item], share: int, wait: Callable[[], object] | None,
         chunk_bytes: Callable[[int], int],
     ) -> list[int | Item]:  # fmt: skip
         """The next batch of ``pending``: registrations (before any chunk), or chunks once no registrar's undo is
-        out with a worker; ``wait()`` while neither may be taken, until the books close (a teardown given up)."""
+        out with a worker; ``wait()`` while neither may be taken, until the books close (a teardown given up).
+        Without ``wait`` (a finalizer, which never waits on an earlier attempt's worker) none: what is left
+        is booked leaked, and the runtime unpins nothing an engine may still hold."""
         books = self.books
 
         def blocked() -> bool:
@@ -106,6 +109,8 @@ class Transfers:
             return books.unpinning if not isinstance(head, tuple) else not books.may_undo(head)
 
         while pending and blocked() and not books.closed:
+            if wait is None:
+                return []
             wait()
         if not pending or not isinstance(pending[0], tuple):
             return take_batch(lambda: pending.popleft() if pending else None, chunk_bytes, share)  # type: ignore[arg-type]

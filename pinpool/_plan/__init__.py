@@ -12,6 +12,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "plan": "LOOKAHEAD_CHUNKS PoolPlan Schedule plan_chunks plan_pool "
             "retry_splitter",
     "prefix": "PageRun PrefixTracker page_runs pin_order",
-    "preflight": "check_host place resident_fit",
+    "preflight": "check_engine_pins check_host place resident_fit",
     "transfers": "TransferPlan bound_by_registrars plan_transfer split_at_registrations",
 })  # fmt: skip

@@ -198,7 +198,7 @@ class PoolPlan:
     register_workers: int
     populate_workers: int
     unpin_workers: int
-    threads: int  # worker threads pinning starts (each takes either role)
+    threads: int  # worker threads pinning starts (each takes either role; with registrars, theirs too)
     transfers: tuple[TransferPlan, ...] = field(default=(), kw_only=True)  # each registrar's registrations
 
 
@@ -249,7 +249,7 @@ def plan_pool(
     wanted_register, wanted_populate = _wanted_workers(options, host, caps, total, populate)
     limit = options.chunk_limit
     workers = max(wanted_register, wanted_populate)
-    split_limit = parallel_limit(options, total, workers)
+    split_limit = parallel = parallel_limit(options, total, workers)
     if transfers and options.chunk_bytes is None and options.max_chunk_bytes is None:
         # Registrars register a chunk once it is pinned: with enough chunks only the last one's call is not hidden.
         split_limit = min(split_limit, max(MIN_TRANSFER_CHUNK_BYTES, -(-total // TRANSFER_CHUNKS)))
@@ -294,22 +294,35 @@ def plan_pool(
         cpu_budget=host.cpu_budget, cpu_quota=quota_cpus,
         duty_cycle=duty_cycle(quota_cpus, background=options.background and options.populate_workers is None),
         span_bytes=span_bytes, spans=spans, lookahead_bytes=lookahead_bytes, pin_chunks=pin_chunks, page_runs=runs,
-        registrations_reason=_registrations_reason(options, len(chunks), limit, split_limit, workers)
-        + _transfer_reason(asked, options, transfers, split_limit),
+        registrations_reason=_registrations_why(
+            asked, options, transfers, parallel, split_limit, len(chunks), limit, workers
+        ),
     )  # fmt: skip
 
 
-def _transfer_reason(
-    asked: PoolOptions, options: PoolOptions, transfers: Sequence[tuple[str, RegistrarLimits]], split_limit: int
+def _registrations_why(
+    asked: PoolOptions,
+    options: PoolOptions,
+    transfers: Sequence[tuple[str, RegistrarLimits]],
+    parallel: int,
+    split_limit: int,
+    chunks: int,
+    limit: int,
+    workers: int,
 ) -> str:
-    if not transfers:
-        return ""
-    if options.chunk_limit < asked.chunk_limit:
+    """Why the pool has ``chunks`` registrations: the runtime's reasons, or the registrars' where they decided."""
+    if transfers and options.chunk_limit < asked.chunk_limit:
         name = min((limits.max_bytes, name) for name, limits in transfers if limits.max_bytes)[1]
-        return f"; within registrar {name!r}'s largest registration ({format_bytes(options.chunk_limit)})"
-    if asked.chunk_bytes is None and asked.max_chunk_bytes is None:
-        return f"; split to <= {format_bytes(split_limit)} so registrars register chunks while later ones pin"
-    return ""
+        return (
+            f"{chunks} registrations: chunks within the largest registration registrar {name!r} accepts "
+            f"({format_bytes(options.chunk_limit)})"
+        )
+    if split_limit < parallel:
+        return (
+            f"{chunks} registrations: split to <= {format_bytes(split_limit)} (about {TRANSFER_CHUNKS} chunks, none "
+            f"below {format_bytes(MIN_TRANSFER_CHUNK_BYTES)}) so registrars register chunks while later ones pin"
+        )
+    return _registrations_reason(options, chunks, limit, split_limit, workers)
 
 
 def _resolve_populate(options: PoolOptions, host: HostFacts, caps: Capabilities) -> bool:

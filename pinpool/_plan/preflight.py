@@ -288,6 +288,20 @@ def check_pinning(
         raise_first([memlock_check(locked, host, subject=subject)])
 
 
+def check_engine_pins(engines: Sequence[tuple[str, bool]], nbytes: int, host: HostFacts) -> None:
+    """A transfer registrar that pins the pages itself (``ibv_reg_mr``: ``pins_pages``) is held to RLIMIT_MEMLOCK
+    on its own count (the kernel's ``pinned_vm``), unless the process has CAP_IPC_LOCK."""
+    pinning = [name for name, pins in engines if pins]
+    soft = host.memlock_soft
+    if not pinning or host.cap_ipc_lock or soft is None or nbytes <= soft:
+        return
+    raise ConfigError(
+        f"registrar {pinning[0]!r} pins the pool's pages itself (limits.pins_pages: ibv_reg_mr), which RLIMIT_MEMLOCK "
+        f"caps at {human(soft)} without CAP_IPC_LOCK: registering the pool's {human(nbytes)} would fail part-way. "
+        f"{RAISE_MEMLOCK}, or give a smaller size (at most {human(soft)})"
+    )
+
+
 def check_host(
     options: PoolOptions, host: HostFacts, caps: Capabilities | None = None, *, new_memory: bool = True,
     new_bytes: int | None = None,

@@ -48,6 +48,13 @@ def bound_by_registrars(options: PoolOptions, transfers: Sequence[tuple[str, Reg
             f"{name!r} accepts in one registration (limits.max_bytes={most}, {format_bytes(most)}); give "
             f"chunk_bytes <= {most}, or leave it out and pinpool plans chunks within every registrar's limit"
         )
+    largest = max(options.buffers, key=lambda spec: spec.nbytes, default=None)
+    if options.per_buffer and largest is not None and largest.nbytes > most:
+        raise ConfigError(
+            f"chunk_bytes='buffer' registers each buffer in one call, but buffer {largest.name!r} "
+            f"({format_bytes(largest.nbytes)}) is more than registrar {name!r} accepts in one registration "
+            f"(limits.max_bytes={most}, {format_bytes(most)}); leave chunk_bytes out, or give max_chunk_bytes <= {most}"
+        )
     if options.chunk_limit <= most:
         return options
     if options.max_chunk_bytes is not None:

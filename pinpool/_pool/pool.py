@@ -7,7 +7,7 @@ import functools
 import math
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType, TracebackType
 from typing import Unpack, cast
 
@@ -50,6 +50,19 @@ class PoolStats:
     retries: int
     populated_bytes: int
     longest_call_seconds: Mapping[str, float]
+
+
+def _without_holes(start: int, end: int, holes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, end)`` less the bytes nothing registers (between a strided view's rows, outside ``ranges=``),
+    as (offset, nbytes) parts."""
+    parts: list[tuple[int, int]] = []
+    for lo, hi in sorted(holes):
+        if lo > start and start < end:
+            parts.append((start, min(lo, end) - start))
+        start = max(start, hi)
+    if start < end:
+        parts.append((start, end - start))
+    return parts
 
 
 class PinnedPool:
@@ -351,7 +364,8 @@ class PinnedPool:
                     f"pool {self.name!r}: layout {self.layout.name!r} does not keep its pages in page order in bytes "
                     f"[{run.start}, {run.end}); address bytes instead (offset=, nbytes=)"
                 )
-            spans.append((run.start + pages.start * run.page_bytes, len(pages) * run.page_bytes))
+            start = run.start + pages.start * run.page_bytes
+            spans.extend(_without_holes(start, start + len(pages) * run.page_bytes, run.holes))
         return spans
 
     # -- the drivers: each only runs the lifecycle ----------------------------------------------

@@ -4,7 +4,7 @@ from attributes, and checked before anything is mapped."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -117,7 +117,3 @@ def check_registrars(registrars: Iterable[object] | None) -> tuple[TransferRegis
             "pieces; give each its own (MooncakeRegistrar(engine, protocol='tcp', name='mooncake-2'))"
         )
     return tuple(found)
-
-
-def registrar_names(registrars: Sequence[TransferRegistrar]) -> tuple[str, ...]:
-    return tuple(registrar.name for registrar in registrars)

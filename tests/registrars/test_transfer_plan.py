@@ -9,7 +9,14 @@ import pytest
 
 import pinpool
 from pinpool import ConfigError, layouts
-from pinpool._plan import ChunkTable, PoolOptions, plan_pool, plan_transfer, split_at_registrations
+from pinpool._plan import (
+    ChunkTable,
+    PoolOptions,
+    check_engine_pins,
+    plan_pool,
+    plan_transfer,
+    split_at_registrations,
+)
 from pinpool.registrars import RegistrarLimits
 from pinpool.testing import FakeRegistrar, FakeRuntime, host_facts
 
@@ -154,3 +161,19 @@ def test_pinpool_plan_shows_each_registrars_calls(capsys: pytest.CaptureFixture[
     assert "'foo=1' is not a limit" in capsys.readouterr().err
     assert _cli.main(["plan", "--size", "8GiB", "--registrar", "efa:pte=1000"]) == 2
     assert "page-table budget of 1000" in capsys.readouterr().err
+
+
+def test_one_registration_per_buffer_larger_than_a_registrar_accepts_is_refused() -> None:
+    text = config_error(
+        lambda: plan_of(32 * MiB, chunk_bytes="buffer", transfers=[("e", RegistrarLimits(max_bytes=4 * MiB))])
+    )
+    assert "chunk_bytes='buffer'" in text and "'e'" in text and "give max_chunk_bytes <= 4194304" in text
+
+
+def test_an_engine_that_pins_pages_is_held_to_rlimit_memlock() -> None:
+    tight = host_facts(memlock_soft=8 * MiB, cap_ipc_lock=False)
+    text = config_error(lambda: check_engine_pins([("rdma", True)], 16 * MiB, tight))
+    assert "'rdma' pins the pool's pages itself" in text and "ulimit -l" in text
+    check_engine_pins([("tcp", False)], 16 * MiB, tight)  # a TCP engine pins nothing
+    check_engine_pins([("rdma", True)], 8 * MiB, tight)
+    check_engine_pins([("rdma", True)], 16 * MiB, host_facts(memlock_soft=8 * MiB, cap_ipc_lock=True))
