@@ -131,8 +131,8 @@ class NixlRegistrar:
     def unregister(self, ptr: int, nbytes: int, handle: object) -> None:
         # No handle (a register that raised, undone): NIXL finds a registration by its descriptor, which
         # (ptr, nbytes, dev_id) rebuilds.
-        descs = handle if handle is not None else self._descs(ptr, nbytes)
         with self._lock:
+            descs = handle if handle is not None else self._descs(ptr, nbytes)
             try:
                 self.agent.deregister_memory(descs, self.backends)
             except Exception as exc:
