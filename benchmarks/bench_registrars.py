@@ -163,9 +163,11 @@ def report(size: int, reps: int, runtime: str, overlaps: list[dict[str, Any]], e
         ]
     for e in engines:
         m, n = e["median_bytes_per_second"], e["pieces"]
+        locked = "" if e["plain_locked"] else " (not locked)"
         lines.append(
-            f"| {e['engine']} | {m['plain buffer'] / (1 << 30):.2f} GiB/s | {m['pinpool pool'] / (1 << 30):.2f} GiB/s "
-            f"| {n['plain buffer']} / {n['pinpool pool']} | **{e['ratio']:.2f}x** |"
+            f"| {e['engine']} | {m['plain buffer'] / (1 << 30):.2f} GiB/s{locked} "
+            f"| {m['pinpool pool'] / (1 << 30):.2f} GiB/s | {n['plain buffer']} / {n['pinpool pool']} "
+            f"| **{e['ratio']:.2f}x** |"
         )
     return "\n".join(lines)
 
