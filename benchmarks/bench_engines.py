@@ -205,6 +205,7 @@ def read_throughput(
             for p in pool.transfer_pieces(registrar, offset=off, nbytes=min(PIECE, size - off))
         ]
         registrations = len(pool.transfer_registrations(registrar))
+        ctypes.memset(pool.data_ptr, 0x5A, size)  # the same bytes on both sides, written by this process
         pair.connect()
         try:
             rate(plain_pieces), rate(pool_pieces)  # warm-up, discarded
