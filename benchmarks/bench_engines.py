@@ -12,16 +12,19 @@ buffer of its own. Two transports:
   two agents in one process go through the NIC (loopback on the HCA) rather than shared memory. Both engines'
   registrations are then ``ibv_reg_mr``: pinned pages (the registrars are told so).
 
-Both sides of a ratio are read alike: the same reader buffer, the bytes cut into 64 MiB reads (the pool's
-additionally cut at its registration boundaries by ``pool.transfer_pieces``), Mooncake one synchronous read
-per piece, NIXL one request of every piece (as a server batches a page run). One warm-up read of each is
-discarded (it faults the reader's buffer and sets up connections); then reps alternate plain, pool and
-pool, plain. The plain buffer is faulted and, where this process may, mlock'ed (as the pool's pages are).
+Three sides, read alike: a plain buffer registered whole (as servers do today), a plain buffer registered
+in the pool's registrations (the same cuts without pinpool: an engine may read a few large registrations at
+another rate than one huge one, and this tells that apart from pinpool's own cost), and the pool. The same
+reader buffer; the bytes cut into 64 MiB reads (and at registration boundaries: ``pool.transfer_pieces``);
+Mooncake one synchronous read per piece, NIXL one request of every piece (as a server batches a page run).
+One warm-up read of each is discarded; then each rep reads all three, each case first in turn. The plain
+buffers are faulted, written and, where this process may, mlock'ed (as the pool's pages are).
 Benchmark code: pinpool's public API only."""
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import statistics
@@ -172,25 +175,54 @@ def rdma_devices() -> list[str]:
         return []
 
 
+class Plain:
+    """A plain buffer as servers register theirs by hand: faulted, written, mlock'ed where this process may (the
+    pool's pages are; over UCX's shared-memory path a locked buffer reads about 1.2x faster than an unlocked
+    one here, which would credit pinning to pinpool), and served as the given ``(offset, nbytes)`` spans."""
+
+    LIBC = ctypes.CDLL(None, use_errno=True)
+
+    def __init__(self, pair: Mooncake | Nixl, size: int, spans: list[tuple[int, int]]) -> None:
+        self.pair, self.size = pair, size
+        self.map = mmap.mmap(-1, size)
+        self.ptr = address(self.map)
+        ctypes.memset(self.ptr, 0x5A, size)
+        self.locked = self.LIBC.mlock(ctypes.c_void_p(self.ptr), ctypes.c_size_t(size)) == 0
+        self.served = [pair.serve(self.ptr + offset, nbytes) for offset, nbytes in spans]
+        self.pieces = cut(self.ptr, size, [offset for offset, _ in spans])
+
+    def close(self) -> None:
+        for handle in self.served:
+            self.pair.unserve(handle)
+        if self.locked:
+            self.LIBC.munlock(ctypes.c_void_p(self.ptr), ctypes.c_size_t(self.size))
+        self.map.close()
+
+
+def cut(base: int, size: int, starts: list[int]) -> list[tuple[int, int]]:
+    """``size`` bytes at ``base`` in PIECE reads, each also cut where a registration starts."""
+    bounds = sorted({*range(0, size, PIECE), *starts, size})
+    return [(base + lo, hi - lo) for lo, hi in itertools.pairwise(bounds)]
+
+
+CASES = ("plain buffer", "plain, the pool's registrations", "pinpool pool")
+
+
 def read_throughput(
     engine: str, size: int, reps: int, *, runtime: str, transport: str, host: str, device: str
 ) -> dict[str, Any]:
-    """One engine's read rate of a pool's pages through its pieces, and of a plain buffer of the same size."""
+    """One engine's read rate of a pool's pages through its pieces; of a plain buffer of the same size registered
+    whole; and of one registered in the pool's registrations (the same cuts, without pinpool)."""
     if transport == "rdma" and not rdma_devices():
         # Checked here, not left to the engines: Mooncake 0.3.13 given "rdma" on a host without a NIC logs
         # "Found 0 HCAs" and serves over TCP, so its figures would be TCP's under an RDMA label.
         raise SystemExit("--transport rdma: no RDMA device in /sys/class/infiniband; use --transport tcp")
     pair: Mooncake | Nixl = Mooncake(transport, host, device) if engine == "mooncake" else Nixl(transport)
-    local, plain = mmap.mmap(-1, size), mmap.mmap(-1, size)
-    local_ptr, plain_ptr = address(local), address(plain)
-    ctypes.memset(plain_ptr, 0x5A, size)  # faulted before it is served, as the pool's pages are
-    # ... and locked as the pool's are, where this process may: over UCX's shared-memory path (cma) a locked
-    # buffer reads about 1.2x faster than a faulted, unlocked one here, which would credit pinning to pinpool.
-    libc = ctypes.CDLL(None, use_errno=True)
-    plain_locked = libc.mlock(ctypes.c_void_p(plain_ptr), ctypes.c_size_t(size)) == 0
-    attached, served = pair.attach(local_ptr, size), pair.serve(plain_ptr, size)
-    plain_pieces = [(plain_ptr + off, min(PIECE, size - off)) for off in range(0, size, PIECE)]
-    rates: dict[str, list[float]] = {"plain buffer": [], "pinpool pool": []}
+    local = mmap.mmap(-1, size)
+    local_ptr = address(local)
+    attached = pair.attach(local_ptr, size)
+    whole = Plain(pair, size, [(0, size)])
+    rates: dict[str, list[float]] = {name: [] for name in CASES}
 
     def rate(pieces: list[tuple[int, int]]) -> float:
         started = time.perf_counter()
@@ -204,25 +236,26 @@ def read_throughput(
             for off in range(0, size, PIECE)
             for p in pool.transfer_pieces(registrar, offset=off, nbytes=min(PIECE, size - off))
         ]
-        registrations = len(pool.transfer_registrations(registrar))
-        ctypes.memset(pool.data_ptr, 0x5A, size)  # the same bytes on both sides, written by this process
+        held = [(r.offset, r.nbytes) for r in pool.transfer_registrations(registrar)]
+        ctypes.memset(pool.data_ptr, 0x5A, size)  # the same bytes on every side, written by this process
+        split = Plain(pair, size, held)
+        pieces = dict(zip(CASES, (whole.pieces, split.pieces, pool_pieces), strict=True))
         pair.connect()
         try:
-            rate(plain_pieces), rate(pool_pieces)  # warm-up, discarded
-            for rep in range(reps):  # ABBA: neither side always reads first (a rep's first read runs colder)
-                for name in ("plain buffer", "pinpool pool")[:: 1 if rep % 2 == 0 else -1]:
-                    rates[name].append(rate(plain_pieces if name == "plain buffer" else pool_pieces))
+            for name in CASES:  # warm-up, discarded: faults the reader's buffer, sets up connections
+                rate(pieces[name])
+            for rep in range(reps):  # each case first in turn: a rep's first read may run colder
+                for name in CASES[rep % 3 :] + CASES[: rep % 3]:
+                    rates[name].append(rate(pieces[name]))
         finally:
             pair.disconnect()
-    pair.unserve(served)
+            split.close()
+    whole.close()
     pair.detach(attached)
-    if plain_locked:
-        libc.munlock(ctypes.c_void_p(plain_ptr), ctypes.c_size_t(size))
     local.close()
-    plain.close()
     median = {name: statistics.median(values) for name, values in rates.items()}
     return {"engine": pair.label, "transport": transport, "rdma_devices": rdma_devices(),
-            "plain_locked": plain_locked, "median_bytes_per_second": median, "runs": rates,
-            "pieces": {"plain buffer": len(plain_pieces), "pinpool pool": len(pool_pieces)},
-            "pool_registrations": registrations,
-            "ratio": median["pinpool pool"] / median["plain buffer"]}  # fmt: skip
+            "plain_locked": whole.locked and split.locked, "median_bytes_per_second": median, "runs": rates,
+            "pieces": {name: len(p) for name, p in pieces.items()}, "pool_registrations": len(held),
+            "ratio": median["pinpool pool"] / median["plain buffer"],
+            "ratio_same_registrations": median["pinpool pool"] / median["plain, the pool's registrations"]}  # fmt: skip

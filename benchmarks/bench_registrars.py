@@ -157,17 +157,19 @@ def report(size: int, reps: int, runtime: str, overlaps: list[dict[str, Any]], e
     if engines:
         lines += [
             "",
-            f"| engine, {format_bytes(size)} read (64 MiB pieces) | plain buffer | pinpool pool "
-            "| pieces (plain / pool) | ratio (goal >= 0.95) |",
-            "|---|---|---|---|---|",
+            f"| engine, {format_bytes(size)} read (64 MiB pieces) | plain buffer, one registration | plain buffer, "
+            "the pool's registrations | pinpool pool | pool / plain (goal >= 0.95) | pool / plain in the same "
+            "registrations |",
+            "|---|---|---|---|---|---|",
         ]
     for e in engines:
-        m, n = e["median_bytes_per_second"], e["pieces"]
-        locked = "" if e["plain_locked"] else " (not locked)"
+        m = {name: rate / (1 << 30) for name, rate in e["median_bytes_per_second"].items()}
+        same = m["plain, the pool's registrations"]
+        locked = "" if e["plain_locked"] else " (plain buffers not locked)"
         lines.append(
-            f"| {e['engine']} | {m['plain buffer'] / (1 << 30):.2f} GiB/s{locked} "
-            f"| {m['pinpool pool'] / (1 << 30):.2f} GiB/s | {n['plain buffer']} / {n['pinpool pool']} "
-            f"| **{e['ratio']:.2f}x** |"
+            f"| {e['engine']}{locked} | {m['plain buffer']:.2f} GiB/s | {same:.2f} "
+            f"GiB/s ({e['pool_registrations']}) | {m['pinpool pool']:.2f} GiB/s | **{e['ratio']:.2f}x** "
+            f"| {e['ratio_same_registrations']:.2f}x |"
         )
     return "\n".join(lines)
 
