@@ -7,18 +7,21 @@ pages as fast as a plain buffer?
     python benchmarks/bench_registrars.py --json out.json --markdown out.md
 
 **Overlap.** A timed stand-in registrar costs what ``ibv_reg_mr`` costs per GiB (the field: 500 GB
-registered sequentially in 49.2 s, about 0.1 s/GiB, kvcache-ai/Mooncake#855; a registration that faults
-its pages first, about 1.2 s/GiB, #1468), of two kinds: ``device`` waits (a NIC's firmware commands) and
+registered sequentially in 49.2 s, about 0.1 s/GiB, kvcache-ai/Mooncake#855; with its pages faulted
+first, 50 GB in about a minute, about 1.2 s/GB, #1468), of two kinds: ``device`` waits (a NIC's firmware commands) and
 ``cpu`` burns one CPU (a kernel's page walk: sha256 with the GIL released). Measured in one run,
 interleaved rep by rep: **pin alone** (mlock, the default plan), **register alone** (the pool's planned
-registrations made by the registrar on its own, with as many threads as the pool gives it), and
+registrations made by the registrar on its own, with the threads the plan gives it: its
+``plan.transfers[i].workers``; in the pool, pinning workers whose chunks are all pinned take registrations
+too, so with a slow stand-in pin + 1 can finish before register alone), and
 **pin + 1** / **pin + 2** registrars (until the pool is ready: every registrar holds every page).
 Goal: pin + registrars <= 1.1x the slower of pin alone and register alone (the registration hidden
 under pinning). **Read throughput** (``--engines [mooncake] [nixl]``, ``bench_engines.py``): each
 engine (Mooncake's Transfer Engine, NIXL's UCX backend; two peers in this process) reading a pinpool
 pool's pages through ``pool.transfer_pieces`` against the same engine reading a plain registered buffer
-of the same size. Goal >= 0.95x. ``--transport rdma`` (a host with a NIC): Mooncake's ``rdma`` protocol
-and UCX over ``rc``, as ``gpu_h200.sh`` runs it. Benchmark code: pinpool's public API only.
+of the same size (and one registered in the pool's registrations). Goal >= 0.95x. ``--transport rdma``
+(a host with a NIC): Mooncake's ``rdma`` protocol and UCX over ``rc``, as ``gpu_h200.sh`` runs it.
+Benchmark code: pinpool's public API only.
 
     python benchmarks/bench_registrars.py --engines --kinds --size 2GiB   # the engines only, both
     python benchmarks/bench_registrars.py --engines nixl --transport rdma --runtime cuda
@@ -45,7 +48,8 @@ from pinpool.registrars import RegistrarLimits
 class TimedRegistrar:
     """A stand-in engine whose register costs ``seconds_per_gib`` per GiB of one CPU (sha256 over a scratch
     buffer, GIL released: CPU work in parallel threads, as a kernel's page walk and DMA mapping are), and
-    whose unregister costs a tenth of that (#855: 11.8 s against 49.2 s for 500 GB)."""
+    whose unregister costs about a quarter of that (#855: 11.8 s against 49.2 s for 500 GB, sequential).
+    No figure times an unregister: the pin figures stop when the pool is ready."""
 
     SCRATCH = memoryview(bytes(16 << 20))
     hashed_per_second = 0.0  # calibrated once: sha256 bytes per second on one thread
@@ -81,7 +85,7 @@ class TimedRegistrar:
         return ptr
 
     def unregister(self, ptr: int, nbytes: int, handle: object) -> None:
-        self._spend(nbytes * self.seconds_per_byte / 10)
+        self._spend(nbytes * self.seconds_per_byte * 11.8 / 49.2)
         with self._lock:
             del self.held[ptr]
 
