@@ -35,7 +35,7 @@ from typing import Any
 import pinpool
 from pinpool.registrars import MooncakeRegistrar, NixlRegistrar, TransferRegistrar
 
-PIECE = 64 << 20  # one descriptor per 64 MiB, alike for both sides
+PIECE = 64 << 20  # one descriptor per 64 MiB, alike for every side
 ENGINES = ("mooncake", "nixl")
 TRANSPORTS = ("tcp", "rdma")
 
@@ -94,7 +94,8 @@ class Mooncake:
         self.reader.unregister_memory(handle)
 
     def connect(self) -> None:
-        """Mooncake's reader asks the server's segment at each read: nothing to load."""
+        """Nothing to load: Mooncake's reader fetches the server's segment (its registrations) at its first read,
+        which comes after every registration here, and keeps it."""
 
     def disconnect(self) -> None:
         """Nothing loaded (see connect)."""
