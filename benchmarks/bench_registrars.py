@@ -7,16 +7,24 @@ pages as fast as a plain buffer?
     python benchmarks/bench_registrars.py --json out.json --markdown out.md
 
 **Overlap.** A timed stand-in registrar costs what ``ibv_reg_mr`` costs per GiB (the field: 500 GB
-registered sequentially in 49.2 s, about 0.1 s/GiB, kvcache-ai/Mooncake#855; a registration that faults
-its pages first, about 1.2 s/GiB, #1468), of two kinds: ``device`` waits (a NIC's firmware commands) and
+registered sequentially in 49.2 s, about 0.1 s/GiB, kvcache-ai/Mooncake#855; with its pages faulted
+first, 50 GB in about a minute, about 1.2 s/GB, #1468), of two kinds: ``device`` waits (a NIC's firmware commands) and
 ``cpu`` burns one CPU (a kernel's page walk: sha256 with the GIL released). Measured in one run,
 interleaved rep by rep: **pin alone** (mlock, the default plan), **register alone** (the pool's planned
-registrations made by the registrar on its own, with as many threads as the pool gives it), and
+registrations made by the registrar on its own, with the threads the plan gives it: its
+``plan.transfers[i].workers``; in the pool, pinning workers whose chunks are all pinned take registrations
+too, so with a slow stand-in pin + 1 can finish before register alone), and
 **pin + 1** / **pin + 2** registrars (until the pool is ready: every registrar holds every page).
 Goal: pin + registrars <= 1.1x the slower of pin alone and register alone (the registration hidden
-under pinning). **Read throughput** (``--engines``): Mooncake's Transfer Engine (TCP, loopback)
-reading a pinpool pool's pages through ``pool.transfer_pieces`` against the same engine reading a
-plain registered buffer of the same size. Goal >= 0.95x. Benchmark code: pinpool's public API only.
+under pinning). **Read throughput** (``--engines [mooncake] [nixl]``, ``bench_engines.py``): each
+engine (Mooncake's Transfer Engine, NIXL's UCX backend; two peers in this process) reading a pinpool
+pool's pages through ``pool.transfer_pieces`` against the same engine reading a plain registered buffer
+of the same size (and one registered in the pool's registrations). Goal >= 0.95x. ``--transport rdma``
+(a host with a NIC): Mooncake's ``rdma`` protocol and UCX over ``rc``, as ``gpu_h200.sh`` runs it.
+Benchmark code: pinpool's public API only.
+
+    python benchmarks/bench_registrars.py --engines --kinds --size 2GiB   # the engines only, both
+    python benchmarks/bench_registrars.py --engines nixl --transport rdma --runtime cuda
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import threading
 import time
 from typing import Any
 
+from bench_engines import ENGINES, TRANSPORTS, read_throughput
 from bench_memory import format_bytes, machine, publish
 
 import pinpool
@@ -39,7 +48,8 @@ from pinpool.registrars import RegistrarLimits
 class TimedRegistrar:
     """A stand-in engine whose register costs ``seconds_per_gib`` per GiB of one CPU (sha256 over a scratch
     buffer, GIL released: CPU work in parallel threads, as a kernel's page walk and DMA mapping are), and
-    whose unregister costs a tenth of that (#855: 11.8 s against 49.2 s for 500 GB)."""
+    whose unregister costs about a quarter of that (#855: 11.8 s against 49.2 s for 500 GB, sequential).
+    No figure times an unregister: the pin figures stop when the pool is ready."""
 
     SCRATCH = memoryview(bytes(16 << 20))
     hashed_per_second = 0.0  # calibrated once: sha256 bytes per second on one thread
@@ -75,7 +85,7 @@ class TimedRegistrar:
         return ptr
 
     def unregister(self, ptr: int, nbytes: int, handle: object) -> None:
-        self._spend(nbytes * self.seconds_per_byte / 10)
+        self._spend(nbytes * self.seconds_per_byte * 11.8 / 49.2)
         with self._lock:
             del self.held[ptr]
 
@@ -90,10 +100,10 @@ def pin_seconds(size: int, runtime: Any, registrars: list[TimedRegistrar]) -> fl
     return took
 
 
-def register_seconds(size: int, registrars: list[TimedRegistrar]) -> float:
+def register_seconds(size: int, runtime: str, registrars: list[TimedRegistrar]) -> float:
     """The registrars registering the pool's planned registrations on their own (no pinning), each with as
     many threads as the pool gives it (``pool.plan.transfers[i].workers``), all at once."""
-    plan = pinpool.PinnedPool(size=size, runtime="mlock", registry=None, registrars=registrars).plan
+    plan = pinpool.PinnedPool(size=size, runtime=runtime, registry=None, registrars=registrars).plan
     started = time.perf_counter()
     pools = [concurrent.futures.ThreadPoolExecutor(t.workers) for t in plan.transfers]
     jobs = [
@@ -110,16 +120,16 @@ def register_seconds(size: int, registrars: list[TimedRegistrar]) -> float:
     return took
 
 
-def overlap(size: int, reps: int, seconds_per_gib: float, kind: str) -> dict[str, Any]:
+def overlap(size: int, reps: int, seconds_per_gib: float, kind: str, runtime: str) -> dict[str, Any]:
     def engines(count: int) -> list[TimedRegistrar]:
         return [TimedRegistrar(name, seconds_per_gib, kind) for name in "ab"[:count]]
 
     cases = {
-        "pin alone": lambda: pin_seconds(size, "mlock", []),
-        "register alone": lambda: register_seconds(size, engines(1)),
-        "pin + 1 registrar": lambda: pin_seconds(size, "mlock", engines(1)),
-        "register alone, 2": lambda: register_seconds(size, engines(2)),
-        "pin + 2 registrars": lambda: pin_seconds(size, "mlock", engines(2)),
+        "pin alone": lambda: pin_seconds(size, runtime, []),
+        "register alone": lambda: register_seconds(size, runtime, engines(1)),
+        "pin + 1 registrar": lambda: pin_seconds(size, runtime, engines(1)),
+        "register alone, 2": lambda: register_seconds(size, runtime, engines(2)),
+        "pin + 2 registrars": lambda: pin_seconds(size, runtime, engines(2)),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(reps):  # interleaved: a noisy moment costs every case alike
@@ -132,74 +142,15 @@ def overlap(size: int, reps: int, seconds_per_gib: float, kind: str) -> dict[str
             "ratio_two": two}  # fmt: skip
 
 
-def engine_throughput(size: int, reps: int) -> dict[str, Any]:
-    """Mooncake (TCP, loopback): read a pool's pages through its pieces, and a plain buffer of the same size."""
-    import mmap
-    import os
-
-    os.environ.setdefault("MC_TCP_ENABLE_CONNECTION_POOL", "0")  # tests/engines: a pooled connection may be stale
-    from mooncake.engine import TransferEngine
-
-    from pinpool.registrars import MooncakeRegistrar
-
-    def engine() -> Any:
-        te = TransferEngine()
-        if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise SystemExit("mooncake: initialize failed")
-        return te
-
-    server, client = engine(), engine()
-    peer = f"127.0.0.1:{server.get_rpc_port()}"
-    local = mmap.mmap(-1, size)
-    local_ptr = memoryview_address(local)
-    assert client.register_memory(local_ptr, size) == 0
-    plain = mmap.mmap(-1, size)
-    plain_ptr = memoryview_address(plain)
-    assert server.register_memory(plain_ptr, size) == 0
-
-    def read(pieces: list[tuple[int, int]]) -> float:
-        started = time.perf_counter()
-        done = 0
-        for address, nbytes in pieces:
-            assert client.transfer_sync_read(peer, local_ptr + done, address, nbytes) == 0
-            done += nbytes
-        return size / (time.perf_counter() - started)
-
-    piece = 64 << 20  # one descriptor per 64 MiB, alike for both
-    plain_pieces = [(plain_ptr + off, min(piece, size - off)) for off in range(0, size, piece)]
-    rates: dict[str, list[float]] = {"plain buffer": [], "pinpool pool": []}
-    with pinpool.PinnedPool(
-        size=size, runtime="mlock", registry=None, registrars=[MooncakeRegistrar(server, protocol="tcp")]
-    ) as pool:
-        pool_pieces = [
-            (p.address, p.nbytes)
-            for off in range(0, size, piece)
-            for p in pool.transfer_pieces("mooncake", offset=off, nbytes=min(piece, size - off))
+def report(size: int, reps: int, runtime: str, overlaps: list[dict[str, Any]], engines: list[dict[str, Any]]) -> str:
+    lines = [f"Transfer registrars, {format_bytes(size)} pool, {runtime}, {reps} reps (medians), {machine()}"]
+    if overlaps:
+        lines += [
+            "",
+            "| stand-in cost | pin alone | register alone | pin + 1 | ratio (goal <= 1.1) | register alone (2) "
+            "| pin + 2 | ratio |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for _ in range(reps):
-            rates["plain buffer"].append(read(plain_pieces))
-            rates["pinpool pool"].append(read(pool_pieces))
-    server.unregister_memory(plain_ptr)
-    client.unregister_memory(local_ptr)
-    median = {name: statistics.median(values) for name, values in rates.items()}
-    return {"engine": "mooncake tcp", "median_bytes_per_second": median, "runs": rates,
-            "ratio": median["pinpool pool"] / median["plain buffer"]}  # fmt: skip
-
-
-def memoryview_address(buffer: Any) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-
-
-def report(size: int, reps: int, overlaps: list[dict[str, Any]], engines: dict[str, Any] | None) -> str:
-    lines = [
-        f"Transfer registrars, {format_bytes(size)} pool, mlock, {reps} reps (medians), {machine()}",
-        "",
-        "| stand-in cost | pin alone | register alone | pin + 1 | ratio (goal <= 1.1) | register alone (2) | pin + 2 "
-        "| ratio |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
     for o in overlaps:
         m = o["median_seconds"]
         lines.append(
@@ -208,14 +159,22 @@ def report(size: int, reps: int, overlaps: list[dict[str, Any]], engines: dict[s
             f"{m['pin + 2 registrars']:.3f} s | **{o['ratio_two']:.2f}x** |"
         )
     if engines:
-        m = engines["median_bytes_per_second"]
         lines += [
             "",
-            f"| {engines['engine']} read | plain buffer | pinpool pool | ratio (goal >= 0.95) |",
-            "|---|---|---|---|",
-            f"| {format_bytes(size)} in 64 MiB reads | {m['plain buffer'] / (1 << 30):.2f} GiB/s | "
-            f"{m['pinpool pool'] / (1 << 30):.2f} GiB/s | **{engines['ratio']:.2f}x** |",
+            f"| engine, {format_bytes(size)} read (64 MiB pieces) | plain buffer, one registration | plain buffer, "
+            "the pool's registrations | pinpool pool | pool / plain (goal >= 0.95) | pool / plain in the same "
+            "registrations |",
+            "|---|---|---|---|---|---|",
         ]
+    for e in engines:
+        m = {name: rate / (1 << 30) for name, rate in e["median_bytes_per_second"].items()}
+        same = m["plain, the pool's registrations"]
+        locked = "" if e["plain_locked"] else " (plain buffers not locked)"
+        lines.append(
+            f"| {e['engine']}{locked} | {m['plain buffer']:.2f} GiB/s | {same:.2f} "
+            f"GiB/s ({e['pool_registrations']}) | {m['pinpool pool']:.2f} GiB/s | **{e['ratio']:.2f}x** "
+            f"| {e['ratio_same_registrations']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -223,24 +182,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="2GiB")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--runtime", default="mlock", help="the pools' runtime (cuda on a GPU host)")
     parser.add_argument("--seconds-per-gib", type=float, nargs="+", default=[0.1, 1.0])
     parser.add_argument(
         "--kinds",
-        nargs="+",
+        nargs="*",
         default=["device", "cpu"],
         choices=["device", "cpu"],
-        help="stand-ins that wait (a NIC's firmware) or burn one CPU per call (a page walk)",
+        help="stand-ins that wait (a NIC's firmware) or burn one CPU per call (a page walk); none: no overlap",
     )
-    parser.add_argument("--engines", action="store_true", help="also Mooncake's read throughput (needs the engine)")
+    parser.add_argument(
+        "--engines",
+        nargs="*",
+        choices=ENGINES,
+        help="also the real engines' read throughput (alone: every engine; each must load here)",
+    )
+    parser.add_argument("--transport", choices=TRANSPORTS, default="tcp", help="the engines' (rdma: a NIC)")
+    parser.add_argument("--host", default="127.0.0.1", help="Mooncake's local hostname (rdma: the NIC's address)")
+    parser.add_argument("--device", default="", help="Mooncake's device_name (rdma NICs; empty: discovered)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
     size = pinpool.parse_size(args.size)
     TimedRegistrar.calibrate()
-    overlaps = [overlap(size, args.reps, cost, kind) for kind in args.kinds for cost in args.seconds_per_gib]
-    engines = engine_throughput(size, args.reps) if args.engines else None
-    result = {"size": size, "reps": args.reps, "overlap": overlaps, "engines": engines}
-    publish(report(size, args.reps, overlaps, engines), result, json_path=args.json, markdown_path=args.markdown)
+    overlaps = [
+        overlap(size, args.reps, cost, kind, args.runtime) for kind in args.kinds for cost in args.seconds_per_gib
+    ]
+    names = [] if args.engines is None else args.engines or list(ENGINES)
+    engines = [
+        read_throughput(
+            name, size, args.reps, runtime=args.runtime, transport=args.transport, host=args.host, device=args.device
+        )
+        for name in names
+    ]
+    result = {"size": size, "reps": args.reps, "runtime": args.runtime, "overlap": overlaps, "engines": engines}
+    publish(report(size, args.reps, args.runtime, overlaps, engines), result, json_path=args.json,
+            markdown_path=args.markdown)  # fmt: skip
     return 0
 
 
