@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -328,7 +329,9 @@ def is_temp_name(name: str) -> bool:
 @dataclass(frozen=True)
 class RegionInfo:
     """What a region file holds, from its trailer and its ``stat``. ``held_bytes``: memory it holds
-    now, trailer included. ``creator_alive``: None when made on another host (its own hostname)."""
+    now, trailer included. ``creator_alive``: None when made on another host (its own hostname).
+    ``in_use``: whether a process maps it through pinpool now (its mapping holds ``LOCK_SH`` on the
+    file while mapped, and a dead process's lock is gone with it); None when not looked at."""
 
     path: str
     file_bytes: int
@@ -345,6 +348,25 @@ class RegionInfo:
     created_host: str | None
     creator_alive: bool | None
     age_seconds: float | None
+    in_use: bool | None = None
+
+    @property
+    def orphaned(self) -> bool:
+        """Its creator is gone (pid dead, or reused by another process) and no process maps it: a
+        whole region (its trailer read back complete) that the next process may re-attach, bytes intact."""
+        return self.creator_alive is False and self.in_use is False
+
+
+def _in_use(fd: int) -> bool | None:
+    """Whether another open file holds a lock on the region: a pinpool mapping's ``LOCK_SH``, or a creation's."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 _PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max: a larger "pid" is no pid pinpool wrote
@@ -398,7 +420,8 @@ def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
         return None
     try:
         st = os.fstat(fd)
-        return region_info(path, st, read_trailer(fd, st.st_size))
+        info = region_info(path, st, read_trailer(fd, st.st_size))
+        return dataclasses.replace(info, in_use=_in_use(fd))
     except (OSError, NotRegion):
         return None
     finally:
