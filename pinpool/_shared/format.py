@@ -41,6 +41,10 @@ _MAX_BODY = TRAILER_BYTES - _BODY_AT
 FLAGS_AT = 20
 GENERATION_AT = 24
 FLAG_KEEP = 1
+FLAG_INTENTS = 2  # the trailer's last INTENT_SLOTS * INTENT_SLOT_BYTES hold write intents (see intents.py)
+INTENTS_AT = 3072  # in the trailer: a body up to here leaves the rest for write intents
+INTENT_SLOT_BYTES = 16
+INTENT_SLOTS = (TRAILER_BYTES - INTENTS_AT) // INTENT_SLOT_BYTES  # 64 writers at once
 _PAGE = _libc.PAGE_SIZE
 _MAX_DEPTH = 8  # the body nests 5 deep (body, record, buffers, a buffer, its shape)
 _MAX_SIZE = 1 << 62  # larger than any host's memory, small enough for every later sum
@@ -223,7 +227,9 @@ def read_trailer(fd: int, file_bytes: int) -> Trailer:
 
 def write_new_trailer(fd: int, file_bytes: int, body: bytes, where: str, *, keep: bool, page_size: int) -> None:
     """Write a new file's whole trailer holding ``body``, the magic last (a file without it is no region)."""
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), FLAG_KEEP if keep else 0, 0, 0)
+    # A body short enough leaves room for write intents: the flag says so (a pinpool before them ignores both).
+    flags = (FLAG_KEEP if keep else 0) | (FLAG_INTENTS if _BODY_AT + len(body) <= INTENTS_AT else 0)
+    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), flags, 0, 0)
     trailer = (head + body).ljust(TRAILER_BYTES, b"\0")
     store(fd, file_bytes, len(MAGIC), trailer[len(MAGIC) :], where, page_size=page_size)
     store(fd, file_bytes, 0, trailer[: len(MAGIC)], where, page_size=page_size)

@@ -40,6 +40,8 @@ from .format import (
 if TYPE_CHECKING:
     import torch
 
+    from .intents import Intents
+
 ATTACH_WAIT_SECONDS = 5.0  # for a creation in progress (microseconds, unless the creator stopped)
 _POLL_SECONDS = 0.005
 _UNINITIALISED_GRACE_SECONDS = 0.5  # an empty, unlocked file: the creator may not have taken its lock yet
@@ -110,6 +112,7 @@ class SharedMapping:
         self.region_id = region_id
         self._where = repr(path) if path is not None else f"fd {fd}"
         self._unlinker = unlinker
+        self._intents: Intents | None = None  # made by SharedMemory.writing() when first used
         self._finalizer = weakref.finalize(self, _release, base, file_bytes, fd, unlinker)
         self._finalizer.atexit = False  # never unmap at exit: the pool's finalizer may not have unpinned yet
         if unlinker is not None:

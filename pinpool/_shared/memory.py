@@ -3,6 +3,7 @@ and whether :meth:`SharedMemory.open_mapping` creates or attaches (docs/shared-m
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -28,6 +29,7 @@ from .format import (
     region_info,
     write_field,
 )
+from .intents import Intents
 from .mapping import SharedMapping, Unlinker, attach_mapping, create_mapping
 
 T = TypeVar("T")
@@ -278,6 +280,41 @@ class SharedMemory:
 
         if self._read_file(store, write=True) is None:
             raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
+
+    def writing(self, first_page: int, count: int) -> contextlib.AbstractContextManager[None]:
+        """Mark pages ``[first_page, first_page + count)`` of the pool "being written" in the region, for
+        the ``with`` block: write to them inside it (a device copy: synchronized before it ends). A process
+        killed inside leaves the mark: :meth:`suspect_pages` names those pages to its successor."""
+        mapping = self._mapping
+        if mapping is None:
+            raise PoolStateError(f"{self!r}.writing(): no pool maps the region in this process (enter the pool)")
+        return self._intents_of(mapping).writing(first_page, count)
+
+    def _intents_of(self, mapping: SharedMapping) -> Intents:
+        if mapping._intents is None:
+            mapping._intents = Intents(mapping.fd, mapping.file_bytes, self._where(), page_size=self._page_size)
+        return mapping._intents
+
+    def suspect_pages(self) -> tuple[range, ...]:
+        """The page runs a writer that died inside :meth:`writing` may have left half-written (a run
+        of ``range(0, num_pages)`` for a slot something else wrote), sorted; a live writer's are not."""
+        return self._suspects(clear=False)
+
+    def clear_suspect_pages(self) -> tuple[range, ...]:
+        """Forget dead writers' marks (once the server dropped those pages from its index): the runs cleared."""
+        return self._suspects(clear=True)
+
+    def _suspects(self, *, clear: bool) -> tuple[range, ...]:
+        mapping = self._mapping
+        if mapping is not None:
+            return self._intents_of(mapping).suspects(clear=clear)
+
+        def read(fd: int) -> tuple[range, ...]:
+            return Intents(fd, os.fstat(fd).st_size, self._where(), page_size=self._page_size).suspects(clear=clear)
+
+        if (found := self._read_file(read, write=clear)) is None:
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: no pages to suspect")
+        return found
 
     def _check_nbytes(self, nbytes: int) -> int:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
