@@ -17,6 +17,7 @@ import fcntl
 import os
 import struct
 import threading
+import weakref
 import zlib
 from collections.abc import Iterator
 
@@ -79,6 +80,16 @@ class Intents:
                 f"shared memory {where} has no room for write intents: made by a pinpool before them, or its "
                 "description fills its trailer; create the region again with this pinpool"
             )
+        # An open file of its own: a descriptor handed on (fd=, a memfd passed to another process) shares
+        # its open file, so its OFD locks, with every process holding it; each Intents' locks are its own.
+        try:
+            fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ConfigError(
+                f"shared memory {where}: write intents need the region opened again through /proc/self/fd "
+                f"({exc.strerror or exc}); mount /proc"
+            ) from None
+        weakref.finalize(self, os.close, fd)
         pages = trailer.record.get("num_pages")
         self.num_pages = pages if isinstance(pages, int) and not isinstance(pages, bool) and pages > 0 else None
         self._fd, self._file_bytes, self._where, self._page_size = fd, file_bytes, where, page_size

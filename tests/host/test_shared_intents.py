@@ -210,3 +210,20 @@ def test_a_writer_killed_at_any_moment_leaves_every_torn_page_suspect(shm_dir: P
         assert shared.clear_suspect_pages() == suspects and shared.suspect_pages() == ()
     assert caught_inside > 0  # most kills land inside writing(): it spans the page's two stores
     del mapping
+
+
+def test_writers_sharing_one_open_file_by_descriptor_are_told_apart() -> None:
+    """Two SharedMemory objects on one memfd (fd= handed on: one open file, as in two processes given the
+    same descriptor): one's live writer is never the other's suspect, and they never share a slot."""
+    first = SharedMemory()
+    mapping = first.open_mapping(PAGES * PAGE, record())
+    second = SharedMemory(fd=mapping.fd, create=False)
+    other = second.open_mapping(PAGES * PAGE, record())
+    with first.writing(0, 1):
+        assert second.suspect_pages() == ()
+        with second.writing(1, 1):
+            assert first.suspect_pages() == ()
+            slots = os.pread(mapping.fd, 1024, mapping.file_bytes - 1024)
+            assert sum(slots[i : i + 16] != bytes(16) for i in range(0, 1024, 16)) == 2
+    assert first.suspect_pages() == () == second.suspect_pages()
+    del other, mapping
