@@ -239,6 +239,10 @@ def check_region(region: RegionInfo) -> Check:
         f"{_age(region.age_seconds)}, region id {region.region_id}, generation {region.generation}, "
         f"{'kept' if region.keep else 'not kept'}"
     )
+    if region.suspect_pages:  # write intents a dead writer left: its successor drops those pages
+        runs = ", ".join(f"[{r.start}, {r.stop})" for r in region.suspect_pages[:3])
+        more = f" and {len(region.suspect_pages) - 3} more" if len(region.suspect_pages) > 3 else ""
+        detail += f", pages {runs}{more} suspect (a writer died writing them: SharedMemory.suspect_pages())"
     remove = f"rm {path} once no process maps it (its memory returns when the last process mapping it exits)"
     if region.orphaned:  # its creator is gone and no process maps it; its trailer was read back whole
         orphan = (

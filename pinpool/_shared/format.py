@@ -355,6 +355,7 @@ class RegionInfo:
     creator_alive: bool | None
     age_seconds: float | None
     in_use: bool | None = None
+    suspect_pages: tuple[range, ...] | None = None  # runs dead writers left marked (None: no intents, or unread)
 
     @property
     def orphaned(self) -> bool:
@@ -427,7 +428,10 @@ def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
     try:
         st = os.fstat(fd)
         info = region_info(path, st, read_trailer(fd, st.st_size))
-        return dataclasses.replace(info, in_use=_in_use(fd))
+        from .intents import suspects_in  # it reads the trailer with this module's helpers
+
+        suspects = suspects_in(fd, st.st_size, path, page_size=info.page_size)
+        return dataclasses.replace(info, in_use=_in_use(fd), suspect_pages=suspects)
     except (OSError, NotRegion):
         return None
     finally:

@@ -180,3 +180,11 @@ class Intents:
                     if clear:
                         _lock(self._fd, start, fcntl.F_UNLCK)
         return tuple(sorted(found, key=lambda r: (r.start, r.stop)))
+
+
+def suspects_in(fd: int, file_bytes: int, where: str, *, page_size: int) -> tuple[range, ...] | None:
+    """:meth:`Intents.suspects` of an open region file, or None where it has no intents or cannot tell."""
+    try:
+        return Intents(fd, file_bytes, where, page_size=page_size).suspects(clear=False)
+    except (ConfigError, OSError):
+        return None

@@ -19,7 +19,8 @@ import torch
 
 import pinpool
 from pinpool import ConfigError, PoolStateError, layouts
-from pinpool._shared import SharedMemory, layout_record
+from pinpool._cli import check_region
+from pinpool._shared import SharedMemory, layout_record, read_region
 
 from .. import preloaded
 
@@ -43,7 +44,8 @@ def kept_region(path: Path) -> None:
 WRITER = """
 import ctypes, sys, time
 import torch
-from pinpool._shared import SharedMemory, layout_record
+from pinpool._cli import check_region
+from pinpool._shared import SharedMemory, layout_record, read_region
 from pinpool import layouts
 path, page, pages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 layout = layouts.MHA("page_first", layer_num=1, page_size=16, head_num=8, head_dim=128, dtype=torch.bfloat16)
@@ -79,6 +81,9 @@ def test_a_writer_killed_inside_writing_leaves_exactly_its_pages_suspect(shm_dir
         child.communicate(timeout=60)
         assert child.returncode == -signal.SIGKILL
     assert shared.suspect_pages() == (range(10, 14),)  # read from the file, no pool mapping it
+    listed = read_region(str(path))
+    assert listed is not None and listed.suspect_pages == (range(10, 14),)
+    assert "pages [10, 14) suspect (a writer died writing them" in check_region(listed).detail
     with pinpool.PinnedPool(layout=LAYOUT, num_pages=PAGES, memory=shared, runtime="mlock", registry=None):
         assert shared.suspect_pages() == (range(10, 14),)  # the same through the successor's mapping
         with open(path, "rb") as f:
@@ -208,6 +213,8 @@ def test_a_writer_killed_at_any_moment_leaves_every_torn_page_suspect(shm_dir: P
         caught_inside += bool(suspects)
         assert torn <= {p for run in suspects for p in run}, (round_number, torn, suspects)
         assert shared.clear_suspect_pages() == suspects and shared.suspect_pages() == ()
+        for page in (p for run in suspects for p in run):  # the server dropped them: free, zeroed
+            ctypes.memset(mapping.address + page * PAGE, 0, PAGE)
     assert caught_inside > 0  # most kills land inside writing(): it spans the page's two stores
     del mapping
 
