@@ -161,7 +161,10 @@ class Intents:
         empty those slots (each under its lock, so never a live writer's)."""
         found: list[range] = []
         with self._lock:
+            every = read_field(self._fd, self._file_bytes, INTENTS_AT, INTENT_SLOTS * INTENT_SLOT_BYTES, self._where)
             for slot in range(INTENT_SLOTS):
+                if every[slot * INTENT_SLOT_BYTES : (slot + 1) * INTENT_SLOT_BYTES] == _EMPTY:
+                    continue  # read again below only where a mark may be
                 start = self._base + slot * INTENT_SLOT_BYTES
                 if slot in self._mine or _lock(self._fd, start, fcntl.F_WRLCK, test=True):
                     continue  # a live writer's: its pages are being written now, not suspect
