@@ -405,12 +405,12 @@ class SharedMemory:
                     "(it was re-attached already): only one process adopts a region; attach without adopt=True"
                 ) from None
             return True
-        who = f"pid {info.created_pid}" if info.created_pid is not None else "an unknown process"
-        why = (
-            f"its creator ({who}) is running: only it removes the region"
-            if info.creator_alive
-            else f"it was made on host {info.created_host!r}, where pinpool cannot tell whether its creator lives"
-        )
+        if info.creator_alive:
+            why = f"its creator (pid {info.created_pid}) is running: only it removes the region"
+        elif info.created_pid is None:
+            why = "its trailer names no creator pinpool can look for"
+        else:
+            why = f"it was made on host {info.created_host!r}, where pinpool cannot tell whether its creator lives"
         raise ConfigError(
             f"SharedMemory({self._where()}, adopt=True): {why}. Attach without adopt=True (an attacher never "
             "removes the file), or stop its creator first"

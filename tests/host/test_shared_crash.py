@@ -8,9 +8,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import json
+import os
 import signal
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -66,6 +70,20 @@ def create_and_kill(path: Path, *, keep: bool) -> tuple[str, str, int]:
         child.communicate(timeout=60)
         assert child.returncode == -signal.SIGKILL
     return digest, region_id, int(generation)
+
+
+def rewrite_created(path: Path, **created: object) -> None:
+    """Change the trailer's ``created`` fields, its checksum with them (another pinpool's, or a tamperer's)."""
+    with open(path, "r+b") as f:
+        f.seek(-4096, os.SEEK_END)
+        raw = f.read(4096)
+        magic, version, length, _crc, flags, generation, reserved = struct.unpack_from("<8sIIIIQQ", raw)
+        body = json.loads(raw[40 : 40 + length])
+        body["created"].update(created)
+        text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        head = struct.pack("<8sIIIIQQ", magic, version, len(text), zlib.crc32(text), flags, generation, reserved)
+        f.seek(-4096, os.SEEK_END)
+        f.write((head + text).ljust(3072, b"\0"))
 
 
 def reattach(path: Path, shared: pinpool.SharedMemory | None = None, **kwargs: bool) -> pinpool.PinnedPool:
@@ -139,6 +157,14 @@ def test_adopting_a_region_whose_creator_lives_is_a_config_error(shm_dir: Path) 
             reattach(path, adopt=True).open()
     gc.collect()
     assert not path.exists()  # the first adopter removed it
+    create_and_kill(path, keep=True)
+    rewrite_created(path, host="pod-7")  # as if made in another pod on another node, sharing the mount
+    with pytest.raises(ConfigError, match=r"made on host 'pod-7', where pinpool cannot tell whether its creator"):
+        reattach(path, adopt=True).open()
+    rewrite_created(path, pid=None)
+    with pytest.raises(ConfigError, match="its trailer names no creator pinpool can look for"):
+        reattach(path, adopt=True).open()
+    path.unlink()
     for bad in ({"create": True}, {"path": None}):
         with pytest.raises(ConfigError, match="adopt=True"):
             pinpool.SharedMemory(bad.get("path", path), create=bad.get("create", False), adopt=True)  # type: ignore[arg-type]
