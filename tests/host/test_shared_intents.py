@@ -23,6 +23,7 @@ from pinpool._cli import check_region
 from pinpool._shared import SharedMemory, layout_record, read_region
 
 from .. import preloaded
+from ..conftest import needs_mlock
 
 MiB = 1 << 20
 PAGES = 64
@@ -71,6 +72,7 @@ def writer(path: Path, first: int = 10, count: int = 4) -> subprocess.Popen[str]
     return child  # type: ignore[return-value]
 
 
+@needs_mlock
 def test_a_writer_killed_inside_writing_leaves_exactly_its_pages_suspect(shm_dir: Path) -> None:
     path = shm_dir / "kv"
     kept_region(path)
@@ -96,6 +98,7 @@ def test_a_writer_killed_inside_writing_leaves_exactly_its_pages_suspect(shm_dir
     assert SharedMemory(path, create=False).suspect_pages() == ()
 
 
+@needs_mlock
 def test_a_dead_writers_mark_is_never_taken_for_a_free_slot(shm_dir: Path) -> None:
     path = shm_dir / "kv"
     kept_region(path)
