@@ -239,8 +239,26 @@ def check_region(region: RegionInfo) -> Check:
         f"{_age(region.age_seconds)}, region id {region.region_id}, generation {region.generation}, "
         f"{'kept' if region.keep else 'not kept'}"
     )
+    if region.suspect_pages:  # write intents a dead writer left: its successor drops those pages
+        runs = ", ".join(f"[{r.start}, {r.stop})" for r in region.suspect_pages[:3])
+        more = f" and {len(region.suspect_pages) - 3} more" if len(region.suspect_pages) > 3 else ""
+        detail += f", pages {runs}{more} suspect (a writer died writing them: SharedMemory.suspect_pages())"
     remove = f"rm {path} once no process maps it (its memory returns when the last process mapping it exits)"
-    if region.creator_alive is False and not region.keep:
+    if region.orphaned:  # its creator is gone and no process maps it; its trailer was read back whole
+        orphan = (
+            f"{detail}: orphaned, re-attachable (its creator is gone and no process maps it; attach with "
+            f"SharedMemory({path!r}, create=False), bytes as the creator left them)"
+        )
+        if region.keep:
+            return Check("region", OK, orphan, f"when no longer needed: {remove}")
+        return Check(
+            "region", WARN, f"{orphan}; not kept: left behind by a process that ended without removing it",
+            f"re-attach it with SharedMemory({path!r}, create=False, adopt=True) (that process removes it when it "
+            f"lets go, unless kept), or remove it: pinpool doctor --remove-stale, or {remove}",
+        )  # fmt: skip
+    if region.creator_alive is False and region.in_use:
+        detail += ", re-attached: in use by a running process"
+    elif region.creator_alive is False and not region.keep:
         return Check(
             "region", WARN, f"{detail}: left behind by a process that ended without removing it", f"remove it: {remove}"
         )  # fmt: skip
@@ -261,11 +279,12 @@ def check_half_made(half: HalfMade) -> Check:
     )  # fmt: skip
 
 
-def check_removed(path: str, held_bytes: int) -> Check:  # --remove-stale removed it
-    return Check(
-        "region", OK, f"{_shown(path)}: removed, a region left half-made by a creator that died while creating it "
-        f"({format_bytes(held_bytes)} of memory freed)",
+def check_removed(path: str, held_bytes: int, *, orphan: bool = False) -> Check:  # --remove-stale removed it
+    what = (
+        "an orphaned region, not kept, that no process mapped" if orphan
+        else "a region left half-made by a creator that died while creating it"
     )  # fmt: skip
+    return Check("region", OK, f"{_shown(path)}: removed, {what} ({format_bytes(held_bytes)} of memory freed)")
 
 
 def run_checks(facts: DoctorFacts, size: int | None) -> list[Check]:
@@ -336,14 +355,15 @@ def read_facts(*, cuda: bool = True, region_dirs: Sequence[str] | None = None, e
 
 def run_doctor(args: argparse.Namespace) -> int:
     size = pool_options(args, "doctor").get("size")
-    removed: list[tuple[str, int]] = []
+    removed: list[Check] = []
     if args.remove_stale:
-        from .._shared.files import remove_half_made
+        from .._shared.files import remove_half_made, remove_orphans
 
-        removed = remove_half_made(args.region_dirs)
+        removed = [check_removed(*each) for each in remove_half_made(args.region_dirs)]
+        removed += [check_removed(*each, orphan=True) for each in remove_orphans(args.region_dirs)]
     with while_loading("reading this host" + (" (loading torch to ask about GPUs)" if args.cuda else "")):
         facts = read_facts(cuda=args.cuda, region_dirs=args.region_dirs, engines=args.engines)
-        checks = run_checks(facts, size) + [check_removed(*each) for each in removed]
+        checks = run_checks(facts, size) + removed
     if args.json:
         from .. import __version__
 

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the RDMA devices with what registering over them needs (default: yes)")  # fmt: skip
     doctor.add_argument("--remove-stale", action="store_true",
                         help="first remove the regions that creators which died left half-made (this user's "
-                        "temporary files in /dev/shm and hugetlbfs mounts); each is listed")  # fmt: skip
+                        "temporary files in /dev/shm and hugetlbfs mounts) and this user's orphaned regions that "
+                        "were not kept (creator gone, no process maps them); each is listed")  # fmt: skip
     doctor.add_argument("--region-dir", action="append", metavar="DIR", dest="region_dirs",
                         help="look for shared regions only under DIR, repeatable (default: every tmpfs and "
                         "hugetlbfs mount)")  # fmt: skip

@@ -14,7 +14,18 @@ from collections.abc import Iterable
 from .._errors import ConfigError
 from .._host import libc as _libc
 from .._host.files import FILE_FLAGS, regular_file_problem
-from .format import TEMP_MARK, describe, find_half_made, is_temp_name, open_checked, read_region
+from .format import (
+    TEMP_MARK,
+    NotRegion,
+    describe,
+    find_half_made,
+    find_regions,
+    is_temp_name,
+    open_checked,
+    read_region,
+    read_trailer,
+    region_info,
+)
 
 HUGE_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
 _FS_NAMES = {
@@ -249,6 +260,40 @@ def remove_half_made(directories: Iterable[str] | None = None) -> list[tuple[str
             continue
         try:
             removed += [(os.path.join(directory, name), held) for name, held in remove_stale_temps(dir_fd)]
+        finally:
+            os.close(dir_fd)
+    return removed
+
+
+def remove_orphans(directories: Iterable[str] | None = None) -> list[tuple[str, int]]:
+    """Remove this user's orphaned regions (:attr:`RegionInfo.orphaned`) that were not kept: ``(path, bytes)``.
+
+    Each is unlinked while holding ``LOCK_EX`` on it, after reading its trailer again under that lock: no
+    pinpool process maps it then (a mapping holds ``LOCK_SH``), and an attacher that opened it meanwhile
+    finds it unlinked once it gets its lock, and refuses it. A kept orphan is a warm restart's: never removed."""
+    removed: list[tuple[str, int]] = []
+    for region in find_regions(directories):
+        if not region.orphaned or region.keep:
+            continue
+        directory, name = os.path.split(region.path)
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if (fd := open_checked(name, dir_fd, os.O_RDONLY, region_file_problem)) is None:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+                now = region_info(region.path, st, read_trailer(fd, st.st_size))
+                if now.region_id == region.region_id and now.creator_alive is False and not now.keep:
+                    if remove_file(dir_fd, name, (st.st_dev, st.st_ino)):
+                        removed.append((region.path, st.st_blocks * 512))
+            except (OSError, NotRegion):
+                pass  # mapped, or attached to, or changed meanwhile: not an orphan to remove
+            finally:
+                os.close(fd)
         finally:
             os.close(dir_fd)
     return removed

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -40,6 +41,10 @@ _MAX_BODY = TRAILER_BYTES - _BODY_AT
 FLAGS_AT = 20
 GENERATION_AT = 24
 FLAG_KEEP = 1
+FLAG_INTENTS = 2  # the trailer's last INTENT_SLOTS * INTENT_SLOT_BYTES hold write intents (see intents.py)
+INTENTS_AT = 3072  # in the trailer: a body up to here leaves the rest for write intents
+INTENT_SLOT_BYTES = 16
+INTENT_SLOTS = (TRAILER_BYTES - INTENTS_AT) // INTENT_SLOT_BYTES  # 64 writers at once
 _PAGE = _libc.PAGE_SIZE
 _MAX_DEPTH = 8  # the body nests 5 deep (body, record, buffers, a buffer, its shape)
 _MAX_SIZE = 1 << 62  # larger than any host's memory, small enough for every later sum
@@ -222,7 +227,9 @@ def read_trailer(fd: int, file_bytes: int) -> Trailer:
 
 def write_new_trailer(fd: int, file_bytes: int, body: bytes, where: str, *, keep: bool, page_size: int) -> None:
     """Write a new file's whole trailer holding ``body``, the magic last (a file without it is no region)."""
-    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), FLAG_KEEP if keep else 0, 0, 0)
+    # A body short enough leaves room for write intents: the flag says so (a pinpool before them ignores both).
+    flags = (FLAG_KEEP if keep else 0) | (FLAG_INTENTS if _BODY_AT + len(body) <= INTENTS_AT else 0)
+    head = _FIXED.pack(MAGIC, FORMAT_VERSION, len(body), zlib.crc32(body), flags, 0, 0)
     trailer = (head + body).ljust(TRAILER_BYTES, b"\0")
     store(fd, file_bytes, len(MAGIC), trailer[len(MAGIC) :], where, page_size=page_size)
     store(fd, file_bytes, 0, trailer[: len(MAGIC)], where, page_size=page_size)
@@ -328,7 +335,9 @@ def is_temp_name(name: str) -> bool:
 @dataclass(frozen=True)
 class RegionInfo:
     """What a region file holds, from its trailer and its ``stat``. ``held_bytes``: memory it holds
-    now, trailer included. ``creator_alive``: None when made on another host (its own hostname)."""
+    now, trailer included. ``creator_alive``: None when made on another host (its own hostname).
+    ``in_use``: whether a process maps it through pinpool now (its mapping holds ``LOCK_SH`` on the
+    file while mapped, and a dead process's lock is gone with it); None when not looked at."""
 
     path: str
     file_bytes: int
@@ -345,6 +354,26 @@ class RegionInfo:
     created_host: str | None
     creator_alive: bool | None
     age_seconds: float | None
+    in_use: bool | None = None
+    suspect_pages: tuple[range, ...] | None = None  # runs dead writers left marked (None: no intents, or unread)
+
+    @property
+    def orphaned(self) -> bool:
+        """Its creator is gone (pid dead, or reused by another process) and no process maps it: a
+        whole region (its trailer read back complete) that the next process may re-attach, bytes intact."""
+        return self.creator_alive is False and self.in_use is False
+
+
+def _in_use(fd: int) -> bool | None:
+    """Whether another open file holds a lock on the region: a pinpool mapping's ``LOCK_SH``, or a creation's."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 _PID_MAX_LIMIT = 1 << 22  # the kernel's ceiling for pid_max: a larger "pid" is no pid pinpool wrote
@@ -398,7 +427,11 @@ def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
         return None
     try:
         st = os.fstat(fd)
-        return region_info(path, st, read_trailer(fd, st.st_size))
+        info = region_info(path, st, read_trailer(fd, st.st_size))
+        from .intents import suspects_in  # it reads the trailer with this module's helpers
+
+        suspects = suspects_in(fd, st.st_size, path, page_size=info.page_size)
+        return dataclasses.replace(info, in_use=_in_use(fd), suspect_pages=suspects)
     except (OSError, NotRegion):
         return None
     finally:

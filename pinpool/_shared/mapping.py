@@ -40,6 +40,8 @@ from .format import (
 if TYPE_CHECKING:
     import torch
 
+    from .intents import Intents
+
 ATTACH_WAIT_SECONDS = 5.0  # for a creation in progress (microseconds, unless the creator stopped)
 _POLL_SECONDS = 0.005
 _UNINITIALISED_GRACE_SECONDS = 0.5  # an empty, unlocked file: the creator may not have taken its lock yet
@@ -110,6 +112,7 @@ class SharedMapping:
         self.region_id = region_id
         self._where = repr(path) if path is not None else f"fd {fd}"
         self._unlinker = unlinker
+        self._intents: Intents | None = None  # made by SharedMemory.writing() when first used
         self._finalizer = weakref.finalize(self, _release, base, file_bytes, fd, unlinker)
         self._finalizer.atexit = False  # never unmap at exit: the pool's finalizer may not have unpinned yet
         if unlinker is not None:
@@ -287,7 +290,9 @@ def create_mapping(
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     if publish is not None:
         publish()
-    fcntl.flock(fd, fcntl.LOCK_UN)
+    # A named region stays LOCK_SH while mapped: doctor tells a region in use from an orphan (a dead
+    # process's lock is gone with it). A descriptor handed on shares its open file with the caller's: unlocked.
+    fcntl.flock(fd, fcntl.LOCK_SH if path is not None else fcntl.LOCK_UN)
     address = _map(fd, file_bytes, where, page_size=page_size)
     return SharedMapping(
         base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd,
@@ -296,8 +301,9 @@ def create_mapping(
     )  # fmt: skip
 
 
-def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, Trailer]:
-    """The trailer, read under LOCK_SH once no creation is in progress; :class:`ConfigError` for no region."""
+def _locked_trailer(fd: int, where: str, *, hold: bool) -> tuple[os.stat_result, Trailer]:
+    """The trailer, read under LOCK_SH once no creation is in progress; :class:`ConfigError` for no region.
+    ``hold``: the lock stays taken on success (a named region's mapping holds it while mapped)."""
     deadline = time.monotonic() + ATTACH_WAIT_SECONDS
     first_empty: float | None = None
     while True:
@@ -311,9 +317,16 @@ def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, Trailer]:
                 ) from None
             time.sleep(_POLL_SECONDS)
             continue
+        held = False
         try:
             st = os.fstat(fd)
-            return st, read_trailer(fd, st.st_size)
+            if hold and st.st_nlink == 0:  # its creator, or `doctor --remove-stale` (an orphan), removed it meanwhile
+                raise ConfigError(
+                    f"shared memory file {where} was removed while being opened; create it again or retry"
+                )
+            found = st, read_trailer(fd, st.st_size)
+            held = hold
+            return found
         except NotRegion as exc:
             now = time.monotonic()
             first_empty = now if first_empty is None else first_empty
@@ -325,7 +338,8 @@ def _locked_trailer(fd: int, where: str) -> tuple[os.stat_result, Trailer]:
                 )  # fmt: skip
                 raise ConfigError(f"shared memory {where} {exc.problem}; {fix}") from None
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            if not held:
+                fcntl.flock(fd, fcntl.LOCK_UN)
         time.sleep(_POLL_SECONDS)
 
 
@@ -334,7 +348,7 @@ def attach_mapping(
     unlinker: Callable[[], Unlinker] | None,
 ) -> SharedMapping:  # fmt: skip
     """Map the region the file holds once its trailer matches ``nbytes``, ``record_json`` and ``page_size``."""
-    st, trailer = _locked_trailer(fd, where)
+    st, trailer = _locked_trailer(fd, where, hold=path is not None)  # the caller closes fd on failure
     if trailer.page_size != page_size:
         raise ConfigError(
             f"shared memory {where} was made of {format_bytes(trailer.page_size)} pages, but its file system has "

@@ -3,6 +3,8 @@ and whether :meth:`SharedMemory.open_mapping` creates or attaches (docs/shared-m
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -27,13 +29,14 @@ from .format import (
     region_info,
     write_field,
 )
+from .intents import Intents
 from .mapping import SharedMapping, Unlinker, attach_mapping, create_mapping
 
 T = TypeVar("T")
 
 
-def _check_flags(create: object, keep: object, mode: object) -> None:
-    for name, value in (("create", create), ("keep", keep)):
+def _check_flags(create: object, keep: object, mode: object, adopt: object) -> None:
+    for name, value in (("create", create), ("keep", keep), ("adopt", adopt)):
         if not isinstance(value, bool):
             raise ConfigError(f"SharedMemory({name}={value!r}): must be True or False")
     if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
@@ -59,11 +62,18 @@ class SharedMemory:
         mode: int = 0o600,
         fd: int | None = None,
         huge_page_size: int | str | None = None,
+        adopt: bool = False,
     ) -> None:
-        _check_flags(create, keep, mode)
+        _check_flags(create, keep, mode, adopt)
+        if adopt and (create or path is None):
+            raise ConfigError(
+                f"SharedMemory(adopt=True, create={create}, path={path!r}): adopting takes over a named region "
+                "whose creator died; give its path with create=False"
+            )
         huge = None if huge_page_size is None else parse_size(huge_page_size, what="huge_page_size")
         self._create = create
         self._keep = keep
+        self._adopt = adopt
         self._mode = mode
         self._lock = threading.Lock()
         self._live: weakref.ref[SharedMapping] | None = None
@@ -271,6 +281,41 @@ class SharedMemory:
         if self._read_file(store, write=True) is None:
             raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: nothing to set")
 
+    def writing(self, first_page: int, count: int) -> contextlib.AbstractContextManager[None]:
+        """Mark pages ``[first_page, first_page + count)`` of the pool "being written" in the region, for
+        the ``with`` block: write to them inside it (a device copy: synchronized before it ends). A process
+        killed inside leaves the mark: :meth:`suspect_pages` names those pages to its successor."""
+        mapping = self._mapping
+        if mapping is None:
+            raise PoolStateError(f"{self!r}.writing(): no pool maps the region in this process (enter the pool)")
+        return self._intents_of(mapping).writing(first_page, count)
+
+    def _intents_of(self, mapping: SharedMapping) -> Intents:
+        if mapping._intents is None:
+            mapping._intents = Intents(mapping.fd, mapping.file_bytes, self._where(), page_size=self._page_size)
+        return mapping._intents
+
+    def suspect_pages(self) -> tuple[range, ...]:
+        """The page runs a writer that died inside :meth:`writing` may have left half-written (a run
+        of ``range(0, num_pages)`` for a slot something else wrote), sorted; a live writer's are not."""
+        return self._suspects(clear=False)
+
+    def clear_suspect_pages(self) -> tuple[range, ...]:
+        """Forget dead writers' marks (once the server dropped those pages from its index): the runs cleared."""
+        return self._suspects(clear=True)
+
+    def _suspects(self, *, clear: bool) -> tuple[range, ...]:
+        mapping = self._mapping
+        if mapping is not None:
+            return self._intents_of(mapping).suspects(clear=clear)
+
+        def read(fd: int) -> tuple[range, ...]:
+            return Intents(fd, os.fstat(fd).st_size, self._where(), page_size=self._page_size).suspects(clear=clear)
+
+        if (found := self._read_file(read, write=clear)) is None:
+            raise ConfigError(f"shared memory {self._where()} holds no pinpool region yet: no pages to suspect")
+        return found
+
     def _check_nbytes(self, nbytes: int) -> int:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigError(f"a shared memory region of nbytes={nbytes!r}: must be a positive int")
@@ -331,13 +376,45 @@ class SharedMemory:
                 st = os.fstat(fd)
                 # This object made it and kept it (a pool opened again): it is still the creator.
                 made = self._made == (st.st_dev, st.st_ino)
+                if self._adopt and not made:
+                    made = self._check_orphan(fd, st)
                 unlinker = self._unlinker_for(dir_fd, (st.st_dev, st.st_ino)) if made else None
-                return self._map(False, fd, nbytes, record_json, where, unlinker)
+                mapping = self._map(False, fd, nbytes, record_json, where, unlinker)
+                if self._adopt:
+                    mapping._set_keep_flag(self._keep)  # doctor shows what the adopter will do
+                return mapping
             except BaseException:
                 os.close(fd)
                 raise
         finally:
             os.close(dir_fd)
+
+    def _check_orphan(self, fd: int, st: os.stat_result) -> bool:
+        """For ``adopt=True``: :class:`ConfigError` unless the region is an orphan (its creator gone, on
+        this host, and no other process maps it): this process then removes it when it lets go, unless kept."""
+        try:
+            info = region_info(self._where(), st, read_trailer(fd, st.st_size))
+        except NotRegion:
+            return True  # attaching says what the file holds
+        if info.creator_alive is False:
+            try:  # held (our open file's lock) until attaching turns it into the mapping's LOCK_SH
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConfigError(
+                    f"SharedMemory({self._where()}, adopt=True): its creator is gone, but a running process maps it "
+                    "(it was re-attached already): only one process adopts a region; attach without adopt=True"
+                ) from None
+            return True
+        if info.creator_alive:
+            why = f"its creator (pid {info.created_pid}) is running: only it removes the region"
+        elif info.created_pid is None:
+            why = "its trailer names no creator pinpool can look for"
+        else:
+            why = f"it was made on host {info.created_host!r}, where pinpool cannot tell whether its creator lives"
+        raise ConfigError(
+            f"SharedMemory({self._where()}, adopt=True): {why}. Attach without adopt=True (an attacher never "
+            "removes the file), or stop its creator first"
+        )
 
     def _unlinker_for(self, dir_fd: int, identity: tuple[int, int]) -> Callable[[], Unlinker]:
         return lambda: Unlinker(os.dup(dir_fd), self._name, identity, keep=self._keep)

@@ -738,7 +738,7 @@ def test_the_trailer_format_is_as_documented(shm_dir: Path) -> None:
     make_region(path, MiB)
     raw = path.read_bytes()[-TRAILER_BYTES:]
     magic, version, length, crc, flags, generation, reserved = struct.unpack_from("<8sIIIIQQ", raw)
-    assert (magic, version, flags, generation, reserved) == (b"pinpoolR", 1, 1, 0, 0)
+    assert (magic, version, flags, generation, reserved) == (b"pinpoolR", 1, 1 | 2, 0, 0)  # kept, write intents
     body = raw[40 : 40 + length]
     assert zlib.crc32(body) == crc
     parsed = json.loads(body)
