@@ -342,12 +342,13 @@ def read_facts(*, cuda: bool = True, region_dirs: Sequence[str] | None = None, e
     where to look for shared regions (None: every tmpfs and hugetlbfs mount); ``engines=False`` skips
     importing the transfer engines (in child interpreters) and reading the RDMA devices."""
     from .._shared.format import find_half_made, find_regions
+    from .._shared.intents import suspects_in
 
     return DoctorFacts(
         host=_probe.probe_host(torch_build=cuda),
         cuda=read_cuda_facts() if cuda else CudaFacts(skip_reason="not probed (--no-cuda)"),
         env={k: v for k, v in os.environ.items() if k.startswith("PINPOOL_")},
-        regions=tuple(find_regions(region_dirs)),
+        regions=tuple(find_regions(region_dirs, suspects=suspects_in)),
         half_made=tuple(find_half_made(region_dirs)),
         transfer=read_transfer_facts(probe=engines),
     )

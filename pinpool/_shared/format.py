@@ -420,18 +420,20 @@ def open_checked(name: str, dir_fd: int | None, flags: int, refuse: Callable[[os
     return None
 
 
-def read_region(path: str, *, dir_fd: int | None = None) -> RegionInfo | None:
-    """What the file at ``path`` (in ``dir_fd``, if given) holds, or None for no readable region."""
+Suspects = Callable[..., "tuple[range, ...] | None"]  # intents.suspects_in: (fd, file_bytes, where, *, page_size)
+
+
+def read_region(path: str, *, dir_fd: int | None = None, suspects: Suspects | None = None) -> RegionInfo | None:
+    """What the file at ``path`` (in ``dir_fd``, if given) holds, or None for no readable region; ``suspects``
+    reads the pages dead writers left marked (intents.suspects_in; passed in: intents reads with this module)."""
     name = path if dir_fd is None else os.path.basename(path)
     if (fd := open_checked(name, dir_fd, os.O_RDONLY, lambda st: not stat.S_ISREG(st.st_mode))) is None:
         return None
     try:
         st = os.fstat(fd)
         info = region_info(path, st, read_trailer(fd, st.st_size))
-        from .intents import suspects_in  # it reads the trailer with this module's helpers
-
-        suspects = suspects_in(fd, st.st_size, path, page_size=info.page_size)
-        return dataclasses.replace(info, in_use=_in_use(fd), suspect_pages=suspects)
+        marked = None if suspects is None else suspects(fd, st.st_size, path, page_size=info.page_size)
+        return dataclasses.replace(info, in_use=_in_use(fd), suspect_pages=marked)
     except (OSError, NotRegion):
         return None
     finally:
@@ -485,7 +487,7 @@ def _files(directories: Iterable[str] | None) -> Iterator[os.DirEntry[str]]:
                     continue
 
 
-def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
+def find_regions(directories: Iterable[str] | None = None, *, suspects: Suspects | None = None) -> list[RegionInfo]:
     """Every pinpool region in ``directories`` and their subdirectories: an ``lstat``, at most a ``pread`` each."""
     regions: list[RegionInfo] = []
     for entry in _files(directories):
@@ -494,7 +496,7 @@ def find_regions(directories: Iterable[str] | None = None) -> list[RegionInfo]:
                 continue
         except OSError:
             continue
-        if (info := read_region(entry.path)) is not None:
+        if (info := read_region(entry.path, suspects=suspects)) is not None:
             regions.append(info)
     return sorted(regions, key=lambda r: r.path)
 

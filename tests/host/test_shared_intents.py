@@ -20,7 +20,7 @@ import torch
 import pinpool
 from pinpool import ConfigError, PoolStateError, layouts
 from pinpool._cli import check_region
-from pinpool._shared import SharedMemory, layout_record, read_region
+from pinpool._shared import SharedMemory, layout_record, read_region, suspects_in
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -83,7 +83,7 @@ def test_a_writer_killed_inside_writing_leaves_exactly_its_pages_suspect(shm_dir
         child.communicate(timeout=60)
         assert child.returncode == -signal.SIGKILL
     assert shared.suspect_pages() == (range(10, 14),)  # read from the file, no pool mapping it
-    listed = read_region(str(path))
+    listed = read_region(str(path), suspects=suspects_in)
     assert listed is not None and listed.suspect_pages == (range(10, 14),)
     assert "pages [10, 14) suspect (a writer died writing them" in check_region(listed).detail
     with pinpool.PinnedPool(layout=LAYOUT, num_pages=PAGES, memory=shared, runtime="mlock", registry=None):
