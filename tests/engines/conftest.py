@@ -2,8 +2,9 @@
 and NIXL agents (UCX), two of each in this process, and helpers that move bytes between them.
 
 An engine that cannot load here (no ``libibverbs.so.1``, the package not installed) skips its tests with the
-import error's text; nothing here is a stand-in. Engines live for the session: Mooncake's takes about a second
-to tear down, and tests leave nothing registered (each unregisters what it registered, and checks it)."""
+import error's text; nothing here is a stand-in. Mooncake's engines live for the session (one takes about a second
+to tear down), NIXL's agents for a module (UCX's progress thread keeps a CPU busy while one lives); tests leave
+nothing registered (each unregisters what it registered, and checks it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import ctypes
 import mmap
 import os
 import signal
+import gc
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -200,12 +202,16 @@ def nixl_agent(role: str) -> NixlAgent:
     return NixlAgent(make_agent(f"pinpool-{role}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=["UCX"])))
 
 
-@pytest.fixture(scope="session")
-def nixl_pair() -> tuple[NixlAgent, NixlAgent]:
-    """Two agents in this process: the first serves memory, the second reads and writes it."""
+@pytest.fixture(scope="module")
+def nixl_pair() -> Iterator[tuple[NixlAgent, NixlAgent]]:
+    """Two agents in this process: the first serves memory, the second reads and writes it. Let go after the
+    module: UCX's progress thread keeps a CPU busy for as long as an agent lives (the rest of ./dev test's)."""
     if NIXL_MISSING:
         pytest.skip(NIXL_MISSING)
-    return nixl_agent("server"), nixl_agent("reader")
+    pair = [nixl_agent("server"), nixl_agent("reader")]
+    yield pair[0], pair[1]
+    pair.clear()
+    gc.collect()
 
 
 @pytest.fixture
