@@ -9,10 +9,10 @@ nothing registered (each unregisters what it registered, and checks it)."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import signal
-import gc
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
