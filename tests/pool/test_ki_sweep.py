@@ -208,7 +208,6 @@ SCENARIOS: dict[str, tuple[Callable[..., Callable[[], None]], bool]] = {
     "shared-memory": (life_shared, False),
     "registrars": (life_registrar(None), False),
     "registrars-trio-background": (life_registrar("trio"), True),
-    "registrars-asyncio": (life_registrar("asyncio"), False),
 }
 
 
@@ -279,13 +278,8 @@ def a_new_pool_works() -> None:
     assert runtime.registered == {}
 
 
-# Sampled even with PINPOOL_KI_SWEEP=all: its driver and its registrars are each swept whole in another scenario
-# (asyncio; registrars, registrars-trio-background), and CI's budget holds the whole sweep to a few minutes.
-SAMPLED_ALWAYS = frozenset({"registrars-asyncio"})
-
-
 def sample(n: int, scenario: str) -> list[int]:
-    if (ALL and scenario not in SAMPLED_ALWAYS) or n <= SAMPLES:
+    if ALL or n <= SAMPLES:
         return list(range(1, n + 1))
     picked = set(random.Random(f"{scenario}-{n}").sample(range(1, n + 1), SAMPLES - 2))
     return sorted(picked | {1, n})
