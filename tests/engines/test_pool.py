@@ -163,12 +163,12 @@ def test_mooncake_reads_and_writes_a_pools_pieces(
     assert mooncake_pair[1].read(mooncake_pair[0].segment, reader_buffer.address, held[0].address, 4 * KiB) == -1
 
 
-@needs_nixl
 # Every layout through Mooncake above; through NIXL one of each family (./dev test's time: the cut is
 # pinpool's, the same for every engine).
 FAMILIES = list({type(layout).__name__: layout for layout in reversed(LAYOUTS)}.values())
 
 
+@needs_nixl
 @pytest.mark.parametrize("layout", FAMILIES, ids=layout_id)
 def test_nixl_reads_and_writes_a_pools_pieces(
     layout: layouts.Layout, nixl_pair: tuple[NixlAgent, NixlAgent], nixl_reader_buffer: Buffer
