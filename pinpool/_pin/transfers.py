@@ -9,7 +9,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from .._errors import LedgerError, RuntimeCallError, between_calls_error
@@ -20,7 +20,7 @@ from .._plan.transfers import TransferPlan
 from .ledger import Ledger, StopCause
 from .pipeline import WAIT, Batch, Landing, Pipeline, _Wait, take_batch
 from .transfer_calls import TransferAnswer, call_registrar
-from .transfer_ledger import Item, TransferLedger
+from .transfer_ledger import Item, RunState, TransferLedger
 
 if TYPE_CHECKING:
     from ..registrars import TransferRegistrar
@@ -48,6 +48,15 @@ class Transfers:
             return []
         with self._lock:
             return self.books.live(index)
+
+    def held(self, index: int, registrations: Iterable[int]) -> dict[int, object]:
+        """The handles of those of registrar ``index``'s ``registrations`` (indices) held now: only those are read
+        under the lock (a transfer's few, not the pool's all; none in a forked child)."""
+        if os.getpid() != self._pid:
+            return {}
+        states, handles = self.books.states[index], self.books.handles[index]
+        with self._lock:
+            return {r: handles[r] for r in registrations if states[r] is RunState.REGISTERED}
 
     # -- pinning -------------------------------------------------------------------------------
 

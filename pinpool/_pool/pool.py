@@ -323,20 +323,19 @@ class PinnedPool:
         session, memory = self._lifecycle.session, self._lifecycle.memory
         assert session is not None and session.transfers is not None and memory is not None
         plan, name = self._plan.transfers[index], self._registrars[index].name
-        held = {run.offset: handle for run, handle in session.transfers.live(index)}
+        cut = [piece for start, length in spans for piece in split_at_registrations(plan, start, length)]
+        held = session.transfers.held(index, {r for _offset, _nbytes, r in cut})
         pieces: list[TransferPiece] = []
-        for start, length in spans:
-            for piece_offset, piece_bytes, r in split_at_registrations(plan, start, length):
-                run = plan.registrations[r]
-                if run.offset not in held:
-                    raise PoolStateError(
-                        f"pool {self.name!r}: bytes [{run.offset}, {run.end}) are not registered with {name!r} now "
-                        f"(pool {self.state.value}, pages [0, {self.pinned_pages}) usable): wait_ready() for the pages "
-                        "first, and address a pool only while it is open"
-                    )
-                registration = TransferRegistration(name, run.offset, run.nbytes, memory.address + run.offset,
-                                                    held[run.offset])  # fmt: skip
-                pieces.append(TransferPiece(piece_offset, piece_bytes, memory.address + piece_offset, registration))
+        for piece_offset, piece_bytes, r in cut:
+            run = plan.registrations[r]
+            if r not in held:
+                raise PoolStateError(
+                    f"pool {self.name!r}: bytes [{run.offset}, {run.end}) are not registered with {name!r} now "
+                    f"(pool {self.state.value}, pages [0, {self.pinned_pages}) usable): wait_ready() for the pages "
+                    "first, and address a pool only while it is open"
+                )
+            registration = TransferRegistration(name, run.offset, run.nbytes, memory.address + run.offset, held[r])
+            pieces.append(TransferPiece(piece_offset, piece_bytes, memory.address + piece_offset, registration))
         return tuple(pieces)
 
     def _transfer_spans(self, pages: range | None, offset: int | None, nbytes: int | None) -> list[tuple[int, int]]:
