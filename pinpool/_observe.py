@@ -220,17 +220,7 @@ class Observer:
 
     def transfer_registered(self, registrar: str, run: Chunk, seconds: float) -> None:
         """``registrar`` registered ``run`` (bytes of the pool) in ``seconds``."""
-        moved = self._transfer_book(registrar, run, +1)
-        self._metric(
-            "transfer_registered",
-            lambda m: m.transfer_register_seconds.labels(*self._labels, registrar).observe(seconds),
-            lambda m: self._transfer_gauges(m, registrar, moved),
-        )
-        if self._chunk_debug:
-            self._emit(
-                "debug", "transfer.registered", registrar=registrar, offset=run.offset, nbytes=run.nbytes,
-                seconds=round(seconds, 6),
-            )  # fmt: skip
+        self._transfer_done("registered", registrar, run, seconds, +1)
 
     def transfer_failed(self, registrar: str, op: str, run: Chunk, error: RuntimeCallError, seconds: float) -> None:
         """``registrar``'s ``op`` ("register" or "unregister") of ``run`` failed. A failed unregister keeps
@@ -246,15 +236,22 @@ class Observer:
 
     def transfer_unregistered(self, registrar: str, run: Chunk, seconds: float) -> None:
         """``registrar`` unregistered ``run`` in ``seconds`` (or found it not registered: nothing to undo)."""
-        moved = self._transfer_book(registrar, run, -1)
+        self._transfer_done("unregistered", registrar, run, seconds, -1)
+
+    def _transfer_done(self, what: str, registrar: str, run: Chunk, seconds: float, sign: int) -> None:
+        moved = self._transfer_book(registrar, run, sign)
         self._metric(
-            "transfer_unregistered",
-            lambda m: m.transfer_unregister_seconds.labels(*self._labels, registrar).observe(seconds),
+            f"transfer_{what}",
+            lambda m: (
+                (m.transfer_register_seconds if sign > 0 else m.transfer_unregister_seconds)
+                .labels(*self._labels, registrar)
+                .observe(seconds)
+            ),
             lambda m: self._transfer_gauges(m, registrar, moved),
         )
         if self._chunk_debug:
             self._emit(
-                "debug", "transfer.unregistered", registrar=registrar, offset=run.offset, nbytes=run.nbytes,
+                "debug", f"transfer.{what}", registrar=registrar, offset=run.offset, nbytes=run.nbytes,
                 seconds=round(seconds, 6),
             )  # fmt: skip
 
