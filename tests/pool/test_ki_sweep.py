@@ -6,7 +6,9 @@ the sync, asyncio and trio drivers; ``open()``/``close()``; ``pinpool.pin()``; a
 main thread (``sys.settrace``; worker threads are not traced, Python never delivers a signal
 there). Then, for k in a sample of 1..N (every k with ``PINPOOL_KI_SWEEP=all``), the life is run
 again and at the k-th event the trace function sends a **real SIGINT** (``signal.raise_signal``:
-the Python handler runs right there, as it would if Ctrl-C arrived at that line). Afterwards:
+the Python handler runs right there, as it would if Ctrl-C arrived at that line; at the line event
+of a ``with`` statement's exit, where CPython never runs a handler, it runs at the next place it
+would: see :func:`at_with_exit`). Afterwards:
 
 * the run completed or a ``KeyboardInterrupt`` came out (never another error); in the sync and
   trio scenarios a sent Ctrl-C always comes out (a deferred one is replayed, never lost), unless
@@ -33,6 +35,7 @@ with a raise from the trace function in ``test_range_book.py``.
 from __future__ import annotations
 
 import asyncio
+import dis
 import gc
 import itertools
 import os
@@ -44,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
@@ -71,19 +74,56 @@ class Trace:
         self.at = at
         self.count = 0
         self.fired = False
+        self.pending = False  # sent at a with statement's exit: delivered where CPython would run the handler
         self.in_finalizer = False  # the Ctrl-C landed in a pool's finalizer, run by gc outside any driver
 
     def calls(self, frame: FrameType, event: str, arg: object) -> Any:
+        if self.pending:  # a Python function's first instruction checks for signals (a Python __exit__'s too)
+            self.send(frame)
         return self.lines if frame.f_code.co_filename.startswith(PACKAGE) else None
 
     def lines(self, frame: FrameType, event: str, arg: object) -> Any:
         if event == "line":
             self.count += 1
-            if self.count == self.at:
-                self.fired = True
-                self.in_finalizer = guard_state()[0] == 0 and in_finalizer(frame)
-                signal.raise_signal(signal.SIGINT)  # our handler defers it, or Python's raises here
+            if self.pending or (self.count == self.at and not at_with_exit(frame)):
+                self.send(frame)
+            elif self.count == self.at:
+                self.pending = True
         return self.lines
+
+    def send(self, frame: FrameType) -> None:
+        self.pending, self.fired = False, True
+        self.in_finalizer = guard_state()[0] == 0 and in_finalizer(frame)
+        signal.raise_signal(signal.SIGINT)  # our handler defers it, or Python's raises here
+
+
+_WITH_EXITS: dict[CodeType, frozenset[int]] = {}
+
+
+def at_with_exit(frame: FrameType) -> bool:
+    """Whether the frame is about to call a ``with`` statement's ``__exit__(None, None, None)``: the line event
+    there is not a place a real signal lands. CPython runs signal handlers only at its eval-breaker checks
+    (a function's first instruction, a backward jump, after a call returns), none of them between a with
+    body's last instruction and the return of a C ``__exit__`` (a lock's): a Ctrl-C sent there is delivered
+    at the next check, after a C ``__exit__`` returns or as a Python one starts (:meth:`Trace.calls`)."""
+    code = frame.f_code
+    exits = _WITH_EXITS.get(code)
+    if exits is None:
+        ops = [i for i in dis.get_instructions(code) if i.opname != "PRECALL"]
+        exits = _WITH_EXITS[code] = frozenset(
+            ops[n - 1].offset if n and ops[n - 1].opname == "SWAP" else ops[n].offset  # SWAP: the body returns
+            for n in range(len(ops) - 4)
+            if _calls_exit(ops[n : n + 5])
+        )
+    return frame.f_lasti in exits
+
+
+def _calls_exit(ops: list[dis.Instruction]) -> bool:
+    """``LOAD_CONST None`` three times, ``CALL 2``, ``POP_TOP``: a with statement's ``__exit__(None, None, None)``."""
+    nones, (call, pop) = ops[:3], ops[3:]
+    return all(op.opname == "LOAD_CONST" and op.argval is None for op in nones) and (
+        call.opname == "CALL" and call.arg == 2 and pop.opname == "POP_TOP"
+    )
 
 
 def in_finalizer(frame: FrameType | None) -> bool:
@@ -207,8 +247,7 @@ SCENARIOS: dict[str, tuple[Callable[..., Callable[[], None]], bool]] = {
     "pin-background": (life_pin, True),
     "shared-memory": (life_shared, False),
     "registrars": (life_registrar(None), False),
-    # Not yet "registrars-trio-background" (life_registrar("trio"), True): the full sweep found a Ctrl-C at one
-    # line event (of ~3,200) that leaves its exit waiting for the session lock forever (open, issue 35).
+    "registrars-trio-background": (life_registrar("trio"), True),
 }
 
 
@@ -314,3 +353,51 @@ def test_a_ctrl_c_on_any_line_leaves_nothing_behind(scenario: str, frozen_heap: 
         fired += trace.fired  # not when this run's life was shorter (its waits poll): it completed
         a_new_pool_works()
     assert fired >= 0.9 * len(ks), (fired, len(ks))
+
+
+def test_a_ctrl_c_sent_at_a_with_exit_arrives_once_the_lock_is_released() -> None:
+    """The one place the sweep does not raise at the line it counts: a signal sent as a ``with lock:`` body
+    ends is delivered at the next line (CPython runs no handler before a C ``__exit__`` returns), so the
+    lock is free; at every other line the Ctrl-C raises right there, in the with body included."""
+    lock = threading.Lock()
+
+    def reads(d: dict[int, int]) -> dict[int, int]:
+        with lock:
+            return {k: 2 * v for k, v in d.items()}
+
+    def caller(d: dict[int, int]) -> dict[int, int]:
+        read = reads(d)
+        return read
+
+    def under(trace: Trace) -> BaseException | None:
+        def calls(frame: FrameType, event: str, arg: object) -> Any:
+            return (
+                trace.calls(frame, event, arg)
+                if frame.f_code in (caller.__code__, reads.__code__, *comprehensions)
+                else None
+            )
+
+        sys.settrace(calls)
+        try:
+            caller({1: 2, 3: 4})
+        except KeyboardInterrupt as exc:
+            return exc
+        finally:
+            sys.settrace(None)
+        return None
+
+    comprehensions = [c for c in reads.__code__.co_consts if isinstance(c, type(reads.__code__))]
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, ""  # every frame's line events count here
+    try:
+        counted = Trace()
+        assert under(counted) is None and counted.count >= 4
+        raised = 0
+        for at in range(1, counted.count + 1):
+            trace = Trace(at)
+            raised += isinstance(under(trace), KeyboardInterrupt)
+            assert not lock.locked(), f"Ctrl-C at line event {at} of {counted.count} left the lock held"
+            assert trace.fired
+    finally:
+        PACKAGE = saved
+    assert raised == counted.count  # none lost: the deferred one arrives at the caller's next line
