@@ -43,6 +43,7 @@ from pinpool.runtimes import capabilities_of
 from pinpool.testing import FakeRuntime, host_facts
 
 from ..conftest import lifecycle_of
+from ..depth import depth, runs
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB
@@ -407,7 +408,10 @@ def check_sampled(table: Sequence[object], reference: Sequence[object], rng: ran
 # -- the property ---------------------------------------------------------------------------------------
 
 
-@settings(deadline=None, max_examples=250, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@depth
+@settings(
+    deadline=None, max_examples=runs(80, 250), suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow]
+)
 @given(options=options_st(), host=hosts, caps=capabilities, data=st.data())
 @example(  # the reference plan: 900 + 900 + 700 MiB
     options=PoolOptions(size=2500 * MiB, layout=layouts.Raw(300 * MiB), chunk_bytes=GiB, populate=False),
@@ -455,7 +459,8 @@ def test_plan_pool_matches_the_model_and_every_invariant(
     assert plan_pool(options, host, caps, source_start=start) == plan  # pure: same inputs, same plan
 
 
-@settings(deadline=None, max_examples=50)
+@depth
+@settings(deadline=None, max_examples=runs(15, 50))
 @given(
     size=st.integers(2**36, 2**47),
     chunk=st.sampled_from((4096, 65536, 2 * MiB)),

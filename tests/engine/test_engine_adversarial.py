@@ -36,6 +36,7 @@ from pinpool.runtimes import OWN_LOCKS, SHARED_PAGES, MlockRuntime
 from pinpool.testing import FakeRuntime, locked_bytes
 
 from ..conftest import each_driver, lifecycle_of, needs_mlock, pin_and_run
+from ..depth import depth, runs
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE = _libc.PAGE_SIZE
@@ -415,12 +416,13 @@ def test_k_and_v_halves_of_one_buffer_pin_one_after_the_other(alloc: str, first:
     assert_nothing_of_pinpool_locked(buf.data_ptr(), nbytes)
 
 
+@depth
 @needs_mlock
 def test_small_malloc_tensors_pin_while_their_neighbours_are_pinned(vmlck_baseline: int) -> None:
-    """200 small torch allocations (malloc puts many on shared pages), all pinned at once, each
-    while the ones before it (its neighbours among them) are pinned."""
+    """200 small torch allocations (60 in ./dev test; malloc puts many on shared pages), all pinned at
+    once, each while the ones before it (its neighbours among them) are pinned."""
     rng = random.Random(16)
-    tensors = [torch.empty(rng.randint(1, 3 * PAGE), dtype=torch.uint8) for _ in range(200)]
+    tensors = [torch.empty(rng.randint(1, 3 * PAGE), dtype=torch.uint8) for _ in range(runs(60, 200))]
     shared = sum(
         1
         for x in tensors

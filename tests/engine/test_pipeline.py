@@ -25,6 +25,7 @@ from pinpool._plan import Order, PrefixTracker, Span, SpanTable
 from pinpool.testing import FakeRuntime
 
 from ..conftest import each_driver, hugetlb_pages, lifecycle_of, pin_and_run
+from ..depth import depth, runs
 
 MiB = 1 << 20
 
@@ -815,8 +816,9 @@ class Simulation:
         assert self.pipeline.ledger.pinned_bytes == leaked
 
 
+@depth
 @pytest.mark.parametrize("mode", ["roles", "work"])
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=runs(100, 300), deadline=None)
 @given(config=configs, data=st.data())
 def test_random_interleavings_keep_every_invariant(mode: str, config: SimConfig, data: st.DataObject) -> None:
     flakiness = data.draw(st.sampled_from([0, 0, 1, 4]), label="failures in 20 calls")

@@ -46,6 +46,7 @@ from pinpool._shared import (
 from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
+from ..depth import depth, runs
 
 MiB = 1 << 20
 PAGE = _libc.PAGE_SIZE
@@ -463,6 +464,7 @@ def test_a_memfd_is_sealed_against_truncation_and_further_seals() -> None:
 # -- finding 10: creating is atomic ------------------------------------------------------------------
 
 
+@depth
 def test_attachers_polling_for_a_region_never_break_its_creation(shm_dir: Path) -> None:
     path = shm_dir / "kv"
     stop = threading.Event()
@@ -482,7 +484,7 @@ def test_attachers_polling_for_a_region_never_break_its_creation(shm_dir: Path) 
         t.start()
     failures = []
     try:
-        for _ in range(60):
+        for _ in range(runs(15, 60)):
             try:
                 mapping = SharedMemory(path).open_mapping(MiB, record(MiB))
             except pinpool.ConfigError as exc:
@@ -497,7 +499,7 @@ def test_attachers_polling_for_a_region_never_break_its_creation(shm_dir: Path) 
     assert failures == [] and [s for s in seen if s != "mapped"] == []
 
 
-KILLS = int(os.environ.get("PINPOOL_KILLS", "40"))  # SIGKILLed creators; more for a deeper search
+KILLS = runs(12, 40, "PINPOOL_KILLS")  # SIGKILLed creators; more for a deeper search
 
 
 def test_an_interrupt_while_creating_leaves_nothing_and_a_file_system_without_renameat2_links(
@@ -694,6 +696,7 @@ def test_a_temporary_taken_before_its_creator_locks_it_is_made_again(
     assert taken and [p.name for p in shm_dir.iterdir()] == ["kv"] and read_region(str(shm_dir / "kv")) is not None
 
 
+@depth
 def test_a_creator_killed_at_any_moment_leaves_no_half_made_region(shm_dir: Path) -> None:
     """A forked creator loops creating and removing the region and is SIGKILLed at a random moment;
     forked from this process (pinpool already imported) so each kill costs milliseconds, not an

@@ -17,6 +17,8 @@ import pytest
 
 from .. import preloaded
 from ..conftest import needs_mlock
+from ..depth import depth
+from ..depth import runs as depth_runs
 
 pytestmark = needs_mlock
 
@@ -102,8 +104,9 @@ threading.Thread(target=pool.close, daemon=True).start()
 """
 
 
+@depth
 def test_a_close_on_a_daemon_thread_at_interpreter_exit_finishes_before_the_process_ends() -> None:
-    script, runs, at_once = PRELUDE + DAEMON_CLOSE, 24, 4
+    script, runs, at_once = PRELUDE + DAEMON_CLOSE, depth_runs(8, 24), 4
     results: list[subprocess.CompletedProcess[str]] = []
     for _ in range(runs // at_once):  # a few at a time: the race wants a CPU of its own now and then
         children = [preloaded.spawn([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -9,7 +9,6 @@ the pool closed, no pinpool thread alive, and the right exception must come out.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import threading
 import time
@@ -27,9 +26,10 @@ from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released
 
 from ..conftest import lifecycle_of
+from ..depth import depth, runs
 
 MiB = 1 << 20
-EXAMPLES = int(os.environ.get("PINPOOL_FUZZ_EXAMPLES", "40"))  # more for a deeper search
+EXAMPLES = runs(20, 40, "PINPOOL_FUZZ_EXAMPLES")  # more for a deeper search
 CHUNKS = 12
 
 
@@ -191,6 +191,7 @@ fuzz = settings(
 # -- sync driver: KeyboardInterrupt (once or twice) and SystemExit, as real signals to the main thread ------
 
 
+@depth
 @fuzz
 @given(moment=moments, shape=pool_shapes, kind=st.sampled_from(["ki", "ki2", "system_exit"]))
 def test_sync_driver(moment: Moment, shape: dict[str, object], kind: str, sigterm_raises_system_exit: None) -> None:
@@ -217,6 +218,7 @@ def test_sync_driver(moment: Moment, shape: dict[str, object], kind: str, sigter
 # -- asyncio: Task.cancel() once or twice, asyncio.timeout, anyio cancel scope, Ctrl-C via asyncio.run ------
 
 
+@depth
 @fuzz
 @given(
     moment=moments,
@@ -285,6 +287,7 @@ def test_asyncio_driver(moment: Moment, shape: dict[str, object], kind: str) -> 
 # -- trio: cancel scopes and Ctrl-C (once or twice) -------------------------------------------------------
 
 
+@depth
 @fuzz
 @given(moment=moments, shape=pool_shapes, kind=st.sampled_from(["cancel", "ki", "ki2"]))
 def test_trio_driver(moment: Moment, shape: dict[str, object], kind: str) -> None:

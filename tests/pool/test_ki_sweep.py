@@ -4,11 +4,11 @@ For each scenario (a pool's whole life: enter, pin, body, teardown; foreground a
 the sync, asyncio and trio drivers; ``open()``/``close()``; ``pinpool.pin()``; a pool over a
 ``SharedMemory`` it creates) a first run counts N ``line`` events of pinpool's own code on the
 main thread (``sys.settrace``; worker threads are not traced, Python never delivers a signal
-there). Then, for k in a sample of 1..N (every k with ``PINPOOL_KI_SWEEP=all``), the life is run
-again and at the k-th event the trace function sends a **real SIGINT** (``signal.raise_signal``:
-the Python handler runs right there, as it would if Ctrl-C arrived at that line; at the line event
-of a ``with`` statement's exit, where CPython never runs a handler, it runs at the next place it
-would: see :func:`at_with_exit`). Afterwards:
+there). Then, for k in a sample of 1..N (every k with ``PINPOOL_TESTS=deep``, CI's deep step, or
+``PINPOOL_KI_SWEEP=all``), the life is run again and at the k-th event the trace function sends a
+**real SIGINT** (``signal.raise_signal``: the Python handler runs right there, as it would if
+Ctrl-C arrived at that line; at the line event of a ``with`` statement's exit, where CPython never
+runs a handler, it runs at the next place it would: see :func:`at_with_exit`). Afterwards:
 
 * the run completed or a ``KeyboardInterrupt`` came out (never another error); in the sync and
   trio scenarios a sent Ctrl-C always comes out (a deferred one is replayed, never lost), unless
@@ -59,12 +59,14 @@ from pinpool._pin import finalize_lifecycle, guard_state
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRegistrar, FakeRuntime
 
+from ..depth import DEEP, depth
+
 KiB = 1 << 10
 CHUNK = 64 * KiB
 CHUNKS = 8
 PACKAGE = os.path.dirname(pinpool.__file__) + os.sep
-ALL = os.environ.get("PINPOOL_KI_SWEEP") == "all"
-SAMPLES = 30  # per scenario in the default run (./dev test); every k with PINPOOL_KI_SWEEP=all
+ALL = os.environ.get("PINPOOL_KI_SWEEP") == "all" or DEEP
+SAMPLES = 30  # per scenario in ./dev test; every k in the deep run
 
 
 class Trace:
@@ -337,6 +339,7 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
+@depth
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_a_ctrl_c_on_any_line_leaves_nothing_behind(scenario: str, frozen_heap: None) -> None:
     # A life's length varies with its waits' polls (a loaded machine polls more): sample within the

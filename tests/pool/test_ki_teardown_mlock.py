@@ -19,6 +19,7 @@ import textwrap
 import pytest
 
 from ..conftest import needs_mlock
+from ..depth import depth, runs
 
 LINES = 60  # line events from the start of __exit__: past begin_teardown and the unpin step's launch
 
@@ -65,21 +66,25 @@ CHILD = textwrap.dedent(
         print(at, caught, "hung" if closer.is_alive() else "returned", state, _libc.vm_locked_bytes(),
               len(PINNED_RANGES.snapshot()), "fired" if count >= at else "not-reached", flush=True)
 
-    for at in range(1, int(sys.argv[1]) + 1):
+    for at in range(1, int(sys.argv[1]) + 1, int(sys.argv[2])):
         once()
     """
 )
 
 
+@depth
 @needs_mlock
 def test_a_ctrl_c_as_teardown_starts_unpins_everything_and_the_interpreter_exits() -> None:
+    step = runs(2, 1)  # every other line in ./dev test, every line in CI's deep step
     try:
-        child = subprocess.run([sys.executable, "-c", CHILD, str(LINES)], capture_output=True, text=True, timeout=240)
+        child = subprocess.run(
+            [sys.executable, "-c", CHILD, str(LINES), str(step)], capture_output=True, text=True, timeout=240
+        )
     except subprocess.TimeoutExpired as timeout:
         pytest.fail(f"the child never exited; it printed {timeout.stdout!r}")
     assert child.returncode == 0, child.stderr[-2000:]
-    runs = [line.split() for line in child.stdout.splitlines()]
-    assert len(runs) == LINES, child.stdout
-    for at, caught, closer, state, vmlck, claims, fired in runs:
+    lives = [line.split() for line in child.stdout.splitlines()]
+    assert len(lives) == len(range(1, LINES + 1, step)), child.stdout
+    for at, caught, closer, state, vmlck, claims, fired in lives:
         assert (closer, state, vmlck, claims) == ("returned", "closed", "0", "0"), (at, child.stdout)
         assert fired == "fired" and caught == "KeyboardInterrupt", (at, child.stdout)  # delivered after teardown

@@ -14,7 +14,6 @@ through too (a hang there was one of the bugs this test found).
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -24,8 +23,9 @@ import textwrap
 import pytest
 
 from ..conftest import needs_mlock
+from ..depth import depth, runs
 
-RUNS = int(os.environ.get("PINPOOL_SIGNAL_RUNS", "3"))
+RUNS = runs(2, 3, "PINPOOL_SIGNAL_RUNS")
 
 CHILD = textwrap.dedent(
     """
@@ -135,6 +135,7 @@ SWEEP = textwrap.dedent(
 )
 
 
+@depth
 @needs_mlock
 @pytest.mark.parametrize("mode", ["sync", "trio", "asyncio", "asyncio-sigterm"])
 def test_real_signals_never_leave_memory_locked(mode: str) -> None:

@@ -54,6 +54,8 @@ from pinpool.runtimes import CudaDevice, CudaFacts
 
 from .. import preloaded
 from ..conftest import needs_mlock
+from ..depth import depth
+from ..depth import runs as depth_runs
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -443,11 +445,12 @@ def _ctrl_c_after_torch_starts_loading(delay: float) -> tuple[float, int, str]:
     return delay, child.returncode, first + err
 
 
+@depth
 def test_an_early_ctrl_c_is_never_lost() -> None:
     # Raised during torch's import, a KeyboardInterrupt was lost (the pin went on: rc 0) or became an
     # ImportError traceback (numpy: "cannot load module more than once"): 3 of 25 before the fix.
-    # 25 fresh torch imports cost ~50 s of CPU: a sample of 7 in ./dev test, all 25 in CI's sweep step.
-    runs = 25 if os.environ.get("PINPOOL_KI_SWEEP") == "all" else 7
+    # 25 fresh torch imports cost ~50 s of CPU: a sample of 4 in ./dev test, all 25 in CI's deep step.
+    runs = depth_runs(4, 25)
     delays = [1.5 * i / (runs - 1) for i in range(runs)]
     with ThreadPoolExecutor(max(4, os.cpu_count() or 1)) as pool:
         results = list(pool.map(_ctrl_c_after_torch_starts_loading, delays))
