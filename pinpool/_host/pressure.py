@@ -20,6 +20,7 @@ from .limits import _FILES, _NO_LIMIT, _page_cache, _to_int, binding_memory_cgro
 __all__ = [
     "PROC_PSI",
     "MemoryReading",
+    "PressureError",
     "PsiLine",
     "PsiReading",
     "parse_limit",
