@@ -25,8 +25,12 @@ from pinpool._host import (
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 V1_UNLIMITED = "9223372036854771712\n"  # v1's "no limit" (PAGE_COUNTER_MAX pages of 4 KiB)
 
-# Captured on this project's machines (Linux 6.18, and a 5.15 host).
-PSI_V2 = "some avg10=0.28 avg60=8.85 avg300=36.14 total=13167169932\nfull avg10=0.15 avg60=1.59 avg300=1.00 total=135812630\n"
+# Captured on this project's machine (Linux 6.18: /proc/pressure/io and memory); the some-only text is
+# the shape of /proc/pressure/cpu before 5.13.
+PSI_V2 = (
+    "some avg10=0.28 avg60=8.85 avg300=36.14 total=13167169932\n"
+    "full avg10=0.15 avg60=1.59 avg300=1.00 total=135812630\n"
+)
 PSI_IDLE = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
 PSI_SOME_ONLY = "some avg10=12.50 avg60=3.00 avg300=100.00 total=42\n"  # cpu before 5.13: no full line
 MEMINFO = "MemTotal:       24683568 kB\nMemFree:        13937000 kB\nMemAvailable:    8388608 kB\nBuffers: 1 kB\n"
@@ -98,7 +102,7 @@ def test_limits_and_no_limit(text: str, value: int | None) -> None:
 
 @pytest.mark.parametrize("text", ["", "-1\n", "1.5G\n", "max max\n", "1_000\n", "１２\n", "12 kB\n"])
 def test_malformed_limit_is_a_typed_error(text: str) -> None:
-    with pytest.raises(PressureError, match="memory.high holds") as caught:
+    with pytest.raises(PressureError, match=r"memory\.high holds") as caught:
         parse_limit(text, "/sys/fs/cgroup/x/memory.high")
     assert caught.value.path == "/sys/fs/cgroup/x/memory.high"
 
@@ -237,7 +241,7 @@ def test_a_garbage_file_in_the_tree_raises_naming_it(tmp_path: Path, name: str, 
 def test_non_ascii_bytes_are_garbage_too(tmp_path: Path) -> None:
     root = v2_host(tmp_path)
     (tmp_path / "sys/fs/cgroup/kubepods/pod1/c1/memory.max").write_bytes(b"\xff\xfe")
-    with pytest.raises(PressureError, match="memory.max holds"):
+    with pytest.raises(PressureError, match=r"memory\.max holds"):
         read_memory_pressure(root)
 
 
