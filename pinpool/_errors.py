@@ -175,6 +175,17 @@ class UnpinError(PinpoolError, RuntimeError):
         super().__init__(message)
 
 
+class PressureError(PinpoolError, RuntimeError):
+    """Memory pressure could not be read or watched (pinpool._host's pressure reader and PressureWatch): a
+    kernel file held what pinpool cannot parse, or no pressure notification can be armed here. ``path``:
+    the file; ``value``: what it held, bounded (None where the failure was not about its text)."""
+
+    def __init__(self, message: str, *, path: str, value: str | None = None) -> None:
+        self.path = path
+        self.value = value
+        super().__init__(message)
+
+
 class UnclosedPoolWarning(RuntimeWarning):
     """A pool was garbage-collected, or still open at interpreter exit, without being exited."""
 

@@ -1,5 +1,7 @@
 """Plain values more than one layer shares: what a runtime declares it can do (:class:`Capabilities`),
-and the CPU quota a cgroup sets (:class:`CpuQuota`: ``_host`` reads it, ``_plan``'s HostFacts holds it)."""
+the CPU quota a cgroup sets (:class:`CpuQuota`: ``_host`` reads it, ``_plan``'s HostFacts holds it), and
+the memory pressure a policy sees (:class:`MemoryReading`: ``_host`` reads it, ``_plan``'s elastic
+policy decides from it)."""
 
 from __future__ import annotations
 
@@ -67,3 +69,54 @@ class RegistrarLimits:
     faults_pages: bool = False
     not_registered_codes: frozenset[int] = field(default_factory=frozenset)
     parallel: bool = True
+
+
+@dataclass(frozen=True)
+class PsiLine:
+    """One line of a PSI file: the share of time (percent) some or all tasks stalled on memory over the
+    last 10, 60 and 300 s, and the stalled time since boot (µs, monotonic: deltas of it are exact)."""
+
+    avg10: float
+    avg60: float
+    avg300: float
+    total_us: int
+
+
+@dataclass(frozen=True)
+class PsiReading:
+    """A memory PSI file read once: ``some`` (at least one task stalled), ``full`` (all non-idle tasks
+    stalled; None where the kernel writes no such line), and the file it came from (a cgroup v2
+    ``memory.pressure``, or the system-wide ``/proc/pressure/memory``)."""
+
+    source: str
+    some: PsiLine
+    full: PsiLine | None
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """What an elastic policy sees of the host at one moment, in bytes; ``None``: unknown, or no limit.
+
+    ``psi``: memory stall (None where the kernel has no PSI). The memory cgroup is the one that binds
+    (the least room, as :func:`pinpool._host.read_memory_limits` chooses), v1 or v2: its ``usage_bytes``,
+    ``limit_bytes`` (``memory.max`` / ``memory.limit_in_bytes``), ``high_bytes`` (v2 ``memory.high``, the
+    throttling line; v1 ``memory.soft_limit_in_bytes``, where reclaim starts under host pressure) and
+    ``reclaimable_bytes`` (its file page cache, which the kernel drops before any OOM kill: usage at the
+    limit made of page cache is not pressure). ``mem_available_bytes``, ``mem_total_bytes``: host-wide."""
+
+    psi: PsiReading | None = None
+    cgroup_version: int | None = None
+    cgroup_path: str | None = None
+    usage_bytes: int | None = None
+    limit_bytes: int | None = None
+    high_bytes: int | None = None
+    reclaimable_bytes: int | None = None
+    mem_available_bytes: int | None = None
+    mem_total_bytes: int | None = None
+
+    @property
+    def working_set_bytes(self) -> int | None:
+        """The cgroup's usage less its page cache: what the kernel cannot drop without swap."""
+        if self.usage_bytes is None:
+            return None
+        return max(0, self.usage_bytes - (self.reclaimable_bytes or 0))

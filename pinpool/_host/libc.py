@@ -45,6 +45,7 @@ _SYSCALLS = {"x86_64": {"mlock2": 325, "mbind": 237}, "aarch64": {"mlock2": 284,
 _MACHINE = os.uname().machine
 
 CAP_IPC_LOCK = 14
+CAP_SYS_RESOURCE = 24  # PSI triggers with windows other than multiples of 2 s
 RLIM_INFINITY = resource.RLIM_INFINITY
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -224,11 +225,16 @@ def errno_name(code: int) -> str:
 
 def has_cap_ipc_lock() -> bool:
     """Whether this process's effective capabilities include CAP_IPC_LOCK (mlock past the limit)."""
+    return has_capability(CAP_IPC_LOCK)
+
+
+def has_capability(bit: int) -> bool:
+    """Whether this process's effective capabilities include capability number ``bit``."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
                 if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+                    return bool(int(line.split()[1], 16) >> bit & 1)
     except OSError:
         pass
     return os.geteuid() == 0

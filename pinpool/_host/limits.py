@@ -84,6 +84,7 @@ class _Level:
     limit: int | None
     usage: int | None
     reclaimable: int | None
+    directory: str = ""  # where its files are, under the reader's root
 
 
 # Per version: the limit, usage and stat files, and the memory.stat keys of the file LRU lists
@@ -117,8 +118,27 @@ def _cgroup_paths(proc_cgroup: str | None) -> Iterator[tuple[str, list[str]]]:
 
 
 def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
-    """Every cgroup of this process that has memory files, deepest first, per hierarchy (without a cgroup
-    namespace the path names the host's cgroup, the container's mount root: the walk up finds its files)."""
+    """Every cgroup of this process that has memory files, deepest first, per hierarchy."""
+    for version, path, directory in _directories(proc_cgroup, mount):
+        limit_name, usage_name, stat_keys = _FILES[version]
+        limit_text = _read(os.path.join(directory, limit_name))
+        usage = _to_int(_read(os.path.join(directory, usage_name)))
+        if limit_text is None and usage is None:
+            continue  # not a cgroup here (or no memory controller on this mount)
+        yield _Level(
+            version=version,
+            path=path,
+            limit=_limit(limit_text),
+            usage=usage,
+            reclaimable=_page_cache(_read(os.path.join(directory, "memory.stat")), stat_keys),
+            directory=directory,
+        )
+
+
+def _directories(proc_cgroup: str | None, mount: str) -> Iterator[tuple[int, str, str]]:
+    """Each existing directory of this process's v2 cgroup and v1 memory cgroup and of their ancestors,
+    deepest first, per hierarchy, as (version, cgroup path, directory); without a cgroup namespace the
+    path names the host's cgroup, the container's mount root: the walk up finds its files."""
     for controllers, parts in _cgroup_paths(proc_cgroup):
         if controllers == "":
             version, bases = 2, [mount, os.path.join(mount, "unified")]
@@ -126,23 +146,26 @@ def _levels(proc_cgroup: str | None, mount: str) -> Iterator[_Level]:
             version, bases = 1, list(dict.fromkeys([os.path.join(mount, "memory"), os.path.join(mount, controllers)]))
         else:
             continue
-        limit_name, usage_name, stat_keys = _FILES[version]
         for base in bases:
             for depth in range(len(parts), -1, -1):
                 directory = os.path.join(base, *parts[:depth])
-                if not os.path.isdir(directory):
-                    continue
-                limit_text = _read(os.path.join(directory, limit_name))
-                usage = _to_int(_read(os.path.join(directory, usage_name)))
-                if limit_text is None and usage is None:
-                    continue  # not a cgroup here (or no memory controller on this mount)
-                yield _Level(
-                    version=version,
-                    path="/" + "/".join(parts[:depth]),
-                    limit=_limit(limit_text),
-                    usage=usage,
-                    reclaimable=_page_cache(_read(os.path.join(directory, "memory.stat")), stat_keys),
-                )
+                if os.path.isdir(directory):
+                    yield version, "/" + "/".join(parts[:depth]), directory
+
+
+def binding_memory_cgroup(root: str = "/") -> tuple[int, str, str] | None:
+    """The memory cgroup :func:`read_memory_limits` reads, as (version, cgroup path, directory): the one
+    whose limit leaves the least room, else the process's own; None outside any memory cgroup."""
+    level = _binding_level(_read(os.path.join(root, "proc/self/cgroup")), os.path.join(root, "sys/fs/cgroup"))
+    return None if level is None else (level.version, level.path, level.directory)
+
+
+def v2_cgroup_directories(root: str = "/") -> list[tuple[str, str]]:
+    """This process's cgroup v2 directory and its ancestors', deepest first, as (cgroup path, directory),
+    whether or not the memory controller is enabled there (PSI files are kept per cgroup regardless)."""
+    proc_cgroup = _read(os.path.join(root, "proc/self/cgroup"))
+    found = _directories(proc_cgroup, os.path.join(root, "sys/fs/cgroup"))
+    return [(path, directory) for version, path, directory in found if version == 2]
 
 
 def _limit(text: str | None) -> int | None:

@@ -5,6 +5,7 @@ from .._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "calls": "MAX_GROWTH MAX_REST MIN_DUTY PROBE_BYTES CallSizer Pacer RetryGrid RetrySplitter duty_cycle",
     "chunks": "Chunk ChunkPlan ChunkTable Order Span SpanTable",
+    "elastic": "Action Decision ElasticPolicy ElasticState decide",
     "facts": "CpuQuota HostFacts cgroup_room cpu_budget effective_available",
     "declared": "DEFAULT_REGISTRY OPTIONS Option pool_options",
     "options": "BACKGROUND_PIN_NICE MAX_NICE CHUNK_ENV DEFAULT_CHUNK_GIB MAX_CALL_SECONDS MAX_WORKERS PoolOptions "
