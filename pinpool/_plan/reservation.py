@@ -196,9 +196,8 @@ def segment_schedule(schedule: Schedule, reservation: Reservation, index: int) -
     """The Schedule one engine session pins segment ``index`` with: the reservation's, over the segment's chunks
     (its buffers, hence the retry grid, stay the reservation's; every count clipped to the segment)."""
     segment = reservation.segments[index]
-    runs = tuple(
-        PageRun(start, end, grid.page_bytes) for grid, (start, end) in zip(reservation.grids, segment.slices)
-    )  # fmt: skip
+    slices = zip(reservation.grids, segment.slices, strict=True)
+    runs = tuple(PageRun(start, end, grid.page_bytes) for grid, (start, end) in slices)
     chunks = segment.chunks
     chunk_bytes = max((chunk.nbytes for chunk in chunks), default=0)
     pin_chunks = pin_order(chunks, runs)

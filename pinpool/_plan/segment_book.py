@@ -58,7 +58,7 @@ class SegmentBook:
     def __init__(self, reservation: Reservation) -> None:
         self.reservation = reservation
         self.states = [SegmentState.FLOOR if s.floor else SegmentState.FREE for s in reservation.segments]
-        self.unreturned: frozenset[int] = frozenset()  # unpinned, but giving their pages back failed or waits
+        self.unreturned: frozenset[int] = frozenset()  # free or queued, but giving their pages back failed or waits
         self.grow: tuple[int, ...] | None = None  # the segments of the grow under way, in the order they pin
         self.closed = False
 
@@ -89,7 +89,7 @@ class SegmentBook:
         return sum(len(self.reservation.segments[i].pages) for i in self.in_state(SegmentState.FREE))
 
     def _describe(self) -> str:
-        counts = {state: 0 for state in SegmentState}
+        counts = dict.fromkeys(SegmentState, 0)
         for index, state in enumerate(self.states):
             counts[state] += len(self.reservation.segments[index].pages)
         shown = ", ".join(f"{state.value} {pages}" for state, pages in counts.items() if pages)
@@ -142,6 +142,8 @@ class SegmentBook:
             raise LedgerError(f"segment {index} started while another segment of the grow pins")
         if index != next(i for i in self.grow if self.states[i] is SegmentState.QUEUED):
             raise LedgerError(f"segment {index} started out of the grow's order {self.grow}")
+        # Pages never given back are faulted and pinned again now; a rollback gives them back (or marks them).
+        self.unreturned = self.unreturned - {index}
         self.states[index] = SegmentState.GROWING
 
     def grown(self, index: int) -> None:

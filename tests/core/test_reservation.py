@@ -5,6 +5,7 @@ ConfigErrors naming the sizes that would do. Made-up grids (hypothesis) and real
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -82,7 +83,7 @@ def test_segments_tile_the_reservation_in_whole_chunks_on_every_grid(
     assert step <= reservation.step_pages < step + quantum
     segments = reservation.segments
     assert segments[0].pages.start == 0 and segments[-1].pages.stop == num_pages
-    assert all(a.pages.stop == b.pages.start for a, b in zip(segments, segments[1:], strict=False))
+    assert all(a.pages.stop == b.pages.start for a, b in itertools.pairwise(segments))
     assert [s.index for s in segments] == list(range(len(segments)))
     assert [s.floor for s in segments] == [bool(floor) and i == 0 for i in range(len(segments))]
     if floor:
@@ -93,13 +94,13 @@ def test_segments_tile_the_reservation_in_whole_chunks_on_every_grid(
     every = [c for s in segments for c in s.chunks]
     assert all(list(s.chunks) == sorted(s.chunks) for s in segments)
     by_offset = sorted(every)
-    assert all(a.end <= b.offset for a, b in zip(by_offset, by_offset[1:], strict=False))  # disjoint
+    assert all(a.end <= b.offset for a, b in itertools.pairwise(by_offset))  # disjoint
     assert sum(c.nbytes for c in every) == sum(g.run.end - g.run.start for g in grids)
     for segment in segments:
         assert segment.slices == tuple(g.slice(segment.pages) for g in grids)
         assert segment.nbytes == segment.chunks.nbytes
         for chunk in segment.chunks:
-            (grid, (start, end)), = [
+            (grid, (_start, end)), = [
                 (g, s) for g, s in zip(grids, segment.slices, strict=True) if s[0] <= chunk.offset < s[1]
             ]  # fmt: skip
             assert chunk.end <= end, "a chunk crosses a segment's slice"
