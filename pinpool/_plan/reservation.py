@@ -1,0 +1,224 @@
+"""An elastic pool's reservation (DESIGN-elastic.md): its largest size, mapped once, cut into a floor (pinned
+at entry, kept until exit) and segments that grow and shrink whole, one engine session each. A segment is
+layout pages ``[a, b)``: its slice of every page run, each chunked on its buffer's grid like every other
+chunk, so no chunk (and no registrar's registration) crosses a segment. Pure arithmetic over a Schedule."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._errors import ConfigError
+from .._units import format_bytes
+from .chunks import ChunkTable, Order, SpanTable
+from .plan import LOOKAHEAD_CHUNKS, MAX_TRANSFER_WORKERS, Schedule, plan_chunks
+from .prefix import PageRun, pin_order
+from .transfers import plan_transfer
+
+
+@dataclass(frozen=True)
+class RunGrid:
+    """One page run of the reservation, and the grid every chunk boundary in it falls on: ``origin + k * unit``
+    (``unit``: lcm(granularity, page)), as :func:`plan_chunks` cuts its buffer."""
+
+    run: PageRun
+    buffer: str  # its buffer's name, for messages
+    origin: int  # bytes from the pool's start
+    granularity: int | None
+    page_size: int
+
+    @property
+    def unit(self) -> int:
+        return math.lcm(self.granularity or 1, self.page_size)
+
+    @property
+    def page_bytes(self) -> int:
+        assert self.run.page_bytes is not None  # plan_reservation refuses runs without page order
+        return self.run.page_bytes
+
+    @property
+    def quantum(self) -> int:
+        """The fewest pages whose slice of this run is a whole number of units."""
+        return self.unit // math.gcd(self.unit, self.page_bytes)
+
+    def slice(self, pages: range) -> tuple[int, int]:
+        """Bytes ``[start, end)`` of pages ``pages`` in this run."""
+        return self.run.start + pages.start * self.page_bytes, self.run.start + pages.stop * self.page_bytes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Pages ``pages`` of the reservation: ``slices`` (one per run, bytes from the pool's start) and their
+    ``chunks`` (sorted by offset). ``floor``: the pages entry pins, kept until exit."""
+
+    index: int
+    pages: range
+    slices: tuple[tuple[int, int], ...]
+    chunks: ChunkTable
+    floor: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(end - start for start, end in self.slices)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The reservation's ``num_pages`` as a floor (``floor_pages``, segment 0 when there is one) and segments
+    of ``step_pages`` (the last maybe shorter); every boundary a multiple of ``quantum`` pages."""
+
+    num_pages: int
+    floor_pages: int
+    step_pages: int
+    quantum: int
+    grids: tuple[RunGrid, ...]  # sorted by run start
+    segments: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(segment.nbytes for segment in self.segments)
+
+    def segment_at_page(self, page: int) -> int:
+        """The index of the segment holding layout page ``page``."""
+        if not 0 <= page < self.num_pages:
+            raise ConfigError(
+                f"page {page} is outside the reservation (pages [0, {self.num_pages})): address pages of the pool"
+            )
+        if page < self.floor_pages:
+            return 0
+        return (1 if self.floor_pages else 0) + (page - self.floor_pages) // self.step_pages
+
+    def segment_of(self, offset: int) -> int:
+        """The index of the segment holding byte ``offset`` of the pool; :class:`ConfigError` for a byte no page
+        run holds (a gap between buffers, outside the pool)."""
+        starts = [grid.run.start for grid in self.grids]
+        at = bisect.bisect_right(starts, offset) - 1
+        if at < 0 or offset >= self.grids[at].run.end:
+            raise ConfigError(
+                f"byte {offset} of the pool is in no page run (outside the pool, or a gap between its buffers): "
+                "address bytes of the pool's buffers"
+            )
+        grid = self.grids[at]
+        return self.segment_at_page((offset - grid.run.start) // grid.page_bytes)
+
+    def segments_in(self, pages: range) -> range:
+        """The indices of the segments holding any of ``pages`` (empty for no page)."""
+        if not pages:
+            return range(0)
+        return range(self.segment_at_page(pages.start), self.segment_at_page(pages.stop - 1) + 1)
+
+
+def reservation_grids(schedule: Schedule) -> tuple[RunGrid, ...]:
+    """Each page run of ``schedule`` with its buffer's grid; :class:`ConfigError` where a buffer cannot grow in
+    pages (pages out of page order, one registration per buffer, holes of pin())."""
+    buffers = [b for b in schedule.buffers if b.plan is not None]
+    offsets = [b.offset for b in buffers]
+    grids: list[RunGrid] = []
+    for run in sorted(schedule.page_runs, key=lambda r: r.start):
+        buffer = buffers[bisect.bisect_right(offsets, run.start) - 1]
+        plan, name = buffer.plan, buffer.spec.name
+        assert plan is not None
+        if run.page_bytes is None or run.holes:
+            raise ConfigError(
+                f"buffer {name!r} does not keep its pages in page order (its layout gives no page runs), so an "
+                "elastic pool could not make some pages usable without all: drop reserve= (a fixed or background "
+                "pool), or use a layout whose buffers have page_runs"
+            )
+        if plan.origin is None:
+            raise ConfigError(
+                f"buffer {name!r} is registered in one call that is never cut (chunk_bytes='buffer'), and an "
+                "elastic pool pins and releases whole chunks of some pages: drop chunk_bytes='buffer', or reserve="
+            )
+        grids.append(RunGrid(run, name, buffer.offset + plan.origin, plan.granularity, plan.page_size))
+    return tuple(grids)
+
+
+def plan_reservation(
+    grids: Sequence[RunGrid], num_pages: int, *, floor_pages: int, step_pages: int, chunk_limit: int
+) -> Reservation:
+    """Cut ``num_pages`` into a floor and segments of ``step_pages`` rounded up to whole quanta, each run's slice
+    of each chunked within ``chunk_limit``; :class:`ConfigError` naming the nearest sizes that would do."""
+    for what, value, least in (("reserved pages", num_pages, 1), ("floor pages", floor_pages, 0),
+                               ("grow step pages", step_pages, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"{what} {value!r} must be an int >= {least}")
+    if floor_pages >= num_pages:
+        raise ConfigError(
+            f"reserve= holds {num_pages} pages and size= pins {floor_pages} at entry: nothing is left to grow; "
+            "give reserve= more than size=, or drop reserve= for a fixed pool"
+        )
+    if not grids:
+        raise ConfigError("an elastic pool needs at least one buffer with pages: give a layout with bytes")
+    grids = tuple(sorted(grids, key=lambda grid: grid.run.start))
+    quantum = math.lcm(*(grid.quantum for grid in grids))
+    for grid in grids:
+        if (grid.run.start - grid.origin) % grid.unit:
+            raise ConfigError(
+                f"reserve= of {num_pages} pages: buffer {grid.buffer!r}'s page run at byte {grid.run.start} does "
+                f"not start on a whole chunk boundary (multiples of {format_bytes(grid.unit)}), so its first "
+                f"pages would share a chunk with another run's last ones; reserve a multiple of {quantum} pages "
+                f"(e.g. {_nearest(num_pages, quantum)})"
+            )
+    if floor_pages % quantum:
+        raise ConfigError(
+            f"size= pins {floor_pages} pages, but an elastic pool's floor must end on a whole chunk in every buffer: "
+            f"give size= a multiple of {quantum} pages (e.g. {_nearest(floor_pages, quantum)})"
+        )
+    step = -(-step_pages // quantum) * quantum  # grow_step= is rounded up to whole chunks, never refused
+    bounds = [0, *([floor_pages] if floor_pages else []), *range(floor_pages + step, num_pages, step), num_pages]
+    segments = tuple(
+        _segment(index, range(lo, hi), grids, chunk_limit, floor=bool(floor_pages) and index == 0)
+        for index, (lo, hi) in enumerate(itertools.pairwise(bounds))
+    )
+    return Reservation(num_pages, floor_pages, step, quantum, grids, segments)
+
+
+def _nearest(pages: int, quantum: int) -> str:
+    down, up = pages // quantum * quantum, -(-pages // quantum) * quantum
+    return f"{up}" if down == 0 else f"{down} or {up}"
+
+
+def _segment(index: int, pages: range, grids: Sequence[RunGrid], limit: int, *, floor: bool) -> Segment:
+    slices = tuple(grid.slice(pages) for grid in grids)
+    chunks = ChunkTable.concat(
+        plan_chunks(end - start, granularity=grid.granularity, limit=limit, page_size=grid.page_size)
+        .chunks.shifted(start)
+        for grid, (start, end) in zip(grids, slices, strict=True)
+    )  # fmt: skip
+    return Segment(index, pages, slices, chunks, floor)
+
+
+def segment_schedule(schedule: Schedule, reservation: Reservation, index: int) -> Schedule:
+    """The Schedule one engine session pins segment ``index`` with: the reservation's, over the segment's chunks
+    (its buffers, hence the retry grid, stay the reservation's; every count clipped to the segment)."""
+    segment = reservation.segments[index]
+    slices = zip(reservation.grids, segment.slices, strict=True)
+    runs = tuple(PageRun(start, end, grid.page_bytes) for grid, (start, end) in slices)
+    chunks = segment.chunks
+    chunk_bytes = max((chunk.nbytes for chunk in chunks), default=0)
+    pin_chunks = pin_order(chunks, runs)
+    spans = SpanTable(pin_chunks, schedule.span_bytes) if schedule.span_bytes else ()
+    populate_workers = min(schedule.populate_workers, len(spans))
+    register_workers = max(1, min(schedule.register_workers, len(chunks)))
+    transfers = tuple(
+        plan_transfer(t.name, t.limits, chunks, schedule.page_size,
+                      workers=register_workers if t.limits.parallel else 1)
+        for t in schedule.transfers
+    )  # fmt: skip
+    transfer_workers = min(MAX_TRANSFER_WORKERS, sum(t.workers for t in transfers))
+    pair = (populate_workers, register_workers)
+    pinning = sum(pair) if schedule.order is Order.POPULATE_FIRST else max(pair)
+    span_bytes = schedule.span_bytes
+    return dataclasses.replace(
+        schedule, nbytes=segment.nbytes, num_pages=len(segment.pages), chunks=chunks, chunk_bytes=chunk_bytes,
+        register_workers=register_workers, populate_workers=populate_workers,
+        unpin_workers=max(1, min(schedule.unpin_workers, len(chunks))), threads=pinning + transfer_workers,
+        transfers=transfers, transfer_workers=transfer_workers, spans=spans, pin_chunks=pin_chunks, page_runs=runs,
+        lookahead_bytes=max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS)),
+        registrations_reason=f"{len(chunks)} registrations: pages [{segment.pages.start}, {segment.pages.stop}) "
+        f"of the reservation, each run's slice chunked within {format_bytes(schedule.chunk_limit)}",
+    )  # fmt: skip
