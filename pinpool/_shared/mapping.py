@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import AllocationError, ConfigError, PoolStateError, RuntimeCallError
 from .._host import libc as _libc
+from .._host.giveback import checked_range, give_back
 from .._units import format_bytes
 from .files import remove_file
 from .format import (
@@ -130,6 +131,19 @@ class SharedMapping:
         buffer = buffer_type.from_address(self.address + offset)
         buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
         return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Give ``[offset, +nbytes)`` of the data back to the host, once unpinned: a hole punched in the file
+        (``MADV_REMOVE``), in whole pages of its file system, so every process's view reads zero after and
+        the file's blocks fall; the trailer is never part of it. It can be touched and pinned again."""
+        if self.unmapped:
+            raise PoolStateError(f"shared memory {self._where} was unmapped here: there is nothing left to give back")
+        kind = "hugetlb page" if self.page_size > _libc.PAGE_SIZE else "page"
+        offset, nbytes = checked_range(
+            offset, nbytes, data_bytes=self.nbytes, length=self.length, granule=self.page_size, granule_kind=kind,
+            what=f"shared memory {self._where}",
+        )  # fmt: skip
+        give_back(self.address, offset, nbytes, shared=True, what=f"shared memory {self._where}")
 
     def keep_forever(self) -> None:
         """Never unmap: part of this memory may still be registered (the name still goes at exit)."""
