@@ -262,9 +262,14 @@ class Process:
                 return got
 
     def send(self, line: str) -> None:
+        """Write ``line`` to its stdin; to a child that is gone, nothing (its output's end says so)."""
         assert self.child.stdin is not None
-        self.child.stdin.write(line + "\n")
-        self.child.stdin.flush()
+        try:
+            self.child.stdin.write(line + "\n")
+            self.child.stdin.flush()
+        except BrokenPipeError:
+            with contextlib.suppress(BrokenPipeError):
+                self.child.stdin.close()  # the write that failed stays buffered: closing once drops it
 
     def stderr(self) -> str:
         assert self.child.stderr is not None
@@ -300,21 +305,20 @@ class Outcome:
 
 
 def squeeze(group: MemoryCgroup, server: Process, *, total: int, step: int = 16 * MiB, pause: float = 0.0) -> Outcome:
-    """Run the neighbour against ``server`` (started, ready) until it has touched ``total`` bytes or died;
-    then wait for the server's exit if it is exiting. The neighbour is let go before this returns."""
+    """Run the neighbour against ``server`` (started, ready) until it has touched ``total`` bytes or died,
+    then ask the server to serve once: it answers (alive: its ``served`` event is in ``server.events``)
+    or its output ends (dead: its exit code is waited for). The neighbour is let go before this returns."""
     kills = group.oom_kills()
     with start(group, NEIGHBOUR, str(step), str(total), str(pause)) as neighbour:
         done = neighbour.wait_for("done")
         reached = max((e["bytes"] for e in neighbour.events if e["event"] == "touched"), default=0)
-        if done is None:
-            neighbour_code: int | None = neighbour.child.wait(DEADLINE_S)
-        else:
-            neighbour_code = None
-        oom_kills = group.oom_kills() - kills
-        if oom_kills and neighbour_code is None:  # the neighbour lives: the kill was the server's
-            server.wait_for("never")  # its output ends when it dies
-        server_code = server.child.poll()
+        neighbour_code = neighbour.child.wait(DEADLINE_S) if done is None else None
+        # A killed server may still be freeing its pinned pages: no poll, its answer or its end says.
+        server.send("serve")
+        served = server.wait_for("served")
+        server_code = server.child.wait(DEADLINE_S) if served is None else None
         peak = int(group._read("memory.max_usage_in_bytes" if group.version == 1 else "memory.peak"))
+        oom_kills = group.oom_kills() - kills
         if neighbour_code is None:
             neighbour.close()
     return Outcome(server_code, neighbour_code, oom_kills, reached, peak)

@@ -187,17 +187,23 @@ def test_private_memory_unpinned_and_given_back_leaves_vmlck_the_cgroup_and_the_
 
 
 @hugetlb_pages
-def test_hugetlb_pages_go_back_to_the_reserved_pool_whole() -> None:
-    old = _reserve_hugetlb(2)
+@pytest.mark.parametrize("memory", ["private", "shared"])
+def test_hugetlb_pages_go_back_to_the_reserved_pool_whole(memory: str) -> None:
+    old = _reserve_hugetlb(3)  # a shared region's trailer takes a page of its own
     try:
-        mapping = HostMapping(4 * MiB, huge_pages="hugetlb")
+        mapping = (
+            HostMapping(4 * MiB, huge_pages="hugetlb") if memory == "private" else
+            SharedMemory(huge_page_size="2MiB").open_mapping(4 * MiB, RECORD)  # a memfd on hugetlbfs
+        )  # fmt: skip
         mapping.view(0, 4 * MiB).fill_(1)
         free = _libc.hugetlb_free_pages()[0]
         with pytest.raises(ConfigError, match=r"the offset 4096 is not a multiple of 2 MiB \(a hugetlb page"):
             mapping.give_back(PAGE, 2 * MiB - PAGE)
         mapping.give_back(2 * MiB, 2 * MiB)
         assert _libc.hugetlb_free_pages()[0] == free + 1
-        assert int(mapping.view(0, 4 * MiB).sum()) == 2 * MiB  # the other page kept its bytes
+        assert int(mapping.view(0, 2 * MiB).sum()) == 2 * MiB  # the other page kept its bytes
+        mapping.view(2 * MiB, 2 * MiB).fill_(2)  # usable after: the page comes back from the reserved pool
+        assert _libc.hugetlb_free_pages()[0] == free
         del mapping
         gc.collect()
     finally:

@@ -10,8 +10,8 @@ from ..conftest import needs_mlock
 from .cgroup_squeeze import FIXED_SERVER, MiB, memory_cgroup, squeeze, start
 
 pytestmark = needs_mlock
-POOL = 192 * MiB
-HEADROOM = 96 * MiB  # what the cgroup allows beyond the running server
+POOL = 128 * MiB
+HEADROOM = 64 * MiB  # what the cgroup allows beyond the running server
 
 
 def test_a_fixed_pool_is_oom_killed_when_a_neighbour_grows_in_its_cgroup() -> None:
@@ -23,7 +23,9 @@ def test_a_fixed_pool_is_oom_killed_when_a_neighbour_grows_in_its_cgroup() -> No
         group.set_limit(limit)
         # The neighbour wants twice the room left: only the pinned pool could make it, and it cannot move.
         out = squeeze(group, server, total=2 * HEADROOM)
-    assert out.oom_kills == 1
-    assert out.server_code == -signal.SIGKILL  # the server, largest in the cgroup, was the one killed
-    assert out.neighbour_code is None and out.neighbour_bytes == 2 * HEADROOM  # the neighbour got its memory
+    assert out.server_code == -signal.SIGKILL  # the server, largest in the cgroup, is killed first
+    # Then either the neighbour gets its memory, or, faulting again before the dead server's pinned pages
+    # are freed, it is killed too (most runs here: 6 of 8).
+    assert (out.oom_kills, out.neighbour_code) in {(1, None), (2, -signal.SIGKILL)}, out
+    assert (out.neighbour_bytes == 2 * HEADROOM) is (out.neighbour_code is None), out
     assert limit - HEADROOM < out.peak_usage <= limit  # it was squeezed to the limit, never past it
