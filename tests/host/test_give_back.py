@@ -24,7 +24,7 @@ from pinpool._host import HostMapping, TensorMemory, checked_range
 from pinpool._host import libc as _libc
 from pinpool._shared import SharedMemory
 from tests.conftest import hugetlb_pages
-from tests.engine.test_runtime_mlock import _reserve_hugetlb, _set_hugetlb
+from tests.engine.test_runtime_mlock import NR_HUGEPAGES, _reserve_hugetlb, _set_hugetlb
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -202,6 +202,15 @@ def test_hugetlb_pages_go_back_to_the_reserved_pool_whole(memory: str) -> None:
         mapping.give_back(2 * MiB, 2 * MiB)
         assert _libc.hugetlb_free_pages()[0] == free + 1
         assert int(mapping.view(0, 2 * MiB).sum()) == 2 * MiB  # the other page kept its bytes
+        if memory == "shared":  # a fault in the hole with no free huge page would be a SIGBUS: refused first
+            nr = int(Path(NR_HUGEPAGES).read_text())
+            _set_hugetlb(nr - _libc.hugetlb_free_pages()[0])  # no free page left
+            with pytest.raises(ConfigError, match=r"taking back \[2097152, \+2097152\) \(2 MiB\) failed: .* stays "
+                               r"given back. It needs free 2 MiB hugetlb pages"):  # fmt: skip
+                mapping.take_back(2 * MiB, 2 * MiB)
+            _set_hugetlb(nr)
+            mapping.take_back(2 * MiB, 2 * MiB)
+            assert _libc.hugetlb_free_pages()[0] == free
         mapping.view(2 * MiB, 2 * MiB).fill_(2)  # usable after: the page comes back from the reserved pool
         assert _libc.hugetlb_free_pages()[0] == free
         del mapping
@@ -255,6 +264,22 @@ def test_a_shared_region_given_back_drops_its_file_blocks_and_every_processs_vie
         other.stdin.flush()
         assert int(other.stdout.readline()) == 0  # its view dropped too: the hole reads zero
     assert mapping.generation == 0  # the trailer is intact
-    view.fill_(5)  # usable after: the pages come back, and pin again
-    assert _libc.mlock(mapping.address, N) == 0 and os.stat(path).st_blocks * 512 == N + PAGE
+    usage = cgroup.usage()
+    mapping.take_back(0, N)  # allocated again before anything touches it (a full tmpfs: an error, no SIGBUS)
+    assert os.stat(path).st_blocks * 512 == N + PAGE and abs(cgroup.usage() - usage - N) <= USAGE_SLACK
+    assert not view.any()
+    view.fill_(5)  # usable after: it pins again, and holds what is written
+    assert _libc.mlock(mapping.address, N) == 0 and int(view[:PAGE].sum()) == 5 * PAGE
     assert _libc.munlock(mapping.address, N) == 0
+
+
+def test_memory_unmapped_already_has_nothing_to_give_back(shm_dir: Path) -> None:
+    private = HostMapping(PAGE)
+    shared = SharedMemory(shm_dir / "kv").open_mapping(PAGE, RECORD)
+    for mapping in (private, shared):
+        mapping._finalizer()  # what collecting it runs
+    with pytest.raises(PoolStateError, match=r"^the pool's memory was unmapped: there is nothing left to give back"):
+        private.give_back(0, PAGE)
+    for call in (shared.give_back, shared.take_back):
+        with pytest.raises(PoolStateError, match=r"^shared memory '.*/kv' was unmapped here: there is nothing"):
+            call(0, PAGE)
