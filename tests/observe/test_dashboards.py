@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import pinpool
 from pinpool.testing import FakeRegistrar, FakeRuntime
 
+from .. import preloaded
 from ..conftest import needs_mlock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -868,7 +869,7 @@ def test_the_committed_picture_shows_every_panel_it_can() -> None:
 @needs_mlock
 def test_the_picture_from_a_real_scrape(tmp_path: Path) -> None:
     out = tmp_path / "dashboard.svg"
-    done = subprocess.run(
+    done = preloaded.run(
         [sys.executable, str(DASHBOARDS / "render.py"), "--out", str(out), "--size", "64MiB"],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip

@@ -26,6 +26,7 @@ from pinpool import PoolState, PoolStateError
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRuntime, locked_bytes
 
+from .. import preloaded
 from ..conftest import needs_mlock
 from .test_open_close import pool_of as owned_pool
 
@@ -268,9 +269,7 @@ CHILD = textwrap.dedent(
 @pytest.mark.parametrize("mode", ["sync", "asyncio", "trio", "open"])
 def test_close_from_a_signal_handler_on_the_thread_that_is_closing_returns(mode: str) -> None:
     try:
-        child = subprocess.run(
-            [sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=90, check=False
-        )
+        child = preloaded.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=90)
     except subprocess.TimeoutExpired as hung:
         pytest.fail(f"{mode}: close() from the signal handler hung the process: {hung.stdout!r} {hung.stderr!r}")
     assert child.returncode == 0, child.stderr

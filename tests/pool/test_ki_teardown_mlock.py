@@ -18,8 +18,8 @@ import textwrap
 
 import pytest
 
+from .. import preloaded
 from ..conftest import needs_mlock
-from ..depth import depth, runs
 
 LINES = 60  # line events from the start of __exit__: past begin_teardown and the unpin step's launch
 
@@ -72,12 +72,11 @@ CHILD = textwrap.dedent(
 )
 
 
-@depth
 @needs_mlock
 def test_a_ctrl_c_as_teardown_starts_unpins_everything_and_the_interpreter_exits() -> None:
-    step = runs(2, 1)  # every other line in ./dev test, every line in CI's deep step
+    step = 1  # every line: a life costs ~25 ms in a child forked with torch imported (its gc has frozen torch)
     try:
-        child = subprocess.run(
+        child = preloaded.run(
             [sys.executable, "-c", CHILD, str(LINES), str(step)], capture_output=True, text=True, timeout=240
         )
     except subprocess.TimeoutExpired as timeout:

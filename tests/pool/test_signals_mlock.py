@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from .. import preloaded
 from ..conftest import needs_mlock
 from ..depth import depth, runs
 
@@ -144,7 +144,7 @@ def test_real_signals_never_leave_memory_locked(mode: str) -> None:
     # Per run: when after "ready" (pinning, the body or the teardown) and, every other run, a
     # second signal soon after.
     plan = [(rng.uniform(0.0, 0.35), rng.uniform(0.0, 0.05) if run % 2 else None) for run in range(RUNS)]
-    sweep = subprocess.run(
+    sweep = preloaded.run(
         [sys.executable, "-c", SWEEP, mode, str(int(signum)), json.dumps(plan), CHILD],
         capture_output=True, text=True, timeout=120 + 70 * RUNS,
     )  # fmt: skip

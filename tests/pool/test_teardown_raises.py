@@ -5,12 +5,12 @@ teardown begins, no stack left. Children run in subprocesses (a regression could
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from .. import preloaded
 from ..conftest import lifecycle_of, needs_mlock
 from ..depth import depth, runs
 
@@ -75,9 +75,7 @@ ALARMS = REPORT + textwrap.dedent(
 
 
 def _child(code: str, *args: str, timeout: float = 240) -> dict[str, object]:
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
+    done = preloaded.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

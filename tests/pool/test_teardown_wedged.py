@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from .. import preloaded
+
 CHILD = textwrap.dedent(
     """
     import asyncio, logging, sys, threading
@@ -55,7 +57,7 @@ CHILD = textwrap.dedent(
     [("sync", "runtime"), ("asyncio", "runtime"), ("trio", "runtime"), ("trio", "registrar")],
 )
 def test_three_ctrl_c_abandon_a_wedged_teardown(driver: str, wedged: str) -> None:
-    child = subprocess.Popen(
+    child = preloaded.spawn(
         [sys.executable, "-c", CHILD, driver, wedged], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     watchdog = threading.Timer(120, child.kill)  # a regression fails the test (reads end at EOF), never hangs it

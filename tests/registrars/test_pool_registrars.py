@@ -5,7 +5,6 @@ registrar's registrations before the runtime unpins a byte. Real drivers and thr
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import pinpool
 from pinpool import PinError, PoolState, PoolStateError, UnpinError
 from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released, locked_bytes
 
+from .. import preloaded
 from ..conftest import cancel_at_first, each_driver, needs_mlock, pin_and_run
 
 MiB = 1 << 20
@@ -320,7 +320,7 @@ def test_a_finalizer_never_waits_on_a_wedged_engine_call() -> None:
     books what is left leaked and returns (it waited on the engine's undo until the call came back), and the
     runtime unpins nothing the engine may still hold."""
     script = Path(__file__).with_name("wedged_finalizer.py")
-    done = subprocess.run([sys.executable, str(script), "registrar"], capture_output=True, text=True, timeout=60)
+    done = preloaded.run([sys.executable, str(script), "registrar"], capture_output=True, text=True, timeout=60)
     assert "finalizer returned" in done.stdout and "STILL BLOCKED" not in done.stdout, done.stdout + done.stderr
     assert "runtime holds 8, engine holds 8" in done.stdout, done.stdout
 
