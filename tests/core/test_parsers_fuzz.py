@@ -21,6 +21,8 @@ from pinpool._plan import CHUNK_ENV, PoolOptions, chunk_limit_from_env
 from pinpool._units import format_bytes, parse_env_gib
 from pinpool.layouts import BufferSpec
 
+from ..depth import depth, runs
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 EXACT = Context(prec=200)  # more digits than any accepted size has: products and quotients stay exact
 UNITS = ["", "B", "k", "kB", "KiB", "M", "MB", "MiB", "G", "GB", "GiB", "T", "TB", "TiB", "P", "PB", "PiB"]
@@ -77,7 +79,8 @@ def test_parse_size_raises_only_config_error(value: object) -> None:
         assert type(value) is int and value == result
 
 
-@settings(max_examples=500, deadline=None)
+@depth
+@settings(max_examples=runs(150, 500), deadline=None)
 @given(text=size_texts, digit=non_ascii_digits, data=st.data())
 def test_a_non_ascii_digit_anywhere_is_rejected(text: str, digit: str, data: st.DataObject) -> None:
     """Swap one ASCII digit of a size for a Unicode digit of the same value: never accepted."""
@@ -181,7 +184,8 @@ def test_the_chunk_env_var_raises_only_config_error(raw: str) -> None:
 _CREATE = inspect.signature(PoolOptions.create).parameters
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@depth
+@settings(max_examples=runs(100, 300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_pool_options_raise_only_config_error(data: st.DataObject) -> None:
     """Every option of PoolOptions.create (whatever fields it has today), junk or plausible."""

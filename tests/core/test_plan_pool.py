@@ -502,7 +502,8 @@ def test_huge_chunk_counts_are_planned_lazily(
 runs = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 300), st.integers(0, 400)), max_size=6)
 
 
-@settings(deadline=None, max_examples=200)
+@depth
+@settings(deadline=None, max_examples=runs(60, 200))
 @given(runs=runs, data=st.data())
 def test_chunk_table_behaves_as_the_tuple_of_its_chunks(runs: list[tuple[int, int, int]], data: st.DataObject) -> None:
     reference = tuple(Chunk(o + k * n, n) for o, n, c in runs for k in range(c))
@@ -527,7 +528,8 @@ def test_chunk_table_behaves_as_the_tuple_of_its_chunks(runs: list[tuple[int, in
     assert table != list(reference)  # as a tuple: never equal to a list
 
 
-@settings(deadline=None, max_examples=200)
+@depth
+@settings(deadline=None, max_examples=runs(60, 200))
 @given(
     sizes=st.lists(st.integers(1, 200), max_size=30),
     gaps=st.lists(st.integers(0, 50), max_size=30),
