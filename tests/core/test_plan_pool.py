@@ -43,7 +43,8 @@ from pinpool.runtimes import capabilities_of
 from pinpool.testing import FakeRuntime, host_facts
 
 from ..conftest import lifecycle_of
-from ..depth import depth, runs
+from ..depth import depth
+from ..depth import runs as depth_runs
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 HUGE = 2 * MiB
@@ -410,7 +411,9 @@ def check_sampled(table: Sequence[object], reference: Sequence[object], rng: ran
 
 @depth
 @settings(
-    deadline=None, max_examples=runs(80, 250), suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow]
+    deadline=None,
+    max_examples=depth_runs(80, 250),
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
 @given(options=options_st(), host=hosts, caps=capabilities, data=st.data())
 @example(  # the reference plan: 900 + 900 + 700 MiB
@@ -460,7 +463,7 @@ def test_plan_pool_matches_the_model_and_every_invariant(
 
 
 @depth
-@settings(deadline=None, max_examples=runs(15, 50))
+@settings(deadline=None, max_examples=depth_runs(15, 50))
 @given(
     size=st.integers(2**36, 2**47),
     chunk=st.sampled_from((4096, 65536, 2 * MiB)),
@@ -503,7 +506,7 @@ runs = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 300), st.integer
 
 
 @depth
-@settings(deadline=None, max_examples=runs(60, 200))
+@settings(deadline=None, max_examples=depth_runs(60, 200))
 @given(runs=runs, data=st.data())
 def test_chunk_table_behaves_as_the_tuple_of_its_chunks(runs: list[tuple[int, int, int]], data: st.DataObject) -> None:
     reference = tuple(Chunk(o + k * n, n) for o, n, c in runs for k in range(c))
@@ -529,7 +532,7 @@ def test_chunk_table_behaves_as_the_tuple_of_its_chunks(runs: list[tuple[int, in
 
 
 @depth
-@settings(deadline=None, max_examples=runs(60, 200))
+@settings(deadline=None, max_examples=depth_runs(60, 200))
 @given(
     sizes=st.lists(st.integers(1, 200), max_size=30),
     gaps=st.lists(st.integers(0, 50), max_size=30),
