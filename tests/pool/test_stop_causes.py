@@ -248,4 +248,10 @@ def test_the_stop_cause_table(
     assert run.counted() == expected  # only the path's own cause; never "failure" for a shutdown
     assert run.logged() == ([(cause, level)] if cause else [])
     assert run.fake.registered == {}  # and whatever ended it, everything is unpinned in the end
-    assert not [t for t in threading.enumerate() if t.name.startswith("pinpool-causes")]
+    # A worker has done its last step once the pool is closed; its thread may take a moment more to end.
+    deadline = time.monotonic() + 10
+    while (
+        left := [t for t in threading.enumerate() if t.name.startswith("pinpool-causes")]
+    ) and time.monotonic() < deadline:
+        left[0].join(0.05)
+    assert not left
