@@ -80,7 +80,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_pool_open_at_interpreter_exit_is_unpinned_first(case: str) -> None:
     script = PRELUDE + textwrap.dedent(CASES[case])
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = preloaded.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     final = re.findall(r"VMLCK_AT_EXIT (\d+)", result.stdout)
     assert final == ["0"], (result.stdout, result.stderr)
