@@ -15,6 +15,7 @@ import pytest
 DEEP = os.environ.get("PINPOOL_TESTS") == "deep"
 
 depth = pytest.mark.depth  # CI's deep step selects these (-m depth)
+deep_only = pytest.mark.skipif(not DEEP, reason="a case of a deep search: CI's deep step runs it (PINPOOL_TESTS=deep)")
 
 
 def runs(quick: int, deep: int, knob: str | None = None) -> int:

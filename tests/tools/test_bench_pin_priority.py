@@ -15,6 +15,7 @@ import pytest
 
 from .. import preloaded
 from ..conftest import needs_mlock
+from ..depth import deep_only, depth
 
 pytest.importorskip("httpx")
 pytest.importorskip("starlette")
@@ -28,7 +29,11 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @needs_mlock
-@pytest.mark.parametrize("load", [(), ("--rate", "200")], ids=["closed-loop", "open-loop"])
+@depth
+@pytest.mark.parametrize(
+    "load",
+    [pytest.param((), id="closed-loop"), pytest.param(("--rate", "200"), id="open-loop", marks=deep_only)],
+)
 def test_bench_reports_both_phases_and_the_pin_throughput(tmp_path: Path, load: tuple[str, ...]) -> None:
     out = tmp_path / "r.json"
     result = bench(
