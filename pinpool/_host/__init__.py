@@ -6,6 +6,7 @@ pinpool._host import libc``), the only file of a folder a test may import (docs/
 from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
+    "giveback": "GRANULE_WHY checked_range",
     "libc": "address_space_bytes",
     "limits": "V1_SOURCE V2_SOURCE MemoryLimits available_cpus binding_memory_cgroup read_cpu_quota read_mem_available "
               "read_memory_limits v2_cgroup_directories",

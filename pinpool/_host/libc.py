@@ -27,6 +27,8 @@ MAP_FAILED = ctypes.c_void_p(-1).value
 MAP_HUGETLB = 0x40000
 _MAP_HUGE = {2 << 20: 21 << 26, 1 << 30: 30 << 26}  # MAP_HUGE_2MB, MAP_HUGE_1GB: log2(page) << MAP_HUGE_SHIFT
 
+MADV_DONTNEED = 4  # drop private pages: the memory goes back to the host, the range reads zero after
+MADV_REMOVE = 9  # punch a hole in a shared mapping's file (FALLOC_FL_PUNCH_HOLE): every process's view drops
 MADV_DONTFORK = 10  # a forked child gets no copy of the range (not even copy-on-write)
 MADV_HUGEPAGE = 14
 MADV_POPULATE_READ = 22  # Linux >= 5.14

@@ -16,9 +16,10 @@ from typing import Any, TypeAlias
 
 import torch
 
-from .._errors import AllocationError, ConfigError, RuntimeCallError, hugetlb_fix
-from .._units import format_bytes, hugetlb_page_size
+from .._errors import AllocationError, ConfigError, PoolStateError, RuntimeCallError, hugetlb_fix
+from .._units import format_bytes, hugetlb_page_size, shown
 from . import libc as _libc
+from .giveback import checked_range, give_back
 
 _KEPT_FOREVER: list[HostMapping] = []
 _kept_lock = threading.Lock()
@@ -135,6 +136,22 @@ class HostMapping:
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(owned_bytes(self.address + offset, nbytes, self), dtype=torch.uint8)
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Give ``[offset, +nbytes)`` back to the host (``MADV_DONTNEED``), once unpinned: whole pages (hugetlb
+        or transparent huge ones with huge pages); it reads zero after, and can be touched and pinned again."""
+        if self.unmapped:
+            raise PoolStateError("the pool's memory was unmapped: there is nothing left to give back")
+        hugetlb = hugetlb_page_size(self.huge_pages)
+        granule, kind = (
+            (hugetlb, "hugetlb page") if hugetlb else
+            (_libc.HUGE_PAGE_SIZE, "huge page") if self.huge_pages else (_libc.PAGE_SIZE, "page")
+        )  # fmt: skip
+        offset, nbytes = checked_range(
+            offset, nbytes, data_bytes=self.nbytes, length=self.length, granule=granule, granule_kind=kind,
+            what="pool memory",
+        )  # fmt: skip
+        give_back(self.address, offset, nbytes, shared=False, what="pool memory")
 
     def keep_forever(self) -> None:
         """Never unmap: part of this memory may still be registered with the runtime."""
@@ -258,6 +275,15 @@ class TensorMemory:
         """The caller's tensor as it was given (dtype, shape, strides) over the pinned bytes."""
         t = self.tensor
         return torch.empty(0, dtype=t.dtype).set_(self._storage, t.storage_offset(), t.size(), t.stride())
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Refused: the bytes are the caller's, and dropping them would zero the caller's data."""
+        raise ConfigError(
+            f"pin(tensor).give_back(offset={shown(offset)}, nbytes={shown(nbytes)}): the memory is the caller's "
+            "tensor, which pinpool does not own, so it cannot give its pages back to the host (that would zero "
+            "the caller's data); it can still unpin them. Free the tensor yourself once unpinned, or let the pool "
+            "own its memory (PinnedPool, or memory=SharedMemory(...)) to give memory back"
+        )
 
     def keep_forever(self) -> None:
         """Never free: part of this memory may still be registered (the caller's tensor keeps the alias)."""

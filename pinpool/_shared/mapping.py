@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import AllocationError, ConfigError, PoolStateError, RuntimeCallError
 from .._host import libc as _libc
+from .._host.giveback import checked_range, give_back
 from .._units import format_bytes
 from .files import remove_file
 from .format import (
@@ -130,6 +131,46 @@ class SharedMapping:
         buffer = buffer_type.from_address(self.address + offset)
         buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
         return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Give ``[offset, +nbytes)`` of the data back to the host, once unpinned: a hole punched in the file
+        (``MADV_REMOVE``), in whole pages of its file system, so every process's view reads zero after and
+        the file's blocks fall; the trailer is never part of it. It can be touched and pinned again."""
+        if self.unmapped:
+            raise PoolStateError(f"shared memory {self._where} was unmapped here: there is nothing left to give back")
+        kind = "hugetlb page" if self.page_size > _libc.PAGE_SIZE else "page"
+        offset, nbytes = checked_range(
+            offset, nbytes, data_bytes=self.nbytes, length=self.length, granule=self.page_size, granule_kind=kind,
+            what=f"shared memory {self._where}",
+        )  # fmt: skip
+        give_back(self.address, offset, nbytes, shared=True, what=f"shared memory {self._where}")
+
+    def take_back(self, offset: int, nbytes: int) -> None:
+        """Allocate ``[offset, +nbytes)`` of the file again after :meth:`give_back`, before anything touches
+        it: a fault in a hole that a full tmpfs or an empty hugetlb pool cannot fill is a SIGBUS that kills
+        the process; here it is a :class:`ConfigError` and the range stays given back (it reads zero)."""
+        if self.unmapped:
+            raise PoolStateError(f"shared memory {self._where} was unmapped here: there is nothing to take back")
+        kind = "hugetlb page" if self.page_size > _libc.PAGE_SIZE else "page"
+        offset, nbytes = checked_range(
+            offset, nbytes, data_bytes=self.nbytes, length=self.length, granule=self.page_size, granule_kind=kind,
+            what=f"shared memory {self._where}",
+        )  # fmt: skip
+        if nbytes == 0:
+            return
+        try:
+            os.posix_fallocate(self.fd, offset, nbytes)
+        except OSError as exc:
+            hint = (
+                f"free {format_bytes(self.page_size)} hugetlb pages (HugePages_Free in /proc/meminfo)"
+                if self.page_size > _libc.PAGE_SIZE
+                else "room on its file system (df)"
+            )
+            raise ConfigError(
+                f"shared memory {self._where}: taking back [{offset}, +{nbytes}) ({format_bytes(nbytes)}) failed: "
+                f"the file system could not allocate it ({exc.strerror or exc}); it stays given back. It needs "
+                f"{hint}: make room, or grow by less"
+            ) from None
 
     def keep_forever(self) -> None:
         """Never unmap: part of this memory may still be registered (the name still goes at exit)."""
