@@ -526,6 +526,8 @@ class Lifecycle:
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
+            if self.elastic is not None:
+                pinned += sum(segment.ledger.pinned_bytes for _index, segment in self.elastic.live_sessions())
             yield from self._unpin_everything(session, join=False)  # before warning: -W error must not keep it pinned
         finally:
             if mine:

@@ -147,9 +147,11 @@ class PinnedPool:
         self._elastic: Elastic | None = None
         floor = self._plan
         if options.reserve is not None:
+            reservation = pool_reservation(options, self._plan)
+            self._plan = dataclasses.replace(self._plan, reservation=reservation)  # pool.plan shows it
             self._elastic = Elastic(
-                self._plan, pool_reservation(options, self._plan), options, runtime=resolved, caps=self._caps,
-                observer=self._observer, registrars=self._registrars, admission=admission,
+                self._plan, reservation, options, runtime=resolved, caps=self._caps, observer=self._observer,
+                registrars=self._registrars, admission=admission,
             )  # fmt: skip
             floor = self._elastic.segment_plan(0)
         # The lifecycle holds values, never the façade, so an unexited pool is collected (its finalizer runs it).

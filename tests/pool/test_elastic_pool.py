@@ -5,6 +5,7 @@ Real mlock for VmLck and given-back pages; FakeRuntime and FakeRegistrar for fau
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import anyio
@@ -13,6 +14,8 @@ import pytest
 import pinpool
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released, locked_bytes
+
+from .test_open_close import in_forked_child
 
 MiB = 1 << 20
 
@@ -174,3 +177,27 @@ def test_close_from_another_thread_stops_a_grow() -> None:
         pool.grow_sync(pages=8 * MiB)
     closer.join()
     assert_released(pool, fake)
+
+
+def test_the_plan_shows_the_reservation() -> None:
+    pool = elastic(FakeRuntime())
+    reservation = pool.plan.reservation
+    assert reservation is not None and (reservation.num_pages, reservation.floor_pages) == (12 * MiB, 4 * MiB)
+    assert [s.pages for s in reservation.segments] == [range(0, 4 * MiB), *(range(p, p + 2 * MiB) for p in
+                                                       range(4 * MiB, 12 * MiB, 2 * MiB))]  # fmt: skip
+    assert all(c.offset + c.nbytes <= s.slices[0][1] for s in reservation.segments for c in s.chunks)
+    assert pool.num_pages == pool.nbytes == 12 * MiB  # the views describe the whole reservation
+    assert pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None).plan.reservation is None
+
+
+def test_the_finalizer_and_a_forked_child_let_segments_go() -> None:
+    fake = FakeRuntime()
+    pool = elastic(fake, name="elastic-collected")
+    pool.open()
+    pool.grow_sync(pages=4 * MiB)
+    assert in_forked_child(lambda: pool.close()) == "ok"  # the child disowns the parent's sessions
+    assert len(fake.registered) == 8  # the parent's are untouched
+    with pytest.warns(pinpool.UnclosedPoolWarning, match="unpinned its 8 MiB in a finalizer"):
+        del pool  # the finalizer: every segment, then the floor
+        gc.collect()
+    assert fake.registered == {}
