@@ -50,8 +50,8 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"--rows {args.rows}: give a number of chunk table rows >= 0")
         from .. import _probe
         from .._plan.plan import plan_pool
-        from .._plan.reservation import pool_reservation
         from .._plan.preflight import check_engine_pins, check_pinning, place
+        from .._plan.reservation import pool_reservation
         from .._pool.request import pool_request
         from ..runtimes._registry import pinning_capabilities
 
@@ -78,7 +78,8 @@ def run_plan(args: argparse.Namespace) -> int:
     }  # fmt: skip
     report["reservation"] = None if reservation is None else {
         "reserved_pages": reservation.num_pages, "reserved_bytes": reservation.nbytes,
-        "floor_pages": reservation.floor_pages, "step_pages": reservation.step_pages, "quantum_pages": reservation.quantum,
+        "floor_pages": reservation.floor_pages, "step_pages": reservation.step_pages,
+        "quantum_pages": reservation.quantum,
         "segments": [
             {"index": s.index, "pages": [s.pages.start, s.pages.stop], "nbytes": s.nbytes, "chunks": len(s.chunks),
              "floor": s.floor}

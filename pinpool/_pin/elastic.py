@@ -155,6 +155,7 @@ class Elastic:
         ran, error = Ran(), None
         try:
             self._check_memory(plan)
+            self._take_back(memory, index)
             yield from pacing.admit()
             ran = yield RunThreads(
                 bodies=session.worker_bodies(), name=f"pinpool-{self.name}-grow", interruptible=True,
@@ -287,16 +288,29 @@ class Elastic:
         give_back: Callable[[int, int], None] | None = getattr(memory, "give_back", None)
         if give_back is None:
             return False
-        grain = max(self.schedule.page_size, self.schedule.align)
         try:
-            for start, end in self.reservation.segments[index].slices:
-                lo, hi = -(-start // grain) * grain, end // grain * grain  # whole pages inside the slice only
-                if hi > lo:
-                    give_back(lo, hi - lo)
+            for lo, hi in self._whole_pages(index):
+                give_back(lo, hi - lo)
         except Exception as exc:  # still unpinned: counted as unreturned, retried by no one but a regrow
             self.observer.failed_in_background(exc)
             return False
         return True
+
+    def _take_back(self, memory: Memory, index: int) -> None:
+        """A shared region's pages of the segment allocated in its file before they are faulted: a hole punched
+        by a shrink that a full file system cannot fill is a ConfigError here, not a SIGBUS in a pin worker."""
+        take_back: Callable[[int, int], None] | None = getattr(memory, "take_back", None)
+        if take_back is not None:
+            for lo, hi in self._whole_pages(index):
+                take_back(lo, hi - lo)
+
+    def _whole_pages(self, index: int) -> list[tuple[int, int]]:
+        """The segment's slices, each cut to the whole pages inside it (a page shared with a neighbour stays)."""
+        grain = max(self.schedule.page_size, self.schedule.align)
+        cut = [
+            (-(-start // grain) * grain, end // grain * grain) for start, end in self.reservation.segments[index].slices
+        ]
+        return [(lo, hi) for lo, hi in cut if hi > lo]
 
     def _held(self, session: PinSession, count: int) -> bool:
         self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)

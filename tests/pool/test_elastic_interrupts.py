@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
@@ -188,7 +189,7 @@ async def cancel_at_moment(moment: Moment, engines: int, backend: str) -> None:
         fake.armed = False
         if moment.action == "shrink" and cancelled:
             assert pool.pinned_runs == (range(0, 2 * MiB),)  # given up at once: never usable again
-        await anyio.sleep(0)
+        await anyio.lowlevel.checkpoint()
         usable_pages_are_pinned(pool, fake, registrars)
     assert_released(pool, fake, claims_before=claims)
     assert all(engine.registered == {} for engine in registrars)

@@ -9,6 +9,7 @@ import gc
 import threading
 
 import anyio
+import anyio.to_thread
 import pytest
 
 import pinpool
@@ -107,8 +108,7 @@ async def test_cancelling_a_grow_undoes_its_segment() -> None:
                 await pool.grow(pages=8 * MiB)
 
             group.start_soon(grow)
-            while not started.is_set():
-                await anyio.sleep(0.001)
+            assert await anyio.to_thread.run_sync(started.wait, 10)
             group.cancel_scope.cancel()
         assert fake.registered == held and pool.pinned_runs == (range(0, 4 * MiB),)
         assert (await pool.grow(pages=1)).pages == (range(4 * MiB, 6 * MiB),)  # not wedged
@@ -195,9 +195,23 @@ def test_the_finalizer_and_a_forked_child_let_segments_go() -> None:
     pool = elastic(fake, name="elastic-collected")
     pool.open()
     pool.grow_sync(pages=4 * MiB)
-    assert in_forked_child(lambda: pool.close()) == "ok"  # the child disowns the parent's sessions
+    assert in_forked_child(pool.close) == "ok"  # the child disowns the parent's sessions
     assert len(fake.registered) == 8  # the parent's are untouched
     with pytest.warns(pinpool.UnclosedPoolWarning, match="unpinned its 8 MiB in a finalizer"):
         del pool  # the finalizer: every segment, then the floor
         gc.collect()
     assert fake.registered == {}
+
+
+def test_a_shared_pool_grows_shrinks_and_grows_again() -> None:
+    before = locked_bytes()
+    region = pinpool.SharedMemory()  # a memfd
+    with elastic("mlock", memory=region) as pool:
+        pool.grow_sync(pages=2 * MiB)
+        pool.tensor[4 * MiB : 6 * MiB].fill_(3)
+        pool.shrink_sync(to_pages=4 * MiB)  # a hole punched in the file: every attacher reads zero there
+        assert locked_bytes() - before == 4 * MiB
+        assert int(pool.tensor[4 * MiB : 6 * MiB].count_nonzero()) == 0
+        pool.grow_sync(pages=2 * MiB)  # the hole is allocated again before it is faulted
+        assert locked_bytes() - before == 6 * MiB
+    assert locked_bytes() == before
