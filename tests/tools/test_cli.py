@@ -1313,5 +1313,3 @@ def test_plan_shows_an_elastic_pools_reservation() -> None:
     assert (reservation["reserved_pages"], reservation["floor_pages"], len(reservation["segments"])) == (
         12 * MiB, 4 * MiB, 5,
     )  # fmt: skip
-    text = run_cli("plan", "--size", "4MiB", "--reserve", "12MiB", "--runtime", "mlock")
-    assert "elastic:   reserves" in text.stdout, text.stdout
