@@ -51,6 +51,7 @@ def run_plan(args: argparse.Namespace) -> int:
         from .. import _probe
         from .._plan.plan import plan_pool
         from .._plan.preflight import check_engine_pins, check_pinning, place
+        from .._plan.reservation import pool_reservation
         from .._pool.request import pool_request
         from ..runtimes._registry import pinning_capabilities
 
@@ -59,9 +60,11 @@ def run_plan(args: argparse.Namespace) -> int:
         options, pacing = request.options, request.pacing
         runtime, caps, available = plan_runtime(args.runtime)
         host = _probe.probe_host()
-        placement = place(options, host)
+        whole = options if options.reserve is None else options.reservation()  # elastic: the reservation
+        placement = place(whole, host)
         transfers = [registrar_spec(spec) for spec in args.registrar]
-        plan = plan_pool(options, host, caps, placement=placement, transfers=transfers)
+        plan = plan_pool(whole, host, caps, placement=placement, transfers=transfers)
+        reservation = None if options.reserve is None else pool_reservation(options, plan)
     report = plan_report(plan, pool=options.name, layout=options.layout.name, size=options.size, runtime=runtime,
                          available=available, rows=args.rows)  # fmt: skip
     as_given = ("background", "max_call_seconds", "pin_nice", "per_buffer", "min_chunk_bytes", "max_retries")
@@ -73,11 +76,24 @@ def run_plan(args: argparse.Namespace) -> int:
             "slots": pacing.slots, "budget_bytes": pacing.budget_bytes, "dir": pacing.directory, "wait": pacing.wait,
         },
     }  # fmt: skip
+    report["reservation"] = None if reservation is None else {
+        "reserved_pages": reservation.num_pages, "reserved_bytes": reservation.nbytes,
+        "floor_pages": reservation.floor_pages, "step_pages": reservation.step_pages,
+        "quantum_pages": reservation.quantum,
+        "segments": [
+            {"index": s.index, "pages": [s.pages.start, s.pages.stop], "nbytes": s.nbytes, "chunks": len(s.chunks),
+             "floor": s.floor}
+            for s in reservation.segments
+        ],
+    }  # fmt: skip
     # The plan holds for any host; whether this host would pass its pre-flight is reported, not raised.
     try:
         charged = None if args.runtime == "fake" else pinning_capabilities(args.runtime, host)
-        buffers = [spec.nbytes for spec in placement.specs]
-        check_pinning(options, host, charged, mapping_bytes=placement.mapping_bytes, buffer_bytes=buffers)
+        buffers, mapped = [spec.nbytes for spec in placement.specs], placement.mapping_bytes
+        if reservation is not None:  # entry pins the floor; the rest is only reserved
+            floor = reservation.segments[0]
+            buffers, mapped = [end - start for start, end in floor.slices], floor.nbytes
+        check_pinning(options, host, charged, mapping_bytes=mapped, buffer_bytes=buffers)
         check_engine_pins([(t.name, t.limits.pins_pages) for t in plan.transfers], plan.nbytes, host)
         report["preflight_error"] = None
     except ConfigError as exc:

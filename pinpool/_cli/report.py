@@ -155,6 +155,13 @@ def plan_text(r: dict[str, Any]) -> list[str]:
         )
     if (pinning := r.get("pinning")) is not None:
         details.append(f"pinning:   {_pinning_text(pinning)}")
+    if (elastic := r.get("reservation")) is not None:
+        segments = elastic["segments"]
+        details.append(
+            f"elastic:   reserves {elastic['reserved_pages']} pages ({format_bytes(elastic['reserved_bytes'])}), entry "
+            f"pins the floor, pages [0, {elastic['floor_pages']}); above it {len(segments) - 1} segment(s) of "
+            f"<= {elastic['step_pages']} pages grow and shrink whole (multiples of {elastic['quantum_pages']} pages)"
+        )
     error = r.get("preflight_error")
     details.append(f"here:      pinning it on this host would fail: {error}" if error else
                    "here:      this host passes the pool's pre-flight (memory, memlock)")  # fmt: skip

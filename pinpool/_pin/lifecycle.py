@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .._types import Capabilities
     from ..registrars import TransferRegistrar
     from ..runtimes import Runtime
+    from .elastic import Elastic
     from .memory_source import PoolMemory
 
 ProgressCallback = Callable[[int, int, int, int], object]
@@ -61,9 +62,11 @@ class Lifecycle:
         self, plan: Schedule, options: PoolOptions, *, runtime: Runtime, caps: Capabilities, observer: Observer,
         source: PoolMemory, admission: NodeAdmission | None = None, on_progress: ProgressCallback | None = None,
         created_at: tuple[str, int] = ("<unknown>", 0), registrars: Sequence[TransferRegistrar] = (),
+        elastic: Elastic | None = None,
     ) -> None:  # fmt: skip
         self.plan, self.options, self.runtime, self.caps = plan, options, runtime, caps
         self.registrars = registrars
+        self.elastic = elastic  # an elastic pool's segments above the floor (``plan``): torn down before it
         self.observer, self.source, self.on_progress = observer, source, on_progress
         self.name, self.nbytes, self.background = options.name, plan.nbytes, options.background
         self.describe = (
@@ -287,7 +290,7 @@ class Lifecycle:
                     self.error = error  # before the state says FAILED: a waiter reads the state, then the error
                     self._move(PoolState.FAILED)
             if mine:
-                yield from self._unpin_all(session)
+                yield from self._unpin_everything(session)
             elif error is not None:
                 self.observer.failed_in_background(error)
         finally:
@@ -352,7 +355,7 @@ class Lifecycle:
             if self.background:
                 interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
             failed = self.take_error(unseen=True) if self.state is PoolState.FAILED else None
-            unpinned, more = yield from self._unpin_all(session)
+            unpinned, more = yield from self._unpin_everything(session)
             interrupts += more
             return deliver_exit(body_error, failed, unpinned, interrupts, raise_errors)
         finally:
@@ -369,6 +372,8 @@ class Lifecycle:
         if session is not None:
             session.ledger.stop_cause = session.ledger.stop_cause or StopCause.EXIT
         self.memory = self.tensors = None
+        if self.elastic is not None:
+            self.elastic.let_go_in_child()
         self.source.release()
         if self.state is not PoolState.CLOSED:
             check_move(self.state, PoolState.CLOSED)  # as _move does, without its lock
@@ -385,7 +390,11 @@ class Lifecycle:
 
     @property
     def pinned_pages(self) -> int:
-        """Pages ``[0, k)`` pinned now in every buffer."""
+        """Pages ``[0, k)`` pinned now in every buffer (an elastic pool: usable, the floor then its segments)."""
+        floor = self._floor_pages()
+        return floor if self.elastic is None else self.elastic.pinned_pages(floor)
+
+    def _floor_pages(self) -> int:
         state = self.state
         if state is PoolState.READY:
             return self.plan.num_pages
@@ -399,7 +408,7 @@ class Lifecycle:
         """Whether the pool is ready (``pages`` None) or has its first ``pages`` pinned; raises if it never will."""
         state = self.state
         if state is PoolState.READY:
-            return True
+            return pages is None or self.elastic is None or self.pinned_pages >= pages
         if state is PoolState.PINNING:
             return pages is not None and self.pinned_pages >= pages
         error = self.take_error() if state is PoolState.FAILED else None
@@ -408,6 +417,19 @@ class Lifecycle:
         if state is PoolState.NEW:
             raise PoolStateError(f"pool {self.name!r} is new: enter it (async with / with) before waiting for it")
         raise PoolStateError(f"pool {self.name!r} is {state.value}: it was exited before it was ready")
+
+    def _unpin_everything(
+        self, session: PinSession, *, join: bool = True
+    ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
+        """An elastic pool's segments (highest first), then the floor's session: :meth:`_unpin_all`."""
+        if self.elastic is None:
+            return (yield from self._unpin_all(session, join=join))
+        segments, interrupts = yield from self.elastic.teardown(join=join)
+        unpinned, more = yield from self._unpin_all(session, join=join)
+        if unpinned is None or segments is None:
+            return unpinned or segments, interrupts + more
+        unpinned.add_note(f"pinpool: {segments}")
+        return unpinned, interrupts + more
 
     def _unpin_all(
         self, session: PinSession, *, join: bool = True
@@ -443,7 +465,7 @@ class Lifecycle:
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books and let the memory go, unless a chunk leaked; the UnpinError of a handed-out pool."""
         memory, handed_out = self.memory, self._handed_out
-        leaked = session.leaked()
+        leaked = session.leaked() + (self.elastic.leaked_chunks if self.elastic is not None else ())
         if memory is not None:  # None: a first try got this far (each step below may be taken twice)
             self.observer.unpinned(
                 nbytes=self.nbytes, seconds=session.unpin_seconds, failures=len(failures),
@@ -504,7 +526,9 @@ class Lifecycle:
             session.stop(StopCause.COLLECTED)
             session.wait_idle()  # a driver that died mid-pin may have left workers finishing a call
             pinned = session.ledger.pinned_bytes
-            yield from self._unpin_all(session, join=False)  # before warning: -W error must not keep it pinned
+            if self.elastic is not None:
+                pinned += sum(segment.ledger.pinned_bytes for _index, segment in self.elastic.live_sessions())
+            yield from self._unpin_everything(session, join=False)  # before warning: -W error must not keep it pinned
         finally:
             if mine:
                 self._driven = False

@@ -90,9 +90,11 @@ class PoolMemory:
 
     def __init__(
         self, plan: Schedule, options: PoolOptions, runtime: Runtime, caps: Capabilities, *,
-        shared: SharedMemory | None, tensor: torch.Tensor | None,
+        shared: SharedMemory | None, tensor: torch.Tensor | None, pinned_first: Schedule | None = None,
     ) -> None:  # fmt: skip
         self._plan, self._options, self._runtime, self._caps = plan, options, runtime, caps
+        # What entry pins: an elastic pool's floor (the rest of the mapping is only reserved), else the plan.
+        self._pinned_first = pinned_first
         self._shared = shared
         self._record = layout_record(options.layout, plan.num_pages) if shared is not None else {}
         self._own = tensor is None
@@ -103,11 +105,17 @@ class PoolMemory:
         # Figures read right before mapping; pages a shared file already holds are no new memory.
         new_bytes = None if shared is None else shared.new_bytes(plan.mapping_bytes)
         host = _probe.probe_host()
-        check_pinning(
-            self._options, host, self._caps, mapping_bytes=plan.mapping_bytes,
-            buffer_bytes=[b.spec.nbytes for b in plan.buffers], new_memory=self._own, new_bytes=new_bytes,
+        first = self._pinned_first
+        mapping_bytes, buffer_bytes = (
+            (plan.mapping_bytes, [b.spec.nbytes for b in plan.buffers]) if first is None
+            else (first.nbytes, [run.end - run.start for run in first.page_runs])
         )  # fmt: skip
-        check_engine_pins([(t.name, t.limits.pins_pages) for t in plan.transfers], plan.nbytes, host)
+        check_pinning(
+            self._options, host, self._caps, mapping_bytes=mapping_bytes, buffer_bytes=buffer_bytes,
+            new_memory=self._own, new_bytes=None if new_bytes is None else min(new_bytes, mapping_bytes),
+        )  # fmt: skip
+        pinned = plan.nbytes if first is None else first.nbytes
+        check_engine_pins([(t.name, t.limits.pins_pages) for t in plan.transfers], pinned, host)
         memory: HostMapping | TensorMemory | SharedMapping
         if shared is not None:
             memory = shared.open_mapping(plan.mapping_bytes, self._record)

@@ -111,6 +111,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_pages", "int | None", None,
         "instead of size: exactly this many layout pages (paired pools, e.g. MLA and its Indexer, get the same count)",
         flag=Flag("--num-pages", "int", "N"), pin=False, no_pin=_TENSOR),
+    Option("reserve", "int | str | None", None,
+        "an elastic pool: the largest size it may grow to, mapped once (size= is then its floor, pinned at entry "
+        "until exit); pool.grow() pins more of it and pool.shrink() gives pages back (None: a fixed pool)",
+        flag=Flag("--reserve", "size", "SIZE"), pin=False, no_pin="a caller's tensor cannot grow"),
+    Option("grow_step", "int | str", "1GiB",
+        "an elastic pool's segment: the unit it grows and shrinks by, rounded up to whole chunks of every buffer",
+        flag=Flag("--grow-step", "size", "SIZE"), pin=False, no_pin="a caller's tensor cannot grow"),
     Option("memory", "SharedMemory | None", None,
         "where the memory comes from: None maps private anonymous memory; a pinpool.SharedMemory maps a shared file",
         no_flag="Python-only: a SharedMemory object", pin=False, no_pin="the tensor is the memory", home=REQUEST),

@@ -3,6 +3,7 @@ field once, every failure a :class:`ConfigError` naming the value and the fix.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Collection
@@ -86,6 +87,8 @@ class PoolOptions:
     background: bool = False
     retry_codes: frozenset[int] | None = None
     budget_yields_to: str | None = None
+    reserve: int | None = None  # an elastic pool's reservation in bytes (size= is its floor); None: fixed
+    grow_step: int = 1 << 30
     buffers: tuple[BufferSpec, ...] = field(init=False, repr=False, compare=False)
     spelled: InitVar[object] = None  # size= as create was given it ("1KiB"), for messages
 
@@ -107,6 +110,7 @@ class PoolOptions:
             "chunk_limit": exact or bound or (size if per_buffer else chunk_limit_from_env()),
             "per_buffer": per_buffer, "min_chunk_bytes": _bytes(o["min_chunk_bytes"], "min_chunk_bytes"),
             "max_call_seconds": stall, "budget_yields_to": yields_to, "pin_nice": _pin_nice(o["pin_nice"], background),
+            "reserve": _bytes(o["reserve"], "reserve"), "grow_step": _bytes(o["grow_step"], "grow_step"),
         }, spelled=o["size"])  # fmt: skip
 
     def __post_init__(self, spelled: object) -> None:
@@ -128,6 +132,7 @@ class PoolOptions:
         for option in ("size", "max_chunk_bytes", "chunk_bytes"):
             _check_bytes(getattr(self, option), option)
         self._check_chunk_options()
+        self._check_reserve()
         object.__setattr__(self, "buffers", self._fits_a_page(self.size if spelled is None else spelled))
         self._check_stall_budget()
         _check_bytes(self.min_chunk_bytes, "min_chunk_bytes")
@@ -165,6 +170,38 @@ class PoolOptions:
         limit = self.chunk_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0:
             raise ConfigError(f"chunk_limit={limit!r} must be a positive int number of bytes")
+
+    def _check_reserve(self) -> None:
+        _check_bytes(self.grow_step, "grow_step")
+        reserve = self.reserve
+        if reserve is None:
+            return
+        _check_bytes(reserve, "reserve")
+        if reserve <= self.size:
+            raise ConfigError(
+                f"reserve={shown(reserve)} ({format_bytes(reserve)}) is not more than size={shown(self.size)} "
+                f"({format_bytes(self.size)}): reserve= is the most an elastic pool may grow to and size= what it "
+                "pins at entry; give reserve= > size=, or reserve=None for a fixed pool"
+            )
+        if self.per_buffer:
+            raise ConfigError(
+                f'reserve={shown(reserve)} with chunk_bytes="{PER_BUFFER}": an elastic pool pins and gives back whole '
+                "chunks of some pages, and one registration per buffer is never cut; drop one of them"
+            )
+
+    def reservation(self) -> PoolOptions:
+        """These options sized at the whole reservation (what is mapped and planned), as a fixed pool's."""
+        assert self.reserve is not None
+        return dataclasses.replace(self, size=self.reserve, num_pages=None, reserve=None)
+
+    def growing(self) -> PoolOptions:
+        """The options a grow's sessions pin with: a background pool's stall budget and priority ("auto")."""
+        stall, yields_to = self.max_call_seconds, self.budget_yields_to
+        if stall is None:
+            stall, yields_to = _stall_budget("auto", True, self.chunk_bytes, self.max_chunk_bytes)
+        nice = self.pin_nice or BACKGROUND_PIN_NICE
+        return dataclasses.replace(self, background=True, max_call_seconds=stall, budget_yields_to=yields_to,
+                                   pin_nice=nice)  # fmt: skip
 
     def _fits_a_page(self, given: object) -> tuple[BufferSpec, ...]:  # one page, one copy page of each buffer
         layout, budget = self.layout, self.size

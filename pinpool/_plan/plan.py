@@ -28,6 +28,7 @@ from .transfers import TransferPlan, bound_by_registrars, plan_transfer
 if TYPE_CHECKING:
     from .facts import HostFacts
     from .options import PoolOptions
+    from .reservation import Reservation
 
 
 def plan_chunks(
@@ -200,6 +201,8 @@ class PoolPlan:
     unpin_workers: int
     threads: int  # worker threads pinning starts (each takes either role; with registrars, theirs too)
     transfers: tuple[TransferPlan, ...] = field(default=(), kw_only=True)  # each registrar's registrations
+    # An elastic pool's (reserve=): the floor and segments the pages above it grow and shrink in; None: fixed.
+    reservation: Reservation | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .._errors import ConfigError
 from .._units import format_bytes
 from .chunks import ChunkTable, Order, SpanTable
+from .options import PoolOptions
 from .plan import LOOKAHEAD_CHUNKS, MAX_TRANSFER_WORKERS, Schedule, plan_chunks
 from .prefix import PageRun, pin_order
 from .transfers import plan_transfer
@@ -221,4 +222,16 @@ def segment_schedule(schedule: Schedule, reservation: Reservation, index: int) -
         lookahead_bytes=max(2 * chunk_bytes, populate_workers * min(span_bytes, chunk_bytes * LOOKAHEAD_CHUNKS)),
         registrations_reason=f"{len(chunks)} registrations: pages [{segment.pages.start}, {segment.pages.stop}) "
         f"of the reservation, each run's slice chunked within {format_bytes(schedule.chunk_limit)}",
+    )  # fmt: skip
+
+
+def pool_reservation(options: PoolOptions, schedule: Schedule) -> Reservation:
+    """The reservation of an elastic pool whose ``schedule`` was planned from ``options.reservation()``: size=
+    (or num_pages=) is the floor, grow_step= the segments."""
+    page_bytes = options.layout.page_bytes
+    floor = options.num_pages if options.num_pages is not None else options.size // page_bytes
+    step = max(1, options.grow_step // page_bytes)
+    return plan_reservation(
+        reservation_grids(schedule), schedule.num_pages, floor_pages=floor, step_pages=step,
+        chunk_limit=schedule.chunk_limit,
     )  # fmt: skip

@@ -20,6 +20,8 @@ from .._errors import ConfigError, PoolStateError
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._pin.drivers import drive_async, drive_sync, finalize_lifecycle
+from .._pin.elastic import Elastic, Grown, Shrunk
+from .._pin.engine import Memory, PinSession
 from .._pin.lifecycle import Lifecycle
 from .._pin.memory_source import PoolMemory, TensorLayout
 from .._pin.outcome import PoolState, caller_outside_pinpool
@@ -27,6 +29,7 @@ from .._plan.chunks import Chunk
 from .._plan.declared import keyword_signature, pool_options
 from .._plan.plan import PoolPlan, plan_pool
 from .._plan.preflight import place
+from .._plan.reservation import pool_reservation
 from .._plan.transfers import split_at_registrations
 from .._units import format_bytes, parse_size
 from ..layouts._spec import Layout
@@ -63,6 +66,10 @@ def _without_holes(start: int, end: int, holes: Sequence[tuple[int, int]]) -> li
     if start < end:
         parts.append((start, end - start))
     return parts
+
+
+def _runs_text(runs: Sequence[range]) -> str:
+    return ", ".join(f"[{r.start}, {r.stop})" for r in runs) or "none"
 
 
 class PinnedPool:
@@ -115,7 +122,9 @@ class PinnedPool:
         if memory is not None:
             # Chunk boundaries on the file's pages (hugetlbfs: huge pages, which mlock cannot split).
             host = dataclasses.replace(host, page_size=memory.page_size)
-        placement = place(options, host)
+        # An elastic pool maps and plans its whole reservation; entry pins its floor (segment 0).
+        whole = options if options.reserve is None else options.reservation()
+        placement = place(whole, host)
         resolved = resolve_runtime(request.runtime)
         # Own memory is page-aligned; a caller's tensor starts where it starts (at its first range with ranges).
         ranges = None if source is None else cast(TensorLayout, options.layout).ranges
@@ -124,7 +133,7 @@ class PinnedPool:
         self._caps = capabilities_of(resolved)  # declared once; the plan, the claim and the session read it
         self._registrars = tuple(request.registrars or ())
         self._plan = plan_pool(
-            options, host, self._caps, source_start=start % host.page_size, placement=placement, ranges=ranges,
+            whole, host, self._caps, source_start=start % host.page_size, placement=placement, ranges=ranges,
             transfers=[(registrar.name, limits_of(registrar)) for registrar in self._registrars],
         )  # fmt: skip
         self._observer = Observer(
@@ -135,12 +144,25 @@ class PinnedPool:
         if request.pacing is not None:
             admission = NodeAdmission(request.pacing, label=options.name, on_waiting=self._observer.node_waiting)
             admission.check_request(self.nbytes)
+        self._elastic: Elastic | None = None
+        floor = self._plan
+        if options.reserve is not None:
+            reservation = pool_reservation(options, self._plan)
+            self._plan = dataclasses.replace(self._plan, reservation=reservation)  # pool.plan shows it
+            self._elastic = Elastic(
+                self._plan, reservation, options, runtime=resolved, caps=self._caps, observer=self._observer,
+                registrars=self._registrars, admission=admission,
+            )  # fmt: skip
+            floor = self._elastic.segment_plan(0)
         # The lifecycle holds values, never the façade, so an unexited pool is collected (its finalizer runs it).
-        pool_memory = PoolMemory(self._plan, options, resolved, self._caps, shared=memory, tensor=source)
+        pool_memory = PoolMemory(
+            self._plan, options, resolved, self._caps, shared=memory, tensor=source,
+            pinned_first=None if self._elastic is None else floor,
+        )  # fmt: skip
         self._lifecycle = Lifecycle(
-            self._plan, options, runtime=resolved, caps=self._caps, observer=self._observer, source=pool_memory,
+            floor, options, runtime=resolved, caps=self._caps, observer=self._observer, source=pool_memory,
             admission=admission, on_progress=request.on_progress, created_at=caller_outside_pinpool(),
-            registrars=self._registrars,
+            registrars=self._registrars, elastic=self._elastic,
         )  # fmt: skip
         self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
 
@@ -261,15 +283,19 @@ class PinnedPool:
     def pinned_bytes(self) -> int:
         """Bytes pinned right now (moving within a chunk under lock-on-fault); 0 before entry and
         after exit; after a background failure, what stays pinned until exit (docs/serving.md)."""
+        return sum(session.ledger.pinned_bytes for session in self._sessions())
+
+    def _sessions(self) -> list[PinSession]:
+        """Every live session: the floor's (the whole pool's when fixed), then each segment's."""
         session = self._lifecycle.session
-        return 0 if session is None else session.ledger.pinned_bytes
+        floor = [] if session is None else [session]
+        return floor + ([] if self._elastic is None else [s for _i, s in self._elastic.live_sessions()])
 
     @property
     def registrations(self) -> tuple[Chunk, ...]:
         """What the runtime holds now, one :class:`pinpool.Chunk` per live registration call (offsets from
         ``pool.data_ptr``, sorted), from any thread (docs/concepts.md, "Chunks and registrations")."""
-        session = self._lifecycle.session
-        return () if session is None else session.registrations()
+        return tuple(sorted((c for s in self._sessions() for c in s.registrations()), key=lambda c: c.offset))
 
     @property
     def stats(self) -> PoolStats:
@@ -305,10 +331,13 @@ class PinnedPool:
         if session is None or session.transfers is None or memory is None:
             return ()
         name = self._registrars[index].name
-        return tuple(
+        held = [
             TransferRegistration(name, run.offset, run.nbytes, memory.address + run.offset, handle)
             for run, handle in session.transfers.live(index)
-        )
+        ]
+        if self._elastic is not None:
+            held += self._elastic.transfer_registrations(index, name, memory.address)
+        return tuple(sorted(held, key=lambda r: r.offset))
 
     def transfer_pieces(
         self, registrar: TransferRegistrar | str, *, pages: range | None = None, offset: int | None = None,
@@ -322,6 +351,10 @@ class PinnedPool:
         spans = self._transfer_spans(pages, offset, nbytes)
         session, memory = self._lifecycle.session, self._lifecycle.memory
         assert session is not None and session.transfers is not None and memory is not None
+        if self._elastic is not None:
+            what = f"pool {self.state.value}, pages {_runs_text(self.pinned_runs)} usable"
+            name = self._registrars[index].name
+            return self._elastic.transfer_pieces(index, name, spans, session, memory.address, what)
         plan, name = self._plan.transfers[index], self._registrars[index].name
         cut = [piece for start, length in spans for piece in split_at_registrations(plan, start, length)]
         held = session.transfers.held(index, {r for _offset, _nbytes, r in cut})
@@ -366,6 +399,78 @@ class PinnedPool:
             start = run.start + pages.start * run.page_bytes
             spans.extend(_without_holes(start, start + len(pages) * run.page_bytes, run.holes))
         return spans
+
+    # -- an elastic pool (reserve=): grow and shrink -------------------------------------------
+
+    @property
+    def reserved_pages(self) -> int:
+        """The pages the pool may hold pinned at most: the reservation (``num_pages``; a fixed pool: all)."""
+        return self.num_pages
+
+    @property
+    def pinned_runs(self) -> tuple[range, ...]:
+        """The page ranges usable now, sorted and merged: a fixed pool's ``[0, pinned_pages)``; an elastic
+        pool's floor (as far as it is pinned) and every segment grown and not given up."""
+        floor = self._lifecycle.pinned_pages if self._elastic is None else self._floor_usable()
+        if self._elastic is None:
+            return (range(0, floor),) if floor else ()
+        return self._elastic.usable_runs(floor)
+
+    def _floor_usable(self) -> int:
+        return self._lifecycle._floor_pages()
+
+    def _resizing(self, what: str) -> tuple[Elastic, Memory]:
+        elastic, lifecycle = self._elastic, self._lifecycle
+        if elastic is None:
+            raise ConfigError(
+                f"pool {self.name!r}.{what}: a fixed pool (reserve=None) neither grows nor shrinks; create it with "
+                "reserve= (the most it may grow to) and size= (what it pins at entry)"
+            )
+        memory = lifecycle.memory
+        if lifecycle.state not in (PoolState.READY, PoolState.PINNING) or memory is None:
+            raise PoolStateError(
+                f"pool {self.name!r}.{what}: the pool is {lifecycle.state.value}; a pool grows and shrinks only "
+                "while it is open (inside async with / with, after open())"
+            )
+        return elastic, memory
+
+    def _grow_pages(self, pages: int | None, nbytes: int | str | None) -> int:
+        if (pages is None) == (nbytes is None):
+            raise ConfigError("grow(): give pages=N (layout pages) or nbytes= (a size), one of them")
+        if nbytes is None:
+            return cast(int, pages)
+        size = parse_size(nbytes, what="nbytes")
+        return max(1, -(-size // self._plan.page_bytes))
+
+    async def grow(self, *, pages: int | None = None, nbytes: int | str | None = None) -> Grown:
+        """Pin at least ``pages`` more pages (or ``nbytes``): the lowest free segments, whole, each usable (in
+        ``pinned_runs``) once pinned. Cancellable; a failure or cancellation undoes the segment in flight and
+        raises (segments pinned before stay). :class:`PoolStateError` beyond the reservation or while a grow runs."""
+        elastic, memory = self._resizing("grow()")
+        count = self._grow_pages(pages, nbytes)
+        grown: Grown = await drive_async(elastic.grow(memory, count))
+        return grown
+
+    def grow_sync(self, *, pages: int | None = None, nbytes: int | str | None = None) -> Grown:
+        """:meth:`grow` for synchronous code (Ctrl-C undoes the segment in flight)."""
+        elastic, memory = self._resizing("grow_sync()")
+        grown: Grown = drive_sync(elastic.grow(memory, self._grow_pages(pages, nbytes)))
+        return grown
+
+    async def shrink(self, *, pages: Sequence[range] | None = None, to_pages: int | None = None) -> Shrunk:
+        """Give up pages the caller no longer uses: ``to_pages=k`` (every page from ``k`` on) or ``pages=``
+        (ranges its allocator freed). Segments named whole are unpinned and their pages given back to the host
+        (they read zero after); the other named pages stay usable (``kept``). Anything not usable now (the floor,
+        a growing segment, pages never grown) is refused with a typed error, and nothing changes."""
+        elastic, memory = self._resizing("shrink()")
+        shrunk: Shrunk = await drive_async(elastic.shrink(memory, pages=pages, to_pages=to_pages))
+        return shrunk
+
+    def shrink_sync(self, *, pages: Sequence[range] | None = None, to_pages: int | None = None) -> Shrunk:
+        """:meth:`shrink` for synchronous code."""
+        elastic, memory = self._resizing("shrink_sync()")
+        shrunk: Shrunk = drive_sync(elastic.shrink(memory, pages=pages, to_pages=to_pages))
+        return shrunk
 
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 

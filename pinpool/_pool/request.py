@@ -113,6 +113,8 @@ class PoolArguments(_PinningArguments, total=False):
     layout: Layout | None
     size: int | str | None
     num_pages: int | None
+    reserve: int | str | None
+    grow_step: int | str
     memory: SharedMemory | None
     huge_pages: bool | str
     numa_node: int | None

@@ -63,7 +63,7 @@ def test_pin_signature_is_the_declaration() -> None:
 def test_pin_takes_every_pool_option_the_tensor_does_not_decide() -> None:
     """What pin() leaves out, each with its reason; the rest it takes with PinnedPool's default."""
     left_out = {o.name: o.no_pin for o in OPTIONS if o.pool and not o.pin}
-    assert set(left_out) == {"layout", "size", "num_pages", "memory", "huge_pages", "numa_node"}
+    assert set(left_out) == {"layout", "size", "num_pages", "memory", "huge_pages", "numa_node", "reserve", "grow_step"}
     assert all(left_out.values())
     same_default = {o.name for o in OPTIONS if o.pool and o.pin and o.default_for_pin == o.default}
     assert {o.name for o in OPTIONS if o.pool and o.pin} - same_default == {"name"}  # "tensor"
@@ -176,7 +176,8 @@ def test_pin_and_plan_take_every_option_that_is_not_python_only() -> None:
     assert {o.name for o in OPTIONS} - on_the_command_line == {o.name for o in OPTIONS if o.no_flag}
     assert declared_flags("pin") == declared_flags("plan")
     assert declared_flags("doctor") == {"--size"}
-    assert len(on_the_command_line) == 23  # 11 before: size, layout, runtime, chunk_bytes, populate, 3 workers, ...
+    # 23, then reserve and grow_step; 11 before: size, layout, runtime, chunk_bytes, populate, 3 workers, ...
+    assert len(on_the_command_line) == 25
 
 
 EVERY_FLAG = [

@@ -688,7 +688,7 @@ def test_options_create_parses_and_the_constructor_validates(monkeypatch: pytest
 PLAN_ATTRIBUTES = (
     "nbytes", "num_pages", "page_bytes", "chunks", "chunk_bytes", "chunk_limit", "granularity", "order",
     "populate", "huge_pages", "numa_node", "register_workers", "populate_workers", "unpin_workers", "threads",
-    "transfers",
+    "transfers", "reservation",
 )  # fmt: skip
 
 

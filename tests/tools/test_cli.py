@@ -1304,3 +1304,12 @@ def test_doctor_on_this_host() -> None:
         r"\n  skip  cuda +not probed \(--no-cuda\)", text.stdout
     )
     assert re.search(r"\n  skip  engines +not probed \(--no-engines\)", text.stdout)
+
+
+def test_plan_shows_an_elastic_pools_reservation() -> None:
+    out = run_cli("plan", "--size", "4MiB", "--reserve", "12MiB", "--grow-step", "2MiB", "--runtime", "mlock", "--json")
+    assert out.returncode == 0, out.stderr
+    reservation = json.loads(out.stdout)["reservation"]
+    assert (reservation["reserved_pages"], reservation["floor_pages"], len(reservation["segments"])) == (
+        12 * MiB, 4 * MiB, 5,
+    )  # fmt: skip

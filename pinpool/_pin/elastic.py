@@ -1,0 +1,417 @@
+"""An elastic pool's grows and shrinks (docs/elastic-design.md): each segment above the floor is pinned by one
+unchanged :class:`PinSession` and released by that session's teardown, then its pages go back to the host.
+The rules are the pure :class:`SegmentBook`'s; this module makes the sessions and yields the steps a driver
+runs, as the lifecycle does (it imports no driver). Every book change is made under ``_lock``."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .. import _probe
+from .._errors import ConfigError, PoolStateError, UnpinError
+from .._node.pacing import NodeAdmission
+from .._observe import Observer
+from .._plan.chunks import Chunk
+from .._plan.options import PoolOptions
+from .._plan.plan import Schedule
+from .._plan.preflight import check_pinning
+from .._plan.reservation import Reservation, segment_schedule
+from .._plan.segment_book import SegmentBook, SegmentState, Shrink, merged
+from .._plan.transfers import split_at_registrations
+from .._units import format_bytes
+from ..registrars import TransferPiece, TransferRegistration
+from .engine import Memory, PinSession
+from .gates import PoolAdmission
+from .ledger import Phase, StopCause
+from .outcome import Ran, RunThreads, Steps, pin_error, unpin_error
+
+if TYPE_CHECKING:
+    from .._types import Capabilities
+    from ..registrars import TransferRegistrar
+    from ..runtimes import Runtime
+
+TEARDOWN_TRIES = 3  # as the lifecycle's: a teardown something raised in resumes at once this often
+ABANDON_AFTER_CTRL_C = 3
+
+
+@dataclass(frozen=True)
+class Grown:
+    """What ``pool.grow()`` pinned: the page ranges now usable that it added."""
+
+    pages: tuple[range, ...]
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(r) for r in self.pages)
+
+
+@dataclass(frozen=True)
+class Shrunk:
+    """What ``pool.shrink()`` did: ``released`` (pages unpinned and given back), ``kept`` (named pages of
+    segments not named whole: still usable), ``unreturned`` (released pages whose give-back failed)."""
+
+    released: tuple[range, ...]
+    kept: tuple[range, ...]
+    unreturned: tuple[range, ...] = ()
+
+
+class Elastic:
+    """The segments of one elastic pool: the book, each live segment's session, the grow under way."""
+
+    def __init__(
+        self, schedule: Schedule, reservation: Reservation, options: PoolOptions, *, runtime: Runtime,
+        caps: Capabilities, observer: Observer, registrars: tuple[TransferRegistrar, ...] = (),
+        admission: NodeAdmission | None = None,
+    ) -> None:  # fmt: skip
+        self.schedule, self.reservation = schedule, reservation
+        self.options, self.grow_options = options, options.growing()
+        self.runtime, self.caps, self.observer, self.registrars = runtime, caps, observer, registrars
+        self.admission = admission
+        self.name = options.name
+        self.book = SegmentBook(reservation)
+        self.sessions: dict[int, PinSession] = {}
+        self._schedules: dict[int, Schedule] = {}
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0  # grows and shrinks under way: a pool's teardown waits for them
+        self._closing = False  # the pool exits: no new grow or shrink
+        # The grow's segment in flight while it pins (a closer may take it over: stop it and roll it back itself).
+        self._pinning: tuple[int, PinSession, PoolAdmission] | None = None
+        self._pacings: dict[int, PoolAdmission] = {}  # each live segment's node budget share
+        self._taken = False  # the closer took the grow's segment over: its driver only raises
+        self.leaked_chunks: tuple[Chunk, ...] = ()
+
+    def segment_plan(self, index: int) -> Schedule:
+        with self._lock:
+            plan = self._schedules.get(index)
+            if plan is None:
+                plan = self._schedules[index] = segment_schedule(self.schedule, self.reservation, index)
+            return plan
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def usable_runs(self, floor_usable: int) -> tuple[range, ...]:
+        with self._lock:
+            return self.book.usable_runs(floor_usable)
+
+    def pinned_pages(self, floor_usable: int) -> int:
+        with self._lock:
+            return self.book.pinned_pages(floor_usable)
+
+    def live_sessions(self) -> tuple[tuple[int, PinSession], ...]:
+        with self._lock:
+            return tuple(sorted(self.sessions.items()))
+
+    def usable_session(self, index: int) -> PinSession | None:
+        """The session of segment ``index`` if its pages are usable now (PINNED), else None."""
+        with self._lock:
+            return self.sessions.get(index) if self.book.states[index] is SegmentState.PINNED else None
+
+    # -- growing -----------------------------------------------------------------------------
+
+    def grow(self, memory: Memory, pages: int) -> Steps[Grown]:
+        """Pin the lowest free segments holding ``pages`` pages, one session each, announcing each once pinned;
+        a failure or an interruption rolls back the segment in flight and raises (those pinned before stay)."""
+        with self._lock:
+            self._open(f"grow(pages={pages!r})")
+            indices = self.book.begin_grow(pages)
+            self._busy += 1
+        try:
+            for index in indices:
+                yield from self._grow_segment(memory, index)
+        finally:
+            with self._lock:
+                if self.book.grow is not None and not self._closing:  # closing: the closer ends it
+                    self.book.end_grow()
+                grown = tuple(i for i in indices if self.book.states[i] is SegmentState.PINNED)
+                self._busy -= 1
+                self._idle.notify_all()
+        return Grown(self.book.pages_of(grown))
+
+    def _grow_segment(self, memory: Memory, index: int) -> Steps[None]:
+        segment = self.reservation.segments[index]
+        plan = self.segment_plan(index)
+        pacing = PoolAdmission(
+            self.admission, name=self.name, nbytes=segment.nbytes, describe=self._describe(index),
+            observer=self.observer,
+        )  # fmt: skip
+        with self._lock:
+            self._open(f"grow: segment {index}, pages [{segment.pages.start}, {segment.pages.stop})")
+            self.book.start(index)
+            try:
+                session = PinSession(
+                    plan, self.grow_options, runtime=self.runtime, caps=self.caps, observer=self.observer,
+                    memory=memory, registrars=self.registrars,
+                )  # fmt: skip
+            except BaseException:
+                self.book.rolled_back(index, returned=True)  # nothing was touched
+                raise
+            self.sessions[index], self._pacings[index] = session, pacing
+            self._pinning = (index, session, pacing)
+        ran, error = Ran(), None
+        try:
+            self._check_memory(plan)
+            self._take_back(memory, index)
+            yield from pacing.admit()
+            ran = yield RunThreads(
+                bodies=session.worker_bodies(), name=f"pinpool-{self.name}-grow", interruptible=True,
+                on_interrupt=session.cancel, on_started=session.go,
+            )  # fmt: skip
+        except BaseException as exc:
+            error = exc
+        finally:
+            pacing.release_slot()
+        with self._lock:
+            if self._taken:  # close() tore the pool down meanwhile, this segment with it
+                self._taken = False
+                raise PoolStateError(
+                    f"{self._describe(index)}: the pool was closed while it grew; the segment was rolled back"
+                ) from error
+            self._pinning = None
+            crashed = bool(ran.crashed) or (error is None and ran.started == 0)
+            if crashed or error is not None:
+                failure = error is None or isinstance(error, Exception)
+                session.stop(StopCause.FAILURE if failure else StopCause.CANCELLED)
+            phase = session.finish_pinning()
+            interruption = error or (ran.interrupts[0] if ran.interrupts else None)
+            if interruption is None and self._closing:
+                interruption = PoolStateError(f"{self._describe(index)}: the pool was closed while it grew; undone")
+            if phase is Phase.PINNED and interruption is None:
+                self.book.grown(index)  # announced: pinned_runs, pinned_pages
+                return
+        failed = None
+        if interruption is None:
+            causes = ran.crashed or ran.start_errors
+            failed = pin_error(
+                describe=self._describe(index), nbytes=segment.nbytes, chunk_limit=plan.chunk_limit,
+                failures=session.ledger.failures_in("populate", "register"), leaked=session.leaked(),
+                retries=session.retries, cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=None,
+            )  # fmt: skip
+        unpinned, interrupts = yield from self._undo(memory, index, session)
+        first = interruption or (interrupts[0] if interrupts else None) or failed or unpinned
+        assert first is not None
+        if unpinned is not None and first is not unpinned:
+            first.add_note(f"pinpool: {unpinned}")
+        raise first
+
+    def _check_memory(self, plan: Schedule) -> None:
+        """The memory pre-flight for the segment's bytes, read now (a grow may come long after entry)."""
+        host = _probe.probe_host()
+        check_pinning(
+            self.options, host, self.caps, mapping_bytes=plan.nbytes,
+            buffer_bytes=[end - start for start, end in ((r.start, r.end) for r in plan.page_runs)],
+        )  # fmt: skip
+
+    # -- giving pages up ---------------------------------------------------------------------
+
+    def shrink(self, memory: Memory, *, pages: object = None, to_pages: object = None) -> Steps[Shrunk]:
+        """Release the pinned segments the caller gave up whole (``pages``: ranges; ``to_pages``: the tail from
+        there): their sessions torn down, then their pages given back. Refusals change nothing."""
+        with self._lock:
+            self._open("shrink()")
+            if (pages is None) == (to_pages is None):
+                raise ConfigError("shrink(): give pages=[range(first, stop), ...] or to_pages=k, one of them")
+            shrink: Shrink = (
+                self.book.begin_shrink_to(to_pages) if to_pages is not None  # type: ignore[arg-type]
+                else self.book.begin_shrink(pages)  # type: ignore[arg-type]
+            )  # fmt: skip
+            self._busy += 1
+        unreturned: list[range] = []
+        try:
+            for index in reversed(shrink.released):  # highest first, as the pool's teardown
+                session = self.sessions[index]
+                unpinned, interrupts = yield from self._undo(memory, index, session)
+                if unpinned is not None:
+                    raise unpinned
+                if interrupts:
+                    raise interrupts[0]
+                if index in self.book.unreturned:
+                    unreturned.append(self.reservation.segments[index].pages)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._idle.notify_all()
+        return Shrunk(shrink.pages, shrink.kept, merged(unreturned))
+
+    # -- a segment's teardown ----------------------------------------------------------------
+
+    def _undo(
+        self, memory: Memory | None, index: int, session: PinSession, *, join: bool = True
+    ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
+        """Tear ``session`` down (registrars first, then the runtime; resumed TEARDOWN_TRIES times), then give
+        its pages back; the book says FREE, or LEAKED with the UnpinError returned."""
+        interrupts: list[BaseException] = []
+        held = functools.partial(self._held, session)
+        for attempt in range(TEARDOWN_TRIES):
+            try:
+                ran = yield RunThreads(
+                    bodies=session.begin_teardown(join=join), name=f"pinpool-{self.name}-shrink", on_held=held
+                )
+                interrupts += ran.interrupts
+                failures = session.end_teardown(ran.crashed, abandoned=ran.abandoned)
+                interrupts += session.take_raised()
+                break
+            except GeneratorExit:
+                raise
+            except BaseException as exc:
+                if attempt == TEARDOWN_TRIES - 1:
+                    raise  # the segment stays as it is (GROWING, RELEASING): the next shrink or the exit resumes
+                interrupts.append(exc)
+        leaked = session.leaked()
+        if leaked:
+            with self._lock:
+                self.sessions.pop(index, None)
+                self.book.leaked(index)
+                self.leaked_chunks += leaked
+                pacing = self._pacings.pop(index, None)
+            if pacing is not None:
+                pacing.release_budget(keep=True)
+            return unpin_error(self.name, failures, leaked), interrupts
+        returned = memory is not None and self._give_back(memory, index)
+        with self._lock:
+            self.sessions.pop(index, None)
+            if self.book.states[index] is SegmentState.GROWING:
+                self.book.rolled_back(index, returned=returned)
+            else:
+                self.book.released(index, returned=returned)
+            pacing = self._pacings.pop(index, None)
+        if pacing is not None:
+            pacing.release_budget()
+        return None, interrupts
+
+    def _give_back(self, memory: Memory, index: int) -> bool:
+        """The segment's pages back to the host (they are unpinned): whether it was done."""
+        give_back: Callable[[int, int], None] | None = getattr(memory, "give_back", None)
+        if give_back is None:
+            return False
+        try:
+            for lo, hi in self._whole_pages(index):
+                give_back(lo, hi - lo)
+        except Exception as exc:  # still unpinned: counted as unreturned, retried by no one but a regrow
+            self.observer.failed_in_background(exc)
+            return False
+        return True
+
+    def _take_back(self, memory: Memory, index: int) -> None:
+        """A shared region's pages of the segment allocated in its file before they are faulted: a hole punched
+        by a shrink that a full file system cannot fill is a ConfigError here, not a SIGBUS in a pin worker."""
+        take_back: Callable[[int, int], None] | None = getattr(memory, "take_back", None)
+        if take_back is not None:
+            for lo, hi in self._whole_pages(index):
+                take_back(lo, hi - lo)
+
+    def _whole_pages(self, index: int) -> list[tuple[int, int]]:
+        """The segment's slices, each cut to the whole pages inside it (a page shared with a neighbour stays)."""
+        grain = max(self.schedule.page_size, self.schedule.align)
+        cut = [
+            (-(-start // grain) * grain, end // grain * grain) for start, end in self.reservation.segments[index].slices
+        ]
+        return [(lo, hi) for lo, hi in cut if hi > lo]
+
+    def _held(self, session: PinSession, count: int) -> bool:
+        self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
+        return count >= ABANDON_AFTER_CTRL_C
+
+    # -- the pool's teardown -------------------------------------------------------------------
+
+    def teardown(
+        self, *, join: bool = True
+    ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
+        """Every live segment's session, highest first, before the floor's: a grow in flight is stopped and rolled
+        back here (its driver then raises), a shrink under way is waited for. Resumable."""
+        with self._lock:
+            self._closing = True
+            taken = self._pinning
+            if taken is not None:
+                self._pinning, self._taken = None, True
+                taken[2].cancel.set()
+                taken[1].stop(StopCause.EXIT)
+        if taken is not None:
+            yield RunThreads(bodies=(taken[1].wait_idle,), name=f"pinpool-{self.name}-stop-grow")
+        ran = yield RunThreads(bodies=(self._wait_idle,), name=f"pinpool-{self.name}-wait-resize")
+        interrupts = list(ran.interrupts)
+        first: UnpinError | None = None
+        with self._lock:
+            if self.book.closed:
+                return None, interrupts
+            if self.book.grow is not None and not self.book.in_state(SegmentState.GROWING):
+                self.book.end_grow()
+            order = self.book.begin_teardown()
+        for index in order:
+            session = self.sessions[index]
+            unpinned, more = yield from self._undo(None, index, session, join=join)  # the mapping goes next
+            interrupts += more
+            first = first or unpinned
+        with self._lock:
+            if self.book.grow is not None:
+                self.book.end_grow()
+            self.book.close()
+        return first, interrupts
+
+    def _wait_idle(self) -> None:
+        """Until no grow or shrink is under way, but the grow whose segment was taken over (it only raises)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy <= (1 if self._taken else 0), timeout=None)
+
+    def let_go_in_child(self) -> None:
+        """A forked child: its sessions are its parent's (their teardown disowns them)."""
+        self.sessions.clear()
+        self._closing = True
+
+    def _open(self, what: str) -> None:
+        if self._closing:
+            raise PoolStateError(f"pool {self.name!r}: {what}: the pool is being exited; create a new pool to grow")
+
+    def _describe(self, index: int) -> str:
+        segment = self.reservation.segments[index]
+        return (
+            f"pool {self.name!r} segment {index} (pages [{segment.pages.start}, {segment.pages.stop}), "
+            f"{format_bytes(segment.nbytes)}, {len(segment.chunks)} chunks, runtime {self.runtime.name})"
+        )
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def transfer_pieces(
+        self, index: int, name: str, spans: Sequence[tuple[int, int]], floor: PinSession, base: int, what: str
+    ) -> tuple[TransferPiece, ...]:
+        """Registrar ``index``'s pieces of ``spans`` (bytes from the pool's start): each span cut at segment
+        slices, then at that segment's registrations; :class:`PoolStateError` for bytes of a segment not usable."""
+        segments = self.reservation.segments
+        pieces: list[TransferPiece] = []
+        for span_start, length in spans:
+            start, end = span_start, span_start + length
+            while start < end:
+                at = self.reservation.segment_of(start)
+                stop = min(end, next(hi for lo, hi in segments[at].slices if lo <= start < hi))
+                session = floor if segments[at].floor else self.usable_session(at)
+                plan = self.segment_plan(at).transfers[index]
+                cut = split_at_registrations(plan, start, stop - start)
+                held = {} if session is None or session.transfers is None else session.transfers.held(
+                    index, {r for _offset, _nbytes, r in cut}
+                )  # fmt: skip
+                for piece_offset, piece_bytes, r in cut:
+                    run = plan.registrations[r]
+                    if r not in held:
+                        pages = segments[at].pages
+                        raise PoolStateError(
+                            f"pool {self.name!r}: bytes [{run.offset}, {run.end}) (pages [{pages.start}, "
+                            f"{pages.stop}), segment {at}) are not registered with {name!r} now ({what}): grow "
+                            "the pool (or wait_ready()) for the pages first, and address only pool.pinned_runs"
+                        )
+                    registration = TransferRegistration(name, run.offset, run.nbytes, base + run.offset, held[r])
+                    pieces.append(TransferPiece(piece_offset, piece_bytes, base + piece_offset, registration))
+                start = stop
+        return tuple(pieces)
+
+    def transfer_registrations(self, index: int, name: str, base: int) -> list[TransferRegistration]:
+        """What registrar ``index`` holds of the segments now (the floor's are the lifecycle's session's)."""
+        return [
+            TransferRegistration(name, run.offset, run.nbytes, base + run.offset, handle)
+            for _segment, session in self.live_sessions()
+            if session.transfers is not None
+            for run, handle in session.transfers.live(index)
+        ]

@@ -1,0 +1,217 @@
+"""Elastic pools end to end (docs/elastic-design.md): reserve= maps the whole reservation once, entry pins the
+floor, grow() pins whole segments (each usable only once pinned), shrink() unpins and gives pages back; a failure
+or an interruption of a grow undoes only the segment in flight; exit tears every segment down, then the floor.
+Real mlock for VmLck and given-back pages; FakeRuntime and FakeRegistrar for fault injection and books."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import anyio
+import anyio.to_thread
+import pytest
+
+import pinpool
+from pinpool._ranges import PINNED_RANGES
+from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released, locked_bytes
+
+from .test_open_close import in_forked_child
+
+MiB = 1 << 20
+
+
+def elastic(runtime: object, **options: object) -> pinpool.PinnedPool:
+    """4 MiB floor, 12 MiB reserved, segments of 2 MiB in 1 MiB chunks (Raw: a page is a byte)."""
+    given: dict[str, object] = {"size": 4 * MiB, "reserve": 12 * MiB, "grow_step": 2 * MiB, "chunk_bytes": MiB}
+    return pinpool.PinnedPool(runtime=runtime, registry=None, **{**given, **options})  # type: ignore[arg-type]
+
+
+def test_grow_use_shrink_with_mlock() -> None:
+    before, claims = locked_bytes(), PINNED_RANGES.snapshot()
+    pool = elastic("mlock")
+    with pool:
+        tensor = pool.tensor
+        assert (pool.num_pages, pool.reserved_pages, pool.pinned_runs) == (12 * MiB, 12 * MiB, (range(0, 4 * MiB),))
+        assert locked_bytes() - before == 4 * MiB  # the floor only: the rest is reserved, not pinned
+        grown = pool.grow_sync(pages=3 * MiB)  # whole segments: two of 2 MiB
+        assert grown.pages == (range(4 * MiB, 8 * MiB),)
+        assert pool.pinned_runs == (range(0, 8 * MiB),) and pool.pinned_pages == 8 * MiB
+        assert locked_bytes() - before == 8 * MiB == pool.pinned_bytes
+        assert pool.tensor is tensor  # the views never change
+        tensor[4 * MiB : 8 * MiB].fill_(7)
+        shrunk = pool.shrink_sync(pages=[range(6 * MiB, 8 * MiB), range(4 * MiB, 5 * MiB)])
+        assert (shrunk.released, shrunk.kept) == ((range(6 * MiB, 8 * MiB),), (range(4 * MiB, 5 * MiB),))
+        assert locked_bytes() - before == 6 * MiB
+        assert int(tensor[6 * MiB : 8 * MiB].count_nonzero()) == 0  # given back: it reads zero
+        assert int(tensor[4 * MiB : 6 * MiB].count_nonzero()) == 2 * MiB  # the kept segment is untouched
+        assert pool.pinned_runs == (range(0, 6 * MiB),)
+    assert_released(pool, claims_before=claims, locked_before=before)
+
+
+def test_a_middle_shrink_ends_pinned_pages_but_not_pinned_runs() -> None:
+    with elastic("mlock") as pool:
+        pool.grow_sync(nbytes="8MiB")
+        pool.shrink_sync(pages=[range(6 * MiB, 8 * MiB)])
+        assert pool.pinned_runs == (range(0, 6 * MiB), range(8 * MiB, 12 * MiB))
+        assert pool.pinned_pages == 6 * MiB
+        assert pool.grow_sync(pages=1).pages == (range(6 * MiB, 8 * MiB),)  # the lowest free segment again
+        assert pool.pinned_pages == 12 * MiB
+
+
+@pytest.mark.anyio
+async def test_grow_and_shrink_async() -> None:
+    fake = FakeRuntime()
+    pool = elastic(fake)
+    async with pool:
+        await pool.grow(pages=2 * MiB)
+        assert pool.pinned_runs == (range(0, 6 * MiB),)
+        assert sorted(fake.registered.values()) == [MiB] * 6
+        shrunk = await pool.shrink(to_pages=4 * MiB)
+        assert shrunk.released == (range(4 * MiB, 6 * MiB),)
+        assert sorted(fake.registered.values()) == [MiB] * 4
+        await pool.grow(pages=8 * MiB)
+        assert pool.pinned_pages == 12 * MiB and len(pool.registrations) == 12
+    assert_released(pool, fake)
+
+
+def test_a_failing_segment_rolls_back_alone() -> None:
+    fake = FakeRuntime()
+    with elastic(fake) as pool:
+        pool.grow_sync(pages=2 * MiB)
+        held = dict(fake.registered)
+        fake.fail_next(10_000)  # every register (and each retried half) of the next segment fails
+        with pytest.raises(pinpool.PinError, match="segment 2"):
+            pool.grow_sync(pages=4 * MiB)
+        fake.fail_next(0)
+        assert fake.registered == held  # the segment in flight is undone; the one grown before stays
+        assert pool.pinned_runs == (range(0, 6 * MiB),)
+        assert pool.grow_sync(pages=2 * MiB).pages == (range(6 * MiB, 8 * MiB),)  # and it can grow again
+    assert_released(pool, fake)
+
+
+@pytest.mark.anyio
+async def test_cancelling_a_grow_undoes_its_segment() -> None:
+    started = threading.Event()
+
+    def before(op: str, ptr: int, nbytes: int) -> None:
+        if op == "register" and len(fake.register_calls) > 4:  # a segment's register: the floor made 4
+            started.set()
+
+    fake = FakeRuntime(register_delay=0.02, before_call=before)
+    pool = elastic(fake)
+    async with pool:
+        held = dict(fake.registered)
+        async with anyio.create_task_group() as group:
+
+            async def grow() -> None:
+                await pool.grow(pages=8 * MiB)
+
+            group.start_soon(grow)
+            assert await anyio.to_thread.run_sync(started.wait, 10)
+            group.cancel_scope.cancel()
+        assert fake.registered == held and pool.pinned_runs == (range(0, 4 * MiB),)
+        assert (await pool.grow(pages=1)).pages == (range(4 * MiB, 6 * MiB),)  # not wedged
+    assert_released(pool, fake)
+
+
+def test_shrink_refuses_what_is_not_given_up() -> None:
+    with elastic(FakeRuntime()) as pool:
+        pool.grow_sync(pages=2 * MiB)
+        runs = pool.pinned_runs
+        with pytest.raises(pinpool.PoolStateError, match="floor"):
+            pool.shrink_sync(pages=[range(3 * MiB, 5 * MiB)])
+        with pytest.raises(pinpool.PoolStateError, match="not usable now"):
+            pool.shrink_sync(pages=[range(6 * MiB, 7 * MiB)])  # never grown
+        with pytest.raises(pinpool.ConfigError, match="not a range"):
+            pool.shrink_sync(pages=[range(0, 13 * MiB)])
+        with pytest.raises(pinpool.ConfigError, match="one of them"):
+            pool.shrink_sync()
+        with pytest.raises(pinpool.PoolStateError, match="at most"):
+            pool.grow_sync(pages=9 * MiB)
+        assert pool.pinned_runs == runs  # refusals change nothing
+    with pytest.raises(pinpool.PoolStateError, match="closed"):
+        pool.grow_sync(pages=1)
+    with pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None) as fixed:
+        with pytest.raises(pinpool.ConfigError, match="reserve="):
+            fixed.grow_sync(pages=1)
+
+
+def test_reserve_option_is_checked() -> None:
+    with pytest.raises(pinpool.ConfigError, match="reserve="):
+        pinpool.PinnedPool(size="4MiB", reserve="2MiB", runtime=FakeRuntime(), registry=None)
+    with pytest.raises(pinpool.ConfigError, match="multiple of"):
+        pinpool.PinnedPool(size=4 * MiB + 1, reserve="8MiB", runtime=FakeRuntime(), registry=None)
+
+
+def test_registrars_register_per_segment_and_pieces_never_straddle() -> None:
+    fake, engine = FakeRuntime(), FakeRegistrar("engine")
+    with elastic(fake, registrars=[engine]) as pool:
+        pool.grow_sync(pages=2 * MiB)
+        registered = pool.transfer_registrations("engine")
+        floor_end, segment_end = 4 * MiB, 6 * MiB
+        assert all(r.offset + r.nbytes <= floor_end or r.offset >= floor_end for r in registered)
+        assert sum(r.nbytes for r in registered) == segment_end
+        pieces = pool.transfer_pieces("engine", pages=range(3 * MiB, 5 * MiB))
+        assert sum(p.nbytes for p in pieces) == 2 * MiB
+        for piece in pieces:
+            holder = piece.registration
+            assert holder.offset <= piece.offset and piece.offset + piece.nbytes <= holder.offset + holder.nbytes
+        with pytest.raises(pinpool.PoolStateError, match="not registered"):
+            pool.transfer_pieces("engine", pages=range(5 * MiB, 7 * MiB))  # segment 2 was never grown
+        pool.shrink_sync(to_pages=4 * MiB)
+        assert sum(r.nbytes for r in pool.transfer_registrations("engine")) == floor_end
+    assert_released(pool, fake)
+    assert engine.registered == {}
+
+
+def test_close_from_another_thread_stops_a_grow() -> None:
+    started = threading.Event()
+    fake = FakeRuntime(register_delay=0.01, before_call=lambda op, *_: started.set() if pool.pinned_bytes else None)
+    pool = elastic(fake)
+    pool.open()
+    closer = threading.Thread(target=lambda: (started.wait(5), pool.close()))
+    started.clear()
+    closer.start()
+    with pytest.raises(pinpool.PoolStateError, match="closed"):
+        pool.grow_sync(pages=8 * MiB)
+    closer.join()
+    assert_released(pool, fake)
+
+
+def test_the_plan_shows_the_reservation() -> None:
+    pool = elastic(FakeRuntime())
+    reservation = pool.plan.reservation
+    assert reservation is not None and (reservation.num_pages, reservation.floor_pages) == (12 * MiB, 4 * MiB)
+    assert [s.pages for s in reservation.segments] == [range(0, 4 * MiB), *(range(p, p + 2 * MiB) for p in
+                                                       range(4 * MiB, 12 * MiB, 2 * MiB))]  # fmt: skip
+    assert all(c.offset + c.nbytes <= s.slices[0][1] for s in reservation.segments for c in s.chunks)
+    assert pool.num_pages == pool.nbytes == 12 * MiB  # the views describe the whole reservation
+    assert pinpool.PinnedPool(size=MiB, runtime=FakeRuntime(), registry=None).plan.reservation is None
+
+
+def test_the_finalizer_and_a_forked_child_let_segments_go() -> None:
+    fake = FakeRuntime()
+    pool = elastic(fake, name="elastic-collected")
+    pool.open()
+    pool.grow_sync(pages=4 * MiB)
+    assert in_forked_child(pool.close) == "ok"  # the child disowns the parent's sessions
+    assert len(fake.registered) == 8  # the parent's are untouched
+    with pytest.warns(pinpool.UnclosedPoolWarning, match="unpinned its 8 MiB in a finalizer"):
+        del pool  # the finalizer: every segment, then the floor
+        gc.collect()
+    assert fake.registered == {}
+
+
+def test_a_shared_pool_grows_shrinks_and_grows_again() -> None:
+    before = locked_bytes()
+    region = pinpool.SharedMemory()  # a memfd
+    with elastic("mlock", memory=region) as pool:
+        pool.grow_sync(pages=2 * MiB)
+        pool.tensor[4 * MiB : 6 * MiB].fill_(3)
+        pool.shrink_sync(to_pages=4 * MiB)  # a hole punched in the file: every attacher reads zero there
+        assert locked_bytes() - before == 4 * MiB
+        assert int(pool.tensor[4 * MiB : 6 * MiB].count_nonzero()) == 0
+        pool.grow_sync(pages=2 * MiB)  # the hole is allocated again before it is faulted
+        assert locked_bytes() - before == 6 * MiB
+    assert locked_bytes() == before
