@@ -77,7 +77,10 @@ class Elastic:
         self._schedules: dict[int, Schedule] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._busy = 0  # grows and shrinks under way: a pool's teardown waits for them
+        # Give-backs under way (madvise by address, on a thread): the pool's teardown waits for them before the
+        # mapping goes, and none starts once it began. It waits for nothing else a grow or shrink does: a close()
+        # on the event loop running an async shrink would wait for ever; it takes their segments over instead.
+        self._giving = 0
         self._closing = False  # the pool exits: no new grow or shrink
         # The grow's segment in flight while it pins (a closer may take it over: stop it and roll it back itself).
         self._pinning: tuple[int, PinSession, PoolAdmission] | None = None
@@ -119,7 +122,6 @@ class Elastic:
         with self._lock:
             self._open(f"grow(pages={pages!r})")
             indices = self.book.begin_grow(pages)
-            self._busy += 1
         try:
             for index in indices:
                 yield from self._grow_segment(memory, index)
@@ -128,8 +130,6 @@ class Elastic:
                 if self.book.grow is not None and not self._closing:  # closing: the closer ends it
                     self.book.end_grow()
                 grown = tuple(i for i in indices if self.book.states[i] is SegmentState.PINNED)
-                self._busy -= 1
-                self._idle.notify_all()
         return Grown(self.book.pages_of(grown))
 
     def _grow_segment(self, memory: Memory, index: int) -> Steps[None]:
@@ -219,22 +219,16 @@ class Elastic:
                 self.book.begin_shrink_to(to_pages) if to_pages is not None  # type: ignore[arg-type]
                 else self.book.begin_shrink(pages)  # type: ignore[arg-type]
             )  # fmt: skip
-            self._busy += 1
+            sessions = {index: self.sessions[index] for index in shrink.released}
         unreturned: list[range] = []
-        try:
-            for index in reversed(shrink.released):  # highest first, as the pool's teardown
-                session = self.sessions[index]
-                unpinned, interrupts = yield from self._undo(memory, index, session)
-                if unpinned is not None:
-                    raise unpinned
-                if interrupts:
-                    raise interrupts[0]
-                if index in self.book.unreturned:
-                    unreturned.append(self.reservation.segments[index].pages)
-        finally:
-            with self._lock:
-                self._busy -= 1
-                self._idle.notify_all()
+        for index in reversed(shrink.released):  # highest first, as the pool's teardown
+            unpinned, interrupts = yield from self._undo(memory, index, sessions[index])
+            if unpinned is not None:
+                raise unpinned
+            if interrupts:
+                raise interrupts[0]
+            if index in self.book.unreturned:
+                unreturned.append(self.reservation.segments[index].pages)
         return Shrunk(shrink.pages, shrink.kept, merged(unreturned))
 
     # -- a segment's teardown ----------------------------------------------------------------
@@ -263,38 +257,58 @@ class Elastic:
                 interrupts.append(exc)
         leaked = session.leaked()
         if leaked:
+            pacing = None
             with self._lock:
-                self.sessions.pop(index, None)
-                self.book.leaked(index)
-                self.leaked_chunks += leaked
-                pacing = self._pacings.pop(index, None)
+                if self._booked(index):  # the first of the shrink and a close() taking it over books it
+                    self.sessions.pop(index, None)
+                    self.book.leaked(index)
+                    self.leaked_chunks += leaked
+                    pacing = self._pacings.pop(index, None)
             if pacing is not None:
                 pacing.release_budget(keep=True)
             return unpin_error(self.name, failures, leaked), interrupts
-        returned = memory is not None and self._give_back(memory, index)
+        returned: list[bool] = []
+        if memory is not None:  # on a thread: a GiB takes ~0.2 s, not the event loop's to spend
+            yield RunThreads(
+                bodies=(functools.partial(self._give_back, memory, index, returned),), name=f"pinpool-{self.name}-give"
+            )  # fmt: skip
+        pacing = None
         with self._lock:
-            self.sessions.pop(index, None)
-            if self.book.states[index] is SegmentState.GROWING:
-                self.book.rolled_back(index, returned=returned)
-            else:
-                self.book.released(index, returned=returned)
-            pacing = self._pacings.pop(index, None)
+            if self._booked(index):
+                self.sessions.pop(index, None)
+                if self.book.states[index] is SegmentState.GROWING:
+                    self.book.rolled_back(index, returned=bool(returned))
+                else:
+                    self.book.released(index, returned=bool(returned))
+                pacing = self._pacings.pop(index, None)
         if pacing is not None:
             pacing.release_budget()
         return None, interrupts
 
-    def _give_back(self, memory: Memory, index: int) -> bool:
-        """The segment's pages back to the host (they are unpinned): whether it was done."""
+    def _booked(self, index: int) -> bool:
+        """Whether segment ``index``'s teardown is still to be booked (under the lock): a shrink and a close()
+        that took its segment over both finish it, and the book takes it once."""
+        return not self.book.closed and self.book.states[index] in (SegmentState.GROWING, SegmentState.RELEASING)
+
+    def _give_back(self, memory: Memory, index: int, returned: list[bool]) -> None:
+        """The segment's pages back to the host (they are unpinned); ``returned`` gets True once done. Never once
+        the pool's teardown began: the mapping goes next, and its addresses may be another mapping's then."""
         give_back: Callable[[int, int], None] | None = getattr(memory, "give_back", None)
-        if give_back is None:
-            return False
+        with self._lock:
+            if give_back is None or self._closing:
+                return
+            self._giving += 1
         try:
             for lo, hi in self._whole_pages(index):
                 give_back(lo, hi - lo)
         except Exception as exc:  # still unpinned: counted as unreturned, retried by no one but a regrow
             self.observer.failed_in_background(exc)
-            return False
-        return True
+        else:
+            returned.append(True)
+        finally:
+            with self._lock:
+                self._giving -= 1
+                self._idle.notify_all()
 
     def _take_back(self, memory: Memory, index: int) -> None:
         """A shared region's pages of the segment allocated in its file before they are faulted: a hole punched
@@ -332,7 +346,7 @@ class Elastic:
                 taken[1].stop(StopCause.EXIT)
         if taken is not None:
             yield RunThreads(bodies=(taken[1].wait_idle,), name=f"pinpool-{self.name}-stop-grow")
-        ran = yield RunThreads(bodies=(self._wait_idle,), name=f"pinpool-{self.name}-wait-resize")
+        ran = yield RunThreads(bodies=(self._wait_giving,), name=f"pinpool-{self.name}-wait-give")
         interrupts = list(ran.interrupts)
         first: UnpinError | None = None
         with self._lock:
@@ -341,9 +355,9 @@ class Elastic:
             if self.book.grow is not None and not self.book.in_state(SegmentState.GROWING):
                 self.book.end_grow()
             order = self.book.begin_teardown()
-        for index in order:
-            session = self.sessions[index]
-            unpinned, more = yield from self._undo(None, index, session, join=join)  # the mapping goes next
+            sessions = {index: self.sessions[index] for index in order}
+        for index in order:  # a shrink's too: its session's teardown resumes here, and is booked once
+            unpinned, more = yield from self._undo(None, index, sessions[index], join=join)  # the mapping goes next
             interrupts += more
             first = first or unpinned
         with self._lock:
@@ -352,10 +366,10 @@ class Elastic:
             self.book.close()
         return first, interrupts
 
-    def _wait_idle(self) -> None:
-        """Until no grow or shrink is under way, but the grow whose segment was taken over (it only raises)."""
+    def _wait_giving(self) -> None:
+        """Until no give-back is under way (none starts once the teardown began: a bounded wait, on no loop)."""
         with self._idle:
-            self._idle.wait_for(lambda: self._busy <= (1 if self._taken else 0), timeout=None)
+            self._idle.wait_for(lambda: not self._giving)
 
     def let_go_in_child(self) -> None:
         """A forked child: its sessions are its parent's (their teardown disowns them)."""

@@ -5,6 +5,7 @@ Real mlock for VmLck and given-back pages; FakeRuntime and FakeRegistrar for fau
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import threading
 
@@ -215,3 +216,36 @@ def test_a_shared_pool_grows_shrinks_and_grows_again() -> None:
         pool.grow_sync(pages=2 * MiB)  # the hole is allocated again before it is faulted
         assert locked_bytes() - before == 6 * MiB
     assert locked_bytes() == before
+
+
+@pytest.mark.anyio
+async def test_close_on_the_event_loop_during_a_shrink_returns() -> None:
+    """A close() on the loop's own thread (a signal handler, a sync callback) while an async shrink on that loop
+    waits for its unpin threads: it waited for the shrink, which waited for the loop. Now the close finishes the
+    shrink's segment itself and returns, the shrink returns after it, and nothing stays pinned or claimed."""
+    in_unregister = threading.Event()
+
+    def unregistering(op: str, ptr: int, nbytes: int) -> None:
+        if op == "unregister":
+            in_unregister.set()
+
+    fake = FakeRuntime(unregister_delay=0.02, before_call=unregistering)
+    pool = elastic(fake)
+    pool.open()
+    pool.grow_sync(pages=8 * MiB)
+    shrunk: list[object] = []
+
+    async def shrink() -> None:
+        shrunk.append(await pool.shrink(to_pages=4 * MiB))
+
+    faulthandler.dump_traceback_later(60, exit=True)  # a regression hangs the loop: no timeout of anyio's can fire
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(shrink)
+            assert await anyio.to_thread.run_sync(in_unregister.wait, 10)
+            pool.close()  # synchronously, on the loop's thread, with the shrink's unpin threads at work
+            assert pool.state is pinpool.PoolState.CLOSED
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert len(shrunk) == 1
+    assert_released(pool, fake)
