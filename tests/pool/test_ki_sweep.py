@@ -236,6 +236,25 @@ def life_shared(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, backgroun
     return with_block(pool, background)
 
 
+def life_elastic(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
+    """An elastic pool: a floor of 2 chunks of 8 reserved, grown by two segments and shrunk by one in the body."""
+    pool = pinpool.PinnedPool(
+        size=2 * CHUNK, reserve=CHUNKS * CHUNK, grow_step=2 * CHUNK, chunk_bytes=CHUNK, runtime=runtime,
+        registry=None, register_workers=2, populate_workers=2, unpin_workers=2, background=background,
+    )  # fmt: skip
+    pools.append(pool)
+
+    def run() -> None:
+        with pool:
+            if background:
+                pool.wait_ready_sync()
+            pool.grow_sync(pages=4 * CHUNK)
+            pool.tensor[2 * CHUNK : 3 * CHUNK].fill_(1)
+            pool.shrink_sync(to_pages=4 * CHUNK)
+
+    return run
+
+
 SCENARIOS: dict[str, tuple[Callable[..., Callable[[], None]], bool]] = {
     "sync": (life_sync, False),
     "sync-background": (life_sync, True),
@@ -250,6 +269,7 @@ SCENARIOS: dict[str, tuple[Callable[..., Callable[[], None]], bool]] = {
     "shared-memory": (life_shared, False),
     "registrars": (life_registrar(None), False),
     "registrars-trio-background": (life_registrar("trio"), True),
+    "elastic": (life_elastic, False),
 }
 
 
