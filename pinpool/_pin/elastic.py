@@ -19,8 +19,9 @@ from .._plan.chunks import Chunk
 from .._plan.options import PoolOptions
 from .._plan.plan import Schedule
 from .._plan.preflight import check_pinning
-from .._plan.reservation import Reservation, segment_schedule
+from .._plan.reservation import segment_schedule
 from .._plan.segment_book import SegmentBook, SegmentState, Shrink, merged
+from .._plan.segments import Reservation
 from .._plan.transfers import split_at_registrations
 from .._units import format_bytes
 from ..registrars import TransferPiece, TransferRegistration

@@ -14,7 +14,8 @@ __getattr__, __all__ = lazy_exports(__name__, {
             "retry_splitter",
     "prefix": "PageRun PrefixTracker page_runs pin_order",
     "preflight": "check_engine_pins check_host place resident_fit",
-    "reservation": "Reservation RunGrid Segment plan_reservation reservation_grids segment_schedule",
+    "reservation": "plan_reservation pool_reservation reservation_grids segment_schedule",
+    "segments": "Reservation RunGrid Segment",
     "segment_book": "SegmentBook SegmentState Shrink merged",
     "transfers": "TransferPlan bound_by_registrars plan_transfer split_at_registrations",
 })  # fmt: skip

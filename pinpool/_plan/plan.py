@@ -28,7 +28,7 @@ from .transfers import TransferPlan, bound_by_registrars, plan_transfer
 if TYPE_CHECKING:
     from .facts import HostFacts
     from .options import PoolOptions
-    from .reservation import Reservation
+    from .segments import Reservation
 
 
 def plan_chunks(

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .._errors import ConfigError, LedgerError, PoolStateError
-from .reservation import Reservation
+from .segments import Reservation
 
 
 class SegmentState(enum.Enum):
