@@ -6,6 +6,7 @@ runs, as the lifecycle does (it imports no driver). Every book change is made un
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -76,18 +77,23 @@ class Elastic:
         self.book = SegmentBook(reservation)
         self.sessions: dict[int, PinSession] = {}
         self._schedules: dict[int, Schedule] = {}
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        # Re-entrant: a close() run by a signal handler on a thread inside a read or a booking here goes on (its
+        # teardown tolerates a booking it interrupted: a segment started without a session is simply free again).
+        self._lock = threading.RLock()
         # Give-backs under way (madvise by address, on a thread): the pool's teardown waits for them before the
         # mapping goes, and none starts once it began. It waits for nothing else a grow or shrink does: a close()
         # on the event loop running an async shrink would wait for ever; it takes their segments over instead.
+        # A lock of their own: a thread giving back never waits for ``_lock``, which the closing thread may hold.
         self._giving = 0
-        self._closing = False  # the pool exits: no new grow or shrink
+        self._gives = threading.Condition(threading.Lock())
+        self._closing = False  # the pool exits: no new grow or shrink (set under both locks)
         # The grow's segment in flight while it pins (a closer may take it over: stop it and roll it back itself).
         self._pinning: tuple[int, PinSession, PoolAdmission] | None = None
         self._pacings: dict[int, PoolAdmission] = {}  # each live segment's node budget share
         self._taken = False  # the closer took the grow's segment over: its driver only raises
         self.leaked_chunks: tuple[Chunk, ...] = ()
+        self.leaked_sessions: dict[int, PinSession] = {}  # their chunks may stay pinned: still counted and listed
+        self._pid = os.getpid()  # a forked child lets go: it never grows, shrinks or gives back its parent's pages
 
     def segment_plan(self, index: int) -> Schedule:
         with self._lock:
@@ -107,8 +113,9 @@ class Elastic:
             return self.book.pinned_pages(floor_usable)
 
     def live_sessions(self) -> tuple[tuple[int, PinSession], ...]:
+        """Every segment session holding pages now: growing, pinned, releasing, and leaked ones."""
         with self._lock:
-            return tuple(sorted(self.sessions.items()))
+            return tuple(sorted({**self.leaked_sessions, **self.sessions}.items()))
 
     def usable_session(self, index: int) -> PinSession | None:
         """The session of segment ``index`` if its pages are usable now (PINNED), else None."""
@@ -126,9 +133,17 @@ class Elastic:
         try:
             for index in indices:
                 yield from self._grow_segment(memory, index)
+        except BaseException as exc:
+            with self._lock:
+                grown = tuple(i for i in indices if self.book.states[i] is SegmentState.PINNED)
+                if grown:
+                    shown = ", ".join(f"[{r.start}, {r.stop})" for r in self.book.pages_of(grown))
+                    exc.add_note(f"pinpool: pages {shown} grew before it, and stay usable")
+            raise
         finally:
             with self._lock:
-                if self.book.grow is not None and not self._closing:  # closing: the closer ends it
+                # closing: the closer ends it; a segment left growing (its rollback raised): the exit resumes it
+                if self.book.grow is not None and not self._closing and not self.book.in_state(SegmentState.GROWING):
                     self.book.end_grow()
                 grown = tuple(i for i in indices if self.book.states[i] is SegmentState.PINNED)
         return Grown(self.book.pages_of(grown))
@@ -155,6 +170,9 @@ class Elastic:
             self._pinning = (index, session, pacing)
         ran, error = Ran(), None
         try:
+            with self._lock:  # a close() run by a signal handler inside the booking above: its teardown freed it
+                if self._closing:
+                    raise PoolStateError(f"{self._describe(index)}: the pool was closed while it grew; undone")
             self._check_memory(plan)
             self._take_back(memory, index)
             yield from pacing.admit()
@@ -222,14 +240,24 @@ class Elastic:
             )  # fmt: skip
             sessions = {index: self.sessions[index] for index in shrink.released}
         unreturned: list[range] = []
+        problems: list[BaseException] = []  # every released segment is torn down whatever happens to one
         for index in reversed(shrink.released):  # highest first, as the pool's teardown
-            unpinned, interrupts = yield from self._undo(memory, index, sessions[index])
-            if unpinned is not None:
-                raise unpinned
-            if interrupts:
-                raise interrupts[0]
+            try:
+                unpinned, interrupts = yield from self._undo(memory, index, sessions[index])
+            except GeneratorExit:
+                raise
+            except BaseException as exc:  # raised TEARDOWN_TRIES times: the segment stays releasing for the exit
+                problems.append(exc)
+                continue
+            problems += [unpinned] if unpinned is not None else []
+            problems += interrupts
             if index in self.book.unreturned:
                 unreturned.append(self.reservation.segments[index].pages)
+        if problems:
+            first = problems[0]
+            for more in problems[1:]:
+                first.add_note(f"pinpool: then {more!r}")
+            raise first
         return Shrunk(shrink.pages, shrink.kept, merged(unreturned))
 
     # -- a segment's teardown ----------------------------------------------------------------
@@ -261,8 +289,8 @@ class Elastic:
             pacing = None
             with self._lock:
                 if self._booked(index):  # the first of the shrink and a close() taking it over books it
-                    self.sessions.pop(index, None)
                     self.book.leaked(index)
+                    self.leaked_sessions[index] = self.sessions.pop(index, session)
                     self.leaked_chunks += leaked
                     pacing = self._pacings.pop(index, None)
             if pacing is not None:
@@ -270,21 +298,25 @@ class Elastic:
             return unpin_error(self.name, failures, leaked), interrupts
         returned: list[bool] = []
         if memory is not None:  # on a thread: a GiB takes ~0.2 s, not the event loop's to spend
-            yield RunThreads(
+            ran = yield RunThreads(
                 bodies=(functools.partial(self._give_back, memory, index, returned),), name=f"pinpool-{self.name}-give"
             )  # fmt: skip
+            interrupts += ran.interrupts
         pacing = None
         with self._lock:
             if self._booked(index):
+                self._book_free(index, returned=bool(returned))
                 self.sessions.pop(index, None)
-                if self.book.states[index] is SegmentState.GROWING:
-                    self.book.rolled_back(index, returned=bool(returned))
-                else:
-                    self.book.released(index, returned=bool(returned))
                 pacing = self._pacings.pop(index, None)
         if pacing is not None:
             pacing.release_budget()
         return None, interrupts
+
+    def _book_free(self, index: int, *, returned: bool) -> None:
+        if self.book.states[index] is SegmentState.GROWING:
+            self.book.rolled_back(index, returned=returned)
+        else:
+            self.book.released(index, returned=returned)
 
     def _booked(self, index: int) -> bool:
         """Whether segment ``index``'s teardown is still to be booked (under the lock): a shrink and a close()
@@ -295,8 +327,8 @@ class Elastic:
         """The segment's pages back to the host (they are unpinned); ``returned`` gets True once done. Never once
         the pool's teardown began: the mapping goes next, and its addresses may be another mapping's then."""
         give_back: Callable[[int, int], None] | None = getattr(memory, "give_back", None)
-        with self._lock:
-            if give_back is None or self._closing:
+        with self._gives:
+            if give_back is None or self._closing or os.getpid() != self._pid:
                 return
             self._giving += 1
         try:
@@ -307,9 +339,9 @@ class Elastic:
         else:
             returned.append(True)
         finally:
-            with self._lock:
+            with self._gives:
                 self._giving -= 1
-                self._idle.notify_all()
+                self._gives.notify_all()
 
     def _take_back(self, memory: Memory, index: int) -> None:
         """A shared region's pages of the segment allocated in its file before they are faulted: a hole punched
@@ -339,28 +371,34 @@ class Elastic:
         """Every live segment's session, highest first, before the floor's: a grow in flight is stopped and rolled
         back here (its driver then raises), a shrink under way is waited for. Resumable."""
         with self._lock:
-            self._closing = True
+            with self._gives:
+                self._closing = True
             taken = self._pinning
             if taken is not None:
                 self._pinning, self._taken = None, True
                 taken[2].cancel.set()
                 taken[1].stop(StopCause.EXIT)
+        interrupts: list[BaseException] = []
         if taken is not None:
-            yield RunThreads(bodies=(taken[1].wait_idle,), name=f"pinpool-{self.name}-stop-grow")
-        ran = yield RunThreads(bodies=(self._wait_giving,), name=f"pinpool-{self.name}-wait-give")
-        interrupts = list(ran.interrupts)
+            ran = yield RunThreads(bodies=(taken[1].wait_idle,), name=f"pinpool-{self.name}-stop-grow")
+            interrupts += ran.interrupts
+        if self._giving:  # read once closing is set: none starts now
+            ran = yield RunThreads(bodies=(self._wait_giving,), name=f"pinpool-{self.name}-wait-give")
+            interrupts += ran.interrupts
         first: UnpinError | None = None
         with self._lock:
             if self.book.closed:
                 return None, interrupts
-            if self.book.grow is not None and not self.book.in_state(SegmentState.GROWING):
-                self.book.end_grow()
             order = self.book.begin_teardown()
-            sessions = {index: self.sessions[index] for index in order}
+            sessions = {index: self.sessions[index] for index in order if index in self.sessions}
+            for index in order:  # started, and interrupted before its session was made: nothing of it is pinned
+                if index not in sessions:
+                    self._book_free(index, returned=False)
         for index in order:  # a shrink's too: its session's teardown resumes here, and is booked once
-            unpinned, more = yield from self._undo(None, index, sessions[index], join=join)  # the mapping goes next
-            interrupts += more
-            first = first or unpinned
+            if index in sessions:
+                unpinned, more = yield from self._undo(None, index, sessions[index], join=join)  # the mapping next
+                interrupts += more
+                first = first or unpinned
         with self._lock:
             if self.book.grow is not None:
                 self.book.end_grow()
@@ -369,15 +407,22 @@ class Elastic:
 
     def _wait_giving(self) -> None:
         """Until no give-back is under way (none starts once the teardown began: a bounded wait, on no loop)."""
-        with self._idle:
-            self._idle.wait_for(lambda: not self._giving)
+        with self._gives:
+            self._gives.wait_for(lambda: not self._giving)
 
     def let_go_in_child(self) -> None:
-        """A forked child: its sessions are its parent's (their teardown disowns them)."""
+        """A forked child: its sessions are its parent's (their teardown disowns them); no page is usable here."""
         self.sessions.clear()
+        self.leaked_sessions.clear()
         self._closing = True
+        self.book.closed = True  # takes no lock: one may have been held by a thread at fork
 
     def _open(self, what: str) -> None:
+        if os.getpid() != self._pid:
+            raise PoolStateError(
+                f"pool {self.name!r}: {what} in a forked child: the pool and its pages are the parent's; grow and "
+                "shrink it in the process that entered it"
+            )
         if self._closing:
             raise PoolStateError(f"pool {self.name!r}: {what}: the pool is being exited; create a new pool to grow")
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import signal
 import threading
+import time
 
 import anyio
 import anyio.to_thread
@@ -249,3 +251,68 @@ async def test_close_on_the_event_loop_during_a_shrink_returns() -> None:
         faulthandler.cancel_dump_traceback_later()
     assert len(shrunk) == 1
     assert_released(pool, fake)
+
+
+def test_a_shrink_tears_down_every_segment_it_released_whatever_fails() -> None:
+    """One segment's unregister fails: the shrink still tears the others down (they were stranded releasing,
+    pinned until exit), raises the UnpinError, and the leaked segment's chunk stays counted and listed."""
+    fake = FakeRuntime()
+    pool = elastic(fake)
+    pool.open()
+    pool.grow_sync(pages=8 * MiB)
+    fake.fail_next(1, "unregister")
+    with pytest.raises(pinpool.UnpinError):
+        pool.shrink_sync(to_pages=4 * MiB)
+    held = sum(fake.registered.values())
+    assert held == 5 * MiB  # the floor and the chunk that failed to unregister
+    assert pool.pinned_bytes == held and sum(c.nbytes for c in pool.registrations) == held
+    assert pool.pinned_runs == (range(0, 4 * MiB),)
+    assert pool.grow_sync(pages=2 * MiB).pages == (range(4 * MiB, 6 * MiB),)  # free segments grow again
+    pool.close()  # the shrink reported the leak; the exit unpins the rest and keeps the mapping (never freed)
+    assert sum(fake.registered.values()) == MiB and pool.state is pinpool.PoolState.CLOSED
+
+
+def test_a_forked_child_neither_grows_nor_shrinks_its_parents_pool() -> None:
+    fake = FakeRuntime()
+    pool = elastic(fake)
+    pool.open()
+    pool.grow_sync(pages=4 * MiB)
+
+    def child() -> None:
+        with pytest.raises(pinpool.PoolStateError, match="forked child"):
+            pool.shrink_sync(to_pages=6 * MiB)
+        with pytest.raises(pinpool.PoolStateError, match="forked child"):
+            pool.grow_sync(pages=1)
+        pool.close()
+        assert pool.pinned_runs == () and pool.pinned_pages == 0
+
+    assert in_forked_child(child) == "ok"
+    assert pool.pinned_runs == (range(0, 8 * MiB),) and len(fake.registered) == 8  # the parent's, untouched
+    pool.close()
+    assert_released(pool, fake)
+
+
+def test_close_from_a_signal_handler_while_the_main_thread_reads_returns() -> None:
+    """A handler's close() landing while the main thread reads pool.pinned_runs (under the segments' lock): it
+    deadlocked on that lock; now it goes on and closes the pool, every time."""
+    faulthandler.dump_traceback_later(60, exit=True)  # a regression hangs the main thread
+    try:
+        for attempt in range(30):
+            fake = FakeRuntime()
+            pool = elastic(fake)
+            pool.open()
+            pool.grow_sync(pages=2 * MiB)
+            closed: list[object] = []
+            previous = signal.signal(signal.SIGALRM, lambda *_, p=pool, c=closed: c.append(p.close()))
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0.001 + (attempt % 7) * 0.0003)
+                deadline = time.monotonic() + 10
+                while not closed and time.monotonic() < deadline:
+                    pool.pinned_runs  # noqa: B018 - a readiness probe on the main thread
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            assert closed == [None], attempt
+            assert_released(pool, fake)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
