@@ -237,7 +237,7 @@ def life_shared(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, backgroun
 
 
 def life_elastic(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, background: bool) -> Callable[[], None]:
-    """An elastic pool: a floor of 2 chunks of 8 reserved, grown by two segments and shrunk by one in the body."""
+    """An elastic pool: a floor of 2 chunks of 8 reserved, grown by a segment and shrunk by it in the body."""
     pool = pinpool.PinnedPool(
         size=2 * CHUNK, reserve=CHUNKS * CHUNK, grow_step=2 * CHUNK, chunk_bytes=CHUNK, runtime=runtime,
         registry=None, register_workers=2, populate_workers=2, unpin_workers=2, background=background,
@@ -248,9 +248,9 @@ def life_elastic(pools: list[pinpool.PinnedPool], runtime: FakeRuntime, backgrou
         with pool:
             if background:
                 pool.wait_ready_sync()
-            pool.grow_sync(pages=4 * CHUNK)
+            pool.grow_sync(pages=2 * CHUNK)
             pool.tensor[2 * CHUNK : 3 * CHUNK].fill_(1)
-            pool.shrink_sync(to_pages=4 * CHUNK)
+            pool.shrink_sync(to_pages=2 * CHUNK)
 
     return run
 
