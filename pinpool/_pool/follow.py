@@ -250,6 +250,8 @@ class PolicyLoop:
         )  # fmt: skip
         decision = decide(self.policy, state, reading, now, self.asked)
         self.decisions += 1
+        if decision.action is Action.GROW and pool._growing():  # the server's own grow: it is being served
+            return
         if decision.action is Action.GROW:
             self._grow(pool, decision, now)
         elif decision.action in (Action.SHRINK, Action.SHRINK_TO_FLOOR):

@@ -498,6 +498,9 @@ class PinnedPool:
                                   functools.partial(drive_sync, steps), started=decided_at)  # fmt: skip
         return shrunk
 
+    def _growing(self) -> bool:
+        return self._elastic is not None and self._elastic.book.grow is not None
+
     def _usable_bytes(self) -> int:
         return sum(len(r) for r in self.pinned_runs) * self._plan.page_bytes
 

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import anyio
 import pytest
 import structlog
 from prometheus_client import CollectorRegistry
@@ -143,8 +142,7 @@ async def test_the_server_asks_and_the_calm_loop_grows_by_whole_segments(mode: s
     if mode == "async":
         async with pool:
             pool.want(pages=3 * MiB)  # two segments of 2 MiB
-            while pool.pinned_runs != (range(0, 8 * MiB),):
-                await anyio.sleep(0.005)
+            assert await pool.wait_ready(min_bytes=8 * MiB) == 8 * MiB
     else:
         with pool:
             pool.want(nbytes="3MiB")
