@@ -11,7 +11,7 @@ import errno
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ._errors import ConfigError, RuntimeCallError
 from ._host import libc as _libc
@@ -557,7 +557,7 @@ class FakePressure:
 
     def __init__(self) -> None:
         self._lock, self._signal = threading.Lock(), threading.Event()
-        self._reading, self._error = MemoryReading(), None
+        self._reading, self._error = MemoryReading(), cast("Exception | None", None)
         self.reads = 0
         self.closed = False
 

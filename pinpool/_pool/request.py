@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..layouts import Layout
     from ..registrars import TransferRegistrar
     from ..runtimes import Runtime
-    from .follow import GiveUp, PressureSource
+    from .follow import PressureSource
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PoolRequest:
     on_progress: ProgressCallback | None = None
     registrars: Sequence[TransferRegistrar] | None = None
     elastic: ElasticPolicy | None = None
-    on_give_up: GiveUp | None = None
+    on_give_up: Callable[[int], Sequence[range] | None] | None = None
     pressure: PressureSource | None = None
 
     def __post_init__(self) -> None:
@@ -129,7 +129,7 @@ class PoolArguments(_PinningArguments, total=False):
     grow_step: int | str
     memory: SharedMemory | None
     elastic: ElasticPolicy | None
-    on_give_up: GiveUp | None
+    on_give_up: Callable[[int], Sequence[range] | None] | None
     pressure: PressureSource | None
     huge_pages: bool | str
     numa_node: int | None
