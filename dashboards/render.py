@@ -138,6 +138,13 @@ def scrape(size: str) -> tuple[dict[str, Any], float, float, float]:
             time.sleep(1.0)
             with pinpool.PinnedPool(size=size, **options, **engine):
                 time.sleep(1.0)
+            # The elastic row: a pool of a quarter reserving the whole, grown by half, then shrunk to its floor.
+            quarter = pinpool.parse_size(size) // 4
+            with pinpool.PinnedPool(size=quarter, reserve=4 * quarter, grow_step=quarter, **options) as elastic:
+                elastic.grow_sync(nbytes=2 * quarter)
+                time.sleep(1.0)
+                elastic.shrink_sync(to_pages=quarter)
+                time.sleep(1.0)
             time.sleep(1.5)  # the last rates fall back to zero
             end = time.time()
             time.sleep(2 * SCRAPE_SECONDS)  # the last scrape is in

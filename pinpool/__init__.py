@@ -31,15 +31,18 @@ if TYPE_CHECKING:  # loaded lazily below; imported here for type checkers and ID
     from . import layouts
     from ._pin.outcome import PoolState
     from ._plan.chunks import Chunk
+    from ._plan.elastic import ElasticPolicy
     from ._plan.plan import PoolPlan
     from ._pool.budget import Shares, host_budget, share
     from ._pool.pin import empty, pin
     from ._pool.pool import PinnedPool, PoolStats
     from ._shared.memory import SharedMemory
+    from ._types import MemoryReading
 
 __version__ = "0.1.0"
 
-__all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "MemoryGoneError",
+__all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "ConfigError", "ElasticPolicy",
+    "MemoryGoneError", "MemoryReading",
     "NodeBusyError", "PinError", "PinnedPool", "PinpoolError", "PoolPlan", "PoolState", "PoolStateError", "PoolStats",
     "RuntimeCallError", "SharedMemory", "Shares", "UnclosedPoolWarning", "UnexpectedReturn", "UnpinError",
     "__version__", "empty", "host_budget", "layouts", "parse_size", "pin", "registrars", "runtimes", "share",
@@ -48,7 +51,8 @@ __all__ = ["AllocationError", "AlreadyPinnedError", "Chunk", "ChunkFailure", "Co
 # Names from modules that import torch (about 2 s) or anyio load on first use (PEP 562), so
 # `pinpool --help`, `pinpool doctor --no-cuda` and `import pinpool.testing` stay fast.
 _LAZY = {"empty": "._pool.pin", "Chunk": "._plan.chunks", "PinnedPool": "._pool.pool", "PoolState": "._pin.outcome",
-         "PoolPlan": "._plan.plan", "PoolStats": "._pool.pool",
+         "PoolPlan": "._plan.plan", "PoolStats": "._pool.pool", "ElasticPolicy": "._plan.elastic",
+         "MemoryReading": "._types",
          "layouts": ".layouts", "pin": "._pool.pin", "SharedMemory": "._shared.memory", "Shares": "._pool.budget",
          "host_budget": "._pool.budget", "share": "._pool.budget"}  # fmt: skip
 

@@ -71,6 +71,7 @@ class Observer:
         # an unregister moves the gauges only for a run counted (a "maybe registered" one was not), once each.
         self._transfer_live: dict[tuple[str, int, int], int] = {}
         self._transfer_lock = threading.Lock()
+        self.reserved = 0  # an elastic pool's reservation in bytes (set before entry), in pinpool_reserved_bytes
 
     def _emit(self, level: str, event: str, **fields: Any) -> None:  # self.log.<level>(event, **fields)
         try:
@@ -281,6 +282,9 @@ class Observer:
                 m.pool_bytes.labels(*labels).inc(nbytes)
                 m.pool_info.labels(*info_labels).inc()
                 m.log_errors.labels(*labels)  # the series exists at 0, so increase() sees the first error
+                if self.reserved:
+                    m.reserved_bytes.labels(*labels).inc(self.reserved)
+                    m.at_floor.labels(*labels)  # at 0, so the alert's increase() sees the first
             except Exception as exc:
                 self._metric_failed("pin_started", exc)
         self._emit(
@@ -354,6 +358,8 @@ class Observer:
                         m.pools_ready.labels(*labels).dec()
                         self._was_ready = False
                     m.pool_bytes.labels(*labels).dec(nbytes)
+                    if self.reserved:
+                        m.reserved_bytes.labels(*labels).dec(self.reserved)
                     if self._info_labels is not None:
                         m.pool_info.labels(*self._info_labels).dec()
                 finally:  # whatever failed above, the pool's series go with the last open pool of its labels
@@ -371,3 +377,51 @@ class Observer:
             )
         elif pinned:  # after a rollback, pool.rollback already told the story
             self._emit("info", "pool.unpinned", bytes=nbytes, seconds=round(seconds, 6))
+
+    # -- an elastic pool: its grows and shrinks, and its policy loop (pinpool._pool.follow) ----------
+
+    def grew(self, outcome: str, nbytes: int, seconds: float, **fields: Any) -> None:
+        """A grow ended: ``outcome`` grown, failed, cancelled or refused; ``nbytes`` pinned by it."""
+        self._metric(
+            "grew",
+            lambda m: m.grows.labels(*self._labels, outcome).inc(),
+            lambda m: m.grown_bytes.labels(*self._labels).inc(nbytes),
+        )
+        level = "info" if outcome == "grown" else "warning"
+        self._emit(level, "pool.grow", outcome=outcome, bytes=nbytes, seconds=round(seconds, 6), **fields)
+
+    def shrank(self, outcome: str, nbytes: int, seconds: float, **fields: Any) -> None:
+        """A shrink ended: ``outcome`` shrunk, kept, declined, failed, cancelled or refused; ``nbytes`` given back;
+        ``seconds`` from its decision to the memory given back."""
+        self._metric(
+            "shrank",
+            lambda m: m.shrinks.labels(*self._labels, outcome).inc(),
+            lambda m: m.released_bytes.labels(*self._labels).inc(nbytes),
+            lambda m: m.shrink_seconds.labels(*self._labels).observe(seconds) if nbytes else None,
+        )
+        level = "info" if outcome in ("shrunk", "kept", "declined") else "warning"
+        self._emit(level, "pool.shrink", outcome=outcome, bytes=nbytes, seconds=round(seconds, 6), **fields)
+
+    def pressure_read(self, psi_some_avg10: float | None) -> None:
+        if psi_some_avg10 is not None:
+            self._metric("pressure_read", lambda m: m.memory_pressure.labels(*self._labels).set(psi_some_avg10))
+
+    def pressure_woke(self, source: str) -> None:
+        self._metric("pressure_woke", lambda m: m.pressure_events.labels(*self._labels, source).inc())
+
+    def elastic_event(self, level: str, event: str, **fields: Any) -> None:
+        """One of the policy loop's own events (``elastic.*``): started, decided, stopped."""
+        self._emit(level, event, **fields)
+
+    def at_floor(self, reason: str) -> None:
+        """Under pressure with nothing left to give back (it shrank to the floor, or was there)."""
+        self._metric("at_floor", lambda m: m.at_floor.labels(*self._labels).inc())
+        self._emit("warning", "elastic.at_floor", reason=reason)
+
+    def elastic_failed(self, kind: str, error: BaseException, **fields: Any) -> None:
+        """The policy loop's ``kind`` step (read, grow, give_up, shrink) raised ``error``: counted and logged."""
+        self._metric("elastic_failed", lambda m: m.elastic_failures.labels(*self._labels, kind).inc())
+        self._emit(
+            "error", "elastic.failed", kind=kind, error=foreign_text(error, limit=2000), error_type=class_name(error),
+            **fields,
+        )  # fmt: skip

@@ -90,7 +90,10 @@ class PoolMetrics:
                 self.pool_info.remove(*info_labels)
             if not self._last_closed(labels) or keep:
                 return
-            for gauge in (self.pool_bytes, self.chunks_in_flight, self.pools_open, self.pools_ready):
+            for gauge in (
+                self.pool_bytes, self.chunks_in_flight, self.pools_open, self.pools_ready, self.reserved_bytes,
+                self.memory_pressure,
+            ):  # fmt: skip
                 gauge.remove(*labels)
             if labels not in self._leaked:
                 self.pinned_bytes.remove(*labels)
@@ -182,6 +185,42 @@ class PoolMetrics:
             "pinpool_transfer_failures_total",
             "Failed calls of a transfer registrar, by op (register, unregister) and reason.",
             (*_TRANSFER, "op", "reason"), **kw)  # fmt: skip
+        # Elastic pools (reserve=; docs/elastic-design.md) and their policy loop (elastic=).
+        self.reserved_bytes = Gauge(
+            "pinpool_reserved_bytes", "Bytes elastic pools reserved: the most they may pin (their size= is the floor).",
+            _BASE, **live)  # fmt: skip
+        self.grows = Counter(
+            "pinpool_grows_total", "Grows of an elastic pool, by outcome (grown, failed, cancelled, refused).",
+            (*_BASE, "outcome"), **kw)  # fmt: skip
+        self.grown_bytes = Counter(
+            "pinpool_grown_bytes_total", "Bytes elastic pools pinned by growing (whole segments).", _BASE, **kw
+        )
+        self.shrinks = Counter(
+            "pinpool_shrinks_total",
+            "Shrinks of an elastic pool, by outcome (shrunk; kept: nothing named was a whole segment; declined: the "
+            "server gave nothing up; failed, cancelled, refused).", (*_BASE, "outcome"), **kw)  # fmt: skip
+        self.released_bytes = Counter(
+            "pinpool_released_bytes_total", "Bytes elastic pools unpinned and gave back to the host by shrinking.",
+            _BASE, **kw)  # fmt: skip
+        self.shrink_seconds = Histogram(
+            "pinpool_shrink_seconds",
+            "Duration of a shrink, from its decision (the policy's, or the call) to the memory given back.",
+            _BASE, **calls)  # fmt: skip
+        self.memory_pressure = Gauge(
+            "pinpool_memory_pressure_psi", "PSI memory some avg10 (percent), as an elastic pool's policy last read it.",
+            _BASE, multiprocess_mode="livemax", **kw)  # fmt: skip
+        self.pressure_events = Counter(
+            "pinpool_pressure_events_total",
+            "Memory pressure notifications an elastic pool's policy woke on, by source (psi, cgroup_v1).",
+            (*_BASE, "source"), **kw)  # fmt: skip
+        self.at_floor = Counter(
+            "pinpool_elastic_at_floor_total",
+            "Times an elastic pool's policy, under pressure, shrank to the floor or found it there: nothing more to "
+            "give back.", _BASE, **kw)  # fmt: skip
+        self.elastic_failures = Counter(
+            "pinpool_elastic_failures_total",
+            "Failures of an elastic pool's policy loop, by kind (read, grow, give_up, shrink): logged, never raised.",
+            (*_BASE, "kind"), **kw)  # fmt: skip
 
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, PoolMetrics] = weakref.WeakKeyDictionary()

@@ -11,14 +11,14 @@ import errno
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ._errors import ConfigError, RuntimeCallError
 from ._host import libc as _libc
 from ._pin.outcome import PoolState
 from ._plan.facts import HostFacts
 from ._ranges import PINNED_RANGES, RangeBook
-from ._types import Capabilities, RegistrarLimits
+from ._types import Capabilities, MemoryReading, PsiLine, PsiReading, RegistrarLimits
 from ._units import parse_size
 from .runtimes._gpu import CUDA, HIP, GpuApi
 from .runtimes._mlock import lock_range, page_span, unlock_range
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CallHook",
     "FakeCudart",
+    "FakePressure",
     "FakeRegistrar",
     "FakeRuntime",
     "assert_released",
@@ -546,3 +547,53 @@ def _check_code(rc: object) -> None:
 def _check_count(value: object, what: str, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{what}={value!r} must be an int of at least {minimum}")
+
+
+class FakePressure:
+    """A pressure source for an elastic pool's policy loop (``PinnedPool(..., pressure=FakePressure())``): it
+    reads what the test last :meth:`set` (at first: no pressure, nothing known), and each :meth:`set` wakes
+    the loop at once; :meth:`fail_reads` makes reads raise ``error`` (None: read again). ``closed`` tells
+    whether the loop let go of it."""
+
+    def __init__(self) -> None:
+        self._lock, self._signal = threading.Lock(), threading.Event()
+        self._reading, self._error = MemoryReading(), cast("Exception | None", None)
+        self.reads = 0
+        self.closed = False
+
+    @staticmethod
+    def reading(psi: float | None = None, *, used: int | None = None, limit: int | None = None) -> MemoryReading:
+        """A reading: PSI ``some`` avg10 ``psi`` (percent), a cgroup v2 using ``used`` of ``limit`` bytes."""
+        line = None if psi is None else PsiReading("fake", PsiLine(psi, psi, psi, 0), None)
+        return MemoryReading(psi=line, cgroup_version=None if used is None else 2, usage_bytes=used, limit_bytes=limit)
+
+    def set(self, reading: MemoryReading) -> None:
+        with self._lock:
+            self._reading = reading
+        self._signal.set()
+
+    def fail_reads(self, error: Exception | None) -> None:
+        with self._lock:
+            self._error = error
+        self._signal.set()
+
+    def describe(self) -> str:
+        return "pinpool.testing.FakePressure"
+
+    def read(self) -> MemoryReading:
+        with self._lock:
+            self.reads += 1
+            if self._error is not None:
+                raise self._error
+            return self._reading
+
+    def wait(self, timeout: float) -> str | None:
+        fired = self._signal.wait(timeout)
+        self._signal.clear()
+        return "fake" if fired else None
+
+    def wake(self) -> None:
+        self._signal.set()
+
+    def close(self) -> None:
+        self.closed = True

@@ -104,6 +104,7 @@ class PressureWatch:
         self._sources: dict[int, PressureEvent] = {}
         self.unavailable: tuple[str, ...] = ()
         self._closed = False
+        self._wake: int | None = None
         problems: list[str] = []
         try:
             if psi is not None:
@@ -120,6 +121,9 @@ class PressureWatch:
             self.close()
             asked = "no source was asked for (psi=None and v1_level=None)" if not problems else "; ".join(problems)
             raise PressureError(f"no memory pressure notification can be armed here: {asked}; {_FALLBACK}", path="")
+        # wake() ends a wait from another thread (a pool's policy loop stopping at exit): not a source.
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poll.register(self._wake, select.POLLIN)
 
     @property
     def armed(self) -> tuple[PressureEvent, ...]:
@@ -180,11 +184,14 @@ class PressureWatch:
 
     def wait(self, timeout: float | None = None) -> PressureEvent | None:
         """The first notification within ``timeout`` seconds (None: wait for ever), or None at the
-        timeout. Raises :class:`~pinpool.PressureError` when a watched cgroup was removed."""
+        timeout or on :meth:`wake`. Raises :class:`~pinpool.PressureError` when a watched cgroup was removed."""
         if self._closed:
             raise PressureError("the PressureWatch is closed: open a new one", path="")
         ms = None if timeout is None else max(0, int(timeout * 1000))
         for fd, revents in self._poll.poll(ms):
+            if fd == self._wake:
+                os.eventfd_read(fd)
+                return None
             event = self._sources[fd]
             if event.source == "cgroup_v1":
                 count = os.eventfd_read(fd)
@@ -202,12 +209,22 @@ class PressureWatch:
             return event
         return None
 
+    def wake(self) -> None:
+        """End the wait under way (or the next one) with None, from any thread; not after :meth:`close`."""
+        wake = self._wake
+        if self._closed or wake is None:
+            raise PressureError("the PressureWatch is closed: open a new one", path="")
+        os.eventfd_write(wake, 1)
+
     def close(self) -> None:
         """Disarm everything (closing the file disarms a PSI trigger; closing the eventfd, a v1 one)."""
         self._closed = True
         sources, self._sources = self._sources, {}
         for fd in sources:
             os.close(fd)
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            os.close(wake)
 
     def __enter__(self) -> PressureWatch:
         return self

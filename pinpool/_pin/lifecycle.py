@@ -10,7 +10,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ChunkFailure, MemoryGoneError, NodeWaitCancelled, PoolStateError, UnpinError
 from .._node.pacing import NodeAdmission
@@ -50,6 +50,17 @@ if TYPE_CHECKING:
     from .memory_source import PoolMemory
 
 ProgressCallback = Callable[[int, int, int, int], object]
+
+
+class PolicyLoop(Protocol):
+    """An elastic pool's policy loop (pinpool._pool.follow), stopped before the teardown: ``stop()`` at once
+    from any thread, saying whether ``join()`` must then wait for its thread (not when it is this one)."""
+
+    def stop(self) -> bool: ...
+
+    def join(self) -> None: ...
+
+
 TEARDOWN_TRIES = 3  # a teardown something raised in resumes at once this often, then hands it over
 ABANDON_AFTER_CTRL_C = 3  # Ctrl-Cs held while a teardown waits on a runtime call: the last gives up on it
 
@@ -67,6 +78,7 @@ class Lifecycle:
         self.plan, self.options, self.runtime, self.caps = plan, options, runtime, caps
         self.registrars = registrars
         self.elastic = elastic  # an elastic pool's segments above the floor (``plan``): torn down before it
+        self.policy_loop: PolicyLoop | None = None  # stopped and joined before any segment is torn down
         self.observer, self.source, self.on_progress = observer, source, on_progress
         self.name, self.nbytes, self.background = options.name, plan.nbytes, options.background
         self.describe = (
@@ -352,6 +364,9 @@ class Lifecycle:
                 self._close_empty()
                 return None
             interrupts: list[BaseException] = []
+            loop = self.policy_loop
+            if loop is not None and loop.stop():  # it grows and shrinks the segments: ended before they go
+                interrupts += (yield RunThreads(bodies=(loop.join,), name=f"pinpool-{self.name}-elastic")).interrupts
             if self.background:
                 interrupts += yield from self._stop_conductor(session, StopCause.EXIT)
             failed = self.take_error(unseen=True) if self.state is PoolState.FAILED else None

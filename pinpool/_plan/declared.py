@@ -118,6 +118,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("grow_step", "int | str", "1GiB",
         "an elastic pool's segment: the unit it grows and shrinks by, rounded up to whole chunks of every buffer",
         flag=Flag("--grow-step", "size", "SIZE"), pin=False, no_pin="a caller's tensor cannot grow"),
+    Option("elastic", "ElasticPolicy | None", None,
+        "an elastic pool's policy loop (needs reserve= and on_give_up=): a thread that shrinks the pool under memory "
+        "pressure and grows it when the server asks (pool.want()) or memory is free (None: grow and shrink by hand)",
+        no_flag="Python-only: the loop asks the server's on_give_up which pages to give back", pin=False,
+        no_pin="a caller's tensor cannot grow", home=REQUEST),
+    Option("on_give_up", "Callable[[int], Sequence[range] | None] | None", None,
+        "the policy loop asks it, under pressure, for pages worth nbytes the server no longer uses: it returns page "
+        "ranges (the tail, or runs its allocator freed) or []/None to give nothing; called on the loop's thread",
+        no_flag="Python-only: a callback of the server", pin=False, no_pin="a caller's tensor cannot grow",
+        home=REQUEST),
+    Option("pressure", "PressureSource | None", None,
+        "where the policy loop reads memory pressure (None: the host's: PSI and cgroup v1 notifications where they "
+        "can be armed, else a reading every read_interval_seconds)",
+        no_flag="Python-only: a test injects readings (pinpool.testing.FakePressure)", pin=False,
+        no_pin="a caller's tensor cannot grow", home=REQUEST),
     Option("memory", "SharedMemory | None", None,
         "where the memory comes from: None maps private anonymous memory; a pinpool.SharedMemory maps a shared file",
         no_flag="Python-only: a SharedMemory object", pin=False, no_pin="the tensor is the memory", home=REQUEST),

@@ -63,6 +63,8 @@ class ElasticPolicy:
     calm_used: float = 0.75
     cooldown_seconds: float = 30.0
     shrink_interval_seconds: float = 2.0
+    # How often a pool's loop reads pressure between the kernel's notifications (calm comes without one).
+    read_interval_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         _bytes("ElasticPolicy", "floor", self.floor)
@@ -96,6 +98,15 @@ class ElasticPolicy:
             )
         _number("cooldown_seconds", self.cooldown_seconds, "use a finite number of seconds, 0 or more")
         _number("shrink_interval_seconds", self.shrink_interval_seconds, "use a finite number of seconds, 0 or more")
+        if (
+            not 0
+            < _number("read_interval_seconds", self.read_interval_seconds, "use a number of seconds above 0")
+            <= 60
+        ):
+            raise ConfigError(
+                f"ElasticPolicy read_interval_seconds={self.read_interval_seconds!r}: use seconds above 0, up to 60 "
+                "(1.0: a reading costs a few file reads)"
+            )
 
     def check(self, reserved: int) -> None:
         """A pool reserving ``reserved`` bytes can follow this policy (call it when the pool is made)."""

@@ -36,6 +36,7 @@ from ..layouts._spec import Layout
 from ..registrars import TransferPiece, TransferRegistrar, TransferRegistration, limits_of
 from ..runtimes import Runtime, capabilities_of, resolve_runtime
 from ..runtimes._registry import FAILURE_REASONS
+from .follow import PolicyLoop, recorded, recorded_async
 from .request import PoolArguments, PoolRequest, pool_request
 
 _WAIT_POLL_SECONDS = 0.02
@@ -165,6 +166,16 @@ class PinnedPool:
             registrars=self._registrars, elastic=self._elastic,
         )  # fmt: skip
         self._finalizer = weakref.finalize(self, finalize_lifecycle, self._lifecycle)
+        self._loop: PolicyLoop | None = None
+        if self._elastic is not None:
+            self._observer.reserved = self.nbytes
+        if request.elastic is not None:
+            assert self._elastic is not None and request.on_give_up is not None  # the request checked them
+            self._loop = PolicyLoop(
+                self, request.elastic, request.on_give_up, observer=self._observer, page_bytes=self._plan.page_bytes,
+                floor_pages=self._elastic.reservation.floor_pages, source=request.pressure,
+            )  # fmt: skip
+            self._lifecycle.policy_loop = self._loop
 
     def __repr__(self) -> str:
         plan = self._plan
@@ -448,13 +459,17 @@ class PinnedPool:
         raises (segments pinned before stay). :class:`PoolStateError` beyond the reservation or while a grow runs."""
         elastic, memory = self._resizing("grow()")
         count = self._grow_pages(pages, nbytes)
-        grown: Grown = await drive_async(elastic.grow(memory, count))
+        grown: Grown = await recorded_async(
+            self._observer, "grow", self._usable_bytes, self._plan.page_bytes, drive_async(elastic.grow(memory, count))
+        )
         return grown
 
     def grow_sync(self, *, pages: int | None = None, nbytes: int | str | None = None) -> Grown:
         """:meth:`grow` for synchronous code (Ctrl-C undoes the segment in flight)."""
         elastic, memory = self._resizing("grow_sync()")
-        grown: Grown = drive_sync(elastic.grow(memory, self._grow_pages(pages, nbytes)))
+        steps = elastic.grow(memory, self._grow_pages(pages, nbytes))
+        grown: Grown = recorded(self._observer, "grow", self._usable_bytes, self._plan.page_bytes,
+                                functools.partial(drive_sync, steps))  # fmt: skip
         return grown
 
     async def shrink(self, *, pages: Sequence[range] | None = None, to_pages: int | None = None) -> Shrunk:
@@ -463,20 +478,60 @@ class PinnedPool:
         (they read zero after); the other named pages stay usable (``kept``). Anything not usable now (the floor,
         a growing segment, pages never grown) is refused with a typed error, and nothing changes."""
         elastic, memory = self._resizing("shrink()")
-        shrunk: Shrunk = await drive_async(elastic.shrink(memory, pages=pages, to_pages=to_pages))
+        steps = elastic.shrink(memory, pages=pages, to_pages=to_pages)
+        shrunk: Shrunk = await recorded_async(
+            self._observer, "shrink", self._usable_bytes, self._plan.page_bytes, drive_async(steps)
+        )
         return shrunk
 
     def shrink_sync(self, *, pages: Sequence[range] | None = None, to_pages: int | None = None) -> Shrunk:
         """:meth:`shrink` for synchronous code."""
+        return self._shrink_sync(pages=pages, to_pages=to_pages)
+
+    def _shrink_sync(
+        self, *, pages: Sequence[range] | None = None, to_pages: int | None = None, decided_at: float | None = None
+    ) -> Shrunk:
+        """:meth:`shrink_sync`, timed from ``decided_at`` (the policy loop's decision, monotonic) if given."""
         elastic, memory = self._resizing("shrink_sync()")
-        shrunk: Shrunk = drive_sync(elastic.shrink(memory, pages=pages, to_pages=to_pages))
+        steps = elastic.shrink(memory, pages=pages, to_pages=to_pages)
+        shrunk: Shrunk = recorded(self._observer, "shrink", self._usable_bytes, self._plan.page_bytes,
+                                  functools.partial(drive_sync, steps), started=decided_at)  # fmt: skip
         return shrunk
+
+    def _growing(self) -> bool:
+        return self._elastic is not None and self._elastic.book.grow is not None
+
+    def _usable_bytes(self) -> int:
+        return sum(len(r) for r in self.pinned_runs) * self._plan.page_bytes
+
+    def want(self, *, pages: int | None = None, nbytes: int | str | None = None) -> None:
+        """Tell the policy loop (``elastic=``) the server needs ``pages`` (or ``nbytes``) more than it has now:
+        it grows by whole segments when memory allows (pressure wins; a later call replaces the ask; 0 withdraws
+        it). Returns at once: watch ``pinned_runs``, or ``await pool.grow()`` to wait for pages yourself."""
+        if self._loop is None:
+            raise ConfigError(
+                f"pool {self.name!r}.want(): the pool has no policy loop; create it with elastic=ElasticPolicy(...) "
+                "(and on_give_up=), or grow it yourself with grow()/grow_sync()"
+            )
+        self._resizing("want()")
+        if pages is not None and (type(pages) is not int or pages < 0):
+            raise ConfigError(f"want(pages={pages!r}): use a whole number of layout pages, 0 or more (0: no ask)")
+        if pages == 0 and nbytes is None:
+            self._loop.ask(0)
+            return
+        self._loop.ask(self._grow_pages(pages, nbytes) * self._plan.page_bytes)
 
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 
     async def __aenter__(self) -> PinnedPool:
         await drive_async(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
+        self._start_loop()
         return self
+
+    def _start_loop(self) -> None:
+        """The policy loop follows the host from entry on (a background floor may still be pinning)."""
+        if self._loop is not None:
+            self._loop.start()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -488,6 +543,7 @@ class PinnedPool:
 
     def __enter__(self) -> PinnedPool:
         drive_sync(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
+        self._start_loop()
         return self
 
     def __exit__(

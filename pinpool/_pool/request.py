@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -15,15 +15,18 @@ from .._pin.memory_source import TensorLayout, check_memory_source
 from .._plan.declared import DEFAULT_REGISTRY, OPTIONS, OPTIONS_HOME, PACING, REQUEST, SOURCE, Option
 from .._plan.options import PoolOptions
 from ..registrars import check_registrars
+from .follow import check_policy
 
 if TYPE_CHECKING:
     import torch
 
     from .._pin.lifecycle import ProgressCallback
+    from .._plan.elastic import ElasticPolicy
     from .._shared.memory import SharedMemory
     from ..layouts import Layout
     from ..registrars import TransferRegistrar
     from ..runtimes import Runtime
+    from .follow import PressureSource
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,18 @@ class PoolRequest:
     logger: Any | None = None
     on_progress: ProgressCallback | None = None
     registrars: Sequence[TransferRegistrar] | None = None
+    elastic: ElasticPolicy | None = None
+    on_give_up: Callable[[int], Sequence[range] | None] | None = None
+    pressure: PressureSource | None = None
 
     def __post_init__(self) -> None:
         check_memory_source(self.memory, self.options)
+        check_policy(self.elastic, self.on_give_up, self.pressure)
+        if self.elastic is not None and self.options.reserve is None:
+            raise ConfigError(
+                "elastic= is the policy of an elastic pool: give reserve= (the most it may grow to) too, with size= "
+                "its floor"
+            )
         object.__setattr__(self, "registrars", check_registrars(self.registrars))
         if self.registry is not None and not isinstance(self.registry, CollectorRegistry):
             raise ConfigError(f"registry={self.registry!r} must be a prometheus_client CollectorRegistry, or None")
@@ -116,6 +128,9 @@ class PoolArguments(_PinningArguments, total=False):
     reserve: int | str | None
     grow_step: int | str
     memory: SharedMemory | None
+    elastic: ElasticPolicy | None
+    on_give_up: Callable[[int], Sequence[range] | None] | None
+    pressure: PressureSource | None
     huge_pages: bool | str
     numa_node: int | None
 

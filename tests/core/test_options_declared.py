@@ -63,7 +63,10 @@ def test_pin_signature_is_the_declaration() -> None:
 def test_pin_takes_every_pool_option_the_tensor_does_not_decide() -> None:
     """What pin() leaves out, each with its reason; the rest it takes with PinnedPool's default."""
     left_out = {o.name: o.no_pin for o in OPTIONS if o.pool and not o.pin}
-    assert set(left_out) == {"layout", "size", "num_pages", "memory", "huge_pages", "numa_node", "reserve", "grow_step"}
+    assert set(left_out) == {
+        "layout", "size", "num_pages", "memory", "huge_pages", "numa_node", "reserve", "grow_step", "elastic",
+        "on_give_up", "pressure",
+    }  # fmt: skip
     assert all(left_out.values())
     same_default = {o.name for o in OPTIONS if o.pool and o.pin and o.default_for_pin == o.default}
     assert {o.name for o in OPTIONS if o.pool and o.pin} - same_default == {"name"}  # "tensor"
@@ -133,7 +136,10 @@ def test_every_option_has_help_and_a_flag_or_a_reason() -> None:
         assert o.help and "\n" not in o.help and not o.help.endswith("."), o.name
         assert (o.flag is None) == bool(o.no_flag), o.name
     python_only = {o.name for o in OPTIONS if o.flag is None}
-    assert python_only == {"granularity_bytes", "ranges", "memory", "registry", "logger", "on_progress", "registrars"}
+    assert python_only == {
+        "granularity_bytes", "ranges", "memory", "registry", "logger", "on_progress", "registrars", "elastic",
+        "on_give_up", "pressure",
+    }  # fmt: skip
 
 
 # -- the command line -----------------------------------------------------------------------------------------

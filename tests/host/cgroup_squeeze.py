@@ -194,6 +194,7 @@ def _remove(group: MemoryCgroup) -> None:
 # Joins the cgroup before anything else runs; say() reports one event.
 PRELUDE = """
 import json, os, sys, time
+from pinpool.testing import locked_bytes
 with open(sys.argv.pop(1), "w") as _procs:
     _procs.write(str(os.getpid()))
 def say(event, **fields):
@@ -205,12 +206,49 @@ def say(event, **fields):
 FIXED_SERVER = """
 import torch
 import pinpool
-from pinpool.testing import locked_bytes
 with pinpool.PinnedPool(size=int(sys.argv[1]), runtime="mlock", registry=None, name="squeezed") as pool:
     pool.tensor.fill_(1)
     say("ready", pinned=pool.pinned_bytes, locked=locked_bytes())
     for line in sys.stdin:
         say("served", sum=int(pool.tensor.sum(dtype=torch.int64)))
+say("closed")
+"""
+
+# A server with an elastic pool: a floor of argv[1] bytes, grown to argv[2] reserved in segments of argv[3],
+# its policy loop on, stepping by argv[4] bytes (following this cgroup: v1 pressure_level, its usage against
+# the limit) and giving up the tail; it reports the pool's events (pool.grow, pool.shrink, elastic.*) as they
+# come, and serves as the fixed one does, checking its floor.
+ELASTIC_SERVER = """
+import threading
+import torch
+import pinpool
+_say, _lines = say, threading.Lock()
+def say(event, **fields):  # the loop's thread says things too: a line at a time
+    with _lines:
+        _say(event, **fields)
+floor, reserve, segment, step = (int(a) for a in sys.argv[1:5])
+class Say:  # a structlog-shaped logger: each of the pool's events (but chunks') is a line
+    def bind(self, **fields): return self
+    def debug(self, event, **fields): pass
+    def _say(self, event, **fields):
+        plain = (int, float, str, bool, type(None))
+        say(event, **{k: v if isinstance(v, plain) else str(v) for k, v in fields.items()})
+    info = warning = error = critical = _say
+box = []
+def give_up(nbytes):  # the server's allocator frees from the top: the tail, never below the floor
+    top = box[0].pinned_runs[-1].stop
+    return [range(max(floor, top - nbytes), top)]
+policy = pinpool.ElasticPolicy(step=step, headroom=0, grow_while_free=True, shrink_psi=50.0, calm_psi=5.0,
+    shrink_used=0.75, calm_used=0.6, cooldown_seconds=0.2, shrink_interval_seconds=0.05, read_interval_seconds=0.05)
+with pinpool.PinnedPool(size=floor, reserve=reserve, grow_step=segment, runtime="mlock", registry=None,
+                        name="squeezed", logger=Say(), elastic=policy, on_give_up=give_up) as pool:
+    box.append(pool)
+    pool.grow_sync(nbytes=reserve - floor)
+    pool.tensor[:floor].fill_(1)
+    say("ready", pinned=pool.pinned_bytes, locked=locked_bytes())
+    for line in sys.stdin:
+        floor_bytes = pool.tensor[:floor]  # min and max: no temporary (a sum to int64 would copy it 8 times over)
+        say("served", intact=int(floor_bytes.min()) == int(floor_bytes.max()) == 1, pinned=pool.pinned_bytes)
 say("closed")
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,12 +143,24 @@ def test_the_watch_closes_its_files() -> None:
     before = len(os.listdir("/proc/self/fd"))
     watch = PressureWatch(PsiTrigger(), "medium")
     assert watch.armed
-    assert len(os.listdir("/proc/self/fd")) == before + len(watch.armed)
+    assert len(os.listdir("/proc/self/fd")) == before + len(watch.armed) + 1  # and wake()'s eventfd
     watch.close()
     watch.close()  # idempotent
     assert len(os.listdir("/proc/self/fd")) == before
     with pytest.raises(PressureError, match="closed"):
         watch.wait(0)
+
+
+def test_wake_ends_a_wait_from_another_thread() -> None:
+    with PressureWatch(PsiTrigger(), "medium") as watch:
+        waker = threading.Timer(0.01, watch.wake)  # after the wait began, or before: either ends it
+        waker.start()
+        assert watch.wait(None) is None  # a wait for ever, ended by wake() alone
+        waker.join()
+        watch.wake()
+        assert watch.wait(None) is None  # a wake before the wait is kept for it
+    with pytest.raises(PressureError, match="closed"):
+        watch.wake()
 
 
 def test_this_hosts_sources() -> None:

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pinpool
-from pinpool.testing import FakeRegistrar, FakeRuntime
+from pinpool.testing import FakePressure, FakeRegistrar, FakeRuntime
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -354,7 +354,20 @@ def exposition() -> str:
         pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine", fail_unregister_on=1)]),
     ):
         pass
-    with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]):
+    # An elastic pool with its policy loop: a grow, a shrink, a reading of pressure it woke on.
+    pressure = FakePressure()
+    with (
+        pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]),
+        pool(runtime=FakeRuntime(), reserve=8 * MiB, grow_step=2 * MiB, elastic=pinpool.ElasticPolicy(step=2 * MiB),
+             on_give_up=lambda nbytes: [], pressure=pressure) as elastic,
+    ):  # fmt: skip
+        elastic.grow_sync(nbytes=2 * MiB)
+        elastic.shrink_sync(to_pages=4 * MiB)
+        pressure.set(FakePressure.reading(0.5, used=1 << 30, limit=8 << 30))
+        deadline = time.monotonic() + 30
+        while registry.get_sample_value("pinpool_memory_pressure_psi", {"pool": "expo", "runtime": "fake"}) is None:
+            assert time.monotonic() < deadline, "the policy loop never read the pressure set"
+            time.sleep(0.002)
         return generate_latest(registry).decode()
 
 
@@ -432,7 +445,7 @@ def test_promtool_check_metrics(exposition: str) -> None:
 def test_promtool_check_rules() -> None:
     result = subprocess.run([PROMTOOL or "promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 6 rules found" in result.stdout
+    assert "SUCCESS: 7 rules found" in result.stdout
 
 
 @needs_promtool
@@ -452,7 +465,7 @@ def test_every_alert_is_unit_tested_firing_and_not() -> None:
     names = alert_names()
     assert names == [
         "PinpoolRegistrationFailures", "PinpoolUnpinFailures", "PinpoolRollbacks", "PinpoolSlowChunkRegistration",
-        "PinpoolPoolBelowTarget", "PinpoolTransferRegistrationFailures",
+        "PinpoolPoolBelowTarget", "PinpoolTransferRegistrationFailures", "PinpoolElasticPoolAtFloor",
     ]  # fmt: skip
     tests = (DASHBOARDS / "alerts_test.yml").read_text(encoding="utf-8")
     blocks = re.split(r"\n\s*- eval_time:", tests)[1:]
@@ -637,7 +650,7 @@ _CHILD = textwrap.dedent(
 
     import pinpool
     from pinpool.metrics import serve
-    from pinpool.testing import FakeRegistrar, FakeRuntime
+    from pinpool.testing import FakePressure, FakeRegistrar, FakeRuntime
 
     MiB = 1 << 20
     deadline = time.monotonic() + float(sys.argv[1])
@@ -673,12 +686,18 @@ _CHILD = textwrap.dedent(
             raise AssertionError("the body must not run")
     except pinpool.PinError:
         pass
-    with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]):  # stays open
+    pressure = FakePressure()  # an elastic pool's policy loop reads it: PSI 0.5 %, calm
+    pressure.set(FakePressure.reading(0.5, used=1 << 30, limit=8 << 30))
+    elastic = pool(runtime=FakeRuntime(), reserve=8 * MiB, grow_step=2 * MiB, elastic=pinpool.ElasticPolicy(),
+                   on_give_up=lambda nbytes: [], pressure=pressure)
+    with pool(runtime=FakeRuntime(), registrars=[FakeRegistrar("engine")]), elastic:  # stay open
         print(server.server_port, flush=True)
         # Keep pinning short-lived pools so rates and quantiles have increases to work on.
         for _ in range(1000):
             if time.monotonic() > deadline:
                 break
+            elastic.grow_sync(nbytes=2 * MiB)
+            elastic.shrink_sync(to_pages=4 * MiB)
             with pool(runtime=FakeRuntime(register_delay=0.003, unregister_delay=0.001), register_workers=2,
                       node_slots=2, node_dir=node_dir, registrars=[FakeRegistrar("engine", register_delay=0.002)]):
                 time.sleep(0.05)

@@ -29,7 +29,7 @@ MiB = 1 << 20
 GAUGES = {
     "pinpool_pinned_bytes", "pinpool_pool_bytes", "pinpool_chunks_in_flight", "pinpool_pools_open",
     "pinpool_pools_ready", "pinpool_call_seconds_max", "pinpool_pool_info", "pinpool_transfer_registrations",
-    "pinpool_transfer_registered_bytes",
+    "pinpool_transfer_registered_bytes", "pinpool_reserved_bytes", "pinpool_memory_pressure_psi",
 }  # fmt: skip
 
 
