@@ -28,8 +28,8 @@ from .._observe import Observer
 from .._plan.elastic import Action, Decision, ElasticPolicy, ElasticState, decide
 
 if TYPE_CHECKING:
+    from .._pin.elastic import Grown, Shrunk
     from .._types import MemoryReading
-    from .pool import PinnedPool
 
 __all__ = ["GiveUp", "HostPressure", "PolicyLoop", "PressureSource", "recorded", "recorded_async"]
 
@@ -37,6 +37,27 @@ T = TypeVar("T")
 GiveUp = Callable[[int], "Sequence[range] | None"]
 JOIN_SECONDS = 5.0  # a loop busy growing past this is left to the pool's teardown, which takes its segment over
 V1_LEVEL = "low"  # the cgroup reclaims: the earliest v1 signal, before the costly "medium"
+
+
+class ElasticPool(Protocol):
+    """What the loop uses of the pool it follows (a PinnedPool; a protocol: pool.py imports this module)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def pinned_runs(self) -> tuple[range, ...]: ...
+
+    def grow_sync(self, *, pages: int | None = None, nbytes: int | str | None = None) -> Grown: ...
+
+    def _shrink_sync(
+        self, *, pages: Sequence[range] | None = None, to_pages: int | None = None, decided_at: float | None = None
+    ) -> Shrunk: ...
+
+    def _growing(self) -> bool: ...
 
 
 @runtime_checkable
@@ -126,7 +147,7 @@ class PolicyLoop:
     :meth:`stop`, then :meth:`join` when it says so, before the teardown."""
 
     def __init__(
-        self, pool: PinnedPool, policy: ElasticPolicy, on_give_up: GiveUp, *, observer: Observer,
+        self, pool: ElasticPool, policy: ElasticPolicy, on_give_up: GiveUp, *, observer: Observer,
         page_bytes: int, floor_pages: int, source: PressureSource | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
@@ -232,10 +253,10 @@ class PolicyLoop:
                     self.observer.elastic_failed("read", exc)
             self.observer.elastic_event("info", "elastic.stopped", decisions=self.decisions)
 
-    def _usable_bytes(self, pool: PinnedPool) -> int:
+    def _usable_bytes(self, pool: ElasticPool) -> int:
         return sum(len(r) for r in pool.pinned_runs) * self.page_bytes
 
-    def _step(self, pool: PinnedPool, source: PressureSource) -> None:
+    def _step(self, pool: ElasticPool, source: PressureSource) -> None:
         try:
             reading = source.read()
         except Exception as exc:
@@ -260,7 +281,7 @@ class PolicyLoop:
             self.observer.at_floor(decision.reason)
         self._at_floor = decision.at_floor or (self._at_floor and decision.pressure)
 
-    def _grow(self, pool: PinnedPool, decision: Decision, now: float) -> None:
+    def _grow(self, pool: ElasticPool, decision: Decision, now: float) -> None:
         self.observer.elastic_event("info", "elastic.decided", action=decision.action.value, bytes=decision.nbytes,
                                     reason=decision.reason)  # fmt: skip
         try:
@@ -273,7 +294,7 @@ class PolicyLoop:
         with self._asked_lock:
             self._asked = max(0, self._asked - grown.num_pages * self.page_bytes)
 
-    def _shrink(self, pool: PinnedPool, decision: Decision, now: float) -> None:
+    def _shrink(self, pool: ElasticPool, decision: Decision, now: float) -> None:
         self.observer.elastic_event("warning", "elastic.decided", action=decision.action.value,
                                     bytes=decision.nbytes, reason=decision.reason)  # fmt: skip
         self.last_shrink_at = now  # whatever the server answers: ask it again only after shrink_interval_seconds
