@@ -2,6 +2,7 @@
 
     python examples/kv_offload_server.py --size 2GiB --runtime mlock      # http://127.0.0.1:8080
     python examples/kv_offload_server.py --size 2GiB --trio               # hypercorn's trio worker
+    python examples/kv_offload_server.py --size 1GiB --elastic 8GiB       # grows and shrinks with the host
 
 The pool is entered in a Starlette lifespan with ``background=True``: ``async with`` returns as
 soon as pinning has started, so the server answers requests at once while the pool pins, lowest
@@ -70,7 +71,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -212,6 +214,20 @@ class KVOffload:
         ]  # fmt: skip
 
 
+class Tail:
+    """With --elastic, this server's allocator: pages are used from 0 up, so every usable page above the
+    highest one written is free; under memory pressure the pool's policy takes (some of) those."""
+
+    def __init__(self) -> None:
+        self.top = -1
+        self.pool: Callable[[], pinpool.PinnedPool | None] = lambda: None
+
+    def give_up(self, nbytes: int) -> list[range]:
+        pool = self.pool()
+        return [] if pool is None else [range(max(r.start, self.top + 1), r.stop) for r in pool.pinned_runs
+                                        if r.stop > self.top + 1]  # fmt: skip
+
+
 def pool_status(pool: pinpool.PinnedPool) -> dict[str, Any]:
     return {
         "state": pool.state.value,
@@ -262,7 +278,7 @@ async def read_body(request: Request, limit: int, stopping: Stopping) -> bytearr
 
 def create_app(
     pool: pinpool.PinnedPool, registry: CollectorRegistry, device: torch.device, stopping: Stopping | None = None,
-    transfer: TransferEngine | None = None,
+    transfer: TransferEngine | None = None, tail: Tail | None = None,
 ) -> QuietRefusal:  # fmt: skip
     kv = KVOffload(pool, device)
     stopping = Stopping() if stopping is None else stopping
@@ -327,7 +343,8 @@ def create_app(
             )
             return JSONResponse(body, status_code=503)
         pinned = pool.pinned_pages
-        if i >= pinned:
+        if i >= pinned and tail is not None and writing:
+            pool.want(pages=i + 1 - pinned)  # the policy grows by whole segments once the host is calm
             body = pool_status(pool) | {"pinned_pages": pinned, "error": f"page {i} is not pinned yet"}
             return JSONResponse(body, status_code=409)
         return None
@@ -347,6 +364,8 @@ def create_app(
         if (refusal := refuse(i, writing=True)) is not None:  # the pool may have failed or closed meanwhile
             return refusal
         kv.put(i, body)
+        if tail is not None:
+            tail.top = max(tail.top, i)
         return JSONResponse({"page": i, "bytes": len(body)})
 
     async def get_page(request: Request) -> Response:
@@ -412,7 +431,10 @@ class QuietRefusal:
 
 
 def make_pool(
-    args: argparse.Namespace, registry: CollectorRegistry, transfer: TransferEngine | None = None
+    args: argparse.Namespace,
+    registry: CollectorRegistry,
+    transfer: TransferEngine | None = None,
+    tail: Tail | None = None,
 ) -> pinpool.PinnedPool:
     layout = layouts.MHA(
         args.kv_layout, layer_num=args.layer_num, page_size=args.page_size, head_num=args.head_num,
@@ -431,6 +453,10 @@ def make_pool(
     options: dict[str, Any] = {"max_call_seconds": args.max_call_seconds or None, "pin_nice": args.pin_nice} | extra
     if args.max_chunk_bytes is not None:
         options["max_chunk_bytes"] = args.max_chunk_bytes
+    if tail is not None:  # --elastic: --size is the floor; the policy follows the host's memory pressure
+        floor, step = pinpool.parse_size(args.size), pinpool.parse_size(args.grow_step)
+        options |= {"reserve": args.elastic, "grow_step": step, "on_give_up": tail.give_up,
+                    "elastic": pinpool.ElasticPolicy(floor=floor, step=step)}  # fmt: skip
     pool = pinpool.PinnedPool(
         layout=layout, size=args.size, runtime=runtime, background=True, name="kv-offload", registry=registry,
         registrars=[] if transfer is None else [transfer.registrar], **options,
@@ -439,6 +465,8 @@ def make_pool(
         fake.fail_register_on = frozenset({min(3, len(pool.plan.chunks))})
     if transfer is not None:
         transfer.planned(pool)
+    if tail is not None:
+        tail.pool = weakref.ref(pool)
     return pool
 
 
@@ -543,6 +571,12 @@ def main(argv: list[str] | None = None) -> int:
         help="testing aid: the engine registers the pool's last bytes only on SIGUSR1 (or shutdown)",
     )  # fmt: skip
     parser.add_argument("--trio", action="store_true", help="serve with hypercorn under trio instead of uvicorn")
+    parser.add_argument(
+        "--elastic", metavar="RESERVE",
+        help="an elastic pool: --size is its floor, RESERVE the most it grows to; a write past the pinned pages asks "
+        "for more, and under memory pressure it gives back the pages above the highest one written (default: fixed)",
+    )  # fmt: skip
+    parser.add_argument("--grow-step", default="64MiB", help="with --elastic: the segment it grows and shrinks by")
     args = parser.parse_args(argv)
     if args.transfer_hold_last and args.transfer_engine is None:
         parser.error("--transfer-hold-last holds a --transfer-engine registration: give --transfer-engine too")
@@ -574,8 +608,9 @@ def main(argv: list[str] | None = None) -> int:
 def serve(args: argparse.Namespace, transfer: TransferEngine | None) -> int:
     """The pool (registered with ``transfer`` too, when given) and the server, until it shuts down."""
     registry = CollectorRegistry()
+    tail = Tail() if args.elastic else None
     try:
-        pool = make_pool(args, registry, transfer)
+        pool = make_pool(args, registry, transfer, tail)
     except pinpool.PinpoolError as error:
         log(f"cannot create the pool: {error}")
         return 2
@@ -584,7 +619,7 @@ def serve(args: argparse.Namespace, transfer: TransferEngine | None) -> int:
     if transfer is not None and (held := transfer.held) is not None:
         stopping.on_stop.append(held.release)
         signal.signal(signal.SIGUSR1, lambda signum, frame: held.release())
-    app = create_app(pool, registry, device, stopping, transfer)
+    app = create_app(pool, registry, device, stopping, transfer, tail)
     (serve_trio if args.trio else serve_uvicorn)(app, args.host, args.port, stopping)
     # The lifespan has left the pool (unpinned, or rolled back); what the kernel still counts as
     # locked in this process should be nothing (under CUDA, pinned memory does not show in VmLck).

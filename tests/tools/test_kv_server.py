@@ -245,6 +245,36 @@ def test_pin_serve_round_trip_metrics_then_sigterm_after_ready() -> None:
 
 
 @needs_mlock
+def test_elastic_grows_for_a_write_past_its_pages_and_shows_it_in_metrics() -> None:
+    """--elastic: the pool pins its floor, a write past its pinned pages is refused (409) and asks the policy
+    for more; the loop grows a segment (the host is calm) and the write goes through; /metrics says so."""
+    mib = 1 << 20
+    with server("--size", "64MiB", "--elastic", "256MiB", "--grow-step", "64MiB", "--runtime", "mlock") as srv:
+        srv.wait_port()
+        ready, _ = poll_until_not_503(srv)
+        assert ready.status_code == 200, ready.text
+        floor, num_pages = ready.json()["pinned_pages"], ready.json()["num_pages"]
+        assert (floor, num_pages) == (64 * mib // PAGE_BYTES, 256 * mib // PAGE_BYTES)
+        data = random_page(7)
+        first = srv.client.put(f"/pages/{floor + 10}", content=data)
+        assert first.status_code == 409, first.text  # not pinned yet: the pool was asked to grow
+        deadline = time.monotonic() + READY_TIMEOUT
+        while (put := srv.client.put(f"/pages/{floor + 10}", content=data)).status_code == 409:
+            assert time.monotonic() < deadline, put.text
+            time.sleep(0.05)
+        assert put.status_code == 200, put.text
+        assert srv.client.get(f"/pages/{floor + 10}").content == data
+        assert srv.client.get("/readyz").json()["pinned_pages"] >= floor + 64 * mib // PAGE_BYTES
+        text = srv.client.get("/metrics").text
+        labels = {"pool": "kv-offload", "runtime": "mlock"}
+        assert metric(text, "pinpool_reserved_bytes", **labels) == 256 * mib
+        assert metric(text, "pinpool_grows_total", outcome="grown", **labels) >= 1
+        assert srv.child_vmlck() >= 128 * mib
+        rc, _took = srv.stop(signal.SIGTERM)
+        assert rc == 0 and srv.logged_vmlck() == 0, srv.output
+
+
+@needs_mlock
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_while_pinning_exits_promptly_with_nothing_locked(sig: int) -> None:
     with server("--size", "2GiB", "--runtime", "mlock") as srv:
