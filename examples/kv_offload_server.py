@@ -343,8 +343,9 @@ def create_app(
             )
             return JSONResponse(body, status_code=503)
         pinned = pool.pinned_pages
-        if i >= pinned and tail is not None and writing:
-            pool.want(pages=i + 1 - pinned)  # the policy grows by whole segments once the host is calm
+        if i >= pinned:
+            if tail is not None and writing:
+                pool.want(pages=i + 1 - pinned)  # the policy grows by whole segments once the host is calm
             body = pool_status(pool) | {"pinned_pages": pinned, "error": f"page {i} is not pinned yet"}
             return JSONResponse(body, status_code=409)
         return None
