@@ -48,6 +48,9 @@ def vm_locked() -> int:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
+    """0.0 for no value: a grow can end between two iterations, and then nothing waited on it."""
+    if not values:
+        return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
@@ -79,7 +82,8 @@ class Serving:
         self._thread.join()
 
     def between(self, start: float, end: float) -> list[float]:
-        return [seconds for started, seconds in self.samples if start <= started < end]
+        """The iterations that ran in ``[start, end)`` at least in part (one that waited on the grow too)."""
+        return [seconds for started, seconds in self.samples if started < end and started + seconds > start]
 
 
 def grow_while_serving(floor: int, step: int, idle_seconds: float) -> dict[str, Any]:
@@ -96,7 +100,7 @@ def grow_while_serving(floor: int, step: int, idle_seconds: float) -> dict[str, 
         "grow_seconds": grow_end - grow_start,
         "idle_p99_ms": percentile(idle, 99) * 1e3,
         "grow_p99_ms": percentile(growing, 99) * 1e3,
-        "grow_max_ms": max(growing) * 1e3,
+        "grow_max_ms": max(growing, default=0.0) * 1e3,
         "samples": [len(idle), len(growing)],
     }
 
