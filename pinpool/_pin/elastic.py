@@ -30,14 +30,12 @@ from .engine import Memory, PinSession
 from .gates import PoolAdmission
 from .ledger import Phase, StopCause
 from .outcome import Ran, RunThreads, Steps, pin_error, unpin_error
+from .teardown import tear_down
 
 if TYPE_CHECKING:
     from .._types import Capabilities
     from ..registrars import TransferRegistrar
     from ..runtimes import Runtime
-
-TEARDOWN_TRIES = 3  # as the lifecycle's: a teardown something raised in resumes at once this often
-ABANDON_AFTER_CTRL_C = 3
 
 
 @dataclass(frozen=True)
@@ -267,23 +265,11 @@ class Elastic:
     ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
         """Tear ``session`` down (registrars first, then the runtime; resumed TEARDOWN_TRIES times), then give
         its pages back; the book says FREE, or LEAKED with the UnpinError returned."""
-        interrupts: list[BaseException] = []
-        held = functools.partial(self._held, session)
-        for attempt in range(TEARDOWN_TRIES):
-            try:
-                ran = yield RunThreads(
-                    bodies=session.begin_teardown(join=join), name=f"pinpool-{self.name}-shrink", on_held=held
-                )
-                interrupts += ran.interrupts
-                failures = session.end_teardown(ran.crashed, abandoned=ran.abandoned)
-                interrupts += session.take_raised()
-                break
-            except GeneratorExit:
-                raise
-            except BaseException as exc:
-                if attempt == TEARDOWN_TRIES - 1:
-                    raise  # the segment stays as it is (GROWING, RELEASING): the next shrink or the exit resumes
-                interrupts.append(exc)
+        # Raised TEARDOWN_TRIES times, the segment stays as it is (GROWING, RELEASING): the next shrink or the exit
+        # resumes it.
+        failures, interrupts = yield from tear_down(
+            session, self.observer, f"pinpool-{self.name}-shrink", lambda failures: failures, join=join
+        )
         leaked = session.leaked()
         if leaked:
             pacing = None
@@ -358,10 +344,6 @@ class Elastic:
             (-(-start // grain) * grain, end // grain * grain) for start, end in self.reservation.segments[index].slices
         ]
         return [(lo, hi) for lo, hi in cut if hi > lo]
-
-    def _held(self, session: PinSession, count: int) -> bool:
-        self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
-        return count >= ABANDON_AFTER_CTRL_C
 
     # -- the pool's teardown -------------------------------------------------------------------
 

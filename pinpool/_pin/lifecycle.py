@@ -39,6 +39,7 @@ from .outcome import (
     unpin_error,
     warn_unclosed,
 )
+from .teardown import tear_down
 
 if TYPE_CHECKING:
     from .._plan.options import PoolOptions
@@ -59,10 +60,6 @@ class PolicyLoop(Protocol):
     def stop(self) -> bool: ...
 
     def join(self) -> None: ...
-
-
-TEARDOWN_TRIES = 3  # a teardown something raised in resumes at once this often, then hands it over
-ABANDON_AFTER_CTRL_C = 3  # Ctrl-Cs held while a teardown waits on a runtime call: the last gives up on it
 
 
 class Lifecycle:
@@ -453,29 +450,9 @@ class Lifecycle:
         meanwhile resumes it, TEARDOWN_TRIES times, then is raised with the pool CLOSING."""
         if self.state is not PoolState.CLOSING:
             self._move(PoolState.CLOSING)
-        interrupts: list[BaseException] = []
-        held = functools.partial(self._held, session)
-        for attempt in range(TEARDOWN_TRIES):
-            try:
-                ran = yield RunThreads(
-                    bodies=session.begin_teardown(join=join), name=f"pinpool-{self.name}-unpin", on_held=held
-                )
-                interrupts += ran.interrupts
-                failures = session.end_teardown(ran.crashed, abandoned=ran.abandoned)
-                interrupts += session.take_raised()
-                return self._close(session, failures), interrupts
-            except GeneratorExit:
-                raise  # the driver is gone: a later exit, close() or the finalizer resumes
-            except BaseException as exc:
-                if attempt == TEARDOWN_TRIES - 1:
-                    raise
-                interrupts.append(exc)
-        raise AssertionError("unreachable")
-
-    def _held(self, session: PinSession, count: int) -> bool:
-        """``count`` Ctrl-Cs held while teardown waits: say what it waits on; whether to give up (then leaked)."""
-        self.observer.unpin_waiting(list(session.calls.values()), abandon_after=ABANDON_AFTER_CTRL_C)
-        return count >= ABANDON_AFTER_CTRL_C
+        return (yield from tear_down(
+            session, self.observer, f"pinpool-{self.name}-unpin", functools.partial(self._close, session), join=join
+        ))  # fmt: skip
 
     def _close(self, session: PinSession, failures: tuple[ChunkFailure, ...]) -> UnpinError | None:
         """Close the books and let the memory go, unless a chunk leaked; the UnpinError of a handed-out pool."""
