@@ -132,30 +132,28 @@ class SharedMapping:
         buffer._owner = self  # the tensor's storage holds `buffer`, `buffer` holds the mapping
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
+    def _whole_pages(self, offset: int, nbytes: int, nothing: str) -> tuple[int, int]:
+        """``[offset, +nbytes)`` of the data checked as whole pages of the file system (give_back, take_back)."""
+        if self.unmapped:
+            raise PoolStateError(f"shared memory {self._where} was unmapped here: there is nothing {nothing}")
+        kind = "hugetlb page" if self.page_size > _libc.PAGE_SIZE else "page"
+        return checked_range(
+            offset, nbytes, data_bytes=self.nbytes, length=self.length, granule=self.page_size, granule_kind=kind,
+            what=f"shared memory {self._where}",
+        )  # fmt: skip
+
     def give_back(self, offset: int, nbytes: int) -> None:
         """Give ``[offset, +nbytes)`` of the data back to the host, once unpinned: a hole punched in the file
         (``MADV_REMOVE``), in whole pages of its file system, so every process's view reads zero after and
         the file's blocks fall; the trailer is never part of it. It can be touched and pinned again."""
-        if self.unmapped:
-            raise PoolStateError(f"shared memory {self._where} was unmapped here: there is nothing left to give back")
-        kind = "hugetlb page" if self.page_size > _libc.PAGE_SIZE else "page"
-        offset, nbytes = checked_range(
-            offset, nbytes, data_bytes=self.nbytes, length=self.length, granule=self.page_size, granule_kind=kind,
-            what=f"shared memory {self._where}",
-        )  # fmt: skip
+        offset, nbytes = self._whole_pages(offset, nbytes, "left to give back")
         give_back(self.address, offset, nbytes, shared=True, what=f"shared memory {self._where}")
 
     def take_back(self, offset: int, nbytes: int) -> None:
         """Allocate ``[offset, +nbytes)`` of the file again after :meth:`give_back`, before anything touches
         it: a fault in a hole that a full tmpfs or an empty hugetlb pool cannot fill is a SIGBUS that kills
         the process; here it is a :class:`ConfigError` and the range stays given back (it reads zero)."""
-        if self.unmapped:
-            raise PoolStateError(f"shared memory {self._where} was unmapped here: there is nothing to take back")
-        kind = "hugetlb page" if self.page_size > _libc.PAGE_SIZE else "page"
-        offset, nbytes = checked_range(
-            offset, nbytes, data_bytes=self.nbytes, length=self.length, granule=self.page_size, granule_kind=kind,
-            what=f"shared memory {self._where}",
-        )  # fmt: skip
+        offset, nbytes = self._whole_pages(offset, nbytes, "to take back")
         if nbytes == 0:
             return
         try:
