@@ -4,11 +4,11 @@
     python benchmarks/bench_elastic.py --step 512MiB --reps 5 --json out.json
 
 Part 1, **growing while serving**: an elastic pool (``size=`` a 256 MiB floor, ``reserve=`` floor + step,
-``grow_step=`` step, mlock) is open; a "serving" thread maps a small anonymous region
-(``mmap.mmap(-1, 64 KiB)``), writes one byte per 4 KiB page and unmaps it, once per millisecond (as
-benchmarks/bench_serving.py's part 2: mmap and munmap wait behind the pool's mmap_lock-holding calls).
-Its latencies are recorded for ``--idle-seconds`` with the pool idle, then while ``pool.grow_sync()``
-pins one segment of ``--step``; reported as p99 (and max) during the grow against idle, per rep.
+``grow_step=`` step, mlock) is open; bench_serving.py's "serving" thread maps a small anonymous region
+(``mmap.mmap(-1, 64 KiB)``), writes one byte per 4 KiB page and unmaps it, once per millisecond (its part
+2: mmap and munmap wait behind the pool's mmap_lock-holding calls). Its latencies are recorded for
+``--idle-seconds`` with the pool idle, then while ``pool.grow_sync()`` pins one segment of ``--step``;
+reported as p99 (and max) during the grow against idle, per rep.
 
 Part 2, **memory back after a pressure signal**: the same pool, grown, with its policy loop on
 (``elastic=ElasticPolicy(floor=..., step=...)``, ``on_give_up`` giving up the grown segment,
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from bench_serving import Server, percentile, vm_locked
 
 import pinpool
 from pinpool.testing import FakePressure
@@ -39,67 +39,30 @@ from pinpool.testing import FakePressure
 MiB = 1 << 20
 
 
-def vm_locked() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmLck:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmLck in /proc/self/status")
+def overlapping(server: Server, start: float, end: float) -> list[float]:
+    """The iterations that ran in ``[start, end)`` at least in part (one that waited on the grow too)."""
+    return [seconds for started, seconds in server.samples if started < end and started + seconds > start]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
+def p99_ms(values: list[float]) -> float:
     """0.0 for no value: a grow can end between two iterations, and then nothing waited on it."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
-class Serving:
-    """A thread that maps, touches and unmaps 64 KiB once per millisecond, recording (start, seconds)."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="serving", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            region = mmap.mmap(-1, 64 << 10)
-            for offset in range(0, 64 << 10, 4096):
-                region[offset] = 1
-            region.close()
-            self.samples.append((started, time.monotonic() - started))
-            time.sleep(0.001)
-
-    def __enter__(self) -> Serving:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def between(self, start: float, end: float) -> list[float]:
-        """The iterations that ran in ``[start, end)`` at least in part (one that waited on the grow too)."""
-        return [seconds for started, seconds in self.samples if started < end and started + seconds > start]
+    return percentile(values, 0.99) * 1e3 if values else 0.0
 
 
 def grow_while_serving(floor: int, step: int, idle_seconds: float) -> dict[str, Any]:
     pool = pinpool.PinnedPool(size=floor, reserve=floor + step, grow_step=step, runtime="mlock", registry=None)
-    with pool, Serving() as serving:
-        idle_start = time.monotonic()
+    with pool, Server(64 << 10, 0.001) as serving:
+        idle_start = time.perf_counter()  # the serving thread's clock
         time.sleep(idle_seconds)
-        grow_start = time.monotonic()
+        grow_start = time.perf_counter()
         pool.grow_sync(nbytes=step)
-        grow_end = time.monotonic()
+        grow_end = time.perf_counter()
         assert pool.pinned_pages == pool.num_pages
-    idle, growing = serving.between(idle_start, grow_start), serving.between(grow_start, grow_end)
+    idle, growing = overlapping(serving, idle_start, grow_start), overlapping(serving, grow_start, grow_end)
     return {
         "grow_seconds": grow_end - grow_start,
-        "idle_p99_ms": percentile(idle, 99) * 1e3,
-        "grow_p99_ms": percentile(growing, 99) * 1e3,
+        "idle_p99_ms": p99_ms(idle),
+        "grow_p99_ms": p99_ms(growing),
         "grow_max_ms": max(growing, default=0.0) * 1e3,
         "samples": [len(idle), len(growing)],
     }
