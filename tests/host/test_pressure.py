@@ -22,6 +22,8 @@ from pinpool._host import (
     read_memory_pressure,
 )
 
+from .test_memlimits import tree
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 V1_UNLIMITED = "9223372036854771712\n"  # v1's "no limit" (PAGE_COUNTER_MAX pages of 4 KiB)
 
@@ -34,15 +36,6 @@ PSI_V2 = (
 PSI_IDLE = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
 PSI_SOME_ONLY = "some avg10=12.50 avg60=3.00 avg300=100.00 total=42\n"  # cpu before 5.13: no full line
 MEMINFO = "MemTotal:       24683568 kB\nMemFree:        13937000 kB\nMemAvailable:    8388608 kB\nBuffers: 1 kB\n"
-
-
-def tree(tmp_path: Path, files: dict[str, str]) -> str:
-    """A fake ``/`` under tmp_path holding ``files`` (paths relative to it)."""
-    for name, text in files.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return str(tmp_path)
 
 
 # -- the parsers --------------------------------------------------------------------------------------------
