@@ -8,8 +8,8 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "elastic": "Action Decision ElasticPolicy ElasticState decide",
     "facts": "CpuQuota HostFacts cgroup_room cpu_budget effective_available",
     "declared": "DEFAULT_REGISTRY OPTIONS Option pool_options",
-    "options": "BACKGROUND_PIN_NICE MAX_NICE CHUNK_ENV DEFAULT_CHUNK_GIB MAX_CALL_SECONDS MAX_WORKERS PoolOptions "
-               "chunk_limit_from_env",
+    "options": "BACKGROUND_MAX_CALL_SECONDS BACKGROUND_PIN_NICE MAX_NICE CHUNK_ENV DEFAULT_CHUNK_GIB "
+               "MAX_CALL_SECONDS MAX_WORKERS PoolOptions chunk_limit_from_env",
     "plan": "LOOKAHEAD_CHUNKS PoolPlan Schedule plan_chunks plan_pool "
             "retry_splitter",
     "prefix": "PageRun PrefixTracker page_runs pin_order",

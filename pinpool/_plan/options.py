@@ -89,6 +89,9 @@ class PoolOptions:
     budget_yields_to: str | None = None
     reserve: int | None = None  # an elastic pool's reservation in bytes (size= is its floor); None: fixed
     grow_step: int = 1 << 30
+    # A grow's (max_call_seconds, budget_yields_to, pin_nice): the options as given, "auto" resolved as for a
+    # background pool; None: options made without create(), whose values are all explicit already.
+    grows_with: tuple[float | None, str | None, int] | None = field(default=None, repr=False, compare=False)
     buffers: tuple[BufferSpec, ...] = field(init=False, repr=False, compare=False)
     spelled: InitVar[object] = None  # size= as create was given it ("1KiB"), for messages
 
@@ -105,12 +108,15 @@ class PoolOptions:
         exact = None if per_buffer or chunk is None else _bytes(chunk, "chunk_bytes")
         background = o["background"] is True
         stall, yields_to = _stall_budget(o["max_call_seconds"], background and not per_buffer, exact, bound)
+        grow_stall, grow_yields_to = _stall_budget(o["max_call_seconds"], not per_buffer, exact, bound)
+        grows_with = (grow_stall, grow_yields_to, _pin_nice(o["pin_nice"], True))
         return cls(**{
             **o, "layout": layout, "size": size, "chunk_bytes": exact, "max_chunk_bytes": bound,
             "chunk_limit": exact or bound or (size if per_buffer else chunk_limit_from_env()),
             "per_buffer": per_buffer, "min_chunk_bytes": _bytes(o["min_chunk_bytes"], "min_chunk_bytes"),
             "max_call_seconds": stall, "budget_yields_to": yields_to, "pin_nice": _pin_nice(o["pin_nice"], background),
             "reserve": _bytes(o["reserve"], "reserve"), "grow_step": _bytes(o["grow_step"], "grow_step"),
+            "grows_with": grows_with,
         }, spelled=o["size"])  # fmt: skip
 
     def __post_init__(self, spelled: object) -> None:
@@ -195,11 +201,12 @@ class PoolOptions:
         return dataclasses.replace(self, size=self.reserve, num_pages=None, reserve=None)
 
     def growing(self) -> PoolOptions:
-        """The options a grow's sessions pin with: a background pool's stall budget and priority ("auto")."""
-        stall, yields_to = self.max_call_seconds, self.budget_yields_to
-        if stall is None:
-            stall, yields_to = _stall_budget("auto", True, self.chunk_bytes, self.max_chunk_bytes)
-        nice = self.pin_nice or BACKGROUND_PIN_NICE
+        """The options a grow's sessions pin with: those given, and where one was left "auto", a background
+        pool's (its stall budget and priority): an explicit ``pin_nice=0`` or ``max_call_seconds=None`` holds."""
+        if self.grows_with is None:
+            stall, yields_to, nice = self.max_call_seconds, self.budget_yields_to, self.pin_nice
+        else:
+            stall, yields_to, nice = self.grows_with
         return dataclasses.replace(self, background=True, max_call_seconds=stall, budget_yields_to=yields_to,
                                    pin_nice=nice)  # fmt: skip
 

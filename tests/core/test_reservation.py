@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 from pinpool import ConfigError, layouts
 from pinpool._plan import (
+    BACKGROUND_MAX_CALL_SECONDS,
+    BACKGROUND_PIN_NICE,
     PageRun,
     PoolOptions,
     PrefixTracker,
@@ -197,3 +199,21 @@ def test_layouts_that_cannot_grow_in_pages_are_refused() -> None:
     unordered = PageRun(0, 4 * MiB, None)
     with pytest.raises(ConfigError, match=r"does not keep its pages in page order"):
         reservation_grids(dataclasses.replace(schedule, page_runs=(unordered,)))
+
+
+@pytest.mark.parametrize(
+    ("given", "grows_with"),
+    [
+        ({}, (BACKGROUND_MAX_CALL_SECONDS, None, BACKGROUND_PIN_NICE)),  # "auto": a background pool's
+        ({"pin_nice": 0}, (BACKGROUND_MAX_CALL_SECONDS, None, 0)),
+        ({"pin_nice": None, "max_call_seconds": None}, (None, None, 0)),
+        ({"max_call_seconds": 0.2, "pin_nice": 3}, (0.2, None, 3)),
+        ({"max_chunk_bytes": 1 << 20}, (BACKGROUND_MAX_CALL_SECONDS, "max_chunk_bytes", BACKGROUND_PIN_NICE)),
+    ],
+)
+def test_a_grow_pins_with_the_options_given_and_auto_as_a_background_pool(given: dict, grows_with: tuple) -> None:
+    # The floor of a foreground pool pins with no budget at nice 0 either way; only "auto" becomes the background's.
+    options = PoolOptions.create(size=1 << 20, reserve=8 << 20, **given)
+    grow = options.growing()
+    assert (grow.max_call_seconds, grow.budget_yields_to, grow.pin_nice) == grows_with
+    assert grow.background and not options.background
