@@ -22,6 +22,7 @@ PROT_WRITE = 0x2
 MAP_SHARED = 0x01
 MAP_PRIVATE = 0x02
 MAP_ANONYMOUS = 0x20
+MAP_NORESERVE = 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 MAP_HUGETLB = 0x40000
@@ -103,8 +104,10 @@ def _map(length: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> t
     return int(address), 0
 
 
-def mmap_anonymous(length: int) -> tuple[int, int]:
-    return _map(length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS)
+def mmap_anonymous(length: int, *, noreserve: bool = False) -> tuple[int, int]:
+    """Private anonymous memory; ``noreserve``: not charged to the commit limit until touched (MAP_NORESERVE:
+    the heuristic overcommit mode refuses one mapping larger than RAM + swap without it; strict mode ignores it)."""
+    return _map(length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | (MAP_NORESERVE if noreserve else 0))
 
 
 def mmap_hugetlb(length: int, page_size: int = HUGE_PAGE_SIZE) -> tuple[int, int]:

@@ -71,7 +71,9 @@ class HostMapping:
     checked by the caller first), bound to ``numa_node`` and ``MADV_DONTFORK`` before any page is faulted:
     a fork never shares a pinned page copy-on-write (docs/concepts.md)."""
 
-    def __init__(self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None) -> None:
+    def __init__(
+        self, nbytes: int, *, huge_pages: bool | str = False, numa_node: int | None = None, reservation: bool = False
+    ) -> None:
         hugetlb = hugetlb_page_size(huge_pages)
         align = hugetlb or (_libc.HUGE_PAGE_SIZE if huge_pages else _libc.PAGE_SIZE)
         length = -(-nbytes // align) * align
@@ -84,7 +86,8 @@ class HostMapping:
                     f"({hugetlb_fix(hugetlb, 'N')}) or use huge_pages=True"
                 )
         else:
-            address, err = self._map_aligned(length, align)
+            # An elastic pool's reservation may be larger than the host: only what is grown is ever touched.
+            address, err = self._map_aligned(length, align, noreserve=reservation)
         self.address = address
         self.length = length
         self.nbytes = nbytes
@@ -114,9 +117,9 @@ class HostMapping:
                 )
 
     @staticmethod
-    def _map_aligned(length: int, align: int) -> tuple[int, int]:
+    def _map_aligned(length: int, align: int, *, noreserve: bool = False) -> tuple[int, int]:
         slack = align - _libc.PAGE_SIZE
-        raw, err = _libc.mmap_anonymous(length + slack)
+        raw, err = _libc.mmap_anonymous(length + slack, noreserve=noreserve)
         if err:
             raise AllocationError(
                 f"mmap of {format_bytes(length + slack)} failed: {_libc.errno_name(err)} ({os.strerror(err)}); "

@@ -121,7 +121,10 @@ class PoolMemory:
             memory = shared.open_mapping(plan.mapping_bytes, self._record)
         elif self._own:
             check_huge_pages(plan.huge_pages, plan.mapping_bytes, host)
-            memory = HostMapping(plan.mapping_bytes, huge_pages=plan.huge_pages, numa_node=plan.numa_node)
+            memory = HostMapping(
+                plan.mapping_bytes, huge_pages=plan.huge_pages, numa_node=plan.numa_node,
+                reservation=plan.reservation is not None,
+            )  # fmt: skip
         elif self._tensor is None:
             raise PoolStateError(f"pool {name!r} was closed: its tensor was let go; call pin() again")
         else:

@@ -10,12 +10,14 @@ import gc
 import signal
 import threading
 import time
+from pathlib import Path
 
 import anyio
 import anyio.to_thread
 import pytest
 
 import pinpool
+from pinpool._host import HostMapping
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released, locked_bytes
 
@@ -50,6 +52,26 @@ def test_grow_use_shrink_with_mlock() -> None:
         assert int(tensor[4 * MiB : 6 * MiB].count_nonzero()) == 2 * MiB  # the kept segment is untouched
         assert pool.pinned_runs == (range(0, 6 * MiB),)
     assert_released(pool, claims_before=claims, locked_before=before)
+
+
+def test_a_reservation_larger_than_the_host_costs_nothing_until_grown() -> None:
+    # The heuristic overcommit mode refuses one plain mapping larger than RAM + swap; the reservation is mapped
+    # MAP_NORESERVE, so a server may reserve more than this host has and grow as far as the host lets it.
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    host_bytes = sum(int(meminfo[key].split()[0]) << 10 for key in ("MemTotal", "SwapTotal"))
+    reserve = -(-2 * host_bytes // (1 << 30)) << 30
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2":
+        pytest.skip("vm.overcommit_memory=2 (strict) charges every private mapping whole: MAP_NORESERVE is ignored")
+    with pytest.raises(pinpool.AllocationError, match="ENOMEM"):
+        HostMapping(reserve)  # a fixed pool's mapping of that size: refused (its pre-flight refuses it first)
+    before = locked_bytes()
+    with elastic("mlock", reserve=reserve, grow_step="1GiB", chunk_bytes="64MiB") as pool:
+        assert pool.reserved_pages == reserve and locked_bytes() - before == 4 * MiB
+        grown = pool.grow_sync(pages=1)
+        assert grown.pages == (range(4 * MiB, 4 * MiB + (1 << 30)),) and locked_bytes() - before == 4 * MiB + (1 << 30)
+        pool.shrink_sync(to_pages=4 * MiB)
+        assert locked_bytes() - before == 4 * MiB
+    assert locked_bytes() == before
 
 
 def test_a_middle_shrink_ends_pinned_pages_but_not_pinned_runs() -> None:
