@@ -71,3 +71,27 @@ def test_parallel_teardown_unregisters_every_chunk() -> None:
     assert pool.plan.unpin_workers == 4 and pool.pinned_bytes == 0
     for chunk in pool.plan.chunks:  # every chunk was unregistered by one of the unpin workers
         assert not kept[chunk.offset : chunk.offset + chunk.nbytes].is_pinned()
+
+
+def test_an_elastic_pool_grows_and_shrinks_with_cuda() -> None:
+    """Each segment is its own cudaHostRegister calls: pinned once grown, copied to the GPU and back, and no longer
+    pinned once given back, while the floor stays pinned and copies on."""
+    pool = pinpool.PinnedPool(
+        size=64 * MiB, reserve=256 * MiB, grow_step=64 * MiB, chunk_bytes=32 * MiB, runtime=CudaRuntime()
+    )
+    with pool:
+        floor = pool.tensor[: 64 * MiB]
+        assert floor.is_pinned() and not pool.tensor[64 * MiB : 128 * MiB].is_pinned()
+        (grown,) = pool.grow_sync(nbytes=64 * MiB).pages
+        segment = pool.tensor[grown.start : grown.stop]
+        assert segment.is_pinned() and pool.pinned_bytes == 128 * MiB
+        segment.fill_(5)
+        back = segment.to("cuda", non_blocking=True).add_(1).to("cpu", non_blocking=True)
+        torch.cuda.synchronize()
+        assert int(back.sum().item()) == 6 * len(grown)
+        pool.shrink_sync(to_pages=grown.start)
+        assert not segment.is_pinned() and floor.is_pinned() and pool.pinned_bytes == 64 * MiB
+        assert int(segment.count_nonzero().item()) == 0  # given back
+        floor.fill_(2)
+        assert int(floor.to("cuda", non_blocking=True).sum().item()) == 2 * 64 * MiB
+    assert pool.pinned_bytes == 0
