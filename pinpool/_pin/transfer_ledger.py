@@ -90,8 +90,9 @@ class TransferLedger:
 
     def registered(self, item: Item, handle: object) -> None:
         """A register call returned ``handle``; the bytes every registrar now holds become usable pages."""
-        self._landed(item, RunState.REGISTERED)
+        # The handle first: a reader without the lock (Transfers.held) that sees REGISTERED finds its handle.
         self.handles[item[0]][item[1]] = handle
+        self._landed(item, RunState.REGISTERED)
         self.left -= 1
         if self.prefix is not None:
             for start, end in self._held_by_all(item):

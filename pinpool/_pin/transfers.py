@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 
 class Transfers:
-    """One pool's registrars and their books; every method but the calls runs under the session's lock."""
+    """One pool's registrars and their books; every method but the calls and the reads (held, live) runs under the
+    session's lock."""
 
     def __init__(
         self, plans: Sequence[TransferPlan], registrars: Sequence[TransferRegistrar], pipeline: Pipeline,
@@ -46,17 +47,17 @@ class Transfers:
         """Registrar ``index``'s registrations held now, with their handles (none in a forked child)."""
         if os.getpid() != self._pid:
             return []
-        with self._lock:
-            return self.books.live(index)
+        return self.books.live(index)  # without the lock: see held()
 
     def held(self, index: int, registrations: Iterable[int]) -> dict[int, object]:
-        """The handles of those of registrar ``index``'s ``registrations`` (indices) held now: only those are read
-        under the lock (a transfer's few, not the pool's all; none in a forked child)."""
+        """The handles of those of registrar ``index``'s ``registrations`` (indices) held now (none in a forked
+        child). Read without the session's lock, one list item at a time, state before handle (a handle is stored
+        before its state says REGISTERED): a close() run by a signal handler while the main thread reads here
+        takes that lock, and would wait for ever for a read it interrupted."""
         if os.getpid() != self._pid:
             return {}
         states, handles = self.books.states[index], self.books.handles[index]
-        with self._lock:
-            return {r: handles[r] for r in registrations if states[r] is RunState.REGISTERED}
+        return {r: handles[r] for r in registrations if states[r] is RunState.REGISTERED}
 
     # -- pinning -------------------------------------------------------------------------------
 

@@ -199,6 +199,14 @@ class PinnedPool:
             raise PoolStateError(f"pool {self.name!r}.{what} is only available while the pool is open: {hint}")
         return tensors
 
+    def _memory(self, what: str) -> Memory:
+        """The pool's memory, or PoolStateError: closed before, or meanwhile by another thread or a signal handler."""
+        self._require_open(what)
+        memory = self._lifecycle.memory
+        if memory is None:
+            raise PoolStateError(f"pool {self.name!r}.{what}: the pool was closed meanwhile (close() ran during it)")
+        return memory
+
     @property
     def state(self) -> PoolState:
         """Where the pool is: new, pinning, ready, failed (background pinning), closing, closed."""
@@ -285,10 +293,7 @@ class PinnedPool:
     @property
     def data_ptr(self) -> int:
         """Base address of the pool's memory."""
-        self._require_open("data_ptr")
-        memory = self._lifecycle.memory
-        assert memory is not None
-        return memory.address
+        return self._memory("data_ptr").address
 
     @property
     def pinned_bytes(self) -> int:
@@ -358,10 +363,10 @@ class PinnedPool:
         pages ``pages`` (their bytes in every buffer, in buffer order) or bytes ``[offset, offset + nbytes)``.
         :class:`PoolStateError` for bytes it does not hold yet (a background pool: wait for them first)."""
         index = self._registrar_index(registrar)
-        self._require_open("transfer_pieces")
         spans = self._transfer_spans(pages, offset, nbytes)
-        session, memory = self._lifecycle.session, self._lifecycle.memory
-        assert session is not None and session.transfers is not None and memory is not None
+        memory, session = self._memory("transfer_pieces"), self._lifecycle.session
+        if session is None or session.transfers is None:
+            raise PoolStateError(f"pool {self.name!r}.transfer_pieces: the pool was closed meanwhile")
         if self._elastic is not None:
             what = f"pool {self.state.value}, pages {_runs_text(self.pinned_runs)} usable"
             name = self._registrars[index].name

@@ -5,6 +5,7 @@ Real mlock for VmLck and given-back pages; FakeRuntime and FakeRegistrar for fau
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import signal
@@ -21,6 +22,7 @@ from pinpool._host import HostMapping
 from pinpool._ranges import PINNED_RANGES
 from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released, locked_bytes
 
+from ..depth import depth, runs
 from .test_open_close import in_forked_child
 
 MiB = 1 << 20
@@ -314,27 +316,45 @@ def test_a_forked_child_neither_grows_nor_shrinks_its_parents_pool() -> None:
     assert_released(pool, fake)
 
 
-def test_close_from_a_signal_handler_while_the_main_thread_reads_returns() -> None:
-    """A handler's close() landing while the main thread reads pool.pinned_runs (under the segments' lock): it
-    deadlocked on that lock; now it goes on and closes the pool, every time."""
+READS = {
+    "pinned_runs": lambda pool, _registrar: pool.pinned_runs,
+    "registrations": lambda pool, _registrar: pool.registrations,
+    "stats": lambda pool, _registrar: pool.stats,
+    "data_ptr": lambda pool, _registrar: pool.data_ptr,
+    "transfer_pieces": lambda pool, registrar: pool.transfer_pieces(registrar, pages=range(0, 4 * MiB)),
+    "transfer_registrations": lambda pool, registrar: pool.transfer_registrations(registrar),
+}
+
+
+@depth
+@pytest.mark.parametrize("read", sorted(READS))
+@pytest.mark.parametrize("reserve", [None, 12 * MiB], ids=["fixed", "elastic"])
+def test_close_from_a_signal_handler_while_the_main_thread_reads_returns(read: str, reserve: int | None) -> None:
+    """A handler's close() landing while the main thread reads the pool (a readiness probe, a transfer's
+    pieces): it deadlocked on the segments' lock (pinned_runs) and on the session's (the transfer reads), and
+    transfer_pieces raised an AssertionError; now it closes the pool every time, and a read the close overtook
+    raises PoolStateError."""
     faulthandler.dump_traceback_later(60, exit=True)  # a regression hangs the main thread
     try:
-        for attempt in range(30):
-            fake = FakeRuntime()
-            pool = elastic(fake)
+        for attempt in range(runs(12, 40)):
+            fake, registrar = FakeRuntime(), FakeRegistrar()
+            pool = elastic(fake, reserve=reserve, registrars=[registrar])
             pool.open()
-            pool.grow_sync(pages=2 * MiB)
+            if reserve is not None:
+                pool.grow_sync(pages=2 * MiB)
             closed: list[object] = []
             previous = signal.signal(signal.SIGALRM, lambda *_, p=pool, c=closed: c.append(p.close()))
             try:
                 signal.setitimer(signal.ITIMER_REAL, 0.001 + (attempt % 7) * 0.0003)
                 deadline = time.monotonic() + 10
                 while not closed and time.monotonic() < deadline:
-                    pool.pinned_runs  # noqa: B018 - a readiness probe on the main thread
+                    with contextlib.suppress(pinpool.PoolStateError):
+                        READS[read](pool, registrar)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
             assert closed == [None], attempt
+            assert registrar.registered == {}
             assert_released(pool, fake)
     finally:
         faulthandler.cancel_dump_traceback_later()
