@@ -5,6 +5,7 @@ from .._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "drivers": "finalize_lifecycle run_async run_sync",
     "engine": "PinSession",
+    "flag": "Flag",
     "lifecycle": "Lifecycle",
     "memory_source": "PoolMemory",
     "ledger": "ChunkState Ledger Phase RegistrationBook StopCause",

@@ -26,7 +26,7 @@ from .._plan.plan import retry_splitter
 from .._plan.prefix import PrefixTracker
 from .._types import Capabilities
 from ..runtimes import LocksOnFault, Populates, Runtime
-from .latch import Latch
+from .flag import Flag
 from .ledger import Phase, RegistrationBook, StopCause
 from .pipeline import WAIT, Batch, Landing, Pipeline, _Wait, take_batch
 from .transfer_ledger import Item
@@ -85,7 +85,7 @@ class PinSession:
     ) -> None:  # fmt: skip
         order = plan.order
         # Workers begin once all are started: a thread's start (its stack is an mmap) waits behind a populate.
-        self._go = Latch()
+        self._go = Flag()
         self.prefix = PrefixTracker(plan.page_runs, plan.num_pages)
         # With registrars a page is usable once every one of them holds it: their books cover the prefix.
         self.pipeline = Pipeline(
@@ -406,7 +406,7 @@ class PinSession:
 
     def go(self) -> None:
         """Every pinning thread is started (or no more will be): workers may begin."""
-        self._go.open()
+        self._go.set()
 
     def cancel(self) -> None:
         self.stop(StopCause.CANCELLED)
@@ -417,7 +417,7 @@ class PinSession:
         with self.lock:
             self.ledger.stop(cause)
             self._changed.notify_all()
-        self._go.open()  # a worker still waiting to begin must see the stop, not wait forever
+        self._go.set()  # a worker still waiting to begin must see the stop, not wait forever
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Wait until no populate or register call is in flight; False if some still is after ``timeout``."""

@@ -15,6 +15,7 @@ from typing import ClassVar, Protocol, TypeVar
 from .._errors import NodeBusyError, NodeWaitCancelled, PoolStateError
 from .._node.pacing import BudgetHold, NodeAdmission, SlotHold
 from .._observe import Observer
+from .flag import Flag
 from .outcome import Ran, RunThreads, Steps, admission_thread_error, closed_during_open
 
 T = TypeVar("T")
@@ -37,7 +38,7 @@ class Driver:
 
     thread: int
     role: str  # "enter" or "close"
-    done: threading.Event = field(default_factory=threading.Event)
+    done: Flag = field(default_factory=Flag)
     drive: Parked | None = field(default_factory=DRIVING.get)
 
     def wait(self) -> None:
@@ -178,7 +179,7 @@ class PoolAdmission:
     ) -> None:
         self.admission, self.name, self.nbytes = admission, name, nbytes
         self.describe, self.observer = describe, observer
-        self.cancel = threading.Event()  # set: give up the wait (exit, collection, interpreter exit)
+        self.cancel = Flag()  # set: give up the wait (exit, collection, interpreter exit)
         self.slot: SlotHold | None = None
         self.budget: BudgetHold | None = None
 

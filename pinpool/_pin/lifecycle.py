@@ -18,6 +18,7 @@ from .._observe import Observer
 from .._ranges import PINNED_RANGES
 from .._units import format_bytes
 from .engine import Memory, PinSession
+from .flag import Flag
 from .gates import CloseGate, PoolAdmission
 from .ledger import Phase, StopCause
 from .outcome import (
@@ -92,7 +93,7 @@ class Lifecycle:
         self.error: BaseException | None = None  # why background pinning ended early (state FAILED)
         self._error_seen = False  # a waiter (or pool.error) has handed it to the user
         self._lock = threading.RLock()
-        self._closed = threading.Event()  # set once CLOSED: an exit waits for the finalizer's teardown
+        self._closed = Flag()  # set once CLOSED: an exit waits for the finalizer's teardown
         self.gate = CloseGate()  # one caller at a time enters or closes; close() from anywhere
         self._pid: int | None = None  # the process that entered (a forked child lets go instead)
         self._driven = False  # a driver is running enter() or exit(): the finalizer keeps off
