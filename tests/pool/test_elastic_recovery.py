@@ -87,7 +87,7 @@ async def test_the_next_shrink_finishes_a_segment_whose_teardown_raised(mode: st
     assert pool.pinned_runs == (range(0, 6 * MiB),)  # given up: never usable again
     still = SEGMENT if raises.step == "begin_teardown" else 0  # raised before anything was unregistered
     assert held_above(fake, 6 * MiB, base) == still and pool.pinned_bytes == 6 * MiB + still
-    shrunk = await shrink(pool, mode, 6 * MiB)  # gives up nothing more: finishes segment 2
+    shrunk = await shrink(pool, mode, pool.num_pages)  # gives up nothing more: finishes segment 2
     assert shrunk.recovered == shrunk.released == (range(6 * MiB, 8 * MiB),) and shrunk.unreturned == ()
     assert held_above(fake, 6 * MiB, base) == 0 and pool.pinned_bytes == 6 * MiB
     assert pool.pinned_pages == 6 * MiB
@@ -140,6 +140,27 @@ def test_the_next_grow_resumes_a_rollback_that_raised(raises: Raises) -> None:
     grown = pool.grow_sync(pages=2 * SEGMENT)  # resumes the rollback (segment 1 free), then grows it and the next
     assert grown.pages == (range(FLOOR, FLOOR + 2 * SEGMENT),) and pool.pinned_runs == (range(0, 8 * MiB),)
     assert held_above(fake, FLOOR, base) == 2 * SEGMENT == pool.pinned_bytes - FLOOR
+    pool.close()
+    assert_released(pool, fake)
+
+
+@pytest.mark.anyio
+@each_driver
+async def test_the_exit_takes_stalled_segments_over(mode: str, raises: Raises) -> None:
+    """A rollback and a release left stalled, then the pool's exit: both torn down, the books balanced."""
+    fake = FakeRuntime()
+    pool = elastic(fake)
+    pool.open()
+    await grow(pool, mode, SEGMENT)
+    raises.arm(TEARDOWN_TRIES)
+    with pytest.raises(pinpool.UnpinError, match="segment 1"):
+        await shrink(pool, mode, FLOOR)
+    fake.fail_next(10_000)
+    raises.arm(TEARDOWN_TRIES)
+    with pytest.raises(pinpool.PinError, match="segment 2"):  # segment 1 is releasing: the lowest free is 2
+        await grow(pool, mode, SEGMENT)
+    fake.fail_next(0)
+    assert pool.pinned_runs == (range(0, FLOOR),)
     pool.close()
     assert_released(pool, fake)
 
