@@ -52,9 +52,9 @@ class Grown:
 @dataclass(frozen=True)
 class Shrunk:
     """What ``pool.shrink()`` did: ``released`` (pages unpinned and given back), ``kept`` (named pages of
-    segments not named whole: still usable), ``unreturned`` (released pages whose give-back failed),
-    ``recovered`` (the part of ``released`` that earlier shrinks gave up but could not finish: their teardown
-    raised)."""
+    segments not named whole: still usable), ``unreturned`` (released or recovered pages whose give-back failed),
+    ``recovered`` (pages earlier shrinks gave up but could not release, their teardown having raised: this one
+    unpinned them and gave them back; counted by the shrink that failed, so not in ``released``)."""
 
     released: tuple[range, ...]
     kept: tuple[range, ...]
@@ -314,7 +314,7 @@ class Elastic:
             for more in problems[1:]:
                 first.add_note(f"pinpool: then {more!r}")
             raise first
-        return Shrunk(merged((*shrink.pages, *recovered)), shrink.kept, merged(unreturned), recovered)
+        return Shrunk(shrink.pages, shrink.kept, merged(unreturned), recovered)
 
     def _stall(self, index: int) -> None:
         """(Under the lock.) Segment ``index``'s teardown raised TEARDOWN_TRIES times: booked stalled for the next

@@ -14,14 +14,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool._pin import TEARDOWN_TRIES, PinSession
 from pinpool._ranges import PINNED_RANGES
 from pinpool.runtimes import MlockRuntime
-from pinpool.testing import FakeRuntime, assert_released, locked_bytes
+from pinpool.testing import FakePressure, FakeRuntime, assert_released, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
+from .test_elastic_loop import PRESSED, Events, elastic_pool, sample
 
 MiB = 1 << 20
 FLOOR, SEGMENT = 4 * MiB, 2 * MiB  # Raw: a page is a byte; segments [4, 6), [6, 8), [8, 10), [10, 12) MiB
@@ -88,7 +90,7 @@ async def test_the_next_shrink_finishes_a_segment_whose_teardown_raised(mode: st
     still = SEGMENT if raises.step == "begin_teardown" else 0  # raised before anything was unregistered
     assert held_above(fake, 6 * MiB, base) == still and pool.pinned_bytes == 6 * MiB + still
     shrunk = await shrink(pool, mode, pool.num_pages)  # gives up nothing more: finishes segment 2
-    assert shrunk.recovered == shrunk.released == (range(6 * MiB, 8 * MiB),) and shrunk.unreturned == ()
+    assert shrunk.recovered == (range(6 * MiB, 8 * MiB),) and shrunk.released == shrunk.unreturned == ()
     assert held_above(fake, 6 * MiB, base) == 0 and pool.pinned_bytes == 6 * MiB
     assert pool.pinned_pages == 6 * MiB
     assert (await shrink(pool, mode, 6 * MiB)).recovered == ()  # finished once
@@ -207,3 +209,24 @@ def test_a_resumed_rollback_with_mlock_leaves_vmlck_exactly_floor_and_grown(monk
         assert grown.pages == (range(FLOOR, FLOOR + 2 * SEGMENT),)
         assert locked_bytes() - before == FLOOR + 2 * SEGMENT == pool.pinned_bytes
     assert_released(pool, claims_before=claims, locked_before=before)
+
+
+@needs_mlock
+def test_the_policy_loops_next_shrink_finishes_a_stalled_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop shrinks through the same method: under pressure its shrink finishes the segment a shrink left
+    releasing, then gives back the step the server gave up; the released-bytes metric counts each once."""
+    events, pressure, registry, before = Events(), FakePressure(), CollectorRegistry(), locked_bytes()
+    raises = Raises(monkeypatch, "begin_teardown")
+    pool, _box = elastic_pool(events, pressure, registry=registry)
+    with pool:
+        pool.grow_sync(nbytes=8 * MiB)
+        raises.arm(TEARDOWN_TRIES)
+        with pytest.raises(pinpool.UnpinError, match="segment 4"):
+            pool.shrink_sync(to_pages=10 * MiB)
+        assert locked_bytes() - before == 12 * MiB  # nothing of segment 4 was unlocked
+        pressure.set(PRESSED)  # the server gives up the top of what it holds: [8, 10) MiB
+        events.wait("pool.shrink", outcome="shrunk")
+        assert pool.pinned_runs == (range(0, 8 * MiB),) and locked_bytes() - before == 8 * MiB
+        assert sample(registry, "pinpool_released_bytes_total") == 4 * MiB  # segment 4 by the shrink that failed
+        assert sample(registry, "pinpool_shrinks_total", outcome="failed") == 1
+    assert locked_bytes() == before
