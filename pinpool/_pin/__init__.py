@@ -12,6 +12,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "outcome": "TRANSITIONS Detach Outcome Ran RunThreads Step TransitionError check_move decide",
     "pipeline": "WAIT Batch Landing Pipeline",
     "sigint": "guard_state",
+    "teardown": "ABANDON_AFTER_CTRL_C TEARDOWN_TRIES",
     "threads": "Threads",
     "transfer_calls": "call_registrar",
     "transfer_ledger": "RunState TransferLedger",

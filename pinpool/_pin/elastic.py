@@ -30,7 +30,7 @@ from .engine import Memory, PinSession
 from .gates import PoolAdmission
 from .ledger import Phase, StopCause
 from .outcome import Ran, RunThreads, Steps, pin_error, unpin_error
-from .teardown import tear_down
+from .teardown import TEARDOWN_TRIES, tear_down
 
 if TYPE_CHECKING:
     from .._types import Capabilities
@@ -52,11 +52,14 @@ class Grown:
 @dataclass(frozen=True)
 class Shrunk:
     """What ``pool.shrink()`` did: ``released`` (pages unpinned and given back), ``kept`` (named pages of
-    segments not named whole: still usable), ``unreturned`` (released pages whose give-back failed)."""
+    segments not named whole: still usable), ``unreturned`` (released or recovered pages whose give-back failed),
+    ``recovered`` (pages earlier shrinks gave up but could not release, their teardown having raised: this one
+    unpinned them and gave them back; counted by the shrink that failed, so not in ``released``)."""
 
     released: tuple[range, ...]
     kept: tuple[range, ...]
     unreturned: tuple[range, ...] = ()
+    recovered: tuple[range, ...] = ()
 
 
 class Elastic:
@@ -127,7 +130,13 @@ class Elastic:
         a failure or an interruption rolls back the segment in flight and raises (those pinned before stay)."""
         with self._lock:
             self._open(f"grow(pages={pages!r})")
-            indices = self.book.begin_grow(pages)
+            stuck = self.book.resume_rollback(pages)
+            indices = self.book.begin_grow(pages) if stuck is None else ()
+        if stuck is not None:
+            yield from self._resume_rollback(memory, stuck, f"grow(pages={pages!r})")
+            with self._lock:
+                self._open(f"grow(pages={pages!r})")
+                indices = self.book.begin_grow(pages)
         try:
             for index in indices:
                 yield from self._grow_segment(memory, index)
@@ -140,7 +149,7 @@ class Elastic:
             raise
         finally:
             with self._lock:
-                # closing: the closer ends it; a segment left growing (its rollback raised): the exit resumes it
+                # closing: the closer ends it (a rollback that raised ended it already: the segment is stalled)
                 if self.book.grow is not None and not self._closing and not self.book.in_state(SegmentState.GROWING):
                     self.book.end_grow()
                 grown = tuple(i for i in indices if self.book.states[i] is SegmentState.PINNED)
@@ -208,12 +217,51 @@ class Elastic:
                 failures=session.ledger.failures_in("populate", "register"), leaked=session.leaked(),
                 retries=session.retries, cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=None,
             )  # fmt: skip
-        unpinned, interrupts = yield from self._undo(memory, index, session)
+        unpinned: UnpinError | None = None
+        interrupts: list[BaseException] = []
+        raised: BaseException | None = None
+        try:
+            unpinned, interrupts = yield from self._undo(memory, index, session)
+        except GeneratorExit:
+            raise
+        except BaseException as exc:  # raised TEARDOWN_TRIES times: left growing, the next grow() resumes it
+            with self._lock:
+                self._stall(index)
+            raised = exc
+        if raised is not None:  # the grow's own error goes on (an interruption as itself), this one said with it
+            first = interruption or (None if isinstance(raised, Exception) else raised) or failed
+            assert first is not None
+            first.add_note(f"pinpool: {self._stuck(index, raised, 'rolling back', 'growing', 'grow()')}")
+            raise first
         first = interruption or (interrupts[0] if interrupts else None) or failed or unpinned
         assert first is not None
         if unpinned is not None and first is not unpinned:
             first.add_note(f"pinpool: {unpinned}")
         raise first
+
+    def _resume_rollback(self, memory: Memory, index: int, what: str) -> Steps[None]:
+        """A grow whose rollback raised left segment ``index`` growing: roll it back now (FREE after, and the
+        grow goes on); :class:`PoolStateError` naming it if that raises again (it stays growing)."""
+        with self._lock:
+            session = self.sessions[index]
+        try:
+            unpinned, interrupts = yield from self._undo(memory, index, session)
+        except GeneratorExit:
+            raise
+        except BaseException as exc:
+            with self._lock:
+                self._stall(index)
+            stuck = self._stuck(index, exc, "resuming the rollback", "growing", "grow()")
+            if not isinstance(exc, Exception):
+                exc.add_note(f"pinpool: {stuck}")
+                raise
+            raise PoolStateError(f"{what}: {stuck}") from exc
+        with self._lock:
+            if self.book.grow is not None and not self._closing:
+                self.book.end_grow()
+        problem = unpinned or (interrupts[0] if interrupts else None)
+        if problem is not None:  # leaked (booked: it never grows again) or interrupted: the grow stops here
+            raise problem
 
     def _check_memory(self, plan: Schedule) -> None:
         """The memory pre-flight for the segment's bytes, read now (a grow may come long after entry)."""
@@ -236,27 +284,50 @@ class Elastic:
                 self.book.begin_shrink_to(to_pages) if to_pages is not None  # type: ignore[arg-type]
                 else self.book.begin_shrink(pages)  # type: ignore[arg-type]
             )  # fmt: skip
-            sessions = {index: self.sessions[index] for index in shrink.released}
+            sessions = {index: self.sessions[index] for index in (*shrink.resumed, *shrink.released)}
         unreturned: list[range] = []
         problems: list[BaseException] = []  # every released segment is torn down whatever happens to one
-        for index in reversed(shrink.released):  # highest first, as the pool's teardown
+        # Those earlier shrinks left releasing first, then the named ones; each highest first, as the pool's teardown
+        for index in (*reversed(shrink.resumed), *reversed(shrink.released)):
             try:
                 unpinned, interrupts = yield from self._undo(memory, index, sessions[index])
             except GeneratorExit:
                 raise
-            except BaseException as exc:  # raised TEARDOWN_TRIES times: the segment stays releasing for the exit
-                problems.append(exc)
+            except BaseException as exc:  # raised TEARDOWN_TRIES times: left releasing, the next shrink resumes it
+                with self._lock:
+                    self._stall(index)
+                stuck = self._stuck(index, exc, "tearing down", "releasing", "shrink()")
+                if isinstance(exc, Exception):  # typed, the cause kept; an interruption goes on as itself
+                    problems.append(UnpinError(f"shrink(): {stuck}", failures=(), leaked=()))
+                    problems[-1].__cause__ = exc
+                else:
+                    exc.add_note(f"pinpool: {stuck}")
+                    problems.append(exc)
                 continue
             problems += [unpinned] if unpinned is not None else []
             problems += interrupts
             if index in self.book.unreturned:
                 unreturned.append(self.reservation.segments[index].pages)
+        recovered = self.book.pages_of(shrink.resumed)
         if problems:
             first = problems[0]
             for more in problems[1:]:
                 first.add_note(f"pinpool: then {more!r}")
             raise first
-        return Shrunk(shrink.pages, shrink.kept, merged(unreturned))
+        return Shrunk(shrink.pages, shrink.kept, merged(unreturned), recovered)
+
+    def _stall(self, index: int) -> None:
+        """(Under the lock.) Segment ``index``'s teardown raised TEARDOWN_TRIES times: booked stalled for the next
+        shrink or grow to resume, unless the pool's teardown took it over (then that one finishes it)."""
+        if self._booked(index) and not self._closing and index not in self.book.stalled:
+            self.book.stall(index)
+
+    def _stuck(self, index: int, exc: BaseException, what: str, state: str, resumes: str) -> str:
+        return (
+            f"{what} {self._describe(index)} raised {exc!r} {TEARDOWN_TRIES} times: the segment stays {state} "
+            f"(never usable; its pages may stay pinned, and are not given back); the next {resumes} resumes it, "
+            "and the pool's exit tears it down"
+        )
 
     # -- a segment's teardown ----------------------------------------------------------------
 
@@ -265,8 +336,8 @@ class Elastic:
     ) -> Generator[RunThreads, Ran, tuple[UnpinError | None, list[BaseException]]]:
         """Tear ``session`` down (registrars first, then the runtime; resumed TEARDOWN_TRIES times), then give
         its pages back; the book says FREE, or LEAKED with the UnpinError returned."""
-        # Raised TEARDOWN_TRIES times, the segment stays as it is (GROWING, RELEASING): the next shrink or the exit
-        # resumes it.
+        # Raised TEARDOWN_TRIES times, the segment stays as it is (GROWING, RELEASING) and its caller books it stalled:
+        # the next grow (growing) or shrink (releasing) resumes it, or the exit. Each step here is resumable.
         failures, interrupts = yield from tear_down(
             session, self.observer, f"pinpool-{self.name}-shrink", lambda failures: failures, join=join
         )

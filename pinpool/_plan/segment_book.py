@@ -1,7 +1,8 @@
 """The book of an elastic pool's segments (DESIGN-elastic.md): which are free, growing, pinned (usable), being
 released or leaked, and the rules: grow only free, whole segments inside the reservation, one grow at a time;
 announce a segment only once it is pinned whole; release only pinned segments every page of which the caller
-gave up. Pure, called under the pool's lock: every check comes before the first change, so a refusal (a
+gave up; a segment whose teardown raised stays growing or releasing, stalled, until the next grow or shrink
+resumes it. Pure, called under the pool's lock: every check comes before the first change, so a refusal (a
 typed error for the caller's mistake, LedgerError for pinpool's) changes nothing."""
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ _SESSION = frozenset({SegmentState.GROWING, SegmentState.PINNED, SegmentState.RE
 @dataclass(frozen=True)
 class Shrink:
     """What a shrink released (segments now RELEASING, and their pages) and the pages it named but kept:
-    those of segments it did not name whole, still usable."""
+    those of segments it did not name whole, still usable; ``resumed``: segments earlier shrinks left
+    releasing (their teardown raised), which this one tears down first."""
 
     released: tuple[int, ...]
     pages: tuple[range, ...]
     kept: tuple[range, ...]
+    resumed: tuple[int, ...]
 
 
 def merged(ranges: Iterable[range]) -> tuple[range, ...]:
@@ -60,6 +63,10 @@ class SegmentBook:
         self.states = [SegmentState.FLOOR if s.floor else SegmentState.FREE for s in reservation.segments]
         self.unreturned: frozenset[int] = frozenset()  # free or queued, but giving their pages back failed or waits
         self.grow: tuple[int, ...] | None = None  # the segments of the grow under way, in the order they pin
+        # Growing or releasing, but nobody tears them down now: their teardown raised TEARDOWN_TRIES times. The
+        # next shrink resumes the releasing ones, the next grow the growing one (at most one), the exit all.
+        self.stalled: frozenset[int] = frozenset()
+        self.rolling_back: int | None = None  # a stalled growing segment a grow took back: booked free or leaked only
         self.closed = False
 
     # -- reading -----------------------------------------------------------------------------
@@ -101,8 +108,7 @@ class SegmentBook:
 
     # -- growing -----------------------------------------------------------------------------
 
-    def begin_grow(self, pages: int) -> tuple[int, ...]:
-        """Queue the lowest free segments holding at least ``pages`` pages (whole segments): the grow's segments."""
+    def _check_grow(self, pages: int) -> str:
         what = f"grow(pages={pages!r})"
         self._open(what)
         if isinstance(pages, bool) or not isinstance(pages, int) or pages <= 0:
@@ -112,6 +118,25 @@ class SegmentBook:
                 f"{what}: a grow of pages {_text(self.pages_of(self.grow))} is under way, and a pool grows once at "
                 "a time; wait for it (or cancel it) and grow again"
             )
+        return what
+
+    def resume_rollback(self, pages: int) -> int | None:
+        """A grow of ``pages`` begins: the segment a rollback that raised left growing, if any, taken back for a
+        new try as a grow of its own (roll it back, then :meth:`end_grow`); None: :meth:`begin_grow` now."""
+        self._check_grow(pages)
+        stuck = [i for i in self.stalled if self.states[i] is SegmentState.GROWING]
+        if not stuck:
+            return None
+        (index,) = stuck  # one grow at a time: one segment of it pins, or is left growing
+        self.stalled = self.stalled - {index}
+        self.grow, self.rolling_back = (index,), index
+        return index
+
+    def begin_grow(self, pages: int) -> tuple[int, ...]:
+        """Queue the lowest free segments holding at least ``pages`` pages (whole segments): the grow's segments."""
+        what = self._check_grow(pages)
+        if any(self.states[i] is SegmentState.GROWING for i in self.stalled):
+            raise LedgerError(f"{what} while a segment is left growing: resume_rollback() takes it first")
         chosen: list[int] = []
         found = 0
         for index in self.in_state(SegmentState.FREE):
@@ -149,6 +174,8 @@ class SegmentBook:
     def grown(self, index: int) -> None:
         """Its session pinned every chunk (and every registrar holds it): its pages are usable from now on."""
         self._expect(index, SegmentState.GROWING)
+        if index in self.stalled or index == self.rolling_back:
+            raise LedgerError(f"segment {index} grown while its rollback is under way or left by one that raised")
         self.states[index] = SegmentState.PINNED
 
     def rolled_back(self, index: int, *, returned: bool) -> None:
@@ -241,7 +268,9 @@ class SegmentBook:
     def _release(self, released: list[int], kept: tuple[range, ...]) -> Shrink:
         for index in released:  # checked above: every one PINNED; nothing raises from here
             self.states[index] = SegmentState.RELEASING
-        return Shrink(tuple(released), self.pages_of(released), kept)
+        resumed = tuple(sorted(i for i in self.stalled if self.states[i] is SegmentState.RELEASING))
+        self.stalled = self.stalled - set(resumed)  # this shrink tears them down: no other takes them meanwhile
+        return Shrink(tuple(released), self.pages_of(released), kept, resumed)
 
     def released(self, index: int, *, returned: bool) -> None:
         """A releasing segment's session is torn down; ``returned``: its pages are given back to the host."""
@@ -251,7 +280,24 @@ class SegmentBook:
     def leaked(self, index: int) -> None:
         """Unregistering a growing or releasing segment failed: it may stay pinned, and is never grown again."""
         self._expect(index, SegmentState.GROWING, SegmentState.RELEASING)
+        self._settled(index)
         self.states[index] = SegmentState.LEAKED
+
+    def stall(self, index: int) -> None:
+        """The teardown of a growing or releasing segment raised TEARDOWN_TRIES times: it stays as it is (never
+        usable, maybe pinned) until the next shrink (releasing) or grow (growing) resumes it, or the exit. A
+        growing one ends its grow: the segments it had not started are free again."""
+        self._expect(index, SegmentState.GROWING, SegmentState.RELEASING)
+        if index in self.stalled:
+            raise LedgerError(f"segment {index} stalled twice")
+        self.stalled = self.stalled | {index}
+        if self.states[index] is SegmentState.GROWING:
+            self.rolling_back = None
+            assert self.grow is not None  # GROWING only inside a grow
+            for queued in self.grow:
+                if self.states[queued] is SegmentState.QUEUED:
+                    self.states[queued] = SegmentState.FREE
+            self.grow = None
 
     def returned(self, index: int) -> None:
         """Giving a free segment's pages back, which failed or was interrupted before, was done."""
@@ -259,7 +305,13 @@ class SegmentBook:
             raise LedgerError(f"segment {index} returned but had nothing to give back")
         self.unreturned = self.unreturned - {index}
 
+    def _settled(self, index: int) -> None:
+        """Its teardown is done: no longer stalled, nor a rollback under way."""
+        self.stalled = self.stalled - {index}
+        self.rolling_back = None if self.rolling_back == index else self.rolling_back
+
     def _free(self, index: int, returned: bool) -> None:
+        self._settled(index)
         self.unreturned = self.unreturned - {index} if returned else self.unreturned | {index}
         self.states[index] = SegmentState.FREE
 
@@ -270,6 +322,7 @@ class SegmentBook:
         highest first. The floor's session is the lifecycle's: it goes after these."""
         for index in self.in_state(SegmentState.PINNED):
             self.states[index] = SegmentState.RELEASING
+        self.stalled = frozenset()  # the exit takes every segment over, those left stalled too
         return tuple(reversed(self.in_state(*_SESSION)))
 
     def close(self) -> None:
@@ -277,5 +330,5 @@ class SegmentBook:
         left = self.in_state(*_SESSION, SegmentState.QUEUED)
         if left:
             raise LedgerError(f"close with segments {left} still holding a session or queued")
-        self.grow = None
+        self.grow, self.stalled, self.rolling_back = None, frozenset(), None
         self.closed = True

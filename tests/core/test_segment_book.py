@@ -1,8 +1,9 @@
 """The book of an elastic pool's segments (DESIGN-elastic.md): random sequences of grow, start, pin, fail,
-cancel, shrink (page runs or the tail), release, leak, give back and teardown keep every rule: a page once
-usable stays usable until the caller names it; only whole pinned segments the caller named are released;
-grows take only free, whole segments, one grow at a time; a refusal changes nothing; teardown ends closed.
-Every run ends with the pool's exit (the machine's teardown)."""
+cancel, shrink (page runs or the tail), release, leak, give back, a teardown that raised (stall), its
+resumption by the next shrink or grow, and teardown keep every rule: a page once usable stays usable until
+the caller names it; only whole pinned segments the caller named are released; grows take only free, whole
+segments, one grow at a time; a stalled segment is never usable and is resumed by exactly one caller; a
+refusal changes nothing; teardown ends closed. Every run ends with the pool's exit (the machine's teardown)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pinpool import ConfigError, PoolStateError
 from pinpool._errors import LedgerError
-from pinpool._plan import PageRun, RunGrid, SegmentBook, SegmentState, merged, plan_reservation
+from pinpool._plan import PageRun, RunGrid, SegmentBook, SegmentState, Shrink, merged, plan_reservation
 
 S = SegmentState
 NUM_PAGES, FLOOR, STEP = 40, 8, 8  # a floor [0, 8), segments [8, 16) ... [32, 40)
@@ -29,7 +30,11 @@ def _pages(runs: tuple[range, ...]) -> set[int]:
 
 
 def _snapshot(book: SegmentBook) -> tuple[object, ...]:
-    return tuple(book.states), book.unreturned, book.grow, book.closed
+    return tuple(book.states), book.unreturned, book.grow, book.closed, book.stalled, book.rolling_back
+
+
+def _stalled(book: SegmentBook, state: SegmentState) -> list[int]:
+    return sorted(i for i in book.stalled if book.states[i] is state)
 
 
 page_runs_st = st.lists(
@@ -61,8 +66,14 @@ class Segments(RuleBasedStateMachine):
     @rule(pages=st.integers(-2, NUM_PAGES + 4))
     def grow(self, pages: int) -> None:
         book = self.book
-        if book.grow is not None or pages <= 0 or pages > book.growable_pages():
+        if pages <= 0 or book.grow is not None:
             self._refused(lambda: book.begin_grow(pages), PoolStateError if pages > 0 else ConfigError)
+            return
+        if _stalled(book, S.GROWING):  # the pool's grow takes it back first (resume_rollback): a bug otherwise
+            self._refused(lambda: book.begin_grow(pages), LedgerError)
+            return
+        if pages > book.growable_pages():
+            self._refused(lambda: book.begin_grow(pages), PoolStateError)
             return
         free = set(book.in_state(S.FREE))
         queued = book.begin_grow(pages)
@@ -70,7 +81,9 @@ class Segments(RuleBasedStateMachine):
         got = sum(len(book.reservation.segments[i].pages) for i in queued)
         assert got >= pages and got - len(book.reservation.segments[queued[-1]].pages) < pages  # whole, no more
 
-    @precondition(lambda self: self.book.grow is None and self.book.growable_pages() > 0)
+    @precondition(
+        lambda self: self.book.grow is None and self.book.growable_pages() > 0 and not _stalled(self.book, S.GROWING)
+    )
     @rule(data=st.data())
     def grow_and_pin(self, data: st.DataObject) -> None:
         """A grow that pins every segment it queued (the happy path, so that many runs hold pinned segments)."""
@@ -104,11 +117,14 @@ class Segments(RuleBasedStateMachine):
         if queued:
             self.book.start(queued[0])
 
-    @precondition(lambda self: bool(self.book.in_state(S.GROWING)))
+    @precondition(lambda self: bool(set(self.book.in_state(S.GROWING)) - self.book.stalled))
     @rule(outcome=st.sampled_from(["pinned", "rolled back", "unreturned", "leaked"]))
     def land(self, outcome: str) -> None:
-        (index,) = self.book.in_state(S.GROWING)
-        if outcome == "pinned":
+        (index,) = set(self.book.in_state(S.GROWING)) - self.book.stalled
+        if outcome == "pinned" and index == self.book.rolling_back:  # a rollback under way never announces it
+            event("a resumed rollback refused grown")
+            self._refused(lambda: self.book.grown(index), LedgerError)
+        elif outcome == "pinned":
             self.book.grown(index)
             self.committed |= set(self.book.reservation.segments[index].pages)
         elif outcome == "leaked":
@@ -124,6 +140,40 @@ class Segments(RuleBasedStateMachine):
         assert set(grown) <= set(grow or ()) and all(self.book.states[i] is S.PINNED for i in grown)
         assert not self.book.in_state(S.QUEUED)
 
+    @precondition(lambda self: bool(set(self.book.in_state(S.GROWING, S.RELEASING)) - self.book.stalled))
+    @rule(data=st.data())
+    def stall(self, data: st.DataObject) -> None:
+        """A teardown raised TEARDOWN_TRIES times: the segment stays growing or releasing, taken by nobody."""
+        book = self.book
+        index = data.draw(st.sampled_from(sorted(set(book.in_state(S.GROWING, S.RELEASING)) - book.stalled)))
+        growing = book.states[index] is S.GROWING
+        book.stall(index)
+        assert index in book.stalled and book.states[index] in (S.GROWING, S.RELEASING)
+        if growing:  # its grow ended: what it had not started is free again
+            assert book.grow is None and not book.in_state(S.QUEUED) and book.rolling_back is None
+        self._refused(lambda: book.stall(index), LedgerError)
+
+    @rule(pages=st.integers(-1, NUM_PAGES))
+    def resume_rollback(self, pages: int) -> None:
+        """A grow begins by taking back the segment a raised rollback left growing, if any."""
+        book = self.book
+        if pages <= 0 or book.grow is not None:
+            self._refused(lambda: book.resume_rollback(pages), PoolStateError if pages > 0 else ConfigError)
+            return
+        stuck = _stalled(book, S.GROWING)
+        index = book.resume_rollback(pages)
+        if not stuck:
+            assert index is None and book.grow is None
+            return
+        event("a rollback resumed")
+        assert [index] == stuck and book.grow == (index,) and book.rolling_back == index
+        assert index not in book.stalled and book.states[index] is S.GROWING
+
+    def _resumed(self, shrink: Shrink, stalled: list[int]) -> None:
+        event(f"shrink resumed {len(stalled)}")
+        assert list(shrink.resumed) == stalled, "a shrink resumes exactly the releases left stalled"
+        assert not _stalled(self.book, S.RELEASING) and all(self.book.states[i] is S.RELEASING for i in stalled)
+
     @rule(pages=page_runs_st)
     def shrink(self, pages: list[range]) -> None:
         book = self.book
@@ -131,7 +181,9 @@ class Segments(RuleBasedStateMachine):
         if any(p < FLOOR for p in named) or not named <= self.usable:
             self._refused(lambda: book.begin_shrink(pages), PoolStateError)
             return
+        stalled = _stalled(book, S.RELEASING)
         shrink = book.begin_shrink(pages)
+        self._resumed(shrink, stalled)
         event(f"shrink released {len(shrink.released)}, kept {len(shrink.kept)}")
         released = _pages(shrink.pages)
         assert released <= named, "released a page the caller did not give up"
@@ -146,14 +198,16 @@ class Segments(RuleBasedStateMachine):
         if stop < FLOOR:
             self._refused(lambda: book.begin_shrink_to(stop), PoolStateError)
             return
+        stalled = _stalled(book, S.RELEASING)
         shrink = book.begin_shrink_to(stop)
+        self._resumed(shrink, stalled)
         assert all(page >= stop for page in _pages(shrink.pages) | _pages(shrink.kept))
         self.given_up |= {page for page in self.usable if page >= stop}
 
-    @precondition(lambda self: bool(self.book.in_state(S.RELEASING)))
+    @precondition(lambda self: bool(set(self.book.in_state(S.RELEASING)) - self.book.stalled))
     @rule(data=st.data(), outcome=st.sampled_from(["returned", "unreturned", "leaked"]))
     def release(self, data: st.DataObject, outcome: str) -> None:
-        index = data.draw(st.sampled_from(self.book.in_state(S.RELEASING)))
+        index = data.draw(st.sampled_from(sorted(set(self.book.in_state(S.RELEASING)) - self.book.stalled)))
         if outcome == "leaked":
             self.book.leaked(index)
         else:
@@ -165,13 +219,17 @@ class Segments(RuleBasedStateMachine):
         index = data.draw(st.sampled_from(sorted(self.book.unreturned)))
         self.book.returned(index)
 
-    @rule(index=st.integers(0, 5), call=st.sampled_from(["start", "grown", "rolled_back", "released", "leaked"]))
+    @rule(
+        index=st.integers(0, 5),
+        call=st.sampled_from(["start", "grown", "rolled_back", "released", "leaked", "stall"]),
+    )
     def wrong_transition(self, index: int, call: str) -> None:
         book = self.book
         allowed = {"start": (S.QUEUED,), "grown": (S.GROWING,), "rolled_back": (S.GROWING,),
-                   "released": (S.RELEASING,), "leaked": (S.GROWING, S.RELEASING)}[call]  # fmt: skip
+                   "released": (S.RELEASING,), "leaked": (S.GROWING, S.RELEASING),
+                   "stall": (S.GROWING, S.RELEASING)}[call]  # fmt: skip
         if index < len(book.states) and book.states[index] in allowed:
-            return  # a legal one: the other rules make those
+            return  # a legal one: the other rules make those (a stalled one's refusals: see stall and land)
         kwargs = {"returned": True} if call in ("rolled_back", "released") else {}
         self._refused(lambda: getattr(book, call)(index, **kwargs), LedgerError)
 
@@ -179,9 +237,11 @@ class Segments(RuleBasedStateMachine):
         """Every run ends with the pool's exit: every segment given up and torn down, highest first."""
         book = self.book
         event(f"exit with {len(book.in_state(S.PINNED))} pinned, {len(book.in_state(S.RELEASING))} releasing, "
-              f"{len(book.in_state(S.LEAKED))} leaked")  # fmt: skip
+              f"{len(book.in_state(S.LEAKED))} leaked, {len(book.stalled)} stalled")  # fmt: skip
+        stalled = book.stalled
         order = book.begin_teardown()
         assert list(order) == sorted(order, reverse=True)
+        assert stalled <= set(order) and not book.stalled, "the exit takes the stalled segments over"
         assert not book.in_state(S.PINNED) and book.usable_runs(0) == ()
         for index in order:
             if book.states[index] is S.GROWING:
@@ -213,13 +273,24 @@ class Segments(RuleBasedStateMachine):
     @invariant()
     def one_grow_at_a_time_over_free_whole_segments(self) -> None:
         book = self.book
-        growing = book.in_state(S.GROWING, S.QUEUED)
+        growing = set(book.in_state(S.GROWING, S.QUEUED)) - book.stalled
         assert len(book.in_state(S.GROWING)) <= 1
-        assert set(growing) <= set(book.grow or ())
+        assert growing <= set(book.grow or ())
         assert all(book.states[i] is not S.FLOOR for i in growing)
         assert book.states[0] is S.FLOOR  # the floor is never grown, released or leaked
         assert all(book.states[i] in (S.FREE, S.QUEUED) for i in book.unreturned)  # regrowing clears it
         assert book.growable_pages() == sum(len(book.reservation.segments[i].pages) for i in book.in_state(S.FREE))
+
+    @invariant()
+    def a_stalled_segment_waits_for_one_resumer(self) -> None:
+        book = self.book
+        assert all(book.states[i] in (S.GROWING, S.RELEASING) for i in book.stalled)
+        stuck = _stalled(book, S.GROWING)
+        assert len(stuck) <= 1 and (not stuck or book.grow is None), "a stalled rollback ended its grow"
+        growing = set(book.in_state(S.GROWING)) - book.stalled
+        assert growing <= set(book.grow or ())
+        if book.rolling_back is not None:
+            assert book.grow == (book.rolling_back,) and book.states[book.rolling_back] is S.GROWING
 
 
 Segments.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
