@@ -1,8 +1,9 @@
 """Giving unpinned pages back to the host (``give_back(offset, nbytes)`` on a pool's memory), measured for
 real inside a memory cgroup of the test's own: after mlock of N bytes, munlock + give_back, VmLck and the
 cgroup's usage fall by N and the host's free memory rises by N; for a shared region on /dev/shm the file's
-blocks fall too, once no other process maps it (before, nothing is punched: another process's bytes stay). The memory is usable after: it reads zero and
-pins again. Which ranges may be given back is pure (``checked_range``), tested exhaustively."""
+blocks fall too, once no other process maps it (before, nothing is punched: another process's bytes stay).
+The memory is usable after: it reads zero and pins again. Which ranges may be given back is pure
+(``checked_range``), tested exhaustively."""
 
 from __future__ import annotations
 
