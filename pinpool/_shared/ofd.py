@@ -19,6 +19,7 @@ import fcntl
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Iterator
 
 from .._errors import ConfigError
@@ -60,12 +61,12 @@ class Attachers:
 
     def __init__(self, fd: int, where: str) -> None:
         self.fd = reopen(fd, where, "its mappings")
-        try:
-            ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_RDLCK, wait=True)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        # Closed with this object at the latest: an open file left holding the lock would keep every give-back of
+        # the region refused until this process exits. Never at exit: the mapping stays until the process is gone.
+        self._close = weakref.finalize(self, _close, self.fd)
+        self._close.atexit = False
         self._punching = threading.Lock()  # the conversion is the open file's: one give-back of this mapping at once
+        ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_RDLCK, wait=True)
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
@@ -79,10 +80,10 @@ class Attachers:
                 if alone:  # a downgrade never waits (this open file holds the only lock)
                     ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_RDLCK, wait=True)
 
-    def others(self) -> bool:
-        """Whether another open file holds the lock now (a reading: a mapping may come or go right after)."""
-        return ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_WRLCK, test=True)
-
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        self._close()
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
