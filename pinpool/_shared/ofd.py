@@ -73,12 +73,10 @@ class Attachers:
         """Whether no other open file holds the lock (no other process maps the region), held so for the block:
         no mapping is made meanwhile. Back to the read lock after it."""
         with self._punching:
-            alone = ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_WRLCK)
             try:
-                yield alone
-            finally:
-                if alone:  # a downgrade never waits (this open file holds the only lock)
-                    ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_RDLCK, wait=True)
+                yield ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_WRLCK)
+            finally:  # whatever came between (a Ctrl-C), a write lock left would stall every attach elsewhere
+                ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_RDLCK, wait=True)  # never waits: a no-op, or a downgrade
 
     def close(self) -> None:
         self._close()

@@ -234,15 +234,25 @@ async def test_an_async_shrink_keeps_what_another_mapping_holds_then_gives_it_ba
         assert held - blocks(path) == 2 * MiB
 
 
+def attachable(path: Path) -> bool:
+    """Whether a new mapping of the region would be made now (no give-back holds the write lock)."""
+    probe = os.open(path, os.O_RDWR)
+    try:
+        return ofd_lock(probe, ATTACHERS_AT, 1, fcntl.F_RDLCK)
+    finally:
+        os.close(probe)
+
+
 def test_an_unmapped_region_is_no_attacher_and_a_mapping_refuses_while_another_lives(shm_dir: Path) -> None:
-    record = {"test": "attachers"}
-    first = SharedMemory(shm_dir / "kv").open_mapping(2 * MiB, record)
-    second = SharedMemory(shm_dir / "kv", create=False).open_mapping(2 * MiB, record)
+    record, path = {"test": "attachers"}, shm_dir / "kv"
+    first = SharedMemory(path).open_mapping(2 * MiB, record)
+    second = SharedMemory(path, create=False).open_mapping(2 * MiB, record)
     with pytest.raises(RegionInUseError, match=r"\[0, \+2097152\) \(2 MiB\) was not given back: another process"):
         first.give_back(0, 2 * MiB)
     with pytest.raises(RegionInUseError):
         second.give_back(0, 2 * MiB)
-    assert blocks(shm_dir / "kv") == 2 * MiB + PAGE
+    assert blocks(path) == 2 * MiB + PAGE and attachable(path)
     second._finalizer()  # unmapped: its lock goes with it
     first.give_back(0, 2 * MiB)
-    assert blocks(shm_dir / "kv") == PAGE
+    assert blocks(path) == PAGE
+    assert attachable(path)  # back to the read lock: the next attach is not kept waiting
