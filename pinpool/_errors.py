@@ -52,6 +52,11 @@ class PoolStateError(PinpoolError, RuntimeError):
     """A pool was used in a state that does not allow it (re-entered, used after exit, ...)."""
 
 
+class RegionInUseError(PoolStateError):
+    """Pages of a shared region were not given back to the host: another process maps the region, and a hole
+    punched in its file would take them from that process too. They stay in the file; nothing changed."""
+
+
 class AllocationError(PinpoolError, MemoryError):
     """The operating system refused to map the pool's memory."""
 

@@ -402,6 +402,13 @@ class Observer:
         level = "info" if outcome in ("shrunk", "kept", "declined") else "warning"
         self._emit(level, "pool.shrink", outcome=outcome, bytes=nbytes, seconds=round(seconds, 6), **fields)
 
+    def kept_in_region(self, pages: range, nbytes: int) -> None:
+        """A shrink unpinned ``pages`` of a shared region but left them in its file: another process maps it."""
+        self._emit(
+            "warning", "pool.shrink.kept_in_region", pages=f"[{pages.start}, {pages.stop})", bytes=nbytes,
+            reason="another process maps the region: its pool may have these pages pinned and in use",
+        )  # fmt: skip
+
     def pressure_read(self, psi_some_avg10: float | None) -> None:
         if psi_some_avg10 is not None:
             self._metric("pressure_read", lambda m: m.memory_pressure.labels(*self._labels).set(psi_some_avg10))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import _probe
-from .._errors import ConfigError, PoolStateError, UnpinError
+from .._errors import ConfigError, PoolStateError, RegionInUseError, UnpinError
 from .._node.pacing import NodeAdmission
 from .._observe import Observer
 from .._plan.chunks import Chunk
@@ -391,6 +391,9 @@ class Elastic:
         try:
             for lo, hi in self._whole_pages(index):
                 give_back(lo, hi - lo)
+        except RegionInUseError:  # no failure: another process's pool may be using them; unreturned, and said why
+            segment = self.reservation.segments[index]
+            self.observer.kept_in_region(segment.pages, segment.nbytes)
         except Exception as exc:  # still unpinned: counted as unreturned, retried by no one but a regrow
             self.observer.failed_in_background(exc)
         else:

@@ -117,8 +117,9 @@ class PoolMemory:
         pinned = plan.nbytes if first is None else first.nbytes
         check_engine_pins([(t.name, t.limits.pins_pages) for t in plan.transfers], pinned, host)
         memory: HostMapping | TensorMemory | SharedMapping
-        if shared is not None:
-            memory = shared.open_mapping(plan.mapping_bytes, self._record)
+        if shared is not None:  # an elastic pool's file holds its floor's pages; each segment is allocated as it grows
+            floor = None if first is None else [(run.start, run.end - run.start) for run in first.page_runs]
+            memory = shared.open_mapping(plan.mapping_bytes, self._record, allocate=floor)
         elif self._own:
             check_huge_pages(plan.huge_pages, plan.mapping_bytes, host)
             memory = HostMapping(

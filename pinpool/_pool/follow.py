@@ -335,7 +335,8 @@ def _ended(
         observer.grew(outcome, nbytes, seconds, **({} if error is None else {"error_type": type(error).__name__}))
         return
     released = sum(len(r) for r in getattr(result, "released", ())) * page_bytes
-    nbytes = released if error is None else max(0, before - after)
+    unreturned = sum(len(r) for r in getattr(result, "unreturned", ())) * page_bytes  # unpinned, still held
+    nbytes = released - unreturned if error is None else max(0, before - after)
     outcome = ("shrunk" if released else "kept") if error is None else _outcome(error)
     observer.shrank(outcome, nbytes, seconds, **({} if error is None else {"error_type": type(error).__name__}))
 

@@ -8,4 +8,5 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "intents": "suspects_in",
     "mapping": "SharedMapping reserve_pages",
     "memory": "SharedMemory",
+    "ofd": "ATTACHERS_AT ofd_lock",
 })  # fmt: skip

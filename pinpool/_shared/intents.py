@@ -12,7 +12,6 @@ else) makes every page suspect."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import struct
@@ -33,9 +32,9 @@ from .format import (
     read_trailer,
     write_field,
 )
+from .ofd import ofd_lock, reopen
 
 _SLOT = struct.Struct("<QII")  # first page, page count, CRC-32 of the first 12 bytes
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock: type, whence, start, len, pid (0 for OFD locks)
 _EMPTY = bytes(INTENT_SLOT_BYTES)
 
 
@@ -55,16 +54,8 @@ def _decode(raw: bytes) -> range | None:
 
 
 def _lock(fd: int, start: int, kind: int, *, test: bool = False) -> bool:
-    """``F_OFD_SETLK`` ``kind`` on ``INTENT_SLOT_BYTES`` at ``start`` of the file (whether taken), or,
-    with ``test``, ``F_OFD_GETLK``: whether another open file holds a lock there."""
-    arg = _FLOCK.pack(kind, os.SEEK_SET, start, INTENT_SLOT_BYTES, 0)
-    try:
-        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK if test else fcntl.F_OFD_SETLK, arg)
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK if test else True
+    """:func:`ofd_lock` of ``kind`` on the slot at ``start`` of the file (``test``: held by another open file)."""
+    return ofd_lock(fd, start, INTENT_SLOT_BYTES, kind, test=test)
 
 
 class Intents:
@@ -82,13 +73,7 @@ class Intents:
             )
         # An open file of its own: a descriptor handed on (fd=, a memfd passed to another process) shares
         # its open file, so its OFD locks, with every process holding it; each Intents' locks are its own.
-        try:
-            fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ConfigError(
-                f"shared memory {where}: write intents need the region opened again through /proc/self/fd "
-                f"({exc.strerror or exc}); mount /proc"
-            ) from None
+        fd = reopen(fd, where, "write intents")
         weakref.finalize(self, os.close, fd)
         pages = trailer.record.get("num_pages")
         self.num_pages = pages if isinstance(pages, int) and not isinstance(pages, bool) and pages > 0 else None

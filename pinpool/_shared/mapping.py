@@ -13,10 +13,10 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import AllocationError, ConfigError, PoolStateError, RuntimeCallError
+from .._errors import AllocationError, ConfigError, PoolStateError, RegionInUseError, RuntimeCallError
 from .._host import libc as _libc
 from .._host.giveback import checked_range, give_back
 from .._units import format_bytes
@@ -37,6 +37,7 @@ from .format import (
     write_field,
     write_new_trailer,
 )
+from .ofd import Attachers
 
 if TYPE_CHECKING:
     import torch
@@ -78,9 +79,10 @@ class Unlinker:
 _UNMAP_PIECE_BYTES = 128 << 20
 
 
-def _release(base: int, file_bytes: int, fd: int, unlink: Unlinker | None) -> None:
+def _release(base: int, file_bytes: int, fd: int, unlink: Unlinker | None, attachers: Attachers) -> None:
     for offset in range(0, file_bytes, _UNMAP_PIECE_BYTES):
         _libc.munmap(base + offset, min(_UNMAP_PIECE_BYTES, file_bytes - offset))
+    attachers.close()  # unmapped: no longer one of the region's attachers
     with contextlib.suppress(OSError):
         os.close(fd)
     if unlink is not None:
@@ -97,7 +99,7 @@ class SharedMapping:
 
     def __init__(
         self, *, base: int, file_bytes: int, nbytes: int, page_size: int, fd: int, path: str | None,
-        created: bool, unlinker: Unlinker | None, region_id: str,
+        created: bool, unlinker: Unlinker | None, region_id: str, attachers: Attachers,
     ) -> None:  # fmt: skip
         self.address = base
         self.length = align(nbytes, page_size)
@@ -114,7 +116,8 @@ class SharedMapping:
         self._where = repr(path) if path is not None else f"fd {fd}"
         self._unlinker = unlinker
         self._intents: Intents | None = None  # made by SharedMemory.writing() when first used
-        self._finalizer = weakref.finalize(self, _release, base, file_bytes, fd, unlinker)
+        self._attachers = attachers
+        self._finalizer = weakref.finalize(self, _release, base, file_bytes, fd, unlinker, attachers)
         self._finalizer.atexit = False  # never unmap at exit: the pool's finalizer may not have unpinned yet
         if unlinker is not None:
             weakref.finalize(self, unlinker)  # the name goes at exit too (atexit=True): removing it unmaps nothing
@@ -144,15 +147,28 @@ class SharedMapping:
 
     def give_back(self, offset: int, nbytes: int) -> None:
         """Give ``[offset, +nbytes)`` of the data back to the host, once unpinned: a hole punched in the file
-        (``MADV_REMOVE``), in whole pages of its file system, so every process's view reads zero after and
-        the file's blocks fall; the trailer is never part of it. It can be touched and pinned again."""
+        (``MADV_REMOVE``), in whole pages of its file system, so the file's blocks fall and the range reads zero
+        after; the trailer is never part of it. It can be touched and pinned again. Only while no other process
+        maps the region (another pinpool mapping's pool may have these pages pinned and in use): else
+        :class:`RegionInUseError`, and the pages stay in the file, untouched."""
         offset, nbytes = self._whole_pages(offset, nbytes, "left to give back")
-        give_back(self.address, offset, nbytes, shared=True, what=f"shared memory {self._where}")
+        if nbytes == 0:
+            return
+        with self._attachers.alone() as alone:  # no mapping is made while the hole is punched
+            if not alone:
+                raise RegionInUseError(
+                    f"shared memory {self._where}: [{offset}, +{nbytes}) ({format_bytes(nbytes)}) was not given "
+                    "back: another process maps the region, and a hole punched in its file would pull these pages "
+                    "away from it too (its pool may have them pinned and in use). They stay in the file, unpinned "
+                    "here; they go back to the host once this process maps the region alone and gives them back "
+                    "(grow, then shrink), or when the region is removed and its last mapping goes"
+                )
+            give_back(self.address, offset, nbytes, shared=True, what=f"shared memory {self._where}")
 
     def take_back(self, offset: int, nbytes: int) -> None:
-        """Allocate ``[offset, +nbytes)`` of the file again after :meth:`give_back`, before anything touches
+        """Allocate ``[offset, +nbytes)`` of the file (never allocated, or given back) before anything touches
         it: a fault in a hole that a full tmpfs or an empty hugetlb pool cannot fill is a SIGBUS that kills
-        the process; here it is a :class:`ConfigError` and the range stays given back (it reads zero)."""
+        the process; here it is a :class:`ConfigError` and the range stays a hole (it reads zero)."""
         offset, nbytes = self._whole_pages(offset, nbytes, "to take back")
         if nbytes == 0:
             return
@@ -165,9 +181,9 @@ class SharedMapping:
                 else "room on its file system (df)"
             )
             raise ConfigError(
-                f"shared memory {self._where}: taking back [{offset}, +{nbytes}) ({format_bytes(nbytes)}) failed: "
-                f"the file system could not allocate it ({exc.strerror or exc}); it stays given back. It needs "
-                f"{hint}: make room, or grow by less"
+                f"shared memory {self._where}: allocating [{offset}, +{nbytes}) ({format_bytes(nbytes)}) of its file "
+                f"failed: the file system could not allocate it ({exc.strerror or exc}); nothing of it is pinned, "
+                f"and it stays a hole (it reads zero). It needs {hint}: make room, or grow by less"
             ) from None
 
     def keep_forever(self) -> None:
@@ -282,26 +298,55 @@ def _map(fd: int, file_bytes: int, where: str, *, page_size: int) -> int:
     return address
 
 
-def reserve_pages(fd: int, file_bytes: int, where: str, *, page_size: int, directory: str) -> None:
-    """Allocate the pages now on a size-limited tmpfs: a full one is a ConfigError, never a later SIGBUS."""
+def whole_pages(ranges: Sequence[tuple[int, int]], page_size: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` ranges of a file rounded out to whole pages, sorted and merged."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted((offset // page_size * page_size, align(offset + n, page_size)) for offset, n in ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        elif hi > lo:
+            merged.append((lo, hi))
+    return [(lo, hi - lo) for lo, hi in merged]
+
+
+def _attach_and_map(fd: int, file_bytes: int, where: str, *, page_size: int) -> tuple[Attachers, int]:
+    """Marked an attacher first (waiting for a hole being punched in another process), then mapped: a give-back
+    elsewhere never punches pages this mapping may pin."""
+    attachers = Attachers(fd, where)
+    try:
+        return attachers, _map(fd, file_bytes, where, page_size=page_size)
+    except BaseException:
+        attachers.close()
+        raise
+
+
+def reserve_pages(
+    fd: int, file_bytes: int, where: str, *, page_size: int, directory: str,
+    ranges: Sequence[tuple[int, int]] | None = None,
+) -> None:  # fmt: skip
+    """Allocate the pages now on a size-limited tmpfs (``ranges``: those ``(offset, nbytes)`` of the file, in
+    whole pages; None: all of it): a full one is a ConfigError, never a later SIGBUS."""
     if page_size > _libc.PAGE_SIZE or os.fstatvfs(fd).f_blocks == 0:
         return
+    ranges = [(0, file_bytes)] if ranges is None else whole_pages(ranges, page_size)
     try:
-        os.posix_fallocate(fd, 0, file_bytes)
+        for offset, nbytes in ranges:
+            os.posix_fallocate(fd, offset, nbytes)
     except OSError as exc:
         raise ConfigError(
             f"shared memory {where}: the file system ({directory or where}) could not reserve the region's "
-            f"{format_bytes(file_bytes)} ({exc.strerror or exc}); nothing was pinned. {_MAKE_ROOM}"
+            f"{format_bytes(sum(n for _, n in ranges))} ({exc.strerror or exc}); nothing was pinned. {_MAKE_ROOM}"
         ) from None
 
 
 def create_mapping(
     fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, keep: bool, seal: bool,
     path: str | None, directory: str, unlinker: Callable[[], Unlinker] | None,
-    publish: Callable[[], None] | None = None,
+    publish: Callable[[], None] | None = None, allocate: Sequence[tuple[int, int]] | None = None,
 ) -> SharedMapping:  # fmt: skip
-    """Under LOCK_EX: size a new (empty) file, reserve its pages, write its trailer, ``publish`` it
-    (link it into place); then map it. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
+    """Under LOCK_EX: size a new (empty) file, reserve its pages (``allocate``: only those ``(offset, nbytes)``
+    of the data, and the trailer's page; None: all), write its trailer, ``publish`` it (link it into place);
+    then map it. ``seal``: a memfd. ``directory``: for messages ("" for an fd)."""
     body = encode_body(nbytes, page_size, record_json)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -314,7 +359,10 @@ def create_mapping(
             "in an empty file; attach to it with create=False"
         )
     file_bytes = region_file_bytes(nbytes, page_size)
-    _check_room(fd, file_bytes, where, page_size=page_size, directory=directory)
+    # An elastic pool's file holds what its floor pins: each segment is allocated as it grows (Elastic._take_back).
+    reserved = None if allocate is None else whole_pages([*allocate, (file_bytes - page_size, page_size)], page_size)
+    needed = file_bytes if reserved is None else sum(n for _, n in reserved)
+    _check_room(fd, needed, where, page_size=page_size, directory=directory)
     try:
         os.ftruncate(fd, file_bytes)
     except OSError as exc:
@@ -322,7 +370,7 @@ def create_mapping(
         raise ConfigError(
             f"shared memory {where} cannot be sized to {format_bytes(file_bytes)}: {exc.strerror or exc}{hint}"
         ) from None
-    reserve_pages(fd, file_bytes, where, page_size=page_size, directory=directory)
+    reserve_pages(fd, file_bytes, where, page_size=page_size, directory=directory, ranges=reserved)
     write_new_trailer(fd, file_bytes, body, where, keep=keep, page_size=page_size)
     if seal:  # nobody shrinks a memfd under the mappings (SIGBUS); a kernel without sealing: documented
         with contextlib.suppress(OSError):
@@ -332,11 +380,11 @@ def create_mapping(
     # A named region stays LOCK_SH while mapped: doctor tells a region in use from an orphan (a dead
     # process's lock is gone with it). A descriptor handed on shares its open file with the caller's: unlocked.
     fcntl.flock(fd, fcntl.LOCK_SH if path is not None else fcntl.LOCK_UN)
-    address = _map(fd, file_bytes, where, page_size=page_size)
+    attachers, address = _attach_and_map(fd, file_bytes, where, page_size=page_size)
     return SharedMapping(
         base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd,
         path=path, created=True, unlinker=None if unlinker is None else unlinker(),
-        region_id=read_trailer(fd, file_bytes).region_id,
+        region_id=read_trailer(fd, file_bytes).region_id, attachers=attachers,
     )  # fmt: skip
 
 
@@ -384,9 +432,11 @@ def _locked_trailer(fd: int, where: str, *, hold: bool) -> tuple[os.stat_result,
 
 def attach_mapping(
     fd: int, nbytes: int, record_json: str, where: str, *, page_size: int, path: str | None, directory: str,
-    unlinker: Callable[[], Unlinker] | None,
+    unlinker: Callable[[], Unlinker] | None, allocate: Sequence[tuple[int, int]] | None = None,
 ) -> SharedMapping:  # fmt: skip
-    """Map the region the file holds once its trailer matches ``nbytes``, ``record_json`` and ``page_size``."""
+    """Map the region the file holds once its trailer matches ``nbytes``, ``record_json`` and ``page_size``;
+    ``allocate``: the ``(offset, nbytes)`` of the data this pool pins first, allocated in the file now (None:
+    the whole file must fit its file system)."""
     st, trailer = _locked_trailer(fd, where, hold=path is not None)  # the caller closes fd on failure
     if trailer.page_size != page_size:
         raise ConfigError(
@@ -409,9 +459,13 @@ def attach_mapping(
             "remove the region (`rm` it) and create it again"
         )
     file_bytes = st.st_size
-    _check_room(fd, file_bytes - st.st_blocks * 512, where, page_size=page_size, directory=directory)
-    address = _map(fd, file_bytes, where, page_size=page_size)
+    if allocate is None:
+        _check_room(fd, file_bytes - st.st_blocks * 512, where, page_size=page_size, directory=directory)
+    else:  # pages a creator never grew (or gave back) are holes: those this pool pins at entry are allocated now
+        reserve_pages(fd, file_bytes, where, page_size=page_size, directory=directory, ranges=allocate)
+    attachers, address = _attach_and_map(fd, file_bytes, where, page_size=page_size)
     return SharedMapping(
         base=address, file_bytes=file_bytes, nbytes=nbytes, page_size=page_size, fd=fd, path=path,
         created=unlinker is not None, unlinker=None if unlinker is None else unlinker(), region_id=trailer.region_id,
+        attachers=attachers,
     )  # fmt: skip

@@ -11,7 +11,7 @@ import os
 import stat
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from .._errors import ConfigError, PoolStateError
@@ -321,8 +321,12 @@ class SharedMemory:
             raise ConfigError(f"a shared memory region of nbytes={nbytes!r}: must be a positive int")
         return nbytes
 
-    def open_mapping(self, nbytes: int, record: Mapping[str, object]) -> SharedMapping:
-        """Create or attach to the region for a pool of ``nbytes`` described by ``record``; map it ``MAP_SHARED``."""
+    def open_mapping(
+        self, nbytes: int, record: Mapping[str, object], *, allocate: Sequence[tuple[int, int]] | None = None
+    ) -> SharedMapping:
+        """Create or attach to the region for a pool of ``nbytes`` described by ``record``; map it ``MAP_SHARED``.
+        ``allocate``: the ``(offset, nbytes)`` ranges of the data the pool pins at entry (an elastic pool's floor),
+        the only ones allocated in the file now; None: all of it."""
         self._check_nbytes(nbytes)
         if not isinstance(record, Mapping):
             raise ConfigError(f"record={record!r} must be a mapping of JSON values (see layout_record)")
@@ -340,16 +344,16 @@ class SharedMemory:
                 fd = os.dup(self._given_fd) if self._given_fd is not None else _files.new_memfd(self._memfd_flags)
                 where = f"fd {self._given_fd}" if self._given_fd is not None else "memfd"
                 try:
-                    mapping = self._map(self._create, fd, nbytes, record_json, where, None)
+                    mapping = self._map(self._create, fd, nbytes, record_json, where, None, allocate=allocate)
                 except BaseException:
                     os.close(fd)
                     raise
             else:
-                mapping = self._open_path(nbytes, record_json)
+                mapping = self._open_path(nbytes, record_json, allocate)
             self._live = weakref.ref(mapping)
             return mapping
 
-    def _open_path(self, nbytes: int, record_json: str) -> SharedMapping:
+    def _open_path(self, nbytes: int, record_json: str, allocate: Sequence[tuple[int, int]] | None) -> SharedMapping:
         assert self._path is not None
         where = repr(self._path)
         dir_fd = _files.open_region_directory(self._path)  # closed below; an unlinker keeps a duplicate of its own
@@ -362,7 +366,7 @@ class SharedMemory:
                     identity = (st.st_dev, st.st_ino)
                     publishing = functools.partial(_files.publish, dir_fd, self._path, temp)
                     unlink = self._unlinker_for(dir_fd, identity)
-                    mapping = self._map(True, fd, nbytes, record_json, where, unlink, publishing)
+                    mapping = self._map(True, fd, nbytes, record_json, where, unlink, publishing, allocate=allocate)
                 except BaseException:  # an interrupt too: no temporary file, no half-made region left
                     st = os.fstat(fd)
                     os.close(fd)
@@ -379,7 +383,7 @@ class SharedMemory:
                 if self._adopt and not made:
                     made = self._check_orphan(fd, st)
                 unlinker = self._unlinker_for(dir_fd, (st.st_dev, st.st_ino)) if made else None
-                mapping = self._map(False, fd, nbytes, record_json, where, unlinker)
+                mapping = self._map(False, fd, nbytes, record_json, where, unlinker, allocate=allocate)
                 if self._adopt:
                     mapping._set_keep_flag(self._keep)  # doctor shows what the adopter will do
                 return mapping
@@ -421,14 +425,16 @@ class SharedMemory:
 
     def _map(
         self, create: bool, fd: int, nbytes: int, record_json: str, where: str,
-        unlinker: Callable[[], Unlinker] | None, publish: Callable[[], None] | None = None,
+        unlinker: Callable[[], Unlinker] | None, publish: Callable[[], None] | None = None, *,
+        allocate: Sequence[tuple[int, int]] | None = None,
     ) -> SharedMapping:  # fmt: skip
         page_size, path, directory = self._page_size, self._path, self._directory
         if create:
             return create_mapping(
                 fd, nbytes, record_json, where, page_size=page_size, keep=self._keep, seal=bool(self._memfd_flags),
-                path=path, directory=directory, unlinker=unlinker, publish=publish,
+                path=path, directory=directory, unlinker=unlinker, publish=publish, allocate=allocate,
             )  # fmt: skip
         return attach_mapping(
-            fd, nbytes, record_json, where, page_size=page_size, path=path, directory=directory, unlinker=unlinker
-        )
+            fd, nbytes, record_json, where, page_size=page_size, path=path, directory=directory, unlinker=unlinker,
+            allocate=allocate,
+        )  # fmt: skip

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
+import subprocess
+import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +28,24 @@ def shm_dir() -> Iterator[Path]:
     finally:
         gc.collect()
         shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``) mounted for the block (root only; the test is skipped where
+    mounting is not permitted), unmounted after it."""
+    point = Path(tempfile.mkdtemp(prefix="pinpool-tmpfs-"))
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(point)]
+    done = subprocess.run(mount, capture_output=True)
+    if done.returncode != 0:
+        point.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield point
+    finally:
+        gc.collect()
+        subprocess.run(["umount", "-l", str(point)], check=False)
+        point.rmdir()
 
 
 @pytest.fixture

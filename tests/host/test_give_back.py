@@ -1,8 +1,9 @@
 """Giving unpinned pages back to the host (``give_back(offset, nbytes)`` on a pool's memory), measured for
 real inside a memory cgroup of the test's own: after mlock of N bytes, munlock + give_back, VmLck and the
 cgroup's usage fall by N and the host's free memory rises by N; for a shared region on /dev/shm the file's
-blocks fall too and another process mapping it sees zeros. The memory is usable after: it reads zero and
-pins again. Which ranges may be given back is pure (``checked_range``), tested exhaustively."""
+blocks fall too, once no other process maps it (before, nothing is punched: another process's bytes stay).
+The memory is usable after: it reads zero and pins again. Which ranges may be given back is pure
+(``checked_range``), tested exhaustively."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pinpool import ConfigError, PoolStateError
+from pinpool._errors import RegionInUseError
 from pinpool._host import HostMapping, TensorMemory, checked_range
 from pinpool._host import libc as _libc
 from pinpool._shared import SharedMemory
@@ -205,8 +207,8 @@ def test_hugetlb_pages_go_back_to_the_reserved_pool_whole(memory: str) -> None:
         if memory == "shared":  # a fault in the hole with no free huge page would be a SIGBUS: refused first
             nr = int(Path(NR_HUGEPAGES).read_text())
             _set_hugetlb(nr - _libc.hugetlb_free_pages()[0])  # no free page left
-            with pytest.raises(ConfigError, match=r"taking back \[2097152, \+2097152\) \(2 MiB\) failed: .* stays "
-                               r"given back. It needs free 2 MiB hugetlb pages"):  # fmt: skip
+            with pytest.raises(ConfigError, match=r"allocating \[2097152, \+2097152\) \(2 MiB\) of its file failed: .* "
+                               r"stays a hole \(it reads zero\). It needs free 2 MiB hugetlb pages"):  # fmt: skip
                 mapping.take_back(2 * MiB, 2 * MiB)
             _set_hugetlb(nr)
             mapping.take_back(2 * MiB, 2 * MiB)
@@ -221,8 +223,8 @@ def test_hugetlb_pages_go_back_to_the_reserved_pool_whole(memory: str) -> None:
 
 # -- measured: a shared region ---------------------------------------------------------------------------
 
-# Another process mapping the region: the sum of one byte per MiB now, and again after a line on stdin
-# (one byte per MiB: reading a hole of a shared file allocates a page, and the test counts pages).
+# Another process mapping the region: the sum of one byte per MiB now, and again after a line on stdin; then
+# it exits (one byte per MiB: reading a hole of a shared file allocates a page, and the test counts pages).
 ATTACHED = """
 import sys
 from pinpool._shared import SharedMemory
@@ -235,16 +237,12 @@ print(int(view[:: 1 << 20].sum()), flush=True)
 
 
 @needs_mlock
-def test_a_shared_region_given_back_drops_its_file_blocks_and_every_processs_view(
-    cgroup: MemoryCgroup, shm_dir: Path
-) -> None:
+def test_a_shared_region_is_given_back_only_once_no_other_process_maps_it(cgroup: MemoryCgroup, shm_dir: Path) -> None:
+    """While another process maps the region, a give-back punches nothing (its pool may be using the pages):
+    a RegionInUseError, the file's blocks and that process's bytes unchanged. Once it is gone: the file's
+    blocks and the cgroup's usage fall by the range, which reads zero."""
     path = shm_dir / "kv"
     mapping = SharedMemory(path, create=True).open_mapping(N, RECORD)
-
-    def unpin_and_give_back() -> None:
-        assert _libc.munlock(mapping.address, N) == 0
-        mapping.give_back(0, N)
-
     view = mapping.view(0, N)
     view.fill_(3)
     assert _libc.mlock(mapping.address, N) == 0
@@ -255,19 +253,24 @@ def test_a_shared_region_given_back_drops_its_file_blocks_and_every_processs_vie
     with preloaded.Child(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as other:
         assert other.stdin is not None and other.stdout is not None
         assert int(other.stdout.readline()) == 3 * (N // MiB)  # it sees the pattern
-        blocks, usage = os.stat(path).st_blocks * 512, cgroup.usage()
-        assert blocks == N + PAGE  # the data and the trailer's page
-        assert falls(_libc.vm_locked_bytes, unpin_and_give_back) == N
-        assert os.stat(path).st_blocks * 512 == PAGE  # only the trailer is left
-        assert abs(usage - cgroup.usage() - N) <= USAGE_SLACK
+        assert os.stat(path).st_blocks * 512 == N + PAGE  # the data and the trailer's page
+        assert falls(_libc.vm_locked_bytes, lambda: _libc.munlock(mapping.address, N)) == N
+        with pytest.raises(RegionInUseError, match=r"\(128 MiB\) was not given back: another process maps the reg"):
+            mapping.give_back(0, N)
+        assert os.stat(path).st_blocks * 512 == N + PAGE  # nothing punched
         other.stdin.write("again\n")
         other.stdin.flush()
-        assert int(other.stdout.readline()) == 0  # its view dropped too: the hole reads zero
+        assert int(other.stdout.readline()) == 3 * (N // MiB)  # its bytes are intact
+        assert other.wait(timeout=60) == 0
+    usage = cgroup.usage()
+    mapping.give_back(0, N)  # this process maps it alone now
+    assert os.stat(path).st_blocks * 512 == PAGE  # only the trailer is left
+    assert abs(usage - cgroup.usage() - N) <= USAGE_SLACK
     assert mapping.generation == 0  # the trailer is intact
     usage = cgroup.usage()
     mapping.take_back(0, N)  # allocated again before anything touches it (a full tmpfs: an error, no SIGBUS)
     assert os.stat(path).st_blocks * 512 == N + PAGE and abs(cgroup.usage() - usage - N) <= USAGE_SLACK
-    assert not view.any()
+    assert not view.any()  # what was given back reads zero (read only now: reading a hole allocates it)
     view.fill_(5)  # usable after: it pins again, and holds what is written
     assert _libc.mlock(mapping.address, N) == 0 and int(view[:PAGE].sum()) == 5 * PAGE
     assert _libc.munlock(mapping.address, N) == 0

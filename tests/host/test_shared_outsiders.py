@@ -20,7 +20,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import zlib
@@ -47,6 +46,7 @@ from pinpool.testing import FakeRuntime
 
 from ..conftest import needs_mlock
 from ..depth import depth, runs
+from .conftest import mounted_tmpfs
 
 MiB = 1 << 20
 PAGE = _libc.PAGE_SIZE
@@ -328,17 +328,8 @@ def test_memory_gone_is_found_whichever_call_failed(shm_dir: Path) -> None:
 @pytest.fixture
 def small_tmpfs() -> Iterator[Path]:
     """A tmpfs of 8 MiB mounted for the test (root only; skipped where mounting is not permitted)."""
-    point = Path(tempfile.mkdtemp(prefix="pinpool-tmpfs-"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M,mode=0700", "tmpfs", str(point)], capture_output=True)
-    if done.returncode != 0:
-        point.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs("8M") as point:
         yield point
-    finally:
-        gc.collect()
-        subprocess.run(["umount", "-l", str(point)], check=False)
-        point.rmdir()
 
 
 FILL_THEN_WRITE = """

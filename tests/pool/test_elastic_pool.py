@@ -236,7 +236,7 @@ def test_a_shared_pool_grows_shrinks_and_grows_again() -> None:
     with elastic("mlock", memory=region) as pool:
         pool.grow_sync(pages=2 * MiB)
         pool.tensor[4 * MiB : 6 * MiB].fill_(3)
-        pool.shrink_sync(to_pages=4 * MiB)  # a hole punched in the file: every attacher reads zero there
+        pool.shrink_sync(to_pages=4 * MiB)  # no other process maps it: a hole is punched in the file
         assert locked_bytes() - before == 4 * MiB
         assert int(pool.tensor[4 * MiB : 6 * MiB].count_nonzero()) == 0
         pool.grow_sync(pages=2 * MiB)  # the hole is allocated again before it is faulted
