@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
-from .._errors import ConfigError, PoolStateError, PressureError
+from .._errors import ConfigError, PoolStateError, PressureError, foreign_text
 from .._host.pressure import read_memory_pressure
 from .._host.watch import PressureWatch, PsiTrigger
 from .._observe import Observer
@@ -228,7 +228,7 @@ class PolicyLoop:
                 try:
                     woke = source.wait(self.policy.read_interval_seconds)
                 except Exception as exc:  # a watched cgroup went away: keep reading, at the interval
-                    self.observer.elastic_failed("read", exc)
+                    self._failed("read", exc)
                     self._stop.wait(self.policy.read_interval_seconds)
                     woke = None
                 if self._stop.is_set():
@@ -243,15 +243,23 @@ class PolicyLoop:
                 finally:
                     del pool  # between steps the loop holds nothing of the pool
         except BaseException as exc:  # the server must never lose its pool to its policy
-            self.observer.elastic_failed("loop", exc)
+            self._failed("loop", exc)
         finally:
             with self._source_lock:
                 self._source = None
                 try:
                     source.close()
                 except Exception as exc:
-                    self.observer.elastic_failed("read", exc)
+                    self._failed("read", exc)
             self.observer.elastic_event("info", "elastic.stopped", decisions=self.decisions)
+
+    def _failed(self, kind: str, exc: BaseException, **fields: object) -> None:
+        """Counted and logged, with the error's notes: they say what stayed (pages grown before a failed segment,
+        chunks left registered by a rollback or a shrink whose unregister failed), and no one else will see them."""
+        notes = getattr(exc, "__notes__", None)
+        if isinstance(notes, list) and notes:
+            fields["notes"] = foreign_text("; ".join(map(str, notes)), limit=2000)
+        self.observer.elastic_failed(kind, exc, **fields)
 
     def _usable_bytes(self, pool: ElasticPool) -> int:
         return sum(len(r) for r in pool.pinned_runs) * self.page_bytes
@@ -260,7 +268,7 @@ class PolicyLoop:
         try:
             reading = source.read()
         except Exception as exc:
-            self.observer.elastic_failed("read", exc)
+            self._failed("read", exc)
             return
         now = self._clock()
         psi = None if reading.psi is None else reading.psi.some.avg10
@@ -287,7 +295,7 @@ class PolicyLoop:
         try:
             grown = pool.grow_sync(pages=max(1, math.ceil(decision.nbytes / self.page_bytes)))
         except Exception as exc:  # the pool's grow already counted it by outcome; it rolled back what failed
-            self.observer.elastic_failed("grow", exc, bytes=decision.nbytes)
+            self._failed("grow", exc, bytes=decision.nbytes)
             return
         finally:
             self.last_grow_at = now
@@ -303,8 +311,10 @@ class PolicyLoop:
             pages = [] if given is None else list(given)
             if not all(isinstance(r, range) for r in pages):
                 raise ConfigError(f"on_give_up({decision.nbytes}) returned {given!r}: return a sequence of ranges")
-        except Exception as exc:
-            self.observer.elastic_failed("give_up", exc, bytes=decision.nbytes)
+        except BaseException as exc:  # SystemExit too: the server's callback must not end the policy for good
+            self._failed("give_up", exc, bytes=decision.nbytes)
+            return
+        if self._stop.is_set():  # the pool exits (the callback may have closed it): its teardown takes every page
             return
         if not pages:
             self.observer.shrank("declined", 0, self._clock() - now, asked_bytes=decision.nbytes,
@@ -313,7 +323,7 @@ class PolicyLoop:
         try:
             pool._shrink_sync(pages=pages, decided_at=now)
         except Exception as exc:  # counted by outcome in the pool's shrink; nothing changed or it is booked
-            self.observer.elastic_failed("shrink", exc, bytes=decision.nbytes)
+            self._failed("shrink", exc, bytes=decision.nbytes)
 
 
 # -- grows and shrinks counted, whoever asked (the server's calls and the loop's alike) -------------
