@@ -281,6 +281,6 @@ def test_a_want_storm_from_several_threads_while_pressure_comes_and_goes(events:
         refused = [e for e in events.named("elastic.failed") if e["kind"] != "grow"]
         assert not refused, refused
         announced_are_registered(pool, fake)
-        thread = loop_thread()
-        assert thread is not None and thread.is_alive()
+        alive = loop_thread()
+        assert alive is not None and alive.is_alive()
     assert_released(pool, fake, claims_before=claims)

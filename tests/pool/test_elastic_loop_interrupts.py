@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -56,7 +57,8 @@ class Trap(FakeRegistrar):
 
     def __init__(self, moment: Moment) -> None:
         super().__init__("engine", max_bytes=MiB)
-        self.moment, self.fire = moment, lambda: None
+        self.moment = moment
+        self.fire: Callable[[], object] = lambda: None
         self.armed, self.fired = False, threading.Event()
         self._calls = 0
         self._lock = threading.Lock()
@@ -164,37 +166,34 @@ def sync_life(how: str, moment: Moment, events: Events) -> None:
 async def async_life(how: str, moment: Moment, events: Events) -> None:
     claims, locked = PINNED_RANGES.snapshot(), locked_bytes()
     pool, pressure, trap = make(events, moment)
-    cancelled = False
-    if how.endswith("asyncio"):
-        loop, task = asyncio.get_running_loop(), asyncio.current_task()
-        assert task is not None
-        done = asyncio.Event()
-        fire_on_loop: Callable[[Callable[[], object]], object] = loop.call_soon_threadsafe
-        wait_done: Callable[[], object] = done.wait
-    else:
-        token = trio.lowlevel.current_trio_token()
-        trio_done = trio.Event()
-        fire_on_loop, wait_done = token.run_sync_soon, trio_done.wait
+    cancelled, done = False, anyio.Event()
+    task = asyncio.current_task() if how.endswith("asyncio") else None
+    on_loop: Callable[[Callable[[], object]], object] = (
+        asyncio.get_running_loop().call_soon_threadsafe if task is not None
+        else trio.lowlevel.current_trio_token().run_sync_soon
+    )  # fmt: skip
 
     def close_on_loop() -> None:
         pool.close()  # on the event loop's thread, while the loop's own grow or shrink runs
-        (done if how.endswith("asyncio") else trio_done).set()
+        done.set()
 
     try:
         with anyio.CancelScope() as scope:
             if how == "cancel-asyncio":
-                trap.fire = lambda: fire_on_loop(task.cancel)
+                assert task is not None
+                trap.fire = lambda: on_loop(task.cancel)
             elif how == "cancel-trio":
-                trap.fire = lambda: fire_on_loop(scope.cancel)
+                trap.fire = lambda: on_loop(scope.cancel)
             else:
-                trap.fire = lambda: fire_on_loop(close_on_loop)
+                trap.fire = lambda: on_loop(close_on_loop)
             async with pool:
                 await anyio.to_thread.run_sync(prepare, pool, moment)
                 start_action(pool, pressure, trap)
-                await wait_done()
+                await done.wait()
                 assert how.startswith("close")
         cancelled = scope.cancelled_caught
     except asyncio.CancelledError:
+        assert task is not None
         cancelled = True
         task.uncancel()
     assert cancelled == how.startswith("cancel")
@@ -290,8 +289,8 @@ def test_a_real_sigint_while_the_loop_grows(mode: str, twice: bool) -> None:
     """Once, or twice: the second while the exit waits for the loop's grow (held 200 ms by the engine)."""
     hold_at = random.Random(f"sigint-{mode}-{twice}").randint(1, 4)
     child = preloaded.spawn(
-        [sys.executable, "-c", CHILD, mode, str(hold_at)], stdout=preloaded.subprocess.PIPE,
-        stderr=preloaded.subprocess.PIPE, text=True,
+        [sys.executable, "-c", CHILD, mode, str(hold_at)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert child.stdout is not None
