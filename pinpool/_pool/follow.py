@@ -26,10 +26,10 @@ from .._host.pressure import read_memory_pressure
 from .._host.watch import PressureWatch, PsiTrigger
 from .._observe import Observer
 from .._plan.elastic import Action, Decision, ElasticPolicy, ElasticState, decide
+from .._types import MemoryReading
 
 if TYPE_CHECKING:
     from .._pin.elastic import Grown, Shrunk
-    from .._types import MemoryReading
 
 __all__ = ["GiveUp", "HostPressure", "PolicyLoop", "PressureSource", "recorded", "recorded_async"]
 
@@ -265,19 +265,20 @@ class PolicyLoop:
         return sum(len(r) for r in pool.pinned_runs) * self.page_bytes
 
     def _step(self, pool: ElasticPool, source: PressureSource) -> None:
-        try:
+        now = self._clock()
+        try:  # an injected source (pressure=) may answer anything: a reading decide() cannot take is a failed read
             reading = source.read()
+            if not isinstance(reading, MemoryReading):
+                raise ConfigError(f"{source.describe()}.read() returned {reading!r}: return a pinpool MemoryReading")
+            state = ElasticState(
+                self.reserved, min(self.reserved, self._usable_bytes(pool)), self.floor_bytes, self.last_grow_at,
+                self.last_shrink_at,
+            )  # fmt: skip
+            decision = decide(self.policy, state, reading, now, self.asked)
+            self.observer.pressure_read(None if reading.psi is None else reading.psi.some.avg10)
         except Exception as exc:
             self._failed("read", exc)
             return
-        now = self._clock()
-        psi = None if reading.psi is None else reading.psi.some.avg10
-        self.observer.pressure_read(psi)
-        state = ElasticState(
-            self.reserved, min(self.reserved, self._usable_bytes(pool)), self.floor_bytes, self.last_grow_at,
-            self.last_shrink_at,
-        )  # fmt: skip
-        decision = decide(self.policy, state, reading, now, self.asked)
         self.decisions += 1
         if decision.action is Action.GROW and pool._growing():  # the server's own grow: it is being served
             return

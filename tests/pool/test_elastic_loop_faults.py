@@ -284,3 +284,31 @@ def test_a_want_storm_from_several_threads_while_pressure_comes_and_goes(events:
         alive = loop_thread()
         assert alive is not None and alive.is_alive()
     assert_released(pool, fake, claims_before=claims)
+
+
+class Babbling(FakePressure):
+    """An injected pressure source (``pressure=``) whose first readings are not readings a policy can take."""
+
+    def __init__(self, garbage: list[object]) -> None:
+        super().__init__()
+        self.garbage = garbage
+
+    def read(self) -> pinpool.MemoryReading:
+        if self.garbage:
+            return self.garbage.pop(0)  # type: ignore[return-value]
+        return super().read()
+
+
+def test_a_pressure_source_that_answers_garbage_is_a_failed_read_and_the_loop_reads_on(events: Events) -> None:
+    garbage: list[object] = [object(), None, pinpool.MemoryReading(usage_bytes="lots", limit_bytes=1)]  # type: ignore[arg-type]
+    pressure, registry = Babbling(list(garbage)), CollectorRegistry()
+    pool, _ = elastic_pool(events, pressure, registry=registry, runtime=FakeRuntime())
+    with pool:
+        pool.grow_sync(nbytes=2 * MiB)
+        for reads in range(1, len(garbage) + 1):
+            pressure.wake()
+            events.wait("elastic.failed", reads, kind="read")
+        pressure.set(PRESSED)
+        events.wait("pool.shrink", outcome="shrunk")
+    assert count(registry, "pinpool_elastic_failures_total", kind="read") == len(garbage)
+    assert [e["error_type"] for e in events.named("elastic.failed")] == ["ConfigError", "ConfigError", "TypeError"]
