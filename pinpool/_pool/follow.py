@@ -159,7 +159,10 @@ class PolicyLoop:
         self.name = pool.name
         self._given, self._clock = source, clock
         self._source: PressureSource | None = None
-        self._source_lock = threading.Lock()  # wake() against the loop closing the source
+        # wake() against the loop closing the source. Re-entrant: a close() run by a signal handler on a thread inside
+        # a wake (the server's want()) wakes again; ``_waking`` counts, per thread, the wakes it is inside.
+        self._source_lock = threading.RLock()
+        self._waking = threading.local()
         self._stop = threading.Event()
         self._asked_lock = threading.Lock()
         self._asked = 0  # bytes the server asked for and no grow has given it yet
@@ -196,7 +199,11 @@ class PolicyLoop:
         self._stop.set()
         self._wake()
         thread = self.thread
-        return thread is not None and thread.is_alive() and thread is not threading.current_thread()
+        # Called inside this thread's own wake (a signal handler's close() during want()), the loop cannot end
+        # before that wake does: it closes its source under the same lock. Not waited for: the pool's teardown
+        # takes over whatever it grows or shrinks, as for a loop that outlives the join.
+        inside_wake = getattr(self._waking, "depth", 0) > 0
+        return thread is not None and thread.is_alive() and thread is not threading.current_thread() and not inside_wake
 
     def join(self) -> None:
         thread = self.thread
@@ -210,9 +217,13 @@ class PolicyLoop:
             )  # fmt: skip
 
     def _wake(self) -> None:
-        with self._source_lock:
-            if self._source is not None:
-                self._source.wake()
+        self._waking.depth = getattr(self._waking, "depth", 0) + 1  # before the lock: a handler may land at once
+        try:
+            with self._source_lock:
+                if self._source is not None:
+                    self._source.wake()
+        finally:
+            self._waking.depth -= 1
 
     # -- the loop's thread --------------------------------------------------------------------
 

@@ -334,3 +334,47 @@ def test_a_close_that_outwaits_the_loops_grow_takes_its_segment_over(events: Eve
     failed = events.wait("elastic.failed", kind="grow")
     assert "closed while it grew" in failed[0]["error"], failed
     assert events.named("elastic.stopped")
+
+
+# A close() from a signal handler that lands while the main thread is inside want(), waking the loop: it used to
+# deadlock on the loop's own lock (the handler's close woke the loop again). Run in a child: a regression hangs.
+RINGING = textwrap.dedent(
+    """
+    import json, signal, threading, time
+    import pinpool
+    from pinpool.testing import FakePressure, FakeRuntime
+
+    class Ringing(FakePressure):
+        armed = False
+
+        def wake(self):
+            if self.armed and threading.current_thread() is threading.main_thread():
+                self.armed = False
+                signal.raise_signal(signal.SIGUSR1)  # its handler runs here, inside the loop's wake
+            super().wake()
+
+    pressure, fake = Ringing(), FakeRuntime()
+    pool = pinpool.PinnedPool(
+        size="4MiB", reserve="12MiB", grow_step="2MiB", chunk_bytes="1MiB", runtime=fake, registry=None,
+        elastic=pinpool.ElasticPolicy(step=2 << 20), pressure=pressure, on_give_up=lambda n: [], name="ring",
+    )
+    signal.signal(signal.SIGUSR1, lambda *_: pool.close())
+    pool.open()
+    pool.grow_sync(nbytes="2MiB")
+    pressure.armed = True
+    pool.want(pages=1 << 20)
+    deadline = time.monotonic() + 30
+    while any(t.name.startswith("pinpool-ring") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("pinpool-ring")]
+    print(json.dumps({"state": pool.state.value, "threads": threads, "registered": len(fake.registered),
+                      "closed": pressure.closed}))
+    """
+)
+
+
+def test_a_close_from_a_signal_handler_inside_want() -> None:
+    child = preloaded.run([sys.executable, "-c", RINGING], capture_output=True, text=True, timeout=30)
+    assert child.returncode == 0, child.stderr
+    report = json.loads(child.stdout.splitlines()[-1])
+    assert report == {"state": "closed", "threads": [], "registered": 0, "closed": True}, (report, child.stderr)
