@@ -291,6 +291,8 @@ class PolicyLoop:
             self._failed("read", exc)
             return
         self.decisions += 1
+        if self._stop.is_set():  # the pool exits meanwhile: a grow now would only hold its close up
+            return
         if decision.action is Action.GROW and pool._growing():  # the server's own grow: it is being served
             return
         if decision.action is Action.GROW:
