@@ -216,6 +216,8 @@ def test_an_on_give_up_that_blocks_while_the_pool_closes(events: Events) -> None
     pool.grow_sync(nbytes=4 * MiB)
     pressure.set(PRESSED)
     assert asked.wait(30)
+    pool.want(pages=MiB)  # the server's asks never wait for the loop's callback (it is still held)
+    assert not release.is_set()
     closer = threading.Thread(target=pool.close)
     closer.start()
     release.set()
