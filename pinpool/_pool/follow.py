@@ -21,15 +21,15 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
-from .._errors import ConfigError, PoolStateError, PressureError
+from .._errors import ConfigError, PoolStateError, PressureError, foreign_text
 from .._host.pressure import read_memory_pressure
 from .._host.watch import PressureWatch, PsiTrigger
 from .._observe import Observer
 from .._plan.elastic import Action, Decision, ElasticPolicy, ElasticState, decide
+from .._types import MemoryReading
 
 if TYPE_CHECKING:
     from .._pin.elastic import Grown, Shrunk
-    from .._types import MemoryReading
 
 __all__ = ["GiveUp", "HostPressure", "PolicyLoop", "PressureSource", "recorded", "recorded_async"]
 
@@ -159,7 +159,10 @@ class PolicyLoop:
         self.name = pool.name
         self._given, self._clock = source, clock
         self._source: PressureSource | None = None
-        self._source_lock = threading.Lock()  # wake() against the loop closing the source
+        # wake() against the loop closing the source. Re-entrant: a close() run by a signal handler on a thread inside
+        # a wake (the server's want()) wakes again; ``_waking`` counts, per thread, the wakes it is inside.
+        self._source_lock = threading.RLock()
+        self._waking = threading.local()
         self._stop = threading.Event()
         self._asked_lock = threading.Lock()
         self._asked = 0  # bytes the server asked for and no grow has given it yet
@@ -196,7 +199,11 @@ class PolicyLoop:
         self._stop.set()
         self._wake()
         thread = self.thread
-        return thread is not None and thread.is_alive() and thread is not threading.current_thread()
+        # Called inside this thread's own wake (a signal handler's close() during want()), the loop cannot end
+        # before that wake does: it closes its source under the same lock. Not waited for: the pool's teardown
+        # takes over whatever it grows or shrinks, as for a loop that outlives the join.
+        inside_wake = getattr(self._waking, "depth", 0) > 0
+        return thread is not None and thread.is_alive() and thread is not threading.current_thread() and not inside_wake
 
     def join(self) -> None:
         thread = self.thread
@@ -210,9 +217,13 @@ class PolicyLoop:
             )  # fmt: skip
 
     def _wake(self) -> None:
-        with self._source_lock:
-            if self._source is not None:
-                self._source.wake()
+        self._waking.depth = getattr(self._waking, "depth", 0) + 1  # before the lock: a handler may land at once
+        try:
+            with self._source_lock:
+                if self._source is not None:
+                    self._source.wake()
+        finally:
+            self._waking.depth -= 1
 
     # -- the loop's thread --------------------------------------------------------------------
 
@@ -228,7 +239,7 @@ class PolicyLoop:
                 try:
                     woke = source.wait(self.policy.read_interval_seconds)
                 except Exception as exc:  # a watched cgroup went away: keep reading, at the interval
-                    self.observer.elastic_failed("read", exc)
+                    self._failed("read", exc)
                     self._stop.wait(self.policy.read_interval_seconds)
                     woke = None
                 if self._stop.is_set():
@@ -243,34 +254,45 @@ class PolicyLoop:
                 finally:
                     del pool  # between steps the loop holds nothing of the pool
         except BaseException as exc:  # the server must never lose its pool to its policy
-            self.observer.elastic_failed("loop", exc)
+            self._failed("loop", exc)
         finally:
             with self._source_lock:
                 self._source = None
                 try:
                     source.close()
                 except Exception as exc:
-                    self.observer.elastic_failed("read", exc)
+                    self._failed("read", exc)
             self.observer.elastic_event("info", "elastic.stopped", decisions=self.decisions)
+
+    def _failed(self, kind: str, exc: BaseException, **fields: object) -> None:
+        """Counted and logged, with the error's notes: they say what stayed (pages grown before a failed segment,
+        chunks left registered by a rollback or a shrink whose unregister failed), and no one else will see them."""
+        notes = getattr(exc, "__notes__", None)
+        if isinstance(notes, list) and notes:
+            fields["notes"] = foreign_text("; ".join(map(str, notes)), limit=2000)
+        self.observer.elastic_failed(kind, exc, **fields)
 
     def _usable_bytes(self, pool: ElasticPool) -> int:
         return sum(len(r) for r in pool.pinned_runs) * self.page_bytes
 
     def _step(self, pool: ElasticPool, source: PressureSource) -> None:
-        try:
-            reading = source.read()
-        except Exception as exc:
-            self.observer.elastic_failed("read", exc)
-            return
         now = self._clock()
-        psi = None if reading.psi is None else reading.psi.some.avg10
-        self.observer.pressure_read(psi)
-        state = ElasticState(
-            self.reserved, min(self.reserved, self._usable_bytes(pool)), self.floor_bytes, self.last_grow_at,
-            self.last_shrink_at,
-        )  # fmt: skip
-        decision = decide(self.policy, state, reading, now, self.asked)
+        try:  # an injected source (pressure=) may answer anything: a reading decide() cannot take is a failed read
+            reading = source.read()
+            if not isinstance(reading, MemoryReading):
+                raise ConfigError(f"{source.describe()}.read() returned {reading!r}: return a pinpool MemoryReading")
+            state = ElasticState(
+                self.reserved, min(self.reserved, self._usable_bytes(pool)), self.floor_bytes, self.last_grow_at,
+                self.last_shrink_at,
+            )  # fmt: skip
+            decision = decide(self.policy, state, reading, now, self.asked)
+            self.observer.pressure_read(None if reading.psi is None else reading.psi.some.avg10)
+        except Exception as exc:
+            self._failed("read", exc)
+            return
         self.decisions += 1
+        if self._stop.is_set():  # the pool exits meanwhile: a grow now would only hold its close up
+            return
         if decision.action is Action.GROW and pool._growing():  # the server's own grow: it is being served
             return
         if decision.action is Action.GROW:
@@ -287,7 +309,7 @@ class PolicyLoop:
         try:
             grown = pool.grow_sync(pages=max(1, math.ceil(decision.nbytes / self.page_bytes)))
         except Exception as exc:  # the pool's grow already counted it by outcome; it rolled back what failed
-            self.observer.elastic_failed("grow", exc, bytes=decision.nbytes)
+            self._failed("grow", exc, bytes=decision.nbytes)
             return
         finally:
             self.last_grow_at = now
@@ -303,8 +325,10 @@ class PolicyLoop:
             pages = [] if given is None else list(given)
             if not all(isinstance(r, range) for r in pages):
                 raise ConfigError(f"on_give_up({decision.nbytes}) returned {given!r}: return a sequence of ranges")
-        except Exception as exc:
-            self.observer.elastic_failed("give_up", exc, bytes=decision.nbytes)
+        except BaseException as exc:  # SystemExit too: the server's callback must not end the policy for good
+            self._failed("give_up", exc, bytes=decision.nbytes)
+            return
+        if self._stop.is_set():  # the pool exits (the callback may have closed it): its teardown takes every page
             return
         if not pages:
             self.observer.shrank("declined", 0, self._clock() - now, asked_bytes=decision.nbytes,
@@ -313,7 +337,7 @@ class PolicyLoop:
         try:
             pool._shrink_sync(pages=pages, decided_at=now)
         except Exception as exc:  # counted by outcome in the pool's shrink; nothing changed or it is booked
-            self.observer.elastic_failed("shrink", exc, bytes=decision.nbytes)
+            self._failed("shrink", exc, bytes=decision.nbytes)
 
 
 # -- grows and shrinks counted, whoever asked (the server's calls and the loop's alike) -------------
