@@ -24,6 +24,7 @@ from .conftest import Buffer, KiB, MiB, MooncakeEngine, NixlAgent, bytes_at, nee
 
 pytestmark = needs_mlock
 
+
 def small_pool(layout: layouts.Layout, registrar: TransferRegistrar, **options: Any) -> pinpool.PinnedPool:
     """About 16 chunks of at least 256 KiB each, aligned to the layout's copy pages and the OS page: many
     registrations, a pool of a few MiB (at most 16, the reader's buffer)."""
