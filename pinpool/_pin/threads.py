@@ -10,8 +10,15 @@ import time
 from collections.abc import Callable
 
 POLL_SECONDS = 0.05
+_ON_WORKER = threading.local()  # .worker: this thread runs a body of some Threads (a pin, unpin or admit step)
 PROGRESS_INTERVAL_SECONDS = 0.1
 _PASSED, _CLOSED = "passed", "closed"
+
+
+def on_worker_thread() -> bool:
+    """Whether this thread is one of pinpool's workers: a runtime's, registrar's or progress callback's caller,
+    which a driver on another thread may be waiting for."""
+    return getattr(_ON_WORKER, "worker", False)
 
 
 class Threads:
@@ -35,6 +42,7 @@ class Threads:
                 return  # its start was given up: it must not touch anything
             with self._lock:
                 self.started += 1
+            _ON_WORKER.worker = True
             try:
                 fn()
             except BaseException as exc:  # recorded for the lifecycle; a worker has no caller to raise to

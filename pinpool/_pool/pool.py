@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ from .._pin.engine import Memory, PinSession
 from .._pin.lifecycle import Lifecycle
 from .._pin.memory_source import PoolMemory, TensorLayout
 from .._pin.outcome import PoolState, caller_outside_pinpool
+from .._pin.threads import on_worker_thread
 from .._plan.chunks import Chunk
 from .._plan.declared import keyword_signature, pool_options
 from .._plan.plan import PoolPlan, plan_pool
@@ -564,8 +566,20 @@ class PinnedPool:
     def close(self, *, raise_errors: bool = True) -> BaseException | None:
         """Stop background pinning, unpin every chunk, let go of the memory: from any thread (a signal handler:
         docs/serving.md), more than once, never :class:`PoolStateError`. Raises :class:`UnpinError` or an unseen
-        :class:`PinError` (``raise_errors=False`` returns it); interruptions are re-raised after the teardown."""
+        :class:`PinError` (``raise_errors=False`` returns it); interruptions are re-raised after the teardown.
+        Inside a runtime, registrar or ``on_progress`` call on pinpool's own thread it starts the close on a thread
+        of its own and returns None at once (the pool's driver waits for the thread it was called on)."""
+        if on_worker_thread():  # a runtime's, registrar's or on_progress's close(): a driver may wait for this thread
+            self._close_detached()
+            return None
         return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
+
+    def _close_detached(self) -> None:
+        """close() on a thread of its own: what it would raise is logged by the teardown (pool.unpin, pool.failed)."""
+        closer = threading.Thread(
+            target=functools.partial(self.close, raise_errors=False), name=f"pinpool-{self.name}-close", daemon=True
+        )  # fmt: skip
+        closer.start()
 
 
 # For help() and inspect: every keyword with its default; the docstring's Options: their help.

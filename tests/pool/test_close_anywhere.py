@@ -10,6 +10,8 @@ handler on the thread already closing the pool waited for itself, for ever.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import random
 import subprocess
 import sys
@@ -24,7 +26,7 @@ import pytest
 import pinpool
 from pinpool import PoolState, PoolStateError
 from pinpool._ranges import PINNED_RANGES
-from pinpool.testing import FakeRuntime, locked_bytes
+from pinpool.testing import FakeRegistrar, FakeRuntime, assert_released, locked_bytes
 
 from .. import preloaded
 from ..conftest import needs_mlock
@@ -278,3 +280,59 @@ def test_close_from_a_signal_handler_on_the_thread_that_is_closing_returns(mode:
     assert "handled ['None'" in out, out  # the handler ran, and its close returned None at once
     if mode == "open":
         assert "closed while it was being opened" in out, out
+
+
+# -- close() inside a call pinpool makes on its own thread -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("where", "at"),
+    [
+        ("runtime", "register"), ("runtime", "unregister"), ("registrar", "register"), ("progress", "pinning"),
+        ("grow-runtime", "register"), ("grow-registrar", "register"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
+def test_close_inside_a_call_on_pinpools_own_thread_returns_at_once(where: str, at: str, background: bool) -> None:
+    """A runtime's, registrar's or on_progress callback's close() ran on a pin or unpin worker while the pool's
+    driver waited for that worker: both waited for ever. Now it returns None at once, and the close runs on a
+    thread of its own: the pool ends closed and nothing stays registered with either."""
+    pool_box: list[pinpool.PinnedPool] = []
+    closed: list[object] = []
+    armed = threading.Event()
+    if not where.startswith("grow"):
+        armed.set()
+
+    once = threading.Lock()  # workers call in parallel: one of them closes
+
+    def close_once(op: str, *_: object) -> None:
+        if op == at and armed.is_set() and once.acquire(blocking=False):
+            closed.append(pool_box[0].close())
+
+    on_worker = where.removeprefix("grow-")
+    fake = FakeRuntime(before_call=close_once if on_worker == "runtime" else None)
+    registrar = FakeRegistrar(before_call=close_once if on_worker == "registrar" else None)
+    options: dict[str, Any] = {"registrars": [registrar], "background": background, "chunk_bytes": 2 * MiB}
+    if where == "progress":
+        options["on_progress"] = lambda *_: close_once("pinning")
+    if where.startswith("grow"):
+        options.update(size=4 * MiB, reserve=12 * MiB, grow_step=4 * MiB)
+    pool = pool_of(fake, **options)
+    pool_box.append(pool)
+    faulthandler.dump_traceback_later(60, exit=True)  # a regression hangs
+    try:
+        with contextlib.suppress(PoolStateError):
+            with pool:
+                if background:
+                    pool.wait_ready_sync()
+                armed.set()
+                if where.startswith("grow"):
+                    pool.grow_sync(pages=1)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    if where == "progress" and not background:
+        assert closed == [None] or closed == []  # a foreground pool's progress runs on the caller's own thread
+    else:
+        assert closed == [None], "the hook never closed the pool"
+    assert_released(pool, fake)
+    assert registrar.registered == {}
