@@ -209,14 +209,6 @@ class Elastic:
             if phase is Phase.PINNED and interruption is None:
                 self.book.grown(index)  # announced: pinned_runs, pinned_pages
                 return
-        failed = None
-        if interruption is None:
-            causes = ran.crashed or ran.start_errors
-            failed = pin_error(
-                describe=self._describe(index), nbytes=segment.nbytes, chunk_limit=plan.chunk_limit,
-                failures=session.ledger.failures_in("populate", "register"), leaked=session.leaked(),
-                retries=session.retries, cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=None,
-            )  # fmt: skip
         unpinned: UnpinError | None = None
         interrupts: list[BaseException] = []
         raised: BaseException | None = None
@@ -228,6 +220,14 @@ class Elastic:
             with self._lock:
                 self._stall(index)
             raised = exc
+        failed = None
+        if interruption is None:  # read after the rollback: the chunks it could not unregister are named
+            causes = ran.crashed or ran.start_errors
+            failed = pin_error(
+                describe=self._describe(index), nbytes=segment.nbytes, chunk_limit=plan.chunk_limit,
+                failures=session.ledger.failures_in("populate", "register"), leaked=session.leaked(),
+                retries=session.retries, cause=causes[0] if causes else None, crashed=bool(ran.crashed), kept=None,
+            )  # fmt: skip
         if raised is not None:  # the grow's own error goes on (an interruption as itself), this one said with it
             first = interruption or (None if isinstance(raised, Exception) else raised) or failed
             assert first is not None

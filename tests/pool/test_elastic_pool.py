@@ -117,6 +117,21 @@ def test_a_failing_segment_rolls_back_alone() -> None:
     assert_released(pool, fake)
 
 
+def test_a_failed_grow_whose_rollback_leaks_says_so() -> None:
+    # The floor's 4 register calls pass, the segment's first too; then every register fails, and the rollback's
+    # one unregister (of that first chunk) fails: the error names the chunk that may stay pinned.
+    fake = FakeRuntime(fail_register_on=range(6, 100), fail_unregister_on=1)
+    with elastic(fake) as pool:
+        base = pool.data_ptr
+        with pytest.raises(pinpool.PinError, match="segment 1") as failed:
+            pool.grow_sync(pages=1)
+        assert "could not be unregistered and may still be pinned" in str(failed.value)
+        assert "every registered chunk was rolled back" not in str(failed.value)
+        assert [c.offset for c in failed.value.leaked] == [4 * MiB]
+        assert pool.pinned_runs == (range(0, 4 * MiB),) and pool.pinned_bytes == 5 * MiB  # counted, not usable
+    assert fake.registered == {base + 4 * MiB: MiB}  # kept registered for good (never unpinned behind the runtime)
+
+
 @pytest.mark.anyio
 async def test_cancelling_a_grow_undoes_its_segment() -> None:
     started = threading.Event()
