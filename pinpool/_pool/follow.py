@@ -170,6 +170,7 @@ class PolicyLoop:
         self.last_grow_at: float | None = None
         self.last_shrink_at: float | None = None
         self._at_floor = False  # told about this episode of pressure at the floor already
+        self._futile = False  # a shrink this episode of pressure gave nothing back (another process maps the region)
         self.decisions = 0  # readings decided (acted on or held): a test waits on it
 
     # -- from the server's thread -------------------------------------------------------------
@@ -297,8 +298,9 @@ class PolicyLoop:
             return
         if decision.action is Action.GROW:
             self._grow(pool, decision, now)
-        elif decision.action in (Action.SHRINK, Action.SHRINK_TO_FLOOR):
+        elif decision.action in (Action.SHRINK, Action.SHRINK_TO_FLOOR) and not self._futile:
             self._shrink(pool, decision, now)
+        self._futile = self._futile and decision.pressure  # calm again: the next pressure may find the region alone
         if decision.at_floor and not self._at_floor:
             self.observer.at_floor(decision.reason)
         self._at_floor = decision.at_floor or (self._at_floor and decision.pressure)
@@ -335,9 +337,18 @@ class PolicyLoop:
                                  note="on_give_up gave up no page: nothing was taken")  # fmt: skip
             return
         try:
-            pool._shrink_sync(pages=pages, decided_at=now)
+            shrunk = pool._shrink_sync(pages=pages, decided_at=now)
         except Exception as exc:  # counted by outcome in the pool's shrink; nothing changed or it is booked
             self._failed("shrink", exc, bytes=decision.nbytes)
+            return
+        if shrunk.released and shrunk.unreturned == shrunk.released:
+            # Another process maps the shared region: unpinning gave no memory back, and more shrinks would only
+            # take the server's pages for nothing. None until the pressure ends.
+            self._futile = True
+            self.observer.elastic_event(
+                "warning", "elastic.shrink_futile", bytes=sum(len(r) for r in shrunk.released) * self.page_bytes,
+                reason="the pages stay in the shared region another process maps; no more shrinks until calm",
+            )  # fmt: skip
 
 
 # -- grows and shrinks counted, whoever asked (the server's calls and the loop's alike) -------------

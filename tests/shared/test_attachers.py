@@ -24,12 +24,12 @@ import pinpool
 from pinpool._errors import RegionInUseError
 from pinpool._host import libc as _libc
 from pinpool._shared import ATTACHERS_AT, SharedMemory, ofd_lock
-from pinpool.testing import FakeRuntime, locked_bytes
+from pinpool.testing import FakePressure, FakeRuntime, locked_bytes
 
 from .. import preloaded
 from ..conftest import needs_mlock
 from ..host.cgroup_squeeze import ROOT
-from ..pool.test_elastic_loop import Events
+from ..pool.test_elastic_loop import CALM, PRESSED, Events, give_up_tail, wait_until
 from ..pool.test_open_close import in_forked_child
 
 MiB = 1 << 20
@@ -256,3 +256,34 @@ def test_an_unmapped_region_is_no_attacher_and_a_mapping_refuses_while_another_l
     first.give_back(0, 2 * MiB)
     assert blocks(path) == PAGE
     assert attachable(path)  # back to the read lock: the next attach is not kept waiting
+
+
+@needs_mlock
+def test_the_policy_stops_shrinking_for_nothing_while_another_process_maps_the_region(shm_dir: Path) -> None:
+    """Under pressure with another process mapping the region, a shrink unpins the pages but frees nothing: the
+    loop says so once and takes no more of the server's pages until the pressure ends; the next episode, the
+    region alone, gives memory back again."""
+    path, events, pressure = shm_dir / "kv", Events(), FakePressure()
+    box: list[pinpool.PinnedPool] = []
+    policy = pinpool.ElasticPolicy(step=2 * MiB, cooldown_seconds=0.0, shrink_interval_seconds=0.0)
+    with elastic(path, logger=events.logger, elastic=policy, pressure=pressure, on_give_up=give_up_tail(box)) as pool:
+        box.append(pool)
+        pool.grow_sync(nbytes=8 * MiB)
+        with locker(path) as other:
+            assert locked(other)  # another open file maps the region now (as another pool's mapping does)
+            pressure.set(PRESSED)
+            [futile] = events.wait("elastic.shrink_futile")
+            assert futile["bytes"] == 2 * MiB and pool.pinned_runs == (range(0, 10 * MiB),)
+            for _ in range(3):  # pressed on: read, decided, and nothing more taken
+                read = pressure.reads
+                pressure.set(PRESSED)
+                wait_until(lambda r=read: pressure.reads > r)
+            assert pool.pinned_runs == (range(0, 10 * MiB),) and len(events.named("pool.shrink")) == 1
+            let_go(other)
+        read = pressure.reads
+        pressure.set(CALM)  # the episode ends ...
+        wait_until(lambda: pressure.reads > read)
+        held = blocks(path)
+        pressure.set(PRESSED)  # ... and the next one, the region alone, gives memory back
+        events.wait("pool.shrink", outcome="shrunk", bytes=2 * MiB)
+        assert blocks(path) < held
