@@ -396,11 +396,15 @@ class Observer:
         self._metric(
             "shrank",
             lambda m: m.shrinks.labels(*self._labels, outcome).inc(),
-            lambda m: m.released_bytes.labels(*self._labels).inc(nbytes),
             lambda m: m.shrink_seconds.labels(*self._labels).observe(seconds) if nbytes else None,
         )
         level = "info" if outcome in ("shrunk", "kept", "declined") else "warning"
         self._emit(level, "pool.shrink", outcome=outcome, bytes=nbytes, seconds=round(seconds, 6), **fields)
+
+    def gave_back(self, nbytes: int) -> None:
+        """A released segment's pages went back to the host: counted once, whichever shrink gave them back (one
+        that finished a segment an earlier shrink's failed teardown left behind, too)."""
+        self._metric("gave_back", lambda m: m.released_bytes.labels(*self._labels).inc(nbytes))
 
     def kept_in_region(self, pages: range, nbytes: int) -> None:
         """A shrink unpinned ``pages`` of a shared region but left them in its file: another process maps it."""

@@ -22,7 +22,7 @@ from .._errors import PoolStateError
 from .gates import DRIVING
 from .outcome import Detach, Ran, RunThreads, Step, Steps
 from .sigint import _Guard, guard, protected, replay, safe
-from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads
+from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads, serving
 
 ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
 TRIES = 5  # a retry loop's tries; an exception that recurs every time (no stack left) is then raised
@@ -44,9 +44,10 @@ def _held(step: RunThreads, seen: int) -> tuple[int, bool]:
     return held, bool(step.on_held(held))
 
 
-def _launch(step: RunThreads) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
-    """Start the step's threads; returns them, the report, and what to call on an interruption."""
-    threads, ran = Threads(), Ran()
+def _launch(step: RunThreads, serving: frozenset[int]) -> tuple[Threads, Ran, Callable[[BaseException], None]]:
+    """Start the step's threads (for the pools ``serving`` names); returns them, the report, and what to call on an
+    interruption."""
+    threads, ran = Threads(serving), Ran()
 
     def interrupted(exc: BaseException) -> None:
         first = not ran.interrupts
@@ -97,10 +98,10 @@ def _run_inline_bodies(step: RunThreads, ran: Ran) -> None:
         _retry(body, functools.partial(_record, ran))  # bodies resume from shared queues: run it again
 
 
-def run_sync(step: Step) -> Ran:
+def run_sync(step: Step, serving: frozenset[int] = frozenset()) -> Ran:
     if isinstance(step, Detach):
-        return _detach(step)
-    threads, ran, interrupted = _launch(step)
+        return _detach(step, serving)
+    threads, ran, interrupted = _launch(step, serving)
     recurring = _Recurring()
     while True:
         try:
@@ -147,16 +148,26 @@ def _wait_interruptibly(threads: Threads, on_tick: Callable[[], object] | None) 
     threads.wait(on_tick=on_tick)
 
 
+def _serving(owner: object) -> frozenset[int]:
+    """The pools a driver's threads serve: ``owner``'s (a pool's lifecycle), and those this thread serves (a
+    conductor drives its pool's pinning on a worker thread)."""
+    return serving() | ({id(owner)} if owner is not None else set())
+
+
 @protected
-def drive_sync(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle on the calling thread; ``undo`` undoes it if a Ctrl-C was deferred until it completed."""
+def drive_sync(
+    lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None, *, owner: object = None
+) -> T:
+    """Run a lifecycle on the calling thread; ``undo`` undoes it if a Ctrl-C was deferred until it completed;
+    ``owner``: the pool's lifecycle, whose close() on one of these threads must not wait for them."""
+    run = functools.partial(run_sync, serving=_serving(owner))
     with guard():
-        result = _drive(lifecycle, run_sync)
+        result = _drive(lifecycle, run)
         try:
             replay()
         except BaseException:
             if undo is not None:
-                _drive(undo(), run_sync)
+                _drive(undo(), run)
             raise
         return result
 
@@ -196,9 +207,10 @@ def _drive(lifecycle: Lifecycle[T], run: Callable[[Step], Ran]) -> T:
 
 
 async def run_async(step: Step, drive: _AsyncDrive | None = None) -> Ran:
+    serving = frozenset() if drive is None else drive.serving
     if isinstance(step, Detach):
-        return _detach(step)  # starting a thread does not wait
-    threads, ran, interrupted = _launch(step)
+        return _detach(step, serving)  # starting a thread does not wait
+    threads, ran, interrupted = _launch(step, serving)
     parked = (step, threads, ran, interrupted)
     # It polls rather than wait on an anyio worker thread: one abandoned when a second Ctrl-C aborts
     # asyncio.run would hang exit. A teardown (on_held) holds every Ctrl-C meanwhile, even in the loop.
@@ -279,8 +291,8 @@ class _AsyncDrive:
     meanwhile, a closer (or the finalizer) may finish it (:meth:`take_over`). Driver and closer each
     pop the parked step, one C-level call: exactly one of them goes on."""
 
-    def __init__(self, lifecycle: Lifecycle[Any], held: guard) -> None:
-        self.lifecycle, self.guard = lifecycle, held
+    def __init__(self, lifecycle: Lifecycle[Any], held: guard, serving: frozenset[int] = frozenset()) -> None:
+        self.lifecycle, self.guard, self.serving = lifecycle, held, serving
         try:
             self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:  # trio: its run never ends with a task still waiting
@@ -328,15 +340,19 @@ class _AsyncDrive:
 
 
 @protected
-async def drive_async(lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None) -> T:
-    """Run a lifecycle from an anyio task; ``undo`` as for :func:`drive_sync`; the guard is held between awaits."""
+async def drive_async(
+    lifecycle: Lifecycle[T], undo: Callable[[], Lifecycle[object]] | None = None, *, owner: object = None
+) -> T:
+    """Run a lifecycle from an anyio task; ``undo`` and ``owner`` as for :func:`drive_sync`; the guard is held
+    between awaits."""
+    serving = _serving(owner)
     with guard() as held:
-        result: T = await _drive_async(_AsyncDrive(lifecycle, held))
+        result: T = await _drive_async(_AsyncDrive(lifecycle, held, serving))
         try:
             replay()  # under asyncio.run this cancels the task instead: the body's first await sees it
         except BaseException:
             if undo is not None:
-                await _drive_async(_AsyncDrive(undo(), held))
+                await _drive_async(_AsyncDrive(undo(), held, serving))
             raise
         return result
 
@@ -369,10 +385,10 @@ _running_lock = threading.Lock()
 _hooked = False
 
 
-def _detach(step: Detach) -> Ran:
+def _detach(step: Detach, serving: frozenset[int]) -> Ran:
     """Start ``step.steps`` with the sync driver on a tracked thread (accounted for even if interrupted)."""
     global _hooked
-    threads, ran = Threads(), Ran()
+    threads, ran = Threads(serving), Ran()
     ran.detached = threads
     key = id(threads)
 

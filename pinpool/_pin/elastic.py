@@ -398,6 +398,7 @@ class Elastic:
             self.observer.failed_in_background(exc)
         else:
             returned.append(True)
+            self.observer.gave_back(sum(hi - lo for lo, hi in self._whole_pages(index)))
         finally:
             with self._gives:
                 self._giving -= 1

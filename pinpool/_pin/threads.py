@@ -10,21 +10,23 @@ import time
 from collections.abc import Callable
 
 POLL_SECONDS = 0.05
-_ON_WORKER = threading.local()  # .worker: this thread runs a body of some Threads (a pin, unpin or admit step)
+_ON_WORKER = threading.local()  # .serving: the pools (ids) whose drivers wait for this thread, when it is a worker
 PROGRESS_INTERVAL_SECONDS = 0.1
 _PASSED, _CLOSED = "passed", "closed"
 
 
-def on_worker_thread() -> bool:
-    """Whether this thread is one of pinpool's workers: a runtime's, registrar's or progress callback's caller,
-    which a driver on another thread may be waiting for."""
-    return getattr(_ON_WORKER, "worker", False)
+def serving() -> frozenset[int]:
+    """The pools (their lifecycles' ids) whose drivers wait for this thread, one of their workers (a runtime's,
+    registrar's or progress callback's caller), directly or through a conductor; empty off pinpool's workers."""
+    pools: frozenset[int] = getattr(_ON_WORKER, "serving", frozenset())
+    return pools
 
 
 class Threads:
     """A set of worker threads, waited for with :meth:`wait_done`."""
 
-    def __init__(self) -> None:
+    def __init__(self, serving: frozenset[int] = frozenset()) -> None:
+        self.serving = serving  # what its workers serve (see serving())
         self._lock = threading.Lock()  # workers' own counts (no exception is raised into a worker)
         self._books: dict[int, tuple[threading.Thread, dict[str, str]]] = {}  # not done: may pass its gate, or did
         self._owner = threading.get_ident()  # the starter: only it reaps (it is never inside start then)
@@ -42,7 +44,7 @@ class Threads:
                 return  # its start was given up: it must not touch anything
             with self._lock:
                 self.started += 1
-            _ON_WORKER.worker = True
+            _ON_WORKER.serving = self.serving
             try:
                 fn()
             except BaseException as exc:  # recorded for the lifecycle; a worker has no caller to raise to

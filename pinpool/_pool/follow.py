@@ -341,7 +341,7 @@ class PolicyLoop:
         except Exception as exc:  # counted by outcome in the pool's shrink; nothing changed or it is booked
             self._failed("shrink", exc, bytes=decision.nbytes)
             return
-        if shrunk.released and shrunk.unreturned == shrunk.released:
+        if (shrunk.released or shrunk.recovered) and not given_back_pages(shrunk):
             # Another process maps the shared region: unpinning gave no memory back, and more shrinks would only
             # take the server's pages for nothing. None until the pressure ends.
             self._futile = True
@@ -370,10 +370,16 @@ def _ended(
         observer.grew(outcome, nbytes, seconds, **({} if error is None else {"error_type": type(error).__name__}))
         return
     released = sum(len(r) for r in getattr(result, "released", ())) * page_bytes
-    unreturned = sum(len(r) for r in getattr(result, "unreturned", ())) * page_bytes  # unpinned, still held
-    nbytes = released - unreturned if error is None else max(0, before - after)
+    nbytes = given_back_pages(result) * page_bytes if error is None else max(0, before - after)
     outcome = ("shrunk" if released else "kept") if error is None else _outcome(error)
     observer.shrank(outcome, nbytes, seconds, **({} if error is None else {"error_type": type(error).__name__}))
+
+
+def given_back_pages(shrunk: object) -> int:
+    """Pages a shrink gave back to the host: those it released or finished (``recovered``) less ``unreturned``
+    (the pages of either whose give-back failed or was kept for another process)."""
+    pages = [*getattr(shrunk, "released", ()), *getattr(shrunk, "recovered", ())]
+    return sum(len(r) for r in pages) - sum(len(r) for r in getattr(shrunk, "unreturned", ()))
 
 
 def recorded(

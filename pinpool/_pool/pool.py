@@ -8,9 +8,9 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import MappingProxyType, TracebackType
-from typing import Unpack, cast
+from typing import TypeVar, Unpack, cast
 
 import anyio
 import torch
@@ -25,8 +25,8 @@ from .._pin.elastic import Elastic, Grown, Shrunk
 from .._pin.engine import Memory, PinSession
 from .._pin.lifecycle import Lifecycle
 from .._pin.memory_source import PoolMemory, TensorLayout
-from .._pin.outcome import PoolState, caller_outside_pinpool
-from .._pin.threads import on_worker_thread
+from .._pin.outcome import PoolState, Steps, caller_outside_pinpool
+from .._pin.threads import serving
 from .._plan.chunks import Chunk
 from .._plan.declared import keyword_signature, pool_options
 from .._plan.plan import PoolPlan, plan_pool
@@ -42,6 +42,8 @@ from .follow import PolicyLoop, recorded, recorded_async
 from .request import PoolArguments, PoolRequest, pool_request
 
 _WAIT_POLL_SECONDS = 0.02
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +469,11 @@ class PinnedPool:
         elastic, memory = self._resizing("grow()")
         count = self._grow_pages(pages, nbytes)
         grown: Grown = await recorded_async(
-            self._observer, "grow", self._usable_bytes, self._plan.page_bytes, drive_async(elastic.grow(memory, count))
+            self._observer,
+            "grow",
+            self._usable_bytes,
+            self._plan.page_bytes,
+            self._drive_async(elastic.grow(memory, count)),
         )
         return grown
 
@@ -476,7 +482,7 @@ class PinnedPool:
         elastic, memory = self._resizing("grow_sync()")
         steps = elastic.grow(memory, self._grow_pages(pages, nbytes))
         grown: Grown = recorded(self._observer, "grow", self._usable_bytes, self._plan.page_bytes,
-                                functools.partial(drive_sync, steps))  # fmt: skip
+                                functools.partial(self._drive, steps))  # fmt: skip
         return grown
 
     async def shrink(self, *, pages: Sequence[range] | None = None, to_pages: int | None = None) -> Shrunk:
@@ -487,7 +493,7 @@ class PinnedPool:
         elastic, memory = self._resizing("shrink()")
         steps = elastic.shrink(memory, pages=pages, to_pages=to_pages)
         shrunk: Shrunk = await recorded_async(
-            self._observer, "shrink", self._usable_bytes, self._plan.page_bytes, drive_async(steps)
+            self._observer, "shrink", self._usable_bytes, self._plan.page_bytes, self._drive_async(steps)
         )
         return shrunk
 
@@ -502,7 +508,7 @@ class PinnedPool:
         elastic, memory = self._resizing("shrink_sync()")
         steps = elastic.shrink(memory, pages=pages, to_pages=to_pages)
         shrunk: Shrunk = recorded(self._observer, "shrink", self._usable_bytes, self._plan.page_bytes,
-                                  functools.partial(drive_sync, steps), started=decided_at)  # fmt: skip
+                                  functools.partial(self._drive, steps), started=decided_at)  # fmt: skip
         return shrunk
 
     def _growing(self) -> bool:
@@ -531,7 +537,7 @@ class PinnedPool:
     # -- the drivers: each only runs the lifecycle ----------------------------------------------
 
     async def __aenter__(self) -> PinnedPool:
-        await drive_async(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
+        await self._drive_async(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
         self._start_loop()
         return self
 
@@ -544,19 +550,19 @@ class PinnedPool:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if isinstance(exc, GeneratorExit):  # the coroutine is being closed and cannot await: leave synchronously
-            drive_sync(self._lifecycle.exit(exc))
+            self._drive(self._lifecycle.exit(exc))
             return
-        await drive_async(self._lifecycle.exit(exc))
+        await self._drive_async(self._lifecycle.exit(exc))
 
     def __enter__(self) -> PinnedPool:
-        drive_sync(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
+        self._drive(self._lifecycle.enter(), undo=functools.partial(self._lifecycle.exit, None))
         self._start_loop()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        drive_sync(self._lifecycle.exit(exc))
+        self._drive(self._lifecycle.exit(exc))
 
     def open(self) -> PinnedPool:
         """``__enter__`` for owners that hold a pool from a constructor to a destructor; pair it with
@@ -569,17 +575,19 @@ class PinnedPool:
         :class:`PinError` (``raise_errors=False`` returns it); interruptions are re-raised after the teardown.
         Inside a runtime, registrar or ``on_progress`` call on pinpool's own thread it starts the close on a thread
         of its own and returns None at once (the pool's driver waits for the thread it was called on)."""
-        if on_worker_thread():  # a runtime's, registrar's or on_progress's close(): a driver may wait for this thread
-            self._close_detached()
+        if id(self._lifecycle) in serving():  # in a runtime's, registrar's or on_progress's call: its driver waits
+            # What that close would raise is logged by the teardown (pool.unpin.failed, pool.failed).
+            close = functools.partial(self.close, raise_errors=False)
+            threading.Thread(target=close, name=f"pinpool-{self.name}-close", daemon=True).start()
             return None
-        return drive_sync(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
+        return self._drive(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 
-    def _close_detached(self) -> None:
-        """close() on a thread of its own: what it would raise is logged by the teardown (pool.unpin, pool.failed)."""
-        closer = threading.Thread(
-            target=functools.partial(self.close, raise_errors=False), name=f"pinpool-{self.name}-close", daemon=True
-        )  # fmt: skip
-        closer.start()
+    def _drive(self, steps: Steps[_T], undo: Callable[[], Steps[object]] | None = None) -> _T:
+        """Run the pool's steps here; its workers know whose driver waits for them (close() in their calls)."""
+        return drive_sync(steps, undo, owner=self._lifecycle)
+
+    def _drive_async(self, steps: Steps[_T], undo: Callable[[], Steps[object]] | None = None) -> Awaitable[_T]:
+        return drive_async(steps, undo, owner=self._lifecycle)
 
 
 # For help() and inspect: every keyword with its default; the docstring's Options: their help.

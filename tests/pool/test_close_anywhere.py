@@ -336,3 +336,23 @@ def test_close_inside_a_call_on_pinpools_own_thread_returns_at_once(where: str, 
         assert closed == [None], "the hook never closed the pool"
     assert_released(pool, fake)
     assert registrar.registered == {}
+
+
+def test_close_of_another_pool_inside_a_call_on_a_worker_runs_there() -> None:
+    """Only the pool whose driver waits for the worker is closed on a thread of its own: another pool's close()
+    in the same call runs right there and returns once that pool is closed (it returned at once, still closing)."""
+    other_fake = FakeRuntime()
+    other = pool_of(other_fake, name="other")
+    seen: list[object] = []
+
+    def close_other(op: str, *_: object) -> None:
+        if op == "register" and not seen:
+            seen.extend((other.close(), other.state, dict(other_fake.registered)))
+
+    other.open()
+    fake = FakeRuntime(before_call=close_other)
+    with pool_of(fake, chunk_bytes=4 * MiB, register_workers=1) as pool:
+        assert pool.state is PoolState.READY
+    assert seen == [None, PoolState.CLOSED, {}]
+    assert_released(other, other_fake)
+    assert_released(pool, fake)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 import pinpool
 from pinpool._errors import RegionInUseError
 from pinpool._host import libc as _libc
+from pinpool._pin import TEARDOWN_TRIES
 from pinpool._shared import ATTACHERS_AT, SharedMemory, ofd_lock
 from pinpool.testing import FakePressure, FakeRuntime, locked_bytes
 
@@ -30,6 +31,7 @@ from .. import preloaded
 from ..conftest import needs_mlock
 from ..host.cgroup_squeeze import ROOT
 from ..pool.test_elastic_loop import CALM, PRESSED, Events, give_up_tail, wait_until
+from ..pool.test_elastic_recovery import Raises
 from ..pool.test_open_close import in_forked_child
 
 MiB = 1 << 20
@@ -168,8 +170,8 @@ def digest(pool: pinpool.PinnedPool) -> str:
     return hashlib.sha256(pool.tensor[SEGMENT.start : SEGMENT.stop].numpy().tobytes()).hexdigest()
 
 
-def released_bytes(registry: CollectorRegistry) -> float:
-    return registry.get_sample_value("pinpool_released_bytes_total", {"pool": "attached", "runtime": "mlock"}) or 0.0
+def released_bytes(registry: CollectorRegistry, runtime: str = "mlock") -> float:
+    return registry.get_sample_value("pinpool_released_bytes_total", {"pool": "attached", "runtime": runtime}) or 0.0
 
 
 @needs_mlock
@@ -287,3 +289,30 @@ def test_the_policy_stops_shrinking_for_nothing_while_another_process_maps_the_r
         pressure.set(PRESSED)  # ... and the next one, the region alone, gives memory back
         events.wait("pool.shrink", outcome="shrunk", bytes=2 * MiB)
         assert blocks(path) < held
+
+
+def test_a_finished_segment_kept_in_the_region_counts_nothing_given_back(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shrink whose teardown raised leaves its segment releasing; the next shrink finishes it, but another
+    process maps the region, so its pages stay in the file: the shrink reports 0 bytes given back (it said -2 MiB
+    and the metric update failed), and the segment is counted once, when its pages do go back."""
+    path, registry, events = shm_dir / "kv", CollectorRegistry(), Events()
+    raises = Raises(monkeypatch, "begin_teardown")
+    with elastic(path, name="attached", registry=registry, logger=events.logger, runtime=FakeRuntime()) as pool:
+        pool.grow_sync(pages=2 * MiB)
+        raises.arm(TEARDOWN_TRIES)
+        with pytest.raises(pinpool.UnpinError):
+            pool.shrink_sync(to_pages=4 * MiB)
+        other = os.open(path, os.O_RDWR)  # another process's mapping, as far as the region can tell
+        try:
+            assert ofd_lock(other, ATTACHERS_AT, 1, fcntl.F_RDLCK)
+            shrunk = pool.shrink_sync(to_pages=pool.num_pages)
+        finally:
+            os.close(other)
+        assert (shrunk.released, shrunk.recovered, shrunk.unreturned) == ((), (SEGMENT,), (SEGMENT,))
+        assert events.named("pool.shrink", outcome="kept", bytes=0)
+        assert pool._observer.metric_errors == 0 and released_bytes(registry, "fake") == 0
+        pool.grow_sync(pages=2 * MiB)  # the region alone now: the segment's pages go back, counted once
+        pool.shrink_sync(to_pages=4 * MiB)
+        assert released_bytes(registry, "fake") == 2 * MiB
