@@ -9,7 +9,8 @@ another process shares its open file, so its locks, with every process holding i
 lock to a write lock without waiting: the kernel grants it only when no other open file holds a lock there,
 that is when no other mapping exists; a conversion refused keeps the read lock (verified by a test). The hole
 is punched under the write lock; a mapping made meanwhile waits at its read lock (a punch is bounded: about
-0.3 s per GiB) and then finds the hole. A forked child shares its parent's open file: it is no attacher."""
+0.3 s per GiB) and then finds the hole. A forked child is no attacher: it closes its copy of the descriptor
+at the fork (the lock lives with the parent's), and never gives pages back."""
 
 from __future__ import annotations
 
@@ -67,11 +68,16 @@ class Attachers:
         self._close.atexit = False
         self._punching = threading.Lock()  # the conversion is the open file's: one give-back of this mapping at once
         ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_RDLCK, wait=True)
+        _LIVE.add(self)
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
         """Whether no other open file holds the lock (no other process maps the region), held so for the block:
-        no mapping is made meanwhile. Back to the read lock after it."""
+        no mapping is made meanwhile. Back to the read lock after it. Never in a forked child: the region's
+        pages are its parent's (it let go of its copy of the lock at the fork)."""
+        if self.fd < 0:
+            yield False
+            return
         with self._punching:
             try:
                 yield ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_WRLCK)
@@ -80,6 +86,25 @@ class Attachers:
 
     def close(self) -> None:
         self._close()
+
+    def let_go_in_child(self) -> None:
+        """A forked child's copy of the descriptor: closed, so the lock lives with the parent's alone (an open
+        file's OFD lock lasts until its last descriptor goes: a child outliving its parent's mapping would keep
+        every later give-back of the region refused)."""
+        if self._close.detach() is not None:
+            _close(self.fd)
+        self.fd = -1
+
+
+_LIVE: weakref.WeakSet[Attachers] = weakref.WeakSet()
+
+
+def _let_go_in_child() -> None:
+    for attachers in list(_LIVE):
+        attachers.let_go_in_child()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def _close(fd: int) -> None:

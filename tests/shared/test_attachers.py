@@ -132,7 +132,32 @@ def test_a_forked_child_shares_its_parents_open_file_so_is_no_attacher(shm_dir: 
     finally:
         os.close(write)
         os.waitpid(child, 0)
-    assert in_forked_child(lambda: mapping.give_back(0, PAGE)) == "ok"  # nor does the child refuse itself
+    # The child let go of its copy of the lock at the fork, and gives back nothing: the pages are its parent's.
+    assert in_forked_child(lambda: mapping.give_back(0, PAGE)).startswith("RegionInUseError")
+
+
+def test_a_forked_child_outliving_its_parents_mapping_keeps_no_lock(shm_dir: Path) -> None:
+    """The child's copy of the lock's descriptor is closed at the fork: once the parent unmaps and maps the region
+    again (a new pool on it), its give-back goes through while the child still lives (it was refused for as long
+    as the child held the inherited open file)."""
+    first = SharedMemory(shm_dir / "kv", keep=True).open_mapping(2 * MiB, {"test": "attachers"})
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child: lives on until the parent is done
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        del first
+        gc.collect()  # the parent's first mapping is gone, with its open file of the lock
+        again = SharedMemory(shm_dir / "kv", create=False).open_mapping(2 * MiB, {"test": "attachers"})
+        again.view(0, 2 * MiB).fill_(1)
+        again.give_back(0, 2 * MiB)
+        assert blocks(shm_dir / "kv") == PAGE  # punched: only the trailer's page is left
+    finally:
+        os.close(write)
+        os.waitpid(child, 0)
 
 
 # The other process: attaches to the region with the same pool, grows the segment the test's pool grew, writes a
