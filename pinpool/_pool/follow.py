@@ -170,7 +170,7 @@ class PolicyLoop:
         self.last_grow_at: float | None = None
         self.last_shrink_at: float | None = None
         self._at_floor = False  # told about this episode of pressure at the floor already
-        self._futile = False  # a shrink this episode of pressure gave nothing back (another process maps the region)
+        self._futile_at: float | None = None  # a shrink this episode gave nothing back (another process maps it)
         self.decisions = 0  # readings decided (acted on or held): a test waits on it
 
     # -- from the server's thread -------------------------------------------------------------
@@ -298,12 +298,18 @@ class PolicyLoop:
             return
         if decision.action is Action.GROW:
             self._grow(pool, decision, now)
-        elif decision.action in (Action.SHRINK, Action.SHRINK_TO_FLOOR) and not self._futile:
+        elif decision.action in (Action.SHRINK, Action.SHRINK_TO_FLOOR) and not self._futile(now):
             self._shrink(pool, decision, now)
-        self._futile = self._futile and decision.pressure  # calm again: the next pressure may find the region alone
+        if not decision.pressure:  # calm again: the next pressure may find the region alone
+            self._futile_at = None
         if decision.at_floor and not self._at_floor:
             self.observer.at_floor(decision.reason)
         self._at_floor = decision.at_floor or (self._at_floor and decision.pressure)
+
+    def _futile(self, now: float) -> bool:
+        """Whether a shrink now would likely free nothing again: one did, within ``cooldown_seconds``, this episode
+        of pressure (after that, one more try: the other process may have let go of the region)."""
+        return self._futile_at is not None and now - self._futile_at < self.policy.cooldown_seconds
 
     def _grow(self, pool: ElasticPool, decision: Decision, now: float) -> None:
         self.observer.elastic_event("info", "elastic.decided", action=decision.action.value, bytes=decision.nbytes,
@@ -343,11 +349,11 @@ class PolicyLoop:
             return
         if (shrunk.released or shrunk.recovered) and not given_back_pages(shrunk):
             # Another process maps the shared region: unpinning gave no memory back, and more shrinks would only
-            # take the server's pages for nothing. None until the pressure ends.
-            self._futile = True
+            # take the server's pages for nothing. None within cooldown_seconds while the pressure lasts.
+            self._futile_at = now
             self.observer.elastic_event(
                 "warning", "elastic.shrink_futile", bytes=sum(len(r) for r in shrunk.released) * self.page_bytes,
-                reason="the pages stay in the shared region another process maps; no more shrinks until calm",
+                reason="the pages stay in the shared region another process maps; next shrink after cooldown_seconds",
             )  # fmt: skip
 
 

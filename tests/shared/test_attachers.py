@@ -288,11 +288,11 @@ def test_an_unmapped_region_is_no_attacher_and_a_mapping_refuses_while_another_l
 @needs_mlock
 def test_the_policy_stops_shrinking_for_nothing_while_another_process_maps_the_region(shm_dir: Path) -> None:
     """Under pressure with another process mapping the region, a shrink unpins the pages but frees nothing: the
-    loop says so once and takes no more of the server's pages until the pressure ends; the next episode, the
-    region alone, gives memory back again."""
+    loop says so once and takes no more of the server's pages within cooldown_seconds while the pressure lasts;
+    the next episode, the region alone, gives memory back again."""
     path, events, pressure = shm_dir / "kv", Events(), FakePressure()
     box: list[pinpool.PinnedPool] = []
-    policy = pinpool.ElasticPolicy(step=2 * MiB, cooldown_seconds=0.0, shrink_interval_seconds=0.0)
+    policy = pinpool.ElasticPolicy(step=2 * MiB, cooldown_seconds=3600.0, shrink_interval_seconds=0.0)
     with elastic(path, logger=events.logger, elastic=policy, pressure=pressure, on_give_up=give_up_tail(box)) as pool:
         box.append(pool)
         pool.grow_sync(nbytes=8 * MiB)
@@ -341,3 +341,24 @@ def test_a_finished_segment_kept_in_the_region_counts_nothing_given_back(
         pool.grow_sync(pages=2 * MiB)  # the region alone now: the segment's pages go back, counted once
         pool.shrink_sync(to_pages=4 * MiB)
         assert released_bytes(registry, "fake") == 2 * MiB
+
+
+@needs_mlock
+def test_after_cooldown_the_policy_tries_again_and_frees_memory_once_the_region_is_alone(shm_dir: Path) -> None:
+    """A futile shrink holds the loop back for cooldown_seconds only (0 here): pressed on, once the other process
+    let go of the region, the next shrink gives memory back within the same episode."""
+    path, events, pressure = shm_dir / "kv", Events(), FakePressure()
+    box: list[pinpool.PinnedPool] = []
+    policy = pinpool.ElasticPolicy(step=2 * MiB, cooldown_seconds=0.0, shrink_interval_seconds=0.0)
+    with elastic(path, logger=events.logger, elastic=policy, pressure=pressure, on_give_up=give_up_tail(box)) as pool:
+        box.append(pool)
+        pool.grow_sync(nbytes=8 * MiB)
+        with locker(path) as other:
+            assert locked(other)
+            pressure.set(PRESSED)
+            events.wait("elastic.shrink_futile")
+            let_go(other)
+        held = blocks(path)
+        pressure.set(PRESSED)  # the same episode
+        events.wait("pool.shrink", outcome="shrunk", bytes=2 * MiB)
+        assert blocks(path) < held
