@@ -22,7 +22,7 @@ from .._errors import PoolStateError
 from .gates import DRIVING
 from .outcome import Detach, Ran, RunThreads, Step, Steps
 from .sigint import _Guard, guard, protected, replay, safe
-from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads, serving
+from .threads import POLL_SECONDS, PROGRESS_INTERVAL_SECONDS, Threads, serving, serving_also
 
 ASYNC_POLL_SECONDS = 0.02  # the longest sleep between two looks at the threads while an async driver waits
 TRIES = 5  # a retry loop's tries; an exception that recurs every time (no stack left) is then raised
@@ -443,5 +443,5 @@ os.register_at_fork(after_in_child=_forget_in_child)
 @protected
 def finalize_lifecycle(lifecycle: object) -> None:
     """A pool's finalizer: ``finalize`` inline; a Ctrl-C meanwhile is dropped (a finalizer's raise is ignored)."""
-    with guard(drop=True):
+    with guard(drop=True), serving_also(lifecycle):
         drive_inline(lifecycle.finalize())  # type: ignore[attr-defined]

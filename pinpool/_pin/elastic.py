@@ -355,9 +355,9 @@ class Elastic:
             return unpin_error(self.name, failures, leaked), interrupts
         returned: list[bool] = []
         if memory is not None:  # on a thread: a GiB takes ~0.2 s, not the event loop's to spend
-            ran = yield RunThreads(
-                bodies=(functools.partial(self._give_back, memory, index, returned),), name=f"pinpool-{self.name}-give"
-            )  # fmt: skip
+            shrinking = self.book.states[index] is SegmentState.RELEASING  # not a grow's rollback: counted released
+            give = functools.partial(self._give_back, memory, index, returned, counted=shrinking)
+            ran = yield RunThreads(bodies=(give,), name=f"pinpool-{self.name}-give")
             interrupts += ran.interrupts
         pacing = None
         with self._lock:
@@ -380,7 +380,7 @@ class Elastic:
         that took its segment over both finish it, and the book takes it once."""
         return not self.book.closed and self.book.states[index] in (SegmentState.GROWING, SegmentState.RELEASING)
 
-    def _give_back(self, memory: Memory, index: int, returned: list[bool]) -> None:
+    def _give_back(self, memory: Memory, index: int, returned: list[bool], *, counted: bool) -> None:
         """The segment's pages back to the host (they are unpinned); ``returned`` gets True once done. Never once
         the pool's teardown began: the mapping goes next, and its addresses may be another mapping's then."""
         give_back: Callable[[int, int], None] | None = getattr(memory, "give_back", None)
@@ -398,7 +398,8 @@ class Elastic:
             self.observer.failed_in_background(exc)
         else:
             returned.append(True)
-            self.observer.gave_back(sum(hi - lo for lo, hi in self._whole_pages(index)))
+            if counted:  # a shrink's: pinpool_released_bytes_total
+                self.observer.gave_back(sum(hi - lo for lo, hi in self._whole_pages(index)))
         finally:
             with self._gives:
                 self._giving -= 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 POLL_SECONDS = 0.05
 _ON_WORKER = threading.local()  # .serving: the pools (ids) whose drivers wait for this thread, when it is a worker
@@ -20,6 +20,18 @@ def serving() -> frozenset[int]:
     registrar's or progress callback's caller), directly or through a conductor; empty off pinpool's workers."""
     pools: frozenset[int] = getattr(_ON_WORKER, "serving", frozenset())
     return pools
+
+
+@contextlib.contextmanager
+def serving_also(owner: object) -> Iterator[None]:
+    """This thread serves ``owner``'s pool for the block: a driver running its steps inline (the finalizer), whose
+    runtime's call a close() of that pool must not wait for."""
+    before = serving()
+    _ON_WORKER.serving = before | {id(owner)}
+    try:
+        yield
+    finally:
+        _ON_WORKER.serving = before
 
 
 class Threads:

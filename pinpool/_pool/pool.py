@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -576,9 +577,11 @@ class PinnedPool:
         Inside a runtime, registrar or ``on_progress`` call on pinpool's own thread it starts the close on a thread
         of its own and returns None at once (the pool's driver waits for the thread it was called on)."""
         if id(self._lifecycle) in serving():  # in a runtime's, registrar's or on_progress's call: its driver waits
-            # What that close would raise is logged by the teardown (pool.unpin.failed, pool.failed).
+            # Its errors are logged (pool.unpin.failed, pool.failed); no thread (exit): the driver ends the pool.
+            self._lifecycle.gate.close_requested = True
             close = functools.partial(self.close, raise_errors=False)
-            threading.Thread(target=close, name=f"pinpool-{self.name}-close", daemon=True).start()
+            with contextlib.suppress(RuntimeError):
+                threading.Thread(target=close, name=f"pinpool-{self.name}-close", daemon=True).start()
             return None
         return self._drive(self._lifecycle.exit(None, closing=True, raise_errors=raise_errors))
 

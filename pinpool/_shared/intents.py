@@ -32,7 +32,7 @@ from .format import (
     read_trailer,
     write_field,
 )
-from .ofd import ofd_lock, reopen
+from .ofd import let_go_at_fork, ofd_lock, reopen
 
 _SLOT = struct.Struct("<QII")  # first page, page count, CRC-32 of the first 12 bytes
 _EMPTY = bytes(INTENT_SLOT_BYTES)
@@ -74,7 +74,8 @@ class Intents:
         # An open file of its own: a descriptor handed on (fd=, a memfd passed to another process) shares
         # its open file, so its OFD locks, with every process holding it; each Intents' locks are its own.
         fd = reopen(fd, where, "write intents")
-        weakref.finalize(self, os.close, fd)
+        self._close = weakref.finalize(self, os.close, fd)
+        let_go_at_fork(self)
         pages = trailer.record.get("num_pages")
         self.num_pages = pages if isinstance(pages, int) and not isinstance(pages, bool) and pages > 0 else None
         self._fd, self._file_bytes, self._where, self._page_size = fd, file_bytes, where, page_size
@@ -82,6 +83,18 @@ class Intents:
         self._pid = os.getpid()
         self._mine: set[int] = set()  # slots this process holds: its threads share one lock owner
         self._lock = threading.Lock()
+
+    def let_go_in_child(self) -> None:
+        """A forked child reads through an open file of its own: the inherited one shares the parent's slot locks,
+        and would keep a dead parent's marks looking live for as long as the child lives. It writes nothing."""
+        self._close.detach()
+        inherited, self._fd = self._fd, -1
+        with contextlib.suppress(OSError):
+            self._fd = os.open(f"/proc/self/fd/{inherited}", os.O_RDWR | os.O_CLOEXEC)
+            self._close = weakref.finalize(self, os.close, self._fd)
+        with contextlib.suppress(OSError):
+            os.close(inherited)
+        self._mine, self._lock = set(), threading.Lock()  # the parent's slots, and a lock a thread held at the fork
 
     def _read(self, slot: int) -> bytes:
         at = INTENTS_AT + slot * INTENT_SLOT_BYTES

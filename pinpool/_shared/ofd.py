@@ -22,6 +22,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Iterator
+from typing import Protocol
 
 from .._errors import ConfigError
 
@@ -67,8 +68,8 @@ class Attachers:
         self._close = weakref.finalize(self, _close, self.fd)
         self._close.atexit = False
         self._punching = threading.Lock()  # the conversion is the open file's: one give-back of this mapping at once
+        let_go_at_fork(self)  # before the lock: a fork while it waits for a punch elsewhere must not keep it
         ofd_lock(self.fd, ATTACHERS_AT, 1, fcntl.F_RDLCK, wait=True)
-        _LIVE.add(self)
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
@@ -96,12 +97,22 @@ class Attachers:
         self.fd = -1
 
 
-_LIVE: weakref.WeakSet[Attachers] = weakref.WeakSet()
+class _LetsGoInChild(Protocol):
+    def let_go_in_child(self) -> None: ...
+
+
+_LIVE: weakref.WeakSet[_LetsGoInChild] = weakref.WeakSet()
+
+
+def let_go_at_fork(holder: _LetsGoInChild) -> None:
+    """``holder.let_go_in_child()`` runs in every process forked from this one while it lives: an open file of
+    its own holding OFD locks must not be shared with a child (the locks would live as long as the child)."""
+    _LIVE.add(holder)
 
 
 def _let_go_in_child() -> None:
-    for attachers in list(_LIVE):
-        attachers.let_go_in_child()
+    for holder in list(_LIVE):
+        holder.let_go_in_child()
 
 
 os.register_at_fork(after_in_child=_let_go_in_child)

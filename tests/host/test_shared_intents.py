@@ -237,3 +237,39 @@ def test_writers_sharing_one_open_file_by_descriptor_are_told_apart() -> None:
             assert sum(slots[i : i + 16] != bytes(16) for i in range(0, 1024, 16)) == 2
     assert first.suspect_pages() == () == second.suspect_pages()
     del other, mapping
+
+
+def test_a_dead_writers_forked_child_does_not_hide_its_marks(shm_dir: Path) -> None:
+    """A writer forks a worker inside writing() and is SIGKILLed: the worker let go of its copy of the writer's
+    open file at the fork, so the slot's lock died with the writer and its pages are suspect at once (they read
+    as a live writer's for as long as the worker lived)."""
+    path = shm_dir / "kv"
+    kept_region(path)
+    shared = SharedMemory(path, create=False)
+    hold_read, hold_write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    writer = os.fork()
+    if writer == 0:  # pragma: no cover - the writer
+        try:
+            mine = SharedMemory(path, create=False)
+            mapping = mine.open_mapping(PAGES * PAGE, record())
+            with mine.writing(10, 4):
+                ctypes.memset(mapping.address + 10 * PAGE, 2, PAGE)
+                if os.fork() == 0:  # a worker forked mid-write: it outlives the writer
+                    os.close(hold_write)
+                    os.read(hold_read, 1)
+                    os._exit(0)
+                os.write(ready_write, b"+")
+                threading.Event().wait()
+        finally:
+            os._exit(1)
+    os.close(hold_read)
+    try:
+        assert os.read(ready_read, 1) == b"+"
+        os.kill(writer, signal.SIGKILL)
+        assert os.waitpid(writer, 0)[1] == signal.SIGKILL
+        assert shared.suspect_pages() == (range(10, 14),)  # while the writer's worker still lives
+    finally:
+        os.close(hold_write)  # the worker exits
+        os.close(ready_read)
+        os.close(ready_write)

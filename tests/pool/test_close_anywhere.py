@@ -356,3 +356,30 @@ def test_close_of_another_pool_inside_a_call_on_a_worker_runs_there() -> None:
     assert seen == [None, PoolState.CLOSED, {}]
     assert_released(other, other_fake)
     assert_released(pool, fake)
+
+
+# The finalizer at interpreter exit unpins a pool its runtime's hook keeps alive; the hook closes the pool from
+# inside the finalizer's unregister call (on the finalizer's own thread, the main one at exit).
+CLOSE_IN_FINALIZER = """
+import sys, warnings
+import pinpool
+from pinpool.testing import FakeRuntime
+warnings.simplefilter("ignore")
+box = []
+def hook(op, *_):
+    if op == "unregister" and len(box) == 1:
+        box.append(box[0].close(raise_errors=False))
+        print("close returned", box[1], flush=True)
+fake = FakeRuntime(before_call=hook)
+box.append(pinpool.PinnedPool(size=4 << 20, chunk_bytes=1 << 20, runtime=fake, registry=None, name="fin"))
+box[0].open()
+print("left open", flush=True)
+"""
+
+
+def test_close_inside_the_finalizers_runtime_call_returns() -> None:
+    """The finalizer drove the teardown inline and its runtime's hook called close(), which waited for the
+    finalizer to let go of the pool: for ever. It returns None at once now, and the finalizer ends the pool."""
+    child = preloaded.run([sys.executable, "-c", CLOSE_IN_FINALIZER], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == ["left open", "close returned None"]

@@ -16,6 +16,7 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 import pytest
+from prometheus_client import CollectorRegistry
 
 import pinpool
 from pinpool._host import HostMapping
@@ -30,8 +31,10 @@ MiB = 1 << 20
 
 def elastic(runtime: object, **options: object) -> pinpool.PinnedPool:
     """4 MiB floor, 12 MiB reserved, segments of 2 MiB in 1 MiB chunks (Raw: a page is a byte)."""
-    given: dict[str, object] = {"size": 4 * MiB, "reserve": 12 * MiB, "grow_step": 2 * MiB, "chunk_bytes": MiB}
-    return pinpool.PinnedPool(runtime=runtime, registry=None, **{**given, **options})  # type: ignore[arg-type]
+    given: dict[str, object] = {
+        "size": 4 * MiB, "reserve": 12 * MiB, "grow_step": 2 * MiB, "chunk_bytes": MiB, "registry": None,
+    }  # fmt: skip
+    return pinpool.PinnedPool(runtime=runtime, **{**given, **options})  # type: ignore[arg-type]
 
 
 def test_grow_use_shrink_with_mlock() -> None:
@@ -115,6 +118,24 @@ def test_a_failing_segment_rolls_back_alone() -> None:
         assert pool.pinned_runs == (range(0, 6 * MiB),)
         assert pool.grow_sync(pages=2 * MiB).pages == (range(6 * MiB, 8 * MiB),)  # and it can grow again
     assert_released(pool, fake)
+
+
+def test_a_grows_rollback_gives_pages_back_but_counts_nothing_released() -> None:
+    # pinpool_released_bytes_total counts shrinks' give-backs: a failed grow's rolled-back pages went back to the
+    # host as well, but they were never pinned usable, so grown minus released stays what is pinned.
+    registry, fake = CollectorRegistry(), FakeRuntime()
+
+    def sample(name: str) -> float:
+        return registry.get_sample_value(name, {"pool": "default", "runtime": "fake"}) or 0.0
+
+    with elastic(fake, registry=registry) as pool:
+        fake.fail_next(1, "populate")
+        with pytest.raises(pinpool.PinError):
+            pool.grow_sync(pages=2 * MiB)
+        assert (sample("pinpool_grown_bytes_total"), sample("pinpool_released_bytes_total")) == (0, 0)
+        pool.grow_sync(pages=2 * MiB)
+        pool.shrink_sync(to_pages=4 * MiB)
+        assert (sample("pinpool_grown_bytes_total"), sample("pinpool_released_bytes_total")) == (2 * MiB, 2 * MiB)
 
 
 def test_a_failed_grow_whose_rollback_leaks_says_so() -> None:
