@@ -174,18 +174,23 @@ def memory_cgroup(limit: int | None = None) -> Iterator[MemoryCgroup]:
 
 
 def _remove(group: MemoryCgroup) -> None:
-    """Move out what is left (a dying process may linger a moment), then rmdir; loud when it stays."""
+    remove_cgroup(group.path, group.home)
+
+
+def remove_cgroup(path: Path, home: Path) -> None:
+    """A cgroup a test made, v1 or v2: what is left in it moved to ``home`` (a dying process may linger a
+    moment), then removed; loud when it stays."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
-        for pid in group.pids():
+        for pid in (path / "cgroup.procs").read_text().split():
             with contextlib.suppress(ProcessLookupError, OSError):  # it may exit meanwhile
-                _write(group.home / "cgroup.procs", str(pid))
+                _write(home / "cgroup.procs", pid)
         try:
-            group.path.rmdir()
+            path.rmdir()
             return
         except OSError as error:
             if time.monotonic() > deadline:
-                raise AssertionError(f"the test's cgroup {group.path} could not be removed: {error}") from error
+                raise AssertionError(f"the test's cgroup {path} could not be removed: {error}") from error
             time.sleep(0.01)
 
 

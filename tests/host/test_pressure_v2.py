@@ -15,12 +15,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from .cgroup_squeeze import remove_cgroup
 from .test_pressure_watch import v1_cgroup
 
 MiB = 1 << 20
@@ -106,18 +106,7 @@ def v2_cgroup() -> Iterator[Path]:
             pytest.skip(f"{group} has no memory.pressure (a kernel without PSI, or psi=0)")
         yield group
     finally:
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            for pid in (group / "cgroup.procs").read_text().split():
-                with contextlib.suppress(ProcessLookupError, OSError):  # it may exit meanwhile
-                    (parent / "cgroup.procs").write_text(pid)
-            try:
-                group.rmdir()
-                break
-            except OSError:  # a task that just exited may be in it for a moment
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        remove_cgroup(group, parent)
 
 
 def test_a_squeeze_wakes_the_trigger_on_the_processs_own_v2_cgroup(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ from pinpool._host import (
     psi_file,
 )
 
+from .cgroup_squeeze import remove_cgroup
+
 MiB = 1 << 20
 LIMIT = 128 * MiB
 DEADLINE = 60.0  # seconds: generous, the events come within a few seconds
@@ -55,18 +57,7 @@ def v1_cgroup(limit: int) -> Iterator[Path]:
             pytest.skip(f"cannot limit {group}: {error}")
         yield group
     finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            with contextlib.suppress(ProcessLookupError, OSError):  # it may exit meanwhile
-                (parent / "cgroup.procs").write_text(pid)
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            try:
-                group.rmdir()
-                break
-            except OSError:  # a task that just exited may still be charged for a moment
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        remove_cgroup(group, parent)
 
 
 @contextlib.contextmanager
