@@ -6,6 +6,7 @@ import json
 import shutil
 import sys
 import textwrap
+from collections.abc import Container
 
 import anyio
 import pytest
@@ -24,16 +25,16 @@ pytestmark = [pytest.mark.anyio, needs_mlock]
 
 
 class FailingMlock(MlockRuntime):
-    """Real mlock, with one register call turned into a failure after it really locked."""
+    """Real mlock, with the register calls numbered in ``fail_on`` (1-based, settable) failing (ENOMEM)."""
 
-    def __init__(self, fail_on: int) -> None:
+    def __init__(self, fail_on: Container[int] = ()) -> None:
         super().__init__()
         self.fail_on = fail_on
         self.calls = 0
 
     def _maybe_fail(self, ptr: int, nbytes: int) -> None:
         self.calls += 1
-        if self.calls == self.fail_on:
+        if self.calls in self.fail_on:
             raise pinpool.RuntimeCallError(
                 op="mlock", code=12, reason="ENOMEM", message="injected", ptr=ptr, nbytes=nbytes
             )
@@ -77,7 +78,7 @@ def test_unaligned_granularity_locks_exactly_the_pool(granularity: int, vmlck_ba
 
 @each_driver
 async def test_failure_rolls_back_real_locks(mode: str, vmlck_baseline: int) -> None:
-    runtime = FailingMlock(fail_on=4)
+    runtime = FailingMlock(fail_on={4})
     pool = pinpool.PinnedPool(size=64 * MiB, chunk_bytes=8 * MiB, runtime=runtime, register_workers=1)
     with pytest.raises(pinpool.PinError) as info:
         if mode == "async":

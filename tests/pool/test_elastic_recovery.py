@@ -19,10 +19,10 @@ from prometheus_client import CollectorRegistry
 import pinpool
 from pinpool._pin import TEARDOWN_TRIES, PinSession
 from pinpool._ranges import PINNED_RANGES
-from pinpool.runtimes import MlockRuntime
 from pinpool.testing import FakePressure, FakeRuntime, assert_released, locked_bytes
 
 from ..conftest import each_driver, needs_mlock
+from ..engine.test_runtime_mlock import FailingMlock
 from .test_elastic_loop import PRESSED, Events, elastic_pool, sample
 
 MiB = 1 << 20
@@ -167,30 +167,6 @@ async def test_the_exit_takes_stalled_segments_over(mode: str, raises: Raises) -
     assert_released(pool, fake)
 
 
-class FailingMlock(MlockRuntime):
-    """Real mlock; while ``fail_after`` is set, the register calls after that many fail (ENOMEM)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fail_after: int | None = None
-
-    def _maybe_fail(self, ptr: int, nbytes: int) -> None:
-        if self.fail_after is not None:
-            if self.fail_after <= 0:
-                raise pinpool.RuntimeCallError(
-                    op="mlock", code=12, reason="ENOMEM", message="injected", ptr=ptr, nbytes=nbytes
-                )
-            self.fail_after -= 1
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self._maybe_fail(ptr, nbytes)
-        super().register(ptr, nbytes)
-
-    def lock_on_fault(self, ptr: int, nbytes: int) -> None:
-        self._maybe_fail(ptr, nbytes)
-        super().lock_on_fault(ptr, nbytes)
-
-
 @needs_mlock
 def test_a_resumed_rollback_with_mlock_leaves_vmlck_exactly_floor_and_grown(monkeypatch: pytest.MonkeyPatch) -> None:
     before, claims = locked_bytes(), PINNED_RANGES.snapshot()
@@ -198,11 +174,11 @@ def test_a_resumed_rollback_with_mlock_leaves_vmlck_exactly_floor_and_grown(monk
     raises = Raises(monkeypatch, "begin_teardown")  # the rollback unlocks nothing: the resumed one must
     pool = elastic(runtime, max_retries=0, register_workers=1)
     with pool:
-        runtime.fail_after = 1  # the segment's first chunk locks, its second fails
+        runtime.fail_on = range(runtime.calls + 2, 1 << 62)  # the segment's first chunk locks, the rest fail
         raises.arm(TEARDOWN_TRIES)
         with pytest.raises(pinpool.PinError, match="segment 1"):
             pool.grow_sync(pages=SEGMENT)
-        runtime.fail_after = None
+        runtime.fail_on = ()
         assert pool.pinned_runs == (range(0, FLOOR),) and sum(runtime.registered.values()) == FLOOR + MiB
         assert locked_bytes() - before == FLOOR + MiB  # the half-pinned segment's first chunk is still locked
         grown = pool.grow_sync(pages=2 * SEGMENT)
