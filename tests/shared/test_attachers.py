@@ -30,7 +30,7 @@ from pinpool.testing import FakePressure, FakeRuntime, locked_bytes
 from .. import preloaded
 from ..conftest import needs_mlock
 from ..host.cgroup_squeeze import ROOT
-from ..pool.test_elastic_loop import CALM, PRESSED, Events, give_up_tail, wait_until
+from ..pool.test_elastic_loop import CALM, PRESSED, Events, elastic_pool, wait_until
 from ..pool.test_elastic_recovery import Raises
 from ..pool.test_open_close import in_forked_child
 
@@ -291,10 +291,8 @@ def test_the_policy_stops_shrinking_for_nothing_while_another_process_maps_the_r
     loop says so once and takes no more of the server's pages within cooldown_seconds while the pressure lasts;
     the next episode, the region alone, gives memory back again."""
     path, events, pressure = shm_dir / "kv", Events(), FakePressure()
-    box: list[pinpool.PinnedPool] = []
-    policy = pinpool.ElasticPolicy(step=2 * MiB, cooldown_seconds=3600.0, shrink_interval_seconds=0.0)
-    with elastic(path, logger=events.logger, elastic=policy, pressure=pressure, on_give_up=give_up_tail(box)) as pool:
-        box.append(pool)
+    pool, _box = elastic_pool(events, pressure, options={"memory": SharedMemory(path)}, cooldown_seconds=3600.0)
+    with pool:
         pool.grow_sync(nbytes=8 * MiB)
         with locker(path) as other:
             assert locked(other)  # another open file maps the region now (as another pool's mapping does)
@@ -348,10 +346,8 @@ def test_after_cooldown_the_policy_tries_again_and_frees_memory_once_the_region_
     """A futile shrink holds the loop back for cooldown_seconds only (0 here): pressed on, once the other process
     let go of the region, the next shrink gives memory back within the same episode."""
     path, events, pressure = shm_dir / "kv", Events(), FakePressure()
-    box: list[pinpool.PinnedPool] = []
-    policy = pinpool.ElasticPolicy(step=2 * MiB, cooldown_seconds=0.0, shrink_interval_seconds=0.0)
-    with elastic(path, logger=events.logger, elastic=policy, pressure=pressure, on_give_up=give_up_tail(box)) as pool:
-        box.append(pool)
+    pool, _box = elastic_pool(events, pressure, options={"memory": SharedMemory(path)}, cooldown_seconds=0.0)
+    with pool:
         pool.grow_sync(nbytes=8 * MiB)
         with locker(path) as other:
             assert locked(other)
