@@ -35,10 +35,13 @@ class Moment:
 
 
 class Trap(FakeRuntime):
-    """A FakeRuntime that fires once, at the chosen call of the armed action."""
+    """A FakeRuntime that fires once, at the chosen call of the armed action (through its call hooks)."""
 
     def __init__(self, moment: Moment, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+        super().__init__(
+            before_call=lambda op, _ptr, _nbytes: self.at(op, "before"),
+            after_call=lambda op, _ptr, _nbytes: self.at(op, "after"), **kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
         self.moment, self.fire = moment, lambda: None
         self.armed, self.fired = False, threading.Event()
         self._counts: dict[str, int] = {}
@@ -54,27 +57,6 @@ class Trap(FakeRuntime):
         if hit and not self.fired.is_set():
             self.fired.set()
             self.fire()
-
-    def populate(self, ptr: int, nbytes: int) -> None:
-        self.at("populate", "before")
-        try:
-            super().populate(ptr, nbytes)
-        finally:
-            self.at("populate", "after")
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self.at("register", "before")
-        try:
-            super().register(ptr, nbytes)
-        finally:
-            self.at("register", "after")
-
-    def unregister(self, ptr: int) -> None:
-        self.at("unregister", "before")
-        try:
-            super().unregister(ptr)
-        finally:
-            self.at("unregister", "after")
 
 
 moments = st.builds(
