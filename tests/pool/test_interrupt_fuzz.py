@@ -41,10 +41,13 @@ class Moment:
 
 
 class Trap(FakeRuntime):
-    """FakeRuntime that fires ``fire()`` once, before or after the chosen call."""
+    """FakeRuntime that fires ``fire()`` once, before or after the chosen call (through its call hooks)."""
 
     def __init__(self, moment: Moment, fire: Callable[[], None], **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+        super().__init__(
+            before_call=lambda op, _ptr, _nbytes: self._at(op, "before"),
+            after_call=lambda op, _ptr, _nbytes: self._at(op, "after"), **kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
         self.moment = moment
         self._fire = fire
         self.fired = threading.Event()
@@ -61,27 +64,6 @@ class Trap(FakeRuntime):
         if hit and not self.fired.is_set():
             self.fired.set()
             self._fire()
-
-    def populate(self, ptr: int, nbytes: int) -> None:
-        self._at("populate", "before")
-        try:
-            super().populate(ptr, nbytes)
-        finally:
-            self._at("populate", "after")
-
-    def register(self, ptr: int, nbytes: int) -> None:
-        self._at("register", "before")
-        try:
-            super().register(ptr, nbytes)
-        finally:
-            self._at("register", "after")
-
-    def unregister(self, ptr: int) -> None:
-        self._at("unregister", "before")
-        try:
-            super().unregister(ptr)
-        finally:
-            self._at("unregister", "after")
 
 
 moments = st.builds(
