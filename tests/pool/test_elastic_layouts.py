@@ -14,17 +14,16 @@ import pinpool
 from pinpool import layouts
 from pinpool._plan import PoolOptions, plan_pool, reservation_grids
 from pinpool._ranges import PINNED_RANGES
-from pinpool._types import Capabilities
 from pinpool.registrars import TransferPiece
 from pinpool.testing import FakeRegistrar, assert_released, host_facts, locked_bytes
 
 from ..conftest import needs_mlock
+from ..core.test_reservation import MLOCK_LIKE
 from ..layout_zoo import LAYOUTS, layout_id
 
 pytestmark = needs_mlock
 
 KiB = 1 << 10
-MLOCK_LIKE = Capabilities(locks_on_fault=True, finds_pinned=True)
 
 
 def pieces(pool: pinpool.PinnedPool, registrar: FakeRegistrar, run: range) -> tuple[TransferPiece, ...]:
